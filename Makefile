@@ -1,0 +1,29 @@
+# Everything runs inside .venv, created on first use. torch is pinned here (not in
+# pyproject) so that `make` never pulls a multi-gigabyte CUDA build by accident.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH ?= torch==2.13.0
+
+.PHONY: demo test bench setup clean
+
+$(BIN)/stoker: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[test,plot]"
+	@touch $@
+
+setup: $(BIN)/stoker
+
+demo: setup
+	$(BIN)/stoker demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/stoker bench
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -1,0 +1,51 @@
+"""stoker keeps the GPU fed: pack images once into Arrow shards, then decode, augment and
+batch them on threads straight into pinned memory.
+
+The public surface is listed in ``__all__``; names are imported on first use so that
+``import stoker`` (and CLI commands such as ``stoker info``) stay fast and do not load torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# name -> module that defines it
+_EXPORTS = {
+    "CenterCrop": "transforms",
+    "Dataset": "reader",
+    "Loader": "loader",
+    "PackOptions": "pack",
+    "PackSummary": "pack",
+    "RandomHorizontalFlip": "transforms",
+    "RandomResizedCrop": "transforms",
+    "Resize": "transforms",
+    "Sample": "reader",
+    "StokerError": "errors",
+    "errors": None,
+    "open_dataset": "reader",
+    "open_loose": "reader",
+    "pack": "pack",
+    "verify": "audit",
+    "describe": "audit",
+}
+
+__all__ = sorted(["__version__", *_EXPORTS])
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'stoker' has no attribute {name!r}")
+    module_name = _EXPORTS[name]
+    if module_name is None:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        value = getattr(importlib.import_module(f".{module_name}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

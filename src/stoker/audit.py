@@ -1,0 +1,185 @@
+"""What is in a packed dataset (``stoker info``) and whether it is intact (``stoker verify``)."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import codecs
+from .errors import DatasetError, ImageError
+from .reader import PackedDataset, _open_shard, open_dataset
+from .shards import MANIFEST_NAME, SHARD_NAME_RE, file_sha256, read_manifest
+
+
+def _stats(values: np.ndarray) -> dict[str, float]:
+    if values.size == 0:
+        return {"min": 0, "mean": 0, "median": 0, "max": 0}
+    v = values.astype(np.float64)
+    return {"min": float(v.min()), "mean": float(v.mean()), "median": float(np.median(v)), "max": float(v.max())}
+
+
+@dataclass
+class DatasetInfo:
+    """Summary of a packed dataset: counts, classes, sizes, resolutions, encodings."""
+
+    path: str
+    samples: int
+    shards: int
+    total_bytes: int
+    label_type: str
+    classes: list[str] | None
+    class_counts: dict[str, int]
+    encodings: dict[str, int]
+    height: dict[str, float]
+    width: dict[str, float]
+    sample_bytes: dict[str, float]
+    extra_columns: dict[str, str]
+    pack_options: dict[str, Any]
+
+    def format(self) -> str:
+        """Human-readable text for the terminal."""
+        def px(d: dict[str, float]) -> str:
+            return f"min {d['min']:.0f}, mean {d['mean']:.0f}, median {d['median']:.0f}, max {d['max']:.0f}"
+
+        lines = [
+            f"dataset     {self.path}",
+            f"samples     {self.samples:,} in {self.shards} shard(s), {self.total_bytes / 2**20:,.1f} MiB",
+            f"labels      {self.label_type}" + (f", {len(self.classes)} classes" if self.classes else ""),
+            f"encodings   " + ", ".join(f"{k} {v:,}" for k, v in sorted(self.encodings.items())),
+            f"height px   {px(self.height)}",
+            f"width px    {px(self.width)}",
+            f"sample size {px({k: v / 1024 for k, v in self.sample_bytes.items()})} KiB",
+        ]
+        if self.class_counts:
+            counts = sorted(self.class_counts.items(), key=lambda kv: (-kv[1], kv[0]))
+            shown = ", ".join(f"{k} {v:,}" for k, v in counts[:10])
+            more = f" (+{len(counts) - 10} more)" if len(counts) > 10 else ""
+            lines.append(f"per class   {shown}{more}")
+        if self.extra_columns:
+            lines.append("extras      " + ", ".join(f"{k}: {t}" for k, t in self.extra_columns.items()))
+        if self.pack_options:
+            opts = {k: v for k, v in self.pack_options.items() if k != "source"}
+            lines.append("packed with " + ", ".join(f"{k}={v}" for k, v in opts.items()))
+            if "source" in self.pack_options:
+                lines.append(f"source      {self.pack_options['source']}")
+        return "\n".join(lines)
+
+
+def describe(path: str | Path) -> DatasetInfo:
+    """Counts, classes, resolution and size statistics of a packed dataset (reads only metadata
+    columns, never decodes an image)."""
+    with open_dataset(path) as ds:
+        m = ds.manifest
+        labels = ds.labels
+        class_counts: dict[str, int] = {}
+        if m.classes and labels.dtype.kind == "i":
+            counts = np.bincount(labels[labels >= 0], minlength=len(m.classes))
+            class_counts = {m.classes[i]: int(c) for i, c in enumerate(counts)}
+        return DatasetInfo(
+            path=str(path), samples=len(ds), shards=len(m.shards), total_bytes=sum(s.bytes for s in m.shards),
+            label_type=m.label_type, classes=m.classes, class_counts=class_counts,
+            encodings=dict(Counter(ds.encodings.tolist())), height=_stats(ds.heights), width=_stats(ds.widths),
+            sample_bytes=_stats(ds.sizes), extra_columns=dict(m.extra_columns), pack_options=dict(m.pack_options))
+
+
+@dataclass
+class Problem:
+    """One thing wrong with a dataset: where, what, and expected vs found when that applies."""
+
+    where: str  # shard file, manifest, or "shard-00001.arrow row 17 (key)"
+    what: str
+    expected: str = ""
+    found: str = ""
+
+    def __str__(self) -> str:
+        detail = f" (expected {self.expected}, found {self.found})" if self.expected or self.found else ""
+        return f"{self.where}: {self.what}{detail}"
+
+
+@dataclass
+class VerifyReport:
+    """Result of :func:`verify`. ``ok`` is False when any problem was found."""
+
+    path: str
+    shards_checked: int = 0
+    samples_decoded: int = 0
+    problems: list[Problem] = field(default_factory=list)
+    unlisted: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def format(self) -> str:
+        lines = [str(p) for p in self.problems]
+        lines += [f"{name}: shard file not listed in {MANIFEST_NAME} (ignored)" for name in self.unlisted]
+        decoded = f", {self.samples_decoded:,} samples decoded" if self.samples_decoded else ""
+        verdict = "OK" if self.ok else f"FAILED: {len(self.problems)} problem(s)"
+        lines.append(f"{self.path}: {self.shards_checked} shard(s) checked{decoded}: {verdict}")
+        return "\n".join(lines)
+
+
+def _check_shards(root: Path, report: VerifyReport) -> bool:
+    """Checksums and structure of every listed shard; True when all are sound."""
+    try:
+        manifest = read_manifest(root)
+    except DatasetError as exc:
+        report.problems.append(Problem(str(root / MANIFEST_NAME), str(exc)))
+        return False
+    listed = {s.file for s in manifest.shards}
+    report.unlisted = sorted(n for n in os.listdir(root) if SHARD_NAME_RE.fullmatch(n) and n not in listed)
+    for info in manifest.shards:
+        path = root / info.file
+        report.shards_checked += 1
+        if not path.exists():
+            report.problems.append(Problem(info.file, "missing"))
+            continue
+        size = path.stat().st_size
+        if size != info.bytes:
+            report.problems.append(Problem(info.file, "size differs" + (" (truncated)" if size < info.bytes else ""),
+                                           f"{info.bytes} bytes", f"{size} bytes"))
+            continue
+        found = file_sha256(path)
+        if found != info.sha256:
+            report.problems.append(Problem(info.file, "checksum mismatch", f"sha256 {info.sha256}", f"sha256 {found}"))
+            continue
+        try:
+            _, mm = _open_shard(path, info.rows, info.bytes, manifest, False, info.sha256)
+            mm.close()
+        except DatasetError as exc:
+            report.problems.append(Problem(info.file, str(exc).split(": ", 1)[-1]))
+    return not report.problems
+
+
+def _decode_all(ds: PackedDataset, report: VerifyReport, workers: int) -> None:
+    def check(i: int) -> Problem | None:
+        s = ds.sample(i)
+        try:
+            codecs.decode_rgb(s.data, s.encoding, s.key, height=s.height, width=s.width)
+        except ImageError as exc:
+            return Problem(f"{s.shard} row {s.row} ({s.key})", f"does not decode: {exc.reason}")
+        return None
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stoker-verify") as pool:
+        for problem in pool.map(check, range(len(ds)), chunksize=64):
+            report.samples_decoded += 1
+            if problem is not None:
+                report.problems.append(problem)
+
+
+def verify(path: str | Path, *, decode: bool = False, workers: int | None = None) -> VerifyReport:
+    """Check a packed dataset: manifest valid, every shard present with the manifest's size,
+    SHA-256 and row count, and readable as Arrow; with ``decode`` also decode every sample.
+    Reports every problem found (not just the first)."""
+    root = Path(path)
+    report = VerifyReport(str(root))
+    if _check_shards(root, report) and decode:
+        with open_dataset(root) as ds:
+            _decode_all(ds, report, workers or len(os.sched_getaffinity(0)))
+    return report

@@ -1,0 +1,154 @@
+"""``stoker`` command line: thin wrappers over the library (pack, info, verify, bench, demo)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+from . import __version__
+from .errors import StokerError
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'256MiB', '64M', '1g', '1048576' -> bytes (binary multiples)."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 256MiB, 64M, 1G, 1048576)")
+    scale = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _cmd_pack(args: argparse.Namespace) -> int:
+    from .pack import PackOptions, pack
+
+    options = PackOptions(max_side=args.max_side, encoding=args.encoding, jpeg_quality=args.jpeg_quality,
+                          raw_below=args.raw_below, shard_size=args.shard_size, workers=args.workers,
+                          on_error=args.on_error, max_pixels=args.max_pixels)
+    source_options = {"kind": args.kind, "label_column": args.label_column, "path_column": args.path_column}
+    summary = pack(args.src, args.out, options=options, resume=args.resume,
+                   progress=not args.no_progress, **source_options)
+    print(summary.format() if hasattr(summary, "format") else summary)
+    return 0
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from .audit import describe
+
+    info = describe(args.dataset)
+    print(json.dumps(info.__dict__, indent=1) if args.json else info.format())
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from .audit import verify
+
+    report = verify(args.dataset, decode=args.decode, workers=args.workers)
+    print(report.format())
+    return 0 if report.ok else 1
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import format_table, run_bench
+
+    result = run_bench(args.data, images=args.images, batch_size=args.batch_size, workers=args.workers,
+                       rounds=args.rounds, out_dir=args.out,
+                       **({"pipelines": tuple(args.pipelines.split(","))} if args.pipelines else {}))
+    print(json.dumps(result.to_json(), indent=1) if args.json else format_table(result))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    run_demo(args.out, images=args.images)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stoker", description="Keep the GPU fed: pack images into shards, "
+                                     "load them fast.")
+    parser.add_argument("--version", action="version", version=f"stoker {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("pack", help="pack images (ImageFolder, file list, CSV, tar) into Arrow shards")
+    p.add_argument("src", help="ImageFolder directory, 'path label' .txt list, .csv, .tar or folder of .tar")
+    p.add_argument("out", type=Path, help="output dataset directory")
+    p.add_argument("--kind", default="auto", choices=["auto", "folder", "list", "csv", "tar", "files"],
+                   help="how to read SRC (default: guess from what it is)")
+    p.add_argument("--max-side", type=_positive, default=None, metavar="PX",
+                   help="resize so the longer side is at most PX pixels (never upscales)")
+    p.add_argument("--encoding", default="keep", choices=["keep", "jpeg", "raw"],
+                   help="keep: store plain JPEGs byte-for-byte, re-encode the rest as JPEG (default)")
+    p.add_argument("--jpeg-quality", type=_positive, default=90, metavar="Q", help="quality of re-encoded JPEGs")
+    p.add_argument("--raw-below", type=int, default=64 * 64, metavar="PIXELS",
+                   help="store images with at most this many pixels as raw RGB (0 disables)")
+    p.add_argument("--shard-size", type=parse_size, default=256 * 2**20, metavar="SIZE",
+                   help="target shard size, e.g. 256MiB (default)")
+    p.add_argument("--workers", type=_positive, default=None, help="worker processes (default: usable CPUs)")
+    p.add_argument("--on-error", default="skip", choices=["skip", "fail"],
+                   help="skip: log bad files to OUT/skipped.jsonl (default); fail: stop at the first")
+    p.add_argument("--max-pixels", type=_positive, default=None, metavar="N",
+                   help="refuse images with more pixels than N (decompression bombs)")
+    p.add_argument("--resume", action="store_true", help="finish an interrupted pack into OUT")
+    p.add_argument("--label-column", default="label", help="CSV column holding labels")
+    p.add_argument("--path-column", default="path", help="CSV column holding image paths")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_pack)
+
+    p = sub.add_parser("info", help="counts, classes, resolutions and sizes of a packed dataset")
+    p.add_argument("dataset", type=Path)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_cmd_info)
+
+    p = sub.add_parser("verify", help="check shard checksums against the manifest (exit 1 on any problem)")
+    p.add_argument("dataset", type=Path)
+    p.add_argument("--decode", action="store_true", help="also decode every sample")
+    p.add_argument("--workers", type=_positive, default=None, help="decode threads (default: usable CPUs)")
+    p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser("bench", help="stoker vs a DataLoader+PIL baseline vs the decode ceiling, same images")
+    p.add_argument("--data", type=Path, default=None, help="image folder to use (default: generate ImageNet-like)")
+    p.add_argument("--images", type=_positive, default=2000, help="images to generate (default 2000)")
+    p.add_argument("--batch-size", type=_positive, default=256)
+    p.add_argument("--workers", type=_positive, default=None, help="CPU cores each pipeline may use")
+    p.add_argument("--rounds", type=_positive, default=3, help="timed rounds after one warm-up (median)")
+    p.add_argument("--pipelines", default=None, help="comma-separated subset, e.g. baseline,stoker-train")
+    p.add_argument("--out", type=Path, default=Path("bench-results"), help="where to write JSON/markdown/PNG")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser("demo", help="the main job on built-in data: generate, pack, load, compare")
+    p.add_argument("--out", type=Path, default=Path("stoker-demo"), help="working directory (default ./stoker-demo)")
+    p.add_argument("--images", type=_positive, default=2000, help="images to generate (default 2000)")
+    p.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except StokerError as exc:
+        print(f"stoker {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"stoker {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

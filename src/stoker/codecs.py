@@ -1,0 +1,266 @@
+"""Probe, decode and encode images.
+
+Two paths, one result (upright RGB uint8 ``[H, W, 3]``):
+
+- the fast path: JPEG through libjpeg-turbo (simplejpeg), which releases the GIL and can
+  downscale in the DCT domain by n/8, so a crop that will be shrunk is never decoded at
+  full size;
+- the fallback: Pillow for everything else (PNG, GIF, TIFF, WebP, BMP, CMYK JPEG, EXIF-rotated
+  files, 16-bit, palette), turned upright with the EXIF orientation and converted to RGB.
+
+Every failure becomes an ``ImageError`` subclass naming the sample and the reason.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+from typing import Union
+
+import numpy as np
+import simplejpeg
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from .errors import (
+    CorruptImageError,
+    DecompressionBombError,
+    ImageError,
+    UnsupportedImageError,
+)
+
+Buffer = Union[bytes, bytearray, memoryview, np.ndarray]
+
+#: Default decompression-bomb limit in pixels (twice Pillow's warning threshold, the point
+#: where Pillow itself refuses). Checked from the header, before any pixel is decoded.
+MAX_PIXELS: int = 2 * 89_478_485
+
+#: Encodings a stored sample may have. "raw" is H*W*3 RGB bytes.
+ENCODINGS = ("jpeg", "png", "webp", "raw", "image")
+
+_EXIF_ORIENTATION = 0x0112
+_JPEG_SOI = b"\xff\xd8\xff"
+
+
+@dataclass(frozen=True)
+class ImageInfo:
+    """What the header of an image says, without decoding pixels."""
+
+    format: str  # lower-case Pillow format name: "jpeg", "png", "gif", "tiff", ...
+    height: int  # pixels, as stored (before EXIF rotation)
+    width: int
+    mode: str  # Pillow mode: "RGB", "L", "CMYK", "P", "I;16", ...
+    orientation: int  # EXIF orientation 1..8; 1 when absent or unreadable
+    n_frames: int
+
+    @property
+    def upright_shape(self) -> tuple[int, int]:
+        """(height, width) after the EXIF rotation is applied."""
+        if self.orientation in (5, 6, 7, 8):
+            return self.width, self.height
+        return self.height, self.width
+
+
+def _as_bytes_io(data: Buffer) -> io.BytesIO:
+    return io.BytesIO(data if isinstance(data, (bytes, bytearray)) else memoryview(data).cast("B"))
+
+
+def _nbytes(data: Buffer) -> int:
+    return data.nbytes if isinstance(data, (memoryview, np.ndarray)) else len(data)
+
+
+def _check_pixels(key: str, width: int, height: int, max_pixels: int) -> None:
+    if width <= 0 or height <= 0:
+        raise CorruptImageError(key, f"header gives an empty size {width}x{height}")
+    if width * height > max_pixels:
+        raise DecompressionBombError(
+            key,
+            f"{width}x{height} = {width * height:,} pixels exceeds the limit of {max_pixels:,} "
+            "(raise max_pixels if the image is genuine)",
+        )
+
+
+def _open(data: Buffer, key: str, max_pixels: int) -> Image.Image:
+    if _nbytes(data) == 0:
+        raise CorruptImageError(key, "file is empty (0 bytes)")
+    try:
+        img = Image.open(_as_bytes_io(data))
+    except Image.DecompressionBombError as exc:
+        raise DecompressionBombError(key, f"refused before decoding: {exc}") from None
+    except UnidentifiedImageError:
+        raise CorruptImageError(key, "not an image Pillow can identify") from None
+    except Exception as exc:  # fuzzed headers make Pillow raise almost anything
+        raise CorruptImageError(key, f"unreadable header: {type(exc).__name__}: {exc}") from None
+    _check_pixels(key, img.width, img.height, max_pixels)
+    return img
+
+
+def _orientation(img: Image.Image) -> int:
+    if img.format == "TIFF":
+        return 1  # Pillow's TIFF loader applies the orientation itself while decoding
+    try:
+        value = img.getexif().get(_EXIF_ORIENTATION, 1)
+    except Exception:  # broken EXIF is common and never fatal: treat as upright
+        return 1
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
+def probe(data: Buffer, key: str, *, max_pixels: int = MAX_PIXELS) -> ImageInfo:
+    """Read the header: format, stored size, mode, EXIF orientation, frame count.
+
+    Raises CorruptImageError, UnsupportedImageError or DecompressionBombError.
+    """
+    img = _open(data, key, max_pixels)
+    fmt = (img.format or "unknown").lower()
+    return ImageInfo(
+        format=fmt,
+        height=img.height,
+        width=img.width,
+        mode=img.mode,
+        orientation=_orientation(img),
+        n_frames=_n_frames(img),
+    )
+
+
+def _n_frames(img: Image.Image) -> int:
+    try:
+        return int(getattr(img, "n_frames", 1))
+    except Exception:  # counting frames walks the file; a broken frame chain counts as one
+        return 1
+
+
+def is_plain_jpeg(info: ImageInfo) -> bool:
+    """True for a JPEG the fast path decodes as is: RGB or grayscale, no EXIF rotation."""
+    return info.format == "jpeg" and info.mode in ("RGB", "L") and info.orientation == 1
+
+
+def _to_rgb(img: Image.Image, key: str) -> np.ndarray:
+    mode = img.mode
+    if mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
+        # 16-bit data scaled to 8 bits (Pillow's convert would clip at 255, turning most
+        # 16-bit images white). 32-bit "I" holding 8-bit values is kept as is.
+        arr = np.asarray(img, dtype=np.int64)
+        if mode != "I" or arr.max(initial=0) > 255:
+            arr = (arr.clip(0, 65535) + 128) // 257
+        gray = arr.clip(0, 255).astype(np.uint8)
+        return np.ascontiguousarray(np.repeat(gray[:, :, None], 3, axis=2))
+    if mode == "F":
+        arr = np.asarray(img, dtype=np.float64)
+        if np.nanmax(arr, initial=0.0) <= 1.0:
+            arr = arr * 255.0
+        gray = np.nan_to_num(arr).round().clip(0, 255).astype(np.uint8)
+        return np.ascontiguousarray(np.repeat(gray[:, :, None], 3, axis=2))
+    try:
+        rgb = img if mode == "RGB" else img.convert("RGB")
+    except (ValueError, OSError) as exc:
+        raise UnsupportedImageError(key, f"cannot convert mode {mode} to RGB: {exc}") from None
+    return np.array(rgb, dtype=np.uint8)
+
+
+def decode_pillow_rgb(data: Buffer, key: str, *, max_pixels: int = MAX_PIXELS) -> np.ndarray:
+    """Decode any image Pillow reads into upright RGB ``uint8 [H, W, 3]``.
+
+    First frame of animations; EXIF orientation applied; palette, CMYK, grayscale, 1-bit,
+    16-bit and alpha modes converted (alpha is dropped, as ``Image.convert("RGB")`` does).
+    """
+    img = _open(data, key, max_pixels)
+    try:
+        img.seek(0)
+        img.load()
+    except Image.DecompressionBombError as exc:
+        raise DecompressionBombError(key, f"refused while decoding: {exc}") from None
+    except Exception as exc:  # fuzzed files make Pillow raise almost anything (TypeError too)
+        raise CorruptImageError(key, f"decode failed: {type(exc).__name__}: {exc}") from None
+    try:
+        upright = ImageOps.exif_transpose(img) or img
+    except Exception:  # a broken EXIF block must not lose an otherwise good image
+        upright = img
+    try:
+        return _to_rgb(upright, key)
+    except ImageError:
+        raise
+    except Exception as exc:
+        raise CorruptImageError(key, f"decode failed: {type(exc).__name__}: {exc}") from None
+
+
+def jpeg_scale_eighths(height: int, width: int, min_height: int, min_width: int,
+                       *, powers_of_two: bool = True) -> int:
+    """The DCT scaling numerator n (image decoded at n/8 size) for the smallest decoded size
+    that is still at least ``min_height`` x ``min_width``. With ``powers_of_two`` only 1/8,
+    1/4, 1/2 and 1 are used: libjpeg-turbo has fast SIMD inverse DCTs for those."""
+    if min_height <= 0 and min_width <= 0:
+        return 8  # no minimum asked for: full size
+    candidates = (1, 2, 4, 8) if powers_of_two else tuple(range(1, 9))
+    for n in candidates:
+        if math.ceil(height * n / 8) >= min_height and math.ceil(width * n / 8) >= min_width:
+            return n
+    return 8
+
+
+def jpeg_scaled_shape(height: int, width: int, min_height: int, min_width: int,
+                      *, powers_of_two: bool = True) -> tuple[int, int]:
+    """(h, w) that :func:`decode_rgb` returns for a JPEG of that size and those minimums."""
+    n = jpeg_scale_eighths(height, width, min_height, min_width, powers_of_two=powers_of_two)
+    return math.ceil(height * n / 8), math.ceil(width * n / 8)
+
+
+def _decode_jpeg(data: Buffer, key: str, height: int, width: int, min_height: int,
+                 min_width: int, out: np.ndarray | None, powers_of_two: bool) -> np.ndarray:
+    if _nbytes(data) == 0:
+        raise CorruptImageError(key, "sample is empty (0 bytes)")
+    try:
+        if (min_height > 0 or min_width > 0) and not (height and width):
+            height, width = simplejpeg.decode_jpeg_header(data)[:2]
+        req_h = req_w = 0
+        if height and width and (min_height > 0 or min_width > 0):
+            req_h, req_w = jpeg_scaled_shape(height, width, min_height, min_width,
+                                             powers_of_two=powers_of_two)
+        return simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=req_h,
+                                      min_width=req_w, buffer=out)
+    except ValueError as exc:
+        message = str(exc)
+    # CMYK/YCCK and other colour spaces TurboJPEG will not turn into RGB: Pillow handles them.
+    # Truncated or corrupt data fails there too, with Pillow's reason.
+    if "buffer" in message and "small" in message:
+        raise CorruptImageError(key, f"header size disagrees with the stored size {height}x{width}: {message}")
+    try:
+        return decode_pillow_rgb(data, key)
+    except CorruptImageError as exc:
+        raise CorruptImageError(key, f"JPEG decode failed: {message}; Pillow: {exc.reason}") from None
+
+
+def decode_rgb(data: Buffer, encoding: str, key: str, *, height: int = 0, width: int = 0,
+               min_height: int = 0, min_width: int = 0, out: np.ndarray | None = None,
+               powers_of_two: bool = True) -> np.ndarray:
+    """Decode one stored sample into upright RGB ``uint8 [h, w, 3]``.
+
+    - ``"jpeg"``: libjpeg-turbo; with ``min_height``/``min_width`` the image is downscaled in
+      the DCT domain to the smallest n/8 size that still meets them (height/width, when known,
+      spare a header parse). The pixels go into ``out`` when given (a C-contiguous uint8 buffer
+      of at least h*w*3 bytes), so a worker can decode without allocating.
+    - ``"raw"``: a zero-copy view of the bytes as ``[height, width, 3]``.
+    - anything else: :func:`decode_pillow_rgb` (full size).
+    """
+    if encoding == "jpeg":
+        return _decode_jpeg(data, key, height, width, min_height, min_width, out, powers_of_two)
+    if encoding == "raw":
+        flat = np.frombuffer(data, dtype=np.uint8)
+        if height <= 0 or width <= 0 or flat.size != height * width * 3:
+            raise CorruptImageError(
+                key, f"raw sample holds {flat.size} bytes, expected {height}x{width}x3 = {height * width * 3}")
+        return flat.reshape(height, width, 3)
+    return decode_pillow_rgb(data, key)
+
+
+def sniff_jpeg(data: Buffer) -> bool:
+    """True when the bytes start with a JPEG marker (cheap: three bytes)."""
+    head = bytes(memoryview(data).cast("B")[:3]) if not isinstance(data, (bytes, bytearray)) else bytes(data[:3])
+    return head == _JPEG_SOI
+
+
+def encode_jpeg(rgb: np.ndarray, quality: int = 90) -> bytes:
+    """Encode RGB ``uint8 [H, W, 3]`` as a baseline 4:2:0 JPEG (libjpeg-turbo)."""
+    if not 1 <= quality <= 100:
+        raise ValueError(f"JPEG quality must be within 1..100, got {quality}")
+    return simplejpeg.encode_jpeg(np.ascontiguousarray(rgb), quality=quality, colorspace="RGB",
+                                  colorsubsampling="420")

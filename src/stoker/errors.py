@@ -1,0 +1,99 @@
+"""One exception tree for stoker. Every error says what was expected, what was found,
+and which file, shard, row or sample it concerns.
+
+    StokerError
+    ├── ConfigError (ValueError)          a bad argument or option combination
+    ├── SourceError (ValueError)          input that cannot be listed: missing path, bad list line
+    ├── ImageError (ValueError)           one image that cannot be used
+    │   ├── CorruptImageError             truncated, not an image, decoder failure
+    │   ├── UnsupportedImageError         a format or mode stoker cannot turn into RGB
+    │   └── DecompressionBombError        too many pixels, refused before decoding
+    ├── DatasetError (OSError)            a packed dataset on disk is wrong
+    │   ├── ManifestError                 stoker.json missing, not JSON, or inconsistent
+    │   ├── ShardError                    a shard missing, truncated, not Arrow, or bad checksum
+    │   └── IncompletePackError           a pack that has not finished (no manifest yet)
+    ├── SampleError (RuntimeError)        loading one sample failed inside the Loader
+    └── LoaderTimeoutError (TimeoutError) a wait for data exceeded its timeout
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class StokerError(Exception):
+    """Base of every error stoker raises on purpose."""
+
+
+class ConfigError(StokerError, ValueError):
+    """An argument or option that stoker cannot use; the message names the fix."""
+
+
+class SourceError(StokerError, ValueError):
+    """Input that cannot be listed: a missing path, an empty folder, a malformed list line."""
+
+    def __init__(self, message: str, *, path: str | Path | None = None, line: int | None = None) -> None:
+        super().__init__(message)
+        self.path = None if path is None else str(path)
+        self.line = line
+
+
+class ImageError(StokerError, ValueError):
+    """One image that cannot be used. `key` names the file or sample, `reason` says why."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"{key}: {reason}")
+        self.key = key
+        self.reason = reason
+
+
+class CorruptImageError(ImageError):
+    """Truncated, damaged, empty, or not an image at all."""
+
+
+class UnsupportedImageError(ImageError):
+    """A readable image in a format or mode stoker cannot turn into RGB."""
+
+
+class DecompressionBombError(ImageError):
+    """An image whose header claims more pixels than the configured limit."""
+
+
+class DatasetError(StokerError, OSError):
+    """A packed dataset on disk is wrong. `path` names the dataset, shard or manifest."""
+
+    def __init__(self, message: str, *, path: str | Path | None = None) -> None:
+        super().__init__(message)
+        self.path = None if path is None else str(path)
+
+    def __str__(self) -> str:  # OSError would otherwise format args as a tuple
+        return str(self.args[0]) if self.args else ""
+
+
+class ManifestError(DatasetError):
+    """stoker.json is missing, not valid JSON, or does not match the shards."""
+
+
+class ShardError(DatasetError):
+    """A shard is missing, truncated, not Arrow, or does not match its checksum."""
+
+
+class IncompletePackError(DatasetError):
+    """The directory holds a pack that has not finished; `stoker pack --resume` completes it."""
+
+
+class SampleError(StokerError, RuntimeError):
+    """Loading one sample failed inside the Loader. Carries key, shard and row; the
+    original exception (with its traceback from the worker thread) is `__cause__`."""
+
+    def __init__(self, message: str, *, key: str | None = None, shard: str | None = None,
+                 row: int | None = None, index: int | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+        self.shard = shard
+        self.row = row
+        self.index = index
+
+
+class LoaderTimeoutError(StokerError, TimeoutError):
+    """A wait for data took longer than the Loader's timeout; the message says where."""

@@ -1,0 +1,367 @@
+"""Read packed datasets (memory-mapped Arrow shards) and loose image files through one interface.
+
+``open_dataset(path)`` maps every shard and hands out each sample's bytes as a zero-copy
+view of the mapping, with its encoding, height, width and label, in O(1) (a bisect over the
+shards' first rows). ``open_loose(src)`` serves an ImageFolder tree or a file list the same way,
+reading each file when asked, so unpacked data goes through the same decode path.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple, Union
+
+import numpy as np
+import pyarrow as pa
+
+from . import codecs
+from .errors import ImageError, ShardError, SourceError
+from .shards import BASE_COLUMNS, Manifest, file_sha256, read_manifest
+
+Bytes = Union[memoryview, np.ndarray, bytes]
+
+
+class Sample(NamedTuple):
+    """One sample as stored. ``data`` is a zero-copy view for packed datasets."""
+
+    index: int
+    key: str
+    data: Bytes
+    encoding: str
+    height: int  # pixels of what is stored (upright for loose files)
+    width: int
+    label: Any
+    shard: str  # shard file name, or the source path for loose files
+    row: int  # row inside the shard, or the index in the source listing
+
+
+def _numeric_view(arr: pa.Array, dtype: type) -> np.ndarray:
+    """A zero-copy numpy view of a primitive Arrow array without nulls."""
+    return arr.to_numpy(zero_copy_only=True).astype(dtype, copy=False)
+
+
+def _binary_views(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, data) numpy views over a (large_)binary or string array's buffers."""
+    bufs = arr.buffers()
+    off_type = np.int64 if pa.types.is_large_binary(arr.type) or pa.types.is_large_string(arr.type) else np.int32
+    offsets = np.frombuffer(bufs[1], dtype=off_type)[arr.offset: arr.offset + len(arr) + 1]
+    data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.empty(0, np.uint8)
+    return offsets, data
+
+
+@dataclass
+class _Block:
+    """One Arrow record batch of one shard, with zero-copy views of its hot columns."""
+
+    shard: str
+    first_row: int  # row of this batch inside its shard
+    batch: pa.RecordBatch
+    key_offsets: np.ndarray
+    key_data: np.ndarray
+    img_offsets: np.ndarray
+    img_data: np.ndarray
+    enc_codes: np.ndarray
+    enc_names: list[str]
+    heights: np.ndarray
+    widths: np.ndarray
+
+
+class Dataset:
+    """Common interface of packed and loose datasets (see :func:`open_dataset`, :func:`open_loose`)."""
+
+    classes: list[str] | None
+    extra_columns: list[str]
+    path: Path
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def sample(self, i: int) -> Sample:
+        raise NotImplementedError
+
+    @property
+    def labels(self) -> np.ndarray:
+        raise NotImplementedError
+
+    @property
+    def heights(self) -> np.ndarray | None:
+        return None
+
+    @property
+    def widths(self) -> np.ndarray | None:
+        return None
+
+    def extra(self, i: int, name: str) -> Any:
+        raise NotImplementedError
+
+    def location(self, i: int) -> tuple[str, int]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release mapped files; further access is an error."""
+
+    def __enter__(self) -> "Dataset":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_index(self, i: int) -> int:
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"sample index {i} out of range for a dataset of {n} samples")
+        return i
+
+
+class PackedDataset(Dataset):
+    """A packed dataset: memory-mapped shards described by ``stoker.json``."""
+
+    def __init__(self, path: Path, manifest: Manifest, blocks: list[_Block], maps: list[pa.MemoryMappedFile]):
+        self.path = path
+        self.manifest = manifest
+        self.classes = manifest.classes
+        self.extra_columns = list(manifest.extra_columns)
+        self._blocks = blocks
+        self._starts = [0]
+        for b in blocks:
+            self._starts.append(self._starts[-1] + b.batch.num_rows)
+        self._n = self._starts.pop()
+        self._maps = maps
+        self._cache: dict[str, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __repr__(self) -> str:
+        return f"<stoker dataset {self.path}: {self._n} samples in {len(self.manifest.shards)} shards>"
+
+    def _locate(self, i: int) -> tuple[_Block, int]:
+        k = bisect.bisect_right(self._starts, i) - 1 if len(self._blocks) > 1 else 0
+        return self._blocks[k], i - self._starts[k]
+
+    def sample(self, i: int) -> Sample:
+        """Sample ``i``: bytes as a zero-copy view of the mapped shard, plus its metadata."""
+        i = self._check_index(i)
+        b, r = self._locate(i)
+        img = b.img_data[b.img_offsets[r]: b.img_offsets[r + 1]]
+        key = b.key_data[b.key_offsets[r]: b.key_offsets[r + 1]].tobytes().decode("utf-8")
+        return Sample(i, key, img, b.enc_names[b.enc_codes[r]], int(b.heights[r]), int(b.widths[r]),
+                      self._label(i), b.shard, b.first_row + r)
+
+    def _column(self, name: str) -> np.ndarray:
+        """A column over all samples as numpy: a zero-copy view for a single batch of a
+        primitive type, else concatenated once and cached."""
+        with self._lock:
+            if name not in self._cache:
+                parts = [b.batch.column(name) for b in self._blocks]
+                arr = pa.chunked_array(parts, type=self._blocks[0].batch.schema.field(name).type) if parts else None
+                if arr is None:
+                    out = np.empty(0, np.int64)
+                elif pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type) or pa.types.is_boolean(arr.type):
+                    out = arr.to_numpy() if arr.null_count or len(parts) != 1 or pa.types.is_boolean(arr.type) \
+                        else parts[0].to_numpy(zero_copy_only=True)
+                else:
+                    out = np.array(arr.to_pylist() + [None], dtype=object)[:-1]
+                out.flags.writeable = False
+                self._cache[name] = out
+            return self._cache[name]
+
+    @property
+    def labels(self) -> np.ndarray:
+        """Labels of all samples: int64 (-1 when unlabelled) or float64 as numpy (zero-copy for a
+        single-shard dataset), or an object array for string/list labels."""
+        return self._column("label")
+
+    def _label(self, i: int) -> Any:
+        value = self.labels[i]
+        return value.item() if isinstance(value, np.generic) else value
+
+    @property
+    def heights(self) -> np.ndarray:
+        """Stored height of every sample in pixels (int32)."""
+        return self._column("height")
+
+    @property
+    def widths(self) -> np.ndarray:
+        """Stored width of every sample in pixels (int32)."""
+        return self._column("width")
+
+    @property
+    def encodings(self) -> np.ndarray:
+        """Encoding name of every sample (object array of str)."""
+        return self._column("encoding")
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """Stored size of every sample in bytes (int64)."""
+        return np.concatenate([np.diff(b.img_offsets) for b in self._blocks]) if self._blocks else np.empty(0, np.int64)
+
+    def extra(self, i: int, name: str) -> Any:
+        """Value of extra column ``name`` for sample ``i`` (Python object)."""
+        if name not in self.extra_columns:
+            raise KeyError(f"{self.path}: no extra column {name!r}; this dataset has {self.extra_columns}")
+        b, r = self._locate(self._check_index(i))
+        return b.batch.column(name)[r].as_py()
+
+    def location(self, i: int) -> tuple[str, int]:
+        b, r = self._locate(self._check_index(i))
+        return b.shard, b.first_row + r
+
+    def close(self) -> None:
+        self._blocks = []
+        self._cache.clear()
+        for m in self._maps:
+            m.close()
+        self._maps = []
+
+
+def _open_shard(path: Path, expected_rows: int, expected_bytes: int, manifest: Manifest,
+                verify: bool, expected_sha: str) -> tuple[list[_Block], pa.MemoryMappedFile]:
+    name = path.name
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise ShardError(f"{path}: shard listed in the manifest is missing; restore it or re-pack", path=path) from None
+    if size != expected_bytes:
+        raise ShardError(f"{path}: size is {size} bytes, the manifest expects {expected_bytes} "
+                         f"({'truncated' if size < expected_bytes else 'grown'}); restore the shard or re-pack",
+                         path=path)
+    if verify:
+        found = file_sha256(path)
+        if found != expected_sha:
+            raise ShardError(f"{path}: checksum mismatch: expected sha256 {expected_sha}, found {found}; "
+                             "the file is damaged — restore it or re-pack", path=path)
+    mm = pa.memory_map(str(path), "r")
+    try:
+        reader = pa.ipc.open_file(mm)
+        schema = reader.schema
+        missing = [c for c in BASE_COLUMNS if c not in schema.names]
+        missing += [c for c in manifest.extra_columns if c not in schema.names]
+        if missing:
+            raise ShardError(f"{path}: missing column(s) {missing}; expected a stoker shard", path=path)
+        blocks, row = [], 0
+        for k in range(reader.num_record_batches):
+            batch = reader.get_batch(k)
+            key_off, key_data = _binary_views(batch.column("key"))
+            img_off, img_data = _binary_views(batch.column("image"))
+            enc = batch.column("encoding")
+            if not pa.types.is_dictionary(enc.type):
+                enc = enc.dictionary_encode()
+            blocks.append(_Block(
+                name, row, batch, key_off, key_data, img_off, img_data,
+                _numeric_view(enc.indices, np.int64) if enc.null_count == 0 else enc.indices.to_numpy(),
+                [str(v) for v in enc.dictionary.to_pylist()],
+                _numeric_view(batch.column("height"), np.int32), _numeric_view(batch.column("width"), np.int32)))
+            row += batch.num_rows
+    except ShardError:
+        mm.close()
+        raise
+    except (pa.ArrowInvalid, pa.ArrowException, ValueError, OSError) as exc:
+        mm.close()
+        raise ShardError(f"{path}: not a readable Arrow IPC file ({exc}); restore the shard or re-pack",
+                         path=path) from None
+    if row != expected_rows:
+        mm.close()
+        raise ShardError(f"{path}: holds {row} rows, the manifest expects {expected_rows}; restore the "
+                         "shard or re-pack", path=path)
+    return [b for b in blocks if b.batch.num_rows], mm
+
+
+def open_dataset(path: str | Path, *, verify: bool = False) -> PackedDataset:
+    """Open a packed dataset directory. Cheap: reads the manifest and each shard's footer.
+
+    Checks at open time that every shard exists, has the manifest's size and row count and is
+    Arrow; ``verify=True`` also checks every shard's SHA-256 (reads all bytes).
+    """
+    path = Path(path)
+    manifest = read_manifest(path)
+    blocks: list[_Block] = []
+    maps: list[pa.MemoryMappedFile] = []
+    try:
+        for info in manifest.shards:
+            shard_blocks, mm = _open_shard(path / info.file, info.rows, info.bytes, manifest, verify, info.sha256)
+            blocks.extend(shard_blocks)
+            maps.append(mm)
+    except BaseException:
+        for m in maps:
+            m.close()
+        raise
+    return PackedDataset(path, manifest, blocks, maps)
+
+
+class LooseDataset(Dataset):
+    """Images read file by file from a source listing (ImageFolder tree, file list, CSV, tar)."""
+
+    def __init__(self, source: Any, max_pixels: int = codecs.MAX_PIXELS) -> None:
+        self.source = source
+        self.path = Path(source.root)
+        self.classes = source.classes
+        self.extra_columns = list(source.extra_columns)
+        self._items = source.items
+        self._max_pixels = max_pixels
+        self._labels: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self) -> str:
+        return f"<stoker loose dataset {self.source.description}: {len(self)} files>"
+
+    @property
+    def labels(self) -> np.ndarray:
+        if self._labels is None:
+            values = [it.label for it in self._items]
+            kind = self.source.label_type
+            if kind == "none":
+                arr = np.full(len(values), -1, np.int64)
+            elif kind in ("int64", "float64"):
+                arr = np.asarray(values, dtype=kind)
+            else:
+                arr = np.array(values + [None], dtype=object)[:-1]
+            arr.flags.writeable = False
+            self._labels = arr
+        return self._labels
+
+    def sample(self, i: int) -> Sample:
+        """Read and probe file ``i``. Encoding is "jpeg" for an upright RGB/gray JPEG (fast
+        path), else "image" (decoded by Pillow); height/width are the upright size."""
+        i = self._check_index(i)
+        item = self._items[i]
+        where = str(item.path) if item.path is not None else item.key
+        try:
+            data = item.read()
+        except OSError as exc:
+            raise ImageError(item.key, f"cannot read {where}: {exc.strerror or exc}") from None
+        info = codecs.probe(data, item.key, max_pixels=self._max_pixels)
+        encoding = "jpeg" if codecs.is_plain_jpeg(info) else "image"
+        h, w = info.upright_shape
+        label = item.label if self.source.label_type != "none" else -1
+        return Sample(i, item.key, data, encoding, h, w, label, where, i)
+
+    def extra(self, i: int, name: str) -> Any:
+        if name not in self.extra_columns:
+            raise KeyError(f"{self.path}: no extra column {name!r}; this source has {self.extra_columns}")
+        return self._items[self._check_index(i)].extras.get(name)
+
+    def location(self, i: int) -> tuple[str, int]:
+        item = self._items[self._check_index(i)]
+        return (str(item.path) if item.path is not None else item.key), i
+
+
+def open_loose(source: Any, **source_options: Any) -> LooseDataset:
+    """Serve unpacked images (ImageFolder tree, ``path label`` list, CSV, tar) with the reader
+    interface. ``source`` is a path (see :func:`stoker.sources.open_source`) or an opened Source."""
+    from .sources import open_source
+
+    if isinstance(source, (str, Path)):
+        source = open_source(source, **source_options)
+    if not source.items:
+        raise SourceError(f"{source.description}: no images found", path=source.root)
+    return LooseDataset(source)
+

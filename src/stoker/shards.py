@@ -1,0 +1,317 @@
+"""The on-disk format: a manifest (``stoker.json``) and Arrow IPC shard files.
+
+A packed dataset is a directory::
+
+    stoker.json          format version, schema, classes, sample count, one entry per shard
+    shard-00000.arrow    Arrow IPC *file* format (random access, memory-mappable), uncompressed
+
+Columns: ``key`` (string), ``image`` (large_binary), ``encoding`` (dictionary string),
+``height``/``width`` (int32, of what is stored), ``label`` (typed), then extra user columns.
+Any Arrow reader (pyarrow, pandas, polars, DuckDB) can open a shard. Nothing is pickled.
+
+Crash safety: a shard is written under a temporary dot-name, fsynced, then renamed; the
+manifest is written the same way, last. A directory without a manifest is never a dataset.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from . import __version__
+from .errors import ConfigError, IncompletePackError, ManifestError
+
+MANIFEST_NAME = "stoker.json"
+FORMAT_VERSION = 1
+#: File names a manifest may list: plain names inside the dataset directory, never a path.
+SHARD_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\.arrow")
+
+#: Label and extra-column types stoker writes, by the name used in the manifest.
+ARROW_TYPES: dict[str, pa.DataType] = {
+    "int64": pa.int64(),
+    "float64": pa.float64(),
+    "bool": pa.bool_(),
+    "string": pa.string(),
+    "list<int64>": pa.list_(pa.int64()),
+    "list<float64>": pa.list_(pa.float64()),
+}
+#: "none" means the dataset has no labels; the label column then holds -1 (int64).
+LABEL_TYPES = (*ARROW_TYPES, "none")
+BASE_COLUMNS = ("key", "image", "encoding", "height", "width", "label")
+
+
+def arrow_type(name: str) -> pa.DataType:
+    """The Arrow type for a manifest type name ("none" labels are stored as int64 -1)."""
+    if name == "none":
+        return pa.int64()
+    try:
+        return ARROW_TYPES[name]
+    except KeyError:
+        raise ConfigError(f"unsupported column type {name!r}; expected one of {sorted(LABEL_TYPES)}") from None
+
+
+def shard_name(index: int) -> str:
+    """File name of shard ``index``: ``shard-00000.arrow``."""
+    return f"shard-{index:05d}.arrow"
+
+
+def file_sha256(path: Path, chunk: int = 8 << 20) -> str:
+    """SHA-256 of a file, read in 8 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return  # not supported on this platform/filesystem; the rename is still atomic
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, payload: bytes) -> None:
+    """Write ``payload`` to ``path`` via a fsynced temporary file and an atomic rename."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(payload)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+@dataclass
+class ShardInfo:
+    """One finished shard: its file name, row count, size in bytes and SHA-256."""
+
+    file: str
+    rows: int
+    bytes: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    """Contents of ``stoker.json``."""
+
+    num_samples: int
+    shards: list[ShardInfo]
+    classes: list[str] | None = None
+    label_type: str = "int64"
+    extra_columns: dict[str, str] = field(default_factory=dict)
+    pack_options: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+    created_by: str = f"stoker {__version__}"
+
+    def to_json(self) -> dict[str, Any]:
+        obj = asdict(self)
+        obj["format"] = "stoker"
+        return obj
+
+    @classmethod
+    def from_json(cls, obj: Any, path: Path) -> "Manifest":
+        """Validate a parsed manifest; every problem is a ManifestError naming the field."""
+        def bad(what: str) -> ManifestError:
+            return ManifestError(f"{path}: {what}; the manifest is damaged — re-pack, or restore it "
+                                 "from a backup", path=path)
+
+        if not isinstance(obj, dict) or obj.get("format") != "stoker":
+            raise bad('expected a JSON object with "format": "stoker"')
+        version = obj.get("format_version")
+        if not isinstance(version, int) or version < 1:
+            raise bad(f"format_version must be a positive integer, found {version!r}")
+        if version > FORMAT_VERSION:
+            raise ManifestError(f"{path}: format version {version} is newer than this stoker understands "
+                                f"({FORMAT_VERSION}); upgrade stoker", path=path)
+        shards_raw = obj.get("shards")
+        if not isinstance(shards_raw, list):
+            raise bad("'shards' must be a list")
+        shards = []
+        for i, entry in enumerate(shards_raw):
+            if not isinstance(entry, dict):
+                raise bad(f"shards[{i}] must be an object")
+            name, rows, size, sha = (entry.get(k) for k in ("file", "rows", "bytes", "sha256"))
+            if not isinstance(name, str) or not SHARD_NAME_RE.fullmatch(name):
+                raise bad(f"shards[{i}].file {name!r} is not a plain shard file name (no paths allowed)")
+            if not (isinstance(rows, int) and rows >= 0 and isinstance(size, int) and size >= 0):
+                raise bad(f"shards[{i}] ({name}) needs non-negative integer rows and bytes")
+            if not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
+                raise bad(f"shards[{i}] ({name}) has no valid sha256")
+            shards.append(ShardInfo(name, rows, size, sha))
+        if len({s.file for s in shards}) != len(shards):
+            raise bad("a shard file is listed twice")
+        num = obj.get("num_samples")
+        if not isinstance(num, int) or num != sum(s.rows for s in shards):
+            raise bad(f"num_samples is {num!r} but the shards hold {sum(s.rows for s in shards)} rows")
+        label_type = obj.get("label_type", "int64")
+        if label_type not in LABEL_TYPES:
+            raise bad(f"label_type {label_type!r} is not one of {list(LABEL_TYPES)}")
+        classes = obj.get("classes")
+        if classes is not None and not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)):
+            raise bad("classes must be a list of strings or null")
+        extras = obj.get("extra_columns", {})
+        if not isinstance(extras, dict) or any(t not in ARROW_TYPES for t in extras.values()):
+            raise bad(f"extra_columns must map names to one of {sorted(ARROW_TYPES)}")
+        if set(extras) & set(BASE_COLUMNS):
+            raise bad(f"extra_columns may not reuse a base column name {BASE_COLUMNS}")
+        return cls(num_samples=num, shards=shards, classes=classes, label_type=label_type,
+                   extra_columns=dict(extras), pack_options=dict(obj.get("pack_options") or {}),
+                   format_version=version, created_by=str(obj.get("created_by", "")))
+
+    def schema(self) -> pa.Schema:
+        return shard_schema(self.label_type, self.extra_columns)
+
+
+def shard_schema(label_type: str, extra_columns: dict[str, str]) -> pa.Schema:
+    """Arrow schema of a shard with this label type and these extra columns."""
+    fields = [
+        pa.field("key", pa.string(), nullable=False),
+        pa.field("image", pa.large_binary(), nullable=False),
+        pa.field("encoding", pa.dictionary(pa.int8(), pa.string()), nullable=False),
+        pa.field("height", pa.int32(), nullable=False),
+        pa.field("width", pa.int32(), nullable=False),
+        pa.field("label", arrow_type(label_type)),
+    ]
+    for name, type_name in extra_columns.items():
+        if name in BASE_COLUMNS:
+            raise ConfigError(f"extra column {name!r} clashes with a base column {BASE_COLUMNS}; rename it")
+        fields.append(pa.field(name, arrow_type(type_name)))
+    return pa.schema(fields)
+
+
+def write_manifest(out_dir: Path, manifest: Manifest) -> None:
+    """Write ``stoker.json`` atomically; call it last, after every shard is in place."""
+    payload = json.dumps(manifest.to_json(), indent=1, sort_keys=False).encode() + b"\n"
+    atomic_write_bytes(Path(out_dir) / MANIFEST_NAME, payload)
+
+
+def looks_like_partial_pack(directory: Path) -> bool:
+    """True when a directory holds shard or journal files but no manifest."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return False
+    return any(n.endswith(".arrow") or n.endswith(".arrow.tmp") or n.startswith(".stoker-pack") for n in names)
+
+
+def read_manifest(dataset_dir: Path) -> Manifest:
+    """Read and validate ``stoker.json``. Raises ManifestError or IncompletePackError."""
+    dataset_dir = Path(dataset_dir)
+    path = dataset_dir / MANIFEST_NAME
+    if not dataset_dir.is_dir():
+        raise ManifestError(f"{dataset_dir}: no such dataset directory", path=dataset_dir)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        if looks_like_partial_pack(dataset_dir):
+            raise IncompletePackError(
+                f"{dataset_dir}: the pack did not finish (shards but no {MANIFEST_NAME}); "
+                "run `stoker pack SRC OUT --resume` to complete it", path=dataset_dir) from None
+        raise ManifestError(f"{dataset_dir}: not a stoker dataset (no {MANIFEST_NAME}); "
+                            "create one with `stoker pack SRC OUT`", path=dataset_dir) from None
+    except OSError as exc:
+        raise ManifestError(f"{path}: cannot read the manifest: {exc.strerror or exc}", path=path) from None
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"{path}: not valid JSON ({exc}); the manifest is damaged — re-pack, "
+                            "or restore it from a backup", path=path) from None
+    return Manifest.from_json(obj, path)
+
+
+class ShardWriter:
+    """Buffers rows for one shard and writes it atomically on :meth:`finish`."""
+
+    def __init__(self, out_dir: Path, index: int, *, label_type: str = "int64",
+                 extra_columns: dict[str, str] | None = None) -> None:
+        self.out_dir = Path(out_dir)
+        self.name = shard_name(index)
+        self.label_type = label_type
+        self.extra_columns = dict(extra_columns or {})
+        self.schema = shard_schema(label_type, self.extra_columns)
+        self._columns: dict[str, list[Any]] = {name: [] for name in self.schema.names}
+        self._nbytes = 0
+
+    @property
+    def tmp_path(self) -> Path:
+        return self.out_dir / f".{self.name}.tmp"
+
+    @property
+    def path(self) -> Path:
+        return self.out_dir / self.name
+
+    @property
+    def nbytes(self) -> int:
+        """Image bytes buffered so far; the packer starts a new shard past its target size."""
+        return self._nbytes
+
+    @property
+    def rows(self) -> int:
+        return len(self._columns["key"])
+
+    def add(self, key: str, image: bytes, encoding: str, height: int, width: int,
+            label: Any, extras: dict[str, Any] | None = None) -> None:
+        """Append one sample. ``label`` None is stored as -1 for label type "none"."""
+        extras = extras or {}
+        cols = self._columns
+        cols["key"].append(key)
+        cols["image"].append(image)
+        cols["encoding"].append(encoding)
+        cols["height"].append(height)
+        cols["width"].append(width)
+        cols["label"].append(-1 if self.label_type == "none" else label)
+        for name in self.extra_columns:
+            cols[name].append(extras.get(name))
+        self._nbytes += len(image)
+
+    def _table(self) -> pa.Table:
+        arrays = []
+        for fld in self.schema:
+            values = self._columns[fld.name]
+            if fld.name == "encoding":
+                arrays.append(pa.array(values, pa.string()).dictionary_encode().cast(fld.type))
+            else:
+                arrays.append(pa.array(values, fld.type))
+        return pa.Table.from_arrays(arrays, schema=self.schema)
+
+    def finish(self) -> ShardInfo:
+        """Write the shard (temp name, fsync, rename) and return its manifest entry."""
+        table = self._table()
+        tmp = self.tmp_path
+        try:
+            with pa.OSFile(str(tmp), "wb") as sink:
+                with pa.ipc.new_file(sink, self.schema) as writer:
+                    writer.write_table(table, max_chunksize=max(1, table.num_rows))
+            with open(tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
+            info = ShardInfo(self.name, table.num_rows, tmp.stat().st_size, file_sha256(tmp))
+            os.replace(tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        _fsync_dir(self.out_dir)
+        self._columns = {name: [] for name in self.schema.names}
+        self._nbytes = 0
+        return info
+
+    def abort(self) -> None:
+        """Drop buffered rows and remove the temporary file, if any."""
+        self._columns = {name: [] for name in self.schema.names}
+        self._nbytes = 0
+        try:
+            self.tmp_path.unlink()
+        except FileNotFoundError:
+            pass
