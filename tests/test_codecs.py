@@ -99,7 +99,7 @@ def test_sixteen_bit_is_scaled_not_clipped():
 
 
 @pytest.mark.parametrize("data,reason", [(b"", "empty"), (b"hello, not an image", "not an image"),
-                                         (b"\xff\xd8\xff\xe0garbage", "")])
+                                         (b"\xff\xd8\xff\xe0garbage", "bad.jpg")])
 def test_bad_bytes_raise_image_errors_naming_the_key(data, reason):
     with pytest.raises(ImageError, match=reason) as info:
         codecs.decode_rgb(data, "jpeg", "bad.jpg")

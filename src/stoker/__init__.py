@@ -17,22 +17,27 @@ _EXPORTS = {
     "CenterCrop": "transforms",
     "Dataset": "reader",
     "Loader": "loader",
+    "LoaderStats": "loader",
     "PackOptions": "pack",
     "PackSummary": "pack",
+    "Pipeline": "transforms",
     "RandomHorizontalFlip": "transforms",
     "RandomResizedCrop": "transforms",
     "Resize": "transforms",
     "Sample": "reader",
+    "describe": "audit",
     "StokerError": "errors",
     "errors": None,
     "open_dataset": "reader",
     "open_loose": "reader",
-    "pack": "pack",
     "verify": "audit",
-    "describe": "audit",
 }
 
-__all__ = sorted(["__version__", *_EXPORTS])
+# `stoker.pack` is both a submodule and the function users call. Binding the function here, once,
+# keeps `stoker.pack(...)` callable whichever of the two is imported first.
+from .pack import pack  # noqa: E402
+
+__all__ = sorted(["__version__", "pack", *_EXPORTS])
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,727 @@
+"""`stoker bench`: the same images through the baselines, stoker and the decode ceiling, side by side.
+
+Pipelines (each limited to `workers` CPU cores; one epoch over every image is one round):
+
+- ``baseline``: torch DataLoader (``workers`` processes) over an ImageFolder dataset, PIL decode,
+  torchvision's default training transforms (RandomResizedCrop 224, RandomHorizontalFlip,
+  ToTensor, Normalize); real torchvision when installed, else the exact re-implementation below.
+- ``baseline-val``: the same with Resize 256 + CenterCrop 224 + ToTensor + Normalize.
+- ``stoker-train`` / ``stoker-val``: stoker.Loader on the packed copy, the same transforms.
+- ``ceiling``: libjpeg-turbo (simplejpeg) full decode of every image on ``workers`` threads, nothing else.
+- ``dali``: NVIDIA DALI's CPU pipeline (fused decode + random crop, resize, flip) when
+  ``nvidia.dali`` is installed; reported as skipped otherwise.
+
+Each pipeline runs one warm-up round, then `rounds` timed rounds (median images/s), by default in
+a fresh Python process pinned to `workers` CPUs, so peak memory and CPU use are its own. Packing
+happens once, before any timing. Ratios between pipelines of one run are the figures that count:
+absolute images/s on a shared machine are noise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import ConfigError, StokerError
+
+__all__ = ["PIPELINES", "BenchResult", "PipelineResult", "format_table", "machine_info", "run_bench"]
+
+#: name -> (what it is, the pipeline its ratio is taken against)
+PIPELINES: dict[str, tuple[str, str | None]] = {
+    "baseline": ("DataLoader + PIL + RandomResizedCrop(224), flip, ToTensor, Normalize", None),
+    "baseline-val": ("DataLoader + PIL + Resize(256), CenterCrop(224), ToTensor, Normalize", None),
+    "stoker-train": ("stoker.Loader, RandomResizedCrop(224) + RandomHorizontalFlip", "baseline"),
+    "stoker-val": ("stoker.Loader, Resize(256) + CenterCrop(224)", "baseline-val"),
+    "ceiling": ("simplejpeg full decode of every image, nothing else", "baseline"),
+    "dali": ("NVIDIA DALI CPU: image_random_crop decode, resize 224, flip", "baseline"),
+}
+DEFAULT_PIPELINES = ("baseline", "baseline-val", "stoker-train", "stoker-val", "ceiling", "dali")
+NOTE = ("Ratios between pipelines of this one run are the figures that count; absolute images/s on a "
+        "shared machine are noise.")
+_IMAGENET_MEAN = (0.485, 0.456, 0.406)
+_IMAGENET_STD = (0.229, 0.224, 0.225)
+_CHILD_TIMEOUT_S = 3600.0
+
+
+@dataclass
+class PipelineResult:
+    """One pipeline's measurement. Rates in images/s, memory in bytes, times in seconds."""
+
+    name: str
+    description: str
+    images_per_s: float = math.nan            # median of the timed rounds
+    rounds: list[float] = field(default_factory=list)
+    cpu_percent: float = math.nan             # process + children over the timed rounds; 100 = one core
+    cpu_ms_per_image: float = math.nan        # CPU time per image over the timed rounds (less load-sensitive)
+    peak_rss_bytes: int = 0                   # process + children, sampled every 20 ms
+    first_batch_s: float = math.nan           # construction to first batch, cold (warm-up round)
+    images: int = 0                           # images per round
+    ratio: float | None = None                # images/s over that of `ratio_to`
+    ratio_to: str | None = None
+    skipped: str | None = None                # why it did not run
+    version: str = ""                         # of the library doing the work, e.g. "nvidia.dali 2.4.0"
+
+
+@dataclass
+class BenchResult:
+    """Everything one `run_bench` call measured, plus what it ran on."""
+
+    pipelines: list[PipelineResult]
+    images: int
+    batch_size: int
+    workers: int
+    rounds: int
+    data: dict[str, Any]                      # where the images came from, their statistics
+    baseline_transforms: str                  # "torchvision X.Y" or the re-implementation
+    machine: dict[str, Any]
+    pack_seconds: float = math.nan
+    notes: list[str] = field(default_factory=list)
+
+    def get(self, name: str) -> PipelineResult | None:
+        return next((p for p in self.pipelines if p.name == name), None)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (NaN becomes null)."""
+        def clean(v: Any) -> Any:
+            if isinstance(v, float) and not math.isfinite(v):
+                return None
+            if isinstance(v, dict):
+                return {k: clean(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [clean(x) for x in v]
+            return v
+        return clean({**asdict(self), "note": NOTE})
+
+
+# ----------------------------------------------------------------------------- machine and process
+
+def usable_cpus() -> list[int]:
+    """CPU ids this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, usable cores, memory, OS and library versions, for the record next to timings."""
+    import psutil
+    from PIL import Image
+    import simplejpeg
+
+    model = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"cpu": model or "unknown", "usable_cores": len(usable_cpus()), "logical_cores": os.cpu_count(),
+            "memory_gb": round(psutil.virtual_memory().total / 2**30, 1), "os": platform.platform(),
+            "python": platform.python_version(), "numpy": np.__version__,
+            "pillow": getattr(Image, "__version__", "?"), "simplejpeg": simplejpeg.__version__,
+            # Other work on the machine while measuring (1-minute load average; 0 where unknown).
+            "load_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else 0.0}
+    try:
+        import torch
+        info["torch"] = torch.__version__
+        info["cuda"] = bool(torch.cuda.is_available())
+    except ImportError:
+        pass
+    return info
+
+
+def _cpu_seconds() -> float:
+    """CPU time (user + system, seconds) of this process, its reaped children and its live ones."""
+    import psutil
+
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
+    for child in psutil.Process().children(recursive=True):
+        try:
+            t = child.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:   # exited between listing and reading
+            pass
+    return total
+
+
+class _MemorySampler:
+    """Peak RSS of this process plus its children, sampled on a background thread."""
+
+    def __init__(self, interval_s: float = 0.02) -> None:
+        import psutil
+
+        self._proc = psutil.Process()
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self.peak = 0
+        self._thread = threading.Thread(target=self._run, name="stoker-bench-rss", daemon=True)
+
+    def _sample(self) -> None:
+        import psutil
+
+        total = self._proc.memory_info().rss
+        for child in self._proc.children(recursive=True):
+            try:
+                total += child.memory_info().rss
+            except psutil.Error:
+                pass
+        self.peak = max(self.peak, total)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self._interval)
+
+    def __enter__(self) -> "_MemorySampler":
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        self._sample()
+
+
+# ----------------------------------------------------------------------------- baseline transforms
+
+def _torchvision() -> Any | None:
+    try:
+        import torchvision  # noqa: F401  (optional: `pip install torchvision`)
+        from torchvision import transforms
+        return transforms
+    except ImportError:
+        return None
+
+
+class _TVRandomResizedCrop:
+    """torchvision.transforms.RandomResizedCrop on PIL images, same sampling (torch's RNG, 10 tries,
+    central-crop fallback) and PIL BILINEAR resize (PIL's resize is always antialiased)."""
+
+    def __init__(self, size: int, scale: tuple[float, float] = (0.08, 1.0),
+                 ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> None:
+        self.size, self.scale, self.ratio = (size, size), scale, ratio
+
+    def get_params(self, width: int, height: int) -> tuple[int, int, int, int]:
+        import torch
+
+        area = height * width
+        log_ratio = torch.log(torch.tensor(self.ratio))
+        for _ in range(10):
+            target_area = area * torch.empty(1).uniform_(self.scale[0], self.scale[1]).item()
+            aspect = math.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1]).item())
+            w = int(round(math.sqrt(target_area * aspect)))
+            h = int(round(math.sqrt(target_area / aspect)))
+            if 0 < w <= width and 0 < h <= height:
+                i = int(torch.randint(0, height - h + 1, size=(1,)).item())
+                j = int(torch.randint(0, width - w + 1, size=(1,)).item())
+                return i, j, h, w
+        in_ratio = width / height
+        if in_ratio < min(self.ratio):
+            w, h = width, int(round(width / min(self.ratio)))
+        elif in_ratio > max(self.ratio):
+            h, w = height, int(round(height * max(self.ratio)))
+        else:
+            w, h = width, height
+        return (height - h) // 2, (width - w) // 2, h, w
+
+    def __call__(self, img: Any) -> Any:
+        from PIL import Image
+
+        i, j, h, w = self.get_params(*img.size)
+        return img.crop((j, i, j + w, i + h)).resize((self.size[1], self.size[0]), Image.BILINEAR)
+
+
+class _TVResize:
+    """torchvision.transforms.Resize(int) on PIL: shorter side to `size`, longer side truncated."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __call__(self, img: Any) -> Any:
+        from PIL import Image
+
+        w, h = img.size
+        short, long_ = (w, h) if w <= h else (h, w)
+        new_short, new_long = self.size, int(self.size * long_ / short)
+        new_w, new_h = (new_short, new_long) if w <= h else (new_long, new_short)
+        return img.resize((new_w, new_h), Image.BILINEAR)
+
+
+class _TVCenterCrop:
+    """torchvision.transforms.CenterCrop on PIL (images at least `size`; PIL pads with zeros otherwise)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __call__(self, img: Any) -> Any:
+        w, h = img.size
+        top, left = int(round((h - self.size) / 2.0)), int(round((w - self.size) / 2.0))
+        return img.crop((left, top, left + self.size, top + self.size))
+
+
+def _tv_flip(img: Any) -> Any:
+    """torchvision.transforms.RandomHorizontalFlip(0.5): torch's RNG decides."""
+    import torch
+    from PIL import Image
+
+    return img.transpose(Image.FLIP_LEFT_RIGHT) if torch.rand(1).item() < 0.5 else img
+
+
+def _tv_to_normalized_tensor(img: Any) -> Any:
+    """ToTensor (HWC uint8 -> CHW float32 in [0, 1]) then Normalize with ImageNet mean/std."""
+    import torch
+
+    t = torch.from_numpy(np.array(img, np.uint8, copy=True)).view(img.size[1], img.size[0], 3)
+    t = t.permute((2, 0, 1)).contiguous().to(dtype=torch.float32).div(255)
+    mean = torch.as_tensor(_IMAGENET_MEAN, dtype=t.dtype)[:, None, None]
+    std = torch.as_tensor(_IMAGENET_STD, dtype=t.dtype)[:, None, None]
+    return t.sub_(mean).div_(std)
+
+
+def baseline_transform(train: bool) -> tuple[Callable[[Any], Any], str]:
+    """The baseline's transform on a PIL image and which implementation it is."""
+    tv = _torchvision()
+    if tv is not None:
+        import torchvision
+        norm = [tv.ToTensor(), tv.Normalize(_IMAGENET_MEAN, _IMAGENET_STD)]
+        ops = [tv.RandomResizedCrop(224), tv.RandomHorizontalFlip()] if train else [tv.Resize(256), tv.CenterCrop(224)]
+        return tv.Compose(ops + norm), f"torchvision {torchvision.__version__}"
+    ops = [_TVRandomResizedCrop(224), _tv_flip] if train else [_TVResize(256), _TVCenterCrop(224)]
+
+    def compose(img: Any) -> Any:
+        for op in ops:
+            img = op(img)
+        return _tv_to_normalized_tensor(img)
+    return compose, "re-implementation of torchvision's transforms (torchvision not installed)"
+
+
+def _pil_loader(path: str) -> Any:
+    """torchvision.datasets.folder.pil_loader."""
+    from PIL import Image
+
+    with open(path, "rb") as f:
+        img = Image.open(f)
+        return img.convert("RGB")
+
+
+def list_image_folder(root: Path) -> tuple[list[tuple[str, int]], list[str]]:
+    """(path, class index) pairs and class names of an ImageFolder tree, in torchvision's order."""
+    exts = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+    classes = sorted(d.name for d in os.scandir(root) if d.is_dir())
+    samples = [(os.path.join(dirpath, name), k)
+               for k, c in enumerate(classes)
+               for dirpath, _, files in sorted(os.walk(root / c, followlinks=True))
+               for name in sorted(files) if name.lower().endswith(exts)]
+    if not samples:
+        raise ConfigError(f"{root}: expected an ImageFolder tree (root/<class>/<image>.jpg), found no images; "
+                          "pass a folder of class subfolders, or leave data unset to generate images")
+    return samples, classes
+
+
+class _FolderDataset:
+    """torchvision.datasets.ImageFolder's item: (transform(pil_loader(path)), class index)."""
+
+    def __init__(self, samples: list[tuple[str, int]], transform: Callable[[Any], Any]) -> None:
+        self.samples, self.transform = samples, transform
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        path, label = self.samples[i]
+        return self.transform(_pil_loader(path)), label
+
+
+# ----------------------------------------------------------------------------- pipelines
+
+@dataclass
+class _Spec:
+    """What one measurement needs; JSON-serializable so it can cross into a child process."""
+
+    pipeline: str
+    root: str             # ImageFolder tree (baselines, DALI)
+    packed: str           # packed copy of the same images (stoker, ceiling)
+    batch_size: int
+    workers: int
+    rounds: int
+
+
+class _Runner:
+    """One constructed pipeline: `epoch()` yields the size of each batch; `close()` frees it."""
+
+    def __init__(self, epoch: Callable[[], Iterator[int]], close: Callable[[], None] = lambda: None) -> None:
+        self.epoch, self.close = epoch, close
+
+
+def _baseline_runner(spec: _Spec, train: bool) -> _Runner:
+    import torch
+    from torch.utils.data import DataLoader
+
+    transform, _ = baseline_transform(train)
+    if _torchvision() is not None:
+        from torchvision.datasets import ImageFolder
+        dataset: Any = ImageFolder(spec.root, transform=transform)
+    else:
+        dataset = _FolderDataset(list_image_folder(Path(spec.root))[0], transform)
+    loader = DataLoader(dataset, batch_size=spec.batch_size, shuffle=True, num_workers=spec.workers,
+                        generator=torch.Generator().manual_seed(0))
+
+    def epoch() -> Iterator[int]:
+        for _, labels in loader:
+            yield len(labels)
+    return _Runner(epoch)
+
+
+def _stoker_runner(spec: _Spec, train: bool) -> _Runner:
+    from .loader import Loader
+    from .transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
+
+    ops = [RandomResizedCrop(224), RandomHorizontalFlip()] if train else [Resize(256), CenterCrop(224)]
+    loader = Loader(spec.packed, spec.batch_size, transforms=ops, shuffle=True, seed=0,
+                    num_threads=spec.workers)
+
+    def epoch() -> Iterator[int]:
+        for batch in loader:
+            yield int(batch[0].shape[0])
+    return _Runner(epoch, loader.close)
+
+
+def _ceiling_runner(spec: _Spec) -> _Runner:
+    import simplejpeg
+
+    from . import codecs
+    from .reader import open_dataset
+
+    dataset = open_dataset(spec.packed)
+    pool = ThreadPoolExecutor(max_workers=spec.workers, thread_name_prefix="stoker-bench-decode")
+    rng = np.random.default_rng(0)
+
+    def decode(indices: np.ndarray) -> int:
+        for i in indices:   # simplejpeg releases the GIL while it decodes
+            s = dataset.sample(int(i))
+            if s.encoding == "jpeg":
+                simplejpeg.decode_jpeg(s.data, colorspace="RGB")
+            else:   # a non-JPEG source image that packing re-encoded or stored raw
+                codecs.decode_rgb(s.data, s.encoding, s.key, height=s.height, width=s.width)
+        return len(indices)
+
+    def epoch() -> Iterator[int]:
+        order = rng.permutation(len(dataset))
+        futures = [pool.submit(decode, order[k:k + 8]) for k in range(0, len(order), 8)]
+        done = 0
+        try:
+            for fut in futures:
+                done += fut.result(timeout=_CHILD_TIMEOUT_S)
+                while done >= spec.batch_size:
+                    done -= spec.batch_size
+                    yield spec.batch_size
+            if done:
+                yield done
+        finally:
+            for fut in futures:
+                fut.cancel()
+
+    def close() -> None:
+        pool.shutdown(wait=True, cancel_futures=True)
+        dataset.close()
+    return _Runner(epoch, close)
+
+
+def _dali_runner(spec: _Spec) -> _Runner:
+    from nvidia.dali import fn, pipeline_def, types
+
+    @pipeline_def(batch_size=spec.batch_size, num_threads=spec.workers, device_id=None, seed=0)
+    def pipe() -> Any:
+        jpegs, labels = fn.readers.file(file_root=spec.root, random_shuffle=True, name="Reader")
+        images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB)
+        images = fn.resize(images, resize_x=224, resize_y=224)
+        images = fn.flip(images, horizontal=fn.random.coin_flip())
+        return images, labels
+
+    pipeline = pipe()
+    pipeline.build()
+    size = int(pipeline.epoch_size("Reader"))
+
+    def epoch() -> Iterator[int]:
+        for _ in range(-(-size // spec.batch_size)):   # the last batch wraps into the next epoch
+            _, labels = pipeline.run()
+            yield len(labels)
+    return _Runner(epoch, lambda: None)
+
+
+def _make_runner(spec: _Spec) -> _Runner:
+    name = spec.pipeline
+    if name in ("baseline", "baseline-val"):
+        return _baseline_runner(spec, train=name == "baseline")
+    if name in ("stoker-train", "stoker-val"):
+        return _stoker_runner(spec, train=name == "stoker-train")
+    if name == "ceiling":
+        return _ceiling_runner(spec)
+    if name == "dali":
+        return _dali_runner(spec)
+    raise ConfigError(f"unknown pipeline {name!r}; expected one of {', '.join(PIPELINES)}")
+
+
+def _unavailable(name: str) -> str | None:
+    """Why pipeline `name` cannot run here (with the fix), or None when it can."""
+    import importlib.util
+
+    if name.startswith("stoker-") and importlib.util.find_spec("stoker.loader") is None:
+        return "stoker.loader is not available in this installation"
+    if name == "dali" and importlib.util.find_spec("nvidia") is None:
+        return "NVIDIA DALI is not installed (pip install nvidia-dali-cuda130; runs CPU-only)"
+    if name == "dali":
+        try:
+            import nvidia.dali  # noqa: F401
+        except ImportError as exc:
+            return f"NVIDIA DALI does not import ({exc}); pip install nvidia-dali-cuda130"
+    return None
+
+
+def _preimport(name: str) -> None:
+    """Import what the pipeline needs before the clock starts: a training script has torch loaded
+    already, so module import time is not part of time-to-first-batch."""
+    import importlib
+
+    modules = {"baseline": ["torch.utils.data", "PIL.Image"], "baseline-val": ["torch.utils.data", "PIL.Image"],
+               "stoker-train": ["torch", "stoker.loader"], "stoker-val": ["torch", "stoker.loader"],
+               "ceiling": ["simplejpeg", "stoker.reader"], "dali": ["nvidia.dali"]}
+    for module in modules.get(name, []):
+        importlib.import_module(module)
+
+
+def _version(name: str) -> str:
+    """Which library (and version) does the work in pipeline `name`."""
+    import importlib
+
+    module = {"baseline": "torch", "baseline-val": "torch", "stoker-train": "stoker", "stoker-val": "stoker",
+              "ceiling": "simplejpeg", "dali": "nvidia.dali"}[name]
+    return f"{module} {getattr(importlib.import_module(module), '__version__', '?')}"
+
+
+def _measure(spec: _Spec) -> dict[str, Any]:
+    """Construct, warm up (first-batch time), then time `rounds` epochs; CPU and peak RSS alongside."""
+    _preimport(spec.pipeline)
+    with _MemorySampler() as memory:
+        start = time.perf_counter()
+        runner = _make_runner(spec)
+        try:
+            first = math.nan
+            for _ in runner.epoch():
+                if math.isnan(first):
+                    first = time.perf_counter() - start
+            rates, images = [], 0
+            cpu0, wall0 = _cpu_seconds(), time.perf_counter()
+            for _ in range(spec.rounds):
+                t = time.perf_counter()
+                images = sum(runner.epoch())
+                rates.append(images / (time.perf_counter() - t))
+            cpu_s = _cpu_seconds() - cpu0
+            cpu = cpu_s / (time.perf_counter() - wall0) * 100.0
+        finally:
+            runner.close()
+    return {"images_per_s": statistics.median(rates), "rounds": rates, "cpu_percent": cpu,
+            "cpu_ms_per_image": cpu_s * 1000.0 / (images * spec.rounds),
+            "peak_rss_bytes": memory.peak, "first_batch_s": first, "images": images,
+            "version": _version(spec.pipeline)}
+
+
+_RESULT_MARK = "STOKER-BENCH-RESULT "
+
+
+def _measure_isolated(spec: _Spec) -> dict[str, Any]:
+    """`_measure` in a fresh Python process pinned to `spec.workers` CPUs (its children inherit)."""
+    cmd = [sys.executable, "-m", "stoker.bench", "--child", json.dumps(asdict(spec))]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise StokerError(f"bench pipeline {spec.pipeline!r} ran longer than {_CHILD_TIMEOUT_S:.0f} s; "
+                          "use fewer images or rounds") from None
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_RESULT_MARK)]
+    if proc.returncode != 0 or not lines:
+        raise StokerError(f"bench pipeline {spec.pipeline!r} failed (exit {proc.returncode}); its output "
+                          f"ended with:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return json.loads(lines[-1][len(_RESULT_MARK):])
+
+
+def _child_main(argv: Sequence[str]) -> int:
+    spec = _Spec(**json.loads(argv[1]))
+    cpus = usable_cpus()
+    if hasattr(os, "sched_setaffinity") and len(cpus) > spec.workers:
+        os.sched_setaffinity(0, cpus[:spec.workers])   # this child only: the same cores for every pipeline
+    print(_RESULT_MARK + json.dumps(_measure(spec)), flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------- the run
+
+def _data_stats(root: Path, samples: list[tuple[str, int]], generated: bool) -> dict[str, Any]:
+    from PIL import Image
+
+    sizes = np.array([os.path.getsize(p) for p, _ in samples], np.int64)
+    step = max(1, len(samples) // 500)   # header reads only; a sample is enough for the mean
+    dims = []
+    for path, _ in samples[::step]:
+        with Image.open(path) as im:
+            dims.append(im.size)
+    w, h = np.array(dims, np.float64).T
+    return {"root": str(root), "generated": generated, "images": len(samples),
+            "mean_width": round(float(w.mean())), "mean_height": round(float(h.mean())),
+            "mean_file_kb": round(float(sizes.mean()) / 1000, 1), "total_mb": round(float(sizes.sum()) / 1e6, 1)}
+
+
+def _pack_once(root: Path, out: Path, workers: int) -> float:
+    """Pack `root` into `out` (replacing what is there); returns seconds. Not part of any timing."""
+    from .pack import PackOptions, pack
+
+    start = time.perf_counter()
+    pack(root, out, options=PackOptions(workers=workers), progress=False, overwrite=True)
+    return time.perf_counter() - start
+
+
+def _check_args(images: int, batch_size: int, workers: int, rounds: int, pipelines: Sequence[str]) -> None:
+    for name, value in (("images", images), ("batch_size", batch_size), ("workers", workers), ("rounds", rounds)):
+        if value < 1:
+            raise ConfigError(f"run_bench: expected {name} >= 1, got {value}")
+    unknown = [p for p in pipelines if p not in PIPELINES]
+    if unknown or not pipelines:
+        raise ConfigError(f"run_bench: unknown pipelines {unknown or '(none given)'}; expected some of "
+                          f"{', '.join(PIPELINES)}")
+
+
+def run_bench(data_dir: Path | None = None, *, images: int = 2000, batch_size: int = 256,
+              workers: int | None = 2, rounds: int = 3, pipelines: Sequence[str] = DEFAULT_PIPELINES,
+              out_dir: Path | None = None, isolate: bool = True, seed: int = 0) -> BenchResult:
+    """Run the same images through each pipeline and measure images/s, CPU %, peak RSS, first batch.
+
+    `data_dir`: an ImageFolder tree of JPEGs; None generates `images` ImageNet-like JPEGs (cached
+    under `out_dir/data`). `workers`: CPU cores every pipeline gets (None: all usable). With
+    `isolate`, each pipeline runs in a fresh process pinned to `workers` cores. `out_dir` (None: a
+    temporary folder) receives the packed copy and bench.json / bench.md (and bench.png with
+    matplotlib). Raises ConfigError for bad arguments, StokerError when a pipeline fails.
+    """
+    from .synth import cached_imagenet_like
+
+    workers = workers or len(usable_cpus())
+    _check_args(images, batch_size, workers, rounds, pipelines)
+    with tempfile.TemporaryDirectory(prefix="stoker-bench-") as tmp:
+        work = Path(out_dir) if out_dir is not None else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        generated = data_dir is None
+        root = cached_imagenet_like(work / "data", images, seed=seed, workers=workers) if generated \
+            else Path(data_dir)  # type: ignore[arg-type]
+        samples, _ = list_image_folder(root)
+        result = BenchResult([], len(samples), batch_size, workers, rounds, _data_stats(root, samples, generated),
+                             baseline_transform(True)[1], machine_info())
+        packed = work / "packed"
+        if any(p.startswith("stoker-") or p == "ceiling" for p in pipelines):
+            result.pack_seconds = _pack_once(root, packed, workers)
+        for name in pipelines:
+            description, ratio_to = PIPELINES[name]
+            entry = PipelineResult(name, description, ratio_to=ratio_to, skipped=_unavailable(name))
+            if entry.skipped is None:
+                spec = _Spec(name, str(root), str(packed), batch_size, workers, rounds)
+                for key, value in (_measure_isolated(spec) if isolate else _measure(spec)).items():
+                    setattr(entry, key, value)
+            result.pipelines.append(entry)
+        _fill_ratios(result)
+        if out_dir is not None:
+            _write_outputs(result, work)
+    return result
+
+
+def _fill_ratios(result: BenchResult) -> None:
+    for p in result.pipelines:
+        ref = result.get(p.ratio_to) if p.ratio_to else None
+        ok = p.skipped is None and ref is not None and ref.skipped is None
+        p.ratio = p.images_per_s / ref.images_per_s if ok else None   # type: ignore[union-attr]
+
+
+def _write_outputs(result: BenchResult, out: Path) -> None:
+    """bench.json, bench.md and, with matplotlib, bench.png in `out`."""
+    try:
+        import matplotlib
+    except ImportError:
+        matplotlib = None
+        result.notes.append("No chart: matplotlib is not installed (pip install matplotlib).")
+    (out / "bench.json").write_text(json.dumps(result.to_json(), indent=1) + "\n")
+    (out / "bench.md").write_text(format_table(result) + "\n")
+    if matplotlib is None:
+        return
+    matplotlib.use("Agg")   # files only; never open a window
+    import matplotlib.pyplot as plt
+
+    ran = [p for p in result.pipelines if p.skipped is None]
+    fig, ax = plt.subplots(figsize=(7, 0.5 + 0.45 * len(ran)))
+    ax.barh([p.name for p in ran][::-1], [p.images_per_s for p in ran][::-1], color="#d2691e")
+    ax.set_xlabel("images/s (median of rounds)")
+    ax.set_title(f"{result.images} images, batch {result.batch_size}, {result.workers} cores per pipeline",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "bench.png", dpi=120)
+    plt.close(fig)
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None or not math.isfinite(value) else f"{value:{spec}}{suffix}"
+
+
+def format_table(result: BenchResult) -> str:
+    """The result as a markdown table, with the data, the machine and how to read it."""
+    ceiling = result.get("ceiling")
+    has_ceiling = ceiling is not None and ceiling.skipped is None
+    head = "| pipeline | images/s | ratio | vs ceiling | CPU % | CPU ms/image | peak RSS (MB) | first batch (s) |"
+    lines = [head, "|" + "---|" * 8]
+    for p in result.pipelines:
+        if p.skipped is not None:
+            lines.append(f"| {p.name} | skipped: {p.skipped} | | | | | | |")
+            continue
+        ratio = f"{p.ratio:.2f}x {p.ratio_to}" if p.ratio is not None else "-"
+        vs_ceiling = p.images_per_s / ceiling.images_per_s if has_ceiling and p is not ceiling else None
+        lines.append(f"| {p.name} | {_fmt(p.images_per_s, ',.0f')} | {ratio} | {_fmt(vs_ceiling, '.2f', 'x')} | "
+                     f"{_fmt(p.cpu_percent, '.0f')} | {_fmt(p.cpu_ms_per_image, '.2f')} | "
+                     f"{p.peak_rss_bytes / 1e6:,.0f} | "
+                     f"{_fmt(p.first_batch_s, '.2f')} |")
+    d, m = result.data, result.machine
+    lines += ["", *(f"- {p.name}: {p.description}" + (f" ({p.version})" if p.version else "")
+                    for p in result.pipelines), "",
+              f"Data: {d['images']} {'generated ImageNet-like ' if d['generated'] else ''}JPEGs, mean "
+              f"{d['mean_width']}x{d['mean_height']} px, {d['mean_file_kb']} KB; batch {result.batch_size}; "
+              f"{result.workers} CPU cores per pipeline; median of {result.rounds} round(s) after one warm-up; "
+              f"packing ({_fmt(result.pack_seconds, '.1f')} s) done once before any timing.",
+              f"Baseline transforms: {result.baseline_transforms}. The baselines also convert to float and "
+              "normalize on the CPU (torchvision's defaults); stoker hands out uint8 and normalizes on the GPU.",
+              f"Machine: {m['cpu']}, {m['usable_cores']} usable cores, {m['memory_gb']} GB, load average "
+              f"{m['load_1m']} at the start; Python {m['python']}, "
+              f"torch {m.get('torch', '-')}, Pillow {m['pillow']}, simplejpeg {m['simplejpeg']}.",
+              "CPU %: process + children over the timed rounds (100 = one core); CPU ms/image is the same CPU "
+              "time per image, which other load on the machine disturbs less than images/s. Peak RSS: process + "
+              "children (forked workers' shared pages count once per process).",
+              NOTE, *result.notes]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        sys.exit(_child_main(sys.argv[1:]))
+    sys.exit("usage: stoker bench (this module's command line is internal)")

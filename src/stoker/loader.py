@@ -1,0 +1,490 @@
+"""`stoker.Loader`: reader + order + transforms + batch slots, as one iterator of batches.
+
+    loader = Loader("data/train-packed", 256, transforms=[RandomResizedCrop(224), RandomHorizontalFlip()])
+    for images, labels in loader:        # images: uint8 [B, 224, 224, 3], labels: int64 [B]
+        ...
+
+Each batch is planned in one vectorised step (sample order, per-sample random draws, crop boxes from
+the stored image sizes, labels); worker threads then decode each sample at the smallest DCT scale
+its crop allows and resize it straight into its row of a preallocated (pinned) batch.
+A yielded batch lives in a ring slot: it is valid until the next iteration step (`.clone()` it to
+keep it).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from . import codecs
+from .errors import ConfigError, SampleError
+from .order import (ORDERS, epoch_order, num_batches, rank_indices, replacement_index, sample_keys,
+                    samples_per_rank, uniforms)
+from .reader import Dataset, PackedDataset, open_dataset, open_loose
+from .shards import MANIFEST_NAME, looks_like_partial_pack
+from .slots import BatchRing, Run, Slot, WorkerTimes
+from .transforms import Pipeline, Plan, apply_tail, crop_resize_into, decode_minimums, run_user_op
+
+MAX_REPLACEMENTS = 16  # on_error="skip": replacement samples tried before giving up on a position
+_STATE_FORMAT = "stoker.Loader/1"
+
+
+@dataclass
+class LoaderStats:
+    """Counters of a Loader since it was made. Stage times are summed over worker threads (seconds)."""
+
+    samples: int = 0
+    batches: int = 0
+    skipped: int = 0  # failed samples replaced under on_error="skip"
+    skipped_keys: list[str] = field(default_factory=list)  # the first 100 of them
+    read_s: float = 0.0  # getting the stored bytes (mmap view, or a file read for loose data)
+    decode_s: float = 0.0
+    augment_s: float = 0.0  # crop, resize, flip, user transforms, writing into the batch
+    worker_wait_s: float = 0.0  # workers waiting for a free slot (the consumer is the bottleneck)
+    consumer_wait_s: float = 0.0  # the training loop waiting for a batch (the loader is the bottleneck)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class _BatchPlan:
+    indices: np.ndarray  # dataset index per row
+    positions: np.ndarray  # position in this rank's epoch list
+    keys: np.ndarray  # uint64 random-stream key per row
+    u: np.ndarray  # uniform draws [rows, pipeline.draws]
+    geometry: Plan | None  # None when image sizes are only known after reading (loose files)
+
+
+def _open_source(source: str | Path | Dataset) -> tuple[Dataset, bool]:
+    if isinstance(source, Dataset):
+        return source, False
+    path = Path(source)
+    if path.is_dir() and ((path / MANIFEST_NAME).exists() or looks_like_partial_pack(path)):
+        return open_dataset(path), True
+    return open_loose(path), True
+
+
+def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is None or world_size is None:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank() if rank is None else rank
+            world_size = dist.get_world_size() if world_size is None else world_size
+    rank, world_size = (0 if rank is None else int(rank)), (1 if world_size is None else int(world_size))
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ConfigError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    return rank, world_size
+
+
+def default_threads() -> int:
+    """Worker threads by default: the CPUs this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+class Loader:
+    """Batches of decoded, augmented images from a packed dataset, an ImageFolder tree or a file list.
+
+    Yields `(images, labels)`: images `uint8 [B, H, W, 3]` (pinned memory when CUDA is available),
+    labels `int64 [B]` (float64 for float labels, a list for string/list labels), plus a dict of
+    lists `{column: values}` as a third item when `columns` names extra shard columns.
+    """
+
+    def __init__(self, source: str | Path | Dataset, batch_size: int, *, transforms: Sequence[Any] | None = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False, num_threads: int | None = None,
+                 prefetch: int = 2, columns: Sequence[str] = (), on_error: str = "raise",
+                 rank: int | None = None, world_size: int | None = None, order: str = "random",
+                 pin_memory: bool | None = None, timeout: float = 120.0) -> None:
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"batch_size must be a positive int, got {batch_size!r}")
+        if on_error not in ("raise", "skip"):
+            raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        if order not in ORDERS:
+            raise ConfigError(f"order must be one of {ORDERS}, got {order!r}")
+        if not isinstance(prefetch, int) or prefetch < 1:
+            raise ConfigError(f"prefetch must be an int >= 1 (batches prepared ahead), got {prefetch!r}")
+        if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
+            raise ConfigError(f"num_threads must be a positive int or None (all usable CPUs), got {num_threads!r}")
+        if not timeout > 0:
+            raise ConfigError(f"timeout must be positive seconds, got {timeout!r}")
+        self.pipeline = Pipeline(transforms)
+        self.dataset, self._owns_dataset = _open_source(source)
+        try:
+            self._setup(batch_size, shuffle, seed, drop_last, num_threads, prefetch, columns, on_error,
+                        rank, world_size, order, pin_memory, timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, batch_size: int, shuffle: bool, seed: int, drop_last: bool, num_threads: int | None,
+               prefetch: int, columns: Sequence[str], on_error: str, rank: int | None, world_size: int | None,
+               order: str, pin_memory: bool | None, timeout: float) -> None:
+        ds = self.dataset
+        self.batch_size, self.shuffle, self.seed, self.drop_last = batch_size, bool(shuffle), int(seed), drop_last
+        self.num_threads = num_threads or default_threads()
+        self.prefetch, self.on_error, self.timeout = prefetch, on_error, float(timeout)
+        self.order = order if shuffle else "sequential"
+        self.columns = tuple(columns)
+        missing = [c for c in self.columns if c not in ds.extra_columns]
+        if missing:
+            raise ConfigError(f"{ds.path}: no column(s) {missing}; the dataset has extra columns {ds.extra_columns}")
+        self.rank, self.world_size = _distributed(rank, world_size)
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        if len(ds) == 0:
+            raise ConfigError(f"{ds.path}: the dataset is empty; nothing to load")
+        self._heights = None if ds.heights is None else np.asarray(ds.heights, dtype=np.int64)
+        self._widths = None if ds.widths is None else np.asarray(ds.widths, dtype=np.int64)
+        self.output_size = self._resolve_output_size()
+        labels = ds.labels
+        self._labels = labels
+        self._label_dtype = labels.dtype if labels.dtype.kind in "iufb" else None
+        self._shard_rows = [s.rows for s in ds.manifest.shards] if isinstance(ds, PackedDataset) else None
+        self._epoch, self._cursor, self._started = 0, 0, False
+        self.stats = LoaderStats()
+        self._ring: BatchRing | None = None
+        self._current: weakref.ref | None = None
+        self._lock = threading.Lock()
+
+    def _resolve_output_size(self) -> tuple[int, int]:
+        fixed = self.pipeline.fixed_size
+        if fixed is not None:
+            return fixed
+        h, w = self._heights, self._widths
+        if h is not None and len(h) and (h == h[0]).all() and (w == w[0]).all():
+            return self.pipeline.output_size(int(h[0]), int(w[0]))
+        raise ConfigError(f"{self.dataset.path}: images differ in size and the transforms do not end in a fixed "
+                          f"size, so they cannot be batched; end the transforms with RandomResizedCrop(size), "
+                          f"CenterCrop(size) or Resize((height, width))")
+
+    # ---- epochs and state ------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Batches per epoch on this rank."""
+        return num_batches(samples_per_rank(len(self.dataset), self.world_size, self.drop_last),
+                           self.batch_size, self.drop_last)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next (or current) iteration reads."""
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Read epoch `epoch` from its start on the next `iter()`. Without calls, each new `iter()`
+        after a started one moves on to the next epoch by itself."""
+        self._epoch, self._cursor, self._started = int(epoch), 0, False
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader is: epoch and batches already yielded, plus what must match on resume."""
+        return {"format": _STATE_FORMAT, "epoch": self._epoch, "batch": self._cursor, "seed": self.seed,
+                "batch_size": self.batch_size, "world_size": self.world_size, "num_samples": len(self.dataset),
+                "order": self.order, "drop_last": self.drop_last}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the next `iter()` yields exactly the batches of `state`'s epoch not yet yielded."""
+        if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
+            raise ConfigError(f"not a stoker Loader state (expected format {_STATE_FORMAT!r}): {state!r:.200}")
+        mine = self.state_dict()
+        diff = {k: (state.get(k), mine[k]) for k in ("seed", "batch_size", "world_size", "num_samples",
+                                                      "order", "drop_last") if state.get(k) != mine[k]}
+        if diff:
+            raise ConfigError("the saved loader state does not match this Loader (saved, now): "
+                              + ", ".join(f"{k}={a!r} vs {b!r}" for k, (a, b) in diff.items())
+                              + "; build the Loader with the saved settings to resume exactly")
+        if not 0 <= int(state["batch"]) <= len(self):
+            raise ConfigError(f"saved batch cursor {state['batch']} is outside this epoch's {len(self)} batches")
+        self._epoch, self._cursor, self._started = int(state["epoch"]), int(state["batch"]), False
+
+    def epoch_indices(self, epoch: int | None = None) -> np.ndarray:
+        """Dataset indices this rank reads in `epoch` (default: the current one), in order."""
+        epoch = self._epoch if epoch is None else epoch
+        perm = epoch_order(len(self.dataset), seed=self.seed, epoch=epoch, order=self.order,
+                           shard_rows=self._shard_rows)
+        idx = rank_indices(perm, self.rank, self.world_size, drop_last=self.drop_last,
+                           contiguous=self.order == "shard_random")
+        if self.drop_last:
+            idx = idx[:len(idx) // self.batch_size * self.batch_size]
+        return idx
+
+    # ---- iteration ---------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[tuple]:
+        with self._lock:
+            previous = self._current() if self._current is not None else None
+            if previous is not None:
+                previous.close()
+            if self._started:  # the previous pass was abandoned part-way: move on
+                self._epoch, self._cursor = self._epoch + 1, 0
+            self._started = True
+            it = _LoaderIter(self, self._epoch, self._cursor)
+            self._current = weakref.ref(it)
+            return it
+
+    def _ring_for_run(self) -> BatchRing:
+        h, w = self.output_size
+        n_slots = self.prefetch + 1
+        if self._ring is None or not self._ring.matches(n_slots, self.batch_size, h, w, self._label_dtype,
+                                                        self.pin_memory):
+            self._ring = BatchRing(n_slots, self.batch_size, h, w, label_dtype=self._label_dtype,
+                                   pin_memory=self.pin_memory)
+        return self._ring
+
+    def close(self) -> None:
+        """Stop any running iteration and release the dataset (when the Loader opened it). Idempotent."""
+        cur = self._current() if getattr(self, "_current", None) is not None else None
+        if cur is not None:
+            cur.close()
+        if getattr(self, "_owns_dataset", False):
+            self.dataset.close()
+            self._owns_dataset = False
+        self._ring = None
+
+    def __enter__(self) -> "Loader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        h, w = self.output_size
+        return (f"<stoker.Loader {len(self.dataset)} samples, batch {self.batch_size}, {h}x{w}, "
+                f"{self.num_threads} threads, rank {self.rank}/{self.world_size}, epoch {self._epoch}>")
+
+
+class _Filler:
+    """The per-pass work: plan a batch, render one sample. Shared by the worker threads; it holds
+    no reference to the iterator, so an abandoned iterator can be collected."""
+
+    def __init__(self, loader: Loader, epoch: int, indices: np.ndarray, first_batch: int) -> None:
+        self.ds = loader.dataset
+        self.n = len(loader.dataset)
+        self.pipe = loader.pipeline
+        self.seed, self.epoch = loader.seed, epoch
+        self.indices = indices
+        self.first = first_batch * loader.batch_size
+        self.batch_size = loader.batch_size
+        self.heights, self.widths = loader._heights, loader._widths
+        self.labels = loader._labels
+        self.columns = loader.columns
+        self.on_error = loader.on_error
+        self.out_h, self.out_w = loader.output_size
+        self.stats = loader.stats
+        self.draws = max(self.pipe.draws, 1)
+
+    def _geometry(self, idx: np.ndarray, u: np.ndarray) -> Plan | None:
+        if self.heights is None:
+            return None
+        return self.pipe.plan(self.heights[idx], self.widths[idx], u)
+
+    def prepare(self, b: int, slot: Slot) -> _BatchPlan:
+        lo = self.first + b * self.batch_size
+        positions = np.arange(lo, lo + slot.size)
+        idx = self.indices[lo:lo + slot.size]
+        keys = sample_keys(self.seed, self.epoch, idx)
+        u = uniforms(keys, self.draws)
+        if slot.labels_np is not None:
+            slot.labels_np[:slot.size] = self.labels[idx]
+        else:
+            slot.objects[:slot.size] = self.labels[idx].tolist()
+        slot.extras = {c: [self.ds.extra(int(i), c) for i in idx] for c in self.columns}
+        return _BatchPlan(idx, positions, keys, u, self._geometry(idx, u))
+
+    def fill(self, plan: _BatchPlan, row: int, slot: Slot, scratch: dict, times: WorkerTimes) -> None:
+        idx = int(plan.indices[row])
+        geo = plan.geometry
+        box = None if geo is None else (geo.box[row].tolist(), bool(geo.flip[row]))  # Python floats: cheaper
+        try:
+            self.render(idx, int(plan.keys[row]), plan.u[row], box, slot.images_np[row], scratch, times)
+        except Exception as exc:
+            if self.on_error == "raise":
+                raise self.sample_error(idx, exc) from exc
+            self.replace(plan, row, slot, scratch, times, exc)
+
+    def render(self, idx: int, key: int, u: np.ndarray, box: tuple | None, dst: np.ndarray, scratch: dict,
+               times: WorkerTimes) -> None:
+        """Read, decode (only the resolution the crop needs) and transform sample `idx` into `dst`."""
+        t0 = time.perf_counter()
+        s = self.ds.sample(idx)
+        t1 = time.perf_counter()
+        if box is None:  # sizes known only now (loose files): plan this one sample
+            p = self.pipe.plan(np.array([s.height]), np.array([s.width]), u[None, :])
+            box = (p.box[0].tolist(), bool(p.flip[0]))
+            size = (int(p.size[0, 0]), int(p.size[0, 1]))
+        else:
+            size = (self.out_h, self.out_w)
+        img = self.decode(s, box[0], size, scratch)
+        t2 = time.perf_counter()
+        tail = self.pipe.tail
+        if not self.pipe.tail_geometric:
+            if size != dst.shape[:2]:
+                raise ValueError(f"transforms give {size[0]}x{size[1]} for this {s.height}x{s.width} image, "
+                                 f"the batch is {dst.shape[0]}x{dst.shape[1]}")
+            crop_resize_into(img, box[0], dst, box[1], s.height, s.width)
+            for op in tail:
+                out = run_user_op(op, dst, key)
+                if out is not dst:
+                    self._check_shape(out, dst, op.name)
+                    dst[...] = out
+        else:
+            mid = np.empty((size[0], size[1], 3), np.uint8)
+            crop_resize_into(img, box[0], mid, box[1], s.height, s.width)
+            out = apply_tail(tail, self.pipe.offsets[len(self.pipe.prefix):], mid, u, key)
+            self._check_shape(out, dst, "the transforms")
+            dst[...] = out
+        t3 = time.perf_counter()
+        times.read += t1 - t0
+        times.decode += t2 - t1
+        times.augment += t3 - t2
+
+    @staticmethod
+    def _check_shape(out: np.ndarray, dst: np.ndarray, what: str) -> None:
+        if out.shape != dst.shape:
+            raise ValueError(f"{what} returned an array of shape {out.shape}; the batch needs {dst.shape} "
+                             f"(every sample must come out the same size)")
+
+    def decode(self, s: Any, box: Sequence[float], size: tuple[int, int], scratch: dict) -> np.ndarray:
+        if s.encoding == "jpeg":
+            mh, mw = decode_minimums(box, size[0], size[1], s.height, s.width)
+            sh, sw = codecs.jpeg_scaled_shape(s.height, s.width, mh, mw)
+            need = sh * sw * 3
+            buf = scratch.get("decode")
+            if buf is None or buf.size < need:  # grows to the largest image, then stays
+                buf = scratch["decode"] = np.empty(max(need, 1 << 20), np.uint8)
+            return codecs.decode_rgb(s.data, "jpeg", s.key, height=s.height, width=s.width,
+                                     min_height=mh, min_width=mw, out=buf[:need])
+        img = codecs.decode_rgb(s.data, s.encoding, s.key, height=s.height, width=s.width)
+        if img.shape[:2] != (s.height, s.width):
+            raise ValueError(f"decoded size {img.shape[1]}x{img.shape[0]} differs from the stored size "
+                             f"{s.width}x{s.height}; re-pack the dataset")
+        return img
+
+    def replace(self, plan: _BatchPlan, row: int, slot: Slot, scratch: dict, times: WorkerTimes,
+                first: Exception) -> None:
+        """on_error="skip": fill the row with a stand-in chosen only from (seed, epoch, position)."""
+        pos = int(plan.positions[row])
+        for attempt in range(MAX_REPLACEMENTS):
+            r = replacement_index(self.seed, self.epoch, pos, attempt, self.n)
+            key = sample_keys(self.seed, self.epoch, np.array([r]))
+            u = uniforms(key, self.draws)
+            geo = self._geometry(np.array([r]), u)
+            box = None if geo is None else (geo.box[0].tolist(), bool(geo.flip[0]))
+            try:
+                self.render(r, int(key[0]), u[0], box, slot.images_np[row], scratch, times)
+            except Exception:
+                continue
+            if slot.labels_np is not None:
+                slot.labels_np[row] = self.labels[r]
+            else:
+                slot.objects[row] = self.labels[r]
+            for c in self.columns:
+                slot.extras[c][row] = self.ds.extra(r, c)
+            times.skipped += 1
+            times.skipped_keys.append(self._describe(int(plan.indices[row]), first)[0] or "?")
+            return
+        raise self.sample_error(int(plan.indices[row]), first,
+                                f"; {MAX_REPLACEMENTS} replacement samples failed as well") from first
+
+    def _describe(self, idx: int, exc: BaseException) -> tuple[str | None, str, int]:
+        shard, row = self.ds.location(idx)
+        key = getattr(exc, "key", None)
+        if key is None and isinstance(self.ds, PackedDataset):
+            key = self.ds.sample(idx).key
+        return key, shard, row
+
+    def sample_error(self, idx: int, exc: BaseException, extra: str = "") -> SampleError:
+        key, shard, row = self._describe(idx, exc)
+        return SampleError(f"sample {key!r} (shard {shard}, row {row}, index {idx}) failed: "
+                           f"{type(exc).__name__}: {exc}{extra}. Pass on_error='skip' to replace failing "
+                           f"samples, or re-pack to drop them", key=key, shard=shard, row=row, index=idx)
+
+    def flush(self, times: WorkerTimes, samples: int) -> None:
+        """Add a worker's counters into the loader's stats (called under the run's lock)."""
+        st = self.stats
+        st.samples += samples
+        st.read_s += times.read
+        st.decode_s += times.decode
+        st.augment_s += times.augment
+        st.worker_wait_s += times.wait
+        st.skipped += times.skipped
+        if times.skipped_keys and len(st.skipped_keys) < 100:
+            st.skipped_keys.extend(times.skipped_keys[:100 - len(st.skipped_keys)])
+        times.read = times.decode = times.augment = times.wait = 0.0
+        times.skipped = 0
+        times.skipped_keys.clear()
+
+
+class _LoaderIter:
+    """One pass over the rest of an epoch. Closing it (or dropping it) stops its threads."""
+
+    def __init__(self, loader: Loader, epoch: int, start: int) -> None:
+        self._loader = loader
+        self._epoch = epoch
+        indices = loader.epoch_indices(epoch)
+        total = len(loader)
+        sizes = [min(loader.batch_size, len(indices) - k * loader.batch_size) for k in range(start, total)]
+        self._n = len(sizes)
+        self._start = start
+        self._b = 0
+        self._closed = False
+        filler = _Filler(loader, epoch, indices, start)
+        self._run: Run | None = None
+        if self._n:
+            threads = min(loader.num_threads, max(1, sum(sizes)))
+            self._run = Run(loader._ring_for_run(), sizes, threads, filler.prepare, filler.fill, filler.flush,
+                            loader.timeout)
+            self._finalizer = weakref.finalize(self, self._run.stop, 2.0)
+            self._run.start()
+        self._columns = loader.columns
+
+    def __iter__(self) -> "_LoaderIter":
+        return self
+
+    def __next__(self) -> tuple:
+        if self._closed or self._run is None or self._b >= self._n:
+            self._finish()
+            raise StopIteration
+        loader = self._loader
+        t0 = time.perf_counter()
+        try:
+            slot = self._run.next_batch(self._b)
+        except BaseException:  # SampleError, timeout, Ctrl-C: stop the threads before propagating
+            self.close()
+            raise
+        loader.stats.consumer_wait_s += time.perf_counter() - t0
+        loader.stats.batches += 1
+        self._b += 1
+        if loader._current is not None and loader._current() is self:
+            loader._cursor = self._start + self._b
+            if self._b == self._n:  # the epoch is complete: a new iter() starts the next one
+                loader._epoch, loader._cursor, loader._started = self._epoch + 1, 0, False
+        return self._batch(slot)
+
+    def _batch(self, slot: Slot) -> tuple:
+        n = slot.size
+        full = n == slot.images.shape[0]
+        images = slot.images if full else slot.images[:n]
+        if slot.labels is not None:
+            labels: Any = slot.labels if full else slot.labels[:n]
+        else:
+            labels = list(slot.objects[:n])
+        if self._columns:
+            return images, labels, {c: list(v) for c, v in slot.extras.items()}
+        return images, labels
+
+    def _finish(self) -> None:
+        if not self._closed:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the worker threads (prompt: they check a stop flag at least every 0.1 s)."""
+        self._closed = True
+        if self._run is not None:
+            self._finalizer()

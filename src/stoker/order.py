@@ -1,0 +1,157 @@
+"""The order of an epoch and the random numbers of each sample.
+
+Everything here is a pure function of integers (seed, epoch, sample index, rank, world size), so a
+batch's content never depends on thread count, prefetch depth or scheduling:
+
+- `epoch_order`: a permutation of the dataset from `(seed, epoch)`; `"random"` is a full shuffle,
+  `"sequential"` keeps dataset order, `"shard_random"` is a quasi-random order that reads each
+  contiguous block of a shard exactly once per epoch (for datasets larger than the page cache).
+- `rank_indices`: the slice of an epoch's order one distributed rank reads, padded or trimmed so every
+  rank gets the same number of samples (the `DistributedSampler` rule).
+- `uniforms`: per-sample uniform floats in [0, 1) from a counter-based hash of
+  `(seed, epoch, sample index, counter)`, vectorised in numpy.
+
+The hash is SplitMix64's finalizer, not numpy's bit generators, so orders stay the same across numpy
+versions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .errors import ConfigError
+
+ORDERS = ("random", "sequential", "shard_random")
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31, _S11 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
+_MASK64 = (1 << 64) - 1
+# Domain tags keep the streams of different uses apart.
+_TAG_ORDER, _TAG_BLOCK, _TAG_SAMPLE, _TAG_REPLACE = 1, 2, 3, 4
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64 finalizer over a uint64 array (wrapping arithmetic); returns a new array."""
+    z = np.asarray(x, dtype=np.uint64) + _GOLDEN
+    z = (z ^ (z >> _S30)) * _M1
+    z = (z ^ (z >> _S27)) * _M2
+    return z ^ (z >> _S31)
+
+
+def _u64(value: int) -> np.ndarray:
+    return np.array([int(value) & _MASK64], dtype=np.uint64)
+
+
+def stream_key(seed: int, epoch: int, tag: int) -> np.ndarray:
+    """One uint64 (as a length-1 array) naming the stream of `(seed, epoch, tag)`."""
+    return mix64(mix64(mix64(_u64(seed)) ^ _u64(epoch)) ^ _u64(tag))
+
+
+def sample_keys(seed: int, epoch: int, indices: np.ndarray, *, tag: int = _TAG_SAMPLE) -> np.ndarray:
+    """uint64 key per sample index: the root of that sample's random stream in this epoch."""
+    idx = np.asarray(indices, dtype=np.int64).astype(np.uint64)
+    return mix64(stream_key(seed, epoch, tag) ^ idx)
+
+
+def uniforms(keys: np.ndarray, count: int, offset: int = 0) -> np.ndarray:
+    """float64 [len(keys), count] uniform in [0, 1): draws `offset .. offset+count-1` of each key's stream."""
+    keys = np.asarray(keys, dtype=np.uint64).reshape(-1, 1)
+    counters = np.arange(offset + 1, offset + count + 1, dtype=np.uint64).reshape(1, -1)
+    bits = mix64(keys ^ (counters * _M2))
+    return (bits >> _S11).astype(np.float64) * (1.0 / 9007199254740992.0)
+
+
+def _hash_order(keys: np.ndarray) -> np.ndarray:
+    return np.argsort(keys, kind="stable")
+
+
+@dataclass(frozen=True)
+class ShardRandom:
+    """Parameters of the `"shard_random"` order: blocks of `block` consecutive rows (never across a
+    shard boundary) are visited in random order, `window` blocks at a time, and samples are shuffled
+    within each window. Each block is read once per epoch; about `block * window` samples are live."""
+
+    block: int = 64
+    window: int = 32
+
+    def __post_init__(self) -> None:
+        if self.block < 1 or self.window < 1:
+            raise ConfigError(f"ShardRandom needs block >= 1 and window >= 1, got block={self.block}, "
+                              f"window={self.window}")
+
+
+def _shard_random(n: int, shard_rows: Sequence[int], seed: int, epoch: int, cfg: ShardRandom) -> np.ndarray:
+    starts = np.cumsum([0, *shard_rows])[:-1]
+    if int(sum(shard_rows)) != n:
+        raise ConfigError(f"shard row counts sum to {int(sum(shard_rows))}, the dataset has {n} samples")
+    # Block id of each sample: blocks restart at every shard start.
+    shard_of = np.repeat(np.arange(len(shard_rows)), shard_rows)
+    row_in_shard = np.arange(n) - np.repeat(starts, shard_rows)
+    blocks_per_shard = -(-np.asarray(shard_rows, dtype=np.int64) // cfg.block)
+    block_base = np.cumsum([0, *blocks_per_shard])[:-1]
+    block_of = block_base[shard_of] + row_in_shard // cfg.block if n else np.zeros(0, np.int64)
+    n_blocks = int(blocks_per_shard.sum())
+    block_rank = np.empty(n_blocks, dtype=np.int64)
+    block_rank[_hash_order(sample_keys(seed, epoch, np.arange(n_blocks), tag=_TAG_BLOCK))] = np.arange(n_blocks)
+    window_of = block_rank[block_of] // cfg.window
+    within = sample_keys(seed, epoch, np.arange(n), tag=_TAG_ORDER)
+    return np.lexsort((within, window_of)).astype(np.int64)
+
+
+def epoch_order(n: int, *, seed: int, epoch: int, order: str = "random",
+                shard_rows: Sequence[int] | None = None, shard_random: ShardRandom | None = None) -> np.ndarray:
+    """int64 [n]: the dataset indices of epoch `epoch` in the order they are read.
+
+    `shard_rows` (rows per shard, in dataset order) is used by `"shard_random"`; without it the
+    dataset counts as one shard."""
+    if order not in ORDERS:
+        raise ConfigError(f"order must be one of {ORDERS}, got {order!r}")
+    if order == "sequential":
+        return np.arange(n, dtype=np.int64)
+    if order == "random":
+        return _hash_order(sample_keys(seed, epoch, np.arange(n), tag=_TAG_ORDER)).astype(np.int64)
+    return _shard_random(n, list(shard_rows) if shard_rows else [n], seed, epoch, shard_random or ShardRandom())
+
+
+def samples_per_rank(n: int, world_size: int, drop_last: bool) -> int:
+    """Samples each rank reads per epoch: floor(n / world) with drop_last, else ceil (padding repeats)."""
+    return n // world_size if drop_last else -(-n // world_size)
+
+
+def rank_indices(order: np.ndarray, rank: int, world_size: int, *, drop_last: bool,
+                 contiguous: bool = False) -> np.ndarray:
+    """The part of an epoch's order that `rank` reads; every rank gets the same count.
+
+    Like torch's DistributedSampler: without drop_last the order is padded by repeating its first
+    (at most world_size - 1) entries; with drop_last its tail (at most world_size - 1) is dropped.
+    Ranks take every world_size-th entry (`contiguous=False`) or one contiguous chunk each."""
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    n = len(order)
+    per = samples_per_rank(n, world_size, drop_last)
+    total = per * world_size
+    if total > n:
+        reps = -(-total // n) if n else 0
+        order = np.tile(order, reps)[:total] if n else order
+    else:
+        order = order[:total]
+    if contiguous:
+        return order[rank * per:(rank + 1) * per]
+    return order[rank:total:world_size]
+
+
+def num_batches(samples: int, batch_size: int, drop_last: bool) -> int:
+    """Batches in an epoch of `samples` samples; a partial last batch counts unless drop_last."""
+    return samples // batch_size if drop_last else -(-samples // batch_size)
+
+
+def replacement_index(seed: int, epoch: int, position: int, attempt: int, n: int) -> int:
+    """The sample that stands in for the one at `position` of the epoch after `attempt` failures
+    (on_error="skip"): a pure function of its arguments, so it does not depend on scheduling."""
+    key = sample_keys(seed, epoch, np.array([position]), tag=_TAG_REPLACE)
+    return int(mix64(key ^ _u64(attempt + 1))[0] % np.uint64(n))

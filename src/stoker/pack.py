@@ -1,0 +1,588 @@
+"""Pack a source into Arrow shards: validate, normalize, write; in parallel and resumable.
+
+Each sample is checked and normalized in a worker process (:func:`normalize`): a JPEG that
+the loader's fast path can decode as is (RGB or grey, EXIF-upright, no resize) keeps its
+bytes after a full decode check; everything else is decoded by Pillow, turned upright RGB,
+optionally shrunk, and re-encoded as JPEG, or stored as raw pixels when tiny.
+
+Results are consumed in source order, so the shards are the same for any worker count.
+After every finished shard one fsynced line goes to ``OUT/.stoker-pack.jsonl`` (the
+journal); ``resume=True`` checks it against the shards on disk and carries on from the
+recorded source position, giving exactly what an uninterrupted run gives. The manifest is
+written last, then the journal is removed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import simplejpeg
+from PIL import Image
+
+from . import codecs
+from .errors import (ConfigError, CorruptImageError, DecompressionBombError, ImageError, SourceError,
+                     StokerError, UnsupportedImageError)
+from .shards import (MANIFEST_NAME, Manifest, ShardInfo, ShardWriter, atomic_write_bytes, file_sha256,
+                     read_manifest, shard_name, write_manifest)
+from .sources import Source, SourceItem, open_source, read_bytes
+
+__all__ = ["JOURNAL_NAME", "SKIPPED_NAME", "PackOptions", "PackSummary", "normalize", "pack"]
+
+JOURNAL_NAME = ".stoker-pack.jsonl"
+SKIPPED_NAME = "skipped.jsonl"
+#: Seconds one task (a few samples) may take in a worker before the pack gives up on it.
+TASK_TIMEOUT_S = 600.0
+#: Samples per task sent to a worker: amortizes inter-process overhead (about 0.3 ms a task).
+TASK_SAMPLES = 8
+#: With encoding="keep", a re-encoded JPEG must keep at least this PSNR (dB) against the
+#: decoded source, or the sample is stored as PNG. Photos at quality 90 measure 32-42 dB.
+MIN_PSNR_DB = 30.0
+_ERROR_TYPES = {cls.__name__: cls for cls in (CorruptImageError, UnsupportedImageError,
+                                               DecompressionBombError, ImageError)}
+
+
+@dataclass(frozen=True)
+class PackOptions:
+    """How samples are normalized and written. All but ``workers`` shape the output."""
+
+    max_side: int | None = None      # shrink so the longer side is at most this many pixels
+    encoding: str = "keep"           # keep: JPEG bytes kept when possible, else a faithful JPEG or PNG;
+                                     # jpeg: every sample re-encoded as JPEG; raw: RGB pixels
+    jpeg_quality: int = 90           # 1..100, for re-encoded samples
+    raw_below: int = 64 * 64         # samples with <= this many pixels are stored raw (0: never)
+    shard_size: int = 256 * 2**20    # bytes of image data per shard (a shard closes once it reaches this)
+    workers: int | None = None       # processes; None: one per usable CPU; 1: in this process
+    on_error: str = "skip"           # skip: log bad files to skipped.jsonl; fail: stop at the first
+    max_pixels: int = codecs.MAX_PIXELS  # decompression-bomb limit, pixels (None: the default)
+
+    def __post_init__(self) -> None:
+        if self.max_pixels is None:
+            object.__setattr__(self, "max_pixels", codecs.MAX_PIXELS)
+        def bad(name: str, expected: str) -> ConfigError:
+            return ConfigError(f"pack option {name}={getattr(self, name)!r}: expected {expected}")
+        if self.max_side is not None and (not isinstance(self.max_side, int) or self.max_side < 1):
+            raise bad("max_side", "None or a positive number of pixels")
+        if self.encoding not in ("keep", "jpeg", "raw"):
+            raise bad("encoding", "'keep', 'jpeg' or 'raw'")
+        if not isinstance(self.jpeg_quality, int) or not 1 <= self.jpeg_quality <= 100:
+            raise bad("jpeg_quality", "an integer in 1..100")
+        if not isinstance(self.raw_below, int) or self.raw_below < 0:
+            raise bad("raw_below", "a pixel count >= 0")
+        if not isinstance(self.shard_size, int) or self.shard_size < 1:
+            raise bad("shard_size", "a positive number of bytes")
+        if self.workers is not None and (not isinstance(self.workers, int) or self.workers < 1):
+            raise bad("workers", "None or a positive integer")
+        if self.on_error not in ("skip", "fail"):
+            raise bad("on_error", "'skip' or 'fail'")
+        if not isinstance(self.max_pixels, int) or self.max_pixels < 1:
+            raise bad("max_pixels", "a positive pixel count")
+
+    def output_options(self) -> dict[str, Any]:
+        """The options that decide the bytes written (everything except ``workers``)."""
+        opts = asdict(self)
+        del opts["workers"]
+        return opts
+
+
+@dataclass
+class PackSummary:
+    """What a pack did. ``bytes_in``/``bytes_out`` count packed samples only (source vs stored)."""
+
+    packed: int
+    skipped: int
+    bytes_in: int
+    bytes_out: int
+    seconds: float
+    shards: int
+    out: Path
+
+    def __str__(self) -> str:
+        return self.format()
+
+    def format(self) -> str:
+        """One line for people: counts, shards, bytes in and out, time and images/s."""
+        rate = f", {self.packed / self.seconds:,.0f} images/s" if self.seconds > 0 else ""
+        skipped = f" ({self.skipped:,} skipped, see {self.out / SKIPPED_NAME})" if self.skipped else ""
+        return (f"packed {self.packed:,} images{skipped} into {self.shards} shard(s) in {self.out}: "
+                f"{_mb(self.bytes_in)} in -> {_mb(self.bytes_out)} out, {self.seconds:.1f} s{rate}")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+# ---------------------------------------------------------------- normalize (runs in workers)
+
+class Normalized(NamedTuple):
+    image: bytes
+    encoding: str   # "jpeg" or "raw"
+    height: int     # pixels, as stored
+    width: int
+
+
+def _decodes_cleanly(data: bytes) -> bool:
+    """Full libjpeg-turbo decode in strict mode: the loader's fast path will take these bytes."""
+    try:
+        simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True)
+        return True
+    except ValueError:
+        return False
+
+
+def _target_shape(height: int, width: int, max_side: int | None) -> tuple[int, int] | None:
+    """(h, w) with the longer side shrunk to ``max_side``; None when no resize is needed."""
+    longer = max(height, width)
+    if max_side is None or longer <= max_side:
+        return None
+    scale = max_side / longer
+    if height >= width:
+        return max_side, max(1, round(width * scale))
+    return max(1, round(height * scale)), max_side
+
+
+def _resize(rgb: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """Antialiased downscale: Lanczos, after a box reduce by an integer factor when the image
+    is more than 3x the target (Pillow's reducing_gap; same quality, less work)."""
+    if rgb.shape[:2] == shape:
+        return rgb
+    img = Image.fromarray(rgb).resize((shape[1], shape[0]), Image.Resampling.LANCZOS, reducing_gap=3.0)
+    return np.asarray(img)
+
+
+def normalize(data: bytes, key: str, options: PackOptions) -> Normalized:
+    """Turn one source file into what a shard stores. Raises ImageError subclasses.
+
+    Plain JPEGs (RGB/grey, orientation 1) that need no resize keep their bytes when
+    ``options.encoding == "keep"``; everything else becomes upright RGB, shrunk to
+    ``options.max_side``, then raw pixels (``encoding="raw"`` or at most ``raw_below``
+    pixels), or a JPEG at ``options.jpeg_quality`` (with "keep", only when that JPEG stays
+    within MIN_PSNR_DB of the pixels; otherwise lossless PNG).
+    """
+    info = codecs.probe(data, key, max_pixels=options.max_pixels)
+    target = _target_shape(info.height, info.width, options.max_side)
+    plain = codecs.is_plain_jpeg(info)
+    tiny = info.height * info.width <= options.raw_below
+    if plain and options.encoding == "keep" and target is None and not tiny and _decodes_cleanly(data):
+        return Normalized(bytes(data), "jpeg", info.height, info.width)
+    if plain and target is not None and min(target) >= 16:
+        # Like Pillow's thumbnail(): decode at the smallest n/8 DCT scale still >= 2x the target
+        # (much less work for big photos), then Lanczos. At 1x the result measurably loses detail;
+        # below 16 px the DCT scale's edge padding shows, so tiny targets decode at full size.
+        rgb = codecs.decode_rgb(data, "jpeg", key, height=info.height, width=info.width,
+                                min_height=2 * target[0], min_width=2 * target[1])
+    else:
+        rgb = codecs.decode_pillow_rgb(data, key, max_pixels=options.max_pixels)
+    target = _target_shape(rgb.shape[0], rgb.shape[1], options.max_side)
+    if target is not None:
+        rgb = _resize(rgb, target)
+    h, w = rgb.shape[:2]
+    if options.encoding == "raw" or h * w <= options.raw_below:
+        return Normalized(np.ascontiguousarray(rgb).tobytes(), "raw", h, w)
+    if options.encoding == "jpeg":
+        return Normalized(codecs.encode_jpeg(rgb, options.jpeg_quality), "jpeg", h, w)
+    image, encoding = _faithful_encode(rgb, options.jpeg_quality)
+    return Normalized(image, encoding, h, w)
+
+
+def _faithful(a: np.ndarray, b: np.ndarray) -> bool:
+    diff = a.astype(np.float32) - b
+    mse = float(np.mean(diff * diff))
+    return mse == 0 or 10 * np.log10(255.0**2 / mse) >= MIN_PSNR_DB
+
+
+def _faithful_encode(rgb: np.ndarray, quality: int) -> tuple[bytes, str]:
+    """JPEG when it keeps the picture (4:2:0, else 4:4:4 chroma), else lossless PNG.
+
+    Photos pass at 4:2:0; drawings, palette and 1-bit images with hard colour edges lose too
+    much there (down to 12 dB PSNR at quality 90), so they get full chroma or PNG.
+    """
+    rgb = np.ascontiguousarray(rgb)
+    for subsampling in ("420", "444"):
+        data = simplejpeg.encode_jpeg(rgb, quality=quality, colorspace="RGB", colorsubsampling=subsampling)
+        if _faithful(simplejpeg.decode_jpeg(data, colorspace="RGB"), rgb):
+            return data, "jpeg"
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, "PNG", compress_level=6)
+    return buf.getvalue(), "png"
+
+
+# A task entry: (key, path, container, offset, size). A result entry is either
+# (True, image, encoding, height, width, bytes_in) or (False, error type name, reason).
+_Task = list[tuple[str, str | None, str | None, int, int]]
+_worker_options: PackOptions | None = None
+
+
+def _init_worker(options: PackOptions) -> None:
+    global _worker_options
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled once, in the parent
+    # Odd files make Pillow warn and libtiff print to fd 2 by the hundred; the reason a file is
+    # skipped goes to skipped.jsonl instead. This process is ours, so silencing it is contained.
+    warnings.simplefilter("ignore")
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    _worker_options = options
+
+
+def _read_reason(exc: OSError, path: str | None) -> str:
+    if isinstance(exc, FileNotFoundError):
+        return "file not found (was it removed after the source was listed?)"
+    if isinstance(exc, IsADirectoryError):
+        return "is a directory, not an image file"
+    if isinstance(exc, PermissionError):
+        return "cannot read file: permission denied"
+    return f"cannot read file: {exc.strerror or exc}"
+
+
+def _process_one(entry: tuple, options: PackOptions) -> tuple:
+    key, path, container, offset, size = entry
+    try:
+        data = read_bytes(path, container, offset, size)
+    except OSError as exc:
+        return (False, "CorruptImageError", _read_reason(exc, path))
+    try:
+        out = normalize(data, key, options)
+    except ImageError as exc:
+        return (False, type(exc).__name__, exc.reason)
+    except MemoryError:
+        return (False, "DecompressionBombError", "ran out of memory while decoding")
+    except Exception as exc:  # a library failing on odd input must cost one sample, not the run
+        return (False, "CorruptImageError", f"decode failed: {type(exc).__name__}: {exc}")
+    return (True, out.image, out.encoding, out.height, out.width, len(data))
+
+
+def _process_task(task: _Task) -> list[tuple]:
+    assert _worker_options is not None, "worker not initialised"
+    return [_process_one(entry, _worker_options) for entry in task]
+
+
+# ---------------------------------------------------------------- parallel, in order
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _tasks(items: list[SourceItem], start: int, per_task: int) -> Iterator[_Task]:
+    for lo in range(start, len(items), per_task):
+        yield [(i.key, None if i.path is None else str(i.path),
+                None if i.container is None else str(i.container), i.offset, i.size)
+               for i in items[lo:lo + per_task]]
+
+
+def _mp_context() -> mp.context.BaseContext:
+    """forkserver where available (no fork of a threaded parent), else spawn. The fork server
+    imports this module once, so each worker starts by forking it instead of re-importing
+    numpy, Pillow and pyarrow (about 0.4 s a worker)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["__main__", __name__])  # ignored if the server already runs
+    return ctx
+
+
+def _run_in_order(tasks: Iterator[_Task], options: PackOptions, workers: int) -> Iterator[list[tuple]]:
+    """Yield each task's results in task order; at most ``4 * workers`` tasks in flight."""
+    if workers == 1:
+        for task in tasks:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                results = [_process_one(entry, options) for entry in task]
+            yield results
+        return
+    pool = ProcessPoolExecutor(workers, mp_context=_mp_context(), initializer=_init_worker,
+                               initargs=(options,))
+    processes = dict(getattr(pool, "_processes", None) or {})
+    window: list[Future] = []
+    clean = False
+    try:
+        for task in tasks:
+            window.append(pool.submit(_process_task, task))
+            processes.update(getattr(pool, "_processes", None) or {})
+            if len(window) >= 4 * workers:
+                yield _result(window.pop(0))
+        while window:
+            yield _result(window.pop(0))
+        clean = True
+    finally:
+        pool.shutdown(wait=clean, cancel_futures=True)
+        if not clean:  # a failure or Ctrl-C: do not wait for busy workers
+            for proc in processes.values():
+                if proc.is_alive():
+                    proc.terminate()
+            for proc in processes.values():
+                proc.join(timeout=5)
+
+
+def _result(future: Future) -> list[tuple]:
+    try:
+        return future.result(timeout=TASK_TIMEOUT_S)
+    except FutureTimeout:
+        raise StokerError(f"a pack worker spent more than {TASK_TIMEOUT_S:.0f} s on {TASK_SAMPLES} samples "
+                          "and looks stuck; rerun with resume=True and workers=1 to find the file") from None
+    except BrokenProcessPool:
+        raise StokerError("a pack worker process died (crashed, killed, or out of memory). When pack() "
+                          "runs from a script, keep the call under `if __name__ == \"__main__\":` (workers "
+                          "re-import the main module). Rerun with resume=True; workers=1 finds the file if "
+                          "it recurs") from None
+
+
+# ---------------------------------------------------------------- journal and output folder
+
+@dataclass
+class _State:
+    """Progress recorded in the journal: finished shards and what came before them."""
+
+    shards: list[ShardInfo] = field(default_factory=list)
+    consumed: int = 0   # source items handled (packed or skipped) up to the last finished shard
+    packed: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    skipped: list[dict[str, str]] = field(default_factory=list)
+
+
+def _fingerprint(source: Source) -> str:
+    """SHA-256 over every item's key, label and extras, and the label schema."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps([source.label_type, source.classes, source.extra_columns]).encode())
+    for item in source.items:
+        digest.update(json.dumps([item.key, item.label, item.extras], default=str).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
+def _append_line(path: Path, obj: dict[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(obj) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _owned_files(out: Path) -> list[Path]:
+    """Files a pack writes into OUT (finished or not); nothing else there is touched."""
+    names = {MANIFEST_NAME, JOURNAL_NAME, SKIPPED_NAME, f".{MANIFEST_NAME}.tmp", f".{JOURNAL_NAME}.tmp",
+             f".{SKIPPED_NAME}.tmp"}
+    found = [p for p in (out / n for n in sorted(names)) if p.exists()]
+    return found + sorted(out.glob("shard-*.arrow")) + sorted(out.glob(".shard-*.arrow.tmp"))
+
+
+def _remove(paths: list[Path]) -> None:
+    for p in paths:
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _shard_ok(out: Path, index: int, info: ShardInfo) -> bool:
+    path = out / info.file
+    return (info.file == shard_name(index) and path.is_file() and path.stat().st_size == info.bytes
+            and file_sha256(path) == info.sha256)
+
+
+def _load_journal(out: Path, header: dict[str, Any]) -> _State:
+    """Check the journal against ``header`` and the shards on disk; keep the valid prefix."""
+    journal = out / JOURNAL_NAME
+    lines = journal.read_text(encoding="utf-8").splitlines()
+    try:
+        found = json.loads(lines[0]) if lines else {}
+    except json.JSONDecodeError:
+        found = {}
+    for field_name in ("items", "fingerprint", "pack_options"):
+        if found.get(field_name) != header[field_name]:
+            what = {"items": "number of source items", "fingerprint": "source listing (keys, labels, extras)",
+                    "pack_options": "pack options or source"}[field_name]
+            raise ConfigError(f"{out} holds an unfinished pack whose {what} differs from this call "
+                              f"(was {found.get(field_name)!r}, now {header[field_name]!r}); resume with the "
+                              "same source and options, or pass overwrite=True (--overwrite) to start over")
+    state, kept = _State(), [lines[0]]
+    for line in lines[1:]:
+        try:
+            entry = json.loads(line)
+            info = ShardInfo(**entry["shard"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            break  # a line torn by the crash: its shard is redone
+        if not _shard_ok(out, len(state.shards), info):
+            break  # damaged or missing shard: redo from here
+        state.shards.append(info)
+        state.consumed, state.packed = entry["consumed"], entry["packed"]
+        state.bytes_in, state.bytes_out = entry["bytes_in"], entry["bytes_out"]
+        state.skipped.extend(entry["skipped"])
+        kept.append(line)
+    keep = {s.file for s in state.shards}
+    _remove([p for p in out.glob("shard-*.arrow") if p.name not in keep] + list(out.glob(".shard-*.arrow.tmp")))
+    atomic_write_bytes(journal, ("\n".join(kept) + "\n").encode())
+    return state
+
+
+def _finished_summary(out: Path, pack_options: dict[str, Any], started: float) -> PackSummary:
+    manifest = read_manifest(out)
+    if manifest.pack_options != pack_options:
+        raise ConfigError(f"{out} already holds a finished pack made with other options or another source "
+                          f"({manifest.pack_options}); pass overwrite=True (--overwrite) to re-pack")
+    _remove([out / JOURNAL_NAME])
+    skipped_file = out / SKIPPED_NAME
+    skipped = len(skipped_file.read_text().splitlines()) if skipped_file.exists() else 0
+    return PackSummary(manifest.num_samples, skipped, 0, sum(s.bytes for s in manifest.shards),
+                       time.perf_counter() - started, len(manifest.shards), out)
+
+
+def _prepare_out(out: Path, header: dict[str, Any], resume: bool, overwrite: bool) -> _State | None:
+    """Make OUT ready; returns the state to continue from, or None when the pack is finished."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output {out} is a file; expected a directory (empty, or holding a pack to resume)")
+    out.mkdir(parents=True, exist_ok=True)
+    owned = _owned_files(out)
+    has_manifest, has_journal = (out / MANIFEST_NAME).exists(), (out / JOURNAL_NAME).exists()
+    if overwrite:
+        _remove(owned)
+    elif resume and has_manifest:
+        return None
+    elif resume and has_journal:
+        return _load_journal(out, header)
+    elif resume:
+        _remove(owned)  # shards with no journal are not ours to trust
+    elif owned:
+        state = "a finished pack" if has_manifest else "an unfinished pack"
+        raise ConfigError(f"{out} already holds {state} ({owned[0].name}, ...); pass resume=True (--resume) "
+                          "to finish it, overwrite=True (--overwrite) to replace it, or choose an empty directory")
+    _append_line(out / JOURNAL_NAME, header)
+    return _State()
+
+
+# ---------------------------------------------------------------- the pack loop
+
+def _where(item: SourceItem) -> str:
+    if item.path is not None:
+        return str(item.path)
+    return f"{item.container}:{item.key}"
+
+
+def _progress(total: int, initial: int, enabled: bool) -> Any:
+    from tqdm.auto import tqdm
+    return tqdm(total=total, initial=initial, unit="img", desc="pack", dynamic_ncols=True,
+                disable=not (enabled and sys.stderr.isatty()))
+
+
+class _Packer:
+    """Consumes results in source order and rolls shards over at ``options.shard_size``."""
+
+    def __init__(self, out: Path, source: Source, options: PackOptions, state: _State) -> None:
+        self.out, self.source, self.options, self.state = out, source, options, state
+        self.pending: list[dict[str, str]] = []   # skips since the last journal line
+        self.writer = self._new_writer()
+
+    def _new_writer(self) -> ShardWriter:
+        return ShardWriter(self.out, len(self.state.shards), label_type=self.source.label_type,
+                           extra_columns=self.source.extra_columns)
+
+    def take(self, pos: int, result: tuple) -> None:
+        item, st = self.source.items[pos], self.state
+        if result[0]:
+            _, image, encoding, height, width, n_in = result
+            self.writer.add(item.key, image, encoding, height, width, item.label, item.extras)
+            st.packed += 1
+            st.bytes_in += n_in
+            st.bytes_out += len(image)
+        else:
+            _, error_type, reason = result
+            if self.options.on_error == "fail":
+                raise _ERROR_TYPES[error_type](_where(item), reason)
+            skip = {"key": item.key, "path": _where(item), "reason": reason}
+            st.skipped.append(skip)
+            self.pending.append(skip)
+        if self.writer.nbytes >= self.options.shard_size:
+            self.close_shard(pos + 1)
+
+    def close_shard(self, consumed: int) -> None:
+        st = self.state
+        info = self.writer.finish()
+        st.shards.append(info)
+        st.consumed = consumed
+        _append_line(self.out / JOURNAL_NAME, {
+            "shard": asdict(info), "consumed": consumed, "packed": st.packed, "bytes_in": st.bytes_in,
+            "bytes_out": st.bytes_out, "skipped": self.pending})
+        self.pending = []
+        self.writer = self._new_writer()
+
+
+def pack(src: str | Path | Source, out: str | Path, *, options: PackOptions | None = None,
+         resume: bool = False, progress: bool = True, overwrite: bool = False,
+         **source_options: Any) -> PackSummary:
+    """Pack ``src`` (see :func:`stoker.sources.open_source`) into a dataset directory ``out``.
+
+    Bad files are skipped and listed in ``out/skipped.jsonl`` (or, with ``on_error="fail"``,
+    the first raises its ImageError). ``resume=True`` finishes an interrupted pack exactly as
+    an uninterrupted run would have; ``overwrite=True`` replaces an existing pack. Raises
+    SourceError, ConfigError, ImageError.
+    """
+    started = time.perf_counter()
+    options = options or PackOptions()
+    if resume and overwrite:
+        raise ConfigError("resume=True and overwrite=True contradict each other; pass one of them")
+    source = src if isinstance(src, Source) else open_source(src, **source_options)
+    out = Path(out).expanduser().absolute()
+    pack_options = {**options.output_options(), "source": source.description, "source_kind": source.kind}
+    header = {"format": "stoker-pack-journal", "items": len(source.items), "fingerprint": _fingerprint(source),
+              "pack_options": pack_options}
+    state = _prepare_out(out, header, resume, overwrite)
+    if state is None:
+        return _finished_summary(out, pack_options, started)
+    packer = _Packer(out, source, options, state)
+    remaining = len(source.items) - state.consumed
+    workers = max(1, min(options.workers or _usable_cpus(), -(-remaining // TASK_SAMPLES)))
+    bar = _progress(len(source.items), state.consumed, progress)
+    pos = state.consumed
+    stream = _run_in_order(_tasks(source.items, pos, TASK_SAMPLES), options, workers)
+    try:
+        for results in stream:
+            for result in results:
+                packer.take(pos, result)
+                pos += 1
+            bar.update(len(results))
+            if packer.pending:
+                bar.set_postfix(skipped=len(state.skipped), refresh=False)
+        if packer.writer.rows:
+            packer.close_shard(pos)
+    except BaseException:
+        packer.writer.abort()
+        raise
+    finally:
+        stream.close()  # stops the workers now, not when the traceback is collected
+        bar.close()
+    return _finish(out, source, state, pack_options, started)
+
+
+def _finish(out: Path, source: Source, state: _State, pack_options: dict[str, Any],
+            started: float) -> PackSummary:
+    """skipped.jsonl, then the manifest (last), then drop the journal."""
+    lines = "".join(json.dumps(s) + "\n" for s in state.skipped)
+    atomic_write_bytes(out / SKIPPED_NAME, lines.encode())
+    if state.packed == 0:
+        raise SourceError(f"none of the {len(source.items)} images in {source.description} could be packed; "
+                          f"the reasons are in {out / SKIPPED_NAME}", path=source.root)
+    manifest = Manifest(num_samples=state.packed, shards=state.shards, classes=source.classes,
+                        label_type=source.label_type, extra_columns=source.extra_columns,
+                        pack_options=pack_options)
+    write_manifest(out, manifest)
+    _remove([out / JOURNAL_NAME])
+    return PackSummary(state.packed, len(state.skipped), state.bytes_in, state.bytes_out,
+                       time.perf_counter() - started, len(state.shards), out)

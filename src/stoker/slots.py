@@ -1,0 +1,221 @@
+"""The batch ring and the worker threads that fill it.
+
+A ring of `prefetch + 1` preallocated slots, each a `uint8 [B, H, W, 3]` tensor (pinned when CUDA is
+available) plus a label array. Worker threads claim sample positions from one shared counter, in
+order, and write each sample straight into its row; the consumer takes batches in order. A slot is
+refilled only after the consumer has moved past the batch it held, so memory is bounded by the ring
+and a yielded batch stays valid until the next step.
+
+Threads, not processes: libjpeg-turbo, OpenCV and Pillow release the GIL while they work, so the
+threads share one address space and write directly into (pinned) batch memory. What runs under the
+GIL per sample is a counter increment, one lock round-trip and the Python glue of the fill function.
+
+Every wait has a timeout and checks the stop flag. Worker threads hold no reference to the
+iterator that owns a run, so an abandoned iterator can be collected; its finalizer stops the run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .errors import LoaderTimeoutError
+
+_POLL_S = 0.1  # how often a blocked wait re-checks the stop flag, seconds
+
+
+@dataclass
+class Slot:
+    """One batch buffer. `images`/`labels` are preallocated tensors; `*_np` are numpy views of them."""
+
+    images: torch.Tensor
+    images_np: np.ndarray
+    labels: torch.Tensor | None
+    labels_np: np.ndarray | None
+    objects: list[Any] = field(default_factory=list)  # labels that are not numbers (str, lists)
+    extras: dict[str, list[Any]] = field(default_factory=dict)
+    batch: int = -1  # which batch of the run the slot holds
+    size: int = 0  # samples in that batch
+    remaining: int = 0  # samples not yet written
+    plan: Any = None  # the fill function's per-batch plan
+    errors: list[tuple[int, BaseException]] = field(default_factory=list)
+
+
+class BatchRing:
+    """`n_slots` preallocated batches: images uint8 [batch_size, height, width, 3] and labels."""
+
+    def __init__(self, n_slots: int, batch_size: int, height: int, width: int, *,
+                 label_dtype: np.dtype | None, pin_memory: bool) -> None:
+        self.batch_size, self.height, self.width = batch_size, height, width
+        self.label_dtype = label_dtype
+        self.pin_memory = pin_memory
+        self.slots = [self._make_slot(pin_memory) for _ in range(n_slots)]
+
+    def _make_slot(self, pin: bool) -> Slot:
+        images = torch.empty((self.batch_size, self.height, self.width, 3), dtype=torch.uint8, pin_memory=pin)
+        labels = None
+        if self.label_dtype is not None:
+            labels = torch.empty(self.batch_size, dtype=torch.from_numpy(np.empty(0, self.label_dtype)).dtype,
+                                 pin_memory=pin)
+        return Slot(images, images.numpy(), labels, None if labels is None else labels.numpy(),
+                    objects=[None] * self.batch_size)
+
+    def matches(self, n_slots: int, batch_size: int, height: int, width: int, label_dtype: np.dtype | None,
+                pin_memory: bool) -> bool:
+        """True when this ring can be reused for a run with these parameters."""
+        return (len(self.slots), self.batch_size, self.height, self.width, self.label_dtype,
+                self.pin_memory) == (n_slots, batch_size, height, width, label_dtype, pin_memory)
+
+
+@dataclass
+class WorkerTimes:
+    """Seconds one worker spent per stage since the last flush into the shared stats."""
+
+    read: float = 0.0
+    decode: float = 0.0
+    augment: float = 0.0
+    wait: float = 0.0
+    skipped: int = 0
+    skipped_keys: list[str] = field(default_factory=list)
+
+
+PrepareFn = Callable[[int, Slot], Any]  # (batch, slot) -> plan; fills labels/extras of the slot
+FillFn = Callable[[Any, int, Slot, dict, WorkerTimes], None]  # (plan, row, slot, scratch, times)
+FlushFn = Callable[[WorkerTimes, int], None]  # (times, samples done) under the run's lock
+
+
+class Run:
+    """One pass over `batch_sizes` batches: worker threads fill ring slots, `next_batch` hands them out.
+
+    `prepare(b, slot)` runs once per batch (in whichever worker gets there first, under a lock) and
+    returns the plan; `fill(plan, row, slot, scratch, times)` writes one sample. Exceptions from fill
+    are kept per row and raised by `next_batch` for the first failing row of that batch."""
+
+    def __init__(self, ring: BatchRing, batch_sizes: list[int], num_threads: int, prepare: PrepareFn,
+                 fill: FillFn, flush: FlushFn, timeout: float, name: str = "stoker") -> None:
+        self.ring = ring
+        self.n_slots = len(ring.slots)
+        self.batch_sizes = batch_sizes
+        self.total = int(sum(batch_sizes))
+        self.prepare, self.fill, self.flush = prepare, fill, flush
+        self.timeout = timeout
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        self.stop_event = threading.Event()
+        self.released = 0  # batches the consumer has moved past; slots of batches < released + n_slots are free
+        self.fatal: BaseException | None = None
+        self._counter = itertools.count()
+        self.threads = [threading.Thread(target=self._work, name=f"{name}-worker-{k}", daemon=True)
+                        for k in range(num_threads)]
+        for s in ring.slots:
+            s.batch = -1
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    # ---- workers -------------------------------------------------------------------------
+    def _claim(self) -> tuple[int, int] | None:
+        p = next(self._counter)  # atomic under the GIL: positions are handed out once, in order
+        if p >= self.total:
+            return None
+        return divmod(p, self.ring.batch_size)  # every batch is full but the last
+
+    def _wait_slot(self, b: int, times: WorkerTimes) -> Slot | None:
+        if b >= self.released + self.n_slots:
+            t0 = time.perf_counter()
+            with self.cond:
+                while b >= self.released + self.n_slots and not self.stop_event.is_set():
+                    self.cond.wait(_POLL_S)
+            times.wait += time.perf_counter() - t0
+        if self.stop_event.is_set():
+            return None
+        slot = self.ring.slots[b % self.n_slots]
+        if slot.batch != b:
+            with self.lock:
+                if slot.batch != b:  # first worker on this batch: plan it
+                    slot.errors = []
+                    slot.size = slot.remaining = self.batch_sizes[b]
+                    slot.plan = self.prepare(b, slot)
+                    slot.batch = b
+        return slot
+
+    def _work(self) -> None:
+        scratch: dict = {}
+        times = WorkerTimes()
+        try:
+            while not self.stop_event.is_set():
+                claim = self._claim()
+                if claim is None:
+                    break
+                b, row = claim
+                slot = self._wait_slot(b, times)
+                if slot is None:
+                    break
+                err: BaseException | None = None
+                try:
+                    self.fill(slot.plan, row, slot, scratch, times)
+                except BaseException as exc:  # kept for the consumer, which raises it in order
+                    err = exc
+                with self.lock:
+                    if err is not None:
+                        slot.errors.append((row, err))
+                    self.flush(times, 1)
+                    slot.remaining -= 1
+                    if slot.remaining == 0:
+                        self.cond.notify_all()
+        except BaseException as exc:  # a bug in the loop itself: never die silently
+            with self.lock:
+                self.fatal = exc
+                self.cond.notify_all()
+
+    # ---- consumer ------------------------------------------------------------------------
+    def next_batch(self, b: int) -> Slot:
+        """Release batch b-1 and return the slot of batch b once every row is written.
+
+        Raises the first row's exception when a sample failed, LoaderTimeoutError after `timeout`
+        seconds without the batch completing."""
+        slot = self.ring.slots[b % self.n_slots]
+        deadline = time.monotonic() + self.timeout
+        with self.cond:
+            if self.released < b:
+                self.released = b
+                self.cond.notify_all()
+            while not (slot.batch == b and slot.remaining == 0):
+                if self.fatal is not None:
+                    raise RuntimeError(f"a stoker worker thread failed: {self.fatal!r}") from self.fatal
+                if self.stop_event.is_set():
+                    raise RuntimeError("the loader was closed while waiting for a batch")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    pending = slot.remaining if slot.batch == b else self.batch_sizes[b]
+                    raise LoaderTimeoutError(
+                        f"batch {b}: no complete batch after {self.timeout:.0f} s ({pending} of "
+                        f"{self.batch_sizes[b]} samples pending, {sum(t.is_alive() for t in self.threads)} "
+                        f"worker threads alive); storage may be stalled or a transform hangs — raise "
+                        f"Loader(timeout=...) if samples are genuinely this slow")
+                self.cond.wait(min(_POLL_S, left))
+        if slot.errors:
+            row, exc = min(slot.errors, key=lambda e: e[0])
+            raise exc
+        return slot
+
+    def stop(self, join_timeout: float = 5.0) -> None:
+        """Stop the workers and wait (bounded) for them to exit. Safe to call repeatedly, from any thread."""
+        self.stop_event.set()
+        with self.cond:
+            self.cond.notify_all()
+        me = threading.current_thread()
+        deadline = time.monotonic() + join_timeout
+        for t in self.threads:
+            if t is not me and t.is_alive():
+                t.join(max(0.0, deadline - time.monotonic()))
+
+    def alive(self) -> int:
+        return sum(t.is_alive() for t in self.threads)

@@ -1,0 +1,66 @@
+"""Shared fixtures: small image trees written at test time (no downloads)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+PILLOW_CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "corpora" / "pillow-test-images"
+
+
+def smooth_rgb(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
+    """A smooth colour gradient plus mild noise: compresses like a photo, not like noise."""
+    y = np.linspace(0, 1, height, dtype=np.float32)[:, None, None]
+    x = np.linspace(0, 1, width, dtype=np.float32)[None, :, None]
+    base = rng.uniform(0, 255, size=(1, 1, 3)).astype(np.float32)
+    slope = rng.uniform(-120, 120, size=(2, 1, 1, 3)).astype(np.float32)
+    img = base + slope[0] * y + slope[1] * x + rng.normal(0, 6, size=(height, width, 3))
+    return img.clip(0, 255).astype(np.uint8)
+
+
+def jpeg_bytes(rgb: np.ndarray, quality: int = 90, **save_args) -> bytes:
+    """Encode with Pillow (so EXIF and other save options are available)."""
+    buf = io.BytesIO()
+    mode = "L" if rgb.ndim == 2 else "RGB"
+    Image.fromarray(rgb, mode).save(buf, "JPEG", quality=quality, **save_args)
+    return buf.getvalue()
+
+
+def write_image(path: Path, rgb: np.ndarray, fmt: str = "JPEG", **save_args) -> Path:
+    """Write ``rgb`` to ``path`` in ``fmt`` (Pillow format name); creates parent folders."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "JPEG":
+        path.write_bytes(jpeg_bytes(rgb, **save_args))
+    else:
+        Image.fromarray(rgb).save(path, fmt, **save_args)
+    return path
+
+
+def make_image_folder(root: Path, n_per_class: int = 4, classes: tuple[str, ...] = ("cat", "dog", "eel"),
+                      seed: int = 0, sizes: tuple[tuple[int, int], ...] = ((40, 56), (72, 48), (96, 96), (33, 70))
+                      ) -> Path:
+    """An ImageFolder tree ``root/<class>/<nn>.jpg`` of small JPEGs with varied sizes."""
+    rng = np.random.default_rng(seed)
+    for c in classes:
+        for i in range(n_per_class):
+            h, w = sizes[(i + len(c)) % len(sizes)]
+            write_image(root / c / f"{i:03d}.jpg", smooth_rgb(rng, h, w))
+    return root
+
+
+@pytest.fixture
+def image_folder(tmp_path: Path) -> Path:
+    """12 JPEGs (3 classes x 4, sizes 33..96 px) in an ImageFolder tree."""
+    return make_image_folder(tmp_path / "imgs")
+
+
+@pytest.fixture
+def pillow_corpus() -> Path:
+    """Pillow's own test images, when the shared corpora folder is present."""
+    if not PILLOW_CORPUS.is_dir():
+        pytest.skip(f"{PILLOW_CORPUS} is not present")
+    return PILLOW_CORPUS

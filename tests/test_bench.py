@@ -1,0 +1,173 @@
+"""Smoke tests of the benchmark engine (structure and sanity of the numbers; no timing thresholds),
+plus exactness checks of the torchvision re-implementation the baseline falls back to."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from stoker.bench import (
+    NOTE,
+    BenchResult,
+    PipelineResult,
+    _TVCenterCrop,
+    _TVRandomResizedCrop,
+    _TVResize,
+    _tv_to_normalized_tensor,
+    format_table,
+    list_image_folder,
+    machine_info,
+    run_bench,
+)
+from stoker.errors import ConfigError
+from stoker.synth import make_tiny_jpegs
+
+HAS_LOADER = importlib.util.find_spec("stoker.loader") is not None
+
+
+@pytest.fixture(scope="module")
+def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_jpegs(tmp_path_factory.mktemp("bench") / "data", 64, classes=4, size=(150, 200))
+
+
+def _check_ran(p: PipelineResult, images: int) -> None:
+    assert p.skipped is None, p.skipped
+    assert p.images == images
+    assert len(p.rounds) == 1 and math.isfinite(p.images_per_s) and p.images_per_s > 0
+    assert math.isfinite(p.cpu_percent) and p.cpu_percent > 0
+    assert math.isfinite(p.cpu_ms_per_image) and p.cpu_ms_per_image > 0
+    assert p.peak_rss_bytes > 10 * 2**20
+    assert math.isfinite(p.first_batch_s) and p.first_batch_s > 0
+    assert p.version   # which library did the work, e.g. "simplejpeg 1.9.0"
+
+
+def _check_outputs(result: BenchResult, out: Path) -> None:
+    obj = json.loads((out / "bench.json").read_text())
+    assert obj == json.loads(json.dumps(result.to_json()))
+    assert [p["name"] for p in obj["pipelines"]] == [p.name for p in result.pipelines]
+    table = (out / "bench.md").read_text()
+    assert NOTE in table and all(f"| {p.name} |" in table for p in result.pipelines)
+
+
+def test_baselines_and_ceiling_in_process(tiny_root: Path, tmp_path: Path) -> None:
+    result = run_bench(tiny_root, batch_size=16, rounds=1, workers=2, isolate=False, out_dir=tmp_path,
+                       pipelines=("baseline", "baseline-val", "ceiling", "dali"))
+    assert (result.images, result.batch_size, result.workers, result.rounds) == (64, 16, 2, 1)
+    assert result.data["images"] == 64 and result.data["mean_width"] == 200
+    for name in ("baseline", "baseline-val", "ceiling"):
+        _check_ran(result.get(name), 64)  # type: ignore[arg-type]
+    ceiling = result.get("ceiling")
+    assert ceiling.ratio_to == "baseline" and ceiling.ratio > 0  # type: ignore[union-attr,operator]
+    dali = result.get("dali")
+    assert dali is not None
+    if importlib.util.find_spec("nvidia") is None:
+        assert dali.skipped and "pip install" in dali.skipped and dali.ratio is None
+    assert result.pack_seconds > 0 and "torchvision" in result.baseline_transforms
+    _check_outputs(result, tmp_path)
+
+
+@pytest.mark.skipif(not HAS_LOADER, reason="stoker.loader is not part of this build yet")
+def test_stoker_pipelines_in_process(tiny_root: Path, tmp_path: Path) -> None:
+    result = run_bench(tiny_root, batch_size=16, rounds=1, workers=2, isolate=False, out_dir=tmp_path,
+                       pipelines=("baseline", "baseline-val", "stoker-train", "stoker-val"))
+    for name in ("stoker-train", "stoker-val"):
+        p = result.get(name)
+        _check_ran(p, 64)  # type: ignore[arg-type]
+        assert p.ratio is not None and p.ratio > 0  # type: ignore[union-attr]
+    assert result.get("stoker-val").ratio_to == "baseline-val"  # type: ignore[union-attr]
+
+
+def test_isolated_run_reports_from_a_child_process(tiny_root: Path, tmp_path: Path) -> None:
+    result = run_bench(tiny_root, batch_size=32, rounds=1, workers=1, isolate=True, out_dir=tmp_path,
+                       pipelines=("ceiling",))
+    _check_ran(result.get("ceiling"), 64)  # type: ignore[arg-type]
+    assert result.get("ceiling").ratio is None  # type: ignore[union-attr]  (no baseline in this run)
+
+
+def test_generates_data_when_no_folder_is_given(tmp_path: Path) -> None:
+    result = run_bench(None, images=12, batch_size=8, rounds=1, workers=1, isolate=False, out_dir=tmp_path,
+                       pipelines=("ceiling",))
+    assert result.data["generated"] and result.images == 12
+    assert len(list((tmp_path / "data").rglob("*.jpg"))) == 12
+
+
+@pytest.mark.parametrize("kwargs", [{"rounds": 0}, {"batch_size": 0}, {"pipelines": ("baseline", "nope")},
+                                    {"pipelines": ()}])
+def test_bad_arguments(tiny_root: Path, kwargs: dict) -> None:
+    with pytest.raises(ConfigError):
+        run_bench(tiny_root, isolate=False, **kwargs)
+
+
+def test_table_shows_skipped_pipelines_and_the_note() -> None:
+    result = BenchResult([PipelineResult("baseline", "b", images_per_s=100.0, rounds=[100.0]),
+                          PipelineResult("dali", "d", skipped="not installed")],
+                         images=10, batch_size=4, workers=2, rounds=1,
+                         data={"images": 10, "generated": True, "mean_width": 400, "mean_height": 350,
+                               "mean_file_kb": 100.0},
+                         baseline_transforms="x", machine=machine_info())
+    table = format_table(result)
+    assert "skipped: not installed" in table and NOTE in table and "| baseline | 100 |" in table
+    assert json.dumps(result.to_json())   # NaN fields become null, so this is valid JSON
+
+
+def test_image_folder_listing_is_torchvision_order(tmp_path: Path) -> None:
+    make_tiny_jpegs(tmp_path, 6, classes=3)
+    samples, classes = list_image_folder(tmp_path)
+    assert classes == ["class_000", "class_001", "class_002"]
+    assert [label for _, label in samples] == sorted(label for _, label in samples)
+    with pytest.raises(ConfigError):
+        list_image_folder(tmp_path / "class_000")
+
+
+# --- the torchvision re-implementation -------------------------------------------------------------
+
+def test_random_resized_crop_params_in_bounds_and_fallback() -> None:
+    rrc = _TVRandomResizedCrop(224)
+    torch.manual_seed(0)
+    for _ in range(200):
+        i, j, h, w = rrc.get_params(500, 375)
+        assert 0 <= i and 0 <= j and 0 < h and 0 < w and i + h <= 375 and j + w <= 500
+    # A 1000x10 strip fits no crop of ratio 3/4..4/3 and area >= 8%: torchvision's central fallback.
+    assert rrc.get_params(1000, 10) == (0, (1000 - 13) // 2, 10, 13)
+    assert rrc(Image.new("RGB", (500, 375))).size == (224, 224)
+
+
+def test_resize_center_crop_and_normalize() -> None:
+    img = Image.new("RGB", (500, 375), (255, 0, 128))
+    resized = _TVResize(256)(img)
+    assert resized.size == (341, 256)                      # longer side int(256 * 500 / 375)
+    assert _TVResize(256)(Image.new("RGB", (300, 600))).size == (256, 512)
+    cropped = _TVCenterCrop(224)(resized)
+    assert cropped.size == (224, 224)
+    t = _tv_to_normalized_tensor(cropped)
+    assert t.shape == (3, 224, 224) and t.dtype == torch.float32
+    expected = (np.array([1.0, 0.0, 128 / 255]) - [0.485, 0.456, 0.406]) / [0.229, 0.224, 0.225]
+    assert np.allclose(t[:, 100, 100].numpy(), expected, atol=1e-5)
+
+
+def test_matches_real_torchvision_when_installed() -> None:
+    tv = pytest.importorskip("torchvision.transforms")
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (375, 500, 3), dtype=np.uint8))
+    for seed in range(20):
+        torch.manual_seed(seed)
+        ours = _TVRandomResizedCrop(224)(img)
+        torch.manual_seed(seed)
+        theirs = tv.RandomResizedCrop(224)(img)
+        assert np.array_equal(np.asarray(ours), np.asarray(theirs))
+    ours_val = _tv_to_normalized_tensor(_TVCenterCrop(224)(_TVResize(256)(img)))
+    theirs_val = tv.Compose([tv.Resize(256), tv.CenterCrop(224), tv.ToTensor(),
+                             tv.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])(img)
+    assert torch.equal(ours_val, theirs_val)
+
+
+def test_ceiling_handles_samples_packed_as_raw_pixels(tmp_path: Path) -> None:
+    root = make_tiny_jpegs(tmp_path / "raw", 8, classes=2, size=(32, 48))   # <= 64x64: packed raw
+    result = run_bench(root, batch_size=4, rounds=1, workers=1, isolate=False, pipelines=("ceiling",))
+    _check_ran(result.get("ceiling"), 8)  # type: ignore[arg-type]

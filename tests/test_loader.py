@@ -1,0 +1,325 @@
+"""stoker.Loader end to end on small packed datasets written at test time."""
+
+from __future__ import annotations
+
+import _thread
+import gc
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import simplejpeg
+import torch
+
+from stoker.codecs import encode_jpeg
+from stoker.errors import ConfigError, CorruptImageError, SampleError
+from stoker.loader import Loader
+from stoker.reader import open_dataset
+from stoker.shards import Manifest, ShardWriter, write_manifest
+from stoker.sources import open_source
+from stoker.transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
+
+TRAIN = [RandomResizedCrop(32), RandomHorizontalFlip()]
+
+
+def photo(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
+    y = np.linspace(0, 1, h, dtype=np.float32)[:, None, None]
+    x = np.linspace(0, 1, w, dtype=np.float32)[None, :, None]
+    img = rng.uniform(0, 255, (1, 1, 3)) + rng.uniform(-120, 120, (1, 1, 3)) * np.sin(4 * x + 3 * y)
+    img = img + rng.normal(0, 8, (h, w, 3))
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def build_packed(out: Path, n: int = 60, *, shards: int = 2, seed: int = 0, corrupt: tuple[int, ...] = (),
+                 sizes: tuple[int, int] = (40, 130)) -> Path:
+    """n samples, label = index, extra column "weight" = index / 10. Mostly JPEGs of varied
+    sizes; every 7th a grayscale JPEG, every 11th raw pixels, every 13th a PNG."""
+    from PIL import Image
+    import io
+
+    rng = np.random.default_rng(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    infos, per = [], -(-n // shards)
+    for s in range(shards):
+        w = ShardWriter(out, s, label_type="int64", extra_columns={"weight": "float64"})
+        for i in range(s * per, min(n, (s + 1) * per)):
+            h, wd = (int(v) for v in rng.integers(sizes[0], sizes[1], 2))
+            img = photo(rng, h, wd)
+            if i in corrupt:
+                data, enc = b"\xff\xd8\xff\xe0" + bytes(rng.integers(0, 255, 300, dtype=np.uint8)), "jpeg"
+            elif i % 11 == 5:
+                data, enc = img.tobytes(), "raw"
+            elif i % 13 == 6:
+                buf = io.BytesIO()
+                Image.fromarray(img).save(buf, "PNG")
+                data, enc = buf.getvalue(), "png"
+            elif i % 7 == 3:
+                data, enc = simplejpeg.encode_jpeg(img[:, :, :1].copy(), colorspace="GRAY", quality=90), "jpeg"
+            else:
+                data, enc = encode_jpeg(img, 90), "jpeg"
+            w.add(f"img/{i:04d}.x", data, enc, h, wd, i, {"weight": i / 10})
+        infos.append(w.finish())
+    write_manifest(out, Manifest(num_samples=n, shards=infos, classes=None, label_type="int64",
+                                 extra_columns={"weight": "float64"}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_packed(tmp_path_factory.mktemp("packed") / "ds")
+
+
+@pytest.fixture(scope="module")
+def packed_bad(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_packed(tmp_path_factory.mktemp("bad") / "ds", n=40, corrupt=(9, 17))
+
+
+def run_epoch(loader: Loader) -> tuple[np.ndarray, np.ndarray]:
+    imgs, labels = [], []
+    for batch in loader:
+        imgs.append(batch[0].numpy().copy())
+        labels.append(batch[1].numpy().copy())
+    return np.concatenate(imgs), np.concatenate(labels)
+
+
+def settle(baseline: int, timeout: float = 5.0) -> int:
+    deadline = time.monotonic() + timeout
+    while threading.active_count() > baseline and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return threading.active_count()
+
+
+def test_batches_have_the_promised_shape_and_labels(packed: Path) -> None:
+    with Loader(packed, 16, transforms=TRAIN, seed=3) as loader:
+        assert len(loader) == 4
+        batches = [(x.clone(), y.clone()) for x, y in loader]  # a batch lives until the next step
+        assert [b[0].shape[0] for b in batches] == [16, 16, 16, 12]
+        images, labels = batches[0]
+        assert images.dtype == torch.uint8 and images.shape == (16, 32, 32, 3)
+        assert labels.dtype == torch.int64
+        seen = np.concatenate([b[1].numpy() for b in batches])
+        assert sorted(seen.tolist()) == list(range(60))  # every sample once (label = index)
+        assert np.array_equal(seen, loader.epoch_indices(0))
+        assert loader.stats.samples == 60 and loader.stats.batches == 4
+
+
+def test_batches_reuse_a_ring_of_prefetch_plus_one_slots(packed: Path) -> None:
+    loader = Loader(packed, 4, transforms=TRAIN, prefetch=2)
+    ptrs = [images.data_ptr() for images, _ in loader]
+    assert len(set(ptrs)) == 3 and ptrs[0] == ptrs[3] == ptrs[6]
+    assert next(iter(loader))[0].is_pinned() == torch.cuda.is_available()
+
+
+def test_sequential_order_and_drop_last(packed: Path) -> None:
+    loader = Loader(packed, 16, transforms=[Resize((24, 24))], shuffle=False, drop_last=True)
+    imgs, labels = run_epoch(loader)
+    assert len(loader) == 3 and labels.tolist() == list(range(48))
+    # Grayscale, raw and PNG samples come out as RGB like the others.
+    ds = open_dataset(packed)
+    assert ds.sample(3).encoding == "jpeg" and ds.sample(5).encoding == "raw" and ds.sample(6).encoding == "png"
+    gray = imgs[3]
+    assert np.array_equal(gray[..., 0], gray[..., 1]) and np.array_equal(gray[..., 0], gray[..., 2])
+    loader.close()
+
+
+@pytest.mark.parametrize("tf", [TRAIN, [Resize(40), CenterCrop(32)]])
+def test_same_seed_same_bits_for_any_thread_count_and_prefetch(packed: Path, tf: list) -> None:
+    ref = run_epoch(Loader(packed, 8, transforms=tf, seed=11, num_threads=1, prefetch=1))
+    for threads, prefetch in [(2, 2), (8, 1), (8, 4), (3, 3)]:
+        got = run_epoch(Loader(packed, 8, transforms=tf, seed=11, num_threads=threads, prefetch=prefetch))
+        assert np.array_equal(ref[0], got[0]) and np.array_equal(ref[1], got[1]), (threads, prefetch)
+    other = run_epoch(Loader(packed, 8, transforms=tf, seed=12, num_threads=2))
+    assert not np.array_equal(ref[1], other[1])
+
+
+def test_epochs_advance_and_set_epoch_replays(packed: Path) -> None:
+    loader = Loader(packed, 16, transforms=TRAIN, seed=1)
+    e0 = run_epoch(loader)
+    assert loader.epoch == 1
+    e1 = run_epoch(loader)
+    assert not np.array_equal(e0[1], e1[1])
+    loader.set_epoch(0)
+    again = run_epoch(loader)
+    assert np.array_equal(e0[0], again[0]) and np.array_equal(e0[1], again[1])
+    # An abandoned pass counts as started: the next iter() moves on to the next epoch.
+    loader.set_epoch(5)
+    next(iter(loader))
+    assert loader.epoch == 5
+    next(iter(loader))
+    assert loader.epoch == 6
+
+
+@pytest.mark.parametrize("threads,stop_after", [(1, 1), (2, 2), (3, 3)])
+def test_resume_mid_epoch_yields_exactly_the_rest(packed: Path, threads: int, stop_after: int) -> None:
+    full = Loader(packed, 8, transforms=TRAIN, seed=4, num_threads=threads)
+    full.set_epoch(2)
+    ref = [(x.numpy().copy(), y.numpy().copy()) for x, y in full]
+    first = Loader(packed, 8, transforms=TRAIN, seed=4, num_threads=threads)
+    first.set_epoch(2)
+    it = iter(first)
+    for _ in range(stop_after):
+        next(it)
+    state = first.state_dict()
+    assert state["epoch"] == 2 and state["batch"] == stop_after
+    first.close()
+    resumed = Loader(packed, 8, transforms=TRAIN, seed=4, num_threads=2, prefetch=3)
+    resumed.load_state_dict(state)
+    rest = [(x.numpy().copy(), y.numpy().copy()) for x, y in resumed]
+    assert len(rest) == len(ref) - stop_after
+    for (a, b), (c, d) in zip(ref[stop_after:], rest):
+        assert np.array_equal(a, c) and np.array_equal(b, d)
+    assert resumed.state_dict()["epoch"] == 3 and resumed.state_dict()["batch"] == 0
+
+
+def test_state_from_a_different_setup_is_refused(packed: Path) -> None:
+    state = Loader(packed, 8, transforms=TRAIN).state_dict()
+    with pytest.raises(ConfigError, match="batch_size=8 vs 16"):
+        Loader(packed, 16, transforms=TRAIN).load_state_dict(state)
+    with pytest.raises(ConfigError, match="not a stoker Loader state"):
+        Loader(packed, 8, transforms=TRAIN).load_state_dict({"epoch": 1})
+
+
+def test_extra_columns_come_along(packed: Path) -> None:
+    loader = Loader(packed, 10, transforms=TRAIN, columns=["weight"], seed=2)
+    for images, labels, extras in loader:
+        assert extras["weight"] == pytest.approx([i / 10 for i in labels.tolist()])
+    with pytest.raises(ConfigError, match="no column"):
+        Loader(packed, 10, transforms=TRAIN, columns=["nope"])
+
+
+def test_failing_sample_names_key_shard_and_row(packed_bad: Path) -> None:
+    base = threading.active_count()
+    loader = Loader(packed_bad, 8, transforms=TRAIN, shuffle=False, num_threads=2)
+    got = []
+    with pytest.raises(SampleError) as info:
+        for _, labels in loader:
+            got.extend(labels.tolist())
+    err = info.value
+    assert got == list(range(8))  # batches before the failing one arrive, in order
+    assert err.key == "img/0009.x" and err.shard == "shard-00000.arrow" and err.row == 9 and err.index == 9
+    assert "img/0009.x" in str(err) and "on_error='skip'" in str(err)
+    assert isinstance(err.__cause__, CorruptImageError)
+    frames = "".join(traceback.format_tb(err.__cause__.__traceback__))
+    assert "decode_rgb" in frames  # the worker's traceback came home
+    assert settle(base) == base
+
+
+def test_skip_replaces_deterministically_and_counts(packed_bad: Path) -> None:
+    runs = []
+    for threads in (1, 2, 8):
+        loader = Loader(packed_bad, 8, transforms=TRAIN, seed=5, on_error="skip", num_threads=threads)
+        runs.append(run_epoch(loader))
+        assert loader.stats.skipped == 2
+        assert sorted(loader.stats.skipped_keys) == ["img/0009.x", "img/0017.x"]
+    for imgs, labels in runs[1:]:
+        assert np.array_equal(imgs, runs[0][0]) and np.array_equal(labels, runs[0][1])
+    labels = runs[0][1]
+    assert 9 not in labels and 17 not in labels and len(labels) == 40
+
+
+def test_loose_folder_gives_the_same_batches_as_its_pack(image_folder: Path, tmp_path: Path) -> None:
+    src = open_source(image_folder)
+    w = ShardWriter(tmp_path / "p", 0, label_type="int64")
+    (tmp_path / "p").mkdir()
+    for item in src.items:
+        data = item.read()
+        h, wd = simplejpeg.decode_jpeg_header(data)[:2]
+        w.add(item.key, data, "jpeg", h, wd, item.label)
+    write_manifest(tmp_path / "p", Manifest(num_samples=len(src.items), shards=[w.finish()], classes=src.classes))
+    a = run_epoch(Loader(image_folder, 5, transforms=TRAIN, seed=9, num_threads=2))
+    b = run_epoch(Loader(tmp_path / "p", 5, transforms=TRAIN, seed=9, num_threads=2))
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+
+
+def test_user_callables_run_in_the_workers(packed: Path) -> None:
+    def invert(img: np.ndarray) -> np.ndarray:
+        np.subtract(255, img, out=img)
+        return img
+
+    def jitter(img: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        return np.clip(img.astype(np.int16) + rng.integers(-3, 4), 0, 255).astype(np.uint8)
+
+    plain = run_epoch(Loader(packed, 16, transforms=TRAIN, seed=1))
+    inv = run_epoch(Loader(packed, 16, transforms=[*TRAIN, invert], seed=1))
+    assert np.array_equal(inv[0], 255 - plain[0])
+    a = run_epoch(Loader(packed, 16, transforms=[*TRAIN, jitter], seed=1, num_threads=1))
+    b = run_epoch(Loader(packed, 16, transforms=[*TRAIN, jitter], seed=1, num_threads=4))
+    assert np.array_equal(a[0], b[0]) and not np.array_equal(a[0], plain[0])
+
+
+def test_mismatched_sizes_need_a_fixed_size_transform(packed: Path) -> None:
+    with pytest.raises(ConfigError, match="differ in size"):
+        Loader(packed, 4, transforms=[Resize(32)])
+    with pytest.raises(ConfigError, match="on_error"):
+        Loader(packed, 4, transforms=TRAIN, on_error="ignore")
+
+
+def test_shutdown_on_exhaustion_break_exception_and_gc(packed: Path) -> None:
+    base = threading.active_count()
+    loader = Loader(packed, 4, transforms=TRAIN, num_threads=3)
+    run_epoch(loader)
+    assert settle(base) == base
+    for _ in loader:
+        break
+    assert settle(base) == base
+    with pytest.raises(RuntimeError, match="boom"):
+        for _ in loader:
+            raise RuntimeError("boom")
+    assert settle(base) == base
+    for _ in range(40):  # abandoned iterators are collected and their threads stop
+        it = iter(loader)
+        next(it)
+        del it
+    assert settle(base) == base
+    first = iter(loader)
+    next(first)
+    second = iter(loader)  # a new pass closes the previous one
+    next(second)
+    with pytest.raises(StopIteration):
+        next(first)
+    del second
+    gc.collect()
+    assert settle(base) == base
+
+
+def test_ctrl_c_stops_the_threads(packed: Path) -> None:
+    def slow(img: np.ndarray) -> np.ndarray:
+        time.sleep(0.05)
+        return img
+
+    base = threading.active_count()
+    loader = Loader(packed, 30, transforms=[*TRAIN, slow], num_threads=2)
+    timer = threading.Timer(0.2, _thread.interrupt_main)
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        for _ in loader:
+            pass
+    timer.join()
+    assert time.monotonic() - t0 < 3.0
+    assert settle(base) == base
+
+
+def test_memory_stays_flat_over_20_epochs(packed: Path) -> None:
+    proc = psutil.Process()
+    loader = Loader(packed, 16, transforms=TRAIN, num_threads=2)
+    rss = []
+    for _ in range(20):
+        for _ in loader:
+            pass
+        rss.append(proc.memory_info().rss)
+    assert rss[-1] - rss[2] < 40 * 2**20, [r >> 20 for r in rss]
+
+
+def test_time_out_names_the_batch(packed: Path) -> None:
+    def stuck(img: np.ndarray) -> np.ndarray:
+        time.sleep(1.0)
+        return img
+
+    loader = Loader(packed, 4, transforms=[*TRAIN, stuck], num_threads=1, timeout=0.3)
+    with pytest.raises(TimeoutError, match="batch 0"):
+        next(iter(loader))

@@ -1,0 +1,125 @@
+"""Epoch order, rank slices and per-sample random streams."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stoker.errors import ConfigError
+from stoker.order import (ShardRandom, epoch_order, num_batches, rank_indices, replacement_index, sample_keys,
+                          samples_per_rank, uniforms)
+
+
+@pytest.mark.parametrize("order", ["random", "sequential", "shard_random"])
+def test_epoch_order_is_a_permutation(order: str) -> None:
+    perm = epoch_order(1000, seed=3, epoch=1, order=order, shard_rows=[300, 300, 400])
+    assert perm.dtype == np.int64
+    assert np.array_equal(np.sort(perm), np.arange(1000))
+
+
+def test_random_order_depends_on_seed_and_epoch_only() -> None:
+    a = epoch_order(500, seed=1, epoch=0)
+    assert np.array_equal(a, epoch_order(500, seed=1, epoch=0))
+    assert not np.array_equal(a, epoch_order(500, seed=1, epoch=1))
+    assert not np.array_equal(a, epoch_order(500, seed=2, epoch=0))
+    assert not np.array_equal(a, np.arange(500))
+    assert np.array_equal(epoch_order(500, seed=1, epoch=0, order="sequential"), np.arange(500))
+
+
+def test_random_order_looks_uniform() -> None:
+    # Where sample 0 lands over many epochs: roughly uniform over 10 bins of 100 positions.
+    counts = np.zeros(10)
+    for e in range(2000):
+        counts[int(np.argmax(epoch_order(1000, seed=0, epoch=e) == 0)) // 100] += 1
+    chi2 = ((counts - 200) ** 2 / 200).sum()
+    assert chi2 < 30  # 9 dof; p < 1e-3 above 27.9
+
+
+def test_shard_random_reads_each_block_once_per_window() -> None:
+    rows = [130, 70, 200]
+    cfg = ShardRandom(block=16, window=4)
+    perm = epoch_order(400, seed=5, epoch=2, order="shard_random", shard_rows=rows, shard_random=cfg)
+    starts = np.cumsum([0, *rows])[:-1]
+    shard_of = np.searchsorted(starts, perm, side="right") - 1
+    block_of = shard_of * 10_000 + (perm - starts[shard_of]) // cfg.block
+    # Walk the order window by window: a block never reappears once its window has passed.
+    seen_done: set[int] = set()
+    pos = 0
+    while pos < len(perm):
+        blocks = set()
+        while pos < len(perm) and (len(blocks) < cfg.window or block_of[pos] in blocks):
+            blocks.add(int(block_of[pos]))
+            pos += 1
+        assert not blocks & seen_done
+        seen_done |= blocks
+    assert not np.array_equal(perm, np.arange(400))
+    assert not np.array_equal(perm, epoch_order(400, seed=5, epoch=3, order="shard_random", shard_rows=rows,
+                                                shard_random=cfg))
+
+
+def test_shard_random_rejects_wrong_row_counts() -> None:
+    with pytest.raises(ConfigError, match="sum to 10"):
+        epoch_order(11, seed=0, epoch=0, order="shard_random", shard_rows=[5, 5])
+    with pytest.raises(ConfigError):
+        ShardRandom(block=0)
+    with pytest.raises(ConfigError, match="order must be"):
+        epoch_order(3, seed=0, epoch=0, order="shuffled")
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(1, 300), world=st.integers(1, 8), drop_last=st.booleans(), contiguous=st.booleans())
+def test_rank_slices_cover_the_epoch(n: int, world: int, drop_last: bool, contiguous: bool) -> None:
+    perm = epoch_order(n, seed=n, epoch=world)
+    parts = [rank_indices(perm, r, world, drop_last=drop_last, contiguous=contiguous) for r in range(world)]
+    per = samples_per_rank(n, world, drop_last)
+    assert all(len(p) == per for p in parts)
+    allidx = np.concatenate(parts)
+    uniq = np.unique(allidx)
+    if drop_last:
+        assert len(uniq) == len(allidx) and n - len(allidx) <= world - 1  # disjoint; drops < world
+    else:
+        if n >= world:
+            assert len(uniq) == n  # every sample seen
+            assert len(allidx) - n <= world - 1  # at most world-1 repeats
+        else:
+            assert len(uniq) == n
+
+
+def test_rank_slice_matches_distributed_sampler_rule() -> None:
+    perm = np.arange(10)
+    # torch DistributedSampler(shuffle=False, num_replicas=4): pad with the first 2, then stride.
+    assert rank_indices(perm, 0, 4, drop_last=False).tolist() == [0, 4, 8]
+    assert rank_indices(perm, 1, 4, drop_last=False).tolist() == [1, 5, 9]
+    assert rank_indices(perm, 2, 4, drop_last=False).tolist() == [2, 6, 0]
+    assert rank_indices(perm, 3, 4, drop_last=True).tolist() == [3, 7]
+    with pytest.raises(ConfigError):
+        rank_indices(perm, 4, 4, drop_last=False)
+
+
+def test_num_batches() -> None:
+    assert num_batches(10, 4, False) == 3
+    assert num_batches(10, 4, True) == 2
+    assert num_batches(8, 4, True) == 2
+
+
+def test_uniforms_are_per_sample_and_independent_of_the_batch() -> None:
+    keys = sample_keys(7, 3, np.arange(1000))
+    u = uniforms(keys, 5)
+    assert u.shape == (1000, 5) and u.min() >= 0 and u.max() < 1
+    assert abs(u.mean() - 0.5) < 0.01 and abs(u.var() - 1 / 12) < 0.005
+    # A sample's stream is the same whatever else is in its batch, and offsets are stream slices.
+    assert np.array_equal(uniforms(keys[[42, 7]], 5), u[[42, 7]])
+    assert np.array_equal(uniforms(keys, 2, offset=3), u[:, 3:5])
+    # Neighbouring counters and neighbouring samples are uncorrelated.
+    assert abs(np.corrcoef(u[:, 0], u[:, 1])[0, 1]) < 0.1
+    assert abs(np.corrcoef(u[:-1, 0], u[1:, 0])[0, 1]) < 0.1
+    assert not np.array_equal(sample_keys(7, 4, np.arange(10)), keys[:10])
+
+
+def test_replacement_index_is_deterministic_and_in_range() -> None:
+    picks = [replacement_index(1, 2, pos, att, 50) for pos in range(100) for att in range(3)]
+    assert picks == [replacement_index(1, 2, pos, att, 50) for pos in range(100) for att in range(3)]
+    assert all(0 <= p < 50 for p in picks)
+    assert len(set(picks)) > 30

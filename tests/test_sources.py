@@ -1,0 +1,206 @@
+"""Sources: ImageFolder, loose files, file lists, CSVs, tars; path safety and clear errors."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import jpeg_bytes, smooth_rgb
+
+from stoker.errors import SourceError
+from stoker.sources import open_source
+
+
+def _jpeg(path: Path, seed: int = 0, size: tuple[int, int] = (16, 16)) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(jpeg_bytes(smooth_rgb(np.random.default_rng(seed), *size)))
+    return path
+
+
+def test_image_folder_order_and_labels_match_torchvision(tmp_path: Path) -> None:
+    root = tmp_path / "train"
+    for rel in ["b/2.jpg", "b/10.jpg", "a/z.png", "a/sub/x.jpg", "a/y.JPG", "C/1.jpg"]:
+        _jpeg(root / rel)
+    (root / "a" / "notes.txt").write_text("not an image")
+    (root / "a" / ".hidden.jpg").write_bytes(b"")
+    (root / ".ipynb_checkpoints").mkdir()
+    src = open_source(root)
+    assert src.kind == "folder"
+    assert src.classes == ["C", "a", "b"]  # sorted by code point, like torchvision
+    # torchvision: sorted(os.walk(class_dir)) then sorted file names
+    assert [i.key for i in src.items] == ["C/1.jpg", "a/y.JPG", "a/z.png", "a/sub/x.jpg", "b/10.jpg", "b/2.jpg"]
+    assert [i.label for i in src.items] == [0, 1, 1, 1, 2, 2]
+    assert src.label_type == "int64"
+    assert "3 classes" in src.description
+    item = src.items[0]
+    assert item.path == root / "C" / "1.jpg" and item.read() == (root / "C" / "1.jpg").read_bytes()
+
+
+def test_loose_files_are_unlabelled(tmp_path: Path) -> None:
+    _jpeg(tmp_path / "a.jpg")
+    _jpeg(tmp_path / "b.png")
+    src = open_source(tmp_path)
+    assert src.kind == "files" and src.label_type == "none" and src.classes is None
+    assert [i.key for i in src.items] == ["a.jpg", "b.png"]
+
+
+def test_auto_refuses_mixed_folder(tmp_path: Path) -> None:
+    _jpeg(tmp_path / "loose.jpg")
+    _jpeg(tmp_path / "cls" / "x.jpg")
+    with pytest.raises(SourceError, match="kind='folder'.*kind='files'"):
+        open_source(tmp_path)
+    assert [i.key for i in open_source(tmp_path, kind="files").items] == ["loose.jpg", "cls/x.jpg"]
+    assert [i.key for i in open_source(tmp_path, kind="folder").items] == ["cls/x.jpg"]
+
+
+def test_file_list_edge_cases(tmp_path: Path) -> None:
+    _jpeg(tmp_path / "img dir" / "with space.jpg")
+    _jpeg(tmp_path / "b.jpg")
+    _jpeg(tmp_path / "sub" / "c.jpg")
+    listing = tmp_path / "train.txt"
+    listing.write_text("# header comment\n\nimg dir/with space.jpg 3\n   \nb.jpg\t0\n"
+                       f"{tmp_path / 'sub' / 'c.jpg'} 7\n")
+    src = open_source(listing)
+    assert src.kind == "list" and src.label_type == "int64" and src.classes is None
+    assert [(i.key, i.label) for i in src.items] == [("img dir/with space.jpg", 3), ("b.jpg", 0), ("sub/c.jpg", 7)]
+    assert src.items[0].read() == (tmp_path / "img dir" / "with space.jpg").read_bytes()
+
+
+def test_file_list_string_and_float_labels(tmp_path: Path) -> None:
+    listing = tmp_path / "l.txt"
+    listing.write_text("a.jpg zebra\nb.jpg ant\nc.jpg zebra\n")
+    src = open_source(listing)
+    assert src.classes == ["ant", "zebra"] and [i.label for i in src.items] == [1, 0, 1]
+    listing.write_text("a.jpg 0.5\nb.jpg 2\n")
+    src = open_source(listing)
+    assert src.label_type == "float64" and [i.label for i in src.items] == [0.5, 2.0]
+
+
+@pytest.mark.parametrize("text, line", [
+    ("a.jpg 1\njustapath\n", 2),
+    ("# c\n\na.jpg 1\nb.jpg 2\na.jpg 3\n", 5),   # duplicate
+])
+def test_file_list_malformed_line_is_named(tmp_path: Path, text: str, line: int) -> None:
+    listing = tmp_path / "l.txt"
+    listing.write_text(text)
+    with pytest.raises(SourceError, match=f"line {line}") as info:
+        open_source(listing)
+    assert info.value.line == line and info.value.path == str(listing)
+
+
+def test_path_escape_refused(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    _jpeg(root / "ok.jpg")
+    outside = _jpeg(tmp_path / "secret.jpg")
+    listing = root / "l.txt"
+    for bad in ["../secret.jpg", str(outside), "sub/../../secret.jpg"]:
+        listing.write_text(f"ok.jpg 0\n{bad} 1\n")
+        with pytest.raises(SourceError, match="line 2.*outside the source root"):
+            open_source(listing)
+    # a symlink inside the root that points out of it
+    os.symlink(outside, root / "link.jpg")
+    listing.write_text("link.jpg 1\n")
+    with pytest.raises(SourceError, match="outside"):
+        open_source(listing)
+    with pytest.raises(SourceError, match="symlink"):
+        open_source(root, kind="files")
+    # root= widens what is allowed
+    listing.write_text(f"{outside} 1\n")
+    assert open_source(listing, root=tmp_path).items[0].key == "secret.jpg"
+
+
+def test_symlinks_inside_root_are_followed_once(tmp_path: Path) -> None:
+    _jpeg(tmp_path / "a" / "x.jpg")
+    os.symlink(tmp_path / "a", tmp_path / "a" / "loop")  # would loop forever if followed blindly
+    src = open_source(tmp_path, kind="folder")
+    assert [i.key for i in src.items] == ["a/x.jpg"]
+
+
+def test_csv_with_typed_extras_and_string_labels(tmp_path: Path) -> None:
+    for name in ["a.jpg", "b b.jpg", "c.jpg"]:
+        _jpeg(tmp_path / "imgs" / name)
+    table = tmp_path / "meta.csv"
+    table.write_text('path,label,weight,count,note\nimgs/a.jpg,dog,0.5,3,"x, y"\n'
+                     "imgs/b b.jpg,cat,,4,\n\nimgs/c.jpg,dog,2,5,z\n")
+    src = open_source(table)
+    assert src.kind == "csv" and src.classes == ["cat", "dog"]
+    assert [i.label for i in src.items] == [1, 0, 1]
+    assert src.extra_columns == {"weight": "float64", "count": "int64", "note": "string"}
+    assert src.items[0].extras == {"weight": 0.5, "count": 3, "note": "x, y"}
+    assert np.isnan(src.items[1].extras["weight"]) and src.items[1].extras["note"] == ""
+    assert src.items[1].key == "imgs/b b.jpg"
+
+
+def test_csv_errors(tmp_path: Path) -> None:
+    table = tmp_path / "m.csv"
+    table.write_text("file,cls\na.jpg,1\n")
+    with pytest.raises(SourceError, match="no 'path' column"):
+        open_source(table)
+    table.write_text("path,label\na.jpg,1\nb.jpg,2,extra\n")
+    with pytest.raises(SourceError, match="line 3: expected 2 fields"):
+        open_source(table)
+    table.write_text("path\na.jpg\n")
+    src = open_source(table, label_column=None)
+    assert src.label_type == "none" and src.items[0].label is None
+    src = open_source(table, path_column="path", label_column=None)
+    assert len(src) == 1
+
+
+def test_missing_empty_and_unknown_sources(tmp_path: Path) -> None:
+    with pytest.raises(SourceError, match="does not exist"):
+        open_source(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SourceError, match="no class folders and no images"):
+        open_source(tmp_path / "empty")
+    (tmp_path / "empty" / "cls").mkdir()
+    with pytest.raises(SourceError, match="no images found"):
+        open_source(tmp_path / "empty")
+    (tmp_path / "l.txt").write_text("# nothing\n\n")
+    with pytest.raises(SourceError, match="lists no images"):
+        open_source(tmp_path / "l.txt")
+    (tmp_path / "x.parquet").write_bytes(b"")
+    with pytest.raises(SourceError, match="cannot tell"):
+        open_source(tmp_path / "x.parquet")
+    with pytest.raises(SourceError, match="unknown source kind"):
+        open_source(tmp_path, kind="zip")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any folder")
+def test_unreadable_folder(tmp_path: Path) -> None:
+    _jpeg(tmp_path / "cls" / "a.jpg")
+    (tmp_path / "cls").chmod(0)
+    try:
+        with pytest.raises(SourceError, match="permission denied"):
+            open_source(tmp_path)
+    finally:
+        (tmp_path / "cls").chmod(0o755)
+
+
+def _add(tf: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tf.addfile(info, io.BytesIO(data))
+
+
+def test_tar_source_reads_members_by_offset(tmp_path: Path) -> None:
+    shard_dir = tmp_path / "shards"
+    shard_dir.mkdir()
+    blobs = {}
+    for t in range(2):
+        with tarfile.open(shard_dir / f"part-{t}.tar", "w") as tf:
+            for i in range(3):
+                blob = jpeg_bytes(smooth_rgb(np.random.default_rng(10 * t + i), 8, 8))
+                blobs[f"part-{t}.tar/s{i}.jpg"] = blob
+                _add(tf, f"s{i}.jpg", blob)
+                _add(tf, f"s{i}.cls", str(i % 2).encode())
+    src = open_source(shard_dir)
+    assert src.kind == "tar" and src.label_type == "int64"
+    assert [i.key for i in src.items] == list(blobs)
+    assert [i.label for i in src.items] == [0, 1, 0, 0, 1, 0]
+    assert all(i.read() == blobs[i.key] for i in src.items)
+    one = open_source(shard_dir / "part-1.tar")
+    assert [i.key for i in one.items] == ["s0.jpg", "s1.jpg", "s2.jpg"]
