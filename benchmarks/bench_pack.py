@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from stoker.bench import list_image_folder, machine_info
-from stoker.pack import PackOptions, pack
+from stoker.packing import PackOptions, pack
 from stoker.reader import open_dataset
 from stoker.synth import cached_imagenet_like
 

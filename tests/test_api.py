@@ -21,8 +21,8 @@ def test_exported_names_are_curated_and_resolve():
 
 
 def test_pack_is_the_function_whatever_is_imported_first():
-    code = ("from stoker.pack import PackOptions; import stoker, sys; "
-            "assert callable(stoker.pack) and stoker.pack is sys.modules['stoker.pack'].pack")
+    code = ("from stoker.packing import PackOptions; import stoker, sys; "
+            "assert callable(stoker.pack) and stoker.pack is sys.modules['stoker.packing'].pack")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from stoker.loader import Loader
-from stoker.pack import pack
+from stoker.packing import pack
 from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop
 
 TRAIN = [RandomResizedCrop(16), RandomHorizontalFlip()]

@@ -20,7 +20,7 @@ import pytest
 from PIL import Image, ImageOps
 
 from stoker import codecs
-from stoker.pack import SKIPPED_NAME
+from stoker.packing import SKIPPED_NAME
 from stoker.reader import open_dataset
 from stoker.sources import open_source
 
@@ -34,7 +34,7 @@ MEMORY_LIMIT = 4 << 30  # bytes of address space for the packing process and its
 
 _PACK = """
 import sys
-from stoker.pack import PackOptions, pack
+from stoker.packing import PackOptions, pack
 if __name__ == "__main__":
     print(pack(sys.argv[1], sys.argv[2], kind="files", options=PackOptions(workers=2), progress=False))
 """

@@ -16,10 +16,10 @@ import pytest
 from conftest import jpeg_bytes, make_image_folder, smooth_rgb, write_image
 from PIL import Image, ImageOps
 
-import stoker.pack as packmod
+import stoker.packing as packmod
 from stoker import codecs
 from stoker.errors import ConfigError, CorruptImageError, DecompressionBombError, ImageError, SourceError
-from stoker.pack import JOURNAL_NAME, SKIPPED_NAME, PackOptions, normalize, pack
+from stoker.packing import JOURNAL_NAME, SKIPPED_NAME, PackOptions, normalize, pack
 from stoker.reader import open_dataset
 from stoker.shards import file_sha256, read_manifest
 from stoker.sources import open_source
@@ -300,7 +300,7 @@ def test_resume_after_interrupt_matches_uninterrupted_run(tmp_path: Path, monkey
 
 _SLOW_PACK = """
 import sys, time
-import stoker.pack as P
+import stoker.packing as P
 real = P._process_one
 def slow(entry, options):
     time.sleep(0.01)

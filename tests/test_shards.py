@@ -168,3 +168,20 @@ def test_writer_leaves_no_temp_files_and_aborts_cleanly(tmp_path):
     writer.add("k2", b"xx", "raw", 1, 1, 0)
     writer.abort()
     assert writer.rows == 0
+
+
+def test_streamed_shard_spans_record_batches_and_hashes_what_is_on_disk(tmp_path):
+    from stoker.shards import file_sha256
+
+    writer = ShardWriter(tmp_path, 0, batch_bytes=100)
+    payloads = [bytes([i]) * (30 + i) for i in range(40)]
+    for i, payload in enumerate(payloads):
+        writer.add(f"k{i}", payload, "raw", 1, 10 + i, i)
+    info = writer.finish()
+    assert info.sha256 == file_sha256(tmp_path / info.file) and info.bytes == (tmp_path / info.file).stat().st_size
+    with pa.memory_map(str(tmp_path / info.file)) as mm:
+        assert pa.ipc.open_file(mm).num_record_batches > 5
+    write_manifest(tmp_path, Manifest(num_samples=40, shards=[info]))
+    with open_dataset(tmp_path) as ds:
+        assert [bytes(ds.sample(i).data) for i in range(40)] == payloads
+        assert list(ds.labels) == list(range(40)) and ds.location(39) == (info.file, 39)

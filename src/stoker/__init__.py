@@ -18,8 +18,8 @@ _EXPORTS = {
     "Dataset": "reader",
     "Loader": "loader",
     "LoaderStats": "loader",
-    "PackOptions": "pack",
-    "PackSummary": "pack",
+    "PackOptions": "packing",
+    "PackSummary": "packing",
     "Pipeline": "transforms",
     "RandomHorizontalFlip": "transforms",
     "RandomResizedCrop": "transforms",
@@ -30,14 +30,11 @@ _EXPORTS = {
     "errors": None,
     "open_dataset": "reader",
     "open_loose": "reader",
+    "pack": "packing",
     "verify": "audit",
 }
 
-# `stoker.pack` is both a submodule and the function users call. Binding the function here, once,
-# keeps `stoker.pack(...)` callable whichever of the two is imported first.
-from .pack import pack  # noqa: E402
-
-__all__ = sorted(["__version__", "pack", *_EXPORTS])
+__all__ = sorted(["__version__", *_EXPORTS])
 
 
 def __getattr__(name: str) -> Any:

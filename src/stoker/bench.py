@@ -592,7 +592,7 @@ def _data_stats(root: Path, samples: list[tuple[str, int]], generated: bool) -> 
 
 def _pack_once(root: Path, out: Path, workers: int) -> float:
     """Pack `root` into `out` (replacing what is there); returns seconds. Not part of any timing."""
-    from .pack import PackOptions, pack
+    from .packing import PackOptions, pack
 
     start = time.perf_counter()
     pack(root, out, options=PackOptions(workers=workers), progress=False, overwrite=True)

@@ -32,7 +32,7 @@ def _positive(text: str) -> int:
 
 
 def _cmd_pack(args: argparse.Namespace) -> int:
-    from .pack import PackOptions, pack
+    from .packing import PackOptions, pack
 
     options = PackOptions(max_side=args.max_side, encoding=args.encoding, jpeg_quality=args.jpeg_quality,
                           raw_below=args.raw_below, shard_size=args.shard_size, workers=args.workers,

@@ -16,12 +16,13 @@ manifest is written the same way, last. A directory without a manifest is never 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import pyarrow as pa
 
@@ -232,18 +233,52 @@ def read_manifest(dataset_dir: Path) -> Manifest:
     return Manifest.from_json(obj, path)
 
 
+class _HashingSink(io.RawIOBase):
+    """A write-only file that hashes (SHA-256) and counts what passes through to ``fh``."""
+
+    def __init__(self, fh: BinaryIO) -> None:
+        super().__init__()
+        self.fh = fh
+        self.digest = hashlib.sha256()
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self.digest.update(data)
+        self.size += len(data)
+        return self.fh.write(data)
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
 class ShardWriter:
-    """Buffers rows for one shard and writes it atomically on :meth:`finish`."""
+    """Writes one shard: rows are buffered and streamed to a temporary file as Arrow record
+    batches of about ``batch_bytes`` of image data, hashed on the way; :meth:`finish` closes,
+    fsyncs and renames it. Streaming keeps memory bounded and lets a packer's workers go on
+    decoding while the shard is being written, instead of waiting for one big write at the end.
+    """
 
     def __init__(self, out_dir: Path, index: int, *, label_type: str = "int64",
-                 extra_columns: dict[str, str] | None = None) -> None:
+                 extra_columns: dict[str, str] | None = None, batch_bytes: int = 32 * 2**20) -> None:
         self.out_dir = Path(out_dir)
         self.name = shard_name(index)
         self.label_type = label_type
         self.extra_columns = dict(extra_columns or {})
         self.schema = shard_schema(label_type, self.extra_columns)
+        self.batch_bytes = batch_bytes
+        self._reset()
+
+    def _reset(self) -> None:
         self._columns: dict[str, list[Any]] = {name: [] for name in self.schema.names}
-        self._nbytes = 0
+        self._buffered = 0  # image bytes not yet written
+        self._nbytes = 0  # image bytes added to this shard
+        self._rows = 0
+        self._file: BinaryIO | None = None
+        self._sink: _HashingSink | None = None
+        self._writer: pa.ipc.RecordBatchFileWriter | None = None
 
     @property
     def tmp_path(self) -> Path:
@@ -255,12 +290,12 @@ class ShardWriter:
 
     @property
     def nbytes(self) -> int:
-        """Image bytes buffered so far; the packer starts a new shard past its target size."""
+        """Image bytes added so far; the packer starts a new shard past its target size."""
         return self._nbytes
 
     @property
     def rows(self) -> int:
-        return len(self._columns["key"])
+        return self._rows
 
     def add(self, key: str, image: bytes, encoding: str, height: int, width: int,
             label: Any, extras: dict[str, Any] | None = None) -> None:
@@ -276,8 +311,14 @@ class ShardWriter:
         for name in self.extra_columns:
             cols[name].append(extras.get(name))
         self._nbytes += len(image)
+        self._buffered += len(image)
+        self._rows += 1
+        if self._buffered >= self.batch_bytes:
+            self._write_batch()
 
-    def _table(self) -> pa.Table:
+    def _write_batch(self) -> None:
+        if not self._columns["key"]:
+            return
         arrays = []
         for fld in self.schema:
             values = self._columns[fld.name]
@@ -285,32 +326,50 @@ class ShardWriter:
                 arrays.append(pa.array(values, pa.string()).dictionary_encode().cast(fld.type))
             else:
                 arrays.append(pa.array(values, fld.type))
-        return pa.Table.from_arrays(arrays, schema=self.schema)
+        batch = pa.RecordBatch.from_arrays(arrays, schema=self.schema)
+        try:
+            if self._writer is None:
+                self._file = open(self.tmp_path, "wb")
+                self._sink = _HashingSink(self._file)
+                self._writer = pa.ipc.new_file(pa.PythonFile(self._sink, mode="w"), self.schema)
+            self._writer.write_batch(batch)
+        except BaseException:
+            self.abort()
+            raise
+        self._columns = {name: [] for name in self.schema.names}
+        self._buffered = 0
 
     def finish(self) -> ShardInfo:
-        """Write the shard (temp name, fsync, rename) and return its manifest entry."""
-        table = self._table()
-        tmp = self.tmp_path
+        """Write what is buffered, close, fsync and rename; return the manifest entry."""
         try:
-            with pa.OSFile(str(tmp), "wb") as sink:
-                with pa.ipc.new_file(sink, self.schema) as writer:
-                    writer.write_table(table, max_chunksize=max(1, table.num_rows))
-            with open(tmp, "rb+") as fh:
-                os.fsync(fh.fileno())
-            info = ShardInfo(self.name, table.num_rows, tmp.stat().st_size, file_sha256(tmp))
-            os.replace(tmp, self.path)
+            self._write_batch()
+            if self._writer is None:  # no rows at all: still a valid, empty shard
+                self._file = open(self.tmp_path, "wb")
+                self._sink = _HashingSink(self._file)
+                self._writer = pa.ipc.new_file(pa.PythonFile(self._sink, mode="w"), self.schema)
+            self._writer.close()
+            assert self._file is not None and self._sink is not None
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            info = ShardInfo(self.name, self._rows, self._sink.size, self._sink.digest.hexdigest())
+            os.replace(self.tmp_path, self.path)
         except BaseException:
             self.abort()
             raise
         _fsync_dir(self.out_dir)
-        self._columns = {name: [] for name in self.schema.names}
-        self._nbytes = 0
+        self._reset()
         return info
 
     def abort(self) -> None:
-        """Drop buffered rows and remove the temporary file, if any."""
-        self._columns = {name: [] for name in self.schema.names}
-        self._nbytes = 0
+        """Drop buffered rows, close and remove the temporary file, if any."""
+        for closer in (self._writer, self._file):
+            try:
+                if closer is not None:
+                    closer.close()
+            except Exception:  # already broken; removing the file is what matters
+                pass
+        self._reset()
         try:
             self.tmp_path.unlink()
         except FileNotFoundError:
