@@ -611,14 +611,16 @@ def _check_args(images: int, batch_size: int, workers: int, rounds: int, pipelin
 
 def run_bench(data_dir: Path | None = None, *, images: int = 2000, batch_size: int = 256,
               workers: int | None = 2, rounds: int = 3, pipelines: Sequence[str] = DEFAULT_PIPELINES,
-              out_dir: Path | None = None, isolate: bool = True, seed: int = 0) -> BenchResult:
+              out_dir: Path | None = None, isolate: bool = True, seed: int = 0,
+              packed: Path | None = None) -> BenchResult:
     """Run the same images through each pipeline and measure images/s, CPU %, peak RSS, first batch.
 
     `data_dir`: an ImageFolder tree of JPEGs; None generates `images` ImageNet-like JPEGs (cached
     under `out_dir/data`). `workers`: CPU cores every pipeline gets (None: all usable). With
     `isolate`, each pipeline runs in a fresh process pinned to `workers` cores. `out_dir` (None: a
     temporary folder) receives the packed copy and bench.json / bench.md (and bench.png with
-    matplotlib). Raises ConfigError for bad arguments, StokerError when a pipeline fails.
+    matplotlib). `packed`: an existing pack of `data_dir` to use instead of packing it again.
+    Raises ConfigError for bad arguments, StokerError when a pipeline fails.
     """
     from .synth import cached_imagenet_like
 
@@ -633,9 +635,10 @@ def run_bench(data_dir: Path | None = None, *, images: int = 2000, batch_size: i
         samples, _ = list_image_folder(root)
         result = BenchResult([], len(samples), batch_size, workers, rounds, _data_stats(root, samples, generated),
                              baseline_transform(True)[1], machine_info())
-        packed = work / "packed"
-        if any(p.startswith("stoker-") or p == "ceiling" for p in pipelines):
-            result.pack_seconds = _pack_once(root, packed, workers)
+        if packed is None:
+            packed = work / "packed"
+            if any(p.startswith("stoker-") or p == "ceiling" for p in pipelines):
+                result.pack_seconds = _pack_once(root, packed, workers)
         for name in pipelines:
             description, ratio_to = PIPELINES[name]
             entry = PipelineResult(name, description, ratio_to=ratio_to, skipped=_unavailable(name))
