@@ -208,6 +208,15 @@ def _decode_jpeg(data: Buffer, key: str, height: int, width: int, min_height: in
                  min_width: int, out: np.ndarray | None, powers_of_two: bool) -> np.ndarray:
     if _nbytes(data) == 0:
         raise CorruptImageError(key, "sample is empty (0 bytes)")
+    if out is None:
+        # the decoder allocates what the header claims: refuse bombs first (a shard is data, its
+        # height/width columns cannot be trusted to match the bytes). With `out`, its size bounds it.
+        try:
+            head_h, head_w = simplejpeg.decode_jpeg_header(data)[:2]
+        except ValueError:
+            pass  # no readable header: the decode below fails and says why
+        else:
+            _check_pixels(key, head_w, head_h, MAX_PIXELS)
     try:
         if (min_height > 0 or min_width > 0) and not (height and width):
             height, width = simplejpeg.decode_jpeg_header(data)[:2]

@@ -13,6 +13,7 @@ keep it).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 
 from . import codecs
-from .errors import ConfigError, SampleError
+from .errors import ConfigError, DatasetError, SampleError
 from .order import (ORDERS, epoch_order, num_batches, rank_indices, replacement_index, sample_keys,
                     samples_per_rank, uniforms)
 from .reader import Dataset, PackedDataset, open_dataset, open_loose
@@ -33,6 +34,7 @@ from .shards import MANIFEST_NAME, looks_like_partial_pack
 from .slots import BatchRing, Run, Slot, WorkerTimes
 from .transforms import Pipeline, Plan, apply_tail, crop_resize_into, decode_minimums, run_user_op
 
+_log = logging.getLogger(__name__)  # one warning per skipped sample, with its reason
 MAX_REPLACEMENTS = 16  # on_error="skip": replacement samples tried before giving up on a position
 _STATE_FORMAT = "stoker.Loader/1"
 
@@ -147,6 +149,10 @@ class Loader:
         self._widths = None if ds.widths is None else np.asarray(ds.widths, dtype=np.int64)
         self.output_size = self._resolve_output_size()
         labels = ds.labels
+        if labels.dtype.kind in "iufb":
+            # a copy (8 bytes a sample), not a view of the mapped shard: batches are labelled without
+            # touching the mapping, which a shard truncated mid-epoch would turn into a SIGBUS
+            labels = np.array(labels)
         self._labels = labels
         self._label_dtype = labels.dtype if labels.dtype.kind in "iufb" else None
         self._shard_rows = [s.rows for s in ds.manifest.shards] if isinstance(ds, PackedDataset) else None
@@ -386,8 +392,11 @@ class _Filler:
                 slot.objects[row] = self.labels[r]
             for c in self.columns:
                 slot.extras[c][row] = self.ds.extra(r, c)
+            key_, shard, srow = self._describe(int(plan.indices[row]), first)
             times.skipped += 1
-            times.skipped_keys.append(self._describe(int(plan.indices[row]), first)[0] or "?")
+            times.skipped_keys.append(key_ or "?")
+            _log.warning("on_error='skip': sample %r (shard %s, row %d) replaced by index %d: %s: %s",
+                         key_, shard, srow, r, type(first).__name__, first)
             return
         raise self.sample_error(int(plan.indices[row]), first,
                                 f"; {MAX_REPLACEMENTS} replacement samples failed as well") from first
@@ -396,7 +405,10 @@ class _Filler:
         shard, row = self.ds.location(idx)
         key = getattr(exc, "key", None)
         if key is None and isinstance(self.ds, PackedDataset):
-            key = self.ds.sample(idx).key
+            try:
+                key = self.ds.sample(idx).key
+            except DatasetError:  # the shard itself is what failed (deleted, truncated): no key to read
+                key = None
         return key, shard, row
 
     def sample_error(self, idx: int, exc: BaseException, extra: str = "") -> SampleError:

@@ -9,6 +9,7 @@ reading each file when asked, so unpacked data goes through the same decode path
 from __future__ import annotations
 
 import bisect
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,7 +122,8 @@ class Dataset:
 class PackedDataset(Dataset):
     """A packed dataset: memory-mapped shards described by ``stoker.json``."""
 
-    def __init__(self, path: Path, manifest: Manifest, blocks: list[_Block], maps: list[pa.MemoryMappedFile]):
+    def __init__(self, path: Path, manifest: Manifest, blocks: list[_Block], maps: list[pa.MemoryMappedFile],
+                 identities: dict[str, tuple[int, int, int]] | None = None):
         self.path = path
         self.manifest = manifest
         self.classes = manifest.classes
@@ -132,6 +134,8 @@ class PackedDataset(Dataset):
             self._starts.append(self._starts[-1] + b.batch.num_rows)
         self._n = self._starts.pop()
         self._maps = maps
+        # (st_dev, st_ino, st_size) of each shard when it was mapped: see _guard
+        self._identities = dict(identities or {})
         self._cache: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()
 
@@ -145,10 +149,40 @@ class PackedDataset(Dataset):
         k = bisect.bisect_right(self._starts, i) - 1 if len(self._blocks) > 1 else 0
         return self._blocks[k], i - self._starts[k]
 
+    def _guard(self, shard: str) -> None:
+        """Refuse to touch a shard's mapping once its file was deleted, replaced or resized.
+
+        A memory-mapped file that shrinks kills the process with SIGBUS on the next access to a
+        page past its new end; Python cannot catch that. One stat (about 2 us) before each read
+        turns it into a ShardError naming the shard. A file that shrinks while a sample from it is
+        being decoded can still crash the process: see docs/reliability.md."""
+        expected = self._identities.get(shard)
+        if expected is None:
+            return
+        path = self.path / shard
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise ShardError(f"{path}: shard was deleted while the dataset was open; restore it and "
+                             "reopen the dataset, or re-pack", path=path) from None
+        except OSError as exc:
+            raise ShardError(f"{path}: cannot stat the shard: {exc.strerror or exc}", path=path) from None
+        dev, ino, size = expected
+        if (st.st_dev, st.st_ino) != (dev, ino):
+            raise ShardError(f"{path}: shard file was replaced while the dataset was open; reopen the "
+                             "dataset (and run `stoker verify`) to read the new file", path=path)
+        if st.st_size != size:
+            raise ShardError(f"{path}: shard changed size while the dataset was open ({size} -> "
+                             f"{st.st_size} bytes{', truncated' if st.st_size < size else ''}); "
+                             "restore the shard or re-pack", path=path)
+
     def sample(self, i: int) -> Sample:
-        """Sample ``i``: bytes as a zero-copy view of the mapped shard, plus its metadata."""
+        """Sample ``i``: bytes as a zero-copy view of the mapped shard, plus its metadata.
+
+        Raises ShardError when the shard's file was deleted, replaced or resized since opening."""
         i = self._check_index(i)
         b, r = self._locate(i)
+        self._guard(b.shard)
         img = b.img_data[b.img_offsets[r]: b.img_offsets[r + 1]]
         key = b.key_data[b.key_offsets[r]: b.key_offsets[r + 1]].tobytes().decode("utf-8")
         return Sample(i, key, img, b.enc_names[b.enc_codes[r]], int(b.heights[r]), int(b.widths[r]),
@@ -207,6 +241,7 @@ class PackedDataset(Dataset):
         if name not in self.extra_columns:
             raise KeyError(f"{self.path}: no extra column {name!r}; this dataset has {self.extra_columns}")
         b, r = self._locate(self._check_index(i))
+        self._guard(b.shard)
         return b.batch.column(name)[r].as_py()
 
     def location(self, i: int) -> tuple[str, int]:
@@ -228,6 +263,11 @@ def _open_shard(path: Path, expected_rows: int, expected_bytes: int, manifest: M
         size = path.stat().st_size
     except FileNotFoundError:
         raise ShardError(f"{path}: shard listed in the manifest is missing; restore it or re-pack", path=path) from None
+    root = os.path.realpath(path.parent)
+    if not os.path.realpath(path).startswith(root.rstrip(os.sep) + os.sep):
+        raise ShardError(f"{path}: shard is a symlink to {os.path.realpath(path)}, outside the dataset "
+                         f"directory {root}; a dataset may only read its own files — copy the shard in",
+                         path=path)
     if size != expected_bytes:
         raise ShardError(f"{path}: size is {size} bytes, the manifest expects {expected_bytes} "
                          f"({'truncated' if size < expected_bytes else 'grown'}); restore the shard or re-pack",
@@ -245,6 +285,12 @@ def _open_shard(path: Path, expected_rows: int, expected_bytes: int, manifest: M
         missing += [c for c in manifest.extra_columns if c not in schema.names]
         if missing:
             raise ShardError(f"{path}: missing column(s) {missing}; expected a stoker shard", path=path)
+        expected = manifest.schema()
+        for col in ("label", *manifest.extra_columns):
+            if schema.field(col).type != expected.field(col).type:
+                raise ShardError(f"{path}: column {col!r} is {schema.field(col).type}, the manifest says "
+                                 f"{expected.field(col).type}; the manifest or the shard was edited — "
+                                 "restore it or re-pack", path=path)
         blocks, row = [], 0
         for k in range(reader.num_record_batches):
             batch = reader.get_batch(k)
@@ -283,16 +329,19 @@ def open_dataset(path: str | Path, *, verify: bool = False) -> PackedDataset:
     manifest = read_manifest(path)
     blocks: list[_Block] = []
     maps: list[pa.MemoryMappedFile] = []
+    identities: dict[str, tuple[int, int, int]] = {}
     try:
         for info in manifest.shards:
             shard_blocks, mm = _open_shard(path / info.file, info.rows, info.bytes, manifest, verify, info.sha256)
             blocks.extend(shard_blocks)
             maps.append(mm)
+            st = os.fstat(mm.fileno())
+            identities[info.file] = (st.st_dev, st.st_ino, st.st_size)
     except BaseException:
         for m in maps:
             m.close()
         raise
-    return PackedDataset(path, manifest, blocks, maps)
+    return PackedDataset(path, manifest, blocks, maps, identities)
 
 
 class LooseDataset(Dataset):

@@ -1,0 +1,187 @@
+"""Datasets are data: nothing in a shard or manifest is executed, no path leaves its root,
+decompression bombs are refused by pixel count before any pixel is decoded."""
+
+from __future__ import annotations
+
+import ast
+import io
+import os
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import simplejpeg
+from PIL import Image
+
+from .rhelpers import jpeg_claiming, make_image_folder, png_header_only
+
+import stoker
+from stoker import codecs, open_dataset, open_loose
+from stoker.errors import DecompressionBombError, ShardError, SourceError
+from stoker.packing import PackOptions, pack
+from stoker.sources import open_source
+
+SRC = Path(stoker.__file__).resolve().parent
+FORBIDDEN_MODULES = {"pickle", "cPickle", "_pickle", "marshal", "shelve", "dill", "cloudpickle", "joblib"}
+FORBIDDEN_CALLS = {"eval", "exec", "compile", "__import__"}
+
+
+def _violations(path: Path) -> list[str]:
+    found = []
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        where = f"{path.name}:{getattr(node, 'lineno', '?')}"
+        if isinstance(node, ast.Import):
+            found += [f"{where} import {a.name}" for a in node.names if a.name.split(".")[0] in FORBIDDEN_MODULES]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in FORBIDDEN_MODULES:
+            found.append(f"{where} from {node.module} import")
+        elif isinstance(node, ast.Call):
+            fn = node.func
+            name = fn.id if isinstance(fn, ast.Name) else fn.attr if isinstance(fn, ast.Attribute) else ""
+            base = fn.value.id if isinstance(fn, ast.Attribute) and isinstance(fn.value, ast.Name) else ""
+            if isinstance(fn, ast.Name) and name in FORBIDDEN_CALLS:
+                found.append(f"{where} {name}()")
+            if base in FORBIDDEN_MODULES or (base == "torch" and name == "load"):
+                found.append(f"{where} {base}.{name}()")  # torch.load unpickles
+            for kw in node.keywords:
+                if kw.arg == "allow_pickle" and not (isinstance(kw.value, ast.Constant) and kw.value.value is False):
+                    found.append(f"{where} allow_pickle=")
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id in FORBIDDEN_MODULES:
+            found.append(f"{where} {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_pickle_eval_exec_in_src():
+    files = sorted(SRC.rglob("*.py"))
+    assert len(files) > 10
+    bad = [v for f in files for v in _violations(f)]
+    assert not bad, "datasets are data; nothing may be unpickled or evaluated: " + ", ".join(bad)
+
+
+def test_the_scan_catches_what_it_forbids(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("import pickle\nfrom marshal import loads\neval('1')\nexec('x=1')\n"
+                     "import torch\ntorch.load('f')\nimport numpy as np\nnp.load('f', allow_pickle=True)\n")
+    assert len(_violations(probe)) >= 6
+
+
+# ---------------------------------------------------------------- paths
+
+def test_symlinked_shard_pointing_outside_is_refused(small_pack, tmp_path):
+    name = "shard-00000.arrow"
+    outside = tmp_path / "elsewhere.arrow"
+    (small_pack / name).rename(outside)
+    (small_pack / name).symlink_to(outside)
+    with pytest.raises(ShardError, match="outside the dataset"):
+        open_dataset(small_pack)
+    assert not stoker.verify(small_pack).ok
+
+
+@pytest.mark.parametrize("kind", ["list", "csv"])
+@pytest.mark.parametrize("evil", ["../outside.jpg", "{abs}", "sub/../../outside.jpg", "link.jpg", "linkdir/x.jpg"])
+def test_list_and_csv_paths_never_leave_root(tmp_path, kind, evil):
+    root = tmp_path / "root"
+    make_image_folder(root, n_per_class=1, classes=("a",))
+    outside = tmp_path / "outside.jpg"
+    outside.write_bytes((root / "a" / "000.jpg").read_bytes())
+    (tmp_path / "outdir").mkdir()
+    (tmp_path / "outdir" / "x.jpg").write_bytes(outside.read_bytes())
+    (root / "link.jpg").symlink_to(outside)
+    (root / "linkdir").symlink_to(tmp_path / "outdir")
+    path = evil.format(abs=outside)
+    if kind == "list":
+        listing = root / "train.txt"
+        listing.write_text(f"a/000.jpg 0\n{path} 1\n")
+    else:
+        listing = root / "train.csv"
+        listing.write_text(f"path,label\na/000.jpg,0\n{path},1\n")
+    with pytest.raises(SourceError, match="outside the source root") as info:
+        open_source(listing)
+    assert info.value.line == (2 if kind == "list" else 3)  # the CSV's header is line 1
+    with pytest.raises(SourceError):
+        open_loose(listing)
+
+
+def test_folder_symlink_out_is_refused(tmp_path):
+    root = make_image_folder(tmp_path / "root", n_per_class=1)
+    (tmp_path / "secret.jpg").write_bytes((root / "cat" / "000.jpg").read_bytes())
+    (root / "cat" / "leak.jpg").symlink_to(tmp_path / "secret.jpg")
+    with pytest.raises(SourceError, match="outside the source root"):
+        open_source(root)
+
+
+def test_tar_members_never_read_outside_the_tar(tmp_path):
+    """Member names are data (keys), never paths: '../x' and '/abs' members are read from inside
+    the tar; symlink and hard-link members, which could point anywhere, are ignored."""
+    jpg = simplejpeg.encode_jpeg(np.full((32, 32, 3), 200, np.uint8), 90)
+    secret = tmp_path / "secret.jpg"
+    secret.write_bytes(simplejpeg.encode_jpeg(np.zeros((32, 32, 3), np.uint8), 90))
+    tar_path = tmp_path / "data.tar"
+    with tarfile.open(tar_path, "w") as tf:
+        for name in ("ok.jpg", "../escape.jpg", "/abs.jpg"):
+            info = tarfile.TarInfo(name)
+            info.size = len(jpg)
+            tf.addfile(info, io.BytesIO(jpg))
+        link = tarfile.TarInfo("link.jpg")
+        link.type, link.linkname = tarfile.SYMTYPE, str(secret)
+        tf.addfile(link)
+        hard = tarfile.TarInfo("hard.jpg")
+        hard.type, hard.linkname = tarfile.LNKTYPE, "../secret.jpg"
+        tf.addfile(hard)
+    source = open_source(tar_path)
+    assert sorted(i.key for i in source.items) == sorted(["ok.jpg", "../escape.jpg", "/abs.jpg"])
+    out = tmp_path / "out"
+    pack(source, out, options=PackOptions(workers=1, raw_below=0), progress=False)  # bytes kept as is
+    assert not (tmp_path / "escape.jpg").exists() and not Path("/abs.jpg").exists()
+    with open_dataset(out) as ds:
+        for i in range(len(ds)):
+            s = ds.sample(i)
+            assert s.data.tobytes() == jpg, f"{s.key} was read from outside the tar"
+
+
+# ---------------------------------------------------------------- bombs
+
+@pytest.mark.parametrize("fmt", ["jpeg", "png"])
+def test_bombs_refused_before_decoding(fmt, monkeypatch):
+    """A JPEG claiming 65,500 x 65,500 (JPEG's size fields stop at 65,535) and a PNG claiming
+    100,000 x 100,000, through every entry point (a shard's encoding column is data too, so a PNG
+    may arrive labelled "jpeg"): DecompressionBombError, and no decoder ever ran."""
+    data = jpeg_claiming(65_500, 65_500) if fmt == "jpeg" else png_header_only(100_000, 100_000)
+    decoded = []
+
+    def fake_decode(*args, **kwargs):
+        decoded.append("simplejpeg")
+        raise ValueError("decoder must not run")
+    monkeypatch.setattr(simplejpeg, "decode_jpeg", fake_decode)
+    monkeypatch.setattr(Image.Image, "load", lambda self: decoded.append("pillow"))
+    for call in (lambda: codecs.probe(data, "bomb"), lambda: codecs.decode_pillow_rgb(data, "bomb"),
+                 lambda: codecs.decode_rgb(data, "jpeg", "bomb"), lambda: codecs.decode_rgb(data, "png", "bomb")):
+        with pytest.raises(DecompressionBombError, match="bomb"):
+            call()
+    # a PNG labelled "jpeg" reaches libjpeg-turbo, which rejects it at the signature (no pixels)
+    assert decoded == ([] if fmt == "jpeg" else ["simplejpeg"]), decoded
+
+
+def test_max_pixels_is_honoured_by_pack(tmp_path):
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    Image.fromarray(np.zeros((100, 100, 3), np.uint8)).save(folder / "big.png")
+    Image.fromarray(np.zeros((10, 10, 3), np.uint8)).save(folder / "small.png")
+    out = tmp_path / "out"
+    summary = pack(folder, out, kind="files", options=PackOptions(workers=1, max_pixels=5_000), progress=False)
+    assert summary.packed == 1 and summary.skipped == 1
+    assert "exceeds the limit of 5,000" in (out / "skipped.jsonl").read_text()
+
+
+def test_manifest_cannot_name_files_outside(small_pack):
+    import json
+    manifest = small_pack / "stoker.json"
+    obj = json.loads(manifest.read_text())
+    for evil in ("../x.arrow", "/etc/passwd", ".hidden.arrow", "a/b.arrow", "x.arrow\x00", "C:\\x.arrow"):
+        obj["shards"][0]["file"] = evil
+        manifest.write_text(json.dumps(obj))
+        with pytest.raises(stoker.errors.ManifestError, match="plain shard file name"):
+            open_dataset(small_pack)
+    assert os.path.exists(small_pack / "shard-00000.arrow")
