@@ -10,7 +10,7 @@ import stoker
 EXPECTED = {
     "CenterCrop", "Dataset", "Loader", "LoaderStats", "PackOptions", "PackSummary", "Pipeline",
     "RandomHorizontalFlip", "RandomResizedCrop", "Resize", "Sample", "StokerError", "__version__",
-    "describe", "errors", "open_dataset", "open_loose", "pack", "verify",
+    "describe", "errors", "open_dataset", "open_loose", "pack", "profile", "ProfileReport", "verify",
 }
 
 
@@ -23,6 +23,12 @@ def test_exported_names_are_curated_and_resolve():
 def test_pack_is_the_function_whatever_is_imported_first():
     code = ("from stoker.packing import PackOptions; import stoker, sys; "
             "assert callable(stoker.pack) and stoker.pack is sys.modules['stoker.packing'].pack")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_profile_is_the_function_whatever_is_imported_first():
+    code = ("from stoker.profiling import ProfileReport; import stoker, sys; "
+            "assert callable(stoker.profile) and stoker.profile is sys.modules['stoker.profiling'].profile")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

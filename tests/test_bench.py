@@ -13,19 +13,9 @@ import pytest
 import torch
 from PIL import Image
 
-from stoker.bench import (
-    NOTE,
-    BenchResult,
-    PipelineResult,
-    _TVCenterCrop,
-    _TVRandomResizedCrop,
-    _TVResize,
-    _tv_to_normalized_tensor,
-    format_table,
-    list_image_folder,
-    machine_info,
-    run_bench,
-)
+from stoker.baseline import (_TVCenterCrop, _TVRandomResizedCrop, _TVResize, _tv_to_normalized_tensor,
+                             list_image_folder)
+from stoker.bench import NOTE, BenchResult, PipelineResult, format_table, machine_info, run_bench
 from stoker.errors import ConfigError
 from stoker.synth import make_tiny_jpegs
 
@@ -54,6 +44,10 @@ def _check_outputs(result: BenchResult, out: Path) -> None:
     assert [p["name"] for p in obj["pipelines"]] == [p.name for p in result.pipelines]
     table = (out / "bench.md").read_text()
     assert NOTE in table and all(f"| {p.name} |" in table for p in result.pipelines)
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert "No chart" in table
 
 
 def test_baselines_and_ceiling_in_process(tiny_root: Path, tmp_path: Path) -> None:
@@ -82,6 +76,17 @@ def test_stoker_pipelines_in_process(tiny_root: Path, tmp_path: Path) -> None:
         _check_ran(p, 64)  # type: ignore[arg-type]
         assert p.ratio is not None and p.ratio > 0  # type: ignore[union-attr]
     assert result.get("stoker-val").ratio_to == "baseline-val"  # type: ignore[union-attr]
+
+
+def test_cli_json_is_the_result_and_writes_the_files(tiny_root: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from stoker.cli import main
+
+    assert main(["bench", "--data", str(tiny_root), "--batch-size", "32", "--rounds", "1", "--workers", "1",
+                 "--pipelines", "ceiling", "--out", str(tmp_path), "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert [p["name"] for p in obj["pipelines"]] == ["ceiling"] and obj["note"] == NOTE
+    assert json.loads((tmp_path / "bench.json").read_text())["pipelines"][0]["name"] == "ceiling"
 
 
 def test_isolated_run_reports_from_a_child_process(tiny_root: Path, tmp_path: Path) -> None:

@@ -31,6 +31,8 @@ _EXPORTS = {
     "open_dataset": "reader",
     "open_loose": "reader",
     "pack": "packing",
+    "profile": "profiling",
+    "ProfileReport": "profiling",
     "verify": "audit",
 }
 

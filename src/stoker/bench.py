@@ -4,7 +4,8 @@ Pipelines (each limited to `workers` CPU cores; one epoch over every image is on
 
 - ``baseline``: torch DataLoader (``workers`` processes) over an ImageFolder dataset, PIL decode,
   torchvision's default training transforms (RandomResizedCrop 224, RandomHorizontalFlip,
-  ToTensor, Normalize); real torchvision when installed, else the exact re-implementation below.
+  ToTensor, Normalize); real torchvision when installed, else the exact re-implementation in
+  `stoker.baseline`.
 - ``baseline-val``: the same with Resize 256 + CenterCrop 224 + ToTensor + Normalize.
 - ``stoker-train`` / ``stoker-val``: stoker.Loader on the packed copy, the same transforms.
 - ``ceiling``: libjpeg-turbo (simplejpeg) full decode of every image on ``workers`` threads, nothing else.
@@ -38,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from .baseline import baseline_loader, baseline_transform, list_image_folder
 from .errors import ConfigError, StokerError
 
 __all__ = ["PIPELINES", "BenchResult", "PipelineResult", "format_table", "machine_info", "run_bench"]
@@ -54,8 +56,6 @@ PIPELINES: dict[str, tuple[str, str | None]] = {
 DEFAULT_PIPELINES = ("baseline", "baseline-val", "stoker-train", "stoker-val", "ceiling", "dali")
 NOTE = ("Ratios between pipelines of this one run are the figures that count; absolute images/s on a "
         "shared machine are noise.")
-_IMAGENET_MEAN = (0.485, 0.456, 0.406)
-_IMAGENET_STD = (0.229, 0.224, 0.225)
 _CHILD_TIMEOUT_S = 3600.0
 
 
@@ -202,156 +202,6 @@ class _MemorySampler:
         self._sample()
 
 
-# ----------------------------------------------------------------------------- baseline transforms
-
-def _torchvision() -> Any | None:
-    try:
-        import torchvision  # noqa: F401  (optional: `pip install torchvision`)
-        from torchvision import transforms
-        return transforms
-    except ImportError:
-        return None
-
-
-class _TVRandomResizedCrop:
-    """torchvision.transforms.RandomResizedCrop on PIL images, same sampling (torch's RNG, 10 tries,
-    central-crop fallback) and PIL BILINEAR resize (PIL's resize is always antialiased)."""
-
-    def __init__(self, size: int, scale: tuple[float, float] = (0.08, 1.0),
-                 ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> None:
-        self.size, self.scale, self.ratio = (size, size), scale, ratio
-
-    def get_params(self, width: int, height: int) -> tuple[int, int, int, int]:
-        import torch
-
-        area = height * width
-        log_ratio = torch.log(torch.tensor(self.ratio))
-        for _ in range(10):
-            target_area = area * torch.empty(1).uniform_(self.scale[0], self.scale[1]).item()
-            aspect = math.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1]).item())
-            w = int(round(math.sqrt(target_area * aspect)))
-            h = int(round(math.sqrt(target_area / aspect)))
-            if 0 < w <= width and 0 < h <= height:
-                i = int(torch.randint(0, height - h + 1, size=(1,)).item())
-                j = int(torch.randint(0, width - w + 1, size=(1,)).item())
-                return i, j, h, w
-        in_ratio = width / height
-        if in_ratio < min(self.ratio):
-            w, h = width, int(round(width / min(self.ratio)))
-        elif in_ratio > max(self.ratio):
-            h, w = height, int(round(height * max(self.ratio)))
-        else:
-            w, h = width, height
-        return (height - h) // 2, (width - w) // 2, h, w
-
-    def __call__(self, img: Any) -> Any:
-        from PIL import Image
-
-        i, j, h, w = self.get_params(*img.size)
-        return img.crop((j, i, j + w, i + h)).resize((self.size[1], self.size[0]), Image.BILINEAR)
-
-
-class _TVResize:
-    """torchvision.transforms.Resize(int) on PIL: shorter side to `size`, longer side truncated."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def __call__(self, img: Any) -> Any:
-        from PIL import Image
-
-        w, h = img.size
-        short, long_ = (w, h) if w <= h else (h, w)
-        new_short, new_long = self.size, int(self.size * long_ / short)
-        new_w, new_h = (new_short, new_long) if w <= h else (new_long, new_short)
-        return img.resize((new_w, new_h), Image.BILINEAR)
-
-
-class _TVCenterCrop:
-    """torchvision.transforms.CenterCrop on PIL (images at least `size`; PIL pads with zeros otherwise)."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def __call__(self, img: Any) -> Any:
-        w, h = img.size
-        top, left = int(round((h - self.size) / 2.0)), int(round((w - self.size) / 2.0))
-        return img.crop((left, top, left + self.size, top + self.size))
-
-
-def _tv_flip(img: Any) -> Any:
-    """torchvision.transforms.RandomHorizontalFlip(0.5): torch's RNG decides."""
-    import torch
-    from PIL import Image
-
-    return img.transpose(Image.FLIP_LEFT_RIGHT) if torch.rand(1).item() < 0.5 else img
-
-
-def _tv_to_normalized_tensor(img: Any) -> Any:
-    """ToTensor (HWC uint8 -> CHW float32 in [0, 1]) then Normalize with ImageNet mean/std."""
-    import torch
-
-    t = torch.from_numpy(np.array(img, np.uint8, copy=True)).view(img.size[1], img.size[0], 3)
-    t = t.permute((2, 0, 1)).contiguous().to(dtype=torch.float32).div(255)
-    mean = torch.as_tensor(_IMAGENET_MEAN, dtype=t.dtype)[:, None, None]
-    std = torch.as_tensor(_IMAGENET_STD, dtype=t.dtype)[:, None, None]
-    return t.sub_(mean).div_(std)
-
-
-def baseline_transform(train: bool) -> tuple[Callable[[Any], Any], str]:
-    """The baseline's transform on a PIL image and which implementation it is."""
-    tv = _torchvision()
-    if tv is not None:
-        import torchvision
-        norm = [tv.ToTensor(), tv.Normalize(_IMAGENET_MEAN, _IMAGENET_STD)]
-        ops = [tv.RandomResizedCrop(224), tv.RandomHorizontalFlip()] if train else [tv.Resize(256), tv.CenterCrop(224)]
-        return tv.Compose(ops + norm), f"torchvision {torchvision.__version__}"
-    ops = [_TVRandomResizedCrop(224), _tv_flip] if train else [_TVResize(256), _TVCenterCrop(224)]
-
-    def compose(img: Any) -> Any:
-        for op in ops:
-            img = op(img)
-        return _tv_to_normalized_tensor(img)
-    return compose, "re-implementation of torchvision's transforms (torchvision not installed)"
-
-
-def _pil_loader(path: str) -> Any:
-    """torchvision.datasets.folder.pil_loader."""
-    from PIL import Image
-
-    with open(path, "rb") as f:
-        img = Image.open(f)
-        return img.convert("RGB")
-
-
-def list_image_folder(root: Path) -> tuple[list[tuple[str, int]], list[str]]:
-    """(path, class index) pairs and class names of an ImageFolder tree, in torchvision's order."""
-    exts = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-    classes = sorted(d.name for d in os.scandir(root) if d.is_dir())
-    samples = [(os.path.join(dirpath, name), k)
-               for k, c in enumerate(classes)
-               for dirpath, _, files in sorted(os.walk(root / c, followlinks=True))
-               for name in sorted(files) if name.lower().endswith(exts)]
-    if not samples:
-        raise ConfigError(f"{root}: expected an ImageFolder tree (root/<class>/<image>.jpg), found no images; "
-                          "pass a folder of class subfolders, or leave data unset to generate images")
-    return samples, classes
-
-
-class _FolderDataset:
-    """torchvision.datasets.ImageFolder's item: (transform(pil_loader(path)), class index)."""
-
-    def __init__(self, samples: list[tuple[str, int]], transform: Callable[[Any], Any]) -> None:
-        self.samples, self.transform = samples, transform
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, i: int) -> tuple[Any, int]:
-        path, label = self.samples[i]
-        return self.transform(_pil_loader(path)), label
-
-
 # ----------------------------------------------------------------------------- pipelines
 
 @dataclass
@@ -374,17 +224,7 @@ class _Runner:
 
 
 def _baseline_runner(spec: _Spec, train: bool) -> _Runner:
-    import torch
-    from torch.utils.data import DataLoader
-
-    transform, _ = baseline_transform(train)
-    if _torchvision() is not None:
-        from torchvision.datasets import ImageFolder
-        dataset: Any = ImageFolder(spec.root, transform=transform)
-    else:
-        dataset = _FolderDataset(list_image_folder(Path(spec.root))[0], transform)
-    loader = DataLoader(dataset, batch_size=spec.batch_size, shuffle=True, num_workers=spec.workers,
-                        generator=torch.Generator().manual_seed(0))
+    loader = baseline_loader(spec.root, spec.batch_size, workers=spec.workers, train=train, shuffle=True, seed=0)
 
     def epoch() -> Iterator[int]:
         for _, labels in loader:
@@ -662,27 +502,12 @@ def _fill_ratios(result: BenchResult) -> None:
 
 def _write_outputs(result: BenchResult, out: Path) -> None:
     """bench.json, bench.md and, with matplotlib, bench.png in `out`."""
-    try:
-        import matplotlib
-    except ImportError:
-        matplotlib = None
+    from .charts import bench_chart
+
+    if not bench_chart(result, out / "bench.png"):
         result.notes.append("No chart: matplotlib is not installed (pip install matplotlib).")
     (out / "bench.json").write_text(json.dumps(result.to_json(), indent=1) + "\n")
     (out / "bench.md").write_text(format_table(result) + "\n")
-    if matplotlib is None:
-        return
-    matplotlib.use("Agg")   # files only; never open a window
-    import matplotlib.pyplot as plt
-
-    ran = [p for p in result.pipelines if p.skipped is None]
-    fig, ax = plt.subplots(figsize=(7, 0.5 + 0.45 * len(ran)))
-    ax.barh([p.name for p in ran][::-1], [p.images_per_s for p in ran][::-1], color="#d2691e")
-    ax.set_xlabel("images/s (median of rounds)")
-    ax.set_title(f"{result.images} images, batch {result.batch_size}, {result.workers} cores per pipeline",
-                 fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out / "bench.png", dpi=120)
-    plt.close(fig)
 
 
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:

@@ -1,4 +1,4 @@
-"""``stoker`` command line: thin wrappers over the library (pack, info, verify, bench, demo)."""
+"""``stoker`` command line: thin wrappers over the library (pack, info, verify, bench, doctor, demo)."""
 
 from __future__ import annotations
 
@@ -70,10 +70,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from .doctor import run_doctor
+
+    report = run_doctor(args.path, batch_size=args.batch_size, steps=args.steps, threads=args.threads,
+                        transforms=args.transforms, size=args.size, model=args.model, device=args.device,
+                        progress=not args.json)
+    print(json.dumps(report.as_dict(), indent=1) if args.json else report.format())
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    run_demo(args.out, images=args.images)
+    run_demo(args.out, images=args.images, batch_size=args.batch_size, steps=args.steps, device=args.device)
     return 0
 
 
@@ -130,9 +140,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.set_defaults(func=_cmd_bench)
 
-    p = sub.add_parser("demo", help="the main job on built-in data: generate, pack, load, compare")
+    p = sub.add_parser("doctor", help="is training on this data input-bound? loader alone, model alone, both")
+    p.add_argument("path", type=Path, help="a packed dataset, an ImageFolder tree or a 'path label' list")
+    p.add_argument("--batch-size", type=_positive, default=32)
+    p.add_argument("--steps", type=_positive, default=8,
+                   help="measured batches per run, after one warm-up batch (default 8: 288 images per run)")
+    p.add_argument("--threads", type=_positive, default=None, help="loader threads (default: usable CPUs)")
+    p.add_argument("--transforms", default="train", choices=["train", "val"],
+                   help="train: RandomResizedCrop + flip (default); val: Resize + CenterCrop")
+    p.add_argument("--size", type=_positive, default=224, help="output size in pixels (default 224)")
+    p.add_argument("--model", default=None, metavar="MODULE:CALLABLE",
+                   help="the model to train, e.g. torchvision.models:resnet18 (default: built-in small CNN)")
+    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
+    p.add_argument("--json", action="store_true", help="machine-readable output, no progress bar")
+    p.set_defaults(func=_cmd_doctor)
+
+    p = sub.add_parser("demo", help="the main job on built-in data: generate, pack, train twice, compare")
     p.add_argument("--out", type=Path, default=Path("stoker-demo"), help="working directory (default ./stoker-demo)")
     p.add_argument("--images", type=_positive, default=2000, help="images to generate (default 2000)")
+    p.add_argument("--batch-size", type=_positive, default=64)
+    p.add_argument("--steps", type=_positive, default=30, help="training steps per run (default 30)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.set_defaults(func=_cmd_demo)
     return parser
 

@@ -1,0 +1,113 @@
+"""PNG charts for `stoker bench` and `stoker demo` (matplotlib, optional: `pip install matplotlib`).
+
+Each function returns False, drawing nothing, when matplotlib is not installed. Charts are written
+with the Agg backend: files only, never a window.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from .bench import BenchResult
+
+_COLOURS = {"stoker": "#d2691e", "baseline": "#4c72b0", "other": "#8c8c8c", "wait": "#c44e52",
+            "compute": "#55a868"}
+
+
+def _pyplot() -> Any | None:
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _colour(name: str) -> str:
+    if name.startswith("stoker"):
+        return _COLOURS["stoker"]
+    if name.startswith("baseline"):
+        return _COLOURS["baseline"]
+    return _COLOURS["other"]
+
+
+def bench_chart(result: "BenchResult", path: Path) -> bool:
+    """Images/s per pipeline as horizontal bars, the decode ceiling as a dashed reference line."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    from matplotlib.patches import Patch
+
+    ran = [p for p in result.pipelines if p.skipped is None and p.name != "ceiling"]
+    ceiling = result.get("ceiling")
+    has_ceiling = ceiling is not None and ceiling.skipped is None
+    fig, ax = plt.subplots(figsize=(8, 2.4 + 0.5 * max(len(ran), 1)))
+    names = [p.name for p in ran][::-1]
+    rates = [p.images_per_s for p in ran][::-1]
+    ax.barh(names, rates, color=[_colour(n) for n in names])
+    top = max(rates + ([ceiling.images_per_s] if has_ceiling else []) + [1.0])  # type: ignore[union-attr]
+    for y, (p, rate) in enumerate(zip(ran[::-1], rates)):
+        label = f"{rate:,.0f}" + (f"  ({p.ratio:.2f}x {p.ratio_to})" if p.ratio is not None else "")
+        ax.text(rate + top * 0.01, y, label, va="center", fontsize=8)
+    handles = [Patch(color=_COLOURS["baseline"], label="DataLoader + PIL (baseline)"),
+               Patch(color=_COLOURS["stoker"], label="stoker.Loader")]
+    if any(_colour(n) == _COLOURS["other"] for n in names):
+        handles.append(Patch(color=_COLOURS["other"], label="other loaders"))
+    if has_ceiling:
+        handles.append(ax.axvline(ceiling.images_per_s, color="black", linestyle="--", linewidth=1.2,  # type: ignore[union-attr]
+                                  label=f"decode ceiling: full JPEG decode only ({ceiling.images_per_s:,.0f})"))  # type: ignore[union-attr]
+    ax.set_xlim(0, top * 1.3)
+    ax.set_xlabel(f"throughput, images/s (median of {result.rounds} round(s); higher is better)")
+    ax.set_ylabel("pipeline")
+    ax.set_title(f"stoker bench: {result.images:,} images, batch {result.batch_size}, "
+                 f"{result.workers} CPU cores per pipeline", fontsize=10)
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, fontsize=8,
+              frameon=False)   # below the axes: never over a bar
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def demo_chart(named: Sequence[tuple[str, Any]], path: Path, *, title: str, note: str = "") -> bool:
+    """Two panels for the demo's training runs, `(name, ProfileReport)` pairs: training throughput
+    (images/s) and the mean step split into data wait and model step (ms)."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    names = [n for n, _ in named]
+    runs = [r for _, r in named]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
+    rates = [r.images_per_s for r in runs]
+    left.bar(names, rates, color=[_colour(n) for n in names])
+    for x, rate in enumerate(rates):
+        text = f"{rate:,.0f}" + (f"\n{rate / rates[0]:.2f}x faster" if x and rates[0] > 0 else "")
+        left.text(x, rate, text, ha="center", va="bottom", fontsize=9)
+    left.set_ylim(0, max(rates + [1.0]) * 1.25)
+    left.set_ylabel("training throughput, images/s (higher is better)")
+    left.set_title("images/s while training", fontsize=10)
+    left.grid(axis="y", alpha=0.3)
+
+    wait = [r.wait_s / max(r.steps, 1) * 1000 for r in runs]
+    compute = [r.compute_s / max(r.steps, 1) * 1000 for r in runs]
+    right.bar(names, compute, color=_COLOURS["compute"], label="model step (forward, backward, update)")
+    right.bar(names, wait, bottom=compute, color=_COLOURS["wait"], label="waiting for the next batch")
+    for x, r in enumerate(runs):
+        right.text(x, compute[x] + wait[x], f"{r.data_wait_percent:.0f}% waiting", ha="center", va="bottom",
+                   fontsize=9)
+    right.set_ylim(0, max([c + w for c, w in zip(compute, wait)] + [1.0]) * 1.3)
+    right.set_ylabel("time per training step, ms (lower is better)")
+    right.set_title("where each step's time goes", fontsize=10)
+    right.legend(loc="upper right", fontsize=8)
+    right.grid(axis="y", alpha=0.3)
+    fig.suptitle(title, fontsize=11)
+    if note:
+        fig.text(0.5, 0.01, note, ha="center", fontsize=8, style="italic")
+    fig.tight_layout(rect=(0, 0.05 if note else 0, 1, 0.95))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

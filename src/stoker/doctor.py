@@ -1,0 +1,269 @@
+"""`stoker doctor PATH`: is training on this data input-bound? Measured, without writing training code.
+
+Three short runs on the user's data (a packed dataset, an ImageFolder tree or a file list), each
+over `steps` batches after one warm-up batch (a few hundred images by default, so it stays quick):
+
+1. the stoker Loader alone: images/s the input pipeline can deliver;
+2. the model step alone, on one batch held in memory: images/s the model can consume;
+3. both together under `stoker.profile`: the data-wait share and the verdict, with the fix.
+
+Without a GPU the model and the loader compete for the same cores; unless `threads` is given, the
+model then gets half of them (torch threads) and the loader the rest (`split_cores`), as in the
+demo: oversubscribed, torch's threads slow down several-fold and the measurement shows scheduling.
+
+The model step is the built-in `small_cnn` (the demo's model, at width 16) unless one is given: an
+`nn.Module`, a "module:callable" string that returns one (e.g. "torchvision.models:resnet18"),
+or any callable `step(images, labels)`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from .errors import ConfigError
+from .profiling import ProfileReport, profile
+
+__all__ = ["DoctorReport", "TrainStep", "run_doctor", "small_cnn", "split_cores"]
+
+_MEAN = (0.485, 0.456, 0.406)
+_STD = (0.229, 0.224, 0.225)
+
+
+def small_cnn(num_classes: int = 10, width: int = 16) -> Any:
+    """A small pure-PyTorch CNN for 224 px inputs: a 4x4 stride-4 stem, two stride-2 3x3 convs,
+    global pooling, a linear head. A training step (forward and backward) costs about 60 MFLOP per
+    image at width 16 (the doctor's default) and 120 MFLOP at width 24 (the demo's)."""
+    from torch import nn
+
+    return nn.Sequential(
+        nn.Conv2d(3, width, 4, stride=4), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+        nn.Conv2d(width, 2 * width, 3, stride=2, padding=1), nn.BatchNorm2d(2 * width), nn.ReLU(inplace=True),
+        nn.Conv2d(2 * width, 4 * width, 3, stride=2, padding=1), nn.BatchNorm2d(4 * width), nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * width, num_classes))
+
+
+class TrainStep:
+    """One SGD step of `model` on a batch: uint8 `[B, H, W, 3]` (stoker) is moved to `device`,
+    made float NCHW and normalized there; float `[B, 3, H, W]` (already normalized) is only moved."""
+
+    def __init__(self, model: Any, device: Any, num_classes: int, lr: float = 0.05) -> None:
+        import torch
+
+        self.device = torch.device(device)
+        self.model = model.to(self.device).train()
+        self.num_classes = num_classes
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=0.9)
+        self.mean = torch.tensor(_MEAN, device=self.device).view(1, 3, 1, 1) * 255
+        self.std = torch.tensor(_STD, device=self.device).view(1, 3, 1, 1) * 255
+        self.last_loss = math.nan
+
+    def prepare(self, images: Any) -> Any:
+        import torch
+
+        x = images.to(self.device, non_blocking=True)
+        if x.dtype == torch.uint8:   # NHWC uint8 -> NCHW float, normalized, on the device
+            x = x.permute(0, 3, 1, 2).float().sub_(self.mean).div_(self.std)
+        return x
+
+    def labels(self, labels: Any, n: int) -> Any:
+        import torch
+
+        if isinstance(labels, torch.Tensor) and labels.dtype in (torch.int64, torch.int32):
+            return labels.to(self.device, non_blocking=True).long().clamp_(min=0) % self.num_classes
+        return torch.zeros(n, dtype=torch.long, device=self.device)   # unlabelled or non-class labels
+
+    def __call__(self, images: Any, labels: Any) -> None:
+        import torch.nn.functional as F
+
+        x = self.prepare(images)
+        loss = F.cross_entropy(self.model(x), self.labels(labels, x.shape[0]))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        self.last_loss = loss.detach()
+
+
+def _usable_cores() -> int:
+    from .loader import default_threads
+
+    return default_threads()
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def split_cores(device: str, cores: int) -> tuple[int, int]:
+    """(torch threads for the model, cores for the loader). On a GPU machine the loader gets every
+    core; on CPU the model gets half of them (at least one) and the loader the rest, so the two do
+    not oversubscribe the cores (torch's threads slow down sharply when they do)."""
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.get_num_threads(), cores
+    model = max(1, cores // 2)
+    return model, max(1, cores - model)
+
+
+def _model_from(spec: Any, num_classes: int, device: str) -> tuple[Callable[[Any, Any], None], str]:
+    from torch import nn
+
+    if spec is None or spec == "small":
+        return TrainStep(small_cnn(num_classes), device, num_classes), f"built-in small CNN ({num_classes} classes)"
+    if isinstance(spec, str):
+        module_name, _, attr = spec.partition(":")
+        if not attr:
+            raise ConfigError(f"model {spec!r}: expected 'small' or 'module:callable' returning an nn.Module, "
+                              "e.g. 'torchvision.models:resnet18'")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(f"model {spec!r}: cannot load it ({exc}); check the module is installed") from exc
+        spec, name = factory(), spec
+    else:
+        name = type(spec).__name__
+    if isinstance(spec, nn.Module):
+        return TrainStep(spec, device, num_classes), name
+    if callable(spec):
+        return spec, name
+    raise ConfigError(f"model: expected None, 'small', 'module:callable', an nn.Module or a step(images, labels) "
+                      f"callable, got {type(spec).__name__}")
+
+
+@dataclass
+class DoctorReport:
+    """What `run_doctor` measured. Rates in images/s."""
+
+    path: str
+    model: str
+    device: str
+    batch_size: int
+    steps: int
+    threads: int
+    transforms: str
+    loader_images_per_s: float      # the loader alone
+    step_images_per_s: float        # the model step alone, on a batch held in memory
+    profile: ProfileReport          # both together: verdict and fixes
+
+    @property
+    def verdict(self) -> str:
+        return self.profile.verdict
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in ("path", "model", "device", "batch_size", "steps", "threads",
+                                             "transforms", "loader_images_per_s", "step_images_per_s")}
+        out = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in out.items()}
+        return {**out, "verdict": self.verdict, "profile": self.profile.as_dict()}
+
+    def format(self) -> str:
+        slower = "loader" if self.loader_images_per_s < self.step_images_per_s else "model step"
+        return "\n".join([
+            f"stoker doctor: {self.path}",
+            f"  setup            batch {self.batch_size}, {self.steps} steps per run, {self.threads} loader thread(s), "
+            f"{self.transforms} transforms, model: {self.model} on {self.device}",
+            f"  loader alone     {self.loader_images_per_s:,.1f} images/s",
+            f"  model step alone {self.step_images_per_s:,.1f} images/s",
+            f"  together         {self.profile.images_per_s:,.1f} images/s "
+            f"(alone, the {slower} is the slower of the two)",
+            "", self.profile.format()])
+
+    __str__ = format
+
+
+def _batches(loader: Any, n: int) -> Iterable[Any]:
+    return itertools.islice(iter(loader), n)
+
+
+def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = 8, threads: int | None = None,
+               transforms: str = "train", size: int = 224, model: Any = None, device: str | None = None,
+               progress: bool = True) -> DoctorReport:
+    """Measure the loader alone, the model step alone and both together on the data at `path`.
+
+    Reads about `(steps + 1) * batch_size` images per run (one warm-up batch); each run reads a new
+    epoch of the dataset (on a smaller dataset, `steps` shrinks to fit). `transforms`:
+    "train" (RandomResizedCrop + flip) or "val" (Resize + CenterCrop), at `size` pixels.
+    """
+    import torch
+
+    from .loader import Loader
+    from .transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
+
+    if transforms not in ("train", "val"):
+        raise ConfigError(f"transforms must be 'train' or 'val', got {transforms!r}")
+    if batch_size < 1 or steps < 1:
+        raise ConfigError(f"batch_size and steps must be >= 1, got {batch_size} and {steps}")
+    ops = [RandomResizedCrop(size), RandomHorizontalFlip()] if transforms == "train" else \
+        [Resize(size * 8 // 7), CenterCrop(size)]
+    device = device or default_device()
+    model_threads, loader_cores = split_cores(device, _usable_cores())
+    loader = Loader(path, batch_size, transforms=ops, num_threads=threads or loader_cores, drop_last=True, seed=0)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(model_threads)   # restored below
+    try:
+        ds = loader.dataset
+        if len(loader) < 3:
+            raise ConfigError(f"{path}: {len(ds)} images make fewer than 3 batches of {batch_size}; "
+                              "pass a smaller --batch-size")
+        steps = min(steps, len(loader) - 2)
+        labels = ds.labels
+        num_classes = int(labels.max()) + 1 if labels.dtype.kind in "iu" and len(labels) and labels.max() >= 0 \
+            else 10
+        step, model_name = _model_from(model, num_classes, device)
+        bar = _bar(3 * (steps + 1), progress)
+
+        # 1. the loader alone
+        t0 = None
+        for k, _ in enumerate(_batches(loader, steps + 1)):
+            if k == 0:
+                t0 = time.perf_counter()   # after the warm-up batch
+            bar.update()
+        loader_rate = steps * batch_size / (time.perf_counter() - t0)   # type: ignore[operator]
+
+        # 2. the model step alone, on one batch held in memory
+        images, ys = next(iter(_batches(loader, 1)))[:2]
+        images = images.clone()
+        ys = ys.clone() if isinstance(ys, torch.Tensor) else ys
+        step(images, ys)   # warm-up
+        _sync(device)
+        bar.update()
+        t = time.perf_counter()
+        for _ in range(steps):
+            step(images, ys)
+            bar.update()
+        _sync(device)
+        step_rate = steps * batch_size / (time.perf_counter() - t)
+
+        # 3. both together, profiled
+        prof = profile(loader, warmup=1, sync=device.startswith("cuda"), verbose=False)
+        for k, batch in enumerate(prof):
+            if k > steps:   # asking for this batch ended the last measured step
+                break
+            step(batch[0], batch[1])
+            bar.update()
+        bar.close()
+        report = prof.reports[-1] if prof.reports else prof.report()
+    finally:
+        torch.set_num_threads(threads_before)
+        loader.close()
+    return DoctorReport(str(path), model_name, device, batch_size, steps, loader.num_threads, transforms,
+                        loader_rate, step_rate, report)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+        torch.cuda.synchronize()
+
+
+def _bar(total: int, enabled: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="doctor", unit="batch", disable=not enabled, dynamic_ncols=True, leave=False)

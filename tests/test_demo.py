@@ -1,0 +1,43 @@
+"""`stoker demo` end to end on a tiny configuration (the full one takes about a minute)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from stoker.cli import main
+from stoker.demo import run_demo
+from stoker.profiling import COMPUTE_BOUND, INPUT_BOUND
+
+
+def test_tiny_demo_trains_twice_and_writes_table_json_chart(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_demo(tmp_path, images=48, batch_size=8, steps=3, progress=False)
+    assert [r.name for r in result.runs] == ["baseline (DataLoader + PIL)", "stoker"]
+    for run in result.runs:
+        assert run.report.steps == 3 and run.report.images == 24 and run.report.images_per_s > 0
+        assert run.report.verdict in (INPUT_BOUND, COMPUTE_BOUND)
+    out = capsys.readouterr().out
+    assert "| training fed by | images/s | data wait |" in out and "speed-up" in out
+    assert "[4/4]" in out and ("share this machine's CPU cores" in out or result.device.startswith("cuda"))
+    obj = json.loads((tmp_path / "demo.json").read_text())
+    assert obj["speedup"] == pytest.approx(result.speedup) and len(obj["runs"]) == 2
+    assert (tmp_path / "demo.md").read_text().startswith("| training fed by |")
+    pytest.importorskip("matplotlib")
+    png = (tmp_path / "demo.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_steps_capped_to_one_pass(tmp_path: Path) -> None:
+    result = run_demo(tmp_path, images=32, batch_size=8, steps=100, progress=False)
+    assert result.steps == 3   # 4 batches: one warm-up, three measured
+
+
+def test_cli_demo_options_parse() -> None:
+    from stoker.cli import build_parser
+
+    args = build_parser().parse_args(["demo", "--images", "40", "--steps", "2", "--batch-size", "8"])
+    assert (args.images, args.steps, args.batch_size, args.device) == (40, 2, 8, None)
+    assert callable(main)

@@ -1,0 +1,149 @@
+"""`stoker.profile`: data wait vs step time, and the verdict, on loops whose bottleneck is known.
+
+The slow parts are sleeps with wide margins (a 10x ratio between the slow and the fast side), so a
+loaded 2-core machine cannot flip a verdict: sleeping threads need no CPU.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import stoker
+from stoker.profiling import COMPUTE_BOUND, INPUT_BOUND, INPUT_BOUND_WAIT, ProfileReport
+from stoker.synth import make_tiny_jpegs
+
+
+def slow_batches(n: int, delay_s: float, batch: int = 8):
+    for _ in range(n):
+        time.sleep(delay_s)
+        yield torch.zeros(batch, 4, 4, 3, dtype=torch.uint8), torch.zeros(batch, dtype=torch.long)
+
+
+def run(iterable, step_s: float, **kwargs) -> stoker.ProfileReport:
+    prof = stoker.profile(iterable, verbose=False, **kwargs)
+    for _images, _labels in prof:
+        time.sleep(step_s)
+    return prof.reports[-1]
+
+
+def test_slow_loader_is_input_bound() -> None:
+    r = run(slow_batches(10, 0.05), step_s=0.005)
+    assert r.verdict == INPUT_BOUND and r.input_bound
+    assert r.data_wait_fraction > 0.5 and r.steps == 9 and r.images == 72
+    assert r.fixes and "stoker" in r.fixes[0]
+    assert r.median_wait_ms >= 40 and r.first_batch_s >= 0.04
+
+
+def test_slow_step_is_compute_bound() -> None:
+    r = run(slow_batches(10, 0.0), step_s=0.05)
+    assert r.verdict == COMPUTE_BOUND and not r.input_bound
+    assert r.data_wait_fraction < INPUT_BOUND_WAIT
+    assert r.median_step_ms >= 40
+    assert 8 * 9 / r.wall_s == pytest.approx(r.images_per_s)
+
+
+def test_busy_loop_step_is_compute_bound() -> None:
+    def busy(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+    prof = stoker.profile(slow_batches(6, 0.0), verbose=False)
+    for _ in prof:
+        busy(0.03)
+    assert prof.reports[-1].verdict == COMPUTE_BOUND
+
+
+def test_report_every_n_steps_and_as_text_and_dict() -> None:
+    out = io.StringIO()
+    prof = stoker.profile(slow_batches(8, 0.02), every=3, file=out)
+    for _ in prof:
+        time.sleep(0.002)
+    assert [r.steps for r in prof.reports] == [3, 6, 7]
+    text = out.getvalue()
+    assert text.count("stoker profile:") == 3 and "INPUT-BOUND" in text and "data wait" in text
+    d = prof.reports[-1].as_dict()
+    assert json.loads(json.dumps(d))["verdict"] == INPUT_BOUND
+    assert {"data_wait_percent", "images_per_s", "cpu_percent", "fixes", "stages"} <= set(d)
+    assert str(prof.reports[-1]) == prof.reports[-1].format()
+
+
+def test_break_out_of_the_loop_reports_the_steps_done() -> None:
+    prof = stoker.profile(slow_batches(50, 0.0), verbose=False)
+    for k, _ in enumerate(prof):
+        if k == 4:
+            break
+    assert prof.reports and prof.reports[-1].steps == 3   # steps 1..3 ended by asking for the next batch
+
+
+def test_no_warmup_and_empty_iterables() -> None:
+    prof = stoker.profile(slow_batches(4, 0.0), warmup=0, verbose=False)
+    assert sum(1 for _ in prof) == 4 and prof.reports[-1].steps == 4
+    prof = stoker.profile([], verbose=False)
+    assert list(prof) == [] and prof.reports == []
+    assert prof.report().verdict == COMPUTE_BOUND and prof.report().steps == 0
+    with pytest.raises(ValueError):
+        stoker.profile([], every=0)
+
+
+@pytest.fixture(scope="module")
+def loose(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_jpegs(tmp_path_factory.mktemp("profile") / "data", 48, classes=3, size=(64, 80))
+
+
+def test_stoker_loader_stages_and_loose_files_fix(loose: Path) -> None:
+    slow = stoker.RandomResizedCrop(32)
+
+    def sleepy(img):   # a user transform that makes the loader slow: 10 ms per image, 1 thread
+        time.sleep(0.01)
+        return img
+    loader = stoker.Loader(loose, 8, transforms=[slow, sleepy], num_threads=1)
+    r = run(loader, step_s=0.0)
+    assert r.verdict == INPUT_BOUND and "loose files" in r.loader
+    assert r.stages is not None and r.stages["augment_ms"] >= 9
+    assert any("stoker pack" in f for f in r.fixes)
+    assert any("num_threads" in f for f in r.fixes) or any("saturated" in f for f in r.fixes)
+
+
+def test_stoker_loader_compute_bound(loose: Path) -> None:
+    loader = stoker.Loader(loose, 8, transforms=[stoker.RandomResizedCrop(32)], num_threads=2)
+    r = run(loader, step_s=0.05)
+    assert r.verdict == COMPUTE_BOUND and r.stages is not None and r.stages["decode_ms"] > 0
+
+
+def test_torch_dataloader_is_recognised() -> None:
+    class Slow(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 40
+
+        def __getitem__(self, i: int):
+            time.sleep(0.01)
+            return torch.zeros(3, 4, 4), i
+    dl = torch.utils.data.DataLoader(Slow(), batch_size=8, num_workers=0)
+    r = run(dl, step_s=0.0)
+    assert r.verdict == INPUT_BOUND and "DataLoader" in r.loader and r.images == 32
+    assert r.cpu_cores == 1 or any("num_workers" in f for f in r.fixes)
+
+
+def test_report_type_is_exported() -> None:
+    assert stoker.ProfileReport is ProfileReport
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_batches_are_synchronized_and_gpu_work_counts_as_step_time() -> None:
+    def gpu_batches(n: int):
+        for _ in range(n):
+            yield torch.zeros(8, 3, 64, 64, device="cuda"), torch.zeros(8, dtype=torch.long, device="cuda")
+    a = torch.randn(2048, 2048, device="cuda")
+    prof = stoker.profile(gpu_batches(6), verbose=False)
+    for _ in prof:
+        for _ in range(20):   # queued GPU work, no sync in the loop
+            a = a @ a / a.norm()
+    r = prof.reports[-1]
+    assert r.synchronized and r.device.startswith("cuda") and r.verdict == COMPUTE_BOUND
