@@ -94,3 +94,18 @@ def test_info(ds, capsys):
     assert "18 in 3 shard(s)" in out and "4 classes" in out and "score: float64" in out
     assert main(["info", str(ds), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["samples"] == 18
+
+
+def test_cli_pack_overwrite_and_quiet_output(tmp_path, capfd):
+    from conftest import make_image_folder
+
+    src = make_image_folder(tmp_path / "src")
+    (src / "cat" / "broken.tif").write_bytes(b"II*\x00" + b"\xff" * 64)  # a TIFF libtiff complains about
+    out = tmp_path / "out"
+    assert main(["pack", str(src), str(out), "--no-progress", "--workers", "2"]) == 0
+    captured = capfd.readouterr()
+    assert "packed 12 images (1 skipped" in captured.out and captured.err == ""
+    assert main(["pack", str(src), str(out), "--no-progress"]) == 2
+    assert "--overwrite" in capfd.readouterr().err
+    assert main(["pack", str(src), str(out), "--no-progress", "--overwrite"]) == 0
+    assert describe(out).samples == 12

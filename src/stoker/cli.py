@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
+import os
 import re
 import sys
+import warnings
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from . import __version__
 from .errors import StokerError
@@ -31,6 +35,41 @@ def _positive(text: str) -> int:
     return value
 
 
+@contextlib.contextmanager
+def _quiet_native_output() -> Iterator[None]:
+    """Keep decoder chatter off the terminal while packing a messy folder.
+
+    libtiff and friends print to file descriptor 2 by the hundred on odd files, and Pillow warns
+    about them; every skipped file's reason is in skipped.jsonl anyway. File descriptor 2 goes to
+    /dev/null while Python's own stderr (progress bar, errors) keeps the real terminal. Only the
+    CLI does this: it owns its process; the library never touches process-wide state."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no real stderr (embedded, captured): leave it
+        yield
+        return
+    real = sys.stderr
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    sys.stderr = os.fdopen(os.dup(saved), "w", buffering=1, errors="backslashreplace")
+    os.dup2(devnull, 2)
+    pil_logger = logging.getLogger("PIL")
+    pil_level = pil_logger.level
+    pil_logger.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        pil_logger.setLevel(pil_level)
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        for fd in (saved, devnull):
+            os.close(fd)
+        quiet, sys.stderr = sys.stderr, real
+        quiet.close()
+
+
 def _cmd_pack(args: argparse.Namespace) -> int:
     from .packing import PackOptions, pack
 
@@ -38,9 +77,10 @@ def _cmd_pack(args: argparse.Namespace) -> int:
                           raw_below=args.raw_below, shard_size=args.shard_size, workers=args.workers,
                           on_error=args.on_error, max_pixels=args.max_pixels)
     source_options = {"kind": args.kind, "label_column": args.label_column, "path_column": args.path_column}
-    summary = pack(args.src, args.out, options=options, resume=args.resume,
-                   progress=not args.no_progress, **source_options)
-    print(summary.format() if hasattr(summary, "format") else summary)
+    with contextlib.nullcontext() if args.verbose else _quiet_native_output():
+        summary = pack(args.src, args.out, options=options, resume=args.resume, overwrite=args.overwrite,
+                       progress=not args.no_progress, **source_options)
+    print(summary.format())
     return 0
 
 
@@ -113,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-pixels", type=_positive, default=None, metavar="N",
                    help="refuse images with more pixels than N (decompression bombs)")
     p.add_argument("--resume", action="store_true", help="finish an interrupted pack into OUT")
+    p.add_argument("--overwrite", action="store_true", help="replace a pack already in OUT (deletes only "
+                   "the files pack writes)")
+    p.add_argument("--verbose", action="store_true", help="let decoder libraries print their warnings "
+                   "(they are hidden by default: skipped.jsonl has every skipped file's reason)")
     p.add_argument("--label-column", default="label", help="CSV column holding labels")
     p.add_argument("--path-column", default="path", help="CSV column holding image paths")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
