@@ -25,7 +25,7 @@ DEFAULT_BATCH = 64
 #: Channels of the CNN's first layer. On one CPU core its training step takes about 3 ms per image
 #: (about 300 images/s): between what DataLoader + PIL and stoker deliver on one core, so the run
 #: shows which loader keeps the model busy, not just which decodes faster.
-MODEL_WIDTH = 24
+MODEL_WIDTH = 16
 _CPU_NOTE = ("No GPU here, so the model and the loader share this machine's CPU cores: the model gets "
              "{model} core(s) (torch threads) and the loader the other {loader} (DataLoader worker processes, "
              "or stoker threads), standing in for a GPU that would run the model while the CPU loads. On a "

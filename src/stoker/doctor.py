@@ -38,7 +38,7 @@ _STD = (0.229, 0.224, 0.225)
 def small_cnn(num_classes: int = 10, width: int = 16) -> Any:
     """A small pure-PyTorch CNN for 224 px inputs: a 4x4 stride-4 stem, two stride-2 3x3 convs,
     global pooling, a linear head. A training step (forward and backward) costs about 60 MFLOP per
-    image at width 16 (the doctor's default) and 120 MFLOP at width 24 (the demo's)."""
+    image at width 16 (the doctor's default) and 120 MFLOP at width 24."""
     from torch import nn
 
     return nn.Sequential(
