@@ -24,7 +24,6 @@ import json
 import math
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,7 @@ import numpy as np
 
 from .baseline import baseline_loader, baseline_transform, list_image_folder
 from .errors import ConfigError, StokerError
+from .profiling import cpu_seconds
 
 __all__ = ["PIPELINES", "BenchResult", "PipelineResult", "format_table", "machine_info", "run_bench"]
 
@@ -145,22 +145,6 @@ def machine_info() -> dict[str, Any]:
     except ImportError:
         pass
     return info
-
-
-def _cpu_seconds() -> float:
-    """CPU time (user + system, seconds) of this process, its reaped children and its live ones."""
-    import psutil
-
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
-    total = own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
-    for child in psutil.Process().children(recursive=True):
-        try:
-            t = child.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:   # exited between listing and reading
-            pass
-    return total
 
 
 class _MemorySampler:
@@ -371,12 +355,12 @@ def _measure(spec: _Spec) -> dict[str, Any]:
                 if math.isnan(first):
                     first = time.perf_counter() - start
             rates, images = [], 0
-            cpu0, wall0 = _cpu_seconds(), time.perf_counter()
+            cpu0, wall0 = cpu_seconds(), time.perf_counter()
             for _ in range(spec.rounds):
                 t = time.perf_counter()
                 images = sum(runner.epoch())
                 rates.append(images / (time.perf_counter() - t))
-            cpu_s = _cpu_seconds() - cpu0
+            cpu_s = cpu_seconds() - cpu0
             cpu = cpu_s / (time.perf_counter() - wall0) * 100.0
         finally:
             runner.close()

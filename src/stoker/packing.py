@@ -45,7 +45,7 @@ JOURNAL_NAME = ".stoker-pack.jsonl"
 SKIPPED_NAME = "skipped.jsonl"
 #: Seconds one task (a few samples) may take in a worker before the pack gives up on it.
 TASK_TIMEOUT_S = 600.0
-#: Samples per task sent to a worker: amortizes inter-process overhead (about 0.3 ms a task).
+#: Samples per task handed to a worker thread: amortizes the per-task dispatch and result handling.
 TASK_SAMPLES = 8
 #: With encoding="keep", a re-encoded JPEG must keep at least this PSNR (dB) against the
 #: decoded source, or the sample is stored as PNG. Photos at quality 90 measure 32-42 dB.

@@ -182,7 +182,7 @@ def _batch_size(batch: Any) -> int:
         return 0
 
 
-def _cpu_seconds() -> float:
+def cpu_seconds() -> float:
     """CPU time (user + system) of this process, its reaped children and its live ones."""
     import psutil
 
@@ -288,7 +288,7 @@ class Profiler:
 
     def _mark_start(self) -> None:
         self._stats0 = self._loader_stats()
-        self._cpu0 = (time.perf_counter(), _cpu_seconds(), _system_busy())
+        self._cpu0 = (time.perf_counter(), cpu_seconds(), _system_busy())
 
     def _loader_stats(self) -> dict[str, float] | None:
         if not _is_stoker_loader(self.iterable):
@@ -320,7 +320,7 @@ class Profiler:
         images = sum(self._sizes[:n])
         t0, cpu0, (busy0, total0) = self._cpu0
         elapsed = time.perf_counter() - t0 if t0 else math.nan
-        cpu = (_cpu_seconds() - cpu0) / elapsed * 100 if t0 and elapsed > 0 else math.nan
+        cpu = (cpu_seconds() - cpu0) / elapsed * 100 if t0 and elapsed > 0 else math.nan
         busy1, total1 = _system_busy()
         system = (busy1 - busy0) / (total1 - total0) * 100 if t0 and total1 > total0 else math.nan
         stages = self._stage_times()
