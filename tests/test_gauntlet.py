@@ -16,7 +16,6 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-import pytest
 from PIL import Image, ImageOps
 
 from stoker import codecs

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import jpeg_bytes, make_image_folder, smooth_rgb, write_image
+from conftest import jpeg_bytes, make_image_folder, smooth_rgb
 from PIL import Image, ImageOps
 
 import stoker.packing as packmod
@@ -32,7 +32,7 @@ def _pillow_rgb(data: bytes) -> np.ndarray:
     return np.asarray(ImageOps.exif_transpose(img).convert("RGB"))
 
 
-def _decoded(out: Normalized) -> np.ndarray:  # type: ignore[name-defined]  # noqa: F821
+def _decoded(out: packmod.Normalized) -> np.ndarray:
     return codecs.decode_rgb(out.image, out.encoding, "k", height=out.height, width=out.width)
 
 

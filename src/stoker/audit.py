@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from . import codecs
+from ._system import usable_cpus
 from .errors import DatasetError, ImageError
 from .reader import PackedDataset, _open_shard, open_dataset
 from .shards import MANIFEST_NAME, SHARD_NAME_RE, file_sha256, read_manifest
@@ -51,7 +52,7 @@ class DatasetInfo:
             f"dataset     {self.path}",
             f"samples     {self.samples:,} in {self.shards} shard(s), {self.total_bytes / 2**20:,.1f} MiB",
             f"labels      {self.label_type}" + (f", {len(self.classes)} classes" if self.classes else ""),
-            f"encodings   " + ", ".join(f"{k} {v:,}" for k, v in sorted(self.encodings.items())),
+            "encodings   " + ", ".join(f"{k} {v:,}" for k, v in sorted(self.encodings.items())),
             f"height px   {px(self.height)}",
             f"width px    {px(self.width)}",
             f"sample size {px({k: v / 1024 for k, v in self.sample_bytes.items()})} KiB",
@@ -181,5 +182,5 @@ def verify(path: str | Path, *, decode: bool = False, workers: int | None = None
     report = VerifyReport(str(root))
     if _check_shards(root, report) and decode:
         with open_dataset(root) as ds:
-            _decode_all(ds, report, workers or len(os.sched_getaffinity(0)))
+            _decode_all(ds, report, workers or usable_cpus())
     return report

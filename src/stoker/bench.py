@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from ._system import cpu_ids, usable_cpus
 from .baseline import baseline_loader, baseline_transform, list_image_folder
 from .errors import ConfigError, StokerError
 from .profiling import cpu_seconds
@@ -111,13 +112,6 @@ class BenchResult:
 
 # ----------------------------------------------------------------------------- machine and process
 
-def usable_cpus() -> list[int]:
-    """CPU ids this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
-    return list(range(os.cpu_count() or 1))
-
-
 def machine_info() -> dict[str, Any]:
     """CPU model, usable cores, memory, OS and library versions, for the record next to timings."""
     import psutil
@@ -132,7 +126,7 @@ def machine_info() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    info = {"cpu": model or "unknown", "usable_cores": len(usable_cpus()), "logical_cores": os.cpu_count(),
+    info = {"cpu": model or "unknown", "usable_cores": usable_cpus(), "logical_cores": os.cpu_count(),
             "memory_gb": round(psutil.virtual_memory().total / 2**30, 1), "os": platform.platform(),
             "python": platform.python_version(), "numpy": np.__version__,
             "pillow": getattr(Image, "__version__", "?"), "simplejpeg": simplejpeg.__version__,
@@ -390,7 +384,7 @@ def _measure_isolated(spec: _Spec) -> dict[str, Any]:
 
 def _child_main(argv: Sequence[str]) -> int:
     spec = _Spec(**json.loads(argv[1]))
-    cpus = usable_cpus()
+    cpus = cpu_ids()
     if hasattr(os, "sched_setaffinity") and len(cpus) > spec.workers:
         os.sched_setaffinity(0, cpus[:spec.workers])   # this child only: the same cores for every pipeline
     print(_RESULT_MARK + json.dumps(_measure(spec)), flush=True)
@@ -448,7 +442,7 @@ def run_bench(data_dir: Path | None = None, *, images: int = 2000, batch_size: i
     """
     from .synth import cached_imagenet_like
 
-    workers = workers or len(usable_cpus())
+    workers = workers or usable_cpus()
     _check_args(images, batch_size, workers, rounds, pipelines)
     with tempfile.TemporaryDirectory(prefix="stoker-bench-") as tmp:
         work = Path(out_dir) if out_dir is not None else Path(tmp)

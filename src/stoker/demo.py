@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from ._system import usable_cpus
 from .profiling import ProfileReport
 
 #: The training runs: 30 steps of 64 images (1,920 of the 2,000 images, one pass, no epoch boundary).
@@ -156,13 +157,12 @@ def run_demo(out: str | Path = "stoker-demo", *, images: int = 2000, batch_size:
     """
     import torch
 
-    from .bench import usable_cpus
     from .doctor import default_device, split_cores
     from .packing import PackOptions, pack
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    cores = len(usable_cpus())
+    cores = usable_cpus()
     device = device or default_device()
     cuda = device.startswith("cuda")
     started = time.perf_counter()

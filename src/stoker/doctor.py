@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from ._system import usable_cpus
 from .errors import ConfigError
 from .profiling import ProfileReport, profile
 
@@ -87,12 +88,6 @@ class TrainStep:
         loss.backward()
         self.optimizer.step()
         self.last_loss = loss.detach()
-
-
-def _usable_cores() -> int:
-    from .loader import default_threads
-
-    return default_threads()
 
 
 def default_device() -> str:
@@ -203,7 +198,7 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = 8, thread
     ops = [RandomResizedCrop(size), RandomHorizontalFlip()] if transforms == "train" else \
         [Resize(size * 8 // 7), CenterCrop(size)]
     device = device or default_device()
-    model_threads, loader_cores = split_cores(device, _usable_cores())
+    model_threads, loader_cores = split_cores(device, usable_cpus())
     loader = Loader(path, batch_size, transforms=ops, num_threads=threads or loader_cores, drop_last=True, seed=0)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(model_threads)   # restored below

@@ -14,7 +14,6 @@ keep it).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import weakref
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 
 from . import codecs
+from ._system import usable_cpus
 from .errors import ConfigError, DatasetError, SampleError
 from .order import (ORDERS, epoch_order, num_batches, rank_indices, replacement_index, sample_keys,
                     samples_per_rank, uniforms)
@@ -87,14 +87,6 @@ def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return rank, world_size
 
 
-def default_threads() -> int:
-    """Worker threads by default: the CPUs this process may run on."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-
-
 class Loader:
     """Batches of decoded, augmented images from a packed dataset, an ImageFolder tree or a file list.
 
@@ -134,7 +126,7 @@ class Loader:
                order: str, pin_memory: bool | None, timeout: float) -> None:
         ds = self.dataset
         self.batch_size, self.shuffle, self.seed, self.drop_last = batch_size, bool(shuffle), int(seed), drop_last
-        self.num_threads = num_threads or default_threads()
+        self.num_threads = num_threads or usable_cpus()
         self.prefetch, self.on_error, self.timeout = prefetch, on_error, float(timeout)
         self.order = order if shuffle else "sequential"
         self.columns = tuple(columns)

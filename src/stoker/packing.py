@@ -33,6 +33,7 @@ import simplejpeg
 from PIL import Image
 
 from . import codecs
+from ._system import usable_cpus
 from .errors import (ConfigError, CorruptImageError, DecompressionBombError, ImageError, SourceError,
                      StokerError, UnsupportedImageError)
 from .shards import (MANIFEST_NAME, Manifest, ShardInfo, ShardWriter, atomic_write_bytes, file_sha256,
@@ -261,13 +262,6 @@ def _process_task(task: _Task, options: PackOptions) -> list[tuple]:
 
 
 # ---------------------------------------------------------------- parallel, in order
-
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
 
 def _tasks(items: list[SourceItem], start: int, per_task: int) -> Iterator[_Task]:
     for lo in range(start, len(items), per_task):
@@ -512,7 +506,7 @@ def pack(src: str | Path | Source, out: str | Path, *, options: PackOptions | No
         return _finished_summary(out, pack_options, started)
     packer = _Packer(out, source, options, state)
     remaining = len(source.items) - state.consumed
-    workers = max(1, min(options.workers or _usable_cpus(), -(-remaining // TASK_SAMPLES)))
+    workers = max(1, min(options.workers or usable_cpus(), -(-remaining // TASK_SAMPLES)))
     bar = _progress(len(source.items), state.consumed, progress)
     pos = state.consumed
     stream = _run_in_order(_tasks(source.items, pos, TASK_SAMPLES), options, workers)

@@ -25,13 +25,14 @@ synchronization is added to the loop.
 from __future__ import annotations
 
 import math
-import os
 import resource
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Iterator, TextIO
+
+from ._system import usable_cpus
 
 __all__ = ["COMPUTE_BOUND", "INPUT_BOUND", "INPUT_BOUND_WAIT", "ProfileReport", "Profiler", "profile"]
 
@@ -123,13 +124,6 @@ def _f(value: float, spec: str) -> str:
 
 
 # ----------------------------------------------------------------------------- what is being profiled
-
-def _usable_cores() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-
 
 def _is_stoker_loader(obj: Any) -> bool:
     stats = getattr(obj, "stats", None)
@@ -332,7 +326,7 @@ class Profiler:
             median_wait_ms=statistics.median(waits) * 1000 if waits else math.nan,
             median_step_ms=statistics.median(steps) * 1000 if steps else math.nan,
             first_batch_s=self._first_batch, warmup_steps=self.warmup, synchronized=self._synced,
-            device=self._device, loader=_describe(self.iterable), cpu_percent=cpu, cpu_cores=_usable_cores(),
+            device=self._device, loader=_describe(self.iterable), cpu_percent=cpu, cpu_cores=usable_cpus(),
             system_cpu_percent=system, stages=stages, verdict=COMPUTE_BOUND, reason="")
         diagnose(report, self.iterable)
         return report

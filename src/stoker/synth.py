@@ -26,6 +26,7 @@ import cv2
 import numpy as np
 import simplejpeg
 
+from ._system import usable_cpus
 from .errors import ConfigError, StokerError
 
 __all__ = [
@@ -219,13 +220,6 @@ def synth_image(rng: np.random.Generator, height: int, width: int, *, label: int
     return img.astype(np.uint8)
 
 
-def _usable_cpus() -> int:
-    """CPUs this process may run on (affinity-aware where the OS says)."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return os.cpu_count() or 1
-
-
 def _image_rng(seed: int, index: int) -> np.random.Generator:
     return np.random.default_rng([seed, index, 0x5EED])
 
@@ -294,7 +288,7 @@ def make_imagenet_like(out_dir: str | Path, n: int, *, classes: int = 10, seed: 
     plan = _plan(n, classes, seed, layout)
     result = _write_layout(root, plan, layout)
     jobs = [(i, rel, label) for i, (rel, label) in enumerate(plan)]
-    workers = min(workers or _usable_cpus(), -(-n // _CHUNK))
+    workers = min(workers or usable_cpus(), -(-n // _CHUNK))
     if workers <= 1:
         _write_chunk(root, jobs, seed, classes)
         return result
