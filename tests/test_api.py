@@ -8,9 +8,9 @@ import sys
 import stoker
 
 EXPECTED = {
-    "CenterCrop", "Dataset", "Loader", "LoaderStats", "PackOptions", "PackSummary", "Pipeline",
+    "CenterCrop", "Dataset", "DeviceOptions", "Loader", "LoaderStats", "PackOptions", "PackSummary", "Pipeline",
     "RandomHorizontalFlip", "RandomResizedCrop", "Resize", "Sample", "StokerError", "__version__",
-    "describe", "errors", "open_dataset", "open_loose", "pack", "profile", "ProfileReport", "verify",
+    "describe", "errors", "open_dataset", "open_loose", "pack", "prefetch", "profile", "ProfileReport", "verify",
 }
 
 

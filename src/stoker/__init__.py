@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "CenterCrop": "transforms",
     "Dataset": "reader",
+    "DeviceOptions": "device",
     "Loader": "loader",
     "LoaderStats": "loader",
     "PackOptions": "packing",
@@ -31,6 +32,7 @@ _EXPORTS = {
     "open_dataset": "reader",
     "open_loose": "reader",
     "pack": "packing",
+    "prefetch": "device",
     "profile": "profiling",
     "ProfileReport": "profiling",
     "verify": "audit",

@@ -16,6 +16,13 @@ Each pipeline runs one warm-up round, then `rounds` timed rounds (median images/
 a fresh Python process pinned to `workers` CPUs, so peak memory and CPU use are its own. Packing
 happens once, before any timing. Ratios between pipelines of one run are the figures that count:
 absolute images/s on a shared machine are noise.
+
+With ``device="cuda"`` (``stoker bench --device cuda``) the pipelines are the device set of
+`stoker.bench_gpu` instead: the loaders alone into GPU memory, normalized (``cuda-baseline``,
+``cuda-stoker``, ``cuda-stoker-gpu``), and training throughput of each model fed by each of them
+against the same model on GPU-resident synthetic data (``train-<model>-<feed>``), with the issue's
+targets judged on the measured figures. Naming device pipelines with ``device="cpu"`` runs them on
+the CPU (how the tests exercise them).
 """
 
 from __future__ import annotations
@@ -34,14 +41,18 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ._system import cpu_ids, usable_cpus
 from .baseline import baseline_loader, baseline_transform, list_image_folder
+from .bench_gpu import _fmt
 from .errors import ConfigError, StokerError
 from .profiling import cpu_seconds
+
+if TYPE_CHECKING:
+    from .bench_gpu import Target
 
 __all__ = ["PIPELINES", "BenchResult", "PipelineResult", "format_table", "machine_info", "run_bench"]
 
@@ -77,6 +88,8 @@ class PipelineResult:
     ratio_to: str | None = None
     skipped: str | None = None                # why it did not run
     version: str = ""                         # of the library doing the work, e.g. "nvidia.dali 2.4.0"
+    peak_device_bytes: int = 0                # device pipelines: torch.cuda.max_memory_allocated (0 on CPU)
+    data_wait: float = math.nan               # training: share of the timed steps spent waiting in next()
 
 
 @dataclass
@@ -93,6 +106,11 @@ class BenchResult:
     machine: dict[str, Any]
     pack_seconds: float = math.nan
     notes: list[str] = field(default_factory=list)
+    device: str = "cpu"                       # where the device pipelines ran ("cpu" for the CPU bench)
+    models: list[str] = field(default_factory=list)   # training pipelines' model specs
+    steps: int = 0                            # timed training steps per round
+    warmup_steps: int = 0                     # untimed training steps before them
+    targets: list["Target"] = field(default_factory=list)   # device pipelines: the issue's targets
 
     def get(self, name: str) -> PipelineResult | None:
         return next((p for p in self.pipelines if p.name == name), None)
@@ -192,13 +210,18 @@ class _Spec:
     batch_size: int
     workers: int
     rounds: int
+    device: str = "cpu"   # device pipelines only, like the fields below
+    model: str = ""       # training: the model spec
+    steps: int = 0        # training: timed steps per round
+    warmup_steps: int = 0
 
 
 class _Runner:
     """One constructed pipeline: `epoch()` yields the size of each batch; `close()` frees it."""
 
-    def __init__(self, epoch: Callable[[], Iterator[int]], close: Callable[[], None] = lambda: None) -> None:
-        self.epoch, self.close = epoch, close
+    def __init__(self, epoch: Callable[[], Iterator[int]], close: Callable[[], None] = lambda: None,
+                 version: str = "") -> None:
+        self.epoch, self.close, self.version = epoch, close, version
 
 
 def _baseline_runner(spec: _Spec, train: bool) -> _Runner:
@@ -297,13 +320,28 @@ def _make_runner(spec: _Spec) -> _Runner:
         return _ceiling_runner(spec)
     if name == "dali":
         return _dali_runner(spec)
+    if _is_device(name):
+        from .bench_gpu import loader_epochs
+
+        epoch, close, version = loader_epochs(name, root=spec.root, packed=spec.packed,
+                                              batch_size=spec.batch_size, workers=spec.workers, device=spec.device)
+        return _Runner(epoch, close, version)
     raise ConfigError(f"unknown pipeline {name!r}; expected one of {', '.join(PIPELINES)}")
 
 
-def _unavailable(name: str) -> str | None:
+def _is_device(name: str) -> bool:
+    from .bench_gpu import is_device_pipeline
+
+    return is_device_pipeline(name)
+
+
+def _unavailable(name: str, device: str = "cpu") -> str | None:
     """Why pipeline `name` cannot run here (with the fix), or None when it can."""
     import importlib.util
 
+    if _is_device(name):
+        from .bench_gpu import unavailable
+        return unavailable(name, device)
     if name.startswith("stoker-") and importlib.util.find_spec("stoker.loader") is None:
         return "stoker.loader is not available in this installation"
     if name == "dali" and importlib.util.find_spec("nvidia") is None:
@@ -316,11 +354,16 @@ def _unavailable(name: str) -> str | None:
     return None
 
 
-def _preimport(name: str) -> None:
+def _preimport(name: str, device: str = "cpu") -> None:
     """Import what the pipeline needs before the clock starts: a training script has torch loaded
-    already, so module import time is not part of time-to-first-batch."""
+    already, so module import time is not part of time-to-first-batch (nor is CUDA context creation)."""
     import importlib
 
+    if _is_device(name):
+        from .bench_gpu import prepare
+        prepare(device)
+        importlib.import_module("stoker.loader")
+        return
     modules = {"baseline": ["torch.utils.data", "PIL.Image"], "baseline-val": ["torch.utils.data", "PIL.Image"],
                "stoker-train": ["torch", "stoker.loader"], "stoker-val": ["torch", "stoker.loader"],
                "ceiling": ["simplejpeg", "stoker.reader"], "dali": ["nvidia.dali"]}
@@ -332,14 +375,32 @@ def _version(name: str) -> str:
     """Which library (and version) does the work in pipeline `name`."""
     import importlib
 
+    if _is_device(name):   # the device pipelines report their versions themselves
+        return ""
     module = {"baseline": "torch", "baseline-val": "torch", "stoker-train": "stoker", "stoker-val": "stoker",
               "ceiling": "simplejpeg", "dali": "nvidia.dali"}[name]
     return f"{module} {getattr(importlib.import_module(module), '__version__', '?')}"
 
 
 def _measure(spec: _Spec) -> dict[str, Any]:
+    """Measure one pipeline; a device pipeline whose stoker feed cannot run here comes back as
+    `{"skipped": why}` instead of failing the whole bench."""
+    if not _is_device(spec.pipeline):
+        return _measure_rounds(spec)
+    from .bench_gpu import FeedUnavailable, peak_memory, reset_peak_memory
+
+    _preimport(spec.pipeline, spec.device)
+    reset_peak_memory(spec.device)
+    try:
+        out = _measure_training(spec) if spec.pipeline.startswith("train-") else _measure_rounds(spec)
+    except FeedUnavailable as exc:
+        return {"skipped": str(exc)}
+    return {**out, "peak_device_bytes": peak_memory(spec.device)}
+
+
+def _measure_rounds(spec: _Spec) -> dict[str, Any]:
     """Construct, warm up (first-batch time), then time `rounds` epochs; CPU and peak RSS alongside."""
-    _preimport(spec.pipeline)
+    _preimport(spec.pipeline, spec.device)
     with _MemorySampler() as memory:
         start = time.perf_counter()
         runner = _make_runner(spec)
@@ -361,7 +422,36 @@ def _measure(spec: _Spec) -> dict[str, Any]:
     return {"images_per_s": statistics.median(rates), "rounds": rates, "cpu_percent": cpu,
             "cpu_ms_per_image": cpu_s * 1000.0 / (images * spec.rounds),
             "peak_rss_bytes": memory.peak, "first_batch_s": first, "images": images,
-            "version": _version(spec.pipeline)}
+            "version": runner.version or _version(spec.pipeline)}
+
+
+def _measure_training(spec: _Spec) -> dict[str, Any]:
+    """A model training on one feed: `warmup_steps` untimed steps, then `rounds` timed windows of
+    `steps` steps (median images/s); the share of each window spent waiting in next(), CPU and
+    peak RSS alongside."""
+    from .bench_gpu import TrainRun, autotuned_convolutions
+
+    with autotuned_convolutions(), _MemorySampler() as memory:
+        run = TrainRun(spec.pipeline, spec.model, root=spec.root, packed=spec.packed, batch_size=spec.batch_size,
+                       workers=spec.workers, device=spec.device)
+        try:
+            if spec.warmup_steps:
+                run.run(spec.warmup_steps)
+            rates, waits = [], []
+            cpu0, wall0 = cpu_seconds(), time.perf_counter()
+            for _ in range(spec.rounds):
+                seconds, wait = run.run(spec.steps)
+                rates.append(spec.steps * spec.batch_size / seconds)
+                waits.append(wait / seconds)
+            cpu_s = cpu_seconds() - cpu0
+            cpu = cpu_s / (time.perf_counter() - wall0) * 100.0
+        finally:
+            run.close()
+    images = spec.steps * spec.batch_size
+    return {"images_per_s": statistics.median(rates), "rounds": rates, "cpu_percent": cpu,
+            "cpu_ms_per_image": cpu_s * 1000.0 / (images * spec.rounds), "peak_rss_bytes": memory.peak,
+            "first_batch_s": run.first_batch_s, "images": images, "version": run.version,
+            "data_wait": statistics.median(waits)}
 
 
 _RESULT_MARK = "STOKER-BENCH-RESULT "
@@ -417,58 +507,145 @@ def _pack_once(root: Path, out: Path, workers: int) -> float:
     return time.perf_counter() - start
 
 
-def _check_args(images: int, batch_size: int, workers: int, rounds: int, pipelines: Sequence[str]) -> None:
+def _check_args(images: int, batch_size: int, workers: int, rounds: int, pipelines: Sequence[str],
+                catalog: dict[str, tuple[str, str | None]] = PIPELINES) -> None:
     for name, value in (("images", images), ("batch_size", batch_size), ("workers", workers), ("rounds", rounds)):
         if value < 1:
             raise ConfigError(f"run_bench: expected {name} >= 1, got {value}")
-    unknown = [p for p in pipelines if p not in PIPELINES]
+    unknown = [p for p in pipelines if p not in catalog]
     if unknown or not pipelines:
         raise ConfigError(f"run_bench: unknown pipelines {unknown or '(none given)'}; expected some of "
-                          f"{', '.join(PIPELINES)}")
+                          f"{', '.join(catalog)}")
 
 
-def run_bench(data_dir: Path | None = None, *, images: int = 2000, batch_size: int = 256,
-              workers: int | None = 2, rounds: int = 3, pipelines: Sequence[str] = DEFAULT_PIPELINES,
+@dataclass(frozen=True)
+class _Plan:
+    """What one run measures, defaults resolved: the CPU bench, or the device bench of `bench_gpu`."""
+
+    catalog: dict[str, tuple[str, str | None]]   # name -> (description, ratio reference)
+    pipelines: tuple[str, ...]
+    images: int
+    device_run: bool = False
+    device: str = "cpu"
+    models: tuple[str, ...] = ()
+    steps: int = 0
+    warmup_steps: int = 0
+
+
+def _plan(images: int | None, batch_size: int, workers: int, rounds: int, pipelines: Sequence[str] | None,
+          device: str, models: Sequence[str] | None, steps: int | None, warmup_steps: int | None) -> _Plan:
+    from . import bench_gpu
+
+    named = tuple(pipelines) if pipelines is not None else None
+    if device == "cpu" and not any(bench_gpu.is_device_pipeline(p) for p in named or ()):
+        if models is not None or steps is not None or warmup_steps is not None:
+            raise ConfigError("run_bench: models, steps and warmup_steps belong to the device bench's training "
+                              "pipelines; add device='cuda' (stoker bench --device cuda)")
+        plan = _Plan(PIPELINES, DEFAULT_PIPELINES if named is None else named, images or 2000)
+        _check_args(plan.images, batch_size, workers, rounds, plan.pipelines)
+        return plan
+    dev = str(bench_gpu.resolve_device(device))
+    cpu_named = [p for p in named or () if p in PIPELINES]
+    if cpu_named:
+        raise ConfigError(f"run_bench: {', '.join(cpu_named)} belong to the CPU bench; with device {dev!r} choose "
+                          "among the device pipelines (or leave the device out for the CPU bench)")
+    # Models given are checked now; the default ones only when their pipelines run (the loader-alone
+    # pipelines need no torchvision).
+    chosen_models = tuple(bench_gpu.DEFAULT_MODELS if models is None else models)
+    catalog = bench_gpu.device_pipelines(chosen_models, check=models is not None)
+    plan = _Plan(catalog, tuple(catalog) if named is None else named, images or bench_gpu.DEFAULT_IMAGES, True,
+                 dev, chosen_models, bench_gpu.DEFAULT_STEPS if steps is None else steps,
+                 bench_gpu.DEFAULT_WARMUP_STEPS if warmup_steps is None else warmup_steps)
+    _check_args(plan.images, batch_size, workers, rounds, plan.pipelines, catalog)
+    if plan.steps < 1 or plan.warmup_steps < 0:
+        raise ConfigError(f"run_bench: expected steps >= 1 and warmup_steps >= 0, got {plan.steps} and "
+                          f"{plan.warmup_steps}")
+    for model in {_model_of(p, chosen_models) for p in plan.pipelines} - {""}:
+        bench_gpu.check_model(model)
+    return plan
+
+
+def run_bench(data_dir: Path | None = None, *, images: int | None = None, batch_size: int = 256,
+              workers: int | None = 2, rounds: int = 3, pipelines: Sequence[str] | None = None,
               out_dir: Path | None = None, isolate: bool = True, seed: int = 0,
-              packed: Path | None = None) -> BenchResult:
+              packed: Path | None = None, device: str = "cpu", models: Sequence[str] | None = None,
+              steps: int | None = None, warmup_steps: int | None = None) -> BenchResult:
     """Run the same images through each pipeline and measure images/s, CPU %, peak RSS, first batch.
 
     `data_dir`: an ImageFolder tree of JPEGs; None generates `images` ImageNet-like JPEGs (cached
-    under `out_dir/data`). `workers`: CPU cores every pipeline gets (None: all usable). With
-    `isolate`, each pipeline runs in a fresh process pinned to `workers` cores. `out_dir` (None: a
-    temporary folder) receives the packed copy and bench.json / bench.md (and bench.png with
-    matplotlib). `packed`: an existing pack of `data_dir` to use instead of packing it again.
-    Raises ConfigError for bad arguments, StokerError when a pipeline fails.
+    under `out_dir/data`; default 2,000, or 5,000 for the device bench). `workers`: CPU cores every
+    pipeline gets (None: all usable). With `isolate`, each pipeline runs in a fresh process pinned
+    to `workers` cores. `out_dir` (None: a temporary folder) receives the packed copy and bench.json /
+    bench.md (and bench.png with matplotlib). `packed`: an existing pack of `data_dir` to use
+    instead of packing it again. `pipelines`: None runs the default set (the CPU bench's, or with a
+    CUDA `device` the device bench's).
+
+    `device` ("cuda", "cuda:N"): the device bench of `stoker.bench_gpu`, loaders into device memory and
+    training of `models` (torchvision names or "module:callable"; default resnet50, resnet18) for
+    `steps` timed steps per round (default 100) after `warmup_steps` (default 10). Naming device
+    pipelines with device "cpu" runs them on the CPU.
+    Raises ConfigError for bad arguments (and for a CUDA device this machine lacks), StokerError when a
+    pipeline fails.
     """
     from .synth import cached_imagenet_like
 
     workers = workers or usable_cpus()
-    _check_args(images, batch_size, workers, rounds, pipelines)
+    plan = _plan(images, batch_size, workers, rounds, pipelines, device, models, steps, warmup_steps)
     with tempfile.TemporaryDirectory(prefix="stoker-bench-") as tmp:
         work = Path(out_dir) if out_dir is not None else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         generated = data_dir is None
-        root = cached_imagenet_like(work / "data", images, seed=seed, workers=workers) if generated \
+        root = cached_imagenet_like(work / "data", plan.images, seed=seed, workers=workers) if generated \
             else Path(data_dir)  # type: ignore[arg-type]
         samples, _ = list_image_folder(root)
+        machine = machine_info()
+        if plan.device_run:
+            from .bench_gpu import device_info, resolve_device
+            machine.update(device_info(resolve_device(plan.device)))
+            if len(samples) < batch_size and any(p.startswith("train-") and not p.endswith("-synthetic")
+                                                 for p in plan.pipelines):
+                raise ConfigError(f"{root}: {len(samples)} images is less than one batch of {batch_size}; the "
+                                  "training pipelines drop the last partial batch. Use more images or a smaller "
+                                  "batch size")
         result = BenchResult([], len(samples), batch_size, workers, rounds, _data_stats(root, samples, generated),
-                             baseline_transform(True)[1], machine_info())
+                             baseline_transform(True)[1], machine, device=plan.device, models=list(plan.models),
+                             steps=plan.steps, warmup_steps=plan.warmup_steps)
         if packed is None:
             packed = work / "packed"
-            if any(p.startswith("stoker-") or p == "ceiling" for p in pipelines):
+            if any(_reads_packed(p) for p in plan.pipelines):
                 result.pack_seconds = _pack_once(root, packed, workers)
-        for name in pipelines:
-            description, ratio_to = PIPELINES[name]
-            entry = PipelineResult(name, description, ratio_to=ratio_to, skipped=_unavailable(name))
+        for name in plan.pipelines:
+            description, ratio_to = plan.catalog[name]
+            entry = PipelineResult(name, description, ratio_to=ratio_to, skipped=_unavailable(name, plan.device))
             if entry.skipped is None:
-                spec = _Spec(name, str(root), str(packed), batch_size, workers, rounds)
+                spec = _Spec(name, str(root), str(packed), batch_size, workers, rounds, plan.device,
+                             _model_of(name, plan.models), plan.steps, plan.warmup_steps)
                 for key, value in (_measure_isolated(spec) if isolate else _measure(spec)).items():
                     setattr(entry, key, value)
             result.pipelines.append(entry)
         _fill_ratios(result)
+        if plan.device_run:
+            from .bench_gpu import check_targets
+            result.targets = check_targets(result.pipelines)
         if out_dir is not None:
             _write_outputs(result, work)
     return result
+
+
+def _model_of(name: str, models: Sequence[str]) -> str:
+    """The model spec a training pipeline trains ("" for any other pipeline)."""
+    if not name.startswith("train-"):
+        return ""
+    from .bench_gpu import feed_of, model_label
+
+    return next(m for m in models if name == f"train-{model_label(m)}-{feed_of(name)}")
+
+
+def _reads_packed(name: str) -> bool:
+    """Whether pipeline `name` reads the packed copy (so it is packed once, before any timing)."""
+    from .bench_gpu import uses_packed
+
+    return name.startswith("stoker-") or name == "ceiling" or uses_packed(name)
 
 
 def _fill_ratios(result: BenchResult) -> None:
@@ -480,20 +657,25 @@ def _fill_ratios(result: BenchResult) -> None:
 
 def _write_outputs(result: BenchResult, out: Path) -> None:
     """bench.json, bench.md and, with matplotlib, bench.png in `out`."""
-    from .charts import bench_chart
+    from .charts import bench_chart, device_bench_chart
 
-    if not bench_chart(result, out / "bench.png"):
+    chart = device_bench_chart if _is_device_result(result) else bench_chart
+    if not chart(result, out / "bench.png"):
         result.notes.append("No chart: matplotlib is not installed (pip install matplotlib).")
     (out / "bench.json").write_text(json.dumps(result.to_json(), indent=1) + "\n")
     (out / "bench.md").write_text(format_table(result) + "\n")
 
 
-def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
-    return "-" if value is None or not math.isfinite(value) else f"{value:{spec}}{suffix}"
+
+
+def _is_device_result(result: BenchResult) -> bool:
+    return any(_is_device(p.name) for p in result.pipelines)
 
 
 def format_table(result: BenchResult) -> str:
     """The result as a markdown table, with the data, the machine and how to read it."""
+    if _is_device_result(result):
+        return _format_device(result)
     ceiling = result.get("ceiling")
     has_ceiling = ceiling is not None and ceiling.skipped is None
     head = "| pipeline | images/s | ratio | vs ceiling | CPU % | CPU ms/image | peak RSS (MB) | first batch (s) |"
@@ -524,6 +706,39 @@ def format_table(result: BenchResult) -> str:
               "time per image, which other load on the machine disturbs less than images/s. Peak RSS: process + "
               "children (forked workers' shared pages count once per process).",
               NOTE, *result.notes]
+    return "\n".join(lines)
+
+
+def _format_device(result: BenchResult) -> str:
+    """The device bench: loader-alone and training tables, the targets, the data, device and machine."""
+    from .bench_gpu import format_tables
+
+    d, m = result.data, result.machine
+    steps_per_epoch = result.images // result.batch_size
+    gpu = (f"{m['gpu']}, {m['gpu_memory_gb']} GB; CUDA {m['cuda_version']}, cuDNN {m['cudnn']}" if m.get("gpu")
+           else result.device)
+    lines = [*format_tables(result),
+             *(f"- {p.name}: {p.description}" + (f" ({p.version})" if p.version else "") for p in result.pipelines),
+             "",
+             f"Data: {d['images']} {'generated ImageNet-like ' if d['generated'] else ''}JPEGs, mean "
+             f"{d['mean_width']}x{d['mean_height']} px, {d['mean_file_kb']} KB; batch {result.batch_size}; "
+             f"{result.workers} CPU cores per pipeline, each pipeline in its own process; packing "
+             f"({_fmt(result.pack_seconds, '.1f')} s) done once before any timing.",
+             f"Loaders alone: median of {result.rounds} epoch(s) after one warm-up epoch; a round ends when the "
+             "device is synchronized. Training: median of "
+             f"{result.rounds} window(s) of {result.steps} steps after {result.warmup_steps} warm-up step(s); the "
+             f"feeds run epoch after epoch and drop the last partial batch ({steps_per_epoch} steps per epoch here: "
+             "epoch starts, where a loader refills its queue, weigh more than on a large dataset).",
+             f"Baseline transforms: {result.baseline_transforms}. Every loader delivers float32 NCHW batches "
+             "normalized with ImageNet mean/std in device memory (stoker: channels_last for training); the baseline "
+             "converts and normalizes on the CPU, stoker copies uint8 and normalizes on the device.",
+             f"Device: {gpu}; torch {m.get('torch', '-')}, torchvision {m.get('torchvision') or 'not installed'}.",
+             f"Machine: {m['cpu']}, {m['usable_cores']} usable cores, {m['memory_gb']} GB, load average "
+             f"{m['load_1m']} at the start; Python {m['python']}, Pillow {m['pillow']}, simplejpeg {m['simplejpeg']}.",
+             "of synthetic: training images/s over the same model's on one GPU-resident batch (no input pipeline). "
+             "Data wait: share of the timed steps the training loop spent in next() (host side). Peak device: "
+             "torch.cuda.max_memory_allocated of the pipeline's process. CPU %: process + children (100 = one core).",
+             NOTE, *result.notes]
     return "\n".join(lines)
 
 

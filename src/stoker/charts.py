@@ -73,6 +73,77 @@ def bench_chart(result: "BenchResult", path: Path) -> bool:
     return True
 
 
+def device_bench_chart(result: "BenchResult", path: Path) -> bool:
+    """The device bench in two panels: the loaders alone (images/s into device memory) and, per model,
+    training images/s as a share of the same model on synthetic data, with the targets as lines."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    from .bench_gpu import FEEDS, LOADER_RATE_TARGET, LOADERS, TRAIN_TARGETS, feed_of
+
+    loaders = [p for p in result.pipelines if p.name in LOADERS and p.skipped is None]
+    training = [p for p in result.pipelines
+                if p.name.startswith("train-") and p.skipped is None and p.ratio is not None]
+    panels = [k for k, rows in (("loaders", loaders), ("training", training)) if rows] or ["loaders"]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.4), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        if panel == "loaders":
+            names = [p.name for p in loaders]
+            rates = [p.images_per_s for p in loaders]
+            ax.bar(names, rates, color=[_colour(n.removeprefix("cuda-")) for n in names])
+            for x, p in enumerate(loaders):
+                text = f"{p.images_per_s:,.0f}" + (f"\n{p.ratio:.2f}x baseline" if p.ratio is not None else "")
+                ax.text(x, p.images_per_s, text, ha="center", va="bottom", fontsize=8)
+            top = max(rates + [1.0])
+            if result.device.startswith("cuda"):
+                ax.axhline(LOADER_RATE_TARGET, color="black", linestyle="--", linewidth=1,
+                           label=f"target {LOADER_RATE_TARGET:,.0f} images/s")
+                top = max(top, LOADER_RATE_TARGET)
+                ax.legend(loc="upper left", fontsize=8)
+            ax.set_ylim(0, top * 1.25)
+            ax.set_ylabel(f"images/s into {result.device} memory (higher is better)")
+            ax.set_title(f"loader alone (median of {result.rounds} epoch(s))", fontsize=10)
+            ax.grid(axis="y", alpha=0.3)
+            continue
+        models = list(dict.fromkeys(p.name.rsplit("-" + feed_of(p.name), 1)[0].removeprefix("train-")
+                                    for p in training))
+        feeds = [f for f in FEEDS if f != "synthetic"]
+        width = 0.8 / len(feeds)
+        top = max([p.ratio for p in training if p.ratio is not None] + [1.0])
+        for k, feed in enumerate(feeds):
+            xs, shares = [], []
+            for i, model in enumerate(models):
+                p = result.get(f"train-{model}-{feed}")
+                if p is not None and p.skipped is None and p.ratio is not None:
+                    xs.append(i + (k - (len(feeds) - 1) / 2) * width)
+                    shares.append(p.ratio)
+            if not shares:
+                continue
+            bars = ax.bar(xs, shares, width, color=_colour(feed), hatch="//" if feed == "stoker-gpu" else None,
+                          edgecolor="white", label=f"fed by {feed}")
+            for bar, share in zip(bars, shares):
+                ax.text(bar.get_x() + bar.get_width() / 2, share, f"{share:.0%}", ha="center", va="bottom", fontsize=8)
+        for i, model in enumerate(models):
+            if model in TRAIN_TARGETS:
+                ax.hlines(TRAIN_TARGETS[model], i - 0.45, i + 0.45, colors="black", linestyles="--", linewidth=1)
+                ax.text(i + 0.45, TRAIN_TARGETS[model], f"target {TRAIN_TARGETS[model]:.0%}", fontsize=7,
+                        ha="right", va="bottom")
+        ax.axhline(1.0, color="#55a868", linewidth=1, label="synthetic data (the model's own speed)")
+        ax.set_xticks(range(len(models)), models)
+        ax.set_xlim(-0.5, len(models) - 0.5)
+        ax.set_ylim(0, top * 1.25)
+        ax.set_ylabel("training images/s / synthetic-data images/s")
+        ax.set_title(f"training (median of {result.rounds} window(s) of {result.steps} steps)", fontsize=10)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, fontsize=8, frameon=False)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"stoker bench on {result.device}: {result.images:,} images, batch {result.batch_size}, "
+                 f"{result.workers} CPU cores per pipeline", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def demo_chart(named: Sequence[tuple[str, Any]], path: Path, *, title: str, note: str = "") -> bool:
     """Two panels for the demo's training runs, `(name, ProfileReport)` pairs: training throughput
     (images/s) and the mean step split into data wait and model step (ms)."""

@@ -35,6 +35,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
 @contextlib.contextmanager
 def _quiet_native_output() -> Iterator[None]:
     """Keep decoder chatter off the terminal while packing a messy folder.
@@ -103,8 +110,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench import format_table, run_bench
 
+    models = None if args.models is None else tuple(m.strip() for m in args.models.split(",") if m.strip())
     result = run_bench(args.data, images=args.images, batch_size=args.batch_size, workers=args.workers,
-                       rounds=args.rounds, out_dir=args.out,
+                       rounds=args.rounds, out_dir=args.out, device=args.device, models=models, steps=args.steps,
+                       warmup_steps=args.warmup_steps,
                        **({"pipelines": tuple(args.pipelines.split(","))} if args.pipelines else {}))
     print(json.dumps(result.to_json(), indent=1) if args.json else format_table(result))
     return 0
@@ -175,11 +184,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="stoker vs a DataLoader+PIL baseline vs the decode ceiling, same images")
     p.add_argument("--data", type=Path, default=None, help="image folder to use (default: generate ImageNet-like)")
-    p.add_argument("--images", type=_positive, default=2000, help="images to generate (default 2000)")
+    p.add_argument("--images", type=_positive, default=None,
+                   help="images to generate (default 2000; 5000 with --device cuda)")
     p.add_argument("--batch-size", type=_positive, default=256)
     p.add_argument("--workers", type=_positive, default=None, help="CPU cores each pipeline may use")
     p.add_argument("--rounds", type=_positive, default=3, help="timed rounds after one warm-up (median)")
     p.add_argument("--pipelines", default=None, help="comma-separated subset, e.g. baseline,stoker-train")
+    p.add_argument("--device", default="cpu",
+                   help="cpu: the loaders on the CPU (default); cuda or cuda:N: loaders into GPU memory, normalized, "
+                   "and training fed by each loader against synthetic data")
+    p.add_argument("--models", default=None, metavar="MODELS",
+                   help="with --device cuda: comma-separated torchvision model names or module:callable "
+                   "(default resnet50,resnet18)")
+    p.add_argument("--steps", type=_positive, default=None,
+                   help="with --device cuda: timed training steps per round (default 100)")
+    p.add_argument("--warmup-steps", type=_non_negative, default=None,
+                   help="with --device cuda: untimed training steps first (default 10)")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="where to write JSON/markdown/PNG")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.set_defaults(func=_cmd_bench)

@@ -199,7 +199,9 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = 8, thread
         [Resize(size * 8 // 7), CenterCrop(size)]
     device = device or default_device()
     model_threads, loader_cores = split_cores(device, usable_cpus())
-    loader = Loader(path, batch_size, transforms=ops, num_threads=threads or loader_cores, drop_last=True, seed=0)
+    on_device = {"device": device, "normalize": "imagenet"} if device.startswith("cuda") else {}
+    loader = Loader(path, batch_size, transforms=ops, num_threads=threads or loader_cores, drop_last=True, seed=0,
+                    **on_device)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(model_threads)   # restored below
     try:

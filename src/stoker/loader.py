@@ -9,6 +9,11 @@ the stored image sizes, labels); worker threads then decode each sample at the s
 its crop allows and resize it straight into its row of a preallocated (pinned) batch.
 A yielded batch lives in a ring slot: it is valid until the next iteration step (`.clone()` it to
 keep it).
+
+With `device="cuda"` a device thread copies each finished slot to the GPU on the loader's copy
+stream and converts it there (float, normalized, NCHW or channels_last), a batch ahead of the
+training loop; with `decode="gpu"` that thread also decodes the JPEGs with nvJPEG and crops them
+on the GPU with the same crop plan the CPU path uses.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from .order import (ORDERS, epoch_order, num_batches, rank_indices, replacement_
                     samples_per_rank, uniforms)
 from .reader import Dataset, PackedDataset, open_dataset, open_loose
 from .shards import MANIFEST_NAME, looks_like_partial_pack
-from .slots import BatchRing, Run, Slot, WorkerTimes
+from .slots import BatchRing, Feeder, Run, Slot, WorkerTimes
 from .transforms import Pipeline, Plan, apply_tail, crop_resize_into, decode_minimums, run_user_op
 
 _log = logging.getLogger(__name__)  # one warning per skipped sample, with its reason
@@ -52,6 +57,9 @@ class LoaderStats:
     augment_s: float = 0.0  # crop, resize, flip, user transforms, writing into the batch
     worker_wait_s: float = 0.0  # workers waiting for a free slot (the consumer is the bottleneck)
     consumer_wait_s: float = 0.0  # the training loop waiting for a batch (the loader is the bottleneck)
+    device_s: float = 0.0  # the device thread building batches: uploads, conversion, GPU decode submission
+    gpu_decoded: int = 0  # samples decoded on the GPU (decode="gpu")
+    gpu_fallbacks: int = 0  # JPEGs the GPU could not decode, decoded on the CPU instead
 
     def as_dict(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items()}
@@ -75,6 +83,36 @@ def _open_source(source: str | Path | Dataset) -> tuple[Dataset, bool]:
     return open_loose(path), True
 
 
+def _device_options(device: Any, normalize: Any, dtype: Any, memory_format: Any, decode: str, gpu_decoder: Any,
+                    pipeline: Pipeline) -> Any:
+    """The loader's DeviceOptions (None: uint8 batches on the CPU), with every bad combination named."""
+    if decode not in DECODES:
+        raise ConfigError(f"decode must be one of {DECODES}, got {decode!r}")
+    if device is None:
+        given = [n for n, v in (("normalize", normalize), ("dtype", dtype), ("memory_format", memory_format))
+                 if v is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)} apply to batches on a device: pass device='cuda' (or "
+                              f"device='cpu' for converted batches on the CPU)")
+        if decode == "gpu":
+            raise ConfigError("decode='gpu' needs device='cuda' (batches decoded on the GPU stay there)")
+        return None
+    from .device import DeviceOptions
+
+    opts = DeviceOptions.make(device, normalize, dtype, memory_format)
+    if decode == "gpu":
+        if isinstance(gpu_decoder, str) and not opts.is_cuda:
+            raise ConfigError(f"decode='gpu' needs a CUDA device, got device={device!r}; use decode='cpu'")
+        if not isinstance(gpu_decoder, str) and not callable(getattr(gpu_decoder, "decode", None)):
+            raise ConfigError(f"gpu_decoder must be 'auto', 'torchvision', 'nvimgcodec' or an object with a "
+                              f"decode(list_of_tensors) method, got {gpu_decoder!r}")
+        if pipeline.tail:
+            names = ", ".join(op.name for op in pipeline.tail if hasattr(op, "name"))
+            raise ConfigError(f"decode='gpu' runs only stoker's geometric transforms on the GPU; {names} "
+                              f"work on numpy arrays: use decode='cpu' for them")
+    return opts
+
+
 def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if rank is None or world_size is None:
         dist = torch.distributed
@@ -87,19 +125,30 @@ def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return rank, world_size
 
 
+DECODES = ("cpu", "gpu")
+
+
 class Loader:
     """Batches of decoded, augmented images from a packed dataset, an ImageFolder tree or a file list.
 
     Yields `(images, labels)`: images `uint8 [B, H, W, 3]` (pinned memory when CUDA is available),
     labels `int64 [B]` (float64 for float labels, a list for string/list labels), plus a dict of
     lists `{column: values}` as a third item when `columns` names extra shard columns.
+
+    With `device` (e.g. "cuda"): images arrive on that device as `[B, 3, H, W]` in `dtype`
+    (default float32 when `normalize` is given, else uint8) and `memory_format` (plain NCHW or
+    `"channels_last"`), normalized with `normalize=(mean, std)` (0..1 units, or `"imagenet"`);
+    numeric labels arrive on the device too. `decode="gpu"` decodes JPEGs on the GPU (nvJPEG via
+    `gpu_decoder`: "auto", "torchvision" or "nvimgcodec"), with the CPU path for everything else.
     """
 
     def __init__(self, source: str | Path | Dataset, batch_size: int, *, transforms: Sequence[Any] | None = None,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False, num_threads: int | None = None,
                  prefetch: int = 2, columns: Sequence[str] = (), on_error: str = "raise",
                  rank: int | None = None, world_size: int | None = None, order: str = "random",
-                 pin_memory: bool | None = None, timeout: float = 120.0) -> None:
+                 pin_memory: bool | None = None, timeout: float = 120.0, device: Any = None,
+                 normalize: Any = None, dtype: Any = None, memory_format: Any = None, decode: str = "cpu",
+                 gpu_decoder: Any = "auto") -> None:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size must be a positive int, got {batch_size!r}")
         if on_error not in ("raise", "skip"):
@@ -113,6 +162,9 @@ class Loader:
         if not timeout > 0:
             raise ConfigError(f"timeout must be positive seconds, got {timeout!r}")
         self.pipeline = Pipeline(transforms)
+        self._device_opts = _device_options(device, normalize, dtype, memory_format, decode, gpu_decoder,
+                                            self.pipeline)
+        self.decode, self._gpu_decoder_spec = decode, gpu_decoder
         self.dataset, self._owns_dataset = _open_source(source)
         try:
             self._setup(batch_size, shuffle, seed, drop_last, num_threads, prefetch, columns, on_error,
@@ -135,6 +187,10 @@ class Loader:
             raise ConfigError(f"{ds.path}: no column(s) {missing}; the dataset has extra columns {ds.extra_columns}")
         self.rank, self.world_size = _distributed(rank, world_size)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        self._stage: Any = None  # the DeviceStage (one copy stream per loader), made on first use
+        self._gpu: Any = None  # the GpuBatchDecoder (decode="gpu")
+        if self._device_opts is not None and self.decode == "gpu":
+            self._gpu_for(self._device_opts)  # a missing decoder library fails here, with its install hint
         if len(ds) == 0:
             raise ConfigError(f"{ds.path}: the dataset is empty; nothing to load")
         self._heights = None if ds.heights is None else np.asarray(ds.heights, dtype=np.int64)
@@ -152,7 +208,7 @@ class Loader:
         self.stats = LoaderStats()
         self._ring: BatchRing | None = None
         self._current: weakref.ref | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: Ctrl-C inside its with-statement cannot lock us out
 
     def _resolve_output_size(self) -> tuple[int, int]:
         fixed = self.pipeline.fixed_size
@@ -215,6 +271,17 @@ class Loader:
 
     # ---- iteration ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[tuple]:
+        return self._iterate(self._device_opts)
+
+    def _stoker_device_iter(self, opts: Any) -> Iterator[tuple]:
+        """`stoker.prefetch(loader, device, ...)`: iterate with these device options. The ring's
+        pinned memory is reused, so the device copy must happen here, before a slot is refilled."""
+        if self._device_opts is not None:
+            raise ConfigError(f"this Loader already delivers batches to {self._device_opts.device}; iterate it "
+                              f"directly instead of wrapping it in stoker.prefetch")
+        return self._iterate(opts)
+
+    def _iterate(self, opts: Any) -> Iterator[tuple]:
         with self._lock:
             previous = self._current() if self._current is not None else None
             if previous is not None:
@@ -222,18 +289,36 @@ class Loader:
             if self._started:  # the previous pass was abandoned part-way: move on
                 self._epoch, self._cursor = self._epoch + 1, 0
             self._started = True
-            it = _LoaderIter(self, self._epoch, self._cursor)
+            it = _LoaderIter(self, self._epoch, self._cursor, opts)
             self._current = weakref.ref(it)
             return it
 
-    def _ring_for_run(self) -> BatchRing:
+    def _ring_for_run(self, extra: int = 0) -> BatchRing:
         h, w = self.output_size
-        n_slots = self.prefetch + 1
+        n_slots = self.prefetch + 1 + extra
         if self._ring is None or not self._ring.matches(n_slots, self.batch_size, h, w, self._label_dtype,
                                                         self.pin_memory):
             self._ring = BatchRing(n_slots, self.batch_size, h, w, label_dtype=self._label_dtype,
                                    pin_memory=self.pin_memory)
         return self._ring
+
+    def _stage_for(self, opts: Any) -> Any:
+        """The DeviceStage: one copy stream per loader, kept across epochs (the CUDA caching
+        allocator pools memory per stream)."""
+        from .device import DeviceStage
+
+        if self._stage is None or self._stage.opts != opts:
+            self._stage = DeviceStage(opts)
+        return self._stage
+
+    def _gpu_for(self, opts: Any) -> Any:
+        from .gpu_decode import GpuBatchDecoder, make_decoder
+
+        if self._gpu is None:
+            spec = self._gpu_decoder_spec
+            decoder = make_decoder(spec, opts.device) if isinstance(spec, str) else spec
+            self._gpu = GpuBatchDecoder(decoder, opts.device)
+        return self._gpu
 
     def close(self) -> None:
         """Stop any running iteration and release the dataset (when the Loader opened it). Idempotent."""
@@ -244,6 +329,7 @@ class Loader:
             self.dataset.close()
             self._owns_dataset = False
         self._ring = None
+        self._stage = self._gpu = None
 
     def __enter__(self) -> "Loader":
         return self
@@ -253,15 +339,17 @@ class Loader:
 
     def __repr__(self) -> str:
         h, w = self.output_size
+        where = "" if self._device_opts is None else f", to {self._device_opts.device}, decode {self.decode}"
         return (f"<stoker.Loader {len(self.dataset)} samples, batch {self.batch_size}, {h}x{w}, "
-                f"{self.num_threads} threads, rank {self.rank}/{self.world_size}, epoch {self._epoch}>")
+                f"{self.num_threads} threads, rank {self.rank}/{self.world_size}, epoch {self._epoch}{where}>")
 
 
 class _Filler:
     """The per-pass work: plan a batch, render one sample. Shared by the worker threads; it holds
     no reference to the iterator, so an abandoned iterator can be collected."""
 
-    def __init__(self, loader: Loader, epoch: int, indices: np.ndarray, first_batch: int) -> None:
+    def __init__(self, loader: Loader, epoch: int, indices: np.ndarray, first_batch: int, gpu: bool = False) -> None:
+        self.gpu = gpu  # decode="gpu": JPEG rows become GpuJobs for the device thread
         self.ds = loader.dataset
         self.n = len(loader.dataset)
         self.pipe = loader.pipeline
@@ -293,31 +381,59 @@ class _Filler:
         else:
             slot.objects[:slot.size] = self.labels[idx].tolist()
         slot.extras = {c: [self.ds.extra(int(i), c) for i in idx] for c in self.columns}
+        if self.gpu:
+            slot.jobs = [None] * slot.size
         return _BatchPlan(idx, positions, keys, u, self._geometry(idx, u))
 
-    def fill(self, plan: _BatchPlan, row: int, slot: Slot, scratch: dict, times: WorkerTimes) -> None:
+    def fill(self, plan: _BatchPlan, row: int, slot: Slot, scratch: dict, times: WorkerTimes,
+             gpu: bool | None = None) -> None:
         idx = int(plan.indices[row])
         geo = plan.geometry
         box = None if geo is None else (geo.box[row].tolist(), bool(geo.flip[row]))  # Python floats: cheaper
         try:
-            self.render(idx, int(plan.keys[row]), plan.u[row], box, slot.images_np[row], scratch, times)
+            if self.gpu if gpu is None else gpu:
+                self.queue_gpu(idx, int(plan.keys[row]), plan.u[row], box, row, slot, scratch, times)
+            else:
+                self.render(idx, int(plan.keys[row]), plan.u[row], box, slot.images_np[row], scratch, times)
         except Exception as exc:
             if self.on_error == "raise":
                 raise self.sample_error(idx, exc) from exc
             self.replace(plan, row, slot, scratch, times, exc)
 
-    def render(self, idx: int, key: int, u: np.ndarray, box: tuple | None, dst: np.ndarray, scratch: dict,
-               times: WorkerTimes) -> None:
-        """Read, decode (only the resolution the crop needs) and transform sample `idx` into `dst`."""
+    def queue_gpu(self, idx: int, key: int, u: np.ndarray, box: tuple | None, row: int, slot: Slot,
+                  scratch: dict, times: WorkerTimes) -> None:
+        """decode="gpu": leave a JPEG to the device thread (a GpuJob with a writable copy of its bytes);
+        anything else is rendered on the CPU now, into the slot."""
+        from .gpu_decode import GpuJob
+
         t0 = time.perf_counter()
         s = self.ds.sample(idx)
         t1 = time.perf_counter()
+        times.read += t1 - t0
+        if s.encoding != "jpeg":
+            self.render(idx, key, u, box, slot.images_np[row], scratch, times, sample=s)
+            return
+        box, size = self._box(s, u, box)
+        if size != (self.out_h, self.out_w):
+            raise ValueError(f"transforms give {size[0]}x{size[1]} for this {s.height}x{s.width} image, "
+                             f"the batch is {self.out_h}x{self.out_w}")
+        data = torch.frombuffer(bytearray(s.data), dtype=torch.uint8)  # a copy: the shard mapping stays read-only
+        slot.jobs[row] = GpuJob(row, data, tuple(box[0]), box[1], s.height, s.width, s.key)
+        times.read += time.perf_counter() - t1
+
+    def _box(self, s: Any, u: np.ndarray, box: tuple | None) -> tuple[tuple, tuple[int, int]]:
         if box is None:  # sizes known only now (loose files): plan this one sample
             p = self.pipe.plan(np.array([s.height]), np.array([s.width]), u[None, :])
-            box = (p.box[0].tolist(), bool(p.flip[0]))
-            size = (int(p.size[0, 0]), int(p.size[0, 1]))
-        else:
-            size = (self.out_h, self.out_w)
+            return (p.box[0].tolist(), bool(p.flip[0])), (int(p.size[0, 0]), int(p.size[0, 1]))
+        return box, (self.out_h, self.out_w)
+
+    def render(self, idx: int, key: int, u: np.ndarray, box: tuple | None, dst: np.ndarray, scratch: dict,
+               times: WorkerTimes, sample: Any = None) -> None:
+        """Read, decode (only the resolution the crop needs) and transform sample `idx` into `dst`."""
+        t0 = time.perf_counter()
+        s = self.ds.sample(idx) if sample is None else sample
+        t1 = time.perf_counter()
+        box, size = self._box(s, u, box)
         img = self.decode(s, box[0], size, scratch)
         t2 = time.perf_counter()
         tail = self.pipe.tail
@@ -425,10 +541,59 @@ class _Filler:
         times.skipped_keys.clear()
 
 
+class _DeviceBuilder:
+    """The device thread's work on one finished slot (inside the copy stream's context): upload the
+    pinned batch, decode its JPEGs on the GPU (decode="gpu"), convert. Holds no reference to the
+    iterator, so an abandoned iterator can be collected."""
+
+    def __init__(self, loader: Loader, opts: Any, filler: _Filler, lock: threading.Lock) -> None:
+        from .device import convert
+
+        self.convert = convert
+        self.opts, self.filler, self.lock = opts, filler, lock
+        self.stage = loader._stage_for(opts)
+        self.gpu = loader._gpu_for(opts) if filler.gpu else None
+        self.stats = loader.stats
+        self.columns = loader.columns
+        self.scratch: dict = {}
+        self.times = WorkerTimes()
+
+    def __call__(self, slot: Slot) -> tuple[Any, Any]:
+        t0 = time.perf_counter()
+        n, stage = slot.size, self.stage
+        # on the CPU `.to()` would return the slot itself, which the workers are about to refill
+        x = stage.upload(slot.images[:n]) if self.opts.is_cuda else slot.images[:n].clone()
+        if self.gpu is not None:
+            self._decode_on_gpu(slot, x)
+        if slot.labels is None:
+            labels: Any = list(slot.objects[:n])
+        else:
+            labels = stage.upload(slot.labels[:n]) if self.opts.is_cuda else slot.labels[:n].clone()
+        reusable = stage.fence()  # past this point the GPU no longer reads the pinned slot
+        images = self.convert(x, self.opts, layout="nhwc")
+        batch: tuple = (images, labels)
+        if self.columns:
+            batch += ({c: list(v) for c, v in slot.extras.items()},)
+        self.stats.device_s += time.perf_counter() - t0
+        return batch, reusable
+
+    def _decode_on_gpu(self, slot: Slot, x: torch.Tensor) -> None:
+        jobs = [j for j in slot.jobs[:slot.size] if j is not None]
+        failed = self.gpu.run(jobs, x.permute(0, 3, 1, 2)) if jobs else []
+        for job, exc in failed:  # the CPU path for this sample: raise or replace, as for any failure
+            _log.info("GPU decode failed for %r, decoding it on the CPU: %s", job.key, exc)
+            self.filler.fill(slot.plan, job.row, slot, self.scratch, self.times, gpu=False)
+            x[job.row].copy_(slot.images[job.row], non_blocking=True)
+        with self.lock:
+            self.filler.flush(self.times, 0)
+            self.stats.gpu_decoded += len(jobs) - len(failed)
+            self.stats.gpu_fallbacks += len(failed)
+
+
 class _LoaderIter:
     """One pass over the rest of an epoch. Closing it (or dropping it) stops its threads."""
 
-    def __init__(self, loader: Loader, epoch: int, start: int) -> None:
+    def __init__(self, loader: Loader, epoch: int, start: int, opts: Any = None) -> None:
         self._loader = loader
         self._epoch = epoch
         indices = loader.epoch_indices(epoch)
@@ -438,14 +603,21 @@ class _LoaderIter:
         self._start = start
         self._b = 0
         self._closed = False
-        filler = _Filler(loader, epoch, indices, start)
+        filler = _Filler(loader, epoch, indices, start, gpu=opts is not None and loader.decode == "gpu")
         self._run: Run | None = None
+        self._feeder: Feeder | None = None
         if self._n:
             threads = min(loader.num_threads, max(1, sum(sizes)))
-            self._run = Run(loader._ring_for_run(), sizes, threads, filler.prepare, filler.fill, filler.flush,
-                            loader.timeout)
-            self._finalizer = weakref.finalize(self, self._run.stop, 2.0)
+            # with a device stage, one more slot: the one whose copy to the device is in flight
+            ring = loader._ring_for_run(extra=0 if opts is None else 1)
+            self._run = Run(ring, sizes, threads, filler.prepare, filler.fill, filler.flush, loader.timeout)
+            if opts is not None:
+                build = _DeviceBuilder(loader, opts, filler, self._run.lock)
+                self._feeder = Feeder(self._run, build.stage, build, loader.prefetch, loader.timeout)
+            self._finalizer = weakref.finalize(self, (self._feeder or self._run).stop, 2.0)
             self._run.start()
+            if self._feeder is not None:
+                self._feeder.start()
         self._columns = loader.columns
 
     def __iter__(self) -> "_LoaderIter":
@@ -458,7 +630,10 @@ class _LoaderIter:
         loader = self._loader
         t0 = time.perf_counter()
         try:
-            slot = self._run.next_batch(self._b)
+            if self._feeder is not None:
+                batch = self._feeder.get(self._b)
+            else:
+                slot = self._run.next_batch(self._b)
         except BaseException:  # SampleError, timeout, Ctrl-C: stop the threads before propagating
             self.close()
             raise
@@ -469,7 +644,7 @@ class _LoaderIter:
             loader._cursor = self._start + self._b
             if self._b == self._n:  # the epoch is complete: a new iter() starts the next one
                 loader._epoch, loader._cursor, loader._started = self._epoch + 1, 0, False
-        return self._batch(slot)
+        return batch if self._feeder is not None else self._batch(slot)
 
     def _batch(self, slot: Slot) -> tuple:
         n = slot.size

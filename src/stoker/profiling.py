@@ -415,8 +415,9 @@ def _input_fixes(report: ProfileReport, iterable: Any, saturated: bool) -> list[
         if loader.num_threads < cores and not saturated:
             fixes.append(f"more threads: `num_threads={cores}` (now {loader.num_threads}; {cores} usable cores)")
         if saturated:
-            fixes.append("the CPU cores are saturated: more threads cannot help; decode on the GPU (nvJPEG, "
-                         "e.g. NVIDIA DALI) or use a machine with more CPU cores per GPU")
+            fixes.append("the CPU cores are saturated: more threads cannot help; decode on the GPU "
+                         "(`Loader(..., device='cuda', decode='gpu')`, nvJPEG) or use a machine with more CPU "
+                         "cores per GPU")
     else:
         fixes.append("switch to stoker: pack the dataset once (`stoker pack SRC OUT`) and load it with "
                      "`stoker.Loader` (reduced-scale JPEG decode on threads, uint8 batches)")
@@ -426,8 +427,9 @@ def _input_fixes(report: ProfileReport, iterable: Any, saturated: bool) -> list[
         if bursty:
             fixes.append("waits come in bursts: a bigger prefetch (`prefetch_factor=4` for a DataLoader)")
         if saturated:
-            fixes.append("the CPU cores are saturated: decode on the GPU (nvJPEG, e.g. NVIDIA DALI), shrink the "
-                         "images once (`stoker pack --max-side 512`), or use more CPU cores per GPU")
+            fixes.append("the CPU cores are saturated: decode on the GPU (pack, then `stoker.Loader(..., "
+                         "device='cuda', decode='gpu')`, nvJPEG), shrink the images once (`stoker pack "
+                         "--max-side 512`), or use more CPU cores per GPU")
     return fixes
 
 

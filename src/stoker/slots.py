@@ -19,15 +19,41 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
 
 from .errors import LoaderTimeoutError
 
+if TYPE_CHECKING:
+    from .device import DeviceStage, Fence
+
 _POLL_S = 0.1  # how often a blocked wait re-checks the stop flag, seconds
+_HANDOFF_POLL_S = (0.0002, 0.002)  # Feeder queue: first and longest pause between checks, seconds
+
+
+def _release_if_owned(cond: threading.Condition) -> None:
+    """After an exception in the consuming thread: give the lock back if this thread still holds it.
+
+    Ctrl-C raises KeyboardInterrupt at the next bytecode boundary, which can fall inside
+    Condition.__enter__ after the lock was taken but before the with-block began, so __exit__ never
+    runs and every worker would block on the lock forever. Locks here are RLocks, so this thread
+    can tell whether it owns one."""
+    while cond._is_owned():  # type: ignore[attr-defined]
+        cond.release()
+
+
+def notify_all(cond: threading.Condition) -> None:
+    """Wake every waiter of `cond`; safe against Ctrl-C landing while the lock is held."""
+    try:
+        with cond:
+            cond.notify_all()
+    except BaseException:
+        _release_if_owned(cond)
+        raise
 
 
 @dataclass
@@ -45,6 +71,7 @@ class Slot:
     remaining: int = 0  # samples not yet written
     plan: Any = None  # the fill function's per-batch plan
     errors: list[tuple[int, BaseException]] = field(default_factory=list)
+    jobs: list[Any] = field(default_factory=list)  # per row: work left for the device stage (GPU decode)
 
 
 class BatchRing:
@@ -105,7 +132,7 @@ class Run:
         self.total = int(sum(batch_sizes))
         self.prepare, self.fill, self.flush = prepare, fill, flush
         self.timeout = timeout
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # an RLock so the consumer can tell it still holds it (Ctrl-C)
         self.cond = threading.Condition(self.lock)
         self.stop_event = threading.Event()
         self.released = 0  # batches the consumer has moved past; slots of batches < released + n_slots are free
@@ -181,6 +208,13 @@ class Run:
 
         Raises the first row's exception when a sample failed, LoaderTimeoutError after `timeout`
         seconds without the batch completing."""
+        try:
+            return self._next_batch(b)
+        except BaseException:
+            _release_if_owned(self.cond)
+            raise
+
+    def _next_batch(self, b: int) -> Slot:
         slot = self.ring.slots[b % self.n_slots]
         deadline = time.monotonic() + self.timeout
         with self.cond:
@@ -209,8 +243,7 @@ class Run:
     def stop(self, join_timeout: float = 5.0) -> None:
         """Stop the workers and wait (bounded) for them to exit. Safe to call repeatedly, from any thread."""
         self.stop_event.set()
-        with self.cond:
-            self.cond.notify_all()
+        notify_all(self.cond)
         me = threading.current_thread()
         deadline = time.monotonic() + join_timeout
         for t in self.threads:
@@ -219,3 +252,95 @@ class Run:
 
     def alive(self) -> int:
         return sum(t.is_alive() for t in self.threads)
+
+
+BuildFn = Callable[[Slot], "tuple[Any, Fence]"]  # slot -> (device batch, fence after which the slot is reusable)
+
+
+class Feeder:
+    """The device stage's thread: takes the finished slots of a `Run` in order, moves each to the
+    device with `build` (on the stage's copy stream) and queues the result, `depth` batches ahead.
+
+    A slot goes back to the workers (by asking the Run for the next batch) only once the fence that
+    `build` returned is done, i.e. its copy has finished: pinned memory is never overwritten while
+    the GPU still reads it. The consumer's stream waits on each batch's ready fence (no device-wide
+    sync). Errors from the Run (a failed sample, a timeout) or from `build` reach the consumer in
+    batch order. Every wait has a timeout and checks the stop flag.
+
+    The hand-off is a deque polled with short sleeps rather than a queue.Queue: the consumer then
+    takes no lock, so Ctrl-C in the training loop can never leave one held (see _release_if_owned)."""
+
+    def __init__(self, run: Run, stage: "DeviceStage", build: BuildFn, depth: int, timeout: float,
+                 name: str = "stoker-device") -> None:
+        self.run, self.stage, self.build = run, stage, build
+        self.timeout = timeout
+        self.n = len(run.batch_sizes)
+        self.depth = depth
+        self.ready: deque[tuple[str, Any, Any]] = deque()  # append/popleft are atomic
+        self.stop_event = threading.Event()
+        self.busy_s = 0.0  # seconds the thread spent building batches (uploads, GPU decode submission)
+        self.thread = threading.Thread(target=self._work, name=name, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _put(self, item: tuple[str, Any, Any]) -> bool:
+        pause = _HANDOFF_POLL_S[0]
+        while not self.stop_event.is_set():
+            if len(self.ready) < self.depth:  # only this thread appends: the check cannot go stale
+                self.ready.append(item)
+                return True
+            time.sleep(pause)
+            pause = min(pause * 2, _HANDOFF_POLL_S[1])
+        return False
+
+    def _work(self) -> None:
+        for b in range(self.n):
+            if self.stop_event.is_set():
+                return
+            try:
+                slot = self.run.next_batch(b)  # hands the slot of batch b-1 back to the workers
+                t0 = time.perf_counter()
+                with self.stage.context():
+                    out, reusable = self.build(slot)
+                    ready = self.stage.fence()
+                self.busy_s += time.perf_counter() - t0
+                reusable.wait(self.timeout, self.stop_event)
+            except BaseException as exc:  # for the consumer, in order; this thread is done
+                self._put(("error", exc, None))
+                return
+            if not self._put(("batch", out, ready)):
+                return
+
+    def get(self, b: int) -> Any:
+        """Batch b on the device, ready to use on the caller's current stream. Raises what the
+        pipeline raised for it, LoaderTimeoutError after `timeout` seconds without it."""
+        deadline = time.monotonic() + self.timeout
+        pause = _HANDOFF_POLL_S[0]
+        while not self.ready:
+            if self.stop_event.is_set():
+                raise RuntimeError("the loader was closed while waiting for a batch")
+            if not self.thread.is_alive() and not self.ready:
+                raise RuntimeError(f"the stoker device thread ended before batch {b}")
+            if time.monotonic() >= deadline:
+                raise LoaderTimeoutError(
+                    f"batch {b}: nothing reached the device after {self.timeout:.0f} s "
+                    f"({self.run.alive()} worker threads alive); storage may be stalled or a transform "
+                    f"hangs — raise Loader(timeout=...) if samples are genuinely this slow")
+            time.sleep(pause)
+            pause = min(pause * 2, _HANDOFF_POLL_S[1])
+        kind, value, ready = self.ready.popleft()
+        if kind == "error":
+            raise value
+        return self.stage.handoff(value, ready)
+
+    def stop(self, join_timeout: float = 5.0) -> None:
+        """Stop this thread and the Run's workers, bounded. Safe to call repeatedly, from any thread."""
+        self.stop_event.set()
+        self.run.stop(join_timeout)
+        if self.thread is not threading.current_thread() and self.thread.is_alive():
+            self.thread.join(join_timeout)
+        self.ready.clear()  # drop queued device batches now rather than at collection
+
+    def alive(self) -> int:
+        return self.run.alive() + self.thread.is_alive()

@@ -281,32 +281,61 @@ def decode_minimums(box: Sequence[float], out_h: int, out_w: int, src_h: int, sr
     return min(src_h, math.ceil(src_h * out_h / bh - 1e-6)), min(src_w, math.ceil(src_w * out_w / bw - 1e-6))
 
 
+@dataclass(frozen=True)
+class CropWindow:
+    """Integer geometry of one crop: which source pixels are read and where they land in the output.
+
+    `src` = (y0, y1, x0, x1): rows and columns of the source (possibly a DCT-scaled version of the
+    full image) to read; `dst` = (y0, y1, x0, x1): the part of the output that receives them,
+    resized; the rest of the output is zero. `padded` is True when the box leaves the image
+    (CenterCrop larger than it), so `dst` is smaller than the output. Neither window is ever empty."""
+
+    src: tuple[int, int, int, int]
+    dst: tuple[int, int, int, int]
+    padded: bool
+
+
+def crop_window(box: Sequence[float], src_h: int, src_w: int, full_h: int, full_w: int, out_h: int,
+                out_w: int) -> CropWindow:
+    """Where `box` (top, left, height, width in a full_h x full_w image, pixels) lies in a
+    src_h x src_w version of that image, and which part of an out_h x out_w output it fills.
+
+    The one place the rounding, clamping and padding maths live: the CPU path
+    (:func:`crop_resize_into`) and the GPU path (``gpu_decode``) crop exactly the same pixels."""
+    fy, fx = src_h / full_h, src_w / full_w
+    y0, x0 = box[0] * fy, box[1] * fx
+    y1, x1 = y0 + box[2] * fy, x0 + box[3] * fx
+    ry0, rx0, ry1, rx1 = round(y0), round(x0), round(y1), round(x1)
+    iy0, ix0 = min(src_h - 1, max(0, ry0)), min(src_w - 1, max(0, rx0))
+    iy1, ix1 = min(src_h, max(iy0 + 1, ry1)), min(src_w, max(ix0 + 1, rx1))
+    if not (ry0 < 0 or rx0 < 0 or ry1 > src_h or rx1 > src_w):
+        return CropWindow((iy0, iy1, ix0, ix1), (0, out_h, 0, out_w), False)
+    # The box leaves the image (CenterCrop larger than it): the part inside is resized into its
+    # share of the output and the rest stays zero, as torchvision's padding does. A degenerate box
+    # (no height or width) would divide by zero: treat it as a sliver.
+    bh, bw = max(y1 - y0, 1e-9), max(x1 - x0, 1e-9)
+    ty0 = min(out_h - 1, max(0, round((iy0 - y0) * out_h / bh)))
+    tx0 = min(out_w - 1, max(0, round((ix0 - x0) * out_w / bw)))
+    ty1 = max(ty0 + 1, min(out_h, round((iy1 - y0) * out_h / bh)))
+    tx1 = max(tx0 + 1, min(out_w, round((ix1 - x0) * out_w / bw)))
+    return CropWindow((iy0, iy1, ix0, ix1), (ty0, ty1, tx0, tx1), True)
+
+
 def crop_resize_into(src: np.ndarray, box: Sequence[float], dst: np.ndarray, flip: bool,
                      full_h: int, full_w: int) -> None:
     """Resize the region `box` (top, left, height, width in a full_h x full_w image) of `src` into `dst`.
 
     `src` may be a DCT-scaled version of the full image: the box is mapped to its scale. Bilinear
     interpolation, or area averaging when shrinking by `AREA_FROM` or more (antialiased). Parts of
-    the box outside the image become zeros (CenterCrop padding)."""
-    sh, sw = src.shape[:2]
-    fy, fx = sh / full_h, sw / full_w
-    y0, x0 = box[0] * fy, box[1] * fx
-    y1, x1 = y0 + box[2] * fy, x0 + box[3] * fx
-    ry0, rx0, ry1, rx1 = round(y0), round(x0), round(y1), round(x1)
-    iy0, ix0 = min(sh - 1, max(0, ry0)), min(sw - 1, max(0, rx0))
-    iy1, ix1 = min(sh, max(iy0 + 1, ry1)), min(sw, max(ix0 + 1, rx1))
+    the box outside the image become zeros (CenterCrop padding). The geometry is :func:`crop_window`."""
+    win = crop_window(box, src.shape[0], src.shape[1], full_h, full_w, dst.shape[0], dst.shape[1])
+    sy0, sy1, sx0, sx1 = win.src
     target = dst
-    if ry0 < 0 or rx0 < 0 or ry1 > sh or rx1 > sw:
-        # The box leaves the image (CenterCrop larger than it): resize the part inside into its
-        # share of dst and zero the rest, as torchvision's padding does.
-        oh, ow = dst.shape[:2]
+    if win.padded:
         dst[...] = 0
-        ty0 = min(oh - 1, max(0, round((iy0 - y0) * oh / (y1 - y0))))
-        tx0 = min(ow - 1, max(0, round((ix0 - x0) * ow / (x1 - x0))))
-        ty1 = max(ty0 + 1, min(oh, round((iy1 - y0) * oh / (y1 - y0))))
-        tx1 = max(tx0 + 1, min(ow, round((ix1 - x0) * ow / (x1 - x0))))
+        ty0, ty1, tx0, tx1 = win.dst
         target = dst[ty0:ty1, tx0:tx1]
-    region = src[iy0:iy1, ix0:ix1]
+    region = src[sy0:sy1, sx0:sx1]
     th, tw = target.shape[:2]
     # Measured (docs/decoding.md): after DCT scaling the shrink left is below 2x, where bilinear is
     # within ~0.5 dB of PIL's antialiased bilinear and 3-5x faster than area; area only beyond 2x.

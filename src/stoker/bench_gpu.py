@@ -1,0 +1,618 @@
+"""The device half of `stoker bench --device cuda`: input pipelines measured where their batches end up
+(in GPU memory, normalized), and training throughput fed by each of them.
+
+Two kinds of pipeline; `stoker.bench` runs and times them like every other pipeline (fresh process
+each, median of rounds) and this module supplies what runs on the device:
+
+- loader alone, into device memory, float32 NCHW normalized with ImageNet mean/std:
+  ``cuda-baseline`` (torchvision ImageFolder + DataLoader(workers, pin_memory, persistent workers),
+  torchvision's train transforms incl. ToTensor + Normalize, each batch ``.to(device, non_blocking=True)``),
+  ``cuda-stoker`` (stoker.Loader with ``device=``, ``normalize="imagenet"``, CPU decode) and
+  ``cuda-stoker-gpu`` (the same with ``decode="gpu"``). A round's clock stops after the device is
+  synchronized, so the rate counts images that reached device memory.
+- training, per model: ``train-<model>-synthetic`` (one GPU-resident random batch, no input pipeline:
+  the model's own speed), ``train-<model>-baseline``, ``train-<model>-stoker``, ``train-<model>-stoker-gpu``.
+  One step: model and input channels_last, bf16 autocast (on CUDA), cross entropy,
+  SGD(lr 0.1, momentum 0.9, weight decay 1e-4), ``zero_grad(set_to_none=True)``. Warm-up steps first
+  (cuDNN autotuning, queues filling), then timed windows of a fixed number of steps; the feeds run
+  epoch after epoch as a training loop does, and drop the last partial batch (one input shape).
+
+`check_targets` compares the figures with the issue's targets; the verdicts follow the measured
+numbers, nothing is assumed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import ConfigError, StokerError
+
+if TYPE_CHECKING:
+    import torch
+
+    from .bench import BenchResult, PipelineResult
+
+__all__ = ["DEFAULT_MODELS", "LOADER_RATE_TARGET", "LOADER_SPEEDUP_TARGET", "TRAIN_TARGETS", "FeedUnavailable",
+           "Target", "TrainRun", "check_targets", "device_pipelines", "resolve_device"]
+
+DEFAULT_MODELS = ("resnet50", "resnet18")
+DEFAULT_STEPS = 100          # timed training steps per round
+DEFAULT_WARMUP_STEPS = 10    # untimed steps before them: cuDNN autotuning, loader queues filling
+DEFAULT_IMAGES = 5000
+OUTPUT_SIZE = 224
+
+#: model label -> share of its synthetic-data training speed a stoker feed must keep
+TRAIN_TARGETS: dict[str, float] = {"resnet50": 0.97, "resnet18": 0.90}
+#: the faster stoker loader pipeline over cuda-baseline, and its images/s into device memory
+LOADER_SPEEDUP_TARGET = 3.0
+LOADER_RATE_TARGET = 15_000.0
+
+#: loader-alone pipeline -> the feed it measures
+LOADERS = {"cuda-baseline": "baseline", "cuda-stoker": "stoker", "cuda-stoker-gpu": "stoker-gpu"}
+#: feed -> what delivers the batches
+FEEDS = {
+    "synthetic": "one GPU-resident random batch (no input pipeline: the model's own speed)",
+    "baseline": "ImageFolder + DataLoader(pin_memory, persistent workers) + torchvision train transforms, "
+                ".to(device, non_blocking=True)",
+    "stoker": "stoker.Loader(device, normalize='imagenet'), CPU decode",
+    "stoker-gpu": "stoker.Loader(device, normalize='imagenet', decode='gpu')",
+}
+_LOADER_DESCRIPTIONS = {
+    "cuda-baseline": "ImageFolder + DataLoader(pin_memory, persistent workers) + RandomResizedCrop(224), flip, "
+                     "ToTensor, Normalize; .to(device, non_blocking=True)",
+    "cuda-stoker": "stoker.Loader(device, normalize='imagenet'), RandomResizedCrop(224) + flip, CPU decode",
+    "cuda-stoker-gpu": "stoker.Loader(device, normalize='imagenet', decode='gpu'), RandomResizedCrop(224) + flip",
+}
+
+
+class FeedUnavailable(StokerError):
+    """A stoker feed this installation or machine cannot run; the bench reports it as skipped, with why."""
+
+
+# ----------------------------------------------------------------------------- names and checks
+
+def model_label(spec: str) -> str:
+    """'resnet50' -> 'resnet50'; 'pkg.nets:make_net' -> 'make_net' (the name in pipeline names)."""
+    return spec.partition(":")[2] if ":" in spec else spec
+
+
+def is_device_pipeline(name: str) -> bool:
+    return name in LOADERS or name.startswith("train-")
+
+
+def feed_of(name: str) -> str:
+    """The feed a device pipeline measures: 'cuda-stoker' -> 'stoker', 'train-resnet50-stoker-gpu' -> 'stoker-gpu'."""
+    if name in LOADERS:
+        return LOADERS[name]
+    for feed in sorted(FEEDS, key=len, reverse=True):   # "stoker-gpu" before "stoker"
+        if name.endswith("-" + feed):
+            return feed
+    raise ConfigError(f"unknown device pipeline {name!r}")
+
+
+def uses_packed(name: str) -> bool:
+    """Whether the pipeline reads the packed copy (so the bench packs before timing)."""
+    return is_device_pipeline(name) and feed_of(name).startswith("stoker")
+
+
+def check_model(spec: str) -> None:
+    """Fail early, before anything is measured, when a model spec cannot be loaded."""
+    if not spec or spec != spec.strip():
+        raise ConfigError(f"model {spec!r}: expected a torchvision model name (e.g. resnet50) or 'module:callable'")
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(f"model {spec!r}: cannot load it ({exc}); expected 'module:callable' returning an "
+                              "nn.Module, with the module importable") from exc
+        if not callable(factory):
+            raise ConfigError(f"model {spec!r}: {attr} is not callable")
+        return
+    try:
+        import torchvision.models as tvm
+    except ImportError as exc:
+        raise ConfigError(f"model {spec!r} is a torchvision model name and torchvision does not import ({exc}); "
+                          "pip install torchvision, or give --models module:callable") from exc
+    known = tvm.list_models() if hasattr(tvm, "list_models") else [n for n in dir(tvm) if not n.startswith("_")]
+    if spec not in known:
+        raise ConfigError(f"model {spec!r}: not a torchvision model; expected one of torchvision.models.list_models() "
+                          "(e.g. resnet50, resnet18) or 'module:callable'")
+
+
+def device_pipelines(models: Sequence[str], *, check: bool = True) -> dict[str, tuple[str, str | None]]:
+    """Every device pipeline for these model specs, in run order: name -> (what it is, its ratio's reference).
+    `check`: load each model's module now (`check_model`), so a bad spec fails before anything runs."""
+    if not models:
+        raise ConfigError("models: expected at least one (a torchvision name such as resnet50, or 'module:callable')")
+    out: dict[str, tuple[str, str | None]] = {
+        name: (_LOADER_DESCRIPTIONS[name], None if name == "cuda-baseline" else "cuda-baseline") for name in LOADERS}
+    seen: dict[str, str] = {}
+    for spec in models:
+        if check:
+            check_model(spec)
+        label = model_label(spec)
+        if label in seen:
+            raise ConfigError(f"models {seen[label]!r} and {spec!r} both name pipelines train-{label}-*; "
+                              "give each model once")
+        seen[label] = spec
+        for feed, what in FEEDS.items():
+            out[f"train-{label}-{feed}"] = (f"{spec} training step fed by {what}",
+                                            None if feed == "synthetic" else f"train-{label}-synthetic")
+    return out
+
+
+def resolve_device(device: str) -> "torch.device":
+    """'cuda', 'cuda:1' or 'cpu' -> torch.device; ConfigError naming the fix when CUDA is asked for but absent."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ConfigError(f"--device {device!r}: expected cpu, cuda or cuda:N ({exc})") from exc
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device!r}: the bench measures cpu or cuda devices, got {dev.type}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this torch is a CPU-only build" if torch.version.cuda is None
+                   else "torch sees no GPU (check nvidia-smi and CUDA_VISIBLE_DEVICES)")
+            raise ConfigError(f"--device {device} needs a CUDA build of torch and a GPU; {why} (torch "
+                              f"{torch.__version__}). Install a CUDA build (https://pytorch.org/get-started/locally/), "
+                              "or leave --device out for the CPU benchmark")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+def unavailable(name: str, device: str) -> str | None:
+    """Why device pipeline `name` cannot run here (with the fix), or None when it may."""
+    import inspect
+
+    feed = feed_of(name)
+    if not feed.startswith("stoker"):
+        return None
+    from .loader import Loader
+
+    params = inspect.signature(Loader).parameters
+    if "device" not in params:
+        return "stoker.Loader in this installation has no device= option"
+    if feed == "stoker-gpu":
+        if not str(device).startswith("cuda"):
+            return f"decode='gpu' needs a CUDA device; this run is on {device} (run with --device cuda)"
+        if "decode" not in params:
+            return "stoker.Loader in this installation has no decode= option"
+    return None
+
+
+def device_info(device: "torch.device") -> dict[str, Any]:
+    """GPU model and memory, CUDA, cuDNN and torchvision versions, for the record next to the timings."""
+    import torch
+
+    info: dict[str, Any] = {"device": str(device)}
+    try:
+        import torchvision
+        info["torchvision"] = torchvision.__version__
+    except ImportError:
+        info["torchvision"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=props.name, gpu_memory_gb=round(props.total_memory / 2**30, 1), cuda_version=torch.version.cuda,
+                    cudnn=torch.backends.cudnn.version(), gpus=torch.cuda.device_count())
+    return info
+
+
+# ----------------------------------------------------------------------------- on the device
+
+def synchronize(device: "torch.device") -> None:
+    """Wait for every queued kernel and copy on `device` (nothing to wait for on the CPU)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def prepare(device: str) -> None:
+    """Do before any clock starts what a training script has done already: import torch (and torchvision
+    when installed) and create the CUDA context."""
+    import torch
+
+    with contextlib.suppress(ImportError):
+        import torchvision  # noqa: F401
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.empty(1, device=dev)
+        synchronize(dev)
+
+
+def reset_peak_memory(device: str) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: str) -> int:
+    """Peak bytes held by tensors on `device` since `reset_peak_memory` (0 on the CPU)."""
+    import torch
+
+    return int(torch.cuda.max_memory_allocated(device)) if torch.device(device).type == "cuda" else 0
+
+
+@contextlib.contextmanager
+def autotuned_convolutions() -> Iterator[None]:
+    """cudnn.benchmark on, as a training script sets it, for the measurement only (restored after):
+    the bench is the user here; the library never sets it."""
+    import torch
+
+    before = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = before
+
+
+@dataclass
+class Feed:
+    """Batches `(images, labels)` already on the device, an epoch per `epoch()` call."""
+
+    epoch: Callable[[], Iterator[tuple[Any, Any]]]
+    close: Callable[[], None]
+    version: str
+
+
+def _torch_version() -> str:
+    import torch
+
+    try:
+        import torchvision
+        return f"torch {torch.__version__}, torchvision {torchvision.__version__}"
+    except ImportError:
+        return f"torch {torch.__version__}"
+
+
+def _baseline_feed(root: str, batch_size: int, workers: int, device: "torch.device", drop_last: bool) -> Feed:
+    import torch
+    from torch.utils.data import DataLoader
+
+    from .baseline import _FolderDataset, _torchvision, baseline_transform, list_image_folder
+
+    transform, _ = baseline_transform(True)
+    if _torchvision() is not None:
+        from torchvision.datasets import ImageFolder
+        dataset: Any = ImageFolder(root, transform=transform)
+    else:   # the exact re-implementation, as the CPU bench uses
+        dataset = _FolderDataset(list_image_folder(Path(root))[0], transform)
+    loader: Any = DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers,
+                             pin_memory=device.type == "cuda", persistent_workers=True, drop_last=drop_last,
+                             generator=torch.Generator().manual_seed(0))
+
+    def epoch() -> Iterator[tuple[Any, Any]]:
+        for images, labels in loader:
+            yield images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+
+    def close() -> None:
+        nonlocal loader
+        loader = None   # the persistent workers stop with the DataLoader's iterator
+    return Feed(epoch, close, _torch_version())
+
+
+def _stoker_loader(packed: str, batch_size: int, **options: Any) -> Any:
+    """stoker.Loader with the bench's transforms: RandomResizedCrop(224) + RandomHorizontalFlip, shuffled."""
+    from .loader import Loader
+    from .transforms import RandomHorizontalFlip, RandomResizedCrop
+
+    return Loader(packed, batch_size, transforms=[RandomResizedCrop(OUTPUT_SIZE), RandomHorizontalFlip()],
+                  shuffle=True, seed=0, **options)
+
+
+def _stoker_feed(feed: str, packed: str, batch_size: int, workers: int, device: "torch.device",
+                 drop_last: bool, channels_last: bool) -> Feed:
+    from . import __version__
+
+    options: dict[str, Any] = {"num_threads": workers, "drop_last": drop_last, "device": device,
+                               "normalize": "imagenet"}
+    if channels_last:
+        options["memory_format"] = "channels_last"
+    if feed == "stoker-gpu":
+        options["decode"] = "gpu"
+    try:
+        loader = _stoker_loader(packed, batch_size, **options)
+    except ConfigError as exc:   # e.g. decode="gpu" without a GPU JPEG decoder installed
+        raise FeedUnavailable(str(exc)) from exc
+    started = False
+
+    def epoch() -> Iterator[tuple[Any, Any]]:
+        nonlocal started
+        it = None
+        while True:
+            try:
+                if it is None:
+                    it = iter(loader)
+                batch = next(it)
+            except StopIteration:
+                return
+            except ConfigError as exc:   # a GPU decoder is made on first use; once batches flowed, errors are errors
+                if started:
+                    raise
+                loader.close()
+                raise FeedUnavailable(str(exc)) from exc
+            started = True
+            yield batch[0], batch[1]
+    return Feed(epoch, loader.close, f"stoker {__version__}" + (", decode='gpu'" if feed == "stoker-gpu" else ""))
+
+
+def _synthetic_feed(batch_size: int, device: "torch.device") -> Feed:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(batch_size, 3, OUTPUT_SIZE, OUTPUT_SIZE, generator=g).to(device)
+    images = images.contiguous(memory_format=torch.channels_last)
+    labels = torch.randint(0, 1000, (batch_size,), generator=g).to(device)
+
+    def epoch() -> Iterator[tuple[Any, Any]]:
+        while True:
+            yield images, labels
+    return Feed(epoch, lambda: None, f"torch {torch.__version__}")
+
+
+def open_feed(feed: str, *, root: str, packed: str, batch_size: int, workers: int, device: "torch.device",
+              training: bool) -> Feed:
+    """The batches a pipeline measures. `training`: drop the last partial batch (one input shape, as
+    training loaders do) and hand stoker's batches out channels_last (the model's layout)."""
+    if feed == "synthetic":
+        return _synthetic_feed(batch_size, device)
+    if feed == "baseline":
+        return _baseline_feed(root, batch_size, workers, device, drop_last=training)
+    if feed in ("stoker", "stoker-gpu"):
+        return _stoker_feed(feed, packed, batch_size, workers, device, drop_last=training, channels_last=training)
+    raise ConfigError(f"unknown feed {feed!r}; expected one of {', '.join(FEEDS)}")
+
+
+def loader_epochs(name: str, *, root: str, packed: str, batch_size: int, workers: int,
+                  device: str) -> tuple[Callable[[], Iterator[int]], Callable[[], None], str]:
+    """A loader-alone pipeline as `(epoch, close, version)`: `epoch()` yields each batch's size once the
+    batch is queued for device memory and returns after synchronizing the device, so a round timed
+    around it counts images that reached device memory."""
+    dev = resolve_device(device)
+    feed = open_feed(LOADERS[name], root=root, packed=packed, batch_size=batch_size, workers=workers, device=dev,
+                     training=False)
+
+    def epoch() -> Iterator[int]:
+        first = True
+        for images, _ in feed.epoch():
+            if first:   # the first batch (time to first batch) counts once it is in device memory
+                synchronize(dev)
+                first = False
+            yield int(images.shape[0])
+        synchronize(dev)
+    return epoch, feed.close, feed.version
+
+
+# ----------------------------------------------------------------------------- training
+
+def load_model(spec: str) -> Any:
+    """A freshly initialised model: torchvision's `spec` (no weights), or `module:callable()`."""
+    from torch import nn
+
+    check_model(spec)
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+        model = getattr(importlib.import_module(module_name), attr)()
+    else:
+        import torchvision.models as tvm
+        model = tvm.get_model(spec) if hasattr(tvm, "get_model") else getattr(tvm, spec)()
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model {spec!r}: expected an nn.Module, got {type(model).__name__}")
+    return model
+
+
+class TrainingStep:
+    """One training step as the recipe: model and input channels_last, bf16 autocast on CUDA (the CPU runs
+    float32), cross entropy, SGD(lr 0.1, momentum 0.9, weight decay 1e-4), zero_grad(set_to_none=True).
+    Labels wrap to the model's class count (a synthetic set's labels may exceed a small model's)."""
+
+    def __init__(self, model: Any, device: "torch.device") -> None:
+        import torch
+
+        self.device = device
+        self.model = model.to(device=device, memory_format=torch.channels_last).train()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+        self.amp = device.type == "cuda"
+
+    def __call__(self, images: Any, labels: Any) -> None:
+        import torch
+        import torch.nn.functional as F
+
+        x = images.contiguous(memory_format=torch.channels_last)   # a no-op when the feed delivers channels_last
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+            logits = self.model(x)
+            loss = F.cross_entropy(logits, labels.remainder(logits.shape[-1]))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+
+
+class TrainRun:
+    """A model training on one feed. Construction builds the model and the feed and takes the first batch
+    (`first_batch_s`: feed construction to first batch, cold); `run(steps)` trains and times."""
+
+    def __init__(self, name: str, model: str, *, root: str, packed: str, batch_size: int, workers: int,
+                 device: str) -> None:
+        import torch
+
+        self.device = resolve_device(device)
+        with torch.random.fork_rng(devices=[]):   # the same initial weights every run; the caller's RNG untouched
+            torch.manual_seed(0)
+            self.step = TrainingStep(load_model(model), self.device)
+        self.batch_size = batch_size
+        start = time.perf_counter()
+        self.feed = open_feed(feed_of(name), root=root, packed=packed, batch_size=batch_size, workers=workers,
+                              device=self.device, training=True)
+        self._stream = self._forever()
+        try:
+            self._pending: Any = next(self._stream)
+        except BaseException:
+            self.close()
+            raise
+        self.first_batch_s = time.perf_counter() - start
+        self.version = self.feed.version
+
+    def _forever(self) -> Iterator[tuple[Any, Any]]:
+        """Epoch after epoch, as a training loop's `for epoch ...: for batch in loader:` does."""
+        while True:
+            got = False
+            for batch in self.feed.epoch():
+                got = True
+                yield batch
+            if not got:
+                raise ConfigError(f"the feed gave no full batch of {self.batch_size}; use more images or a "
+                                  "smaller batch")
+
+    def run(self, steps: int) -> tuple[float, float]:
+        """Train `steps` steps; returns (seconds, seconds spent waiting for batches in next()), with the
+        device synchronized before the clock starts and before it stops."""
+        synchronize(self.device)
+        wait = 0.0
+        start = time.perf_counter()
+        for _ in range(steps):
+            t = time.perf_counter()
+            if self._pending is not None:
+                batch, self._pending = self._pending, None
+            else:
+                batch = next(self._stream)
+            wait += time.perf_counter() - t
+            self.step(*batch)
+        synchronize(self.device)
+        return time.perf_counter() - start, wait
+
+    def close(self) -> None:
+        self._pending = None
+        self._stream.close()
+        self.feed.close()
+
+
+# ----------------------------------------------------------------------------- targets and table
+
+@dataclass
+class Target:
+    """One of the issue's targets and whether this run's figures meet it."""
+
+    goal: str                      # what is promised, in words
+    threshold: float
+    unit: str                      # "of synthetic", "x cuda-baseline", "images/s"
+    measured: float | None = None  # None: the pipelines it needs did not run
+    pipeline: str | None = None    # where the measured figure comes from
+    met: bool | None = None
+
+    @property
+    def verdict(self) -> str:
+        return "not measured" if self.met is None else ("met" if self.met else "NOT met")
+
+
+def _ran(pipelines: Sequence["PipelineResult"], name: str) -> "PipelineResult | None":
+    p = next((p for p in pipelines if p.name == name), None)
+    return p if p is not None and p.skipped is None and math.isfinite(p.images_per_s) else None
+
+
+def _best(pipelines: Sequence["PipelineResult"], names: Sequence[str]) -> "PipelineResult | None":
+    ran = [p for p in (_ran(pipelines, n) for n in names) if p is not None]
+    return max(ran, key=lambda p: p.images_per_s) if ran else None
+
+
+def check_targets(pipelines: Sequence["PipelineResult"],
+                  train_targets: dict[str, float] | None = None) -> list[Target]:
+    """The issue's targets for the pipelines that were asked for, each with the figure it is judged on
+    (the better of stoker's two decode paths) and met / NOT met / not measured."""
+    train_targets = TRAIN_TARGETS if train_targets is None else train_targets
+    names = {p.name for p in pipelines}
+    out: list[Target] = []
+    stoker_loaders = [n for n in ("cuda-stoker", "cuda-stoker-gpu") if n in names]
+    if stoker_loaders:
+        best = _best(pipelines, stoker_loaders)
+        base = _ran(pipelines, "cuda-baseline")
+        speedup = Target(f"loader alone, faster stoker decode path >= {LOADER_SPEEDUP_TARGET:g}x cuda-baseline",
+                         LOADER_SPEEDUP_TARGET, "x cuda-baseline")
+        rate = Target(f"loader alone, faster stoker decode path >= {LOADER_RATE_TARGET:,.0f} images/s into "
+                      "device memory", LOADER_RATE_TARGET, "images/s")
+        if best is not None:
+            rate.measured, rate.pipeline = best.images_per_s, best.name
+            rate.met = best.images_per_s >= LOADER_RATE_TARGET
+            if base is not None and base.images_per_s > 0:
+                speedup.measured, speedup.pipeline = best.images_per_s / base.images_per_s, best.name
+                speedup.met = speedup.measured >= LOADER_SPEEDUP_TARGET
+        out += [speedup, rate]
+    for label, threshold in train_targets.items():
+        feeds = [n for n in (f"train-{label}-stoker", f"train-{label}-stoker-gpu") if n in names]
+        if not feeds:
+            continue
+        target = Target(f"{label} fed by stoker keeps >= {threshold:.0%} of its synthetic-data training speed",
+                        threshold, "of synthetic")
+        best = _best(pipelines, feeds)
+        synthetic = _ran(pipelines, f"train-{label}-synthetic")
+        if best is not None and synthetic is not None and synthetic.images_per_s > 0:
+            target.measured = best.images_per_s / synthetic.images_per_s
+            target.pipeline = best.name
+            target.met = target.measured >= threshold
+        out.append(target)
+    return out
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None or not math.isfinite(value) else f"{value:{spec}}{suffix}"
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.0f}" if n else "-"
+
+
+def format_tables(result: "BenchResult") -> list[str]:
+    """Markdown lines: the loader-alone table, the training table and the targets (no footer)."""
+    loaders = [p for p in result.pipelines if p.name in LOADERS]
+    training = [p for p in result.pipelines if p.name.startswith("train-")]
+    lines: list[str] = []
+    if loaders:
+        lines += [f"Loader alone: batches in {result.device} memory, float32 NCHW, normalized (ImageNet mean/std).", "",
+                  "| pipeline | images/s | ratio | CPU % | CPU ms/image | peak RSS (MB) | peak device (MB) "
+                  "| first batch (s) |", "|" + "---|" * 8]
+        for p in loaders:
+            if p.skipped is not None:
+                lines.append(f"| {p.name} | skipped: {p.skipped} | | | | | | |")
+                continue
+            ratio = f"{p.ratio:.2f}x {p.ratio_to}" if p.ratio is not None else "-"
+            lines.append(f"| {p.name} | {_fmt(p.images_per_s, ',.0f')} | {ratio} | {_fmt(p.cpu_percent, '.0f')} | "
+                         f"{_fmt(p.cpu_ms_per_image, '.2f')} | {_mb(p.peak_rss_bytes)} | "
+                         f"{_mb(p.peak_device_bytes)} | {_fmt(p.first_batch_s, '.2f')} |")
+        lines.append("")
+    if training:
+        lines += [f"Training on {result.device}: images/s over {result.steps} steps of {result.batch_size} per round "
+                  f"after {result.warmup_steps} warm-up step(s).", "",
+                  "| pipeline | images/s | of synthetic | vs baseline feed | data wait | CPU % | peak RSS (MB) "
+                  "| peak device (MB) | first batch (s) |", "|" + "---|" * 9]
+        for p in training:
+            if p.skipped is not None:
+                lines.append(f"| {p.name} | skipped: {p.skipped} | | | | | | | |")
+                continue
+            base = _ran(result.pipelines, p.name.rsplit("-" + feed_of(p.name), 1)[0] + "-baseline")
+            vs_base = p.images_per_s / base.images_per_s if base is not None and base is not p and \
+                feed_of(p.name).startswith("stoker") else None
+            lines.append(f"| {p.name} | {_fmt(p.images_per_s, ',.0f')} | {_fmt(p.ratio, '.1%')} | "
+                         f"{_fmt(vs_base, '.2f', 'x')} | {_fmt(p.data_wait, '.1%')} | {_fmt(p.cpu_percent, '.0f')} | "
+                         f"{_mb(p.peak_rss_bytes)} | {_mb(p.peak_device_bytes)} | {_fmt(p.first_batch_s, '.2f')} |")
+        lines.append("")
+    if result.targets:
+        lines += ["| target | measured | from | verdict |", "|---|---|---|---|"]
+        for t in result.targets:
+            measured = "-" if t.measured is None else (f"{t.measured:,.0f} {t.unit}" if t.unit == "images/s" else
+                                                      f"{t.measured:.1%} {t.unit}" if t.unit == "of synthetic" else
+                                                      f"{t.measured:.2f}{t.unit}")
+            lines.append(f"| {t.goal} | {measured} | {t.pipeline or '-'} | {t.verdict} |")
+        lines.append("")
+    return lines

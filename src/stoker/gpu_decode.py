@@ -1,0 +1,428 @@
+"""JPEG decode on the GPU (nvJPEG), cropped and resized there with the CPU path's crop plan.
+
+For machines whose CPU cores cannot decode fast enough: the Loader's device thread hands the JPEGs
+of a batch to a `GpuDecoder` (nvJPEG through torchvision or NVIDIA nvImageCodec), then crops each
+decoded image with the same integer geometry as the CPU path (`transforms.crop_window`), resizes it
+with `torch.nn.functional.interpolate`, flips it and writes it into its row of the batch on the
+device. The crop plan is the CPU's (computed from the stored sizes), so a seed gives the same crops
+on both paths; only the resampling kernel differs (torch bilinear, antialiased when shrinking, vs
+OpenCV bilinear/area).
+
+Both decoder libraries are optional imports. A sample the GPU cannot decode is returned as a
+failure, never raised, and the Loader decodes it on the CPU instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .codecs import encode_jpeg
+from .errors import ConfigError, CorruptImageError, ImageError
+from .transforms import crop_window
+
+#: Accepted values of `gpu_decoder` / `make_decoder(backend=...)`.
+BACKENDS = ("auto", "torchvision", "nvimgcodec")
+#: Default bound on the decoded pixels held at once by `GpuBatchDecoder.run`: 256 MiB of uint8 RGB,
+#: e.g. about 470 ImageNet-sized (375x500) images, or 7 twelve-megapixel photos.
+DEFAULT_BUDGET_BYTES = 256 << 20
+#: The first torchvision whose decode_jpeg takes a list and batches it on the GPU.
+TORCHVISION_MIN = (0, 19)
+
+
+@dataclass
+class GpuJob:
+    """One JPEG for the GPU: where it goes and how it is cropped (a row of the CPU crop plan)."""
+
+    row: int  # row of the batch this sample goes to
+    data: torch.Tensor  # 1-D uint8 CPU tensor, writable: the JPEG file bytes
+    box: tuple[float, float, float, float]  # crop (top, left, height, width) in full-image pixels (Plan.box row)
+    flip: bool  # mirror left-right after resizing
+    height: int  # stored full-image size, pixels
+    width: int
+    key: str  # names the sample in error messages
+
+
+@runtime_checkable
+class GpuDecoder(Protocol):
+    """What `GpuBatchDecoder` needs from a decoder library."""
+
+    name: str  # e.g. "torchvision 0.26.0 nvJPEG"
+
+    def decode(self, datas: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
+        """One result per input, in order: a uint8 RGB tensor [3, H, W] on the decoder's device, or the
+        exception for that sample. One failing sample must not fail the others."""
+        ...
+
+
+# ---- backends ------------------------------------------------------------------------------------
+
+def _input_problem(data: Any) -> str | None:
+    """Why `data` cannot be handed to a GPU decoder (None when it can)."""
+    if not isinstance(data, torch.Tensor):
+        return f"expected a 1-D uint8 CPU tensor of JPEG bytes, got {type(data).__name__}"
+    if data.dtype != torch.uint8 or data.dim() != 1 or data.device.type != "cpu":
+        return f"expected a 1-D uint8 CPU tensor of JPEG bytes, got {data.dtype} {tuple(data.shape)} on {data.device}"
+    if data.numel() == 0:
+        return "sample is empty (0 bytes)"
+    return None
+
+
+def _decode_each(call: Any, datas: Sequence[torch.Tensor]) -> list[Any]:
+    """Decode a batch with `call(list) -> list`; when the batched call fails (or returns a list of the
+    wrong length), decode one image at a time so only the bad ones fail."""
+    results: list[Any] = [None] * len(datas)
+    todo = []
+    for i, data in enumerate(datas):
+        problem = _input_problem(data)
+        if problem is None:
+            todo.append(i)
+        else:
+            results[i] = ValueError(problem)
+    if not todo:
+        return results
+    try:
+        outs = list(call([datas[i] for i in todo]))
+        if len(outs) != len(todo):
+            raise RuntimeError(f"the decoder returned {len(outs)} images for {len(todo)} inputs")
+    except Exception as exc:
+        if len(todo) == 1:
+            outs = [exc]
+        else:
+            outs = []
+            for i in todo:
+                try:
+                    one = list(call([datas[i]]))
+                    outs.append(one[0] if len(one) == 1 else RuntimeError("the decoder returned no image"))
+                except Exception as single_exc:
+                    outs.append(single_exc)
+    for i, out in zip(todo, outs):
+        results[i] = out
+    return results
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", text.split("+")[0])[:3])
+
+
+def _probe_jpeg() -> torch.Tensor:
+    """A tiny JPEG made on the spot (no file, no download) to check a backend works."""
+    img = np.zeros((16, 24, 3), np.uint8)
+    img[..., 0] = np.arange(24, dtype=np.uint8)[None, :] * 10
+    return torch.frombuffer(bytearray(encode_jpeg(img)), dtype=torch.uint8)
+
+
+def _check_backend(decoder: Any, label: str, hint: str) -> None:
+    """Decode the probe image once: surfaces a broken install now rather than as a CPU fallback on every
+    sample, and pays nvJPEG's one-time setup before the first batch."""
+    try:
+        out = decoder.decode([_probe_jpeg()])[0]
+        if isinstance(out, BaseException):
+            raise out
+        if tuple(out.shape) != (3, 16, 24):
+            raise RuntimeError(f"decoded a 16x24 probe image as {tuple(out.shape)}")
+    except Exception as exc:
+        raise ConfigError(f"{label} cannot decode JPEGs on {decoder.device}: {type(exc).__name__}: {exc}. "
+                          f"{hint}") from exc
+
+
+def _torchvision_install() -> str:
+    return f"pip install torchvision (the build matching torch {torch.__version__}, from the same index as torch)"
+
+
+def _nvimgcodec_install() -> str:
+    cuda = torch.version.cuda
+    if cuda:
+        major = cuda.split(".")[0]
+        return f"pip install nvidia-nvimgcodec-cu{major} (CUDA {major}, like this torch)"
+    return "pip install nvidia-nvimgcodec-cu12 or nvidia-nvimgcodec-cu13 (the one matching your CUDA)"
+
+
+def _torchvision_hint() -> str:
+    return f"Fix: {_torchvision_install()}, or use decode='cpu'"
+
+
+def _nvimgcodec_hint() -> str:
+    return f"Fix: {_nvimgcodec_install()}, or use decode='cpu'"
+
+
+class TorchvisionDecoder:
+    """nvJPEG through `torchvision.io.decode_jpeg(list, mode=RGB, device="cuda")` (torchvision >= 0.19).
+
+    How torchvision runs it (torchvision/csrc/io/image/cuda/decode_jpegs_cuda.cpp): one process-wide
+    decoder behind a mutex; baseline JPEGs go to nvJPEG's batched decoder (the hardware JPEG engine on
+    A100/H100-class GPUs), others (progressive) one at a time through its hybrid path; the work runs
+    on a private CUDA stream and **the call blocks the calling thread** (cudaStreamSynchronize) until
+    the batch is decoded; the result is then ordered before later work on the current stream. RGB
+    mode turns grayscale into 3 channels. EXIF orientation is not applied on the GPU. One bad image
+    fails the whole call (RuntimeError "Error while decoding JPEG images: ..."), so a failed batch is
+    retried one image at a time.
+
+    The outputs are allocated on the caller's current stream but written from the private stream,
+    which does not wait for the caller's stream (pytorch/vision#9606): a block the caching allocator
+    recycles may still be read by kernels queued on the current stream. So the current stream is
+    synchronized before each call (cheap: the call blocks the host anyway).
+    """
+
+    label = "torchvision"
+
+    @staticmethod
+    def load() -> Any:
+        """torchvision.io, or a ConfigError with the install hint (touches no GPU)."""
+        try:
+            tv = importlib.import_module("torchvision")
+            tv_io = importlib.import_module("torchvision.io")
+        except ImportError as exc:
+            raise ConfigError(f"gpu_decoder='torchvision' needs torchvision ({exc}). {_torchvision_hint()}") from None
+        version = getattr(tv, "__version__", "0")
+        if _version(version) < TORCHVISION_MIN:
+            raise ConfigError(f"torchvision {version} cannot batch JPEG decodes on the GPU; "
+                              f"{'.'.join(map(str, TORCHVISION_MIN))} or newer can. {_torchvision_hint()}")
+        return tv_io
+
+    @staticmethod
+    def hint() -> str:
+        return _torchvision_hint()
+
+    def __init__(self, device: torch.device) -> None:
+        tv_io = self.load()
+        self.device = device
+        self.name = f"torchvision {importlib.import_module('torchvision').__version__} nvJPEG"
+        self._decode_jpeg = tv_io.decode_jpeg
+        self._rgb = tv_io.ImageReadMode.RGB
+
+    def _call(self, batch: list[torch.Tensor]) -> list[torch.Tensor]:
+        torch.cuda.current_stream(self.device).synchronize()  # see the class docstring
+        return self._decode_jpeg(batch, mode=self._rgb, device=self.device)
+
+    def decode(self, datas: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
+        with torch.cuda.device(self.device):
+            return _decode_each(self._call, datas)
+
+
+class NvImageCodecDecoder:
+    """nvJPEG (and nvImageCodec's other JPEG backends) through `nvidia.nvimgcodec.Decoder`.
+
+    The batch is decoded with `cuda_stream=` the current stream, so the pixels are ready for work
+    queued after it on that stream (no extra wait). Output buffers are nvImageCodec's own (allocated
+    on that stream, outside PyTorch's caching allocator) and freed on that stream when the tensors
+    wrapping them are released. Images come back interleaved [H, W, 3] and are viewed as [3, H, W].
+    Colour spec RGB turns grayscale into 3 channels; EXIF orientation is not applied (as on the CPU
+    path). An image that fails comes back as None (older releases drop it from the list instead; a
+    list of the wrong length is retried one image at a time).
+    """
+
+    label = "nvImageCodec"
+
+    @staticmethod
+    def load() -> Any:
+        """nvidia.nvimgcodec, or a ConfigError with the install hint (touches no GPU)."""
+        try:
+            return importlib.import_module("nvidia.nvimgcodec")
+        except ImportError as exc:
+            raise ConfigError(f"gpu_decoder='nvimgcodec' needs NVIDIA nvImageCodec ({exc}). "
+                              f"{_nvimgcodec_hint()}") from None
+
+    @staticmethod
+    def hint() -> str:
+        return _nvimgcodec_hint()
+
+    def __init__(self, device: torch.device) -> None:
+        nvimgcodec = self.load()
+        self.device = device
+        self.name = f"nvImageCodec {getattr(nvimgcodec, '__version__', '')}".rstrip()
+        self._decoder = nvimgcodec.Decoder(device_id=device.index)
+        try:
+            self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.RGB,
+                                                   allow_any_depth=False)
+        except TypeError:  # a release whose constructor takes other arguments: set the properties
+            self._params = nvimgcodec.DecodeParams()
+            self._params.apply_exif_orientation = False
+            self._params.color_spec = nvimgcodec.ColorSpec.RGB
+
+    def _call(self, batch: list[torch.Tensor]) -> list[Any]:
+        stream = torch.cuda.current_stream(self.device)
+        images = self._decoder.decode([d.numpy() for d in batch], params=self._params, cuda_stream=stream.cuda_stream)
+        out: list[Any] = []
+        for img in images:
+            if img is None:
+                out.append(RuntimeError("nvImageCodec could not decode this image (its log says why)"))
+            else:  # torch keeps the Image alive while the tensor lives
+                out.append(torch.as_tensor(img, device=self.device).permute(2, 0, 1))
+        return out
+
+    def decode(self, datas: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
+        with torch.cuda.device(self.device):
+            return _decode_each(self._call, datas)
+
+
+def _cuda_device(device: Any) -> torch.device:
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if dev.type != "cuda":
+        raise ConfigError(f"GPU JPEG decode needs a CUDA device, got {dev}; use decode='cpu'")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"GPU JPEG decode needs CUDA, and this torch ({torch.__version__}) sees no CUDA GPU: install "
+                          f"a CUDA build of torch, or use decode='cpu'")
+    return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+
+
+def make_decoder(backend: str, device: torch.device | str | int) -> GpuDecoder:
+    """A working GPU JPEG decoder on `device` (a CUDA device).
+
+    backend: "torchvision", "nvimgcodec", or "auto": torchvision first, because it ships with most
+    PyTorch installs and needs nothing more; nvImageCodec when torchvision is missing or has no
+    GPU decode. Each backend decodes a probe image once here, so a broken install fails now with a
+    ConfigError that names the fix (the pip install command), not later on every sample."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"gpu_decoder must be one of {BACKENDS}, got {backend!r}")
+    kinds: list[Any] = {"torchvision": [TorchvisionDecoder], "nvimgcodec": [NvImageCodecDecoder],
+                        "auto": [TorchvisionDecoder, NvImageCodecDecoder]}[backend]
+    reasons: list[str] = []
+    importable = []
+    for kind in kinds:  # imports first: a missing library is named even on a machine without a GPU
+        try:
+            kind.load()
+            importable.append(kind)
+        except ConfigError as exc:
+            reasons.append(str(exc))
+    if importable:
+        dev = _cuda_device(device)
+        for kind in importable:
+            try:
+                decoder = kind(dev)
+                _check_backend(decoder, kind.label, kind.hint())
+                return decoder
+            except ConfigError as exc:
+                reasons.append(str(exc))
+            except Exception as exc:  # the library imported but cannot start (driver, CUDA mismatch)
+                reasons.append(f"{kind.label} could not start on {dev}: {type(exc).__name__}: {exc}. {kind.hint()}")
+    if len(reasons) == 1:
+        raise ConfigError(reasons[0])
+    raise ConfigError("decode='gpu' found no working GPU JPEG decoder:\n  - " + "\n  - ".join(reasons) +
+                      f"\nInstall one: {_torchvision_install()}; or {_nvimgcodec_install()}. Or use decode='cpu'.")
+
+
+# ---- crop, resize, flip on the device ----------------------------------------------------------------
+
+class GpuBatchDecoder:
+    """Decode a batch's JPEGs on the GPU and write each, cropped, resized and flipped, into its row.
+
+    Memory: jobs are decoded in chunks whose decoded size (3 * height * width bytes per image, from
+    the stored sizes) stays under `budget_bytes` (at least one image per chunk); a chunk's images
+    are released before the next chunk is decoded. Peak GPU memory of one `run` is therefore
+    max(budget_bytes, the largest single image) of decoded pixels, plus the resize temporaries of
+    one image at a time (its crop as float32, at most 4x its decoded bytes, and the float32 output,
+    12 bytes per output pixel, twice when flipped), plus the decoder library's own work buffers
+    (nvJPEG keeps them between calls).
+    """
+
+    def __init__(self, decoder: GpuDecoder, device: torch.device | str, budget_bytes: int = DEFAULT_BUDGET_BYTES
+                 ) -> None:
+        if not isinstance(budget_bytes, int) or budget_bytes < 1:
+            raise ConfigError(f"budget_bytes must be a positive int (bytes of decoded pixels), got {budget_bytes!r}")
+        self.decoder = decoder
+        self.device = torch.device(device)
+        self.budget_bytes = budget_bytes
+
+    def chunks(self, jobs: Sequence[GpuJob]) -> Iterator[list[GpuJob]]:
+        """Consecutive runs of jobs whose decoded bytes (3*h*w each) sum to at most budget_bytes; a job
+        larger than the budget on its own gets a chunk of its own."""
+        chunk: list[GpuJob] = []
+        size = 0
+        for job in jobs:
+            nbytes = 3 * max(job.height, 0) * max(job.width, 0)
+            if chunk and size + nbytes > self.budget_bytes:
+                yield chunk
+                chunk, size = [], 0
+            chunk.append(job)
+            size += nbytes
+        if chunk:
+            yield chunk
+
+    def run(self, jobs: Sequence[GpuJob], out: torch.Tensor) -> list[tuple[GpuJob, Exception]]:
+        """Decode `jobs` and write each into `out[job.row]` (uint8 [B, 3, H, W] on the device, any
+        strides). Returns the jobs that failed, each with an exception naming its key (the caller
+        decodes those on the CPU); one bad sample never raises. Call it inside the copy stream's
+        context: all work is queued on the current stream."""
+        self._check_out(jobs, out)
+        failures: list[tuple[GpuJob, Exception]] = []
+        context = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        with context:
+            for chunk in self.chunks(jobs):
+                images = self._decode(chunk)
+                for k, job in enumerate(chunk):
+                    img, images[k] = images[k], None  # our last reference goes once the row is written
+                    if isinstance(img, BaseException):
+                        failures.append((job, self._failure(job, img)))
+                        continue
+                    try:
+                        self._write(job, img, out[job.row])
+                    except Exception as exc:
+                        failures.append((job, self._failure(job, exc)))
+                    img = None
+                del images  # the chunk's decoded images are free before the next chunk is decoded
+        return failures
+
+    def _check_out(self, jobs: Sequence[GpuJob], out: torch.Tensor) -> None:
+        if (not isinstance(out, torch.Tensor) or out.dim() != 4 or out.shape[1] != 3 or out.dtype != torch.uint8
+                or out.device.type != self.device.type):
+            got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else repr(out)
+            raise ValueError(f"out must be a uint8 [B, 3, H, W] tensor on {self.device}, got {got}")
+        bad = [job.row for job in jobs if not 0 <= job.row < out.shape[0]]
+        if bad:
+            raise ValueError(f"job rows {bad[:5]} are outside the batch of {out.shape[0]}")
+
+    def _decode(self, chunk: list[GpuJob]) -> list[Any]:
+        # Backends already retry a failed batch one image at a time; this covers any other decoder.
+        return _decode_each(self.decoder.decode, [job.data for job in chunk])
+
+    def _failure(self, job: GpuJob, exc: BaseException) -> Exception:
+        if isinstance(exc, ImageError) and exc.key == job.key:
+            return exc
+        err = CorruptImageError(job.key, f"GPU decode ({self.decoder.name}) failed: {type(exc).__name__}: {exc}")
+        err.__cause__ = exc
+        return err
+
+    def _write(self, job: GpuJob, img: torch.Tensor, dst: torch.Tensor) -> None:
+        """Crop, resize, round, flip `img` (uint8 [C, h, w]) into `dst` (uint8 [3, H, W]). Kernel launches
+        per sample: cast to float, resize, round, clamp, (flip), store into the batch: 5 or 6; a crop
+        that needs no resizing is a single copy (plus the flip)."""
+        if (not isinstance(img, torch.Tensor) or img.dim() != 3 or img.dtype != torch.uint8
+                or img.shape[0] not in (1, 3)):
+            got = f"{img.dtype} {tuple(img.shape)}" if isinstance(img, torch.Tensor) else type(img).__name__
+            raise ValueError(f"the decoder returned {got}; expected a uint8 [3, H, W] tensor")
+        _, h, w = img.shape
+        if (h, w) != (job.height, job.width):
+            raise CorruptImageError(job.key, f"the GPU decoded {h}x{w} pixels, the dataset stores "
+                                             f"{job.height}x{job.width} for this image")
+        if img.shape[0] == 1:  # grayscale from a decoder that ignored the RGB request: a view, no copy
+            img = img.expand(3, h, w)
+        if img.device != dst.device:
+            img = img.to(dst.device)
+        out_h, out_w = dst.shape[1], dst.shape[2]
+        win = crop_window(job.box, h, w, h, w, out_h, out_w)  # decoded at full size: source = full image
+        sy0, sy1, sx0, sx1 = win.src
+        dy0, dy1, dx0, dx1 = win.dst
+        if job.flip:  # the CPU path mirrors the whole output, padding included
+            dx0, dx1 = out_w - dx1, out_w - dx0
+        if win.padded:
+            dst.zero_()
+        region = img[:, sy0:sy1, sx0:sx1]
+        th, tw = dy1 - dy0, dx1 - dx0
+        if region.shape[1] == th and region.shape[2] == tw:
+            result = region
+        else:
+            shrink = region.shape[1] > th or region.shape[2] > tw
+            x = F.interpolate(region.unsqueeze(0).float(), size=(th, tw), mode="bilinear", align_corners=False,
+                              antialias=shrink)
+            result = x[0].round_().clamp_(0, 255)
+        if job.flip:
+            result = result.flip(-1)
+        dst[:, dy0:dy1, dx0:dx1].copy_(result)
