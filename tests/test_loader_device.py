@@ -365,3 +365,12 @@ def test_ctrl_c_at_random_points_with_a_device_thread(packed: Path) -> None:
         assert wait_threads_gone(before) == before, f"trial {trial}: threads left running"
     assert sum(x.shape[0] for x, _ in loader) == 60
     loader.close()
+
+
+def test_profile_reports_the_device_stage(packed: Path) -> None:
+    loader = Loader(packed, 8, transforms=TRAIN, device="cpu", normalize="imagenet")
+    prof = stoker.profile(loader, verbose=False)
+    for _ in prof:
+        pass
+    report = prof.report()
+    assert report.stages["device_ms"] > 0 and "device stage" in report.format()

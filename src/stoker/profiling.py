@@ -110,6 +110,9 @@ class ProfileReport:
             lines.append(f"  loader stages    per image: read {s['read_ms']:.2f} ms, decode {s['decode_ms']:.2f} ms, "
                          f"augment {s['augment_ms']:.2f} ms (thread time); workers waited for a free slot "
                          f"{s['worker_wait_s']:.2f} s")
+            if s.get("device_ms"):
+                lines.append(f"  device stage     {s['device_ms']:.3f} ms per image on its thread (upload, convert, GPU "
+                             f"decode); the copy itself overlaps your step on its own stream")
         lines.append(f"  verdict          {self.verdict.upper()}: {self.reason}")
         lines += [f"  fix              {fix}" if i == 0 else f"                   {fix}"
                   for i, fix in enumerate(self.fixes)]
@@ -288,8 +291,8 @@ class Profiler:
         if not _is_stoker_loader(self.iterable):
             return None
         st = self.iterable.stats
-        return {k: float(getattr(st, k)) for k in ("samples", "read_s", "decode_s", "augment_s",
-                                                   "worker_wait_s", "consumer_wait_s")}
+        return {k: float(getattr(st, k, 0.0)) for k in ("samples", "read_s", "decode_s", "augment_s",
+                                                        "worker_wait_s", "consumer_wait_s", "device_s")}
 
     def _emit(self, report: ProfileReport) -> None:
         self.reports.append(report)
@@ -339,7 +342,7 @@ class Profiler:
         per = 1000.0 / d["samples"] if d["samples"] > 0 else math.nan
         return {"read_ms": d["read_s"] * per, "decode_ms": d["decode_s"] * per, "augment_ms": d["augment_s"] * per,
                 "worker_wait_s": d["worker_wait_s"], "consumer_wait_s": d["consumer_wait_s"],
-                "samples": d["samples"]}
+                "device_ms": d["device_s"] * per, "samples": d["samples"]}
 
 
 def profile(iterable: Iterable[Any], *, every: int | None = None, warmup: int = 1, sync: bool | None = None,
