@@ -1,0 +1,290 @@
+"""Decode + augment: one sample into its row of a batch, and the device stage's work on a batch.
+
+`Filler` is what the worker threads run: plan a batch in one vectorised step (sample order,
+per-sample random draws, crop boxes from the stored image sizes, labels), then read, decode at the
+smallest DCT scale the crop allows, crop, resize and flip each sample straight into its row of a
+(pinned) ring slot, or replace it deterministically under on_error="skip". With decode="gpu" a JPEG
+row becomes a `GpuJob` instead, left for the device thread.
+
+`DeviceBuilder` is what the Loader's device thread runs on each finished slot, on the copy stream:
+upload the uint8 batch, decode its JPEGs on the GPU (CPU fallback per sample), convert.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+import torch
+
+from . import codecs
+from .errors import DatasetError, SampleError
+from .order import replacement_index, sample_keys, uniforms
+from .reader import PackedDataset
+from .slots import Slot, WorkerTimes
+from .transforms import Plan, apply_tail, crop_resize_into, decode_minimums, run_user_op
+
+if TYPE_CHECKING:
+    from .loader import Loader
+
+_log = logging.getLogger(__name__)  # one warning per skipped sample, with its reason
+MAX_REPLACEMENTS = 16  # on_error="skip": replacement samples tried before giving up on a position
+
+
+@dataclass
+class BatchPlan:
+    indices: np.ndarray  # dataset index per row
+    positions: np.ndarray  # position in this rank's epoch list
+    keys: np.ndarray  # uint64 random-stream key per row
+    u: np.ndarray  # uniform draws [rows, pipeline.draws]
+    geometry: Plan | None  # None when image sizes are only known after reading (loose files)
+
+
+class Filler:
+    """The per-pass work: plan a batch, render one sample. Shared by the worker threads; it holds
+    no reference to the iterator, so an abandoned iterator can be collected."""
+
+    def __init__(self, loader: "Loader", epoch: int, indices: np.ndarray, first_batch: int, gpu: bool = False) -> None:
+        self.gpu = gpu  # decode="gpu": JPEG rows become GpuJobs for the device thread
+        self.ds = loader.dataset
+        self.n = len(loader.dataset)
+        self.pipe = loader.pipeline
+        self.seed, self.epoch = loader.seed, epoch
+        self.indices = indices
+        self.first = first_batch * loader.batch_size
+        self.batch_size = loader.batch_size
+        self.heights, self.widths = loader._heights, loader._widths
+        self.labels = loader._labels
+        self.columns = loader.columns
+        self.on_error = loader.on_error
+        self.out_h, self.out_w = loader.output_size
+        self.stats = loader.stats
+        self.draws = max(self.pipe.draws, 1)
+
+    def _geometry(self, idx: np.ndarray, u: np.ndarray) -> Plan | None:
+        if self.heights is None:
+            return None
+        return self.pipe.plan(self.heights[idx], self.widths[idx], u)
+
+    def prepare(self, b: int, slot: Slot) -> BatchPlan:
+        lo = self.first + b * self.batch_size
+        positions = np.arange(lo, lo + slot.size)
+        idx = self.indices[lo:lo + slot.size]
+        keys = sample_keys(self.seed, self.epoch, idx)
+        u = uniforms(keys, self.draws)
+        if slot.labels_np is not None:
+            slot.labels_np[:slot.size] = self.labels[idx]
+        else:
+            slot.objects[:slot.size] = self.labels[idx].tolist()
+        slot.extras = {c: [self.ds.extra(int(i), c) for i in idx] for c in self.columns}
+        if self.gpu:
+            slot.jobs = [None] * slot.size
+        return BatchPlan(idx, positions, keys, u, self._geometry(idx, u))
+
+    def fill(self, plan: BatchPlan, row: int, slot: Slot, scratch: dict, times: WorkerTimes,
+             gpu: bool | None = None) -> None:
+        idx = int(plan.indices[row])
+        geo = plan.geometry
+        box = None if geo is None else (geo.box[row].tolist(), bool(geo.flip[row]))  # Python floats: cheaper
+        try:
+            if self.gpu if gpu is None else gpu:
+                self.queue_gpu(idx, int(plan.keys[row]), plan.u[row], box, row, slot, scratch, times)
+            else:
+                self.render(idx, int(plan.keys[row]), plan.u[row], box, slot.images_np[row], scratch, times)
+        except Exception as exc:
+            if self.on_error == "raise":
+                raise self.sample_error(idx, exc) from exc
+            self.replace(plan, row, slot, scratch, times, exc)
+
+    def queue_gpu(self, idx: int, key: int, u: np.ndarray, box: tuple | None, row: int, slot: Slot,
+                  scratch: dict, times: WorkerTimes) -> None:
+        """decode="gpu": leave a JPEG to the device thread (a GpuJob with a writable copy of its bytes);
+        anything else is rendered on the CPU now, into the slot."""
+        from .gpu_decode import GpuJob
+
+        t0 = time.perf_counter()
+        s = self.ds.sample(idx)
+        t1 = time.perf_counter()
+        times.read += t1 - t0
+        if s.encoding != "jpeg":
+            self.render(idx, key, u, box, slot.images_np[row], scratch, times, sample=s)
+            return
+        box, size = self._box(s, u, box)
+        if size != (self.out_h, self.out_w):
+            raise ValueError(f"transforms give {size[0]}x{size[1]} for this {s.height}x{s.width} image, "
+                             f"the batch is {self.out_h}x{self.out_w}")
+        data = torch.frombuffer(bytearray(s.data), dtype=torch.uint8)  # a copy: the shard mapping stays read-only
+        slot.jobs[row] = GpuJob(row, data, tuple(box[0]), box[1], s.height, s.width, s.key)
+        times.read += time.perf_counter() - t1
+
+    def _box(self, s: Any, u: np.ndarray, box: tuple | None) -> tuple[tuple, tuple[int, int]]:
+        if box is None:  # sizes known only now (loose files): plan this one sample
+            p = self.pipe.plan(np.array([s.height]), np.array([s.width]), u[None, :])
+            return (p.box[0].tolist(), bool(p.flip[0])), (int(p.size[0, 0]), int(p.size[0, 1]))
+        return box, (self.out_h, self.out_w)
+
+    def render(self, idx: int, key: int, u: np.ndarray, box: tuple | None, dst: np.ndarray, scratch: dict,
+               times: WorkerTimes, sample: Any = None) -> None:
+        """Read, decode (only the resolution the crop needs) and transform sample `idx` into `dst`."""
+        t0 = time.perf_counter()
+        s = self.ds.sample(idx) if sample is None else sample
+        t1 = time.perf_counter()
+        box, size = self._box(s, u, box)
+        img = self.decode(s, box[0], size, scratch)
+        t2 = time.perf_counter()
+        tail = self.pipe.tail
+        if not self.pipe.tail_geometric:
+            if size != dst.shape[:2]:
+                raise ValueError(f"transforms give {size[0]}x{size[1]} for this {s.height}x{s.width} image, "
+                                 f"the batch is {dst.shape[0]}x{dst.shape[1]}")
+            crop_resize_into(img, box[0], dst, box[1], s.height, s.width)
+            for op in tail:
+                out = run_user_op(op, dst, key)
+                if out is not dst:
+                    self._check_shape(out, dst, op.name)
+                    dst[...] = out
+        else:
+            mid = np.empty((size[0], size[1], 3), np.uint8)
+            crop_resize_into(img, box[0], mid, box[1], s.height, s.width)
+            out = apply_tail(tail, self.pipe.offsets[len(self.pipe.prefix):], mid, u, key)
+            self._check_shape(out, dst, "the transforms")
+            dst[...] = out
+        t3 = time.perf_counter()
+        times.read += t1 - t0
+        times.decode += t2 - t1
+        times.augment += t3 - t2
+
+    @staticmethod
+    def _check_shape(out: np.ndarray, dst: np.ndarray, what: str) -> None:
+        if out.shape != dst.shape:
+            raise ValueError(f"{what} returned an array of shape {out.shape}; the batch needs {dst.shape} "
+                             f"(every sample must come out the same size)")
+
+    def decode(self, s: Any, box: Sequence[float], size: tuple[int, int], scratch: dict) -> np.ndarray:
+        if s.encoding == "jpeg":
+            mh, mw = decode_minimums(box, size[0], size[1], s.height, s.width)
+            sh, sw = codecs.jpeg_scaled_shape(s.height, s.width, mh, mw)
+            need = sh * sw * 3
+            buf = scratch.get("decode")
+            if buf is None or buf.size < need:  # grows to the largest image, then stays
+                buf = scratch["decode"] = np.empty(max(need, 1 << 20), np.uint8)
+            return codecs.decode_rgb(s.data, "jpeg", s.key, height=s.height, width=s.width,
+                                     min_height=mh, min_width=mw, out=buf[:need])
+        img = codecs.decode_rgb(s.data, s.encoding, s.key, height=s.height, width=s.width)
+        if img.shape[:2] != (s.height, s.width):
+            raise ValueError(f"decoded size {img.shape[1]}x{img.shape[0]} differs from the stored size "
+                             f"{s.width}x{s.height}; re-pack the dataset")
+        return img
+
+    def replace(self, plan: BatchPlan, row: int, slot: Slot, scratch: dict, times: WorkerTimes,
+                first: Exception) -> None:
+        """on_error="skip": fill the row with a stand-in chosen only from (seed, epoch, position)."""
+        pos = int(plan.positions[row])
+        for attempt in range(MAX_REPLACEMENTS):
+            r = replacement_index(self.seed, self.epoch, pos, attempt, self.n)
+            key = sample_keys(self.seed, self.epoch, np.array([r]))
+            u = uniforms(key, self.draws)
+            geo = self._geometry(np.array([r]), u)
+            box = None if geo is None else (geo.box[0].tolist(), bool(geo.flip[0]))
+            try:
+                self.render(r, int(key[0]), u[0], box, slot.images_np[row], scratch, times)
+            except Exception:
+                continue
+            if slot.labels_np is not None:
+                slot.labels_np[row] = self.labels[r]
+            else:
+                slot.objects[row] = self.labels[r]
+            for c in self.columns:
+                slot.extras[c][row] = self.ds.extra(r, c)
+            key_, shard, srow = self._describe(int(plan.indices[row]), first)
+            times.skipped += 1
+            times.skipped_keys.append(key_ or "?")
+            _log.warning("on_error='skip': sample %r (shard %s, row %d) replaced by index %d: %s: %s",
+                         key_, shard, srow, r, type(first).__name__, first)
+            return
+        raise self.sample_error(int(plan.indices[row]), first,
+                                f"; {MAX_REPLACEMENTS} replacement samples failed as well") from first
+
+    def _describe(self, idx: int, exc: BaseException) -> tuple[str | None, str, int]:
+        shard, row = self.ds.location(idx)
+        key = getattr(exc, "key", None)
+        if key is None and isinstance(self.ds, PackedDataset):
+            try:
+                key = self.ds.sample(idx).key
+            except DatasetError:  # the shard itself is what failed (deleted, truncated): no key to read
+                key = None
+        return key, shard, row
+
+    def sample_error(self, idx: int, exc: BaseException, extra: str = "") -> SampleError:
+        key, shard, row = self._describe(idx, exc)
+        return SampleError(f"sample {key!r} (shard {shard}, row {row}, index {idx}) failed: "
+                           f"{type(exc).__name__}: {exc}{extra}. Pass on_error='skip' to replace failing "
+                           f"samples, or re-pack to drop them", key=key, shard=shard, row=row, index=idx)
+
+    def flush(self, times: WorkerTimes, samples: int) -> None:
+        """Add a worker's counters into the loader's stats (called under the run's lock)."""
+        st = self.stats
+        st.samples += samples
+        st.read_s += times.read
+        st.decode_s += times.decode
+        st.augment_s += times.augment
+        st.worker_wait_s += times.wait
+        st.skipped += times.skipped
+        if times.skipped_keys and len(st.skipped_keys) < 100:
+            st.skipped_keys.extend(times.skipped_keys[:100 - len(st.skipped_keys)])
+        times.read = times.decode = times.augment = times.wait = 0.0
+        times.skipped = 0
+        times.skipped_keys.clear()
+
+
+class DeviceBuilder:
+    """The device thread's work on one finished slot (inside the copy stream's context): upload the
+    pinned batch, decode its JPEGs on the GPU (decode="gpu"), convert. Holds no reference to the
+    iterator, so an abandoned iterator can be collected."""
+
+    def __init__(self, loader: "Loader", opts: Any, filler: Filler, lock: threading.Lock) -> None:
+        from .device import convert
+
+        self.convert = convert
+        self.opts, self.filler, self.lock = opts, filler, lock
+        self.stage = loader._stage_for(opts)
+        self.gpu = loader._gpu_for(opts) if filler.gpu else None
+        self.stats = loader.stats
+        self.columns = loader.columns
+        self.scratch: dict = {}
+        self.times = WorkerTimes()
+
+    def __call__(self, slot: Slot) -> tuple[Any, Any]:
+        t0 = time.perf_counter()
+        n, stage = slot.size, self.stage
+        # on the CPU `.to()` would return the slot itself, which the workers are about to refill
+        x = stage.upload(slot.images[:n]) if self.opts.is_cuda else slot.images[:n].clone()
+        if self.gpu is not None:
+            self._decode_on_gpu(slot, x)
+        if slot.labels is None:
+            labels: Any = list(slot.objects[:n])
+        else:
+            labels = stage.upload(slot.labels[:n]) if self.opts.is_cuda else slot.labels[:n].clone()
+        reusable = stage.fence()  # past this point the GPU no longer reads the pinned slot
+        images = self.convert(x, self.opts, layout="nhwc")
+        batch: tuple = (images, labels)
+        if self.columns:
+            batch += ({c: list(v) for c, v in slot.extras.items()},)
+        self.stats.device_s += time.perf_counter() - t0
+        return batch, reusable
+
+    def _decode_on_gpu(self, slot: Slot, x: torch.Tensor) -> None:
+        jobs = [j for j in slot.jobs[:slot.size] if j is not None]
+        failed = self.gpu.run(jobs, x.permute(0, 3, 1, 2)) if jobs else []
+        for job, exc in failed:  # the CPU path for this sample: raise or replace, as for any failure
+            _log.info("GPU decode failed for %r, decoding it on the CPU: %s", job.key, exc)
+            self.filler.fill(slot.plan, job.row, slot, self.scratch, self.times, gpu=False)
+            x[job.row].copy_(slot.images[job.row], non_blocking=True)
+        with self.lock:
+            self.filler.flush(self.times, 0)
+            self.stats.gpu_decoded += len(jobs) - len(failed)
+            self.stats.gpu_fallbacks += len(failed)
