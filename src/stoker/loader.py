@@ -38,6 +38,7 @@ from .slots import BatchRing, Feeder, Run, Slot
 from .transforms import Pipeline
 
 _STATE_FORMAT = "stoker.Loader/1"
+DECODES = ("cpu", "gpu")  # where JPEGs are decoded (decode=)
 
 
 @dataclass
@@ -110,9 +111,6 @@ def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if world_size < 1 or not 0 <= rank < world_size:
         raise ConfigError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
     return rank, world_size
-
-
-DECODES = ("cpu", "gpu")
 
 
 class Loader:
