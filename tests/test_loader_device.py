@@ -340,33 +340,6 @@ def test_ctrl_c_inside_the_lock_cannot_strand_the_workers(packed: Path) -> None:
     assert run.alive() == 0  # next() closed the run, and the workers could take the lock to leave
 
 
-def test_ctrl_c_at_random_points_with_a_device_thread(packed: Path) -> None:
-    import _thread
-    import random
-
-    before = worker_threads()
-    rng = random.Random(5)
-    loader = Loader(packed, 4, transforms=TRAIN, num_threads=2, device="cpu", normalize="imagenet")
-    for trial in range(5):
-        timer = threading.Timer(rng.uniform(0.0, 0.05), _thread.interrupt_main)
-        interrupted = False
-        timer.start()
-        try:
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                for x, _ in loader:
-                    x.sum()
-        except KeyboardInterrupt:
-            interrupted = True
-        finally:
-            timer.cancel()
-            timer.join()
-        assert interrupted
-        assert wait_threads_gone(before) == before, f"trial {trial}: threads left running"
-    assert sum(x.shape[0] for x, _ in loader) == 60
-    loader.close()
-
-
 def test_profile_reports_the_device_stage(packed: Path) -> None:
     loader = Loader(packed, 8, transforms=TRAIN, device="cpu", normalize="imagenet")
     prof = stoker.profile(loader, verbose=False)

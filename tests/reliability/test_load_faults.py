@@ -46,12 +46,13 @@ def test_user_transform_exception_arrives_with_traceback(small_pack):
     assert "exploding_transform" in frames, "the worker's traceback travels with the error"
 
 
-def test_ctrl_c_at_random_points(small_pack):
+@pytest.mark.parametrize("device", [{}, {"device": "cpu", "normalize": "imagenet"}], ids=["host", "device-thread"])
+def test_ctrl_c_at_random_points(small_pack, device):
     """KeyboardInterrupt delivered to the main thread at seeded random moments: it propagates,
-    the worker threads stop, and the Loader works again afterwards."""
+    the worker threads (and the device thread) stop, and the Loader works again afterwards."""
     baseline = threading.active_count()
     rng = random.Random(3)
-    with _loader(small_pack) as loader:
+    with _loader(small_pack, **device) as loader:
         for trial in range(6):
             delay = rng.uniform(0.0, 0.05)
             timer = threading.Timer(delay, _thread.interrupt_main)
