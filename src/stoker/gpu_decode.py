@@ -153,7 +153,21 @@ def _nvimgcodec_hint() -> str:
     return f"Fix: {_nvimgcodec_install()}, or use decode='cpu'"
 
 
-class TorchvisionDecoder:
+class _Backend:
+    """What both library backends share: `_call(list) -> list` on their device, retried one image at a
+    time when a batched call fails, so one bad sample never fails the others."""
+
+    device: torch.device
+
+    def _call(self, batch: list[torch.Tensor]) -> list[Any]:
+        raise NotImplementedError
+
+    def decode(self, datas: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
+        with torch.cuda.device(self.device):
+            return _decode_each(self._call, datas)
+
+
+class TorchvisionDecoder(_Backend):
     """nvJPEG through `torchvision.io.decode_jpeg(list, mode=RGB, device="cuda")` (torchvision >= 0.19).
 
     How torchvision runs it (torchvision/csrc/io/image/cuda/decode_jpegs_cuda.cpp): one process-wide
@@ -202,12 +216,9 @@ class TorchvisionDecoder:
         torch.cuda.current_stream(self.device).synchronize()  # see the class docstring
         return self._decode_jpeg(batch, mode=self._rgb, device=self.device)
 
-    def decode(self, datas: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
-        with torch.cuda.device(self.device):
-            return _decode_each(self._call, datas)
 
 
-class NvImageCodecDecoder:
+class NvImageCodecDecoder(_Backend):
     """nvJPEG (and nvImageCodec's other JPEG backends) through `nvidia.nvimgcodec.Decoder`.
 
     The batch is decoded with `cuda_stream=` the current stream, so the pixels are ready for work
@@ -258,9 +269,6 @@ class NvImageCodecDecoder:
                 out.append(torch.as_tensor(img, device=self.device).permute(2, 0, 1))
         return out
 
-    def decode(self, datas: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
-        with torch.cuda.device(self.device):
-            return _decode_each(self._call, datas)
 
 
 def _cuda_device(device: Any) -> torch.device:

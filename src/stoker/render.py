@@ -23,6 +23,7 @@ import torch
 
 from . import codecs
 from .errors import DatasetError, SampleError
+from .gpu_decode import GpuJob
 from .order import replacement_index, sample_keys, uniforms
 from .reader import PackedDataset
 from .slots import Slot, WorkerTimes
@@ -104,8 +105,6 @@ class Filler:
                   scratch: dict, times: WorkerTimes) -> None:
         """decode="gpu": leave a JPEG to the device thread (a GpuJob with a writable copy of its bytes);
         anything else is rendered on the CPU now, into the slot."""
-        from .gpu_decode import GpuJob
-
         t0 = time.perf_counter()
         s = self.ds.sample(idx)
         t1 = time.perf_counter()

@@ -278,7 +278,6 @@ class Feeder:
         self.depth = depth
         self.ready: deque[tuple[str, Any, Any]] = deque()  # append/popleft are atomic
         self.stop_event = threading.Event()
-        self.busy_s = 0.0  # seconds the thread spent building batches (uploads, GPU decode submission)
         self.thread = threading.Thread(target=self._work, name=name, daemon=True)
 
     def start(self) -> None:
@@ -300,11 +299,9 @@ class Feeder:
                 return
             try:
                 slot = self.run.next_batch(b)  # hands the slot of batch b-1 back to the workers
-                t0 = time.perf_counter()
                 with self.stage.context():
                     out, reusable = self.build(slot)
                     ready = self.stage.fence()
-                self.busy_s += time.perf_counter() - t0
                 reusable.wait(self.timeout, self.stop_event)
             except BaseException as exc:  # for the consumer, in order; this thread is done
                 self._put(("error", exc, None))
