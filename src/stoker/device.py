@@ -52,7 +52,7 @@ _CLOSE_WAIT_S = 10.0  # Prefetcher: longest wait for in-flight copies before dro
 
 
 # ---- options --------------------------------------------------------------------------------
-def _parse_device(device: Any) -> torch.device:
+def parse_device(device: Any) -> torch.device:
     if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
         raise ConfigError(f"device must be 'cuda', 'cuda:<index>', an int GPU index, a torch.device or 'cpu'; "
                           f"got {device!r}")
@@ -174,7 +174,7 @@ class DeviceOptions:
         else uint8 (a float dtype without normalize gives x / 255, like ToTensor).
         memory_format: None/"contiguous"/"nchw" or "channels_last" (or the torch memory formats)."""
         norm = _parse_normalize(normalize)
-        return cls(_parse_device(device), norm, _parse_dtype(dtype, norm), _parse_memory_format(memory_format))
+        return cls(parse_device(device), norm, _parse_dtype(dtype, norm), _parse_memory_format(memory_format))
 
     @property
     def is_cuda(self) -> bool:
