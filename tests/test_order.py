@@ -9,10 +9,11 @@ from hypothesis import strategies as st
 
 from stoker.errors import ConfigError
 from stoker.order import (ShardRandom, epoch_order, num_batches, rank_indices, replacement_index, sample_keys,
+                          shard_window_order,
                           samples_per_rank, uniforms)
 
 
-@pytest.mark.parametrize("order", ["random", "sequential", "shard_random"])
+@pytest.mark.parametrize("order", ["random", "sequential", "shard_random", "shard_window"])
 def test_epoch_order_is_a_permutation(order: str) -> None:
     perm = epoch_order(1000, seed=3, epoch=1, order=order, shard_rows=[300, 300, 400])
     assert perm.dtype == np.int64
@@ -123,3 +124,78 @@ def test_replacement_index_is_deterministic_and_in_range() -> None:
     assert picks == [replacement_index(1, 2, pos, att, 50) for pos in range(100) for att in range(3)]
     assert all(0 <= p < 50 for p in picks)
     assert len(set(picks)) > 30
+
+
+# ---- shard_window: the order for shards fetched from object storage ------------------------------
+
+def _shard_of(indices: np.ndarray, rows: list[int]) -> np.ndarray:
+    return np.searchsorted(np.cumsum(rows), indices, side="right")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_shard_window_ranks_are_disjoint_balanced_and_cover_the_epoch(world: int, drop_last: bool) -> None:
+    rows = [100] * 15 + [37]
+    n = sum(rows)
+    parts = [shard_window_order(rows, seed=4, epoch=1, rank=r, world_size=world, drop_last=drop_last)
+             for r in range(world)]
+    per = samples_per_rank(n, world, drop_last)
+    assert all(len(p) == per for p in parts)
+    together = np.concatenate(parts)
+    if drop_last:
+        assert len(np.unique(together)) == len(together)  # nothing read twice
+    else:
+        assert set(together.tolist()) == set(range(n))  # nothing lost
+        assert len(together) - len(np.unique(together)) == per * world - n  # only the padding repeats
+
+
+def test_shard_window_rank_reads_about_its_share_of_shards() -> None:
+    rows = [64] * 40
+    for epoch in range(3):
+        touched = [set(_shard_of(shard_window_order(rows, seed=0, epoch=epoch, rank=r, world_size=2), rows).tolist())
+                   for r in range(2)]
+        assert all(len(t) <= 21 for t in touched)  # 20 of 40, plus at most one shared at the cut
+        assert len(touched[0] & touched[1]) <= 1
+    # different epochs give a rank different shards
+    a = set(_shard_of(shard_window_order(rows, seed=0, epoch=0, rank=0, world_size=2), rows).tolist())
+    b = set(_shard_of(shard_window_order(rows, seed=0, epoch=1, rank=0, world_size=2), rows).tolist())
+    assert a != b
+
+
+def test_shard_window_mixes_within_windows_only() -> None:
+    rows = [50] * 12
+    window = 3
+    order = shard_window_order(rows, seed=9, epoch=0, window=window)
+    shards = _shard_of(order, rows)
+    # walking the order, each run of 150 samples comes from exactly `window` shards, then those never return
+    runs = [set(shards[i:i + 150].tolist()) for i in range(0, 600, 150)]
+    assert all(len(r) == window for r in runs)
+    assert set().union(*runs) == set(range(12)) and sum(len(r) for r in runs) == 12
+    # within a window, samples of its shards are interleaved, not one shard after another
+    assert len(np.unique(shards[:10])) > 1
+    assert not np.array_equal(order, shard_window_order(rows, seed=9, epoch=1, window=window))
+    assert np.array_equal(order, shard_window_order(rows, seed=9, epoch=0, window=window))
+    assert np.array_equal(epoch_order(600, seed=9, epoch=0, order="shard_window", shard_rows=rows),
+                          shard_window_order(rows, seed=9, epoch=0))  # the single-rank order, window 4
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=12), st.integers(1, 5), st.integers(1, 4),
+       st.booleans(), st.integers(0, 3))
+def test_shard_window_counting_rule_holds(rows: list[int], world: int, window: int, drop_last: bool,
+                                          epoch: int) -> None:
+    n = sum(rows)
+    parts = [shard_window_order(rows, seed=1, epoch=epoch, rank=r, world_size=world, drop_last=drop_last,
+                                window=window) for r in range(world)]
+    assert [len(p) for p in parts] == [samples_per_rank(n, world, drop_last)] * world
+    together = np.concatenate(parts)
+    assert ((together >= 0) & (together < max(n, 1))).all()
+    if not drop_last and n:
+        assert set(together.tolist()) == set(range(n))
+
+
+def test_shard_window_rejects_bad_arguments() -> None:
+    with pytest.raises(ConfigError, match="window"):
+        shard_window_order([10], seed=0, epoch=0, window=0)
+    with pytest.raises(ConfigError, match="rank"):
+        shard_window_order([10], seed=0, epoch=0, rank=2, world_size=2)

@@ -6,6 +6,10 @@ batch's content never depends on thread count, prefetch depth or scheduling:
 - `epoch_order`: a permutation of the dataset from `(seed, epoch)`; `"random"` is a full shuffle,
   `"sequential"` keeps dataset order, `"shard_random"` is a quasi-random order that reads each
   contiguous block of a shard exactly once per epoch (for datasets larger than the page cache).
+- `shard_window_order`: the order for data fetched shard by shard (object storage): shards are
+  shuffled, the epoch is cut into one contiguous run of shards per rank, and samples are shuffled
+  within windows of a few consecutive shards; a rank reads (and downloads) about 1/world_size of
+  the shards, and every rank gets the same number of samples.
 - `rank_indices`: the slice of an epoch's order one distributed rank reads, padded or trimmed so every
   rank gets the same number of samples (the `DistributedSampler` rule).
 - `uniforms`: per-sample uniform floats in [0, 1) from a counter-based hash of
@@ -24,7 +28,7 @@ import numpy as np
 
 from .errors import ConfigError
 
-ORDERS = ("random", "sequential", "shard_random")
+ORDERS = ("random", "sequential", "shard_random", "shard_window")
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -32,7 +36,7 @@ _M2 = np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S31, _S11 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
 _MASK64 = (1 << 64) - 1
 # Domain tags keep the streams of different uses apart.
-_TAG_ORDER, _TAG_BLOCK, _TAG_SAMPLE, _TAG_REPLACE = 1, 2, 3, 4
+_TAG_ORDER, _TAG_BLOCK, _TAG_SAMPLE, _TAG_REPLACE, _TAG_SHARD = 1, 2, 3, 4, 5
 
 
 def mix64(x: np.ndarray) -> np.ndarray:
@@ -107,15 +111,56 @@ def epoch_order(n: int, *, seed: int, epoch: int, order: str = "random",
                 shard_rows: Sequence[int] | None = None, shard_random: ShardRandom | None = None) -> np.ndarray:
     """int64 [n]: the dataset indices of epoch `epoch` in the order they are read.
 
-    `shard_rows` (rows per shard, in dataset order) is used by `"shard_random"`; without it the
-    dataset counts as one shard."""
+    `shard_rows` (rows per shard, in dataset order) is used by `"shard_random"` and `"shard_window"`
+    (the single-rank order of `shard_window_order`); without it the dataset counts as one shard."""
     if order not in ORDERS:
         raise ConfigError(f"order must be one of {ORDERS}, got {order!r}")
     if order == "sequential":
         return np.arange(n, dtype=np.int64)
     if order == "random":
         return _hash_order(sample_keys(seed, epoch, np.arange(n), tag=_TAG_ORDER)).astype(np.int64)
-    return _shard_random(n, list(shard_rows) if shard_rows else [n], seed, epoch, shard_random or ShardRandom())
+    rows = list(shard_rows) if shard_rows else [n]
+    if int(sum(rows)) != n:
+        raise ConfigError(f"shard row counts sum to {int(sum(rows))}, the dataset has {n} samples")
+    if order == "shard_window":
+        return shard_window_order(rows, seed=seed, epoch=epoch)
+    return _shard_random(n, rows, seed, epoch, shard_random or ShardRandom())
+
+
+def shard_window_order(shard_rows: Sequence[int], *, seed: int, epoch: int, rank: int = 0, world_size: int = 1,
+                       drop_last: bool = False, window: int = 4) -> np.ndarray:
+    """int64: the dataset indices `rank` reads in `epoch` under the shard-aware order.
+
+    1. Shards are shuffled from `(seed, epoch)`; their rows, in that shard order, make one sequence.
+    2. The sequence is cut into `world_size` equal contiguous parts, one per rank (padded with
+       repeats of its own last samples, or trimmed, by the `rank_indices` counting rule), so a rank
+       touches only its ~1/world_size of the shards plus at most the two it shares with neighbours.
+    3. Within a rank's part, samples are shuffled inside windows of `window` consecutive shards:
+       a batch mixes up to `window` shards, and only about that many must be local at once.
+    A pure function of its arguments: the same for any thread count, and resumable at any position."""
+    if window < 1:
+        raise ConfigError(f"window must be >= 1 shards, got {window!r}")
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    rows = np.asarray(shard_rows, dtype=np.int64)
+    n = int(rows.sum())
+    starts = np.cumsum(np.concatenate([[0], rows]))[:-1]
+    shard_perm = _hash_order(sample_keys(seed, epoch, np.arange(len(rows)), tag=_TAG_SHARD))
+    seq = np.concatenate([np.arange(starts[s], starts[s] + rows[s]) for s in shard_perm]) if n else \
+        np.zeros(0, np.int64)
+    slot_of = np.repeat(np.arange(len(rows)), rows[shard_perm])  # the shard's place in the shuffled order
+    per = samples_per_rank(n, world_size, drop_last)
+    total = per * world_size
+    if total > n and n:  # pad with repeats from the end: samples of the shards the last rank reads anyway
+        extra = np.resize(np.arange(n - 1, -1, -1), total - n)
+        seq, slot_of = np.concatenate([seq, seq[extra]]), np.concatenate([slot_of, slot_of[extra]])
+    lo, hi = rank * per, (rank + 1) * per
+    mine, slots = seq[lo:hi], slot_of[lo:hi]
+    if not len(mine):
+        return mine.astype(np.int64)
+    window_of = (slots - slots[0]) // window
+    within = sample_keys(seed, epoch, np.arange(lo, hi), tag=_TAG_ORDER)
+    return mine[np.lexsort((within, window_of))].astype(np.int64)
 
 
 def samples_per_rank(n: int, world_size: int, drop_last: bool) -> int:
