@@ -1,0 +1,239 @@
+"""Object storage through fsspec: s3://, gs://, az://, https:// and any other URL fsspec knows.
+
+Reading: small files (the manifest) are fetched whole; shards are fetched whole, in large ranges,
+into a bounded local cache (:class:`~stoker.storage.cache.ShardCache`) and verified against the
+manifest's SHA-256 before anything maps them. Writing (``stoker pack SRC s3://...``): every object
+is uploaded complete (a shard from a local temporary file, on commit), so nothing half-written is
+ever visible under a final name; the manifest goes last. Credentials come from each backend's
+usual environment and config files (or ``storage_options``); stoker never stores any.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, BinaryIO, Mapping, Sequence
+
+from ..errors import ConfigError, DatasetError, UnsupportedStorageError
+from ..shards import ShardInfo
+from .base import ShardSink, Storage
+from .cache import ShardCache, parse_size
+
+INSTALL_HINT = "pip install 'stoker[remote]'"
+#: Schemes served locally by other backends, or that fsspec knows but cannot hold a dataset.
+_NOT_REMOTE = {"file", "local", "memory", "cached", "filecache", "simplecache", "blockcache", "reference",
+               "zip", "tar", "libarchive", "jupyter", "dask", "dir"}
+DEFAULT_CACHE_LIMIT = "50GB"
+
+
+def fsspec_module() -> Any:
+    try:
+        import fsspec
+    except ImportError:
+        raise UnsupportedStorageError(f"reading or writing URLs needs fsspec: {INSTALL_HINT}") from None
+    return fsspec
+
+
+def serves(scheme: str) -> bool:
+    """True when fsspec knows `scheme` as an object store or remote file system."""
+    if scheme in _NOT_REMOTE:
+        return False
+    try:
+        import fsspec
+    except ImportError:
+        return False
+    return scheme in fsspec.available_protocols()
+
+
+def default_cache_dir(url: str) -> Path:
+    """Where shards of `url` are cached when no cache_dir is given: $STOKER_CACHE, else
+    $XDG_CACHE_HOME/stoker or ~/.cache/stoker, one folder per dataset URL."""
+    root = os.environ.get("STOKER_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "stoker")
+    return Path(root) / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+
+
+class _UploadSink(ShardSink):
+    """A shard streamed into a local temporary file, uploaded whole on commit."""
+
+    def __init__(self, storage: "RemoteStorage", name: str) -> None:
+        self._storage, self._name = storage, name
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=storage.staging_dir())
+        self._tmp = Path(tmp)
+        self._fh: BinaryIO | None = os.fdopen(fd, "wb")
+
+    def write(self, data: Any) -> int:
+        assert self._fh is not None, "write after commit or abort"
+        return self._fh.write(data)
+
+    def flush(self) -> None:
+        if self._fh is not None:
+            self._fh.flush()
+
+    def commit(self) -> None:
+        assert self._fh is not None, "commit after commit or abort"
+        self._fh.close()
+        self._fh = None
+        try:
+            self._storage.fs.put_file(str(self._tmp), self._storage.path(self._name))
+        finally:
+            self._tmp.unlink(missing_ok=True)
+
+    def abort(self) -> None:
+        if self._fh is not None:
+            try:
+                self._fh.close()
+            except OSError:
+                pass
+            self._fh = None
+        self._tmp.unlink(missing_ok=True)
+
+
+class RemoteStorage(Storage):
+    """A dataset under a URL prefix, through fsspec. Shards are read through a local cache (made
+    by :meth:`open_cache` once the manifest is known), written by whole-object uploads.
+
+    `storage_options` go to the fsspec file system (e.g. ``{"anon": True}``, ``{"endpoint_url": ...}``
+    for an S3-compatible store). `cache_dir` (default: see :func:`default_cache_dir`) holds at most
+    `cache_limit` bytes of shards ("50GB", "512MiB" or an int)."""
+
+    def __init__(self, url: str, *, storage_options: Mapping[str, Any] | None = None,
+                 cache_dir: str | Path | None = None, cache_limit: int | str = DEFAULT_CACHE_LIMIT) -> None:
+        fsspec = fsspec_module()
+        self.location = url.rstrip("/")
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(self.location, **dict(storage_options or {}))
+        except ImportError as exc:  # the backend package for this scheme (s3fs, gcsfs, adlfs, ...)
+            raise UnsupportedStorageError(f"{url}: {exc}; install it beside {INSTALL_HINT}",
+                                          location=url) from None
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"{url}: cannot open this URL with fsspec: {exc}") from None
+        self.root = self.root.rstrip("/")
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir(self.location)
+        self.cache_limit = parse_size(cache_limit)
+        self._cache: ShardCache | None = None
+        self._staging: Path | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"RemoteStorage({self.location!r}, cache_dir={str(self.cache_dir)!r})"
+
+    # ---- names -------------------------------------------------------------------------------
+    def path(self, name: str) -> str:
+        """The file system path (no scheme) of `name`."""
+        return f"{self.root}/{name}"
+
+    def join(self, name: str) -> str:
+        return f"{self.location}/{name}"
+
+    # ---- reading -----------------------------------------------------------------------------
+    def is_dir(self) -> bool:
+        self.fs.invalidate_cache(self.root)
+        try:
+            return bool(self.fs.isdir(self.root))
+        except FileNotFoundError:
+            return False
+
+    def exists(self, name: str) -> bool:
+        self.fs.invalidate_cache(self.root)
+        return bool(self.fs.exists(self.path(name)))
+
+    def size(self, name: str) -> int:
+        self.fs.invalidate_cache(self.root)
+        return int(self.fs.info(self.path(name))["size"])
+
+    def list(self) -> list[str]:
+        self.fs.invalidate_cache(self.root)
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False))
+
+    def read_bytes(self, name: str) -> bytes:
+        return bytes(self.fs.cat_file(self.path(name)))
+
+    def read_range(self, name: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of `name`: one ranged GET on object stores."""
+        return bytes(self.fs.cat_file(self.path(name), start=start, end=end))
+
+    def sha256(self, name: str) -> str:
+        digest = hashlib.sha256()
+        with self.fs.open(self.path(name), "rb", block_size=16 << 20, cache_type="none") as fh:
+            while block := fh.read(16 << 20):
+                digest.update(block)
+        return digest.hexdigest()
+
+    def open_cache(self, shards: Sequence[ShardInfo], **options: Any) -> ShardCache:
+        """The shard cache of this dataset (made on first call; `options` go to ShardCache)."""
+        with self._lock:
+            if self._cache is None:
+                self._cache = ShardCache(self.read_range, shards, self.cache_dir, self.cache_limit,
+                                         where=self.join, **options)
+            return self._cache
+
+    @property
+    def cache(self) -> ShardCache | None:
+        return self._cache
+
+    def local_path(self, name: str) -> Path:
+        """The verified cached copy of shard `name`, downloaded first when needed. It stays in the
+        cache until the cache needs the room (it counts as in use until then)."""
+        if self._cache is None:
+            raise DatasetError(f"{self.join(name)}: a remote shard is read through the shard cache; open the "
+                               "dataset with stoker.open_dataset(url) or stoker.Loader(url)", path=self.join(name))
+        path, _ = self._cache.get(name)
+        return path
+
+    def identity(self, name: str) -> tuple[int, ...]:
+        if self._cache is None:
+            return (0, self.size(name))
+        st = os.stat(self._cache.path(name))
+        return (st.st_dev, st.st_ino, st.st_size)
+
+    # ---- writing -----------------------------------------------------------------------------
+    def staging_dir(self) -> Path:
+        """A local folder for shards on their way up (removed by close())."""
+        with self._lock:
+            if self._staging is None:
+                self._staging = Path(tempfile.mkdtemp(prefix="stoker-upload-"))
+            return self._staging
+
+    def makedirs(self) -> None:
+        # object stores have no folders; a bucket that does not exist is an error worth seeing now
+        try:
+            self.fs.makedirs(self.root, exist_ok=True)
+        except (PermissionError, OSError) as exc:
+            raise DatasetError(f"{self.location}: cannot create or reach the destination: {exc}; check the "
+                               "bucket name and the storage credentials", path=self.location) from None
+
+    def write_atomic(self, name: str, payload: bytes) -> None:
+        """One PUT: object stores make a whole object visible at once, never part of it."""
+        self.fs.pipe_file(self.path(name), payload)
+        self.fs.invalidate_cache(self.root)
+
+    def append_line(self, name: str, line: str) -> None:
+        """Object stores cannot append: read, add the line, write the whole object again."""
+        try:
+            old = self.read_bytes(name)
+        except FileNotFoundError:
+            old = b""
+        self.write_atomic(name, old + line.encode() + b"\n")
+
+    def open_shard_sink(self, name: str) -> ShardSink:
+        return _UploadSink(self, name)
+
+    def remove(self, name: str) -> None:
+        try:
+            self.fs.rm_file(self.path(name))
+        except FileNotFoundError:
+            pass
+        self.fs.invalidate_cache(self.root)
+
+    def close(self) -> None:
+        """Stop the cache's download threads and remove local upload temporaries. Idempotent."""
+        if self._cache is not None:
+            self._cache.close()
+        if self._staging is not None:
+            shutil.rmtree(self._staging, ignore_errors=True)
+            self._staging = None
