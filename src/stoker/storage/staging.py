@@ -1,0 +1,262 @@
+"""Staging: a verified copy of a packed dataset in memory-backed storage (``/dev/shm``), made once,
+shared by every process of a node, and cleaned up.
+
+    with stage("data/train-packed", "/dev/shm/train") as copy:     # or Loader(..., stage="/dev/shm")
+        loader = Loader(copy.path, 256, ...)
+
+How copies stay under control, including after a crash:
+- A lock file inside the copy (``.stoker-stage.lock``, a POSIX ``flock``) is held exclusively while
+  copying and shared while in use. The kernel drops it when a process dies, so "held" always means
+  "someone alive uses it": no pid guessing.
+- A marker (``.stoker-stage.json``) records the source manifest's SHA-256 and whether the copy
+  finished; every shard was hashed while copied and matched the manifest before the marker says so.
+- A copy whose marker matches the source is reused (a crashed run's copy included); an unfinished
+  or outdated one is redone in place.
+- A copy made for a Loader (``persistent=False``) is removed by the last process that closes it;
+  :func:`sweep` (run by ``Loader(stage=...)`` before staging) removes such copies that nobody
+  holds, i.e. those crashed runs left behind. ``stoker stage`` makes persistent copies: they stay
+  until ``stoker stage --remove``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import socket
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError, DatasetError, LoaderTimeoutError, ShardError
+from ..shards import MANIFEST_NAME, read_manifest
+
+LOCK_NAME = ".stoker-stage.lock"
+MARK_NAME = ".stoker-stage.json"
+_CHUNK = 8 << 20
+_POLL_S = 0.1
+
+
+def _open_lock(dest: Path, exclusive: bool, timeout: float) -> int:
+    """An fd holding the copy's lock (exclusive or shared), waiting up to `timeout` seconds.
+    Re-opens when the lock file was deleted meanwhile (the copy was removed under us)."""
+    deadline = time.monotonic() + timeout
+    mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+    while True:
+        dest.mkdir(parents=True, exist_ok=True)
+        fd = os.open(dest / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, mode)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise LoaderTimeoutError(
+                            f"{dest}: another process has held the staging lock for {timeout:.0f} s (copying "
+                            f"or removing the dataset); wait for it, or raise the timeout") from None
+                    time.sleep(_POLL_S)
+            try:
+                same = os.fstat(fd).st_ino == os.stat(dest / LOCK_NAME).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # the copy was removed while we waited: start over
+
+
+def _try_exclusive(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _read_mark(dest: Path) -> dict:
+    try:
+        mark = json.loads((dest / MARK_NAME).read_text())
+        return mark if isinstance(mark, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_mark(dest: Path, mark: dict) -> None:
+    tmp = dest / f".{MARK_NAME}.tmp"
+    tmp.write_text(json.dumps(mark, indent=1))
+    os.replace(tmp, dest / MARK_NAME)
+
+
+def _copy_verified(src: Path, dst: Path, expected_sha: str, expected_bytes: int) -> None:
+    """Copy `src` to `dst` (via a temporary name), hashing on the way; ShardError on a mismatch."""
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    digest = hashlib.sha256()
+    size = 0
+    try:
+        with open(src, "rb") as fin, open(tmp, "wb") as fout:
+            while block := fin.read(_CHUNK):
+                digest.update(block)
+                size += len(block)
+                fout.write(block)
+        if size != expected_bytes or digest.hexdigest() != expected_sha:
+            raise ShardError(f"{src}: does not match the manifest (expected {expected_bytes} bytes, sha256 "
+                             f"{expected_sha}; found {size} bytes, sha256 {digest.hexdigest()}); the source is "
+                             f"damaged — restore it or re-pack before staging", path=src)
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@dataclass
+class StagedCopy:
+    """A staged dataset in use by this process. `close()` (or leaving the `with`) lets it go; a
+    non-persistent copy is removed by the last process to let go."""
+
+    path: Path
+    reused: bool  # True when a finished copy (of an earlier or crashed run, or another rank) was reused
+    persistent: bool
+    _fd: int | None
+
+    def __post_init__(self) -> None:
+        # a safety net: a copy dropped without close() still lets go of its lock (sweep removes it later)
+        self._finalizer = weakref.finalize(self, os.close, self._fd)
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        self._finalizer.detach()
+        try:
+            if not self.persistent and _try_exclusive(fd):
+                shutil.rmtree(self.path, ignore_errors=True)
+        finally:
+            os.close(fd)
+
+    def __enter__(self) -> "StagedCopy":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _manifest_sha(src: Path) -> str:
+    return hashlib.sha256((src / MANIFEST_NAME).read_bytes()).hexdigest()
+
+
+def _complete(dest: Path, src_sha: str) -> bool:
+    """True when `dest` holds a finished copy of the dataset whose manifest hashes to `src_sha`."""
+    mark = _read_mark(dest)
+    if mark.get("manifest_sha256") != src_sha or not mark.get("complete"):
+        return False
+    try:
+        if _manifest_sha(dest) != src_sha:
+            return False
+        manifest = read_manifest(dest)
+        return all((dest / s.file).stat().st_size == s.bytes for s in manifest.shards)
+    except (OSError, DatasetError):
+        return False
+
+
+def stage(source: str | Path, dest: str | Path, *, persistent: bool = True, timeout: float = 3600.0) -> StagedCopy:
+    """Copy the packed dataset `source` to `dest` (e.g. "/dev/shm/train") once, verified against
+    its manifest's checksums, or reuse a finished copy there. Returns the copy, held (shared)
+    until `close()`. Raises ConfigError when `dest` lacks the room, ShardError for a damaged source."""
+    src, dest = Path(source), Path(dest)
+    manifest = read_manifest(src)  # a damaged or unfinished source fails here, before anything is copied
+    if dest.resolve() == src.resolve():
+        raise ConfigError(f"{dest}: the staging destination is the dataset itself; pick another folder")
+    src_sha = _manifest_sha(src)
+    # a finished copy is joined under a shared lock (other ranks may be using it); copying needs
+    # the exclusive one, and whoever gets it first checks again, so one process copies
+    fd = _open_lock(dest, exclusive=False, timeout=timeout)
+    if _complete(dest, src_sha):
+        if persistent and not _read_mark(dest).get("persistent"):
+            _write_mark(dest, {**_read_mark(dest), "persistent": True})
+        return StagedCopy(dest, True, bool(_read_mark(dest).get("persistent")), fd)
+    os.close(fd)
+    fd = _open_lock(dest, exclusive=True, timeout=timeout)
+    reused = False
+    try:
+        reused = _complete(dest, src_sha)
+        if not reused:
+            for entry in os.scandir(dest):  # an unfinished or outdated copy: start again
+                if entry.name != LOCK_NAME:
+                    shutil.rmtree(entry.path) if entry.is_dir() else os.unlink(entry.path)
+            need = sum(s.bytes for s in manifest.shards)
+            free = shutil.disk_usage(dest).free
+            if need > free:
+                raise ConfigError(f"{dest}: the dataset needs {need / 1e9:.2f} GB, only {free / 1e9:.2f} GB are free "
+                                  f"there; free memory, or stage to a bigger file system")
+            _write_mark(dest, {"source": str(src.resolve()), "manifest_sha256": src_sha, "complete": False,
+                               "persistent": persistent, "host": socket.gethostname(), "started": time.time()})
+            for info in manifest.shards:
+                _copy_verified(src / info.file, dest / info.file, info.sha256, info.bytes)
+            shutil.copyfile(src / MANIFEST_NAME, dest / MANIFEST_NAME)
+            _write_mark(dest, {**_read_mark(dest), "complete": True, "finished": time.time()})
+        elif persistent and not _read_mark(dest).get("persistent"):
+            _write_mark(dest, {**_read_mark(dest), "persistent": True})  # a persistent copy is never made transient
+        fcntl.flock(fd, fcntl.LOCK_SH)  # copied: let other processes share it
+    except BaseException:
+        if not reused:
+            # remove what we copied, unless someone else holds it
+            if _try_exclusive(fd):
+                shutil.rmtree(dest, ignore_errors=True)
+        os.close(fd)
+        raise
+    return StagedCopy(dest, reused, bool(_read_mark(dest).get("persistent")), fd)
+
+
+def sweep(root: str | Path, keep: Path | None = None) -> list[Path]:
+    """Remove the non-persistent staged copies under `root` that no process holds (left by runs
+    that crashed or were killed), except `keep`. Returns what was removed."""
+    removed = []
+    root = Path(root)
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    for entry in entries:
+        dest = Path(entry.path)
+        if not entry.is_dir(follow_symlinks=False) or not (dest / LOCK_NAME).exists() or dest == keep:
+            continue
+        if _read_mark(dest).get("persistent"):
+            continue
+        try:
+            fd = os.open(dest / LOCK_NAME, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            if _try_exclusive(fd):
+                shutil.rmtree(dest, ignore_errors=True)
+                removed.append(dest)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def remove(dest: str | Path, timeout: float = 60.0) -> None:
+    """Delete a staged copy (persistent or not) once no process holds it."""
+    dest = Path(dest)
+    if not (dest / LOCK_NAME).exists():
+        raise ConfigError(f"{dest}: not a staged copy (no {LOCK_NAME}); remove it yourself if it is yours")
+    fd = _open_lock(dest, exclusive=True, timeout=timeout)
+    try:
+        shutil.rmtree(dest, ignore_errors=True)
+    finally:
+        os.close(fd)
+
+
+def stage_for_loader(source: str | Path, root: str | Path, timeout: float = 3600.0) -> StagedCopy:
+    """What `Loader(source, stage=root)` does: sweep `root` of abandoned copies, then stage to
+    `root/stoker-<manifest hash>` (non-persistent: removed when the last user closes it)."""
+    src = Path(source)
+    read_manifest(src)
+    dest = Path(root) / f"stoker-{_manifest_sha(src)[:16]}"
+    sweep(root, keep=dest)  # a copy of this very dataset left by a crash is reused instead
+    return stage(src, dest, persistent=False, timeout=timeout)
