@@ -10,7 +10,7 @@ import pytest
 from PIL import Image, JpegImagePlugin
 
 from stoker.errors import ConfigError
-from stoker.synth import (
+from stoker.tools.synth import (
     cached_imagenet_like,
     make_imagenet_like,
     make_tiny_jpegs,
