@@ -213,8 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transforms", default="train", choices=["train", "val"],
                    help="train: RandomResizedCrop + flip (default); val: Resize + CenterCrop")
     p.add_argument("--size", type=_positive, default=224, help="output size in pixels (default 224)")
-    p.add_argument("--model", default=None, metavar="MODULE:CALLABLE",
-                   help="the model to train, e.g. torchvision.models:resnet18 (default: built-in small CNN)")
+    p.add_argument("--model", default=None, metavar="MODEL",
+                   help="the model to train: a torchvision model name or module:callable returning an nn.Module, "
+                   "e.g. torchvision.models:resnet18 (default: built-in small CNN)")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
     p.add_argument("--json", action="store_true", help="machine-readable output, no progress bar")
     p.set_defaults(func=_cmd_doctor)

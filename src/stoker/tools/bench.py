@@ -49,7 +49,7 @@ from ..errors import ConfigError, StokerError
 from ..profiling import cpu_seconds
 from . import bench_gpu
 from .baseline import baseline_loader, baseline_transform, list_image_folder
-from .results import NOTE, BenchResult, PipelineResult
+from .results import NOTE, BenchResult, PipelineResult, markdown_table
 
 __all__ = ["NOTE", "PIPELINES", "BenchResult", "PipelineResult", "format_table", "machine_info", "run_bench"]
 
@@ -350,8 +350,8 @@ def _measure_training(spec: _Spec) -> dict[str, Any]:
     `steps` steps (median images/s); the share of each window spent waiting in next(), CPU and
     peak RSS alongside."""
     with bench_gpu.autotuned_convolutions(), _MemorySampler() as memory:
-        run = bench_gpu.TrainRun(spec.pipeline, spec.model, root=spec.root, packed=spec.packed, batch_size=spec.batch_size,
-                       workers=spec.workers, device=spec.device)
+        run = bench_gpu.TrainRun(spec.pipeline, spec.model, root=spec.root, packed=spec.packed,
+                                 batch_size=spec.batch_size, workers=spec.workers, device=spec.device)
         try:
             if spec.warmup_steps:
                 run.run(spec.warmup_steps)
@@ -582,22 +582,18 @@ def format_table(result: BenchResult) -> str:
     """The result as a markdown table, with the data, the machine and how to read it."""
     if _is_device_result(result):
         return _format_device(result)
-    ceiling = result.get("ceiling")
-    has_ceiling = ceiling is not None and ceiling.skipped is None
-    head = "| pipeline | images/s | ratio | vs ceiling | CPU % | CPU ms/image | peak RSS (MB) | first batch (s) |"
-    lines = [head, "|" + "---|" * 8]
-    for p in result.pipelines:
-        if p.skipped is not None:
-            lines.append(f"| {p.name} | skipped: {p.skipped} | | | | | | |")
-            continue
+    ceiling = result.ran("ceiling")
+
+    def cells(p: PipelineResult) -> list[str]:
         ratio = f"{p.ratio:.2f}x {p.ratio_to}" if p.ratio is not None else "-"
-        vs_ceiling = p.images_per_s / ceiling.images_per_s if has_ceiling and p is not ceiling else None
-        lines.append(f"| {p.name} | {fmt_number(p.images_per_s, ',.0f')} | {ratio} | {fmt_number(vs_ceiling, '.2f', 'x')} | "
-                     f"{fmt_number(p.cpu_percent, '.0f')} | {fmt_number(p.cpu_ms_per_image, '.2f')} | "
-                     f"{p.peak_rss_bytes / 1e6:,.0f} | "
-                     f"{fmt_number(p.first_batch_s, '.2f')} |")
+        vs_ceiling = p.images_per_s / ceiling.images_per_s if ceiling is not None and p is not ceiling else None
+        return [fmt_number(p.images_per_s, ",.0f"), ratio, fmt_number(vs_ceiling, ".2f", "x"),
+                fmt_number(p.cpu_percent, ".0f"), fmt_number(p.cpu_ms_per_image, ".2f"),
+                f"{p.peak_rss_bytes / 1e6:,.0f}", fmt_number(p.first_batch_s, ".2f")]
+    lines = markdown_table(("pipeline", "images/s", "ratio", "vs ceiling", "CPU %", "CPU ms/image", "peak RSS (MB)",
+                            "first batch (s)"), [(p, cells(p)) for p in result.pipelines])
     d, m = result.data, result.machine
-    lines += ["", *(f"- {p.name}: {p.description}" + (f" ({p.version})" if p.version else "")
+    lines += [*(f"- {p.name}: {p.description}" + (f" ({p.version})" if p.version else "")
                     for p in result.pipelines), "",
               f"Data: {d['images']} {'generated ImageNet-like ' if d['generated'] else ''}JPEGs, mean "
               f"{d['mean_width']}x{d['mean_height']} px, {d['mean_file_kb']} KB; batch {result.batch_size}; "

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._system import fmt_number
 from ..errors import ConfigError, StokerError
-from .results import BenchResult
+from .results import BenchResult, markdown_table
 from .train import TrainStep, check_model, load_model
 
 if TYPE_CHECKING:
@@ -409,6 +409,22 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:,.0f}" if n else "-"
 
 
+def _loader_cells(p: Any) -> list[str]:
+    ratio = f"{p.ratio:.2f}x {p.ratio_to}" if p.ratio is not None else "-"
+    return [fmt_number(p.images_per_s, ",.0f"), ratio, fmt_number(p.cpu_percent, ".0f"),
+            fmt_number(p.cpu_ms_per_image, ".2f"), _mb(p.peak_rss_bytes), _mb(p.peak_device_bytes),
+            fmt_number(p.first_batch_s, ".2f")]
+
+
+def _training_cells(p: Any, result: BenchResult) -> list[str]:
+    base = result.ran(p.name.rsplit("-" + feed_of(p.name), 1)[0] + "-baseline")
+    vs_base = p.images_per_s / base.images_per_s if base is not None and base is not p and \
+        feed_of(p.name).startswith("stoker") else None
+    return [fmt_number(p.images_per_s, ",.0f"), fmt_number(p.ratio, ".1%"), fmt_number(vs_base, ".2f", "x"),
+            fmt_number(p.data_wait, ".1%"), fmt_number(p.cpu_percent, ".0f"), _mb(p.peak_rss_bytes),
+            _mb(p.peak_device_bytes), fmt_number(p.first_batch_s, ".2f")]
+
+
 def format_tables(result: BenchResult) -> list[str]:
     """Markdown lines: the loader-alone table and the training table (no footer)."""
     loaders = [p for p in result.pipelines if p.name in LOADERS]
@@ -416,31 +432,12 @@ def format_tables(result: BenchResult) -> list[str]:
     lines: list[str] = []
     if loaders:
         lines += [f"Loader alone: batches in {result.device} memory, float32 NCHW, normalized (ImageNet mean/std).", "",
-                  "| pipeline | images/s | ratio | CPU % | CPU ms/image | peak RSS (MB) | peak device (MB) "
-                  "| first batch (s) |", "|" + "---|" * 8]
-        for p in loaders:
-            if p.skipped is not None:
-                lines.append(f"| {p.name} | skipped: {p.skipped} | | | | | | |")
-                continue
-            ratio = f"{p.ratio:.2f}x {p.ratio_to}" if p.ratio is not None else "-"
-            lines.append(f"| {p.name} | {fmt_number(p.images_per_s, ',.0f')} | {ratio} | {fmt_number(p.cpu_percent, '.0f')} | "
-                         f"{fmt_number(p.cpu_ms_per_image, '.2f')} | {_mb(p.peak_rss_bytes)} | "
-                         f"{_mb(p.peak_device_bytes)} | {fmt_number(p.first_batch_s, '.2f')} |")
-        lines.append("")
+                  *markdown_table(("pipeline", "images/s", "ratio", "CPU %", "CPU ms/image", "peak RSS (MB)",
+                           "peak device (MB)", "first batch (s)"), [(p, _loader_cells(p)) for p in loaders])]
     if training:
         lines += [f"Training on {result.device}: images/s over {result.steps} steps of {result.batch_size} per round "
                   f"after {result.warmup_steps} warm-up step(s).", "",
-                  "| pipeline | images/s | of synthetic | vs baseline feed | data wait | CPU % | peak RSS (MB) "
-                  "| peak device (MB) | first batch (s) |", "|" + "---|" * 9]
-        for p in training:
-            if p.skipped is not None:
-                lines.append(f"| {p.name} | skipped: {p.skipped} | | | | | | | |")
-                continue
-            base = result.ran(p.name.rsplit("-" + feed_of(p.name), 1)[0] + "-baseline")
-            vs_base = p.images_per_s / base.images_per_s if base is not None and base is not p and \
-                feed_of(p.name).startswith("stoker") else None
-            lines.append(f"| {p.name} | {fmt_number(p.images_per_s, ',.0f')} | {fmt_number(p.ratio, '.1%')} | "
-                         f"{fmt_number(vs_base, '.2f', 'x')} | {fmt_number(p.data_wait, '.1%')} | {fmt_number(p.cpu_percent, '.0f')} | "
-                         f"{_mb(p.peak_rss_bytes)} | {_mb(p.peak_device_bytes)} | {fmt_number(p.first_batch_s, '.2f')} |")
-        lines.append("")
+                  *markdown_table(("pipeline", "images/s", "of synthetic", "vs baseline feed", "data wait", "CPU %",
+                           "peak RSS (MB)", "peak device (MB)", "first batch (s)"),
+                          [(p, _training_cells(p, result)) for p in training])]
     return lines

@@ -7,12 +7,13 @@ these types; this module imports none of them.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .._system import json_safe
 
-__all__ = ["NOTE", "BenchResult", "PipelineResult"]
+__all__ = ["NOTE", "BenchResult", "PipelineResult", "markdown_table"]
 
 NOTE = ("Ratios between pipelines of this one run are the figures that count; absolute images/s on a "
         "shared machine are noise.")
@@ -75,3 +76,13 @@ class BenchResult:
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (NaN becomes null)."""
         return json_safe({**asdict(self), "note": NOTE})
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[tuple[PipelineResult, list[str]]]) -> list[str]:
+    """Markdown lines of a table of `(pipeline, cells)` rows, the pipeline's name first; a skipped
+    pipeline's row says why instead of its cells. Ends with an empty line."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for p, cells in rows:
+        shown = [f"skipped: {p.skipped}"] + [""] * (len(columns) - 2) if p.skipped is not None else cells
+        lines.append("| " + " | ".join([p.name, *shown]) + " |")
+    return [*lines, ""]
