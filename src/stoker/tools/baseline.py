@@ -30,7 +30,7 @@ def _torchvision() -> Any | None:
         import torchvision  # noqa: F401  (optional: `pip install torchvision`)
         from torchvision import transforms
         return transforms
-    except ImportError:
+    except Exception:   # not installed, or built for another torch (then it raises RuntimeError)
         return None
 
 

@@ -143,7 +143,7 @@ def device_info(device: "torch.device") -> dict[str, Any]:
     try:
         import torchvision
         info["torchvision"] = torchvision.__version__
-    except ImportError:
+    except Exception:   # not installed, or built for another torch
         info["torchvision"] = None
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -167,7 +167,7 @@ def prepare(device: str) -> None:
     when installed) and create the CUDA context."""
     import torch
 
-    with contextlib.suppress(ImportError):
+    with contextlib.suppress(Exception):
         import torchvision  # noqa: F401
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -218,7 +218,7 @@ def _torch_version() -> str:
     try:
         import torchvision
         return f"torch {torch.__version__}, torchvision {torchvision.__version__}"
-    except ImportError:
+    except Exception:   # not installed, or built for another torch
         return f"torch {torch.__version__}"
 
 
