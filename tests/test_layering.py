@@ -5,6 +5,7 @@ imports, directly or through others, a module that imports it."""
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,10 +57,16 @@ def _imports(name: str, path: Path, known: set[str]) -> Iterator[str]:
                 yield target
 
 
-def _graph() -> dict[str, set[str]]:
+@functools.lru_cache(maxsize=1)
+def _parsed_graph() -> tuple[tuple[str, frozenset[str]], ...]:
     modules = _modules()
     known = set(modules)
-    return {name: set(_imports(name, path, known)) for name, path in modules.items()}
+    return tuple((name, frozenset(_imports(name, path, known))) for name, path in modules.items())
+
+
+def _graph() -> dict[str, set[str]]:
+    """module -> the stoker modules it imports (a fresh copy each call; the source is parsed once)."""
+    return {name: set(dsts) for name, dsts in _parsed_graph()}
 
 
 def _is_beside(name: str) -> bool:
