@@ -157,6 +157,24 @@ def test_table_for_device_results() -> None:
     assert "19 steps per epoch" in table
 
 
+def test_device_chart_draws_reference_lines_only_when_given(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from stoker.tools.charts import device_bench_chart
+
+    pipes = [_pipe("cuda-baseline", 5000.0), _pipe("cuda-stoker", 20000.0, "cuda-baseline"),
+             _pipe("train-resnet50-synthetic", 3000.0), _pipe("train-resnet50-stoker", 2970.0,
+                                                              "train-resnet50-synthetic")]
+    pipes[1].ratio, pipes[3].ratio = 4.0, 0.99
+    result = BenchResult(pipes, images=5000, batch_size=256, workers=16, rounds=3, data={}, baseline_transforms="x",
+                         machine={}, device="cuda:0", models=["resnet50"], steps=100, warmup_steps=10)
+    plain, lined = tmp_path / "plain.png", tmp_path / "lined.png"
+    assert device_bench_chart(result, plain)
+    assert device_bench_chart(result, lined, rate_line=15_000.0, share_lines={"resnet50": 0.97})
+    for png in (plain, lined):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plain.read_bytes() != lined.read_bytes()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_cuda_asked_without_cuda_says_how_to_fix(tiny_root: Path) -> None:
     with pytest.raises(ConfigError, match="sees no CUDA GPU; install a CUDA build of torch"):

@@ -43,13 +43,12 @@ def bench_chart(result: BenchResult, path: Path) -> bool:
     from matplotlib.patches import Patch
 
     ran = [p for p in result.pipelines if p.skipped is None and p.name != "ceiling"]
-    ceiling = result.get("ceiling")
-    has_ceiling = ceiling is not None and ceiling.skipped is None
+    ceiling = result.ran("ceiling")
     fig, ax = plt.subplots(figsize=(8, 2.4 + 0.5 * max(len(ran), 1)))
     names = [p.name for p in ran][::-1]
     rates = [p.images_per_s for p in ran][::-1]
     ax.barh(names, rates, color=[_colour(n) for n in names])
-    top = max(rates + ([ceiling.images_per_s] if has_ceiling else []) + [1.0])  # type: ignore[union-attr]
+    top = max(rates + ([ceiling.images_per_s] if ceiling is not None else []) + [1.0])
     for y, (p, rate) in enumerate(zip(ran[::-1], rates)):
         label = f"{rate:,.0f}" + (f"  ({p.ratio:.2f}x {p.ratio_to})" if p.ratio is not None else "")
         ax.text(rate + top * 0.01, y, label, va="center", fontsize=8)
@@ -57,9 +56,9 @@ def bench_chart(result: BenchResult, path: Path) -> bool:
                Patch(color=_COLOURS["stoker"], label="stoker.Loader")]
     if any(_colour(n) == _COLOURS["other"] for n in names):
         handles.append(Patch(color=_COLOURS["other"], label="other loaders"))
-    if has_ceiling:
-        handles.append(ax.axvline(ceiling.images_per_s, color="black", linestyle="--", linewidth=1.2,  # type: ignore[union-attr]
-                                  label=f"decode ceiling: full JPEG decode only ({ceiling.images_per_s:,.0f})"))  # type: ignore[union-attr]
+    if ceiling is not None:
+        handles.append(ax.axvline(ceiling.images_per_s, color="black", linestyle="--", linewidth=1.2,
+                                  label=f"decode ceiling: full JPEG decode only ({ceiling.images_per_s:,.0f})"))
     ax.set_xlim(0, top * 1.3)
     ax.set_xlabel(f"throughput, images/s (median of {result.rounds} round(s); higher is better)")
     ax.set_ylabel("pipeline")
