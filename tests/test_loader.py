@@ -115,7 +115,7 @@ def test_batches_reuse_a_ring_of_prefetch_plus_one_slots(packed: Path) -> None:
 
 
 def test_sequential_order_and_drop_last(packed: Path) -> None:
-    loader = Loader(packed, 16, transforms=[Resize((24, 24))], shuffle=False, drop_last=True)
+    loader = Loader(packed, 16, transforms=[Resize((24, 24))], order="sequential", drop_last=True)
     imgs, labels = run_epoch(loader)
     assert len(loader) == 3 and labels.tolist() == list(range(48))
     # Grayscale, raw and PNG samples come out as RGB like the others.
@@ -193,7 +193,7 @@ def test_extra_columns_come_along(packed: Path) -> None:
 
 def test_failing_sample_names_key_shard_and_row(packed_bad: Path) -> None:
     base = threading.active_count()
-    loader = Loader(packed_bad, 8, transforms=TRAIN, shuffle=False, num_threads=2)
+    loader = Loader(packed_bad, 8, transforms=TRAIN, order="sequential", num_threads=2)
     got = []
     with pytest.raises(SampleError) as info:
         for _, labels in loader:
