@@ -286,64 +286,6 @@ def test_gpu_decode_is_deterministic_across_thread_counts(packed: Path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
-# ---- the Feeder: a slot goes back to the workers only after its copy finished ----------------
-
-class _SlowFence:
-    def __init__(self, log: list, b: int) -> None:
-        self.log, self.b = log, b
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self, timeout: float, stop: threading.Event | None = None) -> None:
-        time.sleep(0.03)  # the copy is still running
-        self.log.append(("copied", self.b))
-
-
-class _FakeStage:
-    def __init__(self, log: list) -> None:
-        self.log = log
-
-    def context(self):
-        import contextlib
-        return contextlib.nullcontext()
-
-    def fence(self) -> _SlowFence:
-        return _SlowFence([], -1)
-
-    def handoff(self, batch, fence):
-        return batch
-
-
-def test_feeder_returns_a_slot_to_the_workers_only_after_its_copy_finished() -> None:
-    from stoker.slots import BatchRing, Feeder, Run
-
-    log: list = []
-    ring = BatchRing(2, 4, 2, 2, label_dtype=None, pin_memory=False)
-
-    def prepare(b, slot):
-        log.append(("fill", b))
-
-    def fill(plan, row, slot, scratch, times):
-        slot.images_np[row] = slot.batch
-
-    def build(slot):
-        log.append(("build", slot.batch))
-        return slot.images.clone(), _SlowFence(log, slot.batch)
-
-    run = Run(ring, [4] * 8, 2, prepare, fill, lambda t, n: None, timeout=10.0)
-    feeder = Feeder(run, _FakeStage(log), build, depth=2, timeout=10.0)
-    run.start(), feeder.start()
-    try:
-        out = [feeder.get(b) for b in range(8)]
-    finally:
-        feeder.stop()
-    assert [int(x[0, 0, 0, 0]) for x in out] == list(range(8))
-    for b in range(6):  # batch b+2 reuses b's slot: it is planned only after b's copy is done
-        assert log.index(("copied", b)) < log.index(("fill", b + 2)), log
-    assert not feeder.thread.is_alive() and run.alive() == 0
-
-
 def test_ctrl_c_inside_the_lock_cannot_strand_the_workers(packed: Path) -> None:
     """KeyboardInterrupt can land in Condition.__enter__ after the lock was taken; the consumer
     must give it back, or every worker blocks on it forever."""
