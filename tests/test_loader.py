@@ -235,7 +235,7 @@ def test_loose_folder_gives_the_same_batches_as_its_pack(image_folder: Path, tmp
     assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
 
 
-def test_user_callables_run_in_the_workers(packed: Path) -> None:
+def test_user_callables_apply_and_their_rng_does_not_depend_on_threads(packed: Path) -> None:
     def invert(img: np.ndarray) -> np.ndarray:
         np.subtract(255, img, out=img)
         return img
