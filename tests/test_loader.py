@@ -126,6 +126,15 @@ def test_sequential_order_and_drop_last(packed: Path) -> None:
     loader.close()
 
 
+def test_shuffle_is_a_deprecated_spelling_of_order(packed: Path) -> None:
+    with pytest.warns(DeprecationWarning, match="order='sequential'"):
+        loader = Loader(packed, 16, transforms=[Resize((24, 24))], shuffle=False)
+    assert loader.order == "sequential" and loader.epoch_indices().tolist() == list(range(len(loader.dataset)))
+    with pytest.warns(DeprecationWarning):
+        assert Loader(packed, 16, transforms=[Resize((24, 24))], shuffle=True, order="shard_random").order == \
+            "shard_random"
+
+
 @pytest.mark.parametrize("tf", [TRAIN, [Resize(40), CenterCrop(32)]])
 def test_same_seed_same_bits_for_any_thread_count_and_prefetch(packed: Path, tf: list) -> None:
     ref = run_epoch(Loader(packed, 8, transforms=tf, seed=11, num_threads=1, prefetch=1))
