@@ -3,6 +3,7 @@ and which file, shard, row or sample it concerns.
 
     StokerError
     ├── ConfigError (ValueError)          a bad argument or option combination
+    │   └── UnsupportedStorageError       a dataset URL no storage backend serves (s3:// today)
     ├── SourceError (ValueError)          input that cannot be listed: missing path, bad list line
     ├── ImageError (ValueError)           one image that cannot be used
     │   ├── CorruptImageError             truncated, not an image, decoder failure
@@ -27,6 +28,15 @@ class StokerError(Exception):
 
 class ConfigError(StokerError, ValueError):
     """An argument or option that stoker cannot use; the message names the fix."""
+
+
+class UnsupportedStorageError(ConfigError):
+    """A dataset location (URL scheme) no storage backend serves; it is refused, never turned
+    into a local path. `location` is the path or URL as given."""
+
+    def __init__(self, message: str, *, location: str | None = None) -> None:
+        super().__init__(message)
+        self.location = location
 
 
 class SourceError(StokerError, ValueError):
@@ -97,3 +107,4 @@ class SampleError(StokerError, RuntimeError):
 
 class LoaderTimeoutError(StokerError, TimeoutError):
     """A wait for data took longer than the Loader's timeout; the message says where."""
+
