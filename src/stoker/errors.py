@@ -13,6 +13,7 @@ and which file, shard, row or sample it concerns.
     │   ├── ManifestError                 stoker.json missing, not JSON, or inconsistent
     │   ├── ShardError                    a shard missing, truncated, not Arrow, or bad checksum
     │   └── IncompletePackError           a pack that has not finished (no manifest yet)
+    ├── DatasetClosedError (ValueError)   a dataset used after close()
     ├── SampleError (RuntimeError)        loading one sample failed inside the Loader
     └── LoaderTimeoutError (TimeoutError) a wait for data exceeded its timeout
 """
@@ -90,6 +91,10 @@ class ShardError(DatasetError):
 
 class IncompletePackError(DatasetError):
     """The directory holds a pack that has not finished; `stoker pack --resume` completes it."""
+
+
+class DatasetClosedError(StokerError, ValueError):
+    """A dataset used after ``close()`` (its shards are unmapped); open it again."""
 
 
 class SampleError(StokerError, RuntimeError):

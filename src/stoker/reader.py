@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from . import codecs
-from .errors import ImageError, ShardError, SourceError
+from .errors import DatasetClosedError, ImageError, ShardError, SourceError
 from .integrity import OpenShard, open_shard
 from .shards import Manifest, read_manifest
 from .storage import Storage, as_storage
@@ -140,6 +140,7 @@ class PackedDataset(Dataset):
         self._identities = {s.info.file: s.identity for s in shards}
         self._cache: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()
+        self._closed = False
 
     def __len__(self) -> int:
         return self._n
@@ -148,6 +149,8 @@ class PackedDataset(Dataset):
         return f"<stoker dataset {self.path}: {self._n} samples in {len(self.manifest.shards)} shards>"
 
     def _locate(self, i: int) -> tuple[_Block, int]:
+        if self._closed:
+            raise DatasetClosedError(f"{self.path}: the dataset was closed; open it again with open_dataset()")
         k = bisect.bisect_right(self._starts, i) - 1 if len(self._blocks) > 1 else 0
         return self._blocks[k], i - self._starts[k]
 
@@ -195,6 +198,8 @@ class PackedDataset(Dataset):
         """A column over all samples as numpy: a zero-copy view for a single batch of a
         primitive type, else concatenated once and cached."""
         with self._lock:
+            if self._closed:
+                raise DatasetClosedError(f"{self.path}: the dataset was closed; open it again with open_dataset()")
             if name not in self._cache:
                 parts = [b.batch.column(name) for b in self._blocks]
                 arr = pa.chunked_array(parts, type=self._blocks[0].batch.schema.field(name).type) if parts else None
@@ -252,6 +257,7 @@ class PackedDataset(Dataset):
         return b.shard, b.first_row + r
 
     def close(self) -> None:
+        self._closed = True
         self._blocks = []
         self._cache.clear()
         for shard in self._shards:

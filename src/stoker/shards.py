@@ -256,6 +256,10 @@ class ShardWriter:
         self._file: ShardSink | None = None
         self._sink: _HashingSink | None = None
         self._writer: pa.ipc.RecordBatchFileWriter | None = None
+        # The encoding dictionary only grows within a shard: the IPC file format allows dictionary
+        # deltas across record batches but not replacements (a later batch bringing "png" after an
+        # all-"jpeg" batch would otherwise fail to write).
+        self._encodings: dict[str, int] = {}
 
     @property
     def nbytes(self) -> int:
@@ -288,7 +292,8 @@ class ShardWriter:
     def _open(self) -> None:
         self._file = self.storage.open_shard_sink(self.name)
         self._sink = _HashingSink(self._file)
-        self._writer = pa.ipc.new_file(pa.PythonFile(self._sink, mode="w"), self.schema)
+        self._writer = pa.ipc.new_file(pa.PythonFile(self._sink, mode="w"), self.schema,
+                                       options=pa.ipc.IpcWriteOptions(emit_dictionary_deltas=True))
 
     def _write_batch(self) -> None:
         if not self._columns["key"]:
@@ -297,7 +302,7 @@ class ShardWriter:
         for fld in self.schema:
             values = self._columns[fld.name]
             if fld.name == "encoding":
-                arrays.append(pa.array(values, pa.string()).dictionary_encode().cast(fld.type))
+                arrays.append(self._encoding_array(values))
             else:
                 arrays.append(pa.array(values, fld.type))
         batch = pa.RecordBatch.from_arrays(arrays, schema=self.schema)
@@ -310,6 +315,14 @@ class ShardWriter:
             raise
         self._columns = {name: [] for name in self.schema.names}
         self._buffered = 0
+
+    def _encoding_array(self, values: list[str]) -> pa.DictionaryArray:
+        codes = self._encodings
+        indices = [codes.setdefault(v, len(codes)) for v in values]
+        if len(codes) > 127:
+            raise ConfigError(f"shard {self.name}: more than 127 distinct encodings; expected a few "
+                              "(jpeg, png, webp, raw)")
+        return pa.DictionaryArray.from_arrays(pa.array(indices, pa.int8()), pa.array(list(codes), pa.string()))
 
     def finish(self) -> ShardInfo:
         """Write what is buffered, close, fsync and rename; return the manifest entry."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SourceError
+from ..storage import open_storage
 from . import folder, listing, table, tar
 from .base import IMAGE_EXTENSIONS, Source, SourceItem, SourceOptions, read_bytes
 
@@ -57,10 +58,12 @@ def open_source(src: str | Path, *, kind: str = "auto", label_column: str | None
     ``.tar`` or a folder of ``.tar`` files -> tar, a folder with images directly inside ->
     files, a folder of class folders -> folder. For lists and CSVs, ``root`` is the folder
     relative paths resolve against and that no path may leave (default: the list's folder).
-    ``label_column=None`` reads a CSV without labels. Raises SourceError.
+    ``label_column=None`` reads a CSV without labels. Raises SourceError (and
+    UnsupportedStorageError for a URL: sources are local today).
     """
     if kind not in KINDS:
         raise SourceError(f"unknown source kind {kind!r}; expected one of {', '.join(KINDS)}", path=src)
+    open_storage(src)  # a URL (s3://...) is refused, never read as a local path of that name
     path = Path(src).expanduser()
     if not path.exists():
         raise SourceError(f"source {path} does not exist; expected an image folder, a .txt list, "
