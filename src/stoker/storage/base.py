@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import abc
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 __all__ = ["ShardSink", "Storage"]
 
@@ -79,8 +80,10 @@ class Storage(abc.ABC):
         fetches it into its cache first. Raises DatasetError for a file the dataset may not read
         (e.g. a symlink out of the directory)."""
 
-    def memory_map(self, name: str) -> pa.MemoryMappedFile:
+    def memory_map(self, name: str) -> "pa.MemoryMappedFile":
         """``name`` memory-mapped read-only (zero-copy reads)."""
+        import pyarrow as pa  # here, so listing a source or refusing a URL does not load Arrow
+
         return pa.memory_map(str(self.local_path(name)), "r")
 
     @abc.abstractmethod
