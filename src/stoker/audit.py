@@ -84,7 +84,8 @@ def describe(path: str | Path | Storage) -> DatasetInfo:
             counts = np.bincount(labels[labels >= 0], minlength=len(m.classes))
             class_counts = {m.classes[i]: int(c) for i, c in enumerate(counts)}
         return DatasetInfo(
-            path=str(path), samples=len(ds), shards=len(m.shards), total_bytes=sum(s.bytes for s in m.shards),
+            path=ds.storage.location if isinstance(path, Storage) else str(path), samples=len(ds),
+            shards=len(m.shards), total_bytes=sum(s.bytes for s in m.shards),
             label_type=m.label_type, classes=m.classes, class_counts=class_counts,
             encodings=dict(Counter(ds.encodings.tolist())), height=_stats(ds.heights), width=_stats(ds.widths),
             sample_bytes=_stats(ds.sizes), extra_columns=dict(m.extra_columns), pack_options=dict(m.pack_options))
@@ -165,7 +166,7 @@ def verify(path: str | Path | Storage, *, decode: bool = False, workers: int | N
     SHA-256 and row count, and readable as Arrow; with ``decode`` also decode every sample.
     Reports every problem found (not just the first)."""
     storage = as_storage(path)
-    report = VerifyReport(str(path))
+    report = VerifyReport(storage.location if isinstance(path, Storage) else str(path))
     if _check_shards(storage, report) and decode:
         with open_dataset(storage) as ds:
             _decode_all(ds, report, workers or usable_cpus())
