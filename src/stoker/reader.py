@@ -164,23 +164,25 @@ class PackedDataset(Dataset):
         expected = self._identities.get(shard)
         if expected is None:
             return
-        path = self.storage.join(shard)
         try:
             found = self.storage.identity(shard)
         except FileNotFoundError:
+            path = self.storage.join(shard)
             raise ShardError(f"{path}: shard was deleted while the dataset was open; restore it and "
                              "reopen the dataset, or re-pack", path=path) from None
         except OSError as exc:
+            path = self.storage.join(shard)
             raise ShardError(f"{path}: cannot stat the shard: {exc.strerror or exc}", path=path) from None
-        *file, size = expected
-        *found_file, found_size = found
-        if found_file != file:
+        if found == expected:
+            return
+        path = self.storage.join(shard)
+        size, found_size = expected[-1], found[-1]
+        if found[:-1] != expected[:-1]:
             raise ShardError(f"{path}: shard file was replaced while the dataset was open; reopen the "
                              "dataset (and run `stoker verify`) to read the new file", path=path)
-        if found_size != size:
-            raise ShardError(f"{path}: shard changed size while the dataset was open ({size} -> "
-                             f"{found_size} bytes{', truncated' if found_size < size else ''}); "
-                             "restore the shard or re-pack", path=path)
+        raise ShardError(f"{path}: shard changed size while the dataset was open ({size} -> "
+                         f"{found_size} bytes{', truncated' if found_size < size else ''}); "
+                         "restore the shard or re-pack", path=path)
 
     def sample(self, i: int) -> Sample:
         """Sample ``i``: bytes as a zero-copy view of the mapped shard, plus its metadata.

