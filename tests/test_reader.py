@@ -144,3 +144,16 @@ def test_loose_reader_refuses_an_empty_source(tmp_path: Path) -> None:
     (tmp_path / "cls").mkdir()
     with pytest.raises(SourceError, match="no images"):
         open_loose(tmp_path)
+
+
+def test_encodings_may_change_between_record_batches_of_one_shard(tmp_path: Path) -> None:
+    """A shard streamed as several record batches, the first all jpeg, a later one png then raw:
+    the writer extends the encoding dictionary (an IPC delta) instead of failing to write."""
+    writer = ShardWriter(tmp_path, 0, batch_bytes=8)
+    encodings = ["jpeg", "jpeg", "png", "raw", "jpeg", "png"]
+    for i, enc in enumerate(encodings):
+        writer.add(f"k{i}", b"0123456789", enc, 1, 1, i)
+    write_manifest(tmp_path, Manifest(num_samples=len(encodings), shards=[writer.finish()]))
+    with open_dataset(tmp_path, verify=True) as ds:
+        assert [ds.sample(i).encoding for i in range(len(ds))] == encodings
+        assert ds.encodings.tolist() == encodings
