@@ -3,6 +3,7 @@ and which file, shard, row or sample it concerns.
 
     StokerError
     ├── ConfigError (ValueError)          a bad argument or option combination
+    │   └── UnsupportedStorageError       a dataset URL no storage backend serves (s3:// today)
     ├── SourceError (ValueError)          input that cannot be listed: missing path, bad list line
     ├── ImageError (ValueError)           one image that cannot be used
     │   ├── CorruptImageError             truncated, not an image, decoder failure
@@ -12,7 +13,10 @@ and which file, shard, row or sample it concerns.
     │   ├── ManifestError                 stoker.json missing, not JSON, or inconsistent
     │   ├── ShardError                    a shard missing, truncated, not Arrow, or bad checksum
     │   └── IncompletePackError           a pack that has not finished (no manifest yet)
+    ├── DatasetClosedError (ValueError)   a dataset used after close()
     ├── SampleError (RuntimeError)        loading one sample failed inside the Loader
+    ├── LoaderClosedError (RuntimeError)  the loader was closed while a batch was awaited
+    ├── WorkerError (RuntimeError)        a loader thread died outside any one sample
     └── LoaderTimeoutError (TimeoutError) a wait for data exceeded its timeout
 """
 
@@ -27,6 +31,15 @@ class StokerError(Exception):
 
 class ConfigError(StokerError, ValueError):
     """An argument or option that stoker cannot use; the message names the fix."""
+
+
+class UnsupportedStorageError(ConfigError):
+    """A dataset location (URL scheme) no storage backend serves; it is refused, never turned
+    into a local path. `location` is the path or URL as given."""
+
+    def __init__(self, message: str, *, location: str | None = None) -> None:
+        super().__init__(message)
+        self.location = location
 
 
 class SourceError(StokerError, ValueError):
@@ -82,6 +95,10 @@ class IncompletePackError(DatasetError):
     """The directory holds a pack that has not finished; `stoker pack --resume` completes it."""
 
 
+class DatasetClosedError(StokerError, ValueError):
+    """A dataset used after ``close()`` (its shards are unmapped); open it again."""
+
+
 class SampleError(StokerError, RuntimeError):
     """Loading one sample failed inside the Loader. Carries key, shard and row; the
     original exception (with its traceback from the worker thread) is `__cause__`."""
@@ -97,3 +114,12 @@ class SampleError(StokerError, RuntimeError):
 
 class LoaderTimeoutError(StokerError, TimeoutError):
     """A wait for data took longer than the Loader's timeout; the message says where."""
+
+
+class LoaderClosedError(StokerError, RuntimeError):
+    """The loader (or one pass over it) was closed while the training loop waited for a batch."""
+
+
+class WorkerError(StokerError, RuntimeError):
+    """A loader thread (a worker or the device thread) ended outside any one sample's work; the
+    thread's own exception, with its traceback, is `__cause__` when there is one."""
