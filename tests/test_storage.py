@@ -17,7 +17,9 @@ from stoker.reader import open_dataset
 from stoker.sources import open_source
 from stoker.storage import LocalStorage, open_storage, url_scheme
 
-URLS = ["s3://bucket/ds", "gs://bucket/ds", "https://example.com/ds", "hf://datasets/x"]
+#: URLs no installed backend serves here: an unknown scheme, and schemes whose fsspec package
+#: (gcsfs, adlfs) is not one of stoker's extras. s3:// and https:// are served (tests/test_remote.py).
+URLS = ["foo://bucket/ds", "gs://bucket/ds", "az://container/ds"]
 
 
 @pytest.fixture()
@@ -35,11 +37,14 @@ def folder(tmp_path: Path) -> Path:
 def test_urls_are_refused_by_every_entry_point(url: str, folder: Path, tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(UnsupportedStorageError, match="not supported yet"):
+    with pytest.raises(UnsupportedStorageError, match=rf"{url}: .*(install|no installed fsspec backend)"):
         pack(folder, url, options=PackOptions(workers=1), progress=False)
-    for call in (open_dataset, describe, verify, open_source):
-        with pytest.raises(UnsupportedStorageError, match="remote storage"):
+    for call in (open_dataset, describe, verify):
+        with pytest.raises(UnsupportedStorageError, match=rf"{url}: .*(install|no installed fsspec backend)"):
             call(url)
+    for src in (url, "s3://bucket/images"):  # images to pack are local, whatever the scheme
+        with pytest.raises(UnsupportedStorageError, match="images to pack are read from local paths"):
+            open_source(src)
     scheme = url.split(":")[0]
     assert not (tmp_path / f"{scheme}:").exists(), "a URL must never become a local folder"
 
@@ -48,10 +53,10 @@ def test_urls_are_refused_by_every_entry_point(url: str, folder: Path, tmp_path:
 def test_cli_refuses_urls_and_writes_nothing(command: str, folder: Path, tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     monkeypatch.chdir(tmp_path)
-    argv = [command, str(folder), "s3://bucket/ds", "--no-progress"] if command == "pack" else [command, "s3://bucket/ds"]
+    argv = [command, str(folder), "foo://bucket/ds", "--no-progress"] if command == "pack" else [command, "foo://bucket/ds"]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "s3://bucket/ds" in err and "not supported yet" in err
+    assert "foo://bucket/ds" in err and "no installed fsspec backend serves foo://" in err
     assert sorted(os.listdir(tmp_path)) == ["src"]
 
 

@@ -34,12 +34,14 @@ import torch
 
 from ._system import usable_cpus
 from .errors import ConfigError
-from .order import ORDERS, epoch_order, num_batches, rank_indices, samples_per_rank
-from .reader import Dataset, PackedDataset, open_dataset, open_loose
+from .order import ORDERS, epoch_order, num_batches, rank_indices, samples_per_rank, shard_window_order
+from .reader import CachedDataset, Dataset, PackedDataset, open_cached, open_dataset, open_loose
 from .device import DeviceOptions, DeviceStage, as_device_options
 from .render import DeviceBuilder, Filler, RenderSpec
 from .shards import MANIFEST_NAME, looks_like_partial_pack
-from .storage import open_storage
+from .storage import RemoteStorage, open_storage, url_scheme
+from .storage.remote import DEFAULT_CACHE_LIMIT
+from .storage.staging import StagedCopy, stage_for_loader
 from .slots import BatchRing, Feeder, LoaderStats, Run, Slot
 from .transforms import Pipeline
 
@@ -48,10 +50,14 @@ __all__ = ["Loader", "LoaderStats"]
 _STATE_FORMAT = "stoker.Loader/1"
 
 
-def _open_source(source: str | Path | Dataset) -> tuple[Dataset, bool]:
+def _open_source(source: str | Path | Dataset, remote: dict[str, Any], timeout: float
+                 ) -> tuple[Dataset, bool]:
     if isinstance(source, Dataset):
         return source, False
-    storage = open_storage(source)   # refuses a URL no backend serves, never makes it a local path
+    # refuses a URL no backend serves, never makes it a local path; `remote` applies to URLs only
+    storage = open_storage(source, **remote) if url_scheme(source) not in (None, "file") else open_storage(source)
+    if isinstance(storage, RemoteStorage):
+        return open_cached(storage, timeout=max(timeout, 60.0)), True
     if storage.is_dir() and (storage.exists(MANIFEST_NAME) or looks_like_partial_pack(storage)):
         return open_dataset(storage), True
     return open_loose(source), True
@@ -86,8 +92,17 @@ class Loader:
     labels `int64 [B]` (float64 for float labels, a list for string/list labels), plus a dict of
     lists `{column: values}` as a third item when `columns` names extra shard columns.
 
-    `order`: "random" (a full shuffle per epoch), "sequential" (dataset order) or "shard_random"
-    (shuffled shards, samples shuffled within a window: for remote data). `device`: None (the uint8
+    `source` may be a URL (``s3://bucket/ds``, ``gs://...``, any fsspec URL; ``pip install
+    'stoker[remote]'``): shards are downloaded ahead of need into `cache_dir` (default
+    ~/.cache/stoker/...), verified, and kept to `cache_limit` bytes ("50GB"); `storage_options` go to
+    fsspec (credentials otherwise come from the backend's usual environment and config files).
+    `stage="/dev/shm"` first copies a local packed dataset there once (verified, shared by the
+    node's ranks, removed by the last to close).
+
+    `order`: "random" (a full shuffle per epoch), "sequential" (dataset order), "shard_random"
+    (blocks of shards in a shuffled order: for datasets bigger than the page cache) or
+    "shard_window" (shuffled shards, one run of them per rank, samples shuffled within windows of
+    4 shards: each rank downloads ~1/world_size of the shards; for object storage). `device`: None (the uint8
     batches above), a device ("cuda", "cuda:1", "cpu": images `uint8 [B, 3, H, W]` there, numeric
     labels too) or a `DeviceOptions` (normalize, dtype, memory_format, decode="gpu", gpu_decoder).
     """
@@ -97,6 +112,8 @@ class Loader:
                  prefetch: int = 2, columns: Sequence[str] = (), on_error: str = "raise",
                  rank: int | None = None, world_size: int | None = None, pin_memory: bool | None = None,
                  timeout: float = 120.0, device: str | int | torch.device | DeviceOptions | None = None,
+                 cache_dir: str | Path | None = None, cache_limit: int | str = DEFAULT_CACHE_LIMIT,
+                 storage_options: dict[str, Any] | None = None, stage: str | Path | None = None,
                  shuffle: bool | None = None) -> None:
         if shuffle is not None:  # the 0.1 spelling, kept while it costs nothing
             warnings.warn("Loader(shuffle=) is deprecated: pass order='random' or order='sequential'",
@@ -117,7 +134,20 @@ class Loader:
             raise ConfigError(f"timeout must be positive seconds, got {timeout!r}")
         self.pipeline = Pipeline(transforms)
         self.device = _device_options(device, self.pipeline)
-        self.dataset, self._owns_dataset = _open_source(source)
+        self._staged: StagedCopy | None = None
+        if stage is not None:
+            if isinstance(source, Dataset) or url_scheme(source) not in (None, "file"):
+                raise ConfigError(f"stage={str(stage)!r} copies a packed dataset folder; pass its path as the "
+                                  f"source (a URL is cached through cache_dir= instead)")
+            self._staged = stage_for_loader(source, stage)
+            source = self._staged.path
+        remote = {"cache_dir": cache_dir, "cache_limit": cache_limit, "storage_options": storage_options}
+        try:
+            self.dataset, self._owns_dataset = _open_source(source, remote, timeout)
+        except BaseException:
+            if self._staged is not None:
+                self._staged.close()
+            raise
         try:
             self._setup(batch_size, seed, drop_last, num_threads, prefetch, columns, on_error,
                         rank, world_size, order, pin_memory, timeout)
@@ -156,7 +186,8 @@ class Loader:
         self._label_dtype = labels.dtype if labels.dtype.kind in "iufb" else None
         self._spec = RenderSpec(batch_size, self.output_size, self.pipeline, self.seed, on_error, self.columns,
                                 labels, heights, widths)
-        self._shard_rows = [s.rows for s in ds.manifest.shards] if isinstance(ds, PackedDataset) else None
+        self._shard_rows = [s.rows for s in ds.manifest.shards] \
+            if isinstance(ds, (PackedDataset, CachedDataset)) else None
         self._epoch, self._cursor, self._started = 0, 0, False
         self.stats = LoaderStats()
         self._ring: BatchRing | None = None
@@ -213,6 +244,10 @@ class Loader:
     def epoch_indices(self, epoch: int | None = None) -> np.ndarray:
         """Dataset indices this rank reads in `epoch` (default: the current one), in order."""
         epoch = self._epoch if epoch is None else epoch
+        if self.order == "shard_window":
+            idx = shard_window_order(self._shard_rows or [len(self.dataset)], seed=self.seed, epoch=epoch,
+                                     rank=self.rank, world_size=self.world_size, drop_last=self.drop_last)
+            return idx[:len(idx) // self.batch_size * self.batch_size] if self.drop_last else idx
         perm = epoch_order(len(self.dataset), seed=self.seed, epoch=epoch, order=self.order,
                            shard_rows=self._shard_rows)
         idx = rank_indices(perm, self.rank, self.world_size, drop_last=self.drop_last,
@@ -282,6 +317,9 @@ class Loader:
         if getattr(self, "_owns_dataset", False):
             self.dataset.close()
             self._owns_dataset = False
+        staged, self._staged = getattr(self, "_staged", None), None
+        if staged is not None:
+            staged.close()
         self._ring = None
         self._stage = self._gpu = None
 
@@ -314,6 +352,9 @@ class _LoaderIter:
         spec = loader._spec
         if opts is not None and opts.decode == "gpu":
             spec = replace(spec, gpu_decode=True)
+        if isinstance(loader.dataset, CachedDataset):  # downloads follow the order; done shards make room
+            ahead = (loader.prefetch + 2) * loader.batch_size + loader.num_threads
+            loader.dataset.plan(indices[start * loader.batch_size:], lookahead=ahead)
         filler = Filler(spec, loader.dataset, epoch, indices, start)
         self._run: Run | None = None
         self._feeder: Feeder | None = None

@@ -146,7 +146,7 @@ def _describe(obj: Any) -> str:
 
 
 def _packed(loader: Any) -> bool:
-    return type(loader.dataset).__name__ == "PackedDataset"
+    return type(loader.dataset).__name__ in ("PackedDataset", "CachedDataset")
 
 
 def _first_tensor(batch: Any) -> Any:

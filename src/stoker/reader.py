@@ -5,13 +5,16 @@ view of the mapping, with its encoding, height, width and label, in O(1) (a bise
 shards' first rows). ``open_loose(src)`` serves an ImageFolder tree or a file list the same way,
 reading each file when asked, so unpacked data goes through the same decode path.
 Shards are found, checked (:mod:`stoker.integrity`) and mapped through :mod:`stoker.storage`.
+A dataset in object storage (``open_dataset("s3://bucket/ds")``) is a :class:`CachedDataset`: its
+shards are fetched whole into the local shard cache when (or, with a plan, before) they are needed.
 """
 
 from __future__ import annotations
 
 import bisect
 import threading
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple, Union
 
@@ -19,10 +22,11 @@ import numpy as np
 import pyarrow as pa
 
 from . import codecs
-from .errors import DatasetClosedError, ImageError, ShardError, SourceError
+from .errors import ConfigError, DatasetClosedError, ImageError, ShardError, SourceError
 from .integrity import OpenShard, open_shard
-from .shards import Manifest, read_manifest
-from .storage import Storage, as_storage
+from .shards import Manifest, ShardInfo, read_manifest
+from .storage import LocalStorage, RemoteStorage, Storage, as_storage
+from .storage.cache import working_set_bytes
 
 Bytes = Union[memoryview, np.ndarray, bytes]
 
@@ -286,14 +290,17 @@ def _blocks(shard: OpenShard) -> list[_Block]:
     return blocks
 
 
-def open_dataset(path: str | Path | Storage, *, verify: bool = False) -> PackedDataset:
-    """Open a packed dataset directory. Cheap: reads the manifest and each shard's footer.
+def open_dataset(path: str | Path | Storage, *, verify: bool = False) -> PackedDataset | CachedDataset:
+    """Open a packed dataset directory or URL. Cheap: reads the manifest and each shard's footer.
 
     Checks at open time that every shard exists, has the manifest's size and row count and is
     Arrow; ``verify=True`` also checks every shard's SHA-256 (reads all bytes). A URL no storage
-    backend serves raises UnsupportedStorageError.
+    backend serves raises UnsupportedStorageError. A URL gives a :class:`CachedDataset` (its
+    shards are downloaded when needed; ``verify=True`` downloads and checks them all now).
     """
     storage = as_storage(path)
+    if isinstance(storage, RemoteStorage):
+        return open_cached(storage, verify=verify)
     manifest = read_manifest(storage)
     shards: list[OpenShard] = []
     try:
@@ -304,6 +311,191 @@ def open_dataset(path: str | Path | Storage, *, verify: bool = False) -> PackedD
             shard.close()
         raise
     return PackedDataset(storage, manifest, shards)
+
+
+#: Columns a CachedDataset reads at open time without downloading shards (a few ranged GETs each).
+META_COLUMNS = ("encoding", "height", "width", "label")
+
+
+def _meta_column(tables: list[pa.Table], name: str) -> np.ndarray:
+    if not tables:
+        return np.empty(0, np.int64)
+    arr = pa.chunked_array([t.column(name).combine_chunks() for t in tables])
+    if (pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type)) and not arr.null_count:
+        out = arr.to_numpy()
+    else:
+        out = np.array(arr.to_pylist() + [None], dtype=object)[:-1]
+    out.flags.writeable = False
+    return out
+
+
+class _Mapped:
+    """One shard as mapped now: the cache generation of the file and its zero-copy blocks."""
+
+    def __init__(self, generation: int, blocks: list[_Block]) -> None:
+        self.generation = generation
+        self.blocks = blocks
+        self.starts = [b.first_row for b in blocks]
+
+
+class CachedDataset(Dataset):
+    """A packed dataset in object storage. Labels, heights, widths and encodings are read at open
+    time; a shard is downloaded whole (verified) into `storage`'s ShardCache when a sample of it is
+    first needed, or ahead of need once :meth:`plan` gave the cache the epoch's order."""
+
+    def __init__(self, storage: RemoteStorage, manifest: Manifest, meta: list[pa.Table]) -> None:
+        self.storage = storage
+        self.path = Path(storage.location)
+        self.url = storage.location
+        self.manifest = manifest
+        self.classes = manifest.classes
+        self.extra_columns = list(manifest.extra_columns)
+        assert storage.cache is not None
+        self.cache = storage.cache
+        self._starts = np.cumsum([0, *[s.rows for s in manifest.shards]]).tolist()
+        self._n = int(self._starts[-1])
+        self._labels = _meta_column(meta, "label")
+        self._heights = _meta_column(meta, "height").astype(np.int32, copy=False)
+        self._widths = _meta_column(meta, "width").astype(np.int32, copy=False)
+        self._encodings = _meta_column(meta, "encoding")
+        self._mapped: dict[str, _Mapped] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self.cache.on_evict(self._forget)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __repr__(self) -> str:
+        return (f"<stoker dataset {self.url}: {self._n} samples in {len(self.manifest.shards)} shards, "
+                f"cached in {self.cache.dir}>")
+
+    @property
+    def labels(self) -> np.ndarray:
+        return self._labels
+
+    @property
+    def heights(self) -> np.ndarray:
+        return self._heights
+
+    @property
+    def widths(self) -> np.ndarray:
+        return self._widths
+
+    @property
+    def encodings(self) -> np.ndarray:
+        return self._encodings
+
+    @property
+    def sizes(self) -> None:
+        """Per-sample sizes need the image column's offsets, i.e. the whole shard: not known."""
+        return None
+
+    def _forget(self, name: str) -> None:
+        # the cache deleted the file: drop our mapping (views still in use keep it alive until done)
+        with self._lock:
+            self._mapped.pop(name, None)
+
+    def _shard_of(self, i: int) -> tuple[ShardInfo, int]:
+        if self._closed:
+            raise DatasetClosedError(f"{self.url}: the dataset was closed; open it again with open_dataset()")
+        k = bisect.bisect_right(self._starts, i) - 1
+        return self.manifest.shards[k], i - int(self._starts[k])
+
+    def _mapping(self, info: ShardInfo, path: Path, generation: int) -> _Mapped:
+        """The blocks of the cached copy `generation` of a shard (the caller holds it in the cache)."""
+        with self._lock:
+            mapped = self._mapped.get(info.file)
+            if mapped is not None and mapped.generation == generation:
+                return mapped
+        try:  # the copy was verified on download; this checks it is a shard of this manifest
+            local = open_shard(LocalStorage(path.parent), replace(info, file=path.name), self.manifest)
+        except ShardError as exc:
+            where = self.storage.join(info.file)
+            raise ShardError(f"{where} (cached as {path}): {exc}", path=where) from None
+        mapped = _Mapped(generation, _blocks(OpenShard(info, local.mapping, local.batches, local.identity)))
+        with self._lock:
+            self._mapped[info.file] = mapped
+        return mapped
+
+    def _read(self, i: int, fn: Any) -> Any:
+        info, row = self._shard_of(self._check_index(i))
+        path, generation = self.cache.get(info.file)
+        try:
+            mapped = self._mapping(info, path, generation)
+            block = mapped.blocks[bisect.bisect_right(mapped.starts, row) - 1]
+            return fn(block, row - block.first_row, info)
+        finally:
+            self.cache.release(info.file)
+
+    def sample(self, i: int) -> Sample:
+        """Sample `i`: bytes as a zero-copy view of the cached shard (downloaded first if needed)."""
+        def view(b: _Block, r: int, info: ShardInfo) -> Sample:
+            img = b.img_data[b.img_offsets[r]: b.img_offsets[r + 1]]
+            key = b.key_data[b.key_offsets[r]: b.key_offsets[r + 1]].tobytes().decode("utf-8")
+            label = self._labels[i]
+            return Sample(i, key, img, b.enc_names[b.enc_codes[r]], int(b.heights[r]), int(b.widths[r]),
+                          label.item() if isinstance(label, np.generic) else label, info.file, b.first_row + r)
+        return self._read(i, view)
+
+    def extra(self, i: int, name: str) -> Any:
+        if name not in self.extra_columns:
+            raise KeyError(f"{self.url}: no extra column {name!r}; this dataset has {self.extra_columns}")
+        return self._read(i, lambda b, r, info: b.batch.column(name)[r].as_py())
+
+    def location(self, i: int) -> tuple[str, int]:
+        info, row = self._shard_of(self._check_index(i))
+        return info.file, row
+
+    def plan(self, indices: np.ndarray, lookahead: int) -> None:
+        """Give the cache the order samples will be read in (`lookahead`: how far ahead the readers
+        may run), so it downloads ahead of need and evicts what this epoch is done with. Raises
+        ConfigError when that order needs more shards at once than the cache may hold."""
+        shard_idx = np.searchsorted(self._starts, np.asarray(indices, dtype=np.int64), side="right") - 1
+        if not len(shard_idx):
+            self.cache.plan([])
+            return
+        uniq, first, counts = np.unique(shard_idx, return_index=True, return_counts=True)
+        last = len(shard_idx) - 1 - np.unique(shard_idx[::-1], return_index=True)[1]
+        infos = [self.manifest.shards[k] for k in uniq]
+        names = [s.file for s in infos]
+        need = working_set_bytes(dict(zip(names, first.tolist())), dict(zip(names, last.tolist())),
+                                 {s.file: s.bytes for s in infos}, lookahead)
+        if need > self.cache.limit:
+            raise ConfigError(
+                f"{self.url}: this epoch's order needs up to {need / 1e9:.3g} GB of shards cached at once, more "
+                f"than cache_limit ({self.cache.limit / 1e9:.3g} GB); use order='shard_window' (a few shards at a "
+                f"time) or raise cache_limit")
+        self.cache.plan([names[j] for j in np.argsort(first, kind="stable")], dict(zip(names, counts.tolist())))
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            self._mapped.clear()
+        self.storage.close()
+
+
+def open_cached(storage: RemoteStorage, *, verify: bool = False, fetch_threads: int = 2,
+                timeout: float = 300.0) -> CachedDataset:
+    """Open a dataset in object storage: the manifest, each shard's small columns (META_COLUMNS) and
+    the shard cache. `verify=True` also downloads and checks every shard now."""
+    manifest = read_manifest(storage)
+    cache = storage.open_cache(manifest.shards, threads=fetch_threads, timeout=timeout)
+    try:
+        with ThreadPoolExecutor(max_workers=8, thread_name_prefix="stoker-meta") as pool:
+            meta = list(pool.map(lambda s: storage.shard_meta(s, s.rows, META_COLUMNS), manifest.shards))
+        ds = CachedDataset(storage, manifest, meta)
+        if verify:
+            for info in manifest.shards:
+                path, generation = cache.get(info.file)
+                try:
+                    ds._mapping(info, path, generation)
+                finally:
+                    cache.release(info.file)
+    except BaseException:
+        storage.close()
+        raise
+    return ds
 
 
 class LooseDataset(Dataset):

@@ -30,7 +30,7 @@ from .device import DeviceStage, convert
 from .errors import DatasetError, SampleError
 from .gpu_decode import GpuJob
 from .order import replacement_index, sample_keys, uniforms
-from .reader import Dataset, PackedDataset
+from .reader import CachedDataset, Dataset, PackedDataset
 from .slots import LoaderStats, Slot, WorkerTimes
 from .transforms import Pipeline, Plan, apply_tail, crop_resize_into, decode_minimums, run_user_op
 
@@ -229,7 +229,7 @@ class Filler:
     def _describe(self, idx: int, exc: BaseException) -> tuple[str | None, str, int]:
         shard, row = self.ds.location(idx)
         key = getattr(exc, "key", None)
-        if key is None and isinstance(self.ds, PackedDataset):
+        if key is None and isinstance(self.ds, (PackedDataset, CachedDataset)):
             try:
                 key = self.ds.sample(idx).key
             except DatasetError:  # the shard itself is what failed (deleted, truncated): no key to read

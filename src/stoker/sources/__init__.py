@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import SourceError
-from ..storage import open_storage
+from ..errors import SourceError, UnsupportedStorageError
+from ..storage import open_storage, url_scheme
 from . import folder, listing, table, tar
 from .base import IMAGE_EXTENSIONS, Source, SourceItem, SourceOptions, read_bytes
 
@@ -63,7 +63,13 @@ def open_source(src: str | Path, *, kind: str = "auto", label_column: str | None
     """
     if kind not in KINDS:
         raise SourceError(f"unknown source kind {kind!r}; expected one of {', '.join(KINDS)}", path=src)
-    open_storage(src)  # a URL (s3://...) is refused, never read as a local path of that name
+    scheme = url_scheme(src)
+    if scheme not in (None, "file"):  # never read as a local path of that name
+        raise UnsupportedStorageError(
+            f"{src}: images to pack are read from local paths; {scheme}:// sources are not supported — copy or "
+            "mount them locally (a packed dataset, by contrast, can live in object storage)", location=str(src))
+    if scheme == "file":
+        src = open_storage(src).location
     path = Path(src).expanduser()
     if not path.exists():
         raise SourceError(f"source {path} does not exist; expected an image folder, a .txt list, "

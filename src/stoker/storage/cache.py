@@ -28,10 +28,18 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Protocol, Sequence
 
 from ..errors import ConfigError, LoaderTimeoutError, ShardError
-from ..shards import ShardInfo
+
+
+class ShardInfo(Protocol):
+    """What the cache needs of a manifest entry (`stoker.shards.ShardInfo` has it)."""
+
+    file: str
+    bytes: int
+    sha256: str
+
 
 #: fetch(name, start, end) -> the bytes [start, end) of shard `name` in storage.
 RangeFetcher = Callable[[str, int, int], bytes]
@@ -150,6 +158,12 @@ class ShardCache:
     def path(self, name: str) -> Path:
         """Where shard `name` lives once local."""
         return self.dir / f"{self._entries[name].info.sha256}.arrow"
+
+    def holds(self, name: str) -> bool:
+        """True when shard `name` is in the cache now (verified)."""
+        with self._cond:
+            e = self._entries.get(name)
+            return e is not None and e.state == "local"
 
     def on_evict(self, callback: Callable[[str], None]) -> None:
         """Call `callback(name)` (under the cache's lock: keep it short, never call back in) when a

@@ -18,10 +18,12 @@ import threading
 from pathlib import Path
 from typing import Any, BinaryIO, Mapping, Sequence
 
-from ..errors import ConfigError, DatasetError, UnsupportedStorageError
-from ..shards import ShardInfo
+import pyarrow as pa
+
+from ..errors import ConfigError, DatasetError, ShardError, UnsupportedStorageError
 from .base import ShardSink, Storage
-from .cache import ShardCache, parse_size
+from .cache import ShardCache, ShardInfo, parse_size
+from .local import file_sha256
 
 INSTALL_HINT = "pip install 'stoker[remote]'"
 #: Schemes served locally by other backends, or that fsspec knows but cannot hold a dataset.
@@ -158,6 +160,12 @@ class RemoteStorage(Storage):
         return bytes(self.fs.cat_file(self.path(name), start=start, end=end))
 
     def sha256(self, name: str) -> str:
+        """SHA-256 of `name`: of the cached copy when the cache holds it (it was verified against the
+        manifest on the way in, and hashing it again locally is what `stoker verify` asks for), else
+        streamed from storage."""
+        cache = self._cache
+        if cache is not None and cache.holds(name):
+            return file_sha256(cache.path(name))
         digest = hashlib.sha256()
         with self.fs.open(self.path(name), "rb", block_size=16 << 20, cache_type="none") as fh:
             while block := fh.read(16 << 20):
@@ -177,13 +185,53 @@ class RemoteStorage(Storage):
         return self._cache
 
     def local_path(self, name: str) -> Path:
-        """The verified cached copy of shard `name`, downloaded first when needed. It stays in the
-        cache until the cache needs the room (it counts as in use until then)."""
+        """The verified cached copy of shard `name`, downloaded first when needed; it may be evicted
+        once the cache needs the room. (The reader holds shards through the cache directly.)"""
         if self._cache is None:
             raise DatasetError(f"{self.join(name)}: a remote shard is read through the shard cache; open the "
                                "dataset with stoker.open_dataset(url) or stoker.Loader(url)", path=self.join(name))
         path, _ = self._cache.get(name)
+        self._cache.release(name)
         return path
+
+    def shard_meta(self, info: ShardInfo, rows: int, columns: Sequence[str]) -> pa.Table:
+        """`columns` of a shard (small ones: height, width, label) without downloading it: ranged
+        GETs of just their buffers (Arrow IPC's footer says where they are). Kept in the cache
+        directory (`<sha256>.meta.arrow`) for the next run."""
+        local = self.cache_dir / f"{info.sha256}.meta.arrow"
+        try:
+            with pa.memory_map(str(local), "r") as mm:
+                table = pa.ipc.open_file(mm).read_all()
+            if table.num_rows == rows and table.schema.names == list(columns):
+                return table
+        except (OSError, pa.ArrowException):
+            pass  # absent or damaged: read it again
+        where = self.join(info.file)
+        try:
+            with self.fs.open(self.path(info.file), "rb", block_size=1 << 16, cache_type="none") as fh:
+                schema = pa.ipc.open_file(pa.PythonFile(fh, mode="r")).schema
+                missing = [c for c in columns if c not in schema.names]
+                if missing:
+                    raise ShardError(f"{where}: missing column(s) {missing}; expected a stoker shard", path=where)
+                fh.seek(0)
+                options = pa.ipc.IpcReadOptions(included_fields=[schema.get_field_index(c) for c in columns])
+                table = pa.ipc.open_file(pa.PythonFile(fh, mode="r"), options=options).read_all()
+                table = table.select(list(columns))
+        except FileNotFoundError:
+            raise ShardError(f"{where}: listed in the manifest but missing from the storage; upload it or "
+                             "re-pack the dataset", path=where) from None
+        except (pa.ArrowException, ValueError) as exc:
+            raise ShardError(f"{where}: not a readable Arrow IPC file ({exc}); upload it again or re-pack",
+                             path=where) from None
+        if table.num_rows != rows:
+            raise ShardError(f"{where}: holds {table.num_rows} rows, the manifest expects {rows}; upload it "
+                             "again or re-pack", path=where)
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = local.with_name(f".{local.name}.{os.getpid()}.tmp")
+        with pa.OSFile(str(tmp), "wb") as out, pa.ipc.new_file(out, table.schema) as writer:
+            writer.write_table(table)
+        os.replace(tmp, local)
+        return table
 
     def identity(self, name: str) -> tuple[int, ...]:
         if self._cache is None:
