@@ -71,7 +71,9 @@ def _handler(upstream: tuple[str, int], log: ProxyLog) -> type[BaseHTTPRequestHa
             for k, v in resp.getheaders():
                 if k.lower() not in _HOP and k.lower() != "content-length":
                     self.send_header(k, v)
-            self.send_header("Content-Length", str(len(payload)))
+            # a HEAD answer has no body but the length of the object it describes
+            length = resp.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(payload))
+            self.send_header("Content-Length", length)
             self.end_headers()
             if self.command == "HEAD":
                 return

@@ -14,9 +14,9 @@ from . import codecs
 from ._system import usable_cpus
 from .errors import DatasetError, ImageError
 from .integrity import check_shard
-from .reader import PackedDataset, open_dataset
+from .reader import CachedDataset, PackedDataset, open_dataset
 from .shards import MANIFEST_NAME, SHARD_NAME_RE, read_manifest
-from .storage import Storage, as_storage
+from .storage import RemoteStorage, Storage, as_storage
 
 
 def _stats(values: np.ndarray) -> dict[str, float]:
@@ -56,7 +56,9 @@ class DatasetInfo:
             "encodings   " + ", ".join(f"{k} {v:,}" for k, v in sorted(self.encodings.items())),
             f"height px   {px(self.height)}",
             f"width px    {px(self.width)}",
-            f"sample size {px({k: v / 1024 for k, v in self.sample_bytes.items()})} KiB",
+            f"sample size {px({k: v / 1024 for k, v in self.sample_bytes.items()})} KiB" if self.sample_bytes
+            else f"sample size mean {self.total_bytes / max(self.samples, 1) / 1024:.0f} KiB (per-sample sizes are "
+                 "in the shards: not downloaded for info)",
         ]
         if self.class_counts:
             counts = sorted(self.class_counts.items(), key=lambda kv: (-kv[1], kv[0]))
@@ -88,7 +90,7 @@ def describe(path: str | Path | Storage) -> DatasetInfo:
             shards=len(m.shards), total_bytes=sum(s.bytes for s in m.shards),
             label_type=m.label_type, classes=m.classes, class_counts=class_counts,
             encodings=dict(Counter(ds.encodings.tolist())), height=_stats(ds.heights), width=_stats(ds.widths),
-            sample_bytes=_stats(ds.sizes), extra_columns=dict(m.extra_columns), pack_options=dict(m.pack_options))
+            sample_bytes={} if ds.sizes is None else _stats(ds.sizes), extra_columns=dict(m.extra_columns), pack_options=dict(m.pack_options))
 
 
 @dataclass
@@ -135,6 +137,8 @@ def _check_shards(storage: Storage, report: VerifyReport) -> bool:
     except DatasetError as exc:
         report.problems.append(Problem(storage.join(MANIFEST_NAME), str(exc)))
         return False
+    if isinstance(storage, RemoteStorage):  # shards are checked as downloaded into the (bounded) cache
+        storage.open_cache(manifest.shards)
     listed = {s.file for s in manifest.shards}
     report.unlisted = [n for n in storage.list() if SHARD_NAME_RE.fullmatch(n) and n not in listed]
     for info in manifest.shards:
@@ -145,7 +149,7 @@ def _check_shards(storage: Storage, report: VerifyReport) -> bool:
     return not report.problems
 
 
-def _decode_all(ds: PackedDataset, report: VerifyReport, workers: int) -> None:
+def _decode_all(ds: PackedDataset | CachedDataset, report: VerifyReport, workers: int) -> None:
     def check(i: int) -> Problem | None:
         s = ds.sample(i)
         try:
@@ -167,7 +171,11 @@ def verify(path: str | Path | Storage, *, decode: bool = False, workers: int | N
     Reports every problem found (not just the first)."""
     storage = as_storage(path)
     report = VerifyReport(storage.location if isinstance(path, Storage) else str(path))
-    if _check_shards(storage, report) and decode:
-        with open_dataset(storage) as ds:
-            _decode_all(ds, report, workers or usable_cpus())
+    try:
+        if _check_shards(storage, report) and decode:
+            with open_dataset(storage) as ds:
+                _decode_all(ds, report, workers or usable_cpus())
+    finally:
+        if isinstance(storage, RemoteStorage):
+            storage.close()  # the cache's download threads
     return report

@@ -463,9 +463,9 @@ class CachedDataset(Dataset):
                                  {s.file: s.bytes for s in infos}, lookahead)
         if need > self.cache.limit:
             raise ConfigError(
-                f"{self.url}: this epoch's order needs up to {need / 1e9:.3g} GB of shards cached at once, more "
-                f"than cache_limit ({self.cache.limit / 1e9:.3g} GB); use order='shard_window' (a few shards at a "
-                f"time) or raise cache_limit")
+                f"{self.url}: this epoch's order needs up to {need:,} bytes of shards cached at once, more than "
+                f"cache_limit ({self.cache.limit:,} bytes); use order='shard_window' (a few shards at a time) or "
+                f"raise cache_limit")
         self.cache.plan([names[j] for j in np.argsort(first, kind="stable")], dict(zip(names, counts.tolist())))
 
     def close(self) -> None:

@@ -12,7 +12,8 @@ Background threads download the shards of the plan in the order they are needed,
 and rename a shard into the cache only when its size and SHA-256 match the manifest: a reader never
 sees a partial or damaged file. The cache never holds more than `limit` bytes, downloads in flight
 included: before a download starts, room is made by deleting shards no reader still needs this
-epoch (least recently used first), and a download waits until there is room.
+epoch (least recently used first), then shards needed only later than the one coming in (the
+furthest first); a shard a reader holds is never deleted, and a download waits until there is room.
 
 Files are named by their SHA-256 (`<sha256>.arrow`), so a second run, another rank on the same
 machine or another dataset holding the same shard reuses them; a file is trusted on adoption when
@@ -111,6 +112,7 @@ class _Entry:
     state: str = "remote"  # remote | fetching | local | failed
     remaining: int = 0  # planned reads not yet released this epoch
     pins: int = 0  # get() calls not yet released
+    position: int = 2**62  # place in the current plan's order (unplanned: last)
     generation: int = 0  # bumped on every (re)download, so readers notice a new file
     last_used: float = 0.0
     error: BaseException | None = None
@@ -178,11 +180,12 @@ class ShardCache:
             raise ConfigError(f"plan names shards not in the manifest: {unknown[:5]}")
         with self._cond:
             for e in self._entries.values():
-                e.remaining = 0
+                e.remaining, e.position = 0, 2**62
                 if e.state == "failed":  # a new epoch tries again
                     e.state, e.error = "remote", None
-            for name in order:
+            for position, name in enumerate(order):
                 self._entries[name].remaining = (uses or {}).get(name, 1)
+                self._entries[name].position = min(self._entries[name].position, position)
             self._queue = [n for n in dict.fromkeys(order) if self._entries[n].state == "remote"]
             self._cond.notify_all()
 
@@ -206,6 +209,7 @@ class ShardCache:
                         raise e.error
                     if e.state == "remote" and name not in self._queue[:1]:
                         self._queue = [name] + [n for n in self._queue if n != name]  # needed now
+                        e.position = min(e.position, -1)
                         self._cond.notify_all()
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -278,17 +282,24 @@ class ShardCache:
             self._used += size
         self.stats.peak_bytes = self._used
 
-    def _evictable(self) -> Iterable[tuple[float, str | Path]]:
+    def _evictable(self, before: int) -> Iterable[tuple[tuple[int, float], str | Path]]:
+        """(priority, victim): first files this epoch is done with (least recently used first), then
+        shards needed again only after plan position `before`, the furthest first (they will be
+        fetched again when their turn comes; keeping them would stall what is needed sooner)."""
         for path, _ in self._foreign.items():
-            yield 0.0, path
+            yield (0, 0.0), path
         for name, e in self._entries.items():
-            if e.state == "local" and e.pins == 0 and e.remaining == 0:
-                yield e.last_used, name
+            if e.state != "local" or e.pins:
+                continue
+            if e.remaining == 0:
+                yield (1, e.last_used), name
+            elif e.position > before:
+                yield (2, -float(e.position)), name
 
-    def _make_room(self, need: int) -> bool:
-        """Delete unneeded files (least recently used first) until `need` more bytes fit."""
+    def _make_room(self, need: int, position: int) -> bool:
+        """Delete files until `need` more bytes fit, for a shard at plan position `position`."""
         while self._used + need > self.limit:
-            victims = sorted(self._evictable(), key=lambda v: v[0])
+            victims = sorted(self._evictable(position), key=lambda v: v[0])
             if not victims:
                 return False
             victim = victims[0][1]
@@ -312,7 +323,7 @@ class ShardCache:
         if not self._queue:
             return None
         e = self._entries[self._queue[0]]
-        if not self._make_room(e.info.bytes):
+        if not self._make_room(e.info.bytes, e.position):
             return None  # wait for readers to release shards
         self._queue.pop(0)
         e.state = "fetching"

@@ -280,8 +280,9 @@ class RemoteStorage(Storage):
 
     def close(self) -> None:
         """Stop the cache's download threads and remove local upload temporaries. Idempotent."""
-        if self._cache is not None:
-            self._cache.close()
+        cache, self._cache = self._cache, None
+        if cache is not None:
+            cache.close()
         if self._staging is not None:
             shutil.rmtree(self._staging, ignore_errors=True)
             self._staging = None

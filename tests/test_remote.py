@@ -1,0 +1,194 @@
+"""Datasets in object storage, against a real S3 API over HTTP on localhost (moto's server behind a
+recording proxy, see s3_helpers.py): same batches as local, the cache's promises, failures named."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+pytest.importorskip("s3fs", reason="needs the remote extra: pip install 'stoker[remote]'")
+pytest.importorskip("moto", reason="needs moto[server] (the test extra)")
+
+from s3_helpers import S3Server  # noqa: E402
+
+from stoker import Loader, RandomResizedCrop  # noqa: E402
+from stoker.audit import describe, verify  # noqa: E402
+from stoker.errors import ConfigError, SampleError, ShardError  # noqa: E402
+from stoker.packing import PackOptions, pack  # noqa: E402
+from stoker.reader import CachedDataset, open_dataset  # noqa: E402
+from stoker.storage import RemoteStorage  # noqa: E402
+
+from conftest import make_image_folder  # noqa: E402
+
+SHARD_SIZE = 12_000  # bytes of images per shard: the 48 small JPEGs make 24 shards of 2
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Server]:
+    server = S3Server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("remote")
+    make_image_folder(root / "imgs", n_per_class=16)
+    pack(root / "imgs", root / "packed", options=PackOptions(workers=1, shard_size=SHARD_SIZE), progress=False)
+    return root / "packed"
+
+
+_buckets = iter(range(10**6))
+
+
+@pytest.fixture
+def url(s3: S3Server, packed: Path) -> str:
+    """A fresh bucket holding a copy of `packed`; the request log starts empty."""
+    bucket = f"ds{next(_buckets)}"
+    fs = s3.filesystem()
+    fs.mkdir(bucket)
+    for f in sorted(packed.iterdir()):
+        fs.put_file(str(f), f"{bucket}/packed/{f.name}")
+    s3.reset_log()
+    return f"s3://{bucket}/packed"
+
+
+def remote_loader(s3: S3Server, url: str, cache: Path, **kw: Any) -> Loader:
+    kw.setdefault("transforms", [RandomResizedCrop(32)])
+    return Loader(url, 8, num_threads=2, seed=3, cache_dir=cache, storage_options=s3.storage_options(), **kw)
+
+
+def batches(loader: Loader) -> list[tuple[np.ndarray, np.ndarray]]:
+    return [(images.numpy().copy(), labels.numpy().copy()) for images, labels in loader]
+
+
+def n_shards(packed: Path) -> int:
+    return len(list(packed.glob("shard-*.arrow")))
+
+
+@pytest.mark.parametrize("order", ["random", "shard_window"])
+def test_batches_from_s3_equal_local_and_second_epoch_is_cached(s3: S3Server, url: str, packed: Path,
+                                                                tmp_path: Path, order: str) -> None:
+    assert n_shards(packed) == 24
+    local = Loader(packed, 8, num_threads=2, seed=3, transforms=[RandomResizedCrop(32)], order=order)
+    with remote_loader(s3, url, tmp_path / "cache", order=order) as remote:
+        assert isinstance(remote.dataset, CachedDataset)
+        for epoch in range(2):
+            got, want = batches(remote), batches(local)
+            assert len(got) == len(want)
+            for (a, la), (b, lb) in zip(got, want):
+                assert np.array_equal(a, b) and np.array_equal(la, lb)
+            shard_gets = len(s3.log.gets(".arrow"))
+            if epoch == 0:
+                first = shard_gets
+                assert remote.dataset.cache.stats.shards_fetched == n_shards(packed)
+        assert shard_gets == first, "the second epoch downloaded again"
+    local.close()
+
+
+def test_cache_never_exceeds_its_limit(s3: S3Server, url: str, packed: Path, tmp_path: Path) -> None:
+    sizes = sorted(f.stat().st_size for f in packed.glob("shard-*.arrow"))
+    # room for 12 of the 24 two-sample shards: a window of 4 plus what the readers run ahead need
+    assert len(sizes) == 24
+    limit = sum(sizes[-12:])
+    cache = tmp_path / "cache"
+    on_disk: list[int] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            on_disk.append(sum(p.stat().st_size for p in cache.glob("*") if p.is_file() and ".meta." not in p.name)
+                           if cache.exists() else 0)
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with Loader(url, 4, num_threads=1, prefetch=1, seed=3, transforms=[RandomResizedCrop(32)], cache_dir=cache,
+                    cache_limit=limit, order="shard_window", storage_options=s3.storage_options()) as loader:
+            for _ in range(2):
+                assert len(batches(loader)) == len(loader)
+            stats = loader.dataset.cache.stats
+    finally:
+        stop.set()
+        watcher.join()
+    assert stats.peak_bytes <= limit and max(on_disk) <= limit
+    assert stats.evictions > 0  # it really had to make room
+    # a global random order needs every shard at once: refused up front, with the way out
+    with pytest.raises(ConfigError, match="order='shard_window'.*or raise cache_limit"):
+        with remote_loader(s3, url, tmp_path / "c2", order="random", cache_limit=limit) as loader:
+            next(iter(loader))
+
+
+def test_corrupt_shard_in_the_bucket_is_named(s3: S3Server, url: str, packed: Path, tmp_path: Path) -> None:
+    victim = sorted(packed.glob("shard-*.arrow"))[2]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x55  # same size, one bit pattern changed
+    s3.filesystem().pipe_file(f"{url[5:]}/{victim.name}", bytes(data))
+    with remote_loader(s3, url, tmp_path / "cache", order="sequential") as loader:
+        with pytest.raises(SampleError) as info:
+            batches(loader)
+    cause = info.value.__cause__
+    assert isinstance(cause, ShardError)
+    assert f"{url}/{victim.name}: checksum mismatch" in str(cause)
+    assert not list((tmp_path / "cache").glob(".*.tmp"))  # nothing half-written left behind
+
+
+def test_dropped_connection_mid_shard_is_retried(s3: S3Server, url: str, packed: Path, tmp_path: Path) -> None:
+    victim = sorted(packed.glob("shard-*.arrow"))[1].name
+    local = Loader(packed, 8, num_threads=2, seed=3, transforms=[RandomResizedCrop(32)], order="sequential")
+    s3.log.cut[victim] = 2  # the first two GETs of this shard stop after half their body
+    with remote_loader(s3, url, tmp_path / "cache", order="sequential") as remote:
+        got = batches(remote)
+    assert s3.log.cut[victim] == 0  # both cuts happened
+    assert len(s3.log.gets(victim)) >= 3
+    for (a, la), (b, lb) in zip(got, batches(local)):
+        assert np.array_equal(a, b) and np.array_equal(la, lb)
+    local.close()
+
+
+def test_two_ranks_split_the_shards(s3: S3Server, url: str, packed: Path, tmp_path: Path) -> None:
+    total = n_shards(packed)
+    seen, fetched, lengths = [], [], []
+    for rank in range(2):
+        with remote_loader(s3, url, tmp_path / f"cache{rank}", order="shard_window", rank=rank,
+                           world_size=2) as loader:
+            idx = loader.epoch_indices(0)
+            lengths.append(len(loader))
+            assert len(batches(loader)) == len(loader)
+            seen.append(set(idx.tolist()))
+            fetched.append(set(loader.dataset.cache.stats.fetched))
+    assert lengths[0] == lengths[1]
+    assert not seen[0] & seen[1] and seen[0] | seen[1] == set(range(48))
+    for f in fetched:
+        assert len(f) <= total // 2 + 1  # about half the shards each, plus the one cut between them
+    assert len(fetched[0] | fetched[1]) == total
+
+
+def test_info_and_verify_accept_urls(s3: S3Server, url: str, packed: Path, tmp_path: Path) -> None:
+    opts = {"storage_options": s3.storage_options(), "cache_dir": tmp_path / "cache"}
+    info = describe(RemoteStorage(url, **opts))
+    assert info.samples == 48 and info.shards == n_shards(packed)
+    assert verify(RemoteStorage(url, **opts)).ok
+    victim = sorted(packed.glob("shard-*.arrow"))[0]
+    s3.filesystem().pipe_file(f"{url[5:]}/{victim.name}", victim.read_bytes()[:-10])
+    report = verify(RemoteStorage(url, storage_options=s3.storage_options(), cache_dir=tmp_path / "other"))
+    assert not report.ok and victim.name in report.format()
+
+
+def test_open_dataset_reads_samples_on_demand(s3: S3Server, url: str, packed: Path, tmp_path: Path) -> None:
+    with open_dataset(packed) as local, \
+            open_dataset(RemoteStorage(url, storage_options=s3.storage_options(), cache_dir=tmp_path / "c")) as ds:
+        assert len(ds) == len(local) and np.array_equal(ds.labels, local.labels)
+        assert s3.log.gets(".arrow") and all(r.range for r in s3.log.gets(".arrow"))  # metadata: ranged reads
+        before = ds.cache.stats.shards_fetched
+        assert before == 0
+        for i in (0, 47, 20):
+            a, b = ds.sample(i), local.sample(i)
+            assert (a.key, bytes(a.data), a.label, a.shard, a.row) == (b.key, bytes(b.data), b.label, b.shard, b.row)
+        assert ds.cache.stats.shards_fetched == 3
