@@ -9,6 +9,7 @@ import http.client
 import logging
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -35,6 +36,8 @@ class ProxyLog:
     requests: list[Request] = field(default_factory=list)
     #: substring of a path -> how many next GETs of it are cut after half their body
     cut: dict[str, int] = field(default_factory=dict)
+    #: substring of a path -> seconds each PUT of it waits first (a slow upload)
+    slow_put: dict[str, float] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def gets(self, contains: str = "") -> list[Request]:
@@ -59,6 +62,9 @@ def _handler(upstream: tuple[str, int], log: ProxyLog) -> type[BaseHTTPRequestHa
                     if self.command == "GET" else None
                 if cut is not None:
                     log.cut[cut] -= 1
+                delay = next((v for k, v in log.slow_put.items() if k in self.path), 0.0) \
+                    if self.command == "PUT" else 0.0
+            time.sleep(delay)
             headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP and k.lower() != "expect"}
             conn = http.client.HTTPConnection(*upstream, timeout=30)
             try:
@@ -108,6 +114,12 @@ class S3Server:
         self._thread.start()
         self.endpoint = f"http://127.0.0.1:{self._proxy.server_address[1]}"
 
+    def env(self) -> dict[str, str]:
+        """Environment variables that point boto-based clients (s3fs) at this server, as a user's
+        shell would for an S3-compatible store."""
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                "AWS_DEFAULT_REGION": "us-east-1"}
+
     def storage_options(self) -> dict[str, Any]:
         """What s3fs needs to reach this server (fake credentials, no retries hidden from us)."""
         return {"key": "testing", "secret": "testing", "endpoint_url": self.endpoint, "skip_instance_cache": True}
@@ -121,6 +133,7 @@ class S3Server:
         with self.log.lock:
             self.log.requests.clear()
             self.log.cut.clear()
+            self.log.slow_put.clear()
 
     def stop(self) -> None:
         self._proxy.shutdown()

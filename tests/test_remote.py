@@ -192,3 +192,66 @@ def test_open_dataset_reads_samples_on_demand(s3: S3Server, url: str, packed: Pa
             a, b = ds.sample(i), local.sample(i)
             assert (a.key, bytes(a.data), a.label, a.shard, a.row) == (b.key, bytes(b.data), b.label, b.shard, b.row)
         assert ds.cache.stats.shards_fetched == 3
+
+
+# ---- packing straight to object storage ---------------------------------------------------------
+
+def _dataset_rows(ds: Any) -> list[tuple]:
+    return [(s.key, s.label, bytes(s.data), s.shard) for s in (ds.sample(i) for i in range(len(ds)))]
+
+
+@pytest.fixture
+def bucket(s3: S3Server) -> str:
+    name = f"out{next(_buckets)}"
+    s3.filesystem().mkdir(name)
+    s3.reset_log()
+    return name
+
+
+def test_pack_to_s3_equals_a_local_pack_manifest_last(s3: S3Server, bucket: str, packed: Path,
+                                                      tmp_path: Path) -> None:
+    url = f"s3://{bucket}/ds"
+    summary = pack(packed.parent / "imgs", RemoteStorage(url, storage_options=s3.storage_options()),
+                   options=PackOptions(workers=1, shard_size=SHARD_SIZE), progress=False)
+    assert summary.out == url and f"in {url}:" in summary.format()
+    puts = [r.path for r in s3.log.requests if r.method == "PUT" and "/ds/" in r.path]
+    assert puts[-1].endswith("/ds/stoker.json"), "the manifest must be the last object written"
+    names = {p.rsplit("/", 1)[-1] for p in s3.filesystem().ls(f"{bucket}/ds")}
+    assert names == {f.name for f in packed.iterdir()}  # journal gone, nothing else left
+    remote = RemoteStorage(url, storage_options=s3.storage_options(), cache_dir=tmp_path / "cache")
+    with open_dataset(remote) as ds, open_dataset(packed) as local:
+        assert [s.sha256 for s in ds.manifest.shards] == [s.sha256 for s in local.manifest.shards]
+        assert _dataset_rows(ds) == _dataset_rows(local)
+
+
+def test_cli_pack_to_s3_resumes_after_a_kill(s3: S3Server, bucket: str, packed: Path, tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    url = f"s3://{bucket}/ds"
+    env = {**os.environ, **s3.env(), "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, "-m", "stoker.cli", "pack", str(packed.parent / "imgs"), url, "--workers", "1",
+           "--shard-size", str(SHARD_SIZE), "--no-progress"]
+    s3.log.slow_put["/ds/shard-"] = 0.25  # slow uploads, so the kill lands mid-pack
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while sum(r.method == "PUT" and "/ds/shard-" in r.path for r in s3.log.requests) < 4:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    remote = RemoteStorage(url, storage_options=s3.storage_options(), cache_dir=tmp_path / "cache")
+    from stoker.errors import IncompletePackError
+    with pytest.raises(IncompletePackError, match="--resume"):
+        open_dataset(remote)  # shards but no manifest: never taken for a finished dataset
+    uploaded_before = {r.path for r in s3.log.requests if r.method == "PUT" and "/ds/shard-" in r.path}
+    s3.log.slow_put.clear()
+    done = subprocess.run([*cmd, "--resume"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    again = [r.path for r in s3.log.requests if r.method == "PUT" and "/ds/shard-" in r.path]
+    assert len(again) - len(uploaded_before) < 24  # finished shards were kept, not uploaded again
+    with open_dataset(remote) as ds, open_dataset(packed) as local:
+        assert [s.sha256 for s in ds.manifest.shards] == [s.sha256 for s in local.manifest.shards]
+        assert _dataset_rows(ds) == _dataset_rows(local)

@@ -62,7 +62,8 @@ def _check_file(storage: Storage, info: ShardInfo, checksum: bool) -> ShardProbl
     except OSError as exc:
         return ShardProblem(info.file, f"cannot read the shard: {exc.strerror or exc}")
     try:
-        storage.local_path(info.file)
+        if storage.in_place:  # a remote shard is checked by its checksum, on its way into the cache
+            storage.local_path(info.file)
     except DatasetError as exc:  # e.g. a symlink out of the dataset: "PATH: what; fix"
         what, _, fix = str(exc).split(": ", 1)[-1].partition("; ")
         return ShardProblem(info.file, what, fix=fix or _RESTORE)

@@ -40,7 +40,7 @@ from .errors import (ConfigError, CorruptImageError, DecompressionBombError, Ima
 from .integrity import shard_matches
 from .shards import MANIFEST_NAME, Manifest, ShardInfo, ShardWriter, read_manifest, shard_name, write_manifest
 from .sources import Source, SourceItem, open_source, read_bytes
-from .storage import Storage, open_storage
+from .storage import Storage, as_storage
 
 __all__ = ["JOURNAL_NAME", "SKIPPED_NAME", "PackOptions", "PackSummary", "normalize", "pack"]
 
@@ -110,7 +110,7 @@ class PackSummary:
     bytes_out: int
     seconds: float
     shards: int
-    out: Path
+    out: Path | str  # the dataset folder, or its URL
 
     def __str__(self) -> str:
         return self.format()
@@ -118,7 +118,7 @@ class PackSummary:
     def format(self) -> str:
         """One line for people: counts, shards, bytes in and out, time and images/s."""
         rate = f", {self.packed / self.seconds:,.0f} images/s" if self.seconds > 0 else ""
-        skipped = f" ({self.skipped:,} skipped, see {self.out / SKIPPED_NAME})" if self.skipped else ""
+        skipped = f" ({self.skipped:,} skipped, see {self.out}/{SKIPPED_NAME})" if self.skipped else ""
         return (f"packed {self.packed:,} images{skipped} into {self.shards} shard(s) in {self.out}: "
                 f"{_mb(self.bytes_in)} in -> {_mb(self.bytes_out)} out, {self.seconds:.1f} s{rate}")
 
@@ -395,7 +395,7 @@ def _finished_summary(storage: Storage, pack_options: dict[str, Any], started: f
     except FileNotFoundError:
         skipped = 0
     return PackSummary(manifest.num_samples, skipped, 0, sum(s.bytes for s in manifest.shards),
-                       time.perf_counter() - started, len(manifest.shards), Path(storage.location))
+                       time.perf_counter() - started, len(manifest.shards), _where(storage))
 
 
 def _prepare_out(storage: Storage, header: dict[str, Any], resume: bool, overwrite: bool) -> _State | None:
@@ -480,10 +480,13 @@ class _Packer:
         self.writer = self._new_writer()
 
 
-def pack(src: str | Path | Source, out: str | Path, *, options: PackOptions | None = None,
+def pack(src: str | Path | Source, out: str | Path | Storage, *, options: PackOptions | None = None,
          resume: bool = False, progress: bool = True, overwrite: bool = False,
          **source_options: Any) -> PackSummary:
     """Pack ``src`` (see :func:`stoker.sources.open_source`) into a dataset directory ``out``.
+
+    ``out`` may be a URL (``s3://bucket/ds``, any fsspec URL) or a Storage: each shard is uploaded
+    whole once finished, the manifest last, so a reader never takes a half-written pack for done.
 
     Bad files are skipped and listed in ``out/skipped.jsonl`` (or, with ``on_error="fail"``,
     the first raises its ImageError). ``resume=True`` finishes an interrupted pack exactly as
@@ -494,7 +497,7 @@ def pack(src: str | Path | Source, out: str | Path, *, options: PackOptions | No
     options = options or PackOptions()
     if resume and overwrite:
         raise ConfigError("resume=True and overwrite=True contradict each other; pass one of them")
-    storage = open_storage(out)  # before listing: a URL is refused at once
+    storage = as_storage(out)  # before listing: a URL no backend serves is refused at once
     source = src if isinstance(src, Source) else open_source(src, **source_options)
     pack_options = {**options.output_options(), "source": source.description, "source_kind": source.kind}
     header = {"format": "stoker-pack-journal", "items": len(source.items), "fingerprint": _fingerprint(source),
@@ -527,6 +530,10 @@ def pack(src: str | Path | Source, out: str | Path, *, options: PackOptions | No
     return _finish(storage, source, state, pack_options, started)
 
 
+def _where(storage: Storage) -> Path | str:
+    return Path(storage.location) if storage.in_place else storage.location
+
+
 def _finish(storage: Storage, source: Source, state: _State, pack_options: dict[str, Any],
             started: float) -> PackSummary:
     """skipped.jsonl, then the manifest (last), then drop the journal."""
@@ -541,4 +548,4 @@ def _finish(storage: Storage, source: Source, state: _State, pack_options: dict[
     write_manifest(storage, manifest)
     _remove(storage, [JOURNAL_NAME])
     return PackSummary(state.packed, len(state.skipped), state.bytes_in, state.bytes_out,
-                       time.perf_counter() - started, len(state.shards), Path(storage.location))
+                       time.perf_counter() - started, len(state.shards), _where(storage))

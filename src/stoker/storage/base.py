@@ -47,6 +47,8 @@ class Storage(abc.ABC):
 
     #: Where the dataset lives, as the user wrote it (a folder or a URL): for messages.
     location: str
+    #: True when `local_path(name)` is the stored file itself (no download): checking it is free.
+    in_place: bool = True
 
     @abc.abstractmethod
     def join(self, name: str) -> str:

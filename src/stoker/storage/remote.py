@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -64,7 +63,7 @@ class _UploadSink(ShardSink):
 
     def __init__(self, storage: "RemoteStorage", name: str) -> None:
         self._storage, self._name = storage, name
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=storage.staging_dir())
+        fd, tmp = tempfile.mkstemp(prefix=f"stoker-upload-{name}.", suffix=".tmp")
         self._tmp = Path(tmp)
         self._fh: BinaryIO | None = os.fdopen(fd, "wb")
 
@@ -115,10 +114,10 @@ class RemoteStorage(Storage):
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"{url}: cannot open this URL with fsspec: {exc}") from None
         self.root = self.root.rstrip("/")
+        self.in_place = False
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir(self.location)
         self.cache_limit = parse_size(cache_limit)
         self._cache: ShardCache | None = None
-        self._staging: Path | None = None
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -150,7 +149,11 @@ class RemoteStorage(Storage):
 
     def list(self) -> list[str]:
         self.fs.invalidate_cache(self.root)
-        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False))
+        try:
+            paths = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:  # object stores have no empty folders: a prefix without objects
+            return []
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in paths)
 
     def read_bytes(self, name: str) -> bytes:
         return bytes(self.fs.cat_file(self.path(name)))
@@ -160,12 +163,16 @@ class RemoteStorage(Storage):
         return bytes(self.fs.cat_file(self.path(name), start=start, end=end))
 
     def sha256(self, name: str) -> str:
-        """SHA-256 of `name`: of the cached copy when the cache holds it (it was verified against the
-        manifest on the way in, and hashing it again locally is what `stoker verify` asks for), else
-        streamed from storage."""
+        """SHA-256 of `name`: of its cached copy once a cache is open (downloaded, verified against
+        the manifest, hashed again locally), else streamed from storage."""
         cache = self._cache
-        if cache is not None and cache.holds(name):
-            return file_sha256(cache.path(name))
+        if cache is not None:
+            try:  # one download serves both this check and the mapping that follows
+                path, _ = cache.get(name)
+                cache.release(name)
+                return file_sha256(path)
+            except ShardError:
+                pass  # damaged or unreachable: hash what storage holds, so the caller sees what is wrong
         digest = hashlib.sha256()
         with self.fs.open(self.path(name), "rb", block_size=16 << 20, cache_type="none") as fh:
             while block := fh.read(16 << 20):
@@ -240,13 +247,6 @@ class RemoteStorage(Storage):
         return (st.st_dev, st.st_ino, st.st_size)
 
     # ---- writing -----------------------------------------------------------------------------
-    def staging_dir(self) -> Path:
-        """A local folder for shards on their way up (removed by close())."""
-        with self._lock:
-            if self._staging is None:
-                self._staging = Path(tempfile.mkdtemp(prefix="stoker-upload-"))
-            return self._staging
-
     def makedirs(self) -> None:
         # object stores have no folders; a bucket that does not exist is an error worth seeing now
         try:
@@ -279,10 +279,7 @@ class RemoteStorage(Storage):
         self.fs.invalidate_cache(self.root)
 
     def close(self) -> None:
-        """Stop the cache's download threads and remove local upload temporaries. Idempotent."""
+        """Stop the cache's download threads (a later read opens a new cache). Idempotent."""
         cache, self._cache = self._cache, None
         if cache is not None:
             cache.close()
-        if self._staging is not None:
-            shutil.rmtree(self._staging, ignore_errors=True)
-            self._staging = None
