@@ -110,3 +110,31 @@ def test_stage_needs_room(packed: Path, tmp_path: Path, monkeypatch: pytest.Monk
         stage(packed, tmp_path / "shm" / "train")
     with pytest.raises(ConfigError, match="the staging destination is the dataset itself"):
         stage(packed, packed)
+
+
+def test_cli_stage_copies_reuses_and_removes(packed: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from stoker.cli import main
+
+    dest = tmp_path / "shm" / "train"
+    assert main(["stage", str(packed), str(dest)]) == 0
+    assert "copied and verified into" in capsys.readouterr().out
+    assert main(["stage", str(packed), str(dest)]) == 0
+    assert "reused the finished copy" in capsys.readouterr().out
+    assert _samples(dest) == _samples(packed)
+    assert main(["stage", "--sweep", str(dest.parent)]) == 0 and dest.exists()  # persistent: not swept
+    assert main(["stage", "--remove", str(dest)]) == 0 and not dest.exists()
+    assert main(["stage", str(packed)]) == 2
+    assert "usage: stoker stage DATASET DEST" in capsys.readouterr().err
+
+
+def test_loader_stage_argument(packed: Path, tmp_path: Path) -> None:
+    from stoker import Loader, RandomResizedCrop
+
+    root = tmp_path / "shm"
+    plain = Loader(packed, 4, num_threads=2, seed=1, transforms=[RandomResizedCrop(24)])
+    with Loader(packed, 4, num_threads=2, seed=1, transforms=[RandomResizedCrop(24)], stage=root) as staged:
+        assert str(staged.dataset.path).startswith(str(root))
+        for (a, la), (b, lb) in zip(staged, plain):
+            assert a.equal(b) and la.equal(lb)
+    assert list(root.iterdir()) == []  # the last user removed the copy
+    plain.close()

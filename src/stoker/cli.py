@@ -1,4 +1,4 @@
-"""``stoker`` command line: thin wrappers over the library (pack, info, verify, bench, doctor, demo)."""
+"""``stoker`` command line: thin wrappers over the library (pack, info, verify, stage, bench, doctor, demo)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ import logging
 import os
 import re
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from . import __version__
-from .errors import StokerError
+from .errors import ConfigError, StokerError
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
@@ -107,6 +108,29 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _cmd_stage(args: argparse.Namespace) -> int:
+    from .storage import staging
+
+    if args.remove:
+        for dest in args.paths:
+            staging.remove(dest)
+            print(f"removed {dest}")
+        return 0
+    if args.sweep:
+        for root in args.paths:
+            for gone in staging.sweep(root):
+                print(f"removed abandoned copy {gone}")
+        return 0
+    if len(args.paths) != 2:
+        raise ConfigError("usage: stoker stage DATASET DEST (or --remove DEST, --sweep ROOT)")
+    started = time.perf_counter()
+    with staging.stage(args.paths[0], args.paths[1]) as copy:
+        what = "reused the finished copy in" if copy.reused else "copied and verified into"
+        print(f"{what} {copy.path} in {time.perf_counter() - started:.1f} s; pass that path to stoker.Loader "
+              f"(remove it with `stoker stage --remove {copy.path}`)")
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .tools.bench import format_table, run_bench
 
@@ -144,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pack", help="pack images (ImageFolder, file list, CSV, tar) into Arrow shards")
     p.add_argument("src", help="ImageFolder directory, 'path label' .txt list, .csv, .tar or folder of .tar")
-    p.add_argument("out", help="output dataset directory")
+    p.add_argument("out", help="output dataset directory, or a URL: s3://bucket/ds (credentials from the usual "
+                   "environment; AWS_ENDPOINT_URL for S3-compatible stores)")
     p.add_argument("--kind", default="auto", choices=["auto", "folder", "list", "csv", "tar", "files"],
                    help="how to read SRC (default: guess from what it is)")
     p.add_argument("--max-side", type=_positive, default=None, metavar="PX",
@@ -172,15 +197,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_pack)
 
     p = sub.add_parser("info", help="counts, classes, resolutions and sizes of a packed dataset")
-    p.add_argument("dataset")
+    p.add_argument("dataset", help="dataset directory or URL (s3://bucket/ds)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_info)
 
     p = sub.add_parser("verify", help="check shard checksums against the manifest (exit 1 on any problem)")
-    p.add_argument("dataset")
+    p.add_argument("dataset", help="dataset directory or URL (s3://bucket/ds: shards go through the local cache)")
     p.add_argument("--decode", action="store_true", help="also decode every sample")
     p.add_argument("--workers", type=_positive, default=None, help="decode threads (default: usable CPUs)")
     p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser("stage", help="copy a packed dataset into memory-backed storage (/dev/shm) once, verified",
+                       description="stoker stage DATASET /dev/shm/NAME: copy (or reuse a finished copy), checking "
+                       "every shard's SHA-256; the copy stays until --remove. --sweep ROOT removes copies made by "
+                       "Loader(stage=ROOT) that crashed runs left behind.")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="DATASET DEST, or DEST with --remove, ROOT with --sweep")
+    p.add_argument("--remove", action="store_true", help="delete staged copies (waits while a process uses them)")
+    p.add_argument("--sweep", action="store_true", help="delete abandoned copies under ROOT that no process holds")
+    p.set_defaults(func=_cmd_stage)
 
     p = sub.add_parser("bench", help="stoker vs a DataLoader+PIL baseline vs the decode ceiling, same images")
     p.add_argument("--data", type=Path, default=None, help="image folder to use (default: generate ImageNet-like)")
