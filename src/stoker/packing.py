@@ -395,7 +395,7 @@ def _finished_summary(storage: Storage, pack_options: dict[str, Any], started: f
     except FileNotFoundError:
         skipped = 0
     return PackSummary(manifest.num_samples, skipped, 0, sum(s.bytes for s in manifest.shards),
-                       time.perf_counter() - started, len(manifest.shards), _where(storage))
+                       time.perf_counter() - started, len(manifest.shards), _out_location(storage))
 
 
 def _prepare_out(storage: Storage, header: dict[str, Any], resume: bool, overwrite: bool) -> _State | None:
@@ -530,7 +530,7 @@ def pack(src: str | Path | Source, out: str | Path | Storage, *, options: PackOp
     return _finish(storage, source, state, pack_options, started)
 
 
-def _where(storage: Storage) -> Path | str:
+def _out_location(storage: Storage) -> Path | str:
     return Path(storage.location) if storage.in_place else storage.location
 
 
@@ -548,4 +548,4 @@ def _finish(storage: Storage, source: Source, state: _State, pack_options: dict[
     write_manifest(storage, manifest)
     _remove(storage, [JOURNAL_NAME])
     return PackSummary(state.packed, len(state.skipped), state.bytes_in, state.bytes_out,
-                       time.perf_counter() - started, len(state.shards), _where(storage))
+                       time.perf_counter() - started, len(state.shards), _out_location(storage))
