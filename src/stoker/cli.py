@@ -83,7 +83,8 @@ def _cmd_pack(args: argparse.Namespace) -> int:
 
     options = PackOptions(max_side=args.max_side, encoding=args.encoding, jpeg_quality=args.jpeg_quality,
                           raw_below=args.raw_below, shard_size=args.shard_size, workers=args.workers,
-                          on_error=args.on_error, max_pixels=args.max_pixels)
+                          on_error=args.on_error, max_pixels=args.max_pixels, engine=args.engine,
+                          address=args.address)
     source_options = {"kind": args.kind, "label_column": args.label_column, "path_column": args.path_column}
     with contextlib.nullcontext() if args.verbose else _quiet_native_output():
         summary = pack(args.src, args.out, options=options, resume=args.resume, overwrite=args.overwrite,
@@ -181,7 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="store images with at most this many pixels as raw RGB (0 disables)")
     p.add_argument("--shard-size", type=parse_size, default=256 * 2**20, metavar="SIZE",
                    help="target shard size, e.g. 256MiB (default)")
-    p.add_argument("--workers", type=_positive, default=None, help="worker processes (default: usable CPUs)")
+    p.add_argument("--workers", type=_positive, default=None, help="worker threads (default: usable CPUs)")
+    p.add_argument("--engine", default="local", choices=["local", "ray"],
+                   help="local: threads on this machine (default); ray: the per-image work on a Ray cluster's "
+                   "workers (pip install 'stoker[ray]'; SRC must be readable from every node)")
+    p.add_argument("--address", default=None, help="with --engine ray: the cluster to join (auto, "
+                   "ray://HOST:10001); default: a Ray instance started on this machine")
     p.add_argument("--on-error", default="skip", choices=["skip", "fail"],
                    help="skip: log bad files to OUT/skipped.jsonl (default); fail: stop at the first")
     p.add_argument("--max-pixels", type=_positive, default=None, metavar="N",

@@ -59,7 +59,8 @@ _ERROR_TYPES = {cls.__name__: cls for cls in (CorruptImageError, UnsupportedImag
 
 @dataclass(frozen=True)
 class PackOptions:
-    """How samples are normalized and written. All but ``workers`` shape the output."""
+    """How samples are normalized and written. All but ``workers``, ``engine`` and ``address``
+    shape the output: a Ray pack is the same bytes as a local one."""
 
     max_side: int | None = None      # shrink so the longer side is at most this many pixels
     encoding: str = "keep"           # keep: JPEG bytes kept when possible, else a faithful JPEG or PNG;
@@ -67,7 +68,9 @@ class PackOptions:
     jpeg_quality: int = 90           # 1..100, for re-encoded samples
     raw_below: int = 64 * 64         # samples with <= this many pixels are stored raw (0: never)
     shard_size: int = 256 * 2**20    # bytes of image data per shard (a shard closes once it reaches this)
-    workers: int | None = None       # processes; None: one per usable CPU; 1: in this process
+    workers: int | None = None       # threads; None: one per usable CPU; 1: in this thread
+    engine: str = "local"            # local: threads here; ray: Ray workers (see stoker.ray_engine)
+    address: str | None = None       # with engine="ray": the cluster ("auto", "ray://host:10001"); None: local
     on_error: str = "skip"           # skip: log bad files to skipped.jsonl; fail: stop at the first
     max_pixels: int = codecs.MAX_PIXELS  # decompression-bomb limit, pixels (None: the default)
 
@@ -88,15 +91,20 @@ class PackOptions:
             raise bad("shard_size", "a positive number of bytes")
         if self.workers is not None and (not isinstance(self.workers, int) or self.workers < 1):
             raise bad("workers", "None or a positive integer")
+        if self.engine not in ("local", "ray"):
+            raise bad("engine", "'local' or 'ray'")
+        if self.address is not None and self.engine != "ray":
+            raise bad("address", "None unless engine='ray'")
         if self.on_error not in ("skip", "fail"):
             raise bad("on_error", "'skip' or 'fail'")
         if not isinstance(self.max_pixels, int) or self.max_pixels < 1:
             raise bad("max_pixels", "a positive pixel count")
 
     def output_options(self) -> dict[str, Any]:
-        """The options that decide the bytes written (everything except ``workers``)."""
+        """The options that decide the bytes written (not ``workers``, ``engine``, ``address``)."""
         opts = asdict(self)
-        del opts["workers"]
+        for name in ("workers", "engine", "address"):
+            del opts[name]
         return opts
 
 
@@ -510,7 +518,13 @@ def pack(src: str | Path | Source, out: str | Path | Storage, *, options: PackOp
     workers = max(1, min(options.workers or usable_cpus(), -(-remaining // TASK_SAMPLES)))
     bar = _progress(len(source.items), state.consumed, progress)
     pos = state.consumed
-    stream = _run_in_order(_tasks(source.items, pos, TASK_SAMPLES), options, workers)
+    if options.engine == "ray":
+        from .ray_engine import RAY_TASK_SAMPLES, run_on_ray
+
+        stream = run_on_ray(_process_task, _tasks(source.items, pos, RAY_TASK_SAMPLES), options,
+                            address=options.address, timeout=TASK_TIMEOUT_S)
+    else:
+        stream = _run_in_order(_tasks(source.items, pos, TASK_SAMPLES), options, workers)
     try:
         for results in stream:
             for result in results:
