@@ -38,6 +38,8 @@ class ProxyLog:
     cut: dict[str, int] = field(default_factory=dict)
     #: substring of a path -> seconds each PUT of it waits first (a slow upload)
     slow_put: dict[str, float] = field(default_factory=dict)
+    #: bytes/s each response body is sent at (None: as fast as possible): a network-like store
+    bandwidth: float | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def gets(self, contains: str = "") -> list[Request]:
@@ -88,6 +90,12 @@ def _handler(upstream: tuple[str, int], log: ProxyLog) -> type[BaseHTTPRequestHa
                 self.wfile.flush()
                 self.close_connection = True
                 self.connection.shutdown(socket.SHUT_RDWR)
+                return
+            if log.bandwidth:
+                for start in range(0, len(payload), 1 << 18):
+                    chunk = payload[start:start + (1 << 18)]
+                    self.wfile.write(chunk)
+                    time.sleep(len(chunk) / log.bandwidth)
                 return
             self.wfile.write(payload)
 
