@@ -43,11 +43,12 @@ def file_sha256(path: Path, chunk: int = 8 << 20) -> str:
     return digest.hexdigest()
 
 
-class _LocalSink(ShardSink):
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.tmp = path.with_name(f".{path.name}.tmp")
-        self._fh: BinaryIO | None = open(self.tmp, "wb")
+class TempFileSink(ShardSink):
+    """A file streamed to a local temporary path; subclasses say what `commit` does with it."""
+
+    def __init__(self, tmp: Path, fh: BinaryIO) -> None:
+        self.tmp = tmp
+        self._fh: BinaryIO | None = fh
 
     def write(self, data: Any) -> int:
         assert self._fh is not None, "write after commit or abort"
@@ -57,14 +58,13 @@ class _LocalSink(ShardSink):
         if self._fh is not None:
             self._fh.flush()
 
-    def commit(self) -> None:
+    def _close(self, fsync: bool) -> None:
         assert self._fh is not None, "commit after commit or abort"
         self._fh.flush()
-        os.fsync(self._fh.fileno())
+        if fsync:
+            os.fsync(self._fh.fileno())
         self._fh.close()
         self._fh = None
-        os.replace(self.tmp, self.path)
-        fsync_dir(self.path.parent)
 
     def abort(self) -> None:
         if self._fh is not None:
@@ -77,6 +77,18 @@ class _LocalSink(ShardSink):
             self.tmp.unlink()
         except FileNotFoundError:
             pass
+
+
+class _LocalSink(TempFileSink):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        tmp = path.with_name(f".{path.name}.tmp")
+        super().__init__(tmp, open(tmp, "wb"))
+
+    def commit(self) -> None:
+        self._close(fsync=True)
+        os.replace(self.tmp, self.path)
+        fsync_dir(self.path.parent)
 
 
 class LocalStorage(Storage):

@@ -15,14 +15,14 @@ import os
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, BinaryIO, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import pyarrow as pa
 
 from ..errors import ConfigError, DatasetError, ShardError, UnsupportedStorageError
 from .base import ShardSink, Storage
 from .cache import ShardCache, ShardInfo, parse_size
-from .local import file_sha256
+from .local import TempFileSink, file_sha256
 
 INSTALL_HINT = "pip install 'stoker[remote]'"
 #: Schemes served locally by other backends, or that fsspec knows but cannot hold a dataset.
@@ -58,40 +58,20 @@ def default_cache_dir(url: str) -> Path:
     return Path(root) / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
 
 
-class _UploadSink(ShardSink):
+class _UploadSink(TempFileSink):
     """A shard streamed into a local temporary file, uploaded whole on commit."""
 
     def __init__(self, storage: "RemoteStorage", name: str) -> None:
         self._storage, self._name = storage, name
         fd, tmp = tempfile.mkstemp(prefix=f"stoker-upload-{name}.", suffix=".tmp")
-        self._tmp = Path(tmp)
-        self._fh: BinaryIO | None = os.fdopen(fd, "wb")
-
-    def write(self, data: Any) -> int:
-        assert self._fh is not None, "write after commit or abort"
-        return self._fh.write(data)
-
-    def flush(self) -> None:
-        if self._fh is not None:
-            self._fh.flush()
+        super().__init__(Path(tmp), os.fdopen(fd, "wb"))
 
     def commit(self) -> None:
-        assert self._fh is not None, "commit after commit or abort"
-        self._fh.close()
-        self._fh = None
+        self._close(fsync=False)  # the upload, not this file, is what must last
         try:
-            self._storage.fs.put_file(str(self._tmp), self._storage.path(self._name))
+            self._storage.fs.put_file(str(self.tmp), self._storage.path(self._name))
         finally:
-            self._tmp.unlink(missing_ok=True)
-
-    def abort(self) -> None:
-        if self._fh is not None:
-            try:
-                self._fh.close()
-            except OSError:
-                pass
-            self._fh = None
-        self._tmp.unlink(missing_ok=True)
+            self.tmp.unlink(missing_ok=True)
 
 
 class RemoteStorage(Storage):
