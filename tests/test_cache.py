@@ -15,7 +15,8 @@ import pytest
 
 from stoker.errors import ConfigError, LoaderTimeoutError, ShardError
 from stoker.shards import ShardInfo
-from stoker.storage.cache import ShardCache, parse_size, working_set_bytes
+from stoker._system import parse_size
+from stoker.storage.cache import ShardCache, working_set_bytes
 
 
 class Store:
@@ -52,10 +53,10 @@ def names(n: int) -> list[str]:
 
 
 def test_parse_size() -> None:
-    assert parse_size("50GB") == 50 * 10**9
+    assert parse_size("50GB") == 50 * 2**30  # binary multiples, as the CLI's --shard-size
     assert parse_size("1.5 MiB") == 3 * 2**19
     assert parse_size(4096) == 4096
-    assert parse_size("2k") == 2000
+    assert parse_size("2k") == 2048
     for bad in ("fifty", "5 parsecs", -1, True):
         with pytest.raises(ConfigError, match="size"):
             parse_size(bad)

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import threading
 import time
 from typing import Any, Callable
 
-POLL_PAUSE_S = (0.0002, 0.002)  # poll_until: first pause between checks, growing to the second (seconds)
+from .errors import ConfigError
+
+POLL_PAUSE_S = (0.0002, 0.002)
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)  # poll_until: first pause between checks, growing to the second (seconds)
 
 
 def cpu_ids() -> list[int]:
@@ -63,3 +67,15 @@ def poll_until(predicate: Callable[[], object], timeout: float | None, *, stop: 
         time.sleep(wait if left is None else min(wait, left))
         wait = min(wait * 2, pause[1])
     return True
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a size string in binary multiples: '256MiB', '64M', '50GB' (= 50 GiB),
+    '1048576'. Raises ConfigError naming the accepted forms."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    m = _SIZE_RE.match(value) if isinstance(value, str) else None
+    if not m:
+        raise ConfigError(f"not a size: {value!r}; use bytes or a string like 256MiB, 64M, 50GB (binary multiples)")
+    scale = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)

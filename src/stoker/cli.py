@@ -7,7 +7,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import sys
 import time
 import warnings
@@ -15,18 +14,16 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from . import __version__
+from ._system import parse_size as _parse_size
 from .errors import ConfigError, StokerError
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
 def parse_size(text: str) -> int:
     """'256MiB', '64M', '1g', '1048576' -> bytes (binary multiples)."""
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 256MiB, 64M, 1G, 1048576)")
-    scale = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[m.group(2).lower()]
-    return int(float(m.group(1)) * scale)
+    try:
+        return _parse_size(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive(text: str) -> int:

@@ -3,7 +3,7 @@ and which file, shard, row or sample it concerns.
 
     StokerError
     ├── ConfigError (ValueError)          a bad argument or option combination
-    │   └── UnsupportedStorageError       a dataset URL no storage backend serves (s3:// today)
+    │   └── UnsupportedStorageError       a URL no installed storage backend serves (the message names the package)
     ├── SourceError (ValueError)          input that cannot be listed: missing path, bad list line
     ├── ImageError (ValueError)           one image that cannot be used
     │   ├── CorruptImageError             truncated, not an image, decoder failure

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Protocol, Sequence
 
+from .._system import parse_size
 from ..errors import ConfigError, LoaderTimeoutError, ShardError
 
 
@@ -45,31 +46,8 @@ class ShardInfo(Protocol):
 #: fetch(name, start, end) -> the bytes [start, end) of shard `name` in storage.
 RangeFetcher = Callable[[str, int, int], bytes]
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_SIZE_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*")
 _CACHED_RE = re.compile(r"[0-9a-f]{64}\.arrow")
 _POLL_S = 0.1  # every wait wakes at least this often to check for close() and errors
-
-
-def parse_size(value: int | str) -> int:
-    """Bytes from an int or a string like "50GB" (decimal units), "512MiB" (binary) or "1e9"."""
-    if isinstance(value, bool):
-        raise ConfigError(f"a size must be bytes (int) or a string like '50GB', got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"a size must be >= 0 bytes, got {value}")
-        return value
-    if isinstance(value, str):
-        m = _SIZE_RE.fullmatch(value)
-        unit = m.group(2).lower() if m else None
-        if m and unit in _UNITS:
-            return int(float(m.group(1)) * _UNITS[unit])
-        try:
-            return parse_size(int(float(value)))
-        except ValueError:
-            pass
-    raise ConfigError(f"cannot read {value!r} as a size; use bytes (int) or a string like '50GB', '512MiB'")
 
 
 def working_set_bytes(first: Mapping[str, int], last: Mapping[str, int], sizes: Mapping[str, int],

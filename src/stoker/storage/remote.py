@@ -21,7 +21,8 @@ import pyarrow as pa
 
 from ..errors import ConfigError, DatasetError, ShardError, UnsupportedStorageError
 from .base import ShardSink, Storage
-from .cache import ShardCache, ShardInfo, parse_size
+from .._system import parse_size
+from .cache import ShardCache, ShardInfo
 from .local import TempFileSink, file_sha256
 
 INSTALL_HINT = "pip install 'stoker[remote]'"
