@@ -185,3 +185,21 @@ def test_close_stops_threads_and_removes_stale_partials(tmp_path: Path) -> None:
     assert set(threading.enumerate()) <= before
     with pytest.raises(ShardError, match="closed"):
         cache.get(shard(0), timeout=1)
+
+
+def test_a_failing_download_thread_is_reported_not_waited_on(tmp_path: Path) -> None:
+    store = Store({n: 100 for n in names(2)})
+    with ShardCache(store.fetch, store.infos(), tmp_path, limit=10**6, threads=1) as cache:
+        def broken(name: str) -> None:
+            raise RuntimeError("callback bug")
+
+        cache.on_evict(broken)
+        cache.plan(names(1))
+        cache.get(shard(0), timeout=10)
+        cache.release(shard(0))
+        cache.limit = 150  # room for one shard: fetching the next must evict, and the callback fails
+        cache.plan([shard(1)])
+        t0 = time.monotonic()
+        with pytest.raises(ShardError, match="download thread failed: RuntimeError"):
+            cache.get(shard(1), timeout=30)
+        assert time.monotonic() - t0 < 5

@@ -255,3 +255,19 @@ def test_cli_pack_to_s3_resumes_after_a_kill(s3: S3Server, bucket: str, packed: 
     with open_dataset(remote) as ds, open_dataset(packed) as local:
         assert [s.sha256 for s in ds.manifest.shards] == [s.sha256 for s in local.manifest.shards]
         assert _dataset_rows(ds) == _dataset_rows(local)
+
+
+def test_resume_mid_epoch_from_s3(s3: S3Server, url: str, packed: Path, tmp_path: Path) -> None:
+    with remote_loader(s3, url, tmp_path / "cache", order="shard_window") as full:
+        want = batches(full)
+    with remote_loader(s3, url, tmp_path / "cache2", order="shard_window") as first:
+        it = iter(first)
+        for _ in range(2):
+            next(it)
+        state = first.state_dict()
+    with remote_loader(s3, url, tmp_path / "cache3", order="shard_window") as resumed:
+        resumed.load_state_dict(state)
+        got = batches(resumed)
+    assert len(got) == len(want) - 2
+    for (a, la), (b, lb) in zip(got, want[2:]):
+        assert np.array_equal(a, b) and np.array_equal(la, lb)

@@ -126,6 +126,7 @@ class ShardCache:
         self._used = 0  # bytes of local files plus downloads in flight
         self._cond = threading.Condition(threading.Lock())
         self._stop = threading.Event()
+        self._fatal: BaseException | None = None
         self.stats = CacheStats()
         self._on_evict: list[Callable[[str], None]] = []
         self._adopt()
@@ -235,6 +236,9 @@ class ShardCache:
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def _raise_if_closed(self) -> None:
+        if self._fatal is not None:
+            raise ShardError(f"{self.dir}: a shard cache download thread failed: {self._fatal!r}; this is a bug "
+                             "in stoker, please report it with the traceback", path=self.dir) from self._fatal
         if self._stop.is_set():
             raise ShardError(f"{self.dir}: the shard cache was closed", path=self.dir)
 
@@ -310,6 +314,14 @@ class ShardCache:
         return e
 
     def _worker(self) -> None:
+        try:
+            self._work()
+        except BaseException as exc:  # a bug, not a download problem: every waiting get() reports it
+            with self._cond:
+                self._fatal = exc
+                self._cond.notify_all()
+
+    def _work(self) -> None:
         while not self._stop.is_set():
             with self._cond:
                 e = self._next_job()
