@@ -89,6 +89,7 @@ def test_batches_from_s3_equal_local_and_second_epoch_is_cached(s3: S3Server, ur
                 assert remote.dataset.cache.stats.shards_fetched == n_shards(packed)
         assert shard_gets == first, "the second epoch downloaded again"
     local.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("stoker-cache")]  # closed with the Loader
 
 
 def test_cache_never_exceeds_its_limit(s3: S3Server, url: str, packed: Path, tmp_path: Path) -> None:
@@ -255,6 +256,13 @@ def test_cli_pack_to_s3_resumes_after_a_kill(s3: S3Server, bucket: str, packed: 
     with open_dataset(remote) as ds, open_dataset(packed) as local:
         assert [s.sha256 for s in ds.manifest.shards] == [s.sha256 for s in local.manifest.shards]
         assert _dataset_rows(ds) == _dataset_rows(local)
+    env["STOKER_CACHE"] = str(tmp_path / "cli-cache")
+    info = subprocess.run([sys.executable, "-m", "stoker.cli", "info", url], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert info.returncode == 0 and "samples     48 in 24 shard(s)" in info.stdout, info.stderr
+    checked = subprocess.run([sys.executable, "-m", "stoker.cli", "verify", url], env=env, capture_output=True,
+                             text=True, timeout=120)
+    assert checked.returncode == 0 and "24 shard(s) checked" in checked.stdout, checked.stderr
 
 
 def test_resume_mid_epoch_from_s3(s3: S3Server, url: str, packed: Path, tmp_path: Path) -> None:
