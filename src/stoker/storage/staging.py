@@ -20,7 +20,6 @@ How copies stay under control, including after a crash:
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -34,6 +33,11 @@ from pathlib import Path
 from ..errors import ConfigError, DatasetError, LoaderTimeoutError, ShardError
 from ..shards import MANIFEST_NAME, read_manifest
 
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; staging is refused there with a clear error
+    fcntl = None  # type: ignore[assignment]
+
 LOCK_NAME = ".stoker-stage.lock"
 MARK_NAME = ".stoker-stage.json"
 _CHUNK = 8 << 20
@@ -43,6 +47,9 @@ _POLL_S = 0.1
 def _open_lock(dest: Path, exclusive: bool, timeout: float) -> int:
     """An fd holding the copy's lock (exclusive or shared), waiting up to `timeout` seconds.
     Re-opens when the lock file was deleted meanwhile (the copy was removed under us)."""
+    if fcntl is None:
+        raise ConfigError("staging needs POSIX file locks (flock), which this platform lacks; pass the dataset "
+                          "path to the Loader directly")
     deadline = time.monotonic() + timeout
     mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
     while True:
@@ -215,8 +222,10 @@ def stage(source: str | Path, dest: str | Path, *, persistent: bool = True, time
 def sweep(root: str | Path, keep: Path | None = None) -> list[Path]:
     """Remove the non-persistent staged copies under `root` that no process holds (left by runs
     that crashed or were killed), except `keep`. Returns what was removed."""
-    removed = []
+    removed: list[Path] = []
     root = Path(root)
+    if fcntl is None:  # no locks, no way to tell a live copy from an abandoned one: touch nothing
+        return removed
     try:
         entries = list(os.scandir(root))
     except OSError:
