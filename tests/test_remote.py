@@ -169,6 +169,7 @@ def test_two_ranks_split_the_shards(s3: S3Server, url: str, packed: Path, tmp_pa
     for f in fetched:
         assert len(f) <= total // 2 + 1  # about half the shards each, plus the one cut between them
     assert len(fetched[0] | fetched[1]) == total
+    assert (tmp_path / "cache0" / "rank-0").is_dir() and (tmp_path / "cache1" / "rank-1").is_dir()
 
 
 def test_info_and_verify_accept_urls(s3: S3Server, url: str, packed: Path, tmp_path: Path) -> None:

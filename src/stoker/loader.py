@@ -40,7 +40,7 @@ from .device import DeviceOptions, DeviceStage, as_device_options
 from .render import DeviceBuilder, Filler, RenderSpec
 from .shards import MANIFEST_NAME, looks_like_partial_pack
 from .storage import RemoteStorage, open_storage, url_scheme
-from .storage.remote import DEFAULT_CACHE_LIMIT
+from .storage.remote import DEFAULT_CACHE_LIMIT, default_cache_dir
 from .storage.staging import StagedCopy, stage_for_loader
 from .slots import BatchRing, Feeder, LoaderStats, Run, Slot
 from .transforms import Pipeline
@@ -94,7 +94,8 @@ class Loader:
 
     `source` may be a URL (``s3://bucket/ds``, ``gs://...``, any fsspec URL; ``pip install
     'stoker[remote]'``): shards are downloaded ahead of need into `cache_dir` (default
-    ~/.cache/stoker/...), verified, and kept to `cache_limit` bytes ("50GB"); `storage_options` go to
+    ~/.cache/stoker/...; with several ranks, a `rank-N` folder in it per rank), verified, and kept to
+    `cache_limit` bytes per rank ("50GB"); `storage_options` go to
     fsspec (credentials otherwise come from the backend's usual environment and config files).
     `stage="/dev/shm"` first copies a local packed dataset there once (verified, shared by the
     node's ranks, removed by the last to close).
@@ -142,6 +143,10 @@ class Loader:
             self._staged = stage_for_loader(source, stage)
             source = self._staged.path
         remote = {"cache_dir": cache_dir, "cache_limit": cache_limit, "storage_options": storage_options}
+        if not isinstance(source, Dataset) and url_scheme(source) not in (None, "file"):
+            rank_, world = _distributed(rank, world_size)
+            if world > 1:  # each rank keeps its own cache (and limit): no rank deletes a file another maps
+                remote["cache_dir"] = Path(cache_dir or default_cache_dir(str(source))) / f"rank-{rank_}"
         try:
             self.dataset, self._owns_dataset = _open_source(source, remote, timeout)
         except BaseException:
