@@ -57,6 +57,9 @@ KINDS = [
     ("progressive-420", (120, 152), {"subsampling": 2, "progressive": True}),
     ("progressive-444", (75, 90), {"subsampling": 0, "progressive": True}),
     ("restart-markers", (120, 152), {"subsampling": 2, "restart_marker_blocks": 3}),
+    ("restart-rows-444", (130, 90), {"subsampling": 0, "restart_marker_rows": 1}),
+    ("restart-rows-422", (131, 97), {"subsampling": 1, "restart_marker_rows": 2}),
+    ("restart-rows-gray", (150, 70), {"restart_marker_rows": 1}),
     ("exif", (64, 80), {"subsampling": 2, "exif": _exif()}),
 ]
 
@@ -93,6 +96,23 @@ def test_region_equals_whole_decode_then_crop(kind, size, opts, scale, fast):
         got = codecs.decode_jpeg_region(data, kind, height=h, width=w, scale=scale, window=(y0, y1, x0, x1),
                                         fast=fast)
         np.testing.assert_array_equal(got, whole[y0:y1, x0:x1], err_msg=f"window {(y0, y1, x0, x1)}")
+
+
+@needs_region
+def test_restart_markers_let_the_decoder_start_below_the_top():
+    """With restart markers the decode starts at the marker above the window (the seeking path),
+    and the pixels are still those of a whole decode; without them it cannot, and says so."""
+    rgb = textured(400, 96)
+    mod = _libjpeg.region_decoder()
+    for options, seeks in (({"restart_marker_rows": 1}, True), ({}, False)):
+        data = jpeg_bytes(rgb, subsampling=2, **options)
+        whole = codecs.decode_rgb(data, "jpeg", "k")
+        for y0, y1 in ((300, 340), (33, 35), (380, 400)):
+            got = np.empty((y1 - y0, 50, 3), np.uint8)
+            assert mod.decode(data, got, 8, y0, y1, 20, 70) == (400, 96, seeks)
+            np.testing.assert_array_equal(got, whole[y0:y1, 20:70])
+        top = np.empty((10, 50, 3), np.uint8)  # too close to the top to gain anything: no seek
+        assert mod.decode(data, top, 8, 5, 15, 20, 70)[2] is False
 
 
 @needs_region
@@ -206,7 +226,7 @@ def test_environment_variable_chooses_or_disables_the_library(setting, expect):
 def test_damaged_bytes_never_crash():
     """Random byte flips and truncations: a region, a decline (None) or a CorruptImageError, never a crash."""
     rng = np.random.default_rng(11)
-    for kind, size, opts in KINDS[2], KINDS[6], KINDS[8]:
+    for kind, size, opts in KINDS[2], KINDS[6], KINDS[8], KINDS[9]:
         data = _encode(kind, size, opts)
         for _ in range(150):
             b = bytearray(data)

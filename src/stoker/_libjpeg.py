@@ -47,17 +47,24 @@ def _candidates() -> list[str]:
 
 
 def _self_test(mod: ModuleType) -> None:
-    """Decode a small 4:2:0 JPEG whole and in part; both must match simplejpeg's pixels."""
-    import simplejpeg
+    """Decode part of a small 4:2:0 JPEG, without and with restart markers (the seeking path);
+    both must match simplejpeg's pixels."""
+    import io
 
-    y, x = np.mgrid[0:48, 0:64]
-    rgb = np.stack([x * 4, y * 5, (x + y) * 2], axis=-1).astype(np.uint8)
-    data = simplejpeg.encode_jpeg(rgb, quality=90, colorsubsampling="420")
-    want = simplejpeg.decode_jpeg(data, colorspace="RGB")
-    got = np.empty((20, 30, 3), np.uint8)
-    mod.decode(data, got, 8, 17, 37, 21, 51)
-    if not np.array_equal(got, want[17:37, 21:51]):
-        raise OSError("decodes different pixels from simplejpeg")
+    import simplejpeg
+    from PIL import Image
+
+    y, x = np.mgrid[0:80, 0:64]
+    rgb = np.stack([x * 4, y * 3, (x + y) * 2], axis=-1).astype(np.uint8)
+    for options in ({}, {"restart_marker_rows": 1}):
+        buf = io.BytesIO()
+        Image.fromarray(rgb).save(buf, "JPEG", quality=90, subsampling=2, **options)
+        data = buf.getvalue()
+        want = simplejpeg.decode_jpeg(data, colorspace="RGB")
+        got = np.empty((20, 30, 3), np.uint8)
+        mod.decode(data, got, 8, 49, 69, 21, 51)
+        if not np.array_equal(got, want[49:69, 21:51]):
+            raise OSError(f"decodes different pixels from simplejpeg{' with restart markers' if options else ''}")
 
 
 def _load() -> tuple[ModuleType | None, str]:

@@ -303,7 +303,7 @@ def decode_jpeg_region(data: Buffer, key: str, *, height: int, width: int, scale
     except ValueError as exc:  # a window outside the decoded image: the stored size is wrong
         raise CorruptImageError(key, f"header size disagrees with the stored size {height}x{width}: {exc}") from None
     want = (math.ceil(height * scale / 8), math.ceil(width * scale / 8))
-    if tuple(got) != want:
+    if tuple(got[:2]) != want:
         raise CorruptImageError(
             key, f"header size gives {got[0]}x{got[1]} at scale {scale}/8, the stored size "
                  f"{height}x{width} gives {want[0]}x{want[1]}; re-pack the dataset")
