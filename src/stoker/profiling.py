@@ -32,7 +32,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Iterator, TextIO
 
-from ._system import usable_cpus
+from ._system import fmt_number, json_safe, usable_cpus
+from .errors import ConfigError
 
 __all__ = ["COMPUTE_BOUND", "INPUT_BOUND", "INPUT_BOUND_WAIT", "ProfileReport", "Profiler", "profile"]
 
@@ -90,21 +91,21 @@ class ProfileReport:
         """A JSON-ready dict (NaN becomes None)."""
         out = asdict(self)
         out["data_wait_percent"] = self.data_wait_percent
-        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in out.items()}
+        return json_safe(out)
 
     def format(self) -> str:
         """The report as text: figures, verdict, fixes."""
         lines = [f"stoker profile: {self.loader}, batches on {self.device}"
                  + (" (CUDA-synchronized)" if self.synchronized else ""),
                  f"  steps            {self.steps} measured after {self.warmup_steps} warm-up "
-                 f"(first batch {_f(self.first_batch_s, '.2f')} s)",
-                 f"  throughput       {_f(self.images_per_s, ',.1f')} images/s, "
-                 f"{_f(self.steps_per_s, '.2f')} steps/s",
-                 f"  data wait        {_f(self.data_wait_percent, '.1f')}% of wall time "
-                 f"({self.wait_s:.2f} of {self.wall_s:.2f} s; median {_f(self.median_wait_ms, '.1f')} ms/step)",
-                 f"  step (compute)   median {_f(self.median_step_ms, '.1f')} ms",
-                 f"  CPU              {_f(self.cpu_percent, '.0f')}% of one core (this process and its workers; "
-                 f"{self.cpu_cores} usable cores), machine {_f(self.system_cpu_percent, '.0f')}% busy"]
+                 f"(first batch {fmt_number(self.first_batch_s, '.2f')} s)",
+                 f"  throughput       {fmt_number(self.images_per_s, ',.1f')} images/s, "
+                 f"{fmt_number(self.steps_per_s, '.2f')} steps/s",
+                 f"  data wait        {fmt_number(self.data_wait_percent, '.1f')}% of wall time "
+                 f"({self.wait_s:.2f} of {self.wall_s:.2f} s; median {fmt_number(self.median_wait_ms, '.1f')} ms/step)",
+                 f"  step (compute)   median {fmt_number(self.median_step_ms, '.1f')} ms",
+                 f"  CPU              {fmt_number(self.cpu_percent, '.0f')}% of one core (this process and its "
+                 f"workers; {self.cpu_cores} usable cores), machine {fmt_number(self.system_cpu_percent, '.0f')}% busy"]
         if self.stages:
             s = self.stages
             lines.append(f"  loader stages    per image: read {s['read_ms']:.2f} ms, decode {s['decode_ms']:.2f} ms, "
@@ -120,10 +121,6 @@ class ProfileReport:
         return "\n".join(lines)
 
     __str__ = format
-
-
-def _f(value: float, spec: str) -> str:
-    return "-" if value is None or not math.isfinite(value) else format(value, spec)
 
 
 # ----------------------------------------------------------------------------- what is being profiled
@@ -213,9 +210,9 @@ class Profiler:
     def __init__(self, iterable: Iterable[Any], *, every: int | None = None, warmup: int = 1,
                  sync: bool | None = None, file: TextIO | None = None, verbose: bool = True) -> None:
         if every is not None and (not isinstance(every, int) or every < 1):
-            raise ValueError(f"every must be a positive number of steps or None, got {every!r}")
+            raise ConfigError(f"profile(every=) must be a positive number of steps or None, got {every!r}")
         if not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"warmup must be a number of steps >= 0, got {warmup!r}")
+            raise ConfigError(f"profile(warmup=) must be a number of steps >= 0, got {warmup!r}")
         self.iterable, self.every, self.warmup, self.sync = iterable, every, warmup, sync
         self.file, self.verbose = file, verbose
         self.reports: list[ProfileReport] = []
@@ -419,8 +416,8 @@ def _input_fixes(report: ProfileReport, iterable: Any, saturated: bool) -> list[
             fixes.append(f"more threads: `num_threads={cores}` (now {loader.num_threads}; {cores} usable cores)")
         if saturated:
             fixes.append("the CPU cores are saturated: more threads cannot help; decode on the GPU "
-                         "(`Loader(..., device='cuda', decode='gpu')`, nvJPEG) or use a machine with more CPU "
-                         "cores per GPU")
+                         "(`Loader(..., device=DeviceOptions('cuda', decode='gpu'))`, nvJPEG) or use a machine "
+                         "with more CPU cores per GPU")
     else:
         fixes.append("switch to stoker: pack the dataset once (`stoker pack SRC OUT`) and load it with "
                      "`stoker.Loader` (reduced-scale JPEG decode on threads, uint8 batches)")
@@ -431,8 +428,8 @@ def _input_fixes(report: ProfileReport, iterable: Any, saturated: bool) -> list[
             fixes.append("waits come in bursts: a bigger prefetch (`prefetch_factor=4` for a DataLoader)")
         if saturated:
             fixes.append("the CPU cores are saturated: decode on the GPU (pack, then `stoker.Loader(..., "
-                         "device='cuda', decode='gpu')`, nvJPEG), shrink the images once (`stoker pack "
-                         "--max-side 512`), or use more CPU cores per GPU")
+                         "device=DeviceOptions('cuda', decode='gpu'))`, nvJPEG), shrink the images once "
+                         "(`stoker pack --max-side 512`), or use more CPU cores per GPU")
     return fixes
 
 
