@@ -45,6 +45,9 @@ from .transforms import Pipeline
 __all__ = ["Loader", "LoaderStats"]
 
 _STATE_FORMAT = "stoker.Loader/1"
+#: "accurate": libjpeg-turbo's exact IDCT and smooth chroma upsampling (what simplejpeg and Pillow
+#: give); "fast": its fast IDCT and plain upsampling, a few % less CPU (docs/decoding.md).
+DECODE_QUALITIES = ("accurate", "fast")
 
 
 def _open_source(source: str | Path | Dataset) -> tuple[Dataset, bool]:
@@ -89,6 +92,7 @@ class Loader:
     (shuffled shards, samples shuffled within a window: for remote data). `device`: None (the uint8
     batches above), a device ("cuda", "cuda:1", "cpu": images `uint8 [B, 3, H, W]` there, numeric
     labels too) or a `DeviceOptions` (normalize, dtype, memory_format, decode="gpu", gpu_decoder).
+    `decode_quality`: "accurate" or "fast" (CPU JPEG decode; see `DECODE_QUALITIES`).
     """
 
     def __init__(self, source: str | Path | Dataset, batch_size: int, *, transforms: Sequence[Any] | None = None,
@@ -96,7 +100,7 @@ class Loader:
                  prefetch: int = 2, columns: Sequence[str] = (), on_error: str = "raise",
                  rank: int | None = None, world_size: int | None = None, pin_memory: bool | None = None,
                  timeout: float = 120.0, device: str | int | torch.device | DeviceOptions | None = None,
-                 shuffle: bool | None = None) -> None:
+                 decode_quality: str = "accurate", shuffle: bool | None = None) -> None:
         if shuffle is not None:  # the 0.1 spelling, kept while it costs nothing
             warnings.warn("Loader(shuffle=) is deprecated: pass order='random' or order='sequential'",
                           DeprecationWarning, stacklevel=2)
@@ -114,6 +118,9 @@ class Loader:
             raise ConfigError(f"num_threads must be a positive int or None (all usable CPUs), got {num_threads!r}")
         if not timeout > 0:
             raise ConfigError(f"timeout must be positive seconds, got {timeout!r}")
+        if decode_quality not in DECODE_QUALITIES:
+            raise ConfigError(f"decode_quality must be one of {DECODE_QUALITIES}, got {decode_quality!r}")
+        self.decode_quality = decode_quality
         self.pipeline = Pipeline(transforms)
         self.device = _device_options(device, self.pipeline)
         self.dataset, self._owns_dataset = _open_source(source)
@@ -154,7 +161,7 @@ class Loader:
             labels = np.array(labels)
         self._label_dtype = labels.dtype if labels.dtype.kind in "iufb" else None
         self._spec = RenderSpec(batch_size, self.output_size, self.pipeline, self.seed, on_error, self.columns,
-                                labels, heights, widths)
+                                labels, heights, widths, decode_quality=self.decode_quality)
         self._shard_rows = [s.rows for s in ds.manifest.shards] if isinstance(ds, PackedDataset) else None
         self._epoch, self._cursor, self._started = 0, 0, False
         self.stats = LoaderStats()
