@@ -303,8 +303,8 @@ def _unavailable(name: str, device: str = "cpu") -> str | None:
         try:
             import nvidia.dali  # noqa: F401
         except Exception as exc:   # not installed, or a build that fails to load here
-            return (f"NVIDIA DALI does not import ({type(exc).__name__}: {exc}); pip install stoker[dali] "
-                    "(nvidia-dali-cuda130, CPU-only here)")
+            return (f"NVIDIA DALI does not import ({type(exc).__name__}: {exc}); pip install nvidia-dali-cuda130 "
+                    "(the stoker[dali] extra; it runs CPU-only without a GPU)")
     return None
 
 
