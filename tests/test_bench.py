@@ -14,9 +14,9 @@ import torch
 from PIL import Image
 
 from stoker.errors import ConfigError
+from stoker.reader import open_dataset
 from stoker.tools.baseline import (_TVCenterCrop, _TVRandomResizedCrop, _TVResize, _tv_to_normalized_tensor,
                                    list_image_folder)
-from stoker.reader import open_dataset
 from stoker.tools.bench import NOTE, BenchResult, PipelineResult, format_table, machine_info, run_bench
 from stoker.tools.synth import make_tiny_jpegs
 
