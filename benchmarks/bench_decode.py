@@ -26,22 +26,9 @@ import numpy as np
 
 from stoker import codecs
 from stoker.order import sample_keys, uniforms
-from stoker.synth import cached_imagenet_like, synth_image
-from stoker.transforms import AREA_FROM, CenterCrop, Pipeline, RandomResizedCrop, Resize, crop_resize_into, \
-    crop_window, decode_minimums
-
-import cv2
-
-
-def resize_window_into(region, win, dst, flip):
-    target = dst
-    if win.padded:
-        dst[...] = 0
-        ty0, ty1, tx0, tx1 = win.dst
-        target = dst[ty0:ty1, tx0:tx1]
-    th, tw = target.shape[:2]
-    heavy = region.shape[0] >= AREA_FROM * th and region.shape[1] >= AREA_FROM * tw
-    cv2.resize(region, (tw, th), dst=target, interpolation=cv2.INTER_AREA if heavy else cv2.INTER_LINEAR)
+from stoker.tools.synth import cached_imagenet_like, synth_image
+from stoker.transforms import (CenterCrop, Pipeline, RandomResizedCrop, Resize, crop_resize_into, crop_window,
+                               decode_minimums, resize_window_into)
 
 OUT = 224
 
