@@ -92,25 +92,30 @@ def test_file_list_malformed_line_is_named(tmp_path: Path, text: str, line: int)
     assert info.value.line == line and info.value.path == str(listing)
 
 
-def test_path_escape_refused(tmp_path: Path) -> None:
+def test_list_is_trusted_absolute_and_outside_paths_work(tmp_path: Path) -> None:
+    """A user's own list may name files anywhere (the train.txt the field writes); root= only
+    decides what keys are relative to."""
     root = tmp_path / "data"
     _jpeg(root / "ok.jpg")
-    outside = _jpeg(tmp_path / "secret.jpg")
+    outside = _jpeg(tmp_path / "elsewhere" / "1.JPEG")
     listing = root / "l.txt"
-    for bad in ["../secret.jpg", str(outside), "sub/../../secret.jpg"]:
-        listing.write_text(f"ok.jpg 0\n{bad} 1\n")
-        with pytest.raises(SourceError, match="line 2.*outside the source root"):
-            open_source(listing)
-    # a symlink inside the root that points out of it
+    listing.write_text(f"ok.jpg 0\n../elsewhere/1.JPEG 1\n{outside} 2\n")
+    with pytest.raises(SourceError, match="line 3: .*already listed on line 2"):
+        open_source(listing)   # the same file twice, once relative, once absolute
+    listing.write_text(f"ok.jpg 0\n{outside} 1\n")
+    src = open_source(listing)
+    assert [(i.key, i.path, i.label) for i in src.items] == [
+        ("ok.jpg", root / "ok.jpg", 0), (outside.as_posix(), outside, 1)]
+    # root= makes keys relative to it, and relative paths resolve against it
+    listing.write_text("elsewhere/1.JPEG 1\n")
+    assert [i.key for i in open_source(listing, root=tmp_path).items] == ["elsewhere/1.JPEG"]
+    listing.write_text(f"{outside} 1\n")
+    with pytest.raises(SourceError, match="line 1: .*not under the root .*--root / root="):
+        open_source(listing, root=root)
+    # a folder source still refuses a symlink out of its tree
     os.symlink(outside, root / "link.jpg")
-    listing.write_text("link.jpg 1\n")
-    with pytest.raises(SourceError, match="outside"):
-        open_source(listing)
     with pytest.raises(SourceError, match="symlink"):
         open_source(root, kind="files")
-    # root= widens what is allowed
-    listing.write_text(f"{outside} 1\n")
-    assert open_source(listing, root=tmp_path).items[0].key == "secret.jpg"
 
 
 def test_symlinks_inside_root_are_followed_once(tmp_path: Path) -> None:
