@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SourceError
-from . import folder, listing, table, tar
+from . import folder, listing, table, tar, tfrecord
 from .base import IMAGE_EXTENSIONS, Source, SourceItem, SourceOptions, read_bytes
 
 __all__ = ["FORMATS", "IMAGE_EXTENSIONS", "KINDS", "Source", "SourceItem", "SourceOptions", "open_source",
@@ -44,13 +44,15 @@ FORMATS: dict[str, Format] = {
     "csv": Format(table.open_csv, table.detect, uses_root=True),
     "files": Format(folder.open_files, folder.detect_files),
     "tar": Format(tar.open_tar, tar.detect),
+    "tfrecord": Format(tfrecord.open_tfrecord, tfrecord.detect),
     "folder": Format(folder.open_folder, folder.detect_folder),
 }
 KINDS = ("auto", *FORMATS)
 
 
 def open_source(src: str | Path, *, kind: str = "auto", label_column: str | None = "label",
-                path_column: str = "path", root: str | Path | None = None) -> Source:
+                path_column: str = "path", root: str | Path | None = None,
+                image_column: str | None = None) -> Source:
     """List the samples of ``src``.
 
     ``kind`` is one of ``KINDS``; ``"auto"`` picks: a ``.txt`` file -> list, ``.csv`` -> csv,
@@ -72,7 +74,7 @@ def open_source(src: str | Path, *, kind: str = "auto", label_column: str | None
     if root is not None and not fmt.uses_root:
         raise SourceError(f"root= only applies to list and csv sources, not {kind}", path=path)
     options = SourceOptions(root=None if root is None else Path(root), label_column=label_column,
-                            path_column=path_column)
+                            path_column=path_column, image_column=image_column)
     return fmt.open(path, options)
 
 
