@@ -203,7 +203,7 @@ def test_tar_source_reads_members_by_offset(tmp_path: Path) -> None:
                 _add(tf, f"s{i}.jpg", blob)
                 _add(tf, f"s{i}.cls", str(i % 2).encode())
     src = open_source(shard_dir)
-    assert src.kind == "tar" and src.label_type == "int64"
+    assert src.kind == "webdataset" and src.label_type == "int64"
     assert [i.key for i in src.items] == list(blobs)
     assert [i.label for i in src.items] == [0, 1, 0, 0, 1, 0]
     assert all(i.read() == blobs[i.key] for i in src.items)
