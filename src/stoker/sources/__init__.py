@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SourceError
-from . import folder, hf, listing, table, tar, tfrecord
+from . import folder, hf, listing, lmdb_env, table, tar, tfrecord
 from .base import IMAGE_EXTENSIONS, Source, SourceItem, SourceOptions, read_bytes
 
 __all__ = ["FORMATS", "IMAGE_EXTENSIONS", "KINDS", "Source", "SourceItem", "SourceOptions", "open_source",
@@ -46,6 +46,7 @@ FORMATS: dict[str, Format] = {
     "webdataset": Format(tar.open_tar, tar.detect),
     "tfrecord": Format(tfrecord.open_tfrecord, tfrecord.detect),
     "hf": Format(hf.open_hf, hf.detect),
+    "lmdb": Format(lmdb_env.open_lmdb, lmdb_env.detect),
     "folder": Format(folder.open_folder, folder.detect_folder),
 }
 #: Other names accepted for a kind.

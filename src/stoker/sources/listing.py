@@ -22,7 +22,7 @@ def detect(path: Path) -> bool:
     return path.is_file() and path.suffix.lower() in SUFFIXES
 
 
-def _split_line(text: str) -> tuple[str, list[str]]:
+def split_line(text: str) -> tuple[str, list[str]]:
     """``<path> <label>`` (the path may hold spaces) or ``<path> <l1> <l2> ...`` (multi-label:
     every token after the first is a number)."""
     tokens = text.split()
@@ -43,7 +43,7 @@ def open_list(listing: Path, options: SourceOptions) -> Source:
         if len(text.split(None, 1)) != 2:
             raise SourceError(f"{listing} line {number}: expected '<path> <label>' (or '<path> <label> "
                               f"<label> ...' for multi-label), found {text!r}", path=listing, line=number)
-        path, labels = _split_line(text)
+        path, labels = split_line(text)
         key, full = check(path, number)
         rows.append((key, full, labels, number))
     if not rows:

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import SourceError
+from .protobuf import fields as _fields
+from .protobuf import varint as _varint
 from .base import (_GZIP_CACHE, GzipMembers, Source, SourceItem, SourceOptions, describe_labels, scandir,
                    type_any_labels)
 
@@ -130,41 +132,6 @@ def looks_like_tfrecord(path: Path) -> bool:
 class Feature(NamedTuple):
     kind: str      # "bytes", "float" or "int64"
     values: list   # bytes: (start, end) offsets into the buffer; else numbers
-
-
-def _varint(buf: Any, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        b = buf[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if b < 0x80:
-            return result, pos
-        shift += 7
-        if shift > 63:
-            raise ValueError("varint longer than 10 bytes")
-
-
-def _fields(buf: Any, pos: int, end: int) -> Iterator[tuple[int, int, Any]]:
-    """(field number, wire type, value): an int for varints, (start, end) for length-delimited,
-    the raw 4 or 8 bytes for fixed32/fixed64."""
-    while pos < end:
-        tag, pos = _varint(buf, pos)
-        number, wire = tag >> 3, tag & 7
-        if wire == 0:
-            value, pos = _varint(buf, pos)
-        elif wire == 2:
-            length, pos = _varint(buf, pos)
-            value, pos = (pos, pos + length), pos + length
-        elif wire == 5:
-            value, pos = buf[pos:pos + 4], pos + 4
-        elif wire == 1:
-            value, pos = buf[pos:pos + 8], pos + 8
-        else:
-            raise ValueError(f"unsupported protobuf wire type {wire}")
-        if pos > end:
-            raise ValueError("a field runs past the end of its message")
-        yield number, wire, value
 
 
 def _signed64(v: int) -> int:
