@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SourceError
-from . import folder, hf, listing, lmdb_env, table, tar, tfrecord
+from . import folder, hdf5, hf, listing, lmdb_env, table, tar, tfrecord
 from .base import IMAGE_EXTENSIONS, Source, SourceItem, SourceOptions, read_bytes
 
 __all__ = ["FORMATS", "IMAGE_EXTENSIONS", "KINDS", "Source", "SourceItem", "SourceOptions", "open_source",
@@ -47,6 +47,7 @@ FORMATS: dict[str, Format] = {
     "tfrecord": Format(tfrecord.open_tfrecord, tfrecord.detect),
     "hf": Format(hf.open_hf, hf.detect),
     "lmdb": Format(lmdb_env.open_lmdb, lmdb_env.detect),
+    "hdf5": Format(hdf5.open_hdf5, hdf5.detect),
     "folder": Format(folder.open_folder, folder.detect_folder),
 }
 #: Other names accepted for a kind.
