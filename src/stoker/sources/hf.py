@@ -25,13 +25,13 @@ import json
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
-
-import pyarrow as pa
-import pyarrow.compute as pc
+from typing import TYPE_CHECKING, Any
 
 from ..errors import SourceError
 from .base import Source, SourceItem, SourceOptions, describe_labels, scandir, type_any_labels
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 SUFFIXES = (".parquet", ".arrow")
 IMAGE_NAMES = ("image", "img", "jpg", "png", "webp")
@@ -93,6 +93,8 @@ class _Table:
     """One Parquet or Arrow file: its schema, its columns for listing, its images for packing."""
 
     def __init__(self, path: Path) -> None:
+        import pyarrow as pa
+
         self.path = path
         self.name = str(path)
         self.parquet = path.suffix.lower() == ".parquet"
@@ -150,6 +152,7 @@ class _Table:
 
 def _read_arrow(path: Path) -> pa.Table:
     """An Arrow IPC file or stream (``save_to_disk`` writes streams), memory-mapped: zero-copy."""
+    import pyarrow as pa
     source = pa.memory_map(str(path))
     try:
         return pa.ipc.open_file(source).read_all()
@@ -159,6 +162,7 @@ def _read_arrow(path: Path) -> pa.Table:
 
 
 def _bytes_of(value: pa.Scalar, path: Path, row: int) -> bytes:
+    import pyarrow as pa
     if isinstance(value, pa.StructScalar):
         value = value["bytes"]
     data = value.as_py()
@@ -196,6 +200,7 @@ def _class_names(feature: Any) -> tuple[list[str] | None, bool]:
 
 
 def _is_image_type(t: pa.DataType) -> bool:
+    import pyarrow as pa
     if pa.types.is_binary(t) or pa.types.is_large_binary(t):
         return True
     return pa.types.is_struct(t) and t.get_field_index("bytes") >= 0
@@ -236,6 +241,7 @@ def _pick_label(schema: pa.Schema, features: dict, wanted: str | None, path: Pat
 
 def _column_type(t: pa.DataType) -> str | None:
     """The manifest type of an extra column, or None to leave it out."""
+    import pyarrow as pa
     if pa.types.is_boolean(t):
         return "bool"
     if pa.types.is_integer(t):
@@ -284,6 +290,8 @@ def open_hf(path: Path, options: SourceOptions) -> Source:
 
 def _list_table(table: _Table, image: str, label: str | None, extras: list[str], items: list[SourceItem],
                 raw: list[Any], skipped: list[dict[str, str]]) -> None:
+    import pyarrow as pa
+    import pyarrow.compute as pc
     images = table.image_values(image)
     data = images.field("bytes") if pa.types.is_struct(images.type) else images
     missing = pc.is_null(data).to_pylist()
@@ -307,6 +315,7 @@ def _list_table(table: _Table, image: str, label: str | None, extras: list[str],
 def _labels(items: list[SourceItem], raw: list[Any], label: str | None, classes: list[str] | None,
             is_list: bool, schema: pa.Schema, skipped: list[dict[str, str]]) -> tuple:
     """Type the label column: ClassLabel keeps its names; other values go through type_any_labels."""
+    import pyarrow as pa
     from dataclasses import replace
     if label is None:
         return items, "none", None
