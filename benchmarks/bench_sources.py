@@ -28,7 +28,7 @@ from typing import Any
 
 from stoker.packing import PackOptions, pack
 from stoker.sources import open_source
-from stoker.synth import cached_imagenet_like
+from stoker.tools.synth import cached_imagenet_like
 
 
 def _samples(folder: Path) -> list[tuple[Path, int]]:
