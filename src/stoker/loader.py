@@ -30,6 +30,7 @@ import torch
 
 from ._system import usable_cpus
 from .errors import ConfigError
+from .labels import multi_label_spec
 from .order import ORDERS, epoch_order, num_batches, rank_indices, samples_per_rank
 from .reader import Dataset, PackedDataset, open_dataset, open_loose
 from .render import DeviceBuilder, Filler
@@ -117,8 +118,11 @@ class Loader:
     """Batches of decoded, augmented images from a packed dataset, an ImageFolder tree or a file list.
 
     Yields `(images, labels)`: images `uint8 [B, H, W, 3]` (pinned memory when CUDA is available),
-    labels `int64 [B]` (float64 for float labels, a list for string/list labels), plus a dict of
+    labels `int64 [B]` (float64 for float labels, a list for string labels), plus a dict of
     lists `{column: values}` as a third item when `columns` names extra shard columns.
+    Multi-label datasets (lists of class indices) give `float32 [B, num_classes]` multi-hot rows
+    (`multi_label="multi-hot"`), `int64 [B, K]` indices padded with -1 (`"indices"`), or the lists
+    (`"list"`); `num_classes` defaults to the manifest's classes (see `stoker.labels`).
 
     With `device` (e.g. "cuda"): images arrive on that device as `[B, 3, H, W]` in `dtype`
     (default float32 when `normalize` is given, else uint8) and `memory_format` (plain NCHW or
@@ -131,7 +135,8 @@ class Loader:
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False, num_threads: int | None = None,
                  prefetch: int = 2, columns: Sequence[str] = (), on_error: str = "raise",
                  rank: int | None = None, world_size: int | None = None, order: str = "random",
-                 pin_memory: bool | None = None, timeout: float = 120.0, device: Any = None,
+                 pin_memory: bool | None = None, timeout: float = 120.0, multi_label: str = "multi-hot",
+                 num_classes: int | None = None, device: Any = None,
                  normalize: Any = None, dtype: Any = None, memory_format: Any = None, decode: str = "cpu",
                  gpu_decoder: Any = "auto") -> None:
         if not isinstance(batch_size, int) or batch_size < 1:
@@ -150,6 +155,7 @@ class Loader:
         self._device_opts = _device_options(device, normalize, dtype, memory_format, decode, gpu_decoder,
                                             self.pipeline)
         self.decode, self._gpu_decoder_spec = decode, gpu_decoder
+        self._multi_label_args = (multi_label, num_classes)   # checked against the labels in _setup
         self.dataset, self._owns_dataset = _open_source(source)
         try:
             self._setup(batch_size, shuffle, seed, drop_last, num_threads, prefetch, columns, on_error,
@@ -188,6 +194,7 @@ class Loader:
             labels = np.array(labels)
         self._labels = labels
         self._label_dtype = labels.dtype if labels.dtype.kind in "iufb" else None
+        self._multi_label = multi_label_spec(labels, ds.classes, self._multi_label_args[0], self._multi_label_args[1])
         self._shard_rows = [s.rows for s in ds.manifest.shards] if isinstance(ds, PackedDataset) else None
         self._epoch, self._cursor, self._started = 0, 0, False
         self.stats = LoaderStats()
@@ -358,6 +365,7 @@ class _LoaderIter:
             if self._feeder is not None:
                 self._feeder.start()
         self._columns = loader.columns
+        self._encode = loader._multi_label
 
     def __iter__(self) -> "_LoaderIter":
         return self
@@ -392,7 +400,7 @@ class _LoaderIter:
         if slot.labels is not None:
             labels: Any = slot.labels if full else slot.labels[:n]
         else:
-            labels = list(slot.objects[:n])
+            labels = list(slot.objects[:n]) if self._encode is None else self._encode(slot.objects[:n])
         if self._columns:
             return images, labels, {c: list(v) for c, v in slot.extras.items()}
         return images, labels

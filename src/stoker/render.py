@@ -254,6 +254,7 @@ class DeviceBuilder:
         self.gpu = loader._gpu_for(opts) if filler.gpu else None
         self.stats = loader.stats
         self.columns = loader.columns
+        self.encode = loader._multi_label
         self.scratch: dict = {}
         self.times = WorkerTimes()
 
@@ -264,8 +265,11 @@ class DeviceBuilder:
         x = stage.upload(slot.images[:n]) if self.opts.is_cuda else slot.images[:n].clone()
         if self.gpu is not None:
             self._decode_on_gpu(slot, x)
-        if slot.labels is None:
-            labels: Any = list(slot.objects[:n])
+        if slot.labels is None and self.encode is not None:   # multi-label rows -> one tensor
+            labels: Any = self.encode(slot.objects[:n])
+            labels = stage.upload(labels) if self.opts.is_cuda and isinstance(labels, torch.Tensor) else labels
+        elif slot.labels is None:
+            labels = list(slot.objects[:n])
         else:
             labels = stage.upload(slot.labels[:n]) if self.opts.is_cuda else slot.labels[:n].clone()
         reusable = stage.fence()  # past this point the GPU no longer reads the pinned slot

@@ -126,9 +126,23 @@ class _Table:
             return self._arrow.select(names)
         return self._pf.read(columns=names)
 
-    def image_values(self, column: str) -> pa.Array:
-        """The image column as one array (bytes, or struct{bytes, path}), for listing checks."""
-        return self.columns([column]).column(0).combine_chunks()
+    def missing_images(self, column: str) -> dict[int, str | None]:
+        """Rows whose image has no bytes -> their ``path`` (or None). Reads no image bytes where
+        Parquet's statistics say a row group has no nulls (the usual case)."""
+        if self._arrow is not None:
+            return _nulls(self._arrow.column(column).combine_chunks(), 0)
+        leaf = f"{column}.bytes" if _struct_field(self.schema.field(column).type) else column
+        found: dict[int, str | None] = {}
+        meta = self._pf.metadata
+        for group in range(meta.num_row_groups):
+            rg = meta.row_group(group)
+            chunk = next((rg.column(j) for j in range(rg.num_columns) if rg.column(j).path_in_schema == leaf), None)
+            stats = None if chunk is None else chunk.statistics
+            if stats is not None and stats.has_null_count and stats.null_count == 0:
+                continue
+            values = self._pf.read_row_group(group, columns=[column]).column(0).combine_chunks()
+            found.update(_nulls(values, self._starts[group]))
+        return found
 
     def read(self, offset: int, size: int) -> bytes:
         """The image bytes of row ``offset`` (``size`` unused)."""
@@ -148,6 +162,29 @@ class _Table:
             while len(self._groups) > KEEP_ROW_GROUPS:
                 self._groups.popitem(last=False)
         return _bytes_of(array[offset - self._starts[group]], self.path, offset)
+
+
+def _struct_field(t: pa.DataType) -> bool:
+    import pyarrow as pa
+    return pa.types.is_struct(t)
+
+
+def _nulls(values: pa.Array, first_row: int) -> dict[int, str | None]:
+    """Rows (numbered from ``first_row``) of an image array that hold no bytes -> their path."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    struct = pa.types.is_struct(values.type)
+    data = values.field("bytes") if struct else values
+    nulls = pc.is_null(data)   # a null struct has null children too
+    if not pc.any(nulls).as_py():
+        return {}
+    rows = pc.indices_nonzero(nulls).to_pylist()
+    has_path = struct and values.type.get_field_index("path") >= 0
+    paths = values.field("path").take(rows).to_pylist() if has_path else [None] * len(rows)
+    if struct and values.null_count:   # a null struct's path child is null whatever its buffer holds
+        valid = pc.is_valid(values).take(rows).to_pylist()
+        paths = [p if ok else None for p, ok in zip(paths, valid)]
+    return {first_row + r: p for r, p in zip(rows, paths)}
 
 
 def _read_arrow(path: Path) -> pa.Table:
@@ -290,25 +327,18 @@ def open_hf(path: Path, options: SourceOptions) -> Source:
 
 def _list_table(table: _Table, image: str, label: str | None, extras: list[str], items: list[SourceItem],
                 raw: list[Any], skipped: list[dict[str, str]]) -> None:
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    images = table.image_values(image)
-    data = images.field("bytes") if pa.types.is_struct(images.type) else images
-    missing = pc.is_null(data).to_pylist()
-    sizes = pc.binary_length(data).to_pylist()
-    paths = images.field("path").to_pylist() if pa.types.is_struct(images.type) and \
-        images.type.get_field_index("path") >= 0 else [None] * len(images)
+    missing = table.missing_images(image)
     columns = table.columns(([label] if label else []) + extras).to_pydict() if (label or extras) else {}
     labels = columns.get(label, [None] * table.num_rows) if label else [None] * table.num_rows
     for row in range(table.num_rows):
         key = f"{table.path.name}/{row}"
-        if missing[row]:
-            hint = (f"only a path ({paths[row]!r}), no embedded bytes; re-save the dataset with the images "
-                    "embedded" if paths[row] else "the image is null")
+        if row in missing:
+            hint = (f"only a path ({missing[row]!r}), no embedded bytes; re-save the dataset with the images "
+                    "embedded" if missing[row] else "the image is null")
             skipped.append({"key": key, "path": f"{table.path}:row {row}", "reason": hint})
             continue
         items.append(SourceItem(key=key, path=None, label=None, extras={n: columns[n][row] for n in extras},
-                                offset=row, size=sizes[row], store=table))
+                                offset=row, store=table))
         raw.append(labels[row])
 
 
