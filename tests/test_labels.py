@@ -46,16 +46,16 @@ def test_loader_delivers_multi_hot_from_a_packed_multi_label_list(tmp_path: Path
     (tmp_path / "train.txt").write_text("\n".join(lines) + "\n")
     expected = {i: ([5] if i % 4 == 0 else list(range(i % 4))) for i in range(6)}
     pack(tmp_path / "train.txt", tmp_path / "out", options=PackOptions(workers=1), progress=False)
-    with Loader(tmp_path / "out", 3, transforms=[Resize((16, 16))], shuffle=False, num_threads=1) as loader:
+    with Loader(tmp_path / "out", 3, transforms=[Resize((16, 16))], order="sequential", num_threads=1) as loader:
         batches = [labels for _, labels in loader]
     hot = torch.cat(batches)
     assert hot.shape == (6, 6) and hot.dtype == torch.float32
     assert [torch.nonzero(row).flatten().tolist() for row in hot] == [expected[i] for i in range(6)]
-    with Loader(tmp_path / "out", 6, transforms=[Resize((16, 16))], shuffle=False, num_threads=1,
+    with Loader(tmp_path / "out", 6, transforms=[Resize((16, 16))], order="sequential", num_threads=1,
                 multi_label="indices", num_classes=10) as loader:
         (_, idx), = list(loader)
     assert [[v for v in row if v >= 0] for row in idx.tolist()] == [expected[i] for i in range(6)]
-    with Loader(tmp_path / "out", 6, transforms=[Resize((16, 16))], shuffle=False, num_threads=1,
+    with Loader(tmp_path / "out", 6, transforms=[Resize((16, 16))], order="sequential", num_threads=1,
                 device="cpu") as loader:   # the device stage's path
         (_, hot_dev), = list(loader)
     assert torch.equal(hot_dev, hot)
