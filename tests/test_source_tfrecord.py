@@ -146,3 +146,14 @@ def test_record_framing_checks_both_checksums() -> None:
     got = list(iter_records(buf, crc32c.crc32c))
     assert [type(r).__name__ for r in got] == ["Record", "Damage", "Record", "Damage"]
     assert buf[got[2].start:got[2].end] == b"three" and got[3].fatal and "truncated" in got[3].reason
+
+
+def test_loader_reads_tfrecords_without_packing(tmp_path: Path) -> None:
+    from stoker import Loader
+    from stoker.transforms import Resize
+
+    imgs = photos(5, seed=6)
+    _write(tmp_path / "t" / "a.tfrecord", [_slim(imgs[i], i, f"{i}.jpg") for i in range(5)])
+    with Loader(tmp_path / "t", 5, transforms=[Resize((32, 32))], order="sequential", num_threads=1) as loader:
+        (images, labels), = list(loader)
+    assert images.shape == (5, 32, 32, 3) and labels.tolist() == [0, 1, 2, 3, 4]

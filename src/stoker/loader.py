@@ -54,7 +54,7 @@ def _open_source(source: str | Path | Dataset) -> tuple[Dataset, bool]:
     path = Path(source)
     if path.is_dir() and ((path / MANIFEST_NAME).exists() or looks_like_partial_pack(path)):
         return open_dataset(path), True
-    return open_loose(path), True
+    return open_loose(source), True   # as given: a WebDataset brace pattern is a string, not a path
 
 
 def _device_options(device: Any, pipeline: Pipeline) -> DeviceOptions | None:
