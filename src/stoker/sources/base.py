@@ -137,6 +137,12 @@ class _DecompressedCache:
 _GZIP_CACHE = _DecompressedCache()
 
 
+def gzip_contents(path: Path) -> bytes:
+    """The decompressed content of a gzip file, shared with :class:`GzipMembers` (so listing a
+    file and then packing it decompresses it once when it is among the last two used)."""
+    return _GZIP_CACHE.get(Path(path), 2)
+
+
 def read_bytes(path: Path | str | None, container: Path | str | None = None,
                offset: int = 0, size: int = 0) -> bytes:
     """Read a sample's bytes from a file, or ``size`` bytes at ``offset`` inside a container."""
@@ -196,6 +202,15 @@ class SourceFormat(Protocol):
 
 
 # ---------------------------------------------------------------- helpers shared by formats
+
+def optional_module(name: str, extra: str, needed_for: str) -> Any:
+    """Import an optional reader library, or raise a SourceError saying which extra installs it."""
+    import importlib
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise SourceError(f"{needed_for} needs the {name} package; run: pip install 'stoker[{extra}]'") from None
+
 
 def is_image_name(name: str) -> bool:
     """A visible file whose ending is in IMAGE_EXTENSIONS."""

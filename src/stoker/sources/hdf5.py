@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SourceError
-from .base import Source, SourceItem, SourceOptions, describe_labels, type_any_labels
+from .base import Source, SourceItem, SourceOptions, describe_labels, optional_module, type_any_labels
 
 SUFFIXES = (".h5", ".hdf5", ".he5", ".hdf")
 IMAGE_NAMES = ("images", "image", "imgs", "data", "x")
@@ -33,11 +33,7 @@ _MAGIC = b"\x89HDF\r\n\x1a\n"
 
 
 def _h5py() -> Any:
-    try:
-        import h5py
-    except ImportError:
-        raise SourceError("reading HDF5 needs the h5py package; run: pip install 'stoker[hdf5]'") from None
-    return h5py
+    return optional_module("h5py", "hdf5", "reading HDF5")
 
 
 def detect(path: Path) -> bool:

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SourceError
-from .base import Source, SourceItem, SourceOptions, describe_labels, read_text, type_any_labels
+from .base import Source, SourceItem, SourceOptions, describe_labels, optional_module, read_text, type_any_labels
 from .listing import split_line
 from .protobuf import fields
 
@@ -43,11 +43,7 @@ _IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"B
 
 
 def _lmdb() -> Any:
-    try:
-        import lmdb
-    except ImportError:
-        raise SourceError("reading LMDB needs the lmdb package; run: pip install 'stoker[lmdb]'") from None
-    return lmdb
+    return optional_module("lmdb", "lmdb", "reading LMDB")
 
 
 def detect(path: Path) -> bool:

@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SourceError
-from .base import (_GZIP_CACHE, IMAGE_EXTENSIONS, GzipMembers, Source, SourceItem, SourceOptions,
-                   describe_labels, is_image_name, require_items, scandir, split_label_cell, type_any_labels)
+from .base import (IMAGE_EXTENSIONS, GzipMembers, Source, SourceItem, SourceOptions, describe_labels,
+                   gzip_contents, is_image_name, optional_module, require_items, scandir, split_label_cell,
+                   type_any_labels)
 
 SUFFIXES = (".tar", ".tar.gz", ".tgz")
 TARGET_EXTENSIONS = (".cls", ".json", ".txt")
@@ -43,11 +44,7 @@ def is_pattern(text: str) -> bool:
 
 def expand(pattern: str) -> list[Path]:
     """The files a brace pattern names, in its order; every one must exist."""
-    try:
-        from braceexpand import braceexpand
-    except ImportError:
-        raise SourceError("brace patterns need the braceexpand package; run: pip install 'stoker[webdataset]' "
-                          "(or pass a folder or a list of files)", path=pattern) from None
+    braceexpand = optional_module("braceexpand", "webdataset", "expanding a brace pattern").braceexpand
     paths = [Path(p).expanduser() for p in braceexpand(pattern)]
     missing = [p for p in paths if not p.is_file()]
     if missing:
@@ -81,7 +78,7 @@ def _open(tar_path: Path) -> tuple[tarfile.TarFile, GzipMembers | None]:
     gz = tar_path.name.lower().endswith((".gz", ".tgz"))
     try:
         if gz:
-            data = _GZIP_CACHE.get(tar_path, 2)   # decompressed once; packing then reads from it
+            data = gzip_contents(tar_path)   # decompressed once; packing then reads from it
             return tarfile.open(fileobj=io.BytesIO(data), mode="r:"), GzipMembers(tar_path)
         return tarfile.open(tar_path, mode="r:"), None
     except (tarfile.TarError, OSError) as exc:

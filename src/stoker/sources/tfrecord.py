@@ -29,8 +29,8 @@ from typing import Any, NamedTuple
 from ..errors import SourceError
 from .protobuf import fields as _fields
 from .protobuf import varint as _varint
-from .base import (_GZIP_CACHE, GzipMembers, Source, SourceItem, SourceOptions, describe_labels, scandir,
-                   type_any_labels)
+from .base import (GzipMembers, Source, SourceItem, SourceOptions, describe_labels, gzip_contents,
+                   optional_module, scandir, type_any_labels)
 
 SUFFIXES = (".tfrecord", ".tfrecords", ".tfrec")
 DEFAULT_IMAGE = ("image/encoded", "image")
@@ -68,12 +68,7 @@ def masked_crc(crc: int) -> int:
 
 
 def _crc32c_fn() -> Any:
-    try:
-        import crc32c
-    except ImportError:
-        raise SourceError("reading TFRecord files needs the crc32c package (record checksums); "
-                          "run: pip install 'stoker[tfrecord]'") from None
-    return crc32c.crc32c
+    return optional_module("crc32c", "tfrecord", "checking TFRecord checksums").crc32c
 
 
 # ---------------------------------------------------------------- framing
@@ -261,7 +256,7 @@ class _Listing:
 def _open_buffer(file: Path, gz: bool) -> Any:
     try:
         if gz:
-            return _GZIP_CACHE.get(file, 2)
+            return gzip_contents(file)
         if not file.stat().st_size:
             return b""
         with open(file, "rb") as fh:
