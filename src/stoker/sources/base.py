@@ -5,8 +5,9 @@ A format is one module with two functions, registered in ``stoker/sources/__init
 - ``open(path, options) -> Source``: list every sample of ``path`` (a resolved local path) in a
   deterministic order. Listing is cheap: no image is opened. Each sample is a :class:`SourceItem`:
   a ``key`` (unique, stable: the relative posix path or the member/record id), where its encoded
-  bytes are (``path``, or ``size`` bytes at ``offset`` inside ``container``), its ``label`` and its
-  ``extras`` (one value per extra column).
+  bytes are (``path``; or ``size`` bytes at ``offset`` inside ``container``; or a record of a
+  :class:`RecordStore` such as an LMDB environment, a Parquet file or a gzip stream), its
+  ``label`` and its ``extras`` (one value per extra column).
 - ``detect(path) -> bool``: True when ``path`` looks like this format (used by ``kind="auto"``).
 
 Labels and columns are declared on the :class:`Source`: ``label_type`` is a manifest type name
@@ -15,9 +16,11 @@ classes when labels are class indices (:func:`type_labels` turns raw label text 
 ``extra_columns`` maps each extra column to its Arrow type name (see ``stoker.shards.ARROW_TYPES``).
 
 Bad records: anything that makes the listing itself wrong (a missing file, a malformed line, a
-duplicate key, a path leaving the source root) raises :class:`~stoker.errors.SourceError` naming the
-file and line. A listed image that later cannot be read or decoded is not the source's business:
-the packer skips it and logs why.
+duplicate key, labels mixing numbers and names, a pickled LMDB value) raises
+:class:`~stoker.errors.SourceError` naming the file and line. A record the listing has to leave out
+(a TFRecord checksum failure, a tar damaged part-way, a row without image bytes) goes to
+``Source.skipped`` with its reason; the packer writes those to ``skipped.jsonl`` beside the
+images it could not read or decode.
 """
 
 from __future__ import annotations
