@@ -157,3 +157,40 @@ def test_loader_reads_tfrecords_without_packing(tmp_path: Path) -> None:
     with Loader(tmp_path / "t", 5, transforms=[Resize((32, 32))], order="sequential", num_threads=1) as loader:
         (images, labels), = list(loader)
     assert images.shape == (5, 32, 32, 3) and labels.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_resume_from_gzip_records_matches_an_uninterrupted_run(tmp_path: Path, monkeypatch) -> None:
+    """Ctrl-C in the middle of packing records read from a gzip stream, then --resume: the same
+    shards and the same skipped.jsonl (listing-time skips included) as one uninterrupted run."""
+    import stoker.packing as packmod
+    from stoker.packing import PackOptions, pack
+
+    imgs = photos(12, seed=9)
+    plain = _write(tmp_path / "p.tfrecord", [_slim(imgs[i] if i != 5 else CORRUPT_JPEG, i, f"{i}.jpg")
+                                              for i in range(12)])
+    raw = bytearray(plain.read_bytes())
+    offset, length = _records(plain)[8]
+    raw[offset + 12 + length // 2] ^= 0xFF   # record 8 fails its checksum while listing
+    src = tmp_path / "src" / "a.tfrecord.gz"
+    src.parent.mkdir()
+    src.write_bytes(gzip.compress(bytes(raw)))
+    opts = PackOptions(workers=1, shard_size=3 * len(imgs[0]))
+    pack(src, tmp_path / "full", options=opts, progress=False)
+
+    calls = {"n": 0}
+    real = packmod._process_one
+
+    def interrupted(item, options):
+        calls["n"] += 1
+        if calls["n"] == 7:
+            raise KeyboardInterrupt
+        return real(item, options)
+
+    monkeypatch.setattr(packmod, "_process_one", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pack(src, tmp_path / "cut", options=opts, progress=False)
+    monkeypatch.undo()
+    summary = pack(src, tmp_path / "cut", options=opts, progress=False, resume=True)
+    assert summary.packed == 10 and summary.skipped == 2
+    for name in ["skipped.jsonl", *sorted(p.name for p in (tmp_path / "full").glob("shard-*.arrow"))]:
+        assert (tmp_path / "cut" / name).read_bytes() == (tmp_path / "full" / name).read_bytes(), name
