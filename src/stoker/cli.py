@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(a file, a folder, a brace pattern like 'train-{000000..000146}.tar' in quotes, or "
                         "several files), .parquet/.arrow files or a saved Hugging Face dataset folder, an LMDB "
                         "environment, TFRecord files (a file or folder), an .h5 file")
-    p.add_argument("out", type=Path, help="output dataset directory")
+    p.add_argument("out", help="output dataset directory")
     p.add_argument("--kind", default="auto", choices=list(KINDS),
                    help="how to read SRC (default: auto, recognized by name or content); tar = webdataset")
     p.add_argument("--max-side", type=_positive, default=None, metavar="PX",
@@ -191,12 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_pack)
 
     p = sub.add_parser("info", help="counts, classes, resolutions and sizes of a packed dataset")
-    p.add_argument("dataset", type=Path)
+    p.add_argument("dataset")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_info)
 
     p = sub.add_parser("verify", help="check shard checksums against the manifest (exit 1 on any problem)")
-    p.add_argument("dataset", type=Path)
+    p.add_argument("dataset")
     p.add_argument("--decode", action="store_true", help="also decode every sample")
     p.add_argument("--workers", type=_positive, default=None, help="decode threads (default: usable CPUs)")
     p.set_defaults(func=_cmd_verify)

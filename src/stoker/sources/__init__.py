@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SourceError
+from ..storage import open_storage
 from . import folder, hdf5, hf, listing, lmdb_env, table, tar, tfrecord
 from .base import IMAGE_EXTENSIONS, Source, SourceItem, SourceOptions, read_bytes
 
@@ -67,13 +68,16 @@ def open_source(src: str | Path | Sequence[str | Path], *, kind: str = "auto", l
     is the fallback. For lists and CSVs, relative paths resolve against the list's folder and
     ``root`` makes keys relative to a folder. ``label_column`` / ``image_column`` name the
     fields of records (table columns, TFRecord features, HDF5 datasets, JSON fields);
-    ``label_column=None`` reads without labels. Raises SourceError.
+    ``label_column=None`` reads without labels. Raises SourceError (and UnsupportedStorageError
+    for a URL: sources are local today).
     """
     if kind not in KINDS:
         raise SourceError(f"unknown source kind {kind!r}; expected one of {', '.join(KINDS)}", path=str(src))
     kind = ALIASES.get(kind, kind)
     options = SourceOptions(root=None if root is None else Path(root), label_column=label_column,
                             path_column=path_column, image_column=image_column)
+    for location in src if isinstance(src, (list, tuple)) else [src]:
+        open_storage(location)  # a URL (s3://...) is refused, never read as a local path of that name
     if isinstance(src, (list, tuple)) or (isinstance(src, str) and tar.is_pattern(src) and not Path(src).exists()):
         if kind not in ("auto", "webdataset"):
             raise SourceError(f"a list of files or a brace pattern is a WebDataset shard set, not kind {kind!r}",

@@ -1,6 +1,7 @@
 """The source interface: what every input format hands to the packer and the loose reader.
 
-A format is one module with two functions, registered in ``stoker/sources/__init__.py``:
+A format is one module with two functions, registered as a ``Format(open, detect)`` line in
+``FORMATS`` (``stoker/sources/__init__.py``):
 
 - ``open(path, options) -> Source``: list every sample of ``path`` (a resolved local path) in a
   deterministic order. Listing is cheap: no image is opened. Each sample is a :class:`SourceItem`:
@@ -37,8 +38,7 @@ from typing import Any, Protocol
 
 from ..errors import SourceError
 
-__all__ = ["IMAGE_EXTENSIONS", "RecordStore", "Source", "SourceFormat", "SourceItem", "SourceOptions",
-           "read_bytes"]
+__all__ = ["IMAGE_EXTENSIONS", "RecordStore", "Source", "SourceItem", "SourceOptions", "read_bytes"]
 
 #: File name endings (lower case) treated as images when a folder is listed.
 IMAGE_EXTENSIONS: frozenset[str] = frozenset({
@@ -194,14 +194,6 @@ class SourceOptions:
     label_column: str | None = "label"
     path_column: str = "path"
     image_column: str | None = None
-
-
-class SourceFormat(Protocol):
-    """What a format module provides (see the module docstring)."""
-
-    def open(self, path: Path, options: SourceOptions) -> Source: ...
-
-    def detect(self, path: Path) -> bool: ...
 
 
 # ---------------------------------------------------------------- helpers shared by formats
