@@ -91,21 +91,25 @@ class RecordStore(Protocol):
         ...
 
 
+#: Decompressed gzip files kept in memory (bytes): the most recent ones, always at least one.
+GZIP_CACHE_BYTES = 1 << 30
+
+
 class GzipMembers:
     """Byte ranges inside the *decompressed* content of gzip files (``.tar.gz``, gzip TFRecord).
 
     A gzip stream cannot seek, so a whole file is decompressed on first use and kept while it is
-    read: at most ``keep`` files (LRU), each as large as the file decompressed. Items arrive in
-    near source order, so each file is decompressed about once per pass.
+    read: the most recently used files, up to GZIP_CACHE_BYTES decompressed (at least one).
+    Listing fills the same cache, and items are read in near source order, so each file is
+    decompressed once or twice per pack.
     """
 
-    def __init__(self, path: Path, keep: int = 2) -> None:
+    def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.name = str(path)
-        self._keep = keep
 
     def read(self, offset: int, size: int) -> bytes:
-        data = _GZIP_CACHE.get(self.path, self._keep)
+        data = gzip_contents(self.path)
         if offset + size > len(data):
             raise OSError(f"{self.path} decompresses to {len(data)} bytes, shorter than its index "
                           f"says (wanted {size} bytes at offset {offset})")
@@ -115,35 +119,34 @@ class GzipMembers:
 class _DecompressedCache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._files: OrderedDict[Path, bytes] = OrderedDict()
+        self._files: OrderedDict[tuple[str, int, int], bytes] = OrderedDict()
 
-    def get(self, path: Path, keep: int) -> bytes:
+    def get(self, path: Path) -> bytes:
+        st = os.stat(path)   # a file rewritten in place is decompressed afresh
+        key = (str(path), st.st_mtime_ns, st.st_size)
         with self._lock:  # one decompression per file, even when many threads ask at once
-            data = self._files.get(path)
+            data = self._files.get(key)
             if data is None:
                 try:
                     with gzip.open(path, "rb") as fh:
                         data = fh.read()
                 except (EOFError, gzip.BadGzipFile, ValueError) as exc:
                     raise OSError(f"cannot decompress {path}: {exc}") from None
-                self._files[path] = data
-            self._files.move_to_end(path)
-            while len(self._files) > keep:
-                self._files.popitem(last=False)
+                self._files[key] = data
+            self._files.move_to_end(key)
+            total = sum(len(v) for v in self._files.values())
+            while len(self._files) > 1 and total > GZIP_CACHE_BYTES:
+                total -= len(self._files.popitem(last=False)[1])
             return data
-
-    def clear(self) -> None:
-        with self._lock:
-            self._files.clear()
 
 
 _GZIP_CACHE = _DecompressedCache()
 
 
 def gzip_contents(path: Path) -> bytes:
-    """The decompressed content of a gzip file, shared with :class:`GzipMembers` (so listing a
-    file and then packing it decompresses it once when it is among the last two used)."""
-    return _GZIP_CACHE.get(Path(path), 2)
+    """The decompressed content of a gzip file, shared with :class:`GzipMembers` (listing a file
+    and then packing it decompresses it once while it fits in GZIP_CACHE_BYTES)."""
+    return _GZIP_CACHE.get(Path(path))
 
 
 def read_bytes(path: Path | str | None, container: Path | str | None = None,
