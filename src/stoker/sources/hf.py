@@ -146,6 +146,8 @@ class _Table:
 
     def read(self, offset: int, size: int) -> bytes:
         """The image bytes of row ``offset`` (``size`` unused)."""
+        import pyarrow as pa
+
         if self._arrow is not None:
             values = self._arrow.column(self.image_column)
             return _bytes_of(values[offset], self.path, offset)
@@ -157,7 +159,10 @@ class _Table:
                     table = self._pf.read_row_group(group, columns=[self.image_column])
                 except (OSError, pa.ArrowException) as exc:
                     raise OSError(f"cannot read row group {group} of {self.path}: {exc}") from None
-                array = self._groups[group] = table.column(0).combine_chunks()
+                array = table.column(0).combine_chunks()
+                if pa.types.is_struct(array.type):   # keep the bytes child: no struct scalar per row
+                    array = array.field("bytes")
+                self._groups[group] = array
             self._groups.move_to_end(group)
             while len(self._groups) > KEEP_ROW_GROUPS:
                 self._groups.popitem(last=False)
