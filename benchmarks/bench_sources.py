@@ -6,8 +6,11 @@ The same generated ImageNet-like JPEGs (``stoker.synth``) are written once into 
 that format's own writer library (pyarrow for Parquet/Arrow, ``lmdb``, ``h5py``, the ``tfrecord``
 package, ``tarfile``), under CACHE_DIR. Then each source is packed ``--rounds`` times, the formats
 in a different order each round (so a noisy neighbour hits all of them alike); the median wall time
-is reported with the ratio ``folder time / format time`` (above 1: faster than the folder). Listing
-time (``open_source``: reading labels and record offsets) is reported on its own too. Formats whose
+is reported with the ratio ``folder time / format time`` (above 1: faster than the folder), and the
+CPU time this process spent per image (all its threads; less sensitive than wall time to other
+processes on a shared machine) with its ratio to the folder's (below 1: less work). Listing time
+(``open_source``: reading labels and record offsets) is reported on its own too; pack times
+include pack's own listing. Formats whose
 writer library is missing are left out, with the reason printed.
 """
 
@@ -161,6 +164,7 @@ def prepare(cache: Path, n: int) -> dict[str, tuple[Path, str]]:
 def measure(sources: dict[str, tuple[Path, str]], work: Path, rounds: int, workers: int) -> dict[str, dict]:
     names = list(sources)
     pack_s: dict[str, list[float]] = {n: [] for n in names}
+    cpu_s: dict[str, list[float]] = {n: [] for n in names}
     list_s: dict[str, list[float]] = {n: [] for n in names}
     packed: dict[str, int] = {}
     options = PackOptions(workers=workers)
@@ -170,25 +174,30 @@ def measure(sources: dict[str, tuple[Path, str]], work: Path, rounds: int, worke
             src, kind = sources[name]
             t0 = time.perf_counter()
             open_source(src, kind=kind)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             summary = pack(src, work / name, options=options, progress=False, overwrite=True, kind=kind)
-            t2 = time.perf_counter()
+            t2, c2 = time.perf_counter(), time.process_time()
             packed[name] = summary.packed
             if r:
                 list_s[name].append(t1 - t0)
                 pack_s[name].append(t2 - t1)
+                cpu_s[name].append(c2 - c1)
     base = statistics.median(pack_s["folder"])
+    base_cpu = statistics.median(cpu_s["folder"])
     return {n: {"images": packed[n], "pack_s": statistics.median(pack_s[n]), "list_s": statistics.median(list_s[n]),
                 "images_per_s": packed[n] / statistics.median(pack_s[n]),
-                "speed_vs_folder": base / statistics.median(pack_s[n])} for n in names}
+                "speed_vs_folder": base / statistics.median(pack_s[n]),
+                "cpu_ms_per_image": 1000 * statistics.median(cpu_s[n]) / packed[n],
+                "cpu_vs_folder": statistics.median(cpu_s[n]) / base_cpu} for n in names}
 
 
 def table(results: dict[str, dict]) -> str:
-    lines = ["| source | images | pack s (median) | listing s | images/s | speed vs folder |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| source | images | pack s (median) | listing s | images/s | speed vs folder | CPU ms/image | "
+             "CPU vs folder |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, r in results.items():
         lines.append(f"| {name} | {r['images']:,} | {r['pack_s']:.2f} | {r['list_s']:.3f} | "
-                     f"{r['images_per_s']:,.0f} | {r['speed_vs_folder']:.2f}x |")
+                     f"{r['images_per_s']:,.0f} | {r['speed_vs_folder']:.2f}x | {r['cpu_ms_per_image']:.2f} | "
+                     f"{r['cpu_vs_folder']:.2f}x |")
     return "\n".join(lines)
 
 
