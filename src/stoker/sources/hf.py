@@ -129,10 +129,15 @@ class _Table:
     def missing_images(self, column: str) -> dict[int, str | None]:
         """Rows whose image has no bytes -> their ``path`` (or None). Reads no image bytes where
         Parquet's statistics say a row group has no nulls (the usual case)."""
-        if self._arrow is not None:
-            return _nulls(self._arrow.column(column).combine_chunks(), 0)
+        if self._arrow is not None:   # chunk by chunk: combining them would copy every image
+            found: dict[int, str | None] = {}
+            first = 0
+            for chunk in self._arrow.column(column).chunks:
+                found.update(_nulls(chunk, first))
+                first += len(chunk)
+            return found
         leaf = f"{column}.bytes" if _struct_field(self.schema.field(column).type) else column
-        found: dict[int, str | None] = {}
+        found = {}
         meta = self._pf.metadata
         for group in range(meta.num_row_groups):
             rg = meta.row_group(group)
