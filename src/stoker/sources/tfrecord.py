@@ -366,10 +366,10 @@ def _extras(features: list[dict[str, Feature]]) -> tuple[dict[str, str], list[di
             longest[name] = max(longest.get(name, 0), len(feat.values))
     columns: dict[str, str] = {}
     for name, ks in sorted(kinds.items()):
-        kind, scalar = next(iter(ks)), longest[name] <= 1
         if len(ks) != 1:
             continue
-        if kind == "bytes" and scalar and all(v is not None for f in features for v in f.get(name, Feature("", [])).values):
+        kind, scalar = next(iter(ks)), longest[name] <= 1
+        if kind == "bytes" and scalar and all(v is not None for f in features if name in f for v in f[name].values):
             columns[name] = "string"
         elif kind == "int64":
             columns[name] = "int64" if scalar else "list<int64>"
