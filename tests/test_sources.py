@@ -212,3 +212,23 @@ def test_tar_source_reads_members_by_offset(tmp_path: Path) -> None:
     assert all(i.read() == blobs[i.key] for i in src.items)
     one = open_source(shard_dir / "part-1.tar")
     assert [i.key for i in one.items] == ["s0.jpg", "s1.jpg", "s2.jpg"]
+
+
+def test_multi_label_cells_and_mixed_labels(tmp_path: Path) -> None:
+    for name in ["a.jpg", "b.jpg", "c.jpg"]:
+        _jpeg(tmp_path / name)
+    table = tmp_path / "m.csv"
+    table.write_text('path,label\na.jpg,"[1, 3]"\nb.jpg,2 5\nc.jpg,[]\n')
+    src = open_source(table)
+    assert src.label_type == "list<int64>" and [i.label for i in src.items] == [[1, 3], [2, 5], []]
+    table.write_text("path,label\na.jpg,golden retriever\nb.jpg,cat\n")   # a name with a space stays one name
+    assert open_source(table).classes == ["cat", "golden retriever"]
+    table.write_text('path,label\na.jpg,"[""cat"", ""dog""]"\nb.jpg,dog\n')
+    src = open_source(table)
+    assert src.classes == ["cat", "dog"] and [i.label for i in src.items] == [[0, 1], [1]]
+    listing = tmp_path / "l.txt"
+    listing.write_text("a.jpg 3\nb.jpg cat\nc.jpg 4\n")
+    with pytest.raises(SourceError, match=r"l.txt line 2: label 'cat' is a name while .*l.txt line 1 has the number '3'"):
+        open_source(listing)
+    listing.write_text("a.jpg 0.5\nb.jpg 2\n")   # ints and floats together: float regression targets
+    assert [i.label for i in open_source(listing).items] == [0.5, 2.0]

@@ -83,7 +83,8 @@ def open_csv(listing: Path, options: SourceOptions) -> Source:
     else:
         where = [f"{listing} line {n}" for _, _, _, n in rows]
         cells = [r[2][label_column].strip() for r in rows]
-        cells = [split_label_cell(c, w) or c for c, w in zip(cells, where)]
+        split = [split_label_cell(c, w) for c, w in zip(cells, where)]
+        cells = [c if parts is None else parts for c, parts in zip(cells, split)]
         labels, label_type, classes = type_any_labels(cells, where)
     items = [SourceItem(key=k, path=p, label=lab, extras={n: parsers[n](c[n]) for n in extra_names})
              for (k, p, c, _), lab in zip(rows, labels)]

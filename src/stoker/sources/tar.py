@@ -130,7 +130,8 @@ def _target(group: _Group, label_column: str | None, where: str) -> tuple[str | 
                 text = group.targets[ext].decode("utf-8").strip()
             except UnicodeDecodeError:
                 raise ValueError(f"its {ext} is not UTF-8 text") from None
-            label = split_label_cell(text, where) or text
+            parts = split_label_cell(text, where)
+            label = text if parts is None else parts
     return label, extras
 
 
