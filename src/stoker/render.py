@@ -30,6 +30,7 @@ from . import codecs
 from .device import DeviceStage, convert
 from .errors import DatasetError, SampleError
 from .gpu_decode import GpuJob
+from .labels import MultiLabel
 from .order import replacement_index, sample_keys, uniforms
 from .reader import Dataset, PackedDataset
 from .slots import LoaderStats, Slot, WorkerTimes
@@ -55,6 +56,7 @@ class RenderSpec:
     widths: np.ndarray | None
     gpu_decode: bool = False  # decode="gpu": JPEG rows become GpuJobs for the device thread
     decode_quality: str = "accurate"  # "fast": libjpeg-turbo's fast IDCT and plain chroma upsampling
+    multi_label: MultiLabel | None = None  # turns a batch of label lists into one tensor (multi-label data)
 
 
 @dataclass
@@ -83,6 +85,7 @@ class Filler:
         self.heights, self.widths = spec.heights, spec.widths
         self.labels = spec.labels
         self.columns = spec.columns
+        self.multi_label = spec.multi_label
         self.on_error = spec.on_error
         self.out_h, self.out_w = spec.output_size
         self.draws = max(self.pipe.draws, 1)
@@ -282,6 +285,7 @@ class DeviceBuilder:
         self.gpu = decoder  # a gpu_decode.GpuBatchDecoder, or None (decode="cpu")
         self.filler, self.lock, self.stats = filler, lock, stats
         self.columns = filler.columns
+        self.encode = filler.multi_label
         self.scratch: dict = {}
         self.times = WorkerTimes()
 
@@ -292,8 +296,11 @@ class DeviceBuilder:
         x = stage.upload(slot.images[:n]) if self.opts.is_cuda else slot.images[:n].clone()
         if self.gpu is not None:
             self._decode_on_gpu(slot, x)
-        if slot.labels is None:
-            labels: Any = list(slot.objects[:n])
+        if slot.labels is None and self.encode is not None:   # multi-label rows -> one tensor
+            labels: Any = self.encode(slot.objects[:n])
+            labels = stage.upload(labels) if self.opts.is_cuda and isinstance(labels, torch.Tensor) else labels
+        elif slot.labels is None:
+            labels = list(slot.objects[:n])
         else:
             labels = stage.upload(slot.labels[:n]) if self.opts.is_cuda else slot.labels[:n].clone()
         reusable = stage.fence()  # past this point the GPU no longer reads the pinned slot
