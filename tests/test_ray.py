@@ -4,8 +4,9 @@ records logged the same way, resumable."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
+import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray", reason="needs the ray extra: pip install 'stoker[ray]'")
@@ -17,6 +18,7 @@ from stoker.packing import PackOptions, pack  # noqa: E402
 from stoker.reader import open_dataset  # noqa: E402
 
 from conftest import make_image_folder  # noqa: E402
+from formats_helpers import CORRUPT_JPEG, photos  # noqa: E402
 
 SHARD_SIZE = 12_000
 
@@ -71,6 +73,42 @@ def test_ray_pack_resumes(local_ray: None, messy: Path, tmp_path: Path, monkeypa
     monkeypatch.setattr(packing._Packer, "close_shard", real)
     pack(messy, tmp_path / "ray", options=options, resume=True, progress=False)
     assert _contents(tmp_path / "ray") == _contents(tmp_path / "local")
+
+
+def _lmdb_source(root: Path) -> Path:
+    lmdb = pytest.importorskip("lmdb", reason="pip install 'stoker[lmdb]'")
+    imgs = photos(8)
+    env = lmdb.open(str(root / "train.lmdb"), map_size=64 << 20)
+    with env.begin(write=True) as txn:
+        for i, blob in enumerate(imgs[:4] + [CORRUPT_JPEG] + imgs[4:]):
+            txn.put(f"{i:03d}".encode(), blob)
+    env.close()
+    (root / "train.lmdb" / "labels.txt").write_text("".join(f"{i:03d} {i % 3}\n" for i in range(9)))
+    return root / "train.lmdb"
+
+
+def _hdf5_source(root: Path) -> Path:
+    h5py = pytest.importorskip("h5py", reason="pip install 'stoker[hdf5]'")
+    imgs = photos(9)
+    imgs[6] = CORRUPT_JPEG
+    with h5py.File(root / "train.h5", "w") as f:
+        ds = f.create_dataset("images", (9,), dtype=h5py.vlen_dtype(np.uint8))
+        for i, blob in enumerate(imgs):
+            ds[i] = np.frombuffer(blob, np.uint8)
+        f.create_dataset("labels", data=np.arange(9) % 2)
+    return root / "train.h5"
+
+
+@pytest.mark.parametrize("make", [_lmdb_source, _hdf5_source], ids=["lmdb", "hdf5"])
+def test_ray_packs_sources_read_through_open_stores(local_ray: None, make: Any, tmp_path: Path) -> None:
+    """An LMDB environment or an HDF5 file cannot be sent to a worker: the driver reads those
+    records and sends the bytes; the dataset is the local pack's, the bad record skipped alike."""
+    src = make(tmp_path)
+    pack(src, tmp_path / "local", options=PackOptions(workers=1, shard_size=SHARD_SIZE), progress=False)
+    pack(src, tmp_path / "ray", options=PackOptions(shard_size=SHARD_SIZE, engine="ray"), progress=False)
+    local = _contents(tmp_path / "local")
+    assert _contents(tmp_path / "ray") == local
+    assert len(local[1]) == 8 and local[2].count("\n") == 1   # 8 packed, the corrupt one logged
 
 
 def test_engine_options_are_checked() -> None:

@@ -232,3 +232,23 @@ def test_multi_label_cells_and_mixed_labels(tmp_path: Path) -> None:
         open_source(listing)
     listing.write_text("a.jpg 0.5\nb.jpg 2\n")   # ints and floats together: float regression targets
     assert [i.label for i in open_source(listing).items] == [0.5, 2.0]
+
+
+def test_portable_items_carry_store_bytes_or_the_read_error(tmp_path: Path) -> None:
+    """What `pack --engine ray` sends a worker: file items stay paths; a store's record travels
+    as its bytes, or as the OSError reading it raised (so it is skipped with the same reason)."""
+    import gzip
+    import pickle
+
+    from stoker.sources.base import GzipMembers, SourceItem
+
+    good, bad = tmp_path / "good.gz", tmp_path / "bad.gz"
+    good.write_bytes(gzip.compress(b"0123456789"))
+    bad.write_bytes(gzip.compress(b"0123456789")[:-12])   # truncated: cannot be decompressed
+    file_item = SourceItem("a.jpg", tmp_path / "a.jpg", 0)
+    assert file_item.portable() is file_item
+    moved = pickle.loads(pickle.dumps(SourceItem("k", None, 1, offset=2, size=3, store=GzipMembers(good)).portable()))
+    assert moved.read() == b"234" and moved.where() == f"{good}:k"
+    broken = pickle.loads(pickle.dumps(SourceItem("k", None, 1, offset=2, size=3, store=GzipMembers(bad)).portable()))
+    with pytest.raises(OSError, match="cannot decompress"):
+        broken.read()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -112,3 +114,33 @@ def test_local_path_refuses_symlinks_out_of_the_dataset(tmp_path: Path) -> None:
     before = store.identity("inside.arrow")
     store.write_atomic("inside.arrow", b"yy")
     assert store.identity("inside.arrow") != before
+
+
+@pytest.mark.parametrize("missing, hint", [("fsspec", "pip install 'stoker[remote]'"),
+                                           ("s3fs", "pip install 'stoker[remote]' brings fsspec and s3fs")])
+def test_a_missing_remote_extra_is_named(missing: str, hint: str, folder: Path, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """Without the packages the `remote` extra installs, an s3:// URL is refused by every entry
+    point with the pip command to run, and nothing is written locally."""
+    from stoker import Loader
+
+    pytest.importorskip("fsspec")
+    monkeypatch.setitem(sys.modules, missing, None)   # `import missing` raises ImportError
+    monkeypatch.chdir(tmp_path)
+    url = "s3://bucket/ds"
+    for call in (lambda: Loader(url, 4), lambda: open_dataset(url), lambda: describe(url),
+                 lambda: pack(folder, url, options=PackOptions(workers=1), progress=False)):
+        with pytest.raises(UnsupportedStorageError, match=re.escape(hint)):
+            call()
+    assert main(["pack", str(folder), url, "--no-progress"]) == 2
+    assert hint in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["src"], "a URL must never become a local folder"
+
+
+def test_a_missing_ray_extra_is_named_before_anything_is_written(folder: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)
+    assert main(["pack", str(folder), str(tmp_path / "out"), "--engine", "ray", "--no-progress"]) == 2
+    assert "pip install 'stoker[ray]'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -496,6 +496,9 @@ def pack(src: str | Path | Source, out: str | Path | Storage, *, options: PackOp
     options = options or PackOptions()
     if resume and overwrite:
         raise ConfigError("resume=True and overwrite=True contradict each other; pass one of them")
+    if options.engine == "ray":  # before anything is written: a missing extra is named at once
+        from .ray_engine import require_ray
+        require_ray()
     storage = as_storage(out)  # before listing: a URL no backend serves is refused at once
     source = src if isinstance(src, Source) else open_source(src, **source_options)
     if source.skipped and options.on_error == "fail":
@@ -515,8 +518,8 @@ def pack(src: str | Path | Source, out: str | Path | Storage, *, options: PackOp
     if options.engine == "ray":
         from .ray_engine import RAY_TASK_SAMPLES, run_on_ray
 
-        stream = run_on_ray(_process_task, _tasks(source.items, pos, RAY_TASK_SAMPLES), options,
-                            address=options.address, timeout=TASK_TIMEOUT_S)
+        tasks = ([item.portable() for item in task] for task in _tasks(source.items, pos, RAY_TASK_SAMPLES))
+        stream = run_on_ray(_process_task, tasks, options, address=options.address, timeout=TASK_TIMEOUT_S)
     else:
         stream = _run_in_order(_tasks(source.items, pos, TASK_SAMPLES), options, workers)
     try:

@@ -21,7 +21,8 @@ INSTALL_HINT = "pip install 'stoker[ray]'"
 RAY_TASK_SAMPLES = 64
 
 
-def _ray() -> Any:
+def require_ray() -> Any:
+    """The ray module, or ConfigError naming the extra to install."""
     try:
         import ray
     except ImportError:
@@ -35,7 +36,7 @@ def run_on_ray(fn: Callable[[Any, Any], list], tasks: Iterator[Any], options: An
     4 tasks per cluster CPU in flight. Connects to `address` ("auto", "ray://host:10001", ...) or,
     when Ray is not initialised and no address is given, starts a local instance (and stops it
     after). Outstanding tasks are cancelled on an error or Ctrl-C."""
-    ray = _ray()
+    ray = require_ray()
     started_here = False
     if not ray.is_initialized():
         try:

@@ -32,7 +32,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
@@ -77,6 +77,32 @@ class SourceItem:
         if self.path is not None:
             return str(self.path)
         return f"{self.container if self.store is None else self.store.name}:{self.key}"
+
+    def portable(self) -> SourceItem:
+        """This item as another process can read it (a Ray worker, `stoker pack --engine ray`).
+        A file or a file range stays a path (read there: the workers mount the source); bytes in
+        an open store (an LMDB environment, an HDF5 or Parquet file, a decompressed gzip file)
+        cannot travel, so they are read here and carry themselves, or the OSError reading raised."""
+        if self.store is None:
+            return self
+        try:
+            return replace(self, store=_Carried(self.store.name, self.read(), None))
+        except OSError as exc:
+            return replace(self, store=_Carried(self.store.name, b"", exc))
+
+
+@dataclass(frozen=True)
+class _Carried:
+    """One record's bytes (or the error reading them), read by :meth:`SourceItem.portable`."""
+
+    name: str
+    data: bytes
+    error: OSError | None
+
+    def read(self, offset: int, size: int) -> bytes:
+        if self.error is not None:
+            raise self.error
+        return self.data
 
 
 class RecordStore(Protocol):

@@ -90,8 +90,9 @@ class RemoteStorage(Storage):
         try:
             self.fs, self.root = fsspec.core.url_to_fs(self.location, **dict(storage_options or {}))
         except ImportError as exc:  # the backend package for this scheme (s3fs, gcsfs, adlfs, ...)
-            raise UnsupportedStorageError(f"{url}: {exc}; install it beside {INSTALL_HINT}",
-                                          location=url) from None
+            raise UnsupportedStorageError(
+                f"{url}: {exc} ({INSTALL_HINT} brings fsspec and s3fs for s3://; other stores need their "
+                "fsspec package beside it: gcsfs for gs://, adlfs for az://)", location=url) from None
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"{url}: cannot open this URL with fsspec: {exc}") from None
         self.root = self.root.rstrip("/")
