@@ -237,7 +237,9 @@ def test_cli_pack_to_s3_resumes_after_a_kill(s3: S3Server, bucket: str, packed: 
     cmd = [sys.executable, "-m", "stoker.cli", "pack", str(packed.parent / "imgs"), url, "--workers", "1",
            "--shard-size", str(SHARD_SIZE), "--no-progress"]
     s3.log.slow_put["/ds/shard-"] = 0.25  # slow uploads, so the kill lands mid-pack
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    cwd = tmp_path / "cwd"   # where a URL mistaken for a path would leave an `s3:` folder
+    cwd.mkdir()
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60
     while sum(r.method == "PUT" and "/ds/shard-" in r.path for r in s3.log.requests) < 4:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
@@ -250,8 +252,9 @@ def test_cli_pack_to_s3_resumes_after_a_kill(s3: S3Server, bucket: str, packed: 
         open_dataset(remote)  # shards but no manifest: never taken for a finished dataset
     uploaded_before = {r.path for r in s3.log.requests if r.method == "PUT" and "/ds/shard-" in r.path}
     s3.log.slow_put.clear()
-    done = subprocess.run([*cmd, "--resume"], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([*cmd, "--resume"], env=env, cwd=cwd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+    assert f"in {url}:" in done.stdout and not list(cwd.iterdir()), "nothing may be written locally"
     again = [r.path for r in s3.log.requests if r.method == "PUT" and "/ds/shard-" in r.path]
     assert len(again) - len(uploaded_before) < 24  # finished shards were kept, not uploaded again
     with open_dataset(remote) as ds, open_dataset(packed) as local:
@@ -264,6 +267,20 @@ def test_cli_pack_to_s3_resumes_after_a_kill(s3: S3Server, bucket: str, packed: 
     checked = subprocess.run([sys.executable, "-m", "stoker.cli", "verify", url], env=env, capture_output=True,
                              text=True, timeout=120)
     assert checked.returncode == 0 and "24 shard(s) checked" in checked.stdout, checked.stderr
+
+
+def test_a_dropped_loader_stops_its_download_threads(s3: S3Server, url: str, tmp_path: Path) -> None:
+    import gc
+
+    loader = remote_loader(s3, url, tmp_path / "cache", order="shard_window")
+    next(iter(loader))
+    assert [t for t in threading.enumerate() if t.name.startswith("stoker-cache")]
+    del loader   # never closed
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while [t for t in threading.enumerate() if t.name.startswith("stoker")] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [t for t in threading.enumerate() if t.name.startswith("stoker")]
 
 
 def test_resume_mid_epoch_from_s3(s3: S3Server, url: str, packed: Path, tmp_path: Path) -> None:
@@ -280,3 +297,75 @@ def test_resume_mid_epoch_from_s3(s3: S3Server, url: str, packed: Path, tmp_path
     assert len(got) == len(want) - 2
     for (a, la), (b, lb) in zip(got, want[2:]):
         assert np.array_equal(a, b) and np.array_equal(la, lb)
+
+
+def test_a_dataset_over_plain_http(s3: S3Server, packed: Path, tmp_path: Path) -> None:
+    """Any fsspec URL: here http(s)://, objects served by the same HTTP server to anyone (public-read),
+    with no folder listing to rely on. Same batches as local; a denied URL is a clear error."""
+    from stoker.errors import ManifestError
+
+    fs = s3.filesystem()
+    fs.mkdir("public")
+    for f in sorted(packed.iterdir()):
+        fs.put_file(str(f), f"public/packed/{f.name}")
+        fs.chmod(f"public/packed/{f.name}", acl="public-read")
+    url = f"{s3.endpoint}/public/packed"
+    local = Loader(packed, 8, num_threads=2, seed=3, transforms=[RandomResizedCrop(32)], order="shard_window")
+    with Loader(url, 8, num_threads=2, seed=3, transforms=[RandomResizedCrop(32)], order="shard_window",
+                cache_dir=tmp_path / "cache") as remote:
+        got, want = batches(remote), batches(local)
+    local.close()
+    assert len(got) == len(want) == 6
+    for (a, la), (b, lb) in zip(got, want):
+        assert np.array_equal(a, b) and np.array_equal(la, lb)
+    fs.put_file(str(packed / "stoker.json"), "public/private/stoker.json")   # not public-read: 403
+    with pytest.raises(ManifestError, match=r"/public/private/stoker.json: cannot read the manifest: .*403"):
+        Loader(f"{s3.endpoint}/public/private", 8, cache_dir=tmp_path / "c2")
+
+
+def test_readme_cloud_section_runs_as_written(s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """README's "Datasets in the cloud and on clusters" commands and code, copied as they are,
+    against this S3 server (the credentials and endpoint from the environment, as a user's shell
+    has them). Only locations are moved into tmp_path (/dev/shm, /scratch); the `--address` line
+    needs a running Ray cluster, and the same command without it runs here."""
+    import gc
+    import re
+    import shlex
+
+    from stoker.cli import main
+
+    pytest.importorskip("ray", reason="needs the ray extra: pip install 'stoker[ray]'")
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Datasets in the cloud and on clusters", 1)[1].split("\n## ", 1)[0]
+    shell, python = re.findall(r"```(?:python)?\n(.*?)```", section, flags=re.S)
+    assert "Loader(" in python and "stoker pack" in shell
+
+    def here(text: str) -> str:
+        return text.replace("/dev/shm", str(tmp_path / "shm")).replace("/scratch", str(tmp_path / "scratch"))
+
+    (tmp_path / "shm").mkdir()
+    make_image_folder(tmp_path / "data" / "train", n_per_class=6)
+    monkeypatch.chdir(tmp_path)
+    for key, value in {**s3.env(), "STOKER_CACHE": str(tmp_path / "cache")}.items():
+        monkeypatch.setenv(key, value)
+    s3.filesystem().mkdir("my-bucket")
+    ran = []
+    for line in shell.strip().splitlines():
+        argv = shlex.split(here(line.split("#", 1)[0]))
+        assert argv[0] == "stoker"
+        if "--address" in argv:
+            continue
+        assert main(argv[1:]) == 0, line
+        ran.append(argv[1])
+    assert ran == ["pack", "pack", "info", "verify", "pack", "stage", "stage"]
+    assert not list((tmp_path / "shm").iterdir())   # the staged copy was removed
+    namespace: dict[str, Any] = {}
+    exec(compile(here(python), "README.md", "exec"), namespace)
+    loader = namespace["loader"]
+    images, labels = next(iter(loader))
+    assert tuple(images.shape) == (18, 224, 224, 3)  # 3 classes of 6: one batch
+    loader.close()
+    del namespace, loader
+    gc.collect()
+    assert not [t for t in threading.enumerate() if t.name.startswith("stoker")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "data", "scratch", "shm"]

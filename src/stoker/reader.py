@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -361,7 +362,9 @@ class CachedDataset(Dataset):
         self._mapped: dict[str, _Mapped] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self.cache.on_evict(self._forget)
+        self.cache.on_evict(_forget_weakly(weakref.ref(self)))
+        # a dataset dropped unclosed (say, with its Loader) still stops the download threads
+        self._finalizer = weakref.finalize(self, storage.close)
 
     def __len__(self) -> int:
         return self._n
@@ -472,7 +475,17 @@ class CachedDataset(Dataset):
         self._closed = True
         with self._lock:
             self._mapped.clear()
-        self.storage.close()
+        self._finalizer()
+
+
+def _forget_weakly(ref: weakref.ref) -> Any:
+    """The cache's eviction callback, holding the dataset weakly: the cache's threads must not keep
+    a dataset alive that nobody else holds (its finalizer is what stops them)."""
+    def forget(name: str) -> None:
+        ds = ref()
+        if ds is not None:
+            ds._forget(name)
+    return forget
 
 
 def open_cached(storage: RemoteStorage, *, verify: bool = False, fetch_threads: int = 2,

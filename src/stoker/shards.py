@@ -188,11 +188,11 @@ def read_manifest(dataset: str | Path | Storage) -> Manifest:
     storage = as_storage(dataset)
     dataset_dir = storage.location
     path = storage.join(MANIFEST_NAME)
-    if not storage.is_dir():
-        raise ManifestError(f"{dataset_dir}: no such dataset directory", path=dataset_dir)
-    try:
+    try:  # read first: over plain HTTP(S) a dataset is its files, with no folder to look at
         raw = storage.read_bytes(MANIFEST_NAME)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
+        if not storage.is_dir():
+            raise ManifestError(f"{dataset_dir}: no such dataset directory", path=dataset_dir) from None
         if looks_like_partial_pack(storage):
             raise IncompletePackError(
                 f"{dataset_dir}: the pack did not finish (shards but no {MANIFEST_NAME}); "

@@ -138,7 +138,13 @@ class RemoteStorage(Storage):
         return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in paths)
 
     def read_bytes(self, name: str) -> bytes:
-        return bytes(self.fs.cat_file(self.path(name)))
+        self.fs.invalidate_cache(self.root)   # a listing cached earlier must not hide a newer object
+        try:
+            return bytes(self.fs.cat_file(self.path(name)))
+        except OSError:
+            raise
+        except Exception as exc:  # a backend's own error type (aiohttp's for an HTTP 403): an OSError to callers
+            raise OSError(f"{type(exc).__name__}: {exc}") from exc
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of `name`: one ranged GET on object stores."""
@@ -212,6 +218,11 @@ class RemoteStorage(Storage):
         except (pa.ArrowException, ValueError) as exc:
             raise ShardError(f"{where}: not a readable Arrow IPC file ({exc}); upload it again or re-pack",
                              path=where) from None
+        except ShardError:
+            raise
+        except Exception as exc:  # denied, unreachable: the backend's own error type
+            raise ShardError(f"{where}: cannot read it ({type(exc).__name__}: {exc}); check the URL, the "
+                             "credentials and storage_options", path=where) from None
         if table.num_rows != rows:
             raise ShardError(f"{where}: holds {table.num_rows} rows, the manifest expects {rows}; upload it "
                              "again or re-pack", path=where)
