@@ -32,7 +32,7 @@ def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("world", range(1, 9))
 @pytest.mark.parametrize("drop_last", [False, True])
-@pytest.mark.parametrize("order", ["random", "shard_random"])
+@pytest.mark.parametrize("order", ["random", "shard_random", "shard_window"])
 def test_ranks_split_every_epoch(packed: Path, world: int, drop_last: bool, order: str) -> None:
     n = 15
     loaders = [Loader(packed, 2, transforms=TRAIN, rank=r, world_size=world, drop_last=drop_last, order=order,

@@ -145,6 +145,13 @@ def test_same_seed_same_bits_for_any_thread_count_and_prefetch(packed: Path, tf:
     assert not np.array_equal(ref[1], other[1])
 
 
+@pytest.mark.parametrize("order", ["shard_random", "shard_window"])
+def test_shard_aware_orders_give_the_same_bits_for_any_thread_count(packed: Path, order: str) -> None:
+    ref = run_epoch(Loader(packed, 8, transforms=TRAIN, seed=11, order=order, num_threads=1, prefetch=1))
+    got = run_epoch(Loader(packed, 8, transforms=TRAIN, seed=11, order=order, num_threads=3, prefetch=3))
+    assert np.array_equal(ref[0], got[0]) and np.array_equal(ref[1], got[1])
+
+
 def test_epochs_advance_and_set_epoch_replays(packed: Path) -> None:
     loader = Loader(packed, 16, transforms=TRAIN, seed=1)
     e0 = run_epoch(loader)

@@ -3,6 +3,7 @@ recording proxy, see s3_helpers.py): same batches as local, the cache's promises
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from pathlib import Path
@@ -153,10 +154,24 @@ def test_dropped_connection_mid_shard_is_retried(s3: S3Server, url: str, packed:
     local.close()
 
 
+def _whole_shard_gets(s3: S3Server, packed: Path) -> dict[str, int]:
+    """Shard file -> bytes, for each shard downloaded whole (as the proxy saw it), not the small
+    ranged reads of its footer and label/size columns."""
+    sizes = {f.name: f.stat().st_size for f in packed.glob("shard-*.arrow")}
+    whole = {}
+    for r in s3.log.gets(".arrow"):
+        name = r.path.rsplit("/", 1)[-1].split("?")[0]
+        first, last = (int(v) for v in re.match(r"bytes=(\d+)-(\d+)", r.range).groups())
+        if first == 0 and last + 1 >= sizes[name]:
+            whole[name] = sizes[name]
+    return whole
+
+
 def test_two_ranks_split_the_shards(s3: S3Server, url: str, packed: Path, tmp_path: Path) -> None:
     total = n_shards(packed)
-    seen, fetched, lengths = [], [], []
+    seen, fetched, lengths, downloaded = [], [], [], []
     for rank in range(2):
+        s3.reset_log()
         with remote_loader(s3, url, tmp_path / f"cache{rank}", order="shard_window", rank=rank,
                            world_size=2) as loader:
             idx = loader.epoch_indices(0)
@@ -164,7 +179,11 @@ def test_two_ranks_split_the_shards(s3: S3Server, url: str, packed: Path, tmp_pa
             assert len(batches(loader)) == len(loader)
             seen.append(set(idx.tolist()))
             fetched.append(set(loader.dataset.cache.stats.fetched))
+        downloaded.append(_whole_shard_gets(s3, packed))
     assert lengths[0] == lengths[1]
+    shard_bytes = sum(f.stat().st_size for f in packed.glob("shard-*.arrow"))
+    for got, mine in zip(downloaded, fetched):   # what went over the wire: about half each
+        assert set(got) == mine and sum(got.values()) <= shard_bytes * (total // 2 + 1) / total * 1.05
     assert not seen[0] & seen[1] and seen[0] | seen[1] == set(range(48))
     for f in fetched:
         assert len(f) <= total // 2 + 1  # about half the shards each, plus the one cut between them
