@@ -125,7 +125,10 @@ def test_a_missing_remote_extra_is_named(missing: str, hint: str, folder: Path, 
     from stoker import Loader
 
     pytest.importorskip("fsspec")
+    registry = sys.modules["fsspec.registry"]._registry
     monkeypatch.setitem(sys.modules, missing, None)   # `import missing` raises ImportError
+    for scheme in ("s3", "s3a"):   # fsspec keeps a backend class once imported: forget it here
+        monkeypatch.delitem(registry, scheme, raising=False)
     monkeypatch.chdir(tmp_path)
     url = "s3://bucket/ds"
     for call in (lambda: Loader(url, 4), lambda: open_dataset(url), lambda: describe(url),
