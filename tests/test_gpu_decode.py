@@ -501,3 +501,82 @@ def test_a_backend_that_fails_its_probe_is_skipped_by_auto(monkeypatch: pytest.M
         make_decoder("auto", "cuda")
     msg = str(info.value)
     assert "not compiled with nvJPEG support" in msg and "pip install nvidia-nvimgcodec-cu" in msg
+
+
+# ---- the batched resample against the per-sample path it replaced ---------------------------------------
+
+def per_sample_write(job: GpuJob, img: torch.Tensor, dst: torch.Tensor) -> None:
+    """The former per-sample GPU path (about eight dispatched ops a sample): crop, F.interpolate
+    bilinear (antialiased when shrinking in either axis), round, clamp, flip, store."""
+    import torch.nn.functional as F
+
+    _, h, w = img.shape
+    out_h, out_w = dst.shape[1], dst.shape[2]
+    win = crop_window(job.box, h, w, h, w, out_h, out_w)
+    sy0, sy1, sx0, sx1 = win.src
+    dy0, dy1, dx0, dx1 = win.dst
+    if job.flip:
+        dx0, dx1 = out_w - dx1, out_w - dx0
+    if win.padded:
+        dst.zero_()
+    region = img[:, sy0:sy1, sx0:sx1]
+    th, tw = dy1 - dy0, dx1 - dx0
+    if region.shape[1] == th and region.shape[2] == tw:
+        result = region
+    else:
+        shrink = region.shape[1] > th or region.shape[2] > tw
+        x = F.interpolate(region.unsqueeze(0).float(), size=(th, tw), mode="bilinear", align_corners=False,
+                          antialias=shrink)
+        result = x[0].round_().clamp_(0, 255)
+    if job.flip:
+        result = result.flip(-1)
+    dst[:, dy0:dy1, dx0:dx1].copy_(result)
+
+
+# Tolerance: the batched path computes the same interpolation weights but sums in another order
+# (two matrix products instead of torch's separable kernels), so a value that lands within ~1e-5 of
+# a .5 boundary may round the other way: at most 1 level, on well under 1% of the values.
+@pytest.mark.parametrize("ops, sizes", [
+    ([RandomResizedCrop(224), RandomHorizontalFlip()], SIZES),
+    ([RandomResizedCrop((96, 128), scale=(0.02, 1.0)), RandomHorizontalFlip()], SIZES),
+    ([Resize(300), CenterCrop(280), RandomHorizontalFlip(p=1.0)], SIZES[:4]),  # upscaling
+    ([Resize(30), CenterCrop(48), RandomHorizontalFlip(p=1.0)], [(41, 51), (40, 33), (64, 20)]),  # padded
+    ([CenterCrop((70, 61)), RandomHorizontalFlip(p=0.5)], [(41, 51), (40, 33), (64, 20), (90, 90)]),
+])
+def test_batched_resample_matches_the_per_sample_path(ops: list, sizes: list) -> None:
+    pipe = Pipeline(ops)
+    jpegs = make_jpegs(seed=12, sizes=sizes)
+    jobs, refs = jobs_for(pipe, jpegs, sizes, seed=4)
+    oh, ow = refs[0].shape[:2]
+    imgs = [CpuDecoder().one(j.data).contiguous() for j in jobs]
+    want = torch.full((len(jobs), 3, oh, ow), 5, dtype=torch.uint8)
+    for job, img in zip(jobs, imgs):
+        per_sample_write(job, img, want[job.row])
+    got = torch.full_like(want, 5)
+    assert GpuBatchDecoder(CpuDecoder(), "cpu").run(jobs, got) == []
+    diff = (got.int() - want.int()).abs()
+    assert int(diff.max()) <= 1, f"max difference {int(diff.max())} levels"
+    assert float((diff > 0).float().mean()) < 0.01
+
+
+def test_batched_resample_respects_its_budget_and_row_order() -> None:
+    pipe = Pipeline([RandomResizedCrop(32), RandomHorizontalFlip()])
+    jobs, refs = jobs_for(pipe, make_jpegs(seed=13), SIZES, seed=1)
+    placed_sizes: list[int] = []
+    real = gpu_decode.resample_into
+
+    def spy(group, out):
+        placed_sizes.append(len(group))
+        real(group, out)
+
+    gpu = GpuBatchDecoder(CpuDecoder(), "cpu", budget_bytes=4 * 3 * 300 * 400)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gpu_decode, "resample_into", spy)
+        small = torch.zeros((len(jobs), 3, 32, 32), dtype=torch.uint8)
+        assert gpu.run(jobs, small) == []
+    assert len(placed_sizes) > 1 and sum(placed_sizes) == len(jobs)  # cut into groups under the budget
+    whole = torch.zeros_like(small)
+    assert GpuBatchDecoder(CpuDecoder(), "cpu").run(jobs, whole) == []
+    assert torch.equal(small, whole)  # grouping changes nothing
+    for i, ref in enumerate(refs):
+        assert psnr(rows(whole)[i], ref) > 28

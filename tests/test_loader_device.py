@@ -314,3 +314,20 @@ def test_profile_reports_the_device_stage(packed: Path) -> None:
         pass
     report = prof.report()
     assert report.stages["device_ms"] > 0 and "device stage" in report.format()
+
+
+def test_the_slot_is_fenced_for_reuse_before_the_gpu_decode(packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pinned slot goes back to the workers once its upload is done, not after the GPU decode,
+    resize and conversion queued behind it: the reuse fence is recorded right after the uploads."""
+    from stoker.device import DeviceStage
+    from stoker.gpu_decode import GpuBatchDecoder
+
+    log: list[str] = []
+    fence, run = DeviceStage.fence, GpuBatchDecoder.run
+    monkeypatch.setattr(DeviceStage, "fence", lambda self: log.append("fence") or fence(self))
+    monkeypatch.setattr(GpuBatchDecoder, "run", lambda self, jobs, out: log.append("decode") or run(self, jobs, out))
+    loader = Loader(packed, 20, transforms=TRAIN, seed=2, num_threads=2,
+                    device=DeviceOptions("cpu", dtype=torch.uint8, decode="gpu", gpu_decoder=CpuJpegDecoder()))
+    assert len(list(loader)) == 3
+    # per batch: the reuse fence, the decode, then the batch's ready fence (Feeder)
+    assert log == ["fence", "decode", "fence"] * 3

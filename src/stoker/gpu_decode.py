@@ -22,7 +22,6 @@ from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from .codecs import encode_jpeg
 from .errors import ConfigError, CorruptImageError, ImageError
@@ -317,18 +316,104 @@ def make_decoder(backend: str, device: torch.device | str | int) -> GpuDecoder:
                       f"\nInstall one: {_torchvision_install()}; or {_nvimgcodec_install()}. Or use decode='cpu'.")
 
 
-# ---- crop, resize, flip on the device ----------------------------------------------------------------
+# ---- crop, resize, flip on the device: a whole chunk in a few kernels ----------------------------------
+
+def _axis_weights(n_out: int, length: torch.Tensor, size: torch.Tensor, start: torch.Tensor, aa: torch.Tensor,
+                  flip: torch.Tensor | None, n_in: int) -> torch.Tensor:
+    """Resampling matrices [N, n_out, n_in] (float32) for one axis of N samples: output index i takes
+    sum_x W[i, x] * input[x]. Sample k's `length[k]` input pixels (from index 0) are resized to
+    `size[k]` outputs placed from `start[k]`; output rows outside stay all-zero (CenterCrop padding);
+    `flip[k]` mirrors the whole output axis.
+
+    The weights are those of `torch.nn.functional.interpolate(mode="bilinear", align_corners=False)`,
+    with `antialias=aa[k]`: plain bilinear (source index clamped at 0, the last pixel repeated), or the
+    antialiased triangle filter widened by the shrink factor and normalized over the pixels it covers
+    (PIL's and torch's `_upsample_bilinear2d_aa`). An axis whose length equals its size is the identity."""
+    dev = length.device
+    i = torch.arange(n_out, device=dev, dtype=torch.float32).view(1, n_out, 1)
+    x = torch.arange(n_in, device=dev, dtype=torch.float32).view(1, 1, n_in)
+    length, size, start = (v.to(torch.float32).view(-1, 1, 1) for v in (length, size, start))
+    if flip is not None:
+        i = torch.where(flip.view(-1, 1, 1), n_out - 1 - i, i)
+    local = i - start  # output index inside the sample's window
+    inside = (local >= 0) & (local < size)
+    scale = length / size
+    # plain bilinear
+    src = (scale * (local + 0.5) - 0.5).clamp_min(0)
+    i0 = src.floor().clamp(max=length - 1)
+    i1 = torch.where(i0 < length - 1, i0 + 1, i0)
+    l1 = (src - i0).clamp(0, 1)
+    plain = (x == i0) * (1 - l1) + (x == i1) * l1
+    # antialiased: support and filter width grow with the shrink factor
+    wide = scale >= 1
+    support = torch.where(wide, scale, torch.ones_like(scale))
+    invscale = torch.where(wide, 1 / scale, torch.ones_like(scale))
+    center = scale * (local + 0.5)
+    xmin = (center - support + 0.5).floor().clamp_min(0)
+    xmax = torch.minimum((center + support + 0.5).floor(), length)
+    tri = (1 - ((x - center + 0.5) * invscale).abs()).clamp_min(0) * ((x >= xmin) & (x < xmax))
+    total = tri.sum(-1, keepdim=True)
+    smooth = tri / torch.where(total > 0, total, torch.ones_like(total))
+    weights = torch.where(aa.view(-1, 1, 1), smooth, plain)
+    return weights * inside
+
+
+@dataclass
+class _Placed:
+    """A decoded image and where its crop goes: source window (sy0, sy1, sx0, sx1), target window
+    (dy0, dy1, dx0, dx1) inside the output, mirrored or not."""
+
+    job: GpuJob
+    img: torch.Tensor  # uint8 [3, h, w] on the device
+    src: tuple[int, int, int, int]
+    dst: tuple[int, int, int, int]
+
+    @property
+    def crop(self) -> tuple[int, int]:
+        return self.src[1] - self.src[0], self.src[3] - self.src[2]
+
+
+def resample_into(placed: Sequence[_Placed], out: torch.Tensor) -> None:
+    """Crop, resize (bilinear, antialiased when shrinking in either axis), round, flip and store every
+    sample of `placed` into its row of `out` (uint8 [B, 3, H, W], any strides): one copy per sample
+    into a zero-padded float32 batch of crops, then two batched matrix products with per-sample
+    resampling matrices (`_axis_weights`) and one store. Samples whose target window does not cover
+    the output (padded CenterCrop) get zeros around it, as on the CPU path."""
+    n = len(placed)
+    if n == 0:
+        return
+    dev = out.device
+    out_h, out_w = out.shape[2], out.shape[3]
+    ch = max(p.crop[0] for p in placed)
+    cw = max(p.crop[1] for p in placed)
+    crops = torch.zeros((n, 3, ch, cw), dtype=torch.float32, device=dev)
+    for k, p in enumerate(placed):
+        sy0, sy1, sx0, sx1 = p.src
+        crops[k, :, :sy1 - sy0, :sx1 - sx0].copy_(p.img[:, sy0:sy1, sx0:sx1])
+    # per-sample parameters: (crop h, crop w, target h, target w, target top, target left, flip)
+    params = [(*p.crop, p.dst[1] - p.dst[0], p.dst[3] - p.dst[2], p.dst[0], p.dst[2], p.job.flip) for p in placed]
+    aa = [(h > th or w > tw) for h, w, th, tw, *_ in params]  # antialias both axes once either shrinks
+    host = torch.tensor([list(map(int, q)) + [int(a)] for q, a in zip(params, aa)], dtype=torch.int64)
+    cols = host.to(dev, non_blocking=False) if dev.type == "cpu" else host.pin_memory().to(dev, non_blocking=True)
+    h, w, th, tw, ty, tx, flip, anti = cols.unbind(1)
+    wy = _axis_weights(out_h, h, th, ty, anti.bool(), None, ch)
+    wx = _axis_weights(out_w, w, tw, tx, anti.bool(), flip.bool(), cw)
+    pixels = torch.matmul(torch.matmul(wy.unsqueeze(1), crops), wx.transpose(1, 2).unsqueeze(1))
+    rows = torch.tensor([p.job.row for p in placed], dtype=torch.int64)
+    rows = rows.to(dev) if dev.type == "cpu" else rows.pin_memory().to(dev, non_blocking=True)
+    out.index_copy_(0, rows, pixels.round_().clamp_(0, 255).to(torch.uint8))
+
 
 class GpuBatchDecoder:
     """Decode a batch's JPEGs on the GPU and write each, cropped, resized and flipped, into its row.
 
     Memory: jobs are decoded in chunks whose decoded size (3 * height * width bytes per image, from
     the stored sizes) stays under `budget_bytes` (at least one image per chunk); a chunk's images
-    are released before the next chunk is decoded. Peak GPU memory of one `run` is therefore
-    max(budget_bytes, the largest single image) of decoded pixels, plus the resize temporaries of
-    one image at a time (its crop as float32, at most 4x its decoded bytes, and the float32 output,
-    12 bytes per output pixel, twice when flipped), plus the decoder library's own work buffers
-    (nvJPEG keeps them between calls).
+    are released before the next chunk is decoded. The chunk's crops are then resampled together
+    (`resample_into`) in groups whose float32 working set (the padded crops, the resampling matrices
+    and the intermediate product) also stays under `budget_bytes` (at least one image per group).
+    Peak GPU memory of one `run` is therefore about 2 x budget_bytes (or a single large image's
+    share), plus the decoder library's own work buffers (nvJPEG keeps them between calls).
     """
 
     def __init__(self, decoder: GpuDecoder, device: torch.device | str, budget_bytes: int = DEFAULT_BUDGET_BYTES
@@ -354,6 +439,22 @@ class GpuBatchDecoder:
         if chunk:
             yield chunk
 
+    def groups(self, placed: list[_Placed], out_h: int, out_w: int) -> Iterator[list[_Placed]]:
+        """`placed` sorted by crop size and cut where the float32 working set of `resample_into`
+        (padded crops, both resampling matrices, the intermediate product) would pass budget_bytes."""
+        group: list[_Placed] = []
+        ch = cw = 0
+        for p in sorted(placed, key=lambda p: p.crop):
+            h, w = max(ch, p.crop[0]), max(cw, p.crop[1])
+            need = 4 * (len(group) + 1) * (3 * h * w + out_h * h + out_w * w + 3 * out_h * w + 3 * out_h * out_w)
+            if group and need > self.budget_bytes:
+                yield group
+                group, h, w = [], p.crop[0], p.crop[1]
+            group.append(p)
+            ch, cw = h, w
+        if group:
+            yield group
+
     def run(self, jobs: Sequence[GpuJob], out: torch.Tensor) -> list[tuple[GpuJob, Exception]]:
         """Decode `jobs` and write each into `out[job.row]` (uint8 [B, 3, H, W] on the device, any
         strides). Returns the jobs that failed, each with an exception naming its key (the caller
@@ -361,21 +462,28 @@ class GpuBatchDecoder:
         context: all work is queued on the current stream."""
         self._check_out(jobs, out)
         failures: list[tuple[GpuJob, Exception]] = []
+        out_h, out_w = out.shape[2], out.shape[3]
         context = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         with context:
             for chunk in self.chunks(jobs):
                 images = self._decode(chunk)
+                placed: list[_Placed] = []
                 for k, job in enumerate(chunk):
-                    img, images[k] = images[k], None  # our last reference goes once the row is written
-                    if isinstance(img, BaseException):
-                        failures.append((job, self._failure(job, img)))
-                        continue
+                    img, images[k] = images[k], None
                     try:
-                        self._write(job, img, out[job.row])
+                        if isinstance(img, BaseException):
+                            raise img
+                        placed.append(self._place(job, img, out))
                     except Exception as exc:
                         failures.append((job, self._failure(job, exc)))
-                    img = None
-                del images  # the chunk's decoded images are free before the next chunk is decoded
+                img = images = None
+                for group in self.groups(placed, out_h, out_w):
+                    try:
+                        resample_into(group, out)
+                    except Exception as exc:  # e.g. out of GPU memory: these samples go to the CPU
+                        failures.extend((p.job, self._failure(p.job, exc)) for p in group)
+                group = placed = None  # the chunk's decoded images are free before the next chunk is decoded
+        failures.sort(key=lambda f: f[0].row)
         return failures
 
     def _check_out(self, jobs: Sequence[GpuJob], out: torch.Tensor) -> None:
@@ -398,10 +506,9 @@ class GpuBatchDecoder:
         err.__cause__ = exc
         return err
 
-    def _write(self, job: GpuJob, img: torch.Tensor, dst: torch.Tensor) -> None:
-        """Crop, resize, round, flip `img` (uint8 [C, h, w]) into `dst` (uint8 [3, H, W]). Kernel launches
-        per sample: cast to float, resize, round, clamp, (flip), store into the batch: 5 or 6; a crop
-        that needs no resizing is a single copy (plus the flip)."""
+    def _place(self, job: GpuJob, img: Any, out: torch.Tensor) -> _Placed:
+        """Check a decoded image (uint8 [C, h, w], C 1 or 3, the stored size) and plan its crop with the
+        CPU path's integer geometry (`crop_window`), the whole image being the decoded source."""
         if (not isinstance(img, torch.Tensor) or img.dim() != 3 or img.dtype != torch.uint8
                 or img.shape[0] not in (1, 3)):
             got = f"{img.dtype} {tuple(img.shape)}" if isinstance(img, torch.Tensor) else type(img).__name__
@@ -412,25 +519,7 @@ class GpuBatchDecoder:
                                              f"{job.height}x{job.width} for this image")
         if img.shape[0] == 1:  # grayscale from a decoder that ignored the RGB request: a view, no copy
             img = img.expand(3, h, w)
-        if img.device != dst.device:
-            img = img.to(dst.device)
-        out_h, out_w = dst.shape[1], dst.shape[2]
-        win = crop_window(job.box, h, w, h, w, out_h, out_w)  # decoded at full size: source = full image
-        sy0, sy1, sx0, sx1 = win.src
-        dy0, dy1, dx0, dx1 = win.dst
-        if job.flip:  # the CPU path mirrors the whole output, padding included
-            dx0, dx1 = out_w - dx1, out_w - dx0
-        if win.padded:
-            dst.zero_()
-        region = img[:, sy0:sy1, sx0:sx1]
-        th, tw = dy1 - dy0, dx1 - dx0
-        if region.shape[1] == th and region.shape[2] == tw:
-            result = region
-        else:
-            shrink = region.shape[1] > th or region.shape[2] > tw
-            x = F.interpolate(region.unsqueeze(0).float(), size=(th, tw), mode="bilinear", align_corners=False,
-                              antialias=shrink)
-            result = x[0].round_().clamp_(0, 255)
-        if job.flip:
-            result = result.flip(-1)
-        dst[:, dy0:dy1, dx0:dx1].copy_(result)
+        if img.device != out.device:
+            img = img.to(out.device)
+        win = crop_window(job.box, h, w, h, w, out.shape[2], out.shape[3])
+        return _Placed(job, img, win.src, win.dst)

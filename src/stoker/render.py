@@ -263,13 +263,15 @@ class DeviceBuilder:
         n, stage = slot.size, self.stage
         # on the CPU `.to()` would return the slot itself, which the workers are about to refill
         x = stage.upload(slot.images[:n]) if self.opts.is_cuda else slot.images[:n].clone()
-        if self.gpu is not None:
-            self._decode_on_gpu(slot, x)
-        if slot.labels is None:
-            labels: Any = list(slot.objects[:n])
-        else:
-            labels = stage.upload(slot.labels[:n]) if self.opts.is_cuda else slot.labels[:n].clone()
-        reusable = stage.fence()  # past this point the GPU no longer reads the pinned slot
+        labels = self._labels(slot)
+        # past this fence the GPU no longer reads the pinned slot: the workers may refill it while the
+        # GPU decodes and converts (the JPEG bytes of GpuJobs are private copies, not slot memory)
+        reusable = stage.fence()
+        if self.gpu is not None and self._decode_on_gpu(slot, x):
+            # CPU fallback rows were copied from the slot after that fence, and on_error="skip" may have
+            # replaced a sample, label included
+            labels = self._labels(slot)
+            reusable = stage.fence()
         images = convert(x, self.opts, layout="nhwc")
         batch: tuple = (images, labels)
         if self.columns:
@@ -277,7 +279,15 @@ class DeviceBuilder:
         self.stats.device_s += time.perf_counter() - t0
         return batch, reusable
 
-    def _decode_on_gpu(self, slot: Slot, x: torch.Tensor) -> None:
+    def _labels(self, slot: Slot) -> Any:
+        n = slot.size
+        if slot.labels is None:
+            return list(slot.objects[:n])
+        return self.stage.upload(slot.labels[:n]) if self.opts.is_cuda else slot.labels[:n].clone()
+
+    def _decode_on_gpu(self, slot: Slot, x: torch.Tensor) -> int:
+        """Decode the slot's GpuJobs into `x` (NHWC on the device); returns how many rows fell back to
+        the CPU (rendered into the slot, then copied from it)."""
         jobs = [j for j in slot.jobs[:slot.size] if j is not None]
         failed = self.gpu.run(jobs, x.permute(0, 3, 1, 2)) if jobs else []
         for job, exc in failed:  # the CPU path for this sample: raise or replace, as for any failure
@@ -288,3 +298,4 @@ class DeviceBuilder:
             self.stats.add(self.times, 0)
             self.stats.gpu_decoded += len(jobs) - len(failed)
             self.stats.gpu_fallbacks += len(failed)
+        return len(failed)
