@@ -398,17 +398,31 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     class Stream:
         cuda_stream = 1234
 
+        def __init__(self, name: str = "caller", device: object = None) -> None:
+            self.name = name
+
         def synchronize(self) -> None:
             log.append("sync")
 
+        def wait_stream(self, other: "Stream") -> None:
+            log.append(f"{self.name} waits {other.name}")
+
+    @contextlib.contextmanager
+    def on(stream: Stream):
+        log.append(f"on {stream.name}")
+        yield
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream("decode", device))
+    monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: log.append(f"record {s.name}"), raising=False)
     monkeypatch.setattr(gpu_decode, "_cuda_device", lambda device: torch.device("cpu"))
     return log
 
 
-def test_torchvision_wrapper_batches_retries_and_syncs_first(monkeypatch: pytest.MonkeyPatch,
-                                                             fake_cuda: list[str]) -> None:
+def test_torchvision_wrapper_batches_retries_on_its_own_stream_without_host_syncs(
+        monkeypatch: pytest.MonkeyPatch, fake_cuda: list[str]) -> None:
     class FakeIO:
         class ImageReadMode:
             RGB = "rgb-mode"
@@ -426,7 +440,8 @@ def test_torchvision_wrapper_batches_retries_and_syncs_first(monkeypatch: pytest
     monkeypatch.setitem(sys.modules, "torchvision.io", FakeIO)
     dec = make_decoder("auto", "cuda")  # probes once with a tiny JPEG
     assert isinstance(dec, gpu_decode.TorchvisionDecoder) and dec.name == "torchvision 0.26.0+cu128 nvJPEG"
-    assert fake_cuda == ["sync", "decode 1"]
+    one = ["on decode", "decode 1", "caller waits decode", "record caller"]
+    assert fake_cuda == one
     fake_cuda.clear()
     jpegs = make_jpegs(sizes=[(32, 40), (24, 24)])
     datas = [torch.frombuffer(bytearray(jpegs[0]), dtype=torch.uint8), torch.frombuffer(bytearray(b"junk" * 9),
@@ -435,8 +450,10 @@ def test_torchvision_wrapper_batches_retries_and_syncs_first(monkeypatch: pytest
     outs = dec.decode(datas)
     assert [type(o).__name__ for o in outs] == ["Tensor", "RuntimeError", "ValueError", "Tensor"]
     assert tuple(outs[0].shape) == (3, 32, 40) and tuple(outs[3].shape) == (3, 24, 24)
-    # The stream is synchronized before every call (pytorch/vision#9606); a failed batch goes one by one.
-    assert fake_cuda == ["sync", "decode 3", "sync", "decode 1", "sync", "decode 1", "sync", "decode 1"]
+    # Every call runs on the decode stream, the caller's stream waits for it on the GPU, and each output
+    # is recorded on the caller's stream (pytorch/vision#9606); a failed batch goes one by one.
+    assert fake_cuda == ["on decode", "decode 3"] + one + ["on decode", "decode 1"] + one
+    assert "sync" not in fake_cuda
 
 
 def test_nvimgcodec_wrapper_handles_none_and_dropped_images(monkeypatch: pytest.MonkeyPatch,
@@ -580,3 +597,50 @@ def test_batched_resample_respects_its_budget_and_row_order() -> None:
     assert torch.equal(small, whole)  # grouping changes nothing
     for i, ref in enumerate(refs):
         assert psnr(rows(whole)[i], ref) > 28
+
+
+class _BrokenImport:
+    """A meta-path finder that makes importing `name` raise like a torchvision built for another torch."""
+
+    def __init__(self, *names: str) -> None:
+        self.names = names
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> None:
+        if fullname in self.names:
+            raise RuntimeError("operator torchvision::nms does not exist")
+        return None
+
+
+@pytest.mark.parametrize("backend, hint", [("torchvision", "pip install torchvision"),
+                                           ("nvimgcodec", "pip install nvidia-nvimgcodec-cu")])
+def test_a_backend_whose_import_raises_anything_is_a_config_error(monkeypatch: pytest.MonkeyPatch, backend: str,
+                                                                  hint: str) -> None:
+    for name in ("torchvision", "torchvision.io", "nvidia", "nvidia.nvimgcodec"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_BrokenImport("torchvision", "nvidia", "nvidia.nvimgcodec"),
+                                           *sys.meta_path])
+    with pytest.raises(ConfigError) as info:
+        make_decoder(backend, "cuda")
+    assert "RuntimeError" in str(info.value) and hint in str(info.value) and "decode='cpu'" in str(info.value)
+
+
+def test_auto_falls_back_past_a_torchvision_that_raises_on_import(monkeypatch: pytest.MonkeyPatch,
+                                                                  fake_cuda: list[str]) -> None:
+    class Decoder:
+        def __init__(self, device_id: int | None = None) -> None:
+            pass
+
+        def decode(self, srcs, params, cuda_stream):
+            return [simplejpeg.decode_jpeg(s, colorspace="RGB") for s in srcs]
+
+    class DecodeParams:
+        def __init__(self, **kw: object) -> None:
+            pass
+
+    fake = types.SimpleNamespace(__version__="0.6.0", Decoder=Decoder, DecodeParams=DecodeParams,
+                                 ColorSpec=types.SimpleNamespace(RGB=1))
+    monkeypatch.delitem(sys.modules, "torchvision", raising=False)
+    monkeypatch.delitem(sys.modules, "torchvision.io", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_BrokenImport("torchvision"), *sys.meta_path])
+    monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", fake)
+    assert isinstance(make_decoder("auto", "cuda"), gpu_decode.NvImageCodecDecoder)

@@ -180,8 +180,11 @@ class TorchvisionDecoder(_Backend):
 
     The outputs are allocated on the caller's current stream but written from the private stream,
     which does not wait for the caller's stream (pytorch/vision#9606): a block the caching allocator
-    recycles may still be read by kernels queued on the current stream. So the current stream is
-    synchronized before each call (cheap: the call blocks the host anyway).
+    recycles may still be read by kernels queued on that stream. So the call runs with a dedicated
+    decode stream current (made once, kept): its pool only ever holds decoded images, nothing queued
+    on it reads them, and each output is marked `record_stream(caller's stream)`, so its block is
+    recycled only once the caller's work on it has run. The caller's stream then waits for the
+    decode stream (`wait_stream`, on the GPU): no host synchronization of stoker's own.
     """
 
     label = "torchvision"
@@ -192,8 +195,9 @@ class TorchvisionDecoder(_Backend):
         try:
             tv = importlib.import_module("torchvision")
             tv_io = importlib.import_module("torchvision.io")
-        except ImportError as exc:
-            raise ConfigError(f"gpu_decoder='torchvision' needs torchvision ({exc}). {_torchvision_hint()}") from None
+        except Exception as exc:  # missing (ImportError), or built for another torch (RuntimeError: operator ...)
+            raise ConfigError(f"gpu_decoder='torchvision' needs a torchvision that imports with this torch "
+                              f"({type(exc).__name__}: {exc}). {_torchvision_hint()}") from None
         version = getattr(tv, "__version__", "0")
         if _version(version) < TORCHVISION_MIN:
             raise ConfigError(f"torchvision {version} cannot batch JPEG decodes on the GPU; "
@@ -210,10 +214,16 @@ class TorchvisionDecoder(_Backend):
         self.name = f"torchvision {importlib.import_module('torchvision').__version__} nvJPEG"
         self._decode_jpeg = tv_io.decode_jpeg
         self._rgb = tv_io.ImageReadMode.RGB
+        self._stream = torch.cuda.Stream(device=device)  # the decode stream (see the class docstring)
 
     def _call(self, batch: list[torch.Tensor]) -> list[torch.Tensor]:
-        torch.cuda.current_stream(self.device).synchronize()  # see the class docstring
-        return self._decode_jpeg(batch, mode=self._rgb, device=self.device)
+        caller = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._stream):
+            outs = self._decode_jpeg(batch, mode=self._rgb, device=self.device)
+        caller.wait_stream(self._stream)
+        for out in outs:
+            out.record_stream(caller)
+        return outs
 
 
 
@@ -236,9 +246,9 @@ class NvImageCodecDecoder(_Backend):
         """nvidia.nvimgcodec, or a ConfigError with the install hint (touches no GPU)."""
         try:
             return importlib.import_module("nvidia.nvimgcodec")
-        except ImportError as exc:
-            raise ConfigError(f"gpu_decoder='nvimgcodec' needs NVIDIA nvImageCodec ({exc}). "
-                              f"{_nvimgcodec_hint()}") from None
+        except Exception as exc:  # missing, or a build whose libraries do not load here
+            raise ConfigError(f"gpu_decoder='nvimgcodec' needs NVIDIA nvImageCodec, importable here "
+                              f"({type(exc).__name__}: {exc}). {_nvimgcodec_hint()}") from None
 
     @staticmethod
     def hint() -> str:
