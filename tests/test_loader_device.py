@@ -331,3 +331,100 @@ def test_the_slot_is_fenced_for_reuse_before_the_gpu_decode(packed: Path, monkey
     assert len(list(loader)) == 3
     # per batch: the reuse fence, the decode, then the batch's ready fence (Feeder)
     assert log == ["fence", "decode", "fence"] * 3
+
+
+# ---- a plain Loader's pinned slots and the caller's asynchronous copies (README's first example) ---------
+
+class FakeStream:
+    """The caller's current CUDA stream: the GPU 'runs' it up to an event when the test says so."""
+
+
+class FakeEvent:
+    """torch.cuda.Event stand-in: records on a stream, done only once the test completes it."""
+
+    made: list["FakeEvent"] = []
+    gpu_idle = False  # events recorded from now on are complete at once
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.stream: object = None
+        self.completed = FakeEvent.gpu_idle
+        FakeEvent.made.append(self)
+
+    def record(self, stream: object = None) -> None:
+        self.stream = stream
+
+    def query(self) -> bool:
+        return self.completed
+
+
+def idle_reference(packed: Path, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The batches, read while the fake GPU keeps up."""
+    FakeEvent.gpu_idle = True
+    try:
+        return reference(Loader(packed, batch_size, transforms=TRAIN, seed=6, num_threads=2))
+    finally:
+        FakeEvent.made, FakeEvent.gpu_idle = [], False
+
+
+@pytest.fixture
+def fake_gpu_stream(monkeypatch: pytest.MonkeyPatch) -> FakeStream:
+    """CUDA 'initialised', with a current stream whose events complete only when the test says."""
+    stream = FakeStream()
+    FakeEvent.made, FakeEvent.gpu_idle = [], False
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    return stream
+
+
+def test_a_yielded_slot_is_not_refilled_before_the_callers_gpu_copy_ran(packed: Path,
+                                                                        fake_gpu_stream: FakeStream) -> None:
+    """`images.cuda(non_blocking=True)` queues a copy that reads the pinned slot later; the next
+    `next()` must not let the workers overwrite the slot before the GPU has run that copy."""
+    want = idle_reference(packed, 10)
+    loader = Loader(packed, 10, transforms=TRAIN, seed=6, num_threads=2, prefetch=1, timeout=20)  # 2 slots
+    it = iter(loader)
+    x0, _ = next(it)  # the caller queues x0.cuda(non_blocking=True) here; the GPU is busy with its step
+    assert torch.equal(x0, want[0][0])
+    x1, _ = next(it)  # batch 2 may now be planned into batch 0's slot, once the copy has run
+    assert torch.equal(x1, want[1][0])
+    time.sleep(0.5)  # the workers have had all the time they need to refill the slot
+    assert torch.equal(x0, want[0][0]), "the slot was refilled while the GPU copy was still queued"
+    guard = FakeEvent.made[-1]
+    assert guard.stream is fake_gpu_stream and not guard.completed  # recorded on the caller's stream
+    guard.completed = FakeEvent.gpu_idle = True  # the GPU ran the copy, and keeps up from now on
+    x2, _ = next(it)
+    assert torch.equal(x2, want[2][0])
+    assert [torch.equal(x, w[0]) for (x, _), w in zip(it, want[3:])] == [True] * (len(want) - 3)
+
+
+def test_a_guard_that_never_completes_times_out_naming_the_gpu_work(packed: Path,
+                                                                    fake_gpu_stream: FakeStream) -> None:
+    loader = Loader(packed, 10, transforms=TRAIN, seed=6, num_threads=2, prefetch=1, timeout=1.0)
+    it = iter(loader)
+    next(it), next(it)
+    with pytest.raises(LoaderTimeoutError, match="your GPU work on an earlier batch.*had not finished|no complete batch"):
+        next(it)
+    assert wait_threads_gone(0) == 0
+
+
+def test_the_last_slot_of_an_epoch_stays_guarded_for_the_next_epoch(packed: Path,
+                                                                   fake_gpu_stream: FakeStream) -> None:
+    want = idle_reference(packed, 30)
+    loader = Loader(packed, 30, transforms=TRAIN, seed=6, num_threads=2, prefetch=1, timeout=20)
+    first = [x for x, _ in loader]  # 2 batches: slot 1 holds the last one
+    assert len(FakeEvent.made) == 2  # at next() for batch 1, and when the epoch ended (guarding slot 1)
+    last = FakeEvent.made[-1]
+    assert not last.completed and torch.equal(first[1], want[1][0])
+    for e in FakeEvent.made[:-1]:
+        e.completed = True
+    it = iter(loader)  # epoch 1 reuses the ring: its batch 1 goes into slot 1
+    next(it)
+    time.sleep(0.3)
+    assert torch.equal(first[1], want[1][0]), "the next epoch overwrote a slot whose copy was still queued"
+    assert last.stream is fake_gpu_stream
+    for e in FakeEvent.made:
+        e.completed = True
+    FakeEvent.gpu_idle = True
+    assert len([x for x, _ in it]) == 1
+    loader.close()

@@ -36,7 +36,7 @@ from ._system import usable_cpus
 from .errors import ConfigError
 from .order import ORDERS, epoch_order, num_batches, rank_indices, samples_per_rank
 from .reader import Dataset, PackedDataset, open_dataset, open_loose
-from .device import DeviceOptions, DeviceStage, as_device_options
+from .device import DeviceOptions, DeviceStage, as_device_options, consumer_fence
 from .render import DeviceBuilder, Filler, RenderSpec
 from .shards import MANIFEST_NAME, looks_like_partial_pack
 from .storage import open_storage
@@ -346,7 +346,9 @@ class _LoaderIter:
             if self._feeder is not None:
                 batch = self._feeder.get(self._b)
             else:
-                slot = self._run.next_batch(self._b)
+                # the yielded batch is a pinned ring slot the caller may have copied asynchronously
+                # (`images.cuda(non_blocking=True)`): its refill waits for that copy (Slot.guard)
+                slot = self._run.next_batch(self._b, consumer_fence() if self._b else None)
         except BaseException:  # SampleError, timeout, Ctrl-C: stop the threads before propagating
             self.close()
             raise
@@ -377,6 +379,8 @@ class _LoaderIter:
 
     def close(self) -> None:
         """Stop the worker threads (prompt: they check a stop flag at least every 0.1 s)."""
+        if self._run is not None and self._feeder is None and not self._closed:
+            self._run.guard(self._b - 1, consumer_fence())  # the last batch yielded: the ring outlives the run
         self._closed = True
         if self._run is not None:
             self._finalizer()

@@ -33,7 +33,9 @@ _POLL_S = 0.1  # how often a blocked wait re-checks the stop flag, seconds
 
 
 class Fence(Protocol):
-    """What the Feeder needs of a point on the copy stream (device.Fence is one)."""
+    """What the Feeder and the workers need of a point on a CUDA stream (device.Fence is one)."""
+
+    def done(self) -> bool: ...
 
     def wait(self, timeout: float, stop: threading.Event | None = None) -> None: ...
 
@@ -80,6 +82,9 @@ class Slot:
     objects: list[Any] = field(default_factory=list)  # labels that are not numbers (str, lists)
     extras: dict[str, list[Any]] = field(default_factory=dict)
     batch: int = -1  # which batch of the run the slot holds
+    # GPU work the consumer queued that may still read this slot (its `images.cuda(non_blocking=True)`):
+    # the workers refill the slot only once this fence is done (`Run.next_batch(b, guard)`)
+    guard: Fence | None = None
     size: int = 0  # samples in that batch
     remaining: int = 0  # samples not yet written
     plan: Any = None  # the fill function's per-batch plan
@@ -185,6 +190,7 @@ class Run:
         self.stop_event = threading.Event()
         self.released = 0  # batches the consumer has moved past; slots of batches < released + n_slots are free
         self.fatal: BaseException | None = None
+        self.stalled: LoaderTimeoutError | None = None  # a slot's guard never completed
         self._counter = itertools.count()
         self.threads = [threading.Thread(target=self._work, name=f"{name}-worker-{k}", daemon=True)
                         for k in range(num_threads)]
@@ -213,6 +219,8 @@ class Run:
             return None
         slot = self.ring.slots[b % self.n_slots]
         if slot.batch != b:
+            if not self._wait_guard(slot, b, times):
+                return None
             with self.lock:
                 if slot.batch != b:  # first worker on this batch: plan it
                     slot.errors = []
@@ -220,6 +228,28 @@ class Run:
                     slot.plan = self.prepare(b, slot)
                     slot.batch = b
         return slot
+
+    def _wait_guard(self, slot: Slot, b: int, times: WorkerTimes) -> bool:
+        """Before batch b overwrites `slot`: wait (polling, bounded by `timeout`) until the GPU has run
+        what the consumer queued on the batch the slot held. False when stopped or timed out (the
+        timeout then reaches the consumer as a LoaderTimeoutError)."""
+        guard = slot.guard
+        if guard is None or guard.done():
+            return True
+        t0 = time.perf_counter()
+        try:
+            guard.wait(self.timeout, self.stop_event)
+        except LoaderTimeoutError as exc:
+            with self.lock:
+                self.stalled = LoaderTimeoutError(f"batch {b} cannot be written into its slot: {exc}")
+                self.cond.notify_all()
+            return False
+        finally:
+            times.wait += time.perf_counter() - t0
+        if self.stop_event.is_set():
+            return False
+        slot.guard = None
+        return True
 
     def _work(self) -> None:
         scratch: dict = {}
@@ -251,16 +281,26 @@ class Run:
                 self.cond.notify_all()
 
     # ---- consumer ------------------------------------------------------------------------
-    def next_batch(self, b: int) -> Slot:
+    def next_batch(self, b: int, guard: Fence | None = None) -> Slot:
         """Release batch b-1 and return the slot of batch b once every row is written.
 
-        Raises the first row's exception when a sample failed, LoaderTimeoutError after `timeout`
-        seconds without the batch completing."""
+        `guard`: a fence behind the consumer's GPU work on batch b-1 (an asynchronous copy of its pinned
+        slot); the workers refill that slot only once it is done. Raises the first row's exception when
+        a sample failed, LoaderTimeoutError after `timeout` seconds without the batch completing."""
+        self.guard(b - 1, guard)  # before the release in _next_batch: no worker sees the slot unguarded
         try:
             return self._next_batch(b)
         except BaseException:
             _release_if_owned(self.cond)
             raise
+
+    def guard(self, b: int, guard: Fence | None) -> None:
+        """Guard the slot of batch b (already yielded, the run ending or closing): see `next_batch`.
+        The ring outlives the run, so the next run's workers honour it too."""
+        if guard is not None and b >= 0:
+            slot = self.ring.slots[b % self.n_slots]
+            if slot.batch == b:
+                slot.guard = guard
 
     def _next_batch(self, b: int) -> Slot:
         slot = self.ring.slots[b % self.n_slots]
@@ -273,6 +313,8 @@ class Run:
                 if self.fatal is not None:
                     raise WorkerError(f"a stoker worker thread failed outside any sample: {self.fatal!r}; "
                                       f"this is a bug in stoker, please report it with the traceback") from self.fatal
+                if self.stalled is not None:
+                    raise self.stalled
                 if self.stop_event.is_set():
                     raise LoaderClosedError(f"the loader was closed while waiting for batch {b}")
                 left = deadline - time.monotonic()
