@@ -428,3 +428,72 @@ def test_the_last_slot_of_an_epoch_stays_guarded_for_the_next_epoch(packed: Path
     FakeEvent.gpu_idle = True
     assert len([x for x, _ in it]) == 1
     loader.close()
+
+
+# ---- persistent=True: straight on into the next epoch -------------------------------------------------
+
+def epochs(loader: Loader, n: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    return [[(x.clone(), y.clone()) for x, y in loader] for _ in range(n)]
+
+
+def same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(len(ea) == len(eb) and all(torch.equal(x, u) and torch.equal(y, v)
+                                                                 for (x, y), (u, v) in zip(ea, eb))
+                                    for ea, eb in zip(a, b))
+
+
+@pytest.mark.parametrize("device", [None, DeviceOptions("cpu", normalize="imagenet")])
+def test_persistent_epochs_give_the_same_batches(packed: Path, device: object) -> None:
+    # 60 samples in batches of 16: each epoch ends with a partial batch in the middle of the run
+    kw = dict(transforms=TRAIN, seed=4, device=device)
+    want = epochs(Loader(packed, 16, num_threads=2, **kw), 3)
+    for threads in (1, 3):
+        with Loader(packed, 16, num_threads=threads, persistent=True, **kw) as loader:
+            assert same(epochs(loader, 3), want)
+
+
+def test_persistent_prepares_the_next_epoch_while_this_one_drains(packed: Path) -> None:
+    before = worker_threads()
+    loader = Loader(packed, 10, transforms=TRAIN, seed=4, num_threads=2, prefetch=2, persistent=True)
+    it = iter(loader)
+    for _ in range(len(loader)):  # every batch of epoch 0, not yet StopIteration
+        next(it)
+    deadline = time.monotonic() + 10
+    while loader.stats.samples < 60 + 20 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert loader.stats.samples == 60 + 20  # epoch 1's first two batches, as far as the ring allows
+    threads = {t for t in threading.enumerate() if t.name.startswith("stoker")}
+    assert list(it) == []
+    again = epochs(loader, 1)[0]  # epoch 1 from the same threads
+    assert {t for t in threading.enumerate() if t.name.startswith("stoker")} == threads
+    assert same([again], [epochs(Loader(packed, 10, transforms=TRAIN, seed=4), 2)[1]])
+    loader.close()
+    assert wait_threads_gone(before) == before
+
+
+def test_persistent_resume_and_moves_elsewhere_restart_the_pipeline(packed: Path) -> None:
+    kw = dict(transforms=TRAIN, seed=4, num_threads=2)
+    want = epochs(Loader(packed, 10, **kw), 3)
+    before = worker_threads()
+    loader = Loader(packed, 10, persistent=True, **kw)
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    it.close()  # left mid-epoch (closed, or dropped after a break): the threads stop
+    assert wait_threads_gone(before) == before
+    loader.load_state_dict(state)
+    assert same([[(x.clone(), y.clone()) for x, y in loader]], [want[0][2:]])
+    loader.set_epoch(2)  # not the epoch the pipeline has ahead: it is replaced
+    assert same(epochs(loader, 1), [want[2]])
+    loader.close()
+    assert wait_threads_gone(before) == before
+
+
+def test_persistent_threads_stop_when_the_loader_is_dropped(packed: Path) -> None:
+    before = worker_threads()
+    loader = Loader(packed, 10, transforms=TRAIN, num_threads=2, persistent=True,
+                    device=DeviceOptions("cpu", dtype=torch.uint8))
+    epochs(loader, 1)
+    assert worker_threads() > before  # running on into epoch 1
+    del loader
+    assert wait_threads_gone(before) == before

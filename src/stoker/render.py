@@ -16,6 +16,7 @@ upload the uint8 batch, decode its JPEGs on the GPU (CPU fallback per sample), c
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import time
@@ -243,12 +244,38 @@ class Filler:
                            f"samples, or re-pack to drop them", key=key, shard=shard, row=row, index=idx)
 
 
+class EpochChain:
+    """The plan-and-fill functions of a Run whose batches span epochs one after another (a persistent
+    Loader goes on into the next epoch): run batch g is batch g - first of its epoch's Filler. Plans
+    carry their Filler, so `fill` (and the device thread's CPU fallback) use the right epoch's."""
+
+    def __init__(self, columns: tuple[str, ...]) -> None:
+        self.columns = columns
+        self.fillers: list[Filler] = []
+        self.firsts: list[int] = []  # run batch index of each Filler's first batch, increasing
+
+    def add(self, filler: Filler, first: int) -> None:
+        """Batches from run batch `first` on belong to `filler` (call under the run's lock)."""
+        self.fillers.append(filler)
+        self.firsts.append(first)
+
+    def prepare(self, g: int, slot: Slot) -> tuple[Filler, BatchPlan]:
+        k = bisect.bisect_right(self.firsts, g) - 1
+        filler = self.fillers[k]
+        return filler, filler.prepare(g - self.firsts[k], slot)
+
+    def fill(self, plan: tuple[Filler, BatchPlan], row: int, slot: Slot, scratch: dict, times: WorkerTimes,
+             gpu: bool | None = None) -> None:
+        filler, batch_plan = plan
+        filler.fill(batch_plan, row, slot, scratch, times, gpu)
+
+
 class DeviceBuilder:
     """The device thread's work on one finished slot (inside the copy stream's context): upload the
     pinned batch, decode its JPEGs on the GPU (decode="gpu"), convert. Holds no reference to the
     iterator, so an abandoned iterator can be collected."""
 
-    def __init__(self, stage: DeviceStage, decoder: Any, filler: Filler, lock: threading.RLock,
+    def __init__(self, stage: DeviceStage, decoder: Any, filler: "Filler | EpochChain", lock: threading.RLock,
                  stats: LoaderStats) -> None:
         self.stage = stage  # the loader's copy stream and its options
         self.opts = stage.opts

@@ -16,6 +16,7 @@ iterator that owns a run, so an abandoned iterator can be collected; its finaliz
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import threading
 import time
@@ -178,11 +179,16 @@ class Run:
     are kept per row and raised by `next_batch` for the first failing row of that batch."""
 
     def __init__(self, ring: BatchRing, batch_sizes: list[int], num_threads: int, prepare: PrepareFn,
-                 fill: FillFn, flush: FlushFn, timeout: float, name: str = "stoker") -> None:
+                 fill: FillFn, flush: FlushFn, timeout: float, name: str = "stoker", open_ended: bool = False
+                 ) -> None:
         self.ring = ring
         self.n_slots = len(ring.slots)
-        self.batch_sizes = batch_sizes
-        self.total = int(sum(batch_sizes))
+        self.batch_sizes = list(batch_sizes)
+        self._starts = list(itertools.accumulate(self.batch_sizes, initial=0))  # first position of each batch
+        self.total = self._starts[-1]
+        # open_ended: batches may be appended (`extend`, the next epoch of a persistent Loader); workers
+        # that run out wait for them (stop-aware) instead of exiting
+        self.open_ended = open_ended
         self.prepare, self.fill, self.flush = prepare, fill, flush
         self.timeout = timeout
         self.lock = threading.RLock()  # an RLock so the consumer can tell it still holds it (Ctrl-C)
@@ -202,11 +208,27 @@ class Run:
             t.start()
 
     # ---- workers -------------------------------------------------------------------------
+    def extend(self, batch_sizes: list[int]) -> None:
+        """Append batches to an open-ended run (their plans come from `prepare` like the others)."""
+        with self.cond:
+            for size in batch_sizes:
+                self.batch_sizes.append(size)
+                self._starts.append(self._starts[-1] + size)
+            self.total = self._starts[-1]
+            self.cond.notify_all()
+
     def _claim(self) -> tuple[int, int] | None:
         p = next(self._counter)  # atomic under the GIL: positions are handed out once, in order
         if p >= self.total:
-            return None
-        return divmod(p, self.ring.batch_size)  # every batch is full but the last
+            if not self.open_ended:
+                return None
+            with self.cond:
+                while p >= self.total and not self.stop_event.is_set():
+                    self.cond.wait(_POLL_S)
+            if p >= self.total:
+                return None
+        b = bisect.bisect_right(self._starts, p) - 1  # a partial batch may end an epoch mid-run
+        return b, p - self._starts[b]
 
     def _wait_slot(self, b: int, times: WorkerTimes) -> Slot | None:
         if b >= self.released + self.n_slots:
@@ -366,7 +388,6 @@ class Feeder:
                  name: str = "stoker-device") -> None:
         self.run, self.stage, self.build = run, stage, build
         self.timeout = timeout
-        self.n = len(run.batch_sizes)
         self.depth = depth
         self.ready: deque[tuple[str, Any, Any]] = deque()  # append/popleft are atomic
         self.stop_event = threading.Event()
@@ -383,8 +404,19 @@ class Feeder:
         self.ready.append(item)
         return True
 
+    def _more(self, b: int) -> bool:
+        """Whether the run has a batch b, waiting (stop-aware) for an open-ended run to be extended."""
+        run = self.run
+        if b < len(run.batch_sizes) or not run.open_ended:
+            return b < len(run.batch_sizes)
+        with run.cond:
+            while b >= len(run.batch_sizes) and not self.stop_event.is_set():
+                run.cond.wait(_POLL_S)
+        return b < len(run.batch_sizes)
+
     def _work(self) -> None:
-        for b in range(self.n):
+        b = -1
+        while self._more(b := b + 1):
             if self.stop_event.is_set():
                 return
             try:

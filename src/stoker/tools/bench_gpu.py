@@ -54,8 +54,8 @@ FEEDS = {
     "synthetic": "one GPU-resident random batch (no input pipeline: the model's own speed)",
     "baseline": "ImageFolder + DataLoader(pin_memory, persistent workers) + torchvision train transforms, "
                 ".to(device, non_blocking=True)",
-    "stoker": "stoker.Loader(device=DeviceOptions(device, normalize='imagenet')), CPU decode",
-    "stoker-gpu": "stoker.Loader(device=DeviceOptions(device, normalize='imagenet', decode='gpu'))",
+    "stoker": "stoker.Loader(persistent=True, device=DeviceOptions(device, normalize='imagenet')), CPU decode",
+    "stoker-gpu": "stoker.Loader(persistent=True, device=DeviceOptions(device, normalize='imagenet', decode='gpu'))",
 }
 _LOADER_DESCRIPTIONS = {
     "cuda-baseline": "ImageFolder + DataLoader(pin_memory, persistent workers) + RandomResizedCrop(224), flip, "
@@ -266,7 +266,10 @@ def _stoker_feed(feed: str, packed: str, batch_size: int, workers: int, device: 
         on_device = DeviceOptions(device, normalize="imagenet",
                                   memory_format="channels_last" if channels_last else None,
                                   decode="gpu" if feed == "stoker-gpu" else "cpu")
-        loader = _stoker_loader(packed, batch_size, num_threads=workers, drop_last=drop_last, device=on_device)
+        # persistent: epochs run straight into each other (as the baseline's persistent workers do), so
+        # no round or training window after the first pays the pipeline's start-up again
+        loader = _stoker_loader(packed, batch_size, num_threads=workers, drop_last=drop_last, device=on_device,
+                                persistent=True)
     except ConfigError as exc:   # e.g. decode="gpu" without a GPU JPEG decoder installed
         raise FeedUnavailable(str(exc)) from exc
     started = False
