@@ -643,4 +643,41 @@ def test_auto_falls_back_past_a_torchvision_that_raises_on_import(monkeypatch: p
     monkeypatch.delitem(sys.modules, "torchvision.io", raising=False)
     monkeypatch.setattr(sys, "meta_path", [_BrokenImport("torchvision"), *sys.meta_path])
     monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", fake)
-    assert isinstance(make_decoder("auto", "cuda"), gpu_decode.NvImageCodecDecoder)
+    dec = make_decoder("auto", "cuda")  # both nvImageCodec variants work: measured at first use
+    assert isinstance(dec, gpu_decode.MeasuredDecoder)
+    assert [type(c) for c in dec.candidates] == [gpu_decode.NvImageCodecHardwareDecoder,
+                                                 gpu_decode.NvImageCodecDecoder]
+
+
+class Timed(CpuDecoder):
+    """A stand-in that 'takes' `ms` per image on a fake clock; `broken` fails every image."""
+
+    def __init__(self, name: str, ms: float, clock: list[float], broken: bool = False) -> None:
+        super().__init__()
+        self.name, self.ms, self.clock, self.broken = name, ms, clock, broken
+
+    def decode(self, datas):
+        self.clock[0] += self.ms * len(datas) / 1000
+        if self.broken:
+            self.calls.append(len(datas))
+            return [RuntimeError("no") for _ in datas]
+        return super().decode(datas)
+
+
+def test_auto_keeps_the_backend_measured_fastest_on_the_first_batch() -> None:
+    clock = [0.0]
+    syncs: list[object] = []
+    broken = Timed("broken-but-fast", 0.1, clock, broken=True)
+    slow, fast = Timed("slow", 3.0, clock), Timed("fast", 1.0, clock)
+    dec = gpu_decode.MeasuredDecoder([broken, slow, fast], torch.device("cpu"), synchronize=syncs.append,
+                                     clock=lambda: clock[0])
+    assert "not measured yet" in dec.name
+    jobs, refs = jobs_for(Pipeline([CenterCrop(32)]), make_jpegs(seed=3), SIZES)
+    out = torch.zeros((len(jobs), 3, 32, 32), dtype=torch.uint8)
+    assert GpuBatchDecoder(dec, "cpu").run(jobs, out) == []  # the chosen one's images are the batch's
+    assert dec.chosen is fast and len(syncs) == 6  # the device synchronized around each timed decode
+    assert dec.timings == pytest.approx({"broken-but-fast": 0.1, "slow": 3.0, "fast": 1.0})
+    assert dec.name.startswith("fast (auto: fastest") and "slow 3.000" in dec.name
+    assert all(np.array_equal(rows(out)[i], ref) for i, ref in enumerate(refs))
+    dec.decode([jobs[0].data])
+    assert (slow.calls, fast.calls[-1], len(syncs)) == ([len(jobs)], 1, 6)  # only the chosen one from now on

@@ -248,6 +248,7 @@ def test_gpu_decode_path_crops_like_the_cpu_path(packed: Path) -> None:
     jpegs = sum(1 for i in range(60) if i % 11 != 5 and i % 13 != 6)
     assert loader.stats.gpu_decoded == jpegs and loader.stats.gpu_fallbacks == 0
     assert sum(dec.calls) == jpegs  # raw and PNG samples never reach the GPU decoder
+    assert loader.stats.gpu_decoder == "cpu stand-in" == loader.stats.as_dict()["gpu_decoder"]  # which one ran
 
 
 def test_gpu_decode_failures_fall_back_to_the_cpu_per_sample(packed: Path) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 
@@ -28,7 +29,7 @@ from .errors import ConfigError, CorruptImageError, ImageError
 from .transforms import crop_window
 
 #: Accepted values of `gpu_decoder` / `make_decoder(backend=...)`.
-BACKENDS = ("auto", "torchvision", "nvimgcodec")
+BACKENDS = ("auto", "torchvision", "nvimgcodec", "nvimgcodec-cuda")
 #: Default bound on the decoded pixels held at once by `GpuBatchDecoder.run`: 256 MiB of uint8 RGB,
 #: e.g. about 470 ImageNet-sized (375x500) images, or 7 twelve-megapixel photos.
 DEFAULT_BUDGET_BYTES = 256 << 20
@@ -254,11 +255,26 @@ class NvImageCodecDecoder(_Backend):
     def hint() -> str:
         return _nvimgcodec_hint()
 
+    hardware = False  # NvImageCodecHardwareDecoder: the GPU's hardware JPEG engines first
+
     def __init__(self, device: torch.device) -> None:
         nvimgcodec = self.load()
         self.device = device
-        self.name = f"nvImageCodec {getattr(nvimgcodec, '__version__', '')}".rstrip()
-        self._decoder = nvimgcodec.Decoder(device_id=device.index)
+        version = getattr(nvimgcodec, "__version__", "")
+        kinds = getattr(nvimgcodec, "BackendKind", None)
+        if kinds is None or not hasattr(nvimgcodec, "Backend"):  # an early release: its default backends
+            backends = None
+        elif self.hardware:  # what the hardware engine cannot take (progressive JPEGs) goes to the CUDA ones
+            backends = [nvimgcodec.Backend(kinds.HW_GPU_ONLY), nvimgcodec.Backend(kinds.GPU_ONLY),
+                        nvimgcodec.Backend(kinds.HYBRID_CPU_GPU)]
+        else:
+            backends = [nvimgcodec.Backend(kinds.GPU_ONLY), nvimgcodec.Backend(kinds.HYBRID_CPU_GPU)]
+        kind = "" if backends is None else " hardware JPEG" if self.hardware else " CUDA"
+        self.name = f"nvImageCodec {version}".rstrip() + kind
+        if backends is None:
+            self._decoder = nvimgcodec.Decoder(device_id=device.index)
+        else:
+            self._decoder = nvimgcodec.Decoder(device_id=device.index, backends=backends)
         try:
             self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.RGB,
                                                    allow_any_depth=False)
@@ -280,6 +296,54 @@ class NvImageCodecDecoder(_Backend):
 
 
 
+class NvImageCodecHardwareDecoder(NvImageCodecDecoder):
+    """nvImageCodec with the GPU's hardware JPEG decode engines first (A100, H100, H200 and other GPUs
+    that have them; elsewhere nvImageCodec passes every image on to its CUDA backends)."""
+
+    label = "nvImageCodec (hardware JPEG)"
+    hardware = True
+
+
+def _synchronize(device: torch.device) -> None:
+    torch.cuda.synchronize(device)
+
+
+class MeasuredDecoder:
+    """gpu_decoder="auto" with more than one working backend: the first batch is decoded by every
+    candidate, each timed from start to finish on the GPU (the device is synchronized around each:
+    a one-time cost, at first use), and the fastest that decoded the most images decodes everything
+    from then on. `name` says which one runs and what was measured; `timings` holds ms per image."""
+
+    def __init__(self, candidates: Sequence[GpuDecoder], device: torch.device,
+                 synchronize: Any = _synchronize, clock: Any = time.perf_counter) -> None:
+        self.candidates = list(candidates)
+        self.device = device
+        self.chosen: GpuDecoder | None = None
+        self.timings: dict[str, float] = {}
+        self._sync, self._clock = synchronize, clock
+        self.name = "auto, not measured yet: " + " or ".join(c.name for c in self.candidates)
+
+    def decode(self, datas: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
+        if self.chosen is not None:
+            return self.chosen.decode(datas)
+        best: tuple[int, float] | None = None
+        result: list[Any] = []
+        for cand in self.candidates:
+            self._sync(self.device)
+            t0 = self._clock()
+            outs = cand.decode(datas)
+            self._sync(self.device)
+            seconds = self._clock() - t0
+            self.timings[cand.name] = 1000 * seconds / max(1, len(datas))
+            rank = (-sum(not isinstance(o, BaseException) for o in outs), seconds)
+            if best is None or rank < best:
+                best, result, self.chosen = rank, outs, cand
+        assert self.chosen is not None
+        measured = ", ".join(f"{n} {ms:.3f}" for n, ms in self.timings.items())
+        self.name = f"{self.chosen.name} (auto: fastest on the first {len(datas)} images, ms/image: {measured})"
+        return result
+
+
 def _cuda_device(device: Any) -> torch.device:
     dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     if dev.type != "cuda":
@@ -293,14 +357,17 @@ def _cuda_device(device: Any) -> torch.device:
 def make_decoder(backend: str, device: torch.device | str | int) -> GpuDecoder:
     """A working GPU JPEG decoder on `device` (a CUDA device).
 
-    backend: "torchvision", "nvimgcodec", or "auto": torchvision first, because it ships with most
-    PyTorch installs and needs nothing more; nvImageCodec when torchvision is missing or has no
-    GPU decode. Each backend decodes a probe image once here, so a broken install fails now with a
-    ConfigError that names the fix (the pip install command), not later on every sample."""
+    backend: "torchvision", "nvimgcodec" (the hardware JPEG engines first where the GPU has them),
+    "nvimgcodec-cuda" (nvImageCodec's CUDA decoders only), or "auto": every one of them that works
+    here, and when more than one does, the fastest on the first batch (`MeasuredDecoder`), so the
+    choice follows the machine, not what happens to be installed. Each backend decodes a probe image
+    once here, so a broken install fails now with a ConfigError that names the fix (the pip install
+    command), not later on every sample."""
     if backend not in BACKENDS:
         raise ConfigError(f"gpu_decoder must be one of {BACKENDS}, got {backend!r}")
-    kinds: list[Any] = {"torchvision": [TorchvisionDecoder], "nvimgcodec": [NvImageCodecDecoder],
-                        "auto": [TorchvisionDecoder, NvImageCodecDecoder]}[backend]
+    kinds: list[Any] = {"torchvision": [TorchvisionDecoder], "nvimgcodec": [NvImageCodecHardwareDecoder],
+                        "nvimgcodec-cuda": [NvImageCodecDecoder],
+                        "auto": [TorchvisionDecoder, NvImageCodecHardwareDecoder, NvImageCodecDecoder]}[backend]
     reasons: list[str] = []
     importable = []
     for kind in kinds:  # imports first: a missing library is named even on a machine without a GPU
@@ -309,17 +376,22 @@ def make_decoder(backend: str, device: torch.device | str | int) -> GpuDecoder:
             importable.append(kind)
         except ConfigError as exc:
             reasons.append(str(exc))
+    working: list[GpuDecoder] = []
     if importable:
         dev = _cuda_device(device)
         for kind in importable:
             try:
                 decoder = kind(dev)
                 _check_backend(decoder, kind.label, kind.hint())
-                return decoder
+                working.append(decoder)
             except ConfigError as exc:
                 reasons.append(str(exc))
             except Exception as exc:  # the library imported but cannot start (driver, CUDA mismatch)
                 reasons.append(f"{kind.label} could not start on {dev}: {type(exc).__name__}: {exc}. {kind.hint()}")
+        if len(working) == 1:
+            return working[0]
+        if working:
+            return MeasuredDecoder(working, dev)
     if len(reasons) == 1:
         raise ConfigError(reasons[0])
     raise ConfigError("decode='gpu' found no working GPU JPEG decoder:\n  - " + "\n  - ".join(reasons) +

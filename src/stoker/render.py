@@ -325,4 +325,5 @@ class DeviceBuilder:
             self.stats.add(self.times, 0)
             self.stats.gpu_decoded += len(jobs) - len(failed)
             self.stats.gpu_fallbacks += len(failed)
+            self.stats.gpu_decoder = self.gpu.decoder.name
         return len(failed)

@@ -135,6 +135,7 @@ class LoaderStats:
     device_s: float = 0.0  # the device thread building batches: uploads, conversion, GPU decode submission
     gpu_decoded: int = 0  # samples decoded on the GPU (decode="gpu")
     gpu_fallbacks: int = 0  # JPEGs the GPU could not decode, decoded on the CPU instead
+    gpu_decoder: str = ""  # decode="gpu": the backend that decoded them (with what "auto" measured)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items()}
