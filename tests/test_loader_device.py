@@ -472,6 +472,27 @@ def test_persistent_prepares_the_next_epoch_while_this_one_drains(packed: Path) 
     assert wait_threads_gone(before) == before
 
 
+@pytest.mark.parametrize("leave", ["close", "drop"])
+def test_persistent_hands_on_an_epoch_read_to_the_end_but_not_exhausted(packed: Path, leave: str) -> None:
+    # `for step, batch in zip(range(steps), loader)` or a break after the last batch: the iterator never
+    # raised StopIteration, yet the epoch was read whole, so epoch 1 comes from the same threads
+    kw = dict(transforms=TRAIN, seed=4, num_threads=2)
+    want = epochs(Loader(packed, 10, **kw), 2)
+    loader = Loader(packed, 10, persistent=True, **kw)
+    it = iter(loader)
+    first = [(x.clone(), y.clone()) for x, y in (next(it) for _ in range(len(loader)))]
+    threads = {t for t in threading.enumerate() if t.name.startswith("stoker")}
+    if leave == "close":
+        it.close()
+    else:
+        del it
+        gc.collect()
+    again = epochs(loader, 1)[0]
+    assert {t for t in threading.enumerate() if t.name.startswith("stoker")} == threads
+    assert same([first, again], want)
+    loader.close()
+
+
 def test_persistent_resume_and_moves_elsewhere_restart_the_pipeline(packed: Path) -> None:
     kw = dict(transforms=TRAIN, seed=4, num_threads=2)
     want = epochs(Loader(packed, 10, **kw), 3)

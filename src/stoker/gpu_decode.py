@@ -400,6 +400,9 @@ def make_decoder(backend: str, device: torch.device | str | int) -> GpuDecoder:
 
 # ---- crop, resize, flip on the device: a whole chunk in a few kernels ----------------------------------
 
+_WEIGHT_TEMPS = 6  # _axis_weights holds up to this many [N, n_out, n_in] float32 tensors at once
+
+
 def _axis_weights(n_out: int, length: torch.Tensor, size: torch.Tensor, start: torch.Tensor, aa: torch.Tensor,
                   flip: torch.Tensor | None, n_in: int) -> torch.Tensor:
     """Resampling matrices [N, n_out, n_in] (float32) for one axis of N samples: output index i takes
@@ -523,12 +526,14 @@ class GpuBatchDecoder:
 
     def groups(self, placed: list[_Placed], out_h: int, out_w: int) -> Iterator[list[_Placed]]:
         """`placed` sorted by crop size and cut where the float32 working set of `resample_into`
-        (padded crops, both resampling matrices, the intermediate product) would pass budget_bytes."""
+        (padded crops, both resampling matrices with the temporaries that build them, the
+        intermediate product, the result) would pass budget_bytes."""
         group: list[_Placed] = []
         ch = cw = 0
         for p in sorted(placed, key=lambda p: p.crop):
             h, w = max(ch, p.crop[0]), max(cw, p.crop[1])
-            need = 4 * (len(group) + 1) * (3 * h * w + out_h * h + out_w * w + 3 * out_h * w + 3 * out_h * out_w)
+            need = 4 * (len(group) + 1) * (3 * h * w + _WEIGHT_TEMPS * (out_h * h + out_w * w) + 3 * out_h * w
+                                           + 3 * out_h * out_w)
             if group and need > self.budget_bytes:
                 yield group
                 group, h, w = [], p.crop[0], p.crop[1]

@@ -434,7 +434,7 @@ class _LoaderIter:
 
     def __next__(self) -> tuple:
         if self._closed or self._run is None or self._b >= self._n:
-            self._finish()
+            self.close()
             raise StopIteration
         loader = self._loader
         t0 = time.perf_counter()
@@ -452,6 +452,10 @@ class _LoaderIter:
         loader.stats.consumer_wait_s += time.perf_counter() - t0
         loader.stats.batches += 1
         self._b += 1
+        if self._b == self._n:  # the whole epoch was read (even if this iterator is then dropped, not
+            # exhausted): a persistent pipeline goes on into the next one
+            self._keep[0] = self._pipe.persistent
+            self._pipe.next_g = g + 1
         if loader._current is not None and loader._current() is self:
             loader._cursor = self._start + self._b
             if self._b == self._n:  # the epoch is complete: a new iter() starts the next one
@@ -470,16 +474,10 @@ class _LoaderIter:
             return images, labels, {c: list(v) for c, v in slot.extras.items()}
         return images, labels
 
-    def _finish(self) -> None:
-        if not self._closed:
-            self._keep[0] = self._pipe.persistent and self._b == self._n and self._run is not None
-            self._pipe.next_g = self._g0 + self._b
-            self.close()
-
     def close(self) -> None:
         """Stop the worker threads (prompt: they check a stop flag at least every 0.1 s); a persistent
-        Loader's pipeline that finished its epoch keeps running into the next one instead."""
-        if self._run is not None and self._feeder is None and not self._closed:
+        Loader's pipeline whose epoch was read to the end keeps running into the next one instead."""
+        if not self._closed and self._run is not None and self._feeder is None:
             # the last batch yielded: the ring outlives this iterator
             self._run.guard(self._g0 + self._b - 1, consumer_fence())
         self._closed = True
