@@ -290,7 +290,8 @@ def _make_runner(spec: _Spec) -> _Runner:
         return _dali_runner(spec)
     if bench_gpu.is_device_pipeline(name):
         epoch, close, version = bench_gpu.loader_epochs(name, root=spec.root, packed=spec.packed,
-                                              batch_size=spec.batch_size, workers=spec.workers, device=spec.device)
+                                              batch_size=spec.batch_size, workers=spec.workers, device=spec.device,
+                                              steps=spec.steps)
         return _Runner(epoch, close, version)
     raise ConfigError(f"unknown pipeline {name!r}; expected one of {', '.join(PIPELINES)}")
 
@@ -367,12 +368,14 @@ def _measure_rounds(spec: _Spec) -> dict[str, Any]:
             for _ in runner.epoch():
                 if math.isnan(first):
                     first = time.perf_counter() - start
-            rates, images = [], 0
+            rates, images, timed = [], 0, 0.0
             cpu0, wall0 = cpu_seconds(), time.perf_counter()
             for _ in range(spec.rounds):
                 t = time.perf_counter()
                 images = sum(runner.epoch())
-                rates.append(images / (time.perf_counter() - t))
+                seconds = time.perf_counter() - t
+                timed += seconds
+                rates.append(images / seconds)
             cpu_s = cpu_seconds() - cpu0
             cpu = cpu_s / (time.perf_counter() - wall0) * 100.0
         finally:
@@ -380,7 +383,7 @@ def _measure_rounds(spec: _Spec) -> dict[str, Any]:
     return {"images_per_s": statistics.median(rates), "rounds": rates, "cpu_percent": cpu,
             "cpu_ms_per_image": cpu_s * 1000.0 / (images * spec.rounds),
             "peak_rss_bytes": memory.peak, "first_batch_s": first, "images": images,
-            "version": runner.version or _version(spec.pipeline)}
+            "startup_share": bench_gpu.startup_share(first, timed), "version": runner.version or _version(spec.pipeline)}
 
 
 def _measure_training(spec: _Spec) -> dict[str, Any]:
@@ -393,10 +396,11 @@ def _measure_training(spec: _Spec) -> dict[str, Any]:
         try:
             if spec.warmup_steps:
                 run.run(spec.warmup_steps)
-            rates, waits = [], []
+            rates, waits, timed = [], [], 0.0
             cpu0, wall0 = cpu_seconds(), time.perf_counter()
             for _ in range(spec.rounds):
                 seconds, wait = run.run(spec.steps)
+                timed += seconds
                 rates.append(spec.steps * spec.batch_size / seconds)
                 waits.append(wait / seconds)
             cpu_s = cpu_seconds() - cpu0
@@ -407,6 +411,7 @@ def _measure_training(spec: _Spec) -> dict[str, Any]:
     return {"images_per_s": statistics.median(rates), "rounds": rates, "cpu_percent": cpu,
             "cpu_ms_per_image": cpu_s * 1000.0 / (images * spec.rounds), "peak_rss_bytes": memory.peak,
             "first_batch_s": run.first_batch_s, "images": images, "version": run.version,
+            "startup_share": bench_gpu.startup_share(run.first_batch_s, timed),
             "data_wait": statistics.median(waits)}
 
 
