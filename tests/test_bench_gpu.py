@@ -156,7 +156,7 @@ def test_table_for_device_results() -> None:
     table = format_table(result)
     assert "| train-resnet50-stoker | 2,970 | 99.0% | 1.98x |" in table
     assert "| cuda-stoker | 20,000 | 4.00x cuda-baseline |" in table
-    assert "19 steps per epoch" in table
+    assert "19 steps per pass over the images" in table and "1,281,167 samples" in table
 
 
 def test_device_chart_draws_reference_lines_only_when_given(tmp_path: Path) -> None:

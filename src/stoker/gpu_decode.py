@@ -2,9 +2,9 @@
 
 For machines whose CPU cores cannot decode fast enough: the Loader's device thread hands the JPEGs
 of a batch to a `GpuDecoder` (nvJPEG through torchvision or NVIDIA nvImageCodec), then crops each
-decoded image with the same integer geometry as the CPU path (`transforms.crop_window`), resizes it
-with `torch.nn.functional.interpolate`, flips it and writes it into its row of the batch on the
-device. The crop plan is the CPU's (computed from the stored sizes), so a seed gives the same crops
+decoded image with the same integer geometry as the CPU path (`transforms.crop_window`), then crops,
+resizes (`torch.nn.functional.interpolate`'s bilinear weights, as batched resampling matrices), flips
+and writes a whole group of samples into their rows of the batch on the device in a few kernels. The crop plan is the CPU's (computed from the stored sizes), so a seed gives the same crops
 on both paths; only the resampling kernel differs (torch bilinear, antialiased when shrinking, vs
 OpenCV bilinear/area).
 

@@ -705,11 +705,13 @@ def _format_device(result: BenchResult) -> str:
              f"{d['mean_width']}x{d['mean_height']} px, {d['mean_file_kb']} KB; batch {result.batch_size}; "
              f"{result.workers} CPU cores per pipeline, each pipeline in its own process; packing "
              f"({fmt_number(result.pack_seconds, '.1f')} s) done once before any timing.",
-             f"Loaders alone: median of {result.rounds} epoch(s) after one warm-up epoch; a round ends when the "
-             "device is synchronized. Training: median of "
+             f"Loaders alone: median of {result.rounds} round(s) of {result.steps} batches after one warm-up round; "
+             "a round ends when the device is synchronized. Training: median of "
              f"{result.rounds} window(s) of {result.steps} steps after {result.warmup_steps} warm-up step(s); the "
-             f"feeds run epoch after epoch and drop the last partial batch ({steps_per_epoch} steps per epoch here: "
-             "epoch starts, where a loader refills its queue, weigh more than on a large dataset).",
+             f"training feeds drop the last partial batch ({steps_per_epoch} steps per pass over the images). "
+             "No feed restarts inside the measurement: stoker's Loaders are persistent (epochs run into each other), "
+             f"the baseline DataLoader's epoch is {bench_gpu.BASELINE_EPOCH_SAMPLES:,} samples (ImageNet-1k's); "
+             "start-up falls in the warm-up.",
              f"Baseline transforms: {result.baseline_transforms}. Every loader delivers float32 NCHW batches "
              "normalized with ImageNet mean/std in device memory (stoker: channels_last for training); the baseline "
              "converts and normalizes on the CPU, stoker copies uint8 and normalizes on the device.",
