@@ -1,0 +1,174 @@
+"""Bring-your-own transforms: containers flattened, torchvision transforms translated to stoker's ops,
+PIL/tensor callables adapted, their randomness keyed by the sample, failures named.
+
+torchvision cannot be imported on CPU test machines, so its classes are stood in for by classes
+with its module path and its attribute names (what `translate` reads)."""
+
+from __future__ import annotations
+
+import enum
+import random
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from stoker import augment_cpu as A
+from stoker.adapt import Adapted, TransformError, adapt, as_ops
+from stoker.errors import ConfigError, SampleError
+from stoker.loader import Loader
+from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop
+from test_loader import build_packed
+
+TV = "torchvision.transforms.transforms"
+
+
+class InterpolationMode(enum.Enum):
+    NEAREST = "nearest"
+    BILINEAR = "bilinear"
+
+
+def tv(name: str, **attrs):
+    """An object that looks to `translate` like torchvision's `name` with these attributes."""
+    cls = type(name, (), {"__module__": TV, "__call__": lambda self, img: img})
+    obj = cls()
+    obj.__dict__.update(attrs)
+    return obj
+
+
+class Compose:
+    def __init__(self, transforms):
+        self.transforms = transforms
+
+    def __call__(self, img):
+        for t in self.transforms:
+            img = t(img)
+        return img
+
+
+def test_single_list_compose_and_sequential_are_flattened():
+    flip = RandomHorizontalFlip()
+    assert as_ops(flip) == ([flip], [])
+    assert as_ops(None) == ([], [])
+    nested = Compose([RandomResizedCrop(8), Compose([flip, A.RandomGrayscale(0.2)])])
+    ops, batch = as_ops(nested)
+    assert ops == [RandomResizedCrop(8), flip, A.RandomGrayscale(0.2)] and batch == []
+    ops, _ = as_ops(torch.nn.Sequential(torch.nn.Identity()))
+    assert len(ops) == 1 and isinstance(ops[0], Adapted)
+
+
+def test_torchvision_transforms_become_stokers_own():
+    pipeline = Compose([
+        tv("RandomResizedCrop", size=[224, 224], scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)),
+        tv("RandomHorizontalFlip", p=0.5),
+        tv("ColorJitter", brightness=(0.6, 1.4), contrast=None, saturation=(0.6, 1.4), hue=(-0.1, 0.1)),
+        tv("RandAugment", num_ops=2, magnitude=9, num_magnitude_bins=31, interpolation=InterpolationMode.BILINEAR,
+           fill=None),
+        tv("RandomGrayscale", p=0.1),
+        tv("GaussianBlur", kernel_size=(5, 5), sigma=(0.1, 2.0)),
+        tv("ToTensor"),
+        tv("Normalize", mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225]),
+        tv("RandomErasing", p=0.25, scale=(0.02, 0.33), ratio=(0.3, 3.3), value=0),
+    ])
+    ops, batch = as_ops(pipeline)
+    assert ops == [RandomResizedCrop(224), RandomHorizontalFlip(0.5),
+                   A.ColorJitter((0.6, 1.4), 0, (0.6, 1.4), (-0.1, 0.1)),
+                   A.RandAugment(2, 9, 31, "bilinear", None), A.RandomGrayscale(0.1), A.GaussianBlur(5, (0.1, 2.0))]
+    assert [type(b).__name__ for b in batch] == ["Normalize", "RandomErasing"]
+    with pytest.raises(ConfigError, match="before Normalize"):
+        as_ops([tv("Normalize", mean=[0.5], std=[0.5]), RandomHorizontalFlip()])
+
+
+def test_untranslatable_torchvision_transform_runs_through_pil():
+    rot = tv("RandomRotation", degrees=[-10, 10])
+    ops, _ = as_ops([rot])
+    assert isinstance(ops[0], Adapted) and ops[0].input == "pil" and ops[0].random == "global"
+
+
+@pytest.fixture
+def img() -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 256, (20, 30, 3), dtype=np.uint8)
+
+
+def test_pil_and_tensor_callables_are_detected_and_converted_back(img):
+    pil_op = adapt(lambda im: im.transpose(Image.FLIP_TOP_BOTTOM))
+    with pytest.warns(UserWarning, match="PIL image and back"):
+        assert np.array_equal(pil_op(img.copy()), img[::-1])
+    assert pil_op.input == "pil"
+    tensor_op = adapt(lambda t: t.flip(-1).float() / 255.0)  # CHW in, float [0, 1] out (ToTensor-style)
+    with pytest.warns(UserWarning, match="CHW tensor"):
+        assert np.array_equal(tensor_op(img.copy()), img[:, ::-1])
+    assert tensor_op.input == "tensor"
+    grey = adapt(lambda im: im.convert("L"), input="pil")
+    with pytest.warns(UserWarning):
+        out = grey(img.copy())
+    assert out.shape == img.shape and (out[..., 0] == out[..., 1]).all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a plain numpy function is the fast path: no warning
+        assert np.array_equal(adapt(lambda a: a[:, ::-1])(img.copy()), img[:, ::-1])
+
+
+class TorchNoise:
+    """A transform object drawing from torch's global generator, like torchvision's."""
+
+    def __call__(self, im: Image.Image) -> Image.Image:
+        a = np.asarray(im).astype(np.int16) + int(torch.randint(0, 50, (1,))) + random.randint(0, 5)
+        return Image.fromarray(np.clip(a, 0, 255).astype(np.uint8))
+
+
+def test_global_generator_transforms_are_keyed_by_the_sample_and_leave_global_state(img):
+    op = adapt(TorchNoise(), input="pil")
+    assert op.random == "global"
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    with pytest.warns(UserWarning, match="lock"):
+        a = op(img.copy(), rng=np.random.default_rng(5))
+    b = op(img.copy(), rng=np.random.default_rng(5))
+    c = [op(img.copy(), rng=np.random.default_rng(s)) for s in range(6, 12)]
+    assert np.array_equal(a, b)
+    assert any(not np.array_equal(a, x) for x in c)
+    assert torch.equal(torch.get_rng_state(), before)  # the training loop's generator is untouched
+
+
+def test_failures_name_the_transform(img):
+    def broken(a):
+        raise KeyError("boom")
+
+    op = adapt(broken, input="numpy")
+    with pytest.raises(TransformError, match="transform broken .* KeyError"):
+        op(img)
+    with pytest.raises(TransformError, match="accepts none of"):
+        adapt(broken)(img)
+    with pytest.raises(TransformError, match="returned str"):
+        adapt(lambda a: "nope", input="numpy")(img)
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_packed(tmp_path_factory.mktemp("adapt") / "ds", n=24)
+
+
+def test_adapted_transforms_in_the_loader_are_deterministic_for_any_thread_count(packed: Path):
+    tf = Compose([RandomResizedCrop(16), tv("RandomRotation"), adapt(TorchNoise(), input="pil"),
+                  A.RandAugment(), A.ColorJitter(0.4, 0.4, 0.4, 0.1)])
+    runs = []
+    for threads in (1, 2):
+        ops, _ = as_ops(tf)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loader = Loader(packed, 6, transforms=ops, seed=1, num_threads=threads)
+            runs.append(np.concatenate([b[0].numpy().copy() for b in loader]))
+    assert np.array_equal(runs[0], runs[1])
+
+
+def test_a_failing_user_transform_names_sample_and_transform(packed: Path):
+    def explode(a):
+        raise ValueError("no thanks")
+
+    ops, _ = as_ops([RandomResizedCrop(16), adapt(explode, input="numpy")])
+    with pytest.raises(SampleError, match=r"sample 'img/\d+\.x'.*transform explode.*no thanks"):
+        for _ in Loader(packed, 4, transforms=ops, num_threads=1):
+            pass
