@@ -172,8 +172,8 @@ def test_contrast_within_one(img, factor):
 
 
 @pytest.mark.parametrize("factor", [0.0, 0.4, 1.9])
-def test_saturation_within_one(img, factor):
-    within(A.adjust_saturation(img, factor), ref_blend(img, ref_gray(img)[..., None], factor), 1)
+def test_saturation_is_exact(img, factor):
+    within(A.adjust_saturation(img, factor), ref_blend(img, ref_gray(img)[..., None], factor), 0)
 
 
 @pytest.mark.parametrize("factor", [-0.5, -0.23, 0.0, 0.1, 0.37])
@@ -243,9 +243,9 @@ def test_gaussian_blur_within_one(img, ksize, sigma):
     within(A.gaussian_blur(img, ksize, (sigma, sigma)), ref_blur(img, ksize, sigma), 1)
 
 
-def test_grayscale_within_one(img):
+def test_grayscale_is_exact(img):
     out = A.RandomGrayscale(p=1.0)(img.copy(), rng=np.random.default_rng(0))
-    within(out, np.repeat(ref_gray(img)[..., None], 3, -1), 1)
+    within(out, np.repeat(ref_gray(img)[..., None], 3, -1), 0)
 
 
 # ---- random parameters follow torchvision's distributions ---------------------------------------

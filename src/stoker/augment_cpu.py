@@ -10,7 +10,7 @@ release the GIL (lookup tables, warpAffine, filter2D, cvtColor); the numpy left 
 
 The pixel formulas follow torchvision's tensor path (torchvision.transforms.functional on uint8
 tensors): blends truncate to uint8 like torchvision does; where OpenCV rounds instead (saturation,
-sharpness, grayscale, blur) results are within 1 of torchvision's (docs/transforms.md lists each op,
+blur, the sharpness kernel) results are within 1 of torchvision's (docs/transforms.md lists each op,
 its definition and its tolerance).
 """
 
@@ -47,9 +47,9 @@ def _blend_table(factor: float, other: float | np.ndarray) -> np.ndarray:
 
 
 def grayscale(img: np.ndarray) -> np.ndarray:
-    """ITU-R 601-2 luma (0.299 R + 0.587 G + 0.114 B) as one uint8 channel, rounded (torchvision
-    truncates 0.2989 R + 0.587 G + 0.114 B: within 1)."""
-    return cv2.cvtColor(img, cv2.COLOR_RGB2GRAY)
+    """torchvision's rgb_to_grayscale on uint8: 0.2989 R + 0.587 G + 0.114 B in float32, truncated."""
+    f = img.astype(np.float32)
+    return (f[..., 0] * 0.2989 + f[..., 1] * 0.587 + f[..., 2] * 0.114).astype(np.uint8)
 
 
 def adjust_brightness(img: np.ndarray, factor: float) -> np.ndarray:
@@ -64,12 +64,18 @@ def adjust_contrast(img: np.ndarray, factor: float) -> np.ndarray:
 
 
 def _blend(img: np.ndarray, other: np.ndarray, factor: float) -> np.ndarray:
-    return cv2.addWeighted(img, float(factor), other, 1.0 - float(factor), 0.0)
+    """torchvision `_blend` per pixel: factor * img + (1 - factor) * other in float32, clamped, truncated
+    (numpy's ufuncs release the GIL on arrays this size)."""
+    out = img.astype(np.float32)
+    out *= np.float32(factor)
+    out += np.float32(1.0 - float(factor)) * other.astype(np.float32)
+    np.clip(out, 0, 255, out=out)
+    return out.astype(np.uint8)
 
 
 def adjust_saturation(img: np.ndarray, factor: float) -> np.ndarray:
     """F.adjust_saturation: blend with the grayscale image (0 gives grey, 1 the original)."""
-    return _blend(img, cv2.cvtColor(grayscale(img), cv2.COLOR_GRAY2RGB), factor)
+    return _blend(img, grayscale(img)[..., None], factor)
 
 
 def adjust_hue(img: np.ndarray, factor: float) -> np.ndarray:
