@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._system import cpu_ids, usable_cpus
-from .baseline import baseline_loader, baseline_transform, list_image_folder
+from .baseline import baseline_loader, list_image_folder
 from .bench_gpu import _fmt
 from .errors import ConfigError, StokerError
 from .profiling import cpu_seconds
@@ -64,8 +64,19 @@ PIPELINES: dict[str, tuple[str, str | None]] = {
     "stoker-val": ("stoker.Loader, Resize(256) + CenterCrop(224)", "baseline-val"),
     "ceiling": ("simplejpeg full decode of every image, nothing else", "baseline"),
     "dali": ("NVIDIA DALI CPU: image_random_crop decode, resize 224, flip", "baseline"),
+    "baseline-randaug": ("DataLoader + PIL + RandomResizedCrop(224), flip, RandAugment(2, 9), ToTensor, Normalize",
+                         None),
+    "stoker-randaug": ("stoker.Loader, RandomResizedCrop(224) + flip + RandAugment(2, 9) on the worker threads",
+                       "baseline-randaug"),
+    "baseline-deit": ("DataLoader + PIL + the randaug recipe + RandomErasing(0.25) in the workers, Mixup/CutMix "
+                      "(0.8/1.0, smoothing 0.1) in the main process", None),
+    "stoker-deit": ("stoker.Loader, the randaug recipe on the threads; Normalize, RandomErasing(0.25), Mixup/CutMix "
+                    "batched (BatchAugment)", "baseline-deit"),
 }
 DEFAULT_PIPELINES = ("baseline", "baseline-val", "stoker-train", "stoker-val", "ceiling", "dali")
+#: `stoker bench --recipe`: the pipelines each recipe runs by default (the ceiling is the same for all)
+RECIPE_PIPELINES = {"basic": DEFAULT_PIPELINES, "randaug": ("baseline-randaug", "stoker-randaug", "ceiling"),
+                    "deit": ("baseline-deit", "stoker-deit", "ceiling")}
 NOTE = ("Ratios between pipelines of this one run are the figures that count; absolute images/s on a "
         "shared machine are noise.")
 _CHILD_TIMEOUT_S = 3600.0
@@ -233,6 +244,58 @@ def _baseline_runner(spec: _Spec, train: bool) -> _Runner:
     return _Runner(epoch)
 
 
+def _recipe_of(name: str) -> str:
+    return name.split("-", 1)[1]
+
+
+def _baseline_recipe_runner(spec: _Spec) -> _Runner:
+    from .baseline_recipes import deit_mixup, recipe_transform
+
+    recipe = _recipe_of(spec.pipeline)
+    transform, _ = recipe_transform(recipe)
+    loader = baseline_loader(spec.root, spec.batch_size, workers=spec.workers, shuffle=True, seed=0,
+                             transform=transform)
+    mix = deit_mixup(len(list_image_folder(Path(spec.root))[1])) if recipe == "deit" else None
+
+    def epoch() -> Iterator[int]:
+        for b, (images, labels) in enumerate(loader):
+            if mix is not None:
+                images, labels = mix(images, labels, epoch=0, batch=b)
+            yield len(labels)
+    return _Runner(epoch)
+
+
+def _stoker_recipe_runner(spec: _Spec) -> _Runner:
+    from .augment_cpu import RandAugment
+    from .augment_gpu import BatchAugment, Normalize, RandomErasing
+    from .baseline_recipes import deit_mixup
+    from .loader import Loader
+    from .transforms import RandomHorizontalFlip, RandomResizedCrop
+
+    recipe = _recipe_of(spec.pipeline)
+    loader = Loader(spec.packed, spec.batch_size, transforms=[RandomResizedCrop(224), RandomHorizontalFlip(),
+                                                              RandAugment()],
+                    shuffle=True, seed=0, num_threads=spec.workers)
+    batches: Any = loader
+    if recipe == "deit":
+        aug = BatchAugment([Normalize("imagenet"), RandomErasing(p=0.25)],
+                           mix=deit_mixup(len(list_image_folder(Path(spec.root))[1])))
+        batches = _Reiterable(lambda: aug.over(loader))
+
+    def epoch() -> Iterator[int]:
+        for batch in batches:
+            yield int(batch[0].shape[0])
+    return _Runner(epoch, loader.close)
+
+
+class _Reiterable:
+    def __init__(self, make: Callable[[], Iterator[Any]]) -> None:
+        self.make = make
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.make()
+
+
 def _stoker_runner(spec: _Spec, train: bool) -> _Runner:
     from .loader import Loader
     from .transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
@@ -316,6 +379,10 @@ def _make_runner(spec: _Spec) -> _Runner:
         return _baseline_runner(spec, train=name == "baseline")
     if name in ("stoker-train", "stoker-val"):
         return _stoker_runner(spec, train=name == "stoker-train")
+    if name in ("baseline-randaug", "baseline-deit"):
+        return _baseline_recipe_runner(spec)
+    if name in ("stoker-randaug", "stoker-deit"):
+        return _stoker_recipe_runner(spec)
     if name == "ceiling":
         return _ceiling_runner(spec)
     if name == "dali":
@@ -377,8 +444,8 @@ def _version(name: str) -> str:
 
     if _is_device(name):   # the device pipelines report their versions themselves
         return ""
-    module = {"baseline": "torch", "baseline-val": "torch", "stoker-train": "stoker", "stoker-val": "stoker",
-              "ceiling": "simplejpeg", "dali": "nvidia.dali"}[name]
+    module = "torch" if name.startswith("baseline") else "stoker" if name.startswith("stoker") else \
+        {"ceiling": "simplejpeg", "dali": "nvidia.dali"}[name]
     return f"{module} {getattr(importlib.import_module(module), '__version__', '?')}"
 
 
@@ -533,10 +600,18 @@ class _Plan:
 
 
 def _plan(images: int | None, batch_size: int, workers: int, rounds: int, pipelines: Sequence[str] | None,
-          device: str, models: Sequence[str] | None, steps: int | None, warmup_steps: int | None) -> _Plan:
+          device: str, models: Sequence[str] | None, steps: int | None, warmup_steps: int | None,
+          recipe: str = "basic") -> _Plan:
     from . import bench_gpu
 
     named = tuple(pipelines) if pipelines is not None else None
+    if recipe not in RECIPE_PIPELINES:
+        raise ConfigError(f"run_bench: recipe must be one of {', '.join(RECIPE_PIPELINES)}, got {recipe!r}")
+    if recipe != "basic":
+        if device != "cpu" or named is not None:
+            raise ConfigError(f"run_bench: recipe={recipe!r} picks the CPU bench's pipelines for that recipe; leave "
+                              f"out device and pipelines (or name the pipelines yourself, without a recipe)")
+        named = RECIPE_PIPELINES[recipe]
     if device == "cpu" and not any(bench_gpu.is_device_pipeline(p) for p in named or ()):
         if models is not None or steps is not None or warmup_steps is not None:
             raise ConfigError("run_bench: models, steps and warmup_steps belong to the device bench's training "
@@ -569,7 +644,7 @@ def run_bench(data_dir: Path | None = None, *, images: int | None = None, batch_
               workers: int | None = 2, rounds: int = 3, pipelines: Sequence[str] | None = None,
               out_dir: Path | None = None, isolate: bool = True, seed: int = 0,
               packed: Path | None = None, device: str = "cpu", models: Sequence[str] | None = None,
-              steps: int | None = None, warmup_steps: int | None = None) -> BenchResult:
+              steps: int | None = None, warmup_steps: int | None = None, recipe: str = "basic") -> BenchResult:
     """Run the same images through each pipeline and measure images/s, CPU %, peak RSS, first batch.
 
     `data_dir`: an ImageFolder tree of JPEGs; None generates `images` ImageNet-like JPEGs (cached
@@ -578,7 +653,8 @@ def run_bench(data_dir: Path | None = None, *, images: int | None = None, batch_
     to `workers` cores. `out_dir` (None: a temporary folder) receives the packed copy and bench.json /
     bench.md (and bench.png with matplotlib). `packed`: an existing pack of `data_dir` to use
     instead of packing it again. `pipelines`: None runs the default set (the CPU bench's, or with a
-    CUDA `device` the device bench's).
+    CUDA `device` the device bench's). `recipe` ("basic", "randaug", "deit"; see `baseline_recipes`) runs
+    that recipe's baseline and stoker pipelines side by side, plus the decode ceiling.
 
     `device` ("cuda", "cuda:N"): the device bench of `stoker.bench_gpu`, loaders into device memory and
     training of `models` (torchvision names or "module:callable"; default resnet50, resnet18) for
@@ -590,7 +666,7 @@ def run_bench(data_dir: Path | None = None, *, images: int | None = None, batch_
     from .synth import cached_imagenet_like
 
     workers = workers or usable_cpus()
-    plan = _plan(images, batch_size, workers, rounds, pipelines, device, models, steps, warmup_steps)
+    plan = _plan(images, batch_size, workers, rounds, pipelines, device, models, steps, warmup_steps, recipe)
     with tempfile.TemporaryDirectory(prefix="stoker-bench-") as tmp:
         work = Path(out_dir) if out_dir is not None else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -607,8 +683,10 @@ def run_bench(data_dir: Path | None = None, *, images: int | None = None, batch_
                 raise ConfigError(f"{root}: {len(samples)} images is less than one batch of {batch_size}; the "
                                   "training pipelines drop the last partial batch. Use more images or a smaller "
                                   "batch size")
+        from .baseline_recipes import recipe_transform
+
         result = BenchResult([], len(samples), batch_size, workers, rounds, _data_stats(root, samples, generated),
-                             baseline_transform(True)[1], machine, device=plan.device, models=list(plan.models),
+                             recipe_transform(recipe)[1], machine, device=plan.device, models=list(plan.models),
                              steps=plan.steps, warmup_steps=plan.warmup_steps)
         if packed is None:
             packed = work / "packed"

@@ -113,7 +113,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     models = None if args.models is None else tuple(m.strip() for m in args.models.split(",") if m.strip())
     result = run_bench(args.data, images=args.images, batch_size=args.batch_size, workers=args.workers,
                        rounds=args.rounds, out_dir=args.out, device=args.device, models=models, steps=args.steps,
-                       warmup_steps=args.warmup_steps,
+                       warmup_steps=args.warmup_steps, recipe=args.recipe,
                        **({"pipelines": tuple(args.pipelines.split(","))} if args.pipelines else {}))
     print(json.dumps(result.to_json(), indent=1) if args.json else format_table(result))
     return 0
@@ -190,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=_positive, default=None, help="CPU cores each pipeline may use")
     p.add_argument("--rounds", type=_positive, default=3, help="timed rounds after one warm-up (median)")
     p.add_argument("--pipelines", default=None, help="comma-separated subset, e.g. baseline,stoker-train")
+    p.add_argument("--recipe", choices=("basic", "randaug", "deit"), default="basic",
+                   help="augmentation recipe both sides run: basic (crop+flip), randaug (+RandAugment 2/9), "
+                   "deit (+RandomErasing 0.25, Mixup/CutMix)")
     p.add_argument("--device", default="cpu",
                    help="cpu: the loaders on the CPU (default); cuda or cuda:N: loaders into GPU memory, normalized, "
                    "and training fed by each loader against synthetic data")
