@@ -449,15 +449,15 @@ class Normalize:
         return None
 
     def apply(self, x: torch.Tensor, params: None = None) -> torch.Tensor:
-        mean = torch.tensor(self.mean, device=x.device, dtype=torch.float32).view(1, -1, 1, 1)
-        std = torch.tensor(self.std, device=x.device, dtype=torch.float32).view(1, -1, 1, 1)
-        f = x.float() / 255.0 if x.dtype == torch.uint8 else x.float()
-        return (f - mean) / std
+        std = torch.tensor(self.std, dtype=torch.float64)
+        scale = (1.0 / std / (255.0 if x.dtype == torch.uint8 else 1.0)).float().to(x.device).view(1, -1, 1, 1)
+        shift = (torch.tensor(self.mean, dtype=torch.float64) / std).float().to(x.device).view(1, -1, 1, 1)
+        return torch.addcmul(-shift, x.float(), scale)  # (x / 255 - mean) / std in two passes
 
 
 @dataclass(frozen=True)
 class RandomErasing:
-    """Batched torchvision RandomErasing on the normalized float batch (value 0 = the mean colour,
+    """Batched torchvision RandomErasing on the normalized float batch (in place on the CPU; value 0 = the mean colour,
     "random" = N(0, 1) per pixel), p=0.5, scale=(0.02, 0.33), ratio=(0.3, 3.3)."""
 
     p: float = 0.5
@@ -492,6 +492,15 @@ class RandomErasing:
             raise ConfigError("RandomErasing (batched) works on the normalized float batch, as torchvision's; put "
                               "it after Normalize, or use stoker.augment_cpu.RandomErasing on uint8 samples")
         n, c, h, w = x.shape
+        if not x.is_cuda:  # on the CPU a slice per erased box beats full-batch masks
+            for k in np.nonzero(boxes[:, 2] > 0)[0]:
+                t, l_, bh, bw = (int(v) for v in boxes[k])
+                if self.value == "random":
+                    gen = torch.Generator().manual_seed(seed + int(k))
+                    x[k, :, t:t + bh, l_:l_ + bw] = torch.randn((c, bh, bw), generator=gen).to(x.dtype)
+                else:
+                    x[k, :, t:t + bh, l_:l_ + bw] = torch.tensor(self._values(c), dtype=x.dtype).view(c, 1, 1)
+            return x
         b = torch.from_numpy(boxes).to(x.device)
         ys = torch.arange(h, device=x.device).view(1, h, 1)
         xs = torch.arange(w, device=x.device).view(1, 1, w)
@@ -503,9 +512,11 @@ class RandomErasing:
             gen = torch.Generator(device=x.device).manual_seed(seed)
             fill = torch.randn(x.shape, generator=gen, device=x.device, dtype=torch.float32).to(x.dtype)
         else:
-            fill = torch.tensor(self.value[:c] if len(self.value) >= c else self.value * c, device=x.device,
-                                dtype=x.dtype).view(1, c, 1, 1)
+            fill = torch.tensor(self._values(c), device=x.device, dtype=x.dtype).view(1, c, 1, 1)
         return torch.where(inside, fill, x)
+
+    def _values(self, c: int) -> tuple[float, ...]:
+        return tuple(self.value[:c]) if len(self.value) >= c else tuple(self.value) * c
 
 
 BATCH_OPS = (ColorJitter, RandAugment, TrivialAugmentWide, AutoAugment, GaussianBlur, RandomGrayscale, Normalize,

@@ -169,26 +169,50 @@ class Mixup:
         dev = images.device
         lam = torch.from_numpy(p.lam).to(dev)
         shape = (n, 1, 1, 1)
-        partner = images.flip(0)
         if not bool(np.all(p.lam == 1.0)):
-            # Mixup rows: a weighted sum (rounded back to uint8 like timm's uint8 collate); CutMix rows
-            # and unmixed rows keep lam = 1 here and take the box below.
-            wmix = torch.where(torch.from_numpy(p.cutmix).to(dev), torch.ones_like(lam), lam).view(shape)
-            mixed = images.float() * wmix + partner.float() * (1.0 - wmix)
-            if not images.dtype.is_floating_point:
-                mixed = mixed.round_().clamp_(0, 255)
-            if p.cutmix.any():
-                ys = torch.arange(h, device=dev).view(1, h, 1)
-                xs = torch.arange(w, device=dev).view(1, 1, w)
-                b = torch.from_numpy(p.box).to(dev)
-                inside = ((ys >= b[:, 0, None, None]) & (ys < b[:, 1, None, None]) & (xs >= b[:, 2, None, None])
-                          & (xs < b[:, 3, None, None]) & torch.from_numpy(p.cutmix).to(dev).view(n, 1, 1))
-                inside = inside.unsqueeze(-1) if nhwc else inside.unsqueeze(1)
-                mixed = torch.where(inside, partner.to(mixed.dtype), mixed)
-            images.copy_(mixed)
+            if self.mode == "batch":
+                self._mix_batch(images, p, nhwc)
+            else:
+                self._mix_elem(images, p, nhwc, lam, h, w)
         t1 = soft_targets(labels, self.num_classes, self.label_smoothing)
         targets = t1 * lam.view(n, 1) + t1.flip(0) * (1.0 - lam.view(n, 1))
         return images, targets
+
+    @staticmethod
+    def _mix_batch(images: torch.Tensor, p: MixParams, nhwc: bool) -> None:
+        """One lam for the batch (timm's _mix_batch): a box copy for CutMix, one blend for Mixup."""
+        partner = images.flip(0)
+        lam = float(p.lam[0])
+        if p.cutmix[0]:
+            y0, y1, x0, x1 = (int(v) for v in p.box[0])
+            if nhwc:
+                images[:, y0:y1, x0:x1] = partner[:, y0:y1, x0:x1]
+            else:
+                images[..., y0:y1, x0:x1] = partner[..., y0:y1, x0:x1]
+        elif images.dtype.is_floating_point:
+            images.mul_(lam).add_(partner, alpha=1.0 - lam)
+        else:  # uint8: rounded, as timm's uint8 collate does
+            images.copy_((images.float() * lam + partner.float() * (1.0 - lam)).round_().clamp_(0, 255))
+
+    @staticmethod
+    def _mix_elem(images: torch.Tensor, p: MixParams, nhwc: bool, lam: torch.Tensor, h: int, w: int) -> None:
+        """A lam per sample (timm's _mix_elem), vectorised: blend weights per row, then box masks."""
+        dev, n = images.device, images.shape[0]
+        partner = images.flip(0)
+        cut = torch.from_numpy(p.cutmix).to(dev)
+        wmix = torch.where(cut, torch.ones_like(lam), lam).view(n, 1, 1, 1)
+        mixed = images.float() * wmix + partner.float() * (1.0 - wmix)
+        if not images.dtype.is_floating_point:
+            mixed = mixed.round_().clamp_(0, 255)
+        if p.cutmix.any():
+            ys = torch.arange(h, device=dev).view(1, h, 1)
+            xs = torch.arange(w, device=dev).view(1, 1, w)
+            b = torch.from_numpy(p.box).to(dev)
+            inside = ((ys >= b[:, 0, None, None]) & (ys < b[:, 1, None, None]) & (xs >= b[:, 2, None, None])
+                      & (xs < b[:, 3, None, None]) & cut.view(n, 1, 1))
+            inside = inside.unsqueeze(-1) if nhwc else inside.unsqueeze(1)
+            mixed = torch.where(inside, partner.to(mixed.dtype), mixed)
+        images.copy_(mixed)
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor, *, seed: int = 0, epoch: int = 0,
                  batch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
