@@ -21,10 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from stoker.bench import list_image_folder, machine_info
 from stoker.packing import PackOptions, pack
 from stoker.reader import open_dataset
-from stoker.synth import cached_imagenet_like
+from stoker.tools.baseline import list_image_folder
+from stoker.tools.bench import machine_info
+from stoker.tools.synth import cached_imagenet_like
 
 PAGE = 4096
 

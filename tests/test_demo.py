@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from stoker.cli import main
-from stoker.demo import run_demo
-from stoker.profiling import COMPUTE_BOUND, INPUT_BOUND
+from stoker.profiling import INPUT_BOUND_WAIT
+from stoker.tools.demo import run_demo
 
 
 def test_tiny_demo_trains_twice_and_writes_table_json_chart(tmp_path: Path,
@@ -18,9 +17,12 @@ def test_tiny_demo_trains_twice_and_writes_table_json_chart(tmp_path: Path,
     assert [r.name for r in result.runs] == ["baseline (DataLoader + PIL)", "stoker"]
     for run in result.runs:
         assert run.report.steps == 3 and run.report.images == 24 and run.report.images_per_s > 0
-        assert run.report.verdict in (INPUT_BOUND, COMPUTE_BOUND)
+        # the verdict follows the measured data wait (which side wins depends on the machine)
+        assert run.report.input_bound == (run.report.data_wait_fraction >= INPUT_BOUND_WAIT)
     out = capsys.readouterr().out
     assert "| training fed by | images/s | data wait |" in out and "speed-up" in out
+    for run in result.runs:
+        assert f"| {run.name} | {run.report.images_per_s:,.0f} |" in out and run.report.verdict in out
     assert "[4/4]" in out and ("share this machine's CPU cores" in out or result.device.startswith("cuda"))
     obj = json.loads((tmp_path / "demo.json").read_text())
     assert obj["speedup"] == pytest.approx(result.speedup) and len(obj["runs"]) == 2
@@ -40,4 +42,3 @@ def test_cli_demo_options_parse() -> None:
 
     args = build_parser().parse_args(["demo", "--images", "40", "--steps", "2", "--batch-size", "8"])
     assert (args.images, args.steps, args.batch_size, args.device) == (40, 2, 8, None)
-    assert callable(main)

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from stoker.cli import main
-from stoker.doctor import DoctorReport, TrainStep, run_doctor, small_cnn
 from stoker.errors import ConfigError
 from stoker.packing import PackOptions, pack
-from stoker.profiling import COMPUTE_BOUND, INPUT_BOUND
-from stoker.synth import make_tiny_jpegs
+from stoker.profiling import COMPUTE_BOUND
+from stoker.tools.doctor import DoctorReport, default_device, run_doctor
+from stoker.tools.synth import make_tiny_jpegs
+from stoker.tools.train import TrainStep, small_cnn
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +30,36 @@ def packed(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_small_cnn_trains_on_uint8_and_float_batches() -> None:
-    step = TrainStep(small_cnn(3, width=4), "cpu", 3)
+def test_train_step_takes_uint8_and_float_batches_and_any_labels() -> None:
+    torch.manual_seed(0)
+    step = TrainStep(small_cnn(3, width=4), "cpu")
+    before = [p.detach().clone() for p in step.model.parameters()]
     step(torch.randint(0, 256, (2, 64, 64, 3), dtype=torch.uint8), torch.tensor([0, 2]))
-    step(torch.randn(2, 3, 64, 64), torch.tensor([1, 5]))   # labels outside the classes wrap around
+    labels = torch.tensor([1, 5])
+    step(torch.randn(2, 3, 64, 64), labels)   # labels outside the classes wrap around
+    assert labels.tolist() == [1, 5]          # ... without touching the caller's tensor
     step(torch.randint(0, 256, (2, 64, 64, 3), dtype=torch.uint8), ["a", "b"])   # non-class labels
     assert torch.isfinite(step.last_loss)
+    assert any(not torch.equal(a, b.detach()) for a, b in zip(before, step.model.parameters()))   # it trained
+
+
+def test_train_step_normalizes_uint8_like_the_device_stage() -> None:
+    from stoker.device import IMAGENET_MEAN, IMAGENET_STD
+
+    step = TrainStep(small_cnn(3, width=4), "cpu")
+    x = step.prepare(torch.full((1, 2, 2, 3), 255, dtype=torch.uint8))
+    assert x.shape == (1, 3, 2, 2)
+    expected = [(1 - m) / s for m, s in zip(IMAGENET_MEAN, IMAGENET_STD)]
+    assert torch.allclose(x[0, :, 0, 0], torch.tensor(expected))
+    channels_last = TrainStep(small_cnn(3, width=4), "cpu", channels_last=True)
+    assert channels_last.prepare(torch.randn(1, 3, 8, 8)).is_contiguous(memory_format=torch.channels_last)
+
+
+def test_default_device_goes_through_parse_device() -> None:
+    assert default_device("cpu") == "cpu"
+    assert default_device(None) == ("cuda:0" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ConfigError, match="not a device torch understands"):
+        default_device("gpu0")
 
 
 def test_doctor_on_a_pack_with_a_slow_model_step(packed: Path) -> None:
@@ -49,8 +74,10 @@ def test_doctor_on_a_pack_with_a_slow_model_step(packed: Path) -> None:
 
 def test_doctor_with_the_builtin_model_on_a_folder(folder: Path) -> None:
     r = run_doctor(folder, batch_size=8, steps=2, size=32, transforms="val", progress=False)
-    assert r.verdict in (INPUT_BOUND, COMPUTE_BOUND) and "small CNN (3 classes)" in r.model
+    assert "small CNN (3 classes)" in r.model and r.device == "cpu"
     assert r.transforms == "val" and "loose files" in r.profile.loader
+    assert r.loader_images_per_s > 0 and r.step_images_per_s > 0 and r.profile.steps == 2
+
 
 
 def test_steps_shrink_to_fit_a_small_dataset(packed: Path) -> None:
@@ -65,7 +92,25 @@ def test_bad_arguments(packed: Path, kwargs: dict) -> None:
         run_doctor(packed, **{"size": 32, "progress": False, **kwargs})
 
 
-def test_cli_doctor_json(packed: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["doctor", str(packed), "--batch-size", "8", "--steps", "2", "--size", "32", "--json"]) == 0
+class _SleepyModel(torch.nn.Module):
+    """A model whose forward takes 50 ms: the loop is compute-bound whatever the machine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.05)
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def sleepy_model() -> torch.nn.Module:
+    return _SleepyModel()
+
+
+def test_cli_doctor_json_with_a_model_by_name(packed: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", str(packed), "--batch-size", "8", "--steps", "2", "--size", "32", "--json",
+                 "--model", f"{__name__}:sleepy_model"]) == 0
     obj = json.loads(capsys.readouterr().out)
-    assert obj["verdict"] in (INPUT_BOUND, COMPUTE_BOUND) and obj["batch_size"] == 8
+    assert obj["verdict"] == COMPUTE_BOUND and obj["batch_size"] == 8
+    assert obj["model"] == f"{__name__}:sleepy_model" and obj["profile"]["steps"] == 2

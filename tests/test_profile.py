@@ -16,7 +16,7 @@ import torch
 
 import stoker
 from stoker.profiling import COMPUTE_BOUND, INPUT_BOUND, INPUT_BOUND_WAIT, ProfileReport
-from stoker.synth import make_tiny_jpegs
+from stoker.tools.synth import make_tiny_jpegs
 
 
 def slow_batches(n: int, delay_s: float, batch: int = 8):

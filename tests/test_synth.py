@@ -10,7 +10,7 @@ import pytest
 from PIL import Image, JpegImagePlugin
 
 from stoker.errors import ConfigError
-from stoker.synth import (
+from stoker.tools.synth import (
     cached_imagenet_like,
     make_imagenet_like,
     make_tiny_jpegs,
@@ -106,7 +106,7 @@ def test_list_layout_writes_train_txt(tmp_path: Path) -> None:
         assert (listing.parent / rel).is_file() and int(label) in (0, 1)
 
 
-def test_tiny_jpegs_are_small_valid_and_fast(tmp_path: Path) -> None:
+def test_tiny_jpegs_decode_at_the_size_asked_in_both_layouts(tmp_path: Path) -> None:
     root = make_tiny_jpegs(tmp_path / "t", 10, classes=3, size=(24, 40))
     files = sorted(root.rglob("*.jpg"))
     assert len(files) == 10 and len({f.parent for f in files}) == 3

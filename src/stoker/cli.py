@@ -108,7 +108,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import format_table, run_bench
+    from .tools.bench import format_table, run_bench
 
     models = None if args.models is None else tuple(m.strip() for m in args.models.split(",") if m.strip())
     result = run_bench(args.data, images=args.images, batch_size=args.batch_size, workers=args.workers,
@@ -120,7 +120,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from .doctor import run_doctor
+    from .tools.doctor import run_doctor
 
     report = run_doctor(args.path, batch_size=args.batch_size, steps=args.steps, threads=args.threads,
                         transforms=args.transforms, size=args.size, model=args.model, device=args.device,
@@ -130,7 +130,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .tools.demo import run_demo
 
     run_demo(args.out, images=args.images, batch_size=args.batch_size, steps=args.steps, device=args.device)
     return 0
@@ -216,8 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transforms", default="train", choices=["train", "val"],
                    help="train: RandomResizedCrop + flip (default); val: Resize + CenterCrop")
     p.add_argument("--size", type=_positive, default=224, help="output size in pixels (default 224)")
-    p.add_argument("--model", default=None, metavar="MODULE:CALLABLE",
-                   help="the model to train, e.g. torchvision.models:resnet18 (default: built-in small CNN)")
+    p.add_argument("--model", default=None, metavar="MODEL",
+                   help="the model to train: a torchvision model name or module:callable returning an nn.Module, "
+                   "e.g. torchvision.models:resnet18 (default: built-in small CNN)")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
     p.add_argument("--json", action="store_true", help="machine-readable output, no progress bar")
     p.set_defaults(func=_cmd_doctor)

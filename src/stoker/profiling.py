@@ -32,7 +32,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Iterator, TextIO
 
-from ._system import usable_cpus
+from ._system import fmt_number, json_safe, usable_cpus
 
 __all__ = ["COMPUTE_BOUND", "INPUT_BOUND", "INPUT_BOUND_WAIT", "ProfileReport", "Profiler", "profile"]
 
@@ -90,21 +90,21 @@ class ProfileReport:
         """A JSON-ready dict (NaN becomes None)."""
         out = asdict(self)
         out["data_wait_percent"] = self.data_wait_percent
-        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in out.items()}
+        return json_safe(out)
 
     def format(self) -> str:
         """The report as text: figures, verdict, fixes."""
         lines = [f"stoker profile: {self.loader}, batches on {self.device}"
                  + (" (CUDA-synchronized)" if self.synchronized else ""),
                  f"  steps            {self.steps} measured after {self.warmup_steps} warm-up "
-                 f"(first batch {_f(self.first_batch_s, '.2f')} s)",
-                 f"  throughput       {_f(self.images_per_s, ',.1f')} images/s, "
-                 f"{_f(self.steps_per_s, '.2f')} steps/s",
-                 f"  data wait        {_f(self.data_wait_percent, '.1f')}% of wall time "
-                 f"({self.wait_s:.2f} of {self.wall_s:.2f} s; median {_f(self.median_wait_ms, '.1f')} ms/step)",
-                 f"  step (compute)   median {_f(self.median_step_ms, '.1f')} ms",
-                 f"  CPU              {_f(self.cpu_percent, '.0f')}% of one core (this process and its workers; "
-                 f"{self.cpu_cores} usable cores), machine {_f(self.system_cpu_percent, '.0f')}% busy"]
+                 f"(first batch {fmt_number(self.first_batch_s, '.2f')} s)",
+                 f"  throughput       {fmt_number(self.images_per_s, ',.1f')} images/s, "
+                 f"{fmt_number(self.steps_per_s, '.2f')} steps/s",
+                 f"  data wait        {fmt_number(self.data_wait_percent, '.1f')}% of wall time "
+                 f"({self.wait_s:.2f} of {self.wall_s:.2f} s; median {fmt_number(self.median_wait_ms, '.1f')} ms/step)",
+                 f"  step (compute)   median {fmt_number(self.median_step_ms, '.1f')} ms",
+                 f"  CPU              {fmt_number(self.cpu_percent, '.0f')}% of one core (this process and its "
+                 f"workers; {self.cpu_cores} usable cores), machine {fmt_number(self.system_cpu_percent, '.0f')}% busy"]
         if self.stages:
             s = self.stages
             lines.append(f"  loader stages    per image: read {s['read_ms']:.2f} ms, decode {s['decode_ms']:.2f} ms, "
@@ -120,10 +120,6 @@ class ProfileReport:
         return "\n".join(lines)
 
     __str__ = format
-
-
-def _f(value: float, spec: str) -> str:
-    return "-" if value is None or not math.isfinite(value) else format(value, spec)
 
 
 # ----------------------------------------------------------------------------- what is being profiled

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from stoker.bench import format_table, run_bench
-from stoker.bench_gpu import device_pipelines
 from stoker.errors import ConfigError
+from stoker.tools.bench import format_table, run_bench
+from stoker.tools.bench_gpu import device_pipelines
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
-MODEL = "resnet18" if HAS_TORCHVISION else "stoker.doctor:small_cnn"
+MODEL = "resnet18" if HAS_TORCHVISION else "stoker.tools.train:small_cnn"
 LABEL = MODEL.rpartition(":")[2]
 
 
@@ -24,7 +24,7 @@ def test_small_device_bench_completes(tmp_path: Path) -> None:
     before = torch.backends.cudnn.benchmark
     result = run_bench(None, images=300, batch_size=64, workers=4, rounds=1, out_dir=tmp_path, device="cuda",
                        models=[MODEL], steps=3, warmup_steps=1)
-    assert result.device == "cuda" and result.machine["gpu"] and result.machine["cuda_version"]
+    assert result.device.startswith("cuda:") and result.machine["gpu"] and result.machine["cuda_version"]
     assert [p.name for p in result.pipelines] == list(device_pipelines([MODEL]))
     for p in result.pipelines:
         if p.name.endswith("stoker-gpu") and p.skipped is not None:
@@ -39,13 +39,8 @@ def test_small_device_bench_completes(tmp_path: Path) -> None:
         p = result.get(f"train-{LABEL}-{feed}")
         assert p is not None and p.images == 3 * 64 and p.ratio is not None and p.ratio > 0
         assert 0.0 <= p.data_wait <= 1.0
-    units = {t.unit: t for t in result.targets}
-    assert units["images/s"].met is not None and units["x cuda-baseline"].met is not None
-    if LABEL == "resnet18":
-        [train] = [t for t in result.targets if t.unit == "of synthetic"]
-        assert train.met is not None and train.measured is not None
     table = (tmp_path / "bench.md").read_text()
-    assert table == format_table(result) + "\n" and "| target |" in table
+    assert table == format_table(result) + "\n"
     assert json.loads((tmp_path / "bench.json").read_text())["machine"]["gpu"] == result.machine["gpu"]
     assert torch.backends.cudnn.benchmark is before   # the bench set it in its child processes only
 
@@ -53,7 +48,7 @@ def test_small_device_bench_completes(tmp_path: Path) -> None:
 def test_in_process_training_restores_cudnn_benchmark(tmp_path: Path) -> None:
     before = torch.backends.cudnn.benchmark
     result = run_bench(None, images=64, batch_size=32, workers=2, rounds=1, isolate=False, out_dir=tmp_path,
-                       device="cuda", models=["stoker.doctor:small_cnn"], steps=2, warmup_steps=1,
+                       device="cuda", models=["stoker.tools.train:small_cnn"], steps=2, warmup_steps=1,
                        pipelines=("train-small_cnn-synthetic", "train-small_cnn-stoker"))
     assert torch.backends.cudnn.benchmark is before
     synthetic, fed = result.get("train-small_cnn-synthetic"), result.get("train-small_cnn-stoker")
@@ -63,5 +58,5 @@ def test_in_process_training_restores_cudnn_benchmark(tmp_path: Path) -> None:
 
 
 def test_a_device_index_this_machine_lacks() -> None:
-    with pytest.raises(ConfigError, match="CUDA device"):
+    with pytest.raises(ConfigError, match="CUDA GPU"):
         run_bench(None, device=f"cuda:{torch.cuda.device_count()}", isolate=False)

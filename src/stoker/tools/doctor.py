@@ -12,88 +12,37 @@ model then gets half of them (torch threads) and the loader the rest (`split_cor
 demo: oversubscribed, torch's threads slow down several-fold and the measurement shows scheduling.
 
 The model step is the built-in `small_cnn` (the demo's model, at width 16) unless one is given: an
-`nn.Module`, a "module:callable" string that returns one (e.g. "torchvision.models:resnet18"),
-or any callable `step(images, labels)`.
+`nn.Module`, a torchvision model name or a "module:callable" string that returns one (e.g.
+"torchvision.models:resnet18"), or any callable `step(images, labels)`. The step is
+`stoker.tools.train.TrainStep`, the one the demo and the device bench run.
 """
 
 from __future__ import annotations
 
-import importlib
 import itertools
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from ._system import usable_cpus
-from .errors import ConfigError
-from .profiling import ProfileReport, profile
+from .._system import json_safe, usable_cpus
+from ..errors import ConfigError
+from ..profiling import ProfileReport, profile
+from .train import TrainStep, load_model, small_cnn
 
-__all__ = ["DoctorReport", "TrainStep", "run_doctor", "small_cnn", "split_cores"]
-
-_MEAN = (0.485, 0.456, 0.406)
-_STD = (0.229, 0.224, 0.225)
+__all__ = ["DoctorReport", "default_device", "run_doctor", "split_cores"]
 
 
-def small_cnn(num_classes: int = 10, width: int = 16) -> Any:
-    """A small pure-PyTorch CNN for 224 px inputs: a 4x4 stride-4 stem, two stride-2 3x3 convs,
-    global pooling, a linear head. A training step (forward and backward) costs about 60 MFLOP per
-    image at width 16 (the doctor's default) and 120 MFLOP at width 24."""
-    from torch import nn
-
-    return nn.Sequential(
-        nn.Conv2d(3, width, 4, stride=4), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
-        nn.Conv2d(width, 2 * width, 3, stride=2, padding=1), nn.BatchNorm2d(2 * width), nn.ReLU(inplace=True),
-        nn.Conv2d(2 * width, 4 * width, 3, stride=2, padding=1), nn.BatchNorm2d(4 * width), nn.ReLU(inplace=True),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * width, num_classes))
-
-
-class TrainStep:
-    """One SGD step of `model` on a batch: uint8 `[B, H, W, 3]` (stoker) is moved to `device`,
-    made float NCHW and normalized there; float `[B, 3, H, W]` (already normalized) is only moved."""
-
-    def __init__(self, model: Any, device: Any, num_classes: int, lr: float = 0.05) -> None:
-        import torch
-
-        self.device = torch.device(device)
-        self.model = model.to(self.device).train()
-        self.num_classes = num_classes
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=0.9)
-        self.mean = torch.tensor(_MEAN, device=self.device).view(1, 3, 1, 1) * 255
-        self.std = torch.tensor(_STD, device=self.device).view(1, 3, 1, 1) * 255
-        self.last_loss = math.nan
-
-    def prepare(self, images: Any) -> Any:
-        import torch
-
-        x = images.to(self.device, non_blocking=True)
-        if x.dtype == torch.uint8:   # NHWC uint8 -> NCHW float, normalized, on the device
-            x = x.permute(0, 3, 1, 2).float().sub_(self.mean).div_(self.std)
-        return x
-
-    def labels(self, labels: Any, n: int) -> Any:
-        import torch
-
-        if isinstance(labels, torch.Tensor) and labels.dtype in (torch.int64, torch.int32):
-            return labels.to(self.device, non_blocking=True).long().clamp_(min=0) % self.num_classes
-        return torch.zeros(n, dtype=torch.long, device=self.device)   # unlabelled or non-class labels
-
-    def __call__(self, images: Any, labels: Any) -> None:
-        import torch.nn.functional as F
-
-        x = self.prepare(images)
-        loss = F.cross_entropy(self.model(x), self.labels(labels, x.shape[0]))
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-        self.last_loss = loss.detach()
-
-
-def default_device() -> str:
+def default_device(device: str | None = None) -> str:
+    """`device` checked and made explicit by `stoker.device.parse_device` ("cuda" -> "cuda:0"); None: the
+    current CUDA GPU when there is one, else the CPU."""
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    from ..device import parse_device
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return str(parse_device(device))
 
 
 def split_cores(device: str, cores: int) -> tuple[int, int]:
@@ -112,25 +61,17 @@ def _model_from(spec: Any, num_classes: int, device: str) -> tuple[Callable[[Any
     from torch import nn
 
     if spec is None or spec == "small":
-        return TrainStep(small_cnn(num_classes), device, num_classes), f"built-in small CNN ({num_classes} classes)"
+        return TrainStep(small_cnn(num_classes), device), f"built-in small CNN ({num_classes} classes)"
     if isinstance(spec, str):
-        module_name, _, attr = spec.partition(":")
-        if not attr:
-            raise ConfigError(f"model {spec!r}: expected 'small' or 'module:callable' returning an nn.Module, "
-                              "e.g. 'torchvision.models:resnet18'")
-        try:
-            factory = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
-            raise ConfigError(f"model {spec!r}: cannot load it ({exc}); check the module is installed") from exc
-        spec, name = factory(), spec
+        spec, name = load_model(spec), spec
     else:
         name = type(spec).__name__
     if isinstance(spec, nn.Module):
-        return TrainStep(spec, device, num_classes), name
+        return TrainStep(spec, device), name
     if callable(spec):
         return spec, name
-    raise ConfigError(f"model: expected None, 'small', 'module:callable', an nn.Module or a step(images, labels) "
-                      f"callable, got {type(spec).__name__}")
+    raise ConfigError(f"model: expected None, 'small', a torchvision model name, 'module:callable', an nn.Module or "
+                      f"a step(images, labels) callable, got {type(spec).__name__}")
 
 
 @dataclass
@@ -155,8 +96,7 @@ class DoctorReport:
     def as_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in ("path", "model", "device", "batch_size", "steps", "threads",
                                              "transforms", "loader_images_per_s", "step_images_per_s")}
-        out = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in out.items()}
-        return {**out, "verdict": self.verdict, "profile": self.profile.as_dict()}
+        return json_safe({**out, "verdict": self.verdict, "profile": self.profile.as_dict()})
 
     def format(self) -> str:
         slower = "loader" if self.loader_images_per_s < self.step_images_per_s else "model step"
@@ -188,8 +128,8 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = 8, thread
     """
     import torch
 
-    from .loader import Loader
-    from .transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
+    from ..loader import Loader
+    from ..transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
 
     if transforms not in ("train", "val"):
         raise ConfigError(f"transforms must be 'train' or 'val', got {transforms!r}")
@@ -197,7 +137,7 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = 8, thread
         raise ConfigError(f"batch_size and steps must be >= 1, got {batch_size} and {steps}")
     ops = [RandomResizedCrop(size), RandomHorizontalFlip()] if transforms == "train" else \
         [Resize(size * 8 // 7), CenterCrop(size)]
-    device = device or default_device()
+    device = default_device(device)
     model_threads, loader_cores = split_cores(device, usable_cpus())
     on_device = {"device": device, "normalize": "imagenet"} if device.startswith("cuda") else {}
     loader = Loader(path, batch_size, transforms=ops, num_threads=threads or loader_cores, drop_last=True, seed=0,

@@ -6,11 +6,12 @@ with the Agg backend: files only, never a window.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any
 
-if TYPE_CHECKING:
-    from .bench import BenchResult
+from .bench_gpu import FEEDS, LOADERS, feed_of
+from .results import BenchResult
 
 _COLOURS = {"stoker": "#d2691e", "baseline": "#4c72b0", "other": "#8c8c8c", "wait": "#c44e52",
             "compute": "#55a868"}
@@ -34,7 +35,7 @@ def _colour(name: str) -> str:
     return _COLOURS["other"]
 
 
-def bench_chart(result: "BenchResult", path: Path) -> bool:
+def bench_chart(result: BenchResult, path: Path) -> bool:
     """Images/s per pipeline as horizontal bars, the decode ceiling as a dashed reference line."""
     plt = _pyplot()
     if plt is None:
@@ -42,13 +43,12 @@ def bench_chart(result: "BenchResult", path: Path) -> bool:
     from matplotlib.patches import Patch
 
     ran = [p for p in result.pipelines if p.skipped is None and p.name != "ceiling"]
-    ceiling = result.get("ceiling")
-    has_ceiling = ceiling is not None and ceiling.skipped is None
+    ceiling = result.ran("ceiling")
     fig, ax = plt.subplots(figsize=(8, 2.4 + 0.5 * max(len(ran), 1)))
     names = [p.name for p in ran][::-1]
     rates = [p.images_per_s for p in ran][::-1]
     ax.barh(names, rates, color=[_colour(n) for n in names])
-    top = max(rates + ([ceiling.images_per_s] if has_ceiling else []) + [1.0])  # type: ignore[union-attr]
+    top = max(rates + ([ceiling.images_per_s] if ceiling is not None else []) + [1.0])
     for y, (p, rate) in enumerate(zip(ran[::-1], rates)):
         label = f"{rate:,.0f}" + (f"  ({p.ratio:.2f}x {p.ratio_to})" if p.ratio is not None else "")
         ax.text(rate + top * 0.01, y, label, va="center", fontsize=8)
@@ -56,9 +56,9 @@ def bench_chart(result: "BenchResult", path: Path) -> bool:
                Patch(color=_COLOURS["stoker"], label="stoker.Loader")]
     if any(_colour(n) == _COLOURS["other"] for n in names):
         handles.append(Patch(color=_COLOURS["other"], label="other loaders"))
-    if has_ceiling:
-        handles.append(ax.axvline(ceiling.images_per_s, color="black", linestyle="--", linewidth=1.2,  # type: ignore[union-attr]
-                                  label=f"decode ceiling: full JPEG decode only ({ceiling.images_per_s:,.0f})"))  # type: ignore[union-attr]
+    if ceiling is not None:
+        handles.append(ax.axvline(ceiling.images_per_s, color="black", linestyle="--", linewidth=1.2,
+                                  label=f"decode ceiling: full JPEG decode only ({ceiling.images_per_s:,.0f})"))
     ax.set_xlim(0, top * 1.3)
     ax.set_xlabel(f"throughput, images/s (median of {result.rounds} round(s); higher is better)")
     ax.set_ylabel("pipeline")
@@ -73,13 +73,15 @@ def bench_chart(result: "BenchResult", path: Path) -> bool:
     return True
 
 
-def device_bench_chart(result: "BenchResult", path: Path) -> bool:
+def device_bench_chart(result: BenchResult, path: Path, *, rate_line: float | None = None,
+                       share_lines: Mapping[str, float] | None = None) -> bool:
     """The device bench in two panels: the loaders alone (images/s into device memory) and, per model,
-    training images/s as a share of the same model on synthetic data, with the targets as lines."""
+    training images/s as a share of the same model on synthetic data. `rate_line` (images/s) and
+    `share_lines` (model label -> share of synthetic speed) draw dashed reference lines, e.g. a goal."""
     plt = _pyplot()
     if plt is None:
         return False
-    from .bench_gpu import FEEDS, LOADER_RATE_TARGET, LOADERS, TRAIN_TARGETS, feed_of
+    share_lines = share_lines or {}
 
     loaders = [p for p in result.pipelines if p.name in LOADERS and p.skipped is None]
     training = [p for p in result.pipelines
@@ -95,10 +97,9 @@ def device_bench_chart(result: "BenchResult", path: Path) -> bool:
                 text = f"{p.images_per_s:,.0f}" + (f"\n{p.ratio:.2f}x baseline" if p.ratio is not None else "")
                 ax.text(x, p.images_per_s, text, ha="center", va="bottom", fontsize=8)
             top = max(rates + [1.0])
-            if result.device.startswith("cuda"):
-                ax.axhline(LOADER_RATE_TARGET, color="black", linestyle="--", linewidth=1,
-                           label=f"target {LOADER_RATE_TARGET:,.0f} images/s")
-                top = max(top, LOADER_RATE_TARGET)
+            if rate_line is not None:
+                ax.axhline(rate_line, color="black", linestyle="--", linewidth=1, label=f"{rate_line:,.0f} images/s")
+                top = max(top, rate_line)
                 ax.legend(loc="upper left", fontsize=8)
             ax.set_ylim(0, top * 1.25)
             ax.set_ylabel(f"images/s into {result.device} memory (higher is better)")
@@ -124,10 +125,10 @@ def device_bench_chart(result: "BenchResult", path: Path) -> bool:
             for bar, share in zip(bars, shares):
                 ax.text(bar.get_x() + bar.get_width() / 2, share, f"{share:.0%}", ha="center", va="bottom", fontsize=8)
         for i, model in enumerate(models):
-            if model in TRAIN_TARGETS:
-                ax.hlines(TRAIN_TARGETS[model], i - 0.45, i + 0.45, colors="black", linestyles="--", linewidth=1)
-                ax.text(i + 0.45, TRAIN_TARGETS[model], f"target {TRAIN_TARGETS[model]:.0%}", fontsize=7,
-                        ha="right", va="bottom")
+            if model in share_lines:
+                ax.hlines(share_lines[model], i - 0.45, i + 0.45, colors="black", linestyles="--", linewidth=1)
+                ax.text(i + 0.45, share_lines[model], f"{share_lines[model]:.0%}", fontsize=7, ha="right",
+                        va="bottom")
         ax.axhline(1.0, color="#55a868", linewidth=1, label="synthetic data (the model's own speed)")
         ax.set_xticks(range(len(models)), models)
         ax.set_xlim(-0.5, len(models) - 0.5)

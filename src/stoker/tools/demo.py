@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from ._system import usable_cpus
-from .profiling import ProfileReport
+from .._system import usable_cpus
+from ..profiling import ProfileReport
 
 #: The training runs: 30 steps of 64 images (1,920 of the 2,000 images, one pass, no epoch boundary).
 DEFAULT_STEPS = 30
@@ -129,11 +129,11 @@ def _train(name: str, loader: Iterable[Any], steps: int, device: str, progress: 
     import torch
     from tqdm.auto import tqdm
 
-    from .doctor import TrainStep, small_cnn
-    from .profiling import profile
+    from .train import TrainStep, small_cnn
+    from ..profiling import profile
 
     torch.manual_seed(0)   # the same initial model for both runs
-    step = TrainStep(small_cnn(10, MODEL_WIDTH), device, 10)
+    step = TrainStep(small_cnn(10, MODEL_WIDTH), device)
     prof = profile(loader, warmup=1, sync=device.startswith("cuda"), verbose=False)
     with tqdm(total=steps + 1, desc=f"train: {name}", unit="step", disable=not progress,
               dynamic_ncols=True) as bar:
@@ -158,12 +158,12 @@ def run_demo(out: str | Path = "stoker-demo", *, images: int = 2000, batch_size:
     import torch
 
     from .doctor import default_device, split_cores
-    from .packing import PackOptions, pack
+    from ..packing import PackOptions, pack
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cores = usable_cpus()
-    device = device or default_device()
+    device = default_device(device)
     cuda = device.startswith("cuda")
     started = time.perf_counter()
     steps = max(1, min(steps, images // batch_size - 1))   # steps + 1 batches: one pass, no epoch boundary
@@ -196,8 +196,8 @@ def run_demo(out: str | Path = "stoker-demo", *, images: int = 2000, batch_size:
 def _race(root: Path, packed: Path, batch_size: int, steps: int, device: str, loader_cores: int, where: str,
           progress: bool) -> list[DemoRun]:
     from .baseline import baseline_loader
-    from .loader import Loader
-    from .transforms import RandomHorizontalFlip, RandomResizedCrop
+    from ..loader import Loader
+    from ..transforms import RandomHorizontalFlip, RandomResizedCrop
 
     print(f"[3/4] training a small CNN for {steps} steps of {batch_size} fed by DataLoader + PIL ({where})",
           flush=True)

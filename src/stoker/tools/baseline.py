@@ -20,13 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "baseline_loader", "baseline_transform", "list_image_folder"]
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-_IMAGENET_MEAN, _IMAGENET_STD = IMAGENET_MEAN, IMAGENET_STD
+__all__ = ["baseline_loader", "baseline_transform", "list_image_folder"]
 
 
 def _torchvision() -> Any | None:
@@ -34,7 +30,7 @@ def _torchvision() -> Any | None:
         import torchvision  # noqa: F401  (optional: `pip install torchvision`)
         from torchvision import transforms
         return transforms
-    except ImportError:
+    except Exception:   # not installed, or built for another torch (then it raises RuntimeError)
         return None
 
 
@@ -116,19 +112,23 @@ def _tv_to_normalized_tensor(img: Any) -> Any:
     """ToTensor (HWC uint8 -> CHW float32 in [0, 1]) then Normalize with ImageNet mean/std."""
     import torch
 
+    from ..device import IMAGENET_MEAN, IMAGENET_STD
+
     t = torch.from_numpy(np.array(img, np.uint8, copy=True)).view(img.size[1], img.size[0], 3)
     t = t.permute((2, 0, 1)).contiguous().to(dtype=torch.float32).div(255)
-    mean = torch.as_tensor(_IMAGENET_MEAN, dtype=t.dtype)[:, None, None]
-    std = torch.as_tensor(_IMAGENET_STD, dtype=t.dtype)[:, None, None]
+    mean = torch.as_tensor(IMAGENET_MEAN, dtype=t.dtype)[:, None, None]
+    std = torch.as_tensor(IMAGENET_STD, dtype=t.dtype)[:, None, None]
     return t.sub_(mean).div_(std)
 
 
 def baseline_transform(train: bool) -> tuple[Callable[[Any], Any], str]:
     """The baseline's transform on a PIL image and which implementation it is."""
+    from ..device import IMAGENET_MEAN, IMAGENET_STD
+
     tv = _torchvision()
     if tv is not None:
         import torchvision
-        norm = [tv.ToTensor(), tv.Normalize(_IMAGENET_MEAN, _IMAGENET_STD)]
+        norm = [tv.ToTensor(), tv.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
         ops = [tv.RandomResizedCrop(224), tv.RandomHorizontalFlip()] if train else [tv.Resize(256), tv.CenterCrop(224)]
         return tv.Compose(ops + norm), f"torchvision {torchvision.__version__}"
     ops = [_TVRandomResizedCrop(224), _tv_flip] if train else [_TVResize(256), _TVCenterCrop(224)]

@@ -5,7 +5,7 @@ Pipelines (each limited to `workers` CPU cores; one epoch over every image is on
 - ``baseline``: torch DataLoader (``workers`` processes) over an ImageFolder dataset, PIL decode,
   torchvision's default training transforms (RandomResizedCrop 224, RandomHorizontalFlip,
   ToTensor, Normalize); real torchvision when installed, else the exact re-implementation in
-  `stoker.baseline`.
+  `stoker.tools.baseline`.
 - ``baseline-val``: the same with Resize 256 + CenterCrop 224 + ToTensor + Normalize.
 - ``stoker-train`` / ``stoker-val``: stoker.Loader on the packed copy, the same transforms.
 - ``ceiling``: libjpeg-turbo (simplejpeg) full decode of every image on ``workers`` threads, nothing else.
@@ -18,11 +18,10 @@ happens once, before any timing. Ratios between pipelines of one run are the fig
 absolute images/s on a shared machine are noise.
 
 With ``device="cuda"`` (``stoker bench --device cuda``) the pipelines are the device set of
-`stoker.bench_gpu` instead: the loaders alone into GPU memory, normalized (``cuda-baseline``,
+`stoker.tools.bench_gpu` instead: the loaders alone into GPU memory, normalized (``cuda-baseline``,
 ``cuda-stoker``, ``cuda-stoker-gpu``), and training throughput of each model fed by each of them
-against the same model on GPU-resident synthetic data (``train-<model>-<feed>``), with the issue's
-targets judged on the measured figures. Naming device pipelines with ``device="cpu"`` runs them on
-the CPU (how the tests exercise them).
+against the same model on GPU-resident synthetic data (``train-<model>-<feed>``). Naming device
+pipelines with ``device="cpu"`` runs them on the CPU (how the tests exercise them).
 """
 
 from __future__ import annotations
@@ -39,22 +38,20 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from ._system import cpu_ids, usable_cpus
+from .._system import cpu_ids, fmt_number, usable_cpus
+from ..errors import ConfigError, StokerError
+from ..profiling import cpu_seconds
+from . import bench_gpu
 from .baseline import baseline_loader, list_image_folder
-from .bench_gpu import _fmt
-from .errors import ConfigError, StokerError
-from .profiling import cpu_seconds
+from .results import NOTE, BenchResult, PipelineResult, markdown_table
 
-if TYPE_CHECKING:
-    from .bench_gpu import Target
-
-__all__ = ["PIPELINES", "BenchResult", "PipelineResult", "format_table", "machine_info", "run_bench"]
+__all__ = ["NOTE", "PIPELINES", "BenchResult", "PipelineResult", "format_table", "machine_info", "run_bench"]
 
 #: name -> (what it is, the pipeline its ratio is taken against)
 PIPELINES: dict[str, tuple[str, str | None]] = {
@@ -77,66 +74,7 @@ DEFAULT_PIPELINES = ("baseline", "baseline-val", "stoker-train", "stoker-val", "
 #: `stoker bench --recipe`: the pipelines each recipe runs by default (the ceiling is the same for all)
 RECIPE_PIPELINES = {"basic": DEFAULT_PIPELINES, "randaug": ("baseline-randaug", "stoker-randaug", "ceiling"),
                     "deit": ("baseline-deit", "stoker-deit", "ceiling")}
-NOTE = ("Ratios between pipelines of this one run are the figures that count; absolute images/s on a "
-        "shared machine are noise.")
 _CHILD_TIMEOUT_S = 3600.0
-
-
-@dataclass
-class PipelineResult:
-    """One pipeline's measurement. Rates in images/s, memory in bytes, times in seconds."""
-
-    name: str
-    description: str
-    images_per_s: float = math.nan            # median of the timed rounds
-    rounds: list[float] = field(default_factory=list)
-    cpu_percent: float = math.nan             # process + children over the timed rounds; 100 = one core
-    cpu_ms_per_image: float = math.nan        # CPU time per image over the timed rounds (less load-sensitive)
-    peak_rss_bytes: int = 0                   # process + children, sampled every 20 ms
-    first_batch_s: float = math.nan           # construction to first batch, cold (warm-up round)
-    images: int = 0                           # images per round
-    ratio: float | None = None                # images/s over that of `ratio_to`
-    ratio_to: str | None = None
-    skipped: str | None = None                # why it did not run
-    version: str = ""                         # of the library doing the work, e.g. "nvidia.dali 2.4.0"
-    peak_device_bytes: int = 0                # device pipelines: torch.cuda.max_memory_allocated (0 on CPU)
-    data_wait: float = math.nan               # training: share of the timed steps spent waiting in next()
-
-
-@dataclass
-class BenchResult:
-    """Everything one `run_bench` call measured, plus what it ran on."""
-
-    pipelines: list[PipelineResult]
-    images: int
-    batch_size: int
-    workers: int
-    rounds: int
-    data: dict[str, Any]                      # where the images came from, their statistics
-    baseline_transforms: str                  # "torchvision X.Y" or the re-implementation
-    machine: dict[str, Any]
-    pack_seconds: float = math.nan
-    notes: list[str] = field(default_factory=list)
-    device: str = "cpu"                       # where the device pipelines ran ("cpu" for the CPU bench)
-    models: list[str] = field(default_factory=list)   # training pipelines' model specs
-    steps: int = 0                            # timed training steps per round
-    warmup_steps: int = 0                     # untimed training steps before them
-    targets: list["Target"] = field(default_factory=list)   # device pipelines: the issue's targets
-
-    def get(self, name: str) -> PipelineResult | None:
-        return next((p for p in self.pipelines if p.name == name), None)
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict (NaN becomes null)."""
-        def clean(v: Any) -> Any:
-            if isinstance(v, float) and not math.isfinite(v):
-                return None
-            if isinstance(v, dict):
-                return {k: clean(x) for k, x in v.items()}
-            if isinstance(v, list):
-                return [clean(x) for x in v]
-            return v
-        return clean({**asdict(self), "note": NOTE})
 
 
 # ----------------------------------------------------------------------------- machine and process
@@ -266,11 +204,11 @@ def _baseline_recipe_runner(spec: _Spec) -> _Runner:
 
 
 def _stoker_recipe_runner(spec: _Spec) -> _Runner:
-    from .augment_cpu import RandAugment
-    from .augment_gpu import BatchAugment, Normalize, RandomErasing
+    from ..augment_cpu import RandAugment
+    from ..augment_gpu import BatchAugment, Normalize, RandomErasing
     from .baseline_recipes import deit_mixup
-    from .loader import Loader
-    from .transforms import RandomHorizontalFlip, RandomResizedCrop
+    from ..loader import Loader
+    from ..transforms import RandomHorizontalFlip, RandomResizedCrop
 
     recipe = _recipe_of(spec.pipeline)
     loader = Loader(spec.packed, spec.batch_size, transforms=[RandomResizedCrop(224), RandomHorizontalFlip(),
@@ -297,8 +235,8 @@ class _Reiterable:
 
 
 def _stoker_runner(spec: _Spec, train: bool) -> _Runner:
-    from .loader import Loader
-    from .transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
+    from ..loader import Loader
+    from ..transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
 
     ops = [RandomResizedCrop(224), RandomHorizontalFlip()] if train else [Resize(256), CenterCrop(224)]
     loader = Loader(spec.packed, spec.batch_size, transforms=ops, shuffle=True, seed=0,
@@ -313,8 +251,8 @@ def _stoker_runner(spec: _Spec, train: bool) -> _Runner:
 def _ceiling_runner(spec: _Spec) -> _Runner:
     import simplejpeg
 
-    from . import codecs
-    from .reader import open_dataset
+    from .. import codecs
+    from ..reader import open_dataset
 
     dataset = open_dataset(spec.packed)
     pool = ThreadPoolExecutor(max_workers=spec.workers, thread_name_prefix="stoker-bench-decode")
@@ -387,37 +325,22 @@ def _make_runner(spec: _Spec) -> _Runner:
         return _ceiling_runner(spec)
     if name == "dali":
         return _dali_runner(spec)
-    if _is_device(name):
-        from .bench_gpu import loader_epochs
-
-        epoch, close, version = loader_epochs(name, root=spec.root, packed=spec.packed,
+    if bench_gpu.is_device_pipeline(name):
+        epoch, close, version = bench_gpu.loader_epochs(name, root=spec.root, packed=spec.packed,
                                               batch_size=spec.batch_size, workers=spec.workers, device=spec.device)
         return _Runner(epoch, close, version)
     raise ConfigError(f"unknown pipeline {name!r}; expected one of {', '.join(PIPELINES)}")
 
 
-def _is_device(name: str) -> bool:
-    from .bench_gpu import is_device_pipeline
-
-    return is_device_pipeline(name)
-
-
 def _unavailable(name: str, device: str = "cpu") -> str | None:
     """Why pipeline `name` cannot run here (with the fix), or None when it can."""
-    import importlib.util
-
-    if _is_device(name):
-        from .bench_gpu import unavailable
-        return unavailable(name, device)
-    if name.startswith("stoker-") and importlib.util.find_spec("stoker.loader") is None:
-        return "stoker.loader is not available in this installation"
-    if name == "dali" and importlib.util.find_spec("nvidia") is None:
-        return "NVIDIA DALI is not installed (pip install nvidia-dali-cuda130; runs CPU-only)"
+    if bench_gpu.is_device_pipeline(name):
+        return bench_gpu.unavailable(name, device)
     if name == "dali":
         try:
             import nvidia.dali  # noqa: F401
-        except ImportError as exc:
-            return f"NVIDIA DALI does not import ({exc}); pip install nvidia-dali-cuda130"
+        except Exception as exc:   # not installed, or a build that fails to load here
+            return f"NVIDIA DALI does not import ({type(exc).__name__}: {exc}); pip install nvidia-dali-cuda130"
     return None
 
 
@@ -426,9 +349,8 @@ def _preimport(name: str, device: str = "cpu") -> None:
     already, so module import time is not part of time-to-first-batch (nor is CUDA context creation)."""
     import importlib
 
-    if _is_device(name):
-        from .bench_gpu import prepare
-        prepare(device)
+    if bench_gpu.is_device_pipeline(name):
+        bench_gpu.prepare(device)
         importlib.import_module("stoker.loader")
         return
     modules = {"baseline": ["torch.utils.data", "PIL.Image"], "baseline-val": ["torch.utils.data", "PIL.Image"],
@@ -442,7 +364,7 @@ def _version(name: str) -> str:
     """Which library (and version) does the work in pipeline `name`."""
     import importlib
 
-    if _is_device(name):   # the device pipelines report their versions themselves
+    if bench_gpu.is_device_pipeline(name):   # the device pipelines report their versions themselves
         return ""
     module = "torch" if name.startswith("baseline") else "stoker" if name.startswith("stoker") else \
         {"ceiling": "simplejpeg", "dali": "nvidia.dali"}[name]
@@ -452,17 +374,15 @@ def _version(name: str) -> str:
 def _measure(spec: _Spec) -> dict[str, Any]:
     """Measure one pipeline; a device pipeline whose stoker feed cannot run here comes back as
     `{"skipped": why}` instead of failing the whole bench."""
-    if not _is_device(spec.pipeline):
+    if not bench_gpu.is_device_pipeline(spec.pipeline):
         return _measure_rounds(spec)
-    from .bench_gpu import FeedUnavailable, peak_memory, reset_peak_memory
-
     _preimport(spec.pipeline, spec.device)
-    reset_peak_memory(spec.device)
+    bench_gpu.reset_peak_memory(spec.device)
     try:
         out = _measure_training(spec) if spec.pipeline.startswith("train-") else _measure_rounds(spec)
-    except FeedUnavailable as exc:
+    except bench_gpu.FeedUnavailable as exc:
         return {"skipped": str(exc)}
-    return {**out, "peak_device_bytes": peak_memory(spec.device)}
+    return {**out, "peak_device_bytes": bench_gpu.peak_memory(spec.device)}
 
 
 def _measure_rounds(spec: _Spec) -> dict[str, Any]:
@@ -496,11 +416,9 @@ def _measure_training(spec: _Spec) -> dict[str, Any]:
     """A model training on one feed: `warmup_steps` untimed steps, then `rounds` timed windows of
     `steps` steps (median images/s); the share of each window spent waiting in next(), CPU and
     peak RSS alongside."""
-    from .bench_gpu import TrainRun, autotuned_convolutions
-
-    with autotuned_convolutions(), _MemorySampler() as memory:
-        run = TrainRun(spec.pipeline, spec.model, root=spec.root, packed=spec.packed, batch_size=spec.batch_size,
-                       workers=spec.workers, device=spec.device)
+    with bench_gpu.autotuned_convolutions(), _MemorySampler() as memory:
+        run = bench_gpu.TrainRun(spec.pipeline, spec.model, root=spec.root, packed=spec.packed,
+                                 batch_size=spec.batch_size, workers=spec.workers, device=spec.device)
         try:
             if spec.warmup_steps:
                 run.run(spec.warmup_steps)
@@ -526,7 +444,7 @@ _RESULT_MARK = "STOKER-BENCH-RESULT "
 
 def _measure_isolated(spec: _Spec) -> dict[str, Any]:
     """`_measure` in a fresh Python process pinned to `spec.workers` CPUs (its children inherit)."""
-    cmd = [sys.executable, "-m", "stoker.bench", "--child", json.dumps(asdict(spec))]
+    cmd = [sys.executable, "-m", "stoker.tools.bench", "--child", json.dumps(asdict(spec))]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_CHILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -567,7 +485,7 @@ def _data_stats(root: Path, samples: list[tuple[str, int]], generated: bool) -> 
 
 def _pack_once(root: Path, out: Path, workers: int) -> float:
     """Pack `root` into `out` (replacing what is there); returns seconds. Not part of any timing."""
-    from .packing import PackOptions, pack
+    from ..packing import PackOptions, pack
 
     start = time.perf_counter()
     pack(root, out, options=PackOptions(workers=workers), progress=False, overwrite=True)
@@ -602,8 +520,6 @@ class _Plan:
 def _plan(images: int | None, batch_size: int, workers: int, rounds: int, pipelines: Sequence[str] | None,
           device: str, models: Sequence[str] | None, steps: int | None, warmup_steps: int | None,
           recipe: str = "basic") -> _Plan:
-    from . import bench_gpu
-
     named = tuple(pipelines) if pipelines is not None else None
     if recipe not in RECIPE_PIPELINES:
         raise ConfigError(f"run_bench: recipe must be one of {', '.join(RECIPE_PIPELINES)}, got {recipe!r}")
@@ -656,7 +572,7 @@ def run_bench(data_dir: Path | None = None, *, images: int | None = None, batch_
     CUDA `device` the device bench's). `recipe` ("basic", "randaug", "deit"; see `baseline_recipes`) runs
     that recipe's baseline and stoker pipelines side by side, plus the decode ceiling.
 
-    `device` ("cuda", "cuda:N"): the device bench of `stoker.bench_gpu`, loaders into device memory and
+    `device` ("cuda", "cuda:N"): the device bench of `stoker.tools.bench_gpu`, loaders into device memory and
     training of `models` (torchvision names or "module:callable"; default resnet50, resnet18) for
     `steps` timed steps per round (default 100) after `warmup_steps` (default 10). Naming device
     pipelines with device "cpu" runs them on the CPU.
@@ -676,8 +592,7 @@ def run_bench(data_dir: Path | None = None, *, images: int | None = None, batch_
         samples, _ = list_image_folder(root)
         machine = machine_info()
         if plan.device_run:
-            from .bench_gpu import device_info, resolve_device
-            machine.update(device_info(resolve_device(plan.device)))
+            machine.update(bench_gpu.device_info(bench_gpu.resolve_device(plan.device)))
             if len(samples) < batch_size and any(p.startswith("train-") and not p.endswith("-synthetic")
                                                  for p in plan.pipelines):
                 raise ConfigError(f"{root}: {len(samples)} images is less than one batch of {batch_size}; the "
@@ -702,9 +617,6 @@ def run_bench(data_dir: Path | None = None, *, images: int | None = None, batch_
                     setattr(entry, key, value)
             result.pipelines.append(entry)
         _fill_ratios(result)
-        if plan.device_run:
-            from .bench_gpu import check_targets
-            result.targets = check_targets(result.pipelines)
         if out_dir is not None:
             _write_outputs(result, work)
     return result
@@ -714,16 +626,12 @@ def _model_of(name: str, models: Sequence[str]) -> str:
     """The model spec a training pipeline trains ("" for any other pipeline)."""
     if not name.startswith("train-"):
         return ""
-    from .bench_gpu import feed_of, model_label
-
-    return next(m for m in models if name == f"train-{model_label(m)}-{feed_of(name)}")
+    return next(m for m in models if name == f"train-{bench_gpu.model_label(m)}-{bench_gpu.feed_of(name)}")
 
 
 def _reads_packed(name: str) -> bool:
     """Whether pipeline `name` reads the packed copy (so it is packed once, before any timing)."""
-    from .bench_gpu import uses_packed
-
-    return name.startswith("stoker-") or name == "ceiling" or uses_packed(name)
+    return name.startswith("stoker-") or name == "ceiling" or bench_gpu.uses_packed(name)
 
 
 def _fill_ratios(result: BenchResult) -> None:
@@ -744,37 +652,31 @@ def _write_outputs(result: BenchResult, out: Path) -> None:
     (out / "bench.md").write_text(format_table(result) + "\n")
 
 
-
-
 def _is_device_result(result: BenchResult) -> bool:
-    return any(_is_device(p.name) for p in result.pipelines)
+    return any(bench_gpu.is_device_pipeline(p.name) for p in result.pipelines)
 
 
 def format_table(result: BenchResult) -> str:
     """The result as a markdown table, with the data, the machine and how to read it."""
     if _is_device_result(result):
         return _format_device(result)
-    ceiling = result.get("ceiling")
-    has_ceiling = ceiling is not None and ceiling.skipped is None
-    head = "| pipeline | images/s | ratio | vs ceiling | CPU % | CPU ms/image | peak RSS (MB) | first batch (s) |"
-    lines = [head, "|" + "---|" * 8]
-    for p in result.pipelines:
-        if p.skipped is not None:
-            lines.append(f"| {p.name} | skipped: {p.skipped} | | | | | | |")
-            continue
+    ceiling = result.ran("ceiling")
+
+    def cells(p: PipelineResult) -> list[str]:
         ratio = f"{p.ratio:.2f}x {p.ratio_to}" if p.ratio is not None else "-"
-        vs_ceiling = p.images_per_s / ceiling.images_per_s if has_ceiling and p is not ceiling else None
-        lines.append(f"| {p.name} | {_fmt(p.images_per_s, ',.0f')} | {ratio} | {_fmt(vs_ceiling, '.2f', 'x')} | "
-                     f"{_fmt(p.cpu_percent, '.0f')} | {_fmt(p.cpu_ms_per_image, '.2f')} | "
-                     f"{p.peak_rss_bytes / 1e6:,.0f} | "
-                     f"{_fmt(p.first_batch_s, '.2f')} |")
+        vs_ceiling = p.images_per_s / ceiling.images_per_s if ceiling is not None and p is not ceiling else None
+        return [fmt_number(p.images_per_s, ",.0f"), ratio, fmt_number(vs_ceiling, ".2f", "x"),
+                fmt_number(p.cpu_percent, ".0f"), fmt_number(p.cpu_ms_per_image, ".2f"),
+                f"{p.peak_rss_bytes / 1e6:,.0f}", fmt_number(p.first_batch_s, ".2f")]
+    lines = markdown_table(("pipeline", "images/s", "ratio", "vs ceiling", "CPU %", "CPU ms/image", "peak RSS (MB)",
+                            "first batch (s)"), [(p, cells(p)) for p in result.pipelines])
     d, m = result.data, result.machine
-    lines += ["", *(f"- {p.name}: {p.description}" + (f" ({p.version})" if p.version else "")
+    lines += [*(f"- {p.name}: {p.description}" + (f" ({p.version})" if p.version else "")
                     for p in result.pipelines), "",
               f"Data: {d['images']} {'generated ImageNet-like ' if d['generated'] else ''}JPEGs, mean "
               f"{d['mean_width']}x{d['mean_height']} px, {d['mean_file_kb']} KB; batch {result.batch_size}; "
               f"{result.workers} CPU cores per pipeline; median of {result.rounds} round(s) after one warm-up; "
-              f"packing ({_fmt(result.pack_seconds, '.1f')} s) done once before any timing.",
+              f"packing ({fmt_number(result.pack_seconds, '.1f')} s) done once before any timing.",
               f"Baseline transforms: {result.baseline_transforms}. The baselines also convert to float and "
               "normalize on the CPU (torchvision's defaults); stoker hands out uint8 and normalizes on the GPU.",
               f"Machine: {m['cpu']}, {m['usable_cores']} usable cores, {m['memory_gb']} GB, load average "
@@ -788,20 +690,18 @@ def format_table(result: BenchResult) -> str:
 
 
 def _format_device(result: BenchResult) -> str:
-    """The device bench: loader-alone and training tables, the targets, the data, device and machine."""
-    from .bench_gpu import format_tables
-
+    """The device bench: loader-alone and training tables, the data, device and machine."""
     d, m = result.data, result.machine
     steps_per_epoch = result.images // result.batch_size
     gpu = (f"{m['gpu']}, {m['gpu_memory_gb']} GB; CUDA {m['cuda_version']}, cuDNN {m['cudnn']}" if m.get("gpu")
            else result.device)
-    lines = [*format_tables(result),
+    lines = [*bench_gpu.format_tables(result),
              *(f"- {p.name}: {p.description}" + (f" ({p.version})" if p.version else "") for p in result.pipelines),
              "",
              f"Data: {d['images']} {'generated ImageNet-like ' if d['generated'] else ''}JPEGs, mean "
              f"{d['mean_width']}x{d['mean_height']} px, {d['mean_file_kb']} KB; batch {result.batch_size}; "
              f"{result.workers} CPU cores per pipeline, each pipeline in its own process; packing "
-             f"({_fmt(result.pack_seconds, '.1f')} s) done once before any timing.",
+             f"({fmt_number(result.pack_seconds, '.1f')} s) done once before any timing.",
              f"Loaders alone: median of {result.rounds} epoch(s) after one warm-up epoch; a round ends when the "
              "device is synchronized. Training: median of "
              f"{result.rounds} window(s) of {result.steps} steps after {result.warmup_steps} warm-up step(s); the "

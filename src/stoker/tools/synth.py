@@ -26,8 +26,8 @@ import cv2
 import numpy as np
 import simplejpeg
 
-from ._system import usable_cpus
-from .errors import ConfigError, StokerError
+from .._system import usable_cpus
+from ..errors import ConfigError, StokerError
 
 __all__ = [
     "ASPECT_RATIOS",

@@ -1,7 +1,7 @@
 """The device half of `stoker bench --device cuda`: input pipelines measured where their batches end up
 (in GPU memory, normalized), and training throughput fed by each of them.
 
-Two kinds of pipeline; `stoker.bench` runs and times them like every other pipeline (fresh process
+Two kinds of pipeline; `stoker.tools.bench` runs and times them like every other pipeline (fresh process
 each, median of rounds) and this module supplies what runs on the device:
 
 - loader alone, into device memory, float32 NCHW normalized with ImageNet mean/std:
@@ -12,47 +12,40 @@ each, median of rounds) and this module supplies what runs on the device:
   synchronized, so the rate counts images that reached device memory.
 - training, per model: ``train-<model>-synthetic`` (one GPU-resident random batch, no input pipeline:
   the model's own speed), ``train-<model>-baseline``, ``train-<model>-stoker``, ``train-<model>-stoker-gpu``.
-  One step: model and input channels_last, bf16 autocast (on CUDA), cross entropy,
-  SGD(lr 0.1, momentum 0.9, weight decay 1e-4), ``zero_grad(set_to_none=True)``. Warm-up steps first
+  One step (`stoker.tools.train.TrainStep`): model and input channels_last, bf16 autocast (on CUDA), cross
+  entropy, SGD(lr 0.1, momentum 0.9, weight decay 1e-4), ``zero_grad(set_to_none=True)``. Warm-up steps first
   (cuDNN autotuning, queues filling), then timed windows of a fixed number of steps; the feeds run
   epoch after epoch as a training loop does, and drop the last partial batch (one input shape).
 
-`check_targets` compares the figures with the issue's targets; the verdicts follow the measured
-numbers, nothing is assumed.
+The project's acceptance targets are judged outside the package, on the JSON this bench writes
+(`benchmarks/targets.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import ConfigError, StokerError
+from .._system import fmt_number
+from ..errors import ConfigError, StokerError
+from .results import BenchResult, markdown_table
+from .train import TrainStep, check_model, load_model
 
 if TYPE_CHECKING:
     import torch
 
-    from .bench import BenchResult, PipelineResult
-
-__all__ = ["DEFAULT_MODELS", "LOADER_RATE_TARGET", "LOADER_SPEEDUP_TARGET", "TRAIN_TARGETS", "FeedUnavailable",
-           "Target", "TrainRun", "check_targets", "device_pipelines", "resolve_device"]
+__all__ = ["DEFAULT_MODELS", "FEEDS", "LOADERS", "FeedUnavailable", "TrainRun", "device_pipelines", "feed_of",
+           "format_tables", "is_device_pipeline", "model_label", "resolve_device"]
 
 DEFAULT_MODELS = ("resnet50", "resnet18")
 DEFAULT_STEPS = 100          # timed training steps per round
 DEFAULT_WARMUP_STEPS = 10    # untimed steps before them: cuDNN autotuning, loader queues filling
 DEFAULT_IMAGES = 5000
 OUTPUT_SIZE = 224
-
-#: model label -> share of its synthetic-data training speed a stoker feed must keep
-TRAIN_TARGETS: dict[str, float] = {"resnet50": 0.97, "resnet18": 0.90}
-#: the faster stoker loader pipeline over cuda-baseline, and its images/s into device memory
-LOADER_SPEEDUP_TARGET = 3.0
-LOADER_RATE_TARGET = 15_000.0
 
 #: loader-alone pipeline -> the feed it measures
 LOADERS = {"cuda-baseline": "baseline", "cuda-stoker": "stoker", "cuda-stoker-gpu": "stoker-gpu"}
@@ -102,31 +95,6 @@ def uses_packed(name: str) -> bool:
     return is_device_pipeline(name) and feed_of(name).startswith("stoker")
 
 
-def check_model(spec: str) -> None:
-    """Fail early, before anything is measured, when a model spec cannot be loaded."""
-    if not spec or spec != spec.strip():
-        raise ConfigError(f"model {spec!r}: expected a torchvision model name (e.g. resnet50) or 'module:callable'")
-    if ":" in spec:
-        module_name, _, attr = spec.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
-            raise ConfigError(f"model {spec!r}: cannot load it ({exc}); expected 'module:callable' returning an "
-                              "nn.Module, with the module importable") from exc
-        if not callable(factory):
-            raise ConfigError(f"model {spec!r}: {attr} is not callable")
-        return
-    try:
-        import torchvision.models as tvm
-    except ImportError as exc:
-        raise ConfigError(f"model {spec!r} is a torchvision model name and torchvision does not import ({exc}); "
-                          "pip install torchvision, or give --models module:callable") from exc
-    known = tvm.list_models() if hasattr(tvm, "list_models") else [n for n in dir(tvm) if not n.startswith("_")]
-    if spec not in known:
-        raise ConfigError(f"model {spec!r}: not a torchvision model; expected one of torchvision.models.list_models() "
-                          "(e.g. resnet50, resnet18) or 'module:callable'")
-
-
 def device_pipelines(models: Sequence[str], *, check: bool = True) -> dict[str, tuple[str, str | None]]:
     """Every device pipeline for these model specs, in run order: name -> (what it is, its ratio's reference).
     `check`: load each model's module now (`check_model`), so a bad spec fails before anything runs."""
@@ -150,44 +118,20 @@ def device_pipelines(models: Sequence[str], *, check: bool = True) -> dict[str, 
 
 
 def resolve_device(device: str) -> "torch.device":
-    """'cuda', 'cuda:1' or 'cpu' -> torch.device; ConfigError naming the fix when CUDA is asked for but absent."""
-    import torch
+    """'cuda', 'cuda:1' or 'cpu' -> torch.device (`stoker.device.parse_device`); ConfigError naming the fix when
+    the device is not one this machine has."""
+    from ..device import parse_device
 
     try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as exc:
-        raise ConfigError(f"--device {device!r}: expected cpu, cuda or cuda:N ({exc})") from exc
-    if dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"--device {device!r}: the bench measures cpu or cuda devices, got {dev.type}")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            why = ("this torch is a CPU-only build" if torch.version.cuda is None
-                   else "torch sees no GPU (check nvidia-smi and CUDA_VISIBLE_DEVICES)")
-            raise ConfigError(f"--device {device} needs a CUDA build of torch and a GPU; {why} (torch "
-                              f"{torch.__version__}). Install a CUDA build (https://pytorch.org/get-started/locally/), "
-                              "or leave --device out for the CPU benchmark")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ConfigError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return dev
+        return parse_device(device)
+    except ConfigError as exc:
+        raise ConfigError(f"bench --device {device}: {exc}; or leave --device out for the CPU benchmark") from exc
 
 
 def unavailable(name: str, device: str) -> str | None:
     """Why device pipeline `name` cannot run here (with the fix), or None when it may."""
-    import inspect
-
-    feed = feed_of(name)
-    if not feed.startswith("stoker"):
-        return None
-    from .loader import Loader
-
-    params = inspect.signature(Loader).parameters
-    if "device" not in params:
-        return "stoker.Loader in this installation has no device= option"
-    if feed == "stoker-gpu":
-        if not str(device).startswith("cuda"):
-            return f"decode='gpu' needs a CUDA device; this run is on {device} (run with --device cuda)"
-        if "decode" not in params:
-            return "stoker.Loader in this installation has no decode= option"
+    if feed_of(name) == "stoker-gpu" and not str(device).startswith("cuda"):
+        return f"decode='gpu' needs a CUDA device; this run is on {device} (run with --device cuda)"
     return None
 
 
@@ -199,7 +143,7 @@ def device_info(device: "torch.device") -> dict[str, Any]:
     try:
         import torchvision
         info["torchvision"] = torchvision.__version__
-    except ImportError:
+    except Exception:   # not installed, or built for another torch
         info["torchvision"] = None
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -223,7 +167,7 @@ def prepare(device: str) -> None:
     when installed) and create the CUDA context."""
     import torch
 
-    with contextlib.suppress(ImportError):
+    with contextlib.suppress(Exception):
         import torchvision  # noqa: F401
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -274,7 +218,7 @@ def _torch_version() -> str:
     try:
         import torchvision
         return f"torch {torch.__version__}, torchvision {torchvision.__version__}"
-    except ImportError:
+    except Exception:   # not installed, or built for another torch
         return f"torch {torch.__version__}"
 
 
@@ -306,8 +250,8 @@ def _baseline_feed(root: str, batch_size: int, workers: int, device: "torch.devi
 
 def _stoker_loader(packed: str, batch_size: int, **options: Any) -> Any:
     """stoker.Loader with the bench's transforms: RandomResizedCrop(224) + RandomHorizontalFlip, shuffled."""
-    from .loader import Loader
-    from .transforms import RandomHorizontalFlip, RandomResizedCrop
+    from ..loader import Loader
+    from ..transforms import RandomHorizontalFlip, RandomResizedCrop
 
     return Loader(packed, batch_size, transforms=[RandomResizedCrop(OUTPUT_SIZE), RandomHorizontalFlip()],
                   shuffle=True, seed=0, **options)
@@ -315,7 +259,7 @@ def _stoker_loader(packed: str, batch_size: int, **options: Any) -> Any:
 
 def _stoker_feed(feed: str, packed: str, batch_size: int, workers: int, device: "torch.device",
                  drop_last: bool, channels_last: bool) -> Feed:
-    from . import __version__
+    from .. import __version__
 
     options: dict[str, Any] = {"num_threads": workers, "drop_last": drop_last, "device": device,
                                "normalize": "imagenet"}
@@ -398,48 +342,6 @@ def loader_epochs(name: str, *, root: str, packed: str, batch_size: int, workers
 
 # ----------------------------------------------------------------------------- training
 
-def load_model(spec: str) -> Any:
-    """A freshly initialised model: torchvision's `spec` (no weights), or `module:callable()`."""
-    from torch import nn
-
-    check_model(spec)
-    if ":" in spec:
-        module_name, _, attr = spec.partition(":")
-        model = getattr(importlib.import_module(module_name), attr)()
-    else:
-        import torchvision.models as tvm
-        model = tvm.get_model(spec) if hasattr(tvm, "get_model") else getattr(tvm, spec)()
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"model {spec!r}: expected an nn.Module, got {type(model).__name__}")
-    return model
-
-
-class TrainingStep:
-    """One training step as the recipe: model and input channels_last, bf16 autocast on CUDA (the CPU runs
-    float32), cross entropy, SGD(lr 0.1, momentum 0.9, weight decay 1e-4), zero_grad(set_to_none=True).
-    Labels wrap to the model's class count (a synthetic set's labels may exceed a small model's)."""
-
-    def __init__(self, model: Any, device: "torch.device") -> None:
-        import torch
-
-        self.device = device
-        self.model = model.to(device=device, memory_format=torch.channels_last).train()
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
-        self.amp = device.type == "cuda"
-
-    def __call__(self, images: Any, labels: Any) -> None:
-        import torch
-        import torch.nn.functional as F
-
-        x = images.contiguous(memory_format=torch.channels_last)   # a no-op when the feed delivers channels_last
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
-            logits = self.model(x)
-            loss = F.cross_entropy(logits, labels.remainder(logits.shape[-1]))
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-
-
 class TrainRun:
     """A model training on one feed. Construction builds the model and the feed and takes the first batch
     (`first_batch_s`: feed construction to first batch, cold); `run(steps)` trains and times."""
@@ -451,7 +353,9 @@ class TrainRun:
         self.device = resolve_device(device)
         with torch.random.fork_rng(devices=[]):   # the same initial weights every run; the caller's RNG untouched
             torch.manual_seed(0)
-            self.step = TrainingStep(load_model(model), self.device)
+            # the device bench's recipe: channels_last, bf16 autocast on CUDA (the CPU runs float32), SGD(0.1, wd 1e-4)
+            self.step = TrainStep(load_model(model), self.device, lr=0.1, weight_decay=1e-4, channels_last=True,
+                                  autocast=self.device.type == "cuda")
         self.batch_size = batch_size
         start = time.perf_counter()
         self.feed = open_feed(feed_of(name), root=root, packed=packed, batch_size=batch_size, workers=workers,
@@ -499,120 +403,41 @@ class TrainRun:
         self.feed.close()
 
 
-# ----------------------------------------------------------------------------- targets and table
-
-@dataclass
-class Target:
-    """One of the issue's targets and whether this run's figures meet it."""
-
-    goal: str                      # what is promised, in words
-    threshold: float
-    unit: str                      # "of synthetic", "x cuda-baseline", "images/s"
-    measured: float | None = None  # None: the pipelines it needs did not run
-    pipeline: str | None = None    # where the measured figure comes from
-    met: bool | None = None
-
-    @property
-    def verdict(self) -> str:
-        return "not measured" if self.met is None else ("met" if self.met else "NOT met")
-
-
-def _ran(pipelines: Sequence["PipelineResult"], name: str) -> "PipelineResult | None":
-    p = next((p for p in pipelines if p.name == name), None)
-    return p if p is not None and p.skipped is None and math.isfinite(p.images_per_s) else None
-
-
-def _best(pipelines: Sequence["PipelineResult"], names: Sequence[str]) -> "PipelineResult | None":
-    ran = [p for p in (_ran(pipelines, n) for n in names) if p is not None]
-    return max(ran, key=lambda p: p.images_per_s) if ran else None
-
-
-def check_targets(pipelines: Sequence["PipelineResult"],
-                  train_targets: dict[str, float] | None = None) -> list[Target]:
-    """The issue's targets for the pipelines that were asked for, each with the figure it is judged on
-    (the better of stoker's two decode paths) and met / NOT met / not measured."""
-    train_targets = TRAIN_TARGETS if train_targets is None else train_targets
-    names = {p.name for p in pipelines}
-    out: list[Target] = []
-    stoker_loaders = [n for n in ("cuda-stoker", "cuda-stoker-gpu") if n in names]
-    if stoker_loaders:
-        best = _best(pipelines, stoker_loaders)
-        base = _ran(pipelines, "cuda-baseline")
-        speedup = Target(f"loader alone, faster stoker decode path >= {LOADER_SPEEDUP_TARGET:g}x cuda-baseline",
-                         LOADER_SPEEDUP_TARGET, "x cuda-baseline")
-        rate = Target(f"loader alone, faster stoker decode path >= {LOADER_RATE_TARGET:,.0f} images/s into "
-                      "device memory", LOADER_RATE_TARGET, "images/s")
-        if best is not None:
-            rate.measured, rate.pipeline = best.images_per_s, best.name
-            rate.met = best.images_per_s >= LOADER_RATE_TARGET
-            if base is not None and base.images_per_s > 0:
-                speedup.measured, speedup.pipeline = best.images_per_s / base.images_per_s, best.name
-                speedup.met = speedup.measured >= LOADER_SPEEDUP_TARGET
-        out += [speedup, rate]
-    for label, threshold in train_targets.items():
-        feeds = [n for n in (f"train-{label}-stoker", f"train-{label}-stoker-gpu") if n in names]
-        if not feeds:
-            continue
-        target = Target(f"{label} fed by stoker keeps >= {threshold:.0%} of its synthetic-data training speed",
-                        threshold, "of synthetic")
-        best = _best(pipelines, feeds)
-        synthetic = _ran(pipelines, f"train-{label}-synthetic")
-        if best is not None and synthetic is not None and synthetic.images_per_s > 0:
-            target.measured = best.images_per_s / synthetic.images_per_s
-            target.pipeline = best.name
-            target.met = target.measured >= threshold
-        out.append(target)
-    return out
-
-
-def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
-    return "-" if value is None or not math.isfinite(value) else f"{value:{spec}}{suffix}"
-
+# ----------------------------------------------------------------------------- the table
 
 def _mb(n: int) -> str:
     return f"{n / 1e6:,.0f}" if n else "-"
 
 
-def format_tables(result: "BenchResult") -> list[str]:
-    """Markdown lines: the loader-alone table, the training table and the targets (no footer)."""
+def _loader_cells(p: Any) -> list[str]:
+    ratio = f"{p.ratio:.2f}x {p.ratio_to}" if p.ratio is not None else "-"
+    return [fmt_number(p.images_per_s, ",.0f"), ratio, fmt_number(p.cpu_percent, ".0f"),
+            fmt_number(p.cpu_ms_per_image, ".2f"), _mb(p.peak_rss_bytes), _mb(p.peak_device_bytes),
+            fmt_number(p.first_batch_s, ".2f")]
+
+
+def _training_cells(p: Any, result: BenchResult) -> list[str]:
+    base = result.ran(p.name.rsplit("-" + feed_of(p.name), 1)[0] + "-baseline")
+    vs_base = p.images_per_s / base.images_per_s if base is not None and base is not p and \
+        feed_of(p.name).startswith("stoker") else None
+    return [fmt_number(p.images_per_s, ",.0f"), fmt_number(p.ratio, ".1%"), fmt_number(vs_base, ".2f", "x"),
+            fmt_number(p.data_wait, ".1%"), fmt_number(p.cpu_percent, ".0f"), _mb(p.peak_rss_bytes),
+            _mb(p.peak_device_bytes), fmt_number(p.first_batch_s, ".2f")]
+
+
+def format_tables(result: BenchResult) -> list[str]:
+    """Markdown lines: the loader-alone table and the training table (no footer)."""
     loaders = [p for p in result.pipelines if p.name in LOADERS]
     training = [p for p in result.pipelines if p.name.startswith("train-")]
     lines: list[str] = []
     if loaders:
         lines += [f"Loader alone: batches in {result.device} memory, float32 NCHW, normalized (ImageNet mean/std).", "",
-                  "| pipeline | images/s | ratio | CPU % | CPU ms/image | peak RSS (MB) | peak device (MB) "
-                  "| first batch (s) |", "|" + "---|" * 8]
-        for p in loaders:
-            if p.skipped is not None:
-                lines.append(f"| {p.name} | skipped: {p.skipped} | | | | | | |")
-                continue
-            ratio = f"{p.ratio:.2f}x {p.ratio_to}" if p.ratio is not None else "-"
-            lines.append(f"| {p.name} | {_fmt(p.images_per_s, ',.0f')} | {ratio} | {_fmt(p.cpu_percent, '.0f')} | "
-                         f"{_fmt(p.cpu_ms_per_image, '.2f')} | {_mb(p.peak_rss_bytes)} | "
-                         f"{_mb(p.peak_device_bytes)} | {_fmt(p.first_batch_s, '.2f')} |")
-        lines.append("")
+                  *markdown_table(("pipeline", "images/s", "ratio", "CPU %", "CPU ms/image", "peak RSS (MB)",
+                           "peak device (MB)", "first batch (s)"), [(p, _loader_cells(p)) for p in loaders])]
     if training:
         lines += [f"Training on {result.device}: images/s over {result.steps} steps of {result.batch_size} per round "
                   f"after {result.warmup_steps} warm-up step(s).", "",
-                  "| pipeline | images/s | of synthetic | vs baseline feed | data wait | CPU % | peak RSS (MB) "
-                  "| peak device (MB) | first batch (s) |", "|" + "---|" * 9]
-        for p in training:
-            if p.skipped is not None:
-                lines.append(f"| {p.name} | skipped: {p.skipped} | | | | | | | |")
-                continue
-            base = _ran(result.pipelines, p.name.rsplit("-" + feed_of(p.name), 1)[0] + "-baseline")
-            vs_base = p.images_per_s / base.images_per_s if base is not None and base is not p and \
-                feed_of(p.name).startswith("stoker") else None
-            lines.append(f"| {p.name} | {_fmt(p.images_per_s, ',.0f')} | {_fmt(p.ratio, '.1%')} | "
-                         f"{_fmt(vs_base, '.2f', 'x')} | {_fmt(p.data_wait, '.1%')} | {_fmt(p.cpu_percent, '.0f')} | "
-                         f"{_mb(p.peak_rss_bytes)} | {_mb(p.peak_device_bytes)} | {_fmt(p.first_batch_s, '.2f')} |")
-        lines.append("")
-    if result.targets:
-        lines += ["| target | measured | from | verdict |", "|---|---|---|---|"]
-        for t in result.targets:
-            measured = "-" if t.measured is None else (f"{t.measured:,.0f} {t.unit}" if t.unit == "images/s" else
-                                                      f"{t.measured:.1%} {t.unit}" if t.unit == "of synthetic" else
-                                                      f"{t.measured:.2f}{t.unit}")
-            lines.append(f"| {t.goal} | {measured} | {t.pipeline or '-'} | {t.verdict} |")
-        lines.append("")
+                  *markdown_table(("pipeline", "images/s", "of synthetic", "vs baseline feed", "data wait", "CPU %",
+                           "peak RSS (MB)", "peak device (MB)", "first batch (s)"),
+                          [(p, _training_cells(p, result)) for p in training])]
     return lines
