@@ -164,7 +164,7 @@ def test_erasing_matches_torchvisions_distribution_and_normalize():
     assert ks < 1.63 * math.sqrt(2 / 5000)
     x = torch.full((2, 3, 4, 5), 255, dtype=torch.uint8)
     y = G.Normalize("imagenet").apply(x)
-    assert torch.allclose(y[0, :, 0, 0], torch.tensor([(1 - m) / s for m, s in zip(*G.IMAGENET)]))
+    assert torch.allclose(y[0, :, 0, 0], torch.tensor([(1 - m) / s for m, s in zip(G.IMAGENET_MEAN, G.IMAGENET_STD)]))
     erased = op.apply(y, (np.array([[1, 1, 2, 3], [0, 0, 0, 0]]), 0))
     assert (erased[0, :, 1:3, 1:4] == 0).all() and torch.equal(erased[1], y[1])
     with pytest.raises(ConfigError, match="after Normalize"):

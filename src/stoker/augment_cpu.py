@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import cv2
 import numpy as np
 
+from .device import IMAGENET_MEAN, IMAGENET_STD
 from .errors import ConfigError
 
 Fill = int | float | Sequence[float] | None
@@ -553,8 +554,8 @@ class RandomErasing(_RandomOp):
     scale: tuple[float, float] = (0.02, 0.33)
     ratio: tuple[float, float] = (0.3, 3.3)
     value: Any = 0
-    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
-    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.p <= 1.0:

@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 
 from . import augment_cpu as cpu
+from .device import IMAGENET_MEAN, IMAGENET_STD
 from .errors import ConfigError
 from .mixing import Mixup, batch_rng
 
 _TAG_BATCH_AUG = 6  # the batch ops' own random stream (order.py uses 1-4, mixing 5)
-IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 OPS = ("Identity", "ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate", "Brightness", "Color", "Contrast",
        "Sharpness", "Posterize", "Solarize", "AutoContrast", "Equalize", "Invert")
 _OP_ID = {name: k for k, name in enumerate(OPS)}
@@ -439,8 +439,8 @@ class Normalize:
         if isinstance(self.mean, str):
             if self.mean != "imagenet":
                 raise ConfigError(f"Normalize: the only named statistics are 'imagenet', got {self.mean!r}")
-            object.__setattr__(self, "mean", IMAGENET[0])
-            object.__setattr__(self, "std", IMAGENET[1])
+            object.__setattr__(self, "mean", IMAGENET_MEAN)
+            object.__setattr__(self, "std", IMAGENET_STD)
         if self.std is None or len(self.mean) != len(self.std) or min(self.std) <= 0:
             raise ConfigError(f"Normalize needs mean and std with one positive std per channel, got "
                               f"mean={self.mean}, std={self.std}")

@@ -94,7 +94,8 @@ def _tensor_random_erasing(t: Any, p: float = 0.25, scale: tuple[float, float] =
 
 def recipe_transform(recipe: str) -> tuple[Callable[[Any], Any], str]:
     """The baseline's per-image transform for `recipe` (PIL in, normalized CHW float out) and what it is."""
-    from .baseline import IMAGENET_MEAN, IMAGENET_STD, _torchvision, baseline_transform
+    from ..device import IMAGENET_MEAN, IMAGENET_STD
+    from .baseline import _torchvision, baseline_transform
 
     if recipe not in RECIPES:
         raise ConfigError(f"unknown recipe {recipe!r}; expected one of {', '.join(RECIPES)}")

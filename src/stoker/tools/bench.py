@@ -67,8 +67,8 @@ PIPELINES: dict[str, tuple[str, str | None]] = {
                        "baseline-randaug"),
     "baseline-deit": ("DataLoader + PIL + the randaug recipe + RandomErasing(0.25) in the workers, Mixup/CutMix "
                       "(0.8/1.0, smoothing 0.1) in the main process", None),
-    "stoker-deit": ("stoker.Loader, the randaug recipe on the threads; Normalize, RandomErasing(0.25), Mixup/CutMix "
-                    "batched (BatchAugment)", "baseline-deit"),
+    "stoker-deit": ("stoker.Loader, crop + flip + RandAugment(2, 9) on the threads; Normalize, RandomErasing(0.25), "
+                    "Mixup/CutMix batched (BatchAugment)", "baseline-deit"),
 }
 DEFAULT_PIPELINES = ("baseline", "baseline-val", "stoker-train", "stoker-val", "ceiling", "dali")
 #: `stoker bench --recipe`: the pipelines each recipe runs by default (the ceiling is the same for all)
