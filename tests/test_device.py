@@ -1,4 +1,4 @@
-"""The device stage on the CPU: options, conversion numerics, Fence, and prefetch over every batch shape.
+"""The device stage on the CPU: DeviceOptions, conversion numerics, Fence, and prefetch over every batch shape.
 
 The CUDA side (streams, events, record_stream) is in tests/cuda/test_device_cuda.py."""
 
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from stoker.device import (IMAGENET_MEAN, IMAGENET_STD, DeviceOptions, DeviceStage, Fence, Prefetcher, convert,
-                           prefetch)
+from stoker.device import IMAGENET_MEAN, IMAGENET_STD, DeviceOptions, DeviceStage, Fence, as_device_options, convert
+from stoker.prefetcher import Prefetcher, prefetch
 from stoker.errors import ConfigError, LoaderTimeoutError
 
 FORMATS = [torch.contiguous_format, torch.channels_last]
@@ -22,7 +22,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 def cpu_opts(**kw) -> DeviceOptions:
-    return DeviceOptions.make("cpu", **kw)
+    return DeviceOptions("cpu", **kw)
 
 
 def nhwc_batch(b: int = 2, h: int = 5, w: int = 7, c: int = 3, seed: int = 0) -> torch.Tensor:
@@ -97,14 +97,14 @@ def test_options_are_frozen_and_comparable():
 ])
 def test_bad_devices(device, match):
     with pytest.raises(ConfigError, match=match):
-        DeviceOptions.make(device)
+        DeviceOptions(device)
 
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:1", 0, torch.device("cuda")])
 def test_cuda_without_a_gpu_names_the_fix(monkeypatch, device):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match=r"sees no CUDA GPU; install a CUDA build of torch .* device='cpu'"):
-        DeviceOptions.make(device)
+        DeviceOptions(device)
 
 
 def test_cuda_index_out_of_range(monkeypatch):
@@ -112,9 +112,9 @@ def test_cuda_index_out_of_range(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     with pytest.raises(ConfigError, match=r"has 2 CUDA GPU\(s\), indices 0..1"):
-        DeviceOptions.make("cuda:2")
-    assert DeviceOptions.make("cuda").device == torch.device("cuda", 1)  # "cuda" = the current GPU, fixed
-    assert DeviceOptions.make(0).device == torch.device("cuda", 0)
+        DeviceOptions("cuda:2")
+    assert DeviceOptions("cuda").device == torch.device("cuda", 1)  # "cuda" = the current GPU, fixed
+    assert DeviceOptions(0).device == torch.device("cuda", 0)
 
 
 @pytest.mark.parametrize("normalize, match", [
@@ -319,7 +319,8 @@ def test_prefetch_tensors_pass_through_when_nothing_to_convert():
 def test_prefetch_converts_a_bare_tensor():
     batches = [nhwc_batch(seed=k) for k in range(3)]
     opts = cpu_opts(normalize="imagenet", memory_format="channels_last")
-    for got, x in zip(prefetch(batches, "cpu", normalize="imagenet", memory_format="channels_last"), batches):
+    for got, x in zip(prefetch(batches, DeviceOptions("cpu", normalize="imagenet", memory_format="channels_last")),
+                      batches):
         assert torch.equal(got, convert(x, opts, layout="nhwc"))
         assert got.is_contiguous(memory_format=torch.channels_last)
 
@@ -331,7 +332,7 @@ def test_prefetch_tuple_list_namedtuple_dict_nested():
     extras = {"idx": np.arange(2), "names": ["a", "b"], "nested": (torch.ones(2), {"deep": np.ones(2)}),
               "n": 7, "none": None, "strs": np.array(["u", "v"])}
 
-    (t,) = prefetch([(x, y, extras)], "cpu", dtype="float32")
+    (t,) = prefetch([(x, y, extras)], DeviceOptions("cpu", dtype="float32"))
     assert type(t) is tuple and torch.equal(t[0], want) and torch.equal(t[1], y)
     e = t[2]
     assert isinstance(e["idx"], torch.Tensor) and e["idx"].tolist() == [0, 1]
@@ -339,24 +340,24 @@ def test_prefetch_tuple_list_namedtuple_dict_nested():
     assert isinstance(e["strs"], np.ndarray)  # numpy strings have no tensor form: passed unchanged
     assert isinstance(e["nested"], tuple) and isinstance(e["nested"][1]["deep"], torch.Tensor)
 
-    (lst,) = prefetch([[x, y]], "cpu", dtype="float32")
+    (lst,) = prefetch([[x, y]], DeviceOptions("cpu", dtype="float32"))
     assert type(lst) is list and torch.equal(lst[0], want)
 
-    (nt,) = prefetch([Pair(x, y)], "cpu", dtype="float32")
+    (nt,) = prefetch([Pair(x, y)], DeviceOptions("cpu", dtype="float32"))
     assert type(nt) is Pair and torch.equal(nt.image, want) and torch.equal(nt.label, y)
 
-    (d,) = prefetch([OrderedDict(label=y, pixel_values=x)], "cpu", dtype="float32")
+    (d,) = prefetch([OrderedDict(label=y, pixel_values=x)], DeviceOptions("cpu", dtype="float32"))
     assert type(d) is OrderedDict and list(d) == ["label", "pixel_values"] and torch.equal(d["pixel_values"], want)
 
     dd = defaultdict(list, img=x)
-    (d2,) = prefetch([dd], "cpu", dtype="float32")
+    (d2,) = prefetch([dd], DeviceOptions("cpu", dtype="float32"))
     assert torch.equal(d2["img"], want)
 
 
 def test_prefetch_numpy_leaves_become_tensors():
     arr = nhwc_batch().numpy()
     arr.flags.writeable = False  # read-only arrays (e.g. memory-mapped) are copied, not shared
-    (got,) = prefetch([(arr, np.array([1, 2]))], "cpu", normalize="imagenet")
+    (got,) = prefetch([(arr, np.array([1, 2]))], DeviceOptions("cpu", normalize="imagenet"))
     assert isinstance(got[0], torch.Tensor) and got[0].dtype == torch.float32 and got[0].shape == (2, 3, 5, 7)
     assert got[1].tolist() == [1, 2]
     (plain,) = prefetch([arr], "cpu")
@@ -365,13 +366,13 @@ def test_prefetch_numpy_leaves_become_tensors():
 
 def test_prefetch_images_selects_the_leaf():
     x, y = nhwc_batch(), torch.tensor([1, 2])
-    (t,) = prefetch([(y, x)], "cpu", dtype="float32", images=1)
+    (t,) = prefetch([(y, x)], DeviceOptions("cpu", dtype="float32"), images=1)
     assert t[0] is y and t[1].dtype == torch.float32 and t[1].shape == (2, 3, 5, 7)
-    (t,) = prefetch([(y, x)], "cpu", dtype="float32", images=-1)
+    (t,) = prefetch([(y, x)], DeviceOptions("cpu", dtype="float32"), images=-1)
     assert t[1].dtype == torch.float32
-    (d,) = prefetch([{"a": x, "b": y}], "cpu", dtype="float32", images="a")
+    (d,) = prefetch([{"a": x, "b": y}], DeviceOptions("cpu", dtype="float32"), images="a")
     assert d["a"].dtype == torch.float32 and d["b"] is y
-    (nt,) = prefetch([Pair(x, y)], "cpu", dtype="float32", images="image")
+    (nt,) = prefetch([Pair(x, y)], DeviceOptions("cpu", dtype="float32"), images="image")
     assert nt.image.dtype == torch.float32
 
 
@@ -388,24 +389,24 @@ def test_prefetch_images_selects_the_leaf():
 ])
 def test_prefetch_image_selection_errors(batch, images, match):
     with pytest.raises(ConfigError, match=match):
-        list(prefetch([batch], "cpu", dtype="float32", images=images))
+        list(prefetch([batch], DeviceOptions("cpu", dtype="float32"), images=images))
 
 
 def test_prefetch_layout_auto_and_explicit():
     nchw = nhwc_batch().permute(0, 3, 1, 2).contiguous()
-    (a,) = prefetch([nchw], "cpu", dtype="float32")
+    (a,) = prefetch([nchw], DeviceOptions("cpu", dtype="float32"))
     assert torch.equal(a, nchw.float() / 255)
-    (b,) = prefetch([nhwc_batch()], "cpu", dtype="float32")
+    (b,) = prefetch([nhwc_batch()], DeviceOptions("cpu", dtype="float32"))
     assert torch.equal(b, nhwc_batch().permute(0, 3, 1, 2).float() / 255)
     odd = torch.zeros(2, 8, 8, 8, dtype=torch.uint8)  # no dim looks like channels
     with pytest.raises(ConfigError, match=r"neither dim 1 and the last dim look like channels.*layout='nchw'"):
-        list(prefetch([odd], "cpu", dtype="float32"))
+        list(prefetch([odd], DeviceOptions("cpu", dtype="float32")))
     tiny = torch.zeros(2, 3, 8, 3, dtype=torch.uint8)  # both do: ambiguous
     with pytest.raises(ConfigError, match="both dim 1 and the last dim look like channels"):
-        list(prefetch([tiny], "cpu", dtype="float32"))
-    (c,) = prefetch([tiny], "cpu", dtype="float32", layout="nhwc")
+        list(prefetch([tiny], DeviceOptions("cpu", dtype="float32")))
+    (c,) = prefetch([tiny], DeviceOptions("cpu", dtype="float32"), layout="nhwc")
     assert c.shape == (2, 3, 3, 8)
-    (m,) = prefetch([odd], "cpu", dtype="float32", layout="nchw")
+    (m,) = prefetch([odd], DeviceOptions("cpu", dtype="float32"), layout="nchw")
     assert m.shape == (2, 8, 8, 8)
 
 
@@ -419,7 +420,7 @@ def test_prefetch_bad_arguments(kw, match):
 
 def test_prefetch_len_and_iterating_twice():
     batches = [(nhwc_batch(seed=k), torch.tensor([k])) for k in range(4)]
-    p = prefetch(batches, "cpu", normalize="imagenet")
+    p = prefetch(batches, DeviceOptions("cpu", normalize="imagenet"))
     assert len(p) == 4
     first = [b[1].item() for b in p]
     second = [b[1].item() for b in p]
@@ -450,13 +451,13 @@ class Source:
 
 def test_exhaustion_closes_the_source():
     src = Source(3)
-    assert [b[1].item() for b in prefetch(src, "cpu", dtype="float16")] == [0, 1, 2]
+    assert [b[1].item() for b in prefetch(src, DeviceOptions("cpu", dtype="float16"))] == [0, 1, 2]
     assert src.finished == 1
 
 
 def test_early_break_closes_the_source_generator():
     src = Source(100)
-    for k, _ in enumerate(prefetch(src, "cpu", dtype="float16")):
+    for k, _ in enumerate(prefetch(src, DeviceOptions("cpu", dtype="float16"))):
         if k == 2:
             break
     assert src.finished == 1  # CPython closes the abandoned generator at once; its finally ran
@@ -478,7 +479,7 @@ def test_source_exception_propagates_unchanged_after_earlier_batches():
     src = Source(10, fail_at=3)
     got = []
     with pytest.raises(RuntimeError) as info:
-        for b in prefetch(src, "cpu", normalize="imagenet"):
+        for b in prefetch(src, DeviceOptions("cpu", normalize="imagenet")):
             got.append(b[1].item())
     assert info.value is src.error
     assert got == [0, 1, 2] and src.finished == 1
@@ -488,7 +489,7 @@ def test_conversion_error_on_a_later_batch_comes_after_the_earlier_ones():
     batches = [nhwc_batch(), nhwc_batch(), torch.zeros(2, 8, 8, 8, dtype=torch.uint8)]
     got = []
     with pytest.raises(ConfigError, match="cannot tell the layout"):
-        for b in prefetch(batches, "cpu", dtype="float32"):
+        for b in prefetch(batches, DeviceOptions("cpu", dtype="float32")):
             got.append(b)
     assert len(got) == 2
 
@@ -515,7 +516,7 @@ def test_cpu_batch_is_kept_until_its_fence_is_done(monkeypatch):
             refs.append(weakref.ref(x))
             yield x
 
-    it = iter(prefetch(source(), "cpu", dtype="float32"))
+    it = iter(prefetch(source(), DeviceOptions("cpu", dtype="float32")))
     next(it)
     next(it)
     gc.collect()
@@ -562,10 +563,10 @@ class FakeLoader:
 
 def test_prefetch_delegates_to_a_stoker_loader():
     loader = FakeLoader()
-    p = prefetch(loader, "cpu", normalize="imagenet", dtype="bf16", memory_format="channels_last")
+    p = prefetch(loader, DeviceOptions("cpu", normalize="imagenet", dtype="bf16", memory_format="channels_last"))
     assert isinstance(p, Prefetcher) and p.stage is None and len(p) == 5
     assert list(p) == [1, 2, 3, 4, 5]
-    assert loader.opts == DeviceOptions.make("cpu", "imagenet", "bf16", "channels_last")
+    assert loader.opts == DeviceOptions("cpu", "imagenet", "bf16", "channels_last")
     assert loader.closed == 1
     for k in p:
         break
@@ -576,6 +577,27 @@ def test_prefetch_delegates_to_a_stoker_loader():
 
 def test_prefetch_starts_no_threads():
     before = threading.active_count()
-    p = prefetch([(nhwc_batch(seed=k), k) for k in range(3)], "cpu", normalize="imagenet")
+    p = prefetch([(nhwc_batch(seed=k), k) for k in range(3)], DeviceOptions("cpu", normalize="imagenet"))
     for _ in p:
         assert threading.active_count() == before
+
+
+def test_a_device_value_is_read_one_way():
+    assert as_device_options(None) is None
+    opts = DeviceOptions("cpu", normalize="imagenet")
+    assert as_device_options(opts) is opts
+    plain = as_device_options("cpu")
+    assert plain == DeviceOptions(device="cpu") and plain.dtype == torch.uint8 and not plain.converts
+    assert opts.converts and DeviceOptions("cpu", memory_format="channels_last").converts
+    with pytest.raises(AttributeError):  # frozen: a resolved value cannot drift from its checks
+        opts.dtype = torch.float16  # type: ignore[misc]
+
+
+def test_prefetch_refuses_gpu_decode_for_decoded_batches():
+    class Decoder:
+        def decode(self, datas):
+            return datas
+    with pytest.raises(ConfigError, match="decode='gpu' applies to a stoker.Loader"):
+        prefetch([nhwc_batch()], DeviceOptions("cpu", decode="gpu", gpu_decoder=Decoder()))
+    with pytest.raises(ConfigError, match="prefetch needs a device"):
+        prefetch([nhwc_batch()], None)  # type: ignore[arg-type]

@@ -115,7 +115,7 @@ def test_batches_reuse_a_ring_of_prefetch_plus_one_slots(packed: Path) -> None:
 
 
 def test_sequential_order_and_drop_last(packed: Path) -> None:
-    loader = Loader(packed, 16, transforms=[Resize((24, 24))], shuffle=False, drop_last=True)
+    loader = Loader(packed, 16, transforms=[Resize((24, 24))], order="sequential", drop_last=True)
     imgs, labels = run_epoch(loader)
     assert len(loader) == 3 and labels.tolist() == list(range(48))
     # Grayscale, raw and PNG samples come out as RGB like the others.
@@ -124,6 +124,15 @@ def test_sequential_order_and_drop_last(packed: Path) -> None:
     gray = imgs[3]
     assert np.array_equal(gray[..., 0], gray[..., 1]) and np.array_equal(gray[..., 0], gray[..., 2])
     loader.close()
+
+
+def test_shuffle_is_a_deprecated_spelling_of_order(packed: Path) -> None:
+    with pytest.warns(DeprecationWarning, match="order='sequential'"):
+        loader = Loader(packed, 16, transforms=[Resize((24, 24))], shuffle=False)
+    assert loader.order == "sequential" and loader.epoch_indices().tolist() == list(range(len(loader.dataset)))
+    with pytest.warns(DeprecationWarning):
+        assert Loader(packed, 16, transforms=[Resize((24, 24))], shuffle=True, order="shard_random").order == \
+            "shard_random"
 
 
 @pytest.mark.parametrize("tf", [TRAIN, [Resize(40), CenterCrop(32)]])
@@ -193,7 +202,7 @@ def test_extra_columns_come_along(packed: Path) -> None:
 
 def test_failing_sample_names_key_shard_and_row(packed_bad: Path) -> None:
     base = threading.active_count()
-    loader = Loader(packed_bad, 8, transforms=TRAIN, shuffle=False, num_threads=2)
+    loader = Loader(packed_bad, 8, transforms=TRAIN, order="sequential", num_threads=2)
     got = []
     with pytest.raises(SampleError) as info:
         for _, labels in loader:
@@ -235,7 +244,7 @@ def test_loose_folder_gives_the_same_batches_as_its_pack(image_folder: Path, tmp
     assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
 
 
-def test_user_callables_run_in_the_workers(packed: Path) -> None:
+def test_user_callables_apply_and_their_rng_does_not_depend_on_threads(packed: Path) -> None:
     def invert(img: np.ndarray) -> np.ndarray:
         np.subtract(255, img, out=img)
         return img

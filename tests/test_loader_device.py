@@ -1,4 +1,4 @@
-"""stoker.Loader with a device stage (device=, normalize=, dtype=, memory_format=, decode="gpu").
+"""stoker.Loader with a device stage (device="cpu" or a DeviceOptions: normalize, dtype, memory_format, decode="gpu").
 
 Everything here runs on the CPU: device="cpu" drives the same device thread, builder and
 conversion as CUDA (minus streams), and decode="gpu" runs with a stand-in decoder object that
@@ -19,6 +19,7 @@ import simplejpeg
 import torch
 
 import stoker
+from stoker.device import DeviceOptions
 from stoker.errors import ConfigError, LoaderTimeoutError, SampleError
 from stoker.loader import Loader
 from test_loader import TRAIN, build_packed
@@ -98,7 +99,8 @@ def wait_threads_gone(before: int, timeout: float = 5.0) -> int:
 
 def test_normalized_nchw_batches_match_the_uint8_batches(packed: Path) -> None:
     ref = reference(Loader(packed, 16, transforms=TRAIN, seed=3, num_threads=2))
-    got = Loader(packed, 16, transforms=TRAIN, seed=3, num_threads=2, device="cpu", normalize="imagenet")
+    got = Loader(packed, 16, transforms=TRAIN, seed=3, num_threads=2,
+                 device=DeviceOptions("cpu", normalize="imagenet"))
     batches = list(got)
     assert len(batches) == len(ref)
     for (x, y), (rx, ry) in zip(batches, ref):
@@ -111,8 +113,8 @@ def test_normalized_nchw_batches_match_the_uint8_batches(packed: Path) -> None:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_channels_last(packed: Path, dtype: torch.dtype) -> None:
     ref = reference(Loader(packed, 16, transforms=TRAIN, seed=1, num_threads=2))
-    got = list(Loader(packed, 16, transforms=TRAIN, seed=1, num_threads=2, device="cpu", normalize=(MEAN, STD),
-                      dtype=dtype, memory_format="channels_last"))
+    got = list(Loader(packed, 16, transforms=TRAIN, seed=1, num_threads=2,
+                      device=DeviceOptions("cpu", normalize=(MEAN, STD), dtype=dtype, memory_format="channels_last")))
     for (x, _), (rx, _) in zip(got, ref):
         assert x.dtype == dtype and x.is_contiguous(memory_format=torch.channels_last)
         tol = 1e-2 if dtype is torch.float16 else 3e-2
@@ -120,22 +122,25 @@ def test_half_precision_channels_last(packed: Path, dtype: torch.dtype) -> None:
 
 
 def test_same_seed_same_bits_for_any_thread_count_and_prefetch_on_a_device(packed: Path) -> None:
+    opts = DeviceOptions("cpu", normalize="imagenet")
     runs = [[x.clone() for x, _ in Loader(packed, 8, transforms=TRAIN, seed=5, num_threads=t, prefetch=p,
-                                         device="cpu", normalize="imagenet")] for t, p in ((1, 1), (2, 3), (4, 2))]
+                                          device=opts)] for t, p in ((1, 1), (2, 3), (4, 2))]
     for other in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
 
 
 def test_batches_stay_valid_after_the_next_step(packed: Path) -> None:
     """Device batches are fresh tensors: unlike ring slots, they may be kept across steps."""
-    kept = list(Loader(packed, 8, transforms=TRAIN, seed=2, device="cpu", dtype=torch.uint8))
-    again = [x.clone() for x, _ in Loader(packed, 8, transforms=TRAIN, seed=2, device="cpu", dtype=torch.uint8)]
+    kept = list(Loader(packed, 8, transforms=TRAIN, seed=2, device=DeviceOptions("cpu", dtype=torch.uint8)))
+    again = [x.clone() for x, _ in Loader(packed, 8, transforms=TRAIN, seed=2,
+                                          device=DeviceOptions("cpu", dtype=torch.uint8))]
     assert all(torch.equal(a, b) for (a, _), b in zip(kept, again))
     assert kept[0][0].shape[1] == 3  # uint8, but laid out NCHW
 
 
 def test_extras_and_resume_work_with_a_device(packed: Path) -> None:
-    loader = Loader(packed, 8, transforms=TRAIN, seed=4, columns=["weight"], device="cpu", normalize="imagenet")
+    loader = Loader(packed, 8, transforms=TRAIN, seed=4, columns=["weight"],
+                    device=DeviceOptions("cpu", normalize="imagenet"))
     full = [(x.clone(), y.clone(), e) for x, y, e in loader]
     assert all(e["weight"] == pytest.approx([v / 10 for v in y.tolist()]) for _, y, e in full)
     loader.set_epoch(0)
@@ -143,7 +148,8 @@ def test_extras_and_resume_work_with_a_device(packed: Path) -> None:
     next(it), next(it)
     state = loader.state_dict()
     it.close()
-    fresh = Loader(packed, 8, transforms=TRAIN, seed=4, columns=["weight"], device="cpu", normalize="imagenet")
+    fresh = Loader(packed, 8, transforms=TRAIN, seed=4, columns=["weight"],
+                   device=DeviceOptions("cpu", normalize="imagenet"))
     fresh.load_state_dict(state)
     rest = list(fresh)
     assert len(rest) == len(full) - 2
@@ -151,37 +157,53 @@ def test_extras_and_resume_work_with_a_device(packed: Path) -> None:
 
 
 def test_prefetch_over_a_loader_equals_the_loaders_own_device_stage(packed: Path) -> None:
-    own = [x.clone() for x, _ in Loader(packed, 8, transforms=TRAIN, seed=6, device="cpu", normalize="imagenet")]
-    wrapped = [x.clone() for x, _ in stoker.prefetch(Loader(packed, 8, transforms=TRAIN, seed=6), "cpu",
-                                                     normalize="imagenet")]
+    own = [x.clone() for x, _ in Loader(packed, 8, transforms=TRAIN, seed=6,
+                                        device=DeviceOptions("cpu", normalize="imagenet"))]
+    wrapped = [x.clone() for x, _ in stoker.prefetch(Loader(packed, 8, transforms=TRAIN, seed=6),
+                                                     DeviceOptions("cpu", normalize="imagenet"))]
     assert len(own) == len(wrapped) and all(torch.equal(a, b) for a, b in zip(own, wrapped))
     with pytest.raises(ConfigError, match="already delivers"):
         list(stoker.prefetch(Loader(packed, 8, transforms=TRAIN, device="cpu"), "cpu"))
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"normalize": "imagenet"}, "normalize apply to batches on a device"),
-    ({"dtype": torch.float16, "memory_format": "channels_last"}, "dtype, memory_format"),
-    ({"decode": "gpu"}, "decode='gpu' needs device='cuda'"),
-    ({"decode": "nvjpeg"}, "decode must be one of"),
+    ({"device": "cpu", "decode": "nvjpeg"}, "decode must be one of"),
     ({"device": "cpu", "decode": "gpu"}, "needs a CUDA device"),
     ({"device": "cpu", "decode": "gpu", "gpu_decoder": 42}, "gpu_decoder must be"),
+    ({"device": "cpu", "normalize": (0.5, 120)}, "looks like 0-255 units"),
+    ({"device": "cpu", "normalize": "imagenet", "dtype": "uint8"}, "uint8 cannot hold normalized values"),
 ])
 def test_bad_device_settings_name_the_fix(packed: Path, kwargs: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
-        Loader(packed, 8, transforms=TRAIN, **kwargs)
+        Loader(packed, 8, transforms=TRAIN, device=DeviceOptions(**kwargs))
+
+
+@pytest.mark.parametrize("device, match", [(2.5, "device must be 'cuda'"), ("tpu", "device='tpu'"),
+                                           (True, "device must be 'cuda'")])
+def test_a_bad_device_value_is_refused_by_the_loader(packed: Path, device: object, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        Loader(packed, 8, transforms=TRAIN, device=device)
+
+
+def test_a_device_string_means_uint8_nchw_batches_there(packed: Path) -> None:
+    ref = reference(Loader(packed, 8, transforms=TRAIN, seed=2))
+    loader = Loader(packed, 8, transforms=TRAIN, seed=2, device="cpu")
+    assert loader.device == DeviceOptions("cpu")
+    for (x, _), (rx, _) in zip(loader, ref):
+        assert x.dtype == torch.uint8 and torch.equal(x, rx.permute(0, 3, 1, 2))
 
 
 def test_gpu_decode_refuses_user_callables(packed: Path) -> None:
     def solarize(img: np.ndarray) -> np.ndarray:
         return 255 - img
     with pytest.raises(ConfigError, match="solarize work on numpy arrays"):
-        Loader(packed, 8, transforms=[*TRAIN, solarize], device="cpu", decode="gpu", gpu_decoder=CpuJpegDecoder())
+        Loader(packed, 8, transforms=[*TRAIN, solarize], device=DeviceOptions("cpu", decode="gpu",
+                                                                              gpu_decoder=CpuJpegDecoder()))
 
 
 def test_shutdown_with_a_device_thread(packed: Path) -> None:
     before = worker_threads()
-    loader = Loader(packed, 4, transforms=TRAIN, num_threads=2, device="cpu", normalize="imagenet")
+    loader = Loader(packed, 4, transforms=TRAIN, num_threads=2, device=DeviceOptions("cpu", normalize="imagenet"))
     for _ in loader:  # exhaustion
         pass
     assert wait_threads_gone(before) == before
@@ -202,7 +224,8 @@ def test_shutdown_with_a_device_thread(packed: Path) -> None:
 def test_a_stalled_device_stage_times_out_and_stops(packed: Path) -> None:
     before = worker_threads()
     slow = CpuJpegDecoder(delay_s=3.0)
-    loader = Loader(packed, 8, transforms=TRAIN, device="cpu", decode="gpu", gpu_decoder=slow, timeout=0.5)
+    loader = Loader(packed, 8, transforms=TRAIN, device=DeviceOptions("cpu", decode="gpu", gpu_decoder=slow),
+                    timeout=0.5)
     t0 = time.monotonic()
     with pytest.raises(LoaderTimeoutError, match="nothing reached the device"):
         next(iter(loader))
@@ -215,8 +238,8 @@ def test_a_stalled_device_stage_times_out_and_stops(packed: Path) -> None:
 def test_gpu_decode_path_crops_like_the_cpu_path(packed: Path) -> None:
     ref = reference(Loader(packed, 16, transforms=TRAIN, seed=7, num_threads=2))
     dec = CpuJpegDecoder()
-    loader = Loader(packed, 16, transforms=TRAIN, seed=7, num_threads=2, device="cpu", dtype=torch.uint8,
-                    decode="gpu", gpu_decoder=dec)
+    loader = Loader(packed, 16, transforms=TRAIN, seed=7, num_threads=2,
+                    device=DeviceOptions("cpu", dtype=torch.uint8, decode="gpu", gpu_decoder=dec))
     got = [(x.clone(), y.clone()) for x, y in loader]
     for (x, y), (rx, ry) in zip(got, ref):
         assert torch.equal(y, ry)
@@ -228,12 +251,13 @@ def test_gpu_decode_path_crops_like_the_cpu_path(packed: Path) -> None:
 
 
 def test_gpu_decode_failures_fall_back_to_the_cpu_per_sample(packed: Path) -> None:
-    ref = reference(Loader(packed, 60, transforms=TRAIN, seed=8, shuffle=False))
+    ref = reference(Loader(packed, 60, transforms=TRAIN, seed=8, order="sequential"))
     from stoker.reader import open_dataset
     with open_dataset(packed) as ds:
         sizes = {len(ds.sample(i).data) for i in (0, 1, 2)}
-    loader = Loader(packed, 60, transforms=TRAIN, seed=8, shuffle=False, device="cpu", dtype=torch.uint8,
-                    decode="gpu", gpu_decoder=CpuJpegDecoder(fail_sizes=sizes))
+    loader = Loader(packed, 60, transforms=TRAIN, seed=8, order="sequential",
+                    device=DeviceOptions("cpu", dtype=torch.uint8, decode="gpu",
+                                         gpu_decoder=CpuJpegDecoder(fail_sizes=sizes)))
     (x, y), = list(loader)
     assert loader.stats.gpu_fallbacks == 3
     rx = ref[0][0].permute(0, 3, 1, 2)
@@ -243,80 +267,23 @@ def test_gpu_decode_failures_fall_back_to_the_cpu_per_sample(packed: Path) -> No
 
 
 def test_gpu_decode_corrupt_samples_raise_or_are_replaced_like_the_cpu_path(packed_bad: Path) -> None:
-    kw = dict(transforms=TRAIN, seed=9, device="cpu", dtype=torch.uint8, decode="gpu")
+    opts = DeviceOptions("cpu", dtype=torch.uint8, decode="gpu", gpu_decoder=CpuJpegDecoder())
     with pytest.raises(SampleError, match=r"img/0009|img/0017"):
-        list(Loader(packed_bad, 8, gpu_decoder=CpuJpegDecoder(), **kw))
+        list(Loader(packed_bad, 8, transforms=TRAIN, seed=9, device=opts))
     cpu = Loader(packed_bad, 8, transforms=TRAIN, seed=9, on_error="skip")
     ref_labels = [y.clone() for _, y in cpu]
-    gpu = Loader(packed_bad, 8, gpu_decoder=CpuJpegDecoder(), on_error="skip", **kw)
+    gpu = Loader(packed_bad, 8, transforms=TRAIN, seed=9, on_error="skip", device=opts)
     labels = [y.clone() for _, y in gpu]
     assert all(torch.equal(a, b) for a, b in zip(labels, ref_labels))  # the same stand-ins
     assert gpu.stats.skipped == cpu.stats.skipped == 2
 
 
 def test_gpu_decode_is_deterministic_across_thread_counts(packed: Path) -> None:
-    runs = [[x.clone() for x, _ in Loader(packed, 8, transforms=TRAIN, seed=10, num_threads=t, device="cpu",
-                                         dtype=torch.uint8, decode="gpu", gpu_decoder=CpuJpegDecoder())]
+    runs = [[x.clone() for x, _ in Loader(packed, 8, transforms=TRAIN, seed=10, num_threads=t,
+                                          device=DeviceOptions("cpu", dtype=torch.uint8, decode="gpu",
+                                                               gpu_decoder=CpuJpegDecoder()))]
             for t in (1, 3)]
     assert all(torch.equal(a, b) for a, b in zip(*runs))
-
-
-# ---- the Feeder: a slot goes back to the workers only after its copy finished ----------------
-
-class _SlowFence:
-    def __init__(self, log: list, b: int) -> None:
-        self.log, self.b = log, b
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self, timeout: float, stop: threading.Event | None = None) -> None:
-        time.sleep(0.03)  # the copy is still running
-        self.log.append(("copied", self.b))
-
-
-class _FakeStage:
-    def __init__(self, log: list) -> None:
-        self.log = log
-
-    def context(self):
-        import contextlib
-        return contextlib.nullcontext()
-
-    def fence(self) -> _SlowFence:
-        return _SlowFence([], -1)
-
-    def handoff(self, batch, fence):
-        return batch
-
-
-def test_feeder_returns_a_slot_to_the_workers_only_after_its_copy_finished() -> None:
-    from stoker.slots import BatchRing, Feeder, Run
-
-    log: list = []
-    ring = BatchRing(2, 4, 2, 2, label_dtype=None, pin_memory=False)
-
-    def prepare(b, slot):
-        log.append(("fill", b))
-
-    def fill(plan, row, slot, scratch, times):
-        slot.images_np[row] = slot.batch
-
-    def build(slot):
-        log.append(("build", slot.batch))
-        return slot.images.clone(), _SlowFence(log, slot.batch)
-
-    run = Run(ring, [4] * 8, 2, prepare, fill, lambda t, n: None, timeout=10.0)
-    feeder = Feeder(run, _FakeStage(log), build, depth=2, timeout=10.0)
-    run.start(), feeder.start()
-    try:
-        out = [feeder.get(b) for b in range(8)]
-    finally:
-        feeder.stop()
-    assert [int(x[0, 0, 0, 0]) for x in out] == list(range(8))
-    for b in range(6):  # batch b+2 reuses b's slot: it is planned only after b's copy is done
-        assert log.index(("copied", b)) < log.index(("fill", b + 2)), log
-    assert not feeder.thread.is_alive() and run.alive() == 0
 
 
 def test_ctrl_c_inside_the_lock_cannot_strand_the_workers(packed: Path) -> None:
@@ -341,7 +308,7 @@ def test_ctrl_c_inside_the_lock_cannot_strand_the_workers(packed: Path) -> None:
 
 
 def test_profile_reports_the_device_stage(packed: Path) -> None:
-    loader = Loader(packed, 8, transforms=TRAIN, device="cpu", normalize="imagenet")
+    loader = Loader(packed, 8, transforms=TRAIN, device=DeviceOptions("cpu", normalize="imagenet"))
     prof = stoker.profile(loader, verbose=False)
     for _ in prof:
         pass

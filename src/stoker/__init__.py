@@ -32,7 +32,7 @@ _EXPORTS = {
     "open_dataset": "reader",
     "open_loose": "reader",
     "pack": "packing",
-    "prefetch": "device",
+    "prefetch": "prefetcher",
     "profile": "profiling",
     "ProfileReport": "profiling",
     "verify": "audit",

@@ -1,11 +1,16 @@
-"""Small answers every module may share: the CPUs this process may use, and how a measured number
-is written out (JSON null or "-" where it is not a finite number)."""
+"""Small answers every module may share: the CPUs this process may use, the one bounded, stop-aware
+wait that the device fence and the device thread's hand-off poll with, and how a measured number is
+written out (JSON null or "-" where it is not a finite number)."""
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Any
+import threading
+import time
+from typing import Any, Callable
+
+POLL_PAUSE_S = (0.0002, 0.002)  # poll_until: first pause between checks, growing to the second (seconds)
 
 
 def cpu_ids() -> list[int]:
@@ -36,3 +41,25 @@ def json_safe(obj: Any) -> Any:
 def fmt_number(value: float | None, spec: str, suffix: str = "") -> str:
     """`value` formatted with `spec` (e.g. ",.0f") plus `suffix`, or "-" when it is None or not finite."""
     return "-" if value is None or not math.isfinite(value) else f"{value:{spec}}{suffix}"
+
+
+def poll_until(predicate: Callable[[], object], timeout: float | None, *, stop: threading.Event | None = None,
+               on_timeout: Callable[[], BaseException] | None = None,
+               pause: tuple[float, float] = POLL_PAUSE_S) -> bool:
+    """Wait until `predicate()` is true: return True. Return False as soon as `stop` is set first.
+
+    After `timeout` seconds (None: no limit, only `stop` ends the wait) raise `on_timeout()` (default
+    TimeoutError). Polls with short sleeps, 0.2 ms growing to 2 ms, so a wait costs at most ~2 ms of
+    latency and little CPU, and never holds a lock Ctrl-C could strand; used where the thing waited on
+    has no waitable handle (a CUDA event, a lock-free deque)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    wait = pause[0]
+    while not predicate():
+        if stop is not None and stop.is_set():
+            return False
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise on_timeout() if on_timeout is not None else TimeoutError(f"no result after {timeout:g} s")
+        time.sleep(wait if left is None else min(wait, left))
+        wait = min(wait * 2, pause[1])
+    return True

@@ -1,7 +1,12 @@
-"""The device stage: batches to the GPU on a side stream, converted and normalized there.
+"""The device stage: options, conversion, and batches to the GPU on a side stream.
 
-    for images, labels in stoker.prefetch(train_loader, "cuda", normalize="imagenet"):
-        ...                               # images: float32 [B, 3, H, W] on the GPU, already normalized
+    opts = DeviceOptions("cuda", normalize="imagenet", memory_format="channels_last")
+    Loader(src, 256, device=opts)        # or device="cuda": uint8 NCHW batches on the GPU
+
+`DeviceOptions` says where batches go and what they become there (one frozen, self-validating value
+shared by `Loader(device=)` and `stoker.prefetch(device=)`); `convert` turns uint8 or float images into
+normalized float in NCHW or channels_last; `DeviceStage` owns one CUDA copy stream per loader; `Fence`
+marks when a copy is done. The `prefetch()` wrapper for any DataLoader lives in `prefetch.py`.
 
 Batches travel as they come (uint8 images move 4x fewer bytes than float32) on one CUDA stream per
 stage, made once and kept: the caching allocator keeps its memory pools per stream, so a stream per
@@ -20,15 +25,13 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-import time
-import weakref
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Iterable, Iterator
+from typing import Any, ContextManager, Iterator
 
 import numpy as np
 import torch
 
+from ._system import poll_until
 from .errors import ConfigError, LoaderTimeoutError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -44,11 +47,8 @@ _FORMATS = {
     "contiguous": torch.contiguous_format, "nchw": torch.contiguous_format,
     "channels_last": torch.channels_last, "nhwc": torch.channels_last,
 }
-_IMAGE_KEYS = ("image", "images", "img", "pixel_values", "x")  # dict keys tried, in order, by images=None
-_LAYOUTS = ("nchw", "nhwc")
-_POLL_MIN_S = 0.0002  # Fence.wait: first pause between event queries, seconds
-_POLL_MAX_S = 0.002  # ... growing to this, so a wait costs at most ~2 ms of latency and little CPU
-_CLOSE_WAIT_S = 10.0  # Prefetcher: longest wait for in-flight copies before dropping their CPU batches
+LAYOUTS = ("nchw", "nhwc")
+DECODES = ("cpu", "gpu")  # where JPEGs are decoded (DeviceOptions.decode)
 
 
 # ---- options --------------------------------------------------------------------------------
@@ -154,27 +154,54 @@ def _parse_memory_format(memory_format: Any) -> torch.memory_format:
 
 @dataclass(frozen=True)
 class DeviceOptions:
-    """Where batches go and what they become there. Build with `DeviceOptions.make(...)`, which
-    accepts shorthand and checks it; the fields hold the resolved values."""
+    """Where batches go and what they become there: one value for `Loader(device=)` and `prefetch(device=)`.
 
-    device: torch.device
-    normalize: tuple[tuple[float, ...], tuple[float, ...]] | None  # (mean, std) in 0..1 units
-    dtype: torch.dtype  # float32 when normalize is set and no dtype was given, else uint8
-    memory_format: torch.memory_format  # torch.contiguous_format (plain NCHW) or torch.channels_last
+    Frozen and self-validating: shorthand is accepted and resolved when it is made, so a bad value
+    fails at construction with a message that names the fix, and the fields hold resolved values.
+
+    device: "cuda", "cuda:1", an int GPU index, a torch.device or "cpu" ("cuda" = the current GPU).
+    normalize: None, "imagenet" or (mean, std), 1 value or one per channel each, in 0..1 units.
+    dtype: float32/float16/bfloat16/uint8 as a torch dtype or name; default float32 with normalize,
+        else uint8 (a float dtype without normalize gives x / 255, like ToTensor).
+    memory_format: None/"contiguous"/"nchw" or "channels_last" (or the torch memory formats).
+    decode: "cpu" (JPEGs decoded by the worker threads) or "gpu" (nvJPEG on the device thread, with the
+        CPU's crop plan; a Loader only; CUDA only, unless gpu_decoder is an object).
+    gpu_decoder: with decode="gpu", "auto", "torchvision", "nvimgcodec" or an object with a
+        `decode(list_of_uint8_tensors)` method.
+
+    A plain device string anywhere a DeviceOptions is accepted means `DeviceOptions(device=that)`:
+    uint8 images, NCHW, decoded on the CPU (`as_device_options`)."""
+
+    device: Any = "cuda"
+    normalize: Any = None  # resolved: (mean, std) tuples in 0..1 units, or None
+    dtype: Any = None  # resolved: a torch.dtype
+    memory_format: Any = None  # resolved: torch.contiguous_format (plain NCHW) or torch.channels_last
+    decode: str = "cpu"
+    gpu_decoder: Any = field(default="auto", hash=False)
     # (scale, shift) constants [1, C, 1, 1] in float32, one pair per (device, input kind); made on first
     # use and kept, so no batch builds them again
     _constants: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
-    @classmethod
-    def make(cls, device: Any = "cuda", normalize: Any = None, dtype: Any = None,
-             memory_format: Any = None) -> "DeviceOptions":
-        """device: "cuda", "cuda:1", an int GPU index, a torch.device or "cpu" ("cuda" = the current GPU).
-        normalize: None, "imagenet" or (mean, std), 1 value or one per channel each, in 0..1 units.
-        dtype: float32/float16/bfloat16/uint8 as a torch dtype or name; default float32 with normalize,
-        else uint8 (a float dtype without normalize gives x / 255, like ToTensor).
-        memory_format: None/"contiguous"/"nchw" or "channels_last" (or the torch memory formats)."""
-        norm = _parse_normalize(normalize)
-        return cls(parse_device(device), norm, _parse_dtype(dtype, norm), _parse_memory_format(memory_format))
+    def __post_init__(self) -> None:
+        norm = _parse_normalize(self.normalize)
+        resolved = {"device": parse_device(self.device), "normalize": norm,
+                    "dtype": _parse_dtype(self.dtype, norm), "memory_format": _parse_memory_format(self.memory_format)}
+        for name, value in resolved.items():
+            object.__setattr__(self, name, value)
+        if self.decode not in DECODES:
+            raise ConfigError(f"decode must be one of {DECODES}, got {self.decode!r}")
+        if self.decode == "gpu":
+            if isinstance(self.gpu_decoder, str) and not self.is_cuda:
+                raise ConfigError(f"decode='gpu' needs a CUDA device, got device={self.device}; use decode='cpu'")
+            if not isinstance(self.gpu_decoder, str) and not callable(getattr(self.gpu_decoder, "decode", None)):
+                raise ConfigError(f"gpu_decoder must be 'auto', 'torchvision', 'nvimgcodec' or an object with a "
+                                  f"decode(list_of_tensors) method, got {self.gpu_decoder!r}")
+
+    @property
+    def converts(self) -> bool:
+        """True when the images change on the device (normalized, a float dtype or channels_last), not only move."""
+        return (self.normalize is not None or self.dtype != torch.uint8
+                or self.memory_format != torch.contiguous_format)
 
     @property
     def is_cuda(self) -> bool:
@@ -199,6 +226,14 @@ class DeviceOptions:
         return cached
 
 
+def as_device_options(device: Any) -> DeviceOptions | None:
+    """The one reading of a `device=` argument: None stays None (uint8 batches on the CPU, no device
+    stage); a DeviceOptions is used as is; anything else is a device (`DeviceOptions(device=that)`)."""
+    if device is None or isinstance(device, DeviceOptions):
+        return device
+    return DeviceOptions(device=device)
+
+
 # ---- conversion -----------------------------------------------------------------------------
 def convert(images: torch.Tensor, opts: DeviceOptions, *, layout: str = "nhwc") -> torch.Tensor:
     """Images already on opts.device, uint8 or float, [B, H, W, C] (layout "nhwc") or [B, C, H, W] ("nchw")
@@ -208,7 +243,7 @@ def convert(images: torch.Tensor, opts: DeviceOptions, *, layout: str = "nhwc") 
     the /255 (uint8 input to a float dtype). Arithmetic in float32, cast at the end. A uint8 output is a
     layout change only (no copy when NHWC input is asked for as channels_last). On the GPU, call it
     inside DeviceStage.context() so it runs on the copy stream."""
-    if layout not in _LAYOUTS:
+    if layout not in LAYOUTS:
         raise ConfigError(f"layout must be 'nhwc' or 'nchw', got {layout!r}")
     if images.dim() != 4:
         raise ConfigError(f"images must be a 4-D batch ({layout.upper()}), got shape {tuple(images.shape)}")
@@ -266,19 +301,11 @@ class Fence:
     def wait(self, timeout: float, stop: threading.Event | None = None) -> None:
         """Return once done; return early (no error) when `stop` is set; LoaderTimeoutError after `timeout` s.
 
-        Polls with short sleeps (0.2 ms growing to 2 ms) rather than event.synchronize(), which would
-        block the host with no way to honour the timeout or the stop flag."""
-        pause = _POLL_MIN_S
-        deadline = time.monotonic() + timeout
-        while not self.done():
-            if stop is not None and stop.is_set():
-                return
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise LoaderTimeoutError(f"{self.what} had not finished after {timeout:g} s; the GPU may be hung "
-                                         f"or its copy engine starved by other work")
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, _POLL_MAX_S)
+        Polls (`_system.poll_until`) rather than event.synchronize(), which would block the host with
+        no way to honour the timeout or the stop flag."""
+        poll_until(self.done, timeout, stop=stop, on_timeout=lambda: LoaderTimeoutError(
+            f"{self.what} had not finished after {timeout:g} s; the GPU may be hung or its copy engine "
+            f"starved by other work"))
 
 
 def _cuda_tensors(batch: Any) -> Iterator[torch.Tensor]:
@@ -334,239 +361,3 @@ class DeviceStage:
         for t in _cuda_tensors(batch):
             t.record_stream(consumer)
         return batch
-
-
-# ---- prefetch -------------------------------------------------------------------------------
-def _rebuild(container: Any, items: list[Any]) -> Any:
-    """A tuple, namedtuple or list like `container` holding `items`."""
-    if isinstance(container, tuple):
-        return type(container)(*items) if hasattr(container, "_fields") else tuple(items)
-    try:
-        return type(container)(items)
-    except TypeError:  # a list subclass whose constructor wants something else
-        return list(items)
-
-
-def _rebuild_dict(container: dict, items: dict) -> dict:
-    try:
-        return type(container)(items)
-    except TypeError:  # e.g. defaultdict, whose first argument is the factory
-        return dict(items)
-
-
-def _as_tensor(leaf: Any) -> torch.Tensor | None:
-    if isinstance(leaf, torch.Tensor):
-        return leaf
-    if isinstance(leaf, np.ndarray) and leaf.dtype.kind in "biufc":
-        # torch.from_numpy shares memory and warns on read-only arrays; those get a private copy
-        return torch.from_numpy(leaf if leaf.flags.writeable else leaf.copy())
-    return None
-
-
-def _walk(batch: Any, fn: Any) -> Any:
-    """`fn` applied to every tensor (numpy arrays become tensors first); containers rebuilt, other leaves kept."""
-    t = _as_tensor(batch)
-    if t is not None:
-        return fn(t)
-    if isinstance(batch, (tuple, list)):
-        return _rebuild(batch, [_walk(item, fn) for item in batch])
-    if isinstance(batch, dict):
-        return _rebuild_dict(batch, {k: _walk(v, fn) for k, v in batch.items()})
-    return batch
-
-
-def _auto_layout(shape: tuple[int, ...]) -> str:
-    first, last = shape[1] in (1, 3, 4), shape[-1] in (1, 3, 4)
-    if first and not last:
-        return "nchw"
-    if last and not first:
-        return "nhwc"
-    why = "both" if first else "neither"
-    raise ConfigError(f"cannot tell the layout of images of shape {shape}: {why} dim 1 and the last dim look like "
-                      f"channels (1, 3 or 4); pass layout='nchw' or layout='nhwc'")
-
-
-class Prefetcher:
-    """Iterates `batches`, one batch ahead, with the next batch's copy (and conversion) overlapping the
-    caller's step on the current one. No threads: everything runs in the consumer's thread.
-
-    Every iter() reads the source anew through one DeviceStage (one copy stream for the Prefetcher's
-    life). The source iterator is closed (when it has close()) on exhaustion, break, errors and close().
-    Exceptions from the source reach the caller unchanged, after the batches that came before them."""
-
-    def __init__(self, batches: Iterable[Any], opts: DeviceOptions, *, convert: bool = True,
-                 images: int | str | None = None, layout: str = "auto") -> None:
-        if layout not in ("auto", *_LAYOUTS):
-            raise ConfigError(f"layout must be 'auto', 'nchw' or 'nhwc', got {layout!r}")
-        if images is not None and (isinstance(images, bool) or not isinstance(images, (int, str))):
-            raise ConfigError(f"images must be None (auto), an int index or a str key, got {images!r}")
-        self.source = batches
-        self.opts = opts
-        self.images, self.layout, self._convert = images, layout, bool(convert)
-        self._delegate = callable(getattr(batches, "_stoker_device_iter", None))
-        if self._delegate and (images is not None or layout != "auto"):
-            raise ConfigError("images= and layout= do not apply to a stoker.Loader, which knows its own batches; "
-                              "drop them")
-        # a stoker.Loader reuses its pinned batch memory, so it does the device copy itself
-        self.stage: DeviceStage | None = None if self._delegate else DeviceStage(opts)
-        self._live: weakref.WeakSet = weakref.WeakSet()
-
-    def __len__(self) -> int:
-        try:
-            return len(self.source)  # type: ignore[arg-type]
-        except TypeError:
-            raise TypeError(f"the source ({type(self.source).__name__}) has no len()") from None
-
-    def __iter__(self) -> Iterator[Any]:
-        gen = self._run_delegate() if self._delegate else self._run()
-        self._live.add(gen)
-        return gen
-
-    def close(self) -> None:
-        """End every iteration in progress (closing its source iterator). A later iter() starts afresh."""
-        for gen in list(self._live):
-            gen.close()
-
-    def __enter__(self) -> "Prefetcher":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    # ---- the passes ---------------------------------------------------------------------------
-    def _run_delegate(self) -> Iterator[Any]:
-        it = iter(self.source._stoker_device_iter(self.opts))  # type: ignore[attr-defined]
-        try:
-            for batch in it:  # not `yield from`, which would close `it` a second time on break
-                yield batch
-        finally:
-            _close(it)
-
-    def _run(self) -> Iterator[Any]:
-        stage = self.stage
-        assert stage is not None
-        it = iter(self.source)
-        inflight: deque[tuple[Fence, Any]] = deque()  # (fence, CPU batch): kept alive until its copy is done
-        try:
-            current = self._stage_next(it, stage, inflight)
-            while current is not None:
-                error: Exception | None = None
-                try:
-                    # batch k+1 goes on the copy stream before batch k is handed over, so its copy
-                    # overlaps the caller's step on batch k
-                    following = self._stage_next(it, stage, inflight)
-                except Exception as exc:  # raised after batch k is delivered, in its place in the stream
-                    error, following = exc, None
-                out, fence = current
-                current = None
-                yield stage.handoff(out, fence)
-                del out  # the caller's reference is the only one left
-                while inflight and inflight[0][0].done():
-                    inflight.popleft()
-                if error is not None:
-                    try:
-                        raise error
-                    finally:
-                        error = None
-                current = following
-        finally:
-            _close(it)
-            for fence, _ in inflight:
-                try:
-                    fence.wait(_CLOSE_WAIT_S)
-                except Exception:  # stuck or failed GPU: pinned memory stays guarded by torch's host allocator
-                    break
-            inflight.clear()
-
-    def _stage_next(self, it: Iterator[Any], stage: DeviceStage,
-                    inflight: deque[tuple[Fence, Any]]) -> tuple[Any, Fence] | None:
-        try:
-            cpu = next(it)
-        except StopIteration:
-            return None
-        with stage.context():
-            out = self._move(cpu, stage)
-            fence = stage.fence()
-        inflight.append((fence, cpu))
-        return out, fence
-
-    # ---- one batch ------------------------------------------------------------------------------
-    def _move(self, batch: Any, stage: DeviceStage) -> Any:
-        if not self._convert:
-            return _walk(batch, stage.upload)
-        if _as_tensor(batch) is not None:
-            if self.images is not None:
-                raise ConfigError(f"images={self.images!r} picks one item of a batch, but the batches are single "
-                                  f"tensors; drop images=")
-            return self._convert_leaf(batch, stage, "the batch")
-        key = self._image_key(batch)
-        if isinstance(batch, dict):
-            return _rebuild_dict(batch, {k: (self._convert_leaf(v, stage, f"batch[{k!r}]") if k == key
-                                             else _walk(v, stage.upload)) for k, v in batch.items()})
-        return _rebuild(batch, [self._convert_leaf(v, stage, f"batch[{i}]") if i == key else _walk(v, stage.upload)
-                                for i, v in enumerate(batch)])
-
-    def _image_key(self, batch: Any) -> int | str:
-        """Which item of the batch holds the images (normalized to a position for tuples and lists)."""
-        sel = self.images
-        if isinstance(batch, dict):
-            keys = list(batch)
-            if sel is None:
-                for k in _IMAGE_KEYS:
-                    if k in batch:
-                        return k
-                raise ConfigError(f"batches are dicts with keys {keys} and none of {list(_IMAGE_KEYS)}; "
-                                  f"pass images='<key of the image tensor>'")
-            if sel not in batch:
-                raise ConfigError(f"images={sel!r}: no such key in the batch; its keys are {keys}")
-            return sel
-        if isinstance(batch, (tuple, list)):
-            n = len(batch)
-            if sel is None:
-                sel = 0
-            elif isinstance(sel, str):
-                fields = getattr(batch, "_fields", None)
-                if fields is None:
-                    raise ConfigError(f"images={sel!r} is a key, but the batches are {type(batch).__name__}s; "
-                                      f"pass an int index")
-                if sel not in fields:
-                    raise ConfigError(f"images={sel!r}: no such field; the batch's fields are {list(fields)}")
-                sel = fields.index(sel)
-            if not -n <= sel < n:
-                raise ConfigError(f"images={self.images!r}: out of range for batches of {n} items")
-            return sel % n
-        raise ConfigError(f"cannot find the images in a batch of type {type(batch).__name__}; prefetch understands "
-                          f"tensors, tuples, lists, namedtuples and dicts (pass images= to pick the item)")
-
-    def _convert_leaf(self, leaf: Any, stage: DeviceStage, where: str) -> torch.Tensor:
-        t = _as_tensor(leaf)
-        if t is None:
-            raise ConfigError(f"{where} should be the image tensor but is a {type(leaf).__name__}; "
-                              f"pass images= to pick the item that holds the images")
-        if t.dim() != 4:
-            raise ConfigError(f"{where} should be a 4-D image batch but has shape {tuple(t.shape)}; "
-                              f"pass images= to pick the item that holds the images")
-        layout = _auto_layout(tuple(t.shape)) if self.layout == "auto" else self.layout
-        return stage.convert(stage.upload(t), layout)
-
-
-def _close(it: Any) -> None:
-    close = getattr(it, "close", None)
-    if callable(close):
-        close()
-
-
-def prefetch(batches: Iterable[Any], device: Any = "cuda", *, normalize: Any = None, dtype: Any = None,
-             memory_format: Any = None, images: int | str | None = None, layout: str = "auto") -> Prefetcher:
-    """Wrap any iterable of batches (a torch DataLoader, a list, a generator) so each batch arrives on
-    `device`, copied on a side stream one batch ahead of the training step.
-
-    Every tensor of a batch (tensor, tuple, list, namedtuple or dict, nested; numpy arrays too) goes to the
-    device; other leaves pass unchanged. With normalize, dtype or memory_format, the image tensor
-    (`images`: None = the batch itself, item 0, or the first of the dict keys "image", "images", "img",
-    "pixel_values", "x"; or an int index / str key) is also converted (see `convert`); `layout` says
-    whether it is "nchw" or "nhwc" ("auto": decided from which dim has 1, 3 or 4 entries).
-    A stoker.Loader is handed the options and does the device copy itself."""
-    opts = DeviceOptions.make(device, normalize=normalize, dtype=dtype, memory_format=memory_format)
-    wants = any(v is not None for v in (normalize, dtype, memory_format))
-    return Prefetcher(batches, opts, convert=wants, images=images, layout=layout)

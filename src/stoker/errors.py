@@ -13,6 +13,8 @@ and which file, shard, row or sample it concerns.
     │   ├── ShardError                    a shard missing, truncated, not Arrow, or bad checksum
     │   └── IncompletePackError           a pack that has not finished (no manifest yet)
     ├── SampleError (RuntimeError)        loading one sample failed inside the Loader
+    ├── LoaderClosedError (RuntimeError)  the loader was closed while a batch was awaited
+    ├── WorkerError (RuntimeError)        a loader thread died outside any one sample
     └── LoaderTimeoutError (TimeoutError) a wait for data exceeded its timeout
 """
 
@@ -97,3 +99,12 @@ class SampleError(StokerError, RuntimeError):
 
 class LoaderTimeoutError(StokerError, TimeoutError):
     """A wait for data took longer than the Loader's timeout; the message says where."""
+
+
+class LoaderClosedError(StokerError, RuntimeError):
+    """The loader (or one pass over it) was closed while the training loop waited for a batch."""
+
+
+class WorkerError(StokerError, RuntimeError):
+    """A loader thread (a worker or the device thread) ended outside any one sample's work; the
+    thread's own exception, with its traceback, is `__cause__` when there is one."""

@@ -10,18 +10,22 @@ its crop allows and resize it straight into its row of a preallocated (pinned) b
 A yielded batch lives in a ring slot: it is valid until the next iteration step (`.clone()` it to
 keep it).
 
-With `device="cuda"` a device thread copies each finished slot to the GPU on the loader's copy
-stream and converts it there (float, normalized, NCHW or channels_last), a batch ahead of the
-training loop; with `decode="gpu"` that thread also decodes the JPEGs with nvJPEG and crops them
-on the GPU with the same crop plan the CPU path uses.
+With `device="cuda"` (or a `DeviceOptions`) a device thread copies each finished slot to the GPU on
+the loader's copy stream and converts it there (float, normalized, NCHW or channels_last), a batch
+ahead of the training loop; with `DeviceOptions(decode="gpu")` that thread also decodes the JPEGs with
+nvJPEG and crops them on the GPU with the same crop plan the CPU path uses.
+
+The Loader only glues: it resolves its arguments into a frozen `render.RenderSpec` and hands that,
+with the dataset, the device stage and the GPU decoder it owns, to the stages; none of them calls back.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import warnings
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -32,34 +36,15 @@ from ._system import usable_cpus
 from .errors import ConfigError
 from .order import ORDERS, epoch_order, num_batches, rank_indices, samples_per_rank
 from .reader import Dataset, PackedDataset, open_dataset, open_loose
-from .render import DeviceBuilder, Filler
+from .device import DeviceOptions, DeviceStage, as_device_options
+from .render import DeviceBuilder, Filler, RenderSpec
 from .shards import MANIFEST_NAME, looks_like_partial_pack
-from .slots import BatchRing, Feeder, Run, Slot
+from .slots import BatchRing, Feeder, LoaderStats, Run, Slot
 from .transforms import Pipeline
 
+__all__ = ["Loader", "LoaderStats"]
+
 _STATE_FORMAT = "stoker.Loader/1"
-DECODES = ("cpu", "gpu")  # where JPEGs are decoded (decode=)
-
-
-@dataclass
-class LoaderStats:
-    """Counters of a Loader since it was made. Stage times are summed over worker threads (seconds)."""
-
-    samples: int = 0
-    batches: int = 0
-    skipped: int = 0  # failed samples replaced under on_error="skip"
-    skipped_keys: list[str] = field(default_factory=list)  # the first 100 of them
-    read_s: float = 0.0  # getting the stored bytes (mmap view, or a file read for loose data)
-    decode_s: float = 0.0
-    augment_s: float = 0.0  # crop, resize, flip, user transforms, writing into the batch
-    worker_wait_s: float = 0.0  # workers waiting for a free slot (the consumer is the bottleneck)
-    consumer_wait_s: float = 0.0  # the training loop waiting for a batch (the loader is the bottleneck)
-    device_s: float = 0.0  # the device thread building batches: uploads, conversion, GPU decode submission
-    gpu_decoded: int = 0  # samples decoded on the GPU (decode="gpu")
-    gpu_fallbacks: int = 0  # JPEGs the GPU could not decode, decoded on the CPU instead
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items()}
 
 
 def _open_source(source: str | Path | Dataset) -> tuple[Dataset, bool]:
@@ -71,33 +56,13 @@ def _open_source(source: str | Path | Dataset) -> tuple[Dataset, bool]:
     return open_loose(path), True
 
 
-def _device_options(device: Any, normalize: Any, dtype: Any, memory_format: Any, decode: str, gpu_decoder: Any,
-                    pipeline: Pipeline) -> Any:
+def _device_options(device: Any, pipeline: Pipeline) -> DeviceOptions | None:
     """The loader's DeviceOptions (None: uint8 batches on the CPU), with every bad combination named."""
-    if decode not in DECODES:
-        raise ConfigError(f"decode must be one of {DECODES}, got {decode!r}")
-    if device is None:
-        given = [n for n, v in (("normalize", normalize), ("dtype", dtype), ("memory_format", memory_format))
-                 if v is not None]
-        if given:
-            raise ConfigError(f"{', '.join(given)} apply to batches on a device: pass device='cuda' (or "
-                              f"device='cpu' for converted batches on the CPU)")
-        if decode == "gpu":
-            raise ConfigError("decode='gpu' needs device='cuda' (batches decoded on the GPU stay there)")
-        return None
-    from .device import DeviceOptions
-
-    opts = DeviceOptions.make(device, normalize, dtype, memory_format)
-    if decode == "gpu":
-        if isinstance(gpu_decoder, str) and not opts.is_cuda:
-            raise ConfigError(f"decode='gpu' needs a CUDA device, got device={device!r}; use decode='cpu'")
-        if not isinstance(gpu_decoder, str) and not callable(getattr(gpu_decoder, "decode", None)):
-            raise ConfigError(f"gpu_decoder must be 'auto', 'torchvision', 'nvimgcodec' or an object with a "
-                              f"decode(list_of_tensors) method, got {gpu_decoder!r}")
-        if pipeline.tail:
-            names = ", ".join(op.name for op in pipeline.tail if hasattr(op, "name"))
-            raise ConfigError(f"decode='gpu' runs only stoker's geometric transforms on the GPU; {names} "
-                              f"work on numpy arrays: use decode='cpu' for them")
+    opts = as_device_options(device)
+    if opts is not None and opts.decode == "gpu" and pipeline.tail:
+        names = ", ".join(op.name for op in pipeline.tail if hasattr(op, "name"))
+        raise ConfigError(f"decode='gpu' runs only stoker's geometric transforms on the GPU; {names} "
+                          f"work on numpy arrays: use DeviceOptions(decode='cpu') for them")
     return opts
 
 
@@ -120,20 +85,23 @@ class Loader:
     labels `int64 [B]` (float64 for float labels, a list for string/list labels), plus a dict of
     lists `{column: values}` as a third item when `columns` names extra shard columns.
 
-    With `device` (e.g. "cuda"): images arrive on that device as `[B, 3, H, W]` in `dtype`
-    (default float32 when `normalize` is given, else uint8) and `memory_format` (plain NCHW or
-    `"channels_last"`), normalized with `normalize=(mean, std)` (0..1 units, or `"imagenet"`);
-    numeric labels arrive on the device too. `decode="gpu"` decodes JPEGs on the GPU (nvJPEG via
-    `gpu_decoder`: "auto", "torchvision" or "nvimgcodec"), with the CPU path for everything else.
+    `order`: "random" (a full shuffle per epoch), "sequential" (dataset order) or "shard_random"
+    (shuffled shards, samples shuffled within a window: for remote data). `device`: None (the uint8
+    batches above), a device ("cuda", "cuda:1", "cpu": images `uint8 [B, 3, H, W]` there, numeric
+    labels too) or a `DeviceOptions` (normalize, dtype, memory_format, decode="gpu", gpu_decoder).
     """
 
     def __init__(self, source: str | Path | Dataset, batch_size: int, *, transforms: Sequence[Any] | None = None,
-                 shuffle: bool = True, seed: int = 0, drop_last: bool = False, num_threads: int | None = None,
+                 order: str = "random", seed: int = 0, drop_last: bool = False, num_threads: int | None = None,
                  prefetch: int = 2, columns: Sequence[str] = (), on_error: str = "raise",
-                 rank: int | None = None, world_size: int | None = None, order: str = "random",
-                 pin_memory: bool | None = None, timeout: float = 120.0, device: Any = None,
-                 normalize: Any = None, dtype: Any = None, memory_format: Any = None, decode: str = "cpu",
-                 gpu_decoder: Any = "auto") -> None:
+                 rank: int | None = None, world_size: int | None = None, pin_memory: bool | None = None,
+                 timeout: float = 120.0, device: str | int | torch.device | DeviceOptions | None = None,
+                 shuffle: bool | None = None) -> None:
+        if shuffle is not None:  # the 0.1 spelling, kept while it costs nothing
+            warnings.warn("Loader(shuffle=) is deprecated: pass order='random' or order='sequential'",
+                          DeprecationWarning, stacklevel=2)
+            if not shuffle:
+                order = "sequential"
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size must be a positive int, got {batch_size!r}")
         if on_error not in ("raise", "skip"):
@@ -147,47 +115,46 @@ class Loader:
         if not timeout > 0:
             raise ConfigError(f"timeout must be positive seconds, got {timeout!r}")
         self.pipeline = Pipeline(transforms)
-        self._device_opts = _device_options(device, normalize, dtype, memory_format, decode, gpu_decoder,
-                                            self.pipeline)
-        self.decode, self._gpu_decoder_spec = decode, gpu_decoder
+        self.device = _device_options(device, self.pipeline)
         self.dataset, self._owns_dataset = _open_source(source)
         try:
-            self._setup(batch_size, shuffle, seed, drop_last, num_threads, prefetch, columns, on_error,
+            self._setup(batch_size, seed, drop_last, num_threads, prefetch, columns, on_error,
                         rank, world_size, order, pin_memory, timeout)
         except BaseException:
             self.close()
             raise
 
-    def _setup(self, batch_size: int, shuffle: bool, seed: int, drop_last: bool, num_threads: int | None,
+    def _setup(self, batch_size: int, seed: int, drop_last: bool, num_threads: int | None,
                prefetch: int, columns: Sequence[str], on_error: str, rank: int | None, world_size: int | None,
                order: str, pin_memory: bool | None, timeout: float) -> None:
         ds = self.dataset
-        self.batch_size, self.shuffle, self.seed, self.drop_last = batch_size, bool(shuffle), int(seed), drop_last
+        self.batch_size, self.seed, self.drop_last = batch_size, int(seed), drop_last
         self.num_threads = num_threads or usable_cpus()
         self.prefetch, self.on_error, self.timeout = prefetch, on_error, float(timeout)
-        self.order = order if shuffle else "sequential"
+        self.order = order
         self.columns = tuple(columns)
         missing = [c for c in self.columns if c not in ds.extra_columns]
         if missing:
             raise ConfigError(f"{ds.path}: no column(s) {missing}; the dataset has extra columns {ds.extra_columns}")
         self.rank, self.world_size = _distributed(rank, world_size)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
-        self._stage: Any = None  # the DeviceStage (one copy stream per loader), made on first use
+        self._stage: DeviceStage | None = None  # one copy stream per loader, made on first use
         self._gpu: Any = None  # the GpuBatchDecoder (decode="gpu")
-        if self._device_opts is not None and self.decode == "gpu":
-            self._gpu_for(self._device_opts)  # a missing decoder library fails here, with its install hint
+        if self.device is not None and self.device.decode == "gpu":
+            self._gpu_for(self.device)  # a missing decoder library fails here, with its install hint
         if len(ds) == 0:
             raise ConfigError(f"{ds.path}: the dataset is empty; nothing to load")
-        self._heights = None if ds.heights is None else np.asarray(ds.heights, dtype=np.int64)
-        self._widths = None if ds.widths is None else np.asarray(ds.widths, dtype=np.int64)
-        self.output_size = self._resolve_output_size()
+        heights = None if ds.heights is None else np.asarray(ds.heights, dtype=np.int64)
+        widths = None if ds.widths is None else np.asarray(ds.widths, dtype=np.int64)
+        self.output_size = self._resolve_output_size(heights, widths)
         labels = ds.labels
         if labels.dtype.kind in "iufb":
             # a copy (8 bytes a sample), not a view of the mapped shard: batches are labelled without
             # touching the mapping, which a shard truncated mid-epoch would turn into a SIGBUS
             labels = np.array(labels)
-        self._labels = labels
         self._label_dtype = labels.dtype if labels.dtype.kind in "iufb" else None
+        self._spec = RenderSpec(batch_size, self.output_size, self.pipeline, self.seed, on_error, self.columns,
+                                labels, heights, widths)
         self._shard_rows = [s.rows for s in ds.manifest.shards] if isinstance(ds, PackedDataset) else None
         self._epoch, self._cursor, self._started = 0, 0, False
         self.stats = LoaderStats()
@@ -195,11 +162,10 @@ class Loader:
         self._current: weakref.ref | None = None
         self._lock = threading.RLock()  # re-entrant: Ctrl-C inside its with-statement cannot lock us out
 
-    def _resolve_output_size(self) -> tuple[int, int]:
+    def _resolve_output_size(self, h: np.ndarray | None, w: np.ndarray | None) -> tuple[int, int]:
         fixed = self.pipeline.fixed_size
         if fixed is not None:
             return fixed
-        h, w = self._heights, self._widths
         if h is not None and len(h) and (h == h[0]).all() and (w == w[0]).all():
             return self.pipeline.output_size(int(h[0]), int(w[0]))
         raise ConfigError(f"{self.dataset.path}: images differ in size and the transforms do not end in a fixed "
@@ -256,17 +222,20 @@ class Loader:
 
     # ---- iteration ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[tuple]:
-        return self._iterate(self._device_opts)
+        return self._iterate(self.device)
 
-    def _stoker_device_iter(self, opts: Any) -> Iterator[tuple]:
-        """`stoker.prefetch(loader, device, ...)`: iterate with these device options. The ring's
+    def _stoker_device_iter(self, opts: DeviceOptions) -> Iterator[tuple]:
+        """`stoker.prefetch(loader, device)`: iterate with these device options. The ring's
         pinned memory is reused, so the device copy must happen here, before a slot is refilled."""
-        if self._device_opts is not None:
-            raise ConfigError(f"this Loader already delivers batches to {self._device_opts.device}; iterate it "
+        if self.device is not None:
+            raise ConfigError(f"this Loader already delivers batches to {self.device.device}; iterate it "
                               f"directly instead of wrapping it in stoker.prefetch")
+        _device_options(opts, self.pipeline)
+        if opts.decode == "gpu":
+            self._gpu_for(opts)
         return self._iterate(opts)
 
-    def _iterate(self, opts: Any) -> Iterator[tuple]:
+    def _iterate(self, opts: DeviceOptions | None) -> Iterator[tuple]:
         with self._lock:
             previous = self._current() if self._current is not None else None
             if previous is not None:
@@ -287,20 +256,19 @@ class Loader:
                                    pin_memory=self.pin_memory)
         return self._ring
 
-    def _stage_for(self, opts: Any) -> Any:
+    def _stage_for(self, opts: DeviceOptions) -> DeviceStage:
         """The DeviceStage: one copy stream per loader, kept across epochs (the CUDA caching
         allocator pools memory per stream)."""
-        from .device import DeviceStage
-
         if self._stage is None or self._stage.opts != opts:
             self._stage = DeviceStage(opts)
         return self._stage
 
-    def _gpu_for(self, opts: Any) -> Any:
+    def _gpu_for(self, opts: DeviceOptions) -> Any:
+        """The GpuBatchDecoder for decode="gpu", made once (gpu_decode loads only when asked for)."""
         from .gpu_decode import GpuBatchDecoder, make_decoder
 
         if self._gpu is None:
-            spec = self._gpu_decoder_spec
+            spec = opts.gpu_decoder
             decoder = make_decoder(spec, opts.device) if isinstance(spec, str) else spec
             self._gpu = GpuBatchDecoder(decoder, opts.device)
         return self._gpu
@@ -324,7 +292,7 @@ class Loader:
 
     def __repr__(self) -> str:
         h, w = self.output_size
-        where = "" if self._device_opts is None else f", to {self._device_opts.device}, decode {self.decode}"
+        where = "" if self.device is None else f", to {self.device.device}, decode {self.device.decode}"
         return (f"<stoker.Loader {len(self.dataset)} samples, batch {self.batch_size}, {h}x{w}, "
                 f"{self.num_threads} threads, rank {self.rank}/{self.world_size}, epoch {self._epoch}{where}>")
 
@@ -332,7 +300,7 @@ class Loader:
 class _LoaderIter:
     """One pass over the rest of an epoch. Closing it (or dropping it) stops its threads."""
 
-    def __init__(self, loader: Loader, epoch: int, start: int, opts: Any = None) -> None:
+    def __init__(self, loader: Loader, epoch: int, start: int, opts: DeviceOptions | None = None) -> None:
         self._loader = loader
         self._epoch = epoch
         indices = loader.epoch_indices(epoch)
@@ -342,17 +310,22 @@ class _LoaderIter:
         self._start = start
         self._b = 0
         self._closed = False
-        filler = Filler(loader, epoch, indices, start, gpu=opts is not None and loader.decode == "gpu")
+        spec = loader._spec
+        if opts is not None and opts.decode == "gpu":
+            spec = replace(spec, gpu_decode=True)
+        filler = Filler(spec, loader.dataset, epoch, indices, start)
         self._run: Run | None = None
         self._feeder: Feeder | None = None
         if self._n:
             threads = min(loader.num_threads, max(1, sum(sizes)))
             # with a device stage, one more slot: the one whose copy to the device is in flight
             ring = loader._ring_for_run(extra=0 if opts is None else 1)
-            self._run = Run(ring, sizes, threads, filler.prepare, filler.fill, filler.flush, loader.timeout)
+            self._run = Run(ring, sizes, threads, filler.prepare, filler.fill, loader.stats.add, loader.timeout)
             if opts is not None:
-                build = DeviceBuilder(loader, opts, filler, self._run.lock)
-                self._feeder = Feeder(self._run, build.stage, build, loader.prefetch, loader.timeout)
+                stage = loader._stage_for(opts)
+                decoder = loader._gpu_for(opts) if spec.gpu_decode else None
+                build = DeviceBuilder(stage, decoder, filler, self._run.lock, loader.stats)
+                self._feeder = Feeder(self._run, stage, build, loader.prefetch, loader.timeout)
             self._finalizer = weakref.finalize(self, (self._feeder or self._run).stop, 2.0)
             self._run.start()
             if self._feeder is not None:

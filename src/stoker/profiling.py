@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Iterator, TextIO
 
 from ._system import fmt_number, json_safe, usable_cpus
+from .errors import ConfigError
 
 __all__ = ["COMPUTE_BOUND", "INPUT_BOUND", "INPUT_BOUND_WAIT", "ProfileReport", "Profiler", "profile"]
 
@@ -209,9 +210,9 @@ class Profiler:
     def __init__(self, iterable: Iterable[Any], *, every: int | None = None, warmup: int = 1,
                  sync: bool | None = None, file: TextIO | None = None, verbose: bool = True) -> None:
         if every is not None and (not isinstance(every, int) or every < 1):
-            raise ValueError(f"every must be a positive number of steps or None, got {every!r}")
+            raise ConfigError(f"profile(every=) must be a positive number of steps or None, got {every!r}")
         if not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"warmup must be a number of steps >= 0, got {warmup!r}")
+            raise ConfigError(f"profile(warmup=) must be a number of steps >= 0, got {warmup!r}")
         self.iterable, self.every, self.warmup, self.sync = iterable, every, warmup, sync
         self.file, self.verbose = file, verbose
         self.reports: list[ProfileReport] = []
@@ -415,8 +416,8 @@ def _input_fixes(report: ProfileReport, iterable: Any, saturated: bool) -> list[
             fixes.append(f"more threads: `num_threads={cores}` (now {loader.num_threads}; {cores} usable cores)")
         if saturated:
             fixes.append("the CPU cores are saturated: more threads cannot help; decode on the GPU "
-                         "(`Loader(..., device='cuda', decode='gpu')`, nvJPEG) or use a machine with more CPU "
-                         "cores per GPU")
+                         "(`Loader(..., device=DeviceOptions('cuda', decode='gpu'))`, nvJPEG) or use a machine "
+                         "with more CPU cores per GPU")
     else:
         fixes.append("switch to stoker: pack the dataset once (`stoker pack SRC OUT`) and load it with "
                      "`stoker.Loader` (reduced-scale JPEG decode on threads, uint8 batches)")
@@ -427,8 +428,8 @@ def _input_fixes(report: ProfileReport, iterable: Any, saturated: bool) -> list[
             fixes.append("waits come in bursts: a bigger prefetch (`prefetch_factor=4` for a DataLoader)")
         if saturated:
             fixes.append("the CPU cores are saturated: decode on the GPU (pack, then `stoker.Loader(..., "
-                         "device='cuda', decode='gpu')`, nvJPEG), shrink the images once (`stoker pack "
-                         "--max-side 512`), or use more CPU cores per GPU")
+                         "device=DeviceOptions('cuda', decode='gpu'))`, nvJPEG), shrink the images once "
+                         "(`stoker pack --max-side 512`), or use more CPU cores per GPU")
     return fixes
 
 

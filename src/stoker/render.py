@@ -1,5 +1,9 @@
 """Decode + augment: one sample into its row of a batch, and the device stage's work on a batch.
 
+Both get what they need handed to them: a frozen `RenderSpec` (batch size, output size, transforms,
+seed, on_error, the stored sizes and labels) plus the objects they work with (the dataset, the stats,
+the device stage, the GPU decoder). Nothing here reaches back into the Loader that made them.
+
 `Filler` is what the worker threads run: plan a batch in one vectorised step (sample order,
 per-sample random draws, crop boxes from the stored image sizes, labels), then read, decode at the
 smallest DCT scale the crop allows, crop, resize and flip each sample straight into its row of a
@@ -16,24 +20,38 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from . import codecs
+from .device import DeviceStage, convert
 from .errors import DatasetError, SampleError
 from .gpu_decode import GpuJob
 from .order import replacement_index, sample_keys, uniforms
-from .reader import PackedDataset
-from .slots import Slot, WorkerTimes
-from .transforms import Plan, apply_tail, crop_resize_into, decode_minimums, run_user_op
-
-if TYPE_CHECKING:
-    from .loader import Loader
+from .reader import Dataset, PackedDataset
+from .slots import LoaderStats, Slot, WorkerTimes
+from .transforms import Pipeline, Plan, apply_tail, crop_resize_into, decode_minimums, run_user_op
 
 _log = logging.getLogger(__name__)  # one warning per skipped sample, with its reason
 MAX_REPLACEMENTS = 16  # on_error="skip": replacement samples tried before giving up on a position
+
+
+@dataclass(frozen=True)
+class RenderSpec:
+    """What decode + augment needs to know, fixed when the Loader is made (arrays are never written)."""
+
+    batch_size: int
+    output_size: tuple[int, int]  # (height, width) of every batch row, pixels
+    pipeline: Pipeline
+    seed: int
+    on_error: str  # "raise" or "skip"
+    columns: tuple[str, ...]  # extra dataset columns delivered with each batch
+    labels: np.ndarray  # one per sample (a private copy for numeric labels)
+    heights: np.ndarray | None  # stored image sizes, pixels; None when known only after reading (loose files)
+    widths: np.ndarray | None
+    gpu_decode: bool = False  # decode="gpu": JPEG rows become GpuJobs for the device thread
 
 
 @dataclass
@@ -49,21 +67,21 @@ class Filler:
     """The per-pass work: plan a batch, render one sample. Shared by the worker threads; it holds
     no reference to the iterator, so an abandoned iterator can be collected."""
 
-    def __init__(self, loader: "Loader", epoch: int, indices: np.ndarray, first_batch: int, gpu: bool = False) -> None:
-        self.gpu = gpu  # decode="gpu": JPEG rows become GpuJobs for the device thread
-        self.ds = loader.dataset
-        self.n = len(loader.dataset)
-        self.pipe = loader.pipeline
-        self.seed, self.epoch = loader.seed, epoch
-        self.indices = indices
-        self.first = first_batch * loader.batch_size
-        self.batch_size = loader.batch_size
-        self.heights, self.widths = loader._heights, loader._widths
-        self.labels = loader._labels
-        self.columns = loader.columns
-        self.on_error = loader.on_error
-        self.out_h, self.out_w = loader.output_size
-        self.stats = loader.stats
+    def __init__(self, spec: RenderSpec, dataset: Dataset, epoch: int, indices: np.ndarray, first_batch: int) -> None:
+        self.spec = spec
+        self.gpu = spec.gpu_decode
+        self.ds = dataset
+        self.n = len(dataset)
+        self.pipe = spec.pipeline
+        self.seed, self.epoch = spec.seed, epoch
+        self.indices = indices  # this rank's dataset indices for the epoch, in order
+        self.first = first_batch * spec.batch_size
+        self.batch_size = spec.batch_size
+        self.heights, self.widths = spec.heights, spec.widths
+        self.labels = spec.labels
+        self.columns = spec.columns
+        self.on_error = spec.on_error
+        self.out_h, self.out_w = spec.output_size
         self.draws = max(self.pipe.draws, 1)
 
     def _geometry(self, idx: np.ndarray, u: np.ndarray) -> Plan | None:
@@ -224,36 +242,19 @@ class Filler:
                            f"{type(exc).__name__}: {exc}{extra}. Pass on_error='skip' to replace failing "
                            f"samples, or re-pack to drop them", key=key, shard=shard, row=row, index=idx)
 
-    def flush(self, times: WorkerTimes, samples: int) -> None:
-        """Add a worker's counters into the loader's stats (called under the run's lock)."""
-        st = self.stats
-        st.samples += samples
-        st.read_s += times.read
-        st.decode_s += times.decode
-        st.augment_s += times.augment
-        st.worker_wait_s += times.wait
-        st.skipped += times.skipped
-        if times.skipped_keys and len(st.skipped_keys) < 100:
-            st.skipped_keys.extend(times.skipped_keys[:100 - len(st.skipped_keys)])
-        times.read = times.decode = times.augment = times.wait = 0.0
-        times.skipped = 0
-        times.skipped_keys.clear()
-
 
 class DeviceBuilder:
     """The device thread's work on one finished slot (inside the copy stream's context): upload the
     pinned batch, decode its JPEGs on the GPU (decode="gpu"), convert. Holds no reference to the
     iterator, so an abandoned iterator can be collected."""
 
-    def __init__(self, loader: "Loader", opts: Any, filler: Filler, lock: threading.Lock) -> None:
-        from .device import convert
-
-        self.convert = convert
-        self.opts, self.filler, self.lock = opts, filler, lock
-        self.stage = loader._stage_for(opts)
-        self.gpu = loader._gpu_for(opts) if filler.gpu else None
-        self.stats = loader.stats
-        self.columns = loader.columns
+    def __init__(self, stage: DeviceStage, decoder: Any, filler: Filler, lock: threading.RLock,
+                 stats: LoaderStats) -> None:
+        self.stage = stage  # the loader's copy stream and its options
+        self.opts = stage.opts
+        self.gpu = decoder  # a gpu_decode.GpuBatchDecoder, or None (decode="cpu")
+        self.filler, self.lock, self.stats = filler, lock, stats
+        self.columns = filler.columns
         self.scratch: dict = {}
         self.times = WorkerTimes()
 
@@ -269,7 +270,7 @@ class DeviceBuilder:
         else:
             labels = stage.upload(slot.labels[:n]) if self.opts.is_cuda else slot.labels[:n].clone()
         reusable = stage.fence()  # past this point the GPU no longer reads the pinned slot
-        images = self.convert(x, self.opts, layout="nhwc")
+        images = convert(x, self.opts, layout="nhwc")
         batch: tuple = (images, labels)
         if self.columns:
             batch += ({c: list(v) for c, v in slot.extras.items()},)
@@ -284,6 +285,6 @@ class DeviceBuilder:
             self.filler.fill(slot.plan, job.row, slot, self.scratch, self.times, gpu=False)
             x[job.row].copy_(slot.images[job.row], non_blocking=True)
         with self.lock:
-            self.filler.flush(self.times, 0)
+            self.stats.add(self.times, 0)
             self.stats.gpu_decoded += len(jobs) - len(failed)
             self.stats.gpu_fallbacks += len(failed)

@@ -21,18 +21,31 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, ContextManager, Protocol
 
 import numpy as np
 import torch
 
-from .errors import LoaderTimeoutError
-
-if TYPE_CHECKING:
-    from .device import DeviceStage, Fence
+from ._system import poll_until
+from .errors import LoaderClosedError, LoaderTimeoutError, WorkerError
 
 _POLL_S = 0.1  # how often a blocked wait re-checks the stop flag, seconds
-_HANDOFF_POLL_S = (0.0002, 0.002)  # Feeder queue: first and longest pause between checks, seconds
+
+
+class Fence(Protocol):
+    """What the Feeder needs of a point on the copy stream (device.Fence is one)."""
+
+    def wait(self, timeout: float, stop: threading.Event | None = None) -> None: ...
+
+
+class Stage(Protocol):
+    """What the Feeder needs of the device stage (device.DeviceStage is one)."""
+
+    def context(self) -> ContextManager[None]: ...
+
+    def fence(self) -> Any: ...
+
+    def handoff(self, batch: Any, fence: Any) -> Any: ...
 
 
 def _release_if_owned(cond: threading.Condition) -> None:
@@ -98,6 +111,41 @@ class BatchRing:
         """True when this ring can be reused for a run with these parameters."""
         return (len(self.slots), self.batch_size, self.height, self.width, self.label_dtype,
                 self.pin_memory) == (n_slots, batch_size, height, width, label_dtype, pin_memory)
+
+
+@dataclass
+class LoaderStats:
+    """Counters of a Loader since it was made. Stage times are summed over worker threads (seconds)."""
+
+    samples: int = 0
+    batches: int = 0
+    skipped: int = 0  # failed samples replaced under on_error="skip"
+    skipped_keys: list[str] = field(default_factory=list)  # the first 100 of them
+    read_s: float = 0.0  # getting the stored bytes (mmap view, or a file read for loose data)
+    decode_s: float = 0.0
+    augment_s: float = 0.0  # crop, resize, flip, user transforms, writing into the batch
+    worker_wait_s: float = 0.0  # workers waiting for a free slot (the consumer is the bottleneck)
+    consumer_wait_s: float = 0.0  # the training loop waiting for a batch (the loader is the bottleneck)
+    device_s: float = 0.0  # the device thread building batches: uploads, conversion, GPU decode submission
+    gpu_decoded: int = 0  # samples decoded on the GPU (decode="gpu")
+    gpu_fallbacks: int = 0  # JPEGs the GPU could not decode, decoded on the CPU instead
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items()}
+
+    def add(self, times: "WorkerTimes", samples: int) -> None:
+        """Add a worker's counters since its last flush (call under the run's lock) and reset them."""
+        self.samples += samples
+        self.read_s += times.read
+        self.decode_s += times.decode
+        self.augment_s += times.augment
+        self.worker_wait_s += times.wait
+        self.skipped += times.skipped
+        if times.skipped_keys and len(self.skipped_keys) < 100:
+            self.skipped_keys.extend(times.skipped_keys[:100 - len(self.skipped_keys)])
+        times.read = times.decode = times.augment = times.wait = 0.0
+        times.skipped = 0
+        times.skipped_keys.clear()
 
 
 @dataclass
@@ -223,9 +271,10 @@ class Run:
                 self.cond.notify_all()
             while not (slot.batch == b and slot.remaining == 0):
                 if self.fatal is not None:
-                    raise RuntimeError(f"a stoker worker thread failed: {self.fatal!r}") from self.fatal
+                    raise WorkerError(f"a stoker worker thread failed outside any sample: {self.fatal!r}; "
+                                      f"this is a bug in stoker, please report it with the traceback") from self.fatal
                 if self.stop_event.is_set():
-                    raise RuntimeError("the loader was closed while waiting for a batch")
+                    raise LoaderClosedError(f"the loader was closed while waiting for batch {b}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     pending = slot.remaining if slot.batch == b else self.batch_sizes[b]
@@ -267,10 +316,11 @@ class Feeder:
     sync). Errors from the Run (a failed sample, a timeout) or from `build` reach the consumer in
     batch order. Every wait has a timeout and checks the stop flag.
 
-    The hand-off is a deque polled with short sleeps rather than a queue.Queue: the consumer then
-    takes no lock, so Ctrl-C in the training loop can never leave one held (see _release_if_owned)."""
+    The hand-off is a deque polled with short sleeps (`_system.poll_until`) rather than a queue.Queue:
+    the consumer then takes no lock, so Ctrl-C in the training loop can never leave one held (see
+    _release_if_owned)."""
 
-    def __init__(self, run: Run, stage: "DeviceStage", build: BuildFn, depth: int, timeout: float,
+    def __init__(self, run: Run, stage: Stage, build: BuildFn, depth: int, timeout: float,
                  name: str = "stoker-device") -> None:
         self.run, self.stage, self.build = run, stage, build
         self.timeout = timeout
@@ -284,14 +334,12 @@ class Feeder:
         self.thread.start()
 
     def _put(self, item: tuple[str, Any, Any]) -> bool:
-        pause = _HANDOFF_POLL_S[0]
-        while not self.stop_event.is_set():
-            if len(self.ready) < self.depth:  # only this thread appends: the check cannot go stale
-                self.ready.append(item)
-                return True
-            time.sleep(pause)
-            pause = min(pause * 2, _HANDOFF_POLL_S[1])
-        return False
+        """Queue `item` once fewer than `depth` are waiting (only this thread appends, so the check
+        cannot go stale); False when stopped first. No timeout: a slow training step is no fault."""
+        if not poll_until(lambda: len(self.ready) < self.depth, None, stop=self.stop_event):
+            return False
+        self.ready.append(item)
+        return True
 
     def _work(self) -> None:
         for b in range(self.n):
@@ -312,20 +360,17 @@ class Feeder:
     def get(self, b: int) -> Any:
         """Batch b on the device, ready to use on the caller's current stream. Raises what the
         pipeline raised for it, LoaderTimeoutError after `timeout` seconds without it."""
-        deadline = time.monotonic() + self.timeout
-        pause = _HANDOFF_POLL_S[0]
-        while not self.ready:
-            if self.stop_event.is_set():
-                raise RuntimeError("the loader was closed while waiting for a batch")
-            if not self.thread.is_alive() and not self.ready:
-                raise RuntimeError(f"the stoker device thread ended before batch {b}")
-            if time.monotonic() >= deadline:
-                raise LoaderTimeoutError(
-                    f"batch {b}: nothing reached the device after {self.timeout:.0f} s "
-                    f"({self.run.alive()} worker threads alive); storage may be stalled or a transform "
-                    f"hangs — raise Loader(timeout=...) if samples are genuinely this slow")
-            time.sleep(pause)
-            pause = min(pause * 2, _HANDOFF_POLL_S[1])
+        thread = self.thread
+        ok = poll_until(lambda: self.ready or not thread.is_alive(), self.timeout, stop=self.stop_event,
+                        on_timeout=lambda: LoaderTimeoutError(
+                            f"batch {b}: nothing reached the device after {self.timeout:.0f} s "
+                            f"({self.run.alive()} worker threads alive); storage may be stalled or a transform "
+                            f"hangs — raise Loader(timeout=...) if samples are genuinely this slow"))
+        if not self.ready:  # stopped, or the thread ended
+            if not ok or self.stop_event.is_set():
+                raise LoaderClosedError(f"the loader was closed while waiting for batch {b}")
+            raise WorkerError(f"the stoker device thread ended before batch {b}; this is a bug in stoker, "
+                              f"please report it")
         kind, value, ready = self.ready.popleft()
         if kind == "error":
             raise value

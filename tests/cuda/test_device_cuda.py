@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from stoker.device import DeviceOptions, DeviceStage, convert, prefetch
+from stoker.device import DeviceOptions, DeviceStage, convert
+from stoker.prefetcher import prefetch
 from stoker.errors import LoaderTimeoutError
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -51,8 +52,8 @@ def test_convert_on_the_gpu_matches_the_cpu(dtype, fmt, layout, normalize):
     x = nhwc()
     if layout == "nchw":
         x = x.permute(0, 3, 1, 2).contiguous()
-    want = convert(x, DeviceOptions.make("cpu", normalize, dtype, fmt), layout=layout)
-    opts = DeviceOptions.make("cuda", normalize, dtype, fmt)
+    want = convert(x, DeviceOptions("cpu", normalize, dtype, fmt), layout=layout)
+    opts = DeviceOptions("cuda", normalize, dtype, fmt)
     stage = DeviceStage(opts)
     with stage.context():
         out = stage.convert(stage.upload(x.pin_memory()), layout)
@@ -65,14 +66,14 @@ def test_convert_on_the_gpu_matches_the_cpu(dtype, fmt, layout, normalize):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_uint8_output_on_the_gpu(fmt):
     x = nhwc()
-    (out,) = prefetch([x.pin_memory()], "cuda", memory_format=fmt)
+    (out,) = prefetch([x.pin_memory()], DeviceOptions("cuda", memory_format=fmt))
     assert out.is_cuda and out.dtype == torch.uint8 and out.is_contiguous(memory_format=fmt)
     assert torch.equal(out.cpu(), x.permute(0, 3, 1, 2))
 
 
 def test_cuda_resolves_to_the_current_gpu():
-    assert DeviceOptions.make("cuda").device == torch.device("cuda", torch.cuda.current_device())
-    assert DeviceOptions.make(0).device == torch.device("cuda", 0)
+    assert DeviceOptions("cuda").device == torch.device("cuda", torch.cuda.current_device())
+    assert DeviceOptions(0).device == torch.device("cuda", 0)
 
 
 def test_prefetch_over_a_pinned_dataloader_equals_a_plain_copy():
@@ -88,9 +89,9 @@ def test_prefetch_over_a_pinned_dataloader_equals_a_plain_copy():
 
 def test_prefetch_converts_like_convert_after_a_plain_copy():
     dl = dataloader()
-    opts = DeviceOptions.make("cuda", "imagenet", torch.bfloat16, "channels_last")
-    got = [x.clone() for x, _ in prefetch(dl, "cuda", normalize="imagenet", dtype="bf16",
-                                          memory_format="channels_last")]
+    opts = DeviceOptions("cuda", "imagenet", torch.bfloat16, "channels_last")
+    got = [x.clone() for x, _ in prefetch(dl, DeviceOptions("cuda", normalize="imagenet", dtype="bf16",
+                                                            memory_format="channels_last"))]
     want = [convert(x.cuda(), opts, layout="nhwc") for x, _ in dl]
     for a, b in zip(got, want, strict=True):
         assert a.dtype == torch.bfloat16 and a.is_contiguous(memory_format=torch.channels_last)
@@ -98,7 +99,7 @@ def test_prefetch_converts_like_convert_after_a_plain_copy():
 
 
 def test_the_copy_runs_on_one_side_stream_kept_across_epochs(monkeypatch):
-    p = prefetch(dataloader(), "cuda", normalize="imagenet")
+    p = prefetch(dataloader(), DeviceOptions("cuda", normalize="imagenet"))
     stream = p.stage.stream
     assert stream is not None and stream != torch.cuda.current_stream()
     assert stream.device == torch.device("cuda", torch.cuda.current_device())
@@ -119,7 +120,7 @@ def test_the_copy_runs_on_one_side_stream_kept_across_epochs(monkeypatch):
 
 def test_the_next_copy_is_done_by_the_time_it_is_handed_over(monkeypatch):
     gpu_sleep(0.1)  # calibrate outside the timed loop
-    p = prefetch(dataloader(), "cuda", normalize="imagenet")
+    p = prefetch(dataloader(), DeviceOptions("cuda", normalize="imagenet"))
     done_at_handoff = []
     handoff = p.stage.handoff
 
@@ -169,7 +170,7 @@ def test_freed_batches_are_not_overwritten_while_the_consumer_still_reads_them(n
         for k in range(n):
             yield torch.full(shape, k % 251, dtype=torch.uint8).pin_memory(), torch.tensor([k])
 
-    p = prefetch(source(), "cuda", normalize=normalize)
+    p = prefetch(source(), DeviceOptions("cuda", normalize=normalize))
     bad = torch.zeros((), dtype=torch.int64, device="cuda")
     for k, (x, y) in enumerate(p):
         gpu_sleep(2)  # the caller's stream falls behind the host
@@ -188,7 +189,7 @@ def test_freed_batches_are_not_overwritten_while_the_consumer_still_reads_them(n
 
 def test_handoff_orders_the_consumer_after_the_copy():
     gpu_sleep(0.1)
-    stage = DeviceStage(DeviceOptions.make("cuda", dtype="float32"))
+    stage = DeviceStage(DeviceOptions("cuda", dtype="float32"))
     x = nhwc(8, 64, 64).pin_memory()
     with stage.context():
         gpu_sleep(100)  # the copy stream is busy: the copy below lands late
@@ -201,7 +202,7 @@ def test_handoff_orders_the_consumer_after_the_copy():
 
 def test_no_host_synchronization_while_iterating(monkeypatch):
     dl = dataloader()
-    p = prefetch(dl, "cuda", normalize="imagenet", dtype="bf16", memory_format="channels_last")
+    p = prefetch(dl, DeviceOptions("cuda", normalize="imagenet", dtype="bf16", memory_format="channels_last"))
 
     def forbidden(*args, **kwargs):
         raise AssertionError("the prefetcher must not block the host on the GPU")
@@ -220,7 +221,7 @@ def test_no_host_synchronization_while_iterating(monkeypatch):
 
 def test_fence_on_the_copy_stream():
     gpu_sleep(0.1)
-    stage = DeviceStage(DeviceOptions.make("cuda"))
+    stage = DeviceStage(DeviceOptions("cuda"))
     with stage.context():
         gpu_sleep(300)
         fence = stage.fence()
@@ -238,10 +239,10 @@ def test_fence_on_the_copy_stream():
 def test_a_second_gpu():
     before = torch.cuda.current_device()
     x = nhwc().pin_memory()
-    p = prefetch([(x, torch.tensor([1]))], "cuda:1", normalize="imagenet")
+    p = prefetch([(x, torch.tensor([1]))], DeviceOptions("cuda:1", normalize="imagenet"))
     ((out, label),) = list(p)
     assert out.device == torch.device("cuda", 1) and label.device == torch.device("cuda", 1)
     assert p.stage.stream.device == torch.device("cuda", 1)
     assert torch.cuda.current_device() == before
-    want = convert(x, DeviceOptions.make("cpu", "imagenet"))
+    want = convert(x, DeviceOptions("cpu", "imagenet"))
     torch.testing.assert_close(out.cpu(), want, atol=1e-5, rtol=0)

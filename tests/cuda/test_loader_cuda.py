@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from stoker.device import DeviceOptions
 from stoker.loader import Loader
 from test_loader import TRAIN, build_packed
 
@@ -35,7 +36,7 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_batches_arrive_on_the_gpu_converted_like_the_cpu_stage(packed: Path) -> None:
     ref = cpu_batches(packed, normalize="imagenet")
-    loader = Loader(packed, 16, transforms=TRAIN, seed=3, device="cuda", normalize="imagenet")
+    loader = Loader(packed, 16, transforms=TRAIN, seed=3, device=DeviceOptions("cuda", normalize="imagenet"))
     assert loader.pin_memory
     for (x, y), (rx, ry) in zip(loader, ref):
         assert x.is_cuda and y.is_cuda and x.dtype == torch.float32 and x.shape[1] == 3
@@ -45,8 +46,8 @@ def test_batches_arrive_on_the_gpu_converted_like_the_cpu_stage(packed: Path) ->
 
 def test_bf16_channels_last_on_the_gpu(packed: Path) -> None:
     ref = cpu_batches(packed, normalize="imagenet", dtype=torch.bfloat16, memory_format="channels_last")
-    got = Loader(packed, 16, transforms=TRAIN, seed=3, device="cuda", normalize="imagenet", dtype=torch.bfloat16,
-                 memory_format="channels_last")
+    opts = DeviceOptions("cuda", normalize="imagenet", dtype=torch.bfloat16, memory_format="channels_last")
+    got = Loader(packed, 16, transforms=TRAIN, seed=3, device=opts)
     for (x, _), (rx, _) in zip(got, ref):
         assert x.dtype == torch.bfloat16 and x.is_contiguous(memory_format=torch.channels_last)
         torch.testing.assert_close(x.cpu().float(), rx.float(), atol=2e-2, rtol=1e-2)
@@ -54,7 +55,7 @@ def test_bf16_channels_last_on_the_gpu(packed: Path) -> None:
 
 def test_no_device_wide_sync_and_a_consumer_on_its_own_stream(packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ref = cpu_batches(packed, dtype=torch.uint8)
-    loader = Loader(packed, 16, transforms=TRAIN, seed=3, device="cuda", dtype=torch.uint8)
+    loader = Loader(packed, 16, transforms=TRAIN, seed=3, device=DeviceOptions("cuda", dtype=torch.uint8))
 
     def forbidden(*a, **k):
         raise AssertionError("the loader must not call torch.cuda.synchronize()")
@@ -74,7 +75,7 @@ def test_no_device_wide_sync_and_a_consumer_on_its_own_stream(packed: Path, monk
 def test_freed_batches_are_not_reused_while_in_flight(packed: Path) -> None:
     """record_stream: drop each batch at once and churn the allocator; later batches stay exact."""
     ref = cpu_batches(packed, dtype=torch.uint8)
-    loader = Loader(packed, 16, transforms=TRAIN, seed=3, device="cuda", dtype=torch.uint8, prefetch=3)
+    loader = Loader(packed, 16, transforms=TRAIN, seed=3, device=DeviceOptions("cuda", dtype=torch.uint8), prefetch=3)
     sums = []
     for x, _ in loader:
         sums.append(x.long().sum())
@@ -87,7 +88,7 @@ def test_freed_batches_are_not_reused_while_in_flight(packed: Path) -> None:
 
 def test_break_stops_the_device_thread(packed: Path) -> None:
     before = sum(t.name.startswith("stoker") for t in threading.enumerate())
-    loader = Loader(packed, 8, transforms=TRAIN, device="cuda", normalize="imagenet")
+    loader = Loader(packed, 8, transforms=TRAIN, device=DeviceOptions("cuda", normalize="imagenet"))
     for _ in loader:
         break
     deadline = time.monotonic() + 5
@@ -99,7 +100,7 @@ def test_break_stops_the_device_thread(packed: Path) -> None:
 @needs_torchvision
 def test_gpu_decode_crops_like_the_cpu_path(packed: Path) -> None:
     ref = [(x.clone(), y.clone()) for x, y in Loader(packed, 16, transforms=TRAIN, seed=5)]
-    loader = Loader(packed, 16, transforms=TRAIN, seed=5, device="cuda", dtype=torch.uint8, decode="gpu")
+    loader = Loader(packed, 16, transforms=TRAIN, seed=5, device=DeviceOptions("cuda", dtype=torch.uint8, decode="gpu"))
     for (x, y), (rx, ry) in zip(loader, ref):
         assert x.is_cuda and torch.equal(y.cpu(), ry)
         assert psnr(x.cpu(), rx.permute(0, 3, 1, 2)) > 28
@@ -108,8 +109,9 @@ def test_gpu_decode_crops_like_the_cpu_path(packed: Path) -> None:
 
 @needs_torchvision
 def test_gpu_decode_normalized_bf16(packed: Path) -> None:
-    loader = Loader(packed, 32, transforms=TRAIN, seed=5, device="cuda", normalize="imagenet",
-                    dtype=torch.bfloat16, memory_format="channels_last", decode="gpu")
+    opts = DeviceOptions("cuda", normalize="imagenet", dtype=torch.bfloat16, memory_format="channels_last",
+                         decode="gpu")
+    loader = Loader(packed, 32, transforms=TRAIN, seed=5, device=opts)
     n = 0
     for x, y in loader:
         assert x.dtype == torch.bfloat16 and x.is_contiguous(memory_format=torch.channels_last)

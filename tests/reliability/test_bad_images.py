@@ -63,7 +63,7 @@ def _loader_one(path: Path, on_error: str) -> tuple[str, object]:
     listing = path.parent / f".{path.name}.txt"
     listing.write_text(f"{path.name} 0\n")
     try:
-        with Loader(listing, 1, transforms=[CROP], shuffle=False, num_threads=1, on_error=on_error,
+        with Loader(listing, 1, transforms=[CROP], order="sequential", num_threads=1, on_error=on_error,
                     timeout=LOADER_TIMEOUT_S) as loader:
             (images, labels), = [(x.clone(), y.clone()) for x, y in loader]
         return "ok", images[0].numpy()
@@ -97,7 +97,7 @@ def test_loose_loader_skip_logs_each_bad_file(hostile_folder, caplog):
     refused = {name for name in files if _loader_one(folder / name, "raise")[0] == "error"}
     assert refused >= {n for n, (_, e) in files.items() if e == "skip"}
     caplog.set_level(logging.WARNING, logger="stoker")
-    with Loader(folder, 8, transforms=[CROP], shuffle=False, num_threads=2, on_error="skip",
+    with Loader(folder, 8, transforms=[CROP], order="sequential", num_threads=2, on_error="skip",
                 timeout=LOADER_TIMEOUT_S) as loader:
         rows = sum(x.shape[0] for x, _ in loader)
         assert rows == len(files)

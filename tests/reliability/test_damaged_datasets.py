@@ -145,7 +145,7 @@ from stoker.errors import SampleError, ShardError
 root, action, on_error = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 names = [s["file"] for s in json.loads((root / "stoker.json").read_text())["shards"]]
 victim = root / names[1]
-ld = Loader(root, 4, transforms=[RandomResizedCrop(16)], shuffle=False, num_threads=2, prefetch=1,
+ld = Loader(root, 4, transforms=[RandomResizedCrop(16)], order="sequential", num_threads=2, prefetch=1,
             on_error=on_error, timeout=30)
 it = iter(ld)
 next(it)

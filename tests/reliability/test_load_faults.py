@@ -17,7 +17,7 @@ import pytest
 
 from .rhelpers import open_fds, settle_threads
 
-from stoker import Loader, RandomHorizontalFlip, RandomResizedCrop
+from stoker import DeviceOptions, Loader, RandomHorizontalFlip, RandomResizedCrop
 from stoker.errors import LoaderTimeoutError, SampleError
 
 TRANSFORMS = [RandomResizedCrop(16), RandomHorizontalFlip()]
@@ -46,7 +46,8 @@ def test_user_transform_exception_arrives_with_traceback(small_pack):
     assert "exploding_transform" in frames, "the worker's traceback travels with the error"
 
 
-@pytest.mark.parametrize("device", [{}, {"device": "cpu", "normalize": "imagenet"}], ids=["host", "device-thread"])
+@pytest.mark.parametrize("device", [{}, {"device": DeviceOptions("cpu", normalize="imagenet")}],
+                         ids=["host", "device-thread"])
 def test_ctrl_c_at_random_points(small_pack, device):
     """KeyboardInterrupt delivered to the main thread at seeded random moments: it propagates,
     the worker threads (and the device thread) stop, and the Loader works again afterwards."""

@@ -239,7 +239,7 @@ def _stoker_runner(spec: _Spec, train: bool) -> _Runner:
     from ..transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
 
     ops = [RandomResizedCrop(224), RandomHorizontalFlip()] if train else [Resize(256), CenterCrop(224)]
-    loader = Loader(spec.packed, spec.batch_size, transforms=ops, shuffle=True, seed=0,
+    loader = Loader(spec.packed, spec.batch_size, transforms=ops, seed=0,
                     num_threads=spec.workers)
 
     def epoch() -> Iterator[int]:

@@ -54,14 +54,14 @@ FEEDS = {
     "synthetic": "one GPU-resident random batch (no input pipeline: the model's own speed)",
     "baseline": "ImageFolder + DataLoader(pin_memory, persistent workers) + torchvision train transforms, "
                 ".to(device, non_blocking=True)",
-    "stoker": "stoker.Loader(device, normalize='imagenet'), CPU decode",
-    "stoker-gpu": "stoker.Loader(device, normalize='imagenet', decode='gpu')",
+    "stoker": "stoker.Loader(device=DeviceOptions(device, normalize='imagenet')), CPU decode",
+    "stoker-gpu": "stoker.Loader(device=DeviceOptions(device, normalize='imagenet', decode='gpu'))",
 }
 _LOADER_DESCRIPTIONS = {
     "cuda-baseline": "ImageFolder + DataLoader(pin_memory, persistent workers) + RandomResizedCrop(224), flip, "
                      "ToTensor, Normalize; .to(device, non_blocking=True)",
-    "cuda-stoker": "stoker.Loader(device, normalize='imagenet'), RandomResizedCrop(224) + flip, CPU decode",
-    "cuda-stoker-gpu": "stoker.Loader(device, normalize='imagenet', decode='gpu'), RandomResizedCrop(224) + flip",
+    "cuda-stoker": "stoker.Loader(device=DeviceOptions(device, normalize='imagenet')), RandomResizedCrop(224) + flip, CPU decode",
+    "cuda-stoker-gpu": "stoker.Loader(device=DeviceOptions(device, normalize='imagenet', decode='gpu')), RandomResizedCrop(224) + flip",
 }
 
 
@@ -254,21 +254,19 @@ def _stoker_loader(packed: str, batch_size: int, **options: Any) -> Any:
     from ..transforms import RandomHorizontalFlip, RandomResizedCrop
 
     return Loader(packed, batch_size, transforms=[RandomResizedCrop(OUTPUT_SIZE), RandomHorizontalFlip()],
-                  shuffle=True, seed=0, **options)
+                  seed=0, **options)
 
 
 def _stoker_feed(feed: str, packed: str, batch_size: int, workers: int, device: "torch.device",
                  drop_last: bool, channels_last: bool) -> Feed:
     from .. import __version__
+    from ..device import DeviceOptions
 
-    options: dict[str, Any] = {"num_threads": workers, "drop_last": drop_last, "device": device,
-                               "normalize": "imagenet"}
-    if channels_last:
-        options["memory_format"] = "channels_last"
-    if feed == "stoker-gpu":
-        options["decode"] = "gpu"
     try:
-        loader = _stoker_loader(packed, batch_size, **options)
+        on_device = DeviceOptions(device, normalize="imagenet",
+                                  memory_format="channels_last" if channels_last else None,
+                                  decode="gpu" if feed == "stoker-gpu" else "cpu")
+        loader = _stoker_loader(packed, batch_size, num_threads=workers, drop_last=drop_last, device=on_device)
     except ConfigError as exc:   # e.g. decode="gpu" without a GPU JPEG decoder installed
         raise FeedUnavailable(str(exc)) from exc
     started = False

@@ -196,6 +196,7 @@ def run_demo(out: str | Path = "stoker-demo", *, images: int = 2000, batch_size:
 def _race(root: Path, packed: Path, batch_size: int, steps: int, device: str, loader_cores: int, where: str,
           progress: bool) -> list[DemoRun]:
     from .baseline import baseline_loader
+    from ..device import DeviceOptions
     from ..loader import Loader
     from ..transforms import RandomHorizontalFlip, RandomResizedCrop
 
@@ -210,7 +211,7 @@ def _race(root: Path, packed: Path, batch_size: int, steps: int, device: str, lo
     print("[4/4] the same training fed by stoker.Loader on the pack", flush=True)
     cuda = device.startswith("cuda")
     # on a GPU the loader's device stage copies uint8 batches on its own stream and normalizes there
-    on_device = {"device": device, "normalize": "imagenet"} if cuda else {}
+    on_device = {"device": DeviceOptions(device, normalize="imagenet")} if cuda else {}
     with Loader(packed, batch_size, transforms=[RandomResizedCrop(224), RandomHorizontalFlip()],
                 num_threads=loader_cores, seed=0, **on_device) as loader:
         how = ("copied as uint8 on the loader's copy stream and normalized on the GPU, a batch ahead" if cuda

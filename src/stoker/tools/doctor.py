@@ -128,6 +128,7 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = 8, thread
     """
     import torch
 
+    from ..device import DeviceOptions
     from ..loader import Loader
     from ..transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
 
@@ -139,7 +140,7 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = 8, thread
         [Resize(size * 8 // 7), CenterCrop(size)]
     device = default_device(device)
     model_threads, loader_cores = split_cores(device, usable_cpus())
-    on_device = {"device": device, "normalize": "imagenet"} if device.startswith("cuda") else {}
+    on_device = {"device": DeviceOptions(device, normalize="imagenet")} if device.startswith("cuda") else {}
     loader = Loader(path, batch_size, transforms=ops, num_threads=threads or loader_cores, drop_last=True, seed=0,
                     **on_device)
     threads_before = torch.get_num_threads()

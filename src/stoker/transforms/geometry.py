@@ -1,30 +1,23 @@
-"""Transforms with torchvision's names and semantics, planned before any pixel is touched.
+"""Geometric transforms with torchvision's names and semantics, planned before any pixel is touched.
 
-A pipeline such as `[RandomResizedCrop(224), RandomHorizontalFlip()]` or
-`[Resize(256), CenterCrop(224)]` is compiled into a *plan* per sample: a crop box in source
-coordinates (floats), an output size and a mirror flag. Plans are computed for a whole batch at once in
-numpy from the stored image sizes, so the JPEG decoder can be asked for just enough resolution (DCT
-scaling) and the crop is resized once, straight into its row of the batch.
-
-Randomness comes from per-sample uniform draws (`order.uniforms`) keyed by (seed, epoch, sample
-index); each transform reads a fixed slice of that stream, so plans never depend on scheduling.
-
-User callables take a `uint8` HWC numpy array (and optionally `rng=`, a numpy Generator seeded from the
-same key) and return an array of the same kind. Callables placed before a geometric transform make
-the rest of the pipeline run on arrays, one op at a time (correct, slower).
+A list such as `[RandomResizedCrop(224), RandomHorizontalFlip()]` or `[Resize(256), CenterCrop(224)]`
+compiles into a *plan* per sample: a crop box in source coordinates (floats), an output size and a
+mirror flag. Plans are computed for a whole batch at once in numpy from the stored image sizes, so the
+JPEG decoder can be asked for just enough resolution (DCT scaling, `decode_minimums`) and the crop is
+resized once, straight into its row of the batch (`crop_resize_into`). `crop_window` is the one home
+of the rounding, clamping and padding maths, shared with the GPU decode path.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import cv2
 import numpy as np
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 Size = tuple[int, int]
 #: Shrink factor from which resizing uses area averaging (antialiased) instead of bilinear.
@@ -108,26 +101,6 @@ class RandomHorizontalFlip:
 GEOMETRIC = (RandomResizedCrop, Resize, CenterCrop, RandomHorizontalFlip)
 
 
-@dataclass(frozen=True)
-class _UserOp:
-    fn: Callable[..., Any]
-    wants_rng: bool
-    position: int
-    draws = 0
-
-    @property
-    def name(self) -> str:
-        return getattr(self.fn, "__name__", type(self.fn).__name__)
-
-
-def _wants_rng(fn: Callable[..., Any]) -> bool:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    return "rng" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
 @dataclass
 class Plan:
     """Where each sample of a batch comes from: `box` float64 [n, 4] (top, left, height, width) in
@@ -178,66 +151,6 @@ def _resize_size(size: int | Size, lh: np.ndarray, lw: np.ndarray) -> tuple[np.n
 def _center_offsets(crop: int, have: np.ndarray) -> np.ndarray:
     pad = crop > have
     return np.where(pad, -((crop - have) // 2), np.rint((have - crop) / 2.0)).astype(np.int64)
-
-
-class Pipeline:
-    """A compiled list of transforms: the planned geometric prefix and the per-array tail."""
-
-    def __init__(self, transforms: Sequence[Any] | None) -> None:
-        ops: list[Any] = []
-        for pos, t in enumerate(transforms or ()):
-            if isinstance(t, GEOMETRIC):
-                ops.append(t)
-            elif callable(t):
-                ops.append(_UserOp(t, _wants_rng(t), pos))
-            else:
-                raise ConfigError(f"transform #{pos} is {t!r}: expected a stoker transform or a callable on a "
-                                  f"uint8 HWC numpy array")
-        first_user = next((k for k, op in enumerate(ops) if isinstance(op, _UserOp)), len(ops))
-        self.ops = ops
-        self.prefix = ops[:first_user]
-        self.tail = ops[first_user:]
-        self.tail_geometric = any(isinstance(op, GEOMETRIC) for op in self.tail)
-        offsets, total = [], 0
-        for op in ops:
-            offsets.append(total)
-            total += op.draws
-        self.offsets = offsets
-        self.draws = total
-
-    @property
-    def fixed_size(self) -> Size | None:
-        """Output (height, width) when it does not depend on the image size, else None."""
-        size: Size | None = None
-        for op in self.ops:
-            if isinstance(op, RandomResizedCrop | CenterCrop):
-                size = op.size
-            elif isinstance(op, Resize):
-                size = op.size if not isinstance(op.size, int) else None
-        return size
-
-    def output_size(self, height: int, width: int) -> Size:
-        """Output (height, width) for a source of this size (user callables keep the shape)."""
-        fixed = self.fixed_size
-        if fixed is not None:
-            return fixed
-        plan = plan_ops(self.ops, self.offsets, np.array([height]), np.array([width]),
-                        np.zeros((1, max(self.draws, 1))))
-        return int(plan.size[0, 0]), int(plan.size[0, 1])
-
-    def apply(self, img: np.ndarray, u: np.ndarray | None = None, key: int = 0) -> np.ndarray:
-        """Run the whole pipeline on one uint8 HWC array (a preview; the Loader does the same per
-        sample). `u`: the sample's draws [self.draws] (default: all 0.5); `key`: seeds `rng=`."""
-        u = np.full(max(self.draws, 1), 0.5) if u is None else np.asarray(u, dtype=np.float64)
-        h, w = img.shape[:2]
-        p = self.plan(np.array([h]), np.array([w]), u[None, :])
-        out = np.empty((int(p.size[0, 0]), int(p.size[0, 1]), 3), np.uint8)
-        crop_resize_into(np.ascontiguousarray(img), p.box[0], out, bool(p.flip[0]), h, w)
-        return apply_tail(self.tail, self.offsets[len(self.prefix):], out, u, key)
-
-    def plan(self, heights: np.ndarray, widths: np.ndarray, u: np.ndarray) -> Plan:
-        """Plan the geometric prefix for a batch: sizes are source sizes, `u` the draws [n, self.draws]."""
-        return plan_ops(self.prefix, self.offsets, heights, widths, u)
 
 
 def plan_ops(ops: Sequence[Any], offsets: Sequence[int], heights: np.ndarray, widths: np.ndarray,
@@ -343,35 +256,3 @@ def crop_resize_into(src: np.ndarray, box: Sequence[float], dst: np.ndarray, fli
     cv2.resize(region, (tw, th), dst=target, interpolation=cv2.INTER_AREA if heavy else cv2.INTER_LINEAR)
     if flip:
         cv2.flip(dst, 1, dst=dst)
-
-
-def run_user_op(op: _UserOp, img: np.ndarray, key: int) -> np.ndarray:
-    """Call a user transform; with `rng=` it gets a numpy Generator seeded from the sample's key."""
-    if op.wants_rng:
-        rng = np.random.Generator(np.random.Philox(key=[key, op.position]))
-        out = op.fn(img, rng=rng)
-    else:
-        out = op.fn(img)
-    if not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.ndim != 3 or out.shape[2] != 3:
-        got = type(out).__name__ if not isinstance(out, np.ndarray) else f"{out.dtype} array {out.shape}"
-        raise TypeError(f"transform {op.name} returned {got}; expected a uint8 HxWx3 numpy array "
-                        f"(modify the input in place and return it, or return a new array)")
-    return out
-
-
-def apply_tail(ops: Sequence[Any], offsets: Sequence[int], img: np.ndarray, u: np.ndarray,
-               key: int) -> np.ndarray:
-    """Run the ops after the first user callable, one at a time on arrays (the general path)."""
-    for op, off in zip(ops, offsets):
-        if isinstance(op, _UserOp):
-            img = run_user_op(op, img, key)
-            continue
-        plan = plan_ops([op], [0], np.array([img.shape[0]]), np.array([img.shape[1]]),
-                        u[None, off:off + max(op.draws, 1)])
-        out = np.empty((int(plan.size[0, 0]), int(plan.size[0, 1]), 3), dtype=np.uint8)
-        if isinstance(op, RandomHorizontalFlip):
-            out[...] = img[:, ::-1] if plan.flip[0] else img
-        else:
-            crop_resize_into(np.ascontiguousarray(img), plan.box[0], out, False, img.shape[0], img.shape[1])
-        img = out
-    return img

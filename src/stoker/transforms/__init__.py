@@ -1,0 +1,34 @@
+"""Transforms: torchvision's names and semantics, planned before any pixel is touched.
+
+    Loader(src, 256, transforms=[RandomResizedCrop(224), RandomHorizontalFlip(), my_callable])
+
+Where each kind of op runs, and the interface a new op implements:
+
+- **Geometry, planned per batch and fused with decode** (`geometry.py`): a frozen dataclass with a
+  class attribute `draws` (how many uniform draws it reads per sample) and a branch in `plan_ops`
+  that updates the crop box, output size and flip from those draws, vectorised over the batch in
+  numpy. The worker then decodes only the resolution the box needs and resizes once into the batch.
+- **Per-sample ops on worker threads** (`user.py`): any callable on a uint8 HWC numpy array,
+  optionally taking `rng=` (a numpy Generator seeded from the sample's key); it runs after the planned
+  geometry, on the sample's row. Colour and policy ops (ColorJitter, RandAugment) belong here: a
+  frozen dataclass with `draws` and a `__call__(img, rng=...)`, so their randomness stays keyed by
+  (seed, epoch, sample index) and never depends on thread scheduling.
+- **Batched on the device** (coming: GPU augmentations, Mixup/CutMix): ops on a whole `[B, C, H, W]`
+  tensor on the copy stream, after `device.convert`; they draw from the batch's keys, not a global RNG.
+
+`Pipeline` (`pipeline.py`) compiles a list into the planned geometric prefix and the per-array tail.
+Randomness comes from per-sample uniform draws (`order.uniforms`) keyed by (seed, epoch, sample index);
+each op reads a fixed slice of that stream.
+"""
+
+from __future__ import annotations
+
+from .geometry import (AREA_FROM, GEOMETRIC, CenterCrop, CropWindow, Plan, RandomHorizontalFlip,
+                       RandomResizedCrop, Resize, Size, crop_resize_into, crop_window, decode_minimums,
+                       plan_ops)
+from .pipeline import Pipeline
+from .user import apply_tail, run_user_op
+
+__all__ = ["AREA_FROM", "GEOMETRIC", "CenterCrop", "CropWindow", "Pipeline", "Plan", "RandomHorizontalFlip",
+           "RandomResizedCrop", "Resize", "Size", "apply_tail", "crop_resize_into", "crop_window",
+           "decode_minimums", "plan_ops", "run_user_op"]

@@ -1,0 +1,69 @@
+"""User callables in a pipeline: per-sample ops on uint8 HWC numpy arrays, run on the worker threads.
+
+A callable takes the array (and optionally `rng=`, a numpy Generator seeded from the sample's key,
+so its randomness is as deterministic as the planned ops') and returns an array of the same kind.
+Ops after the first user callable (the pipeline's *tail*) run one at a time on arrays (`apply_tail`):
+correct for any order, slower than the fused geometric prefix.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .geometry import RandomHorizontalFlip, crop_resize_into, plan_ops
+
+
+@dataclass(frozen=True)
+class _UserOp:
+    fn: Callable[..., Any]
+    wants_rng: bool
+    position: int
+    draws = 0
+
+    @property
+    def name(self) -> str:
+        return getattr(self.fn, "__name__", type(self.fn).__name__)
+
+
+def _wants_rng(fn: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "rng" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def run_user_op(op: _UserOp, img: np.ndarray, key: int) -> np.ndarray:
+    """Call a user transform; with `rng=` it gets a numpy Generator seeded from the sample's key."""
+    if op.wants_rng:
+        rng = np.random.Generator(np.random.Philox(key=[key, op.position]))
+        out = op.fn(img, rng=rng)
+    else:
+        out = op.fn(img)
+    if not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.ndim != 3 or out.shape[2] != 3:
+        got = type(out).__name__ if not isinstance(out, np.ndarray) else f"{out.dtype} array {out.shape}"
+        raise TypeError(f"transform {op.name} returned {got}; expected a uint8 HxWx3 numpy array "
+                        f"(modify the input in place and return it, or return a new array)")
+    return out
+
+
+def apply_tail(ops: Sequence[Any], offsets: Sequence[int], img: np.ndarray, u: np.ndarray,
+               key: int) -> np.ndarray:
+    """Run the ops after the first user callable, one at a time on arrays (the general path)."""
+    for op, off in zip(ops, offsets):
+        if isinstance(op, _UserOp):
+            img = run_user_op(op, img, key)
+            continue
+        plan = plan_ops([op], [0], np.array([img.shape[0]]), np.array([img.shape[1]]),
+                        u[None, off:off + max(op.draws, 1)])
+        out = np.empty((int(plan.size[0, 0]), int(plan.size[0, 1]), 3), dtype=np.uint8)
+        if isinstance(op, RandomHorizontalFlip):
+            out[...] = img[:, ::-1] if plan.flip[0] else img
+        else:
+            crop_resize_into(np.ascontiguousarray(img), plan.box[0], out, False, img.shape[0], img.shape[1])
+        img = out
+    return img
