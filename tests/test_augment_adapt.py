@@ -16,8 +16,8 @@ import pytest
 import torch
 from PIL import Image
 
-from stoker import augment_cpu as A
-from stoker.adapt import Adapted, TransformError, adapt, as_ops
+from stoker.transforms import colour, policy
+from stoker.transforms.adapt import Adapted, TransformError, adapt, as_ops
 from stoker.errors import ConfigError, SampleError
 from stoker.loader import Loader
 from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop
@@ -53,9 +53,9 @@ def test_single_list_compose_and_sequential_are_flattened():
     flip = RandomHorizontalFlip()
     assert as_ops(flip) == ([flip], [])
     assert as_ops(None) == ([], [])
-    nested = Compose([RandomResizedCrop(8), Compose([flip, A.RandomGrayscale(0.2)])])
+    nested = Compose([RandomResizedCrop(8), Compose([flip, colour.RandomGrayscale(0.2)])])
     ops, batch = as_ops(nested)
-    assert ops == [RandomResizedCrop(8), flip, A.RandomGrayscale(0.2)] and batch == []
+    assert ops == [RandomResizedCrop(8), flip, colour.RandomGrayscale(0.2)] and batch == []
     ops, _ = as_ops(torch.nn.Sequential(torch.nn.Identity()))
     assert len(ops) == 1 and isinstance(ops[0], Adapted)
 
@@ -75,8 +75,8 @@ def test_torchvision_transforms_become_stokers_own():
     ])
     ops, batch = as_ops(pipeline)
     assert ops == [RandomResizedCrop(224), RandomHorizontalFlip(0.5),
-                   A.ColorJitter((0.6, 1.4), 0, (0.6, 1.4), (-0.1, 0.1)),
-                   A.RandAugment(2, 9, 31, "bilinear", None), A.RandomGrayscale(0.1), A.GaussianBlur(5, (0.1, 2.0))]
+                   colour.ColorJitter((0.6, 1.4), 0, (0.6, 1.4), (-0.1, 0.1)),
+                   policy.RandAugment(2, 9, 31, "bilinear", None), colour.RandomGrayscale(0.1), colour.GaussianBlur(5, (0.1, 2.0))]
     assert [type(b).__name__ for b in batch] == ["Normalize", "RandomErasing"]
     with pytest.raises(ConfigError, match="before Normalize"):
         as_ops([tv("Normalize", mean=[0.5], std=[0.5]), RandomHorizontalFlip()])
@@ -153,7 +153,7 @@ def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_adapted_transforms_in_the_loader_are_deterministic_for_any_thread_count(packed: Path):
     tf = Compose([RandomResizedCrop(16), tv("RandomRotation"), adapt(TorchNoise(), input="pil"),
-                  A.RandAugment(), A.ColorJitter(0.4, 0.4, 0.4, 0.1)])
+                  policy.RandAugment(), colour.ColorJitter(0.4, 0.4, 0.4, 0.1)])
     runs = []
     for threads in (1, 2):
         ops, _ = as_ops(tf)

@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 
-from stoker import augment_cpu as A
+from stoker.transforms import colour, pixels, policy
 from stoker.errors import ConfigError
 
 
@@ -163,46 +163,46 @@ def within(a: np.ndarray, b: np.ndarray, tol: int) -> None:
 # ---- fixed parameters give torchvision's pixels -------------------------------------------------
 @pytest.mark.parametrize("factor", [0.0, 0.3, 1.0, 1.7])
 def test_brightness_is_exact(img, factor):
-    assert np.array_equal(A.adjust_brightness(img, factor), ref_blend(img, 0.0, factor))
+    assert np.array_equal(pixels.adjust_brightness(img, factor), ref_blend(img, 0.0, factor))
 
 
 @pytest.mark.parametrize("factor", [0.0, 0.5, 1.6])
 def test_contrast_within_one(img, factor):
-    within(A.adjust_contrast(img, factor), ref_blend(img, ref_gray(img).astype(np.float32).mean(), factor), 1)
+    within(pixels.adjust_contrast(img, factor), ref_blend(img, ref_gray(img).astype(np.float32).mean(), factor), 1)
 
 
 @pytest.mark.parametrize("factor", [0.0, 0.4, 1.9])
 def test_saturation_is_exact(img, factor):
-    within(A.adjust_saturation(img, factor), ref_blend(img, ref_gray(img)[..., None], factor), 0)
+    within(pixels.adjust_saturation(img, factor), ref_blend(img, ref_gray(img)[..., None], factor), 0)
 
 
 @pytest.mark.parametrize("factor", [-0.5, -0.23, 0.0, 0.1, 0.37])
 def test_hue_within_one(img, factor):
-    within(A.adjust_hue(img, factor), ref_hue(img, factor), 1)
+    within(pixels.adjust_hue(img, factor), ref_hue(img, factor), 1)
 
 
 @pytest.mark.parametrize("factor", [0.1, 1.0, 1.9])
 def test_sharpness_within_one(img, factor):
-    within(A.adjust_sharpness(img, factor), ref_sharpness(img, factor), 1)
+    within(pixels.adjust_sharpness(img, factor), ref_sharpness(img, factor), 1)
 
 
 @pytest.mark.parametrize("bits", [1, 4, 7, 8])
 def test_posterize_is_exact(img, bits):
-    assert np.array_equal(A.posterize(img, bits), img & np.uint8(-int(2 ** (8 - bits)) & 0xFF))
+    assert np.array_equal(pixels.posterize(img, bits), img & np.uint8(-int(2 ** (8 - bits)) & 0xFF))
 
 
 @pytest.mark.parametrize("threshold", [0.0, 128.0, 178.5, 255.0])
 def test_solarize_and_invert_are_exact(img, threshold):
-    assert np.array_equal(A.solarize(img, threshold), np.where(img >= threshold, 255 - img, img))
-    assert np.array_equal(A.invert(img), 255 - img)
+    assert np.array_equal(pixels.solarize(img, threshold), np.where(img >= threshold, 255 - img, img))
+    assert np.array_equal(pixels.invert(img), 255 - img)
 
 
 def test_autocontrast_and_equalize_are_exact(img):
-    assert np.array_equal(A.autocontrast(img), ref_autocontrast(img))
-    assert np.array_equal(A.equalize(img), ref_equalize(img))
+    assert np.array_equal(pixels.autocontrast(img), ref_autocontrast(img))
+    assert np.array_equal(pixels.equalize(img), ref_equalize(img))
     flat = np.full((8, 8, 3), 77, np.uint8)
-    assert np.array_equal(A.autocontrast(flat), flat)  # max == min: unchanged, as torchvision
-    assert np.array_equal(A.equalize(flat), flat)
+    assert np.array_equal(pixels.autocontrast(flat), flat)  # max == min: unchanged, as torchvision
+    assert np.array_equal(pixels.equalize(flat), flat)
 
 
 @pytest.mark.parametrize("name,magnitude", [("ShearX", 0.27), ("ShearX", -0.19), ("ShearY", 0.13),
@@ -220,31 +220,31 @@ def test_geometric_ops_sample_torchvisions_pixels(img, name, magnitude):
         inv = ref_inverse_matrix((0, 0), 0.0, (0, int(magnitude)), 1.0, (0.0, 0.0))
     else:
         inv = ref_inverse_matrix((0, 0), -magnitude, (0, 0), 1.0, (0.0, 0.0))
-    ours = A.apply_op(img, name, magnitude, fill=(9, 9, 9))
+    ours = policy.apply_op(img, name, magnitude, fill=(9, 9, 9))
     ref = ref_affine_nearest(img, inv, fill=9)
     same = (ours == ref).all(-1).mean()
     assert same > 0.99, f"{name}: only {same:.4f} of pixels agree"  # the rest: rounding ties at .5
 
 
 def test_translate_moves_content_right_and_down(img):
-    out = A.apply_op(img, "TranslateX", 5.0)
+    out = policy.apply_op(img, "TranslateX", 5.0)
     assert np.array_equal(out[:, 5:], img[:, :-5]) and not out[:, :5].any()
-    out = A.apply_op(img, "TranslateY", -3.0)
+    out = policy.apply_op(img, "TranslateY", -3.0)
     assert np.array_equal(out[:-3], img[3:]) and not out[-3:].any()
 
 
 def test_rotate_90_is_counter_clockwise():
     sq = np.random.default_rng(1).integers(0, 256, (32, 32, 3), dtype=np.uint8)
-    assert np.array_equal(A.rotate(sq, 90.0), np.rot90(sq, 1))
+    assert np.array_equal(pixels.rotate(sq, 90.0), np.rot90(sq, 1))
 
 
 @pytest.mark.parametrize("ksize,sigma", [((3, 3), 0.8), ((5, 9), 1.7), ((23, 23), 2.0)])
 def test_gaussian_blur_within_one(img, ksize, sigma):
-    within(A.gaussian_blur(img, ksize, (sigma, sigma)), ref_blur(img, ksize, sigma), 1)
+    within(pixels.gaussian_blur(img, ksize, (sigma, sigma)), ref_blur(img, ksize, sigma), 1)
 
 
 def test_grayscale_is_exact(img):
-    out = A.RandomGrayscale(p=1.0)(img.copy(), rng=np.random.default_rng(0))
+    out = colour.RandomGrayscale(p=1.0)(img.copy(), rng=np.random.default_rng(0))
     within(out, np.repeat(ref_gray(img)[..., None], 3, -1), 0)
 
 
@@ -269,7 +269,7 @@ N = 4000
 
 
 def test_colorjitter_distributions():
-    op = A.ColorJitter(brightness=0.4, contrast=(0.5, 1.5), saturation=0.2, hue=0.1)
+    op = colour.ColorJitter(brightness=0.4, contrast=(0.5, 1.5), saturation=0.2, hue=0.1)
     rng = np.random.default_rng(0)
     draws = [op.params(rng, 10, 10) for _ in range(N)]
     factors = np.array([d[1] for d in draws])
@@ -277,23 +277,23 @@ def test_colorjitter_distributions():
     for k, (lo, hi) in enumerate([(0.6, 1.4), (0.5, 1.5), (0.8, 1.2), (-0.1, 0.1)]):
         assert ks_uniform(factors[:, k], lo, hi) < crit
     counts_uniform([tuple(d[0]) for d in draws], 24, N)  # torch.randperm(4): every order equally likely
-    assert A.ColorJitter(brightness=0).ranges[0] is None  # 0 disables the component
-    assert A.ColorJitter(brightness=2.0).ranges[0] == (0.0, 3.0)  # clipped at 0
+    assert colour.ColorJitter(brightness=0).ranges[0] is None  # 0 disables the component
+    assert colour.ColorJitter(brightness=2.0).ranges[0] == (0.0, 3.0)  # clipped at 0
     with pytest.raises(ConfigError, match="hue"):
-        A.ColorJitter(hue=0.6)
+        colour.ColorJitter(hue=0.6)
 
 
 def test_colorjitter_applies_in_drawn_order(img):
-    op = A.ColorJitter(brightness=0.5, saturation=0.5)
+    op = colour.ColorJitter(brightness=0.5, saturation=0.5)
     params = (np.array([2, 0, 1, 3]), (1.3, None, 0.6, None))
-    expect = A.adjust_brightness(A.adjust_saturation(img, 0.6), 1.3)
+    expect = pixels.adjust_brightness(pixels.adjust_saturation(img, 0.6), 1.3)
     assert np.array_equal(op.apply(img, params), expect)
 
 
 def test_randaugment_draws_like_torchvision():
-    op = A.RandAugment()  # num_ops=2, magnitude=9, num_magnitude_bins=31
+    op = policy.RandAugment()  # num_ops=2, magnitude=9, num_magnitude_bins=31
     rng = np.random.default_rng(1)
-    space = A.augmentation_space("randaugment", 31, 224, 224)
+    space = policy.augmentation_space("randaugment", 31, 224, 224)
     assert list(space) == ["Identity", "ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate", "Brightness",
                            "Color", "Contrast", "Sharpness", "Posterize", "Solarize", "AutoContrast", "Equalize"]
     expect = {"ShearX": 0.09, "ShearY": 0.09, "TranslateX": 150 / 331 * 224 * 9 / 30, "Rotate": 9.0,
@@ -311,7 +311,7 @@ def test_randaugment_draws_like_torchvision():
 
 
 def test_trivialaugment_draws_like_torchvision():
-    op = A.TrivialAugmentWide()
+    op = policy.TrivialAugmentWide()
     rng = np.random.default_rng(2)
     draws = [op.params(rng, 100, 100) for _ in range(N * 3)]
     counts_uniform([n for n, _ in draws], 14, len(draws))
@@ -324,7 +324,7 @@ def test_trivialaugment_draws_like_torchvision():
 
 
 def test_autoaugment_policy_frequencies():
-    op = A.AutoAugment()
+    op = policy.AutoAugment()
     rng = np.random.default_rng(3)
     n = 20000
     chosen = [op.params(rng, 224, 224) for _ in range(n)]
@@ -337,7 +337,7 @@ def test_autoaugment_policy_frequencies():
     rot = {round(m, 4) for c in chosen for name, m in c if name == "Rotate"}
     assert rot == {round(s * v, 4) for s in (-1, 1) for v in (10.0, 80 / 3, 30.0)}
     with pytest.raises(ConfigError, match="imagenet"):
-        A.AutoAugment(policy="cifar10")
+        policy.AutoAugment(policy="cifar10")
 
 
 def ref_erasing_params(rng: np.random.Generator, h: int, w: int, scale, ratio):
@@ -360,7 +360,7 @@ def ks_two(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def test_random_erasing_distribution_and_pixels(img):
-    op = A.RandomErasing(p=0.5, value=(1, 2, 3))
+    op = colour.RandomErasing(p=0.5, value=(1, 2, 3))
     rng, ref_rng = np.random.default_rng(4), np.random.default_rng(5)
     ours = [op.params(rng, 61, 83) for _ in range(N)]
     applied = [b for b in ours if b is not None]
@@ -378,7 +378,7 @@ def test_random_erasing_distribution_and_pixels(img):
 
 
 def test_random_erasing_random_value_is_normal_in_normalized_units():
-    op = A.RandomErasing(p=1.0, scale=(0.3, 0.3), ratio=(1.0, 1.0), value="random")
+    op = colour.RandomErasing(p=1.0, scale=(0.3, 0.3), ratio=(1.0, 1.0), value="random")
     out = op(np.zeros((200, 200, 3), np.uint8), rng=np.random.default_rng(6))
     erased = out[(out != 0).any(-1)].astype(np.float64) / 255.0
     z = (erased - np.array(op.mean)) / np.array(op.std)
@@ -387,17 +387,17 @@ def test_random_erasing_random_value_is_normal_in_normalized_units():
 
 def test_gaussian_blur_sigma_and_grayscale_probability():
     rng = np.random.default_rng(8)
-    op = A.GaussianBlur(5, sigma=(0.1, 2.0))
+    op = colour.GaussianBlur(5, sigma=(0.1, 2.0))
     assert ks_uniform(np.array([op.params(rng, 9, 9) for _ in range(N)]), 0.1, 2.0) < 1.63 / math.sqrt(N)
-    g = np.mean([A.RandomGrayscale(p=0.1).params(rng, 9, 9) for _ in range(N)])
+    g = np.mean([colour.RandomGrayscale(p=0.1).params(rng, 9, 9) for _ in range(N)])
     assert abs(g - 0.1) < 5 * math.sqrt(0.09 / N)
     with pytest.raises(ConfigError, match="odd"):
-        A.GaussianBlur(4)
+        colour.GaussianBlur(4)
 
 
 def test_same_generator_state_gives_same_pixels(img):
-    for op in (A.ColorJitter(0.4, 0.4, 0.4, 0.1), A.RandAugment(), A.TrivialAugmentWide(), A.AutoAugment(),
-               A.RandomErasing(p=1.0, value="random"), A.GaussianBlur(7)):
+    for op in (colour.ColorJitter(0.4, 0.4, 0.4, 0.1), policy.RandAugment(), policy.TrivialAugmentWide(), policy.AutoAugment(),
+               colour.RandomErasing(p=1.0, value="random"), colour.GaussianBlur(7)):
         a = op(img.copy(), rng=np.random.default_rng(11))
         b = op(img.copy(), rng=np.random.default_rng(11))
         assert np.array_equal(a, b), type(op).__name__

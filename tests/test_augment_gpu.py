@@ -1,5 +1,5 @@
-"""Batched ops (augment_gpu) against the per-sample ops (augment_cpu, themselves checked against
-torchvision's formulas in test_augment_cpu), on torch tensors on the CPU; the same code runs on CUDA
+"""Batched ops (transforms.gpu) against the per-sample ops (colour, policy, pixels; themselves checked
+against torchvision's formulas in test_augment_cpu), on torch tensors on the CPU; the same code runs on CUDA
 (tests/cuda repeats the comparison there when a GPU is present)."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from stoker import augment_cpu as A
-from stoker import augment_gpu as G
+from stoker.transforms import colour, pixels, policy
+from stoker.transforms import gpu as G
 from stoker.errors import ConfigError
 from stoker.loader import Loader
-from stoker.mixing import Mixup
+from stoker.transforms.mixing import Mixup
 from stoker.transforms import RandomResizedCrop
 from test_loader import build_packed
 
@@ -51,10 +51,10 @@ def within(a: np.ndarray, b: np.ndarray, tol: int) -> None:
 FACTORS = np.array([0.0, 0.3, 0.7, 1.0, 1.2, 1.5, 1.9, 0.5], np.float32)
 
 
-@pytest.mark.parametrize("gpu_fn,cpu_fn,tol", [(G.brightness, A.adjust_brightness, 0),
-                                                (G.contrast, A.adjust_contrast, 1),
-                                                (G.saturation, A.adjust_saturation, 1),
-                                                (G.sharpness, A.adjust_sharpness, 1)])
+@pytest.mark.parametrize("gpu_fn,cpu_fn,tol", [(G.brightness, pixels.adjust_brightness, 0),
+                                                (G.contrast, pixels.adjust_contrast, 1),
+                                                (G.saturation, pixels.adjust_saturation, 1),
+                                                (G.sharpness, pixels.adjust_sharpness, 1)])
 def test_blends_match_per_sample(batch, gpu_fn, cpu_fn, tol):
     out = back(gpu_fn(nchw(batch), torch.from_numpy(FACTORS).to(DEVICE)))
     for k, f in enumerate(FACTORS):
@@ -66,18 +66,18 @@ def test_hue_posterize_solarize_autocontrast_equalize_invert(batch):
     hues = np.linspace(-0.5, 0.45, 8).astype(np.float32)
     out = back(G.hue(x, torch.from_numpy(hues).to(DEVICE)))
     for k, f in enumerate(hues):
-        within(out[k], A.adjust_hue(batch[k], float(f)), 1)
+        within(out[k], pixels.adjust_hue(batch[k], float(f)), 1)
     bits = torch.tensor([0, 1, 2, 4, 5, 6, 7, 8], device=DEVICE)
     out = back(G.posterize(x, bits))
     thr = torch.tensor([0, 10, 100, 128, 178.5, 200, 255, 256], dtype=torch.float32, device=DEVICE)
     sol = back(G.solarize(x, thr))
     ac, eq, inv = back(G.autocontrast(x)), back(G.equalize(x)), back(G.invert(x))
     for k in range(8):
-        assert np.array_equal(out[k], A.posterize(batch[k], int(bits[k])))
-        assert np.array_equal(sol[k], A.solarize(batch[k], float(thr[k])))
-        within(ac[k], A.autocontrast(batch[k]), 1)  # float32 ties at integers: torch and numpy may round apart
-        assert np.array_equal(eq[k], A.equalize(batch[k]))
-        assert np.array_equal(inv[k], A.invert(batch[k]))
+        assert np.array_equal(out[k], pixels.posterize(batch[k], int(bits[k])))
+        assert np.array_equal(sol[k], pixels.solarize(batch[k], float(thr[k])))
+        within(ac[k], pixels.autocontrast(batch[k]), 1)  # float32 ties at integers: torch and numpy may round apart
+        assert np.array_equal(eq[k], pixels.equalize(batch[k]))
+        assert np.array_equal(inv[k], pixels.invert(batch[k]))
 
 
 @pytest.mark.parametrize("name", ["ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate"])
@@ -87,7 +87,7 @@ def test_geometric_ops_match_per_sample(batch, name):
     for fill in (None, (10, 20, 30)):
         out = back(G.apply_policy_op(nchw(batch), name, signed, fill=fill))
         for k, m in enumerate(signed):
-            ref = A.apply_op(batch[k], name, float(m), fill=fill)
+            ref = policy.apply_op(batch[k], name, float(m), fill=fill)
             assert (out[k] == ref).all(-1).mean() > 0.99, (name, m, fill)
 
 
@@ -96,12 +96,12 @@ def test_blur_and_grayscale_match_per_sample(batch):
     sig = op.params(np.random.default_rng(0), 8, 33, 47)
     out = back(op.apply(nchw(batch), sig))
     for k, s in enumerate(sig):
-        within(out[k], A.gaussian_blur(batch[k], (5, 9), (float(s), float(s))), 1)
+        within(out[k], pixels.gaussian_blur(batch[k], (5, 9), (float(s), float(s))), 1)
     g = G.RandomGrayscale(p=0.5)
     mask = np.array([True, False] * 4)
     out = back(g.apply(nchw(batch), mask))
     for k in range(8):
-        ref = A.RandomGrayscale(1.0).apply(batch[k], True) if mask[k] else batch[k]
+        ref = colour.RandomGrayscale(1.0).apply(batch[k], True) if mask[k] else batch[k]
         within(out[k], ref, 1)
 
 
@@ -115,7 +115,7 @@ def test_policies_match_the_per_sample_ops_they_drew(batch, op):
         ref = big[k]
         for step in range(ids.shape[1]):
             if ids[k, step] >= 0:
-                ref = A.apply_op(ref, G.OPS[ids[k, step]], float(mags[k, step]))
+                ref = policy.apply_op(ref, G.OPS[ids[k, step]], float(mags[k, step]))
         close.append((np.abs(out[k].astype(int) - ref.astype(int)) <= 1).all(-1).mean())
     # blends differ by at most 1 (rounding); an op after a blend (equalize, solarize) can move a few pixels more
     assert np.mean(close) > 0.97 and min(close) > 0.8
@@ -126,7 +126,7 @@ def test_policy_draws_follow_torchvision():
     rng = np.random.default_rng(2)
     ids, mags = G.RandAugment().params(rng, n, 224, 224)
     counts = np.bincount(ids.ravel(), minlength=len(G.OPS))
-    used = [G.OPS.index(s) for s in A.augmentation_space("randaugment", 31, 224, 224)]
+    used = [G.OPS.index(s) for s in policy.augmentation_space("randaugment", 31, 224, 224)]
     sd = math.sqrt(2 * n / 14)
     assert np.abs(counts[used] - 2 * n / 14).max() < 5 * sd and counts.sum() == 2 * n
     rot = mags[ids == G.OPS.index("Rotate")]
@@ -143,7 +143,7 @@ def test_colorjitter_batched_order_and_factors(batch):
     order, factors = op.params(np.random.default_rng(4), 8, 33, 47)
     out = back(op.apply(nchw(batch), (order, factors)))
     for k in range(8):
-        ref = A.ColorJitter(0.4, 0.4, 0.4, 0.1).apply(batch[k], (order[k], tuple(float(f) for f in factors[k])))
+        ref = colour.ColorJitter(0.4, 0.4, 0.4, 0.1).apply(batch[k], (order[k], tuple(float(f) for f in factors[k])))
         assert (np.abs(out[k].astype(int) - ref.astype(int)) <= 2).mean() > 0.97  # 4 chained ops, each within 1
     n = 24000
     order, _ = op.params(np.random.default_rng(5), n, 8, 8)
@@ -155,7 +155,7 @@ def test_erasing_matches_torchvisions_distribution_and_normalize():
     op = G.RandomErasing(p=1.0)
     boxes, _ = op.params(np.random.default_rng(6), 5000, 40, 60)
     ref_rng = np.random.default_rng(7)
-    ref = [A.erasing_params(ref_rng, 40, 60, op.scale, op.ratio) for _ in range(5000)]
+    ref = [colour.erasing_params(ref_rng, 40, 60, op.scale, op.ratio) for _ in range(5000)]
     ref_area = np.array([r[2] * r[3] for r in ref if r is not None])
     area = boxes[:, 2] * boxes[:, 3]
     grid = np.union1d(area, ref_area)

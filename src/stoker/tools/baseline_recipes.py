@@ -57,7 +57,7 @@ class _PILRandAugment:
     def __call__(self, img: Any) -> Any:
         import torch
 
-        from ..augment_cpu import augmentation_space
+        from ..transforms.policy import augmentation_space
 
         space = augmentation_space("randaugment", self.bins, img.size[1], img.size[0])
         names = list(space)
@@ -122,6 +122,6 @@ def recipe_transform(recipe: str) -> tuple[Callable[[Any], Any], str]:
 
 def deit_mixup(num_classes: int) -> Any:
     """The DeiT batch mixing both sides run: timm's Mixup(0.8, 1.0, label_smoothing=0.1)."""
-    from ..mixing import Mixup
+    from ..transforms.mixing import Mixup
 
     return Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1, num_classes=num_classes)

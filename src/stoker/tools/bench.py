@@ -204,8 +204,8 @@ def _baseline_recipe_runner(spec: _Spec) -> _Runner:
 
 
 def _stoker_recipe_runner(spec: _Spec) -> _Runner:
-    from ..augment_cpu import RandAugment
-    from ..augment_gpu import BatchAugment, Normalize, RandomErasing
+    from ..transforms.gpu import BatchAugment, Normalize, RandomErasing
+    from ..transforms.policy import RandAugment
     from .baseline_recipes import deit_mixup
     from ..loader import Loader
     from ..transforms import RandomHorizontalFlip, RandomResizedCrop
@@ -213,7 +213,7 @@ def _stoker_recipe_runner(spec: _Spec) -> _Runner:
     recipe = _recipe_of(spec.pipeline)
     loader = Loader(spec.packed, spec.batch_size, transforms=[RandomResizedCrop(224), RandomHorizontalFlip(),
                                                               RandAugment()],
-                    shuffle=True, seed=0, num_threads=spec.workers)
+                    seed=0, num_threads=spec.workers)
     batches: Any = loader
     if recipe == "deit":
         aug = BatchAugment([Normalize("imagenet"), RandomErasing(p=0.25)],

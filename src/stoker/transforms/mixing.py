@@ -21,8 +21,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from .errors import ConfigError
-from .order import sample_keys
+from ..errors import ConfigError
+from ..order import sample_keys
 
 MODES = ("batch", "elem")
 _TAG_MIX = 5  # order.py's streams use tags 1-4; batch mixing draws from its own

@@ -27,13 +27,13 @@ import random
 import threading
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 
-from . import augment_cpu as cpu
-from .errors import ConfigError, StokerError
-from .transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
+from ..errors import ConfigError, StokerError
+from . import colour, policy
+from .geometry import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
 
 INPUTS = ("numpy", "pil", "tensor")
 RANDOMNESS = ("rng", "global", "none")
@@ -41,6 +41,8 @@ _GLOBAL_RNG_LOCK = threading.Lock()  # the global generators are process-wide: o
 _CONVERSIONS = {"ToTensor", "PILToTensor", "ToImage", "ToImageTensor", "ToDtype", "ConvertImageDtype",
                 "ConvertImageDType", "ToPureTensor"}
 BATCH_OPS = {"Normalize", "RandomErasing"}
+PER_SAMPLE_OPS = (colour.ColorJitter, colour.GaussianBlur, colour.RandomGrayscale, colour.RandomErasing,
+                  policy.RandAugment, policy.TrivialAugmentWide, policy.AutoAugment)
 
 
 class TransformError(StokerError, ValueError):
@@ -95,18 +97,18 @@ def translate(t: Any) -> Any:
     if name == "RandomHorizontalFlip":
         return RandomHorizontalFlip(p=float(t.p))
     if name == "ColorJitter":
-        return cpu.ColorJitter(_range(t.brightness), _range(t.contrast), _range(t.saturation), _range(t.hue))
+        return colour.ColorJitter(_range(t.brightness), _range(t.contrast), _range(t.saturation), _range(t.hue))
     if name == "RandAugment":
-        return cpu.RandAugment(int(t.num_ops), int(t.magnitude), int(t.num_magnitude_bins), _interp(t.interpolation),
+        return policy.RandAugment(int(t.num_ops), int(t.magnitude), int(t.num_magnitude_bins), _interp(t.interpolation),
                                _fill(t.fill))
     if name == "TrivialAugmentWide":
-        return cpu.TrivialAugmentWide(int(t.num_magnitude_bins), _interp(t.interpolation), _fill(t.fill))
+        return policy.TrivialAugmentWide(int(t.num_magnitude_bins), _interp(t.interpolation), _fill(t.fill))
     if name == "AutoAugment" and str(getattr(t.policy, "value", t.policy)).lower() == "imagenet":
-        return cpu.AutoAugment("imagenet", _interp(t.interpolation), _fill(t.fill))
+        return policy.AutoAugment("imagenet", _interp(t.interpolation), _fill(t.fill))
     if name == "GaussianBlur":
-        return cpu.GaussianBlur(tuple(t.kernel_size), tuple(t.sigma))
+        return colour.GaussianBlur(tuple(t.kernel_size), tuple(t.sigma))
     if name == "RandomGrayscale":
-        return cpu.RandomGrayscale(p=float(t.p))
+        return colour.RandomGrayscale(p=float(t.p))
     return None
 
 
@@ -156,7 +158,7 @@ def as_ops(transforms: Any) -> tuple[list[Any], list[Any]]:
             continue
         if native is not None:
             ops.append(native)
-        elif isinstance(t, (*cpu.CPU_OPS, RandomResizedCrop, Resize, CenterCrop, RandomHorizontalFlip, Adapted)):
+        elif isinstance(t, (*PER_SAMPLE_OPS, RandomResizedCrop, Resize, CenterCrop, RandomHorizontalFlip, Adapted)):
             ops.append(t)
         elif callable(t):
             ops.append(adapt(t))
@@ -271,7 +273,7 @@ class Adapted:
             slow.append("it draws from global generators, so calls are serialised under one lock")
         if slow:
             warnings.warn(f"stoker: transform {self.name} runs on a slow path ({'; '.join(slow)}); stoker's own ops "
-                          f"(stoker.augment_cpu) or a numpy callable taking rng= run in parallel", stacklevel=2)
+                          f"(stoker.transforms) or a numpy callable taking rng= run in parallel", stacklevel=2)
 
     def _call(self, arg: Any, rng: np.random.Generator | None) -> Any:
         if self.random == "rng":
@@ -299,7 +301,7 @@ class Adapted:
             return out
         raise TransformError(f"transform {self.name} accepts none of a uint8 HWC numpy array, a PIL image or a CHW "
                              f"uint8 tensor ({'; '.join(errors)}); declare what it takes with "
-                             f"stoker.adapt(fn, input='numpy'|'pil'|'tensor')")
+                             f"stoker.transforms.adapt(fn, input='numpy'|'pil'|'tensor')")
 
     def __call__(self, img: np.ndarray, rng: np.random.Generator | None = None) -> np.ndarray:
         if self.input is None:

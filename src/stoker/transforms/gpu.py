@@ -1,7 +1,7 @@
 """Batched augmentations on `[B, 3, H, W]` tensors, on any device: per-sample parameters as tensors,
 a handful of kernels per batch and no per-sample Python loop.
 
-The same ops as `augment_cpu` (torchvision's definitions, same parameter names), for heavy policies
+The same ops as the per-sample ones (`colour.py`, `policy.py`) (torchvision's definitions, same parameter names), for heavy policies
 run on the GPU after the upload instead of on the worker threads:
 
     batch_aug = BatchAugment([RandAugment(), Normalize("imagenet"), RandomErasing(p=0.25)],
@@ -26,9 +26,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import augment_cpu as cpu
-from .device import IMAGENET_MEAN, IMAGENET_STD
-from .errors import ConfigError
+from ..device import IMAGENET_MEAN, IMAGENET_STD
+from ..errors import ConfigError
+from . import colour, pixels, policy
 from .mixing import Mixup, batch_rng
 
 _TAG_BATCH_AUG = 6  # the batch ops' own random stream (order.py uses 1-4, mixing 5)
@@ -168,13 +168,13 @@ def affine_theta(inv: np.ndarray, h: int, w: int) -> np.ndarray:
     return theta
 
 
-def warp(x: torch.Tensor, inv: np.ndarray, interpolation: str = "nearest", fill: cpu.Fill = None) -> torch.Tensor:
+def warp(x: torch.Tensor, inv: np.ndarray, interpolation: str = "nearest", fill: pixels.Fill = None) -> torch.Tensor:
     """torchvision's tensor affine (grid_sample, align_corners=False) with one matrix per sample."""
     n, _, h, w = x.shape
     theta = torch.from_numpy(affine_theta(inv, h, w)).to(x.device)
     grid = F.affine_grid(theta, [n, 3, h, w], align_corners=False)
     f = x.float()
-    fillv = cpu._fill_value(fill)
+    fillv = pixels._fill_value(fill)
     if any(fillv):
         f = torch.cat((f, torch.ones_like(f[:, :1])), 1)
     out = F.grid_sample(f, grid, mode=interpolation, padding_mode="zeros", align_corners=False)
@@ -187,7 +187,7 @@ def warp(x: torch.Tensor, inv: np.ndarray, interpolation: str = "nearest", fill:
 
 def _geometry_matrices(name: str, mags: np.ndarray, h: int, w: int) -> np.ndarray:
     """Inverse matrices [n, 6] of one geometric policy op for signed magnitudes `mags` [n]: the closed
-    forms of `augment_cpu.inverse_affine_matrix` for each op (shears about the top-left corner with
+    forms of `augment_pixels.inverse_affine_matrix` for each op (shears about the top-left corner with
     tan(atan(m)) = m, translations by int(m) pixels, rotations by m degrees about the centre)."""
     m = np.asarray(mags, np.float64)
     one, zero = np.ones_like(m), np.zeros_like(m)
@@ -206,7 +206,7 @@ def _geometry_matrices(name: str, mags: np.ndarray, h: int, w: int) -> np.ndarra
 
 
 def apply_policy_op(x: torch.Tensor, name: str, mags: np.ndarray, interpolation: str = "nearest",
-                    fill: cpu.Fill = None) -> torch.Tensor:
+                    fill: pixels.Fill = None) -> torch.Tensor:
     """One policy op on a sub-batch with one signed magnitude per sample (uint8 in and out)."""
     if name == "Identity":
         return x
@@ -234,7 +234,7 @@ def apply_policy_op(x: torch.Tensor, name: str, mags: np.ndarray, interpolation:
     raise ConfigError(f"unknown augmentation op {name!r}")
 
 
-def run_policy(x: torch.Tensor, op_ids: np.ndarray, mags: np.ndarray, interpolation: str, fill: cpu.Fill) -> torch.Tensor:
+def run_policy(x: torch.Tensor, op_ids: np.ndarray, mags: np.ndarray, interpolation: str, fill: pixels.Fill) -> torch.Tensor:
     """Apply per-sample op sequences: `op_ids` int [n, k] into OPS (-1: skip), `mags` float [n, k]."""
     for step in range(op_ids.shape[1]):
         for op in np.unique(op_ids[:, step]):
@@ -265,7 +265,7 @@ class ColorJitter:
     ranges: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "ranges", cpu.ColorJitter(self.brightness, self.contrast, self.saturation,
+        object.__setattr__(self, "ranges", colour.ColorJitter(self.brightness, self.contrast, self.saturation,
                                                            self.hue).ranges)
 
     def params(self, rng: np.random.Generator, n: int, h: int, w: int) -> tuple[np.ndarray, np.ndarray]:
@@ -301,13 +301,13 @@ class RandAugment:
     magnitude: int = 9
     num_magnitude_bins: int = 31
     interpolation: str = "nearest"
-    fill: cpu.Fill = None
+    fill: pixels.Fill = None
 
     def __post_init__(self) -> None:
-        cpu.RandAugment(self.num_ops, self.magnitude, self.num_magnitude_bins, self.interpolation, self.fill)
+        policy.RandAugment(self.num_ops, self.magnitude, self.num_magnitude_bins, self.interpolation, self.fill)
 
     def params(self, rng: np.random.Generator, n: int, h: int, w: int) -> tuple[np.ndarray, np.ndarray]:
-        space = cpu.augmentation_space("randaugment", self.num_magnitude_bins, h, w)
+        space = policy.augmentation_space("randaugment", self.num_magnitude_bins, h, w)
         names = list(space)
         choice = rng.integers(len(names), size=(n, self.num_ops))
         flip = rng.integers(2, size=(n, self.num_ops)).astype(bool)
@@ -328,10 +328,10 @@ class TrivialAugmentWide:
 
     num_magnitude_bins: int = 31
     interpolation: str = "nearest"
-    fill: cpu.Fill = None
+    fill: pixels.Fill = None
 
     def params(self, rng: np.random.Generator, n: int, h: int, w: int) -> tuple[np.ndarray, np.ndarray]:
-        space = cpu.augmentation_space("trivialaugmentwide", self.num_magnitude_bins, h, w)
+        space = policy.augmentation_space("trivialaugmentwide", self.num_magnitude_bins, h, w)
         names = list(space)
         choice = rng.integers(len(names), size=n)
         bins = rng.integers(self.num_magnitude_bins, size=n)
@@ -354,17 +354,17 @@ class AutoAugment:
 
     policy: str = "imagenet"
     interpolation: str = "nearest"
-    fill: cpu.Fill = None
+    fill: pixels.Fill = None
 
     def __post_init__(self) -> None:
-        cpu.AutoAugment(self.policy, self.interpolation, self.fill)
+        policy.AutoAugment(self.policy, self.interpolation, self.fill)
 
     def params(self, rng: np.random.Generator, n: int, h: int, w: int) -> tuple[np.ndarray, np.ndarray]:
-        space = cpu.augmentation_space("autoaugment", 10, h, w)
+        space = policy.augmentation_space("autoaugment", 10, h, w)
         table = [[(_OP_ID[name], p, 0.0 if bin_ is None or space[name][0] is None else float(space[name][0][bin_]),
-                   space[name][1]) for name, p, bin_ in sub] for sub in cpu.IMAGENET_POLICY]
+                   space[name][1]) for name, p, bin_ in sub] for sub in policy.IMAGENET_POLICY]
         t = np.array(table, dtype=np.float64)  # [25, 2, (op, prob, magnitude, signed)]
-        pol = rng.integers(len(cpu.IMAGENET_POLICY), size=n)
+        pol = rng.integers(len(policy.IMAGENET_POLICY), size=n)
         probs = rng.random((n, 2))
         signs = rng.integers(2, size=(n, 2))
         chosen = t[pol]  # [n, 2, 4]
@@ -386,7 +386,7 @@ class GaussianBlur:
     sigma: Any = (0.1, 2.0)
 
     def __post_init__(self) -> None:
-        ref = cpu.GaussianBlur(self.kernel_size, self.sigma)
+        ref = colour.GaussianBlur(self.kernel_size, self.sigma)
         object.__setattr__(self, "kernel_size", ref.kernel_size)
         object.__setattr__(self, "sigma", ref.sigma)
 
@@ -466,8 +466,8 @@ class RandomErasing:
     value: Any = 0
 
     def __post_init__(self) -> None:
-        cpu.RandomErasing(self.p, self.scale, self.ratio, self.value)  # the same checks
-        object.__setattr__(self, "value", cpu._erase_value(self.value))
+        colour.RandomErasing(self.p, self.scale, self.ratio, self.value)  # the same checks
+        object.__setattr__(self, "value", colour._erase_value(self.value))
 
     def params(self, rng: np.random.Generator, n: int, h: int, w: int) -> tuple[np.ndarray, int]:
         """[n, 4] (top, left, h, w), h = 0 where nothing is erased. torchvision's 10 tries,
@@ -490,7 +490,7 @@ class RandomErasing:
         boxes, seed = params
         if not x.dtype.is_floating_point:
             raise ConfigError("RandomErasing (batched) works on the normalized float batch, as torchvision's; put "
-                              "it after Normalize, or use stoker.augment_cpu.RandomErasing on uint8 samples")
+                              "it after Normalize, or use stoker.augment_colour.RandomErasing on uint8 samples")
         n, c, h, w = x.shape
         if not x.is_cuda:  # on the CPU a slice per erased box beats full-batch masks
             for k in np.nonzero(boxes[:, 2] > 0)[0]:
@@ -530,7 +530,7 @@ class BatchAugment:
     def __init__(self, ops: Sequence[Any], mix: Mixup | None = None, seed: int = 0) -> None:
         for k, op in enumerate(ops):
             if not (callable(getattr(op, "params", None)) and callable(getattr(op, "apply", None))):
-                raise ConfigError(f"batch op #{k} ({op!r}) is not a batched op; use the ones in stoker.augment_gpu")
+                raise ConfigError(f"batch op #{k} ({op!r}) is not a batched op; use the ones in stoker.transforms.gpu")
         self.ops, self.mix, self.seed = list(ops), mix, int(seed)
 
     def __call__(self, images: torch.Tensor, labels: Any = None, *, epoch: int = 0, batch: int = 0,
