@@ -18,8 +18,10 @@ from PIL import Image
 
 from stoker.transforms import colour, policy
 from stoker.transforms.adapt import Adapted, TransformError, adapt, as_ops
+from stoker.device import DeviceOptions
 from stoker.errors import ConfigError, SampleError
 from stoker.loader import Loader
+from stoker.transforms.mixing import Mixup
 from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop
 from test_loader import build_packed
 
@@ -172,3 +174,61 @@ def test_a_failing_user_transform_names_sample_and_transform(packed: Path):
     with pytest.raises(SampleError, match=r"sample 'img/\d+\.x'.*transform explode.*no thanks"):
         for _ in Loader(packed, 4, transforms=ops, num_threads=1):
             pass
+
+
+# ---- the Loader takes all of it through transforms= -------------------------------------------
+def deit_pipeline():
+    """A DeiT-style torchvision Compose, as a user has it, plus a Mixup at the end."""
+    return [Compose([tv("RandomResizedCrop", size=[16, 16], scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)),
+                     tv("RandomHorizontalFlip", p=0.5),
+                     tv("RandAugment", num_ops=2, magnitude=9, num_magnitude_bins=31,
+                        interpolation=InterpolationMode.NEAREST, fill=None),
+                     tv("ToTensor"), tv("Normalize", mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225]),
+                     tv("RandomErasing", p=0.25, scale=(0.02, 0.33), ratio=(0.3, 3.3), value=0)]),
+            Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1, num_classes=24)]
+
+
+def collect(loader, stop=None):
+    out = []
+    for k, (x, t) in enumerate(loader):
+        out.append((x.clone(), t.clone()))
+        if stop is not None and k + 1 == stop:
+            break
+    return out
+
+
+def same(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
+
+
+def test_a_torchvision_compose_drops_into_the_loader(packed: Path):
+    one = collect(Loader(packed, 6, transforms=deit_pipeline(), seed=4, num_threads=1))
+    x, t = one[0]
+    assert x.shape == (6, 3, 16, 16) and x.dtype == torch.float32 and x.min() < -1.0  # normalized NCHW
+    assert t.shape == (6, 24) and torch.allclose(t.sum(1), torch.ones(6))  # soft targets
+    assert same(one, collect(Loader(packed, 6, transforms=deit_pipeline(), seed=4, num_threads=2)))
+    # the device stage (here on the CPU) runs the same batch ops, with the same draws
+    assert same(one, collect(Loader(packed, 6, transforms=deit_pipeline(), seed=4, num_threads=2, device="cpu")))
+    first = Loader(packed, 6, transforms=deit_pipeline(), seed=4, num_threads=2)
+    collect(first, stop=2)
+    resumed = Loader(packed, 6, transforms=deit_pipeline(), seed=4, num_threads=1)
+    resumed.load_state_dict(first.state_dict())
+    assert same(one[2:], collect(resumed))
+
+
+def test_single_transforms_and_bad_orders(packed: Path):
+    batch = next(iter(Loader(packed, 4, transforms=RandomResizedCrop(12), num_threads=1)))
+    assert batch[0].shape == (4, 12, 12, 3)
+    with pytest.raises(ConfigError, match="Mixup must be the last"):
+        Loader(packed, 4, transforms=[RandomResizedCrop(12), Mixup(num_classes=24), G_NORMALIZE()])
+    with pytest.raises(ConfigError, match="keep one"):
+        Loader(packed, 4, transforms=[RandomResizedCrop(12), G_NORMALIZE()],
+               device=DeviceOptions(device="cpu", normalize="imagenet"))
+    with pytest.raises(ConfigError, match="on whole batches"):
+        Loader(packed, 4, transforms=[RandomResizedCrop(12), G_NORMALIZE(), colour.RandomGrayscale()])
+
+
+def G_NORMALIZE():
+    from stoker.transforms.gpu import Normalize
+
+    return Normalize("imagenet")

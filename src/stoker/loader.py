@@ -37,7 +37,7 @@ from .errors import ConfigError
 from .order import ORDERS, epoch_order, num_batches, rank_indices, samples_per_rank
 from .reader import Dataset, PackedDataset, open_dataset, open_loose
 from .device import DeviceOptions, DeviceStage, as_device_options
-from .render import DeviceBuilder, Filler, RenderSpec
+from .render import DeviceBuilder, Filler, RenderSpec, run_batch_ops
 from .shards import MANIFEST_NAME, looks_like_partial_pack
 from .slots import BatchRing, Feeder, LoaderStats, Run, Slot
 from .transforms import Pipeline
@@ -59,6 +59,10 @@ def _open_source(source: str | Path | Dataset) -> tuple[Dataset, bool]:
 def _device_options(device: Any, pipeline: Pipeline) -> DeviceOptions | None:
     """The loader's DeviceOptions (None: uint8 batches on the CPU), with every bad combination named."""
     opts = as_device_options(device)
+    batch_norm = pipeline.batch is not None and any(type(op).__name__ == "Normalize" for op in pipeline.batch.ops)
+    if opts is not None and batch_norm and opts.normalize is not None:
+        raise ConfigError("the transforms end with a Normalize and the device options normalize as well; keep one "
+                          "(drop normalize= from the DeviceOptions, or the Normalize from the transforms)")
     if opts is not None and opts.decode == "gpu" and pipeline.tail:
         names = ", ".join(op.name for op in pipeline.tail if hasattr(op, "name"))
         raise ConfigError(f"decode='gpu' runs only stoker's geometric transforms on the GPU; {names} "
@@ -361,11 +365,14 @@ class _LoaderIter:
     def _batch(self, slot: Slot) -> tuple:
         n = slot.size
         full = n == slot.images.shape[0]
-        images = slot.images if full else slot.images[:n]
+        images: Any = slot.images if full else slot.images[:n]
         if slot.labels is not None:
             labels: Any = slot.labels if full else slot.labels[:n]
         else:
             labels = list(slot.objects[:n])
+        spec = self._loader._spec
+        if spec.pipeline.batch is not None:  # no device stage: the batch ops run here, on the CPU
+            images, labels = run_batch_ops(spec, images, labels, self._epoch, self._start + self._b - 1)
         if self._columns:
             return images, labels, {c: list(v) for c, v in slot.extras.items()}
         return images, labels

@@ -11,7 +11,8 @@ smallest DCT scale the crop allows, crop, resize and flip each sample straight i
 row becomes a `GpuJob` instead, left for the device thread.
 
 `DeviceBuilder` is what the Loader's device thread runs on each finished slot, on the copy stream:
-upload the uint8 batch, decode its JPEGs on the GPU (CPU fallback per sample), convert.
+upload the uint8 batch, decode its JPEGs on the GPU (CPU fallback per sample), run the pipeline's
+batch ops (batched augmentations, Normalize, RandomErasing, Mixup: `run_batch_ops`), convert.
 """
 
 from __future__ import annotations
@@ -243,6 +244,18 @@ class Filler:
                            f"samples, or re-pack to drop them", key=key, shard=shard, row=row, index=idx)
 
 
+def run_batch_ops(spec: RenderSpec, images: torch.Tensor, labels: Any, epoch: int, batch: int) -> tuple[Any, Any]:
+    """The pipeline's batch ops on one batch (NHWC in, NCHW out), their draws keyed by (seed, epoch,
+    batch index of the epoch); with a Mixup the labels come back as soft targets [B, num_classes]."""
+    ops = spec.pipeline.batch
+    if ops.mix is not None and not isinstance(labels, torch.Tensor):
+        raise SampleError(f"Mixup needs numeric class labels, batch {batch} of epoch {epoch} has "
+                          f"{type(labels[0]).__name__} labels; drop the Mixup or pack integer labels")
+    out = ops(images.permute(0, 3, 1, 2), labels if ops.mix is not None else None, epoch=epoch, batch=batch,
+              seed=spec.seed)
+    return out if isinstance(out, tuple) else (out, labels)
+
+
 class DeviceBuilder:
     """The device thread's work on one finished slot (inside the copy stream's context): upload the
     pinned batch, decode its JPEGs on the GPU (decode="gpu"), convert. Holds no reference to the
@@ -270,7 +283,15 @@ class DeviceBuilder:
         else:
             labels = stage.upload(slot.labels[:n]) if self.opts.is_cuda else slot.labels[:n].clone()
         reusable = stage.fence()  # past this point the GPU no longer reads the pinned slot
-        images = convert(x, self.opts, layout="nhwc")
+        if self.filler.spec.pipeline.batch is None:
+            images = convert(x, self.opts, layout="nhwc")
+        else:
+            f = self.filler
+            x, labels = run_batch_ops(f.spec, x, labels, f.epoch, f.first // f.batch_size + slot.batch)
+            # a batch Normalize already made float32; convert() reads floats as 0..1 units, so only lay out
+            done = x.dtype.is_floating_point and self.opts.dtype == torch.uint8
+            images = x.contiguous(memory_format=self.opts.memory_format) if done else convert(x, self.opts,
+                                                                                               layout="nchw")
         batch: tuple = (images, labels)
         if self.columns:
             batch += ({c: list(v) for c, v in slot.extras.items()},)

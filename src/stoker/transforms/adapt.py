@@ -3,14 +3,15 @@ HWC uint8 arrays, PIL images or CHW tensors.
 
 `as_ops(transforms)` turns whatever the user passed into the list the Pipeline compiles:
 
-- containers are flattened: a list or tuple, anything with a `.transforms` list (torchvision's and
+- containers are flattened (the result is what `Pipeline` compiles: per-sample ops, then batch ops): a list or tuple, anything with a `.transforms` list (torchvision's and
   albumentations' `Compose`), a `torch.nn.Sequential`;
 - torchvision's own transforms are replaced by stoker's equivalents with the same parameters
   (RandomResizedCrop, Resize, CenterCrop, RandomHorizontalFlip, ColorJitter, RandAugment,
   TrivialAugmentWide, AutoAugment(IMAGENET), GaussianBlur, RandomGrayscale), so a user's pipeline
   drops in and runs on the fast path; conversions (ToTensor, PILToTensor, ToImage, ToDtype,
   ConvertImageDtype) are dropped (stoker's batches are uint8, converted on the device); Normalize
-  and RandomErasing, which torchvision runs on normalized tensors, are returned as batch ops;
+  and RandomErasing, which torchvision runs on normalized tensors, become stoker's batched ops
+  (`gpu.Normalize`, `gpu.RandomErasing`), as do stoker's batched ops and a `Mixup` given directly;
 - any other callable is wrapped in `Adapted`: the sample is handed over as the kind it takes
   (declared with `adapt(fn, input=...)`, else detected on the first sample), its result converted
   back, its randomness made reproducible (a transform that takes `rng=` gets the sample's Generator;
@@ -32,7 +33,8 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import ConfigError, StokerError
-from . import colour, policy
+from . import colour, gpu, policy
+from .mixing import Mixup
 from .geometry import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
 
 INPUTS = ("numpy", "pil", "tensor")
@@ -40,7 +42,6 @@ RANDOMNESS = ("rng", "global", "none")
 _GLOBAL_RNG_LOCK = threading.Lock()  # the global generators are process-wide: one seeded call at a time
 _CONVERSIONS = {"ToTensor", "PILToTensor", "ToImage", "ToImageTensor", "ToDtype", "ConvertImageDtype",
                 "ConvertImageDType", "ToPureTensor"}
-BATCH_OPS = {"Normalize", "RandomErasing"}
 PER_SAMPLE_OPS = (colour.ColorJitter, colour.GaussianBlur, colour.RandomGrayscale, colour.RandomErasing,
                   policy.RandAugment, policy.TrivialAugmentWide, policy.AutoAugment)
 
@@ -129,6 +130,18 @@ def _children(t: Any) -> list[Any] | None:
     return None
 
 
+def _batch_op(t: Any) -> Any:
+    """stoker's batched op for `t` (torchvision's Normalize / RandomErasing translated), or None."""
+    if isinstance(t, (*gpu.BATCH_OPS, Mixup)):
+        return t
+    if _from_torchvision(t) and type(t).__name__ == "Normalize":
+        return gpu.Normalize(tuple(float(v) for v in t.mean), tuple(float(v) for v in t.std))
+    if _from_torchvision(t) and type(t).__name__ == "RandomErasing":
+        value = t.value if isinstance(t.value, str) or t.value is None else t.value
+        return gpu.RandomErasing(float(t.p), tuple(t.scale), tuple(t.ratio), "random" if value is None else value)
+    return None
+
+
 def as_ops(transforms: Any) -> tuple[list[Any], list[Any]]:
     """(per-sample ops for the Pipeline, batch ops) from whatever `transforms=` was given."""
     if transforms is None:
@@ -147,12 +160,13 @@ def as_ops(transforms: Any) -> tuple[list[Any], list[Any]]:
     ops: list[Any] = []
     batch: list[Any] = []
     for pos, t in enumerate(flat):
-        if _from_torchvision(t) and type(t).__name__ in BATCH_OPS:
-            batch.append(t)
+        as_batch = _batch_op(t)
+        if as_batch is not None:
+            batch.append(as_batch)
             continue
         if batch:
-            raise ConfigError(f"transform #{pos} ({_name(t)}) comes after {_name(batch[-1])}, which stoker runs on "
-                              f"the whole batch; put per-image transforms before Normalize/RandomErasing")
+            raise ConfigError(f"transform #{pos} ({_name(t)}) comes after {type(batch[-1]).__name__}, which stoker runs "
+                              f"on whole batches; put per-image transforms before Normalize/RandomErasing/Mixup")
         native = translate(t)
         if native == "drop":
             continue
