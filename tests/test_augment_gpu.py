@@ -200,3 +200,12 @@ def test_batch_augment_over_a_loader_is_deterministic_and_resumes(packed: Path):
     rest = run(resumed)
     assert len(rest) == len(full) - 3
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(full[3:], rest))
+
+
+def test_batch_ops_are_checked_for_order():
+    with pytest.raises(ConfigError, match="put a Normalize before it"):
+        G.BatchAugment([G.RandomErasing()])
+    with pytest.raises(ConfigError, match="RandAugment works on uint8 images"):
+        G.BatchAugment([G.Normalize(), G.RandAugment()])
+    with pytest.raises(ConfigError, match="not a batched op"):
+        G.BatchAugment([colour.ColorJitter(0.4)])

@@ -519,6 +519,7 @@ class RandomErasing:
         return tuple(self.value[:c]) if len(self.value) >= c else tuple(self.value) * c
 
 
+UINT8_OPS = (ColorJitter, RandAugment, TrivialAugmentWide, AutoAugment, GaussianBlur, RandomGrayscale)
 BATCH_OPS = (ColorJitter, RandAugment, TrivialAugmentWide, AutoAugment, GaussianBlur, RandomGrayscale, Normalize,
              RandomErasing)
 
@@ -528,9 +529,16 @@ class BatchAugment:
     function of (seed, epoch, batch index): deterministic on any device, and resumable."""
 
     def __init__(self, ops: Sequence[Any], mix: Mixup | None = None, seed: int = 0) -> None:
+        normalized = False
         for k, op in enumerate(ops):
             if not (callable(getattr(op, "params", None)) and callable(getattr(op, "apply", None))):
                 raise ConfigError(f"batch op #{k} ({op!r}) is not a batched op; use the ones in stoker.transforms.gpu")
+            if isinstance(op, RandomErasing) and not normalized:
+                raise ConfigError("RandomErasing (batched) erases the normalized batch, as torchvision's does: put a "
+                                  "Normalize before it")
+            if normalized and isinstance(op, UINT8_OPS):
+                raise ConfigError(f"{type(op).__name__} works on uint8 images: put it before Normalize")
+            normalized = normalized or isinstance(op, Normalize)
         self.ops, self.mix, self.seed = list(ops), mix, int(seed)
 
     def __call__(self, images: torch.Tensor, labels: Any = None, *, epoch: int = 0, batch: int = 0,
