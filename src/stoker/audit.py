@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -14,8 +13,10 @@ import numpy as np
 from . import codecs
 from ._system import usable_cpus
 from .errors import DatasetError, ImageError
-from .reader import PackedDataset, _open_shard, open_dataset
-from .shards import MANIFEST_NAME, SHARD_NAME_RE, file_sha256, read_manifest
+from .integrity import check_shard
+from .reader import PackedDataset, open_dataset
+from .shards import MANIFEST_NAME, SHARD_NAME_RE, read_manifest
+from .storage import Storage, as_storage
 
 
 def _stats(values: np.ndarray) -> dict[str, float]:
@@ -72,7 +73,7 @@ class DatasetInfo:
         return "\n".join(lines)
 
 
-def describe(path: str | Path) -> DatasetInfo:
+def describe(path: str | Path | Storage) -> DatasetInfo:
     """Counts, classes, resolution and size statistics of a packed dataset (reads only metadata
     columns, never decodes an image)."""
     with open_dataset(path) as ds:
@@ -83,7 +84,8 @@ def describe(path: str | Path) -> DatasetInfo:
             counts = np.bincount(labels[labels >= 0], minlength=len(m.classes))
             class_counts = {m.classes[i]: int(c) for i, c in enumerate(counts)}
         return DatasetInfo(
-            path=str(path), samples=len(ds), shards=len(m.shards), total_bytes=sum(s.bytes for s in m.shards),
+            path=ds.storage.location if isinstance(path, Storage) else str(path), samples=len(ds),
+            shards=len(m.shards), total_bytes=sum(s.bytes for s in m.shards),
             label_type=m.label_type, classes=m.classes, class_counts=class_counts,
             encodings=dict(Counter(ds.encodings.tolist())), height=_stats(ds.heights), width=_stats(ds.widths),
             sample_bytes=_stats(ds.sizes), extra_columns=dict(m.extra_columns), pack_options=dict(m.pack_options))
@@ -126,35 +128,20 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def _check_shards(root: Path, report: VerifyReport) -> bool:
+def _check_shards(storage: Storage, report: VerifyReport) -> bool:
     """Checksums and structure of every listed shard; True when all are sound."""
     try:
-        manifest = read_manifest(root)
+        manifest = read_manifest(storage)
     except DatasetError as exc:
-        report.problems.append(Problem(str(root / MANIFEST_NAME), str(exc)))
+        report.problems.append(Problem(storage.join(MANIFEST_NAME), str(exc)))
         return False
     listed = {s.file for s in manifest.shards}
-    report.unlisted = sorted(n for n in os.listdir(root) if SHARD_NAME_RE.fullmatch(n) and n not in listed)
+    report.unlisted = [n for n in storage.list() if SHARD_NAME_RE.fullmatch(n) and n not in listed]
     for info in manifest.shards:
-        path = root / info.file
         report.shards_checked += 1
-        if not path.exists():
-            report.problems.append(Problem(info.file, "missing"))
-            continue
-        size = path.stat().st_size
-        if size != info.bytes:
-            report.problems.append(Problem(info.file, "size differs" + (" (truncated)" if size < info.bytes else ""),
-                                           f"{info.bytes} bytes", f"{size} bytes"))
-            continue
-        found = file_sha256(path)
-        if found != info.sha256:
-            report.problems.append(Problem(info.file, "checksum mismatch", f"sha256 {info.sha256}", f"sha256 {found}"))
-            continue
-        try:
-            _, mm = _open_shard(path, info.rows, info.bytes, manifest, False, info.sha256)
-            mm.close()
-        except DatasetError as exc:
-            report.problems.append(Problem(info.file, str(exc).split(": ", 1)[-1]))
+        problem = check_shard(storage, info, manifest, checksum=True)
+        if problem is not None:
+            report.problems.append(Problem(info.file, problem.what, problem.expected, problem.found))
     return not report.problems
 
 
@@ -174,13 +161,13 @@ def _decode_all(ds: PackedDataset, report: VerifyReport, workers: int) -> None:
                 report.problems.append(problem)
 
 
-def verify(path: str | Path, *, decode: bool = False, workers: int | None = None) -> VerifyReport:
+def verify(path: str | Path | Storage, *, decode: bool = False, workers: int | None = None) -> VerifyReport:
     """Check a packed dataset: manifest valid, every shard present with the manifest's size,
     SHA-256 and row count, and readable as Arrow; with ``decode`` also decode every sample.
     Reports every problem found (not just the first)."""
-    root = Path(path)
-    report = VerifyReport(str(root))
-    if _check_shards(root, report) and decode:
-        with open_dataset(root) as ds:
+    storage = as_storage(path)
+    report = VerifyReport(storage.location if isinstance(path, Storage) else str(path))
+    if _check_shards(storage, report) and decode:
+        with open_dataset(storage) as ds:
             _decode_all(ds, report, workers or usable_cpus())
     return report

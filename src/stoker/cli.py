@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pack", help="pack images (ImageFolder, file list, CSV, tar) into Arrow shards")
     p.add_argument("src", help="ImageFolder directory, 'path label' .txt list, .csv, .tar or folder of .tar")
-    p.add_argument("out", type=Path, help="output dataset directory")
+    p.add_argument("out", help="output dataset directory")
     p.add_argument("--kind", default="auto", choices=["auto", "folder", "list", "csv", "tar", "files"],
                    help="how to read SRC (default: guess from what it is)")
     p.add_argument("--max-side", type=_positive, default=None, metavar="PX",
@@ -172,12 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_pack)
 
     p = sub.add_parser("info", help="counts, classes, resolutions and sizes of a packed dataset")
-    p.add_argument("dataset", type=Path)
+    p.add_argument("dataset")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_info)
 
     p = sub.add_parser("verify", help="check shard checksums against the manifest (exit 1 on any problem)")
-    p.add_argument("dataset", type=Path)
+    p.add_argument("dataset")
     p.add_argument("--decode", action="store_true", help="also decode every sample")
     p.add_argument("--workers", type=_positive, default=None, help="decode threads (default: usable CPUs)")
     p.set_defaults(func=_cmd_verify)

@@ -3,6 +3,7 @@ and which file, shard, row or sample it concerns.
 
     StokerError
     ├── ConfigError (ValueError)          a bad argument or option combination
+    │   └── UnsupportedStorageError       a dataset URL no storage backend serves (s3:// today)
     ├── SourceError (ValueError)          input that cannot be listed: missing path, bad list line
     ├── ImageError (ValueError)           one image that cannot be used
     │   ├── CorruptImageError             truncated, not an image, decoder failure
@@ -12,6 +13,7 @@ and which file, shard, row or sample it concerns.
     │   ├── ManifestError                 stoker.json missing, not JSON, or inconsistent
     │   ├── ShardError                    a shard missing, truncated, not Arrow, or bad checksum
     │   └── IncompletePackError           a pack that has not finished (no manifest yet)
+    ├── DatasetClosedError (ValueError)   a dataset used after close()
     ├── SampleError (RuntimeError)        loading one sample failed inside the Loader
     ├── LoaderClosedError (RuntimeError)  the loader was closed while a batch was awaited
     ├── WorkerError (RuntimeError)        a loader thread died outside any one sample
@@ -29,6 +31,15 @@ class StokerError(Exception):
 
 class ConfigError(StokerError, ValueError):
     """An argument or option that stoker cannot use; the message names the fix."""
+
+
+class UnsupportedStorageError(ConfigError):
+    """A dataset location (URL scheme) no storage backend serves; it is refused, never turned
+    into a local path. `location` is the path or URL as given."""
+
+    def __init__(self, message: str, *, location: str | None = None) -> None:
+        super().__init__(message)
+        self.location = location
 
 
 class SourceError(StokerError, ValueError):
@@ -82,6 +93,10 @@ class ShardError(DatasetError):
 
 class IncompletePackError(DatasetError):
     """The directory holds a pack that has not finished; `stoker pack --resume` completes it."""
+
+
+class DatasetClosedError(StokerError, ValueError):
+    """A dataset used after ``close()`` (its shards are unmapped); open it again."""
 
 
 class SampleError(StokerError, RuntimeError):

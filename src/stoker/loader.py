@@ -39,6 +39,7 @@ from .reader import Dataset, PackedDataset, open_dataset, open_loose
 from .device import DeviceOptions, DeviceStage, as_device_options
 from .render import DeviceBuilder, Filler, RenderSpec, run_batch_ops
 from .shards import MANIFEST_NAME, looks_like_partial_pack
+from .storage import open_storage
 from .slots import BatchRing, Feeder, LoaderStats, Run, Slot
 from .transforms import Pipeline
 
@@ -50,10 +51,10 @@ _STATE_FORMAT = "stoker.Loader/1"
 def _open_source(source: str | Path | Dataset) -> tuple[Dataset, bool]:
     if isinstance(source, Dataset):
         return source, False
-    path = Path(source)
-    if path.is_dir() and ((path / MANIFEST_NAME).exists() or looks_like_partial_pack(path)):
-        return open_dataset(path), True
-    return open_loose(path), True
+    storage = open_storage(source)   # refuses a URL no backend serves, never makes it a local path
+    if storage.is_dir() and (storage.exists(MANIFEST_NAME) or looks_like_partial_pack(storage)):
+        return open_dataset(storage), True
+    return open_loose(source), True
 
 
 def _device_options(device: Any, pipeline: Pipeline) -> DeviceOptions | None:

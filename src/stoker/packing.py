@@ -9,15 +9,16 @@ Results are consumed in source order, so the shards are the same for any worker 
 After every finished shard one fsynced line goes to ``OUT/.stoker-pack.jsonl`` (the
 journal); ``resume=True`` checks it against the shards on disk and carries on from the
 recorded source position, giving exactly what an uninterrupted run gives. The manifest is
-written last, then the journal is removed.
+written last, then the journal is removed. Every file in OUT is written through
+:mod:`stoker.storage`; a URL no backend serves is refused before anything is written.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import fnmatch
 import json
-import os
 import sys
 import time
 from collections import deque
@@ -36,9 +37,10 @@ from . import codecs
 from ._system import usable_cpus
 from .errors import (ConfigError, CorruptImageError, DecompressionBombError, ImageError, SourceError,
                      StokerError, UnsupportedImageError)
-from .shards import (MANIFEST_NAME, Manifest, ShardInfo, ShardWriter, atomic_write_bytes, file_sha256,
-                     read_manifest, shard_name, write_manifest)
+from .integrity import shard_matches
+from .shards import MANIFEST_NAME, Manifest, ShardInfo, ShardWriter, read_manifest, shard_name, write_manifest
 from .sources import Source, SourceItem, open_source, read_bytes
+from .storage import Storage, open_storage
 
 __all__ = ["JOURNAL_NAME", "SKIPPED_NAME", "PackOptions", "PackSummary", "normalize", "pack"]
 
@@ -327,39 +329,28 @@ def _fingerprint(source: Source) -> str:
     return digest.hexdigest()
 
 
-def _append_line(path: Path, obj: dict[str, Any]) -> None:
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.write(json.dumps(obj) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+def _append_line(storage: Storage, obj: dict[str, Any]) -> None:
+    """One fsynced line of the journal."""
+    storage.append_line(JOURNAL_NAME, json.dumps(obj))
 
 
-def _owned_files(out: Path) -> list[Path]:
+def _owned_files(storage: Storage) -> list[str]:
     """Files a pack writes into OUT (finished or not); nothing else there is touched."""
     names = {MANIFEST_NAME, JOURNAL_NAME, SKIPPED_NAME, f".{MANIFEST_NAME}.tmp", f".{JOURNAL_NAME}.tmp",
              f".{SKIPPED_NAME}.tmp"}
-    found = [p for p in (out / n for n in sorted(names)) if p.exists()]
-    return found + sorted(out.glob("shard-*.arrow")) + sorted(out.glob(".shard-*.arrow.tmp"))
+    present = storage.list()
+    return ([n for n in sorted(names) if n in present] + fnmatch.filter(present, "shard-*.arrow")
+            + fnmatch.filter(present, ".shard-*.arrow.tmp"))
 
 
-def _remove(paths: list[Path]) -> None:
-    for p in paths:
-        try:
-            p.unlink()
-        except FileNotFoundError:
-            pass
+def _remove(storage: Storage, names: list[str]) -> None:
+    for name in names:
+        storage.remove(name)
 
 
-def _shard_ok(out: Path, index: int, info: ShardInfo) -> bool:
-    path = out / info.file
-    return (info.file == shard_name(index) and path.is_file() and path.stat().st_size == info.bytes
-            and file_sha256(path) == info.sha256)
-
-
-def _load_journal(out: Path, header: dict[str, Any]) -> _State:
+def _load_journal(storage: Storage, header: dict[str, Any]) -> _State:
     """Check the journal against ``header`` and the shards on disk; keep the valid prefix."""
-    journal = out / JOURNAL_NAME
-    lines = journal.read_text(encoding="utf-8").splitlines()
+    lines = storage.read_bytes(JOURNAL_NAME).decode("utf-8").splitlines()
     try:
         found = json.loads(lines[0]) if lines else {}
     except json.JSONDecodeError:
@@ -368,7 +359,7 @@ def _load_journal(out: Path, header: dict[str, Any]) -> _State:
         if found.get(field_name) != header[field_name]:
             what = {"items": "number of source items", "fingerprint": "source listing (keys, labels, extras)",
                     "pack_options": "pack options or source"}[field_name]
-            raise ConfigError(f"{out} holds an unfinished pack whose {what} differs from this call "
+            raise ConfigError(f"{storage.location} holds an unfinished pack whose {what} differs from this call "
                               f"(was {found.get(field_name)!r}, now {header[field_name]!r}); resume with the "
                               "same source and options, or pass overwrite=True (--overwrite) to start over")
     state, kept = _State(), [lines[0]]
@@ -378,7 +369,7 @@ def _load_journal(out: Path, header: dict[str, Any]) -> _State:
             info = ShardInfo(**entry["shard"])
         except (json.JSONDecodeError, KeyError, TypeError):
             break  # a line torn by the crash: its shard is redone
-        if not _shard_ok(out, len(state.shards), info):
+        if info.file != shard_name(len(state.shards)) or not shard_matches(storage, info):
             break  # damaged or missing shard: redo from here
         state.shards.append(info)
         state.consumed, state.packed = entry["consumed"], entry["packed"]
@@ -386,43 +377,50 @@ def _load_journal(out: Path, header: dict[str, Any]) -> _State:
         state.skipped.extend(entry["skipped"])
         kept.append(line)
     keep = {s.file for s in state.shards}
-    _remove([p for p in out.glob("shard-*.arrow") if p.name not in keep] + list(out.glob(".shard-*.arrow.tmp")))
-    atomic_write_bytes(journal, ("\n".join(kept) + "\n").encode())
+    present = storage.list()
+    _remove(storage, [n for n in fnmatch.filter(present, "shard-*.arrow") if n not in keep]
+            + fnmatch.filter(present, ".shard-*.arrow.tmp"))
+    storage.write_atomic(JOURNAL_NAME, ("\n".join(kept) + "\n").encode())
     return state
 
 
-def _finished_summary(out: Path, pack_options: dict[str, Any], started: float) -> PackSummary:
-    manifest = read_manifest(out)
+def _finished_summary(storage: Storage, pack_options: dict[str, Any], started: float) -> PackSummary:
+    manifest = read_manifest(storage)
     if manifest.pack_options != pack_options:
-        raise ConfigError(f"{out} already holds a finished pack made with other options or another source "
-                          f"({manifest.pack_options}); pass overwrite=True (--overwrite) to re-pack")
-    _remove([out / JOURNAL_NAME])
-    skipped_file = out / SKIPPED_NAME
-    skipped = len(skipped_file.read_text().splitlines()) if skipped_file.exists() else 0
+        raise ConfigError(f"{storage.location} already holds a finished pack made with other options or another "
+                          f"source ({manifest.pack_options}); pass overwrite=True (--overwrite) to re-pack")
+    _remove(storage, [JOURNAL_NAME])
+    try:
+        skipped = len(storage.read_bytes(SKIPPED_NAME).splitlines())
+    except FileNotFoundError:
+        skipped = 0
     return PackSummary(manifest.num_samples, skipped, 0, sum(s.bytes for s in manifest.shards),
-                       time.perf_counter() - started, len(manifest.shards), out)
+                       time.perf_counter() - started, len(manifest.shards), Path(storage.location))
 
 
-def _prepare_out(out: Path, header: dict[str, Any], resume: bool, overwrite: bool) -> _State | None:
+def _prepare_out(storage: Storage, header: dict[str, Any], resume: bool, overwrite: bool) -> _State | None:
     """Make OUT ready; returns the state to continue from, or None when the pack is finished."""
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"output {out} is a file; expected a directory (empty, or holding a pack to resume)")
-    out.mkdir(parents=True, exist_ok=True)
-    owned = _owned_files(out)
-    has_manifest, has_journal = (out / MANIFEST_NAME).exists(), (out / JOURNAL_NAME).exists()
+    try:
+        storage.makedirs()
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(f"output {storage.location} is a file; expected a directory (empty, or holding a "
+                          "pack to resume)") from None
+    owned = _owned_files(storage)
+    has_manifest, has_journal = MANIFEST_NAME in owned, JOURNAL_NAME in owned
     if overwrite:
-        _remove(owned)
+        _remove(storage, owned)
     elif resume and has_manifest:
         return None
     elif resume and has_journal:
-        return _load_journal(out, header)
+        return _load_journal(storage, header)
     elif resume:
-        _remove(owned)  # shards with no journal are not ours to trust
+        _remove(storage, owned)  # shards with no journal are not ours to trust
     elif owned:
         state = "a finished pack" if has_manifest else "an unfinished pack"
-        raise ConfigError(f"{out} already holds {state} ({owned[0].name}, ...); pass resume=True (--resume) "
-                          "to finish it, overwrite=True (--overwrite) to replace it, or choose an empty directory")
-    _append_line(out / JOURNAL_NAME, header)
+        raise ConfigError(f"{storage.location} already holds {state} ({owned[0]}, ...); pass resume=True "
+                          "(--resume) to finish it, overwrite=True (--overwrite) to replace it, or choose an "
+                          "empty directory")
+    _append_line(storage, header)
     return _State()
 
 
@@ -443,13 +441,13 @@ def _progress(total: int, initial: int, enabled: bool) -> Any:
 class _Packer:
     """Consumes results in source order and rolls shards over at ``options.shard_size``."""
 
-    def __init__(self, out: Path, source: Source, options: PackOptions, state: _State) -> None:
-        self.out, self.source, self.options, self.state = out, source, options, state
+    def __init__(self, storage: Storage, source: Source, options: PackOptions, state: _State) -> None:
+        self.storage, self.source, self.options, self.state = storage, source, options, state
         self.pending: list[dict[str, str]] = []   # skips since the last journal line
         self.writer = self._new_writer()
 
     def _new_writer(self) -> ShardWriter:
-        return ShardWriter(self.out, len(self.state.shards), label_type=self.source.label_type,
+        return ShardWriter(self.storage, len(self.state.shards), label_type=self.source.label_type,
                            extra_columns=self.source.extra_columns)
 
     def take(self, pos: int, result: tuple) -> None:
@@ -475,7 +473,7 @@ class _Packer:
         info = self.writer.finish()
         st.shards.append(info)
         st.consumed = consumed
-        _append_line(self.out / JOURNAL_NAME, {
+        _append_line(self.storage, {
             "shard": asdict(info), "consumed": consumed, "packed": st.packed, "bytes_in": st.bytes_in,
             "bytes_out": st.bytes_out, "skipped": self.pending})
         self.pending = []
@@ -496,15 +494,15 @@ def pack(src: str | Path | Source, out: str | Path, *, options: PackOptions | No
     options = options or PackOptions()
     if resume and overwrite:
         raise ConfigError("resume=True and overwrite=True contradict each other; pass one of them")
+    storage = open_storage(out)  # before listing: a URL is refused at once
     source = src if isinstance(src, Source) else open_source(src, **source_options)
-    out = Path(out).expanduser().absolute()
     pack_options = {**options.output_options(), "source": source.description, "source_kind": source.kind}
     header = {"format": "stoker-pack-journal", "items": len(source.items), "fingerprint": _fingerprint(source),
               "pack_options": pack_options}
-    state = _prepare_out(out, header, resume, overwrite)
+    state = _prepare_out(storage, header, resume, overwrite)
     if state is None:
-        return _finished_summary(out, pack_options, started)
-    packer = _Packer(out, source, options, state)
+        return _finished_summary(storage, pack_options, started)
+    packer = _Packer(storage, source, options, state)
     remaining = len(source.items) - state.consumed
     workers = max(1, min(options.workers or usable_cpus(), -(-remaining // TASK_SAMPLES)))
     bar = _progress(len(source.items), state.consumed, progress)
@@ -526,21 +524,21 @@ def pack(src: str | Path | Source, out: str | Path, *, options: PackOptions | No
     finally:
         stream.close()  # stops the workers now, not when the traceback is collected
         bar.close()
-    return _finish(out, source, state, pack_options, started)
+    return _finish(storage, source, state, pack_options, started)
 
 
-def _finish(out: Path, source: Source, state: _State, pack_options: dict[str, Any],
+def _finish(storage: Storage, source: Source, state: _State, pack_options: dict[str, Any],
             started: float) -> PackSummary:
     """skipped.jsonl, then the manifest (last), then drop the journal."""
     lines = "".join(json.dumps(s) + "\n" for s in state.skipped)
-    atomic_write_bytes(out / SKIPPED_NAME, lines.encode())
+    storage.write_atomic(SKIPPED_NAME, lines.encode())
     if state.packed == 0:
         raise SourceError(f"none of the {len(source.items)} images in {source.description} could be packed; "
-                          f"the reasons are in {out / SKIPPED_NAME}", path=source.root)
+                          f"the reasons are in {storage.join(SKIPPED_NAME)}", path=source.root)
     manifest = Manifest(num_samples=state.packed, shards=state.shards, classes=source.classes,
                         label_type=source.label_type, extra_columns=source.extra_columns,
                         pack_options=pack_options)
-    write_manifest(out, manifest)
-    _remove([out / JOURNAL_NAME])
+    write_manifest(storage, manifest)
+    _remove(storage, [JOURNAL_NAME])
     return PackSummary(state.packed, len(state.skipped), state.bytes_in, state.bytes_out,
-                       time.perf_counter() - started, len(state.shards), out)
+                       time.perf_counter() - started, len(state.shards), Path(storage.location))

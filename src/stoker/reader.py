@@ -4,12 +4,12 @@
 view of the mapping, with its encoding, height, width and label, in O(1) (a bisect over the
 shards' first rows). ``open_loose(src)`` serves an ImageFolder tree or a file list the same way,
 reading each file when asked, so unpacked data goes through the same decode path.
+Shards are found, checked (:mod:`stoker.integrity`) and mapped through :mod:`stoker.storage`.
 """
 
 from __future__ import annotations
 
 import bisect
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,8 +19,10 @@ import numpy as np
 import pyarrow as pa
 
 from . import codecs
-from .errors import ImageError, ShardError, SourceError
-from .shards import BASE_COLUMNS, Manifest, file_sha256, read_manifest
+from .errors import DatasetClosedError, ImageError, ShardError, SourceError
+from .integrity import OpenShard, open_shard
+from .shards import Manifest, read_manifest
+from .storage import Storage, as_storage
 
 Bytes = Union[memoryview, np.ndarray, bytes]
 
@@ -122,22 +124,23 @@ class Dataset:
 class PackedDataset(Dataset):
     """A packed dataset: memory-mapped shards described by ``stoker.json``."""
 
-    def __init__(self, path: Path, manifest: Manifest, blocks: list[_Block], maps: list[pa.MemoryMappedFile],
-                 identities: dict[str, tuple[int, int, int]] | None = None):
-        self.path = path
+    def __init__(self, storage: Storage, manifest: Manifest, shards: list[OpenShard]) -> None:
+        self.storage = storage
+        self.path = Path(storage.location)
         self.manifest = manifest
         self.classes = manifest.classes
         self.extra_columns = list(manifest.extra_columns)
-        self._blocks = blocks
+        self._blocks = [block for shard in shards for block in _blocks(shard)]
         self._starts = [0]
-        for b in blocks:
+        for b in self._blocks:
             self._starts.append(self._starts[-1] + b.batch.num_rows)
         self._n = self._starts.pop()
-        self._maps = maps
-        # (st_dev, st_ino, st_size) of each shard when it was mapped: see _guard
-        self._identities = dict(identities or {})
+        self._shards = shards
+        # each shard's storage identity (file, size) when it was mapped: see _guard
+        self._identities = {s.info.file: s.identity for s in shards}
         self._cache: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()
+        self._closed = False
 
     def __len__(self) -> int:
         return self._n
@@ -146,6 +149,8 @@ class PackedDataset(Dataset):
         return f"<stoker dataset {self.path}: {self._n} samples in {len(self.manifest.shards)} shards>"
 
     def _locate(self, i: int) -> tuple[_Block, int]:
+        if self._closed:
+            raise DatasetClosedError(f"{self.path}: the dataset was closed; open it again with open_dataset()")
         k = bisect.bisect_right(self._starts, i) - 1 if len(self._blocks) > 1 else 0
         return self._blocks[k], i - self._starts[k]
 
@@ -159,22 +164,25 @@ class PackedDataset(Dataset):
         expected = self._identities.get(shard)
         if expected is None:
             return
-        path = self.path / shard
         try:
-            st = os.stat(path)
+            found = self.storage.identity(shard)
         except FileNotFoundError:
+            path = self.storage.join(shard)
             raise ShardError(f"{path}: shard was deleted while the dataset was open; restore it and "
                              "reopen the dataset, or re-pack", path=path) from None
         except OSError as exc:
+            path = self.storage.join(shard)
             raise ShardError(f"{path}: cannot stat the shard: {exc.strerror or exc}", path=path) from None
-        dev, ino, size = expected
-        if (st.st_dev, st.st_ino) != (dev, ino):
+        if found == expected:
+            return
+        path = self.storage.join(shard)
+        size, found_size = expected[-1], found[-1]
+        if found[:-1] != expected[:-1]:
             raise ShardError(f"{path}: shard file was replaced while the dataset was open; reopen the "
                              "dataset (and run `stoker verify`) to read the new file", path=path)
-        if st.st_size != size:
-            raise ShardError(f"{path}: shard changed size while the dataset was open ({size} -> "
-                             f"{st.st_size} bytes{', truncated' if st.st_size < size else ''}); "
-                             "restore the shard or re-pack", path=path)
+        raise ShardError(f"{path}: shard changed size while the dataset was open ({size} -> "
+                         f"{found_size} bytes{', truncated' if found_size < size else ''}); "
+                         "restore the shard or re-pack", path=path)
 
     def sample(self, i: int) -> Sample:
         """Sample ``i``: bytes as a zero-copy view of the mapped shard, plus its metadata.
@@ -192,6 +200,8 @@ class PackedDataset(Dataset):
         """A column over all samples as numpy: a zero-copy view for a single batch of a
         primitive type, else concatenated once and cached."""
         with self._lock:
+            if self._closed:
+                raise DatasetClosedError(f"{self.path}: the dataset was closed; open it again with open_dataset()")
             if name not in self._cache:
                 parts = [b.batch.column(name) for b in self._blocks]
                 arr = pa.chunked_array(parts, type=self._blocks[0].batch.schema.field(name).type) if parts else None
@@ -249,99 +259,51 @@ class PackedDataset(Dataset):
         return b.shard, b.first_row + r
 
     def close(self) -> None:
+        self._closed = True
         self._blocks = []
         self._cache.clear()
-        for m in self._maps:
-            m.close()
-        self._maps = []
+        for shard in self._shards:
+            shard.close()
+        self._shards = []
 
 
-def _open_shard(path: Path, expected_rows: int, expected_bytes: int, manifest: Manifest,
-                verify: bool, expected_sha: str) -> tuple[list[_Block], pa.MemoryMappedFile]:
-    name = path.name
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise ShardError(f"{path}: shard listed in the manifest is missing; restore it or re-pack", path=path) from None
-    root = os.path.realpath(path.parent)
-    if not os.path.realpath(path).startswith(root.rstrip(os.sep) + os.sep):
-        raise ShardError(f"{path}: shard is a symlink to {os.path.realpath(path)}, outside the dataset "
-                         f"directory {root}; a dataset may only read its own files — copy the shard in",
-                         path=path)
-    if size != expected_bytes:
-        raise ShardError(f"{path}: size is {size} bytes, the manifest expects {expected_bytes} "
-                         f"({'truncated' if size < expected_bytes else 'grown'}); restore the shard or re-pack",
-                         path=path)
-    if verify:
-        found = file_sha256(path)
-        if found != expected_sha:
-            raise ShardError(f"{path}: checksum mismatch: expected sha256 {expected_sha}, found {found}; "
-                             "the file is damaged — restore it or re-pack", path=path)
-    mm = pa.memory_map(str(path), "r")
-    try:
-        reader = pa.ipc.open_file(mm)
-        schema = reader.schema
-        missing = [c for c in BASE_COLUMNS if c not in schema.names]
-        missing += [c for c in manifest.extra_columns if c not in schema.names]
-        if missing:
-            raise ShardError(f"{path}: missing column(s) {missing}; expected a stoker shard", path=path)
-        expected = manifest.schema()
-        for col in ("label", *manifest.extra_columns):
-            if schema.field(col).type != expected.field(col).type:
-                raise ShardError(f"{path}: column {col!r} is {schema.field(col).type}, the manifest says "
-                                 f"{expected.field(col).type}; the manifest or the shard was edited — "
-                                 "restore it or re-pack", path=path)
-        blocks, row = [], 0
-        for k in range(reader.num_record_batches):
-            batch = reader.get_batch(k)
+def _blocks(shard: OpenShard) -> list[_Block]:
+    """Zero-copy views of the hot columns of each non-empty record batch of a checked shard."""
+    blocks, row = [], 0
+    for batch in shard.batches:
+        if batch.num_rows:
             key_off, key_data = _binary_views(batch.column("key"))
             img_off, img_data = _binary_views(batch.column("image"))
             enc = batch.column("encoding")
             if not pa.types.is_dictionary(enc.type):
                 enc = enc.dictionary_encode()
             blocks.append(_Block(
-                name, row, batch, key_off, key_data, img_off, img_data,
+                shard.info.file, row, batch, key_off, key_data, img_off, img_data,
                 _numeric_view(enc.indices, np.int64) if enc.null_count == 0 else enc.indices.to_numpy(),
                 [str(v) for v in enc.dictionary.to_pylist()],
                 _numeric_view(batch.column("height"), np.int32), _numeric_view(batch.column("width"), np.int32)))
-            row += batch.num_rows
-    except ShardError:
-        mm.close()
-        raise
-    except (pa.ArrowInvalid, pa.ArrowException, ValueError, OSError) as exc:
-        mm.close()
-        raise ShardError(f"{path}: not a readable Arrow IPC file ({exc}); restore the shard or re-pack",
-                         path=path) from None
-    if row != expected_rows:
-        mm.close()
-        raise ShardError(f"{path}: holds {row} rows, the manifest expects {expected_rows}; restore the "
-                         "shard or re-pack", path=path)
-    return [b for b in blocks if b.batch.num_rows], mm
+        row += batch.num_rows
+    return blocks
 
 
-def open_dataset(path: str | Path, *, verify: bool = False) -> PackedDataset:
+def open_dataset(path: str | Path | Storage, *, verify: bool = False) -> PackedDataset:
     """Open a packed dataset directory. Cheap: reads the manifest and each shard's footer.
 
     Checks at open time that every shard exists, has the manifest's size and row count and is
-    Arrow; ``verify=True`` also checks every shard's SHA-256 (reads all bytes).
+    Arrow; ``verify=True`` also checks every shard's SHA-256 (reads all bytes). A URL no storage
+    backend serves raises UnsupportedStorageError.
     """
-    path = Path(path)
-    manifest = read_manifest(path)
-    blocks: list[_Block] = []
-    maps: list[pa.MemoryMappedFile] = []
-    identities: dict[str, tuple[int, int, int]] = {}
+    storage = as_storage(path)
+    manifest = read_manifest(storage)
+    shards: list[OpenShard] = []
     try:
         for info in manifest.shards:
-            shard_blocks, mm = _open_shard(path / info.file, info.rows, info.bytes, manifest, verify, info.sha256)
-            blocks.extend(shard_blocks)
-            maps.append(mm)
-            st = os.fstat(mm.fileno())
-            identities[info.file] = (st.st_dev, st.st_ino, st.st_size)
+            shards.append(open_shard(storage, info, manifest, checksum=verify))
     except BaseException:
-        for m in maps:
-            m.close()
+        for shard in shards:
+            shard.close()
         raise
-    return PackedDataset(path, manifest, blocks, maps, identities)
+    return PackedDataset(storage, manifest, shards)
 
 
 class LooseDataset(Dataset):

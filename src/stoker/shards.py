@@ -11,6 +11,7 @@ Any Arrow reader (pyarrow, pandas, polars, DuckDB) can open a shard. Nothing is 
 
 Crash safety: a shard is written under a temporary dot-name, fsynced, then renamed; the
 manifest is written the same way, last. A directory without a manifest is never a dataset.
+Every file goes through :mod:`stoker.storage`; nothing here opens a path itself.
 """
 
 from __future__ import annotations
@@ -18,16 +19,20 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import pyarrow as pa
 
 from . import __version__
 from .errors import ConfigError, IncompletePackError, ManifestError
+from .storage import ShardSink, Storage, as_storage, file_sha256
+
+__all__ = ["ARROW_TYPES", "BASE_COLUMNS", "LABEL_TYPES", "MANIFEST_NAME", "Manifest", "ShardInfo", "ShardWriter",
+           "file_sha256", "looks_like_partial_pack", "read_manifest", "shard_name", "shard_schema",
+           "write_manifest"]
 
 MANIFEST_NAME = "stoker.json"
 FORMAT_VERSION = 1
@@ -63,37 +68,6 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}.arrow"
 
 
-def file_sha256(path: Path, chunk: int = 8 << 20) -> str:
-    """SHA-256 of a file, read in 8 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return  # not supported on this platform/filesystem; the rename is still atomic
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, payload: bytes) -> None:
-    """Write ``payload`` to ``path`` via a fsynced temporary file and an atomic rename."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(payload)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 @dataclass
 class ShardInfo:
     """One finished shard: its file name, row count, size in bytes and SHA-256."""
@@ -123,7 +97,7 @@ class Manifest:
         return obj
 
     @classmethod
-    def from_json(cls, obj: Any, path: Path) -> "Manifest":
+    def from_json(cls, obj: Any, path: str | Path) -> "Manifest":
         """Validate a parsed manifest; every problem is a ManifestError naming the field."""
         def bad(what: str) -> ManifestError:
             return ManifestError(f"{path}: {what}; the manifest is damaged — re-pack, or restore it "
@@ -193,31 +167,33 @@ def shard_schema(label_type: str, extra_columns: dict[str, str]) -> pa.Schema:
     return pa.schema(fields)
 
 
-def write_manifest(out_dir: Path, manifest: Manifest) -> None:
+def write_manifest(out: str | Path | Storage, manifest: Manifest) -> None:
     """Write ``stoker.json`` atomically; call it last, after every shard is in place."""
     payload = json.dumps(manifest.to_json(), indent=1, sort_keys=False).encode() + b"\n"
-    atomic_write_bytes(Path(out_dir) / MANIFEST_NAME, payload)
+    as_storage(out).write_atomic(MANIFEST_NAME, payload)
 
 
-def looks_like_partial_pack(directory: Path) -> bool:
+def looks_like_partial_pack(directory: str | Path | Storage) -> bool:
     """True when a directory holds shard or journal files but no manifest."""
     try:
-        names = os.listdir(directory)
+        names = as_storage(directory).list()
     except OSError:
         return False
     return any(n.endswith(".arrow") or n.endswith(".arrow.tmp") or n.startswith(".stoker-pack") for n in names)
 
 
-def read_manifest(dataset_dir: Path) -> Manifest:
-    """Read and validate ``stoker.json``. Raises ManifestError or IncompletePackError."""
-    dataset_dir = Path(dataset_dir)
-    path = dataset_dir / MANIFEST_NAME
-    if not dataset_dir.is_dir():
+def read_manifest(dataset: str | Path | Storage) -> Manifest:
+    """Read and validate ``stoker.json``. Raises ManifestError or IncompletePackError (and
+    UnsupportedStorageError for a URL no backend serves)."""
+    storage = as_storage(dataset)
+    dataset_dir = storage.location
+    path = storage.join(MANIFEST_NAME)
+    if not storage.is_dir():
         raise ManifestError(f"{dataset_dir}: no such dataset directory", path=dataset_dir)
     try:
-        raw = path.read_bytes()
+        raw = storage.read_bytes(MANIFEST_NAME)
     except FileNotFoundError:
-        if looks_like_partial_pack(dataset_dir):
+        if looks_like_partial_pack(storage):
             raise IncompletePackError(
                 f"{dataset_dir}: the pack did not finish (shards but no {MANIFEST_NAME}); "
                 "run `stoker pack SRC OUT --resume` to complete it", path=dataset_dir) from None
@@ -236,7 +212,7 @@ def read_manifest(dataset_dir: Path) -> Manifest:
 class _HashingSink(io.RawIOBase):
     """A write-only file that hashes (SHA-256) and counts what passes through to ``fh``."""
 
-    def __init__(self, fh: BinaryIO) -> None:
+    def __init__(self, fh: ShardSink) -> None:
         super().__init__()
         self.fh = fh
         self.digest = hashlib.sha256()
@@ -259,11 +235,12 @@ class ShardWriter:
     batches of about ``batch_bytes`` of image data, hashed on the way; :meth:`finish` closes,
     fsyncs and renames it. Streaming keeps memory bounded and lets a packer's workers go on
     decoding while the shard is being written, instead of waiting for one big write at the end.
+    ``out`` is the dataset folder or its :class:`~stoker.storage.Storage`.
     """
 
-    def __init__(self, out_dir: Path, index: int, *, label_type: str = "int64",
+    def __init__(self, out: str | Path | Storage, index: int, *, label_type: str = "int64",
                  extra_columns: dict[str, str] | None = None, batch_bytes: int = 32 * 2**20) -> None:
-        self.out_dir = Path(out_dir)
+        self.storage = as_storage(out)
         self.name = shard_name(index)
         self.label_type = label_type
         self.extra_columns = dict(extra_columns or {})
@@ -276,17 +253,13 @@ class ShardWriter:
         self._buffered = 0  # image bytes not yet written
         self._nbytes = 0  # image bytes added to this shard
         self._rows = 0
-        self._file: BinaryIO | None = None
+        self._file: ShardSink | None = None
         self._sink: _HashingSink | None = None
         self._writer: pa.ipc.RecordBatchFileWriter | None = None
-
-    @property
-    def tmp_path(self) -> Path:
-        return self.out_dir / f".{self.name}.tmp"
-
-    @property
-    def path(self) -> Path:
-        return self.out_dir / self.name
+        # The encoding dictionary only grows within a shard: the IPC file format allows dictionary
+        # deltas across record batches but not replacements (a later batch bringing "png" after an
+        # all-"jpeg" batch would otherwise fail to write).
+        self._encodings: dict[str, int] = {}
 
     @property
     def nbytes(self) -> int:
@@ -316,6 +289,12 @@ class ShardWriter:
         if self._buffered >= self.batch_bytes:
             self._write_batch()
 
+    def _open(self) -> None:
+        self._file = self.storage.open_shard_sink(self.name)
+        self._sink = _HashingSink(self._file)
+        self._writer = pa.ipc.new_file(pa.PythonFile(self._sink, mode="w"), self.schema,
+                                       options=pa.ipc.IpcWriteOptions(emit_dictionary_deltas=True))
+
     def _write_batch(self) -> None:
         if not self._columns["key"]:
             return
@@ -323,15 +302,13 @@ class ShardWriter:
         for fld in self.schema:
             values = self._columns[fld.name]
             if fld.name == "encoding":
-                arrays.append(pa.array(values, pa.string()).dictionary_encode().cast(fld.type))
+                arrays.append(self._encoding_array(values))
             else:
                 arrays.append(pa.array(values, fld.type))
         batch = pa.RecordBatch.from_arrays(arrays, schema=self.schema)
         try:
             if self._writer is None:
-                self._file = open(self.tmp_path, "wb")
-                self._sink = _HashingSink(self._file)
-                self._writer = pa.ipc.new_file(pa.PythonFile(self._sink, mode="w"), self.schema)
+                self._open()
             self._writer.write_batch(batch)
         except BaseException:
             self.abort()
@@ -339,38 +316,37 @@ class ShardWriter:
         self._columns = {name: [] for name in self.schema.names}
         self._buffered = 0
 
+    def _encoding_array(self, values: list[str]) -> pa.DictionaryArray:
+        codes = self._encodings
+        indices = [codes.setdefault(v, len(codes)) for v in values]
+        if len(codes) > 127:
+            raise ConfigError(f"shard {self.name}: more than 127 distinct encodings; expected a few "
+                              "(jpeg, png, webp, raw)")
+        return pa.DictionaryArray.from_arrays(pa.array(indices, pa.int8()), pa.array(list(codes), pa.string()))
+
     def finish(self) -> ShardInfo:
         """Write what is buffered, close, fsync and rename; return the manifest entry."""
         try:
             self._write_batch()
             if self._writer is None:  # no rows at all: still a valid, empty shard
-                self._file = open(self.tmp_path, "wb")
-                self._sink = _HashingSink(self._file)
-                self._writer = pa.ipc.new_file(pa.PythonFile(self._sink, mode="w"), self.schema)
+                self._open()
             self._writer.close()
             assert self._file is not None and self._sink is not None
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
             info = ShardInfo(self.name, self._rows, self._sink.size, self._sink.digest.hexdigest())
-            os.replace(self.tmp_path, self.path)
+            self._file.commit()
         except BaseException:
             self.abort()
             raise
-        _fsync_dir(self.out_dir)
         self._reset()
         return info
 
     def abort(self) -> None:
         """Drop buffered rows, close and remove the temporary file, if any."""
-        for closer in (self._writer, self._file):
-            try:
-                if closer is not None:
-                    closer.close()
-            except Exception:  # already broken; removing the file is what matters
-                pass
-        self._reset()
         try:
-            self.tmp_path.unlink()
-        except FileNotFoundError:
+            if self._writer is not None:
+                self._writer.close()
+        except Exception:  # already broken; removing the file is what matters
             pass
+        if self._file is not None:
+            self._file.abort()
+        self._reset()

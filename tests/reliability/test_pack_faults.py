@@ -18,6 +18,7 @@ from .rhelpers import make_image_folder, run_child
 
 from stoker import open_dataset
 from stoker import packing, shards
+from stoker.storage import local
 from stoker.errors import DatasetError, IncompletePackError
 from stoker.packing import SKIPPED_NAME, PackOptions, pack
 from stoker.sources import open_source
@@ -94,13 +95,13 @@ def test_disk_full_on_journal_or_manifest(src, tmp_path, reference, monkeypatch,
             return real(path, obj)
         monkeypatch.setattr(packing, "_append_line", fail)
     else:
-        real = shards.atomic_write_bytes
+        real = local.atomic_write_bytes
 
         def fail(path, payload):
             if path.name == "stoker.json":
                 raise OSError(errno.ENOSPC, "No space left on device")
             return real(path, payload)
-        monkeypatch.setattr(shards, "atomic_write_bytes", fail)
+        monkeypatch.setattr(local, "atomic_write_bytes", fail)
     with pytest.raises(OSError):
         pack(src, out, options=OPTIONS, progress=False)
     with pytest.raises(IncompletePackError):

@@ -1,0 +1,139 @@
+"""Shard integrity: the one place that checks a shard file against its manifest entry.
+
+Checks, in order: present, a file the dataset may read (no symlink out of it), the manifest's
+size in bytes, optionally its SHA-256, readable as Arrow IPC, the base columns and the manifest's
+label/extra column types, the manifest's row count. The reader (:func:`open_shard`, at open time),
+``stoker verify`` (:func:`check_shard`, every problem reported) and a resumed pack
+(:func:`shard_matches`, before trusting a finished shard) all use these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from .errors import DatasetError, ShardError
+from .shards import BASE_COLUMNS, Manifest, ShardInfo
+from .storage import Storage
+
+__all__ = ["OpenShard", "ShardProblem", "check_shard", "open_shard", "shard_matches"]
+
+_RESTORE = "restore the shard or re-pack"
+
+
+@dataclass(frozen=True)
+class ShardProblem:
+    """What is wrong with one shard: ``what``, expected vs found where that applies, and the fix."""
+
+    shard: str
+    what: str
+    expected: str = ""
+    found: str = ""
+    fix: str = _RESTORE
+
+    def error(self, storage: Storage) -> ShardError:
+        """The ShardError the reader raises for this problem, naming the shard's full path."""
+        where = storage.join(self.shard)
+        detail = f" (expected {self.expected}, found {self.found})" if self.expected or self.found else ""
+        return ShardError(f"{where}: {self.what}{detail}; {self.fix}", path=where)
+
+
+@dataclass
+class OpenShard:
+    """A checked shard, memory-mapped: its record batches are zero-copy views of ``mapping``."""
+
+    info: ShardInfo
+    mapping: pa.MemoryMappedFile
+    batches: list[pa.RecordBatch]
+    identity: tuple[int, ...]
+
+    def close(self) -> None:
+        self.batches = []
+        self.mapping.close()
+
+
+def _check_file(storage: Storage, info: ShardInfo, checksum: bool) -> ShardProblem | None:
+    """Presence, readability, size and (with ``checksum``) SHA-256, before mapping anything."""
+    try:
+        size = storage.size(info.file)
+    except FileNotFoundError:
+        return ShardProblem(info.file, "missing", fix="the manifest lists it; restore it or re-pack")
+    except OSError as exc:
+        return ShardProblem(info.file, f"cannot read the shard: {exc.strerror or exc}")
+    try:
+        storage.local_path(info.file)
+    except DatasetError as exc:  # e.g. a symlink out of the dataset: "PATH: what; fix"
+        what, _, fix = str(exc).split(": ", 1)[-1].partition("; ")
+        return ShardProblem(info.file, what, fix=fix or _RESTORE)
+    if size != info.bytes:
+        return ShardProblem(info.file, f"size is wrong ({'truncated' if size < info.bytes else 'grown'})",
+                            f"{info.bytes} bytes", f"{size} bytes")
+    if checksum:
+        found = storage.sha256(info.file)
+        if found != info.sha256:
+            return ShardProblem(info.file, "checksum mismatch", f"sha256 {info.sha256}", f"sha256 {found}",
+                                fix="the file is damaged — restore it or re-pack")
+    return None
+
+
+def _check_schema(info: ShardInfo, schema: pa.Schema, manifest: Manifest) -> ShardProblem | None:
+    missing = [c for c in (*BASE_COLUMNS, *manifest.extra_columns) if c not in schema.names]
+    if missing:
+        return ShardProblem(info.file, f"missing column(s) {missing}; expected a stoker shard")
+    expected = manifest.schema()
+    for col in ("label", *manifest.extra_columns):
+        if schema.field(col).type != expected.field(col).type:
+            return ShardProblem(info.file, f"column {col!r} is {schema.field(col).type}, the manifest says "
+                                f"{expected.field(col).type}",
+                                fix="the manifest or the shard was edited — restore it or re-pack")
+    return None
+
+
+def _inspect(storage: Storage, info: ShardInfo, manifest: Manifest,
+             checksum: bool) -> tuple[ShardProblem | None, OpenShard | None]:
+    problem = _check_file(storage, info, checksum)
+    if problem is not None:
+        return problem, None
+    try:
+        mm = storage.memory_map(info.file)
+        identity = storage.identity(info.file)
+    except OSError as exc:
+        return ShardProblem(info.file, f"cannot map the shard: {exc.strerror or exc}"), None
+    try:
+        reader = pa.ipc.open_file(mm)
+        problem = _check_schema(info, reader.schema, manifest)
+        batches = [] if problem else [reader.get_batch(k) for k in range(reader.num_record_batches)]
+    except (pa.ArrowInvalid, pa.ArrowException, ValueError, OSError) as exc:
+        problem, batches = ShardProblem(info.file, f"not a readable Arrow IPC file ({exc})"), []
+    rows = sum(b.num_rows for b in batches)
+    if problem is None and rows != info.rows:
+        problem = ShardProblem(info.file, f"holds {rows} rows, the manifest expects {info.rows}")
+    if problem is not None:
+        mm.close()
+        return problem, None
+    return None, OpenShard(info, mm, batches, identity)
+
+
+def open_shard(storage: Storage, info: ShardInfo, manifest: Manifest, *, checksum: bool = False) -> OpenShard:
+    """Check a shard and map it. Raises ShardError naming the shard and the fix."""
+    problem, shard = _inspect(storage, info, manifest, checksum)
+    if problem is not None:
+        raise problem.error(storage)
+    assert shard is not None
+    return shard
+
+
+def check_shard(storage: Storage, info: ShardInfo, manifest: Manifest, *,
+                checksum: bool = True) -> ShardProblem | None:
+    """Every check (SHA-256 included by default); the first problem found, or None when sound."""
+    problem, shard = _inspect(storage, info, manifest, checksum)
+    if shard is not None:
+        shard.close()
+    return problem
+
+
+def shard_matches(storage: Storage, info: ShardInfo) -> bool:
+    """True when the shard file is present with the entry's size and SHA-256 (a resumed pack's
+    test for trusting a shard it wrote before the interruption; no manifest exists yet)."""
+    return _check_file(storage, info, checksum=True) is None

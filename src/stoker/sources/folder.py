@@ -1,0 +1,99 @@
+"""Image folders: an ImageFolder tree ``root/<class>/<image>`` (kind "folder") and a folder of
+unlabelled images searched recursively (kind "files").
+
+Class indices follow the sorted class-folder names and files come in torchvision's order, so
+labels match ``ImageFolder``. Symlinks are followed while they stay inside the source root; one
+pointing out of it is refused (a shared folder must not pull in files from elsewhere).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import SourceError
+from .base import Source, SourceItem, SourceOptions, inside, is_image_name, make_key, require_items, scandir
+
+
+def _entries(path: Path) -> tuple[int, list[str]]:
+    """(number of loose images, names of visible sub-folders) directly in ``path``."""
+    entries = scandir(path)
+    loose = sum(1 for e in entries if e.is_file() and is_image_name(e.name))
+    return loose, [e.name for e in entries if e.is_dir() and not e.name.startswith(".")]
+
+
+def detect_files(path: Path) -> bool:
+    """A folder with images directly inside (and no class folders beside them)."""
+    if not path.is_dir():
+        return False
+    loose, folders = _entries(path)
+    if loose and folders:
+        raise SourceError(f"{path} holds both {loose} images and {len(folders)} sub-folders; pass "
+                          "kind='folder' (sub-folders are classes, loose images are ignored) or "
+                          "kind='files' (every image, recursively, unlabelled)", path=path)
+    return bool(loose)
+
+
+def detect_folder(path: Path) -> bool:
+    """Any folder: the fallback once no other folder format matched."""
+    return path.is_dir()
+
+
+def _require_folder(path: Path, kind: str) -> None:
+    if not path.is_dir():
+        raise SourceError(f"{kind} source {path} is not a folder", path=path)
+
+
+def walk_images(root: Path, top: Path) -> list[Path]:
+    """Image files under ``top`` in torchvision's order (sorted folders, then sorted names).
+
+    Follows symlinks that stay inside ``root``; refuses ones that point out of it.
+    """
+    found: list[tuple[str, str, Path]] = []
+    seen: set[str] = set()
+    stack = [top]
+    while stack:
+        folder = stack.pop()
+        real = os.path.realpath(folder)
+        if real in seen:  # a symlink loop or two links to one folder
+            continue
+        seen.add(real)
+        rel_dir = os.path.relpath(folder, top)
+        for entry in scandir(folder):
+            if entry.name.startswith("."):
+                continue
+            full = Path(entry.path)
+            if entry.is_symlink() and not inside(root, os.path.realpath(full)):
+                raise SourceError(f"{full} is a symlink that points outside the source root {root}; "
+                                  "pack the folder it points to, or copy the file in", path=full)
+            if entry.is_dir():
+                stack.append(full)
+            elif entry.is_file() and is_image_name(entry.name):
+                found.append(("" if rel_dir == "." else rel_dir, entry.name, full))
+    found.sort(key=lambda t: (t[0], t[1]))
+    return [p for _, _, p in found]
+
+
+def open_folder(root: Path, options: SourceOptions) -> Source:
+    """An ImageFolder tree: every sub-folder is a class, its images (recursively) its samples."""
+    _require_folder(root, "folder")
+    classes = sorted(e.name for e in scandir(root) if e.is_dir() and not e.name.startswith("."))
+    if not classes:
+        raise SourceError(f"{root} has no class folders and no images; an ImageFolder source "
+                          "looks like ROOT/<class>/<image>", path=root)
+    items = []
+    for index, name in enumerate(classes):
+        for path in walk_images(root, root / name):
+            items.append(SourceItem(key=make_key(root, path), path=path, label=index))
+    require_items(items, "ImageFolder", root)
+    return Source(items=items, classes=classes, label_type="int64", extra_columns={}, root=root,
+                  description=f"ImageFolder {root} ({len(classes)} classes)", kind="folder")
+
+
+def open_files(root: Path, options: SourceOptions) -> Source:
+    """Every image under ``root``, recursively, unlabelled."""
+    _require_folder(root, "files")
+    items = [SourceItem(key=make_key(root, p), path=p, label=None) for p in walk_images(root, root)]
+    require_items(items, "folder", root)
+    return Source(items=items, classes=None, label_type="none", extra_columns={}, root=root,
+                  description=f"image folder {root} (unlabelled)", kind="files")
