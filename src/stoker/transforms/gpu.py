@@ -531,7 +531,7 @@ class BatchAugment:
     def __init__(self, ops: Sequence[Any], mix: Mixup | None = None, seed: int = 0) -> None:
         normalized = False
         for k, op in enumerate(ops):
-            if not (callable(getattr(op, "params", None)) and callable(getattr(op, "apply", None))):
+            if not isinstance(op, BATCH_OPS):
                 raise ConfigError(f"batch op #{k} ({op!r}) is not a batched op; use the ones in stoker.transforms.gpu")
             if isinstance(op, RandomErasing) and not normalized:
                 raise ConfigError("RandomErasing (batched) erases the normalized batch, as torchvision's does: put a "
