@@ -73,13 +73,11 @@ def adjust_hue(img: np.ndarray, factor: float) -> np.ndarray:
     if not -0.5 <= factor <= 0.5:
         raise ConfigError(f"hue factor must be in [-0.5, 0.5], got {factor}")
     hsv = cv2.cvtColor(img.astype(np.float32) * np.float32(1 / 255), cv2.COLOR_RGB2HSV)  # H in degrees
-    h = hsv[..., 0]
-    h += np.float32(factor * 360.0)
-    np.mod(h, 360.0, out=h)
+    hsv[..., 0] += np.float32((factor * 360.0) % 360.0)  # in [0, 720): HSV2RGB wraps it into [0, 360)
     rgb = cv2.cvtColor(hsv, cv2.COLOR_HSV2RGB)
-    rgb *= 255.0
-    rgb += 1e-3  # float HSV round trips land a hair under integers: keep them (torchvision's float path does)
-    return np.clip(rgb, 0, 255).astype(np.uint8)
+    # x * 255 truncated, as torchvision's `.to(uint8)`: round(x * 255 - 0.5), with 1e-3 of slack because
+    # float HSV round trips land a hair under integers (torchvision's float path keeps them)
+    return cv2.convertScaleAbs(rgb, alpha=255.0, beta=-0.5 + 1e-3)
 
 
 _SHARPEN = np.array([[1, 1, 1], [1, 5, 1], [1, 1, 1]], np.float32) / 13.0

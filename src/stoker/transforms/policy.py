@@ -5,6 +5,7 @@ signs and sampling (torchvision.transforms.autoaugment; docs/transforms.md cites
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -62,9 +63,11 @@ def _posterize_bits(n: int, span: int) -> np.ndarray:
     return (8 - np.round(np.arange(n, dtype=np.float32) / np.float32((n - 1) / span))).astype(np.int64)
 
 
+@functools.lru_cache(maxsize=256)
 def augmentation_space(kind: str, num_bins: int, height: int, width: int) -> dict[str, tuple[np.ndarray | None, bool]]:
     """op name -> (magnitudes per bin, or None for no magnitude; signed), as torchvision defines them
-    for "randaugment", "autoaugment" (the same table with Invert, no Identity) and "trivialaugmentwide"."""
+    for "randaugment", "autoaugment" (the same table with Invert, no Identity) and "trivialaugmentwide".
+    Cached (it is asked for once per sample): treat the result as read-only."""
     if kind == "trivialaugmentwide":
         return {
             "Identity": (None, False),
