@@ -452,7 +452,7 @@ class Normalize:
         std = torch.tensor(self.std, dtype=torch.float64)
         scale = (1.0 / std / (255.0 if x.dtype == torch.uint8 else 1.0)).float().to(x.device).view(1, -1, 1, 1)
         shift = (torch.tensor(self.mean, dtype=torch.float64) / std).float().to(x.device).view(1, -1, 1, 1)
-        return torch.addcmul(-shift, x.float(), scale)  # (x / 255 - mean) / std in two passes
+        return x.float().mul_(scale).add_(-shift)  # (x / 255 - mean) / std, in place on the float copy
 
 
 @dataclass(frozen=True)
