@@ -51,10 +51,10 @@ def within(a: np.ndarray, b: np.ndarray, tol: int) -> None:
 FACTORS = np.array([0.0, 0.3, 0.7, 1.0, 1.2, 1.5, 1.9, 0.5], np.float32)
 
 
-@pytest.mark.parametrize("gpu_fn,cpu_fn,tol", [(G.brightness, pixels.adjust_brightness, 0),
-                                                (G.contrast, pixels.adjust_contrast, 1),
-                                                (G.saturation, pixels.adjust_saturation, 1),
-                                                (G.sharpness, pixels.adjust_sharpness, 1)])
+@pytest.mark.parametrize("gpu_fn,cpu_fn,tol", [(G.adjust_brightness, pixels.adjust_brightness, 0),
+                                                (G.adjust_contrast, pixels.adjust_contrast, 1),
+                                                (G.adjust_saturation, pixels.adjust_saturation, 1),
+                                                (G.adjust_sharpness, pixels.adjust_sharpness, 1)])
 def test_blends_match_per_sample(batch, gpu_fn, cpu_fn, tol):
     out = back(gpu_fn(nchw(batch), torch.from_numpy(FACTORS).to(DEVICE)))
     for k, f in enumerate(FACTORS):
@@ -64,7 +64,7 @@ def test_blends_match_per_sample(batch, gpu_fn, cpu_fn, tol):
 def test_hue_posterize_solarize_autocontrast_equalize_invert(batch):
     x = nchw(batch)
     hues = np.linspace(-0.5, 0.45, 8).astype(np.float32)
-    out = back(G.hue(x, torch.from_numpy(hues).to(DEVICE)))
+    out = back(G.adjust_hue(x, torch.from_numpy(hues).to(DEVICE)))
     for k, f in enumerate(hues):
         within(out[k], pixels.adjust_hue(batch[k], float(f)), 1)
     bits = torch.tensor([0, 1, 2, 4, 5, 6, 7, 8], device=DEVICE)

@@ -57,15 +57,15 @@ def _blend(x: torch.Tensor, other: torch.Tensor, ratio: torch.Tensor) -> torch.T
     return _u8(r * x.float() + (1.0 - r) * other.float())
 
 
-def brightness(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+def adjust_brightness(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
     return _blend(x, torch.zeros_like(x[:, :1]), f)
 
 
-def contrast(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+def adjust_contrast(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
     return _blend(x, _gray(x).float().mean(dim=(1, 2, 3), keepdim=True), f)
 
 
-def saturation(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+def adjust_saturation(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
     return _blend(x, _gray(x), f)
 
 
@@ -101,13 +101,13 @@ def _hsv2rgb(hsv: torch.Tensor) -> torch.Tensor:
     return (pick * mask.unsqueeze(1)).sum(2)
 
 
-def hue(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+def adjust_hue(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
     hsv = _rgb2hsv(x.float() / 255.0)
     hsv[:, 0] = torch.remainder(hsv[:, 0] + f.view(-1, 1, 1), 1.0)
     return _u8(_hsv2rgb(hsv) * 255.0)
 
 
-def sharpness(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+def adjust_sharpness(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] <= 2 or x.shape[-2] <= 2:
         return x
     k = torch.ones(3, 3, device=x.device)
@@ -212,25 +212,10 @@ def apply_policy_op(x: torch.Tensor, name: str, mags: np.ndarray, interpolation:
         return x
     if name in ("ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate"):
         return warp(x, _geometry_matrices(name, mags, x.shape[2], x.shape[3]), interpolation, fill)
-    m = torch.from_numpy(np.asarray(mags, np.float32)).to(x.device)
-    if name == "Brightness":
-        return brightness(x, 1.0 + m)
-    if name == "Color":
-        return saturation(x, 1.0 + m)
-    if name == "Contrast":
-        return contrast(x, 1.0 + m)
-    if name == "Sharpness":
-        return sharpness(x, 1.0 + m)
-    if name == "Posterize":
-        return posterize(x, m.to(torch.int64))
-    if name == "Solarize":
-        return solarize(x, m)
-    if name == "AutoContrast":
-        return autocontrast(x)
-    if name == "Equalize":
-        return equalize(x)
-    if name == "Invert":
-        return invert(x)
+    if name in policy.PIXEL_OPS:
+        kernel, arg = policy.PIXEL_OPS[name]
+        m = torch.from_numpy(np.asarray(mags, np.float32)).to(x.device)
+        return globals()[kernel](x, *policy.colour_args(arg, m))
     raise ConfigError(f"unknown augmentation op {name!r}")
 
 
@@ -279,7 +264,7 @@ class ColorJitter:
     def apply(self, x: torch.Tensor, params: tuple[np.ndarray, np.ndarray]) -> torch.Tensor:
         _check_uint8(x, "ColorJitter")
         order, factors = params
-        fns = (brightness, contrast, saturation, hue)
+        fns = (adjust_brightness, adjust_contrast, adjust_saturation, adjust_hue)
         for step in range(4):
             for fn_id in range(4):
                 if self.ranges[fn_id] is None:

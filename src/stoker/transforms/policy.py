@@ -8,13 +8,33 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ..errors import ConfigError
 from .colour import _check_interpolation, _RandomOp
-from .pixels import (Fill, adjust_brightness, adjust_contrast, adjust_saturation, adjust_sharpness, affine,
-                     autocontrast, equalize, invert, posterize, rotate, solarize)
+from . import pixels
+from .pixels import Fill, affine, rotate
+
+
+#: policy op -> (kernel in pixels.py, and in gpu.py under the same name; how the magnitude becomes its argument)
+PIXEL_OPS = {"Brightness": ("adjust_brightness", "factor"), "Color": ("adjust_saturation", "factor"),
+             "Contrast": ("adjust_contrast", "factor"), "Sharpness": ("adjust_sharpness", "factor"),
+             "Posterize": ("posterize", "bits"), "Solarize": ("solarize", "threshold"),
+             "AutoContrast": ("autocontrast", None), "Equalize": ("equalize", None), "Invert": ("invert", None)}
+
+
+def colour_args(arg: str | None, magnitude: Any) -> tuple:
+    """The kernel's arguments for a magnitude (a float, or one per sample as a tensor): enhancements take
+    the factor 1 + m, posterize whole bits, solarize the threshold itself."""
+    if arg is None:
+        return ()
+    if arg == "factor":
+        return (1.0 + magnitude,)
+    if arg == "bits":
+        return (magnitude.long() if hasattr(magnitude, "long") else int(magnitude),)
+    return (magnitude,)
 
 
 def apply_op(img: np.ndarray, name: str, magnitude: float, interpolation: str = "nearest",
@@ -34,24 +54,9 @@ def apply_op(img: np.ndarray, name: str, magnitude: float, interpolation: str = 
         return affine(img, translate=(0, int(magnitude)), interpolation=interpolation, fill=fill)
     if name == "Rotate":
         return rotate(img, magnitude, interpolation=interpolation, fill=fill)
-    if name == "Brightness":
-        return adjust_brightness(img, 1.0 + magnitude)
-    if name == "Color":
-        return adjust_saturation(img, 1.0 + magnitude)
-    if name == "Contrast":
-        return adjust_contrast(img, 1.0 + magnitude)
-    if name == "Sharpness":
-        return adjust_sharpness(img, 1.0 + magnitude)
-    if name == "Posterize":
-        return posterize(img, int(magnitude))
-    if name == "Solarize":
-        return solarize(img, magnitude)
-    if name == "AutoContrast":
-        return autocontrast(img)
-    if name == "Equalize":
-        return equalize(img)
-    if name == "Invert":
-        return invert(img)
+    if name in PIXEL_OPS:
+        kernel, arg = PIXEL_OPS[name]
+        return getattr(pixels, kernel)(img, *colour_args(arg, magnitude))
     raise ConfigError(f"unknown augmentation op {name!r}")
 
 
@@ -63,44 +68,35 @@ def _posterize_bits(n: int, span: int) -> np.ndarray:
     return (8 - np.round(np.arange(n, dtype=np.float32) / np.float32((n - 1) / span))).astype(np.int64)
 
 
+def _table(num_bins: int, *, shear: float, translate: tuple[float, float], rotate: float, enhance: float,
+           posterize_span: int) -> dict[str, tuple[np.ndarray | None, bool]]:
+    """The 13 ops the three policies share, with their magnitude ranges (each linspace from 0)."""
+    return {
+        "ShearX": (_linspace(0.0, shear, num_bins), True),
+        "ShearY": (_linspace(0.0, shear, num_bins), True),
+        "TranslateX": (_linspace(0.0, translate[0], num_bins), True),
+        "TranslateY": (_linspace(0.0, translate[1], num_bins), True),
+        "Rotate": (_linspace(0.0, rotate, num_bins), True),
+        **{name: (_linspace(0.0, enhance, num_bins), True) for name in ("Brightness", "Color", "Contrast", "Sharpness")},
+        "Posterize": (_posterize_bits(num_bins, posterize_span), False),
+        "Solarize": (_linspace(255.0, 0.0, num_bins), False),
+        "AutoContrast": (None, False),
+        "Equalize": (None, False),
+    }
+
+
 @functools.lru_cache(maxsize=256)
 def augmentation_space(kind: str, num_bins: int, height: int, width: int) -> dict[str, tuple[np.ndarray | None, bool]]:
     """op name -> (magnitudes per bin, or None for no magnitude; signed), as torchvision defines them
     for "randaugment", "autoaugment" (the same table with Invert, no Identity) and "trivialaugmentwide".
     Cached (it is asked for once per sample): treat the result as read-only."""
     if kind == "trivialaugmentwide":
-        return {
-            "Identity": (None, False),
-            "ShearX": (_linspace(0.0, 0.99, num_bins), True),
-            "ShearY": (_linspace(0.0, 0.99, num_bins), True),
-            "TranslateX": (_linspace(0.0, 32.0, num_bins), True),
-            "TranslateY": (_linspace(0.0, 32.0, num_bins), True),
-            "Rotate": (_linspace(0.0, 135.0, num_bins), True),
-            "Brightness": (_linspace(0.0, 0.99, num_bins), True),
-            "Color": (_linspace(0.0, 0.99, num_bins), True),
-            "Contrast": (_linspace(0.0, 0.99, num_bins), True),
-            "Sharpness": (_linspace(0.0, 0.99, num_bins), True),
-            "Posterize": (_posterize_bits(num_bins, 6), False),
-            "Solarize": (_linspace(255.0, 0.0, num_bins), False),
-            "AutoContrast": (None, False),
-            "Equalize": (None, False),
-        }
+        table = _table(num_bins, shear=0.99, translate=(32.0, 32.0), rotate=135.0, enhance=0.99, posterize_span=6)
+    else:
+        table = _table(num_bins, shear=0.3, translate=(150.0 / 331.0 * width, 150.0 / 331.0 * height), rotate=30.0,
+                       enhance=0.9, posterize_span=4)
     space: dict[str, tuple[np.ndarray | None, bool]] = {} if kind == "autoaugment" else {"Identity": (None, False)}
-    space.update({
-        "ShearX": (_linspace(0.0, 0.3, num_bins), True),
-        "ShearY": (_linspace(0.0, 0.3, num_bins), True),
-        "TranslateX": (_linspace(0.0, 150.0 / 331.0 * width, num_bins), True),
-        "TranslateY": (_linspace(0.0, 150.0 / 331.0 * height, num_bins), True),
-        "Rotate": (_linspace(0.0, 30.0, num_bins), True),
-        "Brightness": (_linspace(0.0, 0.9, num_bins), True),
-        "Color": (_linspace(0.0, 0.9, num_bins), True),
-        "Contrast": (_linspace(0.0, 0.9, num_bins), True),
-        "Sharpness": (_linspace(0.0, 0.9, num_bins), True),
-        "Posterize": (_posterize_bits(num_bins, 4), False),
-        "Solarize": (_linspace(255.0, 0.0, num_bins), False),
-        "AutoContrast": (None, False),
-        "Equalize": (None, False),
-    })
+    space.update(table)
     if kind == "autoaugment":
         space["Invert"] = (None, False)
     return space
