@@ -313,7 +313,7 @@ def test_randaugment_draws_like_torchvision():
 def test_trivialaugment_draws_like_torchvision():
     op = policy.TrivialAugmentWide()
     rng = np.random.default_rng(2)
-    draws = [op.params(rng, 100, 100) for _ in range(N * 3)]
+    draws = [op.params(rng, 100, 100)[0] for _ in range(N * 3)]
     counts_uniform([n for n, _ in draws], 14, len(draws))
     rot = np.abs([m for n, m in draws if n == "Rotate"])
     bins = np.rint(rot / (135.0 / 30)).astype(int)  # 31 bins over [0, 135]

@@ -132,8 +132,20 @@ IMAGENET_POLICY: tuple[tuple[tuple[str, float, int | None], tuple[str, float, in
 )
 
 
+class _Policy(_RandomOp):
+    """A policy's params are a list of (op name, signed magnitude), applied in order."""
+
+    interpolation: str
+    fill: Fill
+
+    def apply(self, img: np.ndarray, params: list[tuple[str, float]]) -> np.ndarray:
+        for name, m in params:
+            img = apply_op(img, name, m, self.interpolation, self.fill)
+        return img
+
+
 @dataclass(frozen=True)
-class RandAugment(_RandomOp):
+class RandAugment(_Policy):
     """torchvision.transforms.RandAugment: `num_ops` ops drawn uniformly (with replacement) from 14
     (Identity, ShearX/Y, TranslateX/Y, Rotate, Brightness, Color, Contrast, Sharpness, Posterize,
     Solarize, AutoContrast, Equalize), each at bin `magnitude` of `num_magnitude_bins`, its sign
@@ -166,14 +178,9 @@ class RandAugment(_RandomOp):
             chosen.append((name, m))
         return chosen
 
-    def apply(self, img: np.ndarray, params: list[tuple[str, float]]) -> np.ndarray:
-        for name, m in params:
-            img = apply_op(img, name, m, self.interpolation, self.fill)
-        return img
-
 
 @dataclass(frozen=True)
-class TrivialAugmentWide(_RandomOp):
+class TrivialAugmentWide(_Policy):
     """torchvision.transforms.TrivialAugmentWide: one op drawn uniformly from 14, a magnitude bin
     drawn uniformly from `num_magnitude_bins`, sign flipped with probability 1/2; wider ranges than
     RandAugment (shear 0.99, translate 32 px, rotate 135 degrees, enhancements 0.99, posterize to 2 bits)."""
@@ -185,7 +192,7 @@ class TrivialAugmentWide(_RandomOp):
     def __post_init__(self) -> None:
         _check_interpolation("TrivialAugmentWide", self.interpolation)
 
-    def params(self, rng: np.random.Generator, height: int, width: int) -> tuple[str, float]:
+    def params(self, rng: np.random.Generator, height: int, width: int) -> list[tuple[str, float]]:
         space = augmentation_space("trivialaugmentwide", self.num_magnitude_bins, height, width)
         names = list(space)
         name = names[int(rng.integers(len(names)))]
@@ -193,14 +200,12 @@ class TrivialAugmentWide(_RandomOp):
         m = float(mags[int(rng.integers(len(mags)))]) if mags is not None else 0.0
         if signed and rng.integers(2):
             m = -m
-        return name, m
+        return [(name, m)]
 
-    def apply(self, img: np.ndarray, params: tuple[str, float]) -> np.ndarray:
-        return apply_op(img, params[0], params[1], self.interpolation, self.fill)
 
 
 @dataclass(frozen=True)
-class AutoAugment(_RandomOp):
+class AutoAugment(_Policy):
     """torchvision.transforms.AutoAugment with the ImageNet policy: one of 25 sub-policies drawn
     uniformly; each of its two ops runs when a uniform draw is <= its probability, with the
     magnitude of its bin (10 bins) negated when a fair coin says so for signed ops."""
@@ -229,8 +234,3 @@ class AutoAugment(_RandomOp):
                     m = -m
                 chosen.append((name, m))
         return chosen
-
-    def apply(self, img: np.ndarray, params: list[tuple[str, float]]) -> np.ndarray:
-        for name, m in params:
-            img = apply_op(img, name, m, self.interpolation, self.fill)
-        return img
