@@ -239,8 +239,9 @@ class Filler:
 
     def sample_error(self, idx: int, exc: BaseException, extra: str = "") -> SampleError:
         key, shard, row = self._describe(idx, exc)
+        notes = "".join(f" ({n})" for n in getattr(exc, "__notes__", ()))  # e.g. which transform raised it
         return SampleError(f"sample {key!r} (shard {shard}, row {row}, index {idx}) failed: "
-                           f"{type(exc).__name__}: {exc}{extra}. Pass on_error='skip' to replace failing "
+                           f"{type(exc).__name__}: {exc}{notes}{extra}. Pass on_error='skip' to replace failing "
                            f"samples, or re-pack to drop them", key=key, shard=shard, row=row, index=idx)
 
 

@@ -51,11 +51,12 @@ class TransformError(StokerError, ValueError):
 
 
 def _name(fn: Any) -> str:
-    name = getattr(fn, "__name__", None)
-    if name is None or name == "<lambda>":
-        text = repr(fn)
-        return text if len(text) <= 80 else type(fn).__name__
-    return name
+    """How errors and warnings call a transform: a function's name, or an object's repr when
+    short (`RandomRotation(degrees=[-10.0, 10.0])`), else its class name."""
+    if hasattr(fn, "__code__"):  # a lambda by where it was written: `make_pipeline.<locals>.<lambda>`
+        return fn.__qualname__ if fn.__name__ == "<lambda>" else fn.__name__
+    text = repr(fn)
+    return text if len(text) <= 80 and " at 0x" not in text else type(fn).__name__
 
 
 def _from_torchvision(t: Any) -> bool:
@@ -298,8 +299,11 @@ class Adapted:
         return self.fn(arg)
 
     def _detect(self, img: np.ndarray, rng: np.random.Generator | None) -> Any:
-        """Try numpy, then PIL, then a tensor; keep the first kind the callable accepts. Each try gets
-        a copy of the sample and a generator in the same state, so detection changes no result."""
+        """Try numpy, then PIL, then a tensor; keep the first kind the callable accepts. A kind counts
+        as rejected when the call raises AttributeError, TypeError or ValueError (`'numpy.ndarray' object
+        has no attribute 'rotate'`) or returns no image; any other exception is the transform's own failure.
+        Each try gets a copy of the sample and a generator in the same state, so detection changes no
+        result."""
         state = None if rng is None else rng.bit_generator.state
         errors = []
         for kind in INPUTS:
@@ -308,14 +312,22 @@ class Adapted:
             try:
                 out = self._call(_to_kind(img.copy(), kind), rng)
                 _to_array(out, self.name)
-            except Exception as exc:  # the callable rejects this kind: try the next
+            except (AttributeError, TypeError, ValueError, TransformError) as exc:  # not the kind it takes
                 errors.append(f"{kind}: {type(exc).__name__}: {exc}")
                 continue
+            except Exception as exc:
+                self._note(exc, img, kind)
+                raise
             self.input = kind
             return out
         raise TransformError(f"transform {self.name} accepts none of a uint8 HWC numpy array, a PIL image or a CHW "
                              f"uint8 tensor ({'; '.join(errors)}); declare what it takes with "
-                             f"stoker.transforms.adapt(fn, input='numpy'|'pil'|'tensor')")
+                             f"stoker.adapt(fn, input='numpy'|'pil'|'tensor')")
+
+    def _note(self, exc: BaseException, img: np.ndarray, kind: str | None) -> None:
+        """Name the transform on its own exception (kept as it is, with its traceback): the Loader's
+        SampleError repeats the note beside the sample's key."""
+        exc.add_note(f"in transform {self.name} ({kind or 'numpy'} input, a {img.shape[1]}x{img.shape[0]} image)")
 
     def __call__(self, img: np.ndarray, rng: np.random.Generator | None = None) -> np.ndarray:
         if self.input is None:
@@ -323,11 +335,9 @@ class Adapted:
         else:
             try:
                 out = self._call(_to_kind(img, self.input), rng)
-            except TransformError:
-                raise
             except Exception as exc:
-                raise TransformError(f"transform {self.name} ({self.input} input) failed on a {img.shape[1]}x"
-                                     f"{img.shape[0]} image: {type(exc).__name__}: {exc}") from exc
+                self._note(exc, img, self.input)
+                raise
         self._warn_once()
         return _to_array(out, self.name)
 
