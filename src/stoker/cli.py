@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pack", help="pack images (ImageFolder, file list, CSV, tar) into Arrow shards")
     p.add_argument("src", help="ImageFolder directory, 'path label' .txt list, .csv, .tar or folder of .tar")
     p.add_argument("out", help="output dataset directory")
-    p.add_argument("--kind", default="auto", choices=["auto", "folder", "list", "csv", "tar", "files"],
+    p.add_argument("--kind", default="auto", choices=["auto", "folder", "list", "csv", "tar", "files", "coco"],
                    help="how to read SRC (default: guess from what it is)")
     p.add_argument("--max-side", type=_positive, default=None, metavar="PX",
                    help="resize so the longer side is at most PX pixels (never upscales)")

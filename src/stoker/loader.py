@@ -41,7 +41,7 @@ from .render import DeviceBuilder, Filler, RenderSpec, run_batch_ops
 from .shards import MANIFEST_NAME, looks_like_partial_pack
 from .storage import open_storage
 from .slots import BatchRing, Feeder, LoaderStats, Run, Slot
-from .transforms import Pipeline
+from .transforms import Pipeline, colour, gpu
 
 __all__ = ["Loader", "LoaderStats"]
 
@@ -71,6 +71,23 @@ def _device_options(device: Any, pipeline: Pipeline) -> DeviceOptions | None:
     return opts
 
 
+def _check_boxes(boxes: tuple[str, ...], pipeline: Pipeline) -> None:
+    """Boxes follow the planned geometry only: refuse ops that would move pixels without them."""
+    if not boxes:
+        return
+    keeps_boxes = (colour.ColorJitter, colour.GaussianBlur, colour.RandomGrayscale, colour.RandomErasing,
+                   gpu.ColorJitter, gpu.GaussianBlur, gpu.RandomGrayscale, gpu.Normalize, gpu.RandomErasing)
+    movers = [getattr(op, "name", type(op).__name__) for op in pipeline.tail
+              if not isinstance(getattr(op, "fn", op), keeps_boxes)]
+    if pipeline.batch is not None:
+        movers += [type(op).__name__ for op in pipeline.batch.ops if not isinstance(op, keeps_boxes)]
+        movers += ["Mixup"] if pipeline.batch.mix is not None else []
+    if movers:
+        raise ConfigError(f"boxes={boxes} follow stoker's planned crop, resize and flip, but {', '.join(movers)} "
+                          f"would move pixels without them; use colour ops only after the geometry "
+                          f"(ColorJitter, GaussianBlur, RandomGrayscale, Normalize, RandomErasing)")
+
+
 def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if rank is None or world_size is None:
         dist = torch.distributed
@@ -94,6 +111,12 @@ class Loader:
     (shuffled shards, samples shuffled within a window: for remote data). `device`: None (the uint8
     batches above), a device ("cuda", "cuda:1", "cpu": images `uint8 [B, 3, H, W]` there, numeric
     labels too) or a `DeviceOptions` (normalize, dtype, memory_format, decode="gpu", gpu_decoder).
+
+    `transforms`: one transform, a list or a Compose-like object (see docs/transforms.md): planned
+    geometry, per-sample ops, then batch ops (Normalize, RandomErasing, Mixup). `boxes`: extra columns
+    of boxes (x0, y0, x1, y1 as fractions of the image, as the "coco" source packs them) that follow
+    each sample's crop, resize and flip; each arrives in the third item as a list of float32 [k, 4]
+    arrays in output pixels.
     """
 
     def __init__(self, source: str | Path | Dataset, batch_size: int, *, transforms: Sequence[Any] | None = None,
@@ -101,7 +124,7 @@ class Loader:
                  prefetch: int = 2, columns: Sequence[str] = (), on_error: str = "raise",
                  rank: int | None = None, world_size: int | None = None, pin_memory: bool | None = None,
                  timeout: float = 120.0, device: str | int | torch.device | DeviceOptions | None = None,
-                 shuffle: bool | None = None) -> None:
+                 boxes: str | Sequence[str] = (), shuffle: bool | None = None) -> None:
         if shuffle is not None:  # the 0.1 spelling, kept while it costs nothing
             warnings.warn("Loader(shuffle=) is deprecated: pass order='random' or order='sequential'",
                           DeprecationWarning, stacklevel=2)
@@ -121,6 +144,9 @@ class Loader:
             raise ConfigError(f"timeout must be positive seconds, got {timeout!r}")
         self.pipeline = Pipeline(transforms)
         self.device = _device_options(device, self.pipeline)
+        self.boxes = (boxes,) if isinstance(boxes, str) else tuple(boxes)
+        _check_boxes(self.boxes, self.pipeline)
+        columns = (*columns, *(c for c in self.boxes if c not in columns))
         self.dataset, self._owns_dataset = _open_source(source)
         try:
             self._setup(batch_size, seed, drop_last, num_threads, prefetch, columns, on_error,
@@ -158,8 +184,11 @@ class Loader:
             # touching the mapping, which a shard truncated mid-epoch would turn into a SIGBUS
             labels = np.array(labels)
         self._label_dtype = labels.dtype if labels.dtype.kind in "iufb" else None
+        if self.boxes and heights is None:
+            raise ConfigError(f"{ds.path}: boxes= needs the image sizes a packed dataset stores; pack the data first "
+                              f"(stoker pack SRC OUT)")
         self._spec = RenderSpec(batch_size, self.output_size, self.pipeline, self.seed, on_error, self.columns,
-                                labels, heights, widths)
+                                labels, heights, widths, box_columns=self.boxes)
         self._shard_rows = [s.rows for s in ds.manifest.shards] if isinstance(ds, PackedDataset) else None
         self._epoch, self._cursor, self._started = 0, 0, False
         self.stats = LoaderStats()

@@ -34,6 +34,7 @@ from .order import replacement_index, sample_keys, uniforms
 from .reader import Dataset, PackedDataset
 from .slots import LoaderStats, Slot, WorkerTimes
 from .transforms import Pipeline, Plan, apply_tail, crop_resize_into, decode_minimums, run_user_op
+from .transforms.targets import boxes_through
 
 _log = logging.getLogger(__name__)  # one warning per skipped sample, with its reason
 MAX_REPLACEMENTS = 16  # on_error="skip": replacement samples tried before giving up on a position
@@ -53,6 +54,7 @@ class RenderSpec:
     heights: np.ndarray | None  # stored image sizes, pixels; None when known only after reading (loose files)
     widths: np.ndarray | None
     gpu_decode: bool = False  # decode="gpu": JPEG rows become GpuJobs for the device thread
+    box_columns: tuple[str, ...] = ()  # extra columns of boxes (x0, y0, x1, y1 as fractions) that follow the crop
 
 
 @dataclass
@@ -101,9 +103,18 @@ class Filler:
         else:
             slot.objects[:slot.size] = self.labels[idx].tolist()
         slot.extras = {c: [self.ds.extra(int(i), c) for i in idx] for c in self.columns}
+        geometry = self._geometry(idx, u)
+        for c in self.spec.box_columns:
+            slot.extras[c] = [self._boxes(v, int(i), geometry, r) for r, (i, v) in enumerate(zip(idx, slot.extras[c]))]
         if self.gpu:
             slot.jobs = [None] * slot.size
-        return BatchPlan(idx, positions, keys, u, self._geometry(idx, u))
+        return BatchPlan(idx, positions, keys, u, geometry)
+
+    def _boxes(self, value: Any, idx: int, geometry: Plan, row: int) -> np.ndarray:
+        """One sample's boxes (fractions of its stored size) in its output's pixels: float32 [k, 4]."""
+        frac = np.asarray(value if value is not None else (), np.float64).reshape(-1, 4)
+        w, h = float(self.widths[idx]), float(self.heights[idx])
+        return boxes_through(frac * (w, h, w, h), geometry.box[row], geometry.size[row], bool(geometry.flip[row]))
 
     def fill(self, plan: BatchPlan, row: int, slot: Slot, scratch: dict, times: WorkerTimes,
              gpu: bool | None = None) -> None:
@@ -218,6 +229,8 @@ class Filler:
                 slot.objects[row] = self.labels[r]
             for c in self.columns:
                 slot.extras[c][row] = self.ds.extra(r, c)
+                if c in self.spec.box_columns:
+                    slot.extras[c][row] = self._boxes(slot.extras[c][row], r, geo, 0)
             key_, shard, srow = self._describe(int(plan.indices[row]), first)
             times.skipped += 1
             times.skipped_keys.append(key_ or "?")

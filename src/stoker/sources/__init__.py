@@ -8,6 +8,7 @@ One module per input format, all behind the interface in :mod:`.base` (a :class:
 - ``"list"``: a text file of ``<path> <label>`` lines, the common ``train.txt`` (:mod:`.listing`).
 - ``"csv"``: a CSV with a header: a path column, a label column, typed extra columns (:mod:`.table`).
 - ``"tar"``: WebDataset-style tar files, one ``.tar`` or a folder of them (:mod:`.tar`).
+- ``"coco"``: a COCO instances JSON: images with their boxes and box labels as list columns (:mod:`.coco`).
 
 A new format is one module (``open`` and ``detect``, see :mod:`.base`) plus one line in
 ``FORMATS``. Listing is cheap: no image is opened here.
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from ..errors import SourceError
 from ..storage import open_storage
-from . import folder, listing, table, tar
+from . import coco, folder, listing, table, tar
 from .base import IMAGE_EXTENSIONS, Source, SourceItem, SourceOptions, read_bytes
 
 __all__ = ["FORMATS", "IMAGE_EXTENSIONS", "KINDS", "Source", "SourceItem", "SourceOptions", "open_source",
@@ -43,6 +44,7 @@ class Format:
 FORMATS: dict[str, Format] = {
     "list": Format(listing.open_list, listing.detect, uses_root=True),
     "csv": Format(table.open_csv, table.detect, uses_root=True),
+    "coco": Format(coco.open_coco, coco.detect, uses_root=True),
     "files": Format(folder.open_files, folder.detect_files),
     "tar": Format(tar.open_tar, tar.detect),
     "folder": Format(folder.open_folder, folder.detect_folder),
@@ -55,9 +57,10 @@ def open_source(src: str | Path, *, kind: str = "auto", label_column: str | None
     """List the samples of ``src``.
 
     ``kind`` is one of ``KINDS``; ``"auto"`` picks: a ``.txt`` file -> list, ``.csv`` -> csv,
-    ``.tar`` or a folder of ``.tar`` files -> tar, a folder with images directly inside ->
+    ``.json`` -> coco (instances annotations), ``.tar`` or a folder of ``.tar`` files -> tar, a folder with images directly inside ->
     files, a folder of class folders -> folder. For lists and CSVs, ``root`` is the folder
-    relative paths resolve against and that no path may leave (default: the list's folder).
+    relative paths resolve against and that no path may leave (default: the list's folder; for COCO
+    pass the image folder, e.g. ``root="coco/train2017"``).
     ``label_column=None`` reads a CSV without labels. Raises SourceError (and
     UnsupportedStorageError for a URL: sources are local today).
     """

@@ -1,0 +1,98 @@
+"""COCO instances JSON -> pack -> Loader(boxes=...): each box still frames the object drawn under it
+after the pack's resize and the Loader's crop, resize and flip."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import write_image
+from stoker.errors import ConfigError, SourceError
+from stoker.loader import Loader
+from stoker.packing import PackOptions, pack
+from stoker.sources import open_source
+from stoker.transforms import ColorJitter, RandAugment, RandomHorizontalFlip, RandomResizedCrop, Resize
+from stoker.transforms.targets import visible
+
+def make_coco(root: Path, n: int = 12, seed: int = 0) -> Path:
+    """n JPEGs of varied sizes, each with 1-3 boxes on black, box k lighting channel k only (so boxes may
+    overlap and each stays visible in its own channel), and their instances JSON."""
+    rng = np.random.default_rng(seed)
+    images, anns = [], []
+    for i in range(n):
+        h, w = (int(v) for v in rng.integers(120, 260, 2))
+        img = np.zeros((h, w, 3), np.uint8)
+        for k in range(int(rng.integers(1, 4))):
+            bw, bh = int(rng.integers(30, w // 2)), int(rng.integers(30, h // 2))
+            x, y = int(rng.integers(0, w - bw)), int(rng.integers(0, h - bh))
+            img[y:y + bh, x:x + bw, k] = 255
+            anns.append({"id": len(anns) + 1, "image_id": i + 10, "category_id": [3, 7, 9][k],
+                         "bbox": [x, y, bw, bh], "iscrowd": 0, "area": bw * bh})
+        write_image(root / "images" / f"{i:03d}.jpg", img, quality=95)
+        images.append({"id": i + 10, "file_name": f"{i:03d}.jpg", "height": h, "width": w})
+    cats = [{"id": c, "name": name} for c, name in ((9, "blue"), (3, "red"), (7, "green"))]
+    out = root / "instances.json"
+    out.write_text(json.dumps({"images": images, "annotations": anns, "categories": cats}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def coco(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("coco")
+    ann = make_coco(root)
+    packed = root / "packed"
+    pack(ann, packed, root=root / "images", options=PackOptions(max_side=160, workers=1), progress=False)
+    return ann, packed
+
+
+def test_coco_source_lists_images_boxes_and_labels(coco):
+    ann, _ = coco
+    src = open_source(ann, root=ann.parent / "images")
+    assert src.kind == "coco" and len(src) == 12 and src.extra_columns["boxes"] == "list<float64>"
+    first = src.items[0]
+    assert len(first.extras["boxes"]) == 4 * len(first.extras["box_labels"])
+    assert set(first.extras["box_labels"]) <= {0, 1, 2}  # category ids 3, 7, 9 -> 0, 1, 2
+    assert all(0.0 <= v <= 1.0 for v in first.extras["boxes"])
+    bad = ann.parent / "bad.json"
+    bad.write_text(json.dumps({"images": []}))
+    with pytest.raises(SourceError, match="annotations"):
+        open_source(bad)
+
+
+def test_boxes_follow_pack_resize_crop_and_flip(coco):
+    _, packed = coco
+    loader = Loader(packed, 4, transforms=[RandomResizedCrop(96, scale=(0.3, 1.0)), RandomHorizontalFlip(),
+                                           ColorJitter(0.2, 0.2)],
+                    boxes="boxes", columns=("box_labels",), seed=3, num_threads=2)
+    checked = 0
+    for images, _, extras in loader:
+        for img, boxes, labels in zip(images.numpy(), extras["boxes"], extras["box_labels"]):
+            assert boxes.dtype == np.float32 and boxes.shape == (len(labels), 4)
+            for (x0, y0, x1, y1), label in zip(boxes[visible(boxes)], np.asarray(labels)[visible(boxes)]):
+                if x1 - x0 < 6 or y1 - y0 < 6:
+                    continue
+                inner = img[int(np.ceil(y0)) + 1:int(y1) - 1, int(np.ceil(x0)) + 1:int(x1) - 1].reshape(-1, 3)
+                # labels index the categories sorted by id (3, 7, 9), which box k = channel k was given
+                share = (inner[:, label] > 128).mean()
+                assert share > 0.95, (share, label, (x0, y0, x1, y1))
+                ys, xs = np.nonzero(img[:, :, label] > 128)  # and the lit pixels are framed by the box
+                lit = np.array([xs.min(), ys.min(), xs.max() + 1, ys.max() + 1])
+                assert np.abs(lit - np.array([x0, y0, x1, y1])).max() <= 2.0, (lit, (x0, y0, x1, y1))
+                checked += 1
+    assert checked > 10
+    again = Loader(packed, 4, transforms=[RandomResizedCrop(96, scale=(0.3, 1.0)), RandomHorizontalFlip(),
+                                          ColorJitter(0.2, 0.2)], boxes="boxes", seed=3, num_threads=1)
+    a = [b for batch in Loader(packed, 4, transforms=[RandomResizedCrop(96, scale=(0.3, 1.0)), RandomHorizontalFlip(),
+                                                       ColorJitter(0.2, 0.2)], boxes="boxes", seed=3, num_threads=2)
+         for b in batch[2]["boxes"]]
+    b = [b for batch in again for b in batch[2]["boxes"]]
+    assert all(np.array_equal(x, y) for x, y in zip(a, b)) and len(a) == len(b) == 12
+
+
+def test_ops_that_move_pixels_are_refused_with_boxes(coco):
+    _, packed = coco
+    with pytest.raises(ConfigError, match="RandAugment would move pixels"):
+        Loader(packed, 4, transforms=[Resize((64, 64)), RandAugment()], boxes="boxes")
