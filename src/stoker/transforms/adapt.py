@@ -219,7 +219,7 @@ def _to_array(out: Any, name: str) -> np.ndarray:
                                  f"with 1 or 3 channels")
         if t.dtype.is_floating_point:
             t = (t.clamp(0, 1) * 255).round()
-        arr = t.to(dtype=__import__("torch").uint8).permute(1, 2, 0).numpy()
+        arr = t.numpy().astype(np.uint8).transpose(1, 2, 0)
     else:
         raise TransformError(f"transform {name} returned {type(out).__name__}; expected an image (a uint8 HWC numpy "
                              f"array, a PIL image or a CHW tensor)")
