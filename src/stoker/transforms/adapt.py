@@ -46,8 +46,8 @@ PER_SAMPLE_OPS = (colour.ColorJitter, colour.GaussianBlur, colour.RandomGrayscal
                   policy.RandAugment, policy.TrivialAugmentWide, policy.AutoAugment)
 
 
-class TransformError(StokerError, ValueError):
-    """A user transform failed or returned something that is not an image; names the transform."""
+class TransformError(StokerError, TypeError):
+    """A user transform takes or returns something that is not an image; names the transform."""
 
 
 def _name(fn: Any) -> str:
@@ -226,8 +226,8 @@ def _to_array(out: Any, name: str) -> np.ndarray:
     if arr.ndim == 2:
         arr = arr[:, :, None]
     if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] not in (1, 3):
-        raise TransformError(f"transform {name} returned a {arr.dtype} array of shape {arr.shape}; expected uint8 "
-                             f"HxWx3 (or HxW grey)")
+        raise TransformError(f"transform {name} returned a {arr.dtype} array of shape {arr.shape}; expected a uint8 "
+                             f"HxWx3 array (or HxW grey)")
     if arr.shape[2] == 1:
         arr = np.repeat(arr, 3, axis=2)
     return arr
@@ -301,7 +301,8 @@ class Adapted:
     def _detect(self, img: np.ndarray, rng: np.random.Generator | None) -> Any:
         """Try numpy, then PIL, then a tensor; keep the first kind the callable accepts. A kind counts
         as rejected when the call raises AttributeError, TypeError or ValueError (`'numpy.ndarray' object
-        has no attribute 'rotate'`) or returns no image; any other exception is the transform's own failure.
+        has no attribute 'rotate'`); any other exception is the transform's own failure, and what it
+        returns is checked like any later result.
         Each try gets a copy of the sample and a generator in the same state, so detection changes no
         result."""
         state = None if rng is None else rng.bit_generator.state
@@ -311,8 +312,7 @@ class Adapted:
                 rng.bit_generator.state = state
             try:
                 out = self._call(_to_kind(img.copy(), kind), rng)
-                _to_array(out, self.name)
-            except (AttributeError, TypeError, ValueError, TransformError) as exc:  # not the kind it takes
+            except (AttributeError, TypeError, ValueError) as exc:  # not the kind it takes
                 errors.append(f"{kind}: {type(exc).__name__}: {exc}")
                 continue
             except Exception as exc:
