@@ -16,13 +16,12 @@ import pytest
 import torch
 from PIL import Image
 
-from stoker.transforms import colour, policy
-from stoker.transforms.adapt import Adapted, TransformError, adapt, as_ops
 from stoker.device import DeviceOptions
 from stoker.errors import ConfigError, SampleError
 from stoker.loader import Loader
+from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop, colour, policy
+from stoker.transforms.adapt import Adapted, TransformError, adapt, as_ops
 from stoker.transforms.mixing import Mixup
-from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop
 from test_loader import build_packed
 
 TV = "torchvision.transforms.transforms"

@@ -13,8 +13,8 @@ import math
 import numpy as np
 import pytest
 
-from stoker.transforms import colour, pixels, policy
 from stoker.errors import ConfigError
+from stoker.transforms import colour, pixels, policy
 
 
 @pytest.fixture(scope="module")

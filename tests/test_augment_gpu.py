@@ -11,12 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from stoker.transforms import colour, pixels, policy
-from stoker.transforms import gpu as G
 from stoker.errors import ConfigError
 from stoker.loader import Loader
+from stoker.transforms import RandomResizedCrop, colour, pixels, policy
+from stoker.transforms import gpu as G
 from stoker.transforms.mixing import Mixup
-from stoker.transforms import RandomResizedCrop
 from test_loader import build_packed
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,13 +1,15 @@
 """Batched augmentations on `[B, 3, H, W]` tensors, on any device: per-sample parameters as tensors,
 a handful of kernels per batch and no per-sample Python loop.
 
-The same ops as the per-sample ones (`colour.py`, `policy.py`) (torchvision's definitions, same parameter names), for heavy policies
-run on the GPU after the upload instead of on the worker threads:
+The same ops as the per-sample ones of `colour.py` and `policy.py` (torchvision's definitions and
+parameter names), for heavy policies to run on the GPU after the upload instead of on the worker
+threads. In a Loader's transforms they follow the per-sample ops and run on the device thread:
 
-    batch_aug = BatchAugment([RandAugment(), Normalize("imagenet"), RandomErasing(p=0.25)],
-                             mix=Mixup(0.8, 1.0, num_classes=1000), seed=0)
-    for images, targets in batch_aug.over(loader):   # loader = Loader(..., device="cuda"): uint8 NCHW
-        ...
+    Loader(src, 256, device="cuda", transforms=[RandomResizedCrop(224), RandomHorizontalFlip(),
+                                                gpu.RandAugment(), gpu.Normalize(), gpu.RandomErasing(0.25),
+                                                Mixup(0.8, 1.0, num_classes=1000)])
+
+`BatchAugment(ops, mix).over(loader)` runs the same over a Loader's uint8 batches from outside it.
 
 Colour and policy ops take uint8 images (0..255) and keep them uint8 between ops, truncating like
 torchvision's tensor path; `Normalize` turns them into float; `RandomErasing` works on the normalized
