@@ -68,7 +68,7 @@ PIPELINES: dict[str, tuple[str, str | None]] = {
     "baseline-deit": ("DataLoader + PIL + the randaug recipe + RandomErasing(0.25) in the workers, Mixup/CutMix "
                       "(0.8/1.0, smoothing 0.1) in the main process", None),
     "stoker-deit": ("stoker.Loader, crop + flip + RandAugment(2, 9) on the threads; Normalize, RandomErasing(0.25), "
-                    "Mixup/CutMix batched (BatchAugment)", "baseline-deit"),
+                    "Mixup/CutMix batched on the device thread (device='cpu')", "baseline-deit"),
 }
 DEFAULT_PIPELINES = ("baseline", "baseline-val", "stoker-train", "stoker-val", "ceiling", "dali")
 #: `stoker bench --recipe`: the pipelines each recipe runs by default (the ceiling is the same for all)
@@ -204,34 +204,22 @@ def _baseline_recipe_runner(spec: _Spec) -> _Runner:
 
 
 def _stoker_recipe_runner(spec: _Spec) -> _Runner:
-    from ..transforms.gpu import BatchAugment, Normalize, RandomErasing
-    from ..transforms.policy import RandAugment
-    from .baseline_recipes import deit_mixup
     from ..loader import Loader
-    from ..transforms import RandomHorizontalFlip, RandomResizedCrop
+    from ..transforms import Normalize, RandAugment, RandomErasing, RandomHorizontalFlip, RandomResizedCrop
+    from .baseline_recipes import deit_mixup
 
-    recipe = _recipe_of(spec.pipeline)
-    loader = Loader(spec.packed, spec.batch_size, transforms=[RandomResizedCrop(224), RandomHorizontalFlip(),
-                                                              RandAugment()],
-                    seed=0, num_threads=spec.workers)
-    batches: Any = loader
-    if recipe == "deit":
-        aug = BatchAugment([Normalize("imagenet"), RandomErasing(p=0.25)],
-                           mix=deit_mixup(len(list_image_folder(Path(spec.root))[1])))
-        batches = _Reiterable(lambda: aug.over(loader))
+    ops: list[Any] = [RandomResizedCrop(224), RandomHorizontalFlip(), RandAugment()]
+    device = None
+    if _recipe_of(spec.pipeline) == "deit":
+        # the batch ops on the loader's device thread (here the CPU), beside the workers and the consumer
+        ops += [Normalize("imagenet"), RandomErasing(p=0.25), deit_mixup(len(list_image_folder(Path(spec.root))[1]))]
+        device = "cpu"
+    loader = Loader(spec.packed, spec.batch_size, transforms=ops, seed=0, num_threads=spec.workers, device=device)
 
     def epoch() -> Iterator[int]:
-        for batch in batches:
+        for batch in loader:
             yield int(batch[0].shape[0])
     return _Runner(epoch, loader.close)
-
-
-class _Reiterable:
-    def __init__(self, make: Callable[[], Iterator[Any]]) -> None:
-        self.make = make
-
-    def __iter__(self) -> Iterator[Any]:
-        return self.make()
 
 
 def _stoker_runner(spec: _Spec, train: bool) -> _Runner:
