@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SourceError
-from .base import PathChecker, Source, SourceItem, SourceOptions, check_unique, listing_root, read_text
+from .base import ListedPaths, Source, SourceItem, SourceOptions, check_unique, listing_root, read_text
 
 SUFFIXES = (".json",)
 EXTRA_COLUMNS = {"boxes": "list<float64>", "box_labels": "list<int64>", "box_crowd": "list<int64>"}
@@ -46,8 +46,10 @@ def _load(listing: Path) -> dict[str, Any]:
 
 
 def open_coco(listing: Path, options: SourceOptions) -> Source:
-    root = listing_root(listing, options, "coco")
-    check = PathChecker(root, listing)
+    root, _ = listing_root(listing, options, "coco")
+    # Annotation files are often downloaded, not written by the user: every image path must stay
+    # inside the image folder (``root``), so a '../' or absolute file_name is refused.
+    check = ListedPaths(root, listing, root)
     doc = _load(listing)
     categories = sorted(doc["categories"], key=lambda c: c["id"])
     index = {c["id"]: k for k, c in enumerate(categories)}

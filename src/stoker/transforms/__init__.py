@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from .geometry import (AREA_FROM, GEOMETRIC, CenterCrop, CropWindow, Plan, RandomHorizontalFlip,
                        RandomResizedCrop, Resize, Size, crop_resize_into, crop_window, decode_minimums,
-                       plan_ops)
+                       plan_ops, resize_window_into)
 from .adapt import Adapted, TransformError, adapt
 from .colour import ColorJitter, GaussianBlur, RandomGrayscale
 from .gpu import BatchAugment, Normalize, RandomErasing
@@ -44,4 +44,4 @@ __all__ = ["AREA_FROM", "GEOMETRIC", "Adapted", "AutoAugment", "BatchAugment", "
            "CropWindow", "GaussianBlur", "Mixup", "Normalize", "Pipeline", "Plan", "RandAugment",
            "RandomErasing", "RandomGrayscale", "RandomHorizontalFlip", "RandomResizedCrop", "Resize", "Size",
            "TransformError", "TrivialAugmentWide", "adapt", "apply_tail", "crop_resize_into", "crop_window",
-           "decode_minimums", "plan_ops", "run_user_op"]
+           "decode_minimums", "plan_ops", "resize_window_into", "run_user_op"]
