@@ -17,9 +17,44 @@ from stoker.sources import open_source
 from stoker.transforms import ColorJitter, RandAugment, RandomHorizontalFlip, RandomResizedCrop, Resize
 from stoker.transforms.targets import visible
 
+def runs_of(mask: np.ndarray) -> list[int]:
+    """COCO RLE runs of a 0/1 mask: column-major, alternating 0 and 1, starting with 0."""
+    flat = mask.ravel(order="F").astype(np.int8)
+    edges = np.flatnonzero(np.diff(flat)) + 1
+    bounds = np.concatenate(([0], edges, [flat.size]))
+    runs = np.diff(bounds).tolist()
+    return [0, *runs] if flat[0] == 1 else runs
+
+
+def rle_string(counts: list[int]) -> str:
+    """pycocotools' rleToString, written out: each run minus the run two before (after the second),
+    5 bits a character from the low end, 0x20 to continue, offset by 48."""
+    out = []
+    for i, x in enumerate(counts):
+        x = x - counts[i - 2] if i > 2 else x
+        more = True
+        while more:
+            c = x & 0x1F
+            x >>= 5
+            more = (x != -1) if c & 0x10 else (x != 0)
+            out.append(chr((c | 0x20 if more else c) + 48))
+    return "".join(out)
+
+
+def segmentation(k: int, x: int, y: int, bw: int, bh: int, h: int, w: int):
+    """Box k's outline three ways: a polygon (k=0), a compressed RLE (k=1), an uncompressed RLE (k=2)."""
+    if k == 0:
+        return [[x, y, x + bw, y, x + bw, y + bh, x, y + bh]]
+    mask = np.zeros((h, w), np.uint8)
+    mask[y:y + bh, x:x + bw] = 1
+    runs = runs_of(mask)
+    return {"size": [h, w], "counts": rle_string(runs) if k == 1 else runs}
+
+
 def make_coco(root: Path, n: int = 12, seed: int = 0) -> Path:
     """n JPEGs of varied sizes, each with 1-3 boxes on black, box k lighting channel k only (so boxes may
-    overlap and each stays visible in its own channel), and their instances JSON."""
+    overlap and each stays visible in its own channel), their outlines as segmentations, and their
+    instances JSON."""
     rng = np.random.default_rng(seed)
     images, anns = [], []
     for i in range(n):
@@ -30,7 +65,8 @@ def make_coco(root: Path, n: int = 12, seed: int = 0) -> Path:
             x, y = int(rng.integers(0, w - bw)), int(rng.integers(0, h - bh))
             img[y:y + bh, x:x + bw, k] = 255
             anns.append({"id": len(anns) + 1, "image_id": i + 10, "category_id": [3, 7, 9][k],
-                         "bbox": [x, y, bw, bh], "iscrowd": 0, "area": bw * bh})
+                         "bbox": [x, y, bw, bh], "iscrowd": int(k > 0), "area": bw * bh,
+                         "segmentation": segmentation(k, x, y, bw, bh, h, w)})
         write_image(root / "images" / f"{i:03d}.jpg", img, quality=95)
         images.append({"id": i + 10, "file_name": f"{i:03d}.jpg", "height": h, "width": w})
     cats = [{"id": c, "name": name} for c, name in ((9, "blue"), (3, "red"), (7, "green"))]
@@ -96,3 +132,57 @@ def test_ops_that_move_pixels_are_refused_with_boxes(coco):
     _, packed = coco
     with pytest.raises(ConfigError, match="RandAugment would move pixels"):
         Loader(packed, 4, transforms=[Resize((64, 64)), RandAugment()], boxes="boxes")
+
+
+def test_rle_counts_decode_pycocotools_strings():
+    from stoker.sources.coco import rle_counts, rle_decode
+
+    rng = np.random.default_rng(5)
+    for _ in range(50):
+        h, w = (int(v) for v in rng.integers(1, 40, 2))
+        mask = (rng.random((h, w)) < rng.random()).astype(np.uint8)
+        runs = runs_of(mask)
+        assert rle_counts(rle_string(runs)) == runs
+        assert np.array_equal(rle_decode({"size": [h, w], "counts": rle_string(runs)}), mask)
+    with pytest.raises(ValueError, match="add up"):
+        rle_decode({"size": [4, 4], "counts": [3, 2]})
+
+
+def test_masks_follow_pack_resize_crop_and_flip(coco):
+    """Polygons, compressed and uncompressed RLEs all come out as instance masks that cover the pixels
+    their object lit after the pack's resize and the Loader's crop, resize and flip."""
+    _, packed = coco
+    transforms = [RandomResizedCrop(96, scale=(0.3, 1.0)), RandomHorizontalFlip()]
+    loader = Loader(packed, 4, transforms=transforms, boxes="boxes", masks="masks", columns=("box_labels",),
+                    seed=4, num_threads=2)
+    checked = 0
+    for images, _, extras in loader:
+        assert set(extras) == {"boxes", "masks", "box_labels"}
+        for img, boxes, masks, labels in zip(images.numpy(), extras["boxes"], extras["masks"], extras["box_labels"]):
+            assert masks.dtype == np.uint8 and masks.shape == (len(labels), 96, 96)
+            for box, mask, label in zip(boxes, masks, labels):
+                lit = img[:, :, label] > 128
+                if lit.sum() < 40:
+                    continue
+                # JPEG edges and the whole-pixel crop window: agreement except along the outline
+                iou = (lit & (mask > 0)).sum() / (lit | (mask > 0)).sum()
+                assert iou > 0.85, (iou, label, box)
+                ys, xs = np.nonzero(mask)   # the mask sits inside its (transformed) box
+                assert xs.min() >= box[0] - 1 and xs.max() + 1 <= box[2] + 1, (xs.min(), xs.max(), box)
+                assert ys.min() >= box[1] - 1 and ys.max() + 1 <= box[3] + 1, (ys.min(), ys.max(), box)
+                checked += 1
+    assert checked > 10
+    # the same epoch again, one thread, no boxes (every box has a segmentation: the same rows)
+    plain = Loader(packed, 4, transforms=transforms, masks="masks", seed=4, num_threads=1)
+    again = [m for batch in plain for m in batch[2]["masks"]]
+    first = [m for batch in Loader(packed, 4, transforms=transforms, boxes="boxes", masks="masks", seed=4,
+                                   num_threads=2) for m in batch[2]["masks"]]
+    assert len(again) == 12 and all(np.array_equal(a, b) for a, b in zip(again, first))
+
+
+def test_masks_need_their_polygon_columns(coco, tmp_path):
+    _, packed = coco
+    with pytest.raises(ConfigError, match="masks_points"):
+        Loader(packed, 4, transforms=[Resize((64, 64))], masks="boxes")
+    with pytest.raises(ConfigError, match="RandAugment would move pixels"):
+        Loader(packed, 4, transforms=[Resize((64, 64)), RandAugment()], masks="masks")

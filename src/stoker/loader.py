@@ -87,7 +87,7 @@ def _check_boxes(boxes: tuple[str, ...], pipeline: Pipeline) -> None:
         movers += [type(op).__name__ for op in pipeline.batch.ops if not isinstance(op, keeps_boxes)]
         movers += ["Mixup"] if pipeline.batch.mix is not None else []
     if movers:
-        raise ConfigError(f"boxes={boxes} follow stoker's planned crop, resize and flip, but {', '.join(movers)} "
+        raise ConfigError(f"boxes/masks {boxes} follow stoker's planned crop, resize and flip, but {', '.join(movers)} "
                           f"would move pixels without them; use colour ops only after the geometry "
                           f"(ColorJitter, GaussianBlur, RandomGrayscale, Normalize, RandomErasing)")
 
@@ -123,7 +123,11 @@ class Loader:
     geometry, per-sample ops, then batch ops (Normalize, RandomErasing, Mixup). `boxes`: extra columns
     of boxes (x0, y0, x1, y1 as fractions of the image, as the "coco" source packs them) that follow
     each sample's crop, resize and flip; each arrives in the third item as a list of float32 [k, 4]
-    arrays in output pixels.
+    arrays in output pixels. `masks`: extra columns of polygons (as the "coco" source packs them:
+    `masks` with `masks_points` and `masks_box`) filled at the output size after the same crop, resize
+    and flip; each arrives in the third item as a list of uint8 [k, H, W] instance masks (k: the
+    sample's boxes when `boxes` is given, so mask rows line up with box rows).
+    `transforms.targets.pad_batch` turns such a list into one padded tensor plus sizes.
     `decode_quality`: "accurate" or "fast" (CPU JPEG decode; see `DECODE_QUALITIES`).
     """
 
@@ -134,7 +138,7 @@ class Loader:
                  timeout: float = 120.0, device: str | int | torch.device | DeviceOptions | None = None,
                  multi_label: str = "multi-hot", num_classes: int | None = None,
                  decode_quality: str = "accurate", boxes: str | Sequence[str] = (),
-                 shuffle: bool | None = None) -> None:
+                 masks: str | Sequence[str] = (), shuffle: bool | None = None) -> None:
         if shuffle is not None:  # the 0.1 spelling, kept while it costs nothing
             warnings.warn("Loader(shuffle=) is deprecated: pass order='random' or order='sequential'",
                           DeprecationWarning, stacklevel=2)
@@ -158,8 +162,9 @@ class Loader:
         self.pipeline = Pipeline(transforms)
         self.device = _device_options(device, self.pipeline)
         self.boxes = (boxes,) if isinstance(boxes, str) else tuple(boxes)
-        _check_boxes(self.boxes, self.pipeline)
-        columns = (*columns, *(c for c in self.boxes if c not in columns))
+        self.masks = (masks,) if isinstance(masks, str) else tuple(masks)
+        _check_boxes(self.boxes + self.masks, self.pipeline)
+        columns = (*columns, *(c for c in self.boxes + self.masks if c not in columns))
         self._multi_label_args = (multi_label, num_classes)   # checked against the labels in _setup
         self.dataset, self._owns_dataset = _open_source(source)
         try:
@@ -198,13 +203,18 @@ class Loader:
             # touching the mapping, which a shard truncated mid-epoch would turn into a SIGBUS
             labels = np.array(labels)
         self._label_dtype = labels.dtype if labels.dtype.kind in "iufb" else None
-        if self.boxes and heights is None:
-            raise ConfigError(f"{ds.path}: boxes= needs the image sizes a packed dataset stores; pack the data first "
-                              f"(stoker pack SRC OUT)")
+        if (self.boxes or self.masks) and heights is None:
+            raise ConfigError(f"{ds.path}: boxes= and masks= need the image sizes a packed dataset stores; pack the "
+                              f"data first (stoker pack SRC OUT)")
+        companions = [f"{c}{end}" for c in self.masks for end in ("_points", "_box") if f"{c}{end}" not in
+                      ds.extra_columns]
+        if companions:
+            raise ConfigError(f"{ds.path}: masks={self.masks} needs the polygon columns {companions} beside it (as "
+                              f"the coco source packs them); the dataset has extra columns {ds.extra_columns}")
         multi = multi_label_spec(labels, ds.classes, *self._multi_label_args)
         self._spec = RenderSpec(batch_size, self.output_size, self.pipeline, self.seed, on_error, self.columns,
                                 labels, heights, widths, multi_label=multi, decode_quality=self.decode_quality,
-                                box_columns=self.boxes)
+                                box_columns=self.boxes, mask_columns=self.masks)
         self._shard_rows = [s.rows for s in ds.manifest.shards] if isinstance(ds, PackedDataset) else None
         self._epoch, self._cursor, self._started = 0, 0, False
         self.stats = LoaderStats()

@@ -37,7 +37,7 @@ from .reader import Dataset, PackedDataset
 from .slots import LoaderStats, Slot, WorkerTimes
 from .transforms import (CropWindow, Pipeline, Plan, apply_tail, crop_window, decode_minimums, resize_window_into,
                          run_user_op)
-from .transforms.targets import boxes_through
+from .transforms.targets import boxes_through, polygons_through
 
 _log = logging.getLogger(__name__)  # one warning per skipped sample, with its reason
 MAX_REPLACEMENTS = 16  # on_error="skip": replacement samples tried before giving up on a position
@@ -60,6 +60,8 @@ class RenderSpec:
     decode_quality: str = "accurate"  # "fast": libjpeg-turbo's fast IDCT and plain chroma upsampling
     multi_label: MultiLabel | None = None  # turns a batch of label lists into one tensor (multi-label data)
     box_columns: tuple[str, ...] = ()  # extra columns of boxes (x0, y0, x1, y1 as fractions) that follow the crop
+    #: extra columns of polygons (with their `_points` and `_box` companions) filled as instance masks
+    mask_columns: tuple[str, ...] = ()
 
 
 @dataclass
@@ -113,6 +115,9 @@ class Filler:
         geometry = self._geometry(idx, u)
         for c in self.spec.box_columns:
             slot.extras[c] = [self._boxes(v, int(i), geometry, r) for r, (i, v) in enumerate(zip(idx, slot.extras[c]))]
+        # masks are filled by the worker threads (fill), from these three columns read here
+        for c in self.spec.mask_columns:
+            slot.extras[c] = [self._polygons(int(i), c) for i in idx]
         if self.gpu:
             slot.jobs = [None] * slot.size
         return BatchPlan(idx, positions, keys, u, geometry)
@@ -122,6 +127,27 @@ class Filler:
         frac = np.asarray(value if value is not None else (), np.float64).reshape(-1, 4)
         w, h = float(self.widths[idx]), float(self.heights[idx])
         return boxes_through(frac * (w, h, w, h), geometry.box[row], geometry.size[row], bool(geometry.flip[row]))
+
+    def _polygons(self, idx: int, column: str) -> tuple:
+        """One sample's polygons: (points, lengths, owners, instance count). With boxes, the count is the
+        number of boxes of the first box column, so mask rows line up with box rows."""
+        lengths = self.ds.extra(idx, column + "_points") or ()
+        owners = self.ds.extra(idx, column + "_box") or ()
+        if self.spec.box_columns:
+            count = len(self.ds.extra(idx, self.spec.box_columns[0]) or ()) // 4
+        else:
+            count = max(owners, default=-1) + 1
+        return self.ds.extra(idx, column) or (), lengths, owners, count
+
+    def _masks(self, polygons: tuple, idx: int, geometry: Plan, row: int) -> np.ndarray:
+        """One sample's instance masks uint8 [k, H, W] in its output's pixels."""
+        points, lengths, owners, count = polygons
+        if len(owners) != len(lengths) or sum(lengths) * 2 != len(points) or max(owners, default=-1) >= count:
+            raise ValueError(f"polygon columns disagree: {len(points)} coordinates, {len(lengths)} polygons "
+                             f"of {sum(lengths)} vertices, owners up to {max(owners, default=-1)} for {count} "
+                             f"instances")
+        return polygons_through(points, lengths, owners, count, (self.heights[idx], self.widths[idx]),
+                                geometry.box[row], geometry.size[row], bool(geometry.flip[row]))
 
     def fill(self, plan: BatchPlan, row: int, slot: Slot, scratch: dict, times: WorkerTimes,
              gpu: bool | None = None) -> None:
@@ -133,6 +159,9 @@ class Filler:
                 self.queue_gpu(idx, int(plan.keys[row]), plan.u[row], box, row, slot, scratch, times)
             else:
                 self.render(idx, int(plan.keys[row]), plan.u[row], box, slot.images_np[row], scratch, times)
+            for c in self.spec.mask_columns:
+                if isinstance(slot.extras[c][row], tuple):  # not yet filled (a GPU fallback refills the row)
+                    slot.extras[c][row] = self._masks(slot.extras[c][row], idx, geo, row)
         except Exception as exc:
             if self.on_error == "raise":
                 raise self.sample_error(idx, exc) from exc
@@ -261,6 +290,8 @@ class Filler:
                 slot.extras[c][row] = self.ds.extra(r, c)
                 if c in self.spec.box_columns:
                     slot.extras[c][row] = self._boxes(slot.extras[c][row], r, geo, 0)
+                elif c in self.spec.mask_columns:
+                    slot.extras[c][row] = self._masks(self._polygons(r, c), r, geo, 0)
             key_, shard, srow = self._describe(int(plan.indices[row]), first)
             times.skipped += 1
             times.skipped_keys.append(key_ or "?")

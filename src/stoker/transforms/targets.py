@@ -9,8 +9,10 @@ resampled with that mapping (`geometry.crop_resize_into`); a box or a mask goes 
 
 Boxes are `[k, 4]` (x0, y0, x1, y1) in pixel-edge coordinates (COCO's `[x, y, w, h]` converts with
 `xywh_to_xyxy`), clipped to the output; a box that leaves the crop keeps its row with zero width or
-height, so per-box labels stay aligned (drop them with `visible(boxes)`). Masks are resampled with
-nearest neighbour through the same crop window as the image. The image's crop window is rounded to
+height, so per-box labels stay aligned (drop them with `visible(boxes)`). Label-map masks are resampled
+with nearest neighbour through the same crop window as the image (`mask_through`); instance masks
+stored as polygons (what the "coco" source packs) have their vertices moved by the mapping above and
+are filled at the output size (`polygons_through`), so they need no resampling at all. The image's crop window is rounded to
 whole pixels of the (possibly DCT-scaled) decoded image, so a box edge can sit up to one output
 pixel from the drawn edge (tests/test_augment_targets.py draws boxes into images to check it).
 """
@@ -18,6 +20,8 @@ pixel from the drawn edge (tests/test_augment_targets.py draws boxes into images
 from __future__ import annotations
 
 from typing import Sequence
+
+import torch
 
 import cv2
 import numpy as np
@@ -65,3 +69,64 @@ def mask_through(mask: np.ndarray, box: Sequence[float], size: Sequence[int], fl
     out[ty0:ty1, tx0:tx1] = resized.view(np.bool_) if src.dtype == np.bool_ else resized.reshape(
         out[ty0:ty1, tx0:tx1].shape)
     return out[:, ::-1].copy() if flip else out
+
+
+#: sub-pixel bits for cv2.fillPoly: vertices are placed to 1/16 pixel
+_SHIFT = 4
+
+
+def polygons_through(points: np.ndarray | Sequence[float], lengths: Sequence[int], owners: Sequence[int],
+                     count: int, image_size: Sequence[int], box: Sequence[float], size: Sequence[int],
+                     flip: bool) -> np.ndarray:
+    """Instance masks uint8 ``[count, H, W]`` (0/1) in the output of one sample's plan.
+
+    ``points`` are the polygons' vertices flattened (x, y, x, y, ... as fractions of the image width and
+    height, pixel-edge coordinates as in COCO), ``lengths`` the vertex count of each polygon, ``owners``
+    the instance (box row, ``0 <= owner < count``) each polygon belongs to; ``image_size`` is the stored
+    (height, width). Vertices go through the same mapping as boxes, then each instance's polygons are
+    filled together (cv2.fillPoly at 1/16 pixel: a pixel is in when its centre lies inside or on the
+    outline, rounded to whole pixels, so an edge can sit one pixel from the box's edge; polygons of one instance combine
+    even-odd, so a hole given as a second polygon stays empty). An instance cropped away gives an empty
+    mask in its row.
+    """
+    out_h, out_w = int(size[0]), int(size[1])
+    masks = np.zeros((count, out_h, out_w), np.uint8)
+    xy = np.asarray(points, np.float64).reshape(-1, 2)
+    if not len(xy):
+        return masks
+    img_h, img_w = float(image_size[0]), float(image_size[1])
+    top, left, height, width = (float(v) for v in box)
+    x = (xy[:, 0] * img_w - left) * (out_w / max(width, 1e-9))
+    y = (xy[:, 1] * img_h - top) * (out_h / max(height, 1e-9))
+    if flip:
+        x = out_w - x
+    # pixel-edge coordinates -> cv2's pixel-centre coordinates, fixed point
+    fixed = np.round(np.stack([x - 0.5, y - 0.5], axis=1) * (1 << _SHIFT))
+    fixed = np.clip(fixed, -(1 << 24), 1 << 24).astype(np.int32)
+    ends = np.cumsum(np.asarray(lengths, np.int64))
+    starts = ends - np.asarray(lengths, np.int64)
+    owners = np.asarray(owners, np.int64)
+    for k in np.unique(owners):
+        polys = [fixed[a:b] for a, b, o in zip(starts, ends, owners) if o == k and b - a >= 3]
+        if polys:
+            cv2.fillPoly(masks[k], polys, 1, lineType=cv2.LINE_8, shift=_SHIFT)
+    return masks
+
+
+def pad_batch(rows: Sequence[np.ndarray | torch.Tensor], fill: float = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Variable-length targets of a batch (boxes ``[k, 4]``, masks ``[k, H, W]``, ...) as one tensor
+    ``[B, K, ...]`` padded with ``fill`` (K the longest row, at least 1), plus ``sizes`` int64 ``[B]``:
+    row ``i`` holds ``sizes[i]`` real entries. Every row must agree on the shape after its first axis."""
+    tensors = [torch.as_tensor(r) for r in rows]
+    if not tensors:
+        raise ValueError("pad_batch needs at least one row")
+    tail = tensors[0].shape[1:]
+    bad = [i for i, t in enumerate(tensors) if t.shape[1:] != tail]
+    if bad:
+        raise ValueError(f"pad_batch: row {bad[0]} has shape {tuple(tensors[bad[0]].shape)}, row 0 has "
+                         f"{tuple(tensors[0].shape)}; rows may differ only in their first axis")
+    sizes = torch.tensor([t.shape[0] for t in tensors], dtype=torch.int64)
+    out = torch.full((len(tensors), max(1, int(sizes.max())), *tail), fill, dtype=tensors[0].dtype)
+    for i, t in enumerate(tensors):
+        out[i, :t.shape[0]] = t
+    return out, sizes
