@@ -112,7 +112,8 @@ class Loader:
     lists `{column: values}` as a third item when `columns` names extra shard columns.
     Multi-label datasets (lists of class indices) give `float32 [B, num_classes]` multi-hot rows
     (`multi_label="multi-hot"`), `int64 [B, K]` indices padded with -1 (`"indices"`), or the lists
-    (`"list"`); `num_classes` defaults to the manifest's classes (see `stoker.labels`).
+    (`"list"`); `num_classes` defaults to the manifest's classes (see `stoker.labels`). Soft targets
+    (rows of floats, one per class) give `float32 [B, C]`.
 
     `order`: "random" (a full shuffle per epoch), "sequential" (dataset order) or "shard_random"
     (shuffled shards, samples shuffled within a window: for remote data). `device`: None (the uint8
