@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import write_image
 from stoker.errors import ConfigError, SourceError
@@ -186,3 +187,42 @@ def test_masks_need_their_polygon_columns(coco, tmp_path):
         Loader(packed, 4, transforms=[Resize((64, 64))], masks="boxes")
     with pytest.raises(ConfigError, match="RandAugment would move pixels"):
         Loader(packed, 4, transforms=[Resize((64, 64)), RandAugment()], masks="masks")
+
+
+def test_variable_size_images_batch_padded_with_their_sizes(coco):
+    """Resize(64) keeps each image's aspect ratio: with pad=True the batch is as large as the largest
+    output, each image top-left in its row, zeros elsewhere, its size in extras["sizes"]; boxes and
+    masks are in that image's own pixels."""
+    _, packed = coco
+    with pytest.raises(ConfigError, match="pass pad=True"):
+        Loader(packed, 4, transforms=[Resize(64)])
+    from stoker.reader import open_dataset
+
+    ds = open_dataset(packed)
+    short = np.minimum(ds.heights, ds.widths)
+    want_h = np.where(ds.heights <= ds.widths, 64, (64 * ds.heights / ds.widths).astype(int))
+    want_w = np.where(ds.widths <= ds.heights, 64, (64 * ds.widths / ds.heights).astype(int))
+    assert (short > 0).all()
+    ds.close()
+    for device in (None, "cpu"):
+        loader = Loader(packed, 5, transforms=[Resize(64), RandomHorizontalFlip()], pad=True, boxes="boxes",
+                        masks="masks", columns=("box_labels",), order="sequential", num_threads=2, device=device)
+        assert loader.output_size == (int(want_h.max()), int(want_w.max()))
+        seen = 0
+        for images, _, extras in loader:
+            x = images.numpy() if device is None else images.permute(0, 2, 3, 1).numpy()
+            sizes = extras["sizes"]
+            assert sizes.dtype == torch.int64 and sizes.shape == (len(x), 2)
+            for img, (h, w), boxes, masks, labels in zip(x, sizes.tolist(), extras["boxes"], extras["masks"],
+                                                         extras["box_labels"]):
+                assert (h, w) == (want_h[seen], want_w[seen])
+                assert not img[h:].any() and not img[:, w:].any()   # the padding is zero
+                assert masks.shape == (len(labels), h, w)
+                for box, mask, label in zip(boxes, masks, labels):
+                    lit = img[:h, :w, label] > 128
+                    assert box[2] <= w and box[3] <= h
+                    if lit.sum() >= 40:   # small objects at 64 px: the one-pixel outline weighs more
+                        iou = (lit & (mask > 0)).sum() / (lit | (mask > 0)).sum()
+                        assert iou > 0.75, (iou, box)
+                seen += 1
+        assert seen == 12

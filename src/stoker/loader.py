@@ -38,7 +38,7 @@ from .labels import multi_label_spec
 from .order import ORDERS, epoch_order, num_batches, rank_indices, samples_per_rank
 from .reader import Dataset, PackedDataset, open_dataset, open_loose
 from .device import DeviceOptions, DeviceStage, as_device_options
-from .render import DeviceBuilder, Filler, RenderSpec, run_batch_ops
+from .render import DeviceBuilder, Filler, RenderSpec, batch_extras, run_batch_ops
 from .shards import MANIFEST_NAME, looks_like_partial_pack
 from .storage import open_storage
 from .slots import BatchRing, Feeder, LoaderStats, Run, Slot
@@ -128,7 +128,10 @@ class Loader:
     `masks` with `masks_points` and `masks_box`) filled at the output size after the same crop, resize
     and flip; each arrives in the third item as a list of uint8 [k, H, W] instance masks (k: the
     sample's boxes when `boxes` is given, so mask rows line up with box rows).
-    `transforms.targets.pad_batch` turns such a list into one padded tensor plus sizes.
+    `transforms.targets.pad_batch` turns such a list into one padded tensor plus sizes. `pad=True`:
+    images whose transforms do not end in a fixed size (e.g. `Resize(800)`, the shorter side) are batched
+    top-left in zero-padded rows as large as the largest output in the dataset, with each image's
+    (height, width) in the third item as "sizes" (int64 [B, 2]).
     `decode_quality`: "accurate" or "fast" (CPU JPEG decode; see `DECODE_QUALITIES`).
     """
 
@@ -139,7 +142,7 @@ class Loader:
                  timeout: float = 120.0, device: str | int | torch.device | DeviceOptions | None = None,
                  multi_label: str = "multi-hot", num_classes: int | None = None,
                  decode_quality: str = "accurate", boxes: str | Sequence[str] = (),
-                 masks: str | Sequence[str] = (), shuffle: bool | None = None) -> None:
+                 masks: str | Sequence[str] = (), pad: bool = False, shuffle: bool | None = None) -> None:
         if shuffle is not None:  # the 0.1 spelling, kept while it costs nothing
             warnings.warn("Loader(shuffle=) is deprecated: pass order='random' or order='sequential'",
                           DeprecationWarning, stacklevel=2)
@@ -164,6 +167,12 @@ class Loader:
         self.device = _device_options(device, self.pipeline)
         self.boxes = (boxes,) if isinstance(boxes, str) else tuple(boxes)
         self.masks = (masks,) if isinstance(masks, str) else tuple(masks)
+        self.pad = bool(pad)
+        if self.pad and self.pipeline.tail_geometric:
+            raise ConfigError("pad=True batches the sizes stoker plans; a geometric transform after a user callable "
+                              "is planned per sample only: move it before the callable")
+        if self.pad and self.device is not None and self.device.decode == "gpu":
+            raise ConfigError("pad=True is not available with decode='gpu'; use DeviceOptions(decode='cpu')")
         _check_boxes(self.boxes + self.masks, self.pipeline)
         columns = (*columns, *(c for c in self.boxes + self.masks if c not in columns))
         self._multi_label_args = (multi_label, num_classes)   # checked against the labels in _setup
@@ -215,7 +224,7 @@ class Loader:
         multi = multi_label_spec(labels, ds.classes, *self._multi_label_args)
         self._spec = RenderSpec(batch_size, self.output_size, self.pipeline, self.seed, on_error, self.columns,
                                 labels, heights, widths, multi_label=multi, decode_quality=self.decode_quality,
-                                box_columns=self.boxes, mask_columns=self.masks)
+                                box_columns=self.boxes, mask_columns=self.masks, pad=self.pad)
         self._shard_rows = [s.rows for s in ds.manifest.shards] if isinstance(ds, PackedDataset) else None
         self._epoch, self._cursor, self._started = 0, 0, False
         self.stats = LoaderStats()
@@ -227,11 +236,19 @@ class Loader:
         fixed = self.pipeline.fixed_size
         if fixed is not None:
             return fixed
+        if self.pad and h is not None and len(h):
+            # the largest output of any image (sizes of non-fixed plans do not depend on the draws)
+            plan = self.pipeline.plan(h, w, np.zeros((len(h), max(self.pipeline.draws, 1))))
+            return int(plan.size[:, 0].max()), int(plan.size[:, 1].max())
         if h is not None and len(h) and (h == h[0]).all() and (w == w[0]).all():
             return self.pipeline.output_size(int(h[0]), int(w[0]))
+        if self.pad:
+            raise ConfigError(f"{self.dataset.path}: pad=True needs the image sizes a packed dataset stores; pack "
+                              f"the data first (stoker pack SRC OUT)")
         raise ConfigError(f"{self.dataset.path}: images differ in size and the transforms do not end in a fixed "
                           f"size, so they cannot be batched; end the transforms with RandomResizedCrop(size), "
-                          f"CenterCrop(size) or Resize((height, width))")
+                          f"CenterCrop(size) or Resize((height, width)), or pass pad=True to batch them padded "
+                          f"with their sizes")
 
     # ---- epochs and state ------------------------------------------------------------------
     def __len__(self) -> int:
@@ -391,7 +408,6 @@ class _LoaderIter:
             self._run.start()
             if self._feeder is not None:
                 self._feeder.start()
-        self._columns = loader.columns
         self._encode = loader._spec.multi_label
 
     def __iter__(self) -> "_LoaderIter":
@@ -431,8 +447,8 @@ class _LoaderIter:
         spec = self._loader._spec
         if spec.pipeline.batch is not None:  # no device stage: the batch ops run here, on the CPU
             images, labels = run_batch_ops(spec, images, labels, self._epoch, self._start + self._b - 1)
-        if self._columns:
-            return images, labels, {c: list(v) for c, v in slot.extras.items()}
+        if slot.extras:   # extra columns, and the sizes of padded images
+            return images, labels, batch_extras(slot)
         return images, labels
 
     def _finish(self) -> None:

@@ -62,6 +62,9 @@ class RenderSpec:
     box_columns: tuple[str, ...] = ()  # extra columns of boxes (x0, y0, x1, y1 as fractions) that follow the crop
     #: extra columns of polygons (with their `_points` and `_box` companions) filled as instance masks
     mask_columns: tuple[str, ...] = ()
+    #: images of different output sizes go top-left into rows of `output_size` (the largest), zero-padded;
+    #: each batch's third item then holds "sizes", int64 [B, 2] (height, width) of each image
+    pad: bool = False
 
 
 @dataclass
@@ -113,6 +116,8 @@ class Filler:
             slot.objects[:slot.size] = self.labels[idx].tolist()
         slot.extras = {c: [self.ds.extra(int(i), c) for i in idx] for c in self.columns}
         geometry = self._geometry(idx, u)
+        if self.spec.pad:
+            slot.extras["sizes"] = torch.from_numpy(geometry.size.astype(np.int64))
         for c in self.spec.box_columns:
             slot.extras[c] = [self._boxes(v, int(i), geometry, r) for r, (i, v) in enumerate(zip(idx, slot.extras[c]))]
         # masks are filled by the worker threads (fill), from these three columns read here
@@ -153,7 +158,7 @@ class Filler:
              gpu: bool | None = None) -> None:
         idx = int(plan.indices[row])
         geo = plan.geometry
-        box = None if geo is None else (geo.box[row].tolist(), bool(geo.flip[row]))  # Python floats: cheaper
+        box = _row_box(geo, row)
         try:
             if self.gpu if gpu is None else gpu:
                 self.queue_gpu(idx, int(plan.keys[row]), plan.u[row], box, row, slot, scratch, times)
@@ -190,7 +195,7 @@ class Filler:
         if box is None:  # sizes known only now (loose files): plan this one sample
             p = self.pipe.plan(np.array([s.height]), np.array([s.width]), u[None, :])
             return (p.box[0].tolist(), bool(p.flip[0])), (int(p.size[0, 0]), int(p.size[0, 1]))
-        return box, (self.out_h, self.out_w)
+        return box, (box[2] if self.spec.pad else (self.out_h, self.out_w))
 
     def render(self, idx: int, key: int, u: np.ndarray, box: tuple | None, dst: np.ndarray, scratch: dict,
                times: WorkerTimes, sample: Any = None) -> None:
@@ -201,6 +206,10 @@ class Filler:
         box, size = self._box(s, u, box)
         region, win = self.decode(s, box[0], size, scratch)
         t2 = time.perf_counter()
+        if self.spec.pad:   # this image's own size, top-left in its row; zero the rest (slots are reused)
+            dst[size[0]:] = 0
+            dst[:size[0], size[1]:] = 0
+            dst = dst[:size[0], :size[1]]
         tail = self.pipe.tail
         if not self.pipe.tail_geometric:
             if size != dst.shape[:2]:
@@ -277,7 +286,7 @@ class Filler:
             key = sample_keys(self.seed, self.epoch, np.array([r]))
             u = uniforms(key, self.draws)
             geo = self._geometry(np.array([r]), u)
-            box = None if geo is None else (geo.box[0].tolist(), bool(geo.flip[0]))
+            box = _row_box(geo, 0)
             try:
                 self.render(r, int(key[0]), u[0], box, slot.images_np[row], scratch, times)
             except Exception:
@@ -319,6 +328,23 @@ class Filler:
                            f"samples, or re-pack to drop them", key=key, shard=shard, row=row, index=idx)
 
 
+def _row_box(geometry: Plan | None, row: int) -> tuple | None:
+    """One row of a plan as (box, flip, (height, width)) in Python numbers (cheaper per sample)."""
+    if geometry is None:
+        return None
+    return geometry.box[row].tolist(), bool(geometry.flip[row]), (int(geometry.size[row, 0]),
+                                                                  int(geometry.size[row, 1]))
+
+
+def batch_extras(slot: Slot, upload: Any = None) -> dict[str, Any]:
+    """The third batch item: extra columns as lists, the padded images' sizes as a tensor (uploaded
+    with `upload` when given)."""
+    out: dict[str, Any] = {}
+    for c, v in slot.extras.items():
+        out[c] = (upload(v) if upload else v) if isinstance(v, torch.Tensor) else list(v)
+    return out
+
+
 def run_batch_ops(spec: RenderSpec, images: torch.Tensor, labels: Any, epoch: int, batch: int) -> tuple[Any, Any]:
     """The pipeline's batch ops on one batch (NHWC in, NCHW out), their draws keyed by (seed, epoch,
     batch index of the epoch); with a Mixup the labels come back as soft targets [B, num_classes]."""
@@ -342,7 +368,6 @@ class DeviceBuilder:
         self.opts = stage.opts
         self.gpu = decoder  # a gpu_decode.GpuBatchDecoder, or None (decode="cpu")
         self.filler, self.lock, self.stats = filler, lock, stats
-        self.columns = filler.columns
         self.encode = filler.multi_label
         self.scratch: dict = {}
         self.times = WorkerTimes()
@@ -372,8 +397,8 @@ class DeviceBuilder:
             images = x.contiguous(memory_format=self.opts.memory_format) if done else convert(x, self.opts,
                                                                                                layout="nchw")
         batch: tuple = (images, labels)
-        if self.columns:
-            batch += ({c: list(v) for c, v in slot.extras.items()},)
+        if slot.extras:   # extra columns, and the sizes of padded images
+            batch += (batch_extras(slot, self.stage.upload if self.opts.is_cuda else None),)
         self.stats.device_s += time.perf_counter() - t0
         return batch, reusable
 
