@@ -196,6 +196,8 @@ def test_variable_size_images_batch_padded_with_their_sizes(coco):
     _, packed = coco
     with pytest.raises(ConfigError, match="pass pad=True"):
         Loader(packed, 4, transforms=[Resize(64)])
+    with pytest.raises(ConfigError, match="hide the column 'sizes'"):
+        Loader(packed, 4, transforms=[Resize(64)], pad=True, columns=("sizes",))
     from stoker.reader import open_dataset
 
     ds = open_dataset(packed)

@@ -171,6 +171,9 @@ class Loader:
         if self.pad and self.pipeline.tail_geometric:
             raise ConfigError("pad=True batches the sizes stoker plans; a geometric transform after a user callable "
                               "is planned per sample only: move it before the callable")
+        if self.pad and "sizes" in columns:
+            raise ConfigError("pad=True hands the image sizes out as extras['sizes'], which would hide the column "
+                              "'sizes' asked for in columns=; rename that column when packing, or drop pad=True")
         if self.pad and self.device is not None and self.device.decode == "gpu":
             raise ConfigError("pad=True is not available with decode='gpu'; use DeviceOptions(decode='cpu')")
         _check_boxes(self.boxes + self.masks, self.pipeline)
