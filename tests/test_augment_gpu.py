@@ -208,3 +208,16 @@ def test_batch_ops_are_checked_for_order():
         G.BatchAugment([G.Normalize(), G.RandAugment()])
     with pytest.raises(ConfigError, match="not a batched op"):
         G.BatchAugment([colour.ColorJitter(0.4)])
+
+
+def test_normalize_by_table_equals_the_tensor_path():
+    """On a uint8 batch laid out NHWC in host memory (the Loader's slots), Normalize uses per-channel
+    tables; its values are the tensor path's bit for bit, and its result is contiguous NCHW."""
+    nhwc = torch.randint(0, 256, (3, 5, 7, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    for op in (G.Normalize("imagenet"), G.Normalize((0.2, 0.5, 0.9), (0.1, 0.3, 2.0))):
+        table = op.apply(nhwc.permute(0, 3, 1, 2))   # NHWC memory: the table path
+        tensor = op.apply(nhwc.permute(0, 3, 1, 2).contiguous())   # NCHW memory: the tensor path
+        assert table.is_contiguous() and table.dtype == torch.float32 and torch.equal(table, tensor)
+        want = (nhwc.permute(0, 3, 1, 2).double() / 255 - torch.tensor(op.mean).view(1, 3, 1, 1)) \
+            / torch.tensor(op.std).view(1, 3, 1, 1)
+        assert torch.allclose(table.double(), want, atol=1e-5)

@@ -181,15 +181,16 @@ class Mixup:
     @staticmethod
     def _mix_batch(images: torch.Tensor, p: MixParams, nhwc: bool) -> None:
         """One lam for the batch (timm's _mix_batch): a box copy for CutMix, one blend for Mixup."""
-        partner = images.flip(0)
         lam = float(p.lam[0])
-        if p.cutmix[0]:
+        if p.cutmix[0]:   # only the box is copied (flip makes the copy, so the write cannot read itself)
             y0, y1, x0, x1 = (int(v) for v in p.box[0])
             if nhwc:
-                images[:, y0:y1, x0:x1] = partner[:, y0:y1, x0:x1]
+                images[:, y0:y1, x0:x1] = images[:, y0:y1, x0:x1].flip(0)
             else:
-                images[..., y0:y1, x0:x1] = partner[..., y0:y1, x0:x1]
-        elif images.dtype.is_floating_point:
+                images[..., y0:y1, x0:x1] = images[..., y0:y1, x0:x1].flip(0)
+            return
+        partner = images.flip(0)
+        if images.dtype.is_floating_point:
             images.mul_(lam).add_(partner, alpha=1.0 - lam)
         else:  # uint8: rounded, as timm's uint8 collate does
             images.copy_((images.float() * lam + partner.float() * (1.0 - lam)).round_().clamp_(0, 255))
