@@ -36,3 +36,17 @@ def test_loader_runs_batch_ops_on_the_gpu(tmp_path: Path) -> None:
     x, t = next(iter(Loader(ds, 8, transforms=tf, device="cuda")))
     assert x.is_cuda and x.dtype == torch.float32 and x.shape == (8, 3, 32, 32)
     assert t.is_cuda and t.shape == (8, 24)
+
+
+def test_padded_batches_bring_their_sizes_to_the_gpu(tmp_path: Path) -> None:
+    from stoker.transforms import Resize
+    from test_augment_coco import make_coco
+    from stoker.packing import PackOptions, pack
+
+    ann = make_coco(tmp_path)
+    pack(ann, tmp_path / "packed", root=tmp_path / "images", options=PackOptions(workers=1), progress=False)
+    loader = Loader(tmp_path / "packed", 4, transforms=[Resize(64)], pad=True, masks="masks", device="cuda")
+    x, _, extras = next(iter(loader))
+    assert x.is_cuda and x.shape[2:] == loader.output_size
+    assert extras["sizes"].is_cuda and extras["sizes"].shape == (4, 2)
+    assert [m.shape[1:] for m in extras["masks"]] == [tuple(s) for s in extras["sizes"].tolist()]
