@@ -476,6 +476,17 @@ def test_persistent_prepares_the_next_epoch_while_this_one_drains(packed: Path) 
     assert wait_threads_gone(before) == before
 
 
+@pytest.mark.parametrize("device", [None, DeviceOptions("cpu", normalize="imagenet")])
+def test_persistent_batch_ops_draw_from_each_batchs_own_epoch_and_index(packed: Path, device: object) -> None:
+    # a Mixup's draws are keyed by (seed, epoch, batch of the epoch): a pipeline running across epochs
+    # must hand the device stage each batch's own epoch and index, not the run's batch count
+    kw = dict(transforms=[*TRAIN, stoker.Mixup(mixup_alpha=1.0, cutmix_alpha=1.0, num_classes=60)], seed=4,
+              device=device, drop_last=True)
+    want = epochs(Loader(packed, 16, num_threads=2, **kw), 3)
+    with Loader(packed, 16, num_threads=2, persistent=True, **kw) as loader:
+        assert same(epochs(loader, 3), want)
+
+
 @pytest.mark.parametrize("leave", ["close", "drop"])
 def test_persistent_hands_on_an_epoch_read_to_the_end_but_not_exhausted(packed: Path, leave: str) -> None:
     # `for step, batch in zip(range(steps), loader)` or a break after the last batch: the iterator never

@@ -82,7 +82,7 @@ class Slot:
     labels: torch.Tensor | None
     labels_np: np.ndarray | None
     objects: list[Any] = field(default_factory=list)  # labels that are not numbers (str, lists)
-    extras: dict[str, list[Any]] = field(default_factory=dict)
+    extras: dict[str, Any] = field(default_factory=dict)  # column -> list per row; "sizes" -> tensor (pad=True)
     batch: int = -1  # which batch of the run the slot holds
     # GPU work the consumer queued that may still read this slot (its `images.cuda(non_blocking=True)`):
     # the workers refill the slot only once this fence is done (`Run.next_batch(b, guard)`)
