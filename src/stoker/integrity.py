@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from .errors import DatasetError, ShardError
-from .shards import BASE_COLUMNS, Manifest, ShardInfo
+from .shards import BASE_COLUMNS, Manifest, ShardInfo, columns_digest
 from .storage import Storage
 
 __all__ = ["OpenShard", "ShardProblem", "check_shard", "open_shard", "shard_matches"]
@@ -90,6 +90,29 @@ def _check_schema(info: ShardInfo, schema: pa.Schema, manifest: Manifest) -> Sha
     return None
 
 
+def _check_batches(info: ShardInfo, batches: list[pa.RecordBatch]) -> ShardProblem | None:
+    """Structure, then content, of every record batch, before anything reads a value.
+
+    ``validate(full=True)`` checks every offset, length, null count, dictionary index and UTF-8
+    string against the buffers: a flipped bit there would otherwise make a read run past the
+    mapping (a segfault) or return garbage. It never reads the image bytes, only their offsets, so
+    it costs a few microseconds a row (figures: docs/reliability.md). The columns checksum then
+    catches a damaged value that is still well formed (a label, a size, a key, an image boundary)."""
+    for k, batch in enumerate(batches):
+        try:
+            batch.validate(full=True)
+        except (pa.ArrowException, ValueError) as exc:
+            return ShardProblem(info.file, f"record batch {k} is damaged ({exc})",
+                                fix="the file is damaged — restore it or re-pack")
+    if info.columns_sha256 is not None:
+        found = columns_digest(batches)
+        if found != info.columns_sha256:
+            return ShardProblem(info.file, "the small columns (keys, labels, sizes, encodings, extras, image "
+                                "offsets) do not match their checksum", f"sha256 {info.columns_sha256}",
+                                f"sha256 {found}", fix="the file is damaged — restore it or re-pack")
+    return None
+
+
 def _inspect(storage: Storage, info: ShardInfo, manifest: Manifest,
              checksum: bool) -> tuple[ShardProblem | None, OpenShard | None]:
     problem = _check_file(storage, info, checksum)
@@ -109,6 +132,8 @@ def _inspect(storage: Storage, info: ShardInfo, manifest: Manifest,
     rows = sum(b.num_rows for b in batches)
     if problem is None and rows != info.rows:
         problem = ShardProblem(info.file, f"holds {rows} rows, the manifest expects {info.rows}")
+    if problem is None:
+        problem = _check_batches(info, batches)
     if problem is not None:
         mm.close()
         return problem, None
