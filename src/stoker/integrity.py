@@ -77,12 +77,37 @@ def _check_file(storage: Storage, info: ShardInfo, checksum: bool) -> ShardProbl
     return None
 
 
+#: Field metadata key that marks an Arrow extension type; pyarrow < 14.0.1 unpickled the metadata
+#: of "arrow.py_extension_type" fields when reading a file (CVE-2023-47248).
+_EXTENSION_KEY = b"ARROW:extension:name"
+
+
+def _extension_in(field: pa.Field) -> str | None:
+    """The extension type name used by ``field`` or any field nested in it, else None."""
+    if isinstance(field.type, pa.BaseExtensionType):
+        return field.type.extension_name
+    if field.metadata and _EXTENSION_KEY in field.metadata:
+        return field.metadata[_EXTENSION_KEY].decode("utf-8", "replace")
+    kind = field.type
+    children = [kind.value_field] if isinstance(kind, (pa.ListType, pa.LargeListType, pa.FixedSizeListType)) \
+        else [kind.field(i) for i in range(kind.num_fields)] if isinstance(kind, pa.StructType) else []
+    return next((name for name in map(_extension_in, children) if name is not None), None)
+
+
 def _check_schema(info: ShardInfo, schema: pa.Schema, manifest: Manifest) -> ShardProblem | None:
+    """Every column stoker reads has exactly the type stoker writes, and no column anywhere uses an
+    Arrow extension type (stoker writes none: one in a shard is an edited or forged file)."""
+    for field in schema:
+        name = _extension_in(field)
+        if name is not None:
+            return ShardProblem(info.file, f"column {field.name!r} uses the Arrow extension type {name!r}, "
+                                "which stoker never writes; refusing to read it",
+                                fix="the shard was not written by stoker — re-pack from the source")
     missing = [c for c in (*BASE_COLUMNS, *manifest.extra_columns) if c not in schema.names]
     if missing:
         return ShardProblem(info.file, f"missing column(s) {missing}; expected a stoker shard")
     expected = manifest.schema()
-    for col in ("label", *manifest.extra_columns):
+    for col in (*BASE_COLUMNS, *manifest.extra_columns):
         if schema.field(col).type != expected.field(col).type:
             return ShardProblem(info.file, f"column {col!r} is {schema.field(col).type}, the manifest says "
                                 f"{expected.field(col).type}",
