@@ -30,6 +30,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ..errors import SourceError
+from ..storage.local import read_regular
 
 __all__ = ["IMAGE_EXTENSIONS", "Source", "SourceItem", "SourceOptions", "read_bytes"]
 
@@ -64,19 +65,16 @@ class SourceItem:
 
 def read_bytes(path: Path | str | None, container: Path | str | None = None,
                offset: int = 0, size: int = 0) -> bytes:
-    """Read a sample's bytes from a file, or ``size`` bytes at ``offset`` inside a container."""
+    """Read a sample's bytes from a file, or ``size`` bytes at ``offset`` inside a container.
+
+    Only regular files are read, checked on the opened descriptor (a FIFO or a device listed as
+    an image is an OSError at once, never a hang), and never more than the file's size when it
+    was opened (see :func:`stoker.storage.local.read_regular`)."""
     if path is not None:
-        with open(path, "rb") as f:
-            return f.read()
+        return read_regular(path)
     if container is None:
         raise ValueError("a source item needs a path or a container")
-    with open(container, "rb") as f:
-        f.seek(offset)
-        data = f.read(size)
-    if len(data) != size:
-        raise OSError(f"{container} is shorter than its index says: wanted {size} bytes "
-                      f"at offset {offset}, got {len(data)}")
-    return data
+    return read_regular(container, offset, size)
 
 
 @dataclass

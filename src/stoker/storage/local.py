@@ -2,13 +2,71 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import stat
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import ShardError
 from .base import ShardSink, Storage
+
+
+#: Opening never blocks: a FIFO with no writer would block ``open()`` itself (and Ctrl-C with it).
+#: O_NOFOLLOW is added by callers that must not follow a final symlink (untrusted containers).
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def not_regular(path: str | Path, mode: int) -> OSError:
+    """The error for a path that is not a regular file (IsADirectoryError for a folder)."""
+    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    if stat.S_ISDIR(mode):
+        return IsADirectoryError(errno.EISDIR, "is a directory, not a file", str(path))
+    return OSError(errno.EINVAL, f"is {kind}, not a regular file; only regular files are read", str(path))
+
+
+def read_regular(path: str | Path, offset: int = 0, size: int | None = None, *, nofollow: bool = False) -> bytes:
+    """The bytes of a regular file (``size`` bytes at ``offset``, or all of it), never anything else.
+
+    The file is opened without blocking and checked on its descriptor (``fstat``), so a FIFO, a
+    device or a socket (even one swapped in after a listing checked the name) is an OSError at
+    once instead of a read that never ends or never stops growing. At most the size ``fstat``
+    reported is read: a file that grows while it is read does not pull in more. ``nofollow``
+    refuses a final symlink (O_NOFOLLOW, where the platform has it).
+    """
+    flags = _OPEN_FLAGS | (getattr(os, "O_NOFOLLOW", 0) if nofollow else 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if nofollow and exc.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "is a symlink; refusing to follow it", str(path)) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise not_regular(path, st.st_mode)
+        end = st.st_size if size is None else offset + size
+        if end > st.st_size:
+            raise OSError(errno.EINVAL, f"is shorter than its index says: wanted {size} bytes at offset "
+                          f"{offset}, the file holds {st.st_size}", str(path))
+        chunks, pos = [], offset
+        while pos < end:
+            chunk = os.pread(fd, min(end - pos, 64 << 20), pos) if hasattr(os, "pread") else _read_at(fd, pos, end - pos)
+            if not chunk:
+                break  # shrank while read: what is there; the decoder reports a truncated image
+            chunks.append(chunk)
+            pos += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _read_at(fd: int, pos: int, n: int) -> bytes:  # platforms without pread (Windows)
+    os.lseek(fd, pos, os.SEEK_SET)
+    return os.read(fd, min(n, 64 << 20))
 
 
 def fsync_dir(directory: Path) -> None:
@@ -109,7 +167,7 @@ class LocalStorage(Storage):
         return sorted(os.listdir(self.root))
 
     def read_bytes(self, name: str) -> bytes:
-        return self._path(name).read_bytes()
+        return read_regular(self._path(name))
 
     def sha256(self, name: str) -> str:
         return file_sha256(self._path(name))
@@ -123,6 +181,10 @@ class LocalStorage(Storage):
         if not real.startswith(root.rstrip(os.sep) + os.sep):
             raise ShardError(f"{path}: is a symlink to {real}, outside the dataset directory {root}; "
                              "a dataset may only read its own files — copy the file in", path=path)
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):  # mapping a FIFO would block forever
+            raise ShardError(f"{path}: {not_regular(path, mode).strerror.split(';')[0]}; a dataset holds only "
+                             "regular files — restore the shard or re-pack", path=path)
         return path
 
     def identity(self, name: str) -> tuple[int, ...]:
