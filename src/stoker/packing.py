@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -39,7 +39,7 @@ from .errors import (ConfigError, CorruptImageError, DecompressionBombError, Ima
                      StokerError, UnsupportedImageError)
 from .integrity import shard_matches
 from .shards import MANIFEST_NAME, Manifest, ShardInfo, ShardWriter, read_manifest, shard_name, write_manifest
-from .sources import Source, SourceItem, open_source
+from .sources import Source, SourceItem, open_source, unencodable_keys
 from .storage import Storage, open_storage
 
 __all__ = ["JOURNAL_NAME", "SKIPPED_NAME", "PackOptions", "PackSummary", "normalize", "pack"]
@@ -487,6 +487,9 @@ def pack(src: str | Path | Source, out: str | Path, *, options: PackOptions | No
         raise ConfigError("resume=True and overwrite=True contradict each other; pass one of them")
     storage = open_storage(out)  # before listing: a URL is refused at once
     source = src if isinstance(src, Source) else open_source(src, **source_options)
+    kept, unnamed = unencodable_keys(source.items)
+    if unnamed:  # before the fingerprint: a resume lists (and leaves out) the same files
+        source = replace(source, items=kept, skipped=source.skipped + unnamed)
     if source.skipped and options.on_error == "fail":
         first = source.skipped[0]
         raise CorruptImageError(first["path"], first["reason"])

@@ -22,10 +22,10 @@ from pathlib import Path
 from ..errors import SourceError
 from ..storage import open_storage
 from . import folder, hdf5, hf, listing, lmdb_env, table, tar, tfrecord
-from .base import IMAGE_EXTENSIONS, Source, SourceItem, SourceOptions, read_bytes
+from .base import IMAGE_EXTENSIONS, Source, SourceItem, SourceOptions, read_bytes, unencodable_keys
 
 __all__ = ["FORMATS", "IMAGE_EXTENSIONS", "KINDS", "Source", "SourceItem", "SourceOptions", "open_source",
-           "read_bytes"]
+           "read_bytes", "unencodable_keys"]
 
 
 @dataclass(frozen=True)

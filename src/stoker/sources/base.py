@@ -39,7 +39,8 @@ from typing import Any, Protocol
 from ..errors import SourceError
 from ..storage.local import read_regular
 
-__all__ = ["IMAGE_EXTENSIONS", "RecordStore", "Source", "SourceItem", "SourceOptions", "read_bytes"]
+__all__ = ["IMAGE_EXTENSIONS", "RecordStore", "Source", "SourceItem", "SourceOptions", "read_bytes",
+           "unencodable_keys"]
 
 #: File name endings (lower case) treated as images when a folder is listed.
 IMAGE_EXTENSIONS: frozenset[str] = frozenset({
@@ -282,6 +283,37 @@ def _check_not_mixed(raw: Sequence[str], where: Sequence[str] | None) -> None:
                       "use class names everywhere or numbers everywhere")
 
 
+INT64_RANGE = (-(1 << 63), (1 << 63) - 1)
+
+
+def _check_int64(labels: Sequence[int], raw: Sequence[str], where: Sequence[str] | None) -> None:
+    """Refuse an integer label that a 64-bit label column cannot hold."""
+    lo, hi = INT64_RANGE
+    for k, v in enumerate(labels):
+        if not lo <= v <= hi:
+            name = where[k] if where is not None else f"entry {k + 1}"
+            raise SourceError(f"{name}: label {raw[k]!r} does not fit in a 64-bit integer "
+                              f"({lo} to {hi}); fix the label on that line")
+
+
+def unencodable_keys(items: Sequence[SourceItem]) -> tuple[list[SourceItem], list[dict[str, str]]]:
+    """(items kept, skip records) where an item whose key is not valid UTF-8 text (a file name
+    with bytes that are not UTF-8, kept by Python as surrogates) is skipped: a shard's key column
+    is UTF-8, and one such name must cost that file, not the pack."""
+    kept: list[SourceItem] = []
+    skipped: list[dict[str, str]] = []
+    for item in items:
+        try:
+            item.key.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = os.fsencode(item.key).decode("utf-8", "backslashreplace")
+            skipped.append({"key": shown, "path": os.fsencode(item.where()).decode("utf-8", "backslashreplace"),
+                            "reason": f"the name {shown} is not valid UTF-8; rename the file to pack it"})
+        else:
+            kept.append(item)
+    return kept, skipped
+
+
 def type_labels(raw: Sequence[str], where: Sequence[str] | None = None) -> tuple[list[Any], str, list[str] | None]:
     """(labels, label_type, classes): integers stay integers, numbers become floats, anything
     else is a class name (classes sorted, labels their indices). Numbers mixed with names are a
@@ -289,9 +321,12 @@ def type_labels(raw: Sequence[str], where: Sequence[str] | None = None) -> tuple
     _check_not_mixed(raw, where)
     for parse, label_type in ((int, "int64"), (float, "float64")):
         try:
-            return [parse(v) for v in raw], label_type, None
+            labels = [parse(v) for v in raw]
         except ValueError:
-            pass
+            continue
+        if label_type == "int64":
+            _check_int64(labels, raw, where)
+        return labels, label_type, None
     classes = sorted(set(raw))
     index = {name: i for i, name in enumerate(classes)}
     return [index[v] for v in raw], "int64", classes

@@ -40,6 +40,8 @@ def read_regular(path: str | Path, offset: int = 0, size: int | None = None, *, 
     flags = _OPEN_FLAGS | (getattr(os, "O_NOFOLLOW", 0) if nofollow else 0)
     try:
         fd = os.open(path, flags)
+    except ValueError:  # a NUL byte in the path: no such file can exist
+        raise OSError(errno.EINVAL, "the path holds a NUL byte, so no file has this name", repr(str(path))) from None
     except OSError as exc:
         if nofollow and exc.errno == errno.ELOOP:
             raise OSError(errno.ELOOP, "is a symlink; refusing to follow it", str(path)) from None
