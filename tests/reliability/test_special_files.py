@@ -118,3 +118,22 @@ def test_a_file_growing_while_read_is_read_up_to_its_size_at_open(tmp_path, monk
 
     assert read_bytes(path) == b"x" * 1000
     assert path.stat().st_size > 1000
+
+
+@pytest.mark.parametrize("kind, name, needs", [
+    ("webdataset", "x.tar", None), ("webdataset", "x.tar.gz", None), ("tfrecord", "x.tfrecord", None),
+    ("hdf5", "x.h5", "h5py"), ("lmdb", "env/data.mdb", "lmdb"), ("auto", "x.tar", None)])
+def test_a_fifo_as_a_container_file_is_refused_at_once(tmp_path, kind, name, needs):
+    """Containers read by the formats themselves (tarfile, gzip, TFRecord framing, h5py, lmdb) are
+    opened only when they are regular files; a FIFO named like one is a SourceError, not a hang."""
+    if needs:
+        pytest.importorskip(needs)
+    fifo = tmp_path / name
+    fifo.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(fifo)
+    src = fifo.parent if name.endswith("data.mdb") else fifo
+    proc = run_child("import sys; from stoker.sources import open_source; from stoker.errors import SourceError\n"
+                     "try: open_source(sys.argv[1], kind=sys.argv[2])\n"
+                     "except SourceError as exc: print('REFUSED', exc)\n",
+                     str(src), kind, timeout=TIMEOUT_S)
+    assert proc.stdout.startswith("REFUSED") and "FIFO" in proc.stdout, proc.stdout + proc.stderr[-2000:]

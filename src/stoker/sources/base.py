@@ -37,7 +37,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
 from ..errors import SourceError
-from ..storage.local import read_regular
+from ..storage.local import open_regular, read_regular
 
 __all__ = ["IMAGE_EXTENSIONS", "RecordStore", "Source", "SourceItem", "SourceOptions", "read_bytes",
            "unencodable_keys"]
@@ -130,7 +130,7 @@ class _DecompressedCache:
             data = self._files.get(key)
             if data is None:
                 try:
-                    with gzip.open(path, "rb") as fh:
+                    with open_regular(path) as raw, gzip.GzipFile(fileobj=raw, mode="rb") as fh:
                         data = fh.read()
                 except (EOFError, gzip.BadGzipFile, ValueError) as exc:
                     raise OSError(f"cannot decompress {path}: {exc}") from None

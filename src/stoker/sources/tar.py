@@ -22,9 +22,10 @@ import tarfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..errors import SourceError
+from ..storage.local import open_regular
 from .base import (IMAGE_EXTENSIONS, GzipMembers, Source, SourceItem, SourceOptions, describe_labels,
                    gzip_contents, is_image_name, optional_module, require_items, scandir, split_label_cell,
                    type_any_labels)
@@ -74,19 +75,28 @@ class _Group:
     targets: dict[str, bytes] = field(default_factory=dict)   # extension -> member bytes
 
 
-def _open(tar_path: Path) -> tuple[tarfile.TarFile, GzipMembers | None]:
-    gz = tar_path.name.lower().endswith((".gz", ".tgz"))
+def _open(tar_path: Path) -> tuple[BinaryIO, GzipMembers | None]:
+    """The tar's bytes as a file object (only a regular file is opened: a FIFO would block)."""
     try:
-        if gz:
-            data = gzip_contents(tar_path)   # decompressed once; packing then reads from it
-            return tarfile.open(fileobj=io.BytesIO(data), mode="r:"), GzipMembers(tar_path)
-        return tarfile.open(tar_path, mode="r:"), None
-    except (tarfile.TarError, OSError) as exc:
-        raise SourceError(f"cannot read {tar_path} as a tar ({exc})", path=tar_path) from None
+        if tar_path.name.lower().endswith((".gz", ".tgz")):
+            # decompressed once; packing then reads from it
+            return io.BytesIO(gzip_contents(tar_path)), GzipMembers(tar_path)
+        return open_regular(tar_path), None
+    except OSError as exc:
+        raise SourceError(f"cannot read {tar_path} as a tar ({exc.strerror or exc})", path=tar_path) from None
 
 
 def _groups(tar_path: Path, skipped: list[dict[str, str]]) -> tuple[dict[str, _Group], GzipMembers | None]:
-    tf, store = _open(tar_path)
+    raw, store = _open(tar_path)
+    with raw:
+        try:
+            tf = tarfile.open(fileobj=raw, mode="r:")
+        except tarfile.TarError as exc:
+            raise SourceError(f"cannot read {tar_path} as a tar ({exc})", path=tar_path) from None
+        return _members(tf, tar_path, skipped), store
+
+
+def _members(tf: tarfile.TarFile, tar_path: Path, skipped: list[dict[str, str]]) -> dict[str, _Group]:
     groups: dict[str, _Group] = {}
     with tf:
         try:
@@ -105,7 +115,7 @@ def _groups(tar_path: Path, skipped: list[dict[str, str]]) -> tuple[dict[str, _G
             skipped.append({"key": f"{tar_path.name}/*", "path": str(tar_path),
                             "reason": f"the tar is damaged after {len(groups)} samples ({exc}); the rest "
                                       "of this file could not be read"})
-    return groups, store
+    return groups
 
 
 def _target(group: _Group, label_column: str | None, where: str) -> tuple[str | list[str] | None, dict]:

@@ -66,6 +66,35 @@ def read_regular(path: str | Path, offset: int = 0, size: int | None = None, *, 
         os.close(fd)
 
 
+def open_regular(path: str | Path) -> BinaryIO:
+    """A regular file opened for reading (a buffered binary file object), checked on its descriptor
+    like :func:`read_regular`: a FIFO, device or socket is an OSError at once, never a blocked
+    ``open()``. For readers that stream a container (tar, gzip, TFRecord) themselves."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except ValueError:
+        raise OSError(errno.EINVAL, "the path holds a NUL byte, so no file has this name", repr(str(path))) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise not_regular(path, st.st_mode)
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def require_regular(path: str | Path) -> None:
+    """Raise OSError unless ``path`` is a regular file now (for libraries that open a path
+    themselves, such as h5py and lmdb: the check narrows, but cannot close, the window in which
+    the file could be swapped)."""
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise not_regular(path, mode)
+
+
 def _read_at(fd: int, pos: int, n: int) -> bytes:  # platforms without pread (Windows)
     os.lseek(fd, pos, os.SEEK_SET)
     return os.read(fd, min(n, 64 << 20))
