@@ -19,6 +19,7 @@ import hashlib
 import io
 import fnmatch
 import json
+import os
 import sys
 import time
 from collections import deque
@@ -40,7 +41,8 @@ from .errors import (ConfigError, CorruptImageError, DecompressionBombError, Ima
 from .integrity import shard_matches
 from .shards import MANIFEST_NAME, Manifest, ShardInfo, ShardWriter, read_manifest, shard_name, write_manifest
 from .sources import Source, SourceItem, open_source, unencodable_keys
-from .storage import Storage, open_storage
+from .sources.base import inside
+from .storage import Storage, open_storage, url_scheme
 
 __all__ = ["JOURNAL_NAME", "SKIPPED_NAME", "PackOptions", "PackSummary", "normalize", "pack"]
 
@@ -486,6 +488,7 @@ def pack(src: str | Path | Source, out: str | Path, *, options: PackOptions | No
     if resume and overwrite:
         raise ConfigError("resume=True and overwrite=True contradict each other; pass one of them")
     storage = open_storage(out)  # before listing: a URL is refused at once
+    _refuse_out_inside_src(src, out)
     source = src if isinstance(src, Source) else open_source(src, **source_options)
     kept, unnamed = unencodable_keys(source.items)
     if unnamed:  # before the fingerprint: a resume lists (and leaves out) the same files
@@ -522,6 +525,21 @@ def pack(src: str | Path | Source, out: str | Path, *, options: PackOptions | No
         stream.close()  # stops the workers now, not when the traceback is collected
         bar.close()
     return _finish(storage, source, state, pack_options, started)
+
+
+def _refuse_out_inside_src(src: str | Path | Source, out: str | Path) -> None:
+    """A dataset written inside the folder it packs would be listed by the next pack of that
+    folder (a class ``packed`` shifting every label, or its shards as images), and a killed
+    pack there could not resume: refuse it. A list or table is not walked, so OUT may sit
+    beside it."""
+    if isinstance(src, Source) or isinstance(src, (list, tuple)) or url_scheme(out):
+        return
+    folder = os.path.realpath(Path(src).expanduser())
+    target = os.path.realpath(Path(out).expanduser())
+    if os.path.isdir(folder) and inside(Path(folder), target):
+        raise SourceError(f"OUT {out} is inside the source folder {src}: the next pack of that folder would "
+                          "list the packed dataset as data (an extra class, every label shifted); write OUT "
+                          "outside the source folder", path=src)
 
 
 def _finish(storage: Storage, source: Source, state: _State, pack_options: dict[str, Any],
