@@ -123,10 +123,10 @@ def test_files_vanish_or_become_unreadable_after_listing(src, tmp_path, monkeypa
     (src / folder).mkdir()
     real_read = source_base.read_bytes   # what SourceItem.read() calls for a file
 
-    def read(path, *args):  # uid 0 reads a chmod 000 file anyway: simulate the denial
+    def read(path, *args, **kwargs):  # uid 0 reads a chmod 000 file anyway: simulate the denial
         if path is not None and Path(path).name == Path(denied).name and denied in str(path):
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        return real_read(path, *args)
+        return real_read(path, *args, **kwargs)
 
     monkeypatch.setattr(source_base, "read_bytes", read)
     out = tmp_path / "out"

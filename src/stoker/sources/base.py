@@ -67,12 +67,15 @@ class SourceItem:
     offset: int = 0
     size: int = 0
     store: RecordStore | None = None
+    #: inode of the file (or container) when it was listed, 0 when not recorded: reading checks
+    #: the opened file is still that one (sources that guard a root: folders, tar folders)
+    inode: int = 0
 
     def read(self) -> bytes:
         """The encoded image bytes. Raises OSError when they cannot be read."""
         if self.store is not None:
             return self.store.read(self.offset, self.size)
-        return read_bytes(self.path, self.container, self.offset, self.size)
+        return read_bytes(self.path, self.container, self.offset, self.size, inode=self.inode)
 
     def where(self) -> str:
         """Where the bytes live, for messages: a file path, or container/store and key."""
@@ -161,17 +164,18 @@ def gzip_contents(path: Path) -> bytes:
 
 
 def read_bytes(path: Path | str | None, container: Path | str | None = None,
-               offset: int = 0, size: int = 0) -> bytes:
+               offset: int = 0, size: int = 0, *, inode: int = 0) -> bytes:
     """Read a sample's bytes from a file, or ``size`` bytes at ``offset`` inside a container.
 
     Only regular files are read, checked on the opened descriptor (a FIFO or a device listed as
     an image is an OSError at once, never a hang), and never more than the file's size when it
-    was opened (see :func:`stoker.storage.local.read_regular`)."""
+    was opened (see :func:`stoker.storage.local.read_regular`); ``inode`` (not 0) must be the
+    opened file's."""
     if path is not None:
-        return read_regular(path)
+        return read_regular(path, inode=inode)
     if container is None:
         raise ValueError("a source item needs a path or a container")
-    return read_regular(container, offset, size)
+    return read_regular(container, offset, size, inode=inode)
 
 
 @dataclass

@@ -17,6 +17,7 @@ the samples before the damage; the rest of that file is logged in ``skipped.json
 from __future__ import annotations
 
 import io
+import os
 import json
 import tarfile
 from collections.abc import Sequence
@@ -27,7 +28,7 @@ from typing import Any, BinaryIO
 from ..errors import SourceError
 from ..storage.local import open_regular
 from .base import (IMAGE_EXTENSIONS, GzipMembers, Source, SourceItem, SourceOptions, describe_labels,
-                   gzip_contents, is_image_name, optional_module, require_items, scandir, split_label_cell,
+                   gzip_contents, inside, is_image_name, optional_module, require_items, scandir, split_label_cell,
                    type_any_labels)
 
 SUFFIXES = (".tar", ".tar.gz", ".tgz")
@@ -86,14 +87,16 @@ def _open(tar_path: Path) -> tuple[BinaryIO, GzipMembers | None]:
         raise SourceError(f"cannot read {tar_path} as a tar ({exc.strerror or exc})", path=tar_path) from None
 
 
-def _groups(tar_path: Path, skipped: list[dict[str, str]]) -> tuple[dict[str, _Group], GzipMembers | None]:
+def _groups(tar_path: Path, skipped: list[dict[str, str]]) -> tuple[dict[str, _Group], GzipMembers | None, int]:
+    """(samples by name, the store of a compressed tar, the inode of the tar file read)."""
     raw, store = _open(tar_path)
     with raw:
+        inode = 0 if store else os.fstat(raw.fileno()).st_ino
         try:
             tf = tarfile.open(fileobj=raw, mode="r:")
         except tarfile.TarError as exc:
             raise SourceError(f"cannot read {tar_path} as a tar ({exc})", path=tar_path) from None
-        return _members(tf, tar_path, skipped), store
+        return _members(tf, tar_path, skipped), store, inode
 
 
 def _members(tf: tarfile.TarFile, tar_path: Path, skipped: list[dict[str, str]]) -> dict[str, _Group]:
@@ -194,6 +197,11 @@ def shard_files(src: str | Path | Sequence[str | Path]) -> tuple[list[Path], Pat
     path = Path(src)
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if is_shard_name(p.name) and p.is_file())
+        real = Path(os.path.realpath(path))
+        for f in files:  # a folder of downloaded shards must not pull in files from elsewhere
+            if f.is_symlink() and not inside(real, os.path.realpath(f)):
+                raise SourceError(f"{f} is a symlink that points outside the shard folder {path}; "
+                                  "pass the file it points to, or copy it in", path=f)
         if not files:
             raise SourceError(f"{path} holds no .tar, .tar.gz or .tgz files", path=path)
         return files, path, True
@@ -207,7 +215,7 @@ def open_tar(path: Path | str | Sequence[str | Path], options: SourceOptions) ->
     json_rows: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
     for tar_path in files:
-        groups, store = _groups(tar_path, skipped)
+        groups, store, inode = _groups(tar_path, skipped)
         prefix = f"{tar_path.name}/" if prefixed else ""
         for name in sorted(groups):
             group = groups[name]
@@ -215,7 +223,7 @@ def open_tar(path: Path | str | Sequence[str | Path], options: SourceOptions) ->
                 continue
             m = group.image
             item = SourceItem(key=prefix + m.name, path=None, label=None, container=None if store else tar_path,
-                              offset=m.offset_data, size=m.size, store=store)
+                              offset=m.offset_data, size=m.size, store=store, inode=inode)
             try:
                 label, extras = _target(group, options.label_column, f"{tar_path}: {m.name}")
             except ValueError as exc:

@@ -28,14 +28,17 @@ def not_regular(path: str | Path, mode: int) -> OSError:
     return OSError(errno.EINVAL, f"is {kind}, not a regular file; only regular files are read", str(path))
 
 
-def read_regular(path: str | Path, offset: int = 0, size: int | None = None, *, nofollow: bool = False) -> bytes:
+def read_regular(path: str | Path, offset: int = 0, size: int | None = None, *, nofollow: bool = False,
+                 inode: int = 0) -> bytes:
     """The bytes of a regular file (``size`` bytes at ``offset``, or all of it), never anything else.
 
     The file is opened without blocking and checked on its descriptor (``fstat``), so a FIFO, a
     device or a socket (even one swapped in after a listing checked the name) is an OSError at
     once instead of a read that never ends or never stops growing. At most the size ``fstat``
     reported is read: a file that grows while it is read does not pull in more. ``nofollow``
-    refuses a final symlink (O_NOFOLLOW, where the platform has it).
+    refuses a final symlink (O_NOFOLLOW, where the platform has it). ``inode`` (when not 0) is
+    the inode the file had when it was listed: the file opened must be that one, so a file swapped
+    for a symlink (or anything else) between listing and reading is refused, not read.
     """
     flags = _OPEN_FLAGS | (getattr(os, "O_NOFOLLOW", 0) if nofollow else 0)
     try:
@@ -50,6 +53,9 @@ def read_regular(path: str | Path, offset: int = 0, size: int | None = None, *, 
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise not_regular(path, st.st_mode)
+        if inode and st.st_ino != inode:
+            raise OSError(errno.ESTALE, "is not the file that was listed (replaced, or swapped for a symlink, "
+                          "after the source was listed); list the source again", str(path))
         end = st.st_size if size is None else offset + size
         if end > st.st_size:
             raise OSError(errno.EINVAL, f"is shorter than its index says: wanted {size} bytes at offset "
