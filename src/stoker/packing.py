@@ -24,6 +24,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterator
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field, replace
@@ -43,11 +44,14 @@ from .shards import MANIFEST_NAME, Manifest, ShardInfo, ShardWriter, read_manife
 from .sources import Source, SourceItem, open_source, unencodable_keys
 from .sources.base import inside
 from .storage import Storage, open_storage, url_scheme
+from .storage.lock import LockHeldError, describe
 
 __all__ = ["JOURNAL_NAME", "SKIPPED_NAME", "PackOptions", "PackSummary", "normalize", "pack"]
 
 JOURNAL_NAME = ".stoker-pack.jsonl"
 SKIPPED_NAME = "skipped.jsonl"
+#: held (an OS file lock) by the pack writing the directory; the file stays, it is never data
+LOCK_NAME = ".stoker.lock"
 #: Seconds one task (a few samples) may take in a worker before the pack gives up on it.
 TASK_TIMEOUT_S = 600.0
 #: Samples per task handed to a worker thread: amortizes the per-task dispatch and result handling.
@@ -397,13 +401,29 @@ def _finished_summary(storage: Storage, pack_options: dict[str, Any], started: f
                        time.perf_counter() - started, len(manifest.shards), Path(storage.location))
 
 
-def _prepare_out(storage: Storage, header: dict[str, Any], resume: bool, overwrite: bool) -> _State | None:
-    """Make OUT ready; returns the state to continue from, or None when the pack is finished."""
+@contextmanager
+def _locked_out(storage: Storage) -> Iterator[None]:
+    """Create OUT and hold its lock for the whole pack: a second pack into it fails at once."""
     try:
         storage.makedirs()
     except (FileExistsError, NotADirectoryError):
         raise ConfigError(f"output {storage.location} is a file; expected a directory (empty, or holding a "
                           "pack to resume)") from None
+    lock = storage.lock(LOCK_NAME)
+    try:
+        lock.__enter__()
+    except LockHeldError as exc:
+        raise ConfigError(f"{storage.location} is being written by another pack: {describe(exc.holder)}; "
+                          "wait for it to finish (then pass resume=True / --resume if it was stopped), or "
+                          "choose another output directory") from None
+    try:
+        yield
+    finally:
+        lock.__exit__(None, None, None)
+
+
+def _prepare_out(storage: Storage, header: dict[str, Any], resume: bool, overwrite: bool) -> _State | None:
+    """Make OUT ready; returns the state to continue from, or None when the pack is finished."""
     owned = _owned_files(storage)
     has_manifest, has_journal = MANIFEST_NAME in owned, JOURNAL_NAME in owned
     if overwrite:
@@ -499,9 +519,15 @@ def pack(src: str | Path | Source, out: str | Path, *, options: PackOptions | No
     pack_options = {**options.output_options(), "source": source.description, "source_kind": source.kind}
     header = {"format": "stoker-pack-journal", "items": len(source.items), "fingerprint": _fingerprint(source),
               "pack_options": pack_options}
-    state = _prepare_out(storage, header, resume, overwrite)
-    if state is None:
-        return _finished_summary(storage, pack_options, started)
+    with _locked_out(storage):
+        state = _prepare_out(storage, header, resume, overwrite)
+        if state is None:
+            return _finished_summary(storage, pack_options, started)
+        return _pack_into(storage, source, options, state, pack_options, started, progress)
+
+
+def _pack_into(storage: Storage, source: Source, options: PackOptions, state: _State,
+               pack_options: dict[str, Any], started: float, progress: bool) -> PackSummary:
     packer = _Packer(storage, source, options, state)
     remaining = len(source.items) - state.consumed
     workers = max(1, min(options.workers or usable_cpus(), -(-remaining // TASK_SAMPLES)))

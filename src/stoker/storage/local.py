@@ -11,6 +11,7 @@ from typing import Any, BinaryIO
 
 from ..errors import ShardError
 from .base import ShardSink, Storage
+from .lock import DirectoryLock
 
 
 #: Opening never blocks: a FIFO with no writer would block ``open()`` itself (and Ctrl-C with it).
@@ -246,6 +247,9 @@ class LocalStorage(Storage):
 
     def open_shard_sink(self, name: str) -> ShardSink:
         return _LocalSink(self._path(name))
+
+    def lock(self, name: str) -> DirectoryLock:
+        return DirectoryLock(self._path(name))
 
     def remove(self, name: str) -> None:
         try:
