@@ -138,6 +138,25 @@ def _check_batches(info: ShardInfo, batches: list[pa.RecordBatch]) -> ShardProbl
     return None
 
 
+def _check_labels(info: ShardInfo, batches: list[pa.RecordBatch], manifest: Manifest) -> ShardProblem | None:
+    """Class indices within the manifest's class list (a min/max over the label column: cheap),
+    so an index past it is an error here, not an IndexError (or a wrong class) later."""
+    if not manifest.classes or manifest.label_type not in ("int64", "list<int64>"):
+        return None
+    import pyarrow.compute as pc  # only for datasets with classes; keeps `import stoker` light
+    for k, batch in enumerate(batches):
+        labels = batch.column("label")
+        if pa.types.is_list(labels.type):
+            labels = labels.flatten()
+        bounds = pc.min_max(labels).as_py()
+        if bounds["min"] is not None and not (0 <= bounds["min"] and bounds["max"] < len(manifest.classes)):
+            bad = bounds["min"] if bounds["min"] < 0 else bounds["max"]
+            return ShardProblem(info.file, f"record batch {k} holds the label {bad}, outside the "
+                                f"{len(manifest.classes)} classes the manifest lists", f"0..{len(manifest.classes) - 1}",
+                                str(bad), fix="the manifest or the shard was edited — restore it or re-pack")
+    return None
+
+
 def _inspect(storage: Storage, info: ShardInfo, manifest: Manifest,
              checksum: bool) -> tuple[ShardProblem | None, OpenShard | None]:
     problem = _check_file(storage, info, checksum)
@@ -158,7 +177,7 @@ def _inspect(storage: Storage, info: ShardInfo, manifest: Manifest,
     if problem is None and rows != info.rows:
         problem = ShardProblem(info.file, f"holds {rows} rows, the manifest expects {info.rows}")
     if problem is None:
-        problem = _check_batches(info, batches)
+        problem = _check_batches(info, batches) or _check_labels(info, batches, manifest)
     if problem is not None:
         mm.close()
         return problem, None

@@ -356,7 +356,7 @@ def _load_journal(storage: Storage, header: dict[str, Any]) -> _State:
     lines = storage.read_bytes(JOURNAL_NAME).decode("utf-8").splitlines()
     try:
         found = json.loads(lines[0]) if lines else {}
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         found = {}
     for field_name in ("items", "fingerprint", "pack_options"):
         if found.get(field_name) != header[field_name]:
@@ -370,7 +370,7 @@ def _load_journal(storage: Storage, header: dict[str, Any]) -> _State:
         try:
             entry = json.loads(line)
             info = ShardInfo(**entry["shard"])
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (json.JSONDecodeError, RecursionError, KeyError, TypeError):
             break  # a line torn by the crash: its shard is redone
         if info.file != shard_name(len(state.shards)) or not shard_matches(storage, info):
             break  # damaged or missing shard: redo from here

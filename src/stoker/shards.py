@@ -152,8 +152,11 @@ class Manifest:
             raise bad(f"extra_columns must map names to one of {sorted(ARROW_TYPES)}")
         if set(extras) & set(BASE_COLUMNS):
             raise bad(f"extra_columns may not reuse a base column name {BASE_COLUMNS}")
+        pack_options = obj.get("pack_options") or {}
+        if not isinstance(pack_options, dict):
+            raise bad(f"pack_options must be an object, found {type(pack_options).__name__}")
         return cls(num_samples=num, shards=shards, classes=classes, label_type=label_type,
-                   extra_columns=dict(extras), pack_options=dict(obj.get("pack_options") or {}),
+                   extra_columns=dict(extras), pack_options=dict(pack_options),
                    format_version=version, created_by=str(obj.get("created_by", "")))
 
     def schema(self) -> pa.Schema:
@@ -270,6 +273,9 @@ def read_manifest(dataset: str | Path | Storage) -> Manifest:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ManifestError(f"{path}: not valid JSON ({exc}); the manifest is damaged — re-pack, "
                             "or restore it from a backup", path=path) from None
+    except RecursionError:  # thousands of nested brackets: no manifest stoker writes
+        raise ManifestError(f"{path}: JSON nested too deeply to be a stoker manifest; the manifest is damaged "
+                            "— re-pack, or restore it from a backup", path=path) from None
     return Manifest.from_json(obj, path)
 
 
