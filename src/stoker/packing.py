@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import errno
 import fnmatch
 import json
 import os
@@ -38,7 +39,7 @@ from PIL import Image
 from . import codecs
 from ._system import usable_cpus
 from .errors import (ConfigError, CorruptImageError, DecompressionBombError, ImageError, SourceError,
-                     StokerError, UnsupportedImageError)
+                     OutputError, StokerError, UnsupportedImageError)
 from .integrity import shard_matches
 from .shards import MANIFEST_NAME, Manifest, ShardInfo, ShardWriter, read_manifest, shard_name, write_manifest
 from .sources import Source, SourceItem, open_source, unencodable_keys
@@ -407,8 +408,9 @@ def _locked_out(storage: Storage) -> Iterator[None]:
     try:
         storage.makedirs()
     except (FileExistsError, NotADirectoryError):
-        raise ConfigError(f"output {storage.location} is a file; expected a directory (empty, or holding a "
-                          "pack to resume)") from None
+        what = "is a file" if Path(storage.location).is_file() else "is under a file, not a folder"
+        raise ConfigError(f"output {storage.location} {what}; expected a directory (empty, or holding a "
+                          "pack to resume): choose another output path") from None
     lock = storage.lock(LOCK_NAME)
     try:
         lock.__enter__()
@@ -519,11 +521,28 @@ def pack(src: str | Path | Source, out: str | Path, *, options: PackOptions | No
     pack_options = {**options.output_options(), "source": source.description, "source_kind": source.kind}
     header = {"format": "stoker-pack-journal", "items": len(source.items), "fingerprint": _fingerprint(source),
               "pack_options": pack_options}
-    with _locked_out(storage):
-        state = _prepare_out(storage, header, resume, overwrite)
-        if state is None:
-            return _finished_summary(storage, pack_options, started)
-        return _pack_into(storage, source, options, state, pack_options, started, progress)
+    try:
+        with _locked_out(storage):
+            state = _prepare_out(storage, header, resume, overwrite)
+            if state is None:
+                return _finished_summary(storage, pack_options, started)
+            return _pack_into(storage, source, options, state, pack_options, started, progress)
+    except OSError as exc:
+        if isinstance(exc, StokerError):
+            raise
+        # sources' read errors are skips, so an OSError here is OUT's: its writes, its folder
+        raise OutputError(f"cannot write {storage.location}: {exc.strerror or exc}"
+                          f"{f' ({exc.filename})' if exc.filename else ''}; "
+                          f"{_OUTPUT_FIX.get(exc.errno, 'fix the output directory')}, then run the same "
+                          "pack with resume=True (--resume): finished shards are kept",
+                          path=storage.location, errno=exc.errno) from exc
+
+
+_OUTPUT_FIX = {errno.ENOSPC: "free some disk space (or choose an output directory on a disk with room)",
+               errno.EDQUOT: "raise your disk quota or free some space",
+               errno.EROFS: "the file system is read-only: choose a writable output directory",
+               errno.EACCES: "make the output directory writable, or choose another",
+               errno.EPERM: "make the output directory writable, or choose another"}
 
 
 def _pack_into(storage: Storage, source: Source, options: PackOptions, state: _State,

@@ -122,11 +122,18 @@ def fsync_dir(directory: Path) -> None:
 def atomic_write_bytes(path: Path, payload: bytes) -> None:
     """Write ``payload`` to ``path`` via a fsynced temporary file and an atomic rename."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(payload)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(payload)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # disk full, Ctrl-C: leave the old file, not a half-written temporary
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
     fsync_dir(path.parent)
 
 
