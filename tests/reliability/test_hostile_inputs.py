@@ -88,3 +88,45 @@ def test_a_damaged_tar_costs_its_damaged_part(tmp_path, damage):
     summary = pack(shards, out, options=PackOptions(workers=1), progress=False)
     assert summary.packed >= 4 and summary.skipped >= 1
     assert all("b.tar" in s["path"] for s in _skipped(out))
+
+
+_COCO = {"images": [{"id": 1, "file_name": "cat/000.jpg", "width": 40, "height": 40}],
+         "annotations": [{"id": 1, "image_id": 1, "bbox": [1, 2, 3, 4], "category_id": 7}],
+         "categories": [{"id": 7, "name": "x"}]}
+HOSTILE_COCO = {
+    "100k-deep JSON": "[" * 100_000 + "]" * 100_000,
+    "a category without an id": {**_COCO, "categories": [{"name": "x"}]},
+    "an annotation that is a number": {**_COCO, "annotations": [5]},
+    "an image that is a string": {**_COCO, "images": ["a"]},
+    "a box of strings": {**_COCO, "annotations": [{**_COCO["annotations"][0], "bbox": ["a", 2, 3, 4]}]},
+    "a width that is text": {**_COCO, "images": [{**_COCO["images"][0], "width": "w"}]},
+    "a list as a category id": {**_COCO, "categories": [{"id": [1], "name": "x"}]},
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_COCO))
+def test_a_malformed_coco_file_is_a_source_error_naming_it(tmp_path, name):
+    """COCO annotation files are usually downloaded: a wrong shape is a SourceError, not a raw
+    KeyError/TypeError/RecursionError from inside the parse."""
+    src = make_image_folder(tmp_path / "src", n_per_class=1)
+    doc = HOSTILE_COCO[name]
+    (src / "instances.json").write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    with pytest.raises(SourceError, match=r"instances\.json"):
+        pack(src / "instances.json", tmp_path / "out", options=PackOptions(workers=1), progress=False, kind="coco")
+
+
+def test_a_webdataset_json_nested_too_deeply_is_a_skip(tmp_path):
+    jpeg = (make_image_folder(tmp_path / "img", n_per_class=1) / "cat" / "000.jpg").read_bytes()
+    shards = tmp_path / "tars"
+    shards.mkdir()
+    with tarfile.open(shards / "a.tar", "w") as tf:
+        for i, meta in enumerate([b'{"label": 1}', b"[" * 100_000 + b"]" * 100_000, b'{"label": 0}']):
+            for name, data in ((f"{i:03d}.jpg", jpeg), (f"{i:03d}.json", meta)):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    out = tmp_path / "out"
+    summary = pack(shards, out, options=PackOptions(workers=1), progress=False)
+    assert (summary.packed, summary.skipped) == (2, 1)
+    (skip,) = _skipped(out)
+    assert skip["key"] == "a.tar/001.jpg" and "not JSON" in skip["reason"]

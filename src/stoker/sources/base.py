@@ -360,6 +360,8 @@ def split_label_cell(text: str, where: str) -> list[str] | None:
             values = json.loads(text)
         except json.JSONDecodeError as exc:
             raise SourceError(f"{where}: label {text!r} starts like a JSON list but is not one ({exc.msg})") from None
+        except RecursionError:
+            raise SourceError(f"{where}: label starts like a JSON list but is nested too deeply to be one") from None
         if not isinstance(values, list) or any(isinstance(v, (list, dict)) for v in values):
             raise SourceError(f"{where}: label {text!r} must be a flat JSON list of numbers or names")
         return [str(v) for v in values]

@@ -128,8 +128,8 @@ def _target(group: _Group, label_column: str | None, where: str) -> tuple[str | 
     if ".json" in group.targets:
         try:
             meta = json.loads(group.targets[".json"].decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"its .json is not JSON ({exc})") from None
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise ValueError(f"its .json is not JSON ({type(exc).__name__}: {exc})") from None
         if isinstance(meta, list):
             label = [str(v) for v in meta]
         elif isinstance(meta, dict):
