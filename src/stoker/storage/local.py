@@ -15,7 +15,6 @@ from .lock import DirectoryLock
 
 
 #: Opening never blocks: a FIFO with no writer would block ``open()`` itself (and Ctrl-C with it).
-#: O_NOFOLLOW is added by callers that must not follow a final symlink (untrusted containers).
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
@@ -29,31 +28,34 @@ def not_regular(path: str | Path, mode: int) -> OSError:
     return OSError(errno.EINVAL, f"is {kind}, not a regular file; only regular files are read", str(path))
 
 
-def read_regular(path: str | Path, offset: int = 0, size: int | None = None, *, nofollow: bool = False,
-                 inode: int = 0) -> bytes:
+def _open_checked(path: str | Path) -> tuple[int, os.stat_result]:
+    """(descriptor, its fstat) of a regular file opened without blocking; OSError for anything else."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except ValueError:  # a NUL byte in the path: no such file can exist
+        raise OSError(errno.EINVAL, "the path holds a NUL byte, so no file has this name", repr(str(path))) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise not_regular(path, st.st_mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def read_regular(path: str | Path, offset: int = 0, size: int | None = None, *, inode: int = 0) -> bytes:
     """The bytes of a regular file (``size`` bytes at ``offset``, or all of it), never anything else.
 
     The file is opened without blocking and checked on its descriptor (``fstat``), so a FIFO, a
     device or a socket (even one swapped in after a listing checked the name) is an OSError at
     once instead of a read that never ends or never stops growing. At most the size ``fstat``
-    reported is read: a file that grows while it is read does not pull in more. ``nofollow``
-    refuses a final symlink (O_NOFOLLOW, where the platform has it). ``inode`` (when not 0) is
+    reported is read: a file that grows while it is read does not pull in more. ``inode`` (when not 0) is
     the inode the file had when it was listed: the file opened must be that one, so a file swapped
     for a symlink (or anything else) between listing and reading is refused, not read.
     """
-    flags = _OPEN_FLAGS | (getattr(os, "O_NOFOLLOW", 0) if nofollow else 0)
+    fd, st = _open_checked(path)
     try:
-        fd = os.open(path, flags)
-    except ValueError:  # a NUL byte in the path: no such file can exist
-        raise OSError(errno.EINVAL, "the path holds a NUL byte, so no file has this name", repr(str(path))) from None
-    except OSError as exc:
-        if nofollow and exc.errno == errno.ELOOP:
-            raise OSError(errno.ELOOP, "is a symlink; refusing to follow it", str(path)) from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise not_regular(path, st.st_mode)
         if inode and st.st_ino != inode:
             raise OSError(errno.ESTALE, "is not the file that was listed (replaced, or swapped for a symlink, "
                           "after the source was listed); list the source again", str(path))
@@ -77,14 +79,8 @@ def open_regular(path: str | Path) -> BinaryIO:
     """A regular file opened for reading (a buffered binary file object), checked on its descriptor
     like :func:`read_regular`: a FIFO, device or socket is an OSError at once, never a blocked
     ``open()``. For readers that stream a container (tar, gzip, TFRecord) themselves."""
+    fd, _ = _open_checked(path)
     try:
-        fd = os.open(path, _OPEN_FLAGS)
-    except ValueError:
-        raise OSError(errno.EINVAL, "the path holds a NUL byte, so no file has this name", repr(str(path))) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise not_regular(path, st.st_mode)
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
