@@ -45,7 +45,7 @@ from .shards import MANIFEST_NAME, Manifest, ShardInfo, ShardWriter, read_manife
 from .sources import Source, SourceItem, open_source, unencodable_keys
 from .sources.base import inside
 from .storage import Storage, open_storage, url_scheme
-from .storage.lock import LockHeldError, describe
+from .storage.lock import LockHeldError, holder_text
 
 __all__ = ["JOURNAL_NAME", "SKIPPED_NAME", "PackOptions", "PackSummary", "normalize", "pack"]
 
@@ -415,7 +415,7 @@ def _locked_out(storage: Storage) -> Iterator[None]:
     try:
         lock.__enter__()
     except LockHeldError as exc:
-        raise ConfigError(f"{storage.location} is being written by another pack: {describe(exc.holder)}; "
+        raise ConfigError(f"{storage.location} is being written by another pack: {holder_text(exc.holder)}; "
                           "wait for it to finish (then pass resume=True / --resume if it was stopped), or "
                           "choose another output directory") from None
     try:

@@ -17,19 +17,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DirectoryLock", "LockHeldError"]
+__all__ = ["DirectoryLock", "LockHeldError", "holder_text"]
 
 
 class LockHeldError(OSError):
     """The lock is held by another process; ``holder`` is what it wrote (pid, host, started)."""
 
     def __init__(self, path: Path, holder: dict[str, Any]) -> None:
-        super().__init__(f"{path} is locked by {describe(holder)}")
+        super().__init__(f"{path} is locked by {holder_text(holder)}")
         self.path = path
         self.holder = holder
 
 
-def describe(holder: dict[str, Any]) -> str:
+def holder_text(holder: dict[str, Any]) -> str:
     if not holder:
         return "another process"
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
