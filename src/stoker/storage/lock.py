@@ -30,10 +30,14 @@ class LockHeldError(OSError):
 
 
 def holder_text(holder: dict[str, Any]) -> str:
+    """'pid 123 on host h (since 2026-01-01 12:00:00)', from what the holder wrote (any of it may be missing)."""
     if not holder:
         return "another process"
-    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
-    return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')} (since {started})"
+    try:
+        since = f" (since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(float(holder['started'])))})"
+    except (KeyError, TypeError, ValueError, OverflowError, OSError):
+        since = ""
+    return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}{since}"
 
 
 class DirectoryLock:
