@@ -41,7 +41,7 @@ from .device import DeviceOptions, DeviceStage, as_device_options, consumer_fenc
 from .render import DeviceBuilder, EpochChain, Filler, RenderSpec, batch_extras, run_batch_ops
 from .shards import MANIFEST_NAME, looks_like_partial_pack
 from .storage import open_storage
-from .slots import BatchRing, Feeder, LoaderStats, Run, Slot
+from .slots import BatchRing, Feeder, LoaderStats, Run, Slot, check_ring_fits
 from .transforms import Pipeline, colour, gpu
 
 __all__ = ["Loader", "LoaderStats"]
@@ -220,6 +220,7 @@ class Loader:
         heights = None if ds.heights is None else np.asarray(ds.heights, dtype=np.int64)
         widths = None if ds.widths is None else np.asarray(ds.widths, dtype=np.int64)
         self.output_size = self._resolve_output_size(heights, widths)
+        check_ring_fits(prefetch + 1, batch_size, *self.output_size)   # at once, not at the first batch
         labels = ds.labels
         if labels.dtype.kind in "iufb":
             # a copy (8 bytes a sample), not a view of the mapped shard: batches are labelled without

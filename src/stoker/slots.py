@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ._system import poll_until
-from .errors import LoaderClosedError, LoaderTimeoutError, WorkerError
+from .errors import ConfigError, LoaderClosedError, LoaderTimeoutError, WorkerError
 
 _POLL_S = 0.1  # how often a blocked wait re-checks the stop flag, seconds
 
@@ -95,6 +95,26 @@ class Slot:
     jobs: list[Any] = field(default_factory=list)  # per row: work left for the device stage (GPU decode)
 
 
+def ring_bytes(n_slots: int, batch_size: int, height: int, width: int) -> int:
+    """Bytes a ring of ``n_slots`` batches of uint8 ``[batch_size, height, width, 3]`` images
+    (plus int64 labels) holds."""
+    return n_slots * batch_size * (height * width * 3 + 8)
+
+
+def check_ring_fits(n_slots: int, batch_size: int, height: int, width: int) -> None:
+    """Refuse, before allocating, a ring larger than the memory available now (an allocation that
+    would fail with a bare RuntimeError deep in torch, or push the machine into swap), naming the
+    knobs that size it."""
+    import psutil
+
+    need = ring_bytes(n_slots, batch_size, height, width)
+    available = psutil.virtual_memory().available
+    if need > available:
+        raise ConfigError(f"the batch ring needs {n_slots} slots x {batch_size} images x {height}x{width}x3 bytes = "
+                          f"{need / 2**30:,.1f} GiB, but only {available / 2**30:,.1f} GiB of memory is available; "
+                          "lower batch_size= (--batch-size), prefetch= or the output size of the transforms")
+
+
 class BatchRing:
     """`n_slots` preallocated batches: images uint8 [batch_size, height, width, 3] and labels."""
 
@@ -103,7 +123,13 @@ class BatchRing:
         self.batch_size, self.height, self.width = batch_size, height, width
         self.label_dtype = label_dtype
         self.pin_memory = pin_memory
-        self.slots = [self._make_slot(pin_memory) for _ in range(n_slots)]
+        check_ring_fits(n_slots, batch_size, height, width)
+        try:
+            self.slots = [self._make_slot(pin_memory) for _ in range(n_slots)]
+        except (RuntimeError, MemoryError) as exc:  # the memory went between the check and now
+            raise ConfigError(f"cannot allocate the batch ring ({n_slots} slots x {batch_size} images x "
+                              f"{height}x{width}x3 bytes): {exc}; lower batch_size= (--batch-size), prefetch= "
+                              "or the output size of the transforms") from None
 
     def _make_slot(self, pin: bool) -> Slot:
         images = torch.empty((self.batch_size, self.height, self.width, 3), dtype=torch.uint8, pin_memory=pin)
