@@ -171,6 +171,34 @@ def test_convert_uint8_matches_float64_reference(dtype, fmt, layout, normalize):
     assert (out.double() - ref.to(dtype).double()).abs().max().item() <= TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("channels", [1, 3, 4])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("layout", ["nhwc", "nchw"])
+def test_convert_on_the_cpu_by_tables_equals_the_arithmetic_bit_for_bit(channels, fmt, layout):
+    """uint8 -> normalized float32 on the CPU goes through per-channel tables (normalize_by_table); the
+    values are addcmul's exactly, in the asked-for memory format, whatever the input layout."""
+    x = torch.randint(0, 256, (4, 9, 7, channels), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    if layout == "nchw":
+        x = x.permute(0, 3, 1, 2).contiguous()
+    mean, std = ((0.3,) * channels, (0.2,) * channels) if channels != 3 else (IMAGENET_MEAN, IMAGENET_STD)
+    opts = cpu_opts(normalize=(mean, std), memory_format=fmt)
+    out = convert(x, opts, layout=layout)
+    view = x.permute(0, 3, 1, 2) if layout == "nhwc" else x
+    scale, shift = opts._affine(view.device, True)
+    assert out.is_contiguous(memory_format=fmt) and torch.equal(out, torch.addcmul(shift, view, scale))
+
+
+def test_normalize_by_table_declines_what_it_cannot_do():
+    from stoker.device import all_levels, normalize_by_table
+    x = torch.zeros((2, 3, 4, 4), dtype=torch.uint8)
+    levels = all_levels(3).float()
+    assert not normalize_by_table(x.float(), levels, torch.empty(2, 3, 4, 4))  # not uint8
+    assert not normalize_by_table(x, levels, torch.empty(2, 3, 4, 4, dtype=torch.float16))  # not float32
+    assert not normalize_by_table(x, all_levels(1).float(), torch.empty(2, 3, 4, 4))  # tables for other channels
+    strided = torch.empty(2, 3, 4, 8)[..., ::2]
+    assert not normalize_by_table(x, levels, strided)  # neither NCHW nor channels_last
+
+
 @pytest.mark.parametrize("in_dtype", [torch.float32, torch.float16, torch.float64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -601,3 +629,50 @@ def test_prefetch_refuses_gpu_decode_for_decoded_batches():
         prefetch([nhwc_batch()], DeviceOptions("cpu", decode="gpu", gpu_decoder=Decoder()))
     with pytest.raises(ConfigError, match="prefetch needs a device"):
         prefetch([nhwc_batch()], None)  # type: ignore[arg-type]
+
+
+# ---- one pass into the final dtype; the copy stream's priority -------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_normalizing_to_half_precision_is_one_pass_into_the_final_dtype_and_layout(dtype, fmt, monkeypatch):
+    """addcmul(out=) computes in float32 and rounds as it stores: on CUDA one kernel, no float32 batch and
+    no second cast pass; bit for bit what computing in float32 and casting would give."""
+    x = nhwc_batch(b=3, h=16, w=12)
+    opts = cpu_opts(normalize="imagenet", dtype=dtype, memory_format=fmt)
+    outs = []
+    real = torch.addcmul
+
+    def spy(*args, out=None, **kwargs):
+        outs.append(out)
+        return real(*args, out=out, **kwargs)
+
+    monkeypatch.setattr(torch, "addcmul", spy)
+    got = convert(x, opts)
+    monkeypatch.undo()
+    assert len(outs) == 1 and outs[0] is got  # the kernel wrote the final tensor itself
+    assert got.dtype == dtype and got.is_contiguous(memory_format=fmt)
+    f32 = convert(x, cpu_opts(normalize="imagenet", dtype="float32", memory_format=fmt))
+    assert torch.equal(got, f32.to(dtype))
+
+
+def test_constants_are_filled_on_the_device_not_copied_from_the_host(monkeypatch):
+    """A copy from pageable host memory to the GPU blocks the host (an implicit sync on the first batch)."""
+    def no_copies(self, *args, **kwargs):
+        raise AssertionError("the normalize constants must not be copied to the device")
+
+    opts = cpu_opts(normalize=((0.5, 0.25, 0.125), (0.5, 0.5, 0.25)))
+    monkeypatch.setattr(torch.Tensor, "to", no_copies)
+    scale, shift = opts._affine(torch.device("cpu"), True)
+    monkeypatch.undo()
+    assert scale.shape == shift.shape == (1, 3, 1, 1) and scale.dtype == torch.float32
+    torch.testing.assert_close(scale.flatten(), torch.tensor([2 / 255, 2 / 255, 4 / 255]))
+    torch.testing.assert_close(shift.flatten(), torch.tensor([-1.0, -0.5, -0.5]))
+
+
+def test_the_copy_stream_has_the_highest_priority(monkeypatch):
+    import stoker.device as device
+
+    made = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None, priority=0: made.append((device, priority)))
+    device.copy_stream(torch.device("cuda", 0))
+    assert made == [(torch.device("cuda", 0), device.HIGH_PRIORITY)] and device.HIGH_PRIORITY < -1

@@ -20,7 +20,7 @@ from s3_helpers import S3Server  # noqa: E402
 from stoker import Loader, RandomResizedCrop  # noqa: E402
 from stoker.audit import describe, verify  # noqa: E402
 from stoker.errors import ConfigError, SampleError, ShardError  # noqa: E402
-from stoker.packing import PackOptions, pack  # noqa: E402
+from stoker.packing import LOCK_NAME, PackOptions, pack  # noqa: E402
 from stoker.reader import CachedDataset, open_dataset  # noqa: E402
 from stoker.storage import RemoteStorage  # noqa: E402
 
@@ -243,7 +243,8 @@ def test_pack_to_s3_equals_a_local_pack_manifest_last(s3: S3Server, bucket: str,
     puts = [r.path for r in s3.log.requests if r.method == "PUT" and "/ds/" in r.path]
     assert puts[-1].endswith("/ds/stoker.json"), "the manifest must be the last object written"
     names = {p.rsplit("/", 1)[-1] for p in s3.filesystem().ls(f"{bucket}/ds")}
-    assert names == {f.name for f in packed.iterdir()}  # journal gone, nothing else left
+    # journal gone, nothing else left (the lock of a pack into a URL is a local file: see RemoteStorage.lock)
+    assert names == {f.name for f in packed.iterdir()} - {LOCK_NAME}
     remote = RemoteStorage(url, storage_options=s3.storage_options(), cache_dir=tmp_path / "cache")
     with open_dataset(remote) as ds, open_dataset(packed) as local:
         assert [s.sha256 for s in ds.manifest.shards] == [s.sha256 for s in local.manifest.shards]
@@ -393,3 +394,24 @@ def test_readme_cloud_section_runs_as_written(s3: S3Server, tmp_path: Path, monk
     gc.collect()
     assert not [t for t in threading.enumerate() if t.name.startswith("stoker")]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "data", "scratch", "shm"]
+
+
+def test_a_second_pack_into_the_same_url_fails_at_once(s3: S3Server, bucket: str, packed: Path, tmp_path: Path) -> None:
+    url = f"s3://{bucket}/ds"
+    opts = {"storage_options": s3.storage_options(), "cache_dir": tmp_path / "cache"}
+    with RemoteStorage(url, **opts).lock(LOCK_NAME):   # a first pack, still running on this machine
+        with pytest.raises(ConfigError, match="being written by another pack: pid"):
+            pack(packed.parent / "imgs", RemoteStorage(url, **opts), options=PackOptions(workers=1), progress=False)
+    assert not [r for r in s3.log.requests if r.method == "PUT"]   # nothing written to the bucket
+
+
+def test_persistent_loader_over_s3_gives_the_same_epochs(s3: S3Server, url: str, packed: Path, tmp_path: Path) -> None:
+    """persistent=True: each epoch still hands the cache its own order (the pipeline restarts per
+    epoch for a remote dataset); the batches are those of a local persistent Loader."""
+    local = Loader(packed, 8, num_threads=2, seed=3, transforms=[RandomResizedCrop(32)], order="shard_window",
+                   persistent=True)
+    with remote_loader(s3, url, tmp_path / "cache", order="shard_window", persistent=True) as remote:
+        for _ in range(2):
+            for (a, la), (b, lb) in zip(batches(remote), batches(local), strict=True):
+                assert np.array_equal(a, b) and np.array_equal(la, lb)
+    local.close()

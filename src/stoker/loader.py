@@ -37,14 +37,14 @@ from .errors import ConfigError
 from .labels import multi_label_spec
 from .order import ORDERS, epoch_order, num_batches, rank_indices, samples_per_rank, shard_window_order
 from .reader import CachedDataset, Dataset, PackedDataset, open_cached, open_dataset, open_loose
-from .device import DeviceOptions, DeviceStage, as_device_options
-from .render import DeviceBuilder, Filler, RenderSpec
+from .device import DeviceOptions, DeviceStage, as_device_options, consumer_fence
+from .render import DeviceBuilder, EpochChain, Filler, RenderSpec, batch_extras, run_batch_ops
 from .shards import MANIFEST_NAME, looks_like_partial_pack
 from .storage import RemoteStorage, open_storage, url_scheme
 from .storage.remote import DEFAULT_CACHE_LIMIT, default_cache_dir
 from .storage.staging import StagedCopy, stage_for_loader
-from .slots import BatchRing, Feeder, LoaderStats, Run, Slot
-from .transforms import Pipeline
+from .slots import BatchRing, Feeder, LoaderStats, Run, Slot, check_ring_fits
+from .transforms import Pipeline, colour, gpu
 
 __all__ = ["Loader", "LoaderStats"]
 
@@ -70,11 +70,32 @@ def _open_source(source: str | Path | Dataset, remote: dict[str, Any], timeout: 
 def _device_options(device: Any, pipeline: Pipeline) -> DeviceOptions | None:
     """The loader's DeviceOptions (None: uint8 batches on the CPU), with every bad combination named."""
     opts = as_device_options(device)
+    batch_norm = pipeline.batch is not None and any(type(op).__name__ == "Normalize" for op in pipeline.batch.ops)
+    if opts is not None and batch_norm and opts.normalize is not None:
+        raise ConfigError("the transforms end with a Normalize and the device options normalize as well; keep one "
+                          "(drop normalize= from the DeviceOptions, or the Normalize from the transforms)")
     if opts is not None and opts.decode == "gpu" and pipeline.tail:
         names = ", ".join(op.name for op in pipeline.tail if hasattr(op, "name"))
         raise ConfigError(f"decode='gpu' runs only stoker's geometric transforms on the GPU; {names} "
                           f"work on numpy arrays: use DeviceOptions(decode='cpu') for them")
     return opts
+
+
+def _check_boxes(boxes: tuple[str, ...], pipeline: Pipeline) -> None:
+    """Boxes follow the planned geometry only: refuse ops that would move pixels without them."""
+    if not boxes:
+        return
+    keeps_boxes = (colour.ColorJitter, colour.GaussianBlur, colour.RandomGrayscale, colour.RandomErasing,
+                   gpu.ColorJitter, gpu.GaussianBlur, gpu.RandomGrayscale, gpu.Normalize, gpu.RandomErasing)
+    movers = [getattr(op, "name", type(op).__name__) for op in pipeline.tail
+              if not isinstance(getattr(op, "fn", op), keeps_boxes)]
+    if pipeline.batch is not None:
+        movers += [type(op).__name__ for op in pipeline.batch.ops if not isinstance(op, keeps_boxes)]
+        movers += ["Mixup"] if pipeline.batch.mix is not None else []
+    if movers:
+        raise ConfigError(f"boxes/masks {boxes} follow stoker's planned crop, resize and flip, but {', '.join(movers)} "
+                          f"would move pixels without them; use colour ops only after the geometry "
+                          f"(ColorJitter, GaussianBlur, RandomGrayscale, Normalize, RandomErasing)")
 
 
 def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -97,7 +118,8 @@ class Loader:
     lists `{column: values}` as a third item when `columns` names extra shard columns.
     Multi-label datasets (lists of class indices) give `float32 [B, num_classes]` multi-hot rows
     (`multi_label="multi-hot"`), `int64 [B, K]` indices padded with -1 (`"indices"`), or the lists
-    (`"list"`); `num_classes` defaults to the manifest's classes (see `stoker.labels`).
+    (`"list"`); `num_classes` defaults to the manifest's classes (see `stoker.labels`). Soft targets
+    (rows of floats, one per class) give `float32 [B, C]`.
 
     `source` may be a URL (``s3://bucket/ds``, ``gs://...``, any fsspec URL; ``pip install
     'stoker[remote]'``): shards are downloaded ahead of need into `cache_dir` (default
@@ -113,6 +135,24 @@ class Loader:
     4 shards: each rank downloads ~1/world_size of the shards; for object storage). `device`: None (the uint8
     batches above), a device ("cuda", "cuda:1", "cpu": images `uint8 [B, 3, H, W]` there, numeric
     labels too) or a `DeviceOptions` (normalize, dtype, memory_format, decode="gpu", gpu_decoder).
+    `persistent=True`: the threads run straight on into the next epoch, preparing its first batches
+    while this one drains (like a DataLoader's persistent workers, without the restart between
+    epochs); the batches are the same as without it, and `state_dict()` resumes the same way. The
+    threads then live until `close()` (or the Loader is collected), a `break`, or a `set_epoch` /
+    `load_state_dict` that moves elsewhere.
+
+    `transforms`: one transform, a list or a Compose-like object (see docs/transforms.md): planned
+    geometry, per-sample ops, then batch ops (Normalize, RandomErasing, Mixup). `boxes`: extra columns
+    of boxes (x0, y0, x1, y1 as fractions of the image, as the "coco" source packs them) that follow
+    each sample's crop, resize and flip; each arrives in the third item as a list of float32 [k, 4]
+    arrays in output pixels. `masks`: extra columns of polygons (as the "coco" source packs them:
+    `masks` with `masks_points` and `masks_box`) filled at the output size after the same crop, resize
+    and flip; each arrives in the third item as a list of uint8 [k, H, W] instance masks (k: the
+    sample's boxes when `boxes` is given, so mask rows line up with box rows).
+    `transforms.targets.pad_batch` turns such a list into one padded tensor plus sizes. `pad=True`:
+    images whose transforms do not end in a fixed size (e.g. `Resize(800)`, the shorter side) are batched
+    top-left in zero-padded rows as large as the largest output in the dataset, with each image's
+    (height, width) in the third item as "sizes" (int64 [B, 2]).
     `decode_quality`: "accurate" or "fast" (CPU JPEG decode; see `DECODE_QUALITIES`).
     """
 
@@ -124,7 +164,9 @@ class Loader:
                  cache_dir: str | Path | None = None, cache_limit: int | str = DEFAULT_CACHE_LIMIT,
                  storage_options: dict[str, Any] | None = None, stage: str | Path | None = None,
                  multi_label: str = "multi-hot", num_classes: int | None = None,
-                 decode_quality: str = "accurate", shuffle: bool | None = None) -> None:
+                 decode_quality: str = "accurate", boxes: str | Sequence[str] = (),
+                 masks: str | Sequence[str] = (), pad: bool = False, persistent: bool = False,
+                 shuffle: bool | None = None) -> None:
         if shuffle is not None:  # the 0.1 spelling, kept while it costs nothing
             warnings.warn("Loader(shuffle=) is deprecated: pass order='random' or order='sequential'",
                           DeprecationWarning, stacklevel=2)
@@ -142,11 +184,28 @@ class Loader:
             raise ConfigError(f"num_threads must be a positive int or None (all usable CPUs), got {num_threads!r}")
         if not timeout > 0:
             raise ConfigError(f"timeout must be positive seconds, got {timeout!r}")
+        if not isinstance(persistent, bool):
+            raise ConfigError(f"persistent must be True or False, got {persistent!r}")
+        self.persistent = persistent
+        self._live: _Pipeline | None = None  # persistent: the pipeline running on into the next epoch
         if decode_quality not in DECODE_QUALITIES:
             raise ConfigError(f"decode_quality must be one of {DECODE_QUALITIES}, got {decode_quality!r}")
         self.decode_quality = decode_quality
         self.pipeline = Pipeline(transforms)
         self.device = _device_options(device, self.pipeline)
+        self.boxes = (boxes,) if isinstance(boxes, str) else tuple(boxes)
+        self.masks = (masks,) if isinstance(masks, str) else tuple(masks)
+        self.pad = bool(pad)
+        if self.pad and self.pipeline.tail_geometric:
+            raise ConfigError("pad=True batches the sizes stoker plans; a geometric transform after a user callable "
+                              "is planned per sample only: move it before the callable")
+        if self.pad and "sizes" in columns:
+            raise ConfigError("pad=True hands the image sizes out as extras['sizes'], which would hide the column "
+                              "'sizes' asked for in columns=; rename that column when packing, or drop pad=True")
+        if self.pad and self.device is not None and self.device.decode == "gpu":
+            raise ConfigError("pad=True is not available with decode='gpu'; use DeviceOptions(decode='cpu')")
+        _check_boxes(self.boxes + self.masks, self.pipeline)
+        columns = (*columns, *(c for c in self.boxes + self.masks if c not in columns))
         self._multi_label_args = (multi_label, num_classes)   # checked against the labels in _setup
         self._staged: StagedCopy | None = None
         if stage is not None:
@@ -196,15 +255,25 @@ class Loader:
         heights = None if ds.heights is None else np.asarray(ds.heights, dtype=np.int64)
         widths = None if ds.widths is None else np.asarray(ds.widths, dtype=np.int64)
         self.output_size = self._resolve_output_size(heights, widths)
+        check_ring_fits(prefetch + 1, batch_size, *self.output_size)   # at once, not at the first batch
         labels = ds.labels
         if labels.dtype.kind in "iufb":
             # a copy (8 bytes a sample), not a view of the mapped shard: batches are labelled without
             # touching the mapping, which a shard truncated mid-epoch would turn into a SIGBUS
             labels = np.array(labels)
         self._label_dtype = labels.dtype if labels.dtype.kind in "iufb" else None
+        if (self.boxes or self.masks) and heights is None:
+            raise ConfigError(f"{ds.path}: boxes= and masks= need the image sizes a packed dataset stores; pack the "
+                              f"data first (stoker pack SRC OUT)")
+        companions = [f"{c}{end}" for c in self.masks for end in ("_points", "_box") if f"{c}{end}" not in
+                      ds.extra_columns]
+        if companions:
+            raise ConfigError(f"{ds.path}: masks={self.masks} needs the polygon columns {companions} beside it (as "
+                              f"the coco source packs them); the dataset has extra columns {ds.extra_columns}")
         multi = multi_label_spec(labels, ds.classes, *self._multi_label_args)
         self._spec = RenderSpec(batch_size, self.output_size, self.pipeline, self.seed, on_error, self.columns,
-                                labels, heights, widths, multi_label=multi, decode_quality=self.decode_quality)
+                                labels, heights, widths, multi_label=multi, decode_quality=self.decode_quality,
+                                box_columns=self.boxes, mask_columns=self.masks, pad=self.pad)
         self._shard_rows = [s.rows for s in ds.manifest.shards] \
             if isinstance(ds, (PackedDataset, CachedDataset)) else None
         self._epoch, self._cursor, self._started = 0, 0, False
@@ -217,11 +286,19 @@ class Loader:
         fixed = self.pipeline.fixed_size
         if fixed is not None:
             return fixed
+        if self.pad and h is not None and len(h):
+            # the largest output of any image (sizes of non-fixed plans do not depend on the draws)
+            plan = self.pipeline.plan(h, w, np.zeros((len(h), max(self.pipeline.draws, 1))))
+            return int(plan.size[:, 0].max()), int(plan.size[:, 1].max())
         if h is not None and len(h) and (h == h[0]).all() and (w == w[0]).all():
             return self.pipeline.output_size(int(h[0]), int(w[0]))
+        if self.pad:
+            raise ConfigError(f"{self.dataset.path}: pad=True needs the image sizes a packed dataset stores; pack "
+                              f"the data first (stoker pack SRC OUT)")
         raise ConfigError(f"{self.dataset.path}: images differ in size and the transforms do not end in a fixed "
                           f"size, so they cannot be batched; end the transforms with RandomResizedCrop(size), "
-                          f"CenterCrop(size) or Resize((height, width))")
+                          f"CenterCrop(size) or Resize((height, width)), or pass pad=True to batch them padded "
+                          f"with their sizes")
 
     # ---- epochs and state ------------------------------------------------------------------
     def __len__(self) -> int:
@@ -318,6 +395,27 @@ class Loader:
             self._stage = DeviceStage(opts)
         return self._stage
 
+    def _pipeline_for(self, epoch: int, start: int, opts: DeviceOptions | None) -> tuple["_Pipeline", int]:
+        """The pipeline for (epoch, from batch start) and the run batch index it starts at: the
+        persistent one when it is exactly there already, else a new one."""
+        live, self._live = self._live, None
+        if live is not None:
+            g = live.find(epoch, start)
+            running = live.run is not None and not live.run.stop_event.is_set() and live.run.alive() > 0
+            if running and live.opts == opts and g is not None and g == live.next_g:
+                live.append(self, epoch + 1)  # keep one epoch ahead
+                self._live = live
+                return live, g
+            live.stop()
+        # a dataset in object storage gives its cache each epoch's order when that epoch starts (the
+        # plan decides what is downloaded and evicted), so its pipelines do not run on into the next
+        pipe = _Pipeline(self, epoch, start, opts,
+                         persistent=self.persistent and not isinstance(self.dataset, CachedDataset))
+        if pipe.persistent and pipe.run is not None:
+            self._live = pipe
+            weakref.finalize(self, pipe.stop)  # the Loader collected: its threads stop
+        return pipe, 0
+
     def _gpu_for(self, opts: DeviceOptions) -> Any:
         """The GpuBatchDecoder for decode="gpu", made once (gpu_decode loads only when asked for)."""
         from .gpu_decode import GpuBatchDecoder, make_decoder
@@ -333,6 +431,9 @@ class Loader:
         cur = self._current() if getattr(self, "_current", None) is not None else None
         if cur is not None:
             cur.close()
+        live, self._live = getattr(self, "_live", None), None
+        if live is not None:
+            live.stop()
         if getattr(self, "_owns_dataset", False):
             self.dataset.close()
             self._owns_dataset = False
@@ -355,65 +456,138 @@ class Loader:
                 f"{self.num_threads} threads, rank {self.rank}/{self.world_size}, epoch {self._epoch}{where}>")
 
 
+class _Pipeline:
+    """The worker threads (and the device thread) of one or more epochs' batches in a row.
+
+    Run batch g: the batches of (epoch, from `start`) first, then, for a persistent Loader, whole
+    epochs appended one at a time (`append`), so the workers prepare epoch N+1's first batches while
+    the training loop drains epoch N. Every batch comes from its epoch's own Filler: the same batches,
+    bit for bit, as a fresh `iter()` of that epoch would give."""
+
+    def __init__(self, loader: Loader, epoch: int, start: int, opts: DeviceOptions | None, persistent: bool
+                 ) -> None:
+        self.opts = opts
+        self.persistent = persistent
+        spec = loader._spec
+        if opts is not None and opts.decode == "gpu":
+            spec = replace(spec, gpu_decode=True)
+        self.spec = spec
+        self.chain = EpochChain(spec)
+        self.epochs: list[tuple[int, int, int]] = []  # (epoch, first run batch, batches)
+        sizes = self._segment(loader, epoch, start)
+        self.run: Run | None = None
+        self.feeder: Feeder | None = None
+        self.lease = 0  # which iterator holds the pipeline (see _LoaderIter)
+        self.next_g = 0  # the run batch the next iterator starts at (persistent: where the last one ended)
+        if not sizes:
+            return
+        threads = min(loader.num_threads, max(1, sum(sizes)))
+        # with a device stage, one more slot: the one whose copy to the device is in flight
+        ring = loader._ring_for_run(extra=0 if opts is None else 1)
+        self.run = Run(ring, sizes, threads, self.chain.prepare, self.chain.fill, loader.stats.add, loader.timeout,
+                       open_ended=persistent)
+        if opts is not None:
+            stage = loader._stage_for(opts)
+            decoder = loader._gpu_for(opts) if spec.gpu_decode else None
+            build = DeviceBuilder(stage, decoder, self.chain, self.run.lock, loader.stats)
+            self.feeder = Feeder(self.run, stage, build, loader.prefetch, loader.timeout)
+        if persistent:
+            self.append(loader, epoch + 1)
+        self._started = False
+
+    def start(self) -> None:
+        """Start the threads (once; call after whoever stops them holds the pipeline, so Ctrl-C landing
+        in between cannot leave threads no one stops)."""
+        if self.run is None or self._started:
+            return
+        self._started = True
+        self.run.start()
+        if self.feeder is not None:
+            self.feeder.start()
+
+    def _segment(self, loader: Loader, epoch: int, start: int) -> list[int]:
+        indices = loader.epoch_indices(epoch)
+        if isinstance(loader.dataset, CachedDataset):  # downloads follow the order; done shards make room
+            ahead = (loader.prefetch + 2) * loader.batch_size + loader.num_threads
+            loader.dataset.plan(indices[start * loader.batch_size:], lookahead=ahead)
+        sizes = [min(loader.batch_size, len(indices) - k * loader.batch_size) for k in range(start, len(loader))]
+        first = self.epochs[-1][1] + self.epochs[-1][2] if self.epochs else 0
+        self.chain.add(Filler(self.spec, loader.dataset, epoch, indices, start), first)
+        self.epochs.append((epoch, first, len(sizes)))
+        return sizes
+
+    def append(self, loader: Loader, epoch: int) -> None:
+        """Queue the whole of `epoch` after the batches already planned (persistent Loaders)."""
+        assert self.run is not None
+        with self.run.cond:
+            self.run.extend(self._segment(loader, epoch, 0))
+
+    def find(self, epoch: int, start: int) -> int | None:
+        """The run batch index of (epoch, batch start), if this pipeline has it ahead."""
+        for e, first, n in self.epochs:
+            if e == epoch and start < n:
+                return first + start
+        return None
+
+    def stop(self) -> None:
+        if self.run is not None:
+            (self.feeder or self.run).stop(2.0)
+
+
+def _end_lease(pipe: _Pipeline, lease: int, keep: list[bool]) -> None:
+    """An iterator's end: stop its pipeline unless it was handed on (`keep`) or another iterator holds it."""
+    if pipe.lease == lease and not keep[0]:
+        pipe.stop()
+
+
 class _LoaderIter:
-    """One pass over the rest of an epoch. Closing it (or dropping it) stops its threads."""
+    """One pass over the rest of an epoch. Closing it (or dropping it) stops its threads, unless it
+    ran to the end of its epoch in a persistent Loader: the pipeline then goes on with the next epoch."""
 
     def __init__(self, loader: Loader, epoch: int, start: int, opts: DeviceOptions | None = None) -> None:
         self._loader = loader
         self._epoch = epoch
-        indices = loader.epoch_indices(epoch)
-        total = len(loader)
-        sizes = [min(loader.batch_size, len(indices) - k * loader.batch_size) for k in range(start, total)]
-        self._n = len(sizes)
+        self._n = max(0, len(loader) - start)
         self._start = start
         self._b = 0
         self._closed = False
-        spec = loader._spec
-        if opts is not None and opts.decode == "gpu":
-            spec = replace(spec, gpu_decode=True)
-        if isinstance(loader.dataset, CachedDataset):  # downloads follow the order; done shards make room
-            ahead = (loader.prefetch + 2) * loader.batch_size + loader.num_threads
-            loader.dataset.plan(indices[start * loader.batch_size:], lookahead=ahead)
-        filler = Filler(spec, loader.dataset, epoch, indices, start)
-        self._run: Run | None = None
-        self._feeder: Feeder | None = None
-        if self._n:
-            threads = min(loader.num_threads, max(1, sum(sizes)))
-            # with a device stage, one more slot: the one whose copy to the device is in flight
-            ring = loader._ring_for_run(extra=0 if opts is None else 1)
-            self._run = Run(ring, sizes, threads, filler.prepare, filler.fill, loader.stats.add, loader.timeout)
-            if opts is not None:
-                stage = loader._stage_for(opts)
-                decoder = loader._gpu_for(opts) if spec.gpu_decode else None
-                build = DeviceBuilder(stage, decoder, filler, self._run.lock, loader.stats)
-                self._feeder = Feeder(self._run, stage, build, loader.prefetch, loader.timeout)
-            self._finalizer = weakref.finalize(self, (self._feeder or self._run).stop, 2.0)
-            self._run.start()
-            if self._feeder is not None:
-                self._feeder.start()
+        pipe, g0 = loader._pipeline_for(epoch, start, opts)
+        self._pipe, self._g0 = pipe, g0
+        self._run, self._feeder = pipe.run, pipe.feeder
+        pipe.lease += 1
+        self._keep = [False]  # set when the epoch ends in a persistent pipeline: hand it on, do not stop it
+        self._finalizer = weakref.finalize(self, _end_lease, pipe, pipe.lease, self._keep)
         self._columns = loader.columns
         self._encode = loader._spec.multi_label
+        pipe.start()
 
     def __iter__(self) -> "_LoaderIter":
         return self
 
     def __next__(self) -> tuple:
         if self._closed or self._run is None or self._b >= self._n:
-            self._finish()
+            self.close()
             raise StopIteration
         loader = self._loader
         t0 = time.perf_counter()
+        g = self._g0 + self._b
         try:
             if self._feeder is not None:
-                batch = self._feeder.get(self._b)
+                batch = self._feeder.get(g)
             else:
-                slot = self._run.next_batch(self._b)
+                # the yielded batch is a pinned ring slot the caller may have copied asynchronously
+                # (`images.cuda(non_blocking=True)`): its refill waits for that copy (Slot.guard)
+                slot = self._run.next_batch(g, consumer_fence() if g else None)
         except BaseException:  # SampleError, timeout, Ctrl-C: stop the threads before propagating
             self.close()
             raise
         loader.stats.consumer_wait_s += time.perf_counter() - t0
         loader.stats.batches += 1
         self._b += 1
+        if self._b == self._n:  # the whole epoch was read (even if this iterator is then dropped, not
+            # exhausted): a persistent pipeline goes on into the next one
+            self._keep[0] = self._pipe.persistent
+            self._pipe.next_g = g + 1
         if loader._current is not None and loader._current() is self:
             loader._cursor = self._start + self._b
             if self._b == self._n:  # the epoch is complete: a new iter() starts the next one
@@ -423,21 +597,23 @@ class _LoaderIter:
     def _batch(self, slot: Slot) -> tuple:
         n = slot.size
         full = n == slot.images.shape[0]
-        images = slot.images if full else slot.images[:n]
+        images: Any = slot.images if full else slot.images[:n]
         if slot.labels is not None:
             labels: Any = slot.labels if full else slot.labels[:n]
         else:
             labels = list(slot.objects[:n]) if self._encode is None else self._encode(slot.objects[:n])
-        if self._columns:
-            return images, labels, {c: list(v) for c, v in slot.extras.items()}
+        spec = self._loader._spec
+        if spec.pipeline.batch is not None:  # no device stage: the batch ops run here, on the CPU
+            images, labels = run_batch_ops(spec, images, labels, self._epoch, self._start + self._b - 1)
+        if slot.extras:   # extra columns, and the sizes of padded images
+            return images, labels, batch_extras(slot)
         return images, labels
 
-    def _finish(self) -> None:
-        if not self._closed:
-            self.close()
-
     def close(self) -> None:
-        """Stop the worker threads (prompt: they check a stop flag at least every 0.1 s)."""
+        """Stop the worker threads (prompt: they check a stop flag at least every 0.1 s); a persistent
+        Loader's pipeline whose epoch was read to the end keeps running into the next one instead."""
+        if not self._closed and self._run is not None and self._feeder is None:
+            # the last batch yielded: the ring outlives this iterator
+            self._run.guard(self._g0 + self._b - 1, consumer_fence())
         self._closed = True
-        if self._run is not None:
-            self._finalizer()
+        self._finalizer()

@@ -24,6 +24,7 @@ from .base import ShardSink, Storage
 from .._system import parse_size
 from .cache import ShardCache, ShardInfo
 from .local import TempFileSink, file_sha256
+from .lock import DirectoryLock
 
 INSTALL_HINT = "pip install 'stoker[remote]'"
 #: Schemes served locally by other backends, or that fsspec knows but cannot hold a dataset.
@@ -263,6 +264,13 @@ class RemoteStorage(Storage):
 
     def open_shard_sink(self, name: str) -> ShardSink:
         return _UploadSink(self, name)
+
+    def lock(self, name: str) -> DirectoryLock:
+        """Object stores have no lock a writer can hold: this is a lock on a local file named after
+        the URL (in the cache folder), so a second pack into this URL from this machine fails at
+        once. Two machines packing into one URL are not detected: give each its own URL."""
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        return DirectoryLock(self.cache_dir / name)
 
     def remove(self, name: str) -> None:
         try:
