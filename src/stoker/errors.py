@@ -4,6 +4,7 @@ and which file, shard, row or sample it concerns.
     StokerError
     ├── ConfigError (ValueError)          a bad argument or option combination
     │   └── UnsupportedStorageError       a dataset URL no storage backend serves (s3:// today)
+    ├── MissingDependencyError (ImportError) an optional package (torch, ...) is not installed
     ├── SourceError (ValueError)          input that cannot be listed: missing path, bad list line
     ├── ImageError (ValueError)           one image that cannot be used
     │   ├── CorruptImageError             truncated, not an image, decoder failure
@@ -40,6 +41,15 @@ class UnsupportedStorageError(ConfigError):
     def __init__(self, message: str, *, location: str | None = None) -> None:
         super().__init__(message)
         self.location = location
+
+
+class MissingDependencyError(StokerError, ImportError):
+    """An optional package a feature needs is not installed; the message gives the `pip install`
+    command. `package` is the missing distribution's name."""
+
+    def __init__(self, message: str, *, package: str) -> None:
+        super().__init__(message, name=package)
+        self.package = package
 
 
 class SourceError(StokerError, ValueError):

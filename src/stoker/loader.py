@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
-import torch
 
+from ._torch import torch
 from ._system import usable_cpus
 from .errors import ConfigError
 from .order import ORDERS, epoch_order, num_batches, rank_indices, samples_per_rank
