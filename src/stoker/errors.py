@@ -24,10 +24,43 @@ and which file, shard, row or sample it concerns.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, TypeVar
+
+_E = TypeVar("_E", bound="StokerError")
 
 
 class StokerError(Exception):
-    """Base of every error stoker raises on purpose."""
+    """Base of every error stoker raises on purpose.
+
+    A message that names a fix speaks to its reader: Python arguments (``resume=True``) in
+    ``str(exc)`` for library users, command-line flags (``--resume``) in ``cli_message`` for the CLI,
+    which prints that one. Build such an error with :meth:`spelled`.
+    """
+
+    #: the message with command-line flags instead of Python arguments (None: same as str())
+    cli_message: str | None = None
+
+    @classmethod
+    def spelled(cls: type[_E], template: str, spellings: dict[str, tuple[str, str]], **kwargs: Any) -> _E:
+        """An error whose message names each fix in its reader's terms: every ``{name}`` in `template`
+        becomes ``spellings[name][0]`` (the Python argument) in ``str(exc)`` and ``spellings[name][1]``
+        (the CLI flag) in ``exc.cli_message``. Other braces in `template` are left alone."""
+        python, cli = template, template
+        for name, (argument, flag) in spellings.items():
+            python = python.replace("{" + name + "}", argument)
+            cli = cli.replace("{" + name + "}", flag)
+        exc = cls(python, **kwargs)
+        exc.cli_message = cli
+        return exc
+
+    def for_cli(self) -> str:
+        """The message a command-line user should read."""
+        return self.cli_message if self.cli_message is not None else str(self)
+
+
+#: the fixes messages most often name, as (Python argument, CLI flag)
+RESUME = ("resume=True", "--resume")
+OVERWRITE = ("overwrite=True", "--overwrite")
 
 
 class ConfigError(StokerError, ValueError):

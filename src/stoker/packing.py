@@ -19,7 +19,6 @@ import hashlib
 import io
 import fnmatch
 import json
-import sys
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -34,9 +33,10 @@ import simplejpeg
 from PIL import Image
 
 from . import codecs
+from ._progress import Progress
 from ._system import usable_cpus
-from .errors import (ConfigError, CorruptImageError, DecompressionBombError, ImageError, SourceError,
-                     StokerError, UnsupportedImageError)
+from .errors import (OVERWRITE, RESUME, ConfigError, CorruptImageError, DecompressionBombError, ImageError,
+                     SourceError, StokerError, UnsupportedImageError)
 from .integrity import shard_matches
 from .shards import MANIFEST_NAME, Manifest, ShardInfo, ShardWriter, read_manifest, shard_name, write_manifest
 from .sources import Source, SourceItem, open_source, read_bytes
@@ -111,12 +111,17 @@ class PackSummary:
     seconds: float
     shards: int
     out: Path
+    already_complete: bool = False   # a resume found the pack finished: nothing was packed this time
 
     def __str__(self) -> str:
         return self.format()
 
     def format(self) -> str:
         """One line for people: counts, shards, bytes in and out, time and images/s."""
+        if self.already_complete:
+            skipped = f" ({self.skipped:,} skipped)" if self.skipped else ""
+            return (f"{self.out} already holds a complete pack of {self.packed:,} images{skipped} in {self.shards} "
+                    f"shard(s), {_mb(self.bytes_out)}: nothing to do")
         rate = f", {self.packed / self.seconds:,.0f} images/s" if self.seconds > 0 else ""
         skipped = f" ({self.skipped:,} skipped, see {self.out / SKIPPED_NAME})" if self.skipped else ""
         return (f"packed {self.packed:,} images{skipped} into {self.shards} shard(s) in {self.out}: "
@@ -301,8 +306,8 @@ def _result(future: Future) -> list[tuple]:
     try:
         return future.result(timeout=TASK_TIMEOUT_S)
     except FutureTimeout:
-        raise StokerError(f"a pack worker spent more than {TASK_TIMEOUT_S:.0f} s on {TASK_SAMPLES} samples "
-                          "and looks stuck (storage hung?); rerun with resume=True") from None
+        raise StokerError.spelled(f"a pack worker spent more than {TASK_TIMEOUT_S:.0f} s on {TASK_SAMPLES} samples "
+                                  "and looks stuck (storage hung?); rerun with {resume}", {"resume": RESUME}) from None
 
 
 # ---------------------------------------------------------------- journal and output folder
@@ -359,9 +364,10 @@ def _load_journal(storage: Storage, header: dict[str, Any]) -> _State:
         if found.get(field_name) != header[field_name]:
             what = {"items": "number of source items", "fingerprint": "source listing (keys, labels, extras)",
                     "pack_options": "pack options or source"}[field_name]
-            raise ConfigError(f"{storage.location} holds an unfinished pack whose {what} differs from this call "
-                              f"(was {found.get(field_name)!r}, now {header[field_name]!r}); resume with the "
-                              "same source and options, or pass overwrite=True (--overwrite) to start over")
+            raise ConfigError.spelled(
+                f"{storage.location} holds an unfinished pack whose {what} differs from this call "
+                f"(was {found.get(field_name)!r}, now {header[field_name]!r}); resume with the "
+                "same source and options, or pass {overwrite} to start over", {"overwrite": OVERWRITE})
     state, kept = _State(), [lines[0]]
     for line in lines[1:]:
         try:
@@ -387,15 +393,17 @@ def _load_journal(storage: Storage, header: dict[str, Any]) -> _State:
 def _finished_summary(storage: Storage, pack_options: dict[str, Any], started: float) -> PackSummary:
     manifest = read_manifest(storage)
     if manifest.pack_options != pack_options:
-        raise ConfigError(f"{storage.location} already holds a finished pack made with other options or another "
-                          f"source ({manifest.pack_options}); pass overwrite=True (--overwrite) to re-pack")
+        raise ConfigError.spelled(
+            f"{storage.location} already holds a finished pack made with other options or another "
+            f"source ({manifest.pack_options}); pass {{overwrite}} to re-pack", {"overwrite": OVERWRITE})
     _remove(storage, [JOURNAL_NAME])
     try:
         skipped = len(storage.read_bytes(SKIPPED_NAME).splitlines())
     except FileNotFoundError:
         skipped = 0
     return PackSummary(manifest.num_samples, skipped, 0, sum(s.bytes for s in manifest.shards),
-                       time.perf_counter() - started, len(manifest.shards), Path(storage.location))
+                       time.perf_counter() - started, len(manifest.shards), Path(storage.location),
+                       already_complete=True)
 
 
 def _prepare_out(storage: Storage, header: dict[str, Any], resume: bool, overwrite: bool) -> _State | None:
@@ -417,9 +425,9 @@ def _prepare_out(storage: Storage, header: dict[str, Any], resume: bool, overwri
         _remove(storage, owned)  # shards with no journal are not ours to trust
     elif owned:
         state = "a finished pack" if has_manifest else "an unfinished pack"
-        raise ConfigError(f"{storage.location} already holds {state} ({owned[0]}, ...); pass resume=True "
-                          "(--resume) to finish it, overwrite=True (--overwrite) to replace it, or choose an "
-                          "empty directory")
+        raise ConfigError.spelled(
+            f"{storage.location} already holds {state} ({owned[0]}, ...); pass {{resume}} to finish it, "
+            "{overwrite} to replace it, or choose an empty directory", {"resume": RESUME, "overwrite": OVERWRITE})
     _append_line(storage, header)
     return _State()
 
@@ -430,12 +438,6 @@ def _where(item: SourceItem) -> str:
     if item.path is not None:
         return str(item.path)
     return f"{item.container}:{item.key}"
-
-
-def _progress(total: int, initial: int, enabled: bool) -> Any:
-    from tqdm.auto import tqdm
-    return tqdm(total=total, initial=initial, unit="img", desc="pack", dynamic_ncols=True,
-                disable=not (enabled and sys.stderr.isatty()))
 
 
 class _Packer:
@@ -493,7 +495,8 @@ def pack(src: str | Path | Source, out: str | Path, *, options: PackOptions | No
     started = time.perf_counter()
     options = options or PackOptions()
     if resume and overwrite:
-        raise ConfigError("resume=True and overwrite=True contradict each other; pass one of them")
+        raise ConfigError.spelled("{resume} and {overwrite} contradict each other; pass one of them",
+                                  {"resume": RESUME, "overwrite": OVERWRITE})
     storage = open_storage(out)  # before listing: a URL is refused at once
     source = src if isinstance(src, Source) else open_source(src, **source_options)
     pack_options = {**options.output_options(), "source": source.description, "source_kind": source.kind}
@@ -505,7 +508,7 @@ def pack(src: str | Path | Source, out: str | Path, *, options: PackOptions | No
     packer = _Packer(storage, source, options, state)
     remaining = len(source.items) - state.consumed
     workers = max(1, min(options.workers or usable_cpus(), -(-remaining // TASK_SAMPLES)))
-    bar = _progress(len(source.items), state.consumed, progress)
+    bar = Progress("pack", len(source.items), initial=state.consumed, enabled=progress)
     pos = state.consumed
     stream = _run_in_order(_tasks(source.items, pos, TASK_SAMPLES), options, workers)
     try:
@@ -515,7 +518,7 @@ def pack(src: str | Path | Source, out: str | Path, *, options: PackOptions | No
                 pos += 1
             bar.update(len(results))
             if packer.pending:
-                bar.set_postfix(skipped=len(state.skipped), refresh=False)
+                bar.set_postfix(skipped=len(state.skipped))
         if packer.writer.rows:
             packer.close_shard(pos)
     except BaseException:

@@ -83,5 +83,6 @@ def _detect_kind(path: Path) -> str:
     for kind, fmt in FORMATS.items():
         if fmt.detect(path):
             return kind
-    raise SourceError(f"cannot tell what kind of source {path} is from its name; expected a "
-                      "folder, .txt, .csv or .tar (or pass kind=...)", path=path)
+    raise SourceError.spelled(f"cannot tell what kind of source {path} is from its name; expected a "
+                              "folder, .txt, .csv or .tar (or pass {kind})", {"kind": ("kind=...", "--kind ...")},
+                              path=path)
