@@ -332,3 +332,38 @@ def test_time_out_names_the_batch(packed: Path) -> None:
     loader = Loader(packed, 4, transforms=[*TRAIN, stuck], num_threads=1, timeout=0.3)
     with pytest.raises(TimeoutError, match="batch 0"):
         next(iter(loader))
+
+
+def test_a_bug_in_a_user_transform_is_named_and_never_skipped(packed: Path) -> None:
+    from stoker.errors import UserTransformError
+
+    def buggy(img: np.ndarray) -> np.ndarray:
+        return img[:, :, :, None].squeeze(axis=1)   # a user's mistake: axis 1 has size 32
+
+    for on_error in ("raise", "skip"):
+        loader = Loader(packed, 8, transforms=[*TRAIN, buggy], num_threads=2, on_error=on_error)
+        with pytest.raises(UserTransformError) as info:
+            next(iter(loader))
+        loader.close()
+        exc = info.value
+        assert exc.transform == "buggy" and exc.key is not None and exc.index is not None
+        assert str(exc).startswith("transform buggy raised ValueError: ")
+        assert "error in the transform's code, not in the data: fix buggy" in str(exc)
+        assert "re-pack" not in str(exc)
+        assert isinstance(exc.__cause__, ValueError)   # the transform's own exception and traceback
+
+
+def test_corrupt_data_still_gets_the_data_advice(tmp_path: Path) -> None:
+    bad = build_packed(tmp_path / "bad", 20, shards=1, corrupt=(3,))
+    with Loader(bad, 20, transforms=TRAIN, order="sequential") as loader:
+        with pytest.raises(SampleError) as info:
+            next(iter(loader))
+    assert type(info.value) is SampleError
+    assert "Pass on_error='skip' to replace failing samples, or re-pack" in str(info.value)
+
+
+def test_pin_memory_without_cuda_is_a_config_error(packed: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available: pinned memory works here")
+    with pytest.raises(ConfigError, match=r"pin_memory=True needs CUDA.*pin_memory=None"):
+        Loader(packed, 8, transforms=TRAIN, pin_memory=True)

@@ -16,6 +16,7 @@ and which file, shard, row or sample it concerns.
     │   └── IncompletePackError           a pack that has not finished (no manifest yet)
     ├── DatasetClosedError (ValueError)   a dataset used after close()
     ├── SampleError (RuntimeError)        loading one sample failed inside the Loader
+    │   └── UserTransformError            the user's own transform raised: a bug in that code, not bad data
     ├── LoaderClosedError (RuntimeError)  the loader was closed while a batch was awaited
     ├── WorkerError (RuntimeError)        a loader thread died outside any one sample
     └── LoaderTimeoutError (TimeoutError) a wait for data exceeded its timeout
@@ -153,6 +154,17 @@ class SampleError(StokerError, RuntimeError):
         self.shard = shard
         self.row = row
         self.index = index
+
+
+class UserTransformError(SampleError):
+    """A transform the user passed (a callable in ``transforms=``) raised, or returned something that is
+    not a uint8 HxWx3 array: a bug in that code, not in the data, so ``on_error="skip"`` does not hide it
+    and re-packing does not help. ``transform`` names it; its exception is ``__cause__``."""
+
+    def __init__(self, message: str, *, transform: str, key: str | None = None, shard: str | None = None,
+                 row: int | None = None, index: int | None = None) -> None:
+        super().__init__(message, key=key, shard=shard, row=row, index=index)
+        self.transform = transform
 
 
 class LoaderTimeoutError(StokerError, TimeoutError):

@@ -138,6 +138,10 @@ class Loader:
         if missing:
             raise ConfigError(f"{ds.path}: no column(s) {missing}; the dataset has extra columns {ds.extra_columns}")
         self.rank, self.world_size = _distributed(rank, world_size)
+        if pin_memory and not torch.cuda.is_available():
+            raise ConfigError("pin_memory=True needs CUDA, and torch finds no CUDA device here (a CPU-only "
+                              "torch build, or no driver); pass pin_memory=None (pinned only when CUDA is "
+                              "available) or pin_memory=False")
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         self._stage: DeviceStage | None = None  # one copy stream per loader, made on first use
         self._gpu: Any = None  # the GpuBatchDecoder (decode="gpu")

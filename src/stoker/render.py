@@ -27,7 +27,7 @@ import torch
 
 from . import codecs
 from .device import DeviceStage, convert
-from .errors import DatasetError, SampleError
+from .errors import DatasetError, SampleError, UserTransformError
 from .gpu_decode import GpuJob
 from .order import replacement_index, sample_keys, uniforms
 from .reader import Dataset, PackedDataset
@@ -114,6 +114,8 @@ class Filler:
                 self.queue_gpu(idx, int(plan.keys[row]), plan.u[row], box, row, slot, scratch, times)
             else:
                 self.render(idx, int(plan.keys[row]), plan.u[row], box, slot.images_np[row], scratch, times)
+        except UserTransformError as exc:  # a bug in the user's code: no data fix, never skipped
+            raise self.transform_error(idx, exc) from (exc.__cause__ or exc)
         except Exception as exc:
             if self.on_error == "raise":
                 raise self.sample_error(idx, exc) from exc
@@ -209,6 +211,8 @@ class Filler:
             box = None if geo is None else (geo.box[0].tolist(), bool(geo.flip[0]))
             try:
                 self.render(r, int(key[0]), u[0], box, slot.images_np[row], scratch, times)
+            except UserTransformError as exc:
+                raise self.transform_error(r, exc) from (exc.__cause__ or exc)
             except Exception:
                 continue
             if slot.labels_np is not None:
@@ -235,6 +239,13 @@ class Filler:
             except DatasetError:  # the shard itself is what failed (deleted, truncated): no key to read
                 key = None
         return key, shard, row
+
+    def transform_error(self, idx: int, exc: UserTransformError) -> UserTransformError:
+        key, shard, row = self._describe(idx, exc)
+        return UserTransformError(f"{exc} on sample {key!r} (shard {shard}, row {row}, index {idx}). This is an "
+                                  f"error in the transform's code, not in the data: fix {exc.transform} "
+                                  f"(on_error='skip' replaces only samples whose data fails)",
+                                  transform=exc.transform, key=key, shard=shard, row=row, index=idx)
 
     def sample_error(self, idx: int, exc: BaseException, extra: str = "") -> SampleError:
         key, shard, row = self._describe(idx, exc)
