@@ -7,11 +7,11 @@ TORCH ?= torch==2.13.0
 
 .PHONY: demo test bench dist setup clean
 
-$(BIN)/stoker: pyproject.toml
+$(BIN)/stoker: pyproject.toml setup.py csrc/jpeg_region.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[test,plot,dist]"
+	$(BIN)/pip install -q -e ".[test,test-formats,plot,dist]"
 	@touch $@
 
 setup: $(BIN)/stoker

@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from stoker.errors import ConfigError
+from stoker.reader import open_dataset
 from stoker.tools.baseline import (_TVCenterCrop, _TVRandomResizedCrop, _TVResize, _tv_to_normalized_tensor,
                                    list_image_folder)
 from stoker.tools.bench import NOTE, BenchResult, PipelineResult, format_table, machine_info, run_bench
@@ -83,6 +84,24 @@ def test_stoker_pipelines_in_process(tiny_root: Path, tmp_path: Path) -> None:
         _check_ran(p, 64)  # type: ignore[arg-type]
         assert p.ratio is not None and p.ratio > 0  # type: ignore[union-attr]
     assert result.get("stoker-val").ratio_to == "baseline-val"  # type: ignore[union-attr]
+
+
+def test_recipes_fast_mode_and_overhead_in_process(tiny_root: Path, tmp_path: Path) -> None:
+    result = run_bench(tiny_root, batch_size=16, rounds=1, workers=2, isolate=False, out_dir=tmp_path,
+                       pipelines=("baseline", "stoker-train", "stoker-train-fast", "stoker-train-raw256",
+                                  "stoker-train-jpeg256", "overhead"))
+    for name in ("stoker-train", "stoker-train-fast", "stoker-train-raw256", "stoker-train-jpeg256"):
+        _check_ran(result.get(name), 64)  # type: ignore[arg-type]
+    disk = {p.name: p.disk_bytes for p in result.pipelines}
+    # 150x200 JPEGs: raw pixels cost more bytes than the packed JPEGs; nothing is read from nowhere
+    assert disk["stoker-train-raw256"] > disk["stoker-train"] > 0 and disk["baseline"] > 0
+    raw = open_dataset(tmp_path / "packed-raw256")
+    assert {raw.sample(i).encoding for i in range(len(raw))} == {"raw"}
+    overhead = result.get("overhead")
+    _check_ran(overhead, 20_000)  # type: ignore[arg-type]
+    assert overhead.ratio is None  # type: ignore[union-attr]
+    table = format_table(result)
+    assert "Per-sample overhead:" in table and "µs per sample on one thread" in table and "disk (MB)" in table
 
 
 @pytest.mark.slow   # the CLI measures in a child process

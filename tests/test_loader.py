@@ -367,3 +367,37 @@ def test_pin_memory_without_cuda_is_a_config_error(packed: Path) -> None:
         pytest.skip("CUDA is available: pinned memory works here")
     with pytest.raises(ConfigError, match=r"pin_memory=True needs CUDA.*pin_memory=None"):
         Loader(packed, 8, transforms=TRAIN, pin_memory=True)
+
+
+def _epoch(loader: Loader) -> list[np.ndarray]:
+    with loader:
+        return [images.numpy().copy() for images, *_ in loader]
+
+
+@pytest.mark.parametrize("transforms", [TRAIN, [Resize(40), CenterCrop(36)]], ids=["train", "val"])
+def test_region_decoder_changes_no_pixel(packed, monkeypatch, transforms):
+    """Decoding only the crop's rectangle gives the batches a whole decode gives, byte for byte."""
+    from stoker import _libjpeg, codecs
+
+    if not codecs.region_decode_available():
+        pytest.skip(_libjpeg.describe())
+    with_region = _epoch(Loader(packed, 8, transforms=transforms, seed=3, num_threads=2))
+    monkeypatch.setattr(_libjpeg, "_state", (None, "turned off for this test"))
+    assert not codecs.region_decode_available()
+    whole = _epoch(Loader(packed, 8, transforms=transforms, seed=3, num_threads=1))
+    assert len(with_region) == len(whole)
+    for a, b in zip(with_region, whole):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_fast_decode_quality_is_close_and_deterministic(packed):
+    accurate = _epoch(Loader(packed, 8, transforms=TRAIN, seed=4, num_threads=2))
+    fast = _epoch(Loader(packed, 8, transforms=TRAIN, seed=4, num_threads=2, decode_quality="fast"))
+    fast_again = _epoch(Loader(packed, 8, transforms=TRAIN, seed=4, num_threads=1, decode_quality="fast"))
+    for a, f, g in zip(accurate, fast, fast_again):
+        np.testing.assert_array_equal(f, g)
+    a, f = np.concatenate(accurate).astype(np.float64), np.concatenate(fast)
+    mse = np.mean((a - f) ** 2)
+    assert 0 < mse and 10 * np.log10(255**2 / mse) > 30  # PSNR, dB
+    with pytest.raises(ConfigError, match="decode_quality must be one of"):
+        Loader(packed, 8, transforms=TRAIN, decode_quality="turbo")

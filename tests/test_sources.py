@@ -92,25 +92,30 @@ def test_file_list_malformed_line_is_named(tmp_path: Path, text: str, line: int)
     assert info.value.line == line and info.value.path == str(listing)
 
 
-def test_path_escape_refused(tmp_path: Path) -> None:
+def test_list_is_trusted_absolute_and_outside_paths_work(tmp_path: Path) -> None:
+    """A user's own list may name files anywhere (the train.txt the field writes); root= only
+    decides what keys are relative to."""
     root = tmp_path / "data"
     _jpeg(root / "ok.jpg")
-    outside = _jpeg(tmp_path / "secret.jpg")
+    outside = _jpeg(tmp_path / "elsewhere" / "1.JPEG")
     listing = root / "l.txt"
-    for bad in ["../secret.jpg", str(outside), "sub/../../secret.jpg"]:
-        listing.write_text(f"ok.jpg 0\n{bad} 1\n")
-        with pytest.raises(SourceError, match="line 2.*outside the source root"):
-            open_source(listing)
-    # a symlink inside the root that points out of it
+    listing.write_text(f"ok.jpg 0\n../elsewhere/1.JPEG 1\n{outside} 2\n")
+    with pytest.raises(SourceError, match="line 3: .*already listed on line 2"):
+        open_source(listing)   # the same file twice, once relative, once absolute
+    listing.write_text(f"ok.jpg 0\n{outside} 1\n")
+    src = open_source(listing)
+    assert [(i.key, i.path, i.label) for i in src.items] == [
+        ("ok.jpg", root / "ok.jpg", 0), (outside.as_posix(), outside, 1)]
+    # root= makes keys relative to it, and relative paths resolve against it
+    listing.write_text("elsewhere/1.JPEG 1\n")
+    assert [i.key for i in open_source(listing, root=tmp_path).items] == ["elsewhere/1.JPEG"]
+    listing.write_text(f"{outside} 1\n")
+    with pytest.raises(SourceError, match="line 1: .*not under the root .*--root / root="):
+        open_source(listing, root=root)
+    # a folder source still refuses a symlink out of its tree
     os.symlink(outside, root / "link.jpg")
-    listing.write_text("link.jpg 1\n")
-    with pytest.raises(SourceError, match="outside"):
-        open_source(listing)
     with pytest.raises(SourceError, match="symlink"):
         open_source(root, kind="files")
-    # root= widens what is allowed
-    listing.write_text(f"{outside} 1\n")
-    assert open_source(listing, root=tmp_path).items[0].key == "secret.jpg"
 
 
 def test_symlinks_inside_root_are_followed_once(tmp_path: Path) -> None:
@@ -163,8 +168,11 @@ def test_missing_empty_and_unknown_sources(tmp_path: Path) -> None:
     with pytest.raises(SourceError, match="lists no images"):
         open_source(tmp_path / "l.txt")
     (tmp_path / "x.parquet").write_bytes(b"")
-    with pytest.raises(SourceError, match="cannot tell"):
+    with pytest.raises(SourceError, match="cannot read .*x.parquet as Parquet"):
         open_source(tmp_path / "x.parquet")
+    (tmp_path / "x.zip").write_bytes(b"PK")
+    with pytest.raises(SourceError, match="cannot tell .*--kind: one of .*webdataset, tfrecord, hf, lmdb, hdf5"):
+        open_source(tmp_path / "x.zip")
     with pytest.raises(SourceError, match="unknown source kind"):
         open_source(tmp_path, kind="zip")
 
@@ -198,9 +206,29 @@ def test_tar_source_reads_members_by_offset(tmp_path: Path) -> None:
                 _add(tf, f"s{i}.jpg", blob)
                 _add(tf, f"s{i}.cls", str(i % 2).encode())
     src = open_source(shard_dir)
-    assert src.kind == "tar" and src.label_type == "int64"
+    assert src.kind == "webdataset" and src.label_type == "int64"
     assert [i.key for i in src.items] == list(blobs)
     assert [i.label for i in src.items] == [0, 1, 0, 0, 1, 0]
     assert all(i.read() == blobs[i.key] for i in src.items)
     one = open_source(shard_dir / "part-1.tar")
     assert [i.key for i in one.items] == ["s0.jpg", "s1.jpg", "s2.jpg"]
+
+
+def test_multi_label_cells_and_mixed_labels(tmp_path: Path) -> None:
+    for name in ["a.jpg", "b.jpg", "c.jpg"]:
+        _jpeg(tmp_path / name)
+    table = tmp_path / "m.csv"
+    table.write_text('path,label\na.jpg,"[1, 3]"\nb.jpg,2 5\nc.jpg,[]\n')
+    src = open_source(table)
+    assert src.label_type == "list<int64>" and [i.label for i in src.items] == [[1, 3], [2, 5], []]
+    table.write_text("path,label\na.jpg,golden retriever\nb.jpg,cat\n")   # a name with a space stays one name
+    assert open_source(table).classes == ["cat", "golden retriever"]
+    table.write_text('path,label\na.jpg,"[""cat"", ""dog""]"\nb.jpg,dog\n')
+    src = open_source(table)
+    assert src.classes == ["cat", "dog"] and [i.label for i in src.items] == [[0, 1], [1]]
+    listing = tmp_path / "l.txt"
+    listing.write_text("a.jpg 3\nb.jpg cat\nc.jpg 4\n")
+    with pytest.raises(SourceError, match=r"l.txt line 2: label 'cat' is a name while .*l.txt line 1 has the number '3'"):
+        open_source(listing)
+    listing.write_text("a.jpg 0.5\nb.jpg 2\n")   # ints and floats together: float regression targets
+    assert [i.label for i in open_source(listing).items] == [0.5, 2.0]

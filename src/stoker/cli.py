@@ -121,9 +121,11 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     options = PackOptions(max_side=args.max_side, encoding=args.encoding, jpeg_quality=args.jpeg_quality,
                           raw_below=args.raw_below, shard_size=args.shard_size, workers=args.workers,
                           on_error=args.on_error, max_pixels=args.max_pixels)
-    source_options = {"kind": args.kind, "label_column": args.label_column, "path_column": args.path_column}
+    source_options = {"kind": args.kind, "label_column": None if args.no_labels else args.label_column,
+                      "path_column": args.path_column, "image_column": args.image_column, "root": args.root}
+    src = args.src[0] if len(args.src) == 1 else list(args.src)   # several: a list of WebDataset shards
     with contextlib.nullcontext() if args.verbose else _quiet_native_output():
-        summary = pack(args.src, args.out, options=options, resume=args.resume, overwrite=args.overwrite,
+        summary = pack(src, args.out, options=options, resume=args.resume, overwrite=args.overwrite,
                        progress=not (args.no_progress or args.quiet), **source_options)
     print(summary.format())
     return 0
@@ -185,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"stoker {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    from .sources import KINDS
+
     p = sub.add_parser("synth", help="write ImageNet-like sample JPEGs to try the other commands on")
     p.add_argument("out", help="output folder (created)")
     p.add_argument("--images", type=_positive, default=1000, metavar="N", help="how many images (default 1000)")
@@ -196,11 +200,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quiet(p)
     p.set_defaults(func=_cmd_synth)
 
-    p = sub.add_parser("pack", help="pack images (ImageFolder, file list, CSV, tar) into Arrow shards")
-    p.add_argument("src", help="ImageFolder directory, 'path label' .txt list, .csv, .tar or folder of .tar")
+    p = sub.add_parser("pack", help="pack images (folders, lists, CSV, WebDataset, Hugging Face, LMDB, TFRecord, "
+                       "HDF5) into Arrow shards")
+    p.add_argument("src", nargs="+", metavar="SRC",
+                   help="ImageFolder directory, 'path label' .txt list, .csv, WebDataset .tar/.tar.gz shards "
+                        "(a file, a folder, a brace pattern like 'train-{000000..000146}.tar' in quotes, or "
+                        "several files), .parquet/.arrow files or a saved Hugging Face dataset folder, an LMDB "
+                        "environment, TFRecord files (a file or folder), an .h5 file")
     p.add_argument("out", help="output dataset directory")
-    p.add_argument("--kind", default="auto", choices=["auto", "folder", "list", "csv", "tar", "files"],
-                   help="how to read SRC (default: guess from what it is)")
+    p.add_argument("--kind", default="auto", choices=list(KINDS),
+                   help="how to read SRC (default: auto, recognized by name or content); tar = webdataset")
     p.add_argument("--max-side", type=_positive, default=None, metavar="PX",
                    help="resize so the longer side is at most PX pixels (never upscales)")
     p.add_argument("--encoding", default="keep", choices=["keep", "jpeg", "raw"],
@@ -220,8 +229,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "the files pack writes)")
     p.add_argument("--verbose", action="store_true", help="let decoder libraries print their warnings "
                    "(they are hidden by default: skipped.jsonl has every skipped file's reason)")
-    p.add_argument("--label-column", default="label", help="CSV column holding labels")
+    p.add_argument("--label-column", default="label", metavar="NAME",
+                   help="where labels are: a CSV or Hugging Face column, a TFRecord feature, an HDF5 dataset, a "
+                        "WebDataset .json field (default: 'label', else the format's usual name, e.g. "
+                        "image/class/label for TFRecord)")
+    p.add_argument("--no-labels", action="store_true", help="pack without labels even where SRC has some")
+    p.add_argument("--image-column", default=None, metavar="NAME",
+                   help="where images are: a Hugging Face column, a TFRecord feature or an HDF5 dataset "
+                        "(default: image, image/encoded, images, ...)")
     p.add_argument("--path-column", default="path", help="CSV column holding image paths")
+    p.add_argument("--root", type=Path, default=None, metavar="DIR",
+                   help="lists and CSVs: resolve relative paths against DIR and make keys relative to it "
+                        "(default: the list's folder; absolute paths work either way)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or progress log lines")
     _add_quiet(p)
     p.set_defaults(func=_cmd_pack)

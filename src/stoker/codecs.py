@@ -1,7 +1,11 @@
 """Probe, decode and encode images.
 
-Two paths, one result (upright RGB uint8 ``[H, W, 3]``):
+Three paths, one result (upright RGB uint8 ``[H, W, 3]``):
 
+- the region path: one rectangle of a JPEG at a DCT scale of n/8 (:func:`decode_jpeg_region`),
+  through libjpeg-turbo's partial decode, so a crop costs a fraction of a full decode. It needs the
+  optional compiled extension (see ``_libjpeg``); its pixels are exactly those of the fast path
+  followed by a crop, so the output does not depend on whether it is installed;
 - the fast path: JPEG through libjpeg-turbo (simplejpeg), which releases the GIL and can
   downscale in the DCT domain by n/8, so a crop that will be shrunk is never decoded at
   full size;
@@ -22,6 +26,7 @@ import numpy as np
 import simplejpeg
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from . import _libjpeg
 from .errors import (
     CorruptImageError,
     DecompressionBombError,
@@ -205,7 +210,7 @@ def jpeg_scaled_shape(height: int, width: int, min_height: int, min_width: int,
 
 
 def _decode_jpeg(data: Buffer, key: str, height: int, width: int, min_height: int,
-                 min_width: int, out: np.ndarray | None, powers_of_two: bool) -> np.ndarray:
+                 min_width: int, out: np.ndarray | None, powers_of_two: bool, fast: bool) -> np.ndarray:
     if _nbytes(data) == 0:
         raise CorruptImageError(key, "sample is empty (0 bytes)")
     if out is None:
@@ -224,8 +229,8 @@ def _decode_jpeg(data: Buffer, key: str, height: int, width: int, min_height: in
         if height and width and (min_height > 0 or min_width > 0):
             req_h, req_w = jpeg_scaled_shape(height, width, min_height, min_width,
                                              powers_of_two=powers_of_two)
-        return simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=req_h,
-                                      min_width=req_w, buffer=out)
+        return simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=req_h, min_width=req_w,
+                                      buffer=out, fastdct=fast, fastupsample=fast)
     except ValueError as exc:
         message = str(exc)
     # CMYK/YCCK and other colour spaces TurboJPEG will not turn into RGB: Pillow handles them.
@@ -240,18 +245,19 @@ def _decode_jpeg(data: Buffer, key: str, height: int, width: int, min_height: in
 
 def decode_rgb(data: Buffer, encoding: str, key: str, *, height: int = 0, width: int = 0,
                min_height: int = 0, min_width: int = 0, out: np.ndarray | None = None,
-               powers_of_two: bool = True) -> np.ndarray:
+               powers_of_two: bool = True, fast: bool = False) -> np.ndarray:
     """Decode one stored sample into upright RGB ``uint8 [h, w, 3]``.
 
     - ``"jpeg"``: libjpeg-turbo; with ``min_height``/``min_width`` the image is downscaled in
       the DCT domain to the smallest n/8 size that still meets them (height/width, when known,
       spare a header parse). The pixels go into ``out`` when given (a C-contiguous uint8 buffer
-      of at least h*w*3 bytes), so a worker can decode without allocating.
+      of at least h*w*3 bytes), so a worker can decode without allocating. ``fast``: libjpeg-turbo's
+      fast integer IDCT and plain (not smooth) chroma upsampling; see docs/decoding.md for the cost.
     - ``"raw"``: a zero-copy view of the bytes as ``[height, width, 3]``.
     - anything else: :func:`decode_pillow_rgb` (full size).
     """
     if encoding == "jpeg":
-        return _decode_jpeg(data, key, height, width, min_height, min_width, out, powers_of_two)
+        return _decode_jpeg(data, key, height, width, min_height, min_width, out, powers_of_two, fast)
     if encoding == "raw":
         flat = np.frombuffer(data, dtype=np.uint8)
         if height <= 0 or width <= 0 or flat.size != height * width * 3:
@@ -259,6 +265,49 @@ def decode_rgb(data: Buffer, encoding: str, key: str, *, height: int = 0, width:
                 key, f"raw sample holds {flat.size} bytes, expected {height}x{width}x3 = {height * width * 3}")
         return flat.reshape(height, width, 3)
     return decode_pillow_rgb(data, key)
+
+
+def region_decode_available() -> bool:
+    """True when :func:`decode_jpeg_region` can serve requests (the optional extension is built
+    and found a libjpeg-turbo); ``_libjpeg.describe()`` says why not."""
+    return _libjpeg.region_decoder() is not None
+
+
+def decode_jpeg_region(data: Buffer, key: str, *, height: int, width: int, scale: int,
+                       window: tuple[int, int, int, int], out: np.ndarray | None = None,
+                       fast: bool = False, max_pixels: int = MAX_PIXELS) -> np.ndarray | None:
+    """Rows ``y0:y1`` and columns ``x0:x1`` (``window``) of a ``height`` x ``width`` JPEG decoded at
+    ``scale``/8 of its size (the scaled size is ``ceil(height * scale / 8)`` by ``ceil(width * scale / 8)``).
+
+    The pixels are exactly those of the whole image decoded at that scale (:func:`decode_rgb` with
+    the same ``fast``) and then cropped, but rows below the window are never decoded, rows above it
+    are only entropy-decoded, and only the MCU columns covering it go through the inverse DCT.
+    Returns an ``[y1-y0, x1-x0, 3]`` array (a view of ``out`` when given), or None when this path
+    does not serve the file (region decoder not installed, CMYK/YCCK, damaged data, more than
+    ``max_pixels`` pixels): the caller then decodes the whole image, which says what is wrong.
+    Raises CorruptImageError when the header's size disagrees with ``height`` x ``width``.
+    """
+    mod = _libjpeg.region_decoder()
+    if mod is None or not 1 <= scale <= 8:
+        return None
+    y0, y1, x0, x1 = window
+    if not (0 <= y0 < y1 and 0 <= x0 < x1):
+        raise ValueError(f"window must be (y0, y1, x0, x1) with 0 <= y0 < y1 and 0 <= x0 < x1, got {window}")
+    shape = (y1 - y0, x1 - x0, 3)
+    n = shape[0] * shape[1] * 3
+    dst = np.empty(shape, np.uint8) if out is None else out.reshape(-1)[:n].reshape(shape)
+    try:
+        got = mod.decode(data, dst, scale, y0, y1, x0, x1, fast=fast, max_pixels=float(max_pixels))
+    except (mod.JpegError, mod.UnsupportedError, mod.TooLargeError):
+        return None
+    except ValueError as exc:  # a window outside the decoded image: the stored size is wrong
+        raise CorruptImageError(key, f"header size disagrees with the stored size {height}x{width}: {exc}") from None
+    want = (math.ceil(height * scale / 8), math.ceil(width * scale / 8))
+    if tuple(got[:2]) != want:
+        raise CorruptImageError(
+            key, f"header size gives {got[0]}x{got[1]} at scale {scale}/8, the stored size "
+                 f"{height}x{width} gives {want[0]}x{want[1]}; re-pack the dataset")
+    return dst
 
 
 def sniff_jpeg(data: Buffer) -> bool:

@@ -34,6 +34,7 @@ import numpy as np
 from ._torch import torch
 from ._system import usable_cpus
 from .errors import ConfigError
+from .labels import multi_label_spec
 from .order import ORDERS, epoch_order, num_batches, rank_indices, samples_per_rank
 from .reader import Dataset, PackedDataset, open_dataset, open_loose
 from .device import DeviceOptions, DeviceStage, as_device_options
@@ -46,6 +47,9 @@ from .transforms import Pipeline
 __all__ = ["Loader", "LoaderStats"]
 
 _STATE_FORMAT = "stoker.Loader/1"
+#: "accurate": libjpeg-turbo's exact IDCT and smooth chroma upsampling (what simplejpeg and Pillow
+#: give); "fast": its fast IDCT and plain upsampling, a few % less CPU (docs/decoding.md).
+DECODE_QUALITIES = ("accurate", "fast")
 
 
 def _open_source(source: str | Path | Dataset) -> tuple[Dataset, bool]:
@@ -83,13 +87,17 @@ class Loader:
     """Batches of decoded, augmented images from a packed dataset, an ImageFolder tree or a file list.
 
     Yields `(images, labels)`: images `uint8 [B, H, W, 3]` (pinned memory when CUDA is available),
-    labels `int64 [B]` (float64 for float labels, a list for string/list labels), plus a dict of
+    labels `int64 [B]` (float64 for float labels, a list for string labels), plus a dict of
     lists `{column: values}` as a third item when `columns` names extra shard columns.
+    Multi-label datasets (lists of class indices) give `float32 [B, num_classes]` multi-hot rows
+    (`multi_label="multi-hot"`), `int64 [B, K]` indices padded with -1 (`"indices"`), or the lists
+    (`"list"`); `num_classes` defaults to the manifest's classes (see `stoker.labels`).
 
     `order`: "random" (a full shuffle per epoch), "sequential" (dataset order) or "shard_random"
     (shuffled shards, samples shuffled within a window: for remote data). `device`: None (the uint8
     batches above), a device ("cuda", "cuda:1", "cpu": images `uint8 [B, 3, H, W]` there, numeric
     labels too) or a `DeviceOptions` (normalize, dtype, memory_format, decode="gpu", gpu_decoder).
+    `decode_quality`: "accurate" or "fast" (CPU JPEG decode; see `DECODE_QUALITIES`).
     """
 
     def __init__(self, source: str | Path | Dataset, batch_size: int, *, transforms: Sequence[Any] | None = None,
@@ -97,7 +105,8 @@ class Loader:
                  prefetch: int = 2, columns: Sequence[str] = (), on_error: str = "raise",
                  rank: int | None = None, world_size: int | None = None, pin_memory: bool | None = None,
                  timeout: float = 120.0, device: str | int | torch.device | DeviceOptions | None = None,
-                 shuffle: bool | None = None) -> None:
+                 multi_label: str = "multi-hot", num_classes: int | None = None,
+                 decode_quality: str = "accurate", shuffle: bool | None = None) -> None:
         if shuffle is not None:  # the 0.1 spelling, kept while it costs nothing
             warnings.warn("Loader(shuffle=) is deprecated: pass order='random' or order='sequential'",
                           DeprecationWarning, stacklevel=2)
@@ -115,8 +124,12 @@ class Loader:
             raise ConfigError(f"num_threads must be a positive int or None (all usable CPUs), got {num_threads!r}")
         if not timeout > 0:
             raise ConfigError(f"timeout must be positive seconds, got {timeout!r}")
+        if decode_quality not in DECODE_QUALITIES:
+            raise ConfigError(f"decode_quality must be one of {DECODE_QUALITIES}, got {decode_quality!r}")
+        self.decode_quality = decode_quality
         self.pipeline = Pipeline(transforms)
         self.device = _device_options(device, self.pipeline)
+        self._multi_label_args = (multi_label, num_classes)   # checked against the labels in _setup
         self.dataset, self._owns_dataset = _open_source(source)
         try:
             self._setup(batch_size, seed, drop_last, num_threads, prefetch, columns, on_error,
@@ -158,8 +171,9 @@ class Loader:
             # touching the mapping, which a shard truncated mid-epoch would turn into a SIGBUS
             labels = np.array(labels)
         self._label_dtype = labels.dtype if labels.dtype.kind in "iufb" else None
+        multi = multi_label_spec(labels, ds.classes, *self._multi_label_args)
         self._spec = RenderSpec(batch_size, self.output_size, self.pipeline, self.seed, on_error, self.columns,
-                                labels, heights, widths)
+                                labels, heights, widths, multi_label=multi, decode_quality=self.decode_quality)
         self._shard_rows = [s.rows for s in ds.manifest.shards] if isinstance(ds, PackedDataset) else None
         self._epoch, self._cursor, self._started = 0, 0, False
         self.stats = LoaderStats()
@@ -336,6 +350,7 @@ class _LoaderIter:
             if self._feeder is not None:
                 self._feeder.start()
         self._columns = loader.columns
+        self._encode = loader._spec.multi_label
 
     def __iter__(self) -> "_LoaderIter":
         return self
@@ -370,7 +385,7 @@ class _LoaderIter:
         if slot.labels is not None:
             labels: Any = slot.labels if full else slot.labels[:n]
         else:
-            labels = list(slot.objects[:n])
+            labels = list(slot.objects[:n]) if self._encode is None else self._encode(slot.objects[:n])
         if self._columns:
             return images, labels, {c: list(v) for c, v in slot.extras.items()}
         return images, labels

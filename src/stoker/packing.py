@@ -39,7 +39,7 @@ from .errors import (OVERWRITE, RESUME, ConfigError, CorruptImageError, Decompre
                      SourceError, StokerError, UnsupportedImageError)
 from .integrity import shard_matches
 from .shards import MANIFEST_NAME, Manifest, ShardInfo, ShardWriter, read_manifest, shard_name, write_manifest
-from .sources import Source, SourceItem, open_source, read_bytes
+from .sources import Source, SourceItem, open_source
 from .storage import Storage, open_storage
 
 __all__ = ["JOURNAL_NAME", "SKIPPED_NAME", "PackOptions", "PackSummary", "normalize", "pack"]
@@ -231,30 +231,29 @@ def _faithful_encode(rgb: np.ndarray, quality: int) -> tuple[bytes, str]:
     return buf.getvalue(), "png"
 
 
-# A task entry: (key, path, container, offset, size). A result entry is either
+# A task is a list of source items. A result entry is either
 # (True, image, encoding, height, width, bytes_in) or (False, error type name, reason).
-_Task = list[tuple[str, str | None, str | None, int, int]]
+_Task = list[SourceItem]
 
 
-def _read_reason(exc: OSError, path: str | None) -> str:
+def _read_reason(exc: OSError) -> str:
     if isinstance(exc, FileNotFoundError):
         return "file not found (was it removed after the source was listed?)"
     if isinstance(exc, IsADirectoryError):
         return "is a directory, not an image file"
     if isinstance(exc, PermissionError):
         return "cannot read file: permission denied"
-    return f"cannot read file: {exc.strerror or exc}"
+    return f"cannot read: {exc.strerror or exc}"
 
 
-def _process_one(entry: tuple, options: PackOptions) -> tuple:
-    """Read and normalize one file; every failure becomes a (False, type, reason) result."""
-    key, path, container, offset, size = entry
+def _process_one(item: SourceItem, options: PackOptions) -> tuple:
+    """Read and normalize one sample; every failure becomes a (False, type, reason) result."""
     try:
-        data = read_bytes(path, container, offset, size)
+        data = item.read()
     except OSError as exc:
-        return (False, "CorruptImageError", _read_reason(exc, path))
+        return (False, "CorruptImageError", _read_reason(exc))
     try:
-        out = normalize(data, key, options)
+        out = normalize(data, item.key, options)
     except ImageError as exc:
         return (False, type(exc).__name__, exc.reason)
     except MemoryError:
@@ -272,9 +271,7 @@ def _process_task(task: _Task, options: PackOptions) -> list[tuple]:
 
 def _tasks(items: list[SourceItem], start: int, per_task: int) -> Iterator[_Task]:
     for lo in range(start, len(items), per_task):
-        yield [(i.key, None if i.path is None else str(i.path),
-                None if i.container is None else str(i.container), i.offset, i.size)
-               for i in items[lo:lo + per_task]]
+        yield items[lo:lo + per_task]
 
 
 def _run_in_order(tasks: Iterator[_Task], options: PackOptions, workers: int) -> Iterator[list[tuple]]:
@@ -463,8 +460,8 @@ class _Packer:
         else:
             _, error_type, reason = result
             if self.options.on_error == "fail":
-                raise _ERROR_TYPES[error_type](_where(item), reason)
-            skip = {"key": item.key, "path": _where(item), "reason": reason}
+                raise _ERROR_TYPES[error_type](item.where(), reason)
+            skip = {"key": item.key, "path": item.where(), "reason": reason}
             st.skipped.append(skip)
             self.pending.append(skip)
         if self.writer.nbytes >= self.options.shard_size:
@@ -499,6 +496,9 @@ def pack(src: str | Path | Source, out: str | Path, *, options: PackOptions | No
                                   {"resume": RESUME, "overwrite": OVERWRITE})
     storage = open_storage(out)  # before listing: a URL is refused at once
     source = src if isinstance(src, Source) else open_source(src, **source_options)
+    if source.skipped and options.on_error == "fail":
+        first = source.skipped[0]
+        raise CorruptImageError(first["path"], first["reason"])
     pack_options = {**options.output_options(), "source": source.description, "source_kind": source.kind}
     header = {"format": "stoker-pack-journal", "items": len(source.items), "fingerprint": _fingerprint(source),
               "pack_options": pack_options}
@@ -533,15 +533,16 @@ def pack(src: str | Path | Source, out: str | Path, *, options: PackOptions | No
 def _finish(storage: Storage, source: Source, state: _State, pack_options: dict[str, Any],
             started: float) -> PackSummary:
     """skipped.jsonl, then the manifest (last), then drop the journal."""
-    lines = "".join(json.dumps(s) + "\n" for s in state.skipped)
+    skipped = source.skipped + state.skipped   # refused while listing, then while packing
+    lines = "".join(json.dumps(s) + "\n" for s in skipped)
     storage.write_atomic(SKIPPED_NAME, lines.encode())
     if state.packed == 0:
-        raise SourceError(f"none of the {len(source.items)} images in {source.description} could be packed; "
-                          f"the reasons are in {storage.join(SKIPPED_NAME)}", path=source.root)
+        raise SourceError(f"none of the {len(source.items) + len(source.skipped)} images in {source.description} "
+                          f"could be packed; the reasons are in {storage.join(SKIPPED_NAME)}", path=source.root)
     manifest = Manifest(num_samples=state.packed, shards=state.shards, classes=source.classes,
                         label_type=source.label_type, extra_columns=source.extra_columns,
                         pack_options=pack_options)
     write_manifest(storage, manifest)
     _remove(storage, [JOURNAL_NAME])
-    return PackSummary(state.packed, len(state.skipped), state.bytes_in, state.bytes_out,
+    return PackSummary(state.packed, len(skipped), state.bytes_in, state.bytes_out,
                        time.perf_counter() - started, len(state.shards), Path(storage.location))

@@ -17,6 +17,7 @@ upload the uint8 batch, decode its JPEGs on the GPU (CPU fallback per sample), c
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -29,10 +30,12 @@ from . import codecs
 from .device import DeviceStage, convert
 from .errors import DatasetError, SampleError, UserTransformError
 from .gpu_decode import GpuJob
+from .labels import MultiLabel
 from .order import replacement_index, sample_keys, uniforms
 from .reader import Dataset, PackedDataset
 from .slots import LoaderStats, Slot, WorkerTimes
-from .transforms import Pipeline, Plan, apply_tail, crop_resize_into, decode_minimums, run_user_op
+from .transforms import (CropWindow, Pipeline, Plan, apply_tail, crop_window, decode_minimums, resize_window_into,
+                         run_user_op)
 
 _log = logging.getLogger(__name__)  # one warning per skipped sample, with its reason
 MAX_REPLACEMENTS = 16  # on_error="skip": replacement samples tried before giving up on a position
@@ -52,6 +55,8 @@ class RenderSpec:
     heights: np.ndarray | None  # stored image sizes, pixels; None when known only after reading (loose files)
     widths: np.ndarray | None
     gpu_decode: bool = False  # decode="gpu": JPEG rows become GpuJobs for the device thread
+    decode_quality: str = "accurate"  # "fast": libjpeg-turbo's fast IDCT and plain chroma upsampling
+    multi_label: MultiLabel | None = None  # turns a batch of label lists into one tensor (multi-label data)
 
 
 @dataclass
@@ -80,9 +85,11 @@ class Filler:
         self.heights, self.widths = spec.heights, spec.widths
         self.labels = spec.labels
         self.columns = spec.columns
+        self.multi_label = spec.multi_label
         self.on_error = spec.on_error
         self.out_h, self.out_w = spec.output_size
         self.draws = max(self.pipe.draws, 1)
+        self.fast = spec.decode_quality == "fast"
 
     def _geometry(self, idx: np.ndarray, u: np.ndarray) -> Plan | None:
         if self.heights is None:
@@ -153,14 +160,14 @@ class Filler:
         s = self.ds.sample(idx) if sample is None else sample
         t1 = time.perf_counter()
         box, size = self._box(s, u, box)
-        img = self.decode(s, box[0], size, scratch)
+        region, win = self.decode(s, box[0], size, scratch)
         t2 = time.perf_counter()
         tail = self.pipe.tail
         if not self.pipe.tail_geometric:
             if size != dst.shape[:2]:
                 raise ValueError(f"transforms give {size[0]}x{size[1]} for this {s.height}x{s.width} image, "
                                  f"the batch is {dst.shape[0]}x{dst.shape[1]}")
-            crop_resize_into(img, box[0], dst, box[1], s.height, s.width)
+            resize_window_into(region, win, dst, box[1])
             for op in tail:
                 out = run_user_op(op, dst, key)
                 if out is not dst:
@@ -168,7 +175,7 @@ class Filler:
                     dst[...] = out
         else:
             mid = np.empty((size[0], size[1], 3), np.uint8)
-            crop_resize_into(img, box[0], mid, box[1], s.height, s.width)
+            resize_window_into(region, win, mid, box[1])
             out = apply_tail(tail, self.pipe.offsets[len(self.pipe.prefix):], mid, u, key)
             self._check_shape(out, dst, "the transforms")
             dst[...] = out
@@ -183,21 +190,44 @@ class Filler:
             raise ValueError(f"{what} returned an array of shape {out.shape}; the batch needs {dst.shape} "
                              f"(every sample must come out the same size)")
 
-    def decode(self, s: Any, box: Sequence[float], size: tuple[int, int], scratch: dict) -> np.ndarray:
+    def decode(self, s: Any, box: Sequence[float], size: tuple[int, int],
+               scratch: dict) -> tuple[np.ndarray, CropWindow]:
+        """The source pixels the crop reads (`win.src` of the image at the decoded scale) and the window.
+
+        A JPEG is decoded at the smallest DCT scale the box allows and, where the region decoder is
+        installed, only the box's rectangle of it; its pixels are exactly that rectangle of the whole
+        scaled image, so the batch is the same with or without it."""
         if s.encoding == "jpeg":
-            mh, mw = decode_minimums(box, size[0], size[1], s.height, s.width)
-            sh, sw = codecs.jpeg_scaled_shape(s.height, s.width, mh, mw)
-            need = sh * sw * 3
-            buf = scratch.get("decode")
-            if buf is None or buf.size < need:  # grows to the largest image, then stays
-                buf = scratch["decode"] = np.empty(max(need, 1 << 20), np.uint8)
-            return codecs.decode_rgb(s.data, "jpeg", s.key, height=s.height, width=s.width,
-                                     min_height=mh, min_width=mw, out=buf[:need])
-        img = codecs.decode_rgb(s.data, s.encoding, s.key, height=s.height, width=s.width)
-        if img.shape[:2] != (s.height, s.width):
-            raise ValueError(f"decoded size {img.shape[1]}x{img.shape[0]} differs from the stored size "
-                             f"{s.width}x{s.height}; re-pack the dataset")
-        return img
+            h, w = s.height, s.width
+            mh, mw = decode_minimums(box, size[0], size[1], h, w)
+            n = codecs.jpeg_scale_eighths(h, w, mh, mw)
+            sh, sw = math.ceil(h * n / 8), math.ceil(w * n / 8)
+            win = crop_window(box, sh, sw, h, w, size[0], size[1])
+            y0, y1, x0, x1 = win.src
+            region = codecs.decode_jpeg_region(s.data, s.key, height=h, width=w, scale=n, window=win.src,
+                                               out=self._scratch(scratch, (y1 - y0) * (x1 - x0) * 3),
+                                               fast=self.fast)
+            if region is not None:
+                return region, win
+            img = codecs.decode_rgb(s.data, "jpeg", s.key, height=h, width=w, min_height=mh, min_width=mw,
+                                    out=self._scratch(scratch, sh * sw * 3), fast=self.fast)
+        else:
+            img = codecs.decode_rgb(s.data, s.encoding, s.key, height=s.height, width=s.width)
+            if img.shape[:2] != (s.height, s.width):
+                raise ValueError(f"decoded size {img.shape[1]}x{img.shape[0]} differs from the stored size "
+                                 f"{s.width}x{s.height}; re-pack the dataset")
+        # the whole image was decoded (at some scale, or full size by Pillow): cut the window from it
+        win = crop_window(box, img.shape[0], img.shape[1], s.height, s.width, size[0], size[1])
+        y0, y1, x0, x1 = win.src
+        return img[y0:y1, x0:x1], win
+
+    @staticmethod
+    def _scratch(scratch: dict, need: int) -> np.ndarray:
+        """`need` bytes of this worker's decode buffer, which grows to the largest image once, then stays."""
+        buf = scratch.get("decode")
+        if buf is None or buf.size < need:
+            buf = scratch["decode"] = np.empty(max(need, 1 << 20), np.uint8)
+        return buf[:need]
 
     def replace(self, plan: BatchPlan, row: int, slot: Slot, scratch: dict, times: WorkerTimes,
                 first: Exception) -> None:
@@ -266,6 +296,7 @@ class DeviceBuilder:
         self.gpu = decoder  # a gpu_decode.GpuBatchDecoder, or None (decode="cpu")
         self.filler, self.lock, self.stats = filler, lock, stats
         self.columns = filler.columns
+        self.encode = filler.multi_label
         self.scratch: dict = {}
         self.times = WorkerTimes()
 
@@ -276,8 +307,11 @@ class DeviceBuilder:
         x = stage.upload(slot.images[:n]) if self.opts.is_cuda else slot.images[:n].clone()
         if self.gpu is not None:
             self._decode_on_gpu(slot, x)
-        if slot.labels is None:
-            labels: Any = list(slot.objects[:n])
+        if slot.labels is None and self.encode is not None:   # multi-label rows -> one tensor
+            labels: Any = self.encode(slot.objects[:n])
+            labels = stage.upload(labels) if self.opts.is_cuda and isinstance(labels, torch.Tensor) else labels
+        elif slot.labels is None:
+            labels = list(slot.objects[:n])
         else:
             labels = stage.upload(slot.labels[:n]) if self.opts.is_cuda else slot.labels[:n].clone()
         reusable = stage.fence()  # past this point the GPU no longer reads the pinned slot

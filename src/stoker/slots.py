@@ -8,7 +8,8 @@ and a yielded batch stays valid until the next step.
 
 Threads, not processes: libjpeg-turbo, OpenCV and Pillow release the GIL while they work, so the
 threads share one address space and write directly into (pinned) batch memory. What runs under the
-GIL per sample is a counter increment, one lock round-trip and the Python glue of the fill function.
+GIL per sample is a counter increment, two list appends and the Python glue of the fill function;
+the lock is taken once per batch (by the worker that completes it), which also flushes the stats.
 
 Every wait has a timeout and checks the stop flag. Worker threads hold no reference to the
 iterator that owns a run, so an abandoned iterator can be collected; its finalizer stops the run.
@@ -81,7 +82,8 @@ class Slot:
     extras: dict[str, list[Any]] = field(default_factory=dict)
     batch: int = -1  # which batch of the run the slot holds
     size: int = 0  # samples in that batch
-    remaining: int = 0  # samples not yet written
+    remaining: int = 0  # samples not yet written; 0 once the batch is complete
+    finished: list[int] = field(default_factory=list)  # rows written so far (appended without a lock)
     plan: Any = None  # the fill function's per-batch plan
     errors: list[tuple[int, BaseException]] = field(default_factory=list)
     jobs: list[Any] = field(default_factory=list)  # per row: work left for the device stage (GPU decode)
@@ -216,6 +218,7 @@ class Run:
             with self.lock:
                 if slot.batch != b:  # first worker on this batch: plan it
                     slot.errors = []
+                    slot.finished = []
                     slot.size = slot.remaining = self.batch_sizes[b]
                     slot.plan = self.prepare(b, slot)
                     slot.batch = b
@@ -224,6 +227,7 @@ class Run:
     def _work(self) -> None:
         scratch: dict = {}
         times = WorkerTimes()
+        done = 0  # samples written since this worker last flushed its counters
         try:
             while not self.stop_event.is_set():
                 claim = self._claim()
@@ -233,22 +237,30 @@ class Run:
                 slot = self._wait_slot(b, times)
                 if slot is None:
                     break
-                err: BaseException | None = None
                 try:
                     self.fill(slot.plan, row, slot, scratch, times)
                 except BaseException as exc:  # kept for the consumer, which raises it in order
-                    err = exc
-                with self.lock:
-                    if err is not None:
-                        slot.errors.append((row, err))
-                    self.flush(times, 1)
-                    slot.remaining -= 1
-                    if slot.remaining == 0:
-                        self.cond.notify_all()
+                    slot.errors.append((row, exc))
+                done += 1
+                # No lock per sample: list.append is atomic under the GIL, and only the worker that
+                # sees the last row arrive takes the lock, to flush its counters and wake the consumer.
+                finished, size = slot.finished, slot.size
+                finished.append(row)
+                if len(finished) == size:
+                    with self.lock:
+                        self.flush(times, done)
+                        done = 0
+                        if slot.finished is finished:  # still this batch (not refilled meanwhile)
+                            slot.remaining = 0
+                            self.cond.notify_all()
         except BaseException as exc:  # a bug in the loop itself: never die silently
             with self.lock:
                 self.fatal = exc
                 self.cond.notify_all()
+        finally:
+            if done:  # what was written since the last completed batch
+                with self.lock:
+                    self.flush(times, done)
 
     # ---- consumer ------------------------------------------------------------------------
     def next_batch(self, b: int) -> Slot:
@@ -277,7 +289,7 @@ class Run:
                     raise LoaderClosedError(f"the loader was closed while waiting for batch {b}")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    pending = slot.remaining if slot.batch == b else self.batch_sizes[b]
+                    pending = slot.size - len(slot.finished) if slot.batch == b else self.batch_sizes[b]
                     raise LoaderTimeoutError(
                         f"batch {b}: no complete batch after {self.timeout:.0f} s ({pending} of "
                         f"{self.batch_sizes[b]} samples pending, {sum(t.is_alive() for t in self.threads)} "

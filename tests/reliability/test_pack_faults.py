@@ -21,6 +21,7 @@ from stoker import packing, shards
 from stoker.storage import local
 from stoker.errors import DatasetError, IncompletePackError
 from stoker.packing import SKIPPED_NAME, PackOptions, pack
+from stoker.sources import base as source_base
 from stoker.sources import open_source
 
 OPTIONS = PackOptions(workers=1, shard_size=4096, raw_below=0)  # about 4 images a shard: many shards
@@ -120,14 +121,14 @@ def test_files_vanish_or_become_unreadable_after_listing(src, tmp_path, monkeypa
     (src / gone).unlink()
     (src / folder).unlink()
     (src / folder).mkdir()
-    real_read = packing.read_bytes
+    real_read = source_base.read_bytes   # what SourceItem.read() calls for a file
 
     def read(path, *args):  # uid 0 reads a chmod 000 file anyway: simulate the denial
         if path is not None and Path(path).name == Path(denied).name and denied in str(path):
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
         return real_read(path, *args)
 
-    monkeypatch.setattr(packing, "read_bytes", read)
+    monkeypatch.setattr(source_base, "read_bytes", read)
     out = tmp_path / "out"
     summary = pack(source, out, options=PackOptions(workers=2), progress=False)
     skipped = {json.loads(line)["key"]: json.loads(line)["reason"]

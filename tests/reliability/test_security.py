@@ -80,8 +80,10 @@ def test_symlinked_shard_pointing_outside_is_refused(small_pack, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["list", "csv"])
-@pytest.mark.parametrize("evil", ["../outside.jpg", "{abs}", "sub/../../outside.jpg", "link.jpg", "linkdir/x.jpg"])
-def test_list_and_csv_paths_never_leave_root(tmp_path, kind, evil):
+@pytest.mark.parametrize("where", ["../outside.jpg", "{abs}", "sub/../../outside.jpg", "link.jpg", "linkdir/x.jpg"])
+def test_list_and_csv_are_trusted_and_root_only_shapes_keys(tmp_path, kind, where):
+    """A user's own list may point anywhere (absolute paths, '..', links): that is what lists the
+    field writes look like, and the user wrote it. root= decides keys; a path outside it has none."""
     root = tmp_path / "root"
     make_image_folder(root, n_per_class=1, classes=("a",))
     outside = tmp_path / "outside.jpg"
@@ -90,18 +92,23 @@ def test_list_and_csv_paths_never_leave_root(tmp_path, kind, evil):
     (tmp_path / "outdir" / "x.jpg").write_bytes(outside.read_bytes())
     (root / "link.jpg").symlink_to(outside)
     (root / "linkdir").symlink_to(tmp_path / "outdir")
-    path = evil.format(abs=outside)
+    path = where.format(abs=outside)
     if kind == "list":
         listing = root / "train.txt"
         listing.write_text(f"a/000.jpg 0\n{path} 1\n")
     else:
         listing = root / "train.csv"
         listing.write_text(f"path,label\na/000.jpg,0\n{path},1\n")
-    with pytest.raises(SourceError, match="outside the source root") as info:
-        open_source(listing)
-    assert info.value.line == (2 if kind == "list" else 3)  # the CSV's header is line 1
-    with pytest.raises(SourceError):
-        open_loose(listing)
+    source = open_source(listing)
+    assert source.items[1].read() == outside.read_bytes()
+    lexically_inside = where in ("link.jpg", "linkdir/x.jpg")
+    if lexically_inside:
+        assert source.items[1].key == where
+    else:
+        assert source.items[1].key == outside.as_posix()
+        with pytest.raises(SourceError, match="not under the root") as info:
+            open_source(listing, root=root)
+        assert info.value.line == (2 if kind == "list" else 3)  # the CSV's header is line 1
 
 
 def test_folder_symlink_out_is_refused(tmp_path):

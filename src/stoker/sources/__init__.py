@@ -15,13 +15,13 @@ A new format is one module (``open`` and ``detect``, see :mod:`.base`) plus one 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SourceError
 from ..storage import open_storage
-from . import folder, listing, table, tar
+from . import folder, hdf5, hf, listing, lmdb_env, table, tar, tfrecord
 from .base import IMAGE_EXTENSIONS, Source, SourceItem, SourceOptions, read_bytes
 
 __all__ = ["FORMATS", "IMAGE_EXTENSIONS", "KINDS", "Source", "SourceItem", "SourceOptions", "open_source",
@@ -44,45 +44,69 @@ FORMATS: dict[str, Format] = {
     "list": Format(listing.open_list, listing.detect, uses_root=True),
     "csv": Format(table.open_csv, table.detect, uses_root=True),
     "files": Format(folder.open_files, folder.detect_files),
-    "tar": Format(tar.open_tar, tar.detect),
+    "webdataset": Format(tar.open_tar, tar.detect),
+    "tfrecord": Format(tfrecord.open_tfrecord, tfrecord.detect),
+    "hf": Format(hf.open_hf, hf.detect),
+    "lmdb": Format(lmdb_env.open_lmdb, lmdb_env.detect),
+    "hdf5": Format(hdf5.open_hdf5, hdf5.detect),
     "folder": Format(folder.open_folder, folder.detect_folder),
 }
-KINDS = ("auto", *FORMATS)
+#: Other names accepted for a kind.
+ALIASES = {"tar": "webdataset"}
+KINDS = ("auto", *FORMATS, *ALIASES)
 
 
-def open_source(src: str | Path, *, kind: str = "auto", label_column: str | None = "label",
-                path_column: str = "path", root: str | Path | None = None) -> Source:
+def open_source(src: str | Path | Sequence[str | Path], *, kind: str = "auto", label_column: str | None = "label",
+                path_column: str = "path", root: str | Path | None = None,
+                image_column: str | None = None) -> Source:
     """List the samples of ``src``.
 
-    ``kind`` is one of ``KINDS``; ``"auto"`` picks: a ``.txt`` file -> list, ``.csv`` -> csv,
-    ``.tar`` or a folder of ``.tar`` files -> tar, a folder with images directly inside ->
-    files, a folder of class folders -> folder. For lists and CSVs, ``root`` is the folder
-    relative paths resolve against and that no path may leave (default: the list's folder).
-    ``label_column=None`` reads a CSV without labels. Raises SourceError (and
-    UnsupportedStorageError for a URL: sources are local today).
+    ``src`` is a path, a WebDataset brace pattern (``train-{000000..000146}.tar``) or a list of
+    shard files. ``kind`` is one of ``KINDS``; ``"auto"`` asks each format's detector in
+    ``FORMATS`` order (by file ending, or by content where names say nothing: TFRecord framing,
+    LMDB's ``data.mdb``, a saved Hugging Face dataset's ``state.json``); a folder of class folders
+    is the fallback. For lists and CSVs, relative paths resolve against the list's folder and
+    ``root`` makes keys relative to a folder. ``label_column`` / ``image_column`` name the
+    fields of records (table columns, TFRecord features, HDF5 datasets, JSON fields);
+    ``label_column=None`` reads without labels. Raises SourceError (and UnsupportedStorageError
+    for a URL: sources are local today).
     """
     if kind not in KINDS:
-        raise SourceError(f"unknown source kind {kind!r}; expected one of {', '.join(KINDS)}", path=src)
-    open_storage(src)  # a URL (s3://...) is refused, never read as a local path of that name
+        raise SourceError(f"unknown source kind {kind!r}; expected one of {', '.join(KINDS)}", path=str(src))
+    kind = ALIASES.get(kind, kind)
+    options = SourceOptions(root=None if root is None else Path(root), label_column=label_column,
+                            path_column=path_column, image_column=image_column)
+    for location in src if isinstance(src, (list, tuple)) else [src]:
+        open_storage(location)  # a URL (s3://...) is refused, never read as a local path of that name
+    if isinstance(src, (list, tuple)) or (isinstance(src, str) and tar.is_pattern(src) and not Path(src).exists()):
+        if kind not in ("auto", "webdataset"):
+            raise SourceError(f"a list of files or a brace pattern is a WebDataset shard set, not kind {kind!r}",
+                              path=str(src))
+        _check_root(root, "webdataset", str(src))
+        return tar.open_tar(src, options)
     path = Path(src).expanduser()
     if not path.exists():
-        raise SourceError(f"source {path} does not exist; expected an image folder, a .txt list, "
-                          "a .csv or a .tar", path=path)
+        raise SourceError(f"source {path} does not exist; expected an image folder, a .txt list, a .csv, "
+                          "WebDataset .tar shards (a file, folder or brace pattern), Parquet/Arrow files, "
+                          "an LMDB environment, TFRecord or HDF5 files", path=path)
     path = path.resolve()
     if kind == "auto":
         kind = _detect_kind(path)
-    fmt = FORMATS[kind]
-    if root is not None and not fmt.uses_root:
-        raise SourceError(f"root= only applies to list and csv sources, not {kind}", path=path)
-    options = SourceOptions(root=None if root is None else Path(root), label_column=label_column,
-                            path_column=path_column)
-    return fmt.open(path, options)
+    _check_root(root, kind, path)
+    return FORMATS[kind].open(path, options)
+
+
+def _check_root(root: str | Path | None, kind: str, src: str | Path) -> None:
+    if root is not None and not FORMATS[kind].uses_root:
+        raise SourceError(f"root= (--root) only applies to list and csv sources, not {kind}: its keys "
+                          "come from the records themselves", path=src)
 
 
 def _detect_kind(path: Path) -> str:
     for kind, fmt in FORMATS.items():
         if fmt.detect(path):
             return kind
-    raise SourceError.spelled(f"cannot tell what kind of source {path} is from its name; expected a "
-                              "folder, .txt, .csv or .tar (or pass {kind})", {"kind": ("kind=...", "--kind ...")},
-                              path=path)
+    raise SourceError.spelled("cannot tell what kind of source " + str(path) + " is; expected an image folder, "
+                              "a .txt list, a .csv, .tar/.tar.gz shards, .parquet/.arrow files or a saved Hugging "
+                              "Face dataset, an LMDB environment, TFRecord files or an .h5 file (or pass {kind}: "
+                              f"one of {', '.join(KINDS[1:])})", {"kind": ("kind=...", "--kind")}, path=path)

@@ -6,8 +6,9 @@ A format is one module with two functions, registered as a ``Format(open, detect
 - ``open(path, options) -> Source``: list every sample of ``path`` (a resolved local path) in a
   deterministic order. Listing is cheap: no image is opened. Each sample is a :class:`SourceItem`:
   a ``key`` (unique, stable: the relative posix path or the member/record id), where its encoded
-  bytes are (``path``, or ``size`` bytes at ``offset`` inside ``container``), its ``label`` and its
-  ``extras`` (one value per extra column).
+  bytes are (``path``; or ``size`` bytes at ``offset`` inside ``container``; or a record of a
+  :class:`RecordStore` such as an LMDB environment, a Parquet file or a gzip stream), its
+  ``label`` and its ``extras`` (one value per extra column).
 - ``detect(path) -> bool``: True when ``path`` looks like this format (used by ``kind="auto"``).
 
 Labels and columns are declared on the :class:`Source`: ``label_type`` is a manifest type name
@@ -16,22 +17,28 @@ classes when labels are class indices (:func:`type_labels` turns raw label text 
 ``extra_columns`` maps each extra column to its Arrow type name (see ``stoker.shards.ARROW_TYPES``).
 
 Bad records: anything that makes the listing itself wrong (a missing file, a malformed line, a
-duplicate key, a path leaving the source root) raises :class:`~stoker.errors.SourceError` naming the
-file and line. A listed image that later cannot be read or decoded is not the source's business:
-the packer skips it and logs why.
+duplicate key, labels mixing numbers and names, a pickled LMDB value) raises
+:class:`~stoker.errors.SourceError` naming the file and line. A record the listing has to leave out
+(a TFRecord checksum failure, a tar damaged part-way, a row without image bytes) goes to
+``Source.skipped`` with its reason; the packer writes those to ``skipped.jsonl`` beside the
+images it could not read or decode.
 """
 
 from __future__ import annotations
 
+import gzip
+import json
 import os
-from collections.abc import Iterable
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import SourceError
 
-__all__ = ["IMAGE_EXTENSIONS", "Source", "SourceItem", "SourceOptions", "read_bytes"]
+__all__ = ["IMAGE_EXTENSIONS", "RecordStore", "Source", "SourceItem", "SourceOptions", "read_bytes"]
 
 #: File name endings (lower case) treated as images when a folder is listed.
 IMAGE_EXTENSIONS: frozenset[str] = frozenset({
@@ -44,9 +51,10 @@ IMAGE_EXTENSIONS: frozenset[str] = frozenset({
 class SourceItem:
     """One sample as listed: where its bytes are, its label and its extra fields.
 
-    ``key`` is the path relative to the source root (posix), or the member name in a tar.
+    ``key`` is the path relative to the source root (posix), or the member/record id.
     ``path`` is the absolute file path, or None when the bytes sit inside ``container``
-    (a tar file) at ``offset`` for ``size`` bytes.
+    (a tar or TFRecord file) at ``offset`` for ``size`` bytes, or in a ``store`` (a database,
+    a table, a compressed file) that reads them from ``(offset, size)`` as it defines them.
     """
 
     key: str
@@ -56,10 +64,98 @@ class SourceItem:
     container: Path | None = None
     offset: int = 0
     size: int = 0
+    store: RecordStore | None = None
 
     def read(self) -> bytes:
-        """The encoded image bytes. Raises OSError when the file cannot be read."""
+        """The encoded image bytes. Raises OSError when they cannot be read."""
+        if self.store is not None:
+            return self.store.read(self.offset, self.size)
         return read_bytes(self.path, self.container, self.offset, self.size)
+
+    def where(self) -> str:
+        """Where the bytes live, for messages: a file path, or container/store and key."""
+        if self.path is not None:
+            return str(self.path)
+        return f"{self.container if self.store is None else self.store.name}:{self.key}"
+
+
+class RecordStore(Protocol):
+    """Bytes that are not a plain file range: a record in LMDB, a row of a table, a member of a
+    compressed file. Shared by many items and called from pack/loader threads at once."""
+
+    name: str   # for messages: the file or environment the records come from
+
+    def read(self, offset: int, size: int) -> bytes:
+        """The bytes of one record (``offset``/``size`` as the store's items define them).
+        Raises OSError when they cannot be read."""
+        ...
+
+
+#: Decompressed gzip files kept in memory (bytes): the most recent ones, always at least one.
+GZIP_CACHE_BYTES = 1 << 30
+
+
+class GzipMembers:
+    """Byte ranges inside the *decompressed* content of gzip files (``.tar.gz``, gzip TFRecord).
+
+    A gzip stream cannot seek, so a whole file is decompressed on first use and kept while it is
+    read: the most recently used files, up to GZIP_CACHE_BYTES decompressed (at least one).
+    Listing fills the same cache, and items are read in near source order, so each file is
+    decompressed once or twice per pack.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.name = str(path)
+
+    def read(self, offset: int, size: int) -> bytes:
+        data = gzip_contents(self.path)
+        if offset + size > len(data):
+            raise OSError(f"{self.path} decompresses to {len(data)} bytes, shorter than its index "
+                          f"says (wanted {size} bytes at offset {offset})")
+        return bytes(data[offset:offset + size])
+
+
+class _DecompressedCache:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._files: OrderedDict[tuple[str, int, int], bytes] = OrderedDict()
+
+    def get(self, path: Path) -> bytes:
+        st = os.stat(path)   # a file rewritten in place is decompressed afresh
+        key = (str(path), st.st_mtime_ns, st.st_size)
+        with self._lock:  # one decompression per file, even when many threads ask at once
+            data = self._files.get(key)
+            if data is None:
+                try:
+                    with gzip.open(path, "rb") as fh:
+                        data = fh.read()
+                except (EOFError, gzip.BadGzipFile, ValueError) as exc:
+                    raise OSError(f"cannot decompress {path}: {exc}") from None
+                self._files[key] = data
+            self._files.move_to_end(key)
+            total = sum(len(v) for v in self._files.values())
+            while len(self._files) > 1 and total > GZIP_CACHE_BYTES:
+                total -= len(self._files.popitem(last=False)[1])
+            return data
+
+    def clear(self) -> None:
+        with self._lock:
+            self._files.clear()
+
+
+_GZIP_CACHE = _DecompressedCache()
+
+
+def forget_decompressed() -> None:
+    """Drop every decompressed gzip file kept in memory (benchmarks: each run pays its own)."""
+    _GZIP_CACHE.clear()
+
+
+def gzip_contents(path: Path) -> bytes:
+    """The decompressed content of a gzip file, shared with :class:`GzipMembers` (listing a file
+    and then packing it decompresses it once while it fits in GZIP_CACHE_BYTES)."""
+    return _GZIP_CACHE.get(Path(path))
 
 
 def read_bytes(path: Path | str | None, container: Path | str | None = None,
@@ -90,6 +186,9 @@ class Source:
     root: Path
     description: str            # e.g. "ImageFolder /data/train (1000 classes)"
     kind: str = "folder"
+    #: records refused while listing (a checksum mismatch, an unreadable member), each
+    #: {"key", "path", "reason"}; the packer adds them to ``skipped.jsonl``.
+    skipped: list[dict[str, str]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -97,16 +196,28 @@ class Source:
 
 @dataclass(frozen=True)
 class SourceOptions:
-    """Options a format may use. ``root``: the folder that relative paths in a list or table
-    resolve against and that no listed path may leave (None: the list's own folder).
-    ``label_column``/``path_column``: column names in a table (``label_column=None``: unlabelled)."""
+    """Options a format may use. ``root``: the folder that keys of a list or table are made
+    relative to (None: the list's own folder, with absolute paths kept whole).
+    ``label_column``/``path_column``: column names in a table (``label_column=None``: unlabelled);
+    ``label_column`` and ``image_column`` also name the fields of records (Hugging Face
+    columns, TFRecord features, HDF5 datasets, WebDataset JSON fields); None: the format's default."""
 
     root: Path | None = None
     label_column: str | None = "label"
     path_column: str = "path"
+    image_column: str | None = None
 
 
 # ---------------------------------------------------------------- helpers shared by formats
+
+def optional_module(name: str, extra: str, needed_for: str) -> Any:
+    """Import an optional reader library, or raise a SourceError saying which extra installs it."""
+    import importlib
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise SourceError(f"{needed_for} needs the {name} package; run: pip install 'stoker[{extra}]'") from None
+
 
 def is_image_name(name: str) -> bool:
     """A visible file whose ending is in IMAGE_EXTENSIONS."""
@@ -154,9 +265,30 @@ def read_text(path: Path) -> str:
         raise SourceError(f"cannot read {path}: {exc.strerror or exc}", path=path) from None
 
 
-def type_labels(raw: list[str]) -> tuple[list[Any], str, list[str] | None]:
+def is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _check_not_mixed(raw: Sequence[str], where: Sequence[str] | None) -> None:
+    """Refuse labels that mix numbers and names: remapping them silently would hide a typo."""
+    numeric = [is_number(v) for v in raw]
+    if all(numeric) or not any(numeric):
+        return
+    i, j = numeric.index(True), numeric.index(False)
+    name = (lambda k: where[k]) if where is not None else (lambda k: f"entry {k + 1}")
+    raise SourceError(f"{name(j)}: label {raw[j]!r} is a name while {name(i)} has the number {raw[i]!r}; "
+                      "use class names everywhere or numbers everywhere")
+
+
+def type_labels(raw: Sequence[str], where: Sequence[str] | None = None) -> tuple[list[Any], str, list[str] | None]:
     """(labels, label_type, classes): integers stay integers, numbers become floats, anything
-    else is a class name (classes sorted, labels their indices)."""
+    else is a class name (classes sorted, labels their indices). Numbers mixed with names are a
+    SourceError naming both entries; ``where[i]`` describes entry i ("train.txt line 3")."""
+    _check_not_mixed(raw, where)
     for parse, label_type in ((int, "int64"), (float, "float64")):
         try:
             return [parse(v) for v in raw], label_type, None
@@ -165,6 +297,48 @@ def type_labels(raw: list[str]) -> tuple[list[Any], str, list[str] | None]:
     classes = sorted(set(raw))
     index = {name: i for i, name in enumerate(classes)}
     return [index[v] for v in raw], "int64", classes
+
+
+def type_label_lists(raw: Sequence[Sequence[str]],
+                     where: Sequence[str] | None = None) -> tuple[list[list[Any]], str, list[str] | None]:
+    """Multi-label version of :func:`type_labels`: each sample has a list of labels (maybe empty).
+    Gives "list<int64>" (indices, with ``classes`` when the labels were names) or "list<float64>"."""
+    flat = [v for values in raw for v in values]
+    owner = [where[i] for i, values in enumerate(raw) for _ in values] if where is not None else None
+    labels, label_type, classes = type_labels(flat, owner)
+    out, pos = [], 0
+    for values in raw:
+        out.append(labels[pos:pos + len(values)])
+        pos += len(values)
+    return out, f"list<{label_type}>", classes
+
+
+def split_label_cell(text: str, where: str) -> list[str] | None:
+    """The labels in one table cell when it holds several: a JSON list (``[1, 3, 7]``,
+    ``["cat", "dog"]``) or numbers separated by spaces (``1 3 7``); None for one label
+    (a class name may hold spaces: ``golden retriever``)."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SourceError(f"{where}: label {text!r} starts like a JSON list but is not one ({exc.msg})") from None
+        if not isinstance(values, list) or any(isinstance(v, (list, dict)) for v in values):
+            raise SourceError(f"{where}: label {text!r} must be a flat JSON list of numbers or names")
+        return [str(v) for v in values]
+    parts = text.split()
+    if len(parts) > 1 and all(is_number(p) for p in parts):
+        return parts
+    return None
+
+
+def type_any_labels(cells: Sequence[str | list[str]],
+                    where: Sequence[str] | None = None) -> tuple[list[Any], str, list[str] | None]:
+    """Type labels where each entry is one label (a string) or several (a list): when any entry
+    is a list, every entry becomes one (multi-label, "list<...>"), else as :func:`type_labels`."""
+    if any(isinstance(c, list) for c in cells):
+        return type_label_lists([c if isinstance(c, list) else [c] for c in cells], where)
+    return type_labels(cells, where)  # type: ignore[arg-type]
 
 
 def check_unique(keys: Iterable[tuple[str, int]], listing: Path) -> None:
@@ -177,42 +351,47 @@ def check_unique(keys: Iterable[tuple[str, int]], listing: Path) -> None:
         first[key] = line
 
 
-class PathChecker:
-    """Resolve listed paths against ``root`` and refuse any that leave it.
+class ListedPaths:
+    """Resolve the paths a user's own list or table names, and derive their keys.
 
-    Folder real paths are cached, so a million-line list costs about one lstat per file.
+    A list is trusted input (the user wrote it), so there is no traversal guard here: absolute
+    paths are used as they are and relative ones resolve against ``base`` (the list's folder, or
+    ``root``). Keys are relative to ``root`` when one is given (a path outside it then has no
+    key: a SourceError naming the line); without one, relative to the list's folder for files
+    under it, else the absolute path.
+    Archives downloaded from elsewhere (tars) keep their guard in their own module.
     """
 
-    def __init__(self, root: Path, listing: Path) -> None:
-        self.root = root
+    def __init__(self, base: Path, listing: Path, root: Path | None) -> None:
+        self.base = base
         self.listing = listing
-        self._dirs: dict[str, str] = {}
+        self.root = root
 
     def __call__(self, text: str, line: int) -> tuple[str, Path]:
-        candidate = Path(text)
-        full = Path(os.path.normpath(candidate if candidate.is_absolute() else self.root / candidate))
-        parent = str(full.parent)
-        real_parent = self._dirs.get(parent)
-        if real_parent is None:
-            real_parent = self._dirs[parent] = os.path.realpath(parent)
-        real = os.path.join(real_parent, full.name)
-        if os.path.islink(real):
-            real = os.path.realpath(real)
-        if not inside(self.root, real_parent) or not inside(self.root, real):
-            raise SourceError(f"{self.listing} line {line}: path {text!r} leads outside the source "
-                              f"root {self.root}; keep paths inside it or pass root=<a folder that "
-                              "holds them>", path=self.listing, line=line)
+        candidate = Path(text).expanduser()
+        full = Path(os.path.normpath(candidate if candidate.is_absolute() else self.base / candidate))
+        if self.root is None:
+            key = make_key(self.base, full) if inside(self.base, str(full)) else full.as_posix()
+            return key, full
+        if not inside(self.root, str(full)):
+            raise SourceError(f"{self.listing} line {line}: path {text!r} is not under the root {self.root} "
+                              "that keys are made relative to; pass a root that holds every listed file "
+                              "(--root / root=), or none to keep the paths as written",
+                              path=self.listing, line=line)
         return make_key(self.root, full), full
 
 
-def listing_root(listing: Path, options: SourceOptions, kind: str) -> Path:
-    """The folder a list or table's paths resolve against (checked to be a folder)."""
+def listing_root(listing: Path, options: SourceOptions, kind: str) -> tuple[Path, Path | None]:
+    """(base, root) for a list or table: relative paths resolve against ``base`` (``root`` when
+    given, else the list's folder); ``root`` (or None) is what keys are relative to."""
     if not listing.is_file():
         raise SourceError(f"{kind} source {listing} is not a file", path=listing)
-    base = listing.parent if options.root is None else Path(options.root).expanduser().resolve()
-    if not base.is_dir():
-        raise SourceError(f"root {base} is not a folder", path=base)
-    return base
+    if options.root is None:
+        return listing.parent, None
+    root = Path(options.root).expanduser().resolve()
+    if not root.is_dir():
+        raise SourceError(f"root {root} is not a folder; pass an existing folder (--root / root=)", path=root)
+    return root, root
 
 
 def describe_labels(classes: list[str] | None, label_type: str) -> str:

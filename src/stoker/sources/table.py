@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SourceError
-from .base import (PathChecker, Source, SourceItem, SourceOptions, check_unique, describe_labels,
-                   listing_root, read_text, type_labels)
+from .base import (ListedPaths, Source, SourceItem, SourceOptions, check_unique, describe_labels,
+                   listing_root, read_text, split_label_cell, type_any_labels)
 
 
 def detect(path: Path) -> bool:
@@ -42,7 +42,7 @@ def column_type(values: list[str]) -> tuple[str, Callable[[str], Any]]:
 
 
 def open_csv(listing: Path, options: SourceOptions) -> Source:
-    root = listing_root(listing, options, "csv")
+    base, root = listing_root(listing, options, "csv")
     label_column, path_column = options.label_column, options.path_column
     reader = csv.reader(io.StringIO(read_text(listing)))
     try:
@@ -56,7 +56,7 @@ def open_csv(listing: Path, options: SourceOptions) -> Source:
         if name is not None and name not in header:
             hint = " (pass label_column=None for unlabelled data)" if name == label_column else ""
             raise SourceError(f"{listing}: no {name!r} column in the header {header}{hint}", path=listing, line=1)
-    check = PathChecker(root, listing)
+    check = ListedPaths(base, listing, root)
     rows: list[tuple[str, Path, dict[str, str], int]] = []
     try:
         for row in reader:
@@ -81,9 +81,13 @@ def open_csv(listing: Path, options: SourceOptions) -> Source:
     if label_column is None:
         labels, label_type, classes = [None] * len(rows), "none", None
     else:
-        labels, label_type, classes = type_labels([r[2][label_column].strip() for r in rows])
+        where = [f"{listing} line {n}" for _, _, _, n in rows]
+        cells = [r[2][label_column].strip() for r in rows]
+        split = [split_label_cell(c, w) for c, w in zip(cells, where)]
+        cells = [c if parts is None else parts for c, parts in zip(cells, split)]
+        labels, label_type, classes = type_any_labels(cells, where)
     items = [SourceItem(key=k, path=p, label=lab, extras={n: parsers[n](c[n]) for n in extra_names})
              for (k, p, c, _), lab in zip(rows, labels)]
     what = describe_labels(classes, label_type)
     return Source(items=items, classes=classes, label_type=label_type, extra_columns=extra_columns,
-                  root=root, description=f"CSV {listing} ({what}, {len(extra_names)} extra columns)", kind="csv")
+                  root=base, description=f"CSV {listing} ({what}, {len(extra_names)} extra columns)", kind="csv")

@@ -1,26 +1,63 @@
-"""WebDataset-style tars (kind "tar"): one uncompressed ``.tar``, or a folder of them.
+"""WebDataset shard sets (kind "webdataset", alias "tar"): ``.tar``, ``.tar.gz`` or ``.tgz`` files.
 
-Members are grouped by WebDataset key (folder + name up to the first dot): the first image member
-of a group is the sample, a ``.cls`` or ``.txt`` member its label. Nothing is extracted: an item
-records the member's offset and size inside the tar, and member names are only used as keys, never
-as paths, so a downloaded archive cannot write or read outside itself.
+Given as one file, a folder of them, a brace pattern (``train-{000000..000146}.tar``, expanded as
+WebDataset does, with the ``braceexpand`` package) or a list of files. Members are grouped by
+WebDataset key (folder + name up to the first dot): the group's image (``jpg jpeg png webp`` and
+the other image endings) is the sample; its target comes from ``.cls`` (a class index or name,
+or several numbers: multi-label), else from the ``label_column`` field of ``.json``, else from
+``.txt``. The other fields of a ``.json`` dict become typed extra columns; a ``.json`` that is a
+list is a multi-label target.
+
+Nothing is extracted: an item records the member's offset and size inside the tar (inside the
+decompressed stream for gzip files), and member names are used only as keys, never as paths, so
+a downloaded archive cannot write or read outside itself. A tar that is damaged part-way keeps
+the samples before the damage; the rest of that file is logged in ``skipped.jsonl``.
 """
 
 from __future__ import annotations
 
+import io
+import json
 import tarfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from ..errors import SourceError
-from .base import IMAGE_EXTENSIONS, Source, SourceItem, SourceOptions, is_image_name, require_items, scandir, type_labels
+from .base import (IMAGE_EXTENSIONS, GzipMembers, Source, SourceItem, SourceOptions, describe_labels,
+                   gzip_contents, is_image_name, optional_module, require_items, scandir, split_label_cell,
+                   type_any_labels)
 
-LABEL_EXTENSIONS = (".cls", ".txt")
+SUFFIXES = (".tar", ".tar.gz", ".tgz")
+TARGET_EXTENSIONS = (".cls", ".json", ".txt")
+
+
+def is_shard_name(name: str) -> bool:
+    return name.lower().endswith(SUFFIXES)
+
+
+def is_pattern(text: str) -> bool:
+    """A WebDataset brace pattern such as ``train-{000000..000146}.tar`` or ``{a,b}.tar``."""
+    return "{" in text and "}" in text and (".." in text or "," in text)
+
+
+def expand(pattern: str) -> list[Path]:
+    """The files a brace pattern names, in its order; every one must exist."""
+    braceexpand = optional_module("braceexpand", "webdataset", "expanding a brace pattern").braceexpand
+    paths = [Path(p).expanduser() for p in braceexpand(pattern)]
+    missing = [p for p in paths if not p.is_file()]
+    if missing:
+        raise SourceError(f"the pattern {pattern} names {len(paths)} files but {len(missing)} do not exist "
+                          f"(first: {missing[0]}); check the pattern's range", path=pattern)
+    return paths
 
 
 def detect(path: Path) -> bool:
-    """A ``.tar`` file, or a folder holding ``.tar`` files and neither images nor sub-folders."""
+    """A ``.tar``/``.tar.gz``/``.tgz`` file, or a folder holding such files and neither images
+    nor sub-folders."""
     if path.is_file():
-        return path.suffix.lower() == ".tar"
+        return is_shard_name(path.name)
     if not path.is_dir():
         return False
     entries = scandir(path)
@@ -28,64 +65,178 @@ def detect(path: Path) -> bool:
         return False
     if any(e.is_dir() and not e.name.startswith(".") for e in entries):
         return False
-    return any(e.is_file() and e.name.lower().endswith(".tar") for e in entries)
+    return any(e.is_file() and is_shard_name(e.name) for e in entries)
 
 
-def _members(tar_path: Path, prefix: str) -> tuple[list[SourceItem], list[str | None]]:
-    """Images and their label text from one uncompressed tar, grouped by WebDataset key."""
+@dataclass
+class _Group:
+    image: tarfile.TarInfo | None = None
+    targets: dict[str, bytes] = field(default_factory=dict)   # extension -> member bytes
+
+
+def _open(tar_path: Path) -> tuple[tarfile.TarFile, GzipMembers | None]:
+    gz = tar_path.name.lower().endswith((".gz", ".tgz"))
     try:
-        tf = tarfile.open(tar_path, mode="r:")
+        if gz:
+            data = gzip_contents(tar_path)   # decompressed once; packing then reads from it
+            return tarfile.open(fileobj=io.BytesIO(data), mode="r:"), GzipMembers(tar_path)
+        return tarfile.open(tar_path, mode="r:"), None
     except (tarfile.TarError, OSError) as exc:
-        raise SourceError(f"cannot read {tar_path} as an uncompressed tar ({exc}); decompress "
-                          ".tar.gz files first", path=tar_path) from None
-    images: dict[str, tarfile.TarInfo] = {}
-    labels: dict[str, str] = {}
+        raise SourceError(f"cannot read {tar_path} as a tar ({exc})", path=tar_path) from None
+
+
+def _groups(tar_path: Path, skipped: list[dict[str, str]]) -> tuple[dict[str, _Group], GzipMembers | None]:
+    tf, store = _open(tar_path)
+    groups: dict[str, _Group] = {}
     with tf:
-        for m in tf:
-            if not m.isfile():
-                continue
-            folder, _, base = m.name.rpartition("/")
-            stem, dot, ext = base.partition(".")
-            group = f"{folder}/{stem}" if folder else stem
-            if ("." + ext.lower()) in IMAGE_EXTENSIONS and group not in images:
-                images[group] = m
-            elif ("." + ext.lower()) in LABEL_EXTENSIONS and group not in labels:
-                labels[group] = tf.extractfile(m).read().decode("utf-8", "replace").strip()
-    items, raw = [], []
-    for group in sorted(images):
-        m = images[group]
-        items.append(SourceItem(key=prefix + m.name, path=None, label=None, container=tar_path,
-                                offset=m.offset_data, size=m.size))
-        raw.append(labels.get(group))
-    return items, raw
+        try:
+            for m in tf:
+                if not m.isfile():
+                    continue
+                folder, _, base = m.name.rpartition("/")
+                stem, _, ext = base.partition(".")
+                ext = "." + ext.lower()
+                group = groups.setdefault(f"{folder}/{stem}" if folder else stem, _Group())
+                if ext in IMAGE_EXTENSIONS and group.image is None:
+                    group.image = m
+                elif ext in TARGET_EXTENSIONS and ext not in group.targets:
+                    group.targets[ext] = tf.extractfile(m).read()
+        except (tarfile.TarError, OSError, EOFError) as exc:
+            skipped.append({"key": f"{tar_path.name}/*", "path": str(tar_path),
+                            "reason": f"the tar is damaged after {len(groups)} samples ({exc}); the rest "
+                                      "of this file could not be read"})
+    return groups, store
 
 
-def open_tar(path: Path, options: SourceOptions) -> Source:
+def _target(group: _Group, label_column: str | None, where: str) -> tuple[str | list[str] | None, dict]:
+    """(label text or list, extra fields) of one sample from its .cls, .json and .txt members."""
+    extras: dict[str, Any] = {}
+    label: str | list[str] | None = None
+    if ".json" in group.targets:
+        try:
+            meta = json.loads(group.targets[".json"].decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"its .json is not JSON ({exc})") from None
+        if isinstance(meta, list):
+            label = [str(v) for v in meta]
+        elif isinstance(meta, dict):
+            extras = dict(meta)
+            if label_column is not None and label_column in extras:
+                value = extras.pop(label_column)
+                label = [str(v) for v in value] if isinstance(value, list) else str(value)
+    for ext in (".txt", ".cls"):   # .cls wins over .json, .json over .txt
+        if ext in group.targets and (ext == ".cls" or label is None):
+            try:
+                text = group.targets[ext].decode("utf-8").strip()
+            except UnicodeDecodeError:
+                raise ValueError(f"its {ext} is not UTF-8 text") from None
+            parts = split_label_cell(text, where)
+            label = text if parts is None else parts
+    return label, extras
+
+
+def _json_type(values: list[Any]) -> str | None:
+    """The Arrow type name of a JSON field across samples (None values allowed), None to leave
+    it out: bool, int64, float64, string, list<int64>, list<float64>; anything else -> string (JSON)."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    if all(isinstance(v, bool) for v in present):
+        return "bool"
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in present):
+        return "int64"
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in present):
+        return "float64"
+    if all(isinstance(v, list) for v in present):
+        flat = [x for v in present for x in v]
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in flat):
+            return "list<int64>"
+        if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in flat):
+            return "list<float64>"
+    return "string"
+
+
+def _json_value(value: Any, type_name: str) -> Any:
+    if value is None:
+        return [] if type_name.startswith("list") else None
+    if type_name == "string":
+        return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    if type_name == "float64":
+        return float(value)
+    if type_name == "list<float64>":
+        return [float(x) for x in value]
+    return value
+
+
+def shard_files(src: str | Path | Sequence[str | Path]) -> tuple[list[Path], Path, bool]:
+    """(tar files, root, keys prefixed by file name) for a file, folder, pattern or list."""
+    if isinstance(src, (list, tuple)):
+        files = [Path(p).expanduser().resolve() for p in src]
+        for f in files:
+            if not f.is_file():
+                raise SourceError(f"shard {f} does not exist", path=f)
+        if not files:
+            raise SourceError("an empty list of shards; pass at least one .tar file")
+        return files, files[0].parent, True
+    if isinstance(src, str) and is_pattern(src) and not Path(src).exists():
+        files = [p.resolve() for p in expand(src)]
+        return files, files[0].parent, True
+    path = Path(src)
     if path.is_dir():
-        tars = sorted(p for p in path.iterdir() if p.suffix.lower() == ".tar" and p.is_file())
-        if not tars:
-            raise SourceError(f"{path} holds no .tar files", path=path)
-        root = path
-    else:
-        tars, root = [path], path.parent
+        files = sorted(p for p in path.iterdir() if is_shard_name(p.name) and p.is_file())
+        if not files:
+            raise SourceError(f"{path} holds no .tar, .tar.gz or .tgz files", path=path)
+        return files, path, True
+    return [path], path.parent, False
+
+
+def open_tar(path: Path | str | Sequence[str | Path], options: SourceOptions) -> Source:
+    files, root, prefixed = shard_files(path)
     items: list[SourceItem] = []
-    raw: list[str | None] = []
-    for tar_path in tars:
-        got, got_raw = _members(tar_path, f"{tar_path.name}/" if path.is_dir() else "")
-        items += got
-        raw += got_raw
-    require_items(items, "tar source", path)
-    labelled = [r for r in raw if r is not None]
-    classes = None
-    if not labelled:
-        label_type = "none"
-    elif len(labelled) != len(raw):
-        missing = items[raw.index(None)].key
-        raise SourceError(f"{path}: {missing} has no .cls or .txt label while others do; label "
-                          "every sample or none", path=path)
-    else:
-        labels, label_type, classes = type_labels(labelled)
-        items = [SourceItem(key=i.key, path=None, label=lab, container=i.container, offset=i.offset,
-                            size=i.size) for i, lab in zip(items, labels)]
-    return Source(items=items, classes=classes, label_type=label_type, extra_columns={}, root=root,
-                  description=f"tar {path} ({len(tars)} files, {len(items)} samples)", kind="tar")
+    raw: list[str | list[str] | None] = []
+    json_rows: list[dict[str, Any]] = []
+    skipped: list[dict[str, str]] = []
+    for tar_path in files:
+        groups, store = _groups(tar_path, skipped)
+        prefix = f"{tar_path.name}/" if prefixed else ""
+        for name in sorted(groups):
+            group = groups[name]
+            if group.image is None:
+                continue
+            m = group.image
+            item = SourceItem(key=prefix + m.name, path=None, label=None, container=None if store else tar_path,
+                              offset=m.offset_data, size=m.size, store=store)
+            try:
+                label, extras = _target(group, options.label_column, f"{tar_path}: {m.name}")
+            except ValueError as exc:
+                skipped.append({"key": item.key, "path": item.where(), "reason": f"sample {name}: {exc}"})
+                continue
+            items.append(item)
+            raw.append(label)
+            json_rows.append(extras)
+    require_items(items, "WebDataset shards", Path(str(path)) if not isinstance(path, (list, tuple)) else root)
+    items, raw, json_rows, classes, label_type = _labels(items, raw, json_rows, skipped)
+    names = sorted({k for row in json_rows for k in row})
+    types = {n: _json_type([row.get(n) for row in json_rows]) for n in names}
+    extra_columns = {n: t for n, t in types.items() if t is not None}
+    items = [replace(i, extras={n: _json_value(row.get(n), t) for n, t in extra_columns.items()})
+             for i, row in zip(items, json_rows)]
+    what = describe_labels(classes, label_type)
+    return Source(items=items, classes=classes, label_type=label_type, extra_columns=extra_columns, root=root,
+                  description=f"WebDataset {path if not isinstance(path, (list, tuple)) else root} "
+                              f"({len(files)} files, {len(items)} samples, {what})",
+                  kind="webdataset", skipped=skipped)
+
+
+def _labels(items: list[SourceItem], raw: list, json_rows: list, skipped: list[dict[str, str]]) -> tuple:
+    """Type the targets; samples without one, while others have one, are skipped and logged."""
+    if all(r is None for r in raw):
+        return items, raw, json_rows, None, "none"
+    keep = [i for i, r in enumerate(raw) if r is not None]
+    for i, r in enumerate(raw):
+        if r is None:
+            skipped.append({"key": items[i].key, "path": items[i].where(),
+                            "reason": "no .cls, .json label or .txt target while other samples have one"})
+    items, raw, json_rows = [items[i] for i in keep], [raw[i] for i in keep], [json_rows[i] for i in keep]
+    labels, label_type, classes = type_any_labels(raw, [i.where() for i in items])
+    return [replace(i, label=lab) for i, lab in zip(items, labels)], raw, json_rows, classes, label_type

@@ -9,8 +9,15 @@ Pipelines (each limited to `workers` CPU cores; one epoch over every image is on
 - ``baseline-val``: the same with Resize 256 + CenterCrop 224 + ToTensor + Normalize.
 - ``stoker-train`` / ``stoker-val``: stoker.Loader on the packed copy, the same transforms.
 - ``ceiling``: libjpeg-turbo (simplejpeg) full decode of every image on ``workers`` threads, nothing else.
-- ``dali``: NVIDIA DALI's CPU pipeline (fused decode + random crop, resize, flip) when
-  ``nvidia.dali`` is installed; reported as skipped otherwise.
+- ``stoker-train-fast``: stoker-train with ``decode_quality="fast"`` (fast IDCT, plain upsampling).
+- ``stoker-train-raw256`` / ``stoker-train-jpeg256``: the recipes of storing smaller images: the same
+  images packed with ``--encoding raw --max-side 256`` (no decode at load time) or ``--max-side 256``
+  (smaller JPEGs), then stoker-train; the table prints each pipeline's bytes on disk beside its speed.
+- ``overhead``: stoker.Loader on ONE thread over tiny (16 x 16) raw-stored images, so decode and resize
+  cost nothing: what is left is the per-sample Python work, reported in µs per sample.
+- ``dali`` / ``dali-val``: NVIDIA DALI's CPU pipelines (fused decode + random crop, resize, flip; decode,
+  resize shorter side, centre crop) when ``nvidia.dali`` is installed (``pip install stoker[dali]``);
+  reported as skipped otherwise.
 
 Each pipeline runs one warm-up round, then `rounds` timed rounds (median images/s), by default in
 a fresh Python process pinned to `workers` CPUs, so peak memory and CPU use are its own. Packing
@@ -61,9 +68,20 @@ PIPELINES: dict[str, tuple[str, str | None]] = {
     "stoker-train": ("stoker.Loader, RandomResizedCrop(224) + RandomHorizontalFlip", "baseline"),
     "stoker-val": ("stoker.Loader, Resize(256) + CenterCrop(224)", "baseline-val"),
     "ceiling": ("simplejpeg full decode of every image, nothing else", "baseline"),
+    "stoker-train-fast": ("stoker-train with decode_quality='fast'", "baseline"),
+    "stoker-train-raw256": ("stoker-train on a pack with --encoding raw --max-side 256", "baseline"),
+    "stoker-train-jpeg256": ("stoker-train on a pack with --max-side 256 (JPEG)", "baseline"),
+    "overhead": ("stoker.Loader, 1 thread, 16x16 raw images: per-sample Python work only", None),
     "dali": ("NVIDIA DALI CPU: image_random_crop decode, resize 224, flip", "baseline"),
+    "dali-val": ("NVIDIA DALI CPU: decode, resize shorter side 256, centre crop 224", "baseline-val"),
 }
-DEFAULT_PIPELINES = ("baseline", "baseline-val", "stoker-train", "stoker-val", "ceiling", "dali")
+DEFAULT_PIPELINES = ("baseline", "baseline-val", "stoker-train", "stoker-val", "ceiling", "dali", "dali-val",
+                     "stoker-train-fast", "stoker-train-raw256", "stoker-train-jpeg256", "overhead")
+#: pipeline -> the PackOptions of its own packed copy (the recipes of storing smaller images)
+RECIPES: dict[str, dict[str, Any]] = {"stoker-train-raw256": {"encoding": "raw", "max_side": 256},
+                                      "stoker-train-jpeg256": {"max_side": 256}}
+OVERHEAD_SAMPLES = 20_000  # tiny raw images in the overhead pipeline's dataset
+OVERHEAD_SIDE = 16
 _CHILD_TIMEOUT_S = 3600.0
 
 
@@ -176,9 +194,14 @@ def _stoker_runner(spec: _Spec, train: bool) -> _Runner:
     from ..loader import Loader
     from ..transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
 
-    ops = [RandomResizedCrop(224), RandomHorizontalFlip()] if train else [Resize(256), CenterCrop(224)]
-    loader = Loader(spec.packed, spec.batch_size, transforms=ops, seed=0,
-                    num_threads=spec.workers)
+    if spec.pipeline == "overhead":
+        ops: list = [RandomResizedCrop(OVERHEAD_SIDE), RandomHorizontalFlip()]
+    elif train:
+        ops = [RandomResizedCrop(224), RandomHorizontalFlip()]
+    else:
+        ops = [Resize(256), CenterCrop(224)]
+    loader = Loader(spec.packed, spec.batch_size, transforms=ops, seed=0, num_threads=spec.workers,
+                    decode_quality="fast" if spec.pipeline == "stoker-train-fast" else "accurate")
 
     def epoch() -> Iterator[int]:
         for batch in loader:
@@ -230,12 +253,19 @@ def _ceiling_runner(spec: _Spec) -> _Runner:
 def _dali_runner(spec: _Spec) -> _Runner:
     from nvidia.dali import fn, pipeline_def, types
 
+    train = spec.pipeline == "dali"
+
     @pipeline_def(batch_size=spec.batch_size, num_threads=spec.workers, device_id=None, seed=0)
     def pipe() -> Any:
-        jpegs, labels = fn.readers.file(file_root=spec.root, random_shuffle=True, name="Reader")
-        images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB)
-        images = fn.resize(images, resize_x=224, resize_y=224)
-        images = fn.flip(images, horizontal=fn.random.coin_flip())
+        jpegs, labels = fn.readers.file(file_root=spec.root, random_shuffle=train, name="Reader")
+        if train:
+            images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB)
+            images = fn.resize(images, resize_x=224, resize_y=224)
+            images = fn.flip(images, horizontal=fn.random.coin_flip())
+        else:
+            images = fn.decoders.image(jpegs, device="cpu", output_type=types.RGB)
+            images = fn.resize(images, resize_shorter=256)
+            images = fn.crop(images, crop=(224, 224))   # centred by default
         return images, labels
 
     pipeline = pipe()
@@ -253,11 +283,11 @@ def _make_runner(spec: _Spec) -> _Runner:
     name = spec.pipeline
     if name in ("baseline", "baseline-val"):
         return _baseline_runner(spec, train=name == "baseline")
-    if name in ("stoker-train", "stoker-val"):
-        return _stoker_runner(spec, train=name == "stoker-train")
+    if name.startswith("stoker-") or name == "overhead":
+        return _stoker_runner(spec, train=name != "stoker-val")
     if name == "ceiling":
         return _ceiling_runner(spec)
-    if name == "dali":
+    if name in ("dali", "dali-val"):
         return _dali_runner(spec)
     if bench_gpu.is_device_pipeline(name):
         epoch, close, version = bench_gpu.loader_epochs(name, root=spec.root, packed=spec.packed,
@@ -270,11 +300,12 @@ def _unavailable(name: str, device: str = "cpu") -> str | None:
     """Why pipeline `name` cannot run here (with the fix), or None when it can."""
     if bench_gpu.is_device_pipeline(name):
         return bench_gpu.unavailable(name, device)
-    if name == "dali":
+    if name in ("dali", "dali-val"):
         try:
             import nvidia.dali  # noqa: F401
         except Exception as exc:   # not installed, or a build that fails to load here
-            return f"NVIDIA DALI does not import ({type(exc).__name__}: {exc}); pip install nvidia-dali-cuda130"
+            return (f"NVIDIA DALI does not import ({type(exc).__name__}: {exc}); pip install nvidia-dali-cuda130 "
+                    "(the stoker[dali] extra; it runs CPU-only without a GPU)")
     return None
 
 
@@ -288,9 +319,9 @@ def _preimport(name: str, device: str = "cpu") -> None:
         importlib.import_module("stoker.loader")
         return
     modules = {"baseline": ["torch.utils.data", "PIL.Image"], "baseline-val": ["torch.utils.data", "PIL.Image"],
-               "stoker-train": ["torch", "stoker.loader"], "stoker-val": ["torch", "stoker.loader"],
-               "ceiling": ["simplejpeg", "stoker.reader"], "dali": ["nvidia.dali"]}
-    for module in modules.get(name, []):
+               "ceiling": ["simplejpeg", "stoker.reader"], "dali": ["nvidia.dali"], "dali-val": ["nvidia.dali"]}
+    stoker = ["torch", "stoker.loader"]
+    for module in modules.get(name, stoker if name.startswith("stoker-") or name == "overhead" else []):
         importlib.import_module(module)
 
 
@@ -300,8 +331,15 @@ def _version(name: str) -> str:
 
     if bench_gpu.is_device_pipeline(name):   # the device pipelines report their versions themselves
         return ""
-    module = {"baseline": "torch", "baseline-val": "torch", "stoker-train": "stoker", "stoker-val": "stoker",
-              "ceiling": "simplejpeg", "dali": "nvidia.dali"}[name]
+    if name.startswith("stoker-") or name == "overhead":
+        from .. import codecs
+        from .._libjpeg import describe
+
+        mod = importlib.import_module("stoker")
+        region = "region decode" if codecs.region_decode_available() else describe()
+        return f"stoker {getattr(mod, '__version__', '?')}, {region}"
+    module = {"baseline": "torch", "baseline-val": "torch", "ceiling": "simplejpeg", "dali": "nvidia.dali",
+              "dali-val": "nvidia.dali"}[name]
     return f"{module} {getattr(importlib.import_module(module), '__version__', '?')}"
 
 
@@ -417,13 +455,34 @@ def _data_stats(root: Path, samples: list[tuple[str, int]], generated: bool) -> 
             "mean_file_kb": round(float(sizes.mean()) / 1000, 1), "total_mb": round(float(sizes.sum()) / 1e6, 1)}
 
 
-def _pack_once(root: Path, out: Path, workers: int) -> float:
+def _pack_once(root: Path, out: Path, workers: int, **options: Any) -> float:
     """Pack `root` into `out` (replacing what is there); returns seconds. Not part of any timing."""
     from ..packing import PackOptions, pack
 
     start = time.perf_counter()
-    pack(root, out, options=PackOptions(workers=workers), progress=False, overwrite=True)
+    pack(root, out, options=PackOptions(workers=workers, **options), progress=False, overwrite=True)
     return time.perf_counter() - start
+
+
+def _tiny_raw_dataset(out: Path, n: int = OVERHEAD_SAMPLES, side: int = OVERHEAD_SIDE) -> Path:
+    """`n` raw-stored side x side images (nothing to decode or resize): the overhead pipeline's data."""
+    from ..shards import Manifest, ShardWriter, write_manifest
+
+    if (out / "stoker.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, (8, side, side, 3), dtype=np.uint8)
+    writer = ShardWriter(out, 0, label_type="int64")
+    for i in range(n):
+        writer.add(f"tiny/{i:06d}", pixels[i % 8].tobytes(), "raw", side, side, i % 10)
+    write_manifest(out, Manifest(num_samples=n, shards=[writer.finish()], classes=None, label_type="int64"))
+    return out
+
+
+def _disk_bytes(path: Path) -> int:
+    """Bytes of the files under `path` (what a pipeline reads its images from)."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
 def _check_args(images: int, batch_size: int, workers: int, rounds: int, pipelines: Sequence[str],
@@ -535,15 +594,23 @@ def run_bench(data_dir: Path | None = None, *, images: int | None = None, batch_
             if any(_reads_packed(p) for p in plan.pipelines):
                 bar.stage("packing the images once")
                 result.pack_seconds = _pack_once(root, packed, workers)
+        sources = {name: work / f"packed-{name.rsplit('-', 1)[1]}" for name in RECIPES if name in plan.pipelines}
+        for name, path in sources.items():   # the recipes' own packs, also before any timing
+            _pack_once(root, path, workers, **RECIPES[name])
+        if "overhead" in plan.pipelines:
+            sources["overhead"] = _tiny_raw_dataset(work / "overhead-tiny-raw")
         for name in plan.pipelines:
             description, ratio_to = plan.catalog[name]
             entry = PipelineResult(name, description, ratio_to=ratio_to, skipped=_unavailable(name, plan.device))
+            source = sources.get(name, packed if _reads_packed(name) else root)
             if entry.skipped is None:
                 bar.stage(f"measuring {name}, {rounds} round(s)")
-                spec = _Spec(name, str(root), str(packed), batch_size, workers, rounds, plan.device,
-                             _model_of(name, plan.models), plan.steps, plan.warmup_steps)
+                spec = _Spec(name, str(root), str(source), batch_size, 1 if name == "overhead" else workers,
+                             rounds, plan.device, _model_of(name, plan.models), plan.steps, plan.warmup_steps)
                 for key, value in (_measure_isolated(spec) if isolate else _measure(spec)).items():
                     setattr(entry, key, value)
+                if not plan.device_run:
+                    entry.disk_bytes = _disk_bytes(Path(source))
             result.pipelines.append(entry)
             bar.update()
         _fill_ratios(result)
@@ -561,7 +628,7 @@ def _model_of(name: str, models: Sequence[str]) -> str:
 
 def _reads_packed(name: str) -> bool:
     """Whether pipeline `name` reads the packed copy (so it is packed once, before any timing)."""
-    return name.startswith("stoker-") or name == "ceiling" or bench_gpu.uses_packed(name)
+    return (name.startswith("stoker-") and name not in RECIPES) or name == "ceiling" or bench_gpu.uses_packed(name)
 
 
 def _fill_ratios(result: BenchResult) -> None:
@@ -595,11 +662,18 @@ def format_table(result: BenchResult) -> str:
     def cells(p: PipelineResult) -> list[str]:
         ratio = f"{p.ratio:.2f}x {p.ratio_to}" if p.ratio is not None else "-"
         vs_ceiling = p.images_per_s / ceiling.images_per_s if ceiling is not None and p is not ceiling else None
+        if p.name == "overhead":   # one thread, nothing to decode: not comparable with the others
+            ratio, vs_ceiling = "-", None
         return [fmt_number(p.images_per_s, ",.0f"), ratio, fmt_number(vs_ceiling, ".2f", "x"),
                 fmt_number(p.cpu_percent, ".0f"), fmt_number(p.cpu_ms_per_image, ".2f"),
-                f"{p.peak_rss_bytes / 1e6:,.0f}", fmt_number(p.first_batch_s, ".2f")]
+                f"{p.peak_rss_bytes / 1e6:,.0f}", fmt_number(p.first_batch_s, ".2f"),
+                f"{p.disk_bytes / 1e6:,.1f}" if p.disk_bytes else "-"]
     lines = markdown_table(("pipeline", "images/s", "ratio", "vs ceiling", "CPU %", "CPU ms/image", "peak RSS (MB)",
-                            "first batch (s)"), [(p, cells(p)) for p in result.pipelines])
+                            "first batch (s)", "disk (MB)"), [(p, cells(p)) for p in result.pipelines])
+    overhead = result.ran("overhead")
+    if overhead is not None:
+        lines += ["", f"Per-sample overhead: {1e6 / overhead.images_per_s:.1f} µs per sample on one thread "
+                      f"({OVERHEAD_SIDE}x{OVERHEAD_SIDE} raw images: no decode, a trivial resize; target <= 30 µs)."]
     d, m = result.data, result.machine
     lines += [*(f"- {p.name}: {p.description}" + (f" ({p.version})" if p.version else "")
                     for p in result.pipelines), "",
@@ -612,6 +686,8 @@ def format_table(result: BenchResult) -> str:
               f"Machine: {m['cpu']}, {m['usable_cores']} usable cores, {m['memory_gb']} GB, load average "
               f"{m['load_1m']} at the start; Python {m['python']}, "
               f"torch {m.get('torch', '-')}, Pillow {m['pillow']}, simplejpeg {m['simplejpeg']}.",
+              "Disk: bytes of the files each pipeline reads (the ImageFolder for the baselines and DALI, the packed "
+              "copy for stoker; the recipes' own packs).",
               "CPU %: process + children over the timed rounds (100 = one core); CPU ms/image is the same CPU "
               "time per image, which other load on the machine disturbs less than images/s. Peak RSS: process + "
               "children (forked workers' shared pages count once per process).",

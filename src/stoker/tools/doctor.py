@@ -88,6 +88,7 @@ class DoctorReport:
     loader_images_per_s: float      # the loader alone
     step_images_per_s: float        # the model step alone, on a batch held in memory
     profile: ProfileReport          # both together: verdict and fixes
+    decoder: str = ""               # which CPU JPEG path the loader uses (region decode, or why not)
 
     @property
     def verdict(self) -> str:
@@ -95,7 +96,7 @@ class DoctorReport:
 
     def as_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in ("path", "model", "device", "batch_size", "steps", "threads",
-                                             "transforms", "loader_images_per_s", "step_images_per_s")}
+                                             "transforms", "loader_images_per_s", "step_images_per_s", "decoder")}
         return json_safe({**out, "verdict": self.verdict, "profile": self.profile.as_dict()})
 
     def format(self) -> str:
@@ -104,6 +105,7 @@ class DoctorReport:
             f"stoker doctor: {self.path}",
             f"  setup            batch {self.batch_size}, {self.steps} steps per run, {self.threads} loader thread(s), "
             f"{self.transforms} transforms, model: {self.model} on {self.device}",
+            f"  JPEG decode      {self.decoder}",
             f"  loader alone     {self.loader_images_per_s:,.1f} images/s",
             f"  model step alone {self.step_images_per_s:,.1f} images/s",
             f"  together         {self.profile.images_per_s:,.1f} images/s "
@@ -192,7 +194,17 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = 8, thread
         torch.set_num_threads(threads_before)
         loader.close()
     return DoctorReport(str(path), model_name, device, batch_size, steps, loader.num_threads, transforms,
-                        loader_rate, step_rate, report)
+                        loader_rate, step_rate, report, _decoder())
+
+
+def _decoder() -> str:
+    """The CPU JPEG path: the crop's region only, or whole images (and why, with the fix)."""
+    from .. import _libjpeg
+
+    if _libjpeg.region_decoder() is not None:
+        return "region + DCT-scaled (only the crop's rectangle is decoded)"
+    return (f"whole images, DCT-scaled ({_libjpeg.describe()}; reinstall stoker where a C compiler is "
+            "available to build the region decoder)")
 
 
 def _sync(device: str) -> None:

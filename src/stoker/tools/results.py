@@ -38,6 +38,7 @@ class PipelineResult:
     version: str = ""                         # of the library doing the work, e.g. "nvidia.dali 2.4.0"
     peak_device_bytes: int = 0                # device pipelines: torch.cuda.max_memory_allocated (0 on CPU)
     data_wait: float = math.nan               # training: share of the timed steps spent waiting in next()
+    disk_bytes: int = 0                       # CPU bench: bytes of the files the pipeline reads its images from
 
     @property
     def ran(self) -> bool:

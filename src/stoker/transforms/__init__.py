@@ -25,10 +25,10 @@ from __future__ import annotations
 
 from .geometry import (AREA_FROM, GEOMETRIC, CenterCrop, CropWindow, Plan, RandomHorizontalFlip,
                        RandomResizedCrop, Resize, Size, crop_resize_into, crop_window, decode_minimums,
-                       plan_ops)
+                       plan_ops, resize_window_into)
 from .pipeline import Pipeline
 from .user import apply_tail, run_user_op
 
 __all__ = ["AREA_FROM", "GEOMETRIC", "CenterCrop", "CropWindow", "Pipeline", "Plan", "RandomHorizontalFlip",
            "RandomResizedCrop", "Resize", "Size", "apply_tail", "crop_resize_into", "crop_window",
-           "decode_minimums", "plan_ops", "run_user_op"]
+           "decode_minimums", "plan_ops", "resize_window_into", "run_user_op"]

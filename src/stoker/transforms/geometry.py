@@ -243,12 +243,17 @@ def crop_resize_into(src: np.ndarray, box: Sequence[float], dst: np.ndarray, fli
     the box outside the image become zeros (CenterCrop padding). The geometry is :func:`crop_window`."""
     win = crop_window(box, src.shape[0], src.shape[1], full_h, full_w, dst.shape[0], dst.shape[1])
     sy0, sy1, sx0, sx1 = win.src
+    resize_window_into(src[sy0:sy1, sx0:sx1], win, dst, flip)
+
+
+def resize_window_into(region: np.ndarray, win: CropWindow, dst: np.ndarray, flip: bool) -> None:
+    """The second half of :func:`crop_resize_into`: `region` holds the source pixels `win.src` (cut
+    from a decoded image, or decoded alone by a region decoder); resize them into `win.dst` of `dst`."""
     target = dst
     if win.padded:
         dst[...] = 0
         ty0, ty1, tx0, tx1 = win.dst
         target = dst[ty0:ty1, tx0:tx1]
-    region = src[sy0:sy1, sx0:sx1]
     th, tw = target.shape[:2]
     # Measured (docs/decoding.md): after DCT scaling the shrink left is below 2x, where bilinear is
     # within ~0.5 dB of PIL's antialiased bilinear and 3-5x faster than area; area only beyond 2x.

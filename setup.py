@@ -1,0 +1,24 @@
+"""Build config beyond pyproject.toml: the optional region-decode extension (stoker._jpeg).
+
+It needs only a C compiler and Python's headers (libjpeg-turbo is loaded at run time, see
+csrc/jpeg_region.c). `optional=True`: where it cannot be compiled (no compiler, Windows), the
+install still succeeds and stoker decodes whole images through simplejpeg, as before.
+"""
+
+import os
+import sys
+
+from setuptools import Extension, setup
+
+ext_modules = []
+if os.name == "posix":  # dlopen/dlsym; Windows keeps the simplejpeg path
+    ext_modules.append(Extension(
+        "stoker._jpeg",
+        sources=["csrc/jpeg_region.c"],
+        include_dirs=["csrc/libjpeg"],
+        extra_compile_args=["-O2"],
+        libraries=["dl"] if sys.platform.startswith("linux") else [],  # glibc < 2.34 keeps dlopen there
+        optional=True,
+    ))
+
+setup(ext_modules=ext_modules)

@@ -1,0 +1,189 @@
+"""HDF5 files (kind "hdf5"), read with h5py: ``pip install 'stoker[hdf5]'``.
+
+The images are one dataset (``image_column``; default the first of ``images``, ``image``, ``imgs``,
+``data``, ``x`` present, else the first dataset that looks like images), holding either
+
+- **encoded bytes**, one element per image: variable-length uint8 (``h5py.vlen_dtype(np.uint8)``),
+  variable-length bytes, or fixed-size opaque/bytes elements (JPEGs stay byte for byte); or
+- **pixels**: a uint8 array ``N x H x W x 3`` (or ``N x H x W`` grey), handed on as lossless PPM.
+
+Labels are a dataset of the same length (``label_column``; default the first of ``labels``,
+``label``, ``targets``, ``y``): integers, floats, strings (class names), or ``N x K`` (multi-label:
+rows of label indices, -1 padding dropped). Class names come from a ``classes`` or ``class_names``
+attribute of the label dataset or the file when present. Other 1-D datasets of length N with
+numbers or strings become typed extra columns. Keys are ``<dataset name>/<index>``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import SourceError
+from .base import Source, SourceItem, SourceOptions, describe_labels, optional_module, type_any_labels
+
+SUFFIXES = (".h5", ".hdf5", ".he5", ".hdf")
+IMAGE_NAMES = ("images", "image", "imgs", "data", "x")
+LABEL_NAMES = ("labels", "label", "targets", "y")
+_MAGIC = b"\x89HDF\r\n\x1a\n"
+
+
+def _h5py() -> Any:
+    return optional_module("h5py", "hdf5", "reading HDF5")
+
+
+def detect(path: Path) -> bool:
+    """An ``.h5``/``.hdf5`` file, or any file starting with the HDF5 signature."""
+    if not path.is_file():
+        return False
+    if path.suffix.lower() in SUFFIXES:
+        return True
+    with open(path, "rb") as fh:
+        return fh.read(8) == _MAGIC
+
+
+def _datasets(h5: Any) -> dict[str, Any]:
+    """Every dataset in the file by its path (``group/name``), in name order."""
+    h5py = _h5py()
+    found: dict[str, Any] = {}
+
+    def visit(name: str, obj: Any) -> None:   # returning anything but None would stop the walk
+        if isinstance(obj, h5py.Dataset):
+            found[name] = obj
+
+    h5.visititems(visit)
+    return dict(sorted(found.items()))
+
+
+def _encoded(ds: Any) -> bool:
+    h5py = _h5py()
+    if ds.ndim != 1:
+        return False
+    base = h5py.check_vlen_dtype(ds.dtype)
+    if base is not None:
+        return base == np.uint8 or base is bytes
+    return ds.dtype.kind == "V" or ds.dtype.kind == "S"
+
+
+def _pixels(ds: Any) -> bool:
+    return ds.dtype == np.uint8 and (ds.ndim == 3 or (ds.ndim == 4 and ds.shape[-1] in (1, 3)))
+
+
+class _Images:
+    """One image dataset, open for reading; h5py serializes access itself (its global lock)."""
+
+    def __init__(self, path: Path, name: str) -> None:
+        self.name = f"{path}:{name}"
+        self._file = _h5py().File(path, "r")
+        self._ds = self._file[name]
+        self.encoded = _encoded(self._ds)
+        self._lock = threading.Lock()
+
+    def read(self, offset: int, size: int) -> bytes:
+        with self._lock:
+            try:
+                value = self._ds[offset]
+            except (OSError, RuntimeError, ValueError) as exc:
+                raise OSError(f"cannot read element {offset} of {self.name}: {exc}") from None
+        if self.encoded:
+            return value if isinstance(value, bytes) else np.asarray(value).tobytes()
+        pixels = np.asarray(value)
+        if pixels.ndim == 3 and pixels.shape[-1] == 1:
+            pixels = pixels[..., 0]
+        h, w = pixels.shape[:2]
+        return f"P{5 if pixels.ndim == 2 else 6}\n{w} {h}\n255\n".encode() + np.ascontiguousarray(pixels).tobytes()
+
+
+def _pick(sets: dict[str, Any], wanted: str | None, defaults: tuple[str, ...], what: str, flag: str,
+          path: Path) -> str | None:
+    if wanted is not None:
+        if wanted not in sets:
+            raise SourceError(f"{path}: no {what} dataset {wanted!r}; its datasets are {list(sets)}; pass "
+                              f"{flag}", path=path)
+        return wanted
+    return next((n for n in defaults if n in sets), None)
+
+
+def open_hdf5(path: Path, options: SourceOptions) -> Source:
+    h5py = _h5py()
+    try:
+        h5 = h5py.File(path, "r")
+    except OSError as exc:
+        raise SourceError(f"cannot open {path} as HDF5 ({exc})", path=path) from None
+    with h5:
+        sets = _datasets(h5)
+        image = _pick(sets, options.image_column, IMAGE_NAMES, "image", "image_column= (--image-column)", path)
+        image = image or next((n for n, d in sets.items() if _encoded(d) or _pixels(d)), None)
+        if image is None or not (_encoded(sets[image]) or _pixels(sets[image])):
+            raise SourceError(f"{path}: no image dataset (encoded bytes per element, or uint8 N x H x W x 3) "
+                              f"among {list(sets)}; pass image_column= (--image-column)", path=path)
+        n = len(sets[image])
+        wanted = None if options.label_column == "label" else options.label_column
+        label = None if options.label_column is None else _pick(
+            sets, wanted, LABEL_NAMES, "label", "label_column= (--label-column)", path)
+        if label is not None and len(sets[label]) != n:
+            raise SourceError(f"{path}: label dataset {label!r} has {len(sets[label])} elements for {n} images",
+                              path=path)
+        extras = {name: ds for name, ds in sets.items()
+                  if name not in (image, label) and ds.ndim == 1 and len(ds) == n and ds.dtype.kind in "biufSO"}
+        extra_columns, extra_values = _extras(extras)
+        raw = None if label is None else sets[label][()]
+        names = _class_names(h5, sets[label]) if label is not None else None
+    store = _Images(path, image)
+    items = [SourceItem(key=f"{image}/{i}", path=None, label=None, offset=i, store=store,
+                        extras={c: extra_values[c][i] for c in extra_columns}) for i in range(n)]
+    if raw is None:
+        classes, label_type = None, "none"
+    else:
+        labels, label_type, classes = _labels(raw, names, label, path)
+        items = [replace(i, label=lab) for i, lab in zip(items, labels)]
+    return Source(items=items, classes=classes, label_type=label_type, extra_columns=extra_columns,
+                  root=path.parent, kind="hdf5",
+                  description=f"HDF5 {path} ({n} images in {image!r}, "
+                              f"{'encoded' if store.encoded else 'pixels'}, {describe_labels(classes, label_type)})")
+
+
+def _text(v: Any) -> str:
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+
+
+def _class_names(h5: Any, ds: Any) -> list[str] | None:
+    for holder in (ds, h5):
+        for attr in ("classes", "class_names"):
+            if attr in holder.attrs:
+                return [_text(v) for v in np.atleast_1d(holder.attrs[attr])]
+    return None
+
+
+def _labels(raw: np.ndarray, names: list[str] | None, label: str, path: Path) -> tuple:
+    where = [f"{path}:{label}[{i}]" for i in range(len(raw))]
+    if raw.ndim == 2 and raw.dtype.kind in "iu":   # rows of label indices, -1 as padding
+        return [[int(v) for v in row if v >= 0] for row in raw], "list<int64>", names
+    if raw.ndim != 1:
+        raise SourceError(f"{path}: label dataset {label!r} has shape {raw.shape}; expected N values or "
+                          "N x K label indices; pass label_column= (--label-column)", path=path)
+    if raw.dtype.kind in "iub":
+        return [int(v) for v in raw], "int64", names
+    if raw.dtype.kind == "f":
+        return [float(v) for v in raw], "float64", None
+    return type_any_labels([_text(v) for v in raw], where)
+
+
+def _extras(sets: dict[str, Any]) -> tuple[dict[str, str], dict[str, list]]:
+    columns: dict[str, str] = {}
+    values: dict[str, list] = {}
+    for name, ds in sets.items():
+        data = ds[()]
+        if data.dtype.kind in "iu":
+            columns[name], values[name] = "int64", [int(v) for v in data]
+        elif data.dtype.kind == "b":
+            columns[name], values[name] = "bool", [bool(v) for v in data]
+        elif data.dtype.kind == "f":
+            columns[name], values[name] = "float64", [float(v) for v in data]
+        elif all(isinstance(v, (bytes, str)) for v in data):
+            columns[name], values[name] = "string", [_text(v) for v in data]
+    return columns, values
