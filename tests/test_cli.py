@@ -91,8 +91,8 @@ def test_kind_hints_name_the_flag_on_the_cli(tmp_path: Path, capsys: pytest.Capt
     odd.write_bytes(b"x")
     assert main(["pack", str(odd), str(tmp_path / "out"), "-q"]) == 2
     err = capsys.readouterr().err
-    assert "(or pass --kind ...)" in err and "kind=" not in err
-    with pytest.raises(SourceError, match=r"\(or pass kind=\.\.\.\)"):
+    assert "(or pass --kind: one of list, csv" in err and "kind=" not in err
+    with pytest.raises(SourceError, match=r"\(or pass kind=\.\.\.: one of list, csv"):
         pack(odd, tmp_path / "out2")
 
     mixed = make_image_folder(tmp_path / "mixed")
