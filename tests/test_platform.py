@@ -4,10 +4,15 @@ no "Exception ignored" noise behind (Python 3.13 printed one per shard)."""
 from __future__ import annotations
 
 import gc
+import logging
+import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
+from PIL import Image
 
 from stoker.shards import ShardWriter, _HashingSink
 from stoker.storage import LocalStorage
@@ -143,3 +148,35 @@ def test_the_hashing_sink_never_flushes_a_committed_file(tmp_path: Path, monkeyp
     gc.collect()
     assert unraisable == []
     assert (tmp_path / "shard-00000.arrow").read_bytes() == b"abc"
+
+
+def test_every_logger_stoker_uses_is_documented() -> None:
+    """Users configure loggers by name: each name in the code appears in docs/loader.md's table."""
+    root = Path(__file__).resolve().parents[1]
+    names = set()
+    for path in (root / "src" / "stoker").rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        names.update(re.findall(r"""getLogger\(["']([\w.]+)["']\)""", text))
+        assert "getLogger(__name__)" not in text, f"{path.name}: name the logger users configure, not the module"
+        names.update(re.findall(r"""LOGGER_NAME = ["']([\w.]+)["']""", text))
+    names -= {"PIL", "stoker"}   # the CLI quiets Pillow and attaches its handler to the parent logger
+    assert names >= {"stoker.loader", "stoker.progress"}
+    table = (root / "docs" / "loader.md").read_text(encoding="utf-8")
+    assert [n for n in sorted(names) if f"| `{n}` |" not in table] == []
+
+
+def test_skipped_samples_log_on_stoker_loader(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    pytest.importorskip("torch")
+    from stoker import Loader, RandomResizedCrop
+
+    folder = tmp_path / "imgs" / "a"
+    folder.mkdir(parents=True)
+    for i in range(4):
+        Image.new("RGB", (20, 20), (i * 40, 0, 0)).save(folder / f"{i}.jpg")
+    (folder / "bad.jpg").write_bytes(b"\xff\xd8\xffnot a jpeg")
+    with caplog.at_level(logging.WARNING, logger="stoker.loader"):
+        with Loader(tmp_path / "imgs", 5, transforms=[RandomResizedCrop(8)], on_error="skip",
+                    order="sequential") as loader:
+            next(iter(loader))
+    records = [r for r in caplog.records if "bad.jpg" in r.getMessage()]
+    assert records and all(r.name == "stoker.loader" for r in records)

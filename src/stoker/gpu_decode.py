@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
+from ._torch import torch
 from .codecs import encode_jpeg
 from .errors import ConfigError, CorruptImageError, ImageError
 from .transforms import crop_window
+
+F = torch.nn.functional
 
 #: Accepted values of `gpu_decoder` / `make_decoder(backend=...)`.
 BACKENDS = ("auto", "torchvision", "nvimgcodec")

@@ -495,6 +495,7 @@ def pack(src: str | Path | Source, out: str | Path, *, options: PackOptions | No
         raise ConfigError.spelled("{resume} and {overwrite} contradict each other; pass one of them",
                                   {"resume": RESUME, "overwrite": OVERWRITE})
     storage = open_storage(out)  # before listing: a URL is refused at once
+    codecs.quiet_decoder_messages()  # each bad file is reported in skipped.jsonl, not by libtiff on stderr
     source = src if isinstance(src, Source) else open_source(src, **source_options)
     if source.skipped and options.on_error == "fail":
         first = source.skipped[0]

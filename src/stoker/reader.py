@@ -317,6 +317,7 @@ class LooseDataset(Dataset):
         self._items = source.items
         self._max_pixels = max_pixels
         self._labels: np.ndarray | None = None
+        codecs.quiet_decoder_messages()   # users' raw files: libtiff/Pillow must not flood stderr
 
     def __len__(self) -> int:
         return len(self._items)

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
-import torch
 
+from ._torch import torch
 from . import codecs
 from .device import DeviceStage, convert
 from .errors import DatasetError, SampleError, UserTransformError
@@ -37,7 +37,8 @@ from .slots import LoaderStats, Slot, WorkerTimes
 from .transforms import (CropWindow, Pipeline, Plan, apply_tail, crop_window, decode_minimums, resize_window_into,
                          run_user_op)
 
-_log = logging.getLogger(__name__)  # one warning per skipped sample, with its reason
+# one warning per skipped sample, with its reason, on the Loader's logger: the name users configure
+_log = logging.getLogger("stoker.loader")
 MAX_REPLACEMENTS = 16  # on_error="skip": replacement samples tried before giving up on a position
 
 
