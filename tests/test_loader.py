@@ -154,12 +154,67 @@ def test_epochs_advance_and_set_epoch_replays(packed: Path) -> None:
     loader.set_epoch(0)
     again = run_epoch(loader)
     assert np.array_equal(e0[0], again[0]) and np.array_equal(e0[1], again[1])
-    # An abandoned pass counts as started: the next iter() moves on to the next epoch.
+    # A pass left part-way keeps its place: the next iter() continues the same epoch.
     loader.set_epoch(5)
-    next(iter(loader))
-    assert loader.epoch == 5
-    next(iter(loader))
-    assert loader.epoch == 6
+    first = next(iter(loader))[1].clone()
+    second = next(iter(loader))[1].clone()
+    assert loader.epoch == 5 and loader.state_dict()["batch"] == 2
+    loader.set_epoch(5)
+    it = iter(loader)
+    assert np.array_equal(next(it)[1], first) and np.array_equal(next(it)[1], second)
+
+
+def test_state_after_a_break_is_what_the_next_iter_yields(packed: Path) -> None:
+    """The rule: state_dict() always describes the next iter(), during a pass, after a break and
+    after an exception in the loop; resuming from it in a fresh Loader gives the same batches."""
+    loader = Loader(packed, 8, transforms=TRAIN, seed=9, num_threads=2)
+    for k, (images, labels) in enumerate(loader):
+        if k == 4:
+            break
+    state = loader.state_dict()
+    assert (state["epoch"], state["batch"], state["sample"]) == (0, 5, 40)
+    rest_here = [y.clone() for _, y in loader]
+    assert loader.epoch == 1 and loader.state_dict()["batch"] == 0
+    fresh = Loader(packed, 8, transforms=TRAIN, seed=9, num_threads=1)
+    fresh.load_state_dict(state)
+    rest_there = [y.clone() for _, y in fresh]
+    assert len(rest_here) == len(loader) - 5 and len(rest_here) == len(rest_there)
+    assert all(np.array_equal(a, b) for a, b in zip(rest_here, rest_there))
+
+    with pytest.raises(KeyError):   # an exception in the training step: the place is kept too
+        for k, (images, labels) in enumerate(loader):
+            if k == 2:
+                raise KeyError("step failed")
+    assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["batch"] == 3
+
+
+@pytest.mark.parametrize("new_size", [5, 16, 60])
+def test_resume_with_a_different_batch_size_yields_exactly_the_samples_left(packed: Path, new_size: int) -> None:
+    def labels_of(loader: Loader) -> list[int]:
+        return [v for _, y in loader for v in y.tolist()]
+
+    whole = Loader(packed, 8, transforms=TRAIN, seed=3)
+    whole.set_epoch(1)
+    epoch = labels_of(whole)
+    first = Loader(packed, 8, transforms=TRAIN, seed=3)
+    first.set_epoch(1)
+    it = iter(first)
+    seen = [v for _ in range(3) for v in next(it)[1].tolist()]
+    state = first.state_dict()
+    first.close()
+    resumed = Loader(packed, new_size, transforms=TRAIN, seed=3)
+    resumed.load_state_dict(state)
+    batches = [y.tolist() for _, y in resumed]
+    assert seen + [v for b in batches for v in b] == epoch   # same samples, same order, none twice
+    assert all(len(b) == new_size for b in batches[:-1])
+    assert resumed.epoch == 2
+    img_whole = Loader(packed, 8, transforms=TRAIN, seed=3)
+    img_whole.set_epoch(1)
+    ref = np.concatenate([x.numpy().copy() for x, _ in img_whole])[24:]
+    again = Loader(packed, new_size, transforms=TRAIN, seed=3)
+    again.load_state_dict(state)
+    got = np.concatenate([x.numpy().copy() for x, _ in again])
+    assert np.array_equal(ref, got)   # and the same pixels: random draws follow the sample, not the batch
 
 
 @pytest.mark.parametrize("threads,stop_after", [(1, 1), (2, 2), (3, 3)])
@@ -185,9 +240,11 @@ def test_resume_mid_epoch_yields_exactly_the_rest(packed: Path, threads: int, st
 
 
 def test_state_from_a_different_setup_is_refused(packed: Path) -> None:
-    state = Loader(packed, 8, transforms=TRAIN).state_dict()
-    with pytest.raises(ConfigError, match="batch_size=8 vs 16"):
-        Loader(packed, 16, transforms=TRAIN).load_state_dict(state)
+    state = Loader(packed, 8, transforms=TRAIN, drop_last=True).state_dict()
+    with pytest.raises(ConfigError, match="batch_size=8 vs 16.*only with drop_last=False"):
+        Loader(packed, 16, transforms=TRAIN, drop_last=True).load_state_dict(state)
+    with pytest.raises(ConfigError, match="seed=0 vs 1"):
+        Loader(packed, 8, transforms=TRAIN, seed=1, drop_last=True).load_state_dict(state)
     with pytest.raises(ConfigError, match="not a stoker Loader state"):
         Loader(packed, 8, transforms=TRAIN).load_state_dict({"epoch": 1})
 

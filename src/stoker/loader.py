@@ -175,7 +175,8 @@ class Loader:
         self._spec = RenderSpec(batch_size, self.output_size, self.pipeline, self.seed, on_error, self.columns,
                                 labels, heights, widths, multi_label=multi, decode_quality=self.decode_quality)
         self._shard_rows = [s.rows for s in ds.manifest.shards] if isinstance(ds, PackedDataset) else None
-        self._epoch, self._cursor, self._started = 0, 0, False
+        # where the next iter() starts: the epoch, and how many of its samples (on this rank) were yielded
+        self._epoch, self._cursor = 0, 0
         self.stats = LoaderStats()
         self._ring: BatchRing | None = None
         self._current: weakref.ref | None = None
@@ -203,30 +204,46 @@ class Loader:
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Read epoch `epoch` from its start on the next `iter()`. Without calls, each new `iter()`
-        after a started one moves on to the next epoch by itself."""
-        self._epoch, self._cursor, self._started = int(epoch), 0, False
+        """Read epoch `epoch` from its start on the next `iter()`. Without calls, an `iter()` after a
+        finished pass reads the next epoch, and one after a pass left part-way continues it."""
+        self._epoch, self._cursor = int(epoch), 0
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the loader is: epoch and batches already yielded, plus what must match on resume."""
-        return {"format": _STATE_FORMAT, "epoch": self._epoch, "batch": self._cursor, "seed": self.seed,
-                "batch_size": self.batch_size, "world_size": self.world_size, "num_samples": len(self.dataset),
-                "order": self.order, "drop_last": self.drop_last}
+        """What the next `iter()` yields: the epoch, and the samples (and batches) of it already
+        yielded on this rank, plus the settings that must match on resume. It is the same whether
+        taken during a pass, after a `break` or after an exception: a pass left part-way keeps its
+        place, and the next `iter()` continues from there."""
+        batch = -(-self._cursor // self.batch_size)
+        return {"format": _STATE_FORMAT, "epoch": self._epoch, "batch": batch, "sample": self._cursor,
+                "seed": self.seed, "batch_size": self.batch_size, "world_size": self.world_size,
+                "num_samples": len(self.dataset), "order": self.order, "drop_last": self.drop_last}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume: the next `iter()` yields exactly the batches of `state`'s epoch not yet yielded."""
+        """Resume: the next `iter()` yields exactly the samples of `state`'s epoch not yet yielded.
+        A different `batch_size` is allowed with `drop_last=False` (the samples left are the same;
+        only their grouping into batches changes); everything else must match."""
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
             raise ConfigError(f"not a stoker Loader state (expected format {_STATE_FORMAT!r}): {state!r:.200}")
         mine = self.state_dict()
-        diff = {k: (state.get(k), mine[k]) for k in ("seed", "batch_size", "world_size", "num_samples",
-                                                      "order", "drop_last") if state.get(k) != mine[k]}
+        keys = ["seed", "world_size", "num_samples", "order", "drop_last"]
+        if self.drop_last:  # which samples an epoch drops depends on the batch size
+            keys.append("batch_size")
+        diff = {k: (state.get(k), mine[k]) for k in keys if state.get(k) != mine[k]}
         if diff:
+            hint = ("; build the Loader with the saved settings to resume exactly"
+                    + (" (a new batch_size can resume only with drop_last=False: with drop_last=True the "
+                       "samples an epoch leaves out depend on it)" if "batch_size" in diff else ""))
             raise ConfigError("the saved loader state does not match this Loader (saved, now): "
-                              + ", ".join(f"{k}={a!r} vs {b!r}" for k, (a, b) in diff.items())
-                              + "; build the Loader with the saved settings to resume exactly")
-        if not 0 <= int(state["batch"]) <= len(self):
-            raise ConfigError(f"saved batch cursor {state['batch']} is outside this epoch's {len(self)} batches")
-        self._epoch, self._cursor, self._started = int(state["epoch"]), int(state["batch"]), False
+                              + ", ".join(f"{k}={a!r} vs {b!r}" for k, (a, b) in diff.items()) + hint)
+        epoch = int(state["epoch"])
+        sample = state.get("sample")
+        if sample is None:  # a state saved before the sample cursor existed: batches of the saved size
+            sample = min(int(state["batch"]) * int(state["batch_size"]),
+                         samples_per_rank(len(self.dataset), self.world_size, self.drop_last))
+        total = len(self.epoch_indices(epoch))
+        if not 0 <= int(sample) <= total:
+            raise ConfigError(f"saved sample cursor {sample} is outside epoch {epoch}'s {total} samples on this rank")
+        self._epoch, self._cursor = (epoch + 1, 0) if int(sample) == total else (epoch, int(sample))
 
     def epoch_indices(self, epoch: int | None = None) -> np.ndarray:
         """Dataset indices this rank reads in `epoch` (default: the current one), in order."""
@@ -259,9 +276,8 @@ class Loader:
             previous = self._current() if self._current is not None else None
             if previous is not None:
                 previous.close()
-            if self._started:  # the previous pass was abandoned part-way: move on
-                self._epoch, self._cursor = self._epoch + 1, 0
-            self._started = True
+            # a pass left part-way (break, an exception) keeps its place: this one continues it,
+            # exactly as a state_dict() saved now would resume (set_epoch() starts afresh)
             it = _LoaderIter(self, self._epoch, self._cursor, opts)
             self._current = weakref.ref(it)
             return it
@@ -323,10 +339,11 @@ class _LoaderIter:
         self._loader = loader
         self._epoch = epoch
         indices = loader.epoch_indices(epoch)
-        total = len(loader)
-        sizes = [min(loader.batch_size, len(indices) - k * loader.batch_size) for k in range(start, total)]
+        bs, left = loader.batch_size, max(len(indices) - start, 0)
+        sizes = [min(bs, left - k * bs) for k in range(-(-left // bs))]
         self._n = len(sizes)
-        self._start = start
+        self._start = start   # samples of the epoch yielded before this pass
+        self._ends = np.cumsum(sizes, dtype=np.int64) + start if sizes else np.zeros(0, np.int64)
         self._b = 0
         self._closed = False
         spec = loader._spec
@@ -373,9 +390,9 @@ class _LoaderIter:
         loader.stats.batches += 1
         self._b += 1
         if loader._current is not None and loader._current() is self:
-            loader._cursor = self._start + self._b
+            loader._cursor = int(self._ends[self._b - 1])
             if self._b == self._n:  # the epoch is complete: a new iter() starts the next one
-                loader._epoch, loader._cursor, loader._started = self._epoch + 1, 0, False
+                loader._epoch, loader._cursor = self._epoch + 1, 0
         return batch if self._feeder is not None else self._batch(slot)
 
     def _batch(self, slot: Slot) -> tuple:

@@ -73,7 +73,7 @@ class Filler:
     """The per-pass work: plan a batch, render one sample. Shared by the worker threads; it holds
     no reference to the iterator, so an abandoned iterator can be collected."""
 
-    def __init__(self, spec: RenderSpec, dataset: Dataset, epoch: int, indices: np.ndarray, first_batch: int) -> None:
+    def __init__(self, spec: RenderSpec, dataset: Dataset, epoch: int, indices: np.ndarray, first_sample: int) -> None:
         self.spec = spec
         self.gpu = spec.gpu_decode
         self.ds = dataset
@@ -81,7 +81,7 @@ class Filler:
         self.pipe = spec.pipeline
         self.seed, self.epoch = spec.seed, epoch
         self.indices = indices  # this rank's dataset indices for the epoch, in order
-        self.first = first_batch * spec.batch_size
+        self.first = first_sample  # the pass starts at this position of the epoch's list (a resume)
         self.batch_size = spec.batch_size
         self.heights, self.widths = spec.heights, spec.widths
         self.labels = spec.labels
