@@ -486,3 +486,74 @@ def test_the_loose_loader_keeps_libtiff_and_pillow_chatter_off_stderr(tmp_path: 
     chatter = [line for line in done.stderr.splitlines() if not line.startswith("on_error='skip': sample ")]
     assert len(chatter) <= 2, chatter   # Pillow's own C code may still print a line for a broken TIFF
     assert not any("TIFF" in line or "Warning" in line for line in chatter), chatter
+
+
+def test_num_workers_is_dataloaders_name_for_num_threads(packed: Path) -> None:
+    assert Loader(packed, 8, transforms=TRAIN, num_workers=3).num_threads == 3
+    assert Loader(packed, 8, transforms=TRAIN, num_workers=0).num_threads == 1   # "main process": one thread
+    with pytest.raises(ConfigError, match="num_threads= or its DataLoader spelling num_workers=, not both"):
+        Loader(packed, 8, transforms=TRAIN, num_workers=2, num_threads=2)
+    with pytest.raises(ConfigError, match="stoker's name is num_threads"):
+        Loader(packed, 8, transforms=TRAIN, num_workers=-1)
+
+
+def test_indices_read_only_that_subset_each_epoch(packed: Path) -> None:
+    subset = [3, 7, 11, 19, 23, 29, 31, 41, 43, 47, 53]
+    loader = Loader(packed, 4, transforms=TRAIN, indices=subset, seed=2)
+    assert len(loader) == 3
+    epochs = [[v for _, y in loader for v in y.tolist()] for _ in range(2)]   # label = dataset index
+    assert sorted(epochs[0]) == subset and sorted(epochs[1]) == subset and epochs[0] != epochs[1]
+    seq = Loader(packed, 4, transforms=TRAIN, indices=np.array(subset), order="sequential")
+    assert [v for _, y in seq for v in y.tolist()] == subset
+    # the same subset gives the same pixels as the full dataset for those samples (keys follow the sample)
+    one = Loader(packed, 1, transforms=TRAIN, indices=[7], order="sequential", seed=5)
+    full = Loader(packed, 60, transforms=TRAIN, order="sequential", seed=5)
+    assert np.array_equal(next(iter(one))[0][0], next(iter(full))[0][7])
+    for bad, match in (([60], "outside the dataset's 0..59"), ([], "non-empty"), ([1.5], "ints")):
+        with pytest.raises(ConfigError, match=match):
+            Loader(packed, 4, transforms=TRAIN, indices=bad)
+    with pytest.raises(ConfigError, match="shard_random.*use order='random'"):
+        Loader(packed, 4, transforms=TRAIN, indices=subset, order="shard_random")
+
+
+def test_a_state_from_another_subset_is_refused(packed: Path) -> None:
+    state = Loader(packed, 4, transforms=TRAIN, indices=[1, 2, 3]).state_dict()
+    with pytest.raises(ConfigError, match="pool="):
+        Loader(packed, 4, transforms=TRAIN, indices=[1, 2, 4]).load_state_dict(state)
+    Loader(packed, 4, transforms=TRAIN, indices=[1, 2, 3]).load_state_dict(state)
+
+
+def test_weights_draw_with_replacement_deterministically(packed: Path) -> None:
+    weights = np.zeros(60)
+    weights[[5, 6]] = [1.0, 3.0]
+    loader = Loader(packed, 20, transforms=TRAIN, weights=weights, seed=1, num_threads=2)
+    assert len(loader) == 3   # an epoch is len(weights) draws, as WeightedRandomSampler(weights, len(weights))
+    images, labels = [], []
+    for x, y in loader:
+        images.append(x.numpy().copy())
+        labels += y.tolist()
+    assert set(labels) == {5, 6} and 30 < labels.count(6) < 58   # 3:1, with replacement
+    again = Loader(packed, 20, transforms=TRAIN, weights=weights.tolist(), seed=1, num_threads=1)
+    assert np.array_equal(np.concatenate(images), np.concatenate([x.numpy().copy() for x, _ in again]))
+    rows = np.concatenate(images)[np.array(labels) == 6]
+    assert len({r.tobytes() for r in rows}) > len(rows) // 2   # each draw of a sample gets its own crop
+    sub = Loader(packed, 10, transforms=TRAIN, indices=[8, 9], weights=[0.0, 1.0])
+    assert {v for _, y in sub for v in y.tolist()} == {9} and len(sub) == 1
+    with pytest.raises(ConfigError, match="one number per dataset sample \\(60\\)"):
+        Loader(packed, 4, transforms=TRAIN, weights=[1.0, 2.0])
+    with pytest.raises(ConfigError, match="positive sum"):
+        Loader(packed, 4, transforms=TRAIN, weights=np.zeros(60))
+    with pytest.raises(ConfigError, match="leave order='random'"):
+        Loader(packed, 4, transforms=TRAIN, weights=np.ones(60), order="sequential")
+
+
+def test_collate_fn_batches_the_extra_columns(packed: Path) -> None:
+    def to_tensor(extras: dict[str, list]) -> torch.Tensor:
+        return torch.tensor(extras["weight"], dtype=torch.float32)
+
+    loader = Loader(packed, 8, transforms=TRAIN, columns=["weight"], collate_fn=to_tensor, order="sequential")
+    for images, labels, weight in loader:
+        assert isinstance(weight, torch.Tensor) and weight.shape == labels.shape
+        assert torch.allclose(weight, labels.float() / 10)
+    with pytest.raises(ConfigError, match="name the columns in columns="):
+        Loader(packed, 8, transforms=TRAIN, collate_fn=to_tensor)

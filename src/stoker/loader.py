@@ -27,7 +27,7 @@ import warnings
 import weakref
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -35,7 +35,7 @@ from ._torch import torch
 from ._system import usable_cpus
 from .errors import ConfigError
 from .labels import multi_label_spec
-from .order import ORDERS, epoch_order, num_batches, rank_indices, samples_per_rank
+from .order import ORDERS, epoch_order, make_pool, num_batches, rank_indices, samples_per_rank
 from .reader import Dataset, PackedDataset, open_dataset, open_loose
 from .device import DeviceOptions, DeviceStage, as_device_options
 from .render import DeviceBuilder, Filler, RenderSpec
@@ -98,6 +98,11 @@ class Loader:
     batches above), a device ("cuda", "cuda:1", "cpu": images `uint8 [B, 3, H, W]` there, numeric
     labels too) or a `DeviceOptions` (normalize, dtype, memory_format, decode="gpu", gpu_decoder).
     `decode_quality`: "accurate" or "fast" (CPU JPEG decode; see `DECODE_QUALITIES`).
+
+    DataLoader habits: `indices` reads only those dataset indices (a `Subset`), `weights` (one per
+    sample, or per entry of `indices`) draws each epoch with replacement like `WeightedRandomSampler`,
+    `collate_fn(extras)` turns the `{column: [values]}` of `columns` into the batch's third item, and
+    `num_workers` is accepted for `num_threads` (threads, not processes).
     """
 
     def __init__(self, source: str | Path | Dataset, batch_size: int, *, transforms: Sequence[Any] | None = None,
@@ -106,7 +111,22 @@ class Loader:
                  rank: int | None = None, world_size: int | None = None, pin_memory: bool | None = None,
                  timeout: float = 120.0, device: str | int | torch.device | DeviceOptions | None = None,
                  multi_label: str = "multi-hot", num_classes: int | None = None,
-                 decode_quality: str = "accurate", shuffle: bool | None = None) -> None:
+                 decode_quality: str = "accurate", indices: Sequence[int] | np.ndarray | None = None,
+                 weights: Sequence[float] | np.ndarray | None = None,
+                 collate_fn: Callable[[dict[str, list]], Any] | None = None, shuffle: bool | None = None,
+                 num_workers: int | None = None) -> None:
+        if num_workers is not None:  # DataLoader's name: worker threads here, not processes
+            if num_threads is not None:
+                raise ConfigError("pass num_threads= or its DataLoader spelling num_workers=, not both")
+            if not isinstance(num_workers, int) or num_workers < 0:
+                raise ConfigError(f"num_workers must be an int >= 0, got {num_workers!r}; stoker's name is "
+                                  f"num_threads (worker threads, not processes)")
+            num_threads = max(num_workers, 1)   # 0 (DataLoader: load in the main process) -> one thread
+        if collate_fn is not None and (not callable(collate_fn) or not columns):
+            raise ConfigError("collate_fn receives the batch's extra columns ({column: [values]}) and returns "
+                              "the batch's third item: pass a callable, and name the columns in columns=[...]"
+                              " (images and labels are batched by stoker itself)")
+        self.collate_fn = collate_fn
         if shuffle is not None:  # the 0.1 spelling, kept while it costs nothing
             warnings.warn("Loader(shuffle=) is deprecated: pass order='random' or order='sequential'",
                           DeprecationWarning, stacklevel=2)
@@ -130,6 +150,7 @@ class Loader:
         self.pipeline = Pipeline(transforms)
         self.device = _device_options(device, self.pipeline)
         self._multi_label_args = (multi_label, num_classes)   # checked against the labels in _setup
+        self._pool_args = (indices, weights)   # checked against the dataset's size in _setup
         self.dataset, self._owns_dataset = _open_source(source)
         try:
             self._setup(batch_size, seed, drop_last, num_threads, prefetch, columns, on_error,
@@ -162,6 +183,13 @@ class Loader:
             self._gpu_for(self.device)  # a missing decoder library fails here, with its install hint
         if len(ds) == 0:
             raise ConfigError(f"{ds.path}: the dataset is empty; nothing to load")
+        self._pool = make_pool(len(ds), *self._pool_args)
+        if self._pool.fingerprint is not None and order == "shard_random":
+            raise ConfigError("order='shard_random' reads whole shard blocks, so it cannot follow indices= or "
+                              "weights=; use order='random' (or pack the subset as its own dataset)")
+        if self._pool.weighted and order != "random":
+            raise ConfigError(f"weights= draws each epoch's samples at random (with replacement), so "
+                              f"order={order!r} cannot apply; leave order='random'")
         heights = None if ds.heights is None else np.asarray(ds.heights, dtype=np.int64)
         widths = None if ds.widths is None else np.asarray(ds.widths, dtype=np.int64)
         self.output_size = self._resolve_output_size(heights, widths)
@@ -173,7 +201,8 @@ class Loader:
         self._label_dtype = labels.dtype if labels.dtype.kind in "iufb" else None
         multi = multi_label_spec(labels, ds.classes, *self._multi_label_args)
         self._spec = RenderSpec(batch_size, self.output_size, self.pipeline, self.seed, on_error, self.columns,
-                                labels, heights, widths, multi_label=multi, decode_quality=self.decode_quality)
+                                labels, heights, widths, multi_label=multi, decode_quality=self.decode_quality,
+                                key_by_draw=self._pool.weighted, members=self._pool.members())
         self._shard_rows = [s.rows for s in ds.manifest.shards] if isinstance(ds, PackedDataset) else None
         # where the next iter() starts: the epoch, and how many of its samples (on this rank) were yielded
         self._epoch, self._cursor = 0, 0
@@ -195,7 +224,7 @@ class Loader:
     # ---- epochs and state ------------------------------------------------------------------
     def __len__(self) -> int:
         """Batches per epoch on this rank."""
-        return num_batches(samples_per_rank(len(self.dataset), self.world_size, self.drop_last),
+        return num_batches(samples_per_rank(self._pool.size, self.world_size, self.drop_last),
                            self.batch_size, self.drop_last)
 
     @property
@@ -216,7 +245,8 @@ class Loader:
         batch = -(-self._cursor // self.batch_size)
         return {"format": _STATE_FORMAT, "epoch": self._epoch, "batch": batch, "sample": self._cursor,
                 "seed": self.seed, "batch_size": self.batch_size, "world_size": self.world_size,
-                "num_samples": len(self.dataset), "order": self.order, "drop_last": self.drop_last}
+                "num_samples": len(self.dataset), "order": self.order, "drop_last": self.drop_last,
+                "pool": self._pool.fingerprint}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next `iter()` yields exactly the samples of `state`'s epoch not yet yielded.
@@ -225,7 +255,7 @@ class Loader:
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
             raise ConfigError(f"not a stoker Loader state (expected format {_STATE_FORMAT!r}): {state!r:.200}")
         mine = self.state_dict()
-        keys = ["seed", "world_size", "num_samples", "order", "drop_last"]
+        keys = ["seed", "world_size", "num_samples", "order", "drop_last", "pool"]
         if self.drop_last:  # which samples an epoch drops depends on the batch size
             keys.append("batch_size")
         diff = {k: (state.get(k), mine[k]) for k in keys if state.get(k) != mine[k]}
@@ -248,8 +278,13 @@ class Loader:
     def epoch_indices(self, epoch: int | None = None) -> np.ndarray:
         """Dataset indices this rank reads in `epoch` (default: the current one), in order."""
         epoch = self._epoch if epoch is None else epoch
-        perm = epoch_order(len(self.dataset), seed=self.seed, epoch=epoch, order=self.order,
-                           shard_rows=self._shard_rows)
+        pool = self._pool
+        if pool.weighted:
+            perm = pool.draw(self.seed, epoch)
+        else:
+            perm = epoch_order(pool.size, seed=self.seed, epoch=epoch, order=self.order, shard_rows=self._shard_rows)
+            if pool.indices is not None:
+                perm = pool.indices[perm]
         idx = rank_indices(perm, self.rank, self.world_size, drop_last=self.drop_last,
                            contiguous=self.order == "shard_random")
         if self.drop_last:
@@ -367,6 +402,7 @@ class _LoaderIter:
             if self._feeder is not None:
                 self._feeder.start()
         self._columns = loader.columns
+        self._collate = loader.collate_fn
         self._encode = loader._spec.multi_label
 
     def __iter__(self) -> "_LoaderIter":
@@ -393,7 +429,10 @@ class _LoaderIter:
             loader._cursor = int(self._ends[self._b - 1])
             if self._b == self._n:  # the epoch is complete: a new iter() starts the next one
                 loader._epoch, loader._cursor = self._epoch + 1, 0
-        return batch if self._feeder is not None else self._batch(slot)
+        out = batch if self._feeder is not None else self._batch(slot)
+        if self._collate is not None:   # the user's batching of the extra columns, on this (their) thread
+            out = (*out[:2], self._collate(out[2]))
+        return out
 
     def _batch(self, slot: Slot) -> tuple:
         n = slot.size

@@ -103,6 +103,18 @@ class Dataset:
     def location(self, i: int) -> tuple[str, int]:
         raise NotImplementedError
 
+    def __getitem__(self, i: int) -> tuple[np.ndarray, Any]:
+        """`(image, label)` of sample `i`, like a torch Dataset: the image decoded, upright RGB
+        `uint8 [H, W, 3]` (a copy; `sample(i)` gives the stored bytes instead). Negative `i` counts
+        from the end. Decoding one at a time is for looking at data; the Loader is what trains fast."""
+        if not isinstance(i, (int, np.integer)):
+            raise TypeError(f"dataset indices are ints, got {type(i).__name__}; for a subset pass "
+                            f"indices=[...] to stoker.Loader")
+        s = self.sample(int(i))
+        image = codecs.decode_rgb(s.data, s.encoding, s.key, height=s.height, width=s.width)
+        label = s.label.item() if isinstance(s.label, np.generic) else s.label
+        return np.array(image), label
+
     def close(self) -> None:
         """Release mapped files; further access is an error."""
 

@@ -31,7 +31,7 @@ from .device import DeviceStage, convert
 from .errors import DatasetError, SampleError, UserTransformError
 from .gpu_decode import GpuJob
 from .labels import MultiLabel
-from .order import replacement_index, sample_keys, uniforms
+from .order import TAG_DRAW, replacement_index, sample_keys, uniforms
 from .reader import Dataset, PackedDataset
 from .slots import LoaderStats, Slot, WorkerTimes
 from .transforms import (CropWindow, Pipeline, Plan, apply_tail, crop_window, decode_minimums, resize_window_into,
@@ -58,6 +58,8 @@ class RenderSpec:
     gpu_decode: bool = False  # decode="gpu": JPEG rows become GpuJobs for the device thread
     decode_quality: str = "accurate"  # "fast": libjpeg-turbo's fast IDCT and plain chroma upsampling
     multi_label: MultiLabel | None = None  # turns a batch of label lists into one tensor (multi-label data)
+    key_by_draw: bool = False  # weighted sampling: random streams per draw, so a repeated sample gets new crops
+    members: np.ndarray | None = None  # indices=: a failed sample's stand-in comes from these only
 
 
 @dataclass
@@ -101,7 +103,8 @@ class Filler:
         lo = self.first + b * self.batch_size
         positions = np.arange(lo, lo + slot.size)
         idx = self.indices[lo:lo + slot.size]
-        keys = sample_keys(self.seed, self.epoch, idx)
+        keys = (sample_keys(self.seed, self.epoch, positions, tag=TAG_DRAW) if self.spec.key_by_draw
+                else sample_keys(self.seed, self.epoch, idx))
         u = uniforms(keys, self.draws)
         if slot.labels_np is not None:
             slot.labels_np[:slot.size] = self.labels[idx]
@@ -235,7 +238,9 @@ class Filler:
         """on_error="skip": fill the row with a stand-in chosen only from (seed, epoch, position)."""
         pos = int(plan.positions[row])
         for attempt in range(MAX_REPLACEMENTS):
-            r = replacement_index(self.seed, self.epoch, pos, attempt, self.n)
+            members = self.spec.members
+            r = (replacement_index(self.seed, self.epoch, pos, attempt, self.n) if members is None else
+                 int(members[replacement_index(self.seed, self.epoch, pos, attempt, len(members))]))
             key = sample_keys(self.seed, self.epoch, np.array([r]))
             u = uniforms(key, self.draws)
             geo = self._geometry(np.array([r]), u)
