@@ -64,12 +64,19 @@ def test_progress_goes_to_the_log_off_a_terminal_and_quiet_silences_it(
     assert "packed 12 images" in out and "OK" in out   # results still print
 
 
-def test_cli_errors_name_flags_and_library_errors_name_arguments(tmp_path: Path,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.fixture
+def packed_by_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[Path, Path]:
+    """(source folder, its pack) after a quiet `stoker pack`, with the captured output cleared."""
     src = make_image_folder(tmp_path / "imgs")
     out = tmp_path / "packed"
     assert main(["pack", str(src), str(out), "-q"]) == 0
     capsys.readouterr()
+    return src, out
+
+
+def test_cli_errors_name_flags_and_library_errors_name_arguments(packed_by_cli: tuple[Path, Path],
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    src, out = packed_by_cli
     assert main(["pack", str(src), str(out), "-q"]) == 2
     err = capsys.readouterr().err
     assert "pass --resume to finish it, --overwrite to replace it" in err
@@ -102,16 +109,13 @@ def test_kind_hints_name_the_flag_on_the_cli(tmp_path: Path, capsys: pytest.Capt
     assert "pass --kind folder (sub-folders are classes" in err and "--kind files (every image" in err
 
 
-def test_a_resume_of_a_finished_pack_says_it_was_already_complete(tmp_path: Path,
+def test_a_resume_of_a_finished_pack_says_it_was_already_complete(packed_by_cli: tuple[Path, Path],
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    src = make_image_folder(tmp_path / "imgs")
-    out = tmp_path / "packed"
-    assert main(["pack", str(src), str(out), "-q"]) == 0
-    capsys.readouterr()
+    src, out = packed_by_cli
     assert main(["pack", str(src), str(out), "--resume", "-q"]) == 0
     line = capsys.readouterr().out.strip()
     assert line == f"{out} already holds a complete pack of 12 images in 1 shard(s), " \
                    f"{sum(p.stat().st_size for p in out.glob('shard-*.arrow')) / 1e6:,.1f} MB: nothing to do"
     summary = pack(src, out, resume=True, progress=False)
     assert summary.already_complete and summary.packed == 12
-    assert not pack(src, tmp_path / "fresh", progress=False).already_complete
+    assert not pack(src, out.parent / "fresh", progress=False).already_complete
