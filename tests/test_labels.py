@@ -59,3 +59,39 @@ def test_loader_delivers_multi_hot_from_a_packed_multi_label_list(tmp_path: Path
                 device="cpu") as loader:   # the device stage's path
         (_, hot_dev), = list(loader)
     assert torch.equal(hot_dev, hot)
+
+
+def test_soft_targets_arrive_as_float_rows_and_mix(tmp_path: Path) -> None:
+    from stoker import Mixup
+
+    imgs = photos(6)
+    rows = [[round(0.1 * (i + 1), 1), round(1 - 0.1 * (i + 1), 1), 0.0] for i in range(6)]
+    lines = []
+    for i, blob in enumerate(imgs):
+        (tmp_path / f"{i}.jpg").write_bytes(blob)
+        lines.append(f"{i}.jpg " + " ".join(f"{v:.1f}" for v in rows[i]))
+    (tmp_path / "train.txt").write_text("\n".join(lines) + "\n")
+    pack(tmp_path / "train.txt", tmp_path / "out", options=PackOptions(workers=1), progress=False)
+    with Loader(tmp_path / "out", 3, transforms=[Resize((16, 16))], order="sequential", num_threads=1) as loader:
+        soft = torch.cat([labels for _, labels in loader])
+    assert soft.dtype == torch.float32 and torch.allclose(soft, torch.tensor(rows))
+    mix = Mixup(mixup_alpha=1.0, label_smoothing=0.1, num_classes=3)
+    for device in (None, "cpu"):   # the CPU batch and the device stage's path
+        with Loader(tmp_path / "out", 6, transforms=[Resize((16, 16)), mix], order="sequential", num_threads=1,
+                    device=device) as loader:
+            (_, mixed), = list(loader)
+        assert mixed.shape == (6, 3) and torch.allclose(mixed.sum(1), torch.ones(6), atol=1e-5)
+        smooth = soft * 0.9 + 0.1 / 3   # timm: the smoothed rows, mixed with the batch's mirror by one lam
+        lam = (mixed[0, 0] - smooth[5, 0]) / (smooth[0, 0] - smooth[5, 0])
+        assert 0 <= lam <= 1 and torch.allclose(mixed, lam * smooth + (1 - lam) * smooth.flip(0), atol=1e-5)
+    with pytest.raises(ConfigError, match="num_classes=4, but the soft targets have 3"):
+        Loader(tmp_path / "out", 3, transforms=[Resize((16, 16))], num_classes=4)
+
+
+def test_soft_rows_must_agree_in_length() -> None:
+    labels = np.array([[0.5, 0.5], [0.2, 0.3, 0.5]] + [None], dtype=object)[:-1]
+    with pytest.raises(ConfigError, match="sample 1 has 3"):
+        multi_label_spec(labels, None, "multi-hot", None)
+    good = np.array([[0.5, 0.5], [1.0, 0.0]] + [None], dtype=object)[:-1]
+    assert multi_label_spec(good, None, "multi-hot", None) == MultiLabel("soft", 2)
+    assert MultiLabel("soft", 2)([[0.5, 0.5], [1.0, 0.0]]).tolist() == [[0.5, 0.5], [1.0, 0.0]]

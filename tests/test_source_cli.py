@@ -58,7 +58,7 @@ def test_parquet_columns_by_flag_and_errors_name_flags(tmp_path: Path, capsys: p
     assert "no image column 'photo'" in capsys.readouterr().err
     assert main(["pack", str(tmp_path / "t.parquet"), str(tmp_path / "o3"), "--no-progress",
                  "--root", str(tmp_path)]) == 2
-    assert "--root) only applies to list and csv" in capsys.readouterr().err
+    assert "--root) only applies to list, csv and coco" in capsys.readouterr().err
 
 
 def test_several_shards_and_a_brace_pattern(tmp_path: Path) -> None:

@@ -14,6 +14,16 @@ __version__ = "0.1.0"
 
 # name -> module that defines it
 _EXPORTS = {
+    "AutoAugment": "transforms",
+    "ColorJitter": "transforms",
+    "GaussianBlur": "transforms",
+    "Mixup": "transforms",
+    "Normalize": "transforms",
+    "RandAugment": "transforms",
+    "RandomErasing": "transforms",
+    "RandomGrayscale": "transforms",
+    "TrivialAugmentWide": "transforms",
+    "adapt": "transforms",
     "CenterCrop": "transforms",
     "Dataset": "reader",
     "DeviceOptions": "device",

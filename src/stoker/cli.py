@@ -153,7 +153,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     models = None if args.models is None else tuple(m.strip() for m in args.models.split(",") if m.strip())
     result = run_bench(args.data, images=args.images, batch_size=args.batch_size, workers=args.workers,
                        rounds=args.rounds, out_dir=args.out, device=args.device, models=models, steps=args.steps,
-                       warmup_steps=args.warmup_steps, progress=not args.quiet,
+                       warmup_steps=args.warmup_steps, recipe=args.recipe, progress=not args.quiet,
                        **({"pipelines": tuple(args.pipelines.split(","))} if args.pipelines else {}))
     print(json.dumps(result.to_json(), indent=1) if args.json else format_table(result))
     return 0
@@ -201,12 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_synth)
 
     p = sub.add_parser("pack", help="pack images (folders, lists, CSV, WebDataset, Hugging Face, LMDB, TFRecord, "
-                       "HDF5) into Arrow shards")
+                       "HDF5, COCO) into Arrow shards")
     p.add_argument("src", nargs="+", metavar="SRC",
                    help="ImageFolder directory, 'path label' .txt list, .csv, WebDataset .tar/.tar.gz shards "
                         "(a file, a folder, a brace pattern like 'train-{000000..000146}.tar' in quotes, or "
                         "several files), .parquet/.arrow files or a saved Hugging Face dataset folder, an LMDB "
-                        "environment, TFRecord files (a file or folder), an .h5 file")
+                        "environment, TFRecord files (a file or folder), an .h5 file, a COCO instances .json")
     p.add_argument("out", help="output dataset directory")
     p.add_argument("--kind", default="auto", choices=list(KINDS),
                    help="how to read SRC (default: auto, recognized by name or content); tar = webdataset")
@@ -265,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=_positive, default=None, help="CPU cores each pipeline may use")
     p.add_argument("--rounds", type=_positive, default=3, help="timed rounds after one warm-up (median)")
     p.add_argument("--pipelines", default=None, help="comma-separated subset, e.g. baseline,stoker-train")
+    p.add_argument("--recipe", choices=("basic", "randaug", "deit"), default="basic",
+                   help="augmentation recipe both sides run: basic (crop+flip), randaug (+RandAugment 2/9), "
+                   "deit (+RandomErasing 0.25, Mixup/CutMix)")
     p.add_argument("--device", default="cpu",
                    help="cpu: the loaders on the CPU (default); cuda or cuda:N: loaders into GPU memory, normalized, "
                    "and training fed by each loader against synthetic data")

@@ -1,4 +1,4 @@
-"""How multi-label targets reach the training loop: one batch of label lists -> one tensor.
+"""How multi-label and soft targets reach the training loop: one batch of label lists -> one tensor.
 
 Shards store a multi-label dataset's labels as a ``list<int64>`` column (one list of class
 indices per sample, maybe empty). The Loader hands each batch over as
@@ -11,6 +11,11 @@ indices per sample, maybe empty). The Loader hands each batch over as
 
 ``num_classes`` comes from the manifest's class names, else the largest index in the dataset + 1;
 a ``num_classes=`` given to the Loader must cover every stored index.
+
+Soft (float) targets are a ``list<float64>`` column: one row of C numbers per sample (a list line
+``img.jpg 0.7 0.2 0.1``, a CSV cell ``[0.7, 0.2, 0.1]``; write a decimal point, since ``1 0 0`` reads as
+class indices). They arrive as ``float32 [B, C]`` (``"list"``: the Python lists), ready for a
+cross-entropy on probabilities or a Mixup; every row must have the same length, checked once.
 """
 
 from __future__ import annotations
@@ -33,12 +38,14 @@ MULTI_LABEL_FORMATS = ("multi-hot", "indices", "list")
 class MultiLabel:
     """Turns a batch of label lists into the chosen tensor (see the module docstring)."""
 
-    format: str
+    format: str   # one of MULTI_LABEL_FORMATS, or "soft" for float rows
     num_classes: int
 
-    def __call__(self, rows: Sequence[Sequence[int]]) -> Any:
+    def __call__(self, rows: Sequence[Sequence[Any]]) -> Any:
         if self.format == "list":
             return [list(r) for r in rows]
+        if self.format == "soft":
+            return torch.from_numpy(np.array(rows, dtype=np.float32).reshape(len(rows), self.num_classes))
         lengths = np.fromiter((len(r) for r in rows), np.int64, len(rows))
         flat = np.fromiter((v for r in rows for v in r), np.int64, int(lengths.sum()))
         row_of = np.repeat(np.arange(len(rows)), lengths)
@@ -59,6 +66,9 @@ def multi_label_spec(labels: np.ndarray, classes: list[str] | None, format: str,
     ``labels`` are all of the dataset's labels (checked once here, so batches need no checks)."""
     if format not in MULTI_LABEL_FORMATS:
         raise ConfigError(f"multi_label={format!r}: expected one of {', '.join(MULTI_LABEL_FORMATS)}")
+    soft = _soft_spec(labels, format, num_classes)
+    if soft is not None:
+        return soft
     if labels.dtype != object or not len(labels) or not all(
             isinstance(row, (list, tuple)) and all(isinstance(v, (int, np.integer)) for v in row) for row in labels):
         return None
@@ -73,3 +83,20 @@ def multi_label_spec(labels: np.ndarray, classes: list[str] | None, format: str,
         raise ConfigError(f"num_classes={num_classes!r} does not cover the largest stored class index "
                           f"{largest}; pass num_classes={largest + 1} or more, or leave it to the dataset")
     return MultiLabel(format, num_classes)
+
+
+def _soft_spec(labels: np.ndarray, format: str, num_classes: int | None) -> MultiLabel | None:
+    """The encoder for soft targets (rows of floats), or None when the labels are something else."""
+    if labels.dtype != object or not len(labels) or not all(isinstance(row, (list, tuple)) for row in labels):
+        return None
+    if not any(isinstance(v, (float, np.floating)) for row in labels for v in row):
+        return None
+    width = len(labels[0])
+    odd = next((i for i, row in enumerate(labels) if len(row) != width), None)
+    if odd is not None:
+        raise ConfigError(f"soft targets need the same number of values in every row: sample 0 has {width}, "
+                          f"sample {odd} has {len(labels[odd])}; re-pack with one value per class in every row")
+    if num_classes is not None and num_classes != width:
+        raise ConfigError(f"num_classes={num_classes!r}, but the soft targets have {width} values a row; pass "
+                          f"num_classes={width} or leave it to the dataset")
+    return MultiLabel("list" if format == "list" else "soft", width)

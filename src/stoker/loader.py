@@ -38,11 +38,11 @@ from .labels import multi_label_spec
 from .order import ORDERS, epoch_order, make_pool, num_batches, rank_indices, samples_per_rank
 from .reader import Dataset, PackedDataset, open_dataset, open_loose
 from .device import DeviceOptions, DeviceStage, as_device_options
-from .render import DeviceBuilder, Filler, RenderSpec
+from .render import DeviceBuilder, Filler, RenderSpec, batch_extras, run_batch_ops
 from .shards import MANIFEST_NAME, looks_like_partial_pack
 from .storage import open_storage
 from .slots import BatchRing, Feeder, LoaderStats, Run, Slot
-from .transforms import Pipeline
+from .transforms import Pipeline, colour, gpu
 
 __all__ = ["Loader", "LoaderStats"]
 
@@ -64,11 +64,32 @@ def _open_source(source: str | Path | Dataset) -> tuple[Dataset, bool]:
 def _device_options(device: Any, pipeline: Pipeline) -> DeviceOptions | None:
     """The loader's DeviceOptions (None: uint8 batches on the CPU), with every bad combination named."""
     opts = as_device_options(device)
+    batch_norm = pipeline.batch is not None and any(type(op).__name__ == "Normalize" for op in pipeline.batch.ops)
+    if opts is not None and batch_norm and opts.normalize is not None:
+        raise ConfigError("the transforms end with a Normalize and the device options normalize as well; keep one "
+                          "(drop normalize= from the DeviceOptions, or the Normalize from the transforms)")
     if opts is not None and opts.decode == "gpu" and pipeline.tail:
         names = ", ".join(op.name for op in pipeline.tail if hasattr(op, "name"))
         raise ConfigError(f"decode='gpu' runs only stoker's geometric transforms on the GPU; {names} "
                           f"work on numpy arrays: use DeviceOptions(decode='cpu') for them")
     return opts
+
+
+def _check_boxes(boxes: tuple[str, ...], pipeline: Pipeline) -> None:
+    """Boxes follow the planned geometry only: refuse ops that would move pixels without them."""
+    if not boxes:
+        return
+    keeps_boxes = (colour.ColorJitter, colour.GaussianBlur, colour.RandomGrayscale, colour.RandomErasing,
+                   gpu.ColorJitter, gpu.GaussianBlur, gpu.RandomGrayscale, gpu.Normalize, gpu.RandomErasing)
+    movers = [getattr(op, "name", type(op).__name__) for op in pipeline.tail
+              if not isinstance(getattr(op, "fn", op), keeps_boxes)]
+    if pipeline.batch is not None:
+        movers += [type(op).__name__ for op in pipeline.batch.ops if not isinstance(op, keeps_boxes)]
+        movers += ["Mixup"] if pipeline.batch.mix is not None else []
+    if movers:
+        raise ConfigError(f"boxes/masks {boxes} follow stoker's planned crop, resize and flip, but {', '.join(movers)} "
+                          f"would move pixels without them; use colour ops only after the geometry "
+                          f"(ColorJitter, GaussianBlur, RandomGrayscale, Normalize, RandomErasing)")
 
 
 def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -91,12 +112,26 @@ class Loader:
     lists `{column: values}` as a third item when `columns` names extra shard columns.
     Multi-label datasets (lists of class indices) give `float32 [B, num_classes]` multi-hot rows
     (`multi_label="multi-hot"`), `int64 [B, K]` indices padded with -1 (`"indices"`), or the lists
-    (`"list"`); `num_classes` defaults to the manifest's classes (see `stoker.labels`).
+    (`"list"`); `num_classes` defaults to the manifest's classes (see `stoker.labels`). Soft targets
+    (rows of floats, one per class) give `float32 [B, C]`.
 
     `order`: "random" (a full shuffle per epoch), "sequential" (dataset order) or "shard_random"
     (shuffled shards, samples shuffled within a window: for remote data). `device`: None (the uint8
     batches above), a device ("cuda", "cuda:1", "cpu": images `uint8 [B, 3, H, W]` there, numeric
     labels too) or a `DeviceOptions` (normalize, dtype, memory_format, decode="gpu", gpu_decoder).
+
+    `transforms`: one transform, a list or a Compose-like object (see docs/transforms.md): planned
+    geometry, per-sample ops, then batch ops (Normalize, RandomErasing, Mixup). `boxes`: extra columns
+    of boxes (x0, y0, x1, y1 as fractions of the image, as the "coco" source packs them) that follow
+    each sample's crop, resize and flip; each arrives in the third item as a list of float32 [k, 4]
+    arrays in output pixels. `masks`: extra columns of polygons (as the "coco" source packs them:
+    `masks` with `masks_points` and `masks_box`) filled at the output size after the same crop, resize
+    and flip; each arrives in the third item as a list of uint8 [k, H, W] instance masks (k: the
+    sample's boxes when `boxes` is given, so mask rows line up with box rows).
+    `transforms.targets.pad_batch` turns such a list into one padded tensor plus sizes. `pad=True`:
+    images whose transforms do not end in a fixed size (e.g. `Resize(800)`, the shorter side) are batched
+    top-left in zero-padded rows as large as the largest output in the dataset, with each image's
+    (height, width) in the third item as "sizes" (int64 [B, 2]).
     `decode_quality`: "accurate" or "fast" (CPU JPEG decode; see `DECODE_QUALITIES`).
 
     DataLoader habits: `indices` reads only those dataset indices (a `Subset`), `weights` (one per
@@ -111,8 +146,9 @@ class Loader:
                  rank: int | None = None, world_size: int | None = None, pin_memory: bool | None = None,
                  timeout: float = 120.0, device: str | int | torch.device | DeviceOptions | None = None,
                  multi_label: str = "multi-hot", num_classes: int | None = None,
-                 decode_quality: str = "accurate", indices: Sequence[int] | np.ndarray | None = None,
-                 weights: Sequence[float] | np.ndarray | None = None,
+                 decode_quality: str = "accurate", boxes: str | Sequence[str] = (),
+                 masks: str | Sequence[str] = (), pad: bool = False,
+                 indices: Sequence[int] | np.ndarray | None = None, weights: Sequence[float] | np.ndarray | None = None,
                  collate_fn: Callable[[dict[str, list]], Any] | None = None, shuffle: bool | None = None,
                  num_workers: int | None = None) -> None:
         if num_workers is not None:  # DataLoader's name: worker threads here, not processes
@@ -149,6 +185,19 @@ class Loader:
         self.decode_quality = decode_quality
         self.pipeline = Pipeline(transforms)
         self.device = _device_options(device, self.pipeline)
+        self.boxes = (boxes,) if isinstance(boxes, str) else tuple(boxes)
+        self.masks = (masks,) if isinstance(masks, str) else tuple(masks)
+        self.pad = bool(pad)
+        if self.pad and self.pipeline.tail_geometric:
+            raise ConfigError("pad=True batches the sizes stoker plans; a geometric transform after a user callable "
+                              "is planned per sample only: move it before the callable")
+        if self.pad and "sizes" in columns:
+            raise ConfigError("pad=True hands the image sizes out as extras['sizes'], which would hide the column "
+                              "'sizes' asked for in columns=; rename that column when packing, or drop pad=True")
+        if self.pad and self.device is not None and self.device.decode == "gpu":
+            raise ConfigError("pad=True is not available with decode='gpu'; use DeviceOptions(decode='cpu')")
+        _check_boxes(self.boxes + self.masks, self.pipeline)
+        columns = (*columns, *(c for c in self.boxes + self.masks if c not in columns))
         self._multi_label_args = (multi_label, num_classes)   # checked against the labels in _setup
         self._pool_args = (indices, weights)   # checked against the dataset's size in _setup
         self.dataset, self._owns_dataset = _open_source(source)
@@ -199,9 +248,18 @@ class Loader:
             # touching the mapping, which a shard truncated mid-epoch would turn into a SIGBUS
             labels = np.array(labels)
         self._label_dtype = labels.dtype if labels.dtype.kind in "iufb" else None
+        if (self.boxes or self.masks) and heights is None:
+            raise ConfigError(f"{ds.path}: boxes= and masks= need the image sizes a packed dataset stores; pack the "
+                              f"data first (stoker pack SRC OUT)")
+        companions = [f"{c}{end}" for c in self.masks for end in ("_points", "_box") if f"{c}{end}" not in
+                      ds.extra_columns]
+        if companions:
+            raise ConfigError(f"{ds.path}: masks={self.masks} needs the polygon columns {companions} beside it (as "
+                              f"the coco source packs them); the dataset has extra columns {ds.extra_columns}")
         multi = multi_label_spec(labels, ds.classes, *self._multi_label_args)
         self._spec = RenderSpec(batch_size, self.output_size, self.pipeline, self.seed, on_error, self.columns,
                                 labels, heights, widths, multi_label=multi, decode_quality=self.decode_quality,
+                                box_columns=self.boxes, mask_columns=self.masks, pad=self.pad,
                                 key_by_draw=self._pool.weighted, members=self._pool.members())
         self._shard_rows = [s.rows for s in ds.manifest.shards] if isinstance(ds, PackedDataset) else None
         # where the next iter() starts: the epoch, and how many of its samples (on this rank) were yielded
@@ -215,11 +273,19 @@ class Loader:
         fixed = self.pipeline.fixed_size
         if fixed is not None:
             return fixed
+        if self.pad and h is not None and len(h):
+            # the largest output of any image (sizes of non-fixed plans do not depend on the draws)
+            plan = self.pipeline.plan(h, w, np.zeros((len(h), max(self.pipeline.draws, 1))))
+            return int(plan.size[:, 0].max()), int(plan.size[:, 1].max())
         if h is not None and len(h) and (h == h[0]).all() and (w == w[0]).all():
             return self.pipeline.output_size(int(h[0]), int(w[0]))
+        if self.pad:
+            raise ConfigError(f"{self.dataset.path}: pad=True needs the image sizes a packed dataset stores; pack "
+                              f"the data first (stoker pack SRC OUT)")
         raise ConfigError(f"{self.dataset.path}: images differ in size and the transforms do not end in a fixed "
                           f"size, so they cannot be batched; end the transforms with RandomResizedCrop(size), "
-                          f"CenterCrop(size) or Resize((height, width))")
+                          f"CenterCrop(size) or Resize((height, width)), or pass pad=True to batch them padded "
+                          f"with their sizes")
 
     # ---- epochs and state ------------------------------------------------------------------
     def __len__(self) -> int:
@@ -401,7 +467,6 @@ class _LoaderIter:
             self._run.start()
             if self._feeder is not None:
                 self._feeder.start()
-        self._columns = loader.columns
         self._collate = loader.collate_fn
         self._encode = loader._spec.multi_label
 
@@ -437,13 +502,16 @@ class _LoaderIter:
     def _batch(self, slot: Slot) -> tuple:
         n = slot.size
         full = n == slot.images.shape[0]
-        images = slot.images if full else slot.images[:n]
+        images: Any = slot.images if full else slot.images[:n]
         if slot.labels is not None:
             labels: Any = slot.labels if full else slot.labels[:n]
         else:
             labels = list(slot.objects[:n]) if self._encode is None else self._encode(slot.objects[:n])
-        if self._columns:
-            return images, labels, {c: list(v) for c, v in slot.extras.items()}
+        spec = self._loader._spec
+        if spec.pipeline.batch is not None:  # no device stage: the batch ops run here, on the CPU
+            images, labels = run_batch_ops(spec, images, labels, self._epoch, self._start + self._b - 1)
+        if slot.extras:   # extra columns, and the sizes of padded images
+            return images, labels, batch_extras(slot)
         return images, labels
 
     def _finish(self) -> None:

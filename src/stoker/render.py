@@ -11,7 +11,8 @@ smallest DCT scale the crop allows, crop, resize and flip each sample straight i
 row becomes a `GpuJob` instead, left for the device thread.
 
 `DeviceBuilder` is what the Loader's device thread runs on each finished slot, on the copy stream:
-upload the uint8 batch, decode its JPEGs on the GPU (CPU fallback per sample), convert.
+upload the uint8 batch, decode its JPEGs on the GPU (CPU fallback per sample), run the pipeline's
+batch ops (batched augmentations, Normalize, RandomErasing, Mixup: `run_batch_ops`), convert.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from .reader import Dataset, PackedDataset
 from .slots import LoaderStats, Slot, WorkerTimes
 from .transforms import (CropWindow, Pipeline, Plan, apply_tail, crop_window, decode_minimums, resize_window_into,
                          run_user_op)
+from .transforms.targets import boxes_through, polygons_through
 
 # one warning per skipped sample, with its reason, on the Loader's logger: the name users configure
 _log = logging.getLogger("stoker.loader")
@@ -60,6 +62,12 @@ class RenderSpec:
     multi_label: MultiLabel | None = None  # turns a batch of label lists into one tensor (multi-label data)
     key_by_draw: bool = False  # weighted sampling: random streams per draw, so a repeated sample gets new crops
     members: np.ndarray | None = None  # indices=: a failed sample's stand-in comes from these only
+    box_columns: tuple[str, ...] = ()  # extra columns of boxes (x0, y0, x1, y1 as fractions) that follow the crop
+    #: extra columns of polygons (with their `_points` and `_box` companions) filled as instance masks
+    mask_columns: tuple[str, ...] = ()
+    #: images of different output sizes go top-left into rows of `output_size` (the largest), zero-padded;
+    #: each batch's third item then holds "sizes", int64 [B, 2] (height, width) of each image
+    pad: bool = False
 
 
 @dataclass
@@ -111,20 +119,58 @@ class Filler:
         else:
             slot.objects[:slot.size] = self.labels[idx].tolist()
         slot.extras = {c: [self.ds.extra(int(i), c) for i in idx] for c in self.columns}
+        geometry = self._geometry(idx, u)
+        if self.spec.pad:
+            slot.extras["sizes"] = torch.from_numpy(geometry.size.astype(np.int64))
+        for c in self.spec.box_columns:
+            slot.extras[c] = [self._boxes(v, int(i), geometry, r) for r, (i, v) in enumerate(zip(idx, slot.extras[c]))]
+        # masks are filled by the worker threads (fill), from these three columns read here
+        for c in self.spec.mask_columns:
+            slot.extras[c] = [self._polygons(int(i), c) for i in idx]
         if self.gpu:
             slot.jobs = [None] * slot.size
-        return BatchPlan(idx, positions, keys, u, self._geometry(idx, u))
+        return BatchPlan(idx, positions, keys, u, geometry)
+
+    def _boxes(self, value: Any, idx: int, geometry: Plan, row: int) -> np.ndarray:
+        """One sample's boxes (fractions of its stored size) in its output's pixels: float32 [k, 4]."""
+        frac = np.asarray(value if value is not None else (), np.float64).reshape(-1, 4)
+        w, h = float(self.widths[idx]), float(self.heights[idx])
+        return boxes_through(frac * (w, h, w, h), geometry.box[row], geometry.size[row], bool(geometry.flip[row]))
+
+    def _polygons(self, idx: int, column: str) -> tuple:
+        """One sample's polygons: (points, lengths, owners, instance count). With boxes, the count is the
+        number of boxes of the first box column, so mask rows line up with box rows."""
+        lengths = self.ds.extra(idx, column + "_points") or ()
+        owners = self.ds.extra(idx, column + "_box") or ()
+        if self.spec.box_columns:
+            count = len(self.ds.extra(idx, self.spec.box_columns[0]) or ()) // 4
+        else:
+            count = max(owners, default=-1) + 1
+        return self.ds.extra(idx, column) or (), lengths, owners, count
+
+    def _masks(self, polygons: tuple, idx: int, geometry: Plan, row: int) -> np.ndarray:
+        """One sample's instance masks uint8 [k, H, W] in its output's pixels."""
+        points, lengths, owners, count = polygons
+        if len(owners) != len(lengths) or sum(lengths) * 2 != len(points) or max(owners, default=-1) >= count:
+            raise ValueError(f"polygon columns disagree: {len(points)} coordinates, {len(lengths)} polygons "
+                             f"of {sum(lengths)} vertices, owners up to {max(owners, default=-1)} for {count} "
+                             f"instances")
+        return polygons_through(points, lengths, owners, count, (self.heights[idx], self.widths[idx]),
+                                geometry.box[row], geometry.size[row], bool(geometry.flip[row]))
 
     def fill(self, plan: BatchPlan, row: int, slot: Slot, scratch: dict, times: WorkerTimes,
              gpu: bool | None = None) -> None:
         idx = int(plan.indices[row])
         geo = plan.geometry
-        box = None if geo is None else (geo.box[row].tolist(), bool(geo.flip[row]))  # Python floats: cheaper
+        box = _row_box(geo, row)
         try:
             if self.gpu if gpu is None else gpu:
                 self.queue_gpu(idx, int(plan.keys[row]), plan.u[row], box, row, slot, scratch, times)
             else:
                 self.render(idx, int(plan.keys[row]), plan.u[row], box, slot.images_np[row], scratch, times)
+            for c in self.spec.mask_columns:
+                if isinstance(slot.extras[c][row], tuple):  # not yet filled (a GPU fallback refills the row)
+                    slot.extras[c][row] = self._masks(slot.extras[c][row], idx, geo, row)
         except UserTransformError as exc:  # a bug in the user's code: no data fix, never skipped
             raise self.transform_error(idx, exc) from (exc.__cause__ or exc)
         except Exception as exc:
@@ -155,7 +201,7 @@ class Filler:
         if box is None:  # sizes known only now (loose files): plan this one sample
             p = self.pipe.plan(np.array([s.height]), np.array([s.width]), u[None, :])
             return (p.box[0].tolist(), bool(p.flip[0])), (int(p.size[0, 0]), int(p.size[0, 1]))
-        return box, (self.out_h, self.out_w)
+        return box, (box[2] if self.spec.pad else (self.out_h, self.out_w))
 
     def render(self, idx: int, key: int, u: np.ndarray, box: tuple | None, dst: np.ndarray, scratch: dict,
                times: WorkerTimes, sample: Any = None) -> None:
@@ -166,6 +212,10 @@ class Filler:
         box, size = self._box(s, u, box)
         region, win = self.decode(s, box[0], size, scratch)
         t2 = time.perf_counter()
+        if self.spec.pad:   # this image's own size, top-left in its row; zero the rest (slots are reused)
+            dst[size[0]:] = 0
+            dst[:size[0], size[1]:] = 0
+            dst = dst[:size[0], :size[1]]
         tail = self.pipe.tail
         if not self.pipe.tail_geometric:
             if size != dst.shape[:2]:
@@ -244,7 +294,7 @@ class Filler:
             key = sample_keys(self.seed, self.epoch, np.array([r]))
             u = uniforms(key, self.draws)
             geo = self._geometry(np.array([r]), u)
-            box = None if geo is None else (geo.box[0].tolist(), bool(geo.flip[0]))
+            box = _row_box(geo, 0)
             try:
                 self.render(r, int(key[0]), u[0], box, slot.images_np[row], scratch, times)
             except UserTransformError as exc:
@@ -257,6 +307,10 @@ class Filler:
                 slot.objects[row] = self.labels[r]
             for c in self.columns:
                 slot.extras[c][row] = self.ds.extra(r, c)
+                if c in self.spec.box_columns:
+                    slot.extras[c][row] = self._boxes(slot.extras[c][row], r, geo, 0)
+                elif c in self.spec.mask_columns:
+                    slot.extras[c][row] = self._masks(self._polygons(r, c), r, geo, 0)
             key_, shard, srow = self._describe(int(plan.indices[row]), first)
             times.skipped += 1
             times.skipped_keys.append(key_ or "?")
@@ -285,9 +339,39 @@ class Filler:
 
     def sample_error(self, idx: int, exc: BaseException, extra: str = "") -> SampleError:
         key, shard, row = self._describe(idx, exc)
+        notes = "".join(f" ({n})" for n in getattr(exc, "__notes__", ()))  # e.g. which transform raised it
         return SampleError(f"sample {key!r} (shard {shard}, row {row}, index {idx}) failed: "
-                           f"{type(exc).__name__}: {exc}{extra}. Pass on_error='skip' to replace failing "
+                           f"{type(exc).__name__}: {exc}{notes}{extra}. Pass on_error='skip' to replace failing "
                            f"samples, or re-pack to drop them", key=key, shard=shard, row=row, index=idx)
+
+
+def _row_box(geometry: Plan | None, row: int) -> tuple | None:
+    """One row of a plan as (box, flip, (height, width)) in Python numbers (cheaper per sample)."""
+    if geometry is None:
+        return None
+    return geometry.box[row].tolist(), bool(geometry.flip[row]), (int(geometry.size[row, 0]),
+                                                                  int(geometry.size[row, 1]))
+
+
+def batch_extras(slot: Slot, upload: Any = None) -> dict[str, Any]:
+    """The third batch item: extra columns as lists, the padded images' sizes as a tensor (uploaded
+    with `upload` when given)."""
+    out: dict[str, Any] = {}
+    for c, v in slot.extras.items():
+        out[c] = (upload(v) if upload else v) if isinstance(v, torch.Tensor) else list(v)
+    return out
+
+
+def run_batch_ops(spec: RenderSpec, images: torch.Tensor, labels: Any, epoch: int, batch: int) -> tuple[Any, Any]:
+    """The pipeline's batch ops on one batch (NHWC in, NCHW out), their draws keyed by (seed, epoch,
+    batch index of the epoch); with a Mixup the labels come back as soft targets [B, num_classes]."""
+    ops = spec.pipeline.batch
+    if ops.mix is not None and not isinstance(labels, torch.Tensor):
+        raise SampleError(f"Mixup needs numeric class labels, batch {batch} of epoch {epoch} has "
+                          f"{type(labels[0]).__name__} labels; drop the Mixup or pack integer labels")
+    out = ops(images.permute(0, 3, 1, 2), labels if ops.mix is not None else None, epoch=epoch, batch=batch,
+              seed=spec.seed)
+    return out if isinstance(out, tuple) else (out, labels)
 
 
 class DeviceBuilder:
@@ -301,7 +385,6 @@ class DeviceBuilder:
         self.opts = stage.opts
         self.gpu = decoder  # a gpu_decode.GpuBatchDecoder, or None (decode="cpu")
         self.filler, self.lock, self.stats = filler, lock, stats
-        self.columns = filler.columns
         self.encode = filler.multi_label
         self.scratch: dict = {}
         self.times = WorkerTimes()
@@ -321,10 +404,18 @@ class DeviceBuilder:
         else:
             labels = stage.upload(slot.labels[:n]) if self.opts.is_cuda else slot.labels[:n].clone()
         reusable = stage.fence()  # past this point the GPU no longer reads the pinned slot
-        images = convert(x, self.opts, layout="nhwc")
+        if self.filler.spec.pipeline.batch is None:
+            images = convert(x, self.opts, layout="nhwc")
+        else:
+            f = self.filler
+            x, labels = run_batch_ops(f.spec, x, labels, f.epoch, f.first // f.batch_size + slot.batch)
+            # a batch Normalize already made float32; convert() reads floats as 0..1 units, so only lay out
+            done = x.dtype.is_floating_point and self.opts.dtype == torch.uint8
+            images = x.contiguous(memory_format=self.opts.memory_format) if done else convert(x, self.opts,
+                                                                                               layout="nchw")
         batch: tuple = (images, labels)
-        if self.columns:
-            batch += ({c: list(v) for c, v in slot.extras.items()},)
+        if slot.extras:   # extra columns, and the sizes of padded images
+            batch += (batch_extras(slot, self.stage.upload if self.opts.is_cuda else None),)
         self.stats.device_s += time.perf_counter() - t0
         return batch, reusable
 

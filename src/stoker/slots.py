@@ -79,7 +79,7 @@ class Slot:
     labels: torch.Tensor | None
     labels_np: np.ndarray | None
     objects: list[Any] = field(default_factory=list)  # labels that are not numbers (str, lists)
-    extras: dict[str, list[Any]] = field(default_factory=dict)
+    extras: dict[str, Any] = field(default_factory=dict)  # column -> list per row; "sizes" -> tensor (pad=True)
     batch: int = -1  # which batch of the run the slot holds
     size: int = 0  # samples in that batch
     remaining: int = 0  # samples not yet written; 0 once the batch is complete

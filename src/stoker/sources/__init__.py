@@ -8,6 +8,7 @@ One module per input format, all behind the interface in :mod:`.base` (a :class:
 - ``"list"``: a text file of ``<path> <label>`` lines, the common ``train.txt`` (:mod:`.listing`).
 - ``"csv"``: a CSV with a header: a path column, a label column, typed extra columns (:mod:`.table`).
 - ``"tar"``: WebDataset-style tar files, one ``.tar`` or a folder of them (:mod:`.tar`).
+- ``"coco"``: a COCO instances JSON: images with their boxes and box labels as list columns (:mod:`.coco`).
 
 A new format is one module (``open`` and ``detect``, see :mod:`.base`) plus one line in
 ``FORMATS``. Listing is cheap: no image is opened here.
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from ..errors import SourceError
 from ..storage import open_storage
-from . import folder, hdf5, hf, listing, lmdb_env, table, tar, tfrecord
+from . import coco, folder, hdf5, hf, listing, lmdb_env, table, tar, tfrecord
 from .base import IMAGE_EXTENSIONS, Source, SourceItem, SourceOptions, read_bytes
 
 __all__ = ["FORMATS", "IMAGE_EXTENSIONS", "KINDS", "Source", "SourceItem", "SourceOptions", "open_source",
@@ -43,6 +44,7 @@ class Format:
 FORMATS: dict[str, Format] = {
     "list": Format(listing.open_list, listing.detect, uses_root=True),
     "csv": Format(table.open_csv, table.detect, uses_root=True),
+    "coco": Format(coco.open_coco, coco.detect, uses_root=True),
     "files": Format(folder.open_files, folder.detect_files),
     "webdataset": Format(tar.open_tar, tar.detect),
     "tfrecord": Format(tfrecord.open_tfrecord, tfrecord.detect),
@@ -66,7 +68,8 @@ def open_source(src: str | Path | Sequence[str | Path], *, kind: str = "auto", l
     ``FORMATS`` order (by file ending, or by content where names say nothing: TFRecord framing,
     LMDB's ``data.mdb``, a saved Hugging Face dataset's ``state.json``); a folder of class folders
     is the fallback. For lists and CSVs, relative paths resolve against the list's folder and
-    ``root`` makes keys relative to a folder. ``label_column`` / ``image_column`` name the
+    ``root`` makes keys relative to a folder; for a COCO instances JSON (``.json``), ``root`` is
+    the image folder (e.g. ``root="coco/train2017"``; default: the JSON's folder). ``label_column`` / ``image_column`` name the
     fields of records (table columns, TFRecord features, HDF5 datasets, JSON fields);
     ``label_column=None`` reads without labels. Raises SourceError (and UnsupportedStorageError
     for a URL: sources are local today).
@@ -98,7 +101,7 @@ def open_source(src: str | Path | Sequence[str | Path], *, kind: str = "auto", l
 
 def _check_root(root: str | Path | None, kind: str, src: str | Path) -> None:
     if root is not None and not FORMATS[kind].uses_root:
-        raise SourceError(f"root= (--root) only applies to list and csv sources, not {kind}: its keys "
+        raise SourceError(f"root= (--root) only applies to list, csv and coco sources, not {kind}: its keys "
                           "come from the records themselves", path=src)
 
 

@@ -178,16 +178,18 @@ class _FolderDataset:
 
 
 def baseline_loader(root: str | Path, batch_size: int, *, workers: int, train: bool = True, shuffle: bool = True,
-                    seed: int = 0, pin_memory: bool = False) -> Any:
+                    seed: int = 0, pin_memory: bool = False, transform: Callable[[Any], Any] | None = None) -> Any:
     """torchvision's ImageFolder + default transforms in a torch DataLoader with `workers` processes.
 
     Batches are `(float32 [B, 3, 224, 224] normalized, int64 [B])`: torchvision's defaults, which
-    convert and normalize on the CPU, in the workers.
+    convert and normalize on the CPU, in the workers. `transform` replaces the default transforms
+    (a recipe's, from `baseline_recipes.recipe_transform`).
     """
     import torch
     from torch.utils.data import DataLoader
 
-    transform, _ = baseline_transform(train)
+    if transform is None:
+        transform, _ = baseline_transform(train)
     if _torchvision() is not None:
         from torchvision.datasets import ImageFolder
         dataset: Any = ImageFolder(str(root), transform=transform)

@@ -56,7 +56,7 @@ from .._system import cpu_ids, fmt_number, usable_cpus
 from ..errors import ConfigError, StokerError
 from ..profiling import cpu_seconds
 from . import bench_gpu
-from .baseline import baseline_loader, baseline_transform, list_image_folder
+from .baseline import baseline_loader, list_image_folder
 from .results import NOTE, BenchResult, PipelineResult, markdown_table
 
 __all__ = ["NOTE", "PIPELINES", "BenchResult", "PipelineResult", "format_table", "machine_info", "run_bench"]
@@ -74,9 +74,20 @@ PIPELINES: dict[str, tuple[str, str | None]] = {
     "overhead": ("stoker.Loader, 1 thread, 16x16 raw images: per-sample Python work only", None),
     "dali": ("NVIDIA DALI CPU: image_random_crop decode, resize 224, flip", "baseline"),
     "dali-val": ("NVIDIA DALI CPU: decode, resize shorter side 256, centre crop 224", "baseline-val"),
+    "baseline-randaug": ("DataLoader + PIL + RandomResizedCrop(224), flip, RandAugment(2, 9), ToTensor, Normalize",
+                         None),
+    "stoker-randaug": ("stoker.Loader, RandomResizedCrop(224) + flip + RandAugment(2, 9) on the worker threads",
+                       "baseline-randaug"),
+    "baseline-deit": ("DataLoader + PIL + the randaug recipe + RandomErasing(0.25) in the workers, Mixup/CutMix "
+                      "(0.8/1.0, smoothing 0.1) in the main process", None),
+    "stoker-deit": ("stoker.Loader, crop + flip + RandAugment(2, 9) on the threads; Normalize, RandomErasing(0.25), "
+                    "Mixup/CutMix batched on the device thread (device='cpu')", "baseline-deit"),
 }
 DEFAULT_PIPELINES = ("baseline", "baseline-val", "stoker-train", "stoker-val", "ceiling", "dali", "dali-val",
                      "stoker-train-fast", "stoker-train-raw256", "stoker-train-jpeg256", "overhead")
+#: `stoker bench --recipe`: the pipelines each recipe runs by default (the ceiling is the same for all)
+RECIPE_PIPELINES = {"basic": DEFAULT_PIPELINES, "randaug": ("baseline-randaug", "stoker-randaug", "ceiling"),
+                    "deit": ("baseline-deit", "stoker-deit", "ceiling")}
 #: pipeline -> the PackOptions of its own packed copy (the recipes of storing smaller images)
 RECIPES: dict[str, dict[str, Any]] = {"stoker-train-raw256": {"encoding": "raw", "max_side": 256},
                                       "stoker-train-jpeg256": {"max_side": 256}}
@@ -190,6 +201,46 @@ def _baseline_runner(spec: _Spec, train: bool) -> _Runner:
     return _Runner(epoch)
 
 
+def _recipe_of(name: str) -> str:
+    return name.split("-", 1)[1]
+
+
+def _baseline_recipe_runner(spec: _Spec) -> _Runner:
+    from .baseline_recipes import deit_mixup, recipe_transform
+
+    recipe = _recipe_of(spec.pipeline)
+    transform, _ = recipe_transform(recipe)
+    loader = baseline_loader(spec.root, spec.batch_size, workers=spec.workers, shuffle=True, seed=0,
+                             transform=transform)
+    mix = deit_mixup(len(list_image_folder(Path(spec.root))[1])) if recipe == "deit" else None
+
+    def epoch() -> Iterator[int]:
+        for b, (images, labels) in enumerate(loader):
+            if mix is not None:
+                images, labels = mix(images, labels, epoch=0, batch=b)
+            yield len(labels)
+    return _Runner(epoch)
+
+
+def _stoker_recipe_runner(spec: _Spec) -> _Runner:
+    from ..loader import Loader
+    from ..transforms import Normalize, RandAugment, RandomErasing, RandomHorizontalFlip, RandomResizedCrop
+    from .baseline_recipes import deit_mixup
+
+    ops: list[Any] = [RandomResizedCrop(224), RandomHorizontalFlip(), RandAugment()]
+    device = None
+    if _recipe_of(spec.pipeline) == "deit":
+        # the batch ops on the loader's device thread (here the CPU), beside the workers and the consumer
+        ops += [Normalize("imagenet"), RandomErasing(p=0.25), deit_mixup(len(list_image_folder(Path(spec.root))[1]))]
+        device = "cpu"
+    loader = Loader(spec.packed, spec.batch_size, transforms=ops, seed=0, num_threads=spec.workers, device=device)
+
+    def epoch() -> Iterator[int]:
+        for batch in loader:
+            yield int(batch[0].shape[0])
+    return _Runner(epoch, loader.close)
+
+
 def _stoker_runner(spec: _Spec, train: bool) -> _Runner:
     from ..loader import Loader
     from ..transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
@@ -283,6 +334,10 @@ def _make_runner(spec: _Spec) -> _Runner:
     name = spec.pipeline
     if name in ("baseline", "baseline-val"):
         return _baseline_runner(spec, train=name == "baseline")
+    if name in ("baseline-randaug", "baseline-deit"):
+        return _baseline_recipe_runner(spec)
+    if name in ("stoker-randaug", "stoker-deit"):
+        return _stoker_recipe_runner(spec)
     if name.startswith("stoker-") or name == "overhead":
         return _stoker_runner(spec, train=name != "stoker-val")
     if name == "ceiling":
@@ -338,8 +393,8 @@ def _version(name: str) -> str:
         mod = importlib.import_module("stoker")
         region = "region decode" if codecs.region_decode_available() else describe()
         return f"stoker {getattr(mod, '__version__', '?')}, {region}"
-    module = {"baseline": "torch", "baseline-val": "torch", "ceiling": "simplejpeg", "dali": "nvidia.dali",
-              "dali-val": "nvidia.dali"}[name]
+    module = "torch" if name.startswith("baseline") else {"ceiling": "simplejpeg", "dali": "nvidia.dali",
+                                                          "dali-val": "nvidia.dali"}[name]
     return f"{module} {getattr(importlib.import_module(module), '__version__', '?')}"
 
 
@@ -511,8 +566,16 @@ class _Plan:
 
 
 def _plan(images: int | None, batch_size: int, workers: int, rounds: int, pipelines: Sequence[str] | None,
-          device: str, models: Sequence[str] | None, steps: int | None, warmup_steps: int | None) -> _Plan:
+          device: str, models: Sequence[str] | None, steps: int | None, warmup_steps: int | None,
+          recipe: str = "basic") -> _Plan:
     named = tuple(pipelines) if pipelines is not None else None
+    if recipe not in RECIPE_PIPELINES:
+        raise ConfigError(f"run_bench: recipe must be one of {', '.join(RECIPE_PIPELINES)}, got {recipe!r}")
+    if recipe != "basic":
+        if device != "cpu" or named is not None:
+            raise ConfigError(f"run_bench: recipe={recipe!r} picks the CPU bench's pipelines for that recipe; leave "
+                              f"out device and pipelines (or name the pipelines yourself, without a recipe)")
+        named = RECIPE_PIPELINES[recipe]
     if device == "cpu" and not any(bench_gpu.is_device_pipeline(p) for p in named or ()):
         if models is not None or steps is not None or warmup_steps is not None:
             raise ConfigError("run_bench: models, steps and warmup_steps belong to the device bench's training "
@@ -545,7 +608,8 @@ def run_bench(data_dir: Path | None = None, *, images: int | None = None, batch_
               workers: int | None = 2, rounds: int = 3, pipelines: Sequence[str] | None = None,
               out_dir: Path | None = None, isolate: bool = True, seed: int = 0,
               packed: Path | None = None, device: str = "cpu", models: Sequence[str] | None = None,
-              steps: int | None = None, warmup_steps: int | None = None, progress: bool = False) -> BenchResult:
+              steps: int | None = None, warmup_steps: int | None = None, recipe: str = "basic",
+              progress: bool = False) -> BenchResult:
     """Run the same images through each pipeline and measure images/s, CPU %, peak RSS, first batch.
 
     `data_dir`: an ImageFolder tree of JPEGs; None generates `images` ImageNet-like JPEGs (cached
@@ -554,7 +618,8 @@ def run_bench(data_dir: Path | None = None, *, images: int | None = None, batch_
     to `workers` cores. `out_dir` (None: a temporary folder) receives the packed copy and bench.json /
     bench.md (and bench.png with matplotlib). `packed`: an existing pack of `data_dir` to use
     instead of packing it again. `pipelines`: None runs the default set (the CPU bench's, or with a
-    CUDA `device` the device bench's).
+    CUDA `device` the device bench's). `recipe` ("basic", "randaug", "deit"; see `baseline_recipes`) runs
+    that recipe's baseline and stoker pipelines side by side, plus the decode ceiling.
 
     `device` ("cuda", "cuda:N"): the device bench of `stoker.tools.bench_gpu`, loaders into device memory and
     training of `models` (torchvision names or "module:callable"; default resnet50, resnet18) for
@@ -567,7 +632,7 @@ def run_bench(data_dir: Path | None = None, *, images: int | None = None, batch_
     from .synth import cached_imagenet_like
 
     workers = workers or usable_cpus()
-    plan = _plan(images, batch_size, workers, rounds, pipelines, device, models, steps, warmup_steps)
+    plan = _plan(images, batch_size, workers, rounds, pipelines, device, models, steps, warmup_steps, recipe)
     with tempfile.TemporaryDirectory(prefix="stoker-bench-") as tmp, \
             Progress("bench", len(plan.pipelines), unit="pipeline", enabled=progress) as bar:
         work = Path(out_dir) if out_dir is not None else Path(tmp)
@@ -586,8 +651,10 @@ def run_bench(data_dir: Path | None = None, *, images: int | None = None, batch_
                 raise ConfigError(f"{root}: {len(samples)} images is less than one batch of {batch_size}; the "
                                   "training pipelines drop the last partial batch. Use more images or a smaller "
                                   "batch size")
+        from .baseline_recipes import recipe_transform
+
         result = BenchResult([], len(samples), batch_size, workers, rounds, _data_stats(root, samples, generated),
-                             baseline_transform(True)[1], machine, device=plan.device, models=list(plan.models),
+                             recipe_transform(recipe)[1], machine, device=plan.device, models=list(plan.models),
                              steps=plan.steps, warmup_steps=plan.warmup_steps)
         if packed is None:
             packed = work / "packed"

@@ -13,8 +13,14 @@ Where each kind of op runs, and the interface a new op implements:
   geometry, on the sample's row. Colour and policy ops (ColorJitter, RandAugment) belong here: a
   frozen dataclass with `draws` and a `__call__(img, rng=...)`, so their randomness stays keyed by
   (seed, epoch, sample index) and never depends on thread scheduling.
-- **Batched on the device** (coming: GPU augmentations, Mixup/CutMix): ops on a whole `[B, C, H, W]`
-  tensor on the copy stream, after `device.convert`; they draw from the batch's keys, not a global RNG.
+  The built-in ones: `colour.py` (ColorJitter, GaussianBlur, RandomGrayscale, a uint8 RandomErasing)
+  and `policy.py` (RandAugment, TrivialAugmentWide, AutoAugment), on the kernels of `pixels.py`.
+- **Batched on whole batches** (`gpu.py`, `mixing.py`): ops on a `[B, 3, H, W]` tensor with a
+  `params(rng, n, h, w)` / `apply(x, params)` pair, drawing from the batch's key (seed, epoch, batch
+  index); run by the device thread after the upload, or on the CPU batch without a device: batched
+  colour/policy ops, Normalize, RandomErasing (after Normalize, as torchvision's), then a Mixup.
+- **Anything else** (`adapt.py`): torchvision transforms are translated to the above; other callables
+  on numpy arrays, PIL images or CHW tensors are wrapped, with per-sample seeding and named errors.
 
 `Pipeline` (`pipeline.py`) compiles a list into the planned geometric prefix and the per-array tail.
 Randomness comes from per-sample uniform draws (`order.uniforms`) keyed by (seed, epoch, sample index);
@@ -26,9 +32,16 @@ from __future__ import annotations
 from .geometry import (AREA_FROM, GEOMETRIC, CenterCrop, CropWindow, Plan, RandomHorizontalFlip,
                        RandomResizedCrop, Resize, Size, crop_resize_into, crop_window, decode_minimums,
                        plan_ops, resize_window_into)
+from .adapt import Adapted, TransformError, adapt
+from .colour import ColorJitter, GaussianBlur, RandomGrayscale
+from .gpu import BatchAugment, Normalize, RandomErasing
+from .mixing import Mixup
 from .pipeline import Pipeline
+from .policy import AutoAugment, RandAugment, TrivialAugmentWide
 from .user import apply_tail, run_user_op
 
-__all__ = ["AREA_FROM", "GEOMETRIC", "CenterCrop", "CropWindow", "Pipeline", "Plan", "RandomHorizontalFlip",
-           "RandomResizedCrop", "Resize", "Size", "apply_tail", "crop_resize_into", "crop_window",
+__all__ = ["AREA_FROM", "GEOMETRIC", "Adapted", "AutoAugment", "BatchAugment", "CenterCrop", "ColorJitter",
+           "CropWindow", "GaussianBlur", "Mixup", "Normalize", "Pipeline", "Plan", "RandAugment",
+           "RandomErasing", "RandomGrayscale", "RandomHorizontalFlip", "RandomResizedCrop", "Resize", "Size",
+           "TransformError", "TrivialAugmentWide", "adapt", "apply_tail", "crop_resize_into", "crop_window",
            "decode_minimums", "plan_ops", "resize_window_into", "run_user_op"]

@@ -1,4 +1,9 @@
-"""Pipeline: a list of transforms compiled into a planned geometric prefix and a per-array tail."""
+"""Pipeline: the transforms compiled into a planned geometric prefix, a per-array tail and the batch ops.
+
+`transforms=` may be one transform, a list or a Compose-like object, with stoker's ops, torchvision's
+(translated to stoker's) and any callable on arrays, PIL images or tensors (`adapt.as_ops`). Batched
+ops (`transforms.gpu`: Normalize, RandomErasing, ...) and a `Mixup` at the end run on whole batches,
+on the device when the Loader has one (`batch`, a `gpu.BatchAugment`, or None)."""
 
 from __future__ import annotations
 
@@ -9,15 +14,25 @@ import numpy as np
 from ..errors import ConfigError
 from .geometry import (GEOMETRIC, CenterCrop, Plan, RandomResizedCrop, Resize, Size, crop_resize_into,
                        plan_ops)
+from .adapt import as_ops
+from .gpu import BatchAugment
+from .mixing import Mixup
 from .user import _UserOp, _wants_rng, apply_tail
 
 
 class Pipeline:
     """A compiled list of transforms: the planned geometric prefix and the per-array tail."""
 
-    def __init__(self, transforms: Sequence[Any] | None) -> None:
+    def __init__(self, transforms: Sequence[Any] | Any | None) -> None:
+        per_sample, batch_ops = as_ops(transforms)
+        mixes = [k for k, op in enumerate(batch_ops) if isinstance(op, Mixup)]
+        if mixes and mixes != [len(batch_ops) - 1]:
+            raise ConfigError("a Mixup must be the last transform (it mixes whole, finished batches), and there can "
+                              "be only one")
+        self.batch = None if not batch_ops else BatchAugment([op for op in batch_ops if not isinstance(op, Mixup)],
+                                                             mix=batch_ops[-1] if mixes else None)
         ops: list[Any] = []
-        for pos, t in enumerate(transforms or ()):
+        for pos, t in enumerate(per_sample):
             if isinstance(t, GEOMETRIC):
                 ops.append(t)
             elif callable(t):

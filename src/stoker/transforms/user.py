@@ -27,7 +27,8 @@ class _UserOp:
 
     @property
     def name(self) -> str:
-        return getattr(self.fn, "__name__", type(self.fn).__name__)
+        name = getattr(self.fn, "name", None)  # an adapt.Adapted names the callable it wraps
+        return name if isinstance(name, str) and name else getattr(self.fn, "__name__", type(self.fn).__name__)
 
 
 def _wants_rng(fn: Callable[..., Any]) -> bool:

@@ -1,0 +1,166 @@
+"""COCO detection annotations (kind "coco"): an instances JSON with `images`, `annotations`, `categories`.
+
+One sample per image (in image id order), with two typed extra columns for the shards:
+
+- ``boxes`` (list<float64>): the image's boxes flattened, 4 numbers each, ``x0, y0, x1, y1`` as
+  fractions of the image's width and height (COCO's pixel ``[x, y, width, height]`` over the image's
+  listed ``width``/``height``), so a pack that shrinks the image (``max_side``) keeps them right; the
+  Loader's ``boxes=`` turns them into pixels of each transformed sample;
+- ``box_labels`` (list<int64>): each box's class, an index into the categories sorted by id (the
+  contiguous labels DALI's COCO reader and torchvision's detection references use);
+
+plus ``iscrowd`` flags in ``box_crowd`` (list<int64>), and each box's ``segmentation`` as polygons in
+three list columns: ``masks`` (list<float64>: every polygon's vertices, ``x, y`` as fractions of the
+image, flattened), ``masks_points`` (list<int64>: vertices per polygon) and ``masks_box`` (list<int64>:
+the box row each polygon outlines). Run-length (RLE) segmentations, COCO's crowd regions, are traced
+into polygons here (OpenCV contours of the decoded mask). The Loader's ``masks=`` fills them at the
+output size of each transformed sample (``transforms.targets.polygons_through``). Image paths (``file_name``) resolve against
+``root`` (default: the JSON's folder), and no path may leave it. Images without annotations are kept,
+with empty lists. The sample label is unused (``-1``). Boxes refer to the pixel grid as stored: an
+image with an EXIF orientation other than 1 is turned upright by the pack, its boxes are not.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import cv2
+import numpy as np
+
+from ..errors import SourceError
+from .base import ListedPaths, Source, SourceItem, SourceOptions, check_unique, listing_root, read_text
+
+SUFFIXES = (".json",)
+EXTRA_COLUMNS = {"boxes": "list<float64>", "box_labels": "list<int64>", "box_crowd": "list<int64>",
+                 "masks": "list<float64>", "masks_points": "list<int64>", "masks_box": "list<int64>"}
+
+
+def detect(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() in SUFFIXES
+
+
+def _load(listing: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(read_text(listing))
+    except json.JSONDecodeError as exc:
+        raise SourceError(f"{listing}: not valid JSON ({exc}); expected a COCO instances file", path=listing) from exc
+    missing = [k for k in ("images", "annotations", "categories") if not isinstance(doc.get(k), list)]
+    if missing:
+        raise SourceError(f"{listing}: a COCO instances file needs lists 'images', 'annotations' and "
+                          f"'categories'; missing or not a list: {', '.join(missing)}", path=listing)
+    return doc
+
+
+def open_coco(listing: Path, options: SourceOptions) -> Source:
+    root, _ = listing_root(listing, options, "coco")
+    # Annotation files are often downloaded, not written by the user: every image path must stay
+    # inside the image folder (``root``), so a '../' or absolute file_name is refused.
+    check = ListedPaths(root, listing, root)
+    doc = _load(listing)
+    categories = sorted(doc["categories"], key=lambda c: c["id"])
+    index = {c["id"]: k for k, c in enumerate(categories)}
+    per_image: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+    for n, ann in enumerate(doc["annotations"]):
+        bbox = ann.get("bbox")
+        if not (isinstance(bbox, list) and len(bbox) == 4) or ann.get("category_id") not in index:
+            raise SourceError(f"{listing}: annotation #{n} (id {ann.get('id')!r}) needs a 4-number 'bbox' and a "
+                              f"'category_id' listed in 'categories'; found {bbox!r}, {ann.get('category_id')!r}",
+                              path=listing)
+        per_image[ann.get("image_id")].append(ann)
+    items, keys = [], []
+    for n, img in enumerate(sorted(doc["images"], key=lambda i: i["id"]), start=1):
+        if "file_name" not in img or not img.get("width") or not img.get("height"):
+            raise SourceError(f"{listing}: image entry {img.get('id')!r} needs 'file_name', 'width' and 'height'",
+                              path=listing)
+        w, h = float(img["width"]), float(img["height"])
+        key, full = check(str(img["file_name"]), n)
+        anns = per_image.get(img["id"], [])
+        boxes = [float(v) for a in anns for v in (a["bbox"][0] / w, a["bbox"][1] / h, (a["bbox"][0] + a["bbox"][2]) / w,
+                                                    (a["bbox"][1] + a["bbox"][3]) / h)]
+        extras = {"boxes": boxes, "box_labels": [index[a["category_id"]] for a in anns],
+                  "box_crowd": [int(a.get("iscrowd", 0)) for a in anns],
+                  **_polygons(anns, w, h, listing)}
+        items.append(SourceItem(key=key, path=full, label=None, extras=extras))
+        keys.append((key, n))
+    if not items:
+        raise SourceError(f"{listing} lists no images", path=listing)
+    check_unique(keys, listing)
+    names = [str(c.get("name", c["id"])) for c in categories]
+    return Source(items=items, classes=None, label_type="none", extra_columns=dict(EXTRA_COLUMNS), root=root,
+                  description=f"COCO {listing} ({len(items)} images, {len(doc['annotations'])} boxes, "
+                              f"{len(names)} categories: {', '.join(names[:5])}{'...' if len(names) > 5 else ''})",
+                  kind="coco")
+
+
+def _polygons(anns: list[dict[str, Any]], w: float, h: float, listing: Path) -> dict[str, list]:
+    """The three polygon columns of one image's annotations (see the module docstring)."""
+    points: list[float] = []
+    lengths: list[int] = []
+    owners: list[int] = []
+    for k, ann in enumerate(anns):
+        seg = ann.get("segmentation")
+        if isinstance(seg, dict):
+            polys = _trace_rle(seg, listing, ann.get("id"))
+        elif isinstance(seg, list):
+            polys = [p for p in seg if isinstance(p, list) and len(p) >= 6 and len(p) % 2 == 0]
+        elif seg is None:
+            polys = []
+        else:
+            raise SourceError(f"{listing}: annotation id {ann.get('id')!r} has a 'segmentation' of type "
+                              f"{type(seg).__name__}; expected a list of polygons or an RLE dict", path=listing)
+        for poly in polys:
+            xy = np.asarray(poly, np.float64).reshape(-1, 2) / (w, h)
+            points.extend(xy.ravel().tolist())
+            lengths.append(len(xy))
+            owners.append(k)
+    return {"masks": points, "masks_points": lengths, "masks_box": owners}
+
+
+def rle_counts(counts: str | list[int]) -> list[int]:
+    """An RLE's run lengths: an uncompressed list as is, or COCO's compressed string decoded (6-bit groups
+    offset by 48, 5 value bits each, 0x20 continues, 0x10 the sign; runs after the second are stored as
+    the difference to the run two before, as pycocotools' ``rleFrString``)."""
+    if isinstance(counts, list):
+        return [int(c) for c in counts]
+    out: list[int] = []
+    p = 0
+    while p < len(counts):
+        x, k, more = 0, 0, True
+        while more:
+            c = ord(counts[p]) - 48
+            x |= (c & 0x1F) << (5 * k)
+            more = bool(c & 0x20)
+            p += 1
+            k += 1
+            if not more and c & 0x10:
+                x |= -1 << (5 * k)
+        if len(out) > 2:
+            x += out[-2]
+        out.append(x)
+    return out
+
+
+def rle_decode(seg: dict[str, Any]) -> np.ndarray:
+    """A COCO RLE (``{"size": [h, w], "counts": ...}``) as a uint8 [h, w] mask: runs alternate 0 and 1,
+    starting with 0, in column-major order."""
+    h, w = (int(v) for v in seg["size"])
+    runs = np.asarray(rle_counts(seg["counts"]), np.int64)
+    if runs.sum() != h * w or (runs < 0).any():
+        raise ValueError(f"the runs add up to {int(runs.sum())} pixels, the size {h}x{w} has {h * w}")
+    values = np.arange(len(runs)) % 2
+    return np.repeat(values.astype(np.uint8), runs).reshape((h, w), order="F")
+
+
+def _trace_rle(seg: dict[str, Any], listing: Path, ann_id: Any) -> list[list[float]]:
+    try:
+        mask = rle_decode(seg)
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise SourceError(f"{listing}: annotation id {ann_id!r} has an RLE segmentation that does not decode "
+                          f"({type(exc).__name__}: {exc}); expected {{'size': [h, w], 'counts': ...}}",
+                          path=listing) from exc
+    contours, _ = cv2.findContours(mask, cv2.RETR_LIST, cv2.CHAIN_APPROX_SIMPLE)
+    # contour points are pixel centres; +0.5 makes them the pixel-edge coordinates polygons use
+    return [(c.reshape(-1, 2).astype(np.float64) + 0.5).ravel().tolist() for c in contours if len(c) >= 3]

@@ -1,0 +1,52 @@
+"""Batched augmentations on a real GPU: the same draws give the same pixels as on the CPU (within the
+ulp-level float differences the CPU tests allow), and the Loader's device thread runs the batch ops
+(skipped without CUDA; tests/test_augment_gpu.py runs the same code on CPU tensors)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from stoker.loader import Loader
+from stoker.transforms import RandomResizedCrop, gpu
+from stoker.transforms.mixing import Mixup
+from test_loader import build_packed
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("op", [gpu.ColorJitter(0.4, 0.4, 0.4, 0.1), gpu.RandAugment(), gpu.TrivialAugmentWide(),
+                                gpu.AutoAugment(), gpu.GaussianBlur(9), gpu.RandomGrayscale(0.5)])
+def test_cuda_matches_cpu(op) -> None:
+    x = torch.randint(0, 256, (32, 3, 48, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    params = op.params(np.random.default_rng(1), 32, 48, 64)
+    on_cpu = op.apply(x, params)
+    on_gpu = op.apply(x.cuda(), params).cpu()
+    close = (on_cpu.int() - on_gpu.int()).abs() <= 1
+    assert close.float().mean() > 0.99
+
+
+def test_loader_runs_batch_ops_on_the_gpu(tmp_path: Path) -> None:
+    ds = build_packed(tmp_path / "ds", n=24)
+    tf = [RandomResizedCrop(32), gpu.RandAugment(), gpu.Normalize(), gpu.RandomErasing(0.5),
+          Mixup(0.8, 1.0, num_classes=24)]
+    x, t = next(iter(Loader(ds, 8, transforms=tf, device="cuda")))
+    assert x.is_cuda and x.dtype == torch.float32 and x.shape == (8, 3, 32, 32)
+    assert t.is_cuda and t.shape == (8, 24)
+
+
+def test_padded_batches_bring_their_sizes_to_the_gpu(tmp_path: Path) -> None:
+    from stoker.transforms import Resize
+    from test_augment_coco import make_coco
+    from stoker.packing import PackOptions, pack
+
+    ann = make_coco(tmp_path)
+    pack(ann, tmp_path / "packed", root=tmp_path / "images", options=PackOptions(workers=1), progress=False)
+    loader = Loader(tmp_path / "packed", 4, transforms=[Resize(64)], pad=True, masks="masks", device="cuda")
+    x, _, extras = next(iter(loader))
+    assert x.is_cuda and x.shape[2:] == loader.output_size
+    assert extras["sizes"].is_cuda and extras["sizes"].shape == (4, 2)
+    assert [m.shape[1:] for m in extras["masks"]] == [tuple(s) for s in extras["sizes"].tolist()]

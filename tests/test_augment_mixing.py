@@ -1,0 +1,160 @@
+"""Mixup / CutMix against timm's definitions (timm.data.mixup, written out here), on CPU uint8 NHWC
+batches and float NCHW batches, plus determinism and resume through a real Loader."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from stoker.errors import ConfigError
+from stoker.loader import Loader
+from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop
+from stoker.transforms.mixing import MixParams, Mixup, batch_rng, soft_targets
+from test_loader import build_packed
+
+
+def ks_two(a: np.ndarray, b: np.ndarray) -> float:
+    grid = np.union1d(a, b)
+    fa = np.searchsorted(np.sort(a), grid, side="right") / len(a)
+    fb = np.searchsorted(np.sort(b), grid, side="right") / len(b)
+    return float(np.abs(fa - fb).max())
+
+
+def timm_target(y: torch.Tensor, c: int, lam: float | torch.Tensor, smoothing: float) -> torch.Tensor:
+    off = smoothing / c
+    on = 1.0 - smoothing + off
+    y1 = torch.full((len(y), c), off).scatter_(1, y.view(-1, 1), on)
+    y2 = torch.full((len(y), c), off).scatter_(1, y.flip(0).view(-1, 1), on)
+    return y1 * lam + y2 * (1.0 - lam)
+
+
+def test_batch_lam_follows_beta_and_the_switch():
+    m = Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1, num_classes=10)
+    n = 3000
+    params = [m.params(batch_rng(0, 0, b), 8, 32, 32) for b in range(n)]
+    cut = np.array([p.cutmix[0] for p in params])
+    assert abs(cut.mean() - 0.5) < 5 * 0.5 / math.sqrt(n)  # switch_prob = 0.5
+    assert all((p.lam == p.lam[0]).all() and (p.cutmix == p.cutmix[0]).all() for p in params)  # one per batch
+    mix_lams = np.array([p.lam[0] for p in params if not p.cutmix[0]])
+    ref = np.random.default_rng(1).beta(0.8, 0.8, 20000)
+    assert ks_two(mix_lams, ref) < 1.63 * math.sqrt(1 / len(mix_lams) + 1 / len(ref))
+
+
+def test_cutmix_box_and_corrected_lam_follow_timm():
+    m = Mixup(mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=10)
+    h, w = 24, 40
+    for b in range(200):
+        rng_ours, rng_ref = batch_rng(3, 1, b), batch_rng(3, 1, b)
+        p = m.params(rng_ours, 4, h, w)
+        # timm: lam ~ Beta(1, 1) (after the mix_prob draw order of _params_per_elem), then rand_bbox
+        cut = np.ones(1, bool)
+        lam = rng_ref.beta(1.0, 1.0, 1)
+        rng_ref.random(1)  # the prob draw
+        ratio = np.sqrt(1 - lam)
+        ch, cw = (h * ratio).astype(int), (w * ratio).astype(int)
+        cy, cx = rng_ref.integers(0, h, 1), rng_ref.integers(0, w, 1)
+        yl, yh = np.clip(cy - ch // 2, 0, h), np.clip(cy + ch // 2, 0, h)
+        xl, xh = np.clip(cx - cw // 2, 0, w), np.clip(cx + cw // 2, 0, w)
+        assert cut.all() and p.cutmix.all()
+        assert p.box[0].tolist() == [int(yl[0]), int(yh[0]), int(xl[0]), int(xh[0])]
+        assert p.lam[0] == pytest.approx(1 - (yh - yl)[0] * (xh - xl)[0] / (h * w))
+
+
+def test_mixup_pixels_and_targets_float_nchw():
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(6, 3, 8, 10, generator=g)
+    y = torch.tensor([0, 1, 2, 3, 4, 0])
+    m = Mixup(mixup_alpha=1.0, label_smoothing=0.1, num_classes=5)
+    p = MixParams(np.full(6, 0.3, np.float32), np.zeros(6, bool), np.zeros((6, 4), np.int64))
+    expect = x * 0.3 + x.flip(0) * 0.7
+    out, t = m.apply(x.clone(), y, p)
+    assert torch.allclose(out, expect, atol=1e-6)
+    assert torch.allclose(t, timm_target(y, 5, 0.3, 0.1), atol=1e-6)
+    assert torch.allclose(t.sum(1), torch.ones(6))
+
+
+def test_cutmix_pastes_the_partners_box_in_both_layouts():
+    x = torch.randint(0, 256, (4, 12, 16, 3), dtype=torch.uint8)
+    y = torch.tensor([1, 2, 3, 4])
+    m = Mixup(mixup_alpha=0.0, cutmix_alpha=1.0, label_smoothing=0.0, num_classes=5)
+    box = np.array([[2, 7, 3, 11]] * 4)
+    lam = np.full(4, 1 - 5 * 8 / (12 * 16), np.float32)
+    p = MixParams(lam, np.ones(4, bool), box)
+    nhwc, t = m.apply(x.clone(), y, p)
+    expect = x.clone()
+    expect[:, 2:7, 3:11] = x.flip(0)[:, 2:7, 3:11]
+    assert torch.equal(nhwc, expect)
+    nchw, _ = m.apply(x.permute(0, 3, 1, 2).float(), y, p)
+    assert torch.equal(nchw.permute(0, 2, 3, 1).to(torch.uint8), expect)
+    assert torch.allclose(t, timm_target(y, 5, float(lam[0]), 0.0))
+
+
+def test_elem_mode_mixes_each_sample_with_its_own_lam():
+    m = Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, mode="elem", num_classes=3, label_smoothing=0.0)
+    p = m.params(batch_rng(0, 0, 5), 64, 16, 16)
+    assert len(np.unique(p.lam)) > 10 and 0 < p.cutmix.sum() < 64
+    x = torch.rand(64, 3, 16, 16)
+    y = torch.randint(0, 3, (64,))
+    out, t = m.apply(x.clone(), y, p)
+    for i in range(64):  # timm's _mix_elem loop, the reference
+        j = 63 - i
+        if p.cutmix[i]:
+            yl, yh, xl, xh = p.box[i]
+            ref = x[i].clone()
+            ref[:, yl:yh, xl:xh] = x[j][:, yl:yh, xl:xh]
+        else:
+            ref = x[i] * float(p.lam[i]) + x[j] * (1 - float(p.lam[i]))
+        assert torch.allclose(out[i], ref, atol=1e-6), i
+    assert torch.allclose(t, timm_target(y, 3, torch.from_numpy(p.lam).view(-1, 1), 0.0), atol=1e-6)
+
+
+def test_uint8_mixup_rounds_like_timms_collate():
+    x = torch.randint(0, 256, (4, 5, 6, 3), dtype=torch.uint8)
+    p = MixParams(np.full(4, 0.37, np.float32), np.zeros(4, bool), np.zeros((4, 4), np.int64))
+    out, _ = Mixup(num_classes=4).apply(x.clone(), torch.arange(4), p)
+    ref = np.rint(x.numpy() * np.float32(0.37) + x.flip(0).numpy().astype(np.float32) * np.float32(0.63))
+    assert np.array_equal(out.numpy(), ref.astype(np.uint8))
+
+
+def test_multi_hot_targets_and_bad_labels():
+    t = soft_targets(torch.tensor([[1.0, 0.0, 1.0]]), 3, smoothing=0.3)
+    assert torch.allclose(t, torch.tensor([[0.8, 0.1, 0.8]]))
+    with pytest.raises(ConfigError, match="num_classes"):
+        soft_targets(torch.tensor([0, 7]), 5)
+    with pytest.raises(ConfigError, match="nothing would be mixed"):
+        Mixup(mixup_alpha=0.0, cutmix_alpha=0.0)
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_packed(tmp_path_factory.mktemp("mix") / "ds", n=40)
+
+
+def test_mixing_over_a_loader_is_deterministic_and_resumes(packed: Path):
+    mix = Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1, num_classes=40)
+    tf = [RandomResizedCrop(24), RandomHorizontalFlip()]
+
+    def run(loader, stop=None):
+        out = []
+        for k, (x, t) in enumerate(mix.over(loader)):
+            out.append((x.clone(), t.clone()))
+            if stop is not None and k + 1 == stop:
+                break
+        return out
+
+    full = run(Loader(packed, 8, transforms=tf, seed=3, num_threads=1))
+    other = run(Loader(packed, 8, transforms=tf, seed=3, num_threads=2))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(full, other))
+    first = Loader(packed, 8, transforms=tf, seed=3, num_threads=2)
+    run(first, stop=2)
+    state = first.state_dict()
+    resumed = Loader(packed, 8, transforms=tf, seed=3, num_threads=2)
+    resumed.load_state_dict(state)
+    rest = run(resumed)
+    assert len(rest) == len(full) - 2
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(full[2:], rest))
+    assert any(not torch.equal(a[1], full[0][1]) for a in full[1:])  # batches do differ
