@@ -395,7 +395,8 @@ def test_a_bug_in_a_user_transform_is_named_and_never_skipped(packed: Path) -> N
     from stoker.errors import UserTransformError
 
     def buggy(img: np.ndarray) -> np.ndarray:
-        return img[:, :, :, None].squeeze(axis=1)   # a user's mistake: axis 1 has size 32
+        scale = {"low": 0.5}["high"]   # a user's mistake: a key that is not there
+        return (img * scale).astype(np.uint8)
 
     for on_error in ("raise", "skip"):
         loader = Loader(packed, 8, transforms=[*TRAIN, buggy], num_threads=2, on_error=on_error)
@@ -404,10 +405,10 @@ def test_a_bug_in_a_user_transform_is_named_and_never_skipped(packed: Path) -> N
         loader.close()
         exc = info.value
         assert exc.transform == "buggy" and exc.key is not None and exc.index is not None
-        assert str(exc).startswith("transform buggy raised ValueError: ")
+        assert str(exc).startswith("transform buggy raised KeyError: 'high'")
         assert "error in the transform's code, not in the data: fix buggy" in str(exc)
         assert "re-pack" not in str(exc)
-        assert isinstance(exc.__cause__, ValueError)   # the transform's own exception and traceback
+        assert isinstance(exc.__cause__, KeyError)   # the transform's own exception and traceback
 
 
 def test_corrupt_data_still_gets_the_data_advice(tmp_path: Path) -> None:

@@ -444,6 +444,7 @@ class _LoaderIter:
         sizes = [min(bs, left - k * bs) for k in range(-(-left // bs))]
         self._n = len(sizes)
         self._start = start   # samples of the epoch yielded before this pass
+        self._first_batch = start // bs   # the epoch's batch number of this pass's first batch (batch ops' key)
         self._ends = np.cumsum(sizes, dtype=np.int64) + start if sizes else np.zeros(0, np.int64)
         self._b = 0
         self._closed = False
@@ -509,7 +510,7 @@ class _LoaderIter:
             labels = list(slot.objects[:n]) if self._encode is None else self._encode(slot.objects[:n])
         spec = self._loader._spec
         if spec.pipeline.batch is not None:  # no device stage: the batch ops run here, on the CPU
-            images, labels = run_batch_ops(spec, images, labels, self._epoch, self._start + self._b - 1)
+            images, labels = run_batch_ops(spec, images, labels, self._epoch, self._first_batch + self._b - 1)
         if slot.extras:   # extra columns, and the sizes of padded images
             return images, labels, batch_extras(slot)
         return images, labels

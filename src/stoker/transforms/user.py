@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..errors import UserTransformError
+from .adapt import TransformError
 from .geometry import RandomHorizontalFlip, crop_resize_into, plan_ops
 
 
@@ -48,6 +49,8 @@ def run_user_op(op: _UserOp, img: np.ndarray, key: int) -> np.ndarray:
             out = op.fn(img, rng=rng)
         else:
             out = op.fn(img)
+    except TransformError as exc:   # the adapter's own finding (takes or returns no image): already named
+        raise UserTransformError(str(exc), transform=op.name) from exc
     except Exception as exc:
         raise UserTransformError(f"transform {op.name} raised {type(exc).__name__}: {exc}",
                                  transform=op.name) from exc
