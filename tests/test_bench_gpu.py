@@ -50,6 +50,7 @@ def _check_ran(p: PipelineResult | None) -> PipelineResult:
     assert p.images_per_s == p.rounds[0]
     assert math.isfinite(p.cpu_percent) and p.cpu_ms_per_image > 0 and p.peak_rss_bytes > 10 * 2**20
     assert math.isfinite(p.first_batch_s) and p.first_batch_s > 0
+    assert p.startup_share == pytest.approx(p.first_batch_s * p.images_per_s / p.images)   # one round
     assert p.peak_device_bytes == 0   # on the CPU: no device allocator to ask
     assert p.version
     return p
@@ -72,8 +73,9 @@ def test_device_bench_on_cpu_end_to_end(cpu_run: tuple[BenchResult, Path]) -> No
     assert (result.device, result.images, result.batch_size, result.steps, result.warmup_steps) == ("cpu", 60, 16, 2, 1)
     assert result.models == [TINY]
     # the loaders alone: every image of the epoch, into "device" memory
+    # a round is `steps` batches of a stream running on across epochs, the start-up weighed against them
     base = _check_ran(result.get("cuda-baseline"))
-    assert base.images == 60 and base.ratio is None
+    assert base.images == 2 * 16 and base.ratio is None
     # training on the GPU-resident (here: CPU-resident) batch and fed by the DataLoader baseline
     synthetic = _check_ran(result.get("train-tiny_model-synthetic"))
     fed = _check_ran(result.get("train-tiny_model-baseline"))
@@ -91,7 +93,7 @@ def test_device_bench_on_cpu_end_to_end(cpu_run: tuple[BenchResult, Path]) -> No
         p = _check_ran(result.get(name))
         assert p.ratio is not None and p.ratio > 0
     stoker_loader = _check_ran(result.get("cuda-stoker"))
-    assert stoker_loader.images == 60
+    assert stoker_loader.images == 16 + 12   # warm-up: batches 0-1 of 60 images; timed: 2 and the partial 3
     assert stoker_loader.ratio == pytest.approx(stoker_loader.images_per_s / base.images_per_s)
     assert result.pack_seconds > 0
 
@@ -154,7 +156,7 @@ def test_table_for_device_results() -> None:
     table = format_table(result)
     assert "| train-resnet50-stoker | 2,970 | 99.0% | 1.98x |" in table
     assert "| cuda-stoker | 20,000 | 4.00x cuda-baseline |" in table
-    assert "19 steps per epoch" in table
+    assert "19 steps per pass over the images" in table and "1,281,167 samples" in table
 
 
 def test_device_chart_draws_reference_lines_only_when_given(tmp_path: Path) -> None:
@@ -240,3 +242,37 @@ def test_cli_reports_config_errors(tiny_root: Path, tmp_path: Path, argv: list[s
 
     assert main(["bench", "--data", str(tiny_root), "--out", str(tmp_path), *argv]) == 2
     assert err in capsys.readouterr().err
+
+
+def test_loader_rounds_run_on_across_passes_without_restarting_the_baseline(tiny_root: Path, tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # 60 images in batches of 16: 3 full batches a pass; rounds of 5 batches cross passes, and the
+    # baseline's DataLoader epoch (as long as ImageNet-1k's) is started once, not once per pass
+    from torch.utils.data import DataLoader
+
+    starts = []
+    real_iter = DataLoader.__iter__
+    monkeypatch.setattr(DataLoader, "__iter__", lambda self: starts.append(1) or real_iter(self))
+    epoch, close, _ = bench_gpu.loader_epochs("cuda-baseline", root=str(tiny_root), packed="", batch_size=16,
+                                              workers=1, device="cpu", steps=5)
+    try:
+        assert [list(epoch()) for _ in range(3)] == [[16] * 5] * 3
+    finally:
+        close()
+    assert len(starts) == 1
+    with pytest.raises(ConfigError, match="steps must be at least 1"):
+        bench_gpu.loader_epochs("cuda-baseline", root=str(tiny_root), packed="", batch_size=16, workers=1,
+                                device="cpu", steps=0)
+
+
+def test_the_table_flags_a_start_up_that_weighs_on_the_run() -> None:
+    quick = PipelineResult("cuda-stoker", "s", images_per_s=9000.0, rounds=[9000.0], first_batch_s=0.05,
+                           startup_share=0.002)
+    slow = PipelineResult("cuda-baseline", "b", images_per_s=3000.0, rounds=[3000.0], first_batch_s=1.5,
+                          startup_share=0.05)
+    result = BenchResult([slow, quick], images=5000, batch_size=256, workers=16, rounds=3, data={},
+                         baseline_transforms="", machine={}, device="cuda:0", models=[], steps=100, warmup_steps=10)
+    text = "\n".join(bench_gpu.format_tables(result))
+    assert "Start-up of cuda-baseline (1.50 s) is 5.0% of its timed run" in text
+    assert f"--steps {bench_gpu.steps_for_startup(100, 0.05)}" in text and "Start-up of cuda-stoker " not in text
+    assert bench_gpu.steps_for_startup(100, 0.05) >= 500   # 5% at 100 steps: 1% needs 5x the steps

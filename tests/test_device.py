@@ -601,3 +601,50 @@ def test_prefetch_refuses_gpu_decode_for_decoded_batches():
         prefetch([nhwc_batch()], DeviceOptions("cpu", decode="gpu", gpu_decoder=Decoder()))
     with pytest.raises(ConfigError, match="prefetch needs a device"):
         prefetch([nhwc_batch()], None)  # type: ignore[arg-type]
+
+
+# ---- one pass into the final dtype; the copy stream's priority -------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_normalizing_to_half_precision_is_one_pass_into_the_final_dtype_and_layout(dtype, fmt, monkeypatch):
+    """addcmul(out=) computes in float32 and rounds as it stores: on CUDA one kernel, no float32 batch and
+    no second cast pass; bit for bit what computing in float32 and casting would give."""
+    x = nhwc_batch(b=3, h=16, w=12)
+    opts = cpu_opts(normalize="imagenet", dtype=dtype, memory_format=fmt)
+    outs = []
+    real = torch.addcmul
+
+    def spy(*args, out=None, **kwargs):
+        outs.append(out)
+        return real(*args, out=out, **kwargs)
+
+    monkeypatch.setattr(torch, "addcmul", spy)
+    got = convert(x, opts)
+    monkeypatch.undo()
+    assert len(outs) == 1 and outs[0] is got  # the kernel wrote the final tensor itself
+    assert got.dtype == dtype and got.is_contiguous(memory_format=fmt)
+    f32 = convert(x, cpu_opts(normalize="imagenet", dtype="float32", memory_format=fmt))
+    assert torch.equal(got, f32.to(dtype))
+
+
+def test_constants_are_filled_on_the_device_not_copied_from_the_host(monkeypatch):
+    """A copy from pageable host memory to the GPU blocks the host (an implicit sync on the first batch)."""
+    def no_copies(self, *args, **kwargs):
+        raise AssertionError("the normalize constants must not be copied to the device")
+
+    opts = cpu_opts(normalize=((0.5, 0.25, 0.125), (0.5, 0.5, 0.25)))
+    monkeypatch.setattr(torch.Tensor, "to", no_copies)
+    scale, shift = opts._affine(torch.device("cpu"), True)
+    monkeypatch.undo()
+    assert scale.shape == shift.shape == (1, 3, 1, 1) and scale.dtype == torch.float32
+    torch.testing.assert_close(scale.flatten(), torch.tensor([2 / 255, 2 / 255, 4 / 255]))
+    torch.testing.assert_close(shift.flatten(), torch.tensor([-1.0, -0.5, -0.5]))
+
+
+def test_the_copy_stream_has_the_highest_priority(monkeypatch):
+    import stoker.device as device
+
+    made = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None, priority=0: made.append((device, priority)))
+    device.copy_stream(torch.device("cuda", 0))
+    assert made == [(torch.device("cuda", 0), device.HIGH_PRIORITY)] and device.HIGH_PRIORITY < -1

@@ -398,17 +398,31 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     class Stream:
         cuda_stream = 1234
 
+        def __init__(self, name: str = "caller", device: object = None) -> None:
+            self.name = name
+
         def synchronize(self) -> None:
             log.append("sync")
 
+        def wait_stream(self, other: "Stream") -> None:
+            log.append(f"{self.name} waits {other.name}")
+
+    @contextlib.contextmanager
+    def on(stream: Stream):
+        log.append(f"on {stream.name}")
+        yield
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream("decode", device))
+    monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: log.append(f"record {s.name}"), raising=False)
     monkeypatch.setattr(gpu_decode, "_cuda_device", lambda device: torch.device("cpu"))
     return log
 
 
-def test_torchvision_wrapper_batches_retries_and_syncs_first(monkeypatch: pytest.MonkeyPatch,
-                                                             fake_cuda: list[str]) -> None:
+def test_torchvision_wrapper_batches_retries_on_its_own_stream_without_host_syncs(
+        monkeypatch: pytest.MonkeyPatch, fake_cuda: list[str]) -> None:
     class FakeIO:
         class ImageReadMode:
             RGB = "rgb-mode"
@@ -426,7 +440,8 @@ def test_torchvision_wrapper_batches_retries_and_syncs_first(monkeypatch: pytest
     monkeypatch.setitem(sys.modules, "torchvision.io", FakeIO)
     dec = make_decoder("auto", "cuda")  # probes once with a tiny JPEG
     assert isinstance(dec, gpu_decode.TorchvisionDecoder) and dec.name == "torchvision 0.26.0+cu128 nvJPEG"
-    assert fake_cuda == ["sync", "decode 1"]
+    one = ["on decode", "decode 1", "caller waits decode", "record caller"]
+    assert fake_cuda == one
     fake_cuda.clear()
     jpegs = make_jpegs(sizes=[(32, 40), (24, 24)])
     datas = [torch.frombuffer(bytearray(jpegs[0]), dtype=torch.uint8), torch.frombuffer(bytearray(b"junk" * 9),
@@ -435,8 +450,10 @@ def test_torchvision_wrapper_batches_retries_and_syncs_first(monkeypatch: pytest
     outs = dec.decode(datas)
     assert [type(o).__name__ for o in outs] == ["Tensor", "RuntimeError", "ValueError", "Tensor"]
     assert tuple(outs[0].shape) == (3, 32, 40) and tuple(outs[3].shape) == (3, 24, 24)
-    # The stream is synchronized before every call (pytorch/vision#9606); a failed batch goes one by one.
-    assert fake_cuda == ["sync", "decode 3", "sync", "decode 1", "sync", "decode 1", "sync", "decode 1"]
+    # Every call runs on the decode stream, the caller's stream waits for it on the GPU, and each output
+    # is recorded on the caller's stream (pytorch/vision#9606); a failed batch goes one by one.
+    assert fake_cuda == ["on decode", "decode 3"] + one + ["on decode", "decode 1"] + one
+    assert "sync" not in fake_cuda
 
 
 def test_nvimgcodec_wrapper_handles_none_and_dropped_images(monkeypatch: pytest.MonkeyPatch,
@@ -501,3 +518,166 @@ def test_a_backend_that_fails_its_probe_is_skipped_by_auto(monkeypatch: pytest.M
         make_decoder("auto", "cuda")
     msg = str(info.value)
     assert "not compiled with nvJPEG support" in msg and "pip install nvidia-nvimgcodec-cu" in msg
+
+
+# ---- the batched resample against the per-sample path it replaced ---------------------------------------
+
+def per_sample_write(job: GpuJob, img: torch.Tensor, dst: torch.Tensor) -> None:
+    """The former per-sample GPU path (about eight dispatched ops a sample): crop, F.interpolate
+    bilinear (antialiased when shrinking in either axis), round, clamp, flip, store."""
+    import torch.nn.functional as F
+
+    _, h, w = img.shape
+    out_h, out_w = dst.shape[1], dst.shape[2]
+    win = crop_window(job.box, h, w, h, w, out_h, out_w)
+    sy0, sy1, sx0, sx1 = win.src
+    dy0, dy1, dx0, dx1 = win.dst
+    if job.flip:
+        dx0, dx1 = out_w - dx1, out_w - dx0
+    if win.padded:
+        dst.zero_()
+    region = img[:, sy0:sy1, sx0:sx1]
+    th, tw = dy1 - dy0, dx1 - dx0
+    if region.shape[1] == th and region.shape[2] == tw:
+        result = region
+    else:
+        shrink = region.shape[1] > th or region.shape[2] > tw
+        x = F.interpolate(region.unsqueeze(0).float(), size=(th, tw), mode="bilinear", align_corners=False,
+                          antialias=shrink)
+        result = x[0].round_().clamp_(0, 255)
+    if job.flip:
+        result = result.flip(-1)
+    dst[:, dy0:dy1, dx0:dx1].copy_(result)
+
+
+# Tolerance: the batched path computes the same interpolation weights but sums in another order
+# (two matrix products instead of torch's separable kernels), so a value that lands within ~1e-5 of
+# a .5 boundary may round the other way: at most 1 level, on well under 1% of the values.
+@pytest.mark.parametrize("ops, sizes", [
+    ([RandomResizedCrop(224), RandomHorizontalFlip()], SIZES),
+    ([RandomResizedCrop((96, 128), scale=(0.02, 1.0)), RandomHorizontalFlip()], SIZES),
+    ([Resize(300), CenterCrop(280), RandomHorizontalFlip(p=1.0)], SIZES[:4]),  # upscaling
+    ([Resize(30), CenterCrop(48), RandomHorizontalFlip(p=1.0)], [(41, 51), (40, 33), (64, 20)]),  # padded
+    ([CenterCrop((70, 61)), RandomHorizontalFlip(p=0.5)], [(41, 51), (40, 33), (64, 20), (90, 90)]),
+])
+def test_batched_resample_matches_the_per_sample_path(ops: list, sizes: list) -> None:
+    pipe = Pipeline(ops)
+    jpegs = make_jpegs(seed=12, sizes=sizes)
+    jobs, refs = jobs_for(pipe, jpegs, sizes, seed=4)
+    oh, ow = refs[0].shape[:2]
+    imgs = [CpuDecoder().one(j.data).contiguous() for j in jobs]
+    want = torch.full((len(jobs), 3, oh, ow), 5, dtype=torch.uint8)
+    for job, img in zip(jobs, imgs):
+        per_sample_write(job, img, want[job.row])
+    got = torch.full_like(want, 5)
+    assert GpuBatchDecoder(CpuDecoder(), "cpu").run(jobs, got) == []
+    diff = (got.int() - want.int()).abs()
+    assert int(diff.max()) <= 1, f"max difference {int(diff.max())} levels"
+    assert float((diff > 0).float().mean()) < 0.01
+
+
+def test_batched_resample_respects_its_budget_and_row_order() -> None:
+    pipe = Pipeline([RandomResizedCrop(32), RandomHorizontalFlip()])
+    jobs, refs = jobs_for(pipe, make_jpegs(seed=13), SIZES, seed=1)
+    placed_sizes: list[int] = []
+    real = gpu_decode.resample_into
+
+    def spy(group, out):
+        placed_sizes.append(len(group))
+        real(group, out)
+
+    gpu = GpuBatchDecoder(CpuDecoder(), "cpu", budget_bytes=4 * 3 * 300 * 400)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gpu_decode, "resample_into", spy)
+        small = torch.zeros((len(jobs), 3, 32, 32), dtype=torch.uint8)
+        assert gpu.run(jobs, small) == []
+    assert len(placed_sizes) > 1 and sum(placed_sizes) == len(jobs)  # cut into groups under the budget
+    whole = torch.zeros_like(small)
+    assert GpuBatchDecoder(CpuDecoder(), "cpu").run(jobs, whole) == []
+    assert torch.equal(small, whole)  # grouping changes nothing
+    for i, ref in enumerate(refs):
+        assert psnr(rows(whole)[i], ref) > 28
+
+
+class _BrokenImport:
+    """A meta-path finder that makes importing `name` raise like a torchvision built for another torch."""
+
+    def __init__(self, *names: str) -> None:
+        self.names = names
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> None:
+        if fullname in self.names:
+            raise RuntimeError("operator torchvision::nms does not exist")
+        return None
+
+
+@pytest.mark.parametrize("backend, hint", [("torchvision", "pip install torchvision"),
+                                           ("nvimgcodec", "pip install nvidia-nvimgcodec-cu")])
+def test_a_backend_whose_import_raises_anything_is_a_config_error(monkeypatch: pytest.MonkeyPatch, backend: str,
+                                                                  hint: str) -> None:
+    for name in ("torchvision", "torchvision.io", "nvidia", "nvidia.nvimgcodec"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_BrokenImport("torchvision", "nvidia", "nvidia.nvimgcodec"),
+                                           *sys.meta_path])
+    with pytest.raises(ConfigError) as info:
+        make_decoder(backend, "cuda")
+    assert "RuntimeError" in str(info.value) and hint in str(info.value) and "decode='cpu'" in str(info.value)
+
+
+def test_auto_falls_back_past_a_torchvision_that_raises_on_import(monkeypatch: pytest.MonkeyPatch,
+                                                                  fake_cuda: list[str]) -> None:
+    class Decoder:
+        def __init__(self, device_id: int | None = None) -> None:
+            pass
+
+        def decode(self, srcs, params, cuda_stream):
+            return [simplejpeg.decode_jpeg(s, colorspace="RGB") for s in srcs]
+
+    class DecodeParams:
+        def __init__(self, **kw: object) -> None:
+            pass
+
+    fake = types.SimpleNamespace(__version__="0.6.0", Decoder=Decoder, DecodeParams=DecodeParams,
+                                 ColorSpec=types.SimpleNamespace(RGB=1))
+    monkeypatch.delitem(sys.modules, "torchvision", raising=False)
+    monkeypatch.delitem(sys.modules, "torchvision.io", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_BrokenImport("torchvision"), *sys.meta_path])
+    monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", fake)
+    dec = make_decoder("auto", "cuda")  # both nvImageCodec variants work: measured at first use
+    assert isinstance(dec, gpu_decode.MeasuredDecoder)
+    assert [type(c) for c in dec.candidates] == [gpu_decode.NvImageCodecHardwareDecoder,
+                                                 gpu_decode.NvImageCodecDecoder]
+
+
+class Timed(CpuDecoder):
+    """A stand-in that 'takes' `ms` per image on a fake clock; `broken` fails every image."""
+
+    def __init__(self, name: str, ms: float, clock: list[float], broken: bool = False) -> None:
+        super().__init__()
+        self.name, self.ms, self.clock, self.broken = name, ms, clock, broken
+
+    def decode(self, datas):
+        self.clock[0] += self.ms * len(datas) / 1000
+        if self.broken:
+            self.calls.append(len(datas))
+            return [RuntimeError("no") for _ in datas]
+        return super().decode(datas)
+
+
+def test_auto_keeps_the_backend_measured_fastest_on_the_first_batch() -> None:
+    clock = [0.0]
+    syncs: list[object] = []
+    broken = Timed("broken-but-fast", 0.1, clock, broken=True)
+    slow, fast = Timed("slow", 3.0, clock), Timed("fast", 1.0, clock)
+    dec = gpu_decode.MeasuredDecoder([broken, slow, fast], torch.device("cpu"), synchronize=syncs.append,
+                                     clock=lambda: clock[0])
+    assert "not measured yet" in dec.name
+    jobs, refs = jobs_for(Pipeline([CenterCrop(32)]), make_jpegs(seed=3), SIZES)
+    out = torch.zeros((len(jobs), 3, 32, 32), dtype=torch.uint8)
+    assert GpuBatchDecoder(dec, "cpu").run(jobs, out) == []  # the chosen one's images are the batch's
+    assert dec.chosen is fast and len(syncs) == 6  # the device synchronized around each timed decode
+    assert dec.timings == pytest.approx({"broken-but-fast": 0.1, "slow": 3.0, "fast": 1.0})
+    assert dec.name.startswith("fast (auto: fastest") and "slow 3.000" in dec.name
+    assert all(np.array_equal(rows(out)[i], ref) for i, ref in enumerate(refs))
+    dec.decode([jobs[0].data])
+    assert (slow.calls, fast.calls[-1], len(syncs)) == ([len(jobs)], 1, 6)  # only the chosen one from now on

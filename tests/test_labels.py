@@ -59,6 +59,10 @@ def test_loader_delivers_multi_hot_from_a_packed_multi_label_list(tmp_path: Path
                 device="cpu") as loader:   # the device stage's path
         (_, hot_dev), = list(loader)
     assert torch.equal(hot_dev, hot)
+    with Loader(tmp_path / "out", 3, transforms=[Resize((16, 16))], order="sequential", num_threads=1,
+                device="cpu", persistent=True) as loader:   # epochs in a row from one pipeline
+        for _ in range(2):
+            assert torch.equal(torch.cat([labels for _, labels in loader]), hot)
 
 
 def test_soft_targets_arrive_as_float_rows_and_mix(tmp_path: Path) -> None:

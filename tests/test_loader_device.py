@@ -248,6 +248,7 @@ def test_gpu_decode_path_crops_like_the_cpu_path(packed: Path) -> None:
     jpegs = sum(1 for i in range(60) if i % 11 != 5 and i % 13 != 6)
     assert loader.stats.gpu_decoded == jpegs and loader.stats.gpu_fallbacks == 0
     assert sum(dec.calls) == jpegs  # raw and PNG samples never reach the GPU decoder
+    assert loader.stats.gpu_decoder == "cpu stand-in" == loader.stats.as_dict()["gpu_decoder"]  # which one ran
 
 
 def test_gpu_decode_failures_fall_back_to_the_cpu_per_sample(packed: Path) -> None:
@@ -314,3 +315,222 @@ def test_profile_reports_the_device_stage(packed: Path) -> None:
         pass
     report = prof.report()
     assert report.stages["device_ms"] > 0 and "device stage" in report.format()
+
+
+def test_the_slot_is_fenced_for_reuse_before_the_gpu_decode(packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pinned slot goes back to the workers once its upload is done, not after the GPU decode,
+    resize and conversion queued behind it: the reuse fence is recorded right after the uploads."""
+    from stoker.device import DeviceStage
+    from stoker.gpu_decode import GpuBatchDecoder
+
+    log: list[str] = []
+    fence, run = DeviceStage.fence, GpuBatchDecoder.run
+    monkeypatch.setattr(DeviceStage, "fence", lambda self: log.append("fence") or fence(self))
+    monkeypatch.setattr(GpuBatchDecoder, "run", lambda self, jobs, out: log.append("decode") or run(self, jobs, out))
+    loader = Loader(packed, 20, transforms=TRAIN, seed=2, num_threads=2,
+                    device=DeviceOptions("cpu", dtype=torch.uint8, decode="gpu", gpu_decoder=CpuJpegDecoder()))
+    assert len(list(loader)) == 3
+    # per batch: the reuse fence, the decode, then the batch's ready fence (Feeder)
+    assert log == ["fence", "decode", "fence"] * 3
+
+
+# ---- a plain Loader's pinned slots and the caller's asynchronous copies (README's first example) ---------
+
+class FakeStream:
+    """The caller's current CUDA stream: the GPU 'runs' it up to an event when the test says so."""
+
+
+class FakeEvent:
+    """torch.cuda.Event stand-in: records on a stream, done only once the test completes it."""
+
+    made: list["FakeEvent"] = []
+    gpu_idle = False  # events recorded from now on are complete at once
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.stream: object = None
+        self.completed = FakeEvent.gpu_idle
+        FakeEvent.made.append(self)
+
+    def record(self, stream: object = None) -> None:
+        self.stream = stream
+
+    def query(self) -> bool:
+        return self.completed
+
+
+def idle_reference(packed: Path, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The batches, read while the fake GPU keeps up."""
+    FakeEvent.gpu_idle = True
+    try:
+        return reference(Loader(packed, batch_size, transforms=TRAIN, seed=6, num_threads=2))
+    finally:
+        FakeEvent.made, FakeEvent.gpu_idle = [], False
+
+
+@pytest.fixture
+def fake_gpu_stream(monkeypatch: pytest.MonkeyPatch) -> FakeStream:
+    """CUDA 'initialised', with a current stream whose events complete only when the test says."""
+    stream = FakeStream()
+    FakeEvent.made, FakeEvent.gpu_idle = [], False
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    return stream
+
+
+def test_a_yielded_slot_is_not_refilled_before_the_callers_gpu_copy_ran(packed: Path,
+                                                                        fake_gpu_stream: FakeStream) -> None:
+    """`images.cuda(non_blocking=True)` queues a copy that reads the pinned slot later; the next
+    `next()` must not let the workers overwrite the slot before the GPU has run that copy."""
+    want = idle_reference(packed, 10)
+    loader = Loader(packed, 10, transforms=TRAIN, seed=6, num_threads=2, prefetch=1, timeout=20)  # 2 slots
+    it = iter(loader)
+    x0, _ = next(it)  # the caller queues x0.cuda(non_blocking=True) here; the GPU is busy with its step
+    assert torch.equal(x0, want[0][0])
+    x1, _ = next(it)  # batch 2 may now be planned into batch 0's slot, once the copy has run
+    assert torch.equal(x1, want[1][0])
+    time.sleep(0.5)  # the workers have had all the time they need to refill the slot
+    assert torch.equal(x0, want[0][0]), "the slot was refilled while the GPU copy was still queued"
+    guard = FakeEvent.made[-1]
+    assert guard.stream is fake_gpu_stream and not guard.completed  # recorded on the caller's stream
+    guard.completed = FakeEvent.gpu_idle = True  # the GPU ran the copy, and keeps up from now on
+    x2, _ = next(it)
+    assert torch.equal(x2, want[2][0])
+    assert [torch.equal(x, w[0]) for (x, _), w in zip(it, want[3:])] == [True] * (len(want) - 3)
+
+
+def test_a_guard_that_never_completes_times_out_naming_the_gpu_work(packed: Path,
+                                                                    fake_gpu_stream: FakeStream) -> None:
+    loader = Loader(packed, 10, transforms=TRAIN, seed=6, num_threads=2, prefetch=1, timeout=1.0)
+    it = iter(loader)
+    next(it), next(it)
+    with pytest.raises(LoaderTimeoutError, match="your GPU work on an earlier batch.*had not finished|no complete batch"):
+        next(it)
+    assert wait_threads_gone(0) == 0
+
+
+def test_the_last_slot_of_an_epoch_stays_guarded_for_the_next_epoch(packed: Path,
+                                                                   fake_gpu_stream: FakeStream) -> None:
+    want = idle_reference(packed, 30)
+    loader = Loader(packed, 30, transforms=TRAIN, seed=6, num_threads=2, prefetch=1, timeout=20)
+    first = [x for x, _ in loader]  # 2 batches: slot 1 holds the last one
+    assert len(FakeEvent.made) == 2  # at next() for batch 1, and when the epoch ended (guarding slot 1)
+    last = FakeEvent.made[-1]
+    assert not last.completed and torch.equal(first[1], want[1][0])
+    for e in FakeEvent.made[:-1]:
+        e.completed = True
+    it = iter(loader)  # epoch 1 reuses the ring: its batch 1 goes into slot 1
+    next(it)
+    time.sleep(0.3)
+    assert torch.equal(first[1], want[1][0]), "the next epoch overwrote a slot whose copy was still queued"
+    assert last.stream is fake_gpu_stream
+    for e in FakeEvent.made:
+        e.completed = True
+    FakeEvent.gpu_idle = True
+    assert len([x for x, _ in it]) == 1
+    loader.close()
+
+
+# ---- persistent=True: straight on into the next epoch -------------------------------------------------
+
+def epochs(loader: Loader, n: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    return [[(x.clone(), y.clone()) for x, y in loader] for _ in range(n)]
+
+
+def same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(len(ea) == len(eb) and all(torch.equal(x, u) and torch.equal(y, v)
+                                                                 for (x, y), (u, v) in zip(ea, eb))
+                                    for ea, eb in zip(a, b))
+
+
+@pytest.mark.parametrize("device", [None, DeviceOptions("cpu", normalize="imagenet")])
+def test_persistent_epochs_give_the_same_batches(packed: Path, device: object) -> None:
+    # 60 samples in batches of 16: each epoch ends with a partial batch in the middle of the run
+    kw = dict(transforms=TRAIN, seed=4, device=device)
+    want = epochs(Loader(packed, 16, num_threads=2, **kw), 3)
+    for threads in (1, 3):
+        with Loader(packed, 16, num_threads=threads, persistent=True, **kw) as loader:
+            assert same(epochs(loader, 3), want)
+
+
+def test_persistent_prepares_the_next_epoch_while_this_one_drains(packed: Path) -> None:
+    before = worker_threads()
+    loader = Loader(packed, 10, transforms=TRAIN, seed=4, num_threads=2, prefetch=2, persistent=True)
+    it = iter(loader)
+    for _ in range(len(loader)):  # every batch of epoch 0, not yet StopIteration
+        next(it)
+    # run batches 0-5 are epoch 0; the workers go on with epoch 1's first two (6, 7), as far as the
+    # ring allows (the stats count a worker's samples only when it completes a batch: read the ring)
+    run = loader._live.run
+    done = lambda: sorted(s.batch for s in run.ring.slots if s.batch >= 6 and s.remaining == 0)  # noqa: E731
+    deadline = time.monotonic() + 10
+    while done() != [6, 7] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert done() == [6, 7]
+    threads = {t for t in threading.enumerate() if t.name.startswith("stoker")}
+    assert list(it) == []
+    again = epochs(loader, 1)[0]  # epoch 1 from the same threads
+    assert {t for t in threading.enumerate() if t.name.startswith("stoker")} == threads
+    assert same([again], [epochs(Loader(packed, 10, transforms=TRAIN, seed=4), 2)[1]])
+    loader.close()
+    assert wait_threads_gone(before) == before
+
+
+@pytest.mark.parametrize("device", [None, DeviceOptions("cpu", normalize="imagenet")])
+def test_persistent_batch_ops_draw_from_each_batchs_own_epoch_and_index(packed: Path, device: object) -> None:
+    # a Mixup's draws are keyed by (seed, epoch, batch of the epoch): a pipeline running across epochs
+    # must hand the device stage each batch's own epoch and index, not the run's batch count
+    kw = dict(transforms=[*TRAIN, stoker.Mixup(mixup_alpha=1.0, cutmix_alpha=1.0, num_classes=60)], seed=4,
+              device=device, drop_last=True)
+    want = epochs(Loader(packed, 16, num_threads=2, **kw), 3)
+    with Loader(packed, 16, num_threads=2, persistent=True, **kw) as loader:
+        assert same(epochs(loader, 3), want)
+
+
+@pytest.mark.parametrize("leave", ["close", "drop"])
+def test_persistent_hands_on_an_epoch_read_to_the_end_but_not_exhausted(packed: Path, leave: str) -> None:
+    # `for step, batch in zip(range(steps), loader)` or a break after the last batch: the iterator never
+    # raised StopIteration, yet the epoch was read whole, so epoch 1 comes from the same threads
+    kw = dict(transforms=TRAIN, seed=4, num_threads=2)
+    want = epochs(Loader(packed, 10, **kw), 2)
+    loader = Loader(packed, 10, persistent=True, **kw)
+    it = iter(loader)
+    first = [(x.clone(), y.clone()) for x, y in (next(it) for _ in range(len(loader)))]
+    threads = {t for t in threading.enumerate() if t.name.startswith("stoker")}
+    if leave == "close":
+        it.close()
+    else:
+        del it
+        gc.collect()
+    again = epochs(loader, 1)[0]
+    assert {t for t in threading.enumerate() if t.name.startswith("stoker")} == threads
+    assert same([first, again], want)
+    loader.close()
+
+
+def test_persistent_resume_and_moves_elsewhere_restart_the_pipeline(packed: Path) -> None:
+    kw = dict(transforms=TRAIN, seed=4, num_threads=2)
+    want = epochs(Loader(packed, 10, **kw), 3)
+    before = worker_threads()
+    loader = Loader(packed, 10, persistent=True, **kw)
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    it.close()  # left mid-epoch (closed, or dropped after a break): the threads stop
+    assert wait_threads_gone(before) == before
+    loader.load_state_dict(state)
+    assert same([[(x.clone(), y.clone()) for x, y in loader]], [want[0][2:]])
+    loader.set_epoch(2)  # not the epoch the pipeline has ahead: it is replaced
+    assert same(epochs(loader, 1), [want[2]])
+    loader.close()
+    assert wait_threads_gone(before) == before
+
+
+def test_persistent_threads_stop_when_the_loader_is_dropped(packed: Path) -> None:
+    before = worker_threads()
+    loader = Loader(packed, 10, transforms=TRAIN, num_threads=2, persistent=True,
+                    device=DeviceOptions("cpu", dtype=torch.uint8))
+    epochs(loader, 1)
+    assert worker_threads() > before  # running on into epoch 1
+    del loader
+    assert wait_threads_gone(before) == before

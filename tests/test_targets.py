@@ -112,3 +112,18 @@ def test_script_refuses_a_cpu_bench_result(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "stoker bench --device cuda" in proc.stderr
     (tmp_path / "broken.json").write_text("{")
     assert _run(tmp_path / "broken.json").returncode == 2
+
+
+def test_a_pipeline_whose_start_up_weighs_on_its_run_is_not_judged() -> None:
+    def timed(name: str, rate: float, share: float) -> PipelineResult:
+        p = _pipe(name, rate)
+        p.startup_share = share
+        return p
+    pipes = _json_pipelines(timed("train-resnet50-synthetic", 3000.0, 0.002), timed("train-resnet50-stoker", 2950.0, 0.004),
+                            timed("train-resnet50-stoker-gpu", 2990.0, 0.03))
+    (r50,) = targets.check_targets(pipes, {"resnet50": 0.97})
+    # the faster feed started up for 3% of its run: only the other one is judged
+    assert (r50.pipeline, r50.met) == ("train-resnet50-stoker", True)
+    assert targets.too_short(pipes) == ["train-resnet50-stoker-gpu"]
+    pipes[0]["startup_share"] = 0.01   # the reference itself: nothing to judge against
+    assert targets.check_targets(pipes, {"resnet50": 0.97})[0].verdict == "not measured"

@@ -152,9 +152,12 @@ def _decode_all(ds: PackedDataset, report: VerifyReport, workers: int, progress:
     def check(i: int) -> Problem | None:
         s = ds.sample(i)
         try:
-            codecs.decode_rgb(s.data, s.encoding, s.key, height=s.height, width=s.width)
+            rgb = codecs.decode_rgb(s.data, s.encoding, s.key, height=s.height, width=s.width)
         except ImageError as exc:
             return Problem(f"{s.shard} row {s.row} ({s.key})", f"does not decode: {exc.reason}")
+        if rgb.shape[:2] != (s.height, s.width):  # crops are planned from the stored size
+            return Problem(f"{s.shard} row {s.row} ({s.key})", "decodes to a size other than the stored one",
+                           f"{s.height}x{s.width}", f"{rgb.shape[0]}x{rgb.shape[1]}")
         return None
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stoker-verify") as pool, \

@@ -318,6 +318,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StokerError as exc:
         print(f"stoker {args.command}: error: {exc.for_cli()}", file=sys.stderr)
         return 2
+    except OSError as exc:  # the machine's answer (a full disk, a vanished file): one line, not a traceback
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"stoker {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"stoker {args.command}: interrupted", file=sys.stderr)
         return 130

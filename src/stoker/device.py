@@ -49,6 +49,7 @@ _FORMATS = {
 }
 LAYOUTS = ("nchw", "nhwc")
 DECODES = ("cpu", "gpu")  # where JPEGs are decoded (DeviceOptions.decode)
+HIGH_PRIORITY = -(1 << 10)  # the copy stream's priority: the highest the GPU offers (see copy_stream)
 
 
 # ---- options --------------------------------------------------------------------------------
@@ -166,7 +167,8 @@ class DeviceOptions:
     memory_format: None/"contiguous"/"nchw" or "channels_last" (or the torch memory formats).
     decode: "cpu" (JPEGs decoded by the worker threads) or "gpu" (nvJPEG on the device thread, with the
         CPU's crop plan; a Loader only; CUDA only, unless gpu_decoder is an object).
-    gpu_decoder: with decode="gpu", "auto", "torchvision", "nvimgcodec" or an object with a
+    gpu_decoder: with decode="gpu", "auto" (the fastest working backend, measured on the first batch),
+        "torchvision", "nvimgcodec" (hardware JPEG engines first), "nvimgcodec-cuda" or an object with a
         `decode(list_of_uint8_tensors)` method.
 
     A plain device string anywhere a DeviceOptions is accepted means `DeviceOptions(device=that)`:
@@ -194,7 +196,8 @@ class DeviceOptions:
             if isinstance(self.gpu_decoder, str) and not self.is_cuda:
                 raise ConfigError(f"decode='gpu' needs a CUDA device, got device={self.device}; use decode='cpu'")
             if not isinstance(self.gpu_decoder, str) and not callable(getattr(self.gpu_decoder, "decode", None)):
-                raise ConfigError(f"gpu_decoder must be 'auto', 'torchvision', 'nvimgcodec' or an object with a "
+                raise ConfigError(f"gpu_decoder must be 'auto', 'torchvision', 'nvimgcodec', 'nvimgcodec-cuda' or an "
+                                  f"object with a "
                                   f"decode(list_of_tensors) method, got {self.gpu_decoder!r}")
 
     @property
@@ -221,9 +224,18 @@ class DeviceOptions:
             # (x/255 - mean)/std folded into one multiply-add, constants computed in float64
             scale = (1.0 / 255.0 if from_uint8 else 1.0) / std64
             shift = -mean64 / std64
-            cached = tuple(torch.tensor(v, dtype=torch.float32).view(1, n, 1, 1).to(device) for v in (scale, shift))
+            cached = (_filled(scale, device), _filled(shift, device))
             self._constants[key] = cached
         return cached
+
+
+def _filled(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """float32 [1, n, 1, 1] holding `values`, made on `device` by fills: no copy from pageable host
+    memory, which on CUDA would block the host until the GPU catches up (an implicit sync)."""
+    out = torch.empty((1, len(values), 1, 1), dtype=torch.float32, device=device)
+    for c, v in enumerate(values.tolist()):
+        out[0, c].fill_(v)
+    return out
 
 
 def as_device_options(device: Any) -> DeviceOptions | None:
@@ -240,7 +252,8 @@ def convert(images: torch.Tensor, opts: DeviceOptions, *, layout: str = "nhwc") 
     -> [B, C, H, W] in opts.dtype and opts.memory_format.
 
     uint8 input: (x/255 - mean)/std; float input (0..1 units): (x - mean)/std; without normalize only
-    the /255 (uint8 input to a float dtype). Arithmetic in float32, cast at the end. A uint8 output is a
+    the /255 (uint8 input to a float dtype). Arithmetic in float32, rounded to the output dtype as it
+    is stored (one kernel, one pass over the output). A uint8 output is a
     layout change only (no copy when NHWC input is asked for as channels_last). On the GPU, call it
     inside DeviceStage.context() so it runs on the copy stream."""
     if layout not in LAYOUTS:
@@ -270,10 +283,10 @@ def convert(images: torch.Tensor, opts: DeviceOptions, *, layout: str = "nhwc") 
         return x.contiguous(memory_format=fmt)
     affine = opts._affine(x.device, from_uint8)
     if affine is not None:
-        # one kernel reads the input once and writes a float32 result already in the requested layout
-        out = torch.empty(x.shape, dtype=torch.float32, device=x.device, memory_format=fmt)
-        torch.addcmul(affine[1], x, affine[0], out=out)
-        return out if opts.dtype == torch.float32 else out.to(opts.dtype)  # .to keeps the layout
+        # one kernel reads the input once, computes in float32 and stores straight into the final dtype
+        # and layout (float16/bfloat16 rounded on store: no float32 intermediate, no second pass)
+        out = torch.empty(x.shape, dtype=opts.dtype, device=x.device, memory_format=fmt)
+        return torch.addcmul(affine[1], x, affine[0], out=out)
     if from_uint8:
         # true division computes in float32 and the kernel casts on store: one pass, one allocation
         out = torch.empty(x.shape, dtype=opts.dtype, device=x.device, memory_format=fmt)
@@ -320,12 +333,36 @@ def _cuda_tensors(batch: Any) -> Iterator[torch.Tensor]:
             yield from _cuda_tensors(item)
 
 
+def consumer_fence() -> Fence | None:
+    """A fence behind everything the calling thread has queued on its current CUDA stream so far, or
+    None when this process has not initialised CUDA (then no GPU work can read host memory).
+
+    The plain Loader (no device stage) records one at each step, so a pinned batch the training loop
+    copied with `images.cuda(non_blocking=True)` is refilled only after that copy has run; an event
+    record costs a few microseconds and never blocks the host. Work on other streams or GPUs than the
+    current one at `next()` is not covered: copy the batch on the current stream, or `.clone()` it."""
+    if not torch.cuda.is_initialized():
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream())
+    return Fence(event, "your GPU work on an earlier batch (e.g. images.cuda(non_blocking=True))")
+
+
+def copy_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The stage's CUDA stream at the highest priority the device offers, so its copies and
+    conversions are scheduled ahead of training kernels queued at the default priority instead of
+    waiting behind them."""
+    # lower numbers are higher priorities; torch maps a number past the device's range to its highest
+    return torch.cuda.Stream(device=device, priority=HIGH_PRIORITY)
+
+
 class DeviceStage:
-    """One per loader (or prefetcher): a dedicated CUDA copy stream, made once and kept, plus the conversion."""
+    """One per loader (or prefetcher): a dedicated high-priority CUDA copy stream, made once and kept,
+    plus the conversion."""
 
     def __init__(self, opts: DeviceOptions) -> None:
         self.opts = opts
-        self.stream: torch.cuda.Stream | None = torch.cuda.Stream(device=opts.device) if opts.is_cuda else None
+        self.stream: torch.cuda.Stream | None = copy_stream(opts.device) if opts.is_cuda else None
 
     def context(self) -> ContextManager[None]:
         """Makes the copy stream current (and its GPU the current device) inside the block."""

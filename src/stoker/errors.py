@@ -14,6 +14,7 @@ and which file, shard, row or sample it concerns.
     │   ├── ManifestError                 stoker.json missing, not JSON, or inconsistent
     │   ├── ShardError                    a shard missing, truncated, not Arrow, or bad checksum
     │   └── IncompletePackError           a pack that has not finished (no manifest yet)
+    ├── OutputError (OSError)             the output directory cannot be written (disk full, ...)
     ├── DatasetClosedError (ValueError)   a dataset used after close()
     ├── SampleError (RuntimeError)        loading one sample failed inside the Loader
     │   └── UserTransformError            the user's own transform raised: a bug in that code, not bad data
@@ -137,6 +138,19 @@ class ShardError(DatasetError):
 
 class IncompletePackError(DatasetError):
     """The directory holds a pack that has not finished; `stoker pack --resume` completes it."""
+
+
+class OutputError(StokerError, OSError):
+    """Writing the output directory failed (disk full, quota, read-only, I/O error). ``errno`` is
+    the operating system's; ``path`` names the directory. A stopped pack resumes (``--resume``)."""
+
+    def __init__(self, message: str, *, path: str | Path | None = None, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.path = None if path is None else str(path)
+        self.errno = errno
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 class DatasetClosedError(StokerError, ValueError):

@@ -2,9 +2,9 @@
 
 For machines whose CPU cores cannot decode fast enough: the Loader's device thread hands the JPEGs
 of a batch to a `GpuDecoder` (nvJPEG through torchvision or NVIDIA nvImageCodec), then crops each
-decoded image with the same integer geometry as the CPU path (`transforms.crop_window`), resizes it
-with `torch.nn.functional.interpolate`, flips it and writes it into its row of the batch on the
-device. The crop plan is the CPU's (computed from the stored sizes), so a seed gives the same crops
+decoded image with the same integer geometry as the CPU path (`transforms.crop_window`), then crops,
+resizes (`torch.nn.functional.interpolate`'s bilinear weights, as batched resampling matrices), flips
+and writes a whole group of samples into their rows of the batch on the device in a few kernels. The crop plan is the CPU's (computed from the stored sizes), so a seed gives the same crops
 on both paths; only the resampling kernel differs (torch bilinear, antialiased when shrinking, vs
 OpenCV bilinear/area).
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 
@@ -30,7 +31,7 @@ from .transforms import crop_window
 F = torch.nn.functional
 
 #: Accepted values of `gpu_decoder` / `make_decoder(backend=...)`.
-BACKENDS = ("auto", "torchvision", "nvimgcodec")
+BACKENDS = ("auto", "torchvision", "nvimgcodec", "nvimgcodec-cuda")
 #: Default bound on the decoded pixels held at once by `GpuBatchDecoder.run`: 256 MiB of uint8 RGB,
 #: e.g. about 470 ImageNet-sized (375x500) images, or 7 twelve-megapixel photos.
 DEFAULT_BUDGET_BYTES = 256 << 20
@@ -182,8 +183,11 @@ class TorchvisionDecoder(_Backend):
 
     The outputs are allocated on the caller's current stream but written from the private stream,
     which does not wait for the caller's stream (pytorch/vision#9606): a block the caching allocator
-    recycles may still be read by kernels queued on the current stream. So the current stream is
-    synchronized before each call (cheap: the call blocks the host anyway).
+    recycles may still be read by kernels queued on that stream. So the call runs with a dedicated
+    decode stream current (made once, kept): its pool only ever holds decoded images, nothing queued
+    on it reads them, and each output is marked `record_stream(caller's stream)`, so its block is
+    recycled only once the caller's work on it has run. The caller's stream then waits for the
+    decode stream (`wait_stream`, on the GPU): no host synchronization of stoker's own.
     """
 
     label = "torchvision"
@@ -194,8 +198,9 @@ class TorchvisionDecoder(_Backend):
         try:
             tv = importlib.import_module("torchvision")
             tv_io = importlib.import_module("torchvision.io")
-        except ImportError as exc:
-            raise ConfigError(f"gpu_decoder='torchvision' needs torchvision ({exc}). {_torchvision_hint()}") from None
+        except Exception as exc:  # missing (ImportError), or built for another torch (RuntimeError: operator ...)
+            raise ConfigError(f"gpu_decoder='torchvision' needs a torchvision that imports with this torch "
+                              f"({type(exc).__name__}: {exc}). {_torchvision_hint()}") from None
         version = getattr(tv, "__version__", "0")
         if _version(version) < TORCHVISION_MIN:
             raise ConfigError(f"torchvision {version} cannot batch JPEG decodes on the GPU; "
@@ -212,10 +217,16 @@ class TorchvisionDecoder(_Backend):
         self.name = f"torchvision {importlib.import_module('torchvision').__version__} nvJPEG"
         self._decode_jpeg = tv_io.decode_jpeg
         self._rgb = tv_io.ImageReadMode.RGB
+        self._stream = torch.cuda.Stream(device=device)  # the decode stream (see the class docstring)
 
     def _call(self, batch: list[torch.Tensor]) -> list[torch.Tensor]:
-        torch.cuda.current_stream(self.device).synchronize()  # see the class docstring
-        return self._decode_jpeg(batch, mode=self._rgb, device=self.device)
+        caller = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._stream):
+            outs = self._decode_jpeg(batch, mode=self._rgb, device=self.device)
+        caller.wait_stream(self._stream)
+        for out in outs:
+            out.record_stream(caller)
+        return outs
 
 
 
@@ -238,19 +249,34 @@ class NvImageCodecDecoder(_Backend):
         """nvidia.nvimgcodec, or a ConfigError with the install hint (touches no GPU)."""
         try:
             return importlib.import_module("nvidia.nvimgcodec")
-        except ImportError as exc:
-            raise ConfigError(f"gpu_decoder='nvimgcodec' needs NVIDIA nvImageCodec ({exc}). "
-                              f"{_nvimgcodec_hint()}") from None
+        except Exception as exc:  # missing, or a build whose libraries do not load here
+            raise ConfigError(f"gpu_decoder='nvimgcodec' needs NVIDIA nvImageCodec, importable here "
+                              f"({type(exc).__name__}: {exc}). {_nvimgcodec_hint()}") from None
 
     @staticmethod
     def hint() -> str:
         return _nvimgcodec_hint()
 
+    hardware = False  # NvImageCodecHardwareDecoder: the GPU's hardware JPEG engines first
+
     def __init__(self, device: torch.device) -> None:
         nvimgcodec = self.load()
         self.device = device
-        self.name = f"nvImageCodec {getattr(nvimgcodec, '__version__', '')}".rstrip()
-        self._decoder = nvimgcodec.Decoder(device_id=device.index)
+        version = getattr(nvimgcodec, "__version__", "")
+        kinds = getattr(nvimgcodec, "BackendKind", None)
+        if kinds is None or not hasattr(nvimgcodec, "Backend"):  # an early release: its default backends
+            backends = None
+        elif self.hardware:  # what the hardware engine cannot take (progressive JPEGs) goes to the CUDA ones
+            backends = [nvimgcodec.Backend(kinds.HW_GPU_ONLY), nvimgcodec.Backend(kinds.GPU_ONLY),
+                        nvimgcodec.Backend(kinds.HYBRID_CPU_GPU)]
+        else:
+            backends = [nvimgcodec.Backend(kinds.GPU_ONLY), nvimgcodec.Backend(kinds.HYBRID_CPU_GPU)]
+        kind = "" if backends is None else " hardware JPEG" if self.hardware else " CUDA"
+        self.name = f"nvImageCodec {version}".rstrip() + kind
+        if backends is None:
+            self._decoder = nvimgcodec.Decoder(device_id=device.index)
+        else:
+            self._decoder = nvimgcodec.Decoder(device_id=device.index, backends=backends)
         try:
             self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.RGB,
                                                    allow_any_depth=False)
@@ -272,6 +298,54 @@ class NvImageCodecDecoder(_Backend):
 
 
 
+class NvImageCodecHardwareDecoder(NvImageCodecDecoder):
+    """nvImageCodec with the GPU's hardware JPEG decode engines first (A100, H100, H200 and other GPUs
+    that have them; elsewhere nvImageCodec passes every image on to its CUDA backends)."""
+
+    label = "nvImageCodec (hardware JPEG)"
+    hardware = True
+
+
+def _synchronize(device: torch.device) -> None:
+    torch.cuda.synchronize(device)
+
+
+class MeasuredDecoder:
+    """gpu_decoder="auto" with more than one working backend: the first batch is decoded by every
+    candidate, each timed from start to finish on the GPU (the device is synchronized around each:
+    a one-time cost, at first use), and the fastest that decoded the most images decodes everything
+    from then on. `name` says which one runs and what was measured; `timings` holds ms per image."""
+
+    def __init__(self, candidates: Sequence[GpuDecoder], device: torch.device,
+                 synchronize: Any = _synchronize, clock: Any = time.perf_counter) -> None:
+        self.candidates = list(candidates)
+        self.device = device
+        self.chosen: GpuDecoder | None = None
+        self.timings: dict[str, float] = {}
+        self._sync, self._clock = synchronize, clock
+        self.name = "auto, not measured yet: " + " or ".join(c.name for c in self.candidates)
+
+    def decode(self, datas: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
+        if self.chosen is not None:
+            return self.chosen.decode(datas)
+        best: tuple[int, float] | None = None
+        result: list[Any] = []
+        for cand in self.candidates:
+            self._sync(self.device)
+            t0 = self._clock()
+            outs = cand.decode(datas)
+            self._sync(self.device)
+            seconds = self._clock() - t0
+            self.timings[cand.name] = 1000 * seconds / max(1, len(datas))
+            rank = (-sum(not isinstance(o, BaseException) for o in outs), seconds)
+            if best is None or rank < best:
+                best, result, self.chosen = rank, outs, cand
+        assert self.chosen is not None
+        measured = ", ".join(f"{n} {ms:.3f}" for n, ms in self.timings.items())
+        self.name = f"{self.chosen.name} (auto: fastest on the first {len(datas)} images, ms/image: {measured})"
+        return result
+
+
 def _cuda_device(device: Any) -> torch.device:
     dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     if dev.type != "cuda":
@@ -285,14 +359,17 @@ def _cuda_device(device: Any) -> torch.device:
 def make_decoder(backend: str, device: torch.device | str | int) -> GpuDecoder:
     """A working GPU JPEG decoder on `device` (a CUDA device).
 
-    backend: "torchvision", "nvimgcodec", or "auto": torchvision first, because it ships with most
-    PyTorch installs and needs nothing more; nvImageCodec when torchvision is missing or has no
-    GPU decode. Each backend decodes a probe image once here, so a broken install fails now with a
-    ConfigError that names the fix (the pip install command), not later on every sample."""
+    backend: "torchvision", "nvimgcodec" (the hardware JPEG engines first where the GPU has them),
+    "nvimgcodec-cuda" (nvImageCodec's CUDA decoders only), or "auto": every one of them that works
+    here, and when more than one does, the fastest on the first batch (`MeasuredDecoder`), so the
+    choice follows the machine, not what happens to be installed. Each backend decodes a probe image
+    once here, so a broken install fails now with a ConfigError that names the fix (the pip install
+    command), not later on every sample."""
     if backend not in BACKENDS:
         raise ConfigError(f"gpu_decoder must be one of {BACKENDS}, got {backend!r}")
-    kinds: list[Any] = {"torchvision": [TorchvisionDecoder], "nvimgcodec": [NvImageCodecDecoder],
-                        "auto": [TorchvisionDecoder, NvImageCodecDecoder]}[backend]
+    kinds: list[Any] = {"torchvision": [TorchvisionDecoder], "nvimgcodec": [NvImageCodecHardwareDecoder],
+                        "nvimgcodec-cuda": [NvImageCodecDecoder],
+                        "auto": [TorchvisionDecoder, NvImageCodecHardwareDecoder, NvImageCodecDecoder]}[backend]
     reasons: list[str] = []
     importable = []
     for kind in kinds:  # imports first: a missing library is named even on a machine without a GPU
@@ -301,35 +378,129 @@ def make_decoder(backend: str, device: torch.device | str | int) -> GpuDecoder:
             importable.append(kind)
         except ConfigError as exc:
             reasons.append(str(exc))
+    working: list[GpuDecoder] = []
     if importable:
         dev = _cuda_device(device)
         for kind in importable:
             try:
                 decoder = kind(dev)
                 _check_backend(decoder, kind.label, kind.hint())
-                return decoder
+                working.append(decoder)
             except ConfigError as exc:
                 reasons.append(str(exc))
             except Exception as exc:  # the library imported but cannot start (driver, CUDA mismatch)
                 reasons.append(f"{kind.label} could not start on {dev}: {type(exc).__name__}: {exc}. {kind.hint()}")
+        if len(working) == 1:
+            return working[0]
+        if working:
+            return MeasuredDecoder(working, dev)
     if len(reasons) == 1:
         raise ConfigError(reasons[0])
     raise ConfigError("decode='gpu' found no working GPU JPEG decoder:\n  - " + "\n  - ".join(reasons) +
                       f"\nInstall one: {_torchvision_install()}; or {_nvimgcodec_install()}. Or use decode='cpu'.")
 
 
-# ---- crop, resize, flip on the device ----------------------------------------------------------------
+# ---- crop, resize, flip on the device: a whole chunk in a few kernels ----------------------------------
+
+_WEIGHT_TEMPS = 6  # _axis_weights holds up to this many [N, n_out, n_in] float32 tensors at once
+
+
+def _axis_weights(n_out: int, length: torch.Tensor, size: torch.Tensor, start: torch.Tensor, aa: torch.Tensor,
+                  flip: torch.Tensor | None, n_in: int) -> torch.Tensor:
+    """Resampling matrices [N, n_out, n_in] (float32) for one axis of N samples: output index i takes
+    sum_x W[i, x] * input[x]. Sample k's `length[k]` input pixels (from index 0) are resized to
+    `size[k]` outputs placed from `start[k]`; output rows outside stay all-zero (CenterCrop padding);
+    `flip[k]` mirrors the whole output axis.
+
+    The weights are those of `torch.nn.functional.interpolate(mode="bilinear", align_corners=False)`,
+    with `antialias=aa[k]`: plain bilinear (source index clamped at 0, the last pixel repeated), or the
+    antialiased triangle filter widened by the shrink factor and normalized over the pixels it covers
+    (PIL's and torch's `_upsample_bilinear2d_aa`). An axis whose length equals its size is the identity."""
+    dev = length.device
+    i = torch.arange(n_out, device=dev, dtype=torch.float32).view(1, n_out, 1)
+    x = torch.arange(n_in, device=dev, dtype=torch.float32).view(1, 1, n_in)
+    length, size, start = (v.to(torch.float32).view(-1, 1, 1) for v in (length, size, start))
+    if flip is not None:
+        i = torch.where(flip.view(-1, 1, 1), n_out - 1 - i, i)
+    local = i - start  # output index inside the sample's window
+    inside = (local >= 0) & (local < size)
+    scale = length / size
+    # plain bilinear
+    src = (scale * (local + 0.5) - 0.5).clamp_min(0)
+    i0 = src.floor().clamp(max=length - 1)
+    i1 = torch.where(i0 < length - 1, i0 + 1, i0)
+    l1 = (src - i0).clamp(0, 1)
+    plain = (x == i0) * (1 - l1) + (x == i1) * l1
+    # antialiased: support and filter width grow with the shrink factor
+    wide = scale >= 1
+    support = torch.where(wide, scale, torch.ones_like(scale))
+    invscale = torch.where(wide, 1 / scale, torch.ones_like(scale))
+    center = scale * (local + 0.5)
+    xmin = (center - support + 0.5).floor().clamp_min(0)
+    xmax = torch.minimum((center + support + 0.5).floor(), length)
+    tri = (1 - ((x - center + 0.5) * invscale).abs()).clamp_min(0) * ((x >= xmin) & (x < xmax))
+    total = tri.sum(-1, keepdim=True)
+    smooth = tri / torch.where(total > 0, total, torch.ones_like(total))
+    weights = torch.where(aa.view(-1, 1, 1), smooth, plain)
+    return weights * inside
+
+
+@dataclass
+class _Placed:
+    """A decoded image and where its crop goes: source window (sy0, sy1, sx0, sx1), target window
+    (dy0, dy1, dx0, dx1) inside the output, mirrored or not."""
+
+    job: GpuJob
+    img: torch.Tensor  # uint8 [3, h, w] on the device
+    src: tuple[int, int, int, int]
+    dst: tuple[int, int, int, int]
+
+    @property
+    def crop(self) -> tuple[int, int]:
+        return self.src[1] - self.src[0], self.src[3] - self.src[2]
+
+
+def resample_into(placed: Sequence[_Placed], out: torch.Tensor) -> None:
+    """Crop, resize (bilinear, antialiased when shrinking in either axis), round, flip and store every
+    sample of `placed` into its row of `out` (uint8 [B, 3, H, W], any strides): one copy per sample
+    into a zero-padded float32 batch of crops, then two batched matrix products with per-sample
+    resampling matrices (`_axis_weights`) and one store. Samples whose target window does not cover
+    the output (padded CenterCrop) get zeros around it, as on the CPU path."""
+    n = len(placed)
+    if n == 0:
+        return
+    dev = out.device
+    out_h, out_w = out.shape[2], out.shape[3]
+    ch = max(p.crop[0] for p in placed)
+    cw = max(p.crop[1] for p in placed)
+    crops = torch.zeros((n, 3, ch, cw), dtype=torch.float32, device=dev)
+    for k, p in enumerate(placed):
+        sy0, sy1, sx0, sx1 = p.src
+        crops[k, :, :sy1 - sy0, :sx1 - sx0].copy_(p.img[:, sy0:sy1, sx0:sx1])
+    # per-sample parameters: (crop h, crop w, target h, target w, target top, target left, flip)
+    params = [(*p.crop, p.dst[1] - p.dst[0], p.dst[3] - p.dst[2], p.dst[0], p.dst[2], p.job.flip) for p in placed]
+    aa = [(h > th or w > tw) for h, w, th, tw, *_ in params]  # antialias both axes once either shrinks
+    host = torch.tensor([list(map(int, q)) + [int(a)] for q, a in zip(params, aa)], dtype=torch.int64)
+    cols = host.to(dev, non_blocking=False) if dev.type == "cpu" else host.pin_memory().to(dev, non_blocking=True)
+    h, w, th, tw, ty, tx, flip, anti = cols.unbind(1)
+    wy = _axis_weights(out_h, h, th, ty, anti.bool(), None, ch)
+    wx = _axis_weights(out_w, w, tw, tx, anti.bool(), flip.bool(), cw)
+    pixels = torch.matmul(torch.matmul(wy.unsqueeze(1), crops), wx.transpose(1, 2).unsqueeze(1))
+    rows = torch.tensor([p.job.row for p in placed], dtype=torch.int64)
+    rows = rows.to(dev) if dev.type == "cpu" else rows.pin_memory().to(dev, non_blocking=True)
+    out.index_copy_(0, rows, pixels.round_().clamp_(0, 255).to(torch.uint8))
+
 
 class GpuBatchDecoder:
     """Decode a batch's JPEGs on the GPU and write each, cropped, resized and flipped, into its row.
 
     Memory: jobs are decoded in chunks whose decoded size (3 * height * width bytes per image, from
     the stored sizes) stays under `budget_bytes` (at least one image per chunk); a chunk's images
-    are released before the next chunk is decoded. Peak GPU memory of one `run` is therefore
-    max(budget_bytes, the largest single image) of decoded pixels, plus the resize temporaries of
-    one image at a time (its crop as float32, at most 4x its decoded bytes, and the float32 output,
-    12 bytes per output pixel, twice when flipped), plus the decoder library's own work buffers
-    (nvJPEG keeps them between calls).
+    are released before the next chunk is decoded. The chunk's crops are then resampled together
+    (`resample_into`) in groups whose float32 working set (the padded crops, the resampling matrices
+    and the intermediate product) also stays under `budget_bytes` (at least one image per group).
+    Peak GPU memory of one `run` is therefore about 2 x budget_bytes (or a single large image's
+    share), plus the decoder library's own work buffers (nvJPEG keeps them between calls).
     """
 
     def __init__(self, decoder: GpuDecoder, device: torch.device | str, budget_bytes: int = DEFAULT_BUDGET_BYTES
@@ -355,6 +526,24 @@ class GpuBatchDecoder:
         if chunk:
             yield chunk
 
+    def groups(self, placed: list[_Placed], out_h: int, out_w: int) -> Iterator[list[_Placed]]:
+        """`placed` sorted by crop size and cut where the float32 working set of `resample_into`
+        (padded crops, both resampling matrices with the temporaries that build them, the
+        intermediate product, the result) would pass budget_bytes."""
+        group: list[_Placed] = []
+        ch = cw = 0
+        for p in sorted(placed, key=lambda p: p.crop):
+            h, w = max(ch, p.crop[0]), max(cw, p.crop[1])
+            need = 4 * (len(group) + 1) * (3 * h * w + _WEIGHT_TEMPS * (out_h * h + out_w * w) + 3 * out_h * w
+                                           + 3 * out_h * out_w)
+            if group and need > self.budget_bytes:
+                yield group
+                group, h, w = [], p.crop[0], p.crop[1]
+            group.append(p)
+            ch, cw = h, w
+        if group:
+            yield group
+
     def run(self, jobs: Sequence[GpuJob], out: torch.Tensor) -> list[tuple[GpuJob, Exception]]:
         """Decode `jobs` and write each into `out[job.row]` (uint8 [B, 3, H, W] on the device, any
         strides). Returns the jobs that failed, each with an exception naming its key (the caller
@@ -362,21 +551,28 @@ class GpuBatchDecoder:
         context: all work is queued on the current stream."""
         self._check_out(jobs, out)
         failures: list[tuple[GpuJob, Exception]] = []
+        out_h, out_w = out.shape[2], out.shape[3]
         context = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         with context:
             for chunk in self.chunks(jobs):
                 images = self._decode(chunk)
+                placed: list[_Placed] = []
                 for k, job in enumerate(chunk):
-                    img, images[k] = images[k], None  # our last reference goes once the row is written
-                    if isinstance(img, BaseException):
-                        failures.append((job, self._failure(job, img)))
-                        continue
+                    img, images[k] = images[k], None
                     try:
-                        self._write(job, img, out[job.row])
+                        if isinstance(img, BaseException):
+                            raise img
+                        placed.append(self._place(job, img, out))
                     except Exception as exc:
                         failures.append((job, self._failure(job, exc)))
-                    img = None
-                del images  # the chunk's decoded images are free before the next chunk is decoded
+                img = images = None
+                for group in self.groups(placed, out_h, out_w):
+                    try:
+                        resample_into(group, out)
+                    except Exception as exc:  # e.g. out of GPU memory: these samples go to the CPU
+                        failures.extend((p.job, self._failure(p.job, exc)) for p in group)
+                group = placed = None  # the chunk's decoded images are free before the next chunk is decoded
+        failures.sort(key=lambda f: f[0].row)
         return failures
 
     def _check_out(self, jobs: Sequence[GpuJob], out: torch.Tensor) -> None:
@@ -399,10 +595,9 @@ class GpuBatchDecoder:
         err.__cause__ = exc
         return err
 
-    def _write(self, job: GpuJob, img: torch.Tensor, dst: torch.Tensor) -> None:
-        """Crop, resize, round, flip `img` (uint8 [C, h, w]) into `dst` (uint8 [3, H, W]). Kernel launches
-        per sample: cast to float, resize, round, clamp, (flip), store into the batch: 5 or 6; a crop
-        that needs no resizing is a single copy (plus the flip)."""
+    def _place(self, job: GpuJob, img: Any, out: torch.Tensor) -> _Placed:
+        """Check a decoded image (uint8 [C, h, w], C 1 or 3, the stored size) and plan its crop with the
+        CPU path's integer geometry (`crop_window`), the whole image being the decoded source."""
         if (not isinstance(img, torch.Tensor) or img.dim() != 3 or img.dtype != torch.uint8
                 or img.shape[0] not in (1, 3)):
             got = f"{img.dtype} {tuple(img.shape)}" if isinstance(img, torch.Tensor) else type(img).__name__
@@ -413,25 +608,7 @@ class GpuBatchDecoder:
                                              f"{job.height}x{job.width} for this image")
         if img.shape[0] == 1:  # grayscale from a decoder that ignored the RGB request: a view, no copy
             img = img.expand(3, h, w)
-        if img.device != dst.device:
-            img = img.to(dst.device)
-        out_h, out_w = dst.shape[1], dst.shape[2]
-        win = crop_window(job.box, h, w, h, w, out_h, out_w)  # decoded at full size: source = full image
-        sy0, sy1, sx0, sx1 = win.src
-        dy0, dy1, dx0, dx1 = win.dst
-        if job.flip:  # the CPU path mirrors the whole output, padding included
-            dx0, dx1 = out_w - dx1, out_w - dx0
-        if win.padded:
-            dst.zero_()
-        region = img[:, sy0:sy1, sx0:sx1]
-        th, tw = dy1 - dy0, dx1 - dx0
-        if region.shape[1] == th and region.shape[2] == tw:
-            result = region
-        else:
-            shrink = region.shape[1] > th or region.shape[2] > tw
-            x = F.interpolate(region.unsqueeze(0).float(), size=(th, tw), mode="bilinear", align_corners=False,
-                              antialias=shrink)
-            result = x[0].round_().clamp_(0, 255)
-        if job.flip:
-            result = result.flip(-1)
-        dst[:, dy0:dy1, dx0:dx1].copy_(result)
+        if img.device != out.device:
+            img = img.to(out.device)
+        win = crop_window(job.box, h, w, h, w, out.shape[2], out.shape[3])
+        return _Placed(job, img, win.src, win.dst)

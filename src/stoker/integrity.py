@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from .errors import DatasetError, ShardError
-from .shards import BASE_COLUMNS, Manifest, ShardInfo
+from .shards import BASE_COLUMNS, Manifest, ShardInfo, columns_digest
 from .storage import Storage
 
 __all__ = ["OpenShard", "ShardProblem", "check_shard", "open_shard", "shard_matches"]
@@ -77,16 +77,83 @@ def _check_file(storage: Storage, info: ShardInfo, checksum: bool) -> ShardProbl
     return None
 
 
+#: Field metadata key that marks an Arrow extension type; pyarrow < 14.0.1 unpickled the metadata
+#: of "arrow.py_extension_type" fields when reading a file (CVE-2023-47248).
+_EXTENSION_KEY = b"ARROW:extension:name"
+
+
+def _extension_in(field: pa.Field) -> str | None:
+    """The extension type name used by ``field`` or any field nested in it, else None."""
+    if isinstance(field.type, pa.BaseExtensionType):
+        return field.type.extension_name
+    if field.metadata and _EXTENSION_KEY in field.metadata:
+        return field.metadata[_EXTENSION_KEY].decode("utf-8", "replace")
+    kind = field.type
+    children = [kind.value_field] if isinstance(kind, (pa.ListType, pa.LargeListType, pa.FixedSizeListType)) \
+        else [kind.field(i) for i in range(kind.num_fields)] if isinstance(kind, pa.StructType) else []
+    return next((name for name in map(_extension_in, children) if name is not None), None)
+
+
 def _check_schema(info: ShardInfo, schema: pa.Schema, manifest: Manifest) -> ShardProblem | None:
+    """Every column stoker reads has exactly the type stoker writes, and no column anywhere uses an
+    Arrow extension type (stoker writes none: one in a shard is an edited or forged file)."""
+    for field in schema:
+        name = _extension_in(field)
+        if name is not None:
+            return ShardProblem(info.file, f"column {field.name!r} uses the Arrow extension type {name!r}, "
+                                "which stoker never writes; refusing to read it",
+                                fix="the shard was not written by stoker — re-pack from the source")
     missing = [c for c in (*BASE_COLUMNS, *manifest.extra_columns) if c not in schema.names]
     if missing:
         return ShardProblem(info.file, f"missing column(s) {missing}; expected a stoker shard")
     expected = manifest.schema()
-    for col in ("label", *manifest.extra_columns):
+    for col in (*BASE_COLUMNS, *manifest.extra_columns):
         if schema.field(col).type != expected.field(col).type:
             return ShardProblem(info.file, f"column {col!r} is {schema.field(col).type}, the manifest says "
                                 f"{expected.field(col).type}",
                                 fix="the manifest or the shard was edited — restore it or re-pack")
+    return None
+
+
+def _check_batches(info: ShardInfo, batches: list[pa.RecordBatch]) -> ShardProblem | None:
+    """Structure, then content, of every record batch, before anything reads a value.
+
+    ``validate(full=True)`` checks every offset, length, null count, dictionary index and UTF-8
+    string against the buffers: a flipped bit there would otherwise make a read run past the
+    mapping (a segfault) or return garbage. It never reads the image bytes, only their offsets, so
+    it costs a few microseconds a row (figures: docs/reliability.md). The columns checksum then
+    catches a damaged value that is still well formed (a label, a size, a key, an image boundary)."""
+    for k, batch in enumerate(batches):
+        try:
+            batch.validate(full=True)
+        except (pa.ArrowException, ValueError) as exc:
+            return ShardProblem(info.file, f"record batch {k} is damaged ({exc})",
+                                fix="the file is damaged — restore it or re-pack")
+    if info.columns_sha256 is not None:
+        found = columns_digest(batches)
+        if found != info.columns_sha256:
+            return ShardProblem(info.file, "the small columns (keys, labels, sizes, encodings, extras, image "
+                                "offsets) do not match their checksum", f"sha256 {info.columns_sha256}",
+                                f"sha256 {found}", fix="the file is damaged — restore it or re-pack")
+    return None
+
+
+def _check_labels(info: ShardInfo, batches: list[pa.RecordBatch], manifest: Manifest) -> ShardProblem | None:
+    """Class indices within the manifest's class list (a min/max over the label column: cheap),
+    so an index past it is an error here, not an IndexError (or a wrong class) later."""
+    if not manifest.classes or manifest.label_type not in ("int64", "list<int64>"):
+        return None
+    import pyarrow.compute as pc  # only for datasets with classes; keeps `import stoker` light
+    for k, batch in enumerate(batches):
+        labels = batch.column("label")
+        if pa.types.is_list(labels.type):
+            labels = labels.flatten()
+        bounds = pc.min_max(labels).as_py()
+        if bounds["min"] is not None and not (0 <= bounds["min"] and bounds["max"] < len(manifest.classes)):
+            bad = bounds["min"] if bounds["min"] < 0 else bounds["max"]
+            return ShardProblem(info.file, f"record batch {k} holds the label {bad}, outside the "
+                                f"{len(manifest.classes)} classes the manifest lists", f"0..{len(manifest.classes) - 1}",
+                                str(bad), fix="the manifest or the shard was edited — restore it or re-pack")
     return None
 
 
@@ -109,6 +176,8 @@ def _inspect(storage: Storage, info: ShardInfo, manifest: Manifest,
     rows = sum(b.num_rows for b in batches)
     if problem is None and rows != info.rows:
         problem = ShardProblem(info.file, f"holds {rows} rows, the manifest expects {info.rows}")
+    if problem is None:
+        problem = _check_batches(info, batches) or _check_labels(info, batches, manifest)
     if problem is not None:
         mm.close()
         return problem, None

@@ -37,11 +37,11 @@ from .errors import ConfigError
 from .labels import multi_label_spec
 from .order import ORDERS, epoch_order, make_pool, num_batches, rank_indices, samples_per_rank
 from .reader import Dataset, PackedDataset, open_dataset, open_loose
-from .device import DeviceOptions, DeviceStage, as_device_options
-from .render import DeviceBuilder, Filler, RenderSpec, batch_extras, run_batch_ops
+from .device import DeviceOptions, DeviceStage, as_device_options, consumer_fence
+from .render import DeviceBuilder, EpochChain, Filler, RenderSpec, batch_extras, run_batch_ops
 from .shards import MANIFEST_NAME, looks_like_partial_pack
 from .storage import open_storage
-from .slots import BatchRing, Feeder, LoaderStats, Run, Slot
+from .slots import BatchRing, Feeder, LoaderStats, Run, Slot, check_ring_fits
 from .transforms import Pipeline, colour, gpu
 
 __all__ = ["Loader", "LoaderStats"]
@@ -119,6 +119,11 @@ class Loader:
     (shuffled shards, samples shuffled within a window: for remote data). `device`: None (the uint8
     batches above), a device ("cuda", "cuda:1", "cpu": images `uint8 [B, 3, H, W]` there, numeric
     labels too) or a `DeviceOptions` (normalize, dtype, memory_format, decode="gpu", gpu_decoder).
+    `persistent=True`: the threads run straight on into the next epoch, preparing its first batches
+    while this one drains (like a DataLoader's persistent workers, without the restart between
+    epochs); the batches are the same as without it, and `state_dict()` resumes the same way. The
+    threads then live until `close()` (or the Loader is collected), a `break`, or a `set_epoch` /
+    `load_state_dict` that moves elsewhere.
 
     `transforms`: one transform, a list or a Compose-like object (see docs/transforms.md): planned
     geometry, per-sample ops, then batch ops (Normalize, RandomErasing, Mixup). `boxes`: extra columns
@@ -147,7 +152,7 @@ class Loader:
                  timeout: float = 120.0, device: str | int | torch.device | DeviceOptions | None = None,
                  multi_label: str = "multi-hot", num_classes: int | None = None,
                  decode_quality: str = "accurate", boxes: str | Sequence[str] = (),
-                 masks: str | Sequence[str] = (), pad: bool = False,
+                 masks: str | Sequence[str] = (), pad: bool = False, persistent: bool = False,
                  indices: Sequence[int] | np.ndarray | None = None, weights: Sequence[float] | np.ndarray | None = None,
                  collate_fn: Callable[[dict[str, list]], Any] | None = None, shuffle: bool | None = None,
                  num_workers: int | None = None) -> None:
@@ -180,6 +185,10 @@ class Loader:
             raise ConfigError(f"num_threads must be a positive int or None (all usable CPUs), got {num_threads!r}")
         if not timeout > 0:
             raise ConfigError(f"timeout must be positive seconds, got {timeout!r}")
+        if not isinstance(persistent, bool):
+            raise ConfigError(f"persistent must be True or False, got {persistent!r}")
+        self.persistent = persistent
+        self._live: _Pipeline | None = None  # persistent: the pipeline running on into the next epoch
         if decode_quality not in DECODE_QUALITIES:
             raise ConfigError(f"decode_quality must be one of {DECODE_QUALITIES}, got {decode_quality!r}")
         self.decode_quality = decode_quality
@@ -242,6 +251,7 @@ class Loader:
         heights = None if ds.heights is None else np.asarray(ds.heights, dtype=np.int64)
         widths = None if ds.widths is None else np.asarray(ds.widths, dtype=np.int64)
         self.output_size = self._resolve_output_size(heights, widths)
+        check_ring_fits(prefetch + 1, batch_size, *self.output_size)   # at once, not at the first batch
         labels = ds.labels
         if labels.dtype.kind in "iufb":
             # a copy (8 bytes a sample), not a view of the mapped shard: batches are labelled without
@@ -302,6 +312,12 @@ class Loader:
         """Read epoch `epoch` from its start on the next `iter()`. Without calls, an `iter()` after a
         finished pass reads the next epoch, and one after a pass left part-way continues it."""
         self._epoch, self._cursor = int(epoch), 0
+
+    def _epoch_samples(self) -> int:
+        """Samples of one epoch on this rank (what `epoch_indices` returns, without computing the order)."""
+        if self.drop_last:
+            return len(self) * self.batch_size
+        return samples_per_rank(self._pool.size, self.world_size, False)
 
     def state_dict(self) -> dict[str, Any]:
         """What the next `iter()` yields: the epoch, and the samples (and batches) of it already
@@ -399,6 +415,24 @@ class Loader:
             self._stage = DeviceStage(opts)
         return self._stage
 
+    def _pipeline_for(self, epoch: int, start: int, opts: DeviceOptions | None) -> tuple["_Pipeline", int]:
+        """The pipeline for (epoch, from sample start) and the run batch index it starts at: the
+        persistent one when it is exactly there already, else a new one."""
+        live, self._live = self._live, None
+        if live is not None:
+            g = live.find(epoch, start)
+            running = live.run is not None and not live.run.stop_event.is_set() and live.run.alive() > 0
+            if running and live.opts == opts and g is not None and g == live.next_g:
+                live.append(self, epoch + 1)  # keep one epoch ahead
+                self._live = live
+                return live, g
+            live.stop()
+        pipe = _Pipeline(self, epoch, start, opts, persistent=self.persistent)
+        if self.persistent and pipe.run is not None:
+            self._live = pipe
+            weakref.finalize(self, pipe.stop)  # the Loader collected: its threads stop
+        return pipe, 0
+
     def _gpu_for(self, opts: DeviceOptions) -> Any:
         """The GpuBatchDecoder for decode="gpu", made once (gpu_decode loads only when asked for)."""
         from .gpu_decode import GpuBatchDecoder, make_decoder
@@ -414,6 +448,9 @@ class Loader:
         cur = self._current() if getattr(self, "_current", None) is not None else None
         if cur is not None:
             cur.close()
+        live, self._live = getattr(self, "_live", None), None
+        if live is not None:
+            live.stop()
         if getattr(self, "_owns_dataset", False):
             self.dataset.close()
             self._owns_dataset = False
@@ -433,14 +470,99 @@ class Loader:
                 f"{self.num_threads} threads, rank {self.rank}/{self.world_size}, epoch {self._epoch}{where}>")
 
 
+class _Pipeline:
+    """The worker threads (and the device thread) of one or more epochs' batches in a row.
+
+    Run batch g: the batches of (epoch, from `start`) first, then, for a persistent Loader, whole
+    epochs appended one at a time (`append`), so the workers prepare epoch N+1's first batches while
+    the training loop drains epoch N. Every batch comes from its epoch's own Filler: the same batches,
+    bit for bit, as a fresh `iter()` of that epoch would give."""
+
+    def __init__(self, loader: Loader, epoch: int, start: int, opts: DeviceOptions | None, persistent: bool
+                 ) -> None:
+        self.opts = opts
+        self.persistent = persistent
+        spec = loader._spec
+        if opts is not None and opts.decode == "gpu":
+            spec = replace(spec, gpu_decode=True)
+        self.spec = spec
+        self.chain = EpochChain(spec)
+        self.epochs: list[tuple[int, int, int, int]] = []  # (epoch, first run batch, batches, first sample)
+        sizes = self._segment(loader, epoch, start)
+        self.run: Run | None = None
+        self.feeder: Feeder | None = None
+        self.lease = 0  # which iterator holds the pipeline (see _LoaderIter)
+        self.next_g = 0  # the run batch the next iterator starts at (persistent: where the last one ended)
+        if not sizes:
+            return
+        threads = min(loader.num_threads, max(1, sum(sizes)))
+        # with a device stage, one more slot: the one whose copy to the device is in flight
+        ring = loader._ring_for_run(extra=0 if opts is None else 1)
+        self.run = Run(ring, sizes, threads, self.chain.prepare, self.chain.fill, loader.stats.add, loader.timeout,
+                       open_ended=persistent)
+        if opts is not None:
+            stage = loader._stage_for(opts)
+            decoder = loader._gpu_for(opts) if spec.gpu_decode else None
+            build = DeviceBuilder(stage, decoder, self.chain, self.run.lock, loader.stats)
+            self.feeder = Feeder(self.run, stage, build, loader.prefetch, loader.timeout)
+        if persistent:
+            self.append(loader, epoch + 1)
+        self._started = False
+
+    def start(self) -> None:
+        """Start the threads (once; call after whoever stops them holds the pipeline, so Ctrl-C landing
+        in between cannot leave threads no one stops)."""
+        if self.run is None or self._started:
+            return
+        self._started = True
+        self.run.start()
+        if self.feeder is not None:
+            self.feeder.start()
+
+    def _segment(self, loader: Loader, epoch: int, start: int) -> list[int]:
+        """Batch sizes of `epoch` from its sample `start` on (a resume may start between batches)."""
+        indices = loader.epoch_indices(epoch)
+        bs, left = loader.batch_size, max(len(indices) - start, 0)
+        sizes = [min(bs, left - k * bs) for k in range(-(-left // bs))]
+        first = self.epochs[-1][1] + self.epochs[-1][2] if self.epochs else 0
+        self.chain.add(Filler(self.spec, loader.dataset, epoch, indices, start), first)
+        self.epochs.append((epoch, first, len(sizes), start))
+        return sizes
+
+    def append(self, loader: Loader, epoch: int) -> None:
+        """Queue the whole of `epoch` after the batches already planned (persistent Loaders)."""
+        assert self.run is not None
+        with self.run.cond:
+            self.run.extend(self._segment(loader, epoch, 0))
+
+    def find(self, epoch: int, start: int) -> int | None:
+        """The run batch index of (epoch, from sample start), if this pipeline has it ahead."""
+        for e, first, n, s0 in self.epochs:
+            k, r = divmod(start - s0, self.spec.batch_size)
+            if e == epoch and r == 0 and 0 <= k < n:
+                return first + k
+        return None
+
+    def stop(self) -> None:
+        if self.run is not None:
+            (self.feeder or self.run).stop(2.0)
+
+
+def _end_lease(pipe: _Pipeline, lease: int, keep: list[bool]) -> None:
+    """An iterator's end: stop its pipeline unless it was handed on (`keep`) or another iterator holds it."""
+    if pipe.lease == lease and not keep[0]:
+        pipe.stop()
+
+
 class _LoaderIter:
-    """One pass over the rest of an epoch. Closing it (or dropping it) stops its threads."""
+    """One pass over the rest of an epoch. Closing it (or dropping it) stops its threads, unless it
+    ran to the end of its epoch in a persistent Loader: the pipeline then goes on with the next epoch."""
 
     def __init__(self, loader: Loader, epoch: int, start: int, opts: DeviceOptions | None = None) -> None:
         self._loader = loader
         self._epoch = epoch
-        indices = loader.epoch_indices(epoch)
-        bs, left = loader.batch_size, max(len(indices) - start, 0)
+        bs = loader.batch_size
+        left = max(loader._epoch_samples() - start, 0)
         sizes = [min(bs, left - k * bs) for k in range(-(-left // bs))]
         self._n = len(sizes)
         self._start = start   # samples of the epoch yielded before this pass
@@ -448,49 +570,43 @@ class _LoaderIter:
         self._ends = np.cumsum(sizes, dtype=np.int64) + start if sizes else np.zeros(0, np.int64)
         self._b = 0
         self._closed = False
-        spec = loader._spec
-        if opts is not None and opts.decode == "gpu":
-            spec = replace(spec, gpu_decode=True)
-        filler = Filler(spec, loader.dataset, epoch, indices, start)
-        self._run: Run | None = None
-        self._feeder: Feeder | None = None
-        if self._n:
-            threads = min(loader.num_threads, max(1, sum(sizes)))
-            # with a device stage, one more slot: the one whose copy to the device is in flight
-            ring = loader._ring_for_run(extra=0 if opts is None else 1)
-            self._run = Run(ring, sizes, threads, filler.prepare, filler.fill, loader.stats.add, loader.timeout)
-            if opts is not None:
-                stage = loader._stage_for(opts)
-                decoder = loader._gpu_for(opts) if spec.gpu_decode else None
-                build = DeviceBuilder(stage, decoder, filler, self._run.lock, loader.stats)
-                self._feeder = Feeder(self._run, stage, build, loader.prefetch, loader.timeout)
-            self._finalizer = weakref.finalize(self, (self._feeder or self._run).stop, 2.0)
-            self._run.start()
-            if self._feeder is not None:
-                self._feeder.start()
+        pipe, g0 = loader._pipeline_for(epoch, start, opts)
+        self._pipe, self._g0 = pipe, g0
+        self._run, self._feeder = pipe.run, pipe.feeder
+        pipe.lease += 1
+        self._keep = [False]  # set when the epoch ends in a persistent pipeline: hand it on, do not stop it
+        self._finalizer = weakref.finalize(self, _end_lease, pipe, pipe.lease, self._keep)
         self._collate = loader.collate_fn
         self._encode = loader._spec.multi_label
+        pipe.start()
 
     def __iter__(self) -> "_LoaderIter":
         return self
 
     def __next__(self) -> tuple:
         if self._closed or self._run is None or self._b >= self._n:
-            self._finish()
+            self.close()
             raise StopIteration
         loader = self._loader
         t0 = time.perf_counter()
+        g = self._g0 + self._b
         try:
             if self._feeder is not None:
-                batch = self._feeder.get(self._b)
+                batch = self._feeder.get(g)
             else:
-                slot = self._run.next_batch(self._b)
+                # the yielded batch is a pinned ring slot the caller may have copied asynchronously
+                # (`images.cuda(non_blocking=True)`): its refill waits for that copy (Slot.guard)
+                slot = self._run.next_batch(g, consumer_fence() if g else None)
         except BaseException:  # SampleError, timeout, Ctrl-C: stop the threads before propagating
             self.close()
             raise
         loader.stats.consumer_wait_s += time.perf_counter() - t0
         loader.stats.batches += 1
         self._b += 1
+        if self._b == self._n:  # the whole epoch was read (even if this iterator is then dropped, not
+            # exhausted): a persistent pipeline goes on into the next one
+            self._keep[0] = self._pipe.persistent
+            self._pipe.next_g = g + 1
         if loader._current is not None and loader._current() is self:
             loader._cursor = int(self._ends[self._b - 1])
             if self._b == self._n:  # the epoch is complete: a new iter() starts the next one
@@ -515,12 +631,11 @@ class _LoaderIter:
             return images, labels, batch_extras(slot)
         return images, labels
 
-    def _finish(self) -> None:
-        if not self._closed:
-            self.close()
-
     def close(self) -> None:
-        """Stop the worker threads (prompt: they check a stop flag at least every 0.1 s)."""
+        """Stop the worker threads (prompt: they check a stop flag at least every 0.1 s); a persistent
+        Loader's pipeline whose epoch was read to the end keeps running into the next one instead."""
+        if not self._closed and self._run is not None and self._feeder is None:
+            # the last batch yielded: the ring outlives this iterator
+            self._run.guard(self._g0 + self._b - 1, consumer_fence())
         self._closed = True
-        if self._run is not None:
-            self._finalizer()
+        self._finalizer()

@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import hashlib
 import io
+import errno
 import fnmatch
 import json
+import os
 import time
 from collections import deque
 from collections.abc import Iterator
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -36,16 +39,20 @@ from . import codecs
 from ._progress import Progress
 from ._system import usable_cpus
 from .errors import (OVERWRITE, RESUME, ConfigError, CorruptImageError, DecompressionBombError, ImageError,
-                     SourceError, StokerError, UnsupportedImageError)
+                     OutputError, SourceError, StokerError, UnsupportedImageError)
 from .integrity import shard_matches
 from .shards import MANIFEST_NAME, Manifest, ShardInfo, ShardWriter, read_manifest, shard_name, write_manifest
-from .sources import Source, SourceItem, open_source
-from .storage import Storage, open_storage
+from .sources import Source, SourceItem, open_source, unencodable_keys
+from .sources.base import inside
+from .storage import Storage, open_storage, url_scheme
+from .storage.lock import LockHeldError, holder_text
 
 __all__ = ["JOURNAL_NAME", "SKIPPED_NAME", "PackOptions", "PackSummary", "normalize", "pack"]
 
 JOURNAL_NAME = ".stoker-pack.jsonl"
 SKIPPED_NAME = "skipped.jsonl"
+#: held (an OS file lock) by the pack writing the directory; the file stays, it is never data
+LOCK_NAME = ".stoker.lock"
 #: Seconds one task (a few samples) may take in a worker before the pack gives up on it.
 TASK_TIMEOUT_S = 600.0
 #: Samples per task handed to a worker thread: amortizes the per-task dispatch and result handling.
@@ -355,7 +362,7 @@ def _load_journal(storage: Storage, header: dict[str, Any]) -> _State:
     lines = storage.read_bytes(JOURNAL_NAME).decode("utf-8").splitlines()
     try:
         found = json.loads(lines[0]) if lines else {}
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         found = {}
     for field_name in ("items", "fingerprint", "pack_options"):
         if found.get(field_name) != header[field_name]:
@@ -370,7 +377,7 @@ def _load_journal(storage: Storage, header: dict[str, Any]) -> _State:
         try:
             entry = json.loads(line)
             info = ShardInfo(**entry["shard"])
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (json.JSONDecodeError, RecursionError, KeyError, TypeError):
             break  # a line torn by the crash: its shard is redone
         if info.file != shard_name(len(state.shards)) or not shard_matches(storage, info):
             break  # damaged or missing shard: redo from here
@@ -403,13 +410,30 @@ def _finished_summary(storage: Storage, pack_options: dict[str, Any], started: f
                        already_complete=True)
 
 
-def _prepare_out(storage: Storage, header: dict[str, Any], resume: bool, overwrite: bool) -> _State | None:
-    """Make OUT ready; returns the state to continue from, or None when the pack is finished."""
+@contextmanager
+def _locked_out(storage: Storage) -> Iterator[None]:
+    """Create OUT and hold its lock for the whole pack: a second pack into it fails at once."""
     try:
         storage.makedirs()
     except (FileExistsError, NotADirectoryError):
-        raise ConfigError(f"output {storage.location} is a file; expected a directory (empty, or holding a "
-                          "pack to resume)") from None
+        what = "is a file" if Path(storage.location).is_file() else "is under a file, not a folder"
+        raise ConfigError(f"output {storage.location} {what}; expected a directory (empty, or holding a "
+                          "pack to resume): choose another output path") from None
+    lock = storage.lock(LOCK_NAME)
+    try:
+        lock.__enter__()
+    except LockHeldError as exc:
+        raise ConfigError(f"{storage.location} is being written by another pack: {holder_text(exc.holder)}; "
+                          "wait for it to finish (then pass resume=True / --resume if it was stopped), or "
+                          "choose another output directory") from None
+    try:
+        yield
+    finally:
+        lock.__exit__(None, None, None)
+
+
+def _prepare_out(storage: Storage, header: dict[str, Any], resume: bool, overwrite: bool) -> _State | None:
+    """Make OUT ready; returns the state to continue from, or None when the pack is finished."""
     owned = _owned_files(storage)
     has_manifest, has_journal = MANIFEST_NAME in owned, JOURNAL_NAME in owned
     if overwrite:
@@ -495,17 +519,44 @@ def pack(src: str | Path | Source, out: str | Path, *, options: PackOptions | No
         raise ConfigError.spelled("{resume} and {overwrite} contradict each other; pass one of them",
                                   {"resume": RESUME, "overwrite": OVERWRITE})
     storage = open_storage(out)  # before listing: a URL is refused at once
+    _refuse_out_inside_src(src, out)
     codecs.quiet_decoder_messages()  # each bad file is reported in skipped.jsonl, not by libtiff on stderr
     source = src if isinstance(src, Source) else open_source(src, **source_options)
+    kept, unnamed = unencodable_keys(source.items)
+    if unnamed:  # before the fingerprint: a resume lists (and leaves out) the same files
+        source = replace(source, items=kept, skipped=source.skipped + unnamed)
     if source.skipped and options.on_error == "fail":
         first = source.skipped[0]
         raise CorruptImageError(first["path"], first["reason"])
     pack_options = {**options.output_options(), "source": source.description, "source_kind": source.kind}
     header = {"format": "stoker-pack-journal", "items": len(source.items), "fingerprint": _fingerprint(source),
               "pack_options": pack_options}
-    state = _prepare_out(storage, header, resume, overwrite)
-    if state is None:
-        return _finished_summary(storage, pack_options, started)
+    try:
+        with _locked_out(storage):
+            state = _prepare_out(storage, header, resume, overwrite)
+            if state is None:
+                return _finished_summary(storage, pack_options, started)
+            return _pack_into(storage, source, options, state, pack_options, started, progress)
+    except OSError as exc:
+        if isinstance(exc, StokerError):
+            raise
+        # sources' read errors are skips, so an OSError here is OUT's: its writes, its folder
+        raise OutputError(f"cannot write {storage.location}: {exc.strerror or exc}"
+                          f"{f' ({exc.filename})' if exc.filename else ''}; "
+                          f"{_OUTPUT_FIX.get(exc.errno, 'fix the output directory')}, then run the same "
+                          "pack with resume=True (--resume): finished shards are kept",
+                          path=storage.location, errno=exc.errno) from exc
+
+
+_OUTPUT_FIX = {errno.ENOSPC: "free some disk space (or choose an output directory on a disk with room)",
+               errno.EDQUOT: "raise your disk quota or free some space",
+               errno.EROFS: "the file system is read-only: choose a writable output directory",
+               errno.EACCES: "make the output directory writable, or choose another",
+               errno.EPERM: "make the output directory writable, or choose another"}
+
+
+def _pack_into(storage: Storage, source: Source, options: PackOptions, state: _State,
+               pack_options: dict[str, Any], started: float, progress: bool) -> PackSummary:
     packer = _Packer(storage, source, options, state)
     remaining = len(source.items) - state.consumed
     workers = max(1, min(options.workers or usable_cpus(), -(-remaining // TASK_SAMPLES)))
@@ -529,6 +580,21 @@ def pack(src: str | Path | Source, out: str | Path, *, options: PackOptions | No
         stream.close()  # stops the workers now, not when the traceback is collected
         bar.close()
     return _finish(storage, source, state, pack_options, started)
+
+
+def _refuse_out_inside_src(src: str | Path | Source, out: str | Path) -> None:
+    """A dataset written inside the folder it packs would be listed by the next pack of that
+    folder (a class ``packed`` shifting every label, or its shards as images), and a killed
+    pack there could not resume: refuse it. A list or table is not walked, so OUT may sit
+    beside it."""
+    if isinstance(src, Source) or isinstance(src, (list, tuple)) or url_scheme(out):
+        return
+    folder = os.path.realpath(Path(src).expanduser())
+    target = os.path.realpath(Path(out).expanduser())
+    if os.path.isdir(folder) and inside(Path(folder), target):
+        raise SourceError(f"OUT {out} is inside the source folder {src}: the next pack of that folder would "
+                          "list the packed dataset as data (an extra class, every label shifted); write OUT "
+                          "outside the source folder", path=src)
 
 
 def _finish(storage: Storage, source: Source, state: _State, pack_options: dict[str, Any],

@@ -17,6 +17,7 @@ batch ops (batched augmentations, Normalize, RandomErasing, Mixup: `run_batch_op
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import threading
@@ -345,6 +346,40 @@ class Filler:
                            f"samples, or re-pack to drop them", key=key, shard=shard, row=row, index=idx)
 
 
+class EpochChain:
+    """The plan-and-fill functions of a Run whose batches span epochs one after another (a persistent
+    Loader goes on into the next epoch): run batch g is batch g - first of its epoch's Filler. Plans
+    carry their Filler, so `fill` (and the device thread's CPU fallback) use the right epoch's."""
+
+    def __init__(self, spec: RenderSpec) -> None:
+        self.spec = spec  # the same for every epoch (so are its columns and multi-label encoding)
+        self.columns = spec.columns
+        self.multi_label = spec.multi_label
+        self.fillers: list[Filler] = []
+        self.firsts: list[int] = []  # run batch index of each Filler's first batch, increasing
+
+    def add(self, filler: Filler, first: int) -> None:
+        """Batches from run batch `first` on belong to `filler` (call under the run's lock)."""
+        self.fillers.append(filler)
+        self.firsts.append(first)
+
+    def prepare(self, g: int, slot: Slot) -> tuple[Filler, BatchPlan]:
+        k = bisect.bisect_right(self.firsts, g) - 1
+        filler = self.fillers[k]
+        return filler, filler.prepare(g - self.firsts[k], slot)
+
+    def locate(self, g: int) -> tuple[Filler, int]:
+        """Run batch g's Filler and its batch index within that Filler's epoch."""
+        k = bisect.bisect_right(self.firsts, g) - 1
+        filler = self.fillers[k]
+        return filler, filler.first // filler.batch_size + g - self.firsts[k]
+
+    def fill(self, plan: tuple[Filler, BatchPlan], row: int, slot: Slot, scratch: dict, times: WorkerTimes,
+             gpu: bool | None = None) -> None:
+        filler, batch_plan = plan
+        filler.fill(batch_plan, row, slot, scratch, times, gpu)
+
+
 def _row_box(geometry: Plan | None, row: int) -> tuple | None:
     """One row of a plan as (box, flip, (height, width)) in Python numbers (cheaper per sample)."""
     if geometry is None:
@@ -379,13 +414,13 @@ class DeviceBuilder:
     pinned batch, decode its JPEGs on the GPU (decode="gpu"), convert. Holds no reference to the
     iterator, so an abandoned iterator can be collected."""
 
-    def __init__(self, stage: DeviceStage, decoder: Any, filler: Filler, lock: threading.RLock,
+    def __init__(self, stage: DeviceStage, decoder: Any, chain: EpochChain, lock: threading.RLock,
                  stats: LoaderStats) -> None:
         self.stage = stage  # the loader's copy stream and its options
         self.opts = stage.opts
         self.gpu = decoder  # a gpu_decode.GpuBatchDecoder, or None (decode="cpu")
-        self.filler, self.lock, self.stats = filler, lock, stats
-        self.encode = filler.multi_label
+        self.chain, self.lock, self.stats = chain, lock, stats
+        self.encode = chain.multi_label
         self.scratch: dict = {}
         self.times = WorkerTimes()
 
@@ -394,39 +429,58 @@ class DeviceBuilder:
         n, stage = slot.size, self.stage
         # on the CPU `.to()` would return the slot itself, which the workers are about to refill
         x = stage.upload(slot.images[:n]) if self.opts.is_cuda else slot.images[:n].clone()
-        if self.gpu is not None:
-            self._decode_on_gpu(slot, x)
-        if slot.labels is None and self.encode is not None:   # multi-label rows -> one tensor
-            labels: Any = self.encode(slot.objects[:n])
-            labels = stage.upload(labels) if self.opts.is_cuda and isinstance(labels, torch.Tensor) else labels
-        elif slot.labels is None:
-            labels = list(slot.objects[:n])
-        else:
-            labels = stage.upload(slot.labels[:n]) if self.opts.is_cuda else slot.labels[:n].clone()
-        reusable = stage.fence()  # past this point the GPU no longer reads the pinned slot
-        if self.filler.spec.pipeline.batch is None:
+        labels, extras = self._host_items(slot)
+        # past this fence the GPU no longer reads the pinned slot: the workers may refill it while the
+        # GPU decodes and converts (the JPEG bytes of GpuJobs are private copies, not slot memory)
+        reusable = stage.fence()
+        if self.gpu is not None and self._decode_on_gpu(slot, x):
+            # CPU fallback rows were copied from the slot after that fence, and on_error="skip" may have
+            # replaced a sample, label and extras included
+            labels, extras = self._host_items(slot)
+            reusable = stage.fence()
+        spec = self.chain.spec
+        if spec.pipeline.batch is None:
             images = convert(x, self.opts, layout="nhwc")
         else:
-            f = self.filler
-            x, labels = run_batch_ops(f.spec, x, labels, f.epoch, f.first // f.batch_size + slot.batch)
+            filler, b = self.chain.locate(slot.batch)
+            x, labels = run_batch_ops(spec, x, labels, filler.epoch, b)
             # a batch Normalize already made float32; convert() reads floats as 0..1 units, so only lay out
             done = x.dtype.is_floating_point and self.opts.dtype == torch.uint8
             images = x.contiguous(memory_format=self.opts.memory_format) if done else convert(x, self.opts,
                                                                                                layout="nchw")
         batch: tuple = (images, labels)
-        if slot.extras:   # extra columns, and the sizes of padded images
-            batch += (batch_extras(slot, self.stage.upload if self.opts.is_cuda else None),)
+        if extras is not None:   # extra columns, and the sizes of padded images
+            batch += (extras,)
         self.stats.device_s += time.perf_counter() - t0
         return batch, reusable
 
-    def _decode_on_gpu(self, slot: Slot, x: torch.Tensor) -> None:
+    def _host_items(self, slot: Slot) -> tuple[Any, dict[str, Any] | None]:
+        """The slot's labels and third batch item (extras), on the device where they are tensors.
+        Read before the slot's reuse fence: their uploads are copies from the slot too."""
+        extras = batch_extras(slot, self.stage.upload if self.opts.is_cuda else None) if slot.extras else None
+        return self._labels(slot), extras
+
+    def _labels(self, slot: Slot) -> Any:
+        n, stage = slot.size, self.stage
+        if slot.labels is None and self.encode is not None:  # multi-label rows -> one tensor
+            labels = self.encode(slot.objects[:n])
+            return stage.upload(labels) if self.opts.is_cuda and isinstance(labels, torch.Tensor) else labels
+        if slot.labels is None:
+            return list(slot.objects[:n])
+        return stage.upload(slot.labels[:n]) if self.opts.is_cuda else slot.labels[:n].clone()
+
+    def _decode_on_gpu(self, slot: Slot, x: torch.Tensor) -> int:
+        """Decode the slot's GpuJobs into `x` (NHWC on the device); returns how many rows fell back to
+        the CPU (rendered into the slot, then copied from it)."""
         jobs = [j for j in slot.jobs[:slot.size] if j is not None]
         failed = self.gpu.run(jobs, x.permute(0, 3, 1, 2)) if jobs else []
         for job, exc in failed:  # the CPU path for this sample: raise or replace, as for any failure
             _log.info("GPU decode failed for %r, decoding it on the CPU: %s", job.key, exc)
-            self.filler.fill(slot.plan, job.row, slot, self.scratch, self.times, gpu=False)
+            self.chain.fill(slot.plan, job.row, slot, self.scratch, self.times, gpu=False)
             x[job.row].copy_(slot.images[job.row], non_blocking=True)
         with self.lock:
             self.stats.add(self.times, 0)
             self.stats.gpu_decoded += len(jobs) - len(failed)
             self.stats.gpu_fallbacks += len(failed)
+            self.stats.gpu_decoder = self.gpu.decoder.name
+        return len(failed)

@@ -20,10 +20,12 @@ import hashlib
 import io
 import json
 import re
+import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from . import __version__
@@ -70,12 +72,14 @@ def shard_name(index: int) -> str:
 
 @dataclass
 class ShardInfo:
-    """One finished shard: its file name, row count, size in bytes and SHA-256."""
+    """One finished shard: its file name, row count, size in bytes, SHA-256, and the SHA-256 of its
+    small columns (:func:`columns_digest`; None in manifests written before it existed)."""
 
     file: str
     rows: int
     bytes: int
     sha256: str
+    columns_sha256: str | None = None
 
 
 @dataclass
@@ -94,6 +98,9 @@ class Manifest:
     def to_json(self) -> dict[str, Any]:
         obj = asdict(self)
         obj["format"] = "stoker"
+        for entry in obj["shards"]:
+            if entry["columns_sha256"] is None:
+                del entry["columns_sha256"]
         return obj
 
     @classmethod
@@ -118,14 +125,17 @@ class Manifest:
         for i, entry in enumerate(shards_raw):
             if not isinstance(entry, dict):
                 raise bad(f"shards[{i}] must be an object")
-            name, rows, size, sha = (entry.get(k) for k in ("file", "rows", "bytes", "sha256"))
+            name, rows, size, sha, cols = (entry.get(k) for k in ("file", "rows", "bytes", "sha256",
+                                                                   "columns_sha256"))
             if not isinstance(name, str) or not SHARD_NAME_RE.fullmatch(name):
                 raise bad(f"shards[{i}].file {name!r} is not a plain shard file name (no paths allowed)")
             if not (isinstance(rows, int) and rows >= 0 and isinstance(size, int) and size >= 0):
                 raise bad(f"shards[{i}] ({name}) needs non-negative integer rows and bytes")
             if not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
                 raise bad(f"shards[{i}] ({name}) has no valid sha256")
-            shards.append(ShardInfo(name, rows, size, sha))
+            if cols is not None and not (isinstance(cols, str) and re.fullmatch(r"[0-9a-f]{64}", cols)):
+                raise bad(f"shards[{i}] ({name}) has an invalid columns_sha256")
+            shards.append(ShardInfo(name, rows, size, sha, cols))
         if len({s.file for s in shards}) != len(shards):
             raise bad("a shard file is listed twice")
         num = obj.get("num_samples")
@@ -142,8 +152,11 @@ class Manifest:
             raise bad(f"extra_columns must map names to one of {sorted(ARROW_TYPES)}")
         if set(extras) & set(BASE_COLUMNS):
             raise bad(f"extra_columns may not reuse a base column name {BASE_COLUMNS}")
+        pack_options = obj.get("pack_options") or {}
+        if not isinstance(pack_options, dict):
+            raise bad(f"pack_options must be an object, found {type(pack_options).__name__}")
         return cls(num_samples=num, shards=shards, classes=classes, label_type=label_type,
-                   extra_columns=dict(extras), pack_options=dict(obj.get("pack_options") or {}),
+                   extra_columns=dict(extras), pack_options=dict(pack_options),
                    format_version=version, created_by=str(obj.get("created_by", "")))
 
     def schema(self) -> pa.Schema:
@@ -165,6 +178,60 @@ def shard_schema(label_type: str, extra_columns: dict[str, str]) -> pa.Schema:
             raise ConfigError(f"extra column {name!r} clashes with a base column {BASE_COLUMNS}; rename it")
         fields.append(pa.field(name, arrow_type(type_name)))
     return pa.schema(fields)
+
+
+def _digest_array(digest: Any, arr: pa.Array, values: bool = True) -> None:
+    """Feed one array's logical content to ``digest``: validity, offsets made relative to the
+    first, values (``values=False``: offsets only, for the image column). Independent of how the
+    buffers are laid out in the file (padding, slicing, dictionary deltas), so the writer's batch
+    and the same batch read back digest alike."""
+    def feed(data: bytes | memoryview | np.ndarray) -> None:
+        view = memoryview(np.ascontiguousarray(data)).cast("B") if isinstance(data, np.ndarray) else data
+        digest.update(struct.pack("<q", len(view)))
+        digest.update(view)
+
+    if pa.types.is_dictionary(arr.type):
+        arr = arr.dictionary.take(arr.indices)
+    nulls = arr.null_count
+    feed(np.packbits(arr.is_valid().to_numpy(zero_copy_only=False)) if nulls else b"")
+    kind = arr.type
+    if (pa.types.is_binary(kind) or pa.types.is_string(kind) or pa.types.is_large_binary(kind)
+            or pa.types.is_large_string(kind) or pa.types.is_list(kind)):
+        wide = pa.types.is_large_binary(kind) or pa.types.is_large_string(kind)
+        offsets = np.frombuffer(arr.buffers()[1], np.int64 if wide else np.int32)[arr.offset: arr.offset + len(arr) + 1]
+        start, end = (int(offsets[0]), int(offsets[-1])) if len(offsets) else (0, 0)
+        feed((offsets - start).astype(np.int64))
+        if not values:
+            return
+        if pa.types.is_list(kind):
+            _digest_array(digest, arr.values.slice(start, end - start))
+        else:
+            data = arr.buffers()[2]
+            feed(memoryview(data)[start:end] if data is not None else b"")
+    elif pa.types.is_boolean(kind):
+        feed(arr.fill_null(False).to_numpy(zero_copy_only=False).astype(np.uint8))
+    else:  # fixed-width numbers; what lies under a null slot is not data
+        feed(arr.fill_null(0).to_numpy(zero_copy_only=False) if nulls else arr.to_numpy(zero_copy_only=False))
+
+
+def add_to_columns_digest(digest: Any, batch: pa.RecordBatch) -> None:
+    """Feed one record batch to a shard's :func:`columns_digest` (the writer streams batches)."""
+    if batch.num_rows:
+        for name, column in zip(batch.schema.names, batch.columns):
+            digest.update(name.encode())
+            _digest_array(digest, column, values=name != "image")
+
+
+def columns_digest(batches: list[pa.RecordBatch]) -> str:
+    """SHA-256 of a shard's small columns: every column but the image bytes, plus the image
+    column's offsets (where each image starts and ends). Reading it costs a few bytes a row, so
+    the reader checks it at every open: a damaged key, label, size, encoding or extra value, or a
+    shifted image boundary, is an error instead of silently different data. Batches must have
+    passed ``validate(full=True)`` first."""
+    digest = hashlib.sha256()
+    for batch in batches:
+        add_to_columns_digest(digest, batch)
+    return digest.hexdigest()
 
 
 def write_manifest(out: str | Path | Storage, manifest: Manifest) -> None:
@@ -206,6 +273,9 @@ def read_manifest(dataset: str | Path | Storage) -> Manifest:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ManifestError(f"{path}: not valid JSON ({exc}); the manifest is damaged — re-pack, "
                             "or restore it from a backup", path=path) from None
+    except RecursionError:  # thousands of nested brackets: no manifest stoker writes
+        raise ManifestError(f"{path}: JSON nested too deeply to be a stoker manifest; the manifest is damaged "
+                            "— re-pack, or restore it from a backup", path=path) from None
     return Manifest.from_json(obj, path)
 
 
@@ -269,6 +339,7 @@ class ShardWriter:
         # deltas across record batches but not replacements (a later batch bringing "png" after an
         # all-"jpeg" batch would otherwise fail to write).
         self._encodings: dict[str, int] = {}
+        self._columns_digest = hashlib.sha256()  # see columns_digest()
 
     @property
     def nbytes(self) -> int:
@@ -319,6 +390,7 @@ class ShardWriter:
             if self._writer is None:
                 self._open()
             self._writer.write_batch(batch)
+            add_to_columns_digest(self._columns_digest, batch)
         except BaseException:
             self.abort()
             raise
@@ -342,7 +414,8 @@ class ShardWriter:
             self._writer.close()
             assert self._file is not None and self._sink is not None
             self._sink.close()
-            info = ShardInfo(self.name, self._rows, self._sink.size, self._sink.digest.hexdigest())
+            info = ShardInfo(self.name, self._rows, self._sink.size, self._sink.digest.hexdigest(),
+                             self._columns_digest.hexdigest())
             self._file.commit()
         except BaseException:
             self.abort()

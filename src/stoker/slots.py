@@ -17,6 +17,7 @@ iterator that owns a run, so an abandoned iterator can be collected; its finaliz
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import threading
 import time
@@ -28,13 +29,15 @@ import numpy as np
 
 from ._torch import torch
 from ._system import poll_until
-from .errors import LoaderClosedError, LoaderTimeoutError, WorkerError
+from .errors import ConfigError, LoaderClosedError, LoaderTimeoutError, WorkerError
 
 _POLL_S = 0.1  # how often a blocked wait re-checks the stop flag, seconds
 
 
 class Fence(Protocol):
-    """What the Feeder needs of a point on the copy stream (device.Fence is one)."""
+    """What the Feeder and the workers need of a point on a CUDA stream (device.Fence is one)."""
+
+    def done(self) -> bool: ...
 
     def wait(self, timeout: float, stop: threading.Event | None = None) -> None: ...
 
@@ -81,12 +84,35 @@ class Slot:
     objects: list[Any] = field(default_factory=list)  # labels that are not numbers (str, lists)
     extras: dict[str, Any] = field(default_factory=dict)  # column -> list per row; "sizes" -> tensor (pad=True)
     batch: int = -1  # which batch of the run the slot holds
+    # GPU work the consumer queued that may still read this slot (its `images.cuda(non_blocking=True)`):
+    # the workers refill the slot only once this fence is done (`Run.next_batch(b, guard)`)
+    guard: Fence | None = None
     size: int = 0  # samples in that batch
     remaining: int = 0  # samples not yet written; 0 once the batch is complete
     finished: list[int] = field(default_factory=list)  # rows written so far (appended without a lock)
     plan: Any = None  # the fill function's per-batch plan
     errors: list[tuple[int, BaseException]] = field(default_factory=list)
     jobs: list[Any] = field(default_factory=list)  # per row: work left for the device stage (GPU decode)
+
+
+def ring_bytes(n_slots: int, batch_size: int, height: int, width: int) -> int:
+    """Bytes a ring of ``n_slots`` batches of uint8 ``[batch_size, height, width, 3]`` images
+    (plus int64 labels) holds."""
+    return n_slots * batch_size * (height * width * 3 + 8)
+
+
+def check_ring_fits(n_slots: int, batch_size: int, height: int, width: int) -> None:
+    """Refuse, before allocating, a ring larger than the memory available now (an allocation that
+    would fail with a bare RuntimeError deep in torch, or push the machine into swap), naming the
+    knobs that size it."""
+    import psutil
+
+    need = ring_bytes(n_slots, batch_size, height, width)
+    available = psutil.virtual_memory().available
+    if need > available:
+        raise ConfigError(f"the batch ring needs {n_slots} slots x {batch_size} images x {height}x{width}x3 bytes = "
+                          f"{need / 2**30:,.1f} GiB, but only {available / 2**30:,.1f} GiB of memory is available; "
+                          "lower batch_size= (--batch-size), prefetch= or the output size of the transforms")
 
 
 class BatchRing:
@@ -97,7 +123,13 @@ class BatchRing:
         self.batch_size, self.height, self.width = batch_size, height, width
         self.label_dtype = label_dtype
         self.pin_memory = pin_memory
-        self.slots = [self._make_slot(pin_memory) for _ in range(n_slots)]
+        check_ring_fits(n_slots, batch_size, height, width)
+        try:
+            self.slots = [self._make_slot(pin_memory) for _ in range(n_slots)]
+        except (RuntimeError, MemoryError) as exc:  # the memory went between the check and now
+            raise ConfigError(f"cannot allocate the batch ring ({n_slots} slots x {batch_size} images x "
+                              f"{height}x{width}x3 bytes): {exc}; lower batch_size= (--batch-size), prefetch= "
+                              "or the output size of the transforms") from None
 
     def _make_slot(self, pin: bool) -> Slot:
         images = torch.empty((self.batch_size, self.height, self.width, 3), dtype=torch.uint8, pin_memory=pin)
@@ -131,6 +163,7 @@ class LoaderStats:
     device_s: float = 0.0  # the device thread building batches: uploads, conversion, GPU decode submission
     gpu_decoded: int = 0  # samples decoded on the GPU (decode="gpu")
     gpu_fallbacks: int = 0  # JPEGs the GPU could not decode, decoded on the CPU instead
+    gpu_decoder: str = ""  # decode="gpu": the backend that decoded them (with what "auto" measured)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items()}
@@ -175,11 +208,16 @@ class Run:
     are kept per row and raised by `next_batch` for the first failing row of that batch."""
 
     def __init__(self, ring: BatchRing, batch_sizes: list[int], num_threads: int, prepare: PrepareFn,
-                 fill: FillFn, flush: FlushFn, timeout: float, name: str = "stoker") -> None:
+                 fill: FillFn, flush: FlushFn, timeout: float, name: str = "stoker", open_ended: bool = False
+                 ) -> None:
         self.ring = ring
         self.n_slots = len(ring.slots)
-        self.batch_sizes = batch_sizes
-        self.total = int(sum(batch_sizes))
+        self.batch_sizes = list(batch_sizes)
+        self._starts = list(itertools.accumulate(self.batch_sizes, initial=0))  # first position of each batch
+        self.total = self._starts[-1]
+        # open_ended: batches may be appended (`extend`, the next epoch of a persistent Loader); workers
+        # that run out wait for them (stop-aware) instead of exiting
+        self.open_ended = open_ended
         self.prepare, self.fill, self.flush = prepare, fill, flush
         self.timeout = timeout
         self.lock = threading.RLock()  # an RLock so the consumer can tell it still holds it (Ctrl-C)
@@ -187,6 +225,7 @@ class Run:
         self.stop_event = threading.Event()
         self.released = 0  # batches the consumer has moved past; slots of batches < released + n_slots are free
         self.fatal: BaseException | None = None
+        self.stalled: LoaderTimeoutError | None = None  # a slot's guard never completed
         self._counter = itertools.count()
         self.threads = [threading.Thread(target=self._work, name=f"{name}-worker-{k}", daemon=True)
                         for k in range(num_threads)]
@@ -198,11 +237,27 @@ class Run:
             t.start()
 
     # ---- workers -------------------------------------------------------------------------
+    def extend(self, batch_sizes: list[int]) -> None:
+        """Append batches to an open-ended run (their plans come from `prepare` like the others)."""
+        with self.cond:
+            for size in batch_sizes:
+                self.batch_sizes.append(size)
+                self._starts.append(self._starts[-1] + size)
+            self.total = self._starts[-1]
+            self.cond.notify_all()
+
     def _claim(self) -> tuple[int, int] | None:
         p = next(self._counter)  # atomic under the GIL: positions are handed out once, in order
         if p >= self.total:
-            return None
-        return divmod(p, self.ring.batch_size)  # every batch is full but the last
+            if not self.open_ended:
+                return None
+            with self.cond:
+                while p >= self.total and not self.stop_event.is_set():
+                    self.cond.wait(_POLL_S)
+            if p >= self.total:
+                return None
+        b = bisect.bisect_right(self._starts, p) - 1  # a partial batch may end an epoch mid-run
+        return b, p - self._starts[b]
 
     def _wait_slot(self, b: int, times: WorkerTimes) -> Slot | None:
         if b >= self.released + self.n_slots:
@@ -215,6 +270,8 @@ class Run:
             return None
         slot = self.ring.slots[b % self.n_slots]
         if slot.batch != b:
+            if not self._wait_guard(slot, b, times):
+                return None
             with self.lock:
                 if slot.batch != b:  # first worker on this batch: plan it
                     slot.errors = []
@@ -223,6 +280,28 @@ class Run:
                     slot.plan = self.prepare(b, slot)
                     slot.batch = b
         return slot
+
+    def _wait_guard(self, slot: Slot, b: int, times: WorkerTimes) -> bool:
+        """Before batch b overwrites `slot`: wait (polling, bounded by `timeout`) until the GPU has run
+        what the consumer queued on the batch the slot held. False when stopped or timed out (the
+        timeout then reaches the consumer as a LoaderTimeoutError)."""
+        guard = slot.guard
+        if guard is None or guard.done():
+            return True
+        t0 = time.perf_counter()
+        try:
+            guard.wait(self.timeout, self.stop_event)
+        except LoaderTimeoutError as exc:
+            with self.lock:
+                self.stalled = LoaderTimeoutError(f"batch {b} cannot be written into its slot: {exc}")
+                self.cond.notify_all()
+            return False
+        finally:
+            times.wait += time.perf_counter() - t0
+        if self.stop_event.is_set():
+            return False
+        slot.guard = None
+        return True
 
     def _work(self) -> None:
         scratch: dict = {}
@@ -263,16 +342,26 @@ class Run:
                     self.flush(times, done)
 
     # ---- consumer ------------------------------------------------------------------------
-    def next_batch(self, b: int) -> Slot:
+    def next_batch(self, b: int, guard: Fence | None = None) -> Slot:
         """Release batch b-1 and return the slot of batch b once every row is written.
 
-        Raises the first row's exception when a sample failed, LoaderTimeoutError after `timeout`
-        seconds without the batch completing."""
+        `guard`: a fence behind the consumer's GPU work on batch b-1 (an asynchronous copy of its pinned
+        slot); the workers refill that slot only once it is done. Raises the first row's exception when
+        a sample failed, LoaderTimeoutError after `timeout` seconds without the batch completing."""
+        self.guard(b - 1, guard)  # before the release in _next_batch: no worker sees the slot unguarded
         try:
             return self._next_batch(b)
         except BaseException:
             _release_if_owned(self.cond)
             raise
+
+    def guard(self, b: int, guard: Fence | None) -> None:
+        """Guard the slot of batch b (already yielded, the run ending or closing): see `next_batch`.
+        The ring outlives the run, so the next run's workers honour it too."""
+        if guard is not None and b >= 0:
+            slot = self.ring.slots[b % self.n_slots]
+            if slot.batch == b:
+                slot.guard = guard
 
     def _next_batch(self, b: int) -> Slot:
         slot = self.ring.slots[b % self.n_slots]
@@ -285,6 +374,8 @@ class Run:
                 if self.fatal is not None:
                     raise WorkerError(f"a stoker worker thread failed outside any sample: {self.fatal!r}; "
                                       f"this is a bug in stoker, please report it with the traceback") from self.fatal
+                if self.stalled is not None:
+                    raise self.stalled
                 if self.stop_event.is_set():
                     raise LoaderClosedError(f"the loader was closed while waiting for batch {b}")
                 left = deadline - time.monotonic()
@@ -336,7 +427,6 @@ class Feeder:
                  name: str = "stoker-device") -> None:
         self.run, self.stage, self.build = run, stage, build
         self.timeout = timeout
-        self.n = len(run.batch_sizes)
         self.depth = depth
         self.ready: deque[tuple[str, Any, Any]] = deque()  # append/popleft are atomic
         self.stop_event = threading.Event()
@@ -353,8 +443,19 @@ class Feeder:
         self.ready.append(item)
         return True
 
+    def _more(self, b: int) -> bool:
+        """Whether the run has a batch b, waiting (stop-aware) for an open-ended run to be extended."""
+        run = self.run
+        if b < len(run.batch_sizes) or not run.open_ended:
+            return b < len(run.batch_sizes)
+        with run.cond:
+            while b >= len(run.batch_sizes) and not self.stop_event.is_set():
+                run.cond.wait(_POLL_S)
+        return b < len(run.batch_sizes)
+
     def _work(self) -> None:
-        for b in range(self.n):
+        b = -1
+        while self._more(b := b + 1):
             if self.stop_event.is_set():
                 return
             try:

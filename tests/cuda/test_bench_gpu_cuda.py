@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -10,12 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from cuda_helpers import importable
 from stoker.errors import ConfigError
 from stoker.tools.bench import format_table, run_bench
 from stoker.tools.bench_gpu import device_pipelines
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
+HAS_TORCHVISION = importable("torchvision")
 MODEL = "resnet18" if HAS_TORCHVISION else "stoker.tools.train:small_cnn"
 LABEL = MODEL.rpartition(":")[2]
 

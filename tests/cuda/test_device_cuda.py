@@ -12,28 +12,13 @@ from torch.utils.data import DataLoader, TensorDataset
 from stoker.device import DeviceOptions, DeviceStage, convert
 from stoker.prefetcher import prefetch
 from stoker.errors import LoaderTimeoutError
+from cuda_helpers import gpu_sleep, no_host_syncs
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 FORMATS = [torch.contiguous_format, torch.channels_last]
 # GPU vs CPU: both compute in float32 (fused multiply-add may differ by an ulp) and cast, so one output ulp
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-_cycles_per_ms: list[float] = []
-
-
-def gpu_sleep(ms: float) -> None:
-    """Queue a kernel that spins for about `ms` milliseconds on the current stream (a stand-in training step)."""
-    if not _cycles_per_ms:
-        torch.cuda._sleep(1000)  # first launch loads the kernel; keep that out of the measurement
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(10_000_000)
-        end.record()
-        end.synchronize()
-        _cycles_per_ms.append(10_000_000 / max(start.elapsed_time(end), 1e-3))
-    torch.cuda._sleep(max(1, int(ms * _cycles_per_ms[0])))
-
-
 def nhwc(b: int = 4, h: int = 32, w: int = 24, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (b, h, w, 3), dtype=torch.uint8, generator=g)
@@ -207,16 +192,54 @@ def test_no_host_synchronization_while_iterating(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("the prefetcher must not block the host on the GPU")
 
-    monkeypatch.setattr(torch.cuda, "synchronize", forbidden)
+    for _ in p:  # warm up: the caching allocators (device and pinned host) hold what the steady state uses
+        pass
     monkeypatch.setattr(torch.cuda.Event, "synchronize", forbidden)
-    monkeypatch.setattr(torch.cuda.Stream, "synchronize", forbidden)
     count = 0
-    for _ in range(2):
-        for x, y in p:
-            x.float().mean()  # some work on the caller's stream
-            count += 1
+    with no_host_syncs():  # explicit and implicit syncs alike raise
+        for _ in range(2):
+            for x, y in p:
+                x.float().mean()  # some work on the caller's stream
+                count += 1
     monkeypatch.undo()
     assert count == 2 * len(dl)
+
+
+def test_the_first_batch_of_a_fresh_stage_does_not_sync():
+    """The normalize constants are filled on the device, not copied from pageable host memory (which
+    blocks the host: an implicit sync on every new stage's first batch)."""
+    x = nhwc(8, 32, 32).pin_memory()
+    torch.empty(1, device="cuda")  # the CUDA context exists, as in any training script
+    opts = DeviceOptions("cuda", normalize=((0.4, 0.5, 0.6), (0.2, 0.3, 0.4)), dtype="bf16")
+    stage = DeviceStage(opts)
+    with no_host_syncs():
+        with stage.context():
+            out = stage.convert(stage.upload(x), "nhwc")
+            fence = stage.fence()
+        out = stage.handoff(out, fence)
+    want = convert(x, DeviceOptions("cpu", normalize=opts.normalize, dtype="bf16"))
+    torch.testing.assert_close(out.cpu().float(), want.float(), atol=TOLERANCE[torch.bfloat16], rtol=0)
+
+
+def test_half_precision_output_is_written_in_one_pass():
+    """addcmul(out=) stores bf16 directly: no float32 batch is ever allocated (it would be 2x the output)."""
+    x = nhwc(16, 128, 128).cuda()
+    opts = DeviceOptions("cuda", normalize="imagenet", dtype="bf16", memory_format="channels_last")
+    convert(x, opts)  # constants made
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = convert(x, opts)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra <= out.numel() * 2 + (1 << 20), f"{extra} bytes for a {out.numel() * 2}-byte output"
+    f32 = convert(x, DeviceOptions("cuda", normalize="imagenet", memory_format="channels_last"))
+    assert torch.equal(out, f32.to(torch.bfloat16))
+
+
+def test_the_copy_stream_outranks_the_training_stream():
+    stage = DeviceStage(DeviceOptions("cuda"))
+    assert stage.stream.priority < torch.cuda.current_stream().priority  # lower numbers run first
 
 
 def test_fence_on_the_copy_stream():

@@ -192,3 +192,84 @@ def test_manifest_cannot_name_files_outside(small_pack):
         with pytest.raises(stoker.errors.ManifestError, match="plain shard file name"):
             open_dataset(small_pack)
     assert os.path.exists(small_pack / "shard-00000.arrow")
+
+
+# ---------------------------------------------------------------- Arrow extension types
+
+def _rewrite_first_shard(root: Path, change) -> str:
+    """Rewrite the first shard with ``change(table) -> table``, then update its manifest entry
+    (size, SHA-256, columns checksum) so that only the schema can give it away."""
+    import hashlib
+    import json
+
+    import pyarrow as pa
+
+    from stoker.shards import MANIFEST_NAME, columns_digest
+
+    manifest = json.loads((root / MANIFEST_NAME).read_text())
+    entry = manifest["shards"][0]
+    path = root / entry["file"]
+    table = change(pa.ipc.open_file(pa.memory_map(str(path))).read_all())
+    with pa.OSFile(str(path) + ".new", "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    os.replace(str(path) + ".new", path)
+    data = path.read_bytes()
+    reader = pa.ipc.open_file(pa.py_buffer(data))
+    entry.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest(),
+                 columns_sha256=columns_digest([reader.get_batch(k) for k in range(reader.num_record_batches)]))
+    (root / MANIFEST_NAME).write_text(json.dumps(manifest))
+    return entry["file"]
+
+
+def _py_extension_height(table):
+    """The height column tagged as pyarrow 14.0.0's pickled "arrow.py_extension_type" (the shape
+    of CVE-2023-47248: a fixed pyarrow reads it as plain int32 with the tag left in its metadata)."""
+    import pyarrow as pa
+
+    i = table.schema.get_field_index("height")
+    tagged = table.schema.field(i).with_metadata({b"ARROW:extension:name": b"arrow.py_extension_type",
+                                                  b"ARROW:extension:metadata": b"\x80\x04\x95 not run"})
+    return table.set_column(i, tagged, table.column(i))
+
+
+def _registered_extension_column(table):
+    """An unlisted column of a registered extension type (UUID)."""
+    import pyarrow as pa
+
+    uuids = pa.ExtensionArray.from_storage(pa.uuid(), pa.array([bytes(16)] * len(table), pa.binary(16)))
+    return table.append_column("evil", uuids)
+
+
+def _nested_extension_label(table):
+    import pyarrow as pa
+
+    i = table.schema.get_field_index("label")
+    tagged = pa.field("item", pa.int64(), metadata={b"ARROW:extension:name": b"arrow.py_extension_type"})
+    labels = pa.array([[v] for v in table.column(i).to_pylist()], pa.list_(tagged))
+    return table.set_column(i, pa.field("label", labels.type), labels)
+
+
+@pytest.mark.parametrize("change, expected", [
+    (_py_extension_height, "extension type 'arrow.py_extension_type'"),
+    (_registered_extension_column, "extension type 'arrow.uuid'"),
+    (_nested_extension_label, "extension type 'arrow.py_extension_type'"),
+], ids=["pickled-extension-tag", "registered-extension", "nested-in-list"])
+def test_shards_with_arrow_extension_types_are_refused(small_pack, change, expected):
+    shard = _rewrite_first_shard(small_pack, change)
+    with pytest.raises(ShardError, match=expected) as info:
+        open_dataset(small_pack)
+    assert shard in str(info.value) and "never writes" in str(info.value)
+    assert not stoker.verify(small_pack).ok
+
+
+def test_pyarrow_floor_excludes_the_unpickling_release():
+    """pyarrow 14.0.0 unpickles extension metadata while reading a file, before stoker sees the
+    schema (CVE-2023-47248); the dependency floor must exclude it."""
+    import re
+
+    from packaging.requirements import Requirement
+
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    line = re.search(r'"(pyarrow[^"]*)"', pyproject).group(1)
+    spec = Requirement(line).specifier
+    assert "14.0.0" not in spec and "13.0.0" not in spec and "14.0.1" in spec, line

@@ -16,17 +16,19 @@ A new format is one module (``open`` and ``detect``, see :mod:`.base`) plus one 
 
 from __future__ import annotations
 
+import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SourceError
 from ..storage import open_storage
+from ..storage.local import not_regular
 from . import coco, folder, hdf5, hf, listing, lmdb_env, table, tar, tfrecord
-from .base import IMAGE_EXTENSIONS, Source, SourceItem, SourceOptions, read_bytes
+from .base import IMAGE_EXTENSIONS, Source, SourceItem, SourceOptions, read_bytes, unencodable_keys
 
 __all__ = ["FORMATS", "IMAGE_EXTENSIONS", "KINDS", "Source", "SourceItem", "SourceOptions", "open_source",
-           "read_bytes"]
+           "read_bytes", "unencodable_keys"]
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,9 @@ def open_source(src: str | Path | Sequence[str | Path], *, kind: str = "auto", l
                           "WebDataset .tar shards (a file, folder or brace pattern), Parquet/Arrow files, "
                           "an LMDB environment, TFRecord or HDF5 files", path=path)
     path = path.resolve()
+    mode = path.stat().st_mode
+    if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):  # a FIFO would block the format's reader
+        raise SourceError(f"source {path} {not_regular(path, mode).strerror}", path=path)
     if kind == "auto":
         kind = _detect_kind(path)
     _check_root(root, kind, path)

@@ -37,8 +37,10 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
 from ..errors import SourceError
+from ..storage.local import open_regular, read_regular
 
-__all__ = ["IMAGE_EXTENSIONS", "RecordStore", "Source", "SourceItem", "SourceOptions", "read_bytes"]
+__all__ = ["IMAGE_EXTENSIONS", "RecordStore", "Source", "SourceItem", "SourceOptions", "read_bytes",
+           "unencodable_keys"]
 
 #: File name endings (lower case) treated as images when a folder is listed.
 IMAGE_EXTENSIONS: frozenset[str] = frozenset({
@@ -65,12 +67,15 @@ class SourceItem:
     offset: int = 0
     size: int = 0
     store: RecordStore | None = None
+    #: inode of the file (or container) when it was listed, 0 when not recorded: reading checks
+    #: the opened file is still that one (sources that guard a root: folders, tar folders)
+    inode: int = 0
 
     def read(self) -> bytes:
         """The encoded image bytes. Raises OSError when they cannot be read."""
         if self.store is not None:
             return self.store.read(self.offset, self.size)
-        return read_bytes(self.path, self.container, self.offset, self.size)
+        return read_bytes(self.path, self.container, self.offset, self.size, inode=self.inode)
 
     def where(self) -> str:
         """Where the bytes live, for messages: a file path, or container/store and key."""
@@ -128,7 +133,7 @@ class _DecompressedCache:
             data = self._files.get(key)
             if data is None:
                 try:
-                    with gzip.open(path, "rb") as fh:
+                    with open_regular(path) as raw, gzip.GzipFile(fileobj=raw, mode="rb") as fh:
                         data = fh.read()
                 except (EOFError, gzip.BadGzipFile, ValueError) as exc:
                     raise OSError(f"cannot decompress {path}: {exc}") from None
@@ -159,20 +164,18 @@ def gzip_contents(path: Path) -> bytes:
 
 
 def read_bytes(path: Path | str | None, container: Path | str | None = None,
-               offset: int = 0, size: int = 0) -> bytes:
-    """Read a sample's bytes from a file, or ``size`` bytes at ``offset`` inside a container."""
+               offset: int = 0, size: int = 0, *, inode: int = 0) -> bytes:
+    """Read a sample's bytes from a file, or ``size`` bytes at ``offset`` inside a container.
+
+    Only regular files are read, checked on the opened descriptor (a FIFO or a device listed as
+    an image is an OSError at once, never a hang), and never more than the file's size when it
+    was opened (see :func:`stoker.storage.local.read_regular`); ``inode`` (not 0) must be the
+    opened file's."""
     if path is not None:
-        with open(path, "rb") as f:
-            return f.read()
+        return read_regular(path, inode=inode)
     if container is None:
         raise ValueError("a source item needs a path or a container")
-    with open(container, "rb") as f:
-        f.seek(offset)
-        data = f.read(size)
-    if len(data) != size:
-        raise OSError(f"{container} is shorter than its index says: wanted {size} bytes "
-                      f"at offset {offset}, got {len(data)}")
-    return data
+    return read_regular(container, offset, size, inode=inode)
 
 
 @dataclass
@@ -284,6 +287,37 @@ def _check_not_mixed(raw: Sequence[str], where: Sequence[str] | None) -> None:
                       "use class names everywhere or numbers everywhere")
 
 
+INT64_RANGE = (-(1 << 63), (1 << 63) - 1)
+
+
+def _check_int64(labels: Sequence[int], raw: Sequence[str], where: Sequence[str] | None) -> None:
+    """Refuse an integer label that a 64-bit label column cannot hold."""
+    lo, hi = INT64_RANGE
+    for k, v in enumerate(labels):
+        if not lo <= v <= hi:
+            name = where[k] if where is not None else f"entry {k + 1}"
+            raise SourceError(f"{name}: label {raw[k]!r} does not fit in a 64-bit integer "
+                              f"({lo} to {hi}); fix the label on that line")
+
+
+def unencodable_keys(items: Sequence[SourceItem]) -> tuple[list[SourceItem], list[dict[str, str]]]:
+    """(items kept, skip records) where an item whose key is not valid UTF-8 text (a file name
+    with bytes that are not UTF-8, kept by Python as surrogates) is skipped: a shard's key column
+    is UTF-8, and one such name must cost that file, not the pack."""
+    kept: list[SourceItem] = []
+    skipped: list[dict[str, str]] = []
+    for item in items:
+        try:
+            item.key.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = os.fsencode(item.key).decode("utf-8", "backslashreplace")
+            skipped.append({"key": shown, "path": os.fsencode(item.where()).decode("utf-8", "backslashreplace"),
+                            "reason": f"the name {shown} is not valid UTF-8; rename the file to pack it"})
+        else:
+            kept.append(item)
+    return kept, skipped
+
+
 def type_labels(raw: Sequence[str], where: Sequence[str] | None = None) -> tuple[list[Any], str, list[str] | None]:
     """(labels, label_type, classes): integers stay integers, numbers become floats, anything
     else is a class name (classes sorted, labels their indices). Numbers mixed with names are a
@@ -291,9 +325,12 @@ def type_labels(raw: Sequence[str], where: Sequence[str] | None = None) -> tuple
     _check_not_mixed(raw, where)
     for parse, label_type in ((int, "int64"), (float, "float64")):
         try:
-            return [parse(v) for v in raw], label_type, None
+            labels = [parse(v) for v in raw]
         except ValueError:
-            pass
+            continue
+        if label_type == "int64":
+            _check_int64(labels, raw, where)
+        return labels, label_type, None
     classes = sorted(set(raw))
     index = {name: i for i, name in enumerate(classes)}
     return [index[v] for v in raw], "int64", classes
@@ -323,6 +360,8 @@ def split_label_cell(text: str, where: str) -> list[str] | None:
             values = json.loads(text)
         except json.JSONDecodeError as exc:
             raise SourceError(f"{where}: label {text!r} starts like a JSON list but is not one ({exc.msg})") from None
+        except RecursionError:
+            raise SourceError(f"{where}: label starts like a JSON list but is nested too deeply to be one") from None
         if not isinstance(values, list) or any(isinstance(v, (list, dict)) for v in values):
             raise SourceError(f"{where}: label {text!r} must be a flat JSON list of numbers or names")
         return [str(v) for v in values]

@@ -47,6 +47,8 @@ def _load(listing: Path) -> dict[str, Any]:
         doc = json.loads(read_text(listing))
     except json.JSONDecodeError as exc:
         raise SourceError(f"{listing}: not valid JSON ({exc}); expected a COCO instances file", path=listing) from exc
+    if not isinstance(doc, dict):
+        raise SourceError(f"{listing}: a COCO instances file is a JSON object, found {type(doc).__name__}", path=listing)
     missing = [k for k in ("images", "annotations", "categories") if not isinstance(doc.get(k), list)]
     if missing:
         raise SourceError(f"{listing}: a COCO instances file needs lists 'images', 'annotations' and "
@@ -55,6 +57,20 @@ def _load(listing: Path) -> dict[str, Any]:
 
 
 def open_coco(listing: Path, options: SourceOptions) -> Source:
+    """The samples of a COCO instances file. Annotation files are often downloaded: any entry of
+    the wrong shape (a category without an id, a box of strings, 100,000 nested brackets) is a
+    SourceError naming the file, not a Python exception from deep inside the parse."""
+    try:
+        return _open_coco(listing, options)
+    except SourceError:
+        raise
+    except (KeyError, TypeError, AttributeError, ValueError, IndexError, RecursionError) as exc:
+        raise SourceError(f"{listing}: not a well-formed COCO instances file ({type(exc).__name__}: {exc}); "
+                          "expected 'images' (id, file_name, width, height), 'annotations' (image_id, "
+                          "category_id, bbox of 4 numbers) and 'categories' (id, name) entries", path=listing) from None
+
+
+def _open_coco(listing: Path, options: SourceOptions) -> Source:
     root, _ = listing_root(listing, options, "coco")
     # Annotation files are often downloaded, not written by the user: every image path must stay
     # inside the image folder (``root``), so a '../' or absolute file_name is refused.

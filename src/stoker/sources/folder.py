@@ -46,12 +46,15 @@ def _require_folder(path: Path, kind: str) -> None:
         raise SourceError(f"{kind} source {path} is not a folder", path=path)
 
 
-def walk_images(root: Path, top: Path) -> list[Path]:
-    """Image files under ``top`` in torchvision's order (sorted folders, then sorted names).
+def walk_images(root: Path, top: Path) -> list[tuple[Path, int]]:
+    """(path, inode) of the image files under ``top`` in torchvision's order (sorted folders, then
+    sorted names).
 
-    Follows symlinks that stay inside ``root``; refuses ones that point out of it.
+    Follows symlinks that stay inside ``root``; refuses ones that point out of it. The inode (of
+    the file a symlink points to) lets a read check it opened the file listed here: one swapped
+    for a symlink to elsewhere after listing is refused then (time of check, time of use).
     """
-    found: list[tuple[str, str, Path]] = []
+    found: list[tuple[str, str, Path, int]] = []
     seen: set[str] = set()
     stack = [top]
     while stack:
@@ -71,9 +74,11 @@ def walk_images(root: Path, top: Path) -> list[Path]:
             if entry.is_dir():
                 stack.append(full)
             elif entry.is_file() and is_image_name(entry.name):
-                found.append(("" if rel_dir == "." else rel_dir, entry.name, full))
+                # DirEntry.inode() is free (from readdir); a symlink costs one stat for its target's
+                inode = entry.stat().st_ino if entry.is_symlink() else entry.inode()
+                found.append(("" if rel_dir == "." else rel_dir, entry.name, full, inode))
     found.sort(key=lambda t: (t[0], t[1]))
-    return [p for _, _, p in found]
+    return [(p, inode) for _, _, p, inode in found]
 
 
 def open_folder(root: Path, options: SourceOptions) -> Source:
@@ -85,8 +90,8 @@ def open_folder(root: Path, options: SourceOptions) -> Source:
                           "looks like ROOT/<class>/<image>", path=root)
     items = []
     for index, name in enumerate(classes):
-        for path in walk_images(root, root / name):
-            items.append(SourceItem(key=make_key(root, path), path=path, label=index))
+        for path, inode in walk_images(root, root / name):
+            items.append(SourceItem(key=make_key(root, path), path=path, label=index, inode=inode))
     require_items(items, "ImageFolder", root)
     return Source(items=items, classes=classes, label_type="int64", extra_columns={}, root=root,
                   description=f"ImageFolder {root} ({len(classes)} classes)", kind="folder")
@@ -95,7 +100,8 @@ def open_folder(root: Path, options: SourceOptions) -> Source:
 def open_files(root: Path, options: SourceOptions) -> Source:
     """Every image under ``root``, recursively, unlabelled."""
     _require_folder(root, "files")
-    items = [SourceItem(key=make_key(root, p), path=p, label=None) for p in walk_images(root, root)]
+    items = [SourceItem(key=make_key(root, p), path=p, label=None, inode=inode)
+             for p, inode in walk_images(root, root)]
     require_items(items, "folder", root)
     return Source(items=items, classes=None, label_type="none", extra_columns={}, root=root,
                   description=f"image folder {root} (unlabelled)", kind="files")

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SourceError
+from ..storage.local import open_regular, require_regular
 from .base import Source, SourceItem, SourceOptions, describe_labels, optional_module, type_any_labels
 
 SUFFIXES = (".h5", ".hdf5", ".he5", ".hdf")
@@ -42,7 +43,7 @@ def detect(path: Path) -> bool:
         return False
     if path.suffix.lower() in SUFFIXES:
         return True
-    with open(path, "rb") as fh:
+    with open_regular(path) as fh:
         return fh.read(8) == _MAGIC
 
 
@@ -111,6 +112,7 @@ def _pick(sets: dict[str, Any], wanted: str | None, defaults: tuple[str, ...], w
 def open_hdf5(path: Path, options: SourceOptions) -> Source:
     h5py = _h5py()
     try:
+        require_regular(path)   # h5py opens the path itself: a FIFO would block it
         h5 = h5py.File(path, "r")
     except OSError as exc:
         raise SourceError(f"cannot open {path} as HDF5 ({exc})", path=path) from None

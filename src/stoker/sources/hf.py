@@ -63,7 +63,7 @@ def _files(path: Path) -> tuple[list[Path], dict | None]:
     if (path / "dataset_dict.json").is_file():
         try:
             splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
             splits = sorted(e.name for e in scandir(path) if e.is_dir())
         raise SourceError(f"{path} is a DatasetDict with splits {', '.join(splits)}; pack one split: "
                           f"pass {path / splits[0]} (and the others separately)", path=path)
@@ -72,7 +72,7 @@ def _files(path: Path) -> tuple[list[Path], dict | None]:
             state = json.loads((path / "state.json").read_text())
             names = [f["filename"] for f in state["_data_files"]]
             info = json.loads((path / "dataset_info.json").read_text())
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
             raise SourceError(f"{path} looks like a save_to_disk folder but its state.json or "
                               f"dataset_info.json cannot be read ({exc})", path=path) from None
         for n in names:
@@ -226,7 +226,7 @@ def _features(table: _Table, fallback: dict | None) -> dict[str, Any]:
         try:
             obj = json.loads(meta)
             return (obj.get("info") or {}).get("features") or obj.get("features") or {}
-        except ValueError:
+        except (ValueError, AttributeError, RecursionError):
             pass
     return fallback or {}
 

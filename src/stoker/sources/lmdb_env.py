@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SourceError
+from ..storage.local import require_regular
 from .base import Source, SourceItem, SourceOptions, describe_labels, optional_module, read_text, type_any_labels
 from .listing import split_line
 from .protobuf import fields
@@ -107,6 +108,11 @@ def _environment(path: Path) -> Any:
     with _OPEN_LOCK:
         env = _OPEN.get(str(path))
         if env is None:
+            try:  # lmdb opens the file itself: a FIFO as data.mdb would block it
+                require_regular(path / "data.mdb" if path.is_dir() else path)
+            except OSError as exc:
+                raise SourceError(f"cannot open {path} as an LMDB environment ({exc.filename}: {exc.strerror})",
+                                  path=path) from None
             try:
                 env = lmdb.open(str(path), readonly=True, lock=False, readahead=False, meminit=False,
                                 subdir=path.is_dir(), max_readers=1024)

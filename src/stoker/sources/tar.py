@@ -17,16 +17,18 @@ the samples before the damage; the rest of that file is logged in ``skipped.json
 from __future__ import annotations
 
 import io
+import os
 import json
 import tarfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..errors import SourceError
+from ..storage.local import open_regular
 from .base import (IMAGE_EXTENSIONS, GzipMembers, Source, SourceItem, SourceOptions, describe_labels,
-                   gzip_contents, is_image_name, optional_module, require_items, scandir, split_label_cell,
+                   gzip_contents, inside, is_image_name, optional_module, require_items, scandir, split_label_cell,
                    type_any_labels)
 
 SUFFIXES = (".tar", ".tar.gz", ".tgz")
@@ -74,19 +76,30 @@ class _Group:
     targets: dict[str, bytes] = field(default_factory=dict)   # extension -> member bytes
 
 
-def _open(tar_path: Path) -> tuple[tarfile.TarFile, GzipMembers | None]:
-    gz = tar_path.name.lower().endswith((".gz", ".tgz"))
+def _open(tar_path: Path) -> tuple[BinaryIO, GzipMembers | None]:
+    """The tar's bytes as a file object (only a regular file is opened: a FIFO would block)."""
     try:
-        if gz:
-            data = gzip_contents(tar_path)   # decompressed once; packing then reads from it
-            return tarfile.open(fileobj=io.BytesIO(data), mode="r:"), GzipMembers(tar_path)
-        return tarfile.open(tar_path, mode="r:"), None
-    except (tarfile.TarError, OSError) as exc:
-        raise SourceError(f"cannot read {tar_path} as a tar ({exc})", path=tar_path) from None
+        if tar_path.name.lower().endswith((".gz", ".tgz")):
+            # decompressed once; packing then reads from it
+            return io.BytesIO(gzip_contents(tar_path)), GzipMembers(tar_path)
+        return open_regular(tar_path), None
+    except OSError as exc:
+        raise SourceError(f"cannot read {tar_path} as a tar ({exc.strerror or exc})", path=tar_path) from None
 
 
-def _groups(tar_path: Path, skipped: list[dict[str, str]]) -> tuple[dict[str, _Group], GzipMembers | None]:
-    tf, store = _open(tar_path)
+def _groups(tar_path: Path, skipped: list[dict[str, str]]) -> tuple[dict[str, _Group], GzipMembers | None, int]:
+    """(samples by name, the store of a compressed tar, the inode of the tar file read)."""
+    raw, store = _open(tar_path)
+    with raw:
+        inode = 0 if store else os.fstat(raw.fileno()).st_ino
+        try:
+            tf = tarfile.open(fileobj=raw, mode="r:")
+        except tarfile.TarError as exc:
+            raise SourceError(f"cannot read {tar_path} as a tar ({exc})", path=tar_path) from None
+        return _members(tf, tar_path, skipped), store, inode
+
+
+def _members(tf: tarfile.TarFile, tar_path: Path, skipped: list[dict[str, str]]) -> dict[str, _Group]:
     groups: dict[str, _Group] = {}
     with tf:
         try:
@@ -105,7 +118,7 @@ def _groups(tar_path: Path, skipped: list[dict[str, str]]) -> tuple[dict[str, _G
             skipped.append({"key": f"{tar_path.name}/*", "path": str(tar_path),
                             "reason": f"the tar is damaged after {len(groups)} samples ({exc}); the rest "
                                       "of this file could not be read"})
-    return groups, store
+    return groups
 
 
 def _target(group: _Group, label_column: str | None, where: str) -> tuple[str | list[str] | None, dict]:
@@ -115,8 +128,8 @@ def _target(group: _Group, label_column: str | None, where: str) -> tuple[str | 
     if ".json" in group.targets:
         try:
             meta = json.loads(group.targets[".json"].decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"its .json is not JSON ({exc})") from None
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise ValueError(f"its .json is not JSON ({type(exc).__name__}: {exc})") from None
         if isinstance(meta, list):
             label = [str(v) for v in meta]
         elif isinstance(meta, dict):
@@ -184,6 +197,11 @@ def shard_files(src: str | Path | Sequence[str | Path]) -> tuple[list[Path], Pat
     path = Path(src)
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if is_shard_name(p.name) and p.is_file())
+        real = Path(os.path.realpath(path))
+        for f in files:  # a folder of downloaded shards must not pull in files from elsewhere
+            if f.is_symlink() and not inside(real, os.path.realpath(f)):
+                raise SourceError(f"{f} is a symlink that points outside the shard folder {path}; "
+                                  "pass the file it points to, or copy it in", path=f)
         if not files:
             raise SourceError(f"{path} holds no .tar, .tar.gz or .tgz files", path=path)
         return files, path, True
@@ -197,7 +215,7 @@ def open_tar(path: Path | str | Sequence[str | Path], options: SourceOptions) ->
     json_rows: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
     for tar_path in files:
-        groups, store = _groups(tar_path, skipped)
+        groups, store, inode = _groups(tar_path, skipped)
         prefix = f"{tar_path.name}/" if prefixed else ""
         for name in sorted(groups):
             group = groups[name]
@@ -205,7 +223,7 @@ def open_tar(path: Path | str | Sequence[str | Path], options: SourceOptions) ->
                 continue
             m = group.image
             item = SourceItem(key=prefix + m.name, path=None, label=None, container=None if store else tar_path,
-                              offset=m.offset_data, size=m.size, store=store)
+                              offset=m.offset_data, size=m.size, store=store, inode=inode)
             try:
                 label, extras = _target(group, options.label_column, f"{tar_path}: {m.name}")
             except ValueError as exc:

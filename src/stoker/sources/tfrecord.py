@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import SourceError
+from ..storage.local import open_regular
 from .protobuf import fields as _fields
 from .protobuf import varint as _varint
 from .base import (GzipMembers, Source, SourceItem, SourceOptions, describe_labels, gzip_contents,
@@ -112,7 +113,7 @@ def iter_records(buf: Any, crc: Any) -> Iterator[Record | Damage]:
 def looks_like_tfrecord(path: Path) -> bool:
     """True when the file starts with a TFRecord header whose length checksum is right."""
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:
             head = fh.read(12)
     except OSError:
         return False
@@ -189,8 +190,11 @@ def parse_example(buf: Any, start: int, end: int) -> dict[str, Feature]:
 # ---------------------------------------------------------------- the source
 
 def _is_gzip(path: Path) -> bool:
-    with open(path, "rb") as fh:
-        return fh.read(2) == b"\x1f\x8b"
+    try:
+        with open_regular(path) as fh:
+            return fh.read(2) == b"\x1f\x8b"
+    except OSError as exc:
+        raise SourceError(f"cannot read TFRecord file {path}: {exc.strerror or exc}", path=path) from None
 
 
 def _is_tfrecord_name(name: str) -> bool:
@@ -259,7 +263,7 @@ def _open_buffer(file: Path, gz: bool) -> Any:
             return gzip_contents(file)
         if not file.stat().st_size:
             return b""
-        with open(file, "rb") as fh:
+        with open_regular(file) as fh:
             return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
     except OSError as exc:
         raise SourceError(f"cannot read TFRecord file {file}: {exc}", path=file) from None

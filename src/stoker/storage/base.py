@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import abc
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ContextManager
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -110,3 +110,9 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def remove(self, name: str) -> None:
         """Delete ``name``; a missing file is not an error."""
+
+    def lock(self, name: str) -> ContextManager[Any]:
+        """An exclusive lock on the dataset, kept in the file ``name``, held by one process at a
+        time: entering raises :class:`stoker.storage.lock.LockHeldError` at once when another
+        process holds it. Backends that cannot lock say so."""
+        raise NotImplementedError(f"{type(self).__name__} cannot lock a dataset for writing")

@@ -346,7 +346,8 @@ def _make_runner(spec: _Spec) -> _Runner:
         return _dali_runner(spec)
     if bench_gpu.is_device_pipeline(name):
         epoch, close, version = bench_gpu.loader_epochs(name, root=spec.root, packed=spec.packed,
-                                              batch_size=spec.batch_size, workers=spec.workers, device=spec.device)
+                                              batch_size=spec.batch_size, workers=spec.workers, device=spec.device,
+                                              steps=spec.steps)
         return _Runner(epoch, close, version)
     raise ConfigError(f"unknown pipeline {name!r}; expected one of {', '.join(PIPELINES)}")
 
@@ -423,12 +424,14 @@ def _measure_rounds(spec: _Spec) -> dict[str, Any]:
             for _ in runner.epoch():
                 if math.isnan(first):
                     first = time.perf_counter() - start
-            rates, images = [], 0
+            rates, images, timed = [], 0, 0.0
             cpu0, wall0 = cpu_seconds(), time.perf_counter()
             for _ in range(spec.rounds):
                 t = time.perf_counter()
                 images = sum(runner.epoch())
-                rates.append(images / (time.perf_counter() - t))
+                seconds = time.perf_counter() - t
+                timed += seconds
+                rates.append(images / seconds)
             cpu_s = cpu_seconds() - cpu0
             cpu = cpu_s / (time.perf_counter() - wall0) * 100.0
         finally:
@@ -436,7 +439,7 @@ def _measure_rounds(spec: _Spec) -> dict[str, Any]:
     return {"images_per_s": statistics.median(rates), "rounds": rates, "cpu_percent": cpu,
             "cpu_ms_per_image": cpu_s * 1000.0 / (images * spec.rounds),
             "peak_rss_bytes": memory.peak, "first_batch_s": first, "images": images,
-            "version": runner.version or _version(spec.pipeline)}
+            "startup_share": bench_gpu.startup_share(first, timed), "version": runner.version or _version(spec.pipeline)}
 
 
 def _measure_training(spec: _Spec) -> dict[str, Any]:
@@ -449,10 +452,11 @@ def _measure_training(spec: _Spec) -> dict[str, Any]:
         try:
             if spec.warmup_steps:
                 run.run(spec.warmup_steps)
-            rates, waits = [], []
+            rates, waits, timed = [], [], 0.0
             cpu0, wall0 = cpu_seconds(), time.perf_counter()
             for _ in range(spec.rounds):
                 seconds, wait = run.run(spec.steps)
+                timed += seconds
                 rates.append(spec.steps * spec.batch_size / seconds)
                 waits.append(wait / seconds)
             cpu_s = cpu_seconds() - cpu0
@@ -463,6 +467,7 @@ def _measure_training(spec: _Spec) -> dict[str, Any]:
     return {"images_per_s": statistics.median(rates), "rounds": rates, "cpu_percent": cpu,
             "cpu_ms_per_image": cpu_s * 1000.0 / (images * spec.rounds), "peak_rss_bytes": memory.peak,
             "first_batch_s": run.first_batch_s, "images": images, "version": run.version,
+            "startup_share": bench_gpu.startup_share(run.first_batch_s, timed),
             "data_wait": statistics.median(waits)}
 
 
@@ -775,11 +780,13 @@ def _format_device(result: BenchResult) -> str:
              f"{d['mean_width']}x{d['mean_height']} px, {d['mean_file_kb']} KB; batch {result.batch_size}; "
              f"{result.workers} CPU cores per pipeline, each pipeline in its own process; packing "
              f"({fmt_number(result.pack_seconds, '.1f')} s) done once before any timing.",
-             f"Loaders alone: median of {result.rounds} epoch(s) after one warm-up epoch; a round ends when the "
-             "device is synchronized. Training: median of "
+             f"Loaders alone: median of {result.rounds} round(s) of {result.steps} batches after one warm-up round; "
+             "a round ends when the device is synchronized. Training: median of "
              f"{result.rounds} window(s) of {result.steps} steps after {result.warmup_steps} warm-up step(s); the "
-             f"feeds run epoch after epoch and drop the last partial batch ({steps_per_epoch} steps per epoch here: "
-             "epoch starts, where a loader refills its queue, weigh more than on a large dataset).",
+             f"training feeds drop the last partial batch ({steps_per_epoch} steps per pass over the images). "
+             "No feed restarts inside the measurement: stoker's Loaders are persistent (epochs run into each other), "
+             f"the baseline DataLoader's epoch is {bench_gpu.BASELINE_EPOCH_SAMPLES:,} samples (ImageNet-1k's); "
+             "start-up falls in the warm-up.",
              f"Baseline transforms: {result.baseline_transforms}. Every loader delivers float32 NCHW batches "
              "normalized with ImageNet mean/std in device memory (stoker: channels_last for training); the baseline "
              "converts and normalizes on the CPU, stoker copies uint8 and normalizes on the device.",

@@ -89,6 +89,7 @@ class DoctorReport:
     step_images_per_s: float        # the model step alone, on a batch held in memory
     profile: ProfileReport          # both together: verdict and fixes
     decoder: str = ""               # which CPU JPEG path the loader uses (region decode, or why not)
+    gpu_decoder: str = ""           # decode="gpu": the backend that decoded the JPEGs (what "auto" measured)
 
     @property
     def verdict(self) -> str:
@@ -96,7 +97,8 @@ class DoctorReport:
 
     def as_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in ("path", "model", "device", "batch_size", "steps", "threads",
-                                             "transforms", "loader_images_per_s", "step_images_per_s", "decoder")}
+                                             "transforms", "loader_images_per_s", "step_images_per_s", "decoder",
+                                             "gpu_decoder")}
         return json_safe({**out, "verdict": self.verdict, "profile": self.profile.as_dict()})
 
     def format(self) -> str:
@@ -106,6 +108,7 @@ class DoctorReport:
             f"  setup            batch {self.batch_size}, {self.steps} steps per run, {self.threads} loader thread(s), "
             f"{self.transforms} transforms, model: {self.model} on {self.device}",
             f"  JPEG decode      {self.decoder}",
+            *([f"  GPU JPEG decode  {self.gpu_decoder}"] if self.gpu_decoder else []),
             f"  loader alone     {self.loader_images_per_s:,.1f} images/s",
             f"  model step alone {self.step_images_per_s:,.1f} images/s",
             f"  together         {self.profile.images_per_s:,.1f} images/s "
@@ -124,12 +127,13 @@ def _batches(loader: Any, n: int) -> Iterable[Any]:
 
 def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = 8, threads: int | None = None,
                transforms: str = "train", size: int = 224, model: Any = None, device: str | None = None,
-               progress: bool = True) -> DoctorReport:
+               progress: bool = True, decode: str = "cpu") -> DoctorReport:
     """Measure the loader alone, the model step alone and both together on the data at `path`.
 
     Reads about `(steps + 1) * batch_size` images per run (one warm-up batch); each run reads a new
     epoch of the dataset (on a smaller dataset, `steps` shrinks to fit). `transforms`:
-    "train" (RandomResizedCrop + flip) or "val" (Resize + CenterCrop), at `size` pixels.
+    "train" (RandomResizedCrop + flip) or "val" (Resize + CenterCrop), at `size` pixels. `decode`:
+    "cpu" or "gpu" (JPEGs decoded on a CUDA device; the report names the backend that ran).
     """
     import torch
 
@@ -145,7 +149,10 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = 8, thread
         [Resize(size * 8 // 7), CenterCrop(size)]
     device = default_device(device)
     model_threads, loader_cores = split_cores(device, usable_cpus())
-    on_device = {"device": DeviceOptions(device, normalize="imagenet")} if device.startswith("cuda") else {}
+    if decode == "gpu" and not device.startswith("cuda"):
+        raise ConfigError(f"decode='gpu' needs a CUDA device, got {device}; use decode='cpu'")
+    on_device = {"device": DeviceOptions(device, normalize="imagenet", decode=decode)} \
+        if device.startswith("cuda") else {}
     loader = Loader(path, batch_size, transforms=ops, num_threads=threads or loader_cores, drop_last=True, seed=0,
                     **on_device)
     threads_before = torch.get_num_threads()
@@ -197,7 +204,7 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = 8, thread
         torch.set_num_threads(threads_before)
         loader.close()
     return DoctorReport(str(path), model_name, device, batch_size, steps, loader.num_threads, transforms,
-                        loader_rate, step_rate, report, _decoder())
+                        loader_rate, step_rate, report, _decoder(), loader.stats.gpu_decoder)
 
 
 def _decoder() -> str:

@@ -32,6 +32,7 @@ class PipelineResult:
     peak_rss_bytes: int = 0                   # process + children, sampled every 20 ms
     first_batch_s: float = math.nan           # construction to first batch, cold (warm-up round)
     images: int = 0                           # images per round
+    startup_share: float = math.nan           # first_batch_s over the seconds of all timed rounds
     ratio: float | None = None                # images/s over that of `ratio_to`
     ratio_to: str | None = None
     skipped: str | None = None                # why it did not run

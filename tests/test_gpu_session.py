@@ -1,0 +1,56 @@
+"""benchmarks/gpu_session.sh, the GPU host's measurement script: it must name only pipelines, models,
+flags and steps that exist, so a GPU session does not lose a call to a typo. (Its full plumbing runs on
+the CPU with DEVICE=cpu; that takes minutes, so it is not part of the suite.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stoker.cli import build_parser
+from stoker.tools.bench_gpu import device_pipelines
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_session.sh"
+BASH = shutil.which("bash")
+pytestmark = pytest.mark.skipif(BASH is None, reason="needs bash")
+
+
+def _text() -> str:
+    # the script's line continuations joined, so a pipeline list split over lines reads as one
+    return SCRIPT.read_text().replace("\\\n", "")
+
+
+def test_the_script_parses_and_names_only_real_pipelines_and_models() -> None:
+    subprocess.run([BASH, "-n", str(SCRIPT)], check=True)
+    text = _text()
+    models = re.search(r"--models (\S+)", text).group(1).split(",")
+    catalog = device_pipelines(models, check=False)
+    named = [n for m in re.finditer(r"--pipelines ([\w,-]+)", text) for n in m.group(1).split(",")]
+    assert sorted(named) == sorted(catalog)   # the three loaders and every training feed, each once
+    bench_flags = set(re.findall(r"--[a-z][\w-]*", " ".join(re.findall(r"stoker\.cli bench[^\n]*", text))))
+    known = {o for a in build_parser()._subparsers._group_actions[0].choices["bench"]._actions for o in a.option_strings}
+    assert bench_flags <= known, bench_flags - known
+
+
+def test_an_unknown_step_is_refused_and_env_runs(tmp_path: Path) -> None:
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PY": sys.executable,
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    bad = subprocess.run([BASH, str(SCRIPT), "measure-everything"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "unknown step 'measure-everything'" in bad.stderr
+    ok = subprocess.run([BASH, str(SCRIPT), "env"], capture_output=True, text=True, env=env, timeout=120)
+    log = (tmp_path / "out" / "env.log").read_text()
+    assert re.search(r"^torch \S+ CUDA \S+ available (True|False)$", log, re.M), ok.stdout[-2000:]
+    assert "stoker " in log and (tmp_path / "out" / "session.log").exists()
+
+
+def test_its_python_snippets_compile() -> None:
+    snippets = re.findall(r"<<'EOF'\n(.*?)\nEOF\n", SCRIPT.read_text(), re.S)
+    assert len(snippets) == 3   # the start-up check, the environment report, the GPU decoder report
+    for code in snippets:
+        compile(code, str(SCRIPT), "exec")
