@@ -164,10 +164,11 @@ def test_epochs_advance_and_set_epoch_replays(packed: Path) -> None:
     assert np.array_equal(next(it)[1], first) and np.array_equal(next(it)[1], second)
 
 
-def test_state_after_a_break_is_what_the_next_iter_yields(packed: Path) -> None:
+@pytest.mark.parametrize("persistent", [False, True])
+def test_state_after_a_break_is_what_the_next_iter_yields(packed: Path, persistent: bool) -> None:
     """The rule: state_dict() always describes the next iter(), during a pass, after a break and
     after an exception in the loop; resuming from it in a fresh Loader gives the same batches."""
-    loader = Loader(packed, 8, transforms=TRAIN, seed=9, num_threads=2)
+    loader = Loader(packed, 8, transforms=TRAIN, seed=9, num_threads=2, persistent=persistent)
     for k, (images, labels) in enumerate(loader):
         if k == 4:
             break
