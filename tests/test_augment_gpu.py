@@ -211,13 +211,17 @@ def test_batch_ops_are_checked_for_order():
 
 
 def test_normalize_by_table_equals_the_tensor_path():
-    """On a uint8 batch laid out NHWC in host memory (the Loader's slots), Normalize uses per-channel
-    tables; its values are the tensor path's bit for bit, and its result is contiguous NCHW."""
+    """On a uint8 batch in host memory (NHWC like the Loader's slots, or NCHW), Normalize uses per-channel
+    tables; its values are the float arithmetic's bit for bit, and its result is contiguous NCHW."""
     nhwc = torch.randint(0, 256, (3, 5, 7, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
     for op in (G.Normalize("imagenet"), G.Normalize((0.2, 0.5, 0.9), (0.1, 0.3, 2.0))):
-        table = op.apply(nhwc.permute(0, 3, 1, 2))   # NHWC memory: the table path
-        tensor = op.apply(nhwc.permute(0, 3, 1, 2).contiguous())   # NCHW memory: the tensor path
-        assert table.is_contiguous() and table.dtype == torch.float32 and torch.equal(table, tensor)
+        std = torch.tensor(op.std, dtype=torch.float64)
+        scale = (1.0 / std / 255.0).float().view(1, 3, 1, 1)
+        shift = (torch.tensor(op.mean, dtype=torch.float64) / std).float().view(1, 3, 1, 1)
+        tensor = nhwc.permute(0, 3, 1, 2).float().mul_(scale).add_(-shift)   # the arithmetic
+        for memory in (nhwc.permute(0, 3, 1, 2), nhwc.permute(0, 3, 1, 2).contiguous()):
+            table = op.apply(memory)
+            assert table.is_contiguous() and table.dtype == torch.float32 and torch.equal(table, tensor)
         want = (nhwc.permute(0, 3, 1, 2).double() / 255 - torch.tensor(op.mean).view(1, 3, 1, 1)) \
             / torch.tensor(op.std).view(1, 3, 1, 1)
         assert torch.allclose(table.double(), want, atol=1e-5)

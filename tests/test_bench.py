@@ -88,9 +88,10 @@ def test_stoker_pipelines_in_process(tiny_root: Path, tmp_path: Path) -> None:
 
 def test_recipes_fast_mode_and_overhead_in_process(tiny_root: Path, tmp_path: Path) -> None:
     result = run_bench(tiny_root, batch_size=16, rounds=1, workers=2, isolate=False, out_dir=tmp_path,
-                       pipelines=("baseline", "stoker-train", "stoker-train-fast", "stoker-train-raw256",
-                                  "stoker-train-jpeg256", "overhead"))
-    for name in ("stoker-train", "stoker-train-fast", "stoker-train-raw256", "stoker-train-jpeg256"):
+                       pipelines=("baseline", "stoker-train", "stoker-train-fast", "stoker-train-float",
+                                  "stoker-train-raw256", "stoker-train-jpeg256", "overhead"))
+    for name in ("stoker-train", "stoker-train-fast", "stoker-train-float", "stoker-train-raw256",
+                 "stoker-train-jpeg256"):
         _check_ran(result.get(name), 64)  # type: ignore[arg-type]
     disk = {p.name: p.disk_bytes for p in result.pipelines}
     # 150x200 JPEGs: raw pixels cost more bytes than the packed JPEGs; nothing is read from nowhere

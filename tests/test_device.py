@@ -171,6 +171,34 @@ def test_convert_uint8_matches_float64_reference(dtype, fmt, layout, normalize):
     assert (out.double() - ref.to(dtype).double()).abs().max().item() <= TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("channels", [1, 3, 4])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("layout", ["nhwc", "nchw"])
+def test_convert_on_the_cpu_by_tables_equals_the_arithmetic_bit_for_bit(channels, fmt, layout):
+    """uint8 -> normalized float32 on the CPU goes through per-channel tables (normalize_by_table); the
+    values are addcmul's exactly, in the asked-for memory format, whatever the input layout."""
+    x = torch.randint(0, 256, (4, 9, 7, channels), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    if layout == "nchw":
+        x = x.permute(0, 3, 1, 2).contiguous()
+    mean, std = ((0.3,) * channels, (0.2,) * channels) if channels != 3 else (IMAGENET_MEAN, IMAGENET_STD)
+    opts = cpu_opts(normalize=(mean, std), memory_format=fmt)
+    out = convert(x, opts, layout=layout)
+    view = x.permute(0, 3, 1, 2) if layout == "nhwc" else x
+    scale, shift = opts._affine(view.device, True)
+    assert out.is_contiguous(memory_format=fmt) and torch.equal(out, torch.addcmul(shift, view, scale))
+
+
+def test_normalize_by_table_declines_what_it_cannot_do():
+    from stoker.device import all_levels, normalize_by_table
+    x = torch.zeros((2, 3, 4, 4), dtype=torch.uint8)
+    levels = all_levels(3).float()
+    assert not normalize_by_table(x.float(), levels, torch.empty(2, 3, 4, 4))  # not uint8
+    assert not normalize_by_table(x, levels, torch.empty(2, 3, 4, 4, dtype=torch.float16))  # not float32
+    assert not normalize_by_table(x, all_levels(1).float(), torch.empty(2, 3, 4, 4))  # tables for other channels
+    strided = torch.empty(2, 3, 4, 8)[..., ::2]
+    assert not normalize_by_table(x, levels, strided)  # neither NCHW nor channels_last
+
+
 @pytest.mark.parametrize("in_dtype", [torch.float32, torch.float16, torch.float64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -282,6 +282,11 @@ def convert(images: torch.Tensor, opts: DeviceOptions, *, layout: str = "nhwc") 
                               f"float images: pass a float dtype")
         return x.contiguous(memory_format=fmt)
     affine = opts._affine(x.device, from_uint8)
+    if affine is not None and from_uint8 and x.device.type == "cpu" and opts.dtype == torch.float32:
+        # on the CPU a 256-entry table per channel beats the arithmetic several times over (see normalize_by_table)
+        out = torch.empty(x.shape, dtype=torch.float32, memory_format=fmt)
+        if normalize_by_table(x, torch.addcmul(affine[1], all_levels(channels), affine[0]), out):
+            return out
     if affine is not None:
         # one kernel reads the input once, computes in float32 and stores straight into the final dtype
         # and layout (float16/bfloat16 rounded on store: no float32 intermediate, no second pass)
@@ -294,6 +299,44 @@ def convert(images: torch.Tensor, opts: DeviceOptions, *, layout: str = "nhwc") 
     if x.dtype != opts.dtype:
         x = x.to(opts.dtype, memory_format=fmt)
     return x.contiguous(memory_format=fmt)
+
+
+def all_levels(channels: int) -> torch.Tensor:
+    """uint8 [1, channels, 1, 256] holding 0..255 in every channel: run a per-pixel arithmetic on it to get
+    the exact table normalize_by_table needs."""
+    return torch.arange(256, dtype=torch.uint8).view(1, 1, 1, 256).expand(1, channels, 1, 256).contiguous()
+
+
+def normalize_by_table(x: torch.Tensor, levels: torch.Tensor, out: torch.Tensor) -> bool:
+    """Map a uint8 [B, C, H, W] batch in host memory (any strides; the Loader's slots are NHWC viewed as
+    NCHW) through per-channel tables into a float32 `out` that is contiguous NCHW or channels_last.
+
+    `levels` is the caller's own arithmetic applied to all_levels(C) (float32 [1, C, 1, 256]), so the values
+    are the arithmetic's bit for bit. OpenCV's LUT writes each image's planes straight into `out` with the GIL
+    released: about 0.12 ms per 224x224 image against 0.9 ms for one casting, transposing addcmul
+    (docs/loader.md). Returns False, touching nothing, where the table path does not apply."""
+    import cv2
+
+    if x.dtype != torch.uint8 or x.device.type != "cpu" or out.dtype != torch.float32 or x.dim() != 4 \
+            or out.shape != x.shape or x.shape[1] > 4 or levels.shape != (1, x.shape[1], 1, 256):
+        return False
+    channels = x.shape[1]
+    tables = levels.to(torch.float32).reshape(channels, 256).numpy()
+    nhwc = x.permute(0, 2, 3, 1).numpy()
+    if channels > 1 and out.permute(0, 2, 3, 1).is_contiguous():  # channels_last: one C-channel table
+        table = np.ascontiguousarray(tables.T.reshape(256, 1, channels))
+        dst = out.permute(0, 2, 3, 1).numpy()
+        for b in range(nhwc.shape[0]):
+            cv2.LUT(nhwc[b], table, dst=dst[b])
+        return True
+    if not out.is_contiguous():
+        return False
+    planes = out.numpy()
+    for b in range(nhwc.shape[0]):
+        split = cv2.split(nhwc[b]) if channels > 1 else [np.ascontiguousarray(nhwc[b, :, :, 0])]
+        for c, plane in enumerate(split):
+            cv2.LUT(plane, np.ascontiguousarray(tables[c]), dst=planes[b, c])
+    return True
 
 
 # ---- fences and the stage -------------------------------------------------------------------

@@ -10,6 +10,8 @@ Pipelines (each limited to `workers` CPU cores; one epoch over every image is on
 - ``stoker-train`` / ``stoker-val``: stoker.Loader on the packed copy, the same transforms.
 - ``ceiling``: libjpeg-turbo (simplejpeg) full decode of every image on ``workers`` threads, nothing else.
 - ``stoker-train-fast``: stoker-train with ``decode_quality="fast"`` (fast IDCT, plain upsampling).
+- ``stoker-train-float``: stoker-train handing out what the baseline hands out, float32 normalized NCHW
+  batches on the CPU (``device="cpu"``, ``normalize="imagenet"``; the conversion goes through per-channel tables).
 - ``stoker-train-raw256`` / ``stoker-train-jpeg256``: the recipes of storing smaller images: the same
   images packed with ``--encoding raw --max-side 256`` (no decode at load time) or ``--max-side 256``
   (smaller JPEGs), then stoker-train; the table prints each pipeline's bytes on disk beside its speed.
@@ -69,6 +71,8 @@ PIPELINES: dict[str, tuple[str, str | None]] = {
     "stoker-val": ("stoker.Loader, Resize(256) + CenterCrop(224)", "baseline-val"),
     "ceiling": ("simplejpeg full decode of every image, nothing else", "baseline"),
     "stoker-train-fast": ("stoker-train with decode_quality='fast'", "baseline"),
+    "stoker-train-float": ("stoker-train delivering float32 normalized NCHW on the CPU like the baseline "
+                           "(device='cpu', normalize='imagenet')", "baseline"),
     "stoker-train-raw256": ("stoker-train on a pack with --encoding raw --max-side 256", "baseline"),
     "stoker-train-jpeg256": ("stoker-train on a pack with --max-side 256 (JPEG)", "baseline"),
     "overhead": ("stoker.Loader, 1 thread, 16x16 raw images: per-sample Python work only", None),
@@ -84,7 +88,7 @@ PIPELINES: dict[str, tuple[str, str | None]] = {
                     "Mixup/CutMix batched on the device thread (device='cpu')", "baseline-deit"),
 }
 DEFAULT_PIPELINES = ("baseline", "baseline-val", "stoker-train", "stoker-val", "ceiling", "dali", "dali-val",
-                     "stoker-train-fast", "stoker-train-raw256", "stoker-train-jpeg256", "overhead")
+                     "stoker-train-fast", "stoker-train-float", "stoker-train-raw256", "stoker-train-jpeg256", "overhead")
 #: `stoker bench --recipe`: the pipelines each recipe runs by default (the ceiling is the same for all)
 RECIPE_PIPELINES = {"basic": DEFAULT_PIPELINES, "randaug": ("baseline-randaug", "stoker-randaug", "ceiling"),
                     "deit": ("baseline-deit", "stoker-deit", "ceiling")}
@@ -242,6 +246,7 @@ def _stoker_recipe_runner(spec: _Spec) -> _Runner:
 
 
 def _stoker_runner(spec: _Spec, train: bool) -> _Runner:
+    from ..device import DeviceOptions
     from ..loader import Loader
     from ..transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
 
@@ -251,7 +256,8 @@ def _stoker_runner(spec: _Spec, train: bool) -> _Runner:
         ops = [RandomResizedCrop(224), RandomHorizontalFlip()]
     else:
         ops = [Resize(256), CenterCrop(224)]
-    loader = Loader(spec.packed, spec.batch_size, transforms=ops, seed=0, num_threads=spec.workers,
+    device = DeviceOptions(device="cpu", normalize="imagenet") if spec.pipeline == "stoker-train-float" else None
+    loader = Loader(spec.packed, spec.batch_size, transforms=ops, seed=0, num_threads=spec.workers, device=device,
                     decode_quality="fast" if spec.pipeline == "stoker-train-fast" else "accurate")
 
     def epoch() -> Iterator[int]:
