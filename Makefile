@@ -5,13 +5,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test bench setup clean
+.PHONY: demo test bench dist setup clean
 
 $(BIN)/stoker: pyproject.toml setup.py csrc/jpeg_region.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[test,test-formats,plot,remote,ray]"
+	$(BIN)/pip install -q -e ".[test,test-formats,test-remote,plot,dist,integrations]"
 	@touch $@
 
 setup: $(BIN)/stoker
@@ -25,5 +25,9 @@ test: setup
 bench: setup
 	$(BIN)/stoker bench
 
+# the wheel and sdist into dist/, installed and run without torch in clean venvs (as CI does)
+dist: setup
+	.ci/dist-check
+
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

@@ -2,12 +2,45 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
+
+TESTS = Path(__file__).resolve().parent
+# Test modules that need no torch (pack, info, verify, the sources, the format). They carry the
+# `notorch` mark; where torch is not installed (CI's clean venvs on Python 3.10 and 3.13) only
+# these are collected.
+TORCH_FREE = frozenset({
+    "test_audit.py", "test_cli.py", "test_cli_install.py", "test_codecs.py", "test_gauntlet.py", "test_layering.py",
+    "test_order.py", "test_pack.py", "test_platform.py", "test_progress.py", "test_reader.py",
+    "test_shards.py", "test_sources.py", "test_storage.py", "test_synth.py",
+    "reliability/test_fuzz_decode.py", "reliability/test_pack_faults.py", "reliability/test_security.py",
+})
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def _torch_free(path: Path) -> bool:
+    try:
+        return path.resolve().relative_to(TESTS).as_posix() in TORCH_FREE
+    except ValueError:
+        return False
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if HAVE_TORCH or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    return True if not _torch_free(collection_path) else None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _torch_free(item.path):
+            item.add_marker(pytest.mark.notorch)
+
 
 PILLOW_CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "corpora" / "pillow-test-images"
 

@@ -161,12 +161,68 @@ def test_epochs_advance_and_set_epoch_replays(packed: Path) -> None:
     loader.set_epoch(0)
     again = run_epoch(loader)
     assert np.array_equal(e0[0], again[0]) and np.array_equal(e0[1], again[1])
-    # An abandoned pass counts as started: the next iter() moves on to the next epoch.
+    # A pass left part-way keeps its place: the next iter() continues the same epoch.
     loader.set_epoch(5)
-    next(iter(loader))
-    assert loader.epoch == 5
-    next(iter(loader))
-    assert loader.epoch == 6
+    first = next(iter(loader))[1].clone()
+    second = next(iter(loader))[1].clone()
+    assert loader.epoch == 5 and loader.state_dict()["batch"] == 2
+    loader.set_epoch(5)
+    it = iter(loader)
+    assert np.array_equal(next(it)[1], first) and np.array_equal(next(it)[1], second)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_state_after_a_break_is_what_the_next_iter_yields(packed: Path, persistent: bool) -> None:
+    """The rule: state_dict() always describes the next iter(), during a pass, after a break and
+    after an exception in the loop; resuming from it in a fresh Loader gives the same batches."""
+    loader = Loader(packed, 8, transforms=TRAIN, seed=9, num_threads=2, persistent=persistent)
+    for k, (images, labels) in enumerate(loader):
+        if k == 4:
+            break
+    state = loader.state_dict()
+    assert (state["epoch"], state["batch"], state["sample"]) == (0, 5, 40)
+    rest_here = [y.clone() for _, y in loader]
+    assert loader.epoch == 1 and loader.state_dict()["batch"] == 0
+    fresh = Loader(packed, 8, transforms=TRAIN, seed=9, num_threads=1)
+    fresh.load_state_dict(state)
+    rest_there = [y.clone() for _, y in fresh]
+    assert len(rest_here) == len(loader) - 5 and len(rest_here) == len(rest_there)
+    assert all(np.array_equal(a, b) for a, b in zip(rest_here, rest_there))
+
+    with pytest.raises(KeyError):   # an exception in the training step: the place is kept too
+        for k, (images, labels) in enumerate(loader):
+            if k == 2:
+                raise KeyError("step failed")
+    assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["batch"] == 3
+
+
+@pytest.mark.parametrize("new_size", [5, 16, 60])
+def test_resume_with_a_different_batch_size_yields_exactly_the_samples_left(packed: Path, new_size: int) -> None:
+    def labels_of(loader: Loader) -> list[int]:
+        return [v for _, y in loader for v in y.tolist()]
+
+    whole = Loader(packed, 8, transforms=TRAIN, seed=3)
+    whole.set_epoch(1)
+    epoch = labels_of(whole)
+    first = Loader(packed, 8, transforms=TRAIN, seed=3)
+    first.set_epoch(1)
+    it = iter(first)
+    seen = [v for _ in range(3) for v in next(it)[1].tolist()]
+    state = first.state_dict()
+    first.close()
+    resumed = Loader(packed, new_size, transforms=TRAIN, seed=3)
+    resumed.load_state_dict(state)
+    batches = [y.tolist() for _, y in resumed]
+    assert seen + [v for b in batches for v in b] == epoch   # same samples, same order, none twice
+    assert all(len(b) == new_size for b in batches[:-1])
+    assert resumed.epoch == 2
+    img_whole = Loader(packed, 8, transforms=TRAIN, seed=3)
+    img_whole.set_epoch(1)
+    ref = np.concatenate([x.numpy().copy() for x, _ in img_whole])[24:]
+    again = Loader(packed, new_size, transforms=TRAIN, seed=3)
+    again.load_state_dict(state)
+    got = np.concatenate([x.numpy().copy() for x, _ in again])
+    assert np.array_equal(ref, got)   # and the same pixels: random draws follow the sample, not the batch
 
 
 @pytest.mark.parametrize("threads,stop_after", [(1, 1), (2, 2), (3, 3)])
@@ -192,9 +248,11 @@ def test_resume_mid_epoch_yields_exactly_the_rest(packed: Path, threads: int, st
 
 
 def test_state_from_a_different_setup_is_refused(packed: Path) -> None:
-    state = Loader(packed, 8, transforms=TRAIN).state_dict()
-    with pytest.raises(ConfigError, match="batch_size=8 vs 16"):
-        Loader(packed, 16, transforms=TRAIN).load_state_dict(state)
+    state = Loader(packed, 8, transforms=TRAIN, drop_last=True).state_dict()
+    with pytest.raises(ConfigError, match="batch_size=8 vs 16.*only with drop_last=False"):
+        Loader(packed, 16, transforms=TRAIN, drop_last=True).load_state_dict(state)
+    with pytest.raises(ConfigError, match="seed=0 vs 1"):
+        Loader(packed, 8, transforms=TRAIN, seed=1, drop_last=True).load_state_dict(state)
     with pytest.raises(ConfigError, match="not a stoker Loader state"):
         Loader(packed, 8, transforms=TRAIN).load_state_dict({"epoch": 1})
 
@@ -341,6 +399,42 @@ def test_time_out_names_the_batch(packed: Path) -> None:
         next(iter(loader))
 
 
+def test_a_bug_in_a_user_transform_is_named_and_never_skipped(packed: Path) -> None:
+    from stoker.errors import UserTransformError
+
+    def buggy(img: np.ndarray) -> np.ndarray:
+        scale = {"low": 0.5}["high"]   # a user's mistake: a key that is not there
+        return (img * scale).astype(np.uint8)
+
+    for on_error in ("raise", "skip"):
+        loader = Loader(packed, 8, transforms=[*TRAIN, buggy], num_threads=2, on_error=on_error)
+        with pytest.raises(UserTransformError) as info:
+            next(iter(loader))
+        loader.close()
+        exc = info.value
+        assert exc.transform == "buggy" and exc.key is not None and exc.index is not None
+        assert str(exc).startswith("transform buggy raised KeyError: 'high'")
+        assert "error in the transform's code, not in the data: fix buggy" in str(exc)
+        assert "re-pack" not in str(exc)
+        assert isinstance(exc.__cause__, KeyError)   # the transform's own exception and traceback
+
+
+def test_corrupt_data_still_gets_the_data_advice(tmp_path: Path) -> None:
+    bad = build_packed(tmp_path / "bad", 20, shards=1, corrupt=(3,))
+    with Loader(bad, 20, transforms=TRAIN, order="sequential") as loader:
+        with pytest.raises(SampleError) as info:
+            next(iter(loader))
+    assert type(info.value) is SampleError
+    assert "Pass on_error='skip' to replace failing samples, or re-pack" in str(info.value)
+
+
+def test_pin_memory_without_cuda_is_a_config_error(packed: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available: pinned memory works here")
+    with pytest.raises(ConfigError, match=r"pin_memory=True needs CUDA.*pin_memory=None"):
+        Loader(packed, 8, transforms=TRAIN, pin_memory=True)
+
+
 def _epoch(loader: Loader) -> list[np.ndarray]:
     with loader:
         return [images.numpy().copy() for images, *_ in loader]
@@ -373,3 +467,102 @@ def test_fast_decode_quality_is_close_and_deterministic(packed):
     assert 0 < mse and 10 * np.log10(255**2 / mse) > 30  # PSNR, dB
     with pytest.raises(ConfigError, match="decode_quality must be one of"):
         Loader(packed, 8, transforms=TRAIN, decode_quality="turbo")
+
+
+def test_the_loose_loader_keeps_libtiff_and_pillow_chatter_off_stderr(tmp_path: Path, pillow_corpus: Path) -> None:
+    """A folder of odd TIFFs: libtiff's warnings/errors and Pillow's per-tag UserWarnings used to print
+    hundreds of lines; only stoker's own report of each replaced sample (a log record) may remain."""
+    import shutil
+    import subprocess
+    import sys
+
+    folder = tmp_path / "loose" / "scans"
+    folder.mkdir(parents=True)
+    for name in ("16bit.deflate.tif", "hopper_webp.tif", "tiff_overflow_rows_per_strip.tif", "seek_too_large.tif",
+                 "tiff_wrong_bits_per_sample.tiff", "hopper_g4.tif", "tiff_strip_raw.tif", "hopper.tif"):
+        if (pillow_corpus / name).exists():
+            shutil.copy(pillow_corpus / name, folder / name)
+    for p in sorted(pillow_corpus.glob("crash-*.tif"))[:6] + sorted(pillow_corpus.glob("*tag*.tif"))[:6]:
+        shutil.copy(p, folder / p.name)
+    script = (f"from stoker import Loader, RandomResizedCrop\n"
+              f"with Loader({str(tmp_path / 'loose')!r}, 4, transforms=[RandomResizedCrop(16)], on_error='skip',"
+              f" num_threads=2) as loader:\n"
+              f"    print(sum(1 for _ in loader), loader.stats.skipped)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    batches, skipped = map(int, done.stdout.split())
+    assert batches > 0 and skipped > 0   # the folder does hold files libtiff complains about
+    chatter = [line for line in done.stderr.splitlines() if not line.startswith("on_error='skip': sample ")]
+    assert len(chatter) <= 2, chatter   # Pillow's own C code may still print a line for a broken TIFF
+    assert not any("TIFF" in line or "Warning" in line for line in chatter), chatter
+
+
+def test_num_workers_is_dataloaders_name_for_num_threads(packed: Path) -> None:
+    assert Loader(packed, 8, transforms=TRAIN, num_workers=3).num_threads == 3
+    assert Loader(packed, 8, transforms=TRAIN, num_workers=0).num_threads == 1   # "main process": one thread
+    with pytest.raises(ConfigError, match="num_threads= or its DataLoader spelling num_workers=, not both"):
+        Loader(packed, 8, transforms=TRAIN, num_workers=2, num_threads=2)
+    with pytest.raises(ConfigError, match="stoker's name is num_threads"):
+        Loader(packed, 8, transforms=TRAIN, num_workers=-1)
+
+
+def test_indices_read_only_that_subset_each_epoch(packed: Path) -> None:
+    subset = [3, 7, 11, 19, 23, 29, 31, 41, 43, 47, 53]
+    loader = Loader(packed, 4, transforms=TRAIN, indices=subset, seed=2)
+    assert len(loader) == 3
+    epochs = [[v for _, y in loader for v in y.tolist()] for _ in range(2)]   # label = dataset index
+    assert sorted(epochs[0]) == subset and sorted(epochs[1]) == subset and epochs[0] != epochs[1]
+    seq = Loader(packed, 4, transforms=TRAIN, indices=np.array(subset), order="sequential")
+    assert [v for _, y in seq for v in y.tolist()] == subset
+    # the same subset gives the same pixels as the full dataset for those samples (keys follow the sample)
+    one = Loader(packed, 1, transforms=TRAIN, indices=[7], order="sequential", seed=5)
+    full = Loader(packed, 60, transforms=TRAIN, order="sequential", seed=5)
+    assert np.array_equal(next(iter(one))[0][0], next(iter(full))[0][7])
+    for bad, match in (([60], "outside the dataset's 0..59"), ([], "non-empty"), ([1.5], "ints")):
+        with pytest.raises(ConfigError, match=match):
+            Loader(packed, 4, transforms=TRAIN, indices=bad)
+    with pytest.raises(ConfigError, match="shard_random.*use order='random'"):
+        Loader(packed, 4, transforms=TRAIN, indices=subset, order="shard_random")
+
+
+def test_a_state_from_another_subset_is_refused(packed: Path) -> None:
+    state = Loader(packed, 4, transforms=TRAIN, indices=[1, 2, 3]).state_dict()
+    with pytest.raises(ConfigError, match="pool="):
+        Loader(packed, 4, transforms=TRAIN, indices=[1, 2, 4]).load_state_dict(state)
+    Loader(packed, 4, transforms=TRAIN, indices=[1, 2, 3]).load_state_dict(state)
+
+
+def test_weights_draw_with_replacement_deterministically(packed: Path) -> None:
+    weights = np.zeros(60)
+    weights[[5, 6]] = [1.0, 3.0]
+    loader = Loader(packed, 20, transforms=TRAIN, weights=weights, seed=1, num_threads=2)
+    assert len(loader) == 3   # an epoch is len(weights) draws, as WeightedRandomSampler(weights, len(weights))
+    images, labels = [], []
+    for x, y in loader:
+        images.append(x.numpy().copy())
+        labels += y.tolist()
+    assert set(labels) == {5, 6} and 30 < labels.count(6) < 58   # 3:1, with replacement
+    again = Loader(packed, 20, transforms=TRAIN, weights=weights.tolist(), seed=1, num_threads=1)
+    assert np.array_equal(np.concatenate(images), np.concatenate([x.numpy().copy() for x, _ in again]))
+    rows = np.concatenate(images)[np.array(labels) == 6]
+    assert len({r.tobytes() for r in rows}) > len(rows) // 2   # each draw of a sample gets its own crop
+    sub = Loader(packed, 10, transforms=TRAIN, indices=[8, 9], weights=[0.0, 1.0])
+    assert {v for _, y in sub for v in y.tolist()} == {9} and len(sub) == 1
+    with pytest.raises(ConfigError, match="one number per dataset sample \\(60\\)"):
+        Loader(packed, 4, transforms=TRAIN, weights=[1.0, 2.0])
+    with pytest.raises(ConfigError, match="positive sum"):
+        Loader(packed, 4, transforms=TRAIN, weights=np.zeros(60))
+    with pytest.raises(ConfigError, match="leave order='random'"):
+        Loader(packed, 4, transforms=TRAIN, weights=np.ones(60), order="sequential")
+
+
+def test_collate_fn_batches_the_extra_columns(packed: Path) -> None:
+    def to_tensor(extras: dict[str, list]) -> torch.Tensor:
+        return torch.tensor(extras["weight"], dtype=torch.float32)
+
+    loader = Loader(packed, 8, transforms=TRAIN, columns=["weight"], collate_fn=to_tensor, order="sequential")
+    for images, labels, weight in loader:
+        assert isinstance(weight, torch.Tensor) and weight.shape == labels.shape
+        assert torch.allclose(weight, labels.float() / 10)
+    with pytest.raises(ConfigError, match="name the columns in columns="):
+        Loader(packed, 8, transforms=TRAIN, collate_fn=to_tensor)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from stoker.errors import ConfigError
@@ -199,3 +199,15 @@ def test_shard_window_rejects_bad_arguments() -> None:
         shard_window_order([10], seed=0, epoch=0, window=0)
     with pytest.raises(ConfigError, match="rank"):
         shard_window_order([10], seed=0, epoch=0, rank=2, world_size=2)
+
+
+@given(st.lists(st.floats(0, 10), min_size=1, max_size=40), st.integers(0, 2**31), st.integers(0, 50))
+def test_weighted_draws_never_pick_zero_weights_and_repeat_exactly(weights, seed, epoch):
+    from stoker.order import make_pool
+
+    assume(sum(weights) > 0)
+    pool = make_pool(len(weights), weights=weights)
+    draws = pool.draw(seed, epoch)
+    assert len(draws) == len(weights) and ((draws >= 0) & (draws < len(weights))).all()
+    assert all(weights[i] > 0 for i in draws)
+    assert np.array_equal(draws, make_pool(len(weights), weights=weights).draw(seed, epoch))

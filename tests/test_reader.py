@@ -157,3 +157,26 @@ def test_encodings_may_change_between_record_batches_of_one_shard(tmp_path: Path
     with open_dataset(tmp_path, verify=True) as ds:
         assert [ds.sample(i).encoding for i in range(len(ds))] == encodings
         assert ds.encodings.tolist() == encodings
+
+
+def test_a_dataset_indexes_like_a_torch_dataset(tmp_path: Path) -> None:
+    from stoker.packing import pack
+
+    for cls, values in (("cat", [10, 200]), ("dog", [90])):
+        (tmp_path / "src" / cls).mkdir(parents=True)
+        for k, v in enumerate(values):
+            (tmp_path / "src" / cls / f"{k}.jpg").write_bytes(_jpeg(16, 24, v))
+    pack(tmp_path / "src", tmp_path / "packed", progress=False)
+    for ds in (open_dataset(tmp_path / "packed"), open_loose(tmp_path / "src")):
+        with ds:
+            assert len(ds) == 3
+            items = [ds[i] for i in range(len(ds))]
+            for (image, label), value, want in zip(items, [10, 200, 90], [0, 0, 1]):
+                assert image.dtype == np.uint8 and image.shape == (16, 24, 3) and image.flags.writeable
+                assert abs(int(image.mean()) - value) <= 2 and label == want and type(label) is int
+            image, label = ds[-1]
+            assert label == 1 and np.array_equal(image, items[2][0])
+            with pytest.raises(IndexError):
+                ds[3]
+            with pytest.raises(TypeError, match="indices=\\[...\\] to stoker.Loader"):
+                ds[0:2]

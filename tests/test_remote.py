@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("s3fs", reason="needs the remote extra: pip install 'stoker[remote]'")
-pytest.importorskip("moto", reason="needs moto[server] (the test extra)")
+pytest.importorskip("moto", reason="needs moto[server]: pip install -e '.[test-remote]'")
 
 from s3_helpers import S3Server  # noqa: E402
 

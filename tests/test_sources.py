@@ -171,7 +171,7 @@ def test_missing_empty_and_unknown_sources(tmp_path: Path) -> None:
     with pytest.raises(SourceError, match="cannot read .*x.parquet as Parquet"):
         open_source(tmp_path / "x.parquet")
     (tmp_path / "x.zip").write_bytes(b"PK")
-    with pytest.raises(SourceError, match="cannot tell .*--kind: one of .*webdataset, tfrecord, hf, lmdb, hdf5"):
+    with pytest.raises(SourceError, match="cannot tell .*kind=...: one of .*webdataset, tfrecord, hf, lmdb, hdf5"):
         open_source(tmp_path / "x.zip")
     with pytest.raises(SourceError, match="unknown source kind"):
         open_source(tmp_path, kind="zip")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from stoker.errors import ConfigError
+from stoker.errors import ConfigError, UserTransformError
 from stoker.order import sample_keys, uniforms
 from stoker.transforms import (CenterCrop, Pipeline, RandomHorizontalFlip, RandomResizedCrop, Resize,
                                crop_resize_into, decode_minimums)
@@ -190,7 +190,7 @@ def test_user_callables_get_a_per_sample_rng() -> None:
 
 
 def test_user_callable_must_return_an_image() -> None:
-    with pytest.raises(TypeError, match="expected a uint8 HxWx3"):
+    with pytest.raises(UserTransformError, match=r"returned a float32 array of shape \(4, 4, 3\); expected a uint8"):
         Pipeline([lambda img: img.astype(np.float32)]).apply(np.zeros((4, 4, 3), np.uint8))
     with pytest.raises(ConfigError, match="transform #0"):
         Pipeline([42])

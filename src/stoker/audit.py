@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from . import codecs
+from ._progress import Progress
 from ._system import usable_cpus
 from .errors import DatasetError, ImageError
 from .integrity import check_shard
@@ -130,7 +131,7 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def _check_shards(storage: Storage, report: VerifyReport) -> bool:
+def _check_shards(storage: Storage, report: VerifyReport, progress: bool = False) -> bool:
     """Checksums and structure of every listed shard; True when all are sound."""
     try:
         manifest = read_manifest(storage)
@@ -141,15 +142,17 @@ def _check_shards(storage: Storage, report: VerifyReport) -> bool:
         storage.open_cache(manifest.shards)
     listed = {s.file for s in manifest.shards}
     report.unlisted = [n for n in storage.list() if SHARD_NAME_RE.fullmatch(n) and n not in listed]
-    for info in manifest.shards:
-        report.shards_checked += 1
-        problem = check_shard(storage, info, manifest, checksum=True)
-        if problem is not None:
-            report.problems.append(Problem(info.file, problem.what, problem.expected, problem.found))
+    with Progress("verify checksums", len(manifest.shards), unit="shard", enabled=progress) as bar:
+        for info in manifest.shards:
+            report.shards_checked += 1
+            problem = check_shard(storage, info, manifest, checksum=True)
+            if problem is not None:
+                report.problems.append(Problem(info.file, problem.what, problem.expected, problem.found))
+            bar.update()
     return not report.problems
 
 
-def _decode_all(ds: PackedDataset | CachedDataset, report: VerifyReport, workers: int) -> None:
+def _decode_all(ds: PackedDataset | CachedDataset, report: VerifyReport, workers: int, progress: bool = False) -> None:
     def check(i: int) -> Problem | None:
         s = ds.sample(i)
         try:
@@ -161,23 +164,28 @@ def _decode_all(ds: PackedDataset | CachedDataset, report: VerifyReport, workers
                            f"{s.height}x{s.width}", f"{rgb.shape[0]}x{rgb.shape[1]}")
         return None
 
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stoker-verify") as pool:
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stoker-verify") as pool, \
+            Progress("verify decode", len(ds), enabled=progress) as bar:
         for problem in pool.map(check, range(len(ds)), chunksize=64):
             report.samples_decoded += 1
             if problem is not None:
                 report.problems.append(problem)
+                bar.set_postfix(problems=len(report.problems))
+            bar.update()
 
 
-def verify(path: str | Path | Storage, *, decode: bool = False, workers: int | None = None) -> VerifyReport:
+def verify(path: str | Path | Storage, *, decode: bool = False, workers: int | None = None,
+           progress: bool = False) -> VerifyReport:
     """Check a packed dataset: manifest valid, every shard present with the manifest's size,
     SHA-256 and row count, and readable as Arrow; with ``decode`` also decode every sample.
-    Reports every problem found (not just the first)."""
+    Reports every problem found (not just the first). ``progress``: a bar on a terminal, log lines
+    (logger ``stoker.progress``) elsewhere."""
     storage = as_storage(path)
     report = VerifyReport(storage.location if isinstance(path, Storage) else str(path))
     try:
-        if _check_shards(storage, report) and decode:
+        if _check_shards(storage, report, progress) and decode:
             with open_dataset(storage) as ds:
-                _decode_all(ds, report, workers or usable_cpus())
+                _decode_all(ds, report, workers or usable_cpus(), progress)
     finally:
         if isinstance(storage, RemoteStorage):
             storage.close()  # the cache's download threads

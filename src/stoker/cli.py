@@ -1,4 +1,8 @@
-"""``stoker`` command line: thin wrappers over the library (pack, info, verify, stage, bench, doctor, demo)."""
+"""``stoker`` command line: thin wrappers over the library (synth, pack, info, verify, stage, bench, doctor, demo).
+
+Errors print their command-line spelling (flags, not Python arguments). Long commands report progress:
+a bar on a terminal, a log line every few seconds otherwise (batch jobs, CI logs); ``--quiet`` drops both.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from . import __version__
 from ._system import parse_size as _parse_size
@@ -75,6 +79,40 @@ def _quiet_native_output() -> Iterator[None]:
         quiet.close()
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time of each record: while decoder chatter is hidden,
+    file descriptor 2 points at /dev/null and ``sys.stderr`` at the real terminal."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
+def _setup_logging(quiet: bool) -> logging.Handler:
+    """stoker's log lines (progress, skipped samples) on stderr; with --quiet only warnings and errors."""
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s stoker: %(message)s", "%H:%M:%S"))
+    logger = logging.getLogger("stoker")
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING if quiet else logging.INFO)
+    return handler
+
+
+def _cmd_synth(args: argparse.Namespace) -> int:
+    from .tools.synth import make_imagenet_like
+
+    result = make_imagenet_like(args.out, args.images, classes=args.classes, seed=args.seed, workers=args.workers,
+                                layout=args.layout, progress=not args.quiet)
+    what = "an ImageFolder tree" if args.layout == "folder" else "a file list"
+    print(f"wrote {args.images:,} ImageNet-like JPEGs ({args.classes} classes) as {what}: {result}\n"
+          f"next: stoker pack {result} {Path(args.out).name}-packed")
+    return 0
+
+
 def _cmd_pack(args: argparse.Namespace) -> int:
     from .packing import PackOptions, pack
 
@@ -87,7 +125,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     src = args.src[0] if len(args.src) == 1 else list(args.src)   # several: a list of WebDataset shards
     with contextlib.nullcontext() if args.verbose else _quiet_native_output():
         summary = pack(src, args.out, options=options, resume=args.resume, overwrite=args.overwrite,
-                       progress=not args.no_progress, **source_options)
+                       progress=not (args.no_progress or args.quiet), **source_options)
     print(summary.format())
     return 0
 
@@ -103,7 +141,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from .audit import verify
 
-    report = verify(args.dataset, decode=args.decode, workers=args.workers)
+    report = verify(args.dataset, decode=args.decode, workers=args.workers, progress=not args.quiet)
     print(report.format())
     return 0 if report.ok else 1
 
@@ -137,7 +175,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     models = None if args.models is None else tuple(m.strip() for m in args.models.split(",") if m.strip())
     result = run_bench(args.data, images=args.images, batch_size=args.batch_size, workers=args.workers,
                        rounds=args.rounds, out_dir=args.out, device=args.device, models=models, steps=args.steps,
-                       warmup_steps=args.warmup_steps, recipe=args.recipe,
+                       warmup_steps=args.warmup_steps, recipe=args.recipe, progress=not args.quiet,
                        **({"pipelines": tuple(args.pipelines.split(","))} if args.pipelines else {}))
     print(json.dumps(result.to_json(), indent=1) if args.json else format_table(result))
     return 0
@@ -160,6 +198,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_quiet(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress (bar or log lines) and no info log lines; warnings and errors still show")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stoker", description="Keep the GPU fed: pack images into shards, "
                                      "load them fast.")
@@ -167,6 +210,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     from .sources import KINDS
+
+    p = sub.add_parser("synth", help="write ImageNet-like sample JPEGs to try the other commands on")
+    p.add_argument("out", help="output folder (created)")
+    p.add_argument("--images", type=_positive, default=1000, metavar="N", help="how many images (default 1000)")
+    p.add_argument("--classes", type=_positive, default=10, help="number of classes (default 10)")
+    p.add_argument("--layout", default="folder", choices=["folder", "list"],
+                   help="folder: OUT/class_XXX/*.jpg (default); list: OUT/images/*.jpg plus OUT/train.txt")
+    p.add_argument("--seed", type=int, default=0, help="same seed, same files (default 0)")
+    p.add_argument("--workers", type=_positive, default=None, help="worker processes (default: usable CPUs)")
+    _add_quiet(p)
+    p.set_defaults(func=_cmd_synth)
 
     p = sub.add_parser("pack", help="pack images (folders, lists, CSV, WebDataset, Hugging Face, LMDB, TFRecord, "
                        "HDF5, COCO) into Arrow shards, in a folder or object storage")
@@ -215,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--root", type=Path, default=None, metavar="DIR",
                    help="lists and CSVs: resolve relative paths against DIR and make keys relative to it "
                         "(default: the list's folder; absolute paths work either way)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar or progress log lines")
+    _add_quiet(p)
     p.set_defaults(func=_cmd_pack)
 
     p = sub.add_parser("info", help="counts, classes, resolutions and sizes of a packed dataset")
@@ -227,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dataset", help="dataset directory or URL (s3://bucket/ds: shards go through the local cache)")
     p.add_argument("--decode", action="store_true", help="also decode every sample")
     p.add_argument("--workers", type=_positive, default=None, help="decode threads (default: usable CPUs)")
+    _add_quiet(p)
     p.set_defaults(func=_cmd_verify)
 
     p = sub.add_parser("stage", help="copy a packed dataset into memory-backed storage (/dev/shm) once, verified",
@@ -261,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --device cuda: untimed training steps first (default 10)")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="where to write JSON/markdown/PNG")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    _add_quiet(p)
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("doctor", help="is training on this data input-bound? loader alone, model alone, both")
@@ -292,10 +349,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
+    handler = _setup_logging(getattr(args, "quiet", False))
     try:
         return func(args)
     except StokerError as exc:
-        print(f"stoker {args.command}: error: {exc}", file=sys.stderr)
+        print(f"stoker {args.command}: error: {exc.for_cli()}", file=sys.stderr)
         return 2
     except OSError as exc:  # the machine's answer (a full disk, a vanished file): one line, not a traceback
         where = f": {exc.filename}" if exc.filename else ""
@@ -304,6 +362,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"stoker {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        logging.getLogger("stoker").removeHandler(handler)
 
 
 if __name__ == "__main__":

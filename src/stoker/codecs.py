@@ -17,8 +17,11 @@ Every failure becomes an ``ImageError`` subclass naming the sample and the reaso
 
 from __future__ import annotations
 
+import ctypes
 import io
 import math
+import threading
+import warnings
 from dataclasses import dataclass
 from typing import Union
 
@@ -98,6 +101,35 @@ def _open(data: Buffer, key: str, max_pixels: int) -> Image.Image:
         raise CorruptImageError(key, f"unreadable header: {type(exc).__name__}: {exc}") from None
     _check_pixels(key, img.width, img.height, max_pixels)
     return img
+
+
+_quieted = threading.Event()
+
+
+def quiet_decoder_messages() -> None:
+    """Stop Pillow's decoders from printing about each odd file they meet, once per process.
+
+    libtiff prints its warnings and errors straight to stderr (hundreds of lines for a folder of
+    scanned TIFFs with private tags), and Pillow's TIFF and EXIF readers emit a ``UserWarning`` per
+    damaged tag. stoker reports every sample that fails itself (``SampleError``, the skip log, pack's
+    ``skipped.jsonl``), so those lines only repeat it. libtiff's handlers are process-wide, so this
+    is done by the loose-file reader and by ``pack``, the two places that decode users' raw files,
+    not at import. Best effort: where Pillow's libtiff does not export its handler setters (static
+    builds on Windows) libtiff keeps printing.
+    """
+    if _quieted.is_set():
+        return
+    _quieted.set()
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL\.")
+    try:
+        from PIL import _imaging
+
+        lib = ctypes.CDLL(_imaging.__file__)   # symbol lookup includes the libtiff it links
+        for setter in (lib.TIFFSetWarningHandler, lib.TIFFSetErrorHandler):
+            setter.argtypes, setter.restype = [ctypes.c_void_p], ctypes.c_void_p
+            setter(None)   # libtiff's documented way to turn a handler off
+    except (OSError, AttributeError, ImportError):
+        pass
 
 
 def _orientation(img: Image.Image) -> int:

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any, ContextManager, Iterator
 
 import numpy as np
-import torch
 
+from ._torch import torch
 from ._system import poll_until
 from .errors import ConfigError, LoaderTimeoutError
 

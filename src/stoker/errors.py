@@ -4,6 +4,7 @@ and which file, shard, row or sample it concerns.
     StokerError
     ├── ConfigError (ValueError)          a bad argument or option combination
     │   └── UnsupportedStorageError       a URL no installed storage backend serves (the message names the package)
+    ├── MissingDependencyError (ImportError) an optional package (torch, ...) is not installed
     ├── SourceError (ValueError)          input that cannot be listed: missing path, bad list line
     ├── ImageError (ValueError)           one image that cannot be used
     │   ├── CorruptImageError             truncated, not an image, decoder failure
@@ -16,6 +17,7 @@ and which file, shard, row or sample it concerns.
     ├── OutputError (OSError)             the output directory cannot be written (disk full, ...)
     ├── DatasetClosedError (ValueError)   a dataset used after close()
     ├── SampleError (RuntimeError)        loading one sample failed inside the Loader
+    │   └── UserTransformError            the user's own transform raised: a bug in that code, not bad data
     ├── LoaderClosedError (RuntimeError)  the loader was closed while a batch was awaited
     ├── WorkerError (RuntimeError)        a loader thread died outside any one sample
     └── LoaderTimeoutError (TimeoutError) a wait for data exceeded its timeout
@@ -24,10 +26,43 @@ and which file, shard, row or sample it concerns.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, TypeVar
+
+_E = TypeVar("_E", bound="StokerError")
 
 
 class StokerError(Exception):
-    """Base of every error stoker raises on purpose."""
+    """Base of every error stoker raises on purpose.
+
+    A message that names a fix speaks to its reader: Python arguments (``resume=True``) in
+    ``str(exc)`` for library users, command-line flags (``--resume``) in ``cli_message`` for the CLI,
+    which prints that one. Build such an error with :meth:`spelled`.
+    """
+
+    #: the message with command-line flags instead of Python arguments (None: same as str())
+    cli_message: str | None = None
+
+    @classmethod
+    def spelled(cls: type[_E], template: str, spellings: dict[str, tuple[str, str]], **kwargs: Any) -> _E:
+        """An error whose message names each fix in its reader's terms: every ``{name}`` in `template`
+        becomes ``spellings[name][0]`` (the Python argument) in ``str(exc)`` and ``spellings[name][1]``
+        (the CLI flag) in ``exc.cli_message``. Other braces in `template` are left alone."""
+        python, cli = template, template
+        for name, (argument, flag) in spellings.items():
+            python = python.replace("{" + name + "}", argument)
+            cli = cli.replace("{" + name + "}", flag)
+        exc = cls(python, **kwargs)
+        exc.cli_message = cli
+        return exc
+
+    def for_cli(self) -> str:
+        """The message a command-line user should read."""
+        return self.cli_message if self.cli_message is not None else str(self)
+
+
+#: the fixes messages most often name, as (Python argument, CLI flag)
+RESUME = ("resume=True", "--resume")
+OVERWRITE = ("overwrite=True", "--overwrite")
 
 
 class ConfigError(StokerError, ValueError):
@@ -41,6 +76,15 @@ class UnsupportedStorageError(ConfigError):
     def __init__(self, message: str, *, location: str | None = None) -> None:
         super().__init__(message)
         self.location = location
+
+
+class MissingDependencyError(StokerError, ImportError):
+    """An optional package a feature needs is not installed; the message gives the `pip install`
+    command. `package` is the missing distribution's name."""
+
+    def __init__(self, message: str, *, package: str) -> None:
+        super().__init__(message, name=package)
+        self.package = package
 
 
 class SourceError(StokerError, ValueError):
@@ -124,6 +168,17 @@ class SampleError(StokerError, RuntimeError):
         self.shard = shard
         self.row = row
         self.index = index
+
+
+class UserTransformError(SampleError):
+    """A transform the user passed (a callable in ``transforms=``) raised, or returned something that is
+    not a uint8 HxWx3 array: a bug in that code, not in the data, so ``on_error="skip"`` does not hide it
+    and re-packing does not help. ``transform`` names it; its exception is ``__cause__``."""
+
+    def __init__(self, message: str, *, transform: str, key: str | None = None, shard: str | None = None,
+                 row: int | None = None, index: int | None = None) -> None:
+        super().__init__(message, key=key, shard=shard, row=row, index=index)
+        self.transform = transform
 
 
 class LoaderTimeoutError(StokerError, TimeoutError):

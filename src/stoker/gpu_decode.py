@@ -22,11 +22,13 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
-import torch
 
+from ._torch import torch
 from .codecs import encode_jpeg
 from .errors import ConfigError, CorruptImageError, ImageError
 from .transforms import crop_window
+
+F = torch.nn.functional
 
 #: Accepted values of `gpu_decoder` / `make_decoder(backend=...)`.
 BACKENDS = ("auto", "torchvision", "nvimgcodec", "nvimgcodec-cuda")

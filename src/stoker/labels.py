@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
+from ._torch import torch
 from .errors import ConfigError
 
 __all__ = ["MULTI_LABEL_FORMATS", "MultiLabel", "multi_label_spec"]

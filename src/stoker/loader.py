@@ -27,15 +27,15 @@ import warnings
 import weakref
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
-import torch
 
+from ._torch import torch
 from ._system import usable_cpus
 from .errors import ConfigError
 from .labels import multi_label_spec
-from .order import ORDERS, epoch_order, num_batches, rank_indices, samples_per_rank, shard_window_order
+from .order import ORDERS, epoch_order, make_pool, num_batches, rank_indices, samples_per_rank, shard_window_order
 from .reader import CachedDataset, Dataset, PackedDataset, open_cached, open_dataset, open_loose
 from .device import DeviceOptions, DeviceStage, as_device_options, consumer_fence
 from .render import DeviceBuilder, EpochChain, Filler, RenderSpec, batch_extras, run_batch_ops
@@ -154,6 +154,11 @@ class Loader:
     top-left in zero-padded rows as large as the largest output in the dataset, with each image's
     (height, width) in the third item as "sizes" (int64 [B, 2]).
     `decode_quality`: "accurate" or "fast" (CPU JPEG decode; see `DECODE_QUALITIES`).
+
+    DataLoader habits: `indices` reads only those dataset indices (a `Subset`), `weights` (one per
+    sample, or per entry of `indices`) draws each epoch with replacement like `WeightedRandomSampler`,
+    `collate_fn(extras)` turns the `{column: [values]}` of `columns` into the batch's third item, and
+    `num_workers` is accepted for `num_threads` (threads, not processes).
     """
 
     def __init__(self, source: str | Path | Dataset, batch_size: int, *, transforms: Sequence[Any] | None = None,
@@ -166,7 +171,21 @@ class Loader:
                  multi_label: str = "multi-hot", num_classes: int | None = None,
                  decode_quality: str = "accurate", boxes: str | Sequence[str] = (),
                  masks: str | Sequence[str] = (), pad: bool = False, persistent: bool = False,
-                 shuffle: bool | None = None) -> None:
+                 indices: Sequence[int] | np.ndarray | None = None, weights: Sequence[float] | np.ndarray | None = None,
+                 collate_fn: Callable[[dict[str, list]], Any] | None = None, shuffle: bool | None = None,
+                 num_workers: int | None = None) -> None:
+        if num_workers is not None:  # DataLoader's name: worker threads here, not processes
+            if num_threads is not None:
+                raise ConfigError("pass num_threads= or its DataLoader spelling num_workers=, not both")
+            if not isinstance(num_workers, int) or num_workers < 0:
+                raise ConfigError(f"num_workers must be an int >= 0, got {num_workers!r}; stoker's name is "
+                                  f"num_threads (worker threads, not processes)")
+            num_threads = max(num_workers, 1)   # 0 (DataLoader: load in the main process) -> one thread
+        if collate_fn is not None and (not callable(collate_fn) or not columns):
+            raise ConfigError("collate_fn receives the batch's extra columns ({column: [values]}) and returns "
+                              "the batch's third item: pass a callable, and name the columns in columns=[...]"
+                              " (images and labels are batched by stoker itself)")
+        self.collate_fn = collate_fn
         if shuffle is not None:  # the 0.1 spelling, kept while it costs nothing
             warnings.warn("Loader(shuffle=) is deprecated: pass order='random' or order='sequential'",
                           DeprecationWarning, stacklevel=2)
@@ -207,6 +226,7 @@ class Loader:
         _check_boxes(self.boxes + self.masks, self.pipeline)
         columns = (*columns, *(c for c in self.boxes + self.masks if c not in columns))
         self._multi_label_args = (multi_label, num_classes)   # checked against the labels in _setup
+        self._pool_args = (indices, weights)   # checked against the dataset's size in _setup
         self._staged: StagedCopy | None = None
         if stage is not None:
             if isinstance(source, Dataset) or url_scheme(source) not in (None, "file"):
@@ -245,6 +265,10 @@ class Loader:
         if missing:
             raise ConfigError(f"{ds.path}: no column(s) {missing}; the dataset has extra columns {ds.extra_columns}")
         self.rank, self.world_size = _distributed(rank, world_size)
+        if pin_memory and not torch.cuda.is_available():
+            raise ConfigError("pin_memory=True needs CUDA, and torch finds no CUDA device here (a CPU-only "
+                              "torch build, or no driver); pass pin_memory=None (pinned only when CUDA is "
+                              "available) or pin_memory=False")
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         self._stage: DeviceStage | None = None  # one copy stream per loader, made on first use
         self._gpu: Any = None  # the GpuBatchDecoder (decode="gpu")
@@ -252,6 +276,13 @@ class Loader:
             self._gpu_for(self.device)  # a missing decoder library fails here, with its install hint
         if len(ds) == 0:
             raise ConfigError(f"{ds.path}: the dataset is empty; nothing to load")
+        self._pool = make_pool(len(ds), *self._pool_args)
+        if self._pool.fingerprint is not None and order in ("shard_random", "shard_window"):
+            raise ConfigError(f"order={order!r} reads whole shard blocks, so it cannot follow indices= or "
+                              "weights=; use order='random' (or pack the subset as its own dataset)")
+        if self._pool.weighted and order != "random":
+            raise ConfigError(f"weights= draws each epoch's samples at random (with replacement), so "
+                              f"order={order!r} cannot apply; leave order='random'")
         heights = None if ds.heights is None else np.asarray(ds.heights, dtype=np.int64)
         widths = None if ds.widths is None else np.asarray(ds.widths, dtype=np.int64)
         self.output_size = self._resolve_output_size(heights, widths)
@@ -273,10 +304,12 @@ class Loader:
         multi = multi_label_spec(labels, ds.classes, *self._multi_label_args)
         self._spec = RenderSpec(batch_size, self.output_size, self.pipeline, self.seed, on_error, self.columns,
                                 labels, heights, widths, multi_label=multi, decode_quality=self.decode_quality,
-                                box_columns=self.boxes, mask_columns=self.masks, pad=self.pad)
+                                box_columns=self.boxes, mask_columns=self.masks, pad=self.pad,
+                                key_by_draw=self._pool.weighted, members=self._pool.members())
         self._shard_rows = [s.rows for s in ds.manifest.shards] \
             if isinstance(ds, (PackedDataset, CachedDataset)) else None
-        self._epoch, self._cursor, self._started = 0, 0, False
+        # where the next iter() starts: the epoch, and how many of its samples (on this rank) were yielded
+        self._epoch, self._cursor = 0, 0
         self.stats = LoaderStats()
         self._ring: BatchRing | None = None
         self._current: weakref.ref | None = None
@@ -303,7 +336,7 @@ class Loader:
     # ---- epochs and state ------------------------------------------------------------------
     def __len__(self) -> int:
         """Batches per epoch on this rank."""
-        return num_batches(samples_per_rank(len(self.dataset), self.world_size, self.drop_last),
+        return num_batches(samples_per_rank(self._pool.size, self.world_size, self.drop_last),
                            self.batch_size, self.drop_last)
 
     @property
@@ -312,40 +345,68 @@ class Loader:
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Read epoch `epoch` from its start on the next `iter()`. Without calls, each new `iter()`
-        after a started one moves on to the next epoch by itself."""
-        self._epoch, self._cursor, self._started = int(epoch), 0, False
+        """Read epoch `epoch` from its start on the next `iter()`. Without calls, an `iter()` after a
+        finished pass reads the next epoch, and one after a pass left part-way continues it."""
+        self._epoch, self._cursor = int(epoch), 0
+
+    def _epoch_samples(self) -> int:
+        """Samples of one epoch on this rank (what `epoch_indices` returns, without computing the order)."""
+        if self.drop_last:
+            return len(self) * self.batch_size
+        return samples_per_rank(self._pool.size, self.world_size, False)
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the loader is: epoch and batches already yielded, plus what must match on resume."""
-        return {"format": _STATE_FORMAT, "epoch": self._epoch, "batch": self._cursor, "seed": self.seed,
-                "batch_size": self.batch_size, "world_size": self.world_size, "num_samples": len(self.dataset),
-                "order": self.order, "drop_last": self.drop_last}
+        """What the next `iter()` yields: the epoch, and the samples (and batches) of it already
+        yielded on this rank, plus the settings that must match on resume. It is the same whether
+        taken during a pass, after a `break` or after an exception: a pass left part-way keeps its
+        place, and the next `iter()` continues from there."""
+        batch = -(-self._cursor // self.batch_size)
+        return {"format": _STATE_FORMAT, "epoch": self._epoch, "batch": batch, "sample": self._cursor,
+                "seed": self.seed, "batch_size": self.batch_size, "world_size": self.world_size,
+                "num_samples": len(self.dataset), "order": self.order, "drop_last": self.drop_last,
+                "pool": self._pool.fingerprint}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume: the next `iter()` yields exactly the batches of `state`'s epoch not yet yielded."""
+        """Resume: the next `iter()` yields exactly the samples of `state`'s epoch not yet yielded.
+        A different `batch_size` is allowed with `drop_last=False` (the samples left are the same;
+        only their grouping into batches changes); everything else must match."""
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
             raise ConfigError(f"not a stoker Loader state (expected format {_STATE_FORMAT!r}): {state!r:.200}")
         mine = self.state_dict()
-        diff = {k: (state.get(k), mine[k]) for k in ("seed", "batch_size", "world_size", "num_samples",
-                                                      "order", "drop_last") if state.get(k) != mine[k]}
+        keys = ["seed", "world_size", "num_samples", "order", "drop_last", "pool"]
+        if self.drop_last:  # which samples an epoch drops depends on the batch size
+            keys.append("batch_size")
+        diff = {k: (state.get(k), mine[k]) for k in keys if state.get(k) != mine[k]}
         if diff:
+            hint = ("; build the Loader with the saved settings to resume exactly"
+                    + (" (a new batch_size can resume only with drop_last=False: with drop_last=True the "
+                       "samples an epoch leaves out depend on it)" if "batch_size" in diff else ""))
             raise ConfigError("the saved loader state does not match this Loader (saved, now): "
-                              + ", ".join(f"{k}={a!r} vs {b!r}" for k, (a, b) in diff.items())
-                              + "; build the Loader with the saved settings to resume exactly")
-        if not 0 <= int(state["batch"]) <= len(self):
-            raise ConfigError(f"saved batch cursor {state['batch']} is outside this epoch's {len(self)} batches")
-        self._epoch, self._cursor, self._started = int(state["epoch"]), int(state["batch"]), False
+                              + ", ".join(f"{k}={a!r} vs {b!r}" for k, (a, b) in diff.items()) + hint)
+        epoch = int(state["epoch"])
+        sample = state.get("sample")
+        if sample is None:  # a state saved before the sample cursor existed: batches of the saved size
+            sample = min(int(state["batch"]) * int(state["batch_size"]),
+                         samples_per_rank(len(self.dataset), self.world_size, self.drop_last))
+        total = len(self.epoch_indices(epoch))
+        if not 0 <= int(sample) <= total:
+            raise ConfigError(f"saved sample cursor {sample} is outside epoch {epoch}'s {total} samples on this rank")
+        self._epoch, self._cursor = (epoch + 1, 0) if int(sample) == total else (epoch, int(sample))
 
     def epoch_indices(self, epoch: int | None = None) -> np.ndarray:
         """Dataset indices this rank reads in `epoch` (default: the current one), in order."""
         epoch = self._epoch if epoch is None else epoch
+        pool = self._pool
         if self.order == "shard_window":
             idx = shard_window_order(self._shard_rows or [len(self.dataset)], seed=self.seed, epoch=epoch,
                                      rank=self.rank, world_size=self.world_size, drop_last=self.drop_last)
             return idx[:len(idx) // self.batch_size * self.batch_size] if self.drop_last else idx
-        perm = epoch_order(len(self.dataset), seed=self.seed, epoch=epoch, order=self.order,
-                           shard_rows=self._shard_rows)
+        if pool.weighted:
+            perm = pool.draw(self.seed, epoch)
+        else:
+            perm = epoch_order(pool.size, seed=self.seed, epoch=epoch, order=self.order, shard_rows=self._shard_rows)
+            if pool.indices is not None:
+                perm = pool.indices[perm]
         idx = rank_indices(perm, self.rank, self.world_size, drop_last=self.drop_last,
                            contiguous=self.order == "shard_random")
         if self.drop_last:
@@ -372,9 +433,8 @@ class Loader:
             previous = self._current() if self._current is not None else None
             if previous is not None:
                 previous.close()
-            if self._started:  # the previous pass was abandoned part-way: move on
-                self._epoch, self._cursor = self._epoch + 1, 0
-            self._started = True
+            # a pass left part-way (break, an exception) keeps its place: this one continues it,
+            # exactly as a state_dict() saved now would resume (set_epoch() starts afresh)
             it = _LoaderIter(self, self._epoch, self._cursor, opts)
             self._current = weakref.ref(it)
             return it
@@ -396,7 +456,7 @@ class Loader:
         return self._stage
 
     def _pipeline_for(self, epoch: int, start: int, opts: DeviceOptions | None) -> tuple["_Pipeline", int]:
-        """The pipeline for (epoch, from batch start) and the run batch index it starts at: the
+        """The pipeline for (epoch, from sample start) and the run batch index it starts at: the
         persistent one when it is exactly there already, else a new one."""
         live, self._live = self._live, None
         if live is not None:
@@ -473,7 +533,7 @@ class _Pipeline:
             spec = replace(spec, gpu_decode=True)
         self.spec = spec
         self.chain = EpochChain(spec)
-        self.epochs: list[tuple[int, int, int]] = []  # (epoch, first run batch, batches)
+        self.epochs: list[tuple[int, int, int, int]] = []  # (epoch, first run batch, batches, first sample)
         sizes = self._segment(loader, epoch, start)
         self.run: Run | None = None
         self.feeder: Feeder | None = None
@@ -506,14 +566,16 @@ class _Pipeline:
             self.feeder.start()
 
     def _segment(self, loader: Loader, epoch: int, start: int) -> list[int]:
+        """Batch sizes of `epoch` from its sample `start` on (a resume may start between batches)."""
         indices = loader.epoch_indices(epoch)
         if isinstance(loader.dataset, CachedDataset):  # downloads follow the order; done shards make room
             ahead = (loader.prefetch + 2) * loader.batch_size + loader.num_threads
-            loader.dataset.plan(indices[start * loader.batch_size:], lookahead=ahead)
-        sizes = [min(loader.batch_size, len(indices) - k * loader.batch_size) for k in range(start, len(loader))]
+            loader.dataset.plan(indices[start:], lookahead=ahead)
+        bs, left = loader.batch_size, max(len(indices) - start, 0)
+        sizes = [min(bs, left - k * bs) for k in range(-(-left // bs))]
         first = self.epochs[-1][1] + self.epochs[-1][2] if self.epochs else 0
         self.chain.add(Filler(self.spec, loader.dataset, epoch, indices, start), first)
-        self.epochs.append((epoch, first, len(sizes)))
+        self.epochs.append((epoch, first, len(sizes), start))
         return sizes
 
     def append(self, loader: Loader, epoch: int) -> None:
@@ -523,10 +585,11 @@ class _Pipeline:
             self.run.extend(self._segment(loader, epoch, 0))
 
     def find(self, epoch: int, start: int) -> int | None:
-        """The run batch index of (epoch, batch start), if this pipeline has it ahead."""
-        for e, first, n in self.epochs:
-            if e == epoch and start < n:
-                return first + start
+        """The run batch index of (epoch, from sample start), if this pipeline has it ahead."""
+        for e, first, n, s0 in self.epochs:
+            k, r = divmod(start - s0, self.spec.batch_size)
+            if e == epoch and r == 0 and 0 <= k < n:
+                return first + k
         return None
 
     def stop(self) -> None:
@@ -547,8 +610,13 @@ class _LoaderIter:
     def __init__(self, loader: Loader, epoch: int, start: int, opts: DeviceOptions | None = None) -> None:
         self._loader = loader
         self._epoch = epoch
-        self._n = max(0, len(loader) - start)
-        self._start = start
+        bs = loader.batch_size
+        left = max(loader._epoch_samples() - start, 0)
+        sizes = [min(bs, left - k * bs) for k in range(-(-left // bs))]
+        self._n = len(sizes)
+        self._start = start   # samples of the epoch yielded before this pass
+        self._first_batch = start // bs   # the epoch's batch number of this pass's first batch (batch ops' key)
+        self._ends = np.cumsum(sizes, dtype=np.int64) + start if sizes else np.zeros(0, np.int64)
         self._b = 0
         self._closed = False
         pipe, g0 = loader._pipeline_for(epoch, start, opts)
@@ -557,7 +625,7 @@ class _LoaderIter:
         pipe.lease += 1
         self._keep = [False]  # set when the epoch ends in a persistent pipeline: hand it on, do not stop it
         self._finalizer = weakref.finalize(self, _end_lease, pipe, pipe.lease, self._keep)
-        self._columns = loader.columns
+        self._collate = loader.collate_fn
         self._encode = loader._spec.multi_label
         pipe.start()
 
@@ -589,10 +657,13 @@ class _LoaderIter:
             self._keep[0] = self._pipe.persistent
             self._pipe.next_g = g + 1
         if loader._current is not None and loader._current() is self:
-            loader._cursor = self._start + self._b
+            loader._cursor = int(self._ends[self._b - 1])
             if self._b == self._n:  # the epoch is complete: a new iter() starts the next one
-                loader._epoch, loader._cursor, loader._started = self._epoch + 1, 0, False
-        return batch if self._feeder is not None else self._batch(slot)
+                loader._epoch, loader._cursor = self._epoch + 1, 0
+        out = batch if self._feeder is not None else self._batch(slot)
+        if self._collate is not None:   # the user's batching of the extra columns, on this (their) thread
+            out = (*out[:2], self._collate(out[2]))
+        return out
 
     def _batch(self, slot: Slot) -> tuple:
         n = slot.size
@@ -604,7 +675,7 @@ class _LoaderIter:
             labels = list(slot.objects[:n]) if self._encode is None else self._encode(slot.objects[:n])
         spec = self._loader._spec
         if spec.pipeline.batch is not None:  # no device stage: the batch ops run here, on the CPU
-            images, labels = run_batch_ops(spec, images, labels, self._epoch, self._start + self._b - 1)
+            images, labels = run_batch_ops(spec, images, labels, self._epoch, self._first_batch + self._b - 1)
         if slot.extras:   # extra columns, and the sizes of padded images
             return images, labels, batch_extras(slot)
         return images, labels

@@ -12,6 +12,8 @@ batch's content never depends on thread count, prefetch depth or scheduling:
   the shards, and every rank gets the same number of samples.
 - `rank_indices`: the slice of an epoch's order one distributed rank reads, padded or trimmed so every
   rank gets the same number of samples (the `DistributedSampler` rule).
+- `Pool`: which samples an epoch draws from: all of them, a subset (`indices=`), or weighted draws
+  with replacement (`weights=`, the `WeightedRandomSampler` rule), each a pure function too.
 - `uniforms`: per-sample uniform floats in [0, 1) from a counter-based hash of
   `(seed, epoch, sample index, counter)`, vectorised in numpy.
 
@@ -21,8 +23,9 @@ versions.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -36,7 +39,10 @@ _M2 = np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S31, _S11 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
 _MASK64 = (1 << 64) - 1
 # Domain tags keep the streams of different uses apart.
-_TAG_ORDER, _TAG_BLOCK, _TAG_SAMPLE, _TAG_REPLACE, _TAG_SHARD = 1, 2, 3, 4, 5
+_TAG_ORDER, _TAG_BLOCK, _TAG_SAMPLE, _TAG_REPLACE, _TAG_WEIGHTED = 1, 2, 3, 4, 5
+#: the tag of per-draw random streams (weighted sampling: one sample drawn twice gets two crops)
+TAG_DRAW = 6
+_TAG_SHARD = 7
 
 
 def mix64(x: np.ndarray) -> np.ndarray:
@@ -200,3 +206,61 @@ def replacement_index(seed: int, epoch: int, position: int, attempt: int, n: int
     (on_error="skip"): a pure function of its arguments, so it does not depend on scheduling."""
     key = sample_keys(seed, epoch, np.array([position]), tag=_TAG_REPLACE)
     return int(mix64(key ^ _u64(attempt + 1))[0] % np.uint64(n))
+
+
+@dataclass(frozen=True)
+class Pool:
+    """The samples an epoch is made of. `indices` (None: the whole dataset) is the subset an epoch
+    permutes; with `cdf` (weights), an epoch is instead `size` draws with replacement, each picking
+    sample i with probability weight[i] / sum(weights). `fingerprint` names the choice in a saved
+    loader state (None for the whole dataset)."""
+
+    size: int
+    indices: np.ndarray | None = None
+    cdf: np.ndarray | None = None
+    fingerprint: str | None = None
+
+    @property
+    def weighted(self) -> bool:
+        return self.cdf is not None
+
+    def members(self) -> np.ndarray | None:
+        """Dataset indices a stand-in for a failed sample may come from (None: any)."""
+        return self.indices
+
+    def draw(self, seed: int, epoch: int) -> np.ndarray:
+        """The weighted epoch: `size` dataset indices, by inverse CDF over uniforms of `(seed, epoch, draw)`."""
+        assert self.cdf is not None
+        u = uniforms(sample_keys(seed, epoch, np.arange(self.size), tag=_TAG_WEIGHTED), 1)[:, 0]
+        picks = np.minimum(np.searchsorted(self.cdf, u * self.cdf[-1], side="right"), len(self.cdf) - 1)
+        return picks if self.indices is None else self.indices[picks]
+
+
+def make_pool(n: int, indices: Any = None, weights: Any = None) -> Pool:
+    """Check `indices` (dataset indices, like `torch.utils.data.Subset`) and `weights` (one per dataset
+    sample, or per entry of `indices`; like `WeightedRandomSampler(weights, len(weights))`)."""
+    if indices is None and weights is None:
+        return Pool(n)
+    digest = hashlib.sha256()
+    idx = None
+    if indices is not None:
+        idx = np.asarray(indices)
+        if idx.ndim != 1 or idx.size == 0 or idx.dtype.kind not in "iu":
+            raise ConfigError(f"indices must be a non-empty 1-D sequence of ints (dataset indices), got {indices!r:.100}")
+        idx = idx.astype(np.int64)
+        bad = idx[(idx < 0) | (idx >= n)]
+        if bad.size:
+            raise ConfigError(f"indices hold {bad.size} value(s) outside the dataset's 0..{n - 1}, e.g. {int(bad[0])}")
+        digest.update(b"indices" + idx.tobytes())
+    size = n if idx is None else len(idx)
+    cdf = None
+    if weights is not None:
+        w = np.asarray(weights, dtype=np.float64)
+        if w.ndim != 1 or len(w) != size:
+            what = "entry of indices" if idx is not None else "dataset sample"
+            raise ConfigError(f"weights must hold one number per {what} ({size}), got shape {w.shape}")
+        if not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
+            raise ConfigError("weights must be finite and >= 0, with a positive sum")
+        cdf = np.cumsum(w)
+        digest.update(b"weights" + w.tobytes())
+    return Pool(size, idx, cdf, digest.hexdigest()[:16])

@@ -21,7 +21,6 @@ import errno
 import fnmatch
 import json
 import os
-import sys
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -37,9 +36,10 @@ import simplejpeg
 from PIL import Image
 
 from . import codecs
+from ._progress import Progress
 from ._system import usable_cpus
-from .errors import (ConfigError, CorruptImageError, DecompressionBombError, ImageError, SourceError,
-                     OutputError, StokerError, UnsupportedImageError)
+from .errors import (OVERWRITE, RESUME, ConfigError, CorruptImageError, DecompressionBombError, ImageError,
+                     OutputError, SourceError, StokerError, UnsupportedImageError)
 from .integrity import shard_matches
 from .shards import MANIFEST_NAME, Manifest, ShardInfo, ShardWriter, read_manifest, shard_name, write_manifest
 from .sources import Source, SourceItem, open_source, unencodable_keys
@@ -126,12 +126,17 @@ class PackSummary:
     seconds: float
     shards: int
     out: Path | str  # the dataset folder, or its URL
+    already_complete: bool = False   # a resume found the pack finished: nothing was packed this time
 
     def __str__(self) -> str:
         return self.format()
 
     def format(self) -> str:
         """One line for people: counts, shards, bytes in and out, time and images/s."""
+        if self.already_complete:
+            skipped = f" ({self.skipped:,} skipped)" if self.skipped else ""
+            return (f"{self.out} already holds a complete pack of {self.packed:,} images{skipped} in {self.shards} "
+                    f"shard(s), {_mb(self.bytes_out)}: nothing to do")
         rate = f", {self.packed / self.seconds:,.0f} images/s" if self.seconds > 0 else ""
         skipped = f" ({self.skipped:,} skipped, see {self.out}/{SKIPPED_NAME})" if self.skipped else ""
         return (f"packed {self.packed:,} images{skipped} into {self.shards} shard(s) in {self.out}: "
@@ -313,8 +318,8 @@ def _result(future: Future) -> list[tuple]:
     try:
         return future.result(timeout=TASK_TIMEOUT_S)
     except FutureTimeout:
-        raise StokerError(f"a pack worker spent more than {TASK_TIMEOUT_S:.0f} s on {TASK_SAMPLES} samples "
-                          "and looks stuck (storage hung?); rerun with resume=True") from None
+        raise StokerError.spelled(f"a pack worker spent more than {TASK_TIMEOUT_S:.0f} s on {TASK_SAMPLES} samples "
+                                  "and looks stuck (storage hung?); rerun with {resume}", {"resume": RESUME}) from None
 
 
 # ---------------------------------------------------------------- journal and output folder
@@ -371,9 +376,10 @@ def _load_journal(storage: Storage, header: dict[str, Any]) -> _State:
         if found.get(field_name) != header[field_name]:
             what = {"items": "number of source items", "fingerprint": "source listing (keys, labels, extras)",
                     "pack_options": "pack options or source"}[field_name]
-            raise ConfigError(f"{storage.location} holds an unfinished pack whose {what} differs from this call "
-                              f"(was {found.get(field_name)!r}, now {header[field_name]!r}); resume with the "
-                              "same source and options, or pass overwrite=True (--overwrite) to start over")
+            raise ConfigError.spelled(
+                f"{storage.location} holds an unfinished pack whose {what} differs from this call "
+                f"(was {found.get(field_name)!r}, now {header[field_name]!r}); resume with the "
+                "same source and options, or pass {overwrite} to start over", {"overwrite": OVERWRITE})
     state, kept = _State(), [lines[0]]
     for line in lines[1:]:
         try:
@@ -399,15 +405,17 @@ def _load_journal(storage: Storage, header: dict[str, Any]) -> _State:
 def _finished_summary(storage: Storage, pack_options: dict[str, Any], started: float) -> PackSummary:
     manifest = read_manifest(storage)
     if manifest.pack_options != pack_options:
-        raise ConfigError(f"{storage.location} already holds a finished pack made with other options or another "
-                          f"source ({manifest.pack_options}); pass overwrite=True (--overwrite) to re-pack")
+        raise ConfigError.spelled(
+            f"{storage.location} already holds a finished pack made with other options or another "
+            f"source ({manifest.pack_options}); pass {{overwrite}} to re-pack", {"overwrite": OVERWRITE})
     _remove(storage, [JOURNAL_NAME])
     try:
         skipped = len(storage.read_bytes(SKIPPED_NAME).splitlines())
     except FileNotFoundError:
         skipped = 0
     return PackSummary(manifest.num_samples, skipped, 0, sum(s.bytes for s in manifest.shards),
-                       time.perf_counter() - started, len(manifest.shards), _out_location(storage))
+                       time.perf_counter() - started, len(manifest.shards), _out_location(storage),
+                       already_complete=True)
 
 
 @contextmanager
@@ -446,19 +454,19 @@ def _prepare_out(storage: Storage, header: dict[str, Any], resume: bool, overwri
         _remove(storage, owned)  # shards with no journal are not ours to trust
     elif owned:
         state = "a finished pack" if has_manifest else "an unfinished pack"
-        raise ConfigError(f"{storage.location} already holds {state} ({owned[0]}, ...); pass resume=True "
-                          "(--resume) to finish it, overwrite=True (--overwrite) to replace it, or choose an "
-                          "empty directory")
+        raise ConfigError.spelled(
+            f"{storage.location} already holds {state} ({owned[0]}, ...); pass {{resume}} to finish it, "
+            "{overwrite} to replace it, or choose an empty directory", {"resume": RESUME, "overwrite": OVERWRITE})
     _append_line(storage, header)
     return _State()
 
 
 # ---------------------------------------------------------------- the pack loop
 
-def _progress(total: int, initial: int, enabled: bool) -> Any:
-    from tqdm.auto import tqdm
-    return tqdm(total=total, initial=initial, unit="img", desc="pack", dynamic_ncols=True,
-                disable=not (enabled and sys.stderr.isatty()))
+def _where(item: SourceItem) -> str:
+    if item.path is not None:
+        return str(item.path)
+    return f"{item.container}:{item.key}"
 
 
 class _Packer:
@@ -519,12 +527,14 @@ def pack(src: str | Path | Source, out: str | Path | Storage, *, options: PackOp
     started = time.perf_counter()
     options = options or PackOptions()
     if resume and overwrite:
-        raise ConfigError("resume=True and overwrite=True contradict each other; pass one of them")
+        raise ConfigError.spelled("{resume} and {overwrite} contradict each other; pass one of them",
+                                  {"resume": RESUME, "overwrite": OVERWRITE})
     if options.engine == "ray":  # before anything is written: a missing extra is named at once
         from .ray_engine import require_ray
         require_ray()
     storage = as_storage(out)  # before listing: a URL no backend serves is refused at once
     _refuse_out_inside_src(src, storage)
+    codecs.quiet_decoder_messages()  # each bad file is reported in skipped.jsonl, not by libtiff on stderr
     source = src if isinstance(src, Source) else open_source(src, **source_options)
     kept, unnamed = unencodable_keys(source.items)
     if unnamed:  # before the fingerprint: a resume lists (and leaves out) the same files
@@ -564,7 +574,7 @@ def _pack_into(storage: Storage, source: Source, options: PackOptions, state: _S
     packer = _Packer(storage, source, options, state)
     remaining = len(source.items) - state.consumed
     workers = max(1, min(options.workers or usable_cpus(), -(-remaining // TASK_SAMPLES)))
-    bar = _progress(len(source.items), state.consumed, progress)
+    bar = Progress("pack", len(source.items), initial=state.consumed, enabled=progress)
     pos = state.consumed
     if options.engine == "ray":
         from .ray_engine import RAY_TASK_SAMPLES, run_on_ray
@@ -580,7 +590,7 @@ def _pack_into(storage: Storage, source: Source, options: PackOptions, state: _S
                 pos += 1
             bar.update(len(results))
             if packer.pending:
-                bar.set_postfix(skipped=len(state.skipped), refresh=False)
+                bar.set_postfix(skipped=len(state.skipped))
         if packer.writer.rows:
             packer.close_shard(pos)
     except BaseException:

@@ -19,8 +19,8 @@ from collections import deque
 from typing import Any, Iterable, Iterator
 
 import numpy as np
-import torch
 
+from ._torch import torch
 from .device import LAYOUTS, DeviceOptions, DeviceStage, Fence, as_device_options
 from .errors import ConfigError
 

@@ -25,7 +25,6 @@ synchronization is added to the loop.
 from __future__ import annotations
 
 import math
-import resource
 import statistics
 import sys
 import time
@@ -180,9 +179,15 @@ def cpu_seconds() -> float:
     """CPU time (user + system) of this process, its reaped children and its live ones."""
     import psutil
 
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
-    total = own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
+    try:
+        import resource  # POSIX only: imported here so that Windows can import stoker
+    except ImportError:
+        t = psutil.Process().cpu_times()   # Windows: no reaped-children figure; live children are below
+        total = t.user + t.system
+    else:
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
+        total = own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
     for child in psutil.Process().children(recursive=True):
         try:
             t = child.cpu_times()

@@ -108,6 +108,18 @@ class Dataset:
     def location(self, i: int) -> tuple[str, int]:
         raise NotImplementedError
 
+    def __getitem__(self, i: int) -> tuple[np.ndarray, Any]:
+        """`(image, label)` of sample `i`, like a torch Dataset: the image decoded, upright RGB
+        `uint8 [H, W, 3]` (a copy; `sample(i)` gives the stored bytes instead). Negative `i` counts
+        from the end. Decoding one at a time is for looking at data; the Loader is what trains fast."""
+        if not isinstance(i, (int, np.integer)):
+            raise TypeError(f"dataset indices are ints, got {type(i).__name__}; for a subset pass "
+                            f"indices=[...] to stoker.Loader")
+        s = self.sample(int(i))
+        image = codecs.decode_rgb(s.data, s.encoding, s.key, height=s.height, width=s.width)
+        label = s.label.item() if isinstance(s.label, np.generic) else s.label
+        return np.array(image), label
+
     def close(self) -> None:
         """Release mapped files; further access is an error."""
 
@@ -522,6 +534,7 @@ class LooseDataset(Dataset):
         self._items = source.items
         self._max_pixels = max_pixels
         self._labels: np.ndarray | None = None
+        codecs.quiet_decoder_messages()   # users' raw files: libtiff/Pillow must not flood stderr
 
     def __len__(self) -> int:
         return len(self._items)

@@ -26,21 +26,22 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
-import torch
 
+from ._torch import torch
 from . import codecs
 from .device import DeviceStage, convert
-from .errors import DatasetError, SampleError
+from .errors import DatasetError, SampleError, UserTransformError
 from .gpu_decode import GpuJob
 from .labels import MultiLabel
-from .order import replacement_index, sample_keys, uniforms
+from .order import TAG_DRAW, replacement_index, sample_keys, uniforms
 from .reader import CachedDataset, Dataset, PackedDataset
 from .slots import LoaderStats, Slot, WorkerTimes
 from .transforms import (CropWindow, Pipeline, Plan, apply_tail, crop_window, decode_minimums, resize_window_into,
                          run_user_op)
 from .transforms.targets import boxes_through, polygons_through
 
-_log = logging.getLogger(__name__)  # one warning per skipped sample, with its reason
+# one warning per skipped sample, with its reason, on the Loader's logger: the name users configure
+_log = logging.getLogger("stoker.loader")
 MAX_REPLACEMENTS = 16  # on_error="skip": replacement samples tried before giving up on a position
 
 
@@ -60,6 +61,8 @@ class RenderSpec:
     gpu_decode: bool = False  # decode="gpu": JPEG rows become GpuJobs for the device thread
     decode_quality: str = "accurate"  # "fast": libjpeg-turbo's fast IDCT and plain chroma upsampling
     multi_label: MultiLabel | None = None  # turns a batch of label lists into one tensor (multi-label data)
+    key_by_draw: bool = False  # weighted sampling: random streams per draw, so a repeated sample gets new crops
+    members: np.ndarray | None = None  # indices=: a failed sample's stand-in comes from these only
     box_columns: tuple[str, ...] = ()  # extra columns of boxes (x0, y0, x1, y1 as fractions) that follow the crop
     #: extra columns of polygons (with their `_points` and `_box` companions) filled as instance masks
     mask_columns: tuple[str, ...] = ()
@@ -81,7 +84,7 @@ class Filler:
     """The per-pass work: plan a batch, render one sample. Shared by the worker threads; it holds
     no reference to the iterator, so an abandoned iterator can be collected."""
 
-    def __init__(self, spec: RenderSpec, dataset: Dataset, epoch: int, indices: np.ndarray, first_batch: int) -> None:
+    def __init__(self, spec: RenderSpec, dataset: Dataset, epoch: int, indices: np.ndarray, first_sample: int) -> None:
         self.spec = spec
         self.gpu = spec.gpu_decode
         self.ds = dataset
@@ -89,7 +92,7 @@ class Filler:
         self.pipe = spec.pipeline
         self.seed, self.epoch = spec.seed, epoch
         self.indices = indices  # this rank's dataset indices for the epoch, in order
-        self.first = first_batch * spec.batch_size
+        self.first = first_sample  # the pass starts at this position of the epoch's list (a resume)
         self.batch_size = spec.batch_size
         self.heights, self.widths = spec.heights, spec.widths
         self.labels = spec.labels
@@ -109,7 +112,8 @@ class Filler:
         lo = self.first + b * self.batch_size
         positions = np.arange(lo, lo + slot.size)
         idx = self.indices[lo:lo + slot.size]
-        keys = sample_keys(self.seed, self.epoch, idx)
+        keys = (sample_keys(self.seed, self.epoch, positions, tag=TAG_DRAW) if self.spec.key_by_draw
+                else sample_keys(self.seed, self.epoch, idx))
         u = uniforms(keys, self.draws)
         if slot.labels_np is not None:
             slot.labels_np[:slot.size] = self.labels[idx]
@@ -168,6 +172,8 @@ class Filler:
             for c in self.spec.mask_columns:
                 if isinstance(slot.extras[c][row], tuple):  # not yet filled (a GPU fallback refills the row)
                     slot.extras[c][row] = self._masks(slot.extras[c][row], idx, geo, row)
+        except UserTransformError as exc:  # a bug in the user's code: no data fix, never skipped
+            raise self.transform_error(idx, exc) from (exc.__cause__ or exc)
         except Exception as exc:
             if self.on_error == "raise":
                 raise self.sample_error(idx, exc) from exc
@@ -283,13 +289,17 @@ class Filler:
         """on_error="skip": fill the row with a stand-in chosen only from (seed, epoch, position)."""
         pos = int(plan.positions[row])
         for attempt in range(MAX_REPLACEMENTS):
-            r = replacement_index(self.seed, self.epoch, pos, attempt, self.n)
+            members = self.spec.members
+            r = (replacement_index(self.seed, self.epoch, pos, attempt, self.n) if members is None else
+                 int(members[replacement_index(self.seed, self.epoch, pos, attempt, len(members))]))
             key = sample_keys(self.seed, self.epoch, np.array([r]))
             u = uniforms(key, self.draws)
             geo = self._geometry(np.array([r]), u)
             box = _row_box(geo, 0)
             try:
                 self.render(r, int(key[0]), u[0], box, slot.images_np[row], scratch, times)
+            except UserTransformError as exc:
+                raise self.transform_error(r, exc) from (exc.__cause__ or exc)
             except Exception:
                 continue
             if slot.labels_np is not None:
@@ -320,6 +330,13 @@ class Filler:
             except DatasetError:  # the shard itself is what failed (deleted, truncated): no key to read
                 key = None
         return key, shard, row
+
+    def transform_error(self, idx: int, exc: UserTransformError) -> UserTransformError:
+        key, shard, row = self._describe(idx, exc)
+        return UserTransformError(f"{exc} on sample {key!r} (shard {shard}, row {row}, index {idx}). This is an "
+                                  f"error in the transform's code, not in the data: fix {exc.transform} "
+                                  f"(on_error='skip' replaces only samples whose data fails)",
+                                  transform=exc.transform, key=key, shard=shard, row=row, index=idx)
 
     def sample_error(self, idx: int, exc: BaseException, extra: str = "") -> SampleError:
         key, shard, row = self._describe(idx, exc)

@@ -287,6 +287,7 @@ class _HashingSink(io.RawIOBase):
         self.fh = fh
         self.digest = hashlib.sha256()
         self.size = 0
+        self._closing = False
 
     def writable(self) -> bool:
         return True
@@ -297,7 +298,15 @@ class _HashingSink(io.RawIOBase):
         return self.fh.write(data)
 
     def flush(self) -> None:
-        self.fh.flush()
+        if not self._closing:
+            self.fh.flush()
+
+    def close(self) -> None:
+        # Closing the wrapper never flushes the shard file: IOBase's finalizer closes it at garbage
+        # collection, when the ShardWriter may have committed or aborted the file long ago (Python 3.13
+        # printed "Exception ignored ... flush of closed file" once per shard).
+        self._closing = True
+        super().close()
 
 
 class ShardWriter:
@@ -404,6 +413,7 @@ class ShardWriter:
                 self._open()
             self._writer.close()
             assert self._file is not None and self._sink is not None
+            self._sink.close()
             info = ShardInfo(self.name, self._rows, self._sink.size, self._sink.digest.hexdigest(),
                              self._columns_digest.hexdigest())
             self._file.commit()
@@ -420,6 +430,11 @@ class ShardWriter:
                 self._writer.close()
         except Exception:  # already broken; removing the file is what matters
             pass
+        if self._sink is not None:
+            try:
+                self._sink.close()
+            except Exception:  # a flush into a broken file; removing it is what matters
+                pass
         if self._file is not None:
             self._file.abort()
         self._reset()

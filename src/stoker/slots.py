@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Protocol
 
 import numpy as np
-import torch
 
+from ._torch import torch
 from ._system import poll_until
 from .errors import ConfigError, LoaderClosedError, LoaderTimeoutError, WorkerError
 

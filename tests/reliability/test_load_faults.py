@@ -71,6 +71,8 @@ def test_ctrl_c_at_random_points(small_pack, device):
                 timer.join()
             assert interrupted, f"trial {trial}: the interrupt never arrived"
             assert settle_threads(baseline) == baseline, f"trial {trial}: worker threads left running"
+        left = len(loader.epoch_indices()) - loader.state_dict()["sample"]   # the interrupted epoch goes on
+        assert sum(x.shape[0] for x, _ in loader) == left
         assert sum(x.shape[0] for x, _ in loader) == len(loader.dataset)
     assert settle_threads(baseline) == baseline
 

@@ -126,7 +126,7 @@ def _detect_kind(path: Path) -> str:
     for kind, fmt in FORMATS.items():
         if fmt.detect(path):
             return kind
-    raise SourceError(f"cannot tell what kind of source {path} is; expected an image folder, a .txt "
-                      "list, a .csv, .tar/.tar.gz shards, .parquet/.arrow files or a saved Hugging Face "
-                      "dataset, an LMDB environment, TFRecord files or an .h5 file (or pass kind=..., "
-                      f"--kind: one of {', '.join(KINDS[1:])})", path=path)
+    raise SourceError.spelled("cannot tell what kind of source " + str(path) + " is; expected an image folder, "
+                              "a .txt list, a .csv, .tar/.tar.gz shards, .parquet/.arrow files or a saved Hugging "
+                              "Face dataset, an LMDB environment, TFRecord files or an .h5 file (or pass {kind}: "
+                              f"one of {', '.join(KINDS[1:])})", {"kind": ("kind=...", "--kind")}, path=path)

@@ -28,9 +28,11 @@ def detect_files(path: Path) -> bool:
         return False
     loose, folders = _entries(path)
     if loose and folders:
-        raise SourceError(f"{path} holds both {loose} images and {len(folders)} sub-folders; pass "
-                          "kind='folder' (sub-folders are classes, loose images are ignored) or "
-                          "kind='files' (every image, recursively, unlabelled)", path=path)
+        raise SourceError.spelled(f"{path} holds both {loose} images and {len(folders)} sub-folders; pass "
+                                  "{folder} (sub-folders are classes, loose images are ignored) or "
+                                  "{files} (every image, recursively, unlabelled)",
+                                  {"folder": ("kind='folder'", "--kind folder"),
+                                   "files": ("kind='files'", "--kind files")}, path=path)
     return bool(loose)
 
 

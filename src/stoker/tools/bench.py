@@ -53,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+from .._progress import Progress
 from .._system import cpu_ids, fmt_number, usable_cpus
 from ..errors import ConfigError, StokerError
 from ..profiling import cpu_seconds
@@ -618,7 +619,8 @@ def run_bench(data_dir: Path | None = None, *, images: int | None = None, batch_
               workers: int | None = 2, rounds: int = 3, pipelines: Sequence[str] | None = None,
               out_dir: Path | None = None, isolate: bool = True, seed: int = 0,
               packed: Path | None = None, device: str = "cpu", models: Sequence[str] | None = None,
-              steps: int | None = None, warmup_steps: int | None = None, recipe: str = "basic") -> BenchResult:
+              steps: int | None = None, warmup_steps: int | None = None, recipe: str = "basic",
+              progress: bool = False) -> BenchResult:
     """Run the same images through each pipeline and measure images/s, CPU %, peak RSS, first batch.
 
     `data_dir`: an ImageFolder tree of JPEGs; None generates `images` ImageNet-like JPEGs (cached
@@ -634,6 +636,7 @@ def run_bench(data_dir: Path | None = None, *, images: int | None = None, batch_
     training of `models` (torchvision names or "module:callable"; default resnet50, resnet18) for
     `steps` timed steps per round (default 100) after `warmup_steps` (default 10). Naming device
     pipelines with device "cpu" runs them on the CPU.
+    `progress`: say what is being measured (a bar on a terminal, log lines on `stoker.progress` elsewhere).
     Raises ConfigError for bad arguments (and for a CUDA device this machine lacks), StokerError when a
     pipeline fails.
     """
@@ -641,10 +644,13 @@ def run_bench(data_dir: Path | None = None, *, images: int | None = None, batch_
 
     workers = workers or usable_cpus()
     plan = _plan(images, batch_size, workers, rounds, pipelines, device, models, steps, warmup_steps, recipe)
-    with tempfile.TemporaryDirectory(prefix="stoker-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="stoker-bench-") as tmp, \
+            Progress("bench", len(plan.pipelines), unit="pipeline", enabled=progress) as bar:
         work = Path(out_dir) if out_dir is not None else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         generated = data_dir is None
+        if generated:
+            bar.stage(f"generating {plan.images:,} images (cached for the next run)")
         root = cached_imagenet_like(work / "data", plan.images, seed=seed, workers=workers) if generated \
             else Path(data_dir)  # type: ignore[arg-type]
         samples, _ = list_image_folder(root)
@@ -664,6 +670,7 @@ def run_bench(data_dir: Path | None = None, *, images: int | None = None, batch_
         if packed is None:
             packed = work / "packed"
             if any(_reads_packed(p) for p in plan.pipelines):
+                bar.stage("packing the images once")
                 result.pack_seconds = _pack_once(root, packed, workers)
         sources = {name: work / f"packed-{name.rsplit('-', 1)[1]}" for name in RECIPES if name in plan.pipelines}
         for name, path in sources.items():   # the recipes' own packs, also before any timing
@@ -675,6 +682,7 @@ def run_bench(data_dir: Path | None = None, *, images: int | None = None, batch_
             entry = PipelineResult(name, description, ratio_to=ratio_to, skipped=_unavailable(name, plan.device))
             source = sources.get(name, packed if _reads_packed(name) else root)
             if entry.skipped is None:
+                bar.stage(f"measuring {name}, {rounds} round(s)")
                 spec = _Spec(name, str(root), str(source), batch_size, 1 if name == "overhead" else workers,
                              rounds, plan.device, _model_of(name, plan.models), plan.steps, plan.warmup_steps)
                 for key, value in (_measure_isolated(spec) if isolate else _measure(spec)).items():
@@ -682,6 +690,7 @@ def run_bench(data_dir: Path | None = None, *, images: int | None = None, batch_
                 if not plan.device_run:
                     entry.disk_bytes = _disk_bytes(Path(source))
             result.pipelines.append(entry)
+            bar.update()
         _fill_ratios(result)
         if out_dir is not None:
             _write_outputs(result, work)

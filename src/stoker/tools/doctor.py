@@ -119,6 +119,9 @@ class DoctorReport:
 
 
 def _batches(loader: Any, n: int) -> Iterable[Any]:
+    """The first `n` batches of a fresh epoch (a stoker Loader left part-way would continue its epoch)."""
+    if hasattr(loader, "set_epoch") and hasattr(loader, "state_dict") and loader.state_dict().get("sample"):
+        loader.set_epoch(loader.epoch + 1)
     return itertools.islice(iter(loader), n)
 
 

@@ -26,6 +26,7 @@ import cv2
 import numpy as np
 import simplejpeg
 
+from .._progress import Progress
 from .._system import usable_cpus
 from ..errors import ConfigError, StokerError
 
@@ -274,33 +275,43 @@ def _write_layout(out_dir: Path, plan: Sequence[tuple[str, int]], layout: str) -
 
 
 def make_imagenet_like(out_dir: str | Path, n: int, *, classes: int = 10, seed: int = 0,
-                       workers: int | None = None, layout: str = "folder") -> Path:
+                       workers: int | None = None, layout: str = "folder", progress: bool = False) -> Path:
     """Write `n` ImageNet-like JPEGs; returns the ImageFolder root, or the train.txt path.
 
     layout="folder": `out_dir/class_XXX/img_XXXXXX.jpg` (classes balanced, seeded shuffle).
     layout="list": `out_dir/images/img_XXXXXX.jpg` plus `out_dir/train.txt` ("<path> <label>").
     Files are bit-identical for the same `seed` whatever `workers` is (default: the CPUs this
     process may use; worker processes, so call it under `if __name__ == "__main__":` in scripts).
-    About 20 ms of CPU per image.
+    About 20 ms of CPU per image. `progress`: a bar on a terminal, log lines (`stoker.progress`) elsewhere.
     """
     _check_args(n, classes, layout)
     root = Path(out_dir)
     plan = _plan(n, classes, seed, layout)
     result = _write_layout(root, plan, layout)
     jobs = [(i, rel, label) for i, (rel, label) in enumerate(plan)]
-    workers = min(workers or usable_cpus(), -(-n // _CHUNK))
-    if workers <= 1:
-        _write_chunk(root, jobs, seed, classes)
-        return result
+    chunks = [jobs[k:k + _CHUNK] for k in range(0, n, _CHUNK)]
+    workers = min(workers or usable_cpus(), len(chunks))
+    with Progress("synth", n, enabled=progress) as bar:
+        if workers <= 1:
+            for chunk in chunks:
+                _write_chunk(root, chunk, seed, classes)
+                bar.update(len(chunk))
+        else:
+            _write_in_processes(root, chunks, seed, classes, workers, bar)
+    return result
+
+
+def _write_in_processes(root: Path, chunks: Sequence[Sequence[tuple[int, str, int]]], seed: int, classes: int,
+                        workers: int, bar: Progress) -> None:
     # Processes, not threads: the many small NumPy/OpenCV calls per image hold the GIL long enough
     # that two threads measured slower than one.
     ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
     try:
-        futures = [pool.submit(_write_chunk, root, jobs[k:k + _CHUNK], seed, classes)
-                   for k in range(0, n, _CHUNK)]
-        for fut in futures:
+        futures = [pool.submit(_write_chunk, root, chunk, seed, classes) for chunk in chunks]
+        for fut, chunk in zip(futures, chunks):
             fut.result(timeout=600)   # a chunk takes well under a second; a stuck write is a real fault
+            bar.update(len(chunk))
     except BrokenProcessPool:
         raise StokerError("an image-generation worker process died (crashed, killed, or out of memory). "
                           "When make_imagenet_like() runs from a script, keep the call under "
@@ -308,7 +319,6 @@ def make_imagenet_like(out_dir: str | Path, n: int, *, classes: int = 10, seed: 
                           "or pass workers=1") from None
     finally:
         pool.shutdown(wait=True, cancel_futures=True)   # on error (or Ctrl-C) stop queued work
-    return result
 
 
 def cached_imagenet_like(cache_dir: str | Path, n: int, *, classes: int = 10, seed: int = 0,

@@ -14,6 +14,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ..errors import UserTransformError
+from .adapt import TransformError
 from .geometry import RandomHorizontalFlip, crop_resize_into, plan_ops
 
 
@@ -39,16 +41,24 @@ def _wants_rng(fn: Callable[..., Any]) -> bool:
 
 
 def run_user_op(op: _UserOp, img: np.ndarray, key: int) -> np.ndarray:
-    """Call a user transform; with `rng=` it gets a numpy Generator seeded from the sample's key."""
-    if op.wants_rng:
-        rng = np.random.Generator(np.random.Philox(key=[key, op.position]))
-        out = op.fn(img, rng=rng)
-    else:
-        out = op.fn(img)
+    """Call a user transform; with `rng=` it gets a numpy Generator seeded from the sample's key.
+    Whatever goes wrong in it is the transform's own bug: raised as UserTransformError naming it."""
+    try:
+        if op.wants_rng:
+            rng = np.random.Generator(np.random.Philox(key=[key, op.position]))
+            out = op.fn(img, rng=rng)
+        else:
+            out = op.fn(img)
+    except TransformError as exc:   # the adapter's own finding (takes or returns no image): already named
+        raise UserTransformError(str(exc), transform=op.name) from exc
+    except Exception as exc:
+        raise UserTransformError(f"transform {op.name} raised {type(exc).__name__}: {exc}",
+                                 transform=op.name) from exc
     if not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.ndim != 3 or out.shape[2] != 3:
         got = type(out).__name__ if not isinstance(out, np.ndarray) else f"{out.dtype} array {out.shape}"
-        raise TypeError(f"transform {op.name} returned {got}; expected a uint8 HxWx3 numpy array "
-                        f"(modify the input in place and return it, or return a new array)")
+        raise UserTransformError(f"transform {op.name} returned {got}; expected a uint8 HxWx3 numpy array "
+                                 f"(modify the input in place and return it, or return a new array)",
+                                 transform=op.name)
     return out
 
 
