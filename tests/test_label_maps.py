@@ -9,19 +9,29 @@ the transformed label map holds there, except along region edges (resampling ble
 from __future__ import annotations
 
 import csv
+import io
 import json
+import math
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 import stoker
 from stoker import CenterCrop, Loader, PackOptions, RandomHorizontalFlip, RandomResizedCrop, Resize
+from stoker import codecs, packing
 from stoker.errors import ConfigError, SourceError
+from stoker.sources import SourceItem
+from stoker.transforms import Pipeline, crop_resize_into
+from stoker.transforms.targets import mask_through
 
 ROOT = Path(__file__).resolve().parents[1]
 #: far-apart colours, one per class id (index = id)
@@ -100,6 +110,35 @@ def assert_aligned(image: np.ndarray, ids: np.ndarray, offset: int = 0, ignore: 
     assert not wrong.any(), f"{wrong.sum()} pixels away from any region edge disagree with the label map"
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(40, 220), st.integers(40, 220), st.integers(0, 2**32 - 1), st.sampled_from([None, 64, 100]))
+def test_property_pack_resize_then_crop_and_flip_keep_the_map_on_its_image(h, w, seed, max_side):
+    """The pack's work (image shrunk with Lanczos, its map with nearest neighbour) and then the Loader's
+    (the image's crop window, resize and flip, the map through the same window) keep every pixel away
+    from a region edge on the class its colour names."""
+    rng = np.random.default_rng(seed)
+    ids = label_map(h, w, rng)
+    with tempfile.TemporaryDirectory() as tmp:
+        mask_path = Path(tmp) / "m.png"
+        Image.fromarray(ids).save(mask_path)
+        buf = io.BytesIO()
+        Image.fromarray(COLOURS[ids]).save(buf, "PNG")
+        options = PackOptions(max_side=max_side, encoding="raw", raw_below=0)
+        out = packing.normalize(buf.getvalue(), "img.png", options)
+        stored = packing._label_map(SourceItem("img.png", None, None), mask_path, buf.getvalue(), out, options)
+    image = np.frombuffer(out.image, np.uint8).reshape(out.height, out.width, 3)
+    small = codecs.decode_label_map(stored, "m.png")
+    assert small.shape == image.shape[:2]
+    assert_aligned(image, small, width=3, cover=0.1)
+    pipe = Pipeline([RandomResizedCrop(48, scale=(0.4, 1.0)), RandomHorizontalFlip()])
+    plan = pipe.plan(np.array([out.height]), np.array([out.width]), rng.random((1, pipe.draws)))
+    dst = np.empty((48, 48, 3), np.uint8)
+    crop_resize_into(image, plan.box[0], dst, bool(plan.flip[0]), out.height, out.width)
+    moved = mask_through(small, plan.box[0], plan.size[0], bool(plan.flip[0]), fill=255)
+    enlarge = 48 / min(plan.box[0][2], plan.box[0][3])
+    assert_aligned(dst, moved, width=math.ceil(3 * enlarge) + 1, cover=0.05)
+
+
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     folder = tmp_path_factory.mktemp("seg")
@@ -165,7 +204,7 @@ def test_max_side_resizes_the_mask_with_nearest_neighbour(packed, tmp_path):
     for i in range(len(ds)):
         s = ds.sample(i)
         assert max(s.height, s.width) == 48
-        stored = np.asarray(Image.open(__import__("io").BytesIO(ds.extra(i, "mask"))))
+        stored = np.asarray(Image.open(io.BytesIO(ds.extra(i, "mask"))))
         assert stored.shape == (s.height, s.width)
         original = np.asarray(Image.open(listing.parent / s.key.replace("images/", "masks/")))
         assert set(np.unique(stored)) <= set(np.unique(original))   # ids stay ids: nothing blended
@@ -275,7 +314,6 @@ def test_ignore_index_is_checked(packed):
 def test_cli_pack_with_mask_column_and_max_side(packed, tmp_path):
     listing, _ = packed
     env = {"PYTHONPATH": str(ROOT / "src")}
-    import os
     done = subprocess.run([sys.executable, "-m", "stoker.cli", "pack", str(listing), str(tmp_path / "out"),
                            "--mask-column", "mask", "--max-side", "64", "--no-progress"],
                           env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
