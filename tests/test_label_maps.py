@@ -322,3 +322,21 @@ def test_cli_pack_with_mask_column_and_max_side(packed, tmp_path):
     assert len(ds) == 10 and ds.manifest.extra_columns["mask"] == "binary"
     with pytest.raises(SourceError, match="CSV"):
         stoker.pack(listing.parent / "images", tmp_path / "x", mask_column="mask", progress=False)
+
+
+def test_images_of_different_sizes_give_a_list_of_maps_their_own_size(packed):
+    _, out = packed
+    with Loader(out, 5, transforms=[Resize(40)], masks="mask", pad=True, num_threads=2) as loader:
+        for images, _, extras in loader:
+            maps, sizes = extras["mask"], extras["sizes"]
+            assert isinstance(maps, list) and len(maps) == len(images)
+            for img, ids, (h, w) in zip(images.numpy(), maps, sizes.tolist()):
+                assert ids.shape == (h, w) and ids.dtype == np.uint8
+                assert_aligned(img[:h, :w], ids)
+
+
+def test_info_and_verify_read_a_dataset_with_label_maps(packed):
+    _, out = packed
+    assert stoker.describe(out).extra_columns["mask"] == "binary"
+    report = stoker.verify(out, decode=True)
+    assert report.ok, report

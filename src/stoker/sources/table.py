@@ -106,4 +106,5 @@ def open_csv(listing: Path, options: SourceOptions) -> Source:
              for (k, p, c, _), lab, m in zip(rows, labels, maps)]
     what = describe_labels(classes, label_type)
     return Source(items=items, classes=classes, label_type=label_type, extra_columns=extra_columns,
-                  root=base, description=f"CSV {listing} ({what}, {len(extra_names)} extra columns)", kind="csv")
+                  root=base, kind="csv", description=f"CSV {listing} ({what}, {len(extra_names)} extra columns"
+                                                     f"{'' if mask_column is None else f', label maps in {mask_column!r}'})")
