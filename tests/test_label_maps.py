@@ -40,9 +40,10 @@ COLOURS = np.array([[0, 0, 0], [255, 0, 0], [0, 255, 0], [0, 0, 255], [255, 255,
 
 
 def label_map(h: int, w: int, rng: np.random.Generator, classes: int = len(COLOURS)) -> np.ndarray:
-    """Rectangular regions of random class ids on a coarse grid (edges are a small share of pixels)."""
-    ys = np.sort(rng.choice(np.arange(8, h - 8), 2, replace=False))
-    xs = np.sort(rng.choice(np.arange(8, w - 8), 2, replace=False))
+    """Rectangular regions of random class ids on a 3x3 grid, each cell at least a fifth of the image
+    across (edges are a small share of pixels)."""
+    ys = np.array([rng.integers(h // 5, 2 * h // 5), rng.integers(3 * h // 5, 4 * h // 5)])
+    xs = np.array([rng.integers(w // 5, 2 * w // 5), rng.integers(3 * w // 5, 4 * w // 5)])
     ids = rng.integers(0, classes, (3, 3))
     rows = np.searchsorted(ys, np.arange(h), side="right")
     cols = np.searchsorted(xs, np.arange(w), side="right")
@@ -111,12 +112,13 @@ def assert_aligned(image: np.ndarray, ids: np.ndarray, offset: int = 0, ignore: 
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(40, 220), st.integers(40, 220), st.integers(0, 2**32 - 1), st.sampled_from([None, 64, 100]))
-def test_property_pack_resize_then_crop_and_flip_keep_the_map_on_its_image(h, w, seed, max_side):
+@given(st.integers(60, 220), st.floats(0.5, 2.0), st.integers(0, 2**32 - 1), st.sampled_from([None, 64, 100]))
+def test_property_pack_resize_then_crop_and_flip_keep_the_map_on_its_image(h, aspect, seed, max_side):
     """The pack's work (image shrunk with Lanczos, its map with nearest neighbour) and then the Loader's
     (the image's crop window, resize and flip, the map through the same window) keep every pixel away
     from a region edge on the class its colour names."""
     rng = np.random.default_rng(seed)
+    w = max(40, round(h * aspect))
     ids = label_map(h, w, rng)
     with tempfile.TemporaryDirectory() as tmp:
         mask_path = Path(tmp) / "m.png"
@@ -340,3 +342,28 @@ def test_info_and_verify_read_a_dataset_with_label_maps(packed):
     assert stoker.describe(out).extra_columns["mask"] == "binary"
     report = stoker.verify(out, decode=True)
     assert report.ok, report
+
+
+def test_images_and_masks_folders_pair_by_path(packed, tmp_path):
+    """kind "segmentation": images/<path> with masks/<path>.png; recognized by --kind auto."""
+    listing, _ = packed
+    src = tmp_path / "ade"
+    for path, mask, _ in list(csv.reader(open(listing)))[1:]:
+        name = Path(path).name
+        sub = "a" if name < "005" else "b"
+        (src / "images" / sub).mkdir(parents=True, exist_ok=True)
+        (src / "masks" / sub).mkdir(parents=True, exist_ok=True)
+        Image.open(listing.parent / path).save(src / "images" / sub / name.replace(".png", ".jpg"), quality=97)
+        if name != "003.png":   # one image without its map
+            (src / "masks" / sub / name).write_bytes((listing.parent / mask).read_bytes())
+    summary = stoker.pack(src, tmp_path / "out", progress=False, options=PackOptions(max_side=100, workers=2))
+    assert summary.packed == 9 and summary.skipped == 1
+    skip = json.loads((tmp_path / "out" / "skipped.jsonl").read_text())
+    assert skip["key"] == "images/a/003.jpg" and str(src / "masks" / "a" / "003.png") in skip["reason"]
+    ds = stoker.open_dataset(tmp_path / "out")
+    assert ds.manifest.extra_columns == {"mask": "binary"} and ds.manifest.pack_options["source_kind"] == "segmentation"
+    with Loader(tmp_path / "out", 3, transforms=[RandomResizedCrop(40), RandomHorizontalFlip()], masks="mask",
+                num_threads=2) as loader:
+        for images, _, extras in loader:
+            for img, ids in zip(images.numpy(), extras["mask"].numpy()):
+                assert_aligned(img, ids, width=3)   # JPEG images: a little ringing along the edges

@@ -376,7 +376,8 @@ def open_label_map(data: Buffer, key: str, *, max_pixels: int = MAX_PIXELS) -> I
                                          "save the masks as PNG (mode L, P or I;16)")
     if img.mode not in LABEL_MAP_MODES:
         raise UnsupportedImageError(key, f"a label map holds one class id per pixel (PNG mode L, P or I;16), found "
-                                         f"mode {img.mode} (colours); convert the colours to class ids first")
+                                         f"mode {img.mode} (colours or an alpha channel); convert it to class ids "
+                                         "first")
     return img
 
 

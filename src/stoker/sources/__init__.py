@@ -8,6 +8,7 @@ One module per input format, all behind the interface in :mod:`.base` (a :class:
 - ``"list"``: a text file of ``<path> <label>`` lines, the common ``train.txt`` (:mod:`.listing`).
 - ``"csv"``: a CSV with a header: a path column, a label column, typed extra columns (:mod:`.table`).
 - ``"tar"``: WebDataset-style tar files, one ``.tar`` or a folder of them (:mod:`.tar`).
+- ``"segmentation"``: ``images/`` and ``masks/`` folders, each image with its label-map PNG (:mod:`.folder`).
 - ``"coco"``: a COCO instances JSON: images with their boxes and box labels as list columns (:mod:`.coco`).
 
 A new format is one module (``open`` and ``detect``, see :mod:`.base`) plus one line in
@@ -47,6 +48,7 @@ FORMATS: dict[str, Format] = {
     "list": Format(listing.open_list, listing.detect, uses_root=True),
     "csv": Format(table.open_csv, table.detect, uses_root=True),
     "coco": Format(coco.open_coco, coco.detect, uses_root=True),
+    "segmentation": Format(folder.open_segmentation, folder.detect_segmentation),
     "files": Format(folder.open_files, folder.detect_files),
     "webdataset": Format(tar.open_tar, tar.detect),
     "tfrecord": Format(tfrecord.open_tfrecord, tfrecord.detect),
