@@ -367,3 +367,14 @@ def test_images_and_masks_folders_pair_by_path(packed, tmp_path):
         for images, _, extras in loader:
             for img, ids in zip(images.numpy(), extras["mask"].numpy()):
                 assert_aligned(img, ids, width=3)   # JPEG images: a little ringing along the edges
+
+
+def test_the_device_stage_hands_the_maps_on_with_their_images(packed):
+    """device=...: the device thread builds the batch (NCHW images there); the maps stay one tensor,
+    row for row with the images, the same as without a device stage."""
+    _, out = packed
+    kwargs = dict(transforms=[RandomResizedCrop(40), RandomHorizontalFlip()], masks="mask", num_threads=2, seed=4)
+    with Loader(out, 4, device="cpu", **kwargs) as on_device, Loader(out, 4, **kwargs) as plain:
+        for (images, _, extras), (ref, _, ref_extras) in zip(on_device, plain):
+            assert images.shape[1] == 3 and torch.equal(images.permute(0, 2, 3, 1), ref)
+            assert isinstance(extras["mask"], torch.Tensor) and torch.equal(extras["mask"], ref_extras["mask"])
