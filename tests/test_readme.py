@@ -16,10 +16,12 @@ import pytest
 import torch
 
 from test_augment_coco import make_coco
+from test_label_maps import assert_aligned, write_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 NEEDS_COCO = "coco/annotations"   # section 5 (tested below on a COCO file made here)
+NEEDS_SEGMENTATION = "ade20k/train.csv"   # section 5's label maps (tested below on data made here)
 
 
 def _use_section() -> list[tuple[str, str]]:
@@ -70,7 +72,7 @@ def test_readme_use_section_runs_as_written(tmp_path: Path) -> None:
                 continue
             if 'DeviceOptions("cuda"' in body and not torch.cuda.is_available():   # section 3
                 continue
-            if NEEDS_COCO in body:
+            if NEEDS_COCO in body or NEEDS_SEGMENTATION in body:
                 continue
             namespace.setdefault("loader", namespace.get("train"))   # "keeping your own DataLoader"
             exec(compile(body, "README.md", "exec"), namespace)
@@ -107,3 +109,15 @@ def test_readme_detection_example_runs(tmp_path: Path) -> None:
     for t in targets:
         k = len(t["labels"])
         assert t["boxes"].shape == (k, 4) and t["masks"].shape == (k, 512, 512) and k >= 1
+
+
+def test_readme_segmentation_example_runs(tmp_path: Path) -> None:
+    listing = write_dataset(tmp_path / "ade", labels=False)
+    code = snippet("#### Semantic segmentation", {'"ade20k/train.csv"': repr(str(listing)),
+                                                  '"ade20k-train-packed"': repr(str(tmp_path / "packed"))})
+    scope: dict = {}
+    exec(compile(code, "README.md section 5, label maps", "exec"), scope)
+    images, masks = scope["images"], scope["masks"]
+    assert masks.shape == images.shape[:3] == (10, 512, 512) and masks.dtype == torch.uint8
+    for image, ids in zip(images.numpy(), masks.numpy()):
+        assert_aligned(image, ids, width=20, cover=0.15)   # crops enlarged up to ~18x: wide blends

@@ -121,7 +121,8 @@ def _cmd_pack(args: argparse.Namespace) -> int:
                           on_error=args.on_error, max_pixels=args.max_pixels, engine=args.engine,
                           address=args.address)
     source_options = {"kind": args.kind, "label_column": None if args.no_labels else args.label_column,
-                      "path_column": args.path_column, "image_column": args.image_column, "root": args.root}
+                      "path_column": args.path_column, "image_column": args.image_column, "root": args.root,
+                      "mask_column": args.mask_column}
     src = args.src[0] if len(args.src) == 1 else list(args.src)   # several: a list of WebDataset shards
     with contextlib.nullcontext() if args.verbose else _quiet_native_output():
         summary = pack(src, args.out, options=options, resume=args.resume, overwrite=args.overwrite,
@@ -266,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where images are: a Hugging Face column, a TFRecord feature or an HDF5 dataset "
                         "(default: image, image/encoded, images, ...)")
     p.add_argument("--path-column", default="path", help="CSV column holding image paths")
+    p.add_argument("--mask-column", default=None, metavar="NAME",
+                   help="CSV column holding each image's label map (a PNG of class ids, same size as the image), "
+                        "stored as a binary column NAME; resized with nearest neighbour under --max-side")
     p.add_argument("--root", type=Path, default=None, metavar="DIR",
                    help="lists and CSVs: resolve relative paths against DIR and make keys relative to it "
                         "(default: the list's folder; absolute paths work either way)")

@@ -354,3 +354,50 @@ def encode_jpeg(rgb: np.ndarray, quality: int = 90) -> bytes:
         raise ValueError(f"JPEG quality must be within 1..100, got {quality}")
     return simplejpeg.encode_jpeg(np.ascontiguousarray(rgb), quality=quality, colorspace="RGB",
                                   colorsubsampling="420")
+
+
+# ---------------------------------------------------------------- label maps (segmentation masks)
+
+#: PNG modes that hold one class id per pixel, and the dtype their ids decode to. A palette PNG
+#: ("P", VOC's style) gives its indices, never the palette's colours; 16-bit ids come as int32
+#: (torch has no arithmetic on uint16).
+LABEL_MAP_MODES = {"1": np.uint8, "L": np.uint8, "P": np.uint8, "I;16": np.int32, "I;16B": np.int32,
+                   "I;16L": np.int32, "I": np.int32}
+
+
+def open_label_map(data: Buffer, key: str, *, max_pixels: int = MAX_PIXELS) -> Image.Image:
+    """A label map's header, checked: a PNG (lossless; a JPEG would blur the ids at every edge)
+    whose mode holds class ids (L, P, 1, I;16, I), not colours. Raises UnsupportedImageError or
+    CorruptImageError naming ``key`` (the mask file)."""
+    img = _open(data, key, max_pixels)
+    if img.format != "PNG":
+        lossy = " (lossy: its edges would hold ids that are not classes)" if img.format in ("JPEG", "WEBP") else ""
+        raise UnsupportedImageError(key, f"a label map must be a PNG of class ids, found a {img.format} file{lossy}; "
+                                         "save the masks as PNG (mode L, P or I;16)")
+    if img.mode not in LABEL_MAP_MODES:
+        raise UnsupportedImageError(key, f"a label map holds one class id per pixel (PNG mode L, P or I;16), found "
+                                         f"mode {img.mode} (colours or an alpha channel); convert it to class ids "
+                                         "first")
+    return img
+
+
+def decode_label_map(data: Buffer, key: str, *, max_pixels: int = MAX_PIXELS) -> np.ndarray:
+    """A label-map PNG as an ``[H, W]`` array of class ids: uint8 (modes L, P, 1) or int32 (16- and
+    32-bit ids). Raises CorruptImageError / UnsupportedImageError naming ``key``."""
+    img = open_label_map(data, key, max_pixels=max_pixels)
+    try:
+        ids = np.asarray(img)
+    except Exception as exc:  # a truncated or damaged PNG fails while its rows are read
+        raise CorruptImageError(key, f"label map does not decode: {type(exc).__name__}: {exc}") from None
+    return ids.astype(LABEL_MAP_MODES[img.mode], copy=False)
+
+
+def encode_label_map(ids: np.ndarray, like: Image.Image) -> bytes:
+    """Class ids ``[H, W]`` as a PNG in the mode of ``like`` (its palette kept for mode P)."""
+    dtype = np.uint8 if like.mode in ("1", "L", "P") else np.int32 if like.mode == "I" else np.uint16
+    img = Image.fromarray(np.ascontiguousarray(ids, dtype))   # the dtype picks the mode: L, I or I;16
+    if like.mode == "P":
+        img.putpalette(like.getpalette() or [])
+    buf = io.BytesIO()
+    img.save(buf, "PNG", compress_level=6)
+    return buf.getvalue()

@@ -148,7 +148,10 @@ class Loader:
     arrays in output pixels. `masks`: extra columns of polygons (as the "coco" source packs them:
     `masks` with `masks_points` and `masks_box`) filled at the output size after the same crop, resize
     and flip; each arrives in the third item as a list of uint8 [k, H, W] instance masks (k: the
-    sample's boxes when `boxes` is given, so mask rows line up with box rows).
+    sample's boxes when `boxes` is given, so mask rows line up with box rows). A binary `masks` column
+    (label-map PNGs, packed from a CSV's mask column) gives class ids through the same crop window
+    (nearest neighbour), `ignore_index` (255) where the geometry pads, as one tensor [B, H, W] (uint8,
+    int32 for 16-bit ids) when the sizes agree, else a list.
     `transforms.targets.pad_batch` turns such a list into one padded tensor plus sizes. `pad=True`:
     images whose transforms do not end in a fixed size (e.g. `Resize(800)`, the shorter side) are batched
     top-left in zero-padded rows as large as the largest output in the dataset, with each image's
@@ -170,7 +173,8 @@ class Loader:
                  storage_options: dict[str, Any] | None = None, stage: str | Path | None = None,
                  multi_label: str = "multi-hot", num_classes: int | None = None,
                  decode_quality: str = "accurate", boxes: str | Sequence[str] = (),
-                 masks: str | Sequence[str] = (), pad: bool = False, persistent: bool = False,
+                 masks: str | Sequence[str] = (), ignore_index: int = 255, pad: bool = False,
+                 persistent: bool = False,
                  indices: Sequence[int] | np.ndarray | None = None, weights: Sequence[float] | np.ndarray | None = None,
                  collate_fn: Callable[[dict[str, list]], Any] | None = None, shuffle: bool | None = None,
                  num_workers: int | None = None) -> None:
@@ -214,6 +218,11 @@ class Loader:
         self.device = _device_options(device, self.pipeline)
         self.boxes = (boxes,) if isinstance(boxes, str) else tuple(boxes)
         self.masks = (masks,) if isinstance(masks, str) else tuple(masks)
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer)) \
+                or not 0 <= ignore_index < 2**31:
+            raise ConfigError(f"ignore_index must be an int in 0..2**31-1 (the class id label maps get where the "
+                              f"geometry pads), got {ignore_index!r}")
+        self.ignore_index = int(ignore_index)
         self.pad = bool(pad)
         if self.pad and self.pipeline.tail_geometric:
             raise ConfigError("pad=True batches the sizes stoker plans; a geometric transform after a user callable "
@@ -296,15 +305,20 @@ class Loader:
         if (self.boxes or self.masks) and heights is None:
             raise ConfigError(f"{ds.path}: boxes= and masks= need the image sizes a packed dataset stores; pack the "
                               f"data first (stoker pack SRC OUT)")
-        companions = [f"{c}{end}" for c in self.masks for end in ("_points", "_box") if f"{c}{end}" not in
+        # a binary masks= column holds label-map PNGs (a CSV's mask column); any other, polygons (coco)
+        types = ds.manifest.extra_columns if isinstance(ds, (PackedDataset, CachedDataset)) else {}
+        label_maps = tuple(c for c in self.masks if types.get(c) == "binary")
+        polygons = tuple(c for c in self.masks if c not in label_maps)
+        companions = [f"{c}{end}" for c in polygons for end in ("_points", "_box") if f"{c}{end}" not in
                       ds.extra_columns]
         if companions:
-            raise ConfigError(f"{ds.path}: masks={self.masks} needs the polygon columns {companions} beside it (as "
+            raise ConfigError(f"{ds.path}: masks={polygons} needs the polygon columns {companions} beside it (as "
                               f"the coco source packs them); the dataset has extra columns {ds.extra_columns}")
         multi = multi_label_spec(labels, ds.classes, *self._multi_label_args)
         self._spec = RenderSpec(batch_size, self.output_size, self.pipeline, self.seed, on_error, self.columns,
                                 labels, heights, widths, multi_label=multi, decode_quality=self.decode_quality,
-                                box_columns=self.boxes, mask_columns=self.masks, pad=self.pad,
+                                box_columns=self.boxes, mask_columns=polygons, label_map_columns=label_maps,
+                                ignore_index=self.ignore_index, pad=self.pad,
                                 key_by_draw=self._pool.weighted, members=self._pool.members())
         self._shard_rows = [s.rows for s in ds.manifest.shards] \
             if isinstance(ds, (PackedDataset, CachedDataset)) else None

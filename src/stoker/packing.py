@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import cv2
 import numpy as np
 import simplejpeg
 from PIL import Image
@@ -43,7 +44,7 @@ from .errors import (OVERWRITE, RESUME, ConfigError, CorruptImageError, Decompre
 from .integrity import shard_matches
 from .shards import MANIFEST_NAME, Manifest, ShardInfo, ShardWriter, read_manifest, shard_name, write_manifest
 from .sources import Source, SourceItem, open_source, unencodable_keys
-from .sources.base import inside
+from .sources.base import inside, read_bytes
 from .storage import Storage, as_storage, url_scheme
 from .storage.lock import LockHeldError, holder_text
 
@@ -247,7 +248,7 @@ def _faithful_encode(rgb: np.ndarray, quality: int) -> tuple[bytes, str]:
 
 
 # A task is a list of source items. A result entry is either
-# (True, image, encoding, height, width, bytes_in) or (False, error type name, reason).
+# (True, image, encoding, height, width, bytes_in, {column: label-map PNG}) or (False, error type name, reason).
 _Task = list[SourceItem]
 
 
@@ -275,7 +276,42 @@ def _process_one(item: SourceItem, options: PackOptions) -> tuple:
         return (False, "DecompressionBombError", "ran out of memory while decoding")
     except Exception as exc:  # a library failing on odd input must cost one sample, not the run
         return (False, "CorruptImageError", f"decode failed: {type(exc).__name__}: {exc}")
-    return (True, out.image, out.encoding, out.height, out.width, len(data))
+    try:
+        maps = {column: _label_map(item, path, data, out, options) for column, path in item.label_maps.items()}
+    except ImageError as exc:
+        return (False, type(exc).__name__, exc.reason)
+    except OSError as exc:
+        return (False, "CorruptImageError", f"label map: {_read_reason(exc)}")
+    except Exception as exc:
+        return (False, "CorruptImageError", f"label map decode failed: {type(exc).__name__}: {exc}")
+    return (True, out.image, out.encoding, out.height, out.width, len(data), maps)
+
+
+def _label_map(item: SourceItem, path: Path, data: bytes, out: Normalized, options: PackOptions) -> bytes:
+    """One sample's label-map PNG as the shard stores it: its bytes exactly as given, or, when the
+    image was shrunk (``max_side``), resized to the stored size with nearest neighbour (ids stay ids;
+    the same pixel-centre mapping the Loader uses) and re-encoded as PNG in the same mode. Its size
+    must be the image's; an image that its EXIF orientation turns upright is refused, since its mask
+    would not turn with it. Raises ImageError naming both files."""
+    raw = read_bytes(path)
+    try:
+        img = codecs.open_label_map(raw, str(path), max_pixels=options.max_pixels)
+    except ImageError as exc:   # the skip record names the image; say which mask file is wrong
+        raise type(exc)(item.where(), f"label map {path}: {exc.reason}") from None
+    info = codecs.probe(data, item.key, max_pixels=options.max_pixels)
+    if info.orientation != 1:
+        raise UnsupportedImageError(item.where(), f"EXIF orientation {info.orientation} turns this image upright "
+                                    f"when packed, but not its label map {path}; save the image upright "
+                                    "(without the orientation tag) to pack it with its mask")
+    if (img.height, img.width) != (info.height, info.width):
+        raise UnsupportedImageError(item.where(), f"the image is {info.width}x{info.height} but its label map "
+                                    f"{path} is {img.width}x{img.height}; a mask must match its image pixel "
+                                    "for pixel")
+    if (out.height, out.width) == (info.height, info.width):
+        return raw
+    ids = codecs.decode_label_map(raw, str(path), max_pixels=options.max_pixels)
+    small = cv2.resize(ids, (out.width, out.height), interpolation=cv2.INTER_NEAREST_EXACT)
+    return codecs.encode_label_map(small, img)
 
 
 def _process_task(task: _Task, options: PackOptions) -> list[tuple]:
@@ -341,7 +377,8 @@ def _fingerprint(source: Source) -> str:
     digest = hashlib.sha256()
     digest.update(json.dumps([source.label_type, source.classes, source.extra_columns]).encode())
     for item in source.items:
-        digest.update(json.dumps([item.key, item.label, item.extras], default=str).encode())
+        listed = [item.key, item.label, item.extras] + ([item.label_maps] if item.label_maps else [])
+        digest.update(json.dumps(listed, default=str).encode())
         digest.update(b"\n")
     return digest.hexdigest()
 
@@ -484,8 +521,8 @@ class _Packer:
     def take(self, pos: int, result: tuple) -> None:
         item, st = self.source.items[pos], self.state
         if result[0]:
-            _, image, encoding, height, width, n_in = result
-            self.writer.add(item.key, image, encoding, height, width, item.label, item.extras)
+            _, image, encoding, height, width, n_in, maps = result
+            self.writer.add(item.key, image, encoding, height, width, item.label, {**item.extras, **maps})
             st.packed += 1
             st.bytes_in += n_in
             st.bytes_out += len(image)

@@ -28,6 +28,7 @@ from .integrity import OpenShard, open_shard
 from .shards import Manifest, ShardInfo, read_manifest
 from .storage import LocalStorage, RemoteStorage, Storage, as_storage
 from .storage.cache import working_set_bytes
+from .storage.local import read_regular
 
 Bytes = Union[memoryview, np.ndarray, bytes]
 
@@ -576,7 +577,10 @@ class LooseDataset(Dataset):
     def extra(self, i: int, name: str) -> Any:
         if name not in self.extra_columns:
             raise KeyError(f"{self.path}: no extra column {name!r}; this source has {self.extra_columns}")
-        return self._items[self._check_index(i)].extras.get(name)
+        item = self._items[self._check_index(i)]
+        if name in item.label_maps:  # a CSV's mask column: the label map's bytes, as a pack stores them
+            return read_regular(item.label_maps[name])
+        return item.extras.get(name)
 
     def location(self, i: int) -> tuple[str, int]:
         item = self._items[self._check_index(i)]

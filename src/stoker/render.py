@@ -38,7 +38,7 @@ from .reader import CachedDataset, Dataset, PackedDataset
 from .slots import LoaderStats, Slot, WorkerTimes
 from .transforms import (CropWindow, Pipeline, Plan, apply_tail, crop_window, decode_minimums, resize_window_into,
                          run_user_op)
-from .transforms.targets import boxes_through, polygons_through
+from .transforms.targets import boxes_through, mask_through, polygons_through, stack_label_maps
 
 # one warning per skipped sample, with its reason, on the Loader's logger: the name users configure
 _log = logging.getLogger("stoker.loader")
@@ -66,6 +66,9 @@ class RenderSpec:
     box_columns: tuple[str, ...] = ()  # extra columns of boxes (x0, y0, x1, y1 as fractions) that follow the crop
     #: extra columns of polygons (with their `_points` and `_box` companions) filled as instance masks
     mask_columns: tuple[str, ...] = ()
+    #: binary extra columns of label-map PNGs (class ids per pixel) resampled as masks, batched [B, H, W]
+    label_map_columns: tuple[str, ...] = ()
+    ignore_index: int = 255  # label maps: the id where the geometry pads (outside the image)
     #: images of different output sizes go top-left into rows of `output_size` (the largest), zero-padded;
     #: each batch's third item then holds "sizes", int64 [B, 2] (height, width) of each image
     pad: bool = False
@@ -128,6 +131,8 @@ class Filler:
         # masks are filled by the worker threads (fill), from these three columns read here
         for c in self.spec.mask_columns:
             slot.extras[c] = [self._polygons(int(i), c) for i in idx]
+        for c in self.spec.label_map_columns:  # decoded by the worker threads (fill)
+            slot.extras[c] = LabelMaps([()] * slot.size)
         if self.gpu:
             slot.jobs = [None] * slot.size
         return BatchPlan(idx, positions, keys, u, geometry)
@@ -159,6 +164,21 @@ class Filler:
         return polygons_through(points, lengths, owners, count, (self.heights[idx], self.widths[idx]),
                                 geometry.box[row], geometry.size[row], bool(geometry.flip[row]))
 
+    def _label_map(self, idx: int, column: str, geometry: Plan, row: int) -> np.ndarray:
+        """One sample's label map (class ids [H, W], uint8 or int32) in its output's pixels: the image's
+        crop window, nearest neighbour, flipped with it, `ignore_index` where the geometry pads."""
+        data = self.ds.extra(idx, column)
+        if data is None:
+            raise ValueError(f"no label map in column {column!r}")
+        ids = codecs.decode_label_map(data, f"label map {column!r}")
+        if ids.shape != (self.heights[idx], self.widths[idx]):
+            raise ValueError(f"label map {column!r} is {ids.shape[1]}x{ids.shape[0]}, the image "
+                             f"{self.widths[idx]}x{self.heights[idx]}; re-pack the dataset")
+        if ids.dtype == np.uint8 and self.spec.ignore_index > 255:
+            ids = ids.astype(np.int32)
+        return mask_through(ids, geometry.box[row], geometry.size[row], bool(geometry.flip[row]),
+                            fill=self.spec.ignore_index)
+
     def fill(self, plan: BatchPlan, row: int, slot: Slot, scratch: dict, times: WorkerTimes,
              gpu: bool | None = None) -> None:
         idx = int(plan.indices[row])
@@ -172,6 +192,9 @@ class Filler:
             for c in self.spec.mask_columns:
                 if isinstance(slot.extras[c][row], tuple):  # not yet filled (a GPU fallback refills the row)
                     slot.extras[c][row] = self._masks(slot.extras[c][row], idx, geo, row)
+            for c in self.spec.label_map_columns:
+                if isinstance(slot.extras[c][row], tuple):
+                    slot.extras[c][row] = self._label_map(idx, c, geo, row)
         except UserTransformError as exc:  # a bug in the user's code: no data fix, never skipped
             raise self.transform_error(idx, exc) from (exc.__cause__ or exc)
         except Exception as exc:
@@ -298,6 +321,7 @@ class Filler:
             box = _row_box(geo, 0)
             try:
                 self.render(r, int(key[0]), u[0], box, slot.images_np[row], scratch, times)
+                maps = {c: self._label_map(r, c, geo, 0) for c in self.spec.label_map_columns}
             except UserTransformError as exc:
                 raise self.transform_error(r, exc) from (exc.__cause__ or exc)
             except Exception:
@@ -312,6 +336,8 @@ class Filler:
                     slot.extras[c][row] = self._boxes(slot.extras[c][row], r, geo, 0)
                 elif c in self.spec.mask_columns:
                     slot.extras[c][row] = self._masks(self._polygons(r, c), r, geo, 0)
+                elif c in maps:
+                    slot.extras[c][row] = maps[c]
             key_, shard, srow = self._describe(int(plan.indices[row]), first)
             times.skipped += 1
             times.skipped_keys.append(key_ or "?")
@@ -380,6 +406,11 @@ class EpochChain:
         filler.fill(batch_plan, row, slot, scratch, times, gpu)
 
 
+class LabelMaps(list):
+    """A batch's label maps (one per row, filled by the worker threads); `batch_extras` stacks them
+    into one tensor when their sizes agree."""
+
+
 def _row_box(geometry: Plan | None, row: int) -> tuple | None:
     """One row of a plan as (box, flip, (height, width)) in Python numbers (cheaper per sample)."""
     if geometry is None:
@@ -393,6 +424,8 @@ def batch_extras(slot: Slot, upload: Any = None) -> dict[str, Any]:
     with `upload` when given)."""
     out: dict[str, Any] = {}
     for c, v in slot.extras.items():
+        if isinstance(v, LabelMaps):
+            v = stack_label_maps(v)
         out[c] = (upload(v) if upload else v) if isinstance(v, torch.Tensor) else list(v)
     return out
 

@@ -49,6 +49,7 @@ ARROW_TYPES: dict[str, pa.DataType] = {
     "string": pa.string(),
     "list<int64>": pa.list_(pa.int64()),
     "list<float64>": pa.list_(pa.float64()),
+    "binary": pa.large_binary(),   # encoded bytes beside the image: a label-map PNG (a CSV's --mask-column)
 }
 #: "none" means the dataset has no labels; the label column then holds -1 (int64).
 LABEL_TYPES = (*ARROW_TYPES, "none")
@@ -219,7 +220,9 @@ def add_to_columns_digest(digest: Any, batch: pa.RecordBatch) -> None:
     if batch.num_rows:
         for name, column in zip(batch.schema.names, batch.columns):
             digest.update(name.encode())
-            _digest_array(digest, column, values=name != "image")
+            # encoded bytes (the image, label-map PNGs) digest by offsets only, as the image column
+            encoded = pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)
+            _digest_array(digest, column, values=name != "image" and not encoded)
 
 
 def columns_digest(batches: list[pa.RecordBatch]) -> str:

@@ -8,6 +8,7 @@ One module per input format, all behind the interface in :mod:`.base` (a :class:
 - ``"list"``: a text file of ``<path> <label>`` lines, the common ``train.txt`` (:mod:`.listing`).
 - ``"csv"``: a CSV with a header: a path column, a label column, typed extra columns (:mod:`.table`).
 - ``"tar"``: WebDataset-style tar files, one ``.tar`` or a folder of them (:mod:`.tar`).
+- ``"segmentation"``: ``images/`` and ``masks/`` folders, each image with its label-map PNG (:mod:`.folder`).
 - ``"coco"``: a COCO instances JSON: images with their boxes and box labels as list columns (:mod:`.coco`).
 
 A new format is one module (``open`` and ``detect``, see :mod:`.base`) plus one line in
@@ -47,6 +48,7 @@ FORMATS: dict[str, Format] = {
     "list": Format(listing.open_list, listing.detect, uses_root=True),
     "csv": Format(table.open_csv, table.detect, uses_root=True),
     "coco": Format(coco.open_coco, coco.detect, uses_root=True),
+    "segmentation": Format(folder.open_segmentation, folder.detect_segmentation),
     "files": Format(folder.open_files, folder.detect_files),
     "webdataset": Format(tar.open_tar, tar.detect),
     "tfrecord": Format(tfrecord.open_tfrecord, tfrecord.detect),
@@ -62,7 +64,7 @@ KINDS = ("auto", *FORMATS, *ALIASES)
 
 def open_source(src: str | Path | Sequence[str | Path], *, kind: str = "auto", label_column: str | None = "label",
                 path_column: str = "path", root: str | Path | None = None,
-                image_column: str | None = None) -> Source:
+                image_column: str | None = None, mask_column: str | None = None) -> Source:
     """List the samples of ``src``.
 
     ``src`` is a path, a WebDataset brace pattern (``train-{000000..000146}.tar``) or a list of
@@ -73,14 +75,15 @@ def open_source(src: str | Path | Sequence[str | Path], *, kind: str = "auto", l
     ``root`` makes keys relative to a folder; for a COCO instances JSON (``.json``), ``root`` is
     the image folder (e.g. ``root="coco/train2017"``; default: the JSON's folder). ``label_column`` / ``image_column`` name the
     fields of records (table columns, TFRecord features, HDF5 datasets, JSON fields);
-    ``label_column=None`` reads without labels. Raises SourceError (and UnsupportedStorageError
+    ``label_column=None`` reads without labels; ``mask_column`` (CSV only) names a column of
+    label-map PNG paths, packed as a binary column of that name. Raises SourceError (and UnsupportedStorageError
     for a URL: sources are local today).
     """
     if kind not in KINDS:
         raise SourceError(f"unknown source kind {kind!r}; expected one of {', '.join(KINDS)}", path=str(src))
     kind = ALIASES.get(kind, kind)
     options = SourceOptions(root=None if root is None else Path(root), label_column=label_column,
-                            path_column=path_column, image_column=image_column)
+                            path_column=path_column, image_column=image_column, mask_column=mask_column)
     locations = [_local(location) for location in (src if isinstance(src, (list, tuple)) else [src])]
     src = locations if isinstance(src, (list, tuple)) else locations[0]
     if isinstance(src, list) or (isinstance(src, str) and tar.is_pattern(src) and not Path(src).exists()):
@@ -88,6 +91,7 @@ def open_source(src: str | Path | Sequence[str | Path], *, kind: str = "auto", l
             raise SourceError(f"a list of files or a brace pattern is a WebDataset shard set, not kind {kind!r}",
                               path=str(src))
         _check_root(root, "webdataset", str(src))
+        _check_mask_column(mask_column, "webdataset", str(src))
         return tar.open_tar(src, options)
     path = Path(src).expanduser()
     if not path.exists():
@@ -101,6 +105,7 @@ def open_source(src: str | Path | Sequence[str | Path], *, kind: str = "auto", l
     if kind == "auto":
         kind = _detect_kind(path)
     _check_root(root, kind, path)
+    _check_mask_column(mask_column, kind, path)
     return FORMATS[kind].open(path, options)
 
 
@@ -120,6 +125,12 @@ def _check_root(root: str | Path | None, kind: str, src: str | Path) -> None:
     if root is not None and not FORMATS[kind].uses_root:
         raise SourceError(f"root= (--root) only applies to list, csv and coco sources, not {kind}: its keys "
                           "come from the records themselves", path=src)
+
+
+def _check_mask_column(mask_column: str | None, kind: str, src: str | Path) -> None:
+    if mask_column is not None and kind != "csv":
+        raise SourceError(f"mask_column= (--mask-column) names a column of a CSV source; {src} is a {kind} source: "
+                          "list the images and their label maps in a CSV (columns path, mask)", path=src)
 
 
 def _detect_kind(path: Path) -> str:

@@ -70,6 +70,9 @@ class SourceItem:
     #: inode of the file (or container) when it was listed, 0 when not recorded: reading checks
     #: the opened file is still that one (sources that guard a root: folders, tar folders)
     inode: int = 0
+    #: label-map files of this sample (one PNG of class ids per pixel), by the extra column that
+    #: stores their bytes ("binary"): the packer reads, checks and (with max_side) resizes them
+    label_maps: dict[str, Path] = field(default_factory=dict)
 
     def read(self) -> bytes:
         """The encoded image bytes. Raises OSError when they cannot be read."""
@@ -228,6 +231,7 @@ class SourceOptions:
     """Options a format may use. ``root``: the folder that keys of a list or table are made
     relative to (None: the list's own folder, with absolute paths kept whole).
     ``label_column``/``path_column``: column names in a table (``label_column=None``: unlabelled);
+    ``mask_column``: a table column of label-map paths (PNG of class ids), stored as a binary column;
     ``label_column`` and ``image_column`` also name the fields of records (Hugging Face
     columns, TFRecord features, HDF5 datasets, WebDataset JSON fields); None: the format's default."""
 
@@ -235,6 +239,7 @@ class SourceOptions:
     label_column: str | None = "label"
     path_column: str = "path"
     image_column: str | None = None
+    mask_column: str | None = None
 
 
 # ---------------------------------------------------------------- helpers shared by formats

@@ -1,5 +1,6 @@
-"""Image folders: an ImageFolder tree ``root/<class>/<image>`` (kind "folder") and a folder of
-unlabelled images searched recursively (kind "files").
+"""Image folders: an ImageFolder tree ``root/<class>/<image>`` (kind "folder"), a folder of
+unlabelled images searched recursively (kind "files"), and images paired with their segmentation
+label maps, ``root/images/<path>.<ext>`` with ``root/masks/<path>.png`` (kind "segmentation").
 
 Class indices follow the sorted class-folder names and files come in torchvision's order, so
 labels match ``ImageFolder``. Symlinks are followed while they stay inside the source root; one
@@ -105,3 +106,47 @@ def open_files(root: Path, options: SourceOptions) -> Source:
     require_items(items, "folder", root)
     return Source(items=items, classes=None, label_type="none", extra_columns={}, root=root,
                   description=f"image folder {root} (unlabelled)", kind="files")
+
+
+#: kind "segmentation": the two folders of ROOT, and the extra column the label maps are packed into
+SEGMENTATION_FOLDERS = ("images", "masks")
+MASK_COLUMN = "mask"
+
+
+def detect_segmentation(path: Path) -> bool:
+    """A folder holding exactly the folders ``images`` and ``masks`` (never an ImageFolder: a
+    two-class tree of those names would be a segmentation dataset read wrong)."""
+    if not path.is_dir():
+        return False
+    loose, folders = _entries(path)
+    return not loose and sorted(folders) == sorted(SEGMENTATION_FOLDERS)
+
+
+def open_segmentation(root: Path, options: SourceOptions) -> Source:
+    """Every image under ``root/images`` (recursively, unlabelled), each with its label map: the PNG
+    of the same relative path under ``root/masks`` (``images/a/x.jpg`` -> ``masks/a/x.png``), packed
+    into the binary column "mask". An image without its map is left out with a reason naming the
+    file it looked for; a map that is a symlink out of ``root`` is refused like an image."""
+    _require_folder(root, "segmentation")
+    images, masks = (root / name for name in SEGMENTATION_FOLDERS)
+    for folder in (images, masks):
+        if not folder.is_dir():
+            raise SourceError(f"segmentation source {root} needs the folders images/ and masks/ (label-map "
+                              f"PNGs of the same relative paths); {folder} is missing", path=root)
+    items, skipped = [], []
+    for path, inode in walk_images(root, images):
+        key = make_key(root, path)
+        mask = masks / path.relative_to(images).with_suffix(".png")
+        if not mask.is_file():
+            skipped.append({"key": key, "path": str(path), "reason": f"no label map {mask}: each image needs "
+                            "masks/<its path under images/, ending .png>"})
+            continue
+        if not inside(root, os.path.realpath(mask)):
+            raise SourceError(f"{mask} is a symlink that points outside the source root {root}; copy the "
+                              "file in", path=mask)
+        items.append(SourceItem(key=key, path=path, label=None, inode=inode, label_maps={MASK_COLUMN: mask}))
+    if not items and not skipped:
+        require_items(items, "segmentation images folder", images)
+    return Source(items=items, classes=None, label_type="none", extra_columns={MASK_COLUMN: "binary"}, root=root,
+                  description=f"segmentation folder {root} (images/ with label maps in masks/)",
+                  kind="segmentation", skipped=skipped)

@@ -10,7 +10,8 @@ resampled with that mapping (`geometry.crop_resize_into`); a box or a mask goes 
 Boxes are `[k, 4]` (x0, y0, x1, y1) in pixel-edge coordinates (COCO's `[x, y, w, h]` converts with
 `xywh_to_xyxy`), clipped to the output; a box that leaves the crop keeps its row with zero width or
 height, so per-box labels stay aligned (drop them with `visible(boxes)`). Label-map masks are resampled
-with nearest neighbour through the same crop window as the image (`mask_through`); instance masks
+with nearest neighbour through the same crop window as the image (`mask_through`, the ignore id where
+the geometry pads) and batched by `stack_label_maps`; instance masks
 stored as polygons (what the "coco" source packs) have their vertices moved by the mapping above and
 are filled at the output size (`polygons_through`), so they need no resampling at all. The image's crop window is rounded to
 whole pixels of the (possibly DCT-scaled) decoded image, so a box edge can sit up to one output
@@ -55,11 +56,13 @@ def visible(boxes: np.ndarray) -> np.ndarray:
     return (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])
 
 
-def mask_through(mask: np.ndarray, box: Sequence[float], size: Sequence[int], flip: bool) -> np.ndarray:
+def mask_through(mask: np.ndarray, box: Sequence[float], size: Sequence[int], flip: bool,
+                 fill: int = 0) -> np.ndarray:
     """A mask (HxW, any integer or bool dtype: class ids, instance ids) in the output of one sample's plan:
-    the image's crop window, resampled with nearest neighbour, zero outside the image."""
+    the image's crop window, resampled with nearest neighbour, ``fill`` outside the image (where the
+    geometry pads: a CenterCrop larger than the image; 255, the usual ignore id, for label maps)."""
     h, w = mask.shape[:2]
-    out = np.zeros((int(size[0]), int(size[1])) + mask.shape[2:], dtype=mask.dtype)
+    out = np.full((int(size[0]), int(size[1])) + mask.shape[2:], fill, dtype=mask.dtype)
     win = crop_window(box, h, w, h, w, out.shape[0], out.shape[1])
     sy0, sy1, sx0, sx1 = win.src
     ty0, ty1, tx0, tx1 = win.dst
@@ -111,6 +114,15 @@ def polygons_through(points: np.ndarray | Sequence[float], lengths: Sequence[int
         if polys:
             cv2.fillPoly(masks[k], polys, 1, lineType=cv2.LINE_8, shift=_SHIFT)
     return masks
+
+
+def stack_label_maps(rows: Sequence[np.ndarray]) -> torch.Tensor | list[np.ndarray]:
+    """A batch's label maps as one tensor ``[B, H, W]`` when their sizes agree (uint8 when every map
+    is uint8, else int32), else the list as it is (images of different sizes, ``pad=True``)."""
+    if not rows or any(r.shape != rows[0].shape for r in rows):
+        return list(rows)
+    dtype = np.uint8 if all(r.dtype == np.uint8 for r in rows) else np.int32
+    return torch.from_numpy(np.stack([r.astype(dtype, copy=False) for r in rows]))
 
 
 def pad_batch(rows: Sequence[np.ndarray | torch.Tensor], fill: float = 0) -> tuple[torch.Tensor, torch.Tensor]:
