@@ -312,10 +312,10 @@ def test_make_decoder_errors_name_the_fix(monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.raises(ConfigError) as info:
         make_decoder("auto", "cuda")
     msg = str(info.value)
-    assert "pip install torchvision" in msg and "pip install nvidia-nvimgcodec-cu" in msg and "decode='cpu'" in msg
+    assert "pip install torchvision" in msg and "pip install 'nvidia-nvimgcodec-cu" in msg and "decode='cpu'" in msg
     with pytest.raises(ConfigError, match="pip install torchvision"):
         make_decoder("torchvision", "cuda")
-    with pytest.raises(ConfigError, match="pip install nvidia-nvimgcodec-cu"):
+    with pytest.raises(ConfigError, match="pip install 'nvidia-nvimgcodec-cu"):
         make_decoder("nvimgcodec", 0)
 
 
@@ -438,6 +438,7 @@ def test_torchvision_wrapper_batches_retries_on_its_own_stream_without_host_sync
 
     monkeypatch.setitem(sys.modules, "torchvision", types.SimpleNamespace(__version__="0.26.0+cu128", io=FakeIO))
     monkeypatch.setitem(sys.modules, "torchvision.io", FakeIO)
+    monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", None)  # whatever this machine has installed
     dec = make_decoder("auto", "cuda")  # probes once with a tiny JPEG
     assert isinstance(dec, gpu_decode.TorchvisionDecoder) and dec.name == "torchvision 0.26.0+cu128 nvJPEG"
     one = ["on decode", "decode 1", "caller waits decode", "record caller"]
@@ -456,8 +457,20 @@ def test_torchvision_wrapper_batches_retries_on_its_own_stream_without_host_sync
     assert "sync" not in fake_cuda
 
 
+def on_fake_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The nvImageCodec wrapper as on a CUDA device (a torch.device("cuda", 0) that holds no memory here):
+    the fake library's host arrays become CPU tensors where the real one's device images would become
+    CUDA tensors."""
+    monkeypatch.setattr(gpu_decode, "_cuda_device", lambda device: torch.device("cuda", 0))
+    monkeypatch.setattr(gpu_decode.NvImageCodecDecoder, "_tensor",
+                        lambda self, img: torch.from_numpy(np.asarray(img)).permute(2, 0, 1))
+
+
 def test_nvimgcodec_wrapper_handles_none_and_dropped_images(monkeypatch: pytest.MonkeyPatch,
                                                             fake_cuda: list[str]) -> None:
+    """An early release (no BackendKind, ColorSpec.RGB, failed images dropped or None) on a CUDA device:
+    decoded on the caller's current stream. tests/test_nvimgcodec.py runs the real library."""
+    on_fake_cuda_device(monkeypatch)
     class ColorSpec:
         RGB = "rgb-spec"
 
@@ -517,7 +530,7 @@ def test_a_backend_that_fails_its_probe_is_skipped_by_auto(monkeypatch: pytest.M
     with pytest.raises(ConfigError) as info:
         make_decoder("auto", "cuda")
     msg = str(info.value)
-    assert "not compiled with nvJPEG support" in msg and "pip install nvidia-nvimgcodec-cu" in msg
+    assert "not compiled with nvJPEG support" in msg and "pip install 'nvidia-nvimgcodec-cu" in msg
 
 
 # ---- the batched resample against the per-sample path it replaced ---------------------------------------
@@ -612,7 +625,7 @@ class _BrokenImport:
 
 
 @pytest.mark.parametrize("backend, hint", [("torchvision", "pip install torchvision"),
-                                           ("nvimgcodec", "pip install nvidia-nvimgcodec-cu")])
+                                           ("nvimgcodec", "pip install 'nvidia-nvimgcodec-cu")])
 def test_a_backend_whose_import_raises_anything_is_a_config_error(monkeypatch: pytest.MonkeyPatch, backend: str,
                                                                   hint: str) -> None:
     for name in ("torchvision", "torchvision.io", "nvidia", "nvidia.nvimgcodec"):
@@ -639,6 +652,7 @@ def test_auto_falls_back_past_a_torchvision_that_raises_on_import(monkeypatch: p
 
     fake = types.SimpleNamespace(__version__="0.6.0", Decoder=Decoder, DecodeParams=DecodeParams,
                                  ColorSpec=types.SimpleNamespace(RGB=1))
+    on_fake_cuda_device(monkeypatch)
     monkeypatch.delitem(sys.modules, "torchvision", raising=False)
     monkeypatch.delitem(sys.modules, "torchvision.io", raising=False)
     monkeypatch.setattr(sys, "meta_path", [_BrokenImport("torchvision"), *sys.meta_path])

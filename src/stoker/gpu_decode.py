@@ -26,7 +26,7 @@ import numpy as np
 from ._torch import torch
 from .codecs import encode_jpeg
 from .errors import ConfigError, CorruptImageError, ImageError
-from .transforms import crop_window
+from .transforms import CropWindow, crop_window
 
 F = torch.nn.functional
 
@@ -35,6 +35,10 @@ BACKENDS = ("auto", "torchvision", "nvimgcodec", "nvimgcodec-cuda")
 #: Default bound on the decoded pixels held at once by `GpuBatchDecoder.run`: 256 MiB of uint8 RGB,
 #: e.g. about 470 ImageNet-sized (375x500) images, or 7 twelve-megapixel photos.
 DEFAULT_BUDGET_BYTES = 256 << 20
+#: Pixels a region decode adds around each crop (one 4:2:0 MCU), clamped to the image: chroma upsampling
+#: at a region's edge has no neighbour beyond it, so the edge pixels of a tight region can differ from
+#: the whole image's by a few levels; inside this margin every pixel the crop reads is the whole decode's.
+REGION_MARGIN = 16
 #: The first torchvision whose decode_jpeg takes a list and batches it on the GPU.
 TORCHVISION_MIN = (0, 19)
 
@@ -52,9 +56,18 @@ class GpuJob:
     key: str  # names the sample in error messages
 
 
+#: A rectangle of an image to decode: (top, left, bottom, right), pixels, bottom and right exclusive.
+Region = tuple[int, int, int, int]
+
+
 @runtime_checkable
 class GpuDecoder(Protocol):
-    """What `GpuBatchDecoder` needs from a decoder library."""
+    """What `GpuBatchDecoder` needs from a decoder library.
+
+    A decoder that can decode just a rectangle of a JPEG (region decode: less entropy decoding, IDCT
+    and memory than the whole image) says so with a true `regions` attribute; `GpuBatchDecoder` then
+    calls `decode(datas, regions=[...])` with each sample's crop rectangle (or None for the whole
+    image), and may get back the rectangle or the whole image: it tells them apart by their size."""
 
     name: str  # e.g. "torchvision 0.26.0 nvJPEG"
 
@@ -62,6 +75,11 @@ class GpuDecoder(Protocol):
         """One result per input, in order: a uint8 RGB tensor [3, H, W] on the decoder's device, or the
         exception for that sample. One failing sample must not fail the others."""
         ...
+
+
+def takes_regions(decoder: Any) -> bool:
+    """Whether `decoder` accepts `decode(datas, regions=...)` (see `GpuDecoder`)."""
+    return bool(getattr(decoder, "regions", False))
 
 
 # ---- backends ------------------------------------------------------------------------------------
@@ -77,9 +95,15 @@ def _input_problem(data: Any) -> str | None:
     return None
 
 
-def _decode_each(call: Any, datas: Sequence[torch.Tensor]) -> list[Any]:
-    """Decode a batch with `call(list) -> list`; when the batched call fails (or returns a list of the
-    wrong length), decode one image at a time so only the bad ones fail."""
+def _decode_each(call: Any, datas: Sequence[torch.Tensor], regions: Sequence[Region | None] | None = None
+                 ) -> list[Any]:
+    """Decode a batch with `call(list) -> list` (`call(list, regions=list)` when regions are given);
+    when the batched call fails (or returns a list of the wrong length), decode one image at a time so
+    only the bad ones fail."""
+    def run(idx: list[int]) -> list[Any]:
+        batch = [datas[i] for i in idx]
+        return list(call(batch) if regions is None else call(batch, regions=[regions[i] for i in idx]))
+
     results: list[Any] = [None] * len(datas)
     todo = []
     for i, data in enumerate(datas):
@@ -91,7 +115,7 @@ def _decode_each(call: Any, datas: Sequence[torch.Tensor]) -> list[Any]:
     if not todo:
         return results
     try:
-        outs = list(call([datas[i] for i in todo]))
+        outs = run(todo)
         if len(outs) != len(todo):
             raise RuntimeError(f"the decoder returned {len(outs)} images for {len(todo)} inputs")
     except Exception as exc:
@@ -101,7 +125,7 @@ def _decode_each(call: Any, datas: Sequence[torch.Tensor]) -> list[Any]:
             outs = []
             for i in todo:
                 try:
-                    one = list(call([datas[i]]))
+                    one = run([i])
                     outs.append(one[0] if len(one) == 1 else RuntimeError("the decoder returned no image"))
                 except Exception as single_exc:
                     outs.append(single_exc)
@@ -140,11 +164,13 @@ def _torchvision_install() -> str:
 
 
 def _nvimgcodec_install() -> str:
+    # [all] brings nvJPEG itself (and nvJPEG2000, nvTIFF): without it nvImageCodec registers no GPU decoder
+    # unless the CUDA toolkit's libraries are on the library path
     cuda = torch.version.cuda
     if cuda:
         major = cuda.split(".")[0]
-        return f"pip install nvidia-nvimgcodec-cu{major} (CUDA {major}, like this torch)"
-    return "pip install nvidia-nvimgcodec-cu12 or nvidia-nvimgcodec-cu13 (the one matching your CUDA)"
+        return f"pip install 'nvidia-nvimgcodec-cu{major}[all]' (CUDA {major}, like this torch)"
+    return "pip install 'nvidia-nvimgcodec-cu12[all]' or 'nvidia-nvimgcodec-cu13[all]' (the one matching your CUDA)"
 
 
 def _torchvision_hint() -> str:
@@ -160,13 +186,18 @@ class _Backend:
     time when a batched call fails, so one bad sample never fails the others."""
 
     device: torch.device
+    regions = False  # whether decode() takes regions= (GpuDecoder)
 
-    def _call(self, batch: list[torch.Tensor]) -> list[Any]:
+    def _call(self, batch: list[torch.Tensor], regions: Sequence[Region | None] | None = None) -> list[Any]:
         raise NotImplementedError
 
-    def decode(self, datas: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
-        with torch.cuda.device(self.device):
-            return _decode_each(self._call, datas)
+    def decode(self, datas: list[torch.Tensor], regions: Sequence[Region | None] | None = None
+               ) -> list[torch.Tensor | Exception]:
+        if regions is not None and not self.regions:
+            raise ValueError(f"{self.name} decodes whole images only; call decode(datas) without regions")
+        context = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        with context:
+            return _decode_each(self._call, datas, regions)
 
 
 class TorchvisionDecoder(_Backend):
@@ -219,7 +250,7 @@ class TorchvisionDecoder(_Backend):
         self._rgb = tv_io.ImageReadMode.RGB
         self._stream = torch.cuda.Stream(device=device)  # the decode stream (see the class docstring)
 
-    def _call(self, batch: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _call(self, batch: list[torch.Tensor], regions: Sequence[Region | None] | None = None) -> list[torch.Tensor]:
         caller = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._stream):
             outs = self._decode_jpeg(batch, mode=self._rgb, device=self.device)
@@ -230,6 +261,25 @@ class TorchvisionDecoder(_Backend):
 
 
 
+#: nvImageCodec (major, minor) releases from which region decode on the GPU is not used: 0.9.0's region
+#: decode (`CodeStream.get_sub_code_stream(region=)`) fails on ordinary in-bounds regions, with
+#: INTERNAL_ERROR on A100 and a segmentation fault on H100 (NVIDIA/nvImageCodec issue #55; 0.8 worked).
+#: A crash cannot be caught, so newer releases decode whole images until a GPU run shows them sound
+#: (tests/cuda/test_gpu_decode_cuda.py compares region and whole-image decodes). Their CPU backend's
+#: region decode is sound and tested on every machine (tests/test_nvimgcodec.py).
+NVIMGCODEC_GPU_REGIONS_BEFORE = (0, 9)
+
+
+def nvimgcodec_regions(nv: Any, device_type: str, hardware: bool = False) -> bool:
+    """Whether stoker decodes regions with this nvImageCodec module `nv` on a "cuda" or "cpu" device: the
+    release has code-stream regions, and on the GPU it is older than NVIMGCODEC_GPU_REGIONS_BEFORE.
+    Never with the hardware engines first (they decode whole images)."""
+    code_stream = getattr(nv, "CodeStream", None)
+    if hardware or not hasattr(nv, "Region") or not hasattr(code_stream, "get_sub_code_stream"):
+        return False
+    return device_type == "cpu" or _version(str(getattr(nv, "__version__", "0")))[:2] < NVIMGCODEC_GPU_REGIONS_BEFORE
+
+
 class NvImageCodecDecoder(_Backend):
     """nvJPEG (and nvImageCodec's other JPEG backends) through `nvidia.nvimgcodec.Decoder`.
 
@@ -237,9 +287,18 @@ class NvImageCodecDecoder(_Backend):
     queued after it on that stream (no extra wait). Output buffers are nvImageCodec's own (allocated
     on that stream, outside PyTorch's caching allocator) and freed on that stream when the tensors
     wrapping them are released. Images come back interleaved [H, W, 3] and are viewed as [3, H, W].
-    Colour spec RGB turns grayscale into 3 channels; EXIF orientation is not applied (as on the CPU
-    path). An image that fails comes back as None (older releases drop it from the list instead; a
-    list of the wrong length is retried one image at a time).
+    Colour spec sRGB turns grayscale and CMYK into 3 channels; EXIF orientation is not applied (as on
+    the CPU path). An image that fails comes back as None (older releases drop it from the list
+    instead; a list of the wrong length is retried one image at a time).
+
+    Region decode (`regions`): where the release has code-stream regions and its GPU region decode is
+    sound (`NVIMGCODEC_GPU_REGIONS_BEFORE`), `decode(datas, regions=)` decodes only each crop's
+    rectangle. The hardware variant never does: the JPEG engines decode whole images, and a region
+    would send the image to the CUDA decoders instead; `gpu_decoder="auto"` times both and keeps the
+    faster.
+
+    On the CPU (`device="cpu"`) the same library runs its CPU backend (libjpeg-turbo) and no GPU is
+    involved: that is how the GPU path is tested against the real library on machines without one.
     """
 
     label = "nvImageCodec"
@@ -259,43 +318,88 @@ class NvImageCodecDecoder(_Backend):
 
     hardware = False  # NvImageCodecHardwareDecoder: the GPU's hardware JPEG engines first
 
-    def __init__(self, device: torch.device) -> None:
-        nvimgcodec = self.load()
-        self.device = device
-        version = getattr(nvimgcodec, "__version__", "")
-        kinds = getattr(nvimgcodec, "BackendKind", None)
-        if kinds is None or not hasattr(nvimgcodec, "Backend"):  # an early release: its default backends
-            backends = None
-        elif self.hardware:  # what the hardware engine cannot take (progressive JPEGs) goes to the CUDA ones
-            backends = [nvimgcodec.Backend(kinds.HW_GPU_ONLY), nvimgcodec.Backend(kinds.GPU_ONLY),
-                        nvimgcodec.Backend(kinds.HYBRID_CPU_GPU)]
+    def __init__(self, device: torch.device | str) -> None:
+        nv = self.load()
+        self.device = torch.device(device)
+        if self.device.type not in ("cuda", "cpu"):
+            raise ConfigError(f"nvImageCodec decodes on a CUDA device or the CPU, not {self.device}")
+        if self.hardware and self.device.type == "cpu":
+            raise ConfigError("the hardware JPEG engines are on the GPU: give a CUDA device, or use "
+                              "NvImageCodecDecoder('cpu') for nvImageCodec's CPU backend")
+        self._nv = nv
+        version = str(getattr(nv, "__version__", ""))
+        args = self._decoder_args(nv)
+        self._decoder = nv.Decoder(**args)
+        self._params = self._decode_params(nv)
+        self.regions = nvimgcodec_regions(nv, self.device.type, hardware=self.hardware)
+        kind = ("" if "backends" not in args else " CPU (libjpeg-turbo)" if self.device.type == "cpu"
+                else " hardware JPEG" if self.hardware else " CUDA")  # an early release: its default backends
+        self.name = f"nvImageCodec {version}".rstrip() + kind + (", region decode" if self.regions else "")
+
+    def _decoder_args(self, nv: Any) -> dict[str, Any]:
+        kinds = getattr(nv, "BackendKind", None)
+        if self.device.type == "cpu":
+            if kinds is None or not hasattr(nv, "NVIMGCODEC_DEVICE_CPU_ONLY"):
+                raise ConfigError(f"nvImageCodec {getattr(nv, '__version__', '')} has no CPU-only decoder; "
+                                  f"upgrade it: {_nvimgcodec_install()}")
+            return {"device_id": nv.NVIMGCODEC_DEVICE_CPU_ONLY, "backends": [nv.Backend(kinds.CPU_ONLY)]}
+        if kinds is None or not hasattr(nv, "Backend"):  # an early release: its default backends
+            return {"device_id": self.device.index}
+        if self.hardware:  # what the hardware engines cannot take (progressive JPEGs) goes to the CUDA ones
+            names = ("HW_GPU_ONLY", "GPU_ONLY", "HYBRID_CPU_GPU")
         else:
-            backends = [nvimgcodec.Backend(kinds.GPU_ONLY), nvimgcodec.Backend(kinds.HYBRID_CPU_GPU)]
-        kind = "" if backends is None else " hardware JPEG" if self.hardware else " CUDA"
-        self.name = f"nvImageCodec {version}".rstrip() + kind
-        if backends is None:
-            self._decoder = nvimgcodec.Decoder(device_id=device.index)
-        else:
-            self._decoder = nvimgcodec.Decoder(device_id=device.index, backends=backends)
+            names = ("GPU_ONLY", "HYBRID_CPU_GPU")
+        return {"device_id": self.device.index, "backends": [nv.Backend(getattr(kinds, n)) for n in names]}
+
+    @staticmethod
+    def _decode_params(nv: Any) -> Any:
+        # the 3-channel colour spec is ColorSpec.SRGB in current releases and ColorSpec.RGB in early ones
+        colour = next((getattr(nv.ColorSpec, n) for n in ("SRGB", "RGB") if hasattr(nv.ColorSpec, n)), None)
+        if colour is None:
+            raise ConfigError(f"nvImageCodec {getattr(nv, '__version__', '')} has no RGB colour spec "
+                              f"(ColorSpec.SRGB); {_nvimgcodec_install()}")
         try:
-            self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.RGB,
-                                                   allow_any_depth=False)
+            return nv.DecodeParams(apply_exif_orientation=False, color_spec=colour, allow_any_depth=False)
         except TypeError:  # a release whose constructor takes other arguments: set the properties
-            self._params = nvimgcodec.DecodeParams()
-            self._params.apply_exif_orientation = False
-            self._params.color_spec = nvimgcodec.ColorSpec.RGB
+            params = nv.DecodeParams()
+            params.apply_exif_orientation = False
+            params.color_spec = colour
+            return params
 
-    def _call(self, batch: list[torch.Tensor]) -> list[Any]:
-        stream = torch.cuda.current_stream(self.device)
-        images = self._decoder.decode([d.numpy() for d in batch], params=self._params, cuda_stream=stream.cuda_stream)
-        out: list[Any] = []
-        for img in images:
-            if img is None:
-                out.append(RuntimeError("nvImageCodec could not decode this image (its log says why)"))
-            else:  # torch keeps the Image alive while the tensor lives
-                out.append(torch.as_tensor(img, device=self.device).permute(2, 0, 1))
+    def _source(self, data: torch.Tensor, region: Region | None) -> Any:
+        array = data.numpy()
+        if region is None:
+            return array
+        top, left, bottom, right = region
+        return self._nv.CodeStream(array).get_sub_code_stream(region=self._nv.Region(top, left, bottom, right))
+
+    def _tensor(self, image: Any) -> torch.Tensor:
+        # torch keeps the Image alive while the tensor lives (through the array it wraps on the CPU)
+        hwc = (torch.as_tensor(image, device=self.device) if self.device.type == "cuda"
+               else torch.from_numpy(np.asarray(image)))
+        return hwc.permute(2, 0, 1)
+
+    def _call(self, batch: list[torch.Tensor], regions: Sequence[Region | None] | None = None) -> list[Any]:
+        out: list[Any] = [None] * len(batch)
+        sources, where = [], []
+        for i, data in enumerate(batch):
+            try:  # a header nvImageCodec cannot parse fails its own sample only
+                sources.append(self._source(data, None if regions is None else regions[i]))
+                where.append(i)
+            except Exception as exc:
+                out[i] = exc
+        if sources:
+            if self.device.type == "cuda":
+                stream = torch.cuda.current_stream(self.device).cuda_stream
+                images = self._decoder.decode(sources, params=self._params, cuda_stream=stream)
+            else:
+                images = self._decoder.decode(sources, params=self._params)
+            if len(images) != len(sources):  # an older release dropped the failed ones: retried one by one
+                raise RuntimeError(f"nvImageCodec returned {len(images)} images for {len(sources)} inputs")
+            for i, img in zip(where, images):
+                out[i] = (RuntimeError("nvImageCodec could not decode this image (its log says why)")
+                          if img is None else self._tensor(img))
         return out
-
 
 
 class NvImageCodecHardwareDecoder(NvImageCodecDecoder):
@@ -314,7 +418,8 @@ class MeasuredDecoder:
     """gpu_decoder="auto" with more than one working backend: the first batch is decoded by every
     candidate, each timed from start to finish on the GPU (the device is synchronized around each:
     a one-time cost, at first use), and the fastest that decoded the most images decodes everything
-    from then on. `name` says which one runs and what was measured; `timings` holds ms per image."""
+    from then on. `name` says which one runs and what was measured; `timings` holds ms per image.
+    Candidates that decode regions are timed decoding regions (the work they would do)."""
 
     def __init__(self, candidates: Sequence[GpuDecoder], device: torch.device,
                  synchronize: Any = _synchronize, clock: Any = time.perf_counter) -> None:
@@ -325,15 +430,28 @@ class MeasuredDecoder:
         self._sync, self._clock = synchronize, clock
         self.name = "auto, not measured yet: " + " or ".join(c.name for c in self.candidates)
 
-    def decode(self, datas: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
+    @property
+    def regions(self) -> bool:
+        """Whether decode() takes regions: the chosen backend's answer once measured, before that any
+        candidate's (those that do not take them are given the whole images)."""
+        return takes_regions(self.chosen) if self.chosen is not None else any(map(takes_regions, self.candidates))
+
+    @staticmethod
+    def _run(decoder: GpuDecoder, datas: list[torch.Tensor], regions: Sequence[Region | None] | None) -> list[Any]:
+        if regions is not None and takes_regions(decoder):
+            return decoder.decode(datas, regions=regions)  # type: ignore[call-arg]
+        return decoder.decode(datas)
+
+    def decode(self, datas: list[torch.Tensor], regions: Sequence[Region | None] | None = None
+               ) -> list[torch.Tensor | Exception]:
         if self.chosen is not None:
-            return self.chosen.decode(datas)
+            return self._run(self.chosen, datas, regions)
         best: tuple[int, float] | None = None
         result: list[Any] = []
         for cand in self.candidates:
             self._sync(self.device)
             t0 = self._clock()
-            outs = cand.decode(datas)
+            outs = self._run(cand, datas, regions)
             self._sync(self.device)
             seconds = self._clock() - t0
             self.timings[cand.name] = 1000 * seconds / max(1, len(datas))
@@ -501,6 +619,10 @@ class GpuBatchDecoder:
     and the intermediate product) also stays under `budget_bytes` (at least one image per group).
     Peak GPU memory of one `run` is therefore about 2 x budget_bytes (or a single large image's
     share), plus the decoder library's own work buffers (nvJPEG keeps them between calls).
+
+    A decoder that decodes regions (`takes_regions`) is given each sample's crop rectangle, so it
+    decodes only the pixels the crop reads (chunks are still sized by whole images: a bound, not
+    an estimate).
     """
 
     def __init__(self, decoder: GpuDecoder, device: torch.device | str, budget_bytes: int = DEFAULT_BUDGET_BYTES
@@ -555,14 +677,17 @@ class GpuBatchDecoder:
         context = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         with context:
             for chunk in self.chunks(jobs):
-                images = self._decode(chunk)
+                windows = [crop_window(job.box, job.height, job.width, job.height, job.width, out_h, out_w)
+                           for job in chunk]
+                regions = self._regions(chunk, windows)
+                images = self._decode(chunk, regions)
                 placed: list[_Placed] = []
                 for k, job in enumerate(chunk):
                     img, images[k] = images[k], None
                     try:
                         if isinstance(img, BaseException):
                             raise img
-                        placed.append(self._place(job, img, out))
+                        placed.append(self._place(job, img, windows[k], regions and regions[k], out))
                     except Exception as exc:
                         failures.append((job, self._failure(job, exc)))
                 img = images = None
@@ -584,9 +709,22 @@ class GpuBatchDecoder:
         if bad:
             raise ValueError(f"job rows {bad[:5]} are outside the batch of {out.shape[0]}")
 
-    def _decode(self, chunk: list[GpuJob]) -> list[Any]:
+    def _regions(self, chunk: list[GpuJob], windows: list[CropWindow]) -> list[Region | None] | None:
+        """Each job's region to decode (its crop window and REGION_MARGIN around it; None: the whole
+        image), or None when the decoder decodes whole images only."""
+        if not takes_regions(self.decoder):
+            return None
+        regions: list[Region | None] = []
+        for job, win in zip(chunk, windows):
+            y0, y1, x0, x1 = win.src
+            m = REGION_MARGIN
+            region = (max(0, y0 - m), max(0, x0 - m), min(job.height, y1 + m), min(job.width, x1 + m))
+            regions.append(None if region == (0, 0, job.height, job.width) else region)
+        return regions
+
+    def _decode(self, chunk: list[GpuJob], regions: list[Region | None] | None) -> list[Any]:
         # Backends already retry a failed batch one image at a time; this covers any other decoder.
-        return _decode_each(self.decoder.decode, [job.data for job in chunk])
+        return _decode_each(self.decoder.decode, [job.data for job in chunk], regions)
 
     def _failure(self, job: GpuJob, exc: BaseException) -> Exception:
         if isinstance(exc, ImageError) and exc.key == job.key:
@@ -595,20 +733,26 @@ class GpuBatchDecoder:
         err.__cause__ = exc
         return err
 
-    def _place(self, job: GpuJob, img: Any, out: torch.Tensor) -> _Placed:
-        """Check a decoded image (uint8 [C, h, w], C 1 or 3, the stored size) and plan its crop with the
-        CPU path's integer geometry (`crop_window`), the whole image being the decoded source."""
+    def _place(self, job: GpuJob, img: Any, win: CropWindow, region: Region | None, out: torch.Tensor) -> _Placed:
+        """Check a decoded image (uint8 [C, h, w], C 1 or 3: the stored size, or the region asked for)
+        and place it with the CPU path's crop window (`crop_window`)."""
         if (not isinstance(img, torch.Tensor) or img.dim() != 3 or img.dtype != torch.uint8
                 or img.shape[0] not in (1, 3)):
             got = f"{img.dtype} {tuple(img.shape)}" if isinstance(img, torch.Tensor) else type(img).__name__
             raise ValueError(f"the decoder returned {got}; expected a uint8 [3, H, W] tensor")
         _, h, w = img.shape
-        if (h, w) != (job.height, job.width):
+        sy0, sy1, sx0, sx1 = win.src
+        if (h, w) == (job.height, job.width):
+            src = win.src
+        elif region is not None and (h, w) == (region[2] - region[0], region[3] - region[1]):
+            top, left = region[0], region[1]  # a region decode: the image is that rectangle
+            src = (sy0 - top, sy1 - top, sx0 - left, sx1 - left)
+        else:
+            asked = "" if region is None else f" (region {region[2] - region[0]}x{region[3] - region[1]})"
             raise CorruptImageError(job.key, f"the GPU decoded {h}x{w} pixels, the dataset stores "
-                                             f"{job.height}x{job.width} for this image")
+                                             f"{job.height}x{job.width} for this image{asked}")
         if img.shape[0] == 1:  # grayscale from a decoder that ignored the RGB request: a view, no copy
             img = img.expand(3, h, w)
         if img.device != out.device:
             img = img.to(out.device)
-        win = crop_window(job.box, h, w, h, w, out.shape[2], out.shape[3])
-        return _Placed(job, img, win.src, win.dst)
+        return _Placed(job, img, src, win.dst)

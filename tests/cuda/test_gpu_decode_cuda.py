@@ -197,3 +197,26 @@ def test_decoded_images_outlive_a_slow_consumer(decoder) -> None:
         del img
     torch.cuda.synchronize()
     assert [int(s) for s in sums] == [want] * 20
+
+
+@pytest.mark.skipif(not importable("nvidia.nvimgcodec"), reason="nvImageCodec does not import here")
+def test_region_decode_on_the_gpu_is_the_whole_decode_inside_its_margin() -> None:
+    from stoker.gpu_decode import NVIMGCODEC_GPU_REGIONS_BEFORE, REGION_MARGIN
+
+    dec = make_decoder("nvimgcodec-cuda", "cuda")
+    if not dec.regions:
+        pytest.skip(f"{dec.name}: region decode is off on the GPU for this release (nvImageCodec "
+                    f"{'.'.join(map(str, NVIMGCODEC_GPU_REGIONS_BEFORE))} and newer: NVIDIA/nvImageCodec#55)")
+    rng = np.random.default_rng(4)
+    for data in sample_jpegs().values():
+        whole = dec.decode([as_tensor(data)])[0]
+        h, w = whole.shape[1:]
+        for _ in range(8):
+            top, left = int(rng.integers(0, h - 1)), int(rng.integers(0, w - 1))
+            bottom, right = int(rng.integers(top + 1, h + 1)), int(rng.integers(left + 1, w + 1))
+            m = REGION_MARGIN
+            region = (max(0, top - m), max(0, left - m), min(h, bottom + m), min(w, right + m))
+            out = dec.decode([as_tensor(data)], regions=[region])[0]
+            assert isinstance(out, torch.Tensor) and out.is_cuda, out
+            inner = out[:, top - region[0]:bottom - region[0], left - region[1]:right - region[1]]
+            assert torch.equal(inner, whole[:, top:bottom, left:right])
