@@ -201,3 +201,22 @@ def test_the_pillow_gauntlet_never_crashes_the_decoder(decoder: NvImageCodecDeco
             assert out.dtype == torch.uint8 and out.dim() == 3 and out.shape[0] == 3, path.name
     assert {"truncated_jpeg.jpg", "junk_jpeg_header.jpg"} <= failed  # broken files fail, each on its own
     assert len(failed) < len(files) // 4
+
+
+def test_the_decoder_benchmark_counts_what_region_decode_saves(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import importlib.util
+    import json
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gpu_decode.py"
+    spec = importlib.util.spec_from_file_location("stoker_bench_gpu_decode", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main([str(tmp_path / "cache"), "--images", "12", "--batch", "5", "--rounds", "1",
+                       "--json", str(tmp_path / "r.json")]) == 0
+    rows = {r["decoder"].rsplit(", ", 1)[1]: r for r in json.loads((tmp_path / "r.json").read_text())["rows"]}
+    assert set(rows) == {"region decode", "whole images"}
+    assert rows["whole images"]["failed"] == rows["region decode"]["failed"] == 0
+    # RandomResizedCrop reads part of each image: a region decode hands back fewer pixels
+    assert rows["region decode"]["decoded_mpix_per_image"] < rows["whole images"]["decoded_mpix_per_image"]
+    assert "| decoder | ms/image |" in capsys.readouterr().out

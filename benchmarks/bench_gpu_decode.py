@@ -1,0 +1,148 @@
+"""The decode="gpu" path's decoders side by side: each backend decodes the same batches of JPEGs and
+crops, resizes and flips them into 224 x 224 rows (RandomResizedCrop(224) + flip, seeded), through
+`GpuBatchDecoder` as the Loader runs it; region decode against whole-image decode where a backend
+has both.
+
+    python benchmarks/bench_gpu_decode.py CACHE_DIR [--device cuda] [--images 1024] [--batch 256]
+                                          [--rounds 5] [--large 0] [--json out.json]
+
+CACHE_DIR keeps the generated ImageNet-like JPEGs (about 400 x 350 px, made on first use); `--large`
+adds that many 1200 x 900 images. On `--device cuda` the candidates are torchvision, nvImageCodec
+with the hardware JPEG engines first, and nvImageCodec's CUDA decoders (with and without region
+decode: region decode only where the release does it soundly, see docs/gpu-decode.md); each round
+is timed from a synchronized device to a synchronized device. On `--device cpu` (any machine) the
+candidate is nvImageCodec's CPU backend, with and without region decode: the same library calls,
+so the pixels a region decode saves are counted the same way, but its times are CPU times, no GPU
+figure. Reported: ms per image (best round: the machine may be shared), decoded megapixels per
+image, and each region variant against its whole-image twin measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from stoker import codecs
+from stoker.errors import ConfigError
+from stoker.gpu_decode import GpuBatchDecoder, GpuJob, NvImageCodecDecoder, make_decoder
+from stoker.order import sample_keys, uniforms
+from stoker.tools.synth import cached_imagenet_like, synth_image
+from stoker.transforms import Pipeline, RandomHorizontalFlip, RandomResizedCrop
+
+OUT = 224
+
+
+class Counting:
+    """A decoder that counts the pixels its inner decoder hands back (a region or a whole image)."""
+
+    def __init__(self, inner: Any, regions: bool) -> None:
+        self.inner, self.regions, self.pixels = inner, regions, 0
+        self.name = inner.name if regions or not getattr(inner, "regions", False) else inner.name.replace(
+            ", region decode", "") + ", whole images"
+
+    def decode(self, datas: list[torch.Tensor], regions: Any = None) -> list[Any]:
+        outs = self.inner.decode(datas, regions=regions) if regions is not None else self.inner.decode(datas)
+        self.pixels += sum(int(o.shape[1] * o.shape[2]) for o in outs if isinstance(o, torch.Tensor))
+        return outs
+
+
+def _images(cache: Path, n: int, large: int) -> list[tuple[bytes, int, int]]:
+    root = cached_imagenet_like(cache / "imagenet-like", n)
+    images = []
+    for path in sorted(root.rglob("*.jpg"))[:n]:
+        data = path.read_bytes()
+        info = codecs.probe(data, path.name)
+        images.append((data, info.height, info.width))
+    rng = np.random.default_rng(7)
+    images += [(codecs.encode_jpeg(synth_image(rng, 900, 1200), 90), 900, 1200) for _ in range(large)]
+    return images
+
+
+def _batches(images: list[tuple[bytes, int, int]], batch: int) -> list[list[GpuJob]]:
+    pipe = Pipeline([RandomResizedCrop(OUT), RandomHorizontalFlip()])
+    heights = np.array([h for _, h, _ in images])
+    widths = np.array([w for _, _, w in images])
+    plan = pipe.plan(heights, widths, uniforms(sample_keys(0, 0, np.arange(len(images))), pipe.draws))
+    jobs = [GpuJob(i % batch, torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                   tuple(float(v) for v in plan.box[i]), bool(plan.flip[i]), h, w, f"img-{i}")
+            for i, (data, h, w) in enumerate(images)]
+    return [jobs[i:i + batch] for i in range(0, len(jobs), batch)]
+
+
+def _candidates(device: torch.device) -> list[Counting]:
+    if device.type == "cpu":
+        dec = NvImageCodecDecoder("cpu")
+        return [Counting(dec, regions=True), Counting(dec, regions=False)]
+    out: list[Counting] = []
+    for backend in ("torchvision", "nvimgcodec", "nvimgcodec-cuda"):
+        try:
+            dec = make_decoder(backend, device)
+        except ConfigError as exc:
+            print(f"{backend}: not measured: {exc}", file=sys.stderr)
+            continue
+        out.append(Counting(dec, regions=False))
+        if getattr(dec, "regions", False):
+            out.append(Counting(dec, regions=True))
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(cand: Counting, batches: list[list[GpuJob]], device: torch.device, rounds: int) -> dict[str, Any]:
+    gpu = GpuBatchDecoder(cand, device)
+    out = torch.empty((max(len(b) for b in batches), 3, OUT, OUT), dtype=torch.uint8, device=device)
+    n = sum(len(b) for b in batches)
+    gpu.run(batches[0], out[:len(batches[0])])  # warm-up: library set-up, work buffers
+    best, failed = float("inf"), 0
+    for _ in range(rounds):
+        cand.pixels = 0
+        _sync(device)
+        t0 = time.perf_counter()
+        failed = sum(len(gpu.run(b, out[:len(b)])) for b in batches)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return {"decoder": cand.name, "ms_per_image": 1000 * best / n, "decoded_mpix_per_image": cand.pixels / n / 1e6,
+            "failed": failed}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("cache", type=Path)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--images", type=int, default=1024)
+    ap.add_argument("--large", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    batches = _batches(_images(args.cache, args.images, args.large), args.batch)
+    rows = [measure(c, batches, device, args.rounds) for c in _candidates(device)]
+    whole = {r["decoder"].replace(", whole images", ""): r for r in rows if "region decode" not in r["decoder"]}
+    print(f"{sum(len(b) for b in batches)} images, batches of {args.batch}, RandomResizedCrop({OUT}) + flip, "
+          f"on {device}; best of {args.rounds} rounds\n")
+    print("| decoder | ms/image | decoded Mpx/image | vs whole-image decode | failed |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in rows:
+        twin = whole.get(r["decoder"].replace(", region decode", ""))
+        ratio = f"{twin['ms_per_image'] / r['ms_per_image']:.2f}x faster" if twin is not None and twin is not r else "-"
+        r["vs_whole"] = ratio
+        print(f"| {r['decoder']} | {r['ms_per_image']:.3f} | {r['decoded_mpix_per_image']:.3f} | {ratio} | {r['failed']} |")
+    if args.json:
+        args.json.write_text(json.dumps({"device": str(device), "images": sum(len(b) for b in batches),
+                                         "batch": args.batch, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
