@@ -6,7 +6,7 @@
 # Steps, each sized to finish in well under 10 minutes on an H100/H200 with 16 CPU cores:
 #   env      what this host has: GPU, driver, torch/CUDA, torchvision, nvImageCodec, DALI
 #   tests    pytest tests/cuda under TORCH_CUDA_SANITIZER=1, then the CPU suite
-#   loader   stoker bench --device cuda, loaders alone (DataLoader+PIL vs stoker, CPU and GPU decode);
+#   loader   stoker bench --device cuda, loaders alone (DataLoader+PIL vs stoker, CPU and GPU decode, vs DALI);
 #            pipelines whose start-up is 1% or more of their timed run are rerun once with the
 #            --steps the bench's table asks for
 #   train    the same bench, ResNet-50 and ResNet-18 training fed by each loader vs synthetic data
@@ -18,7 +18,9 @@
 # Every log and bench.json lands under $OUT (default ./gpu-session); nothing is printed as a result
 # that was not measured in this run. The host needs a CUDA build of torch and, for the models and the
 # real baseline transforms, the matching torchvision; stoker installed (pip install -e ".[test]") or
-# PYTHONPATH=src. PY picks the interpreter (default: python3). WORKERS the CPU cores per pipeline (16).
+# PYTHONPATH=src. The dali pipelines (cuda-dali, train-<model>-dali) need NVIDIA DALI on this host:
+# pip install nvidia-dali-cuda130 (the env step says whether it imports; without it they are reported
+# as skipped). PY picks the interpreter (default: python3). WORKERS the CPU cores per pipeline (16).
 set -u -o pipefail
 
 PY=${PY:-python3}
@@ -91,8 +93,8 @@ step_tests() {
 }
 
 step_loader() {
-    # generates the images once ($OUT/data), packs them, then the three loader-alone pipelines
-    bench bench-loader --pipelines cuda-baseline,cuda-stoker,cuda-stoker-gpu --steps "$LOADER_STEPS"
+    # generates the images once ($OUT/data), packs them, then the four loader-alone pipelines
+    bench bench-loader --pipelines cuda-baseline,cuda-stoker,cuda-stoker-gpu,cuda-dali --steps "$LOADER_STEPS"
     local again
     again=$(startup_steps "$OUT/bench-loader/bench.json")
     if [ -n "$again" ]; then
@@ -104,8 +106,8 @@ step_loader() {
 
 step_train() {
     bench bench-train --models resnet50,resnet18 --steps "$TRAIN_STEPS" --pipelines \
-train-resnet50-synthetic,train-resnet50-baseline,train-resnet50-stoker,train-resnet50-stoker-gpu,\
-train-resnet18-synthetic,train-resnet18-baseline,train-resnet18-stoker,train-resnet18-stoker-gpu
+train-resnet50-synthetic,train-resnet50-baseline,train-resnet50-stoker,train-resnet50-stoker-gpu,train-resnet50-dali,\
+train-resnet18-synthetic,train-resnet18-baseline,train-resnet18-stoker,train-resnet18-stoker-gpu,train-resnet18-dali
     local again
     again=$(startup_steps "$OUT/bench-train/bench.json")
     [ -z "$again" ] || note "train: start-up of ${again% *} was 1% or more of its timed run; rerun with --steps ${again#* } (not done here: time)"

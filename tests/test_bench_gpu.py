@@ -7,19 +7,25 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from conftest import write_image
 from stoker.errors import ConfigError
-from stoker.tools import bench_gpu
+from stoker.tools import bench_dali, bench_gpu
 from stoker.tools.bench import NOTE, BenchResult, PipelineResult, format_table, machine_info, run_bench
 from stoker.tools.bench_gpu import device_pipelines, feed_of, model_label
 from stoker.tools.synth import make_tiny_jpegs
 
 TINY = f"{__name__}:tiny_model"
+HAS_DALI = bench_dali.why_unavailable() is None
+needs_dali = pytest.mark.skipif(not HAS_DALI, reason="needs NVIDIA DALI: pip install nvidia-dali-cuda130 (CI leaves "
+                                "this 200 MB optional extra out)")
 
 
 def tiny_model() -> nn.Module:
@@ -59,12 +65,15 @@ def _check_ran(p: PipelineResult | None) -> PipelineResult:
 def test_pipeline_names_and_references() -> None:
     catalog = device_pipelines(["resnet50"] if importlib.util.find_spec("torchvision") else [TINY])
     label = next(n for n in catalog if n.startswith("train-")).split("-")[1]
-    assert list(catalog)[:3] == ["cuda-baseline", "cuda-stoker", "cuda-stoker-gpu"]
+    assert list(catalog)[:4] == ["cuda-baseline", "cuda-stoker", "cuda-stoker-gpu", "cuda-dali"]
     assert catalog["cuda-stoker-gpu"][1] == "cuda-baseline" and catalog["cuda-baseline"][1] is None
+    assert catalog["cuda-dali"][1] == "cuda-baseline"
     assert [n for n in catalog if n.startswith("train-")] == [f"train-{label}-{f}" for f in
-                                                            ("synthetic", "baseline", "stoker", "stoker-gpu")]
-    assert catalog[f"train-{label}-stoker"][1] == f"train-{label}-synthetic"
+                                                            ("synthetic", "baseline", "stoker", "stoker-gpu", "dali")]
+    for feed in ("stoker", "dali"):
+        assert catalog[f"train-{label}-{feed}"][1] == f"train-{label}-synthetic"
     assert feed_of("train-resnet50-stoker-gpu") == "stoker-gpu" and feed_of("train-resnet50-stoker") == "stoker"
+    assert feed_of("train-resnet50-dali") == "dali" and feed_of("cuda-dali") == "dali"
     assert feed_of("cuda-stoker-gpu") == "stoker-gpu" and model_label("pkg.nets:make_net") == "make_net"
 
 
@@ -96,6 +105,26 @@ def test_device_bench_on_cpu_end_to_end(cpu_run: tuple[BenchResult, Path]) -> No
     assert stoker_loader.images == 16 + 12   # warm-up: batches 0-1 of 60 images; timed: 2 and the partial 3
     assert stoker_loader.ratio == pytest.approx(stoker_loader.images_per_s / base.images_per_s)
     assert result.pack_seconds > 0
+    _check_dali(result)
+
+
+def _check_dali(result: BenchResult) -> None:
+    """NVIDIA DALI's pipelines ran where it imports (here on the CPU), or were skipped with the pip command."""
+    loader, fed = result.get("cuda-dali"), result.get("train-tiny_model-dali")
+    if not HAS_DALI:
+        for p in (loader, fed):
+            assert p is not None and p.skipped and "pip install nvidia-dali" in p.skipped and p.ratio is None
+        return
+    loader, fed = _check_ran(loader), _check_ran(fed)
+    assert loader.images == 16 + 12   # as stoker's: each epoch of 60 samples ends with its partial batch
+    assert loader.ratio == pytest.approx(loader.images_per_s / result.get("cuda-baseline").images_per_s)
+    assert fed.images == 2 * 16 and 0.0 <= fed.data_wait < 1.0
+    assert fed.ratio == pytest.approx(fed.images_per_s / result.get("train-tiny_model-synthetic").images_per_s)
+    for p in (loader, fed):
+        assert p.version.startswith("nvidia.dali ") and p.version.endswith(", decoders.image cpu")
+    vs_base = fed.images_per_s / result.get("train-tiny_model-baseline").images_per_s
+    assert f"| train-tiny_model-dali | {fed.images_per_s:,.0f} | {fed.ratio:.1%} | {vs_base:.2f}x |" in \
+        format_table(result)
 
 
 class _NoGpuDecoder:
@@ -123,6 +152,94 @@ def test_a_stoker_feed_that_cannot_start_is_skipped_with_its_reason(tiny_root: P
     assert torch.backends.cudnn.benchmark is before   # set for the training measurement only, then restored
 
 
+class _BrokenImport:
+    """A meta-path finder that makes importing `names` raise, as a DALI built for another CUDA or Python may."""
+
+    def __init__(self, *names: str) -> None:
+        self.names = names
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> None:
+        if fullname in self.names:
+            raise RuntimeError("libdali.so: undefined symbol")
+        return None
+
+
+@pytest.mark.parametrize("how, error", [("missing", "ModuleNotFoundError"), ("broken", "RuntimeError")])
+def test_dali_pipelines_are_skipped_with_the_pip_command_where_dali_does_not_import(
+        tiny_root: Path, monkeypatch: pytest.MonkeyPatch, how: str, error: str) -> None:
+    for name in [n for n in sys.modules if n == "nvidia.dali" or n.startswith("nvidia.dali.")]:
+        monkeypatch.delitem(sys.modules, name)
+    if how == "missing":
+        monkeypatch.setitem(sys.modules, "nvidia.dali", None)
+    else:
+        monkeypatch.setattr(sys, "meta_path", [_BrokenImport("nvidia", "nvidia.dali"), *sys.meta_path])
+    result = run_bench(tiny_root, batch_size=16, rounds=1, workers=1, isolate=False, device="cpu", models=[TINY],
+                       pipelines=("cuda-dali", "train-tiny_model-synthetic", "train-tiny_model-dali"), steps=1,
+                       warmup_steps=0)
+    for name in ("cuda-dali", "train-tiny_model-dali"):
+        p = result.get(name)
+        assert p is not None and p.skipped is not None and p.ratio is None
+        assert error in p.skipped and "pip install nvidia-dali-cuda130" in p.skipped
+    _check_ran(result.get("train-tiny_model-synthetic"))   # the run went on
+    # the feed says the same where it is opened (in the pipeline's own process, under `stoker bench`)
+    with pytest.raises(bench_gpu.FeedUnavailable, match=f"{error}.*pip install nvidia-dali-cuda130"):
+        bench_gpu.open_feed("dali", root=str(tiny_root), packed="", batch_size=16, workers=1,
+                            device=torch.device("cpu"), training=True)
+
+
+#: one colour per class, in ImageFolder's (sorted) class order
+SOLID = {"amber": (200, 100, 30), "blue": (20, 120, 220)}
+
+
+@pytest.fixture(scope="module")
+def solid_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Single-colour JPEGs, 8 per class, in varied sizes: whatever the crop, resize and flip, every pixel of a
+    sample normalizes to its class's colour."""
+    root = tmp_path_factory.mktemp("solid") / "data"
+    for c, rgb in SOLID.items():
+        for i, (h, w) in enumerate([(90, 120), (120, 90), (64, 64), (50, 200)] * 2):
+            write_image(root / c / f"{i:02d}.jpg", np.full((h, w, 3), rgb, np.uint8), quality=95)
+    return root
+
+
+def _pass_labels(feed: bench_gpu.Feed, training: bool) -> list[int]:
+    """One pass of `feed`, every batch checked against its labels' colours; the labels seen."""
+    from stoker.device import IMAGENET_MEAN, IMAGENET_STD
+
+    colours = torch.tensor(list(SOLID.values()), dtype=torch.float32) / 255
+    normalized = (colours - torch.tensor(IMAGENET_MEAN)) / torch.tensor(IMAGENET_STD)   # [class, channel]
+    seen: list[int] = []
+    for images, labels in feed.epoch():
+        assert images.dtype == torch.float32 and images.device.type == "cpu" and images.shape[1:] == (3, 224, 224)
+        assert images.is_contiguous(memory_format=torch.channels_last if training else torch.contiguous_format)
+        assert labels.dtype == torch.int64 and labels.shape == images.shape[:1]
+        # a flat colour survives crop, resize and flip; JPEG rounds it by a level or two
+        assert (images - normalized[labels][:, :, None, None]).abs().max() < 0.06
+        seen += labels.tolist()
+    return seen
+
+
+@needs_dali
+@pytest.mark.parametrize("training", [False, True])
+def test_dali_batches_are_normalized_rgb_nchw_as_stokers_are(solid_root: Path, tmp_path: Path,
+                                                             training: bool) -> None:
+    import stoker
+
+    stoker.pack(solid_root, tmp_path / "packed")
+    for name in ("stoker", "dali"):
+        feed = bench_gpu.open_feed(name, root=str(solid_root), packed=str(tmp_path / "packed"), batch_size=3,
+                                   workers=2, device=torch.device("cpu"), training=training)
+        try:
+            passes = [_pass_labels(feed, training) for _ in range(3)]   # passes run on into each other
+        finally:
+            feed.close()
+        # 16 images in batches of 3: the partial last batch of a pass dropped for training, else handed out
+        assert [len(p) for p in passes] == [15 if training else 16] * 3, name
+        assert set(passes[0]) == {0, 1}, name
+        if name == "dali":
+            assert feed.version.startswith("nvidia.dali ") and feed.version.endswith("decoders.image cpu")
+
+
 def _pipe(name: str, rate: float | None, ratio_to: str | None = None) -> PipelineResult:
     if rate is None:
         return PipelineResult(name, name, skipped="not here", ratio_to=ratio_to)
@@ -147,14 +264,17 @@ def test_table_for_device_results() -> None:
     pipes = [_pipe("cuda-baseline", 5000.0), _pipe("cuda-stoker", 20000.0, "cuda-baseline"),
              _pipe("train-resnet50-synthetic", 3000.0), _pipe("train-resnet50-baseline", 1500.0,
                                                               "train-resnet50-synthetic"),
-             _pipe("train-resnet50-stoker", 2970.0, "train-resnet50-synthetic")]
-    pipes[1].ratio, pipes[3].ratio, pipes[4].ratio = 4.0, 0.5, 0.99
+             _pipe("train-resnet50-stoker", 2970.0, "train-resnet50-synthetic"),
+             _pipe("train-resnet50-dali", 2400.0, "train-resnet50-synthetic")]
+    pipes[1].ratio, pipes[3].ratio, pipes[4].ratio, pipes[5].ratio = 4.0, 0.5, 0.99, 0.8
     result = BenchResult(pipes, images=5000, batch_size=256, workers=16, rounds=3,
                          data={"images": 5000, "generated": True, "mean_width": 399, "mean_height": 349,
                                "mean_file_kb": 95.0}, baseline_transforms="x", machine=machine_info(),
                          device="cuda", models=["resnet50"], steps=100, warmup_steps=10)
     table = format_table(result)
     assert "| train-resnet50-stoker | 2,970 | 99.0% | 1.98x |" in table
+    assert "| train-resnet50-dali | 2,400 | 80.0% | 1.60x |" in table   # a peer feed: against the baseline too
+    assert "| train-resnet50-baseline | 1,500 | 50.0% | - |" in table
     assert "| cuda-stoker | 20,000 | 4.00x cuda-baseline |" in table
     assert "19 steps per pass over the images" in table and "1,281,167 samples" in table
 
@@ -164,9 +284,11 @@ def test_device_chart_draws_reference_lines_only_when_given(tmp_path: Path) -> N
     from stoker.tools.charts import device_bench_chart
 
     pipes = [_pipe("cuda-baseline", 5000.0), _pipe("cuda-stoker", 20000.0, "cuda-baseline"),
+             _pipe("cuda-dali", 15000.0, "cuda-baseline"),
              _pipe("train-resnet50-synthetic", 3000.0), _pipe("train-resnet50-stoker", 2970.0,
-                                                              "train-resnet50-synthetic")]
-    pipes[1].ratio, pipes[3].ratio = 4.0, 0.99
+                                                              "train-resnet50-synthetic"),
+             _pipe("train-resnet50-dali", 2900.0, "train-resnet50-synthetic")]
+    pipes[1].ratio, pipes[2].ratio, pipes[4].ratio, pipes[5].ratio = 4.0, 3.0, 0.99, 2900 / 3000
     result = BenchResult(pipes, images=5000, batch_size=256, workers=16, rounds=3, data={}, baseline_transforms="x",
                          machine={}, device="cuda:0", models=["resnet50"], steps=100, warmup_steps=10)
     plain, lined = tmp_path / "plain.png", tmp_path / "lined.png"

@@ -32,7 +32,7 @@ def test_the_script_parses_and_names_only_real_pipelines_and_models() -> None:
     models = re.search(r"--models (\S+)", text).group(1).split(",")
     catalog = device_pipelines(models, check=False)
     named = [n for m in re.finditer(r"--pipelines ([\w,-]+)", text) for n in m.group(1).split(",")]
-    assert sorted(named) == sorted(catalog)   # the three loaders and every training feed, each once
+    assert sorted(named) == sorted(catalog)   # every loader and every training feed, each once
     bench_flags = set(re.findall(r"--[a-z][\w-]*", " ".join(re.findall(r"stoker\.cli bench[^\n]*", text))))
     known = {o for a in build_parser()._subparsers._group_actions[0].choices["bench"]._actions for o in a.option_strings}
     assert bench_flags <= known, bench_flags - known

@@ -16,6 +16,7 @@ from stoker.tools.bench_gpu import device_pipelines
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 HAS_TORCHVISION = importable("torchvision")
+HAS_DALI = importable("nvidia.dali")
 MODEL = "resnet18" if HAS_TORCHVISION else "stoker.tools.train:small_cnn"
 LABEL = MODEL.rpartition(":")[2]
 
@@ -29,6 +30,9 @@ def test_small_device_bench_completes(tmp_path: Path) -> None:
     for p in result.pipelines:
         if p.name.endswith("stoker-gpu") and p.skipped is not None:
             assert p.skipped   # no GPU JPEG decoder installed: said why, the run went on
+            continue
+        if p.name.endswith("-dali") and not HAS_DALI:
+            assert p.skipped and "pip install nvidia-dali" in p.skipped   # the optional peer: said how to get it
             continue
         assert p.skipped is None, f"{p.name}: {p.skipped}"
         assert math.isfinite(p.images_per_s) and p.images_per_s > 0, p.name
@@ -60,3 +64,28 @@ def test_in_process_training_restores_cudnn_benchmark(tmp_path: Path) -> None:
 def test_a_device_index_this_machine_lacks() -> None:
     with pytest.raises(ConfigError, match="CUDA GPU"):
         run_bench(None, device=f"cuda:{torch.cuda.device_count()}", isolate=False)
+
+
+@pytest.mark.skipif(not HAS_DALI, reason="needs NVIDIA DALI: pip install nvidia-dali-cuda130")
+@pytest.mark.parametrize("training", [False, True])
+def test_the_dali_feed_hands_out_normalized_batches_in_gpu_memory(tmp_path: Path, training: bool) -> None:
+    from stoker.tools import bench_gpu
+    from stoker.tools.synth import make_tiny_jpegs
+
+    root = make_tiny_jpegs(tmp_path / "data", 40, classes=4, size=(150, 200))
+    dev = torch.device("cuda", torch.cuda.current_device())
+    feed = bench_gpu.open_feed("dali", root=str(root), packed="", batch_size=16, workers=4, device=dev,
+                               training=training)
+    try:
+        passes = [list(feed.epoch()) for _ in range(2)]   # the iterator resets itself between passes
+    finally:
+        feed.close()
+    assert feed.version.endswith("decoders.image mixed")
+    assert [len(p) for p in passes] == [2 if training else 3] * 2   # 40 = 16 + 16 + 8: the partial one dropped
+    images, labels = passes[1][0]
+    assert images.device == dev and labels.device == dev and images.shape == (16, 3, 224, 224)
+    assert images.dtype == torch.float32 and labels.dtype == torch.int64 and labels.shape == (16,)
+    assert images.is_contiguous(memory_format=torch.channels_last if training else torch.contiguous_format)
+    # ImageNet-normalized RGB: (0 - 0.485) / 0.229 = -2.12 up to (1 - 0.406) / 0.225 = 2.64
+    assert -2.2 < float(images.min()) < 0 < float(images.max()) < 2.7
+    assert 0 <= int(labels.min()) <= int(labels.max()) < 4

@@ -28,7 +28,8 @@ absolute images/s on a shared machine are noise.
 
 With ``device="cuda"`` (``stoker bench --device cuda``) the pipelines are the device set of
 `stoker.tools.bench_gpu` instead: the loaders alone into GPU memory, normalized (``cuda-baseline``,
-``cuda-stoker``, ``cuda-stoker-gpu``), and training throughput of each model fed by each of them
+``cuda-stoker``, ``cuda-stoker-gpu``, ``cuda-dali``: NVIDIA DALI's GPU pipeline, skipped when
+``nvidia.dali`` does not import), and training throughput of each model fed by each of them
 against the same model on GPU-resident synthetic data (``train-<model>-<feed>``). Naming device
 pipelines with ``device="cpu"`` runs them on the CPU (how the tests exercise them).
 """
@@ -57,7 +58,7 @@ from .._progress import Progress
 from .._system import cpu_ids, fmt_number, usable_cpus
 from ..errors import ConfigError, StokerError
 from ..profiling import cpu_seconds
-from . import bench_gpu
+from . import bench_dali, bench_gpu
 from .baseline import baseline_loader, list_image_folder
 from .results import NOTE, BenchResult, PipelineResult, markdown_table
 
@@ -363,11 +364,7 @@ def _unavailable(name: str, device: str = "cpu") -> str | None:
     if bench_gpu.is_device_pipeline(name):
         return bench_gpu.unavailable(name, device)
     if name in ("dali", "dali-val"):
-        try:
-            import nvidia.dali  # noqa: F401
-        except Exception as exc:   # not installed, or a build that fails to load here
-            return (f"NVIDIA DALI does not import ({type(exc).__name__}: {exc}); pip install nvidia-dali-cuda130 "
-                    "(the stoker[dali] extra; it runs CPU-only without a GPU)")
+        return bench_dali.why_unavailable()
     return None
 
 
@@ -377,7 +374,7 @@ def _preimport(name: str, device: str = "cpu") -> None:
     import importlib
 
     if bench_gpu.is_device_pipeline(name):
-        bench_gpu.prepare(device)
+        bench_gpu.prepare(device, bench_gpu.feed_of(name))
         importlib.import_module("stoker.loader")
         return
     modules = {"baseline": ["torch.utils.data", "PIL.Image"], "baseline-val": ["torch.utils.data", "PIL.Image"],
@@ -406,7 +403,7 @@ def _version(name: str) -> str:
 
 
 def _measure(spec: _Spec) -> dict[str, Any]:
-    """Measure one pipeline; a device pipeline whose stoker feed cannot run here comes back as
+    """Measure one pipeline; a device pipeline whose feed cannot run here (GPU decode, DALI) comes back as
     `{"skipped": why}` instead of failing the whole bench."""
     if not bench_gpu.is_device_pipeline(spec.pipeline):
         return _measure_rounds(spec)
@@ -791,11 +788,13 @@ def _format_device(result: BenchResult) -> str:
              f"{result.rounds} window(s) of {result.steps} steps after {result.warmup_steps} warm-up step(s); the "
              f"training feeds drop the last partial batch ({steps_per_epoch} steps per pass over the images). "
              "No feed restarts inside the measurement: stoker's Loaders are persistent (epochs run into each other), "
-             f"the baseline DataLoader's epoch is {bench_gpu.BASELINE_EPOCH_SAMPLES:,} samples (ImageNet-1k's); "
-             "start-up falls in the warm-up.",
+             "DALI's pipeline runs on while its iterator resets itself at each epoch's end, the baseline "
+             f"DataLoader's epoch is {bench_gpu.BASELINE_EPOCH_SAMPLES:,} samples (ImageNet-1k's); start-up falls in "
+             "the warm-up.",
              f"Baseline transforms: {result.baseline_transforms}. Every loader delivers float32 NCHW batches "
-             "normalized with ImageNet mean/std in device memory (stoker: channels_last for training); the baseline "
-             "converts and normalizes on the CPU, stoker copies uint8 and normalizes on the device.",
+             "normalized with ImageNet mean/std in device memory (stoker and DALI: channels_last for training); the "
+             "baseline converts and normalizes on the CPU, stoker copies uint8 and normalizes on the device, DALI "
+             "decodes (decoders.image, device='mixed' on CUDA), crops and normalizes in its own pipeline.",
              f"Device: {gpu}; torch {m.get('torch', '-')}, torchvision {m.get('torchvision') or 'not installed'}.",
              f"Machine: {m['cpu']}, {m['usable_cores']} usable cores, {m['memory_gb']} GB, load average "
              f"{m['load_1m']} at the start; Python {m['python']}, Pillow {m['pillow']}, simplejpeg {m['simplejpeg']}.",

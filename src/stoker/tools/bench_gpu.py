@@ -7,23 +7,26 @@ each, median of rounds) and this module supplies what runs on the device:
 - loader alone, into device memory, float32 NCHW normalized with ImageNet mean/std:
   ``cuda-baseline`` (torchvision ImageFolder + DataLoader(workers, pin_memory, persistent workers),
   torchvision's train transforms incl. ToTensor + Normalize, each batch ``.to(device, non_blocking=True)``),
-  ``cuda-stoker`` (stoker.Loader with ``device=``, ``normalize="imagenet"``, CPU decode) and
-  ``cuda-stoker-gpu`` (the same with ``decode="gpu"``). A round is `steps` batches from a stream that
-  runs on across epochs (as the training windows below are), and its clock stops after the device is
-  synchronized, so the rate counts images that reached device memory.
+  ``cuda-stoker`` (stoker.Loader with ``device=``, ``normalize="imagenet"``, CPU decode),
+  ``cuda-stoker-gpu`` (the same with ``decode="gpu"``) and ``cuda-dali`` (NVIDIA DALI: file reader,
+  GPU decode, random resized crop, crop_mirror_normalize; `stoker.tools.bench_dali`). A round is
+  `steps` batches from a stream that runs on across epochs (as the training windows below are), and
+  its clock stops after the device is synchronized, so the rate counts images that reached device memory.
 - training, per model: ``train-<model>-synthetic`` (one GPU-resident random batch, no input pipeline:
-  the model's own speed), ``train-<model>-baseline``, ``train-<model>-stoker``, ``train-<model>-stoker-gpu``.
+  the model's own speed), ``train-<model>-baseline``, ``train-<model>-stoker``, ``train-<model>-stoker-gpu``,
+  ``train-<model>-dali``.
   One step (`stoker.tools.train.TrainStep`): model and input channels_last, bf16 autocast (on CUDA), cross
   entropy, SGD(lr 0.1, momentum 0.9, weight decay 1e-4), ``zero_grad(set_to_none=True)``. Warm-up steps first
   (cuDNN autotuning, queues filling), then timed windows of a fixed number of steps; the feeds run
   epoch after epoch as a training loop does, and drop the last partial batch (one input shape).
 
 Start-up (construction to first batch) falls in the untimed warm-up, and no feed restarts inside a
-timed round: stoker's Loaders are persistent (epochs run into each other) and the baseline's
-DataLoader has an epoch as long as ImageNet-1k's (`BASELINE_EPOCH_SAMPLES`, drawn from the bench's
-images), so its worker restart comes as rarely as in the training run the bench stands for, not once
-per pass over a few thousand images. Each result carries `startup_share`: its start-up time over its
-timed run; the tables flag any at or above `STARTUP_SHARE` (1%) with the `--steps` that brings it under.
+timed round: stoker's Loaders are persistent (epochs run into each other), DALI's pipeline runs on
+while its iterator resets itself at each epoch's end, and the baseline's DataLoader has an epoch as
+long as ImageNet-1k's (`BASELINE_EPOCH_SAMPLES`, drawn from the bench's images), so its worker restart
+comes as rarely as in the training run the bench stands for, not once per pass over a few thousand
+images. Each result carries `startup_share`: its start-up time over its timed run; the tables flag any
+at or above `STARTUP_SHARE` (1%) with the `--steps` that brings it under.
 
 The project's acceptance targets are judged outside the package, on the JSON this bench writes
 (`benchmarks/targets.py`).
@@ -41,6 +44,8 @@ from typing import TYPE_CHECKING, Any
 
 from .._system import fmt_number
 from ..errors import ConfigError, StokerError
+from .bench_dali import dali_batches
+from .bench_dali import why_unavailable as why_dali_unavailable
 from .results import BenchResult, markdown_table
 from .train import TrainStep, check_model, load_model
 
@@ -61,7 +66,7 @@ BASELINE_EPOCH_SAMPLES = 1_281_167
 OUTPUT_SIZE = 224
 
 #: loader-alone pipeline -> the feed it measures
-LOADERS = {"cuda-baseline": "baseline", "cuda-stoker": "stoker", "cuda-stoker-gpu": "stoker-gpu"}
+LOADERS = {"cuda-baseline": "baseline", "cuda-stoker": "stoker", "cuda-stoker-gpu": "stoker-gpu", "cuda-dali": "dali"}
 #: feed -> what delivers the batches
 FEEDS = {
     "synthetic": "one GPU-resident random batch (no input pipeline: the model's own speed)",
@@ -69,17 +74,23 @@ FEEDS = {
                 ".to(device, non_blocking=True)",
     "stoker": "stoker.Loader(persistent=True, device=DeviceOptions(device, normalize='imagenet')), CPU decode",
     "stoker-gpu": "stoker.Loader(persistent=True, device=DeviceOptions(device, normalize='imagenet', decode='gpu'))",
+    "dali": "NVIDIA DALI: readers.file + decoders.image (device='mixed' on CUDA) + random_resized_crop + "
+            "crop_mirror_normalize, DALIGenericIterator",
 }
 _LOADER_DESCRIPTIONS = {
     "cuda-baseline": "ImageFolder + DataLoader(pin_memory, persistent workers) + RandomResizedCrop(224), flip, "
                      "ToTensor, Normalize; .to(device, non_blocking=True)",
     "cuda-stoker": "stoker.Loader(device=DeviceOptions(device, normalize='imagenet')), RandomResizedCrop(224) + flip, CPU decode",
     "cuda-stoker-gpu": "stoker.Loader(device=DeviceOptions(device, normalize='imagenet', decode='gpu')), RandomResizedCrop(224) + flip",
+    "cuda-dali": "NVIDIA DALI: readers.file (shuffled), decoders.image (device='mixed' on CUDA), "
+                 "random_resized_crop(224), crop_mirror_normalize (flip, ImageNet mean/std, float32 CHW); "
+                 "DALIGenericIterator",
 }
 
 
 class FeedUnavailable(StokerError):
-    """A stoker feed this installation or machine cannot run; the bench reports it as skipped, with why."""
+    """A feed this installation or machine cannot run (stoker's GPU decode, DALI); the bench reports it as
+    skipped, with why."""
 
 
 # ----------------------------------------------------------------------------- names and checks
@@ -145,6 +156,8 @@ def unavailable(name: str, device: str) -> str | None:
     """Why device pipeline `name` cannot run here (with the fix), or None when it may."""
     if feed_of(name) == "stoker-gpu" and not str(device).startswith("cuda"):
         return f"decode='gpu' needs a CUDA device; this run is on {device} (run with --device cuda)"
+    if feed_of(name) == "dali":
+        return why_dali_unavailable()
     return None
 
 
@@ -175,13 +188,17 @@ def synchronize(device: "torch.device") -> None:
         torch.cuda.synchronize(device)
 
 
-def prepare(device: str) -> None:
+def prepare(device: str, feed: str = "") -> None:
     """Do before any clock starts what a training script has done already: import torch (and torchvision
-    when installed) and create the CUDA context."""
+    when installed, DALI's torch plugin for the dali feed) and create the CUDA context."""
     import torch
 
+    # one that fails to import is left to the feed that needs it, which says so with the fix
     with contextlib.suppress(Exception):
         import torchvision  # noqa: F401
+    if feed == "dali":
+        with contextlib.suppress(Exception):
+            import nvidia.dali.plugin.pytorch  # noqa: F401
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.empty(1, device=dev)
@@ -319,6 +336,21 @@ def _stoker_feed(feed: str, packed: str, batch_size: int, workers: int, device: 
     return Feed(epoch, loader.close, f"stoker {__version__}" + (", decode='gpu'" if feed == "stoker-gpu" else ""))
 
 
+def _dali_feed(root: str, batch_size: int, workers: int, device: "torch.device", drop_last: bool,
+               channels_last: bool) -> Feed:
+    why = why_dali_unavailable()
+    if why is not None:
+        raise FeedUnavailable(why)
+    try:
+        epoch, close, version = dali_batches(root, batch_size, workers, device, size=OUTPUT_SIZE, drop_last=drop_last,
+                                             channels_last=channels_last)
+    except RuntimeError as exc:   # DALI's backend failed to start (its first batch is made here)
+        raise FeedUnavailable(f"NVIDIA DALI could not start on {device} ({type(exc).__name__}: {exc}); on a GPU "
+                              "host check that the driver supports the CUDA of the DALI wheel (nvidia-smi; "
+                              "nvidia-dali-cuda130 needs CUDA 13) or install the wheel for its CUDA") from exc
+    return Feed(epoch, close, version)
+
+
 def _synthetic_feed(batch_size: int, device: "torch.device") -> Feed:
     import torch
 
@@ -336,13 +368,15 @@ def _synthetic_feed(batch_size: int, device: "torch.device") -> Feed:
 def open_feed(feed: str, *, root: str, packed: str, batch_size: int, workers: int, device: "torch.device",
               training: bool) -> Feed:
     """The batches a pipeline measures. `training`: drop the last partial batch (one input shape, as
-    training loaders do) and hand stoker's batches out channels_last (the model's layout)."""
+    training loaders do) and hand stoker's and DALI's batches out channels_last (the model's layout)."""
     if feed == "synthetic":
         return _synthetic_feed(batch_size, device)
     if feed == "baseline":
         return _baseline_feed(root, batch_size, workers, device, drop_last=training)
     if feed in ("stoker", "stoker-gpu"):
         return _stoker_feed(feed, packed, batch_size, workers, device, drop_last=training, channels_last=training)
+    if feed == "dali":
+        return _dali_feed(root, batch_size, workers, device, drop_last=training, channels_last=training)
     raise ConfigError(f"unknown feed {feed!r}; expected one of {', '.join(FEEDS)}")
 
 
@@ -465,8 +499,8 @@ def _loader_cells(p: Any) -> list[str]:
 
 def _training_cells(p: Any, result: BenchResult) -> list[str]:
     base = result.ran(p.name.rsplit("-" + feed_of(p.name), 1)[0] + "-baseline")
-    vs_base = p.images_per_s / base.images_per_s if base is not None and base is not p and \
-        feed_of(p.name).startswith("stoker") else None
+    vs_base = p.images_per_s / base.images_per_s if base is not None and \
+        feed_of(p.name) not in ("synthetic", "baseline") else None
     return [fmt_number(p.images_per_s, ",.0f"), fmt_number(p.ratio, ".1%"), fmt_number(vs_base, ".2f", "x"),
             fmt_number(p.data_wait, ".1%"), fmt_number(p.cpu_percent, ".0f"), _mb(p.peak_rss_bytes),
             _mb(p.peak_device_bytes), fmt_number(p.first_batch_s, ".2f")]
