@@ -10,7 +10,9 @@
 #            pipelines whose start-up is 1% or more of their timed run are rerun once with the
 #            --steps the bench's table asks for
 #   train    the same bench, ResNet-50 and ResNet-18 training fed by each loader vs synthetic data
-#   decoders which GPU JPEG backend gpu_decoder="auto" measured fastest, and stoker doctor with it
+#   decoders every GPU JPEG backend side by side, region vs whole-image decode
+#            (benchmarks/bench_gpu_decode.py), which one gpu_decoder="auto" measured fastest, and
+#            stoker doctor with it
 #   peers    the CPU bench with NVIDIA DALI beside stoker (when nvidia-dali imports here)
 #   targets  benchmarks/targets.py on the loader and training results
 #   demo     the demo on the GPU (what `make demo` runs, in this environment)
@@ -20,7 +22,9 @@
 # real baseline transforms, the matching torchvision; stoker installed (pip install -e ".[test]") or
 # PYTHONPATH=src. The dali pipelines (cuda-dali, train-<model>-dali) need NVIDIA DALI on this host:
 # pip install nvidia-dali-cuda130 (the env step says whether it imports; without it they are reported
-# as skipped). PY picks the interpreter (default: python3). WORKERS the CPU cores per pipeline (16).
+# as skipped). nvImageCodec, a GPU JPEG backend beside torchvision's: pip install
+# 'nvidia-nvimgcodec-cu12[all]' (or -cu13, matching torch's CUDA; [all] brings nvJPEG).
+# PY picks the interpreter (default: python3). WORKERS the CPU cores per pipeline (16).
 set -u -o pipefail
 
 PY=${PY:-python3}
@@ -114,6 +118,7 @@ train-resnet18-synthetic,train-resnet18-baseline,train-resnet18-stoker,train-res
 }
 
 step_decoders() {
+    run "$PY" benchmarks/bench_gpu_decode.py "$OUT/decoders-cache" --device "$DEVICE" --json "$OUT/decoders.json"
     run "$PY" - "$OUT" <<'EOF'
 import sys
 from pathlib import Path

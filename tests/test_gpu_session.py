@@ -36,6 +36,9 @@ def test_the_script_parses_and_names_only_real_pipelines_and_models() -> None:
     bench_flags = set(re.findall(r"--[a-z][\w-]*", " ".join(re.findall(r"stoker\.cli bench[^\n]*", text))))
     known = {o for a in build_parser()._subparsers._group_actions[0].choices["bench"]._actions for o in a.option_strings}
     assert bench_flags <= known, bench_flags - known
+    scripts = set(re.findall(r"benchmarks/\w+\.py", text))
+    assert "benchmarks/bench_gpu_decode.py" in scripts
+    assert all((SCRIPT.parents[1] / name).is_file() for name in scripts), scripts
 
 
 def test_an_unknown_step_is_refused_and_env_runs(tmp_path: Path) -> None:
