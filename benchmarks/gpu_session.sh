@@ -23,8 +23,9 @@
 # PYTHONPATH=src. The dali pipelines (cuda-dali, train-<model>-dali) need NVIDIA DALI on this host:
 # pip install nvidia-dali-cuda130 (the env step says whether it imports; without it they are reported
 # as skipped). nvImageCodec, a GPU JPEG backend beside torchvision's: pip install
-# 'nvidia-nvimgcodec-cu12[all]' (or -cu13, matching torch's CUDA; [all] brings nvJPEG).
-# PY picks the interpreter (default: python3). WORKERS the CPU cores per pipeline (16).
+# 'nvidia-nvimgcodec-cu12[nvjpeg]' (or -cu13, matching torch's CUDA; [nvjpeg] brings nvJPEG).
+# A host without a package index takes them as wheels: benchmarks/gpu_wheels.sh DIR on a machine
+# with one. PY picks the interpreter (default: python3). WORKERS the CPU cores per pipeline (16).
 set -u -o pipefail
 
 PY=${PY:-python3}

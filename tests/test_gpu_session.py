@@ -41,6 +41,14 @@ def test_the_script_parses_and_names_only_real_pipelines_and_models() -> None:
     assert all((SCRIPT.parents[1] / name).is_file() for name in scripts), scripts
 
 
+def test_the_wheel_script_parses_and_refuses_an_unknown_cuda(tmp_path: Path) -> None:
+    wheels = SCRIPT.with_name("gpu_wheels.sh")
+    subprocess.run([BASH, "-n", str(wheels)], check=True)
+    bad = subprocess.run([BASH, str(wheels), str(tmp_path / "w")], capture_output=True, text=True,
+                         env={**os.environ, "CUDA": "11"})
+    assert bad.returncode == 2 and "CUDA must be 12 or 13" in bad.stderr and not (tmp_path / "w").exists()
+
+
 def test_an_unknown_step_is_refused_and_env_runs(tmp_path: Path) -> None:
     env = {**os.environ, "OUT": str(tmp_path / "out"), "PY": sys.executable,
            "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}

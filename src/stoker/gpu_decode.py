@@ -164,13 +164,13 @@ def _torchvision_install() -> str:
 
 
 def _nvimgcodec_install() -> str:
-    # [all] brings nvJPEG itself (and nvJPEG2000, nvTIFF): without it nvImageCodec registers no GPU decoder
+    # [nvjpeg] brings nvJPEG itself: without it nvImageCodec registers no GPU JPEG decoder
     # unless the CUDA toolkit's libraries are on the library path
     cuda = torch.version.cuda
     if cuda:
         major = cuda.split(".")[0]
-        return f"pip install 'nvidia-nvimgcodec-cu{major}[all]' (CUDA {major}, like this torch)"
-    return "pip install 'nvidia-nvimgcodec-cu12[all]' or 'nvidia-nvimgcodec-cu13[all]' (the one matching your CUDA)"
+        return f"pip install 'nvidia-nvimgcodec-cu{major}[nvjpeg]' (CUDA {major}, like this torch)"
+    return "pip install 'nvidia-nvimgcodec-cu12[nvjpeg]' or 'nvidia-nvimgcodec-cu13[nvjpeg]' (the one matching your CUDA)"
 
 
 def _torchvision_hint() -> str:
