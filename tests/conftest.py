@@ -45,6 +45,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 PILLOW_CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "corpora" / "pillow-test-images"
 
 
+class BrokenImport:
+    """A meta-path finder (for `sys.meta_path`) that makes importing any of `names` raise RuntimeError,
+    as a library built for another torch, CUDA or Python does (torchvision: "operator torchvision::nms
+    does not exist"): not an ImportError."""
+
+    def __init__(self, *names: str, message: str = "operator torchvision::nms does not exist") -> None:
+        self.names, self.message = names, message
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> None:
+        if fullname in self.names:
+            raise RuntimeError(self.message)
+        return None
+
+
 def smooth_rgb(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
     """A smooth colour gradient plus mild noise: compresses like a photo, not like noise."""
     y = np.linspace(0, 1, height, dtype=np.float32)[:, None, None]

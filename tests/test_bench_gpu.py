@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import write_image
+from conftest import BrokenImport, write_image
 from stoker.errors import ConfigError
 from stoker.tools import bench_dali, bench_gpu
 from stoker.tools.bench import NOTE, BenchResult, PipelineResult, format_table, machine_info, run_bench
@@ -152,18 +152,6 @@ def test_a_stoker_feed_that_cannot_start_is_skipped_with_its_reason(tiny_root: P
     assert torch.backends.cudnn.benchmark is before   # set for the training measurement only, then restored
 
 
-class _BrokenImport:
-    """A meta-path finder that makes importing `names` raise, as a DALI built for another CUDA or Python may."""
-
-    def __init__(self, *names: str) -> None:
-        self.names = names
-
-    def find_spec(self, fullname: str, path: object = None, target: object = None) -> None:
-        if fullname in self.names:
-            raise RuntimeError("libdali.so: undefined symbol")
-        return None
-
-
 @pytest.mark.parametrize("how, error", [("missing", "ModuleNotFoundError"), ("broken", "RuntimeError")])
 def test_dali_pipelines_are_skipped_with_the_pip_command_where_dali_does_not_import(
         tiny_root: Path, monkeypatch: pytest.MonkeyPatch, how: str, error: str) -> None:
@@ -172,7 +160,8 @@ def test_dali_pipelines_are_skipped_with_the_pip_command_where_dali_does_not_imp
     if how == "missing":
         monkeypatch.setitem(sys.modules, "nvidia.dali", None)
     else:
-        monkeypatch.setattr(sys, "meta_path", [_BrokenImport("nvidia", "nvidia.dali"), *sys.meta_path])
+        broken = BrokenImport("nvidia", "nvidia.dali", message="libdali.so: undefined symbol")
+        monkeypatch.setattr(sys, "meta_path", [broken, *sys.meta_path])
     result = run_bench(tiny_root, batch_size=16, rounds=1, workers=1, isolate=False, device="cpu", models=[TINY],
                        pipelines=("cuda-dali", "train-tiny_model-synthetic", "train-tiny_model-dali"), steps=1,
                        warmup_steps=0)

@@ -20,7 +20,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import jpeg_bytes, smooth_rgb
+from conftest import BrokenImport, jpeg_bytes, smooth_rgb
 from stoker import gpu_decode
 from stoker.errors import ConfigError, CorruptImageError
 from stoker.gpu_decode import GpuBatchDecoder, GpuJob, make_decoder
@@ -612,17 +612,6 @@ def test_batched_resample_respects_its_budget_and_row_order() -> None:
         assert psnr(rows(whole)[i], ref) > 28
 
 
-class _BrokenImport:
-    """A meta-path finder that makes importing `name` raise like a torchvision built for another torch."""
-
-    def __init__(self, *names: str) -> None:
-        self.names = names
-
-    def find_spec(self, fullname: str, path: object = None, target: object = None) -> None:
-        if fullname in self.names:
-            raise RuntimeError("operator torchvision::nms does not exist")
-        return None
-
 
 @pytest.mark.parametrize("backend, hint", [("torchvision", "pip install torchvision"),
                                            ("nvimgcodec", "pip install 'nvidia-nvimgcodec-cu")])
@@ -630,7 +619,7 @@ def test_a_backend_whose_import_raises_anything_is_a_config_error(monkeypatch: p
                                                                   hint: str) -> None:
     for name in ("torchvision", "torchvision.io", "nvidia", "nvidia.nvimgcodec"):
         monkeypatch.delitem(sys.modules, name, raising=False)
-    monkeypatch.setattr(sys, "meta_path", [_BrokenImport("torchvision", "nvidia", "nvidia.nvimgcodec"),
+    monkeypatch.setattr(sys, "meta_path", [BrokenImport("torchvision", "nvidia", "nvidia.nvimgcodec"),
                                            *sys.meta_path])
     with pytest.raises(ConfigError) as info:
         make_decoder(backend, "cuda")
@@ -655,7 +644,7 @@ def test_auto_falls_back_past_a_torchvision_that_raises_on_import(monkeypatch: p
     on_fake_cuda_device(monkeypatch)
     monkeypatch.delitem(sys.modules, "torchvision", raising=False)
     monkeypatch.delitem(sys.modules, "torchvision.io", raising=False)
-    monkeypatch.setattr(sys, "meta_path", [_BrokenImport("torchvision"), *sys.meta_path])
+    monkeypatch.setattr(sys, "meta_path", [BrokenImport("torchvision"), *sys.meta_path])
     monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", fake)
     dec = make_decoder("auto", "cuda")  # both nvImageCodec variants work: measured at first use
     assert isinstance(dec, gpu_decode.MeasuredDecoder)
