@@ -9,7 +9,8 @@
 #   loader   stoker bench --device cuda, loaders alone (DataLoader+PIL vs stoker, CPU and GPU decode, vs DALI);
 #            pipelines whose start-up is 1% or more of their timed run are rerun once with the
 #            --steps the bench's table asks for
-#   train    the same bench, ResNet-50 and ResNet-18 training fed by each loader vs synthetic data
+#   train    the same bench, ResNet-50 and ResNet-18 training fed by each loader vs synthetic data:
+#            train50 then train18, one bench each (either step alone fits one call more easily)
 #   decoders every GPU JPEG backend side by side, region vs whole-image decode
 #            (benchmarks/bench_gpu_decode.py), which one gpu_decoder="auto" measured fastest, and
 #            stoker doctor with it
@@ -109,13 +110,28 @@ step_loader() {
     fi
 }
 
-step_train() {
-    bench bench-train --models resnet50,resnet18 --steps "$TRAIN_STEPS" --pipelines \
-train-resnet50-synthetic,train-resnet50-baseline,train-resnet50-stoker,train-resnet50-stoker-gpu,train-resnet50-dali,\
-train-resnet18-synthetic,train-resnet18-baseline,train-resnet18-stoker,train-resnet18-stoker-gpu,train-resnet18-dali
+late_note() {  # late_note DIR: say which pipelines of $OUT/DIR started up too slowly to be judged
     local again
-    again=$(startup_steps "$OUT/bench-train/bench.json")
-    [ -z "$again" ] || note "train: start-up of ${again% *} was 1% or more of its timed run; rerun with --steps ${again#* } (not done here: time)"
+    [ -f "$OUT/$1/bench.json" ] || return 0   # the bench failed: its log says why
+    again=$(startup_steps "$OUT/$1/bench.json")
+    [ -z "$again" ] || note "$1: start-up of ${again% *} was 1% or more of its timed run; rerun with --steps ${again#* } (not done here: time)"
+}
+
+step_train50() {
+    bench bench-train-resnet50 --models resnet50 --steps "$TRAIN_STEPS" --pipelines \
+train-resnet50-synthetic,train-resnet50-baseline,train-resnet50-stoker,train-resnet50-stoker-gpu,train-resnet50-dali
+    late_note bench-train-resnet50
+}
+
+step_train18() {
+    bench bench-train-resnet18 --models resnet18 --steps "$TRAIN_STEPS" --pipelines \
+train-resnet18-synthetic,train-resnet18-baseline,train-resnet18-stoker,train-resnet18-stoker-gpu,train-resnet18-dali
+    late_note bench-train-resnet18
+}
+
+step_train() {
+    step_train50
+    step_train18
 }
 
 step_decoders() {
@@ -147,10 +163,16 @@ step_peers() {
     fi
 }
 
-step_targets() {
-    for f in "$OUT"/bench-loader/bench.json "$OUT"/bench-loader-long/bench.json "$OUT"/bench-train/bench.json; do
-        [ -f "$f" ] && run "$PY" benchmarks/targets.py "$f"
+step_targets() {  # every result together; the longer loader rerun replaces its first run
+    local f found=()
+    for f in "$OUT"/bench-loader/bench.json "$OUT"/bench-loader-long/bench.json "$OUT"/bench-train-*/bench.json; do
+        [ -f "$f" ] && found+=("$f")
     done
+    if [ ${#found[@]} -gt 0 ]; then
+        run "$PY" benchmarks/targets.py "${found[@]}"
+    else
+        note "targets: no bench.json under $OUT yet (run the loader and train steps first)"
+    fi
 }
 
 step_demo() {
@@ -158,11 +180,11 @@ step_demo() {
 }
 
 STEPS=("$@")
-[ ${#STEPS[@]} -gt 0 ] || STEPS=(env tests loader train decoders peers targets demo)
+[ ${#STEPS[@]} -gt 0 ] || STEPS=(env tests loader train50 train18 decoders peers targets demo)
 for STEP in "${STEPS[@]}"; do
     case "$STEP" in
-        env|tests|loader|train|decoders|peers|targets|demo) note "$STEP"; "step_$STEP" || true ;;
-        *) echo "gpu_session.sh: unknown step '$STEP'; expected env tests loader train decoders peers targets demo" >&2
+        env|tests|loader|train|train50|train18|decoders|peers|targets|demo) note "$STEP"; "step_$STEP" || true ;;
+        *) echo "gpu_session.sh: unknown step '$STEP'; expected env tests loader train (train50 train18) decoders peers targets demo" >&2
            exit 2 ;;
     esac
 done

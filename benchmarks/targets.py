@@ -1,9 +1,10 @@
 """Judge a `stoker bench --device cuda` run against the project's acceptance targets.
 
     stoker bench --device cuda --images 5000 --workers 16 --out bench-results
-    python benchmarks/targets.py bench-results/bench.json
+    python benchmarks/targets.py bench-results/bench.json [more/bench.json ...]
 
-Reads the JSON the bench wrote and prints each target with the figure it is judged on and "met",
+Reads the JSON the bench wrote (several: their pipelines together, a later file's pipeline replacing
+an earlier one of the same name, as a rerun with more --steps does) and prints each target with the figure it is judged on and "met",
 "NOT met" or "not measured" (a pipeline it needs was skipped or not asked for). The verdicts come
 from the run's numbers only. Exit status: 0 when every target is met, 1 when one is not met or not
 measured, 2 when the file is not a device bench result.
@@ -121,18 +122,22 @@ def format_targets(targets: Sequence[Target]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Judge a `stoker bench --device cuda` result against the "
                                      "project's targets.")
-    parser.add_argument("result", type=Path, help="bench.json written by `stoker bench --device cuda --out DIR`")
+    parser.add_argument("results", type=Path, nargs="+",
+                        help="bench.json written by `stoker bench --device cuda --out DIR` (one or more)")
     args = parser.parse_args(argv)
-    try:
-        pipelines = json.loads(args.result.read_text())["pipelines"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        print(f"targets: {args.result}: expected the bench.json of `stoker bench --device cuda` ({exc})",
-              file=sys.stderr)
-        return 2
+    by_name: dict[str, Mapping[str, Any]] = {}
+    for result in args.results:
+        try:
+            by_name.update((p["name"], p) for p in json.loads(result.read_text())["pipelines"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"targets: {result}: expected the bench.json of `stoker bench --device cuda` ({exc})",
+                  file=sys.stderr)
+            return 2
+    pipelines = list(by_name.values())
     targets = check_targets(pipelines)
     if not targets:
-        print(f"targets: {args.result} has no stoker device pipelines (cuda-stoker, train-<model>-stoker); "
-              "run `stoker bench --device cuda`", file=sys.stderr)
+        print(f"targets: {' '.join(map(str, args.results))} has no stoker device pipelines (cuda-stoker, "
+              "train-<model>-stoker); run `stoker bench --device cuda`", file=sys.stderr)
         return 2
     print(format_targets(targets))
     short = too_short(pipelines)

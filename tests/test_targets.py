@@ -104,6 +104,28 @@ def test_script_prints_the_verdicts_of_a_results_file(tmp_path: Path) -> None:
     assert _run(tmp_path / "bench.json").returncode == 0   # every target met
 
 
+def test_script_judges_several_results_together_a_later_rerun_replacing_a_pipeline(tmp_path: Path) -> None:
+    def write(name: str, *pipes: PipelineResult) -> Path:
+        result = BenchResult(list(pipes), images=5000, batch_size=256, workers=16, rounds=3, data={},
+                             baseline_transforms="", machine={}, device="cuda:0")
+        (tmp_path / name).write_text(json.dumps(result.to_json()))
+        return tmp_path / name
+
+    loader = write("loader.json", _pipe("cuda-baseline", 4000.0), _pipe("cuda-stoker", 9_000.0, "cuda-baseline"))
+    longer = write("loader-long.json", _pipe("cuda-stoker", 16_000.0, "cuda-baseline"))
+    r50 = write("r50.json", _pipe("train-resnet50-synthetic", 3000.0),
+                _pipe("train-resnet50-stoker", 2950.0, "train-resnet50-synthetic"))
+    r18 = write("r18.json", _pipe("train-resnet18-synthetic", 9000.0),
+                _pipe("train-resnet18-stoker", 8500.0, "train-resnet18-synthetic"))
+    proc = subprocess.run([sys.executable, str(TARGETS_PY), *map(str, (loader, longer, r50, r18))],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr   # every target met, from four files
+    assert "16,000 images/s | cuda-stoker | met |" in proc.stdout   # the rerun, not the first 9,000
+    assert "4.00x cuda-baseline" in proc.stdout and "train-resnet18-stoker | met" in proc.stdout
+    assert subprocess.run([sys.executable, str(TARGETS_PY), str(loader), str(tmp_path / "missing.json")],
+                          capture_output=True, text=True, timeout=60).returncode == 2
+
+
 def test_script_refuses_a_cpu_bench_result(tmp_path: Path) -> None:
     result = BenchResult([_pipe("baseline", 300.0), _pipe("stoker-train", 900.0, "baseline")], images=10,
                          batch_size=4, workers=2, rounds=1, data={}, baseline_transforms="", machine={})
