@@ -708,14 +708,17 @@ def test_auto_falls_back_past_a_torchvision_that_raises_on_import(monkeypatch: p
 
 
 class Timed(CpuDecoder):
-    """A stand-in that 'takes' `ms` per image on a fake clock; `broken` fails every image."""
+    """A stand-in that 'takes' `ms` per image on a fake clock (`first_ms` on its first call: set-up);
+    `broken` fails every image."""
 
-    def __init__(self, name: str, ms: float, clock: list[float], broken: bool = False) -> None:
+    def __init__(self, name: str, ms: float, clock: list[float], broken: bool = False,
+                 first_ms: float | None = None) -> None:
         super().__init__()
-        self.name, self.ms, self.clock, self.broken = name, ms, clock, broken
+        self.name, self.ms, self.clock, self.broken, self.first_ms = name, ms, clock, broken, first_ms
 
     def decode(self, datas):
-        self.clock[0] += self.ms * len(datas) / 1000
+        ms = self.ms if self.first_ms is None or self.calls else self.first_ms
+        self.clock[0] += ms * len(datas) / 1000
         if self.broken:
             self.calls.append(len(datas))
             return [RuntimeError("no") for _ in datas]
@@ -726,7 +729,8 @@ def test_auto_keeps_the_backend_measured_fastest_on_the_first_batch() -> None:
     clock = [0.0]
     syncs: list[object] = []
     broken = Timed("broken-but-fast", 0.1, clock, broken=True)
-    slow, fast = Timed("slow", 3.0, clock), Timed("fast", 1.0, clock)
+    # "fast" is the slowest of all on its first call (buffers sized on first use): not what it costs later
+    slow, fast = Timed("slow", 3.0, clock), Timed("fast", 1.0, clock, first_ms=9.0)
     dec = gpu_decode.MeasuredDecoder([broken, slow, fast], torch.device("cpu"), synchronize=syncs.append,
                                      clock=lambda: clock[0])
     assert "not measured yet" in dec.name
@@ -738,4 +742,5 @@ def test_auto_keeps_the_backend_measured_fastest_on_the_first_batch() -> None:
     assert dec.name.startswith("fast (auto: fastest") and "slow 3.000" in dec.name
     assert all(np.array_equal(rows(out)[i], ref) for i, ref in enumerate(refs))
     dec.decode([jobs[0].data])
-    assert (slow.calls, fast.calls[-1], len(syncs)) == ([len(jobs)], 1, 6)  # only the chosen one from now on
+    # each candidate decoded the first batch twice (warm-up, timed); only the chosen one from now on
+    assert (slow.calls, fast.calls[-1], len(syncs)) == ([len(jobs)] * 2, 1, 6)

@@ -416,8 +416,9 @@ def _synchronize(device: torch.device) -> None:
 
 class MeasuredDecoder:
     """gpu_decoder="auto" with more than one working backend: the first batch is decoded by every
-    candidate, each timed from start to finish on the GPU (the device is synchronized around each:
-    a one-time cost, at first use), and the fastest that decoded the most images decodes everything
+    candidate twice, once untimed (the library sizes its work buffers for these images, as in the
+    steady state) and once timed from start to finish on the GPU (the device is synchronized around
+    it: a one-time cost, at first use); the fastest that decoded the most images decodes everything
     from then on. `name` says which one runs and what was measured; `timings` holds ms per image.
     Candidates that decode regions are timed decoding regions (the work they would do)."""
 
@@ -449,6 +450,7 @@ class MeasuredDecoder:
         best: tuple[int, float] | None = None
         result: list[Any] = []
         for cand in self.candidates:
+            self._run(cand, datas, regions)  # warm-up: first-use allocations are not the backend's speed
             self._sync(self.device)
             t0 = self._clock()
             outs = self._run(cand, datas, regions)
