@@ -323,6 +323,8 @@ class NvImageCodecDecoder(_Backend):
         self.device = torch.device(device)
         if self.device.type not in ("cuda", "cpu"):
             raise ConfigError(f"nvImageCodec decodes on a CUDA device or the CPU, not {self.device}")
+        if self.device.type == "cuda" and self.device.index is None:  # nvImageCodec takes a device number
+            self.device = _cuda_device(self.device)
         if self.hardware and self.device.type == "cpu":
             raise ConfigError("the hardware JPEG engines are on the GPU: give a CUDA device, or use "
                               "NvImageCodecDecoder('cpu') for nvImageCodec's CPU backend")
