@@ -7,7 +7,7 @@ has both.
                                           [--rounds 5] [--large 0] [--json out.json]
 
 CACHE_DIR keeps the generated ImageNet-like JPEGs (about 400 x 350 px, made on first use); `--large`
-adds that many 1200 x 900 images. On `--device cuda` the candidates are torchvision, nvImageCodec
+adds that many 1200 x 900 images. On `--device cuda` the candidates are TorchCodec, torchvision, nvImageCodec
 with the hardware JPEG engines first, and nvImageCodec's CUDA decoders (with and without region
 decode: region decode only where the release does it soundly, see docs/gpu-decode.md); each round
 is timed from a synchronized device to a synchronized device. On `--device cpu` (any machine) the
@@ -92,7 +92,7 @@ def _candidates(device: torch.device) -> list[Counting]:
         dec = NvImageCodecDecoder("cpu")
         return [Counting(dec, regions=True), Counting(dec, regions=False)]
     out: list[Counting] = []
-    for backend in ("torchvision", "nvimgcodec", "nvimgcodec-cuda"):
+    for backend in ("torchcodec", "torchvision", "nvimgcodec", "nvimgcodec-cuda"):
         try:
             dec = make_decoder(backend, device)
         except ConfigError as exc:

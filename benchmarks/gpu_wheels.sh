@@ -7,8 +7,9 @@
 #
 # Downloaded here (any machine with pip and an index), Linux x86_64, one version of each, without
 # dependencies:
-#   always    simplejpeg (a stoker dependency), nvImageCodec and nvJPEG (the decode="gpu" backend
-#             beside torchvision's): about 30 MB
+#   always    simplejpeg (a stoker dependency); TorchCodec, nvImageCodec and nvJPEG (decode="gpu"
+#             backends beside torchvision's): about 40 MB (CUDA=12: no TorchCodec, whose CUDA 12 builds
+#             are on the PyTorch index)
 #   DALI=1    NVIDIA DALI, the bench peer, with the packages it needs: about 235 MB more
 # On the host:
 #   python3 -m pip install --no-index --no-deps --target /tmp/site DIR/*.whl && export PYTHONPATH=/tmp/site:src
@@ -21,7 +22,7 @@ CUDA=${CUDA:-13}
 PY=${PY:-python3}
 
 if [ "$CUDA" = 13 ]; then
-    NAMES=(simplejpeg nvidia-nvimgcodec-cu13 nvidia-nvjpeg)
+    NAMES=(simplejpeg torchcodec nvidia-nvimgcodec-cu13 nvidia-nvjpeg)  # PyPI's TorchCodec is a CUDA 13 build
     # DALI 2.4.0's Requires-Dist, pinned where it pins (nvcomp)
     DALI_NAMES=(nvidia-dali-cuda130==2.4.0 nvidia-libnvcomp-cu13==5.3.0.16)
 elif [ "$CUDA" = 12 ]; then

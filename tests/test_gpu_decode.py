@@ -358,9 +358,11 @@ def test_run_checks_its_output_tensor() -> None:
 
 
 def test_make_decoder_errors_name_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ConfigError, match="'auto', 'torchvision', 'nvimgcodec'"):
+    with pytest.raises(ConfigError, match="'auto', 'torchcodec', 'torchvision', 'nvimgcodec'"):
         make_decoder("nvdec", "cuda")
-    # Neither library importable (whatever this machine has installed).
+    # No library importable (whatever this machine has installed).
+    monkeypatch.setitem(sys.modules, "torchcodec", None)
+    monkeypatch.setitem(sys.modules, "torchcodec.decoders", None)
     monkeypatch.setitem(sys.modules, "torchvision", None)
     monkeypatch.setitem(sys.modules, "torchvision.io", None)
     monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", None)
@@ -368,6 +370,9 @@ def test_make_decoder_errors_name_the_fix(monkeypatch: pytest.MonkeyPatch) -> No
         make_decoder("auto", "cuda")
     msg = str(info.value)
     assert "pip install torchvision" in msg and "pip install 'nvidia-nvimgcodec-cu" in msg and "decode='cpu'" in msg
+    assert "pip install torchcodec (0.16 or newer" in msg
+    with pytest.raises(ConfigError, match="pip install torchcodec"):
+        make_decoder("torchcodec", "cuda")
     with pytest.raises(ConfigError, match="pip install torchvision"):
         make_decoder("torchvision", "cuda")
     with pytest.raises(ConfigError, match="pip install 'nvidia-nvimgcodec-cu"):
@@ -476,26 +481,38 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return log
 
 
-def test_torchvision_wrapper_batches_retries_on_its_own_stream_without_host_syncs(
-        monkeypatch: pytest.MonkeyPatch, fake_cuda: list[str]) -> None:
-    class FakeIO:
-        class ImageReadMode:
-            RGB = "rgb-mode"
+def fake_decode_jpeg(log: list[str], rgb: object):
+    """A library decode_jpeg(list, mode=..., device=...) on a CUDA device (CPU tensors here) that logs
+    its calls and, like torchvision and TorchCodec, fails the whole call for one bad image."""
+    def decode_jpeg(batch, mode, device):
+        assert isinstance(batch, list) and mode == rgb and device == torch.device("cuda", 0)
+        log.append(f"decode {len(batch)}")
+        try:  # no partial results
+            return [torch.from_numpy(decode_or_raise(d)).permute(2, 0, 1).contiguous() for d in batch]
+        except Exception as exc:
+            raise RuntimeError(f"Error while decoding JPEG images: {exc}") from None
+    return decode_jpeg
 
-        @staticmethod
-        def decode_jpeg(batch, mode, device):
-            assert isinstance(batch, list) and mode == "rgb-mode" and device == torch.device("cpu")
-            fake_cuda.append(f"decode {len(batch)}")
-            try:  # like torchvision: no partial results
-                return [torch.from_numpy(decode_or_raise(d)).permute(2, 0, 1).contiguous() for d in batch]
-            except Exception as exc:
-                raise RuntimeError(f"Error while decoding JPEG images: {exc}") from None
 
-    monkeypatch.setitem(sys.modules, "torchvision", types.SimpleNamespace(__version__="0.26.0+cu128", io=FakeIO))
-    monkeypatch.setitem(sys.modules, "torchvision.io", FakeIO)
-    monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", None)  # whatever this machine has installed
+@pytest.mark.parametrize("library", ["torchvision", "torchcodec"])
+def test_library_wrappers_batch_and_retry_on_their_own_stream_without_host_syncs(
+        monkeypatch: pytest.MonkeyPatch, fake_cuda: list[str], library: str) -> None:
+    monkeypatch.setattr(gpu_decode, "_cuda_device", lambda device: torch.device("cuda", 0))
+    for name in ("torchvision", "torchvision.io", "torchcodec", "torchcodec.decoders", "nvidia.nvimgcodec"):
+        monkeypatch.setitem(sys.modules, name, None)  # whatever this machine has installed
+    if library == "torchvision":
+        io = types.SimpleNamespace(ImageReadMode=types.SimpleNamespace(RGB="rgb-mode"),
+                                   decode_jpeg=fake_decode_jpeg(fake_cuda, "rgb-mode"))
+        monkeypatch.setitem(sys.modules, "torchvision", types.SimpleNamespace(__version__="0.26.0+cu128", io=io))
+        monkeypatch.setitem(sys.modules, "torchvision.io", io)
+        kind, name = gpu_decode.TorchvisionDecoder, "torchvision 0.26.0+cu128 nvJPEG"
+    else:
+        decoders = types.SimpleNamespace(decode_jpeg=fake_decode_jpeg(fake_cuda, "RGB"))
+        monkeypatch.setitem(sys.modules, "torchcodec", types.SimpleNamespace(__version__="0.17.0", decoders=decoders))
+        monkeypatch.setitem(sys.modules, "torchcodec.decoders", decoders)
+        kind, name = gpu_decode.TorchCodecDecoder, "TorchCodec 0.17.0 nvJPEG"
     dec = make_decoder("auto", "cuda")  # probes once with a tiny JPEG
-    assert isinstance(dec, gpu_decode.TorchvisionDecoder) and dec.name == "torchvision 0.26.0+cu128 nvJPEG"
+    assert isinstance(dec, kind) and dec.name == name
     one = ["on decode", "decode 1", "caller waits decode", "record caller"]
     assert fake_cuda == one
     fake_cuda.clear()
@@ -506,10 +523,18 @@ def test_torchvision_wrapper_batches_retries_on_its_own_stream_without_host_sync
     outs = dec.decode(datas)
     assert [type(o).__name__ for o in outs] == ["Tensor", "RuntimeError", "ValueError", "Tensor"]
     assert tuple(outs[0].shape) == (3, 32, 40) and tuple(outs[3].shape) == (3, 24, 24)
-    # Every call runs on the decode stream, the caller's stream waits for it on the GPU, and each output
-    # is recorded on the caller's stream (pytorch/vision#9606); a failed batch goes one by one.
+    # Every call runs on the decode stream (whatever the library synchronizes waits for the decode alone),
+    # the caller's stream waits for it on the GPU, and each output is recorded on the caller's stream
+    # (pytorch/vision#9606); a failed batch goes one by one.
     assert fake_cuda == ["on decode", "decode 3"] + one + ["on decode", "decode 1"] + one
     assert "sync" not in fake_cuda
+
+
+def test_a_torchcodec_without_image_decoding_names_the_version_it_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torchcodec", types.SimpleNamespace(__version__="0.9.0"))
+    monkeypatch.setitem(sys.modules, "torchcodec.decoders", types.SimpleNamespace())  # video only
+    with pytest.raises(ConfigError, match=r"TorchCodec 0.9.0 cannot decode images; 0.16 or newer can.*pip install torchcodec"):
+        make_decoder("torchcodec", "cuda")
 
 
 def on_fake_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -582,6 +607,7 @@ def test_a_backend_that_fails_its_probe_is_skipped_by_auto(monkeypatch: pytest.M
     monkeypatch.setitem(sys.modules, "torchvision", types.SimpleNamespace(__version__="0.26.0", io=BrokenIO))
     monkeypatch.setitem(sys.modules, "torchvision.io", BrokenIO)
     monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", None)
+    monkeypatch.setitem(sys.modules, "torchcodec.decoders", None)
     with pytest.raises(ConfigError) as info:
         make_decoder("auto", "cuda")
     msg = str(info.value)
@@ -701,6 +727,7 @@ def test_auto_falls_back_past_a_torchvision_that_raises_on_import(monkeypatch: p
     monkeypatch.delitem(sys.modules, "torchvision.io", raising=False)
     monkeypatch.setattr(sys, "meta_path", [BrokenImport("torchvision"), *sys.meta_path])
     monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", fake)
+    monkeypatch.setitem(sys.modules, "torchcodec.decoders", None)  # whatever this machine has installed
     dec = make_decoder("auto", "cuda")  # both nvImageCodec variants work: measured at first use
     assert isinstance(dec, gpu_decode.MeasuredDecoder)
     assert [type(c) for c in dec.candidates] == [gpu_decode.NvImageCodecHardwareDecoder,

@@ -1,7 +1,8 @@
-"""The nvImageCodec backend against the real library, on any machine: nvImageCodec's CPU backend
-(libjpeg-turbo) runs the same Python API the GPU path calls (decoder, decode parameters, code-stream
-regions, None for a failed image), so its wrapper, region decode and the whole decode="gpu" path are
-checked here before any GPU runs them. tests/cuda/test_gpu_decode_cuda.py runs it on a GPU.
+"""nvImageCodec's own features against the real library, on any machine: its CPU backend
+(libjpeg-turbo) runs the same Python API the GPU path calls, so region decode (code-stream regions,
+the margin that keeps it pixel-identical), the release gate for GPU region decode, `auto` mixing
+region and whole-image backends and the decoder benchmark are checked here before any GPU runs them.
+tests/test_decode_libraries.py checks what every decoder library must do; tests/cuda runs them on a GPU.
 
 `make test` installs nvImageCodec (the `test-gpu-decode` extra); where it does not import, these skip.
 """
@@ -11,21 +12,17 @@ from __future__ import annotations
 import types
 from pathlib import Path
 
-import numpy as np
 import pytest
-import simplejpeg
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import jpeg_bytes, smooth_rgb
-from stoker import DeviceOptions, Loader
 from stoker.errors import ConfigError, CorruptImageError
 from stoker.gpu_decode import (NVIMGCODEC_GPU_REGIONS_BEFORE, REGION_MARGIN, GpuBatchDecoder, MeasuredDecoder,
                                NvImageCodecDecoder, NvImageCodecHardwareDecoder, nvimgcodec_regions)
-from stoker.transforms import CenterCrop, Pipeline, RandomHorizontalFlip, RandomResizedCrop
-from test_gpu_decode import SIZES, CpuDecoder, jobs_for, make_jpegs, psnr, rows, textured
-from test_loader import build_packed
+from stoker.transforms import Pipeline, RandomHorizontalFlip, RandomResizedCrop
+from test_decode_libraries import as_tensor, kinds_of_jpeg, libjpeg_turbo
+from test_gpu_decode import SIZES, CpuDecoder, jobs_for, make_jpegs, psnr, rows
 
 try:
     from nvidia import nvimgcodec as nv
@@ -33,32 +30,10 @@ except Exception as exc:  # missing, or a build whose libraries do not load here
     pytest.skip(f"nvImageCodec does not import here ({type(exc).__name__}: {exc}); pip install -e '.[test-gpu-decode]'",
                 allow_module_level=True)
 
-TRAIN = [RandomResizedCrop(64), RandomHorizontalFlip()]
-
 
 @pytest.fixture(scope="module")
 def decoder() -> NvImageCodecDecoder:
     return NvImageCodecDecoder("cpu")
-
-
-def as_tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
-
-
-def kinds_of_jpeg() -> dict[str, bytes]:
-    rng = np.random.default_rng(0)
-    return {
-        "rgb-420": jpeg_bytes(textured(rng, 181, 243)),
-        "rgb-444": jpeg_bytes(textured(rng, 97, 131), subsampling=0),
-        "rgb-422": jpeg_bytes(textured(rng, 120, 90), subsampling=1),
-        "odd-size": jpeg_bytes(smooth_rgb(rng, 33, 71)),
-        "gray": jpeg_bytes(textured(rng, 81, 65)[..., 1]),
-        "progressive": jpeg_bytes(textured(rng, 150, 100), progressive=True),
-    }
-
-
-def libjpeg_turbo(data: bytes) -> torch.Tensor:
-    return torch.from_numpy(simplejpeg.decode_jpeg(data, colorspace="RGB")).permute(2, 0, 1)
 
 
 def test_the_wrapper_builds_on_the_installed_release(decoder: NvImageCodecDecoder) -> None:
@@ -67,25 +42,6 @@ def test_the_wrapper_builds_on_the_installed_release(decoder: NvImageCodecDecode
     assert decoder.regions and decoder.name.endswith("region decode")
     with pytest.raises(ConfigError, match="hardware JPEG engines are on the GPU"):
         NvImageCodecHardwareDecoder("cpu")
-
-
-def test_decodes_every_kind_of_jpeg_like_libjpeg_turbo(decoder: NvImageCodecDecoder) -> None:
-    jpegs = kinds_of_jpeg()
-    outs = decoder.decode([as_tensor(d) for d in jpegs.values()])
-    for (name, data), out in zip(jpegs.items(), outs):
-        assert isinstance(out, torch.Tensor), f"{name}: {out!r}"
-        assert out.dtype == torch.uint8 and out.device.type == "cpu"
-        assert torch.equal(out, libjpeg_turbo(data)), name  # 3 channels for gray too, pixel for pixel
-
-
-def test_a_bad_sample_fails_alone(decoder: NvImageCodecDecoder) -> None:
-    good = list(kinds_of_jpeg().values())[:3]
-    datas = [as_tensor(good[0]), as_tensor(b"this is not a JPEG file at all " * 20), as_tensor(good[1]),
-             as_tensor(b""), as_tensor(good[2][: len(good[2]) // 3]), as_tensor(good[2])]
-    outs = decoder.decode(datas)
-    assert [isinstance(o, Exception) for o in outs][:4] == [False, True, False, True]
-    assert isinstance(outs[5], torch.Tensor) and torch.equal(outs[5], libjpeg_turbo(good[2]))
-    assert torch.equal(outs[0], libjpeg_turbo(good[0])) and torch.equal(outs[2], libjpeg_turbo(good[1]))
 
 
 JPEGS = kinds_of_jpeg()
@@ -172,35 +128,6 @@ def test_auto_mixes_region_and_whole_image_backends(decoder: NvImageCodecDecoder
         assert torch.equal(out, again)
         for i, ref in enumerate(refs):
             assert psnr(rows(out)[i], ref) > 30
-
-
-def test_the_loader_decodes_with_nvimgcodec(tmp_path: Path) -> None:
-    packed = build_packed(tmp_path / "ds", n=40)
-    on_cpu = Loader(packed, 8, transforms=TRAIN, seed=3, device=DeviceOptions("cpu", dtype=torch.uint8))
-    expected = [x.clone() for x, _ in on_cpu]
-    with Loader(packed, 8, transforms=TRAIN, seed=3, num_threads=2,
-                device=DeviceOptions("cpu", dtype=torch.uint8, decode="gpu",
-                                     gpu_decoder=NvImageCodecDecoder("cpu"))) as loader:
-        got = [x.clone() for x, _ in loader]
-        jpegs = sum(i % 11 != 5 and i % 13 != 6 for i in range(40))  # build_packed: raw and PNG rows aside
-        assert loader.stats.gpu_decoded == jpegs and loader.stats.gpu_fallbacks == 0
-        assert loader.stats.gpu_decoder.startswith("nvImageCodec") and "region decode" in loader.stats.gpu_decoder
-    assert len(got) == len(expected)
-    for x, y in zip(got, expected):  # the same crops and flips; only the resampling kernel differs
-        for a, b in zip(x.permute(0, 2, 3, 1).numpy(), y.permute(0, 2, 3, 1).numpy()):
-            assert psnr(a, b) > 30
-
-
-def test_the_pillow_gauntlet_never_crashes_the_decoder(decoder: NvImageCodecDecoder, pillow_corpus: Path) -> None:
-    files = sorted(p for p in pillow_corpus.iterdir() if p.suffix.lower() in (".jpg", ".jpeg", ".jfif", ".mpo"))
-    assert len(files) > 30
-    outs = decoder.decode([as_tensor(p.read_bytes()) for p in files])
-    failed = {p.name for p, o in zip(files, outs) if isinstance(o, Exception)}
-    for path, out in zip(files, outs):
-        if isinstance(out, torch.Tensor):
-            assert out.dtype == torch.uint8 and out.dim() == 3 and out.shape[0] == 3, path.name
-    assert {"truncated_jpeg.jpg", "junk_jpeg_header.jpg"} <= failed  # broken files fail, each on its own
-    assert len(failed) < len(files) // 4
 
 
 def test_the_decoder_benchmark_counts_what_region_decode_saves(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -168,7 +168,7 @@ class DeviceOptions:
     decode: "cpu" (JPEGs decoded by the worker threads) or "gpu" (nvJPEG on the device thread, with the
         CPU's crop plan; a Loader only; CUDA only, unless gpu_decoder is an object).
     gpu_decoder: with decode="gpu", "auto" (the fastest working backend, measured on the first batch),
-        "torchvision", "nvimgcodec" (hardware JPEG engines first), "nvimgcodec-cuda" or an object with a
+        "torchcodec", "torchvision", "nvimgcodec" (hardware JPEG engines first), "nvimgcodec-cuda" or an object with a
         `decode(list_of_uint8_tensors)` method.
 
     A plain device string anywhere a DeviceOptions is accepted means `DeviceOptions(device=that)`:
@@ -196,7 +196,7 @@ class DeviceOptions:
             if isinstance(self.gpu_decoder, str) and not self.is_cuda:
                 raise ConfigError(f"decode='gpu' needs a CUDA device, got device={self.device}; use decode='cpu'")
             if not isinstance(self.gpu_decoder, str) and not callable(getattr(self.gpu_decoder, "decode", None)):
-                raise ConfigError(f"gpu_decoder must be 'auto', 'torchvision', 'nvimgcodec', 'nvimgcodec-cuda' or an "
+                raise ConfigError(f"gpu_decoder must be 'auto', 'torchcodec', 'torchvision', 'nvimgcodec', 'nvimgcodec-cuda' or an "
                                   f"object with a "
                                   f"decode(list_of_tensors) method, got {self.gpu_decoder!r}")
 

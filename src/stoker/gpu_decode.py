@@ -1,14 +1,14 @@
 """JPEG decode on the GPU (nvJPEG), cropped and resized there with the CPU path's crop plan.
 
 For machines whose CPU cores cannot decode fast enough: the Loader's device thread hands the JPEGs
-of a batch to a `GpuDecoder` (nvJPEG through torchvision or NVIDIA nvImageCodec), then crops each
+of a batch to a `GpuDecoder` (nvJPEG through TorchCodec, torchvision or NVIDIA nvImageCodec), then crops each
 decoded image with the same integer geometry as the CPU path (`transforms.crop_window`), then crops,
 resizes (`torch.nn.functional.interpolate`'s bilinear weights, as batched resampling matrices), flips
 and writes a whole group of samples into their rows of the batch on the device in a few kernels. The crop plan is the CPU's (computed from the stored sizes), so a seed gives the same crops
 on both paths; only the resampling kernel differs (torch bilinear, antialiased when shrinking, vs
 OpenCV bilinear/area).
 
-Both decoder libraries are optional imports. A sample the GPU cannot decode is returned as a
+The decoder libraries are optional imports. A sample the GPU cannot decode is returned as a
 failure, never raised, and the Loader decodes it on the CPU instead.
 """
 
@@ -31,7 +31,7 @@ from .transforms import CropWindow, crop_window
 F = torch.nn.functional
 
 #: Accepted values of `gpu_decoder` / `make_decoder(backend=...)`.
-BACKENDS = ("auto", "torchvision", "nvimgcodec", "nvimgcodec-cuda")
+BACKENDS = ("auto", "torchcodec", "torchvision", "nvimgcodec", "nvimgcodec-cuda")
 #: Default bound on the decoded pixels held at once by `GpuBatchDecoder.run`: 256 MiB of uint8 RGB,
 #: e.g. about 470 ImageNet-sized (375x500) images, or 7 twelve-megapixel photos.
 DEFAULT_BUDGET_BYTES = 256 << 20
@@ -41,6 +41,8 @@ DEFAULT_BUDGET_BYTES = 256 << 20
 REGION_MARGIN = 16
 #: The first torchvision whose decode_jpeg takes a list and batches it on the GPU.
 TORCHVISION_MIN = (0, 19)
+#: The first TorchCodec with image decoding (torchcodec.decoders.decode_jpeg, CPU and CUDA).
+TORCHCODEC_MIN = (0, 16)
 
 
 @dataclass
@@ -173,6 +175,15 @@ def _nvimgcodec_install() -> str:
     return "pip install 'nvidia-nvimgcodec-cu12[nvjpeg]' or 'nvidia-nvimgcodec-cu13[nvjpeg]' (the one matching your CUDA)"
 
 
+def _torchcodec_install() -> str:
+    return (f"pip install torchcodec ({'.'.join(map(str, TORCHCODEC_MIN))} or newer, the build matching torch "
+            f"{torch.__version__}, from the same index as torch)")
+
+
+def _torchcodec_hint() -> str:
+    return f"Fix: {_torchcodec_install()}, or use decode='cpu'"
+
+
 def _torchvision_hint() -> str:
     return f"Fix: {_torchvision_install()}, or use decode='cpu'"
 
@@ -200,8 +211,47 @@ class _Backend:
             return _decode_each(self._call, datas, regions)
 
 
-class TorchvisionDecoder(_Backend):
-    """nvJPEG through `torchvision.io.decode_jpeg(list, mode=RGB, device="cuda")` (torchvision >= 0.19).
+class _DecodeStreamBackend(_Backend):
+    """A library `decode_jpeg(list, mode=..., device=...)` that blocks the calling thread until its batch
+    is decoded (torchvision, TorchCodec), run with a dedicated decode stream current (made once, kept):
+    whatever the library synchronizes waits for the decode alone, not for the uploads and conversions
+    queued on the copy stream; the outputs come from that stream's memory pool, and each is marked
+    `record_stream(caller's stream)`, so its block is recycled only once the caller's work on it has
+    run; the caller's stream then waits for the decode stream (`wait_stream`, on the GPU): no host
+    synchronization of stoker's own. One bad image fails the library's whole call, so a failed batch is
+    retried one image at a time.
+
+    On the CPU (`device="cpu"`) the same library call decodes on the calling thread (libjpeg-turbo), no
+    stream involved: the wrapper's library calls run on machines without a GPU."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._decode_jpeg, self._rgb, self.name = self._library()
+        # the decode stream (see the class docstring); None on the CPU
+        self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+
+    def _library(self) -> tuple[Any, Any, str]:
+        """(decode_jpeg, its RGB mode, this backend's name: `_named`)."""
+        raise NotImplementedError
+
+    def _named(self, library: str, version: str) -> str:
+        return f"{library} {version} {'nvJPEG' if self.device.type == 'cuda' else 'CPU'}"
+
+    def _call(self, batch: list[torch.Tensor], regions: Sequence[Region | None] | None = None) -> list[torch.Tensor]:
+        if self._stream is None:
+            return list(self._decode_jpeg(batch, mode=self._rgb, device=self.device))
+        caller = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._stream):
+            outs = self._decode_jpeg(batch, mode=self._rgb, device=self.device)
+        caller.wait_stream(self._stream)
+        for out in outs:
+            out.record_stream(caller)
+        return outs
+
+
+class TorchvisionDecoder(_DecodeStreamBackend):
+    """nvJPEG through `torchvision.io.decode_jpeg(list, mode=RGB, device="cuda")` (torchvision >= 0.19;
+    deprecated from 0.29 in favour of TorchCodec, `TorchCodecDecoder`).
 
     How torchvision runs it (torchvision/csrc/io/image/cuda/decode_jpegs_cuda.cpp): one process-wide
     decoder behind a mutex; baseline JPEGs go to nvJPEG's batched decoder (the hardware JPEG engine on
@@ -209,16 +259,13 @@ class TorchvisionDecoder(_Backend):
     on a private CUDA stream and **the call blocks the calling thread** (cudaStreamSynchronize) until
     the batch is decoded; the result is then ordered before later work on the current stream. RGB
     mode turns grayscale into 3 channels. EXIF orientation is not applied on the GPU. One bad image
-    fails the whole call (RuntimeError "Error while decoding JPEG images: ..."), so a failed batch is
-    retried one image at a time.
+    fails the whole call (RuntimeError "Error while decoding JPEG images: ...").
 
     The outputs are allocated on the caller's current stream but written from the private stream,
     which does not wait for the caller's stream (pytorch/vision#9606): a block the caching allocator
-    recycles may still be read by kernels queued on that stream. So the call runs with a dedicated
-    decode stream current (made once, kept): its pool only ever holds decoded images, nothing queued
-    on it reads them, and each output is marked `record_stream(caller's stream)`, so its block is
-    recycled only once the caller's work on it has run. The caller's stream then waits for the
-    decode stream (`wait_stream`, on the GPU): no host synchronization of stoker's own.
+    recycles may still be read by kernels queued on that stream. The dedicated decode stream
+    (`_DecodeStreamBackend`) is what makes this safe: its pool only ever holds decoded images and
+    nothing queued on it reads them.
     """
 
     label = "torchvision"
@@ -242,23 +289,50 @@ class TorchvisionDecoder(_Backend):
     def hint() -> str:
         return _torchvision_hint()
 
-    def __init__(self, device: torch.device) -> None:
+    def _library(self) -> tuple[Any, Any, str]:
         tv_io = self.load()
-        self.device = device
-        self.name = f"torchvision {importlib.import_module('torchvision').__version__} nvJPEG"
-        self._decode_jpeg = tv_io.decode_jpeg
-        self._rgb = tv_io.ImageReadMode.RGB
-        self._stream = torch.cuda.Stream(device=device)  # the decode stream (see the class docstring)
+        return tv_io.decode_jpeg, tv_io.ImageReadMode.RGB, self._named("torchvision", importlib.import_module(
+            "torchvision").__version__)
 
-    def _call(self, batch: list[torch.Tensor], regions: Sequence[Region | None] | None = None) -> list[torch.Tensor]:
-        caller = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self._stream):
-            outs = self._decode_jpeg(batch, mode=self._rgb, device=self.device)
-        caller.wait_stream(self._stream)
-        for out in outs:
-            out.record_stream(caller)
-        return outs
 
+class TorchCodecDecoder(_DecodeStreamBackend):
+    """nvJPEG through TorchCodec's `torchcodec.decoders.decode_jpeg(list, mode="RGB", device="cuda")`
+    (TorchCodec >= 0.16, whose image decoders supersede torchvision's).
+
+    How TorchCodec runs it (src/torchcodec/_core/DecodeJpegCuda.cpp): baseline JPEGs batched on the
+    hardware JPEG engines where the GPU has them, others (progressive) one at a time through nvJPEG's
+    software path; the work is queued on the current stream into outputs allocated there, and **the
+    call host-synchronizes that stream** before it returns. On the copy stream that would wait for
+    every upload and conversion queued there; on the dedicated decode stream (`_DecodeStreamBackend`)
+    it waits for the decode alone. RGB mode turns grayscale into 3 channels; EXIF orientation is
+    applied (stored `jpeg` samples carry none: the pack turns rotated images upright). One bad image
+    fails the whole call (RuntimeError).
+    """
+
+    label = "TorchCodec"
+
+    @staticmethod
+    def load() -> Any:
+        """torchcodec.decoders with image decoding, or a ConfigError with the install hint (touches no GPU)."""
+        try:
+            decoders = importlib.import_module("torchcodec.decoders")
+        except Exception as exc:  # missing, or built for another torch / CUDA (OSError: could not load ...)
+            raise ConfigError(f"gpu_decoder='torchcodec' needs a TorchCodec that imports with this torch "
+                              f"({type(exc).__name__}: {exc}). {_torchcodec_hint()}") from None
+        if not hasattr(decoders, "decode_jpeg"):
+            version = getattr(importlib.import_module("torchcodec"), "__version__", "?")
+            raise ConfigError(f"TorchCodec {version} cannot decode images; {'.'.join(map(str, TORCHCODEC_MIN))} "
+                              f"or newer can. {_torchcodec_hint()}")
+        return decoders
+
+    @staticmethod
+    def hint() -> str:
+        return _torchcodec_hint()
+
+    def _library(self) -> tuple[Any, Any, str]:
+        decoders = self.load()
+        return decoders.decode_jpeg, "RGB", self._named("TorchCodec", getattr(importlib.import_module("torchcodec"),
+                                                                               "__version__", "?"))
 
 
 #: nvImageCodec (major, minor) releases from which region decode on the GPU is not used: 0.9.0's region
@@ -481,7 +555,7 @@ def _cuda_device(device: Any) -> torch.device:
 def make_decoder(backend: str, device: torch.device | str | int) -> GpuDecoder:
     """A working GPU JPEG decoder on `device` (a CUDA device).
 
-    backend: "torchvision", "nvimgcodec" (the hardware JPEG engines first where the GPU has them),
+    backend: "torchcodec", "torchvision", "nvimgcodec" (the hardware JPEG engines first where the GPU has them),
     "nvimgcodec-cuda" (nvImageCodec's CUDA decoders only), or "auto": every one of them that works
     here, and when more than one does, the fastest on the first batch (`MeasuredDecoder`), so the
     choice follows the machine, not what happens to be installed. Each backend decodes a probe image
@@ -489,9 +563,10 @@ def make_decoder(backend: str, device: torch.device | str | int) -> GpuDecoder:
     command), not later on every sample."""
     if backend not in BACKENDS:
         raise ConfigError(f"gpu_decoder must be one of {BACKENDS}, got {backend!r}")
-    kinds: list[Any] = {"torchvision": [TorchvisionDecoder], "nvimgcodec": [NvImageCodecHardwareDecoder],
-                        "nvimgcodec-cuda": [NvImageCodecDecoder],
-                        "auto": [TorchvisionDecoder, NvImageCodecHardwareDecoder, NvImageCodecDecoder]}[backend]
+    kinds: list[Any] = {"torchcodec": [TorchCodecDecoder], "torchvision": [TorchvisionDecoder],
+                        "nvimgcodec": [NvImageCodecHardwareDecoder], "nvimgcodec-cuda": [NvImageCodecDecoder],
+                        "auto": [TorchCodecDecoder, TorchvisionDecoder, NvImageCodecHardwareDecoder,
+                                 NvImageCodecDecoder]}[backend]
     reasons: list[str] = []
     importable = []
     for kind in kinds:  # imports first: a missing library is named even on a machine without a GPU
@@ -519,7 +594,8 @@ def make_decoder(backend: str, device: torch.device | str | int) -> GpuDecoder:
     if len(reasons) == 1:
         raise ConfigError(reasons[0])
     raise ConfigError("decode='gpu' found no working GPU JPEG decoder:\n  - " + "\n  - ".join(reasons) +
-                      f"\nInstall one: {_torchvision_install()}; or {_nvimgcodec_install()}. Or use decode='cpu'.")
+                      f"\nInstall one: {_torchcodec_install()}; or {_torchvision_install()}; or {_nvimgcodec_install()}. "
+                      "Or use decode='cpu'.")
 
 
 # ---- crop, resize, flip on the device: a whole chunk in a few kernels ----------------------------------

@@ -19,6 +19,8 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 
 
 BACKENDS = [
+    pytest.param("torchcodec", marks=pytest.mark.skipif(not importable("torchcodec.decoders"),
+                                                        reason="TorchCodec does not import here")),
     pytest.param("torchvision", marks=pytest.mark.skipif(not importable("torchvision.io"),
                                                          reason="torchvision does not import here")),
     pytest.param("nvimgcodec", marks=pytest.mark.skipif(not importable("nvidia.nvimgcodec"),
