@@ -4,7 +4,7 @@
 #   benchmarks/gpu_session.sh [STEP...]      (from the repository root; default: every step)
 #
 # Steps, each sized to finish in well under 10 minutes on an H100/H200 with 16 CPU cores:
-#   env      what this host has: GPU, driver, torch/CUDA, torchvision, nvImageCodec, DALI
+#   env      what this host has: GPU, driver, torch/CUDA, torchvision, TorchCodec, nvImageCodec, DALI
 #   tests    pytest tests/cuda under TORCH_CUDA_SANITIZER=1, then the CPU suite
 #   loader   stoker bench --device cuda, loaders alone (DataLoader+PIL vs stoker, CPU and GPU decode, vs DALI);
 #            pipelines whose start-up is 1% or more of their timed run are rerun once with the
@@ -82,7 +82,7 @@ print("torch", torch.__version__, "CUDA", torch.version.cuda, "available", torch
 if torch.cuda.is_available():
     print("device", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability(),
           "cuDNN", torch.backends.cudnn.version())
-for mod in ("torchvision", "nvidia.nvimgcodec", "nvidia.dali", "stoker"):
+for mod in ("torchvision", "torchcodec", "nvidia.nvimgcodec", "nvidia.dali", "stoker"):
     try:
         m = importlib.import_module(mod)
         print(mod, getattr(m, "__version__", "?"), getattr(m, "__file__", ""))
