@@ -49,8 +49,9 @@ class Counting:
         self.inner, self.regions, self.pixels = inner, regions, 0
         self.timing: torch.device | None = None
         self.seconds = 0.0
-        self.name = inner.name if regions or not getattr(inner, "regions", False) else inner.name.replace(
-            ", region decode", "") + ", whole images"
+        self.backend = inner.name.replace(", region decode", "")  # the twins' shared name
+        both = getattr(inner, "regions", False)  # this backend runs twice: with and without regions
+        self.name = self.backend + ((", region decode" if regions else ", whole images") if both else "")
 
     def decode(self, datas: list[torch.Tensor], regions: Any = None) -> list[Any]:
         if self.timing is not None:
@@ -131,7 +132,7 @@ def measure(cand: Counting, batches: list[list[GpuJob]], device: torch.device, r
             gpu.run(b, out[:len(b)])
         decode = min(decode, cand.seconds)
     cand.timing = None
-    return {"decoder": cand.name, "ms_per_image": 1000 * best / n, "decode_ms_per_image": 1000 * decode / n,
+    return {"decoder": cand.name, "backend": cand.backend, "region": cand.regions, "ms_per_image": 1000 * best / n, "decode_ms_per_image": 1000 * decode / n,
             "decoded_mpix_per_image": pixels / n / 1e6, "failed": failed}
 
 
@@ -152,16 +153,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no GPU JPEG decoder works on {device}: see the reasons above", file=sys.stderr)
         return 1
     rows = [measure(c, batches, device, args.rounds) for c in candidates]
-    whole = {r["decoder"].replace(", whole images", ""): r for r in rows if "region decode" not in r["decoder"]}
+    whole = {r["backend"]: r for r in rows if not r["region"]}
     print(f"{sum(len(b) for b in batches)} images, batches of {args.batch}, RandomResizedCrop({OUT}) + flip, "
           f"on {device}; best of {args.rounds} rounds\n")
     print("| decoder | ms/image | decode alone, ms/image | decoded Mpx/image | vs whole-image decode "
           "(all, decode alone) | failed |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        twin = whole.get(r["decoder"].replace(", region decode", ""))
+        twin = whole.get(r["backend"]) if r["region"] else None
         ratio = "-"
-        if twin is not None and twin is not r:
+        if twin is not None:
             ratio = (f"{twin['ms_per_image'] / r['ms_per_image']:.2f}x, "
                      f"{twin['decode_ms_per_image'] / r['decode_ms_per_image']:.2f}x")
         r["vs_whole"] = ratio

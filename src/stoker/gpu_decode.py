@@ -767,7 +767,8 @@ class GpuBatchDecoder:
                     try:
                         if isinstance(img, BaseException):
                             raise img
-                        placed.append(self._place(job, img, windows[k], regions and regions[k], out))
+                        region = None if regions is None else regions[k]
+                        placed.append(self._place(job, img, windows[k], region, out))
                     except Exception as exc:
                         failures.append((job, self._failure(job, exc)))
                 img = images = None
