@@ -472,6 +472,14 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         log.append(f"on {stream.name}")
         yield
 
+    class Event:
+        def record(self, stream: Stream) -> None:
+            log.append(f"event on {stream.name}")
+
+        def synchronize(self) -> None:
+            log.append("sync")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream("decode", device))
     monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
@@ -591,7 +599,48 @@ def test_nvimgcodec_wrapper_handles_none_and_dropped_images(monkeypatch: pytest.
         assert [type(o).__name__ for o in outs] == ["Tensor", "RuntimeError", "Tensor"]
         assert tuple(outs[0].shape) == (3, 32, 40) and tuple(outs[2].shape) == (3, 24, 24)
         assert dec._decoder.calls == ([1, 3] if not drop else [1, 3, 1, 1, 1])  # probe, batch, (retries)
-    assert "sync" not in fake_cuda  # queued on the current stream: no host wait of our own
+    # queued on the current stream; an early release's default backends include the hardware engines,
+    # so each decode first waits on the host for what is queued there (see the test below)
+    assert fake_cuda == ["event on caller", "sync"] * (2 + 2 + 3)
+
+
+def fake_nvimgcodec_09(log: list[str]) -> types.SimpleNamespace:
+    """nvImageCodec 0.9's Python API as the wrapper calls it on a CUDA device: backends by kind,
+    ColorSpec.SRGB, a Decoder that logs its decode calls (host arrays here, device images there)."""
+    class Decoder:
+        def __init__(self, device_id: int = -1, backends: list | None = None) -> None:
+            self.kinds = [b.kind for b in backends or []]
+
+        def decode(self, srcs, params, cuda_stream):
+            assert cuda_stream == 1234
+            log.append(f"decode {len(srcs)}")
+            return [simplejpeg.decode_jpeg(s, colorspace="RGB") for s in srcs]
+
+    kinds = types.SimpleNamespace(HW_GPU_ONLY="hw", GPU_ONLY="gpu", HYBRID_CPU_GPU="hybrid", CPU_ONLY="cpu")
+    return types.SimpleNamespace(
+        __version__="0.9.0", Decoder=Decoder, BackendKind=kinds, Backend=lambda kind: types.SimpleNamespace(kind=kind),
+        ColorSpec=types.SimpleNamespace(SRGB="srgb"), NVIMGCODEC_DEVICE_CPU_ONLY=-99,
+        DecodeParams=lambda **kw: types.SimpleNamespace(**kw))
+
+
+@pytest.mark.parametrize("backend", ["nvimgcodec", "nvimgcodec-cuda"])
+def test_nvimgcodec_hardware_decode_waits_for_the_stream_on_the_host(monkeypatch: pytest.MonkeyPatch,
+                                                                      fake_cuda: list[str], backend: str) -> None:
+    """nvImageCodec frees an image's buffer on its stream (cudaFreeAsync) while kernels queued there may
+    still read it, and the next decode may be handed that memory; the hardware JPEG engines write it
+    when the call is made, ignoring stream order (meta-pytorch/torchcodec#1634). So the hardware
+    backend waits on the host for the stream's queued work before each decode; the CUDA decoders
+    (GPU_ONLY, HYBRID_CPU_GPU) keep stream order and need no wait."""
+    on_fake_cuda_device(monkeypatch)
+    monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", fake_nvimgcodec_09(fake_cuda))
+    dec = make_decoder(backend, "cuda")
+    hardware = backend == "nvimgcodec"
+    assert ("hw" in dec._decoder.kinds) == hardware
+    fake_cuda.clear()
+    jpegs = make_jpegs(sizes=[(32, 40), (24, 24)])
+    outs = dec.decode([torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in jpegs])
+    assert [tuple(o.shape) for o in outs] == [(3, 32, 40), (3, 24, 24)]
+    assert fake_cuda == (["event on caller", "sync", "decode 2"] if hardware else ["decode 2"])
 
 
 def test_a_backend_that_fails_its_probe_is_skipped_by_auto(monkeypatch: pytest.MonkeyPatch,

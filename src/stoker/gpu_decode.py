@@ -358,9 +358,15 @@ class NvImageCodecDecoder(_Backend):
     """nvJPEG (and nvImageCodec's other JPEG backends) through `nvidia.nvimgcodec.Decoder`.
 
     The batch is decoded with `cuda_stream=` the current stream, so the pixels are ready for work
-    queued after it on that stream (no extra wait). Output buffers are nvImageCodec's own (allocated
-    on that stream, outside PyTorch's caching allocator) and freed on that stream when the tensors
-    wrapping them are released. Images come back interleaved [H, W, 3] and are viewed as [3, H, W].
+    queued after it on that stream. Output buffers are nvImageCodec's own (cudaMallocAsync on that
+    stream, outside PyTorch's caching allocator) and freed on that stream (cudaFreeAsync) when the
+    tensors wrapping them are released, while kernels queued there may still read them; the next
+    decode may be handed that memory at once. The hardware JPEG engines write their outputs when the
+    call is made, not in stream order (meta-pytorch/torchcodec#1634: a device-side wait, which is
+    what nvImageCodec's hardware decoder adds, does not hold them back), so where they may decode
+    (`hardware`, or an early release's default backends) the calling thread first waits until the
+    stream's queued work has run (`_host_wait`). Images come back interleaved [H, W, 3] and are
+    viewed as [3, H, W].
     Colour spec sRGB turns grayscale and CMYK into 3 channels; EXIF orientation is not applied (as on
     the CPU path). An image that fails comes back as None (older releases drop it from the list
     instead; a list of the wrong length is retried one image at a time).
@@ -406,6 +412,8 @@ class NvImageCodecDecoder(_Backend):
         version = str(getattr(nv, "__version__", ""))
         args = self._decoder_args(nv)
         self._decoder = nv.Decoder(**args)
+        # the hardware JPEG engines may decode (an early release's default backends include them)
+        self._engines = self.device.type == "cuda" and (self.hardware or "backends" not in args)
         self._params = self._decode_params(nv)
         self.regions = nvimgcodec_regions(nv, self.device.type, hardware=self.hardware)
         kind = ("" if "backends" not in args else " CPU (libjpeg-turbo)" if self.device.type == "cpu"
@@ -466,8 +474,10 @@ class NvImageCodecDecoder(_Backend):
                 out[i] = exc
         if sources:
             if self.device.type == "cuda":
-                stream = torch.cuda.current_stream(self.device).cuda_stream
-                images = self._decoder.decode(sources, params=self._params, cuda_stream=stream)
+                stream = torch.cuda.current_stream(self.device)
+                if self._engines:  # freed outputs may still be read by queued kernels (class docstring)
+                    _host_wait(stream)
+                images = self._decoder.decode(sources, params=self._params, cuda_stream=stream.cuda_stream)
             else:
                 images = self._decoder.decode(sources, params=self._params)
             if len(images) != len(sources):  # an older release dropped the failed ones: retried one by one
@@ -488,6 +498,14 @@ class NvImageCodecHardwareDecoder(NvImageCodecDecoder):
 
 def _synchronize(device: torch.device) -> None:
     torch.cuda.synchronize(device)
+
+
+def _host_wait(stream: Any) -> None:
+    """Block the calling thread until everything queued on `stream` so far has run (an event, not
+    `stream.synchronize()`: a deliberate wait, which torch's sync debug mode should not report)."""
+    event = torch.cuda.Event()
+    event.record(stream)
+    event.synchronize()
 
 
 class MeasuredDecoder:

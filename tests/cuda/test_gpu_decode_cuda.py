@@ -186,19 +186,25 @@ def test_batched_resample_on_cuda_matches_the_cpu(ops: list) -> None:
 
 
 def test_decoded_images_outlive_a_slow_consumer(decoder) -> None:
-    """The decode stream's outputs are recorded on the caller's stream: freed on the host while a long
-    step still queues reads of them, their memory is not handed to the next decode."""
-    jpeg = as_tensor(jpeg_bytes(smooth_rgb(np.random.default_rng(2), 256, 256)))
-    want = decoder.decode([jpeg])[0].long().sum().item()
+    """Decoded images freed on the host while a long step still queues reads of them: their memory is
+    not overwritten by the next decode (torchvision and TorchCodec: outputs recorded on the caller's
+    stream; nvImageCodec's hardware engines, which ignore stream order: a host wait first). Two
+    different images of one size take turns, so a block handed to the next decode too early shows
+    up as the other image's sum (the same image twice would rewrite the same bytes)."""
+    rng = np.random.default_rng(2)
+    jpegs = [as_tensor(jpeg_bytes(smooth_rgb(rng, 256, 256))) for _ in range(2)]
+    want = [decoder.decode([jpeg])[0].long().sum().item() for jpeg in jpegs]
+    assert want[0] != want[1]
     gpu_sleep(0.1)
     sums = []
-    for _ in range(20):
+    for i in range(20):
+        jpeg = jpegs[i % 2]
         img = decoder.decode([jpeg, jpeg])
         gpu_sleep(10)  # the reads below wait behind this on the caller's stream
         sums.append(img[0].long().sum())
         del img
     torch.cuda.synchronize()
-    assert [int(s) for s in sums] == [want] * 20
+    assert [int(s) for s in sums] == [want[i % 2] for i in range(20)]
 
 
 @pytest.mark.skipif(not importable("nvidia.nvimgcodec"), reason="nvImageCodec does not import here")
