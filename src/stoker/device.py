@@ -238,6 +238,22 @@ def _filled(values: np.ndarray, device: torch.device) -> torch.Tensor:
     return out
 
 
+def host_to_device(values: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host array (a numpy array or a CPU tensor: a batch's random draws, a kernel) on `device`,
+    queued on the current stream without blocking the host.
+
+    `.to("cuda")` from pageable memory, like `torch.tensor(values, device="cuda")`, waits until the
+    stream has drained (an implicit sync, an error under torch.cuda.set_sync_debug_mode("error")); a
+    copy from pinned memory is asynchronous, and torch's pinned allocator keeps the staging block
+    until the copy has run, so it may be dropped at once."""
+    t = values if isinstance(values, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(values))
+    if t.device == device:
+        return t
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def as_device_options(device: Any) -> DeviceOptions | None:
     """The one reading of a `device=` argument: None stays None (uint8 batches on the CPU, no device
     stage); a DeviceOptions is used as is; anything else is a device (`DeviceOptions(device=that)`)."""
