@@ -225,3 +225,29 @@ def test_normalize_by_table_equals_the_tensor_path():
         want = (nhwc.permute(0, 3, 1, 2).double() / 255 - torch.tensor(op.mean).view(1, 3, 1, 1)) \
             / torch.tensor(op.std).view(1, 3, 1, 1)
         assert torch.allclose(table.double(), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", [G.ColorJitter(0.4, 0.4, 0.4, 0.1), G.RandAugment(num_ops=3), G.TrivialAugmentWide(),
+                                G.AutoAugment(), G.GaussianBlur(9), G.RandomGrayscale(0.5), G.Normalize(),
+                                G.RandomErasing(1.0)])
+def test_batch_ops_on_a_device_never_block_the_host(op):
+    """On a GPU the ops run on the device thread per batch: their parameters go up through pinned memory
+    with non-blocking copies, and nothing reads device data back (`.item()`, bincount)."""
+    from sync_helpers import HostSyncs
+
+    dtype = torch.float32 if isinstance(op, G.RandomErasing) else torch.uint8
+    x = torch.empty((64, 3, 48, 64), dtype=dtype, device="meta")
+    params = op.params(np.random.default_rng(1), 64, 48, 64)
+    with HostSyncs() as syncs:
+        out = op.apply(x, params)
+    assert syncs.seen == [] and out.shape == x.shape
+
+
+def test_equalize_never_blocks_the_host():
+    """torch.bincount reads its input's min and max back on CUDA; equalize's histogram must not (its values
+    are checked against the per-sample op above)."""
+    from sync_helpers import HostSyncs
+
+    with HostSyncs() as syncs:
+        G.equalize(torch.empty((4, 3, 16, 16), dtype=torch.uint8, device="meta"))
+    assert syncs.seen == []

@@ -158,3 +158,21 @@ def test_mixing_over_a_loader_is_deterministic_and_resumes(packed: Path):
     assert len(rest) == len(full) - 2
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(full[2:], rest))
     assert any(not torch.equal(a[1], full[0][1]) for a in full[1:])  # batches do differ
+
+
+@pytest.mark.parametrize("mode", ["batch", "elem"])
+def test_mixing_on_a_device_never_blocks_the_host(mode):
+    """Per batch on the device thread: the draws go up with non-blocking copies from pinned memory, and the
+    labels are not read back (their range is checked on the host, before the upload)."""
+    from sync_helpers import HostSyncs
+
+    mix = Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, mode=mode, num_classes=10)
+    x = torch.empty((16, 3, 32, 32), device="meta")
+    with HostSyncs() as syncs:
+        images, targets = mix(x, torch.zeros(16, dtype=torch.int64, device="meta"), seed=1, epoch=0, batch=2)
+    assert syncs.seen == [] and targets.shape == (16, 10)
+
+
+def test_labels_out_of_range_are_refused_on_the_host():
+    with pytest.raises(ConfigError, match=r"labels must lie in \[0, num_classes=10\), got 0..10"):
+        Mixup(num_classes=10)(torch.zeros(2, 3, 4, 4), torch.tensor([0, 10]))

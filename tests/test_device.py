@@ -4,6 +4,7 @@ The CUDA side (streams, events, record_stream) is in tests/cuda/test_device_cuda
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import OrderedDict, defaultdict, namedtuple
@@ -676,3 +677,38 @@ def test_the_copy_stream_has_the_highest_priority(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None, priority=0: made.append((device, priority)))
     device.copy_stream(torch.device("cuda", 0))
     assert made == [(torch.device("cuda", 0), device.HIGH_PRIORITY)] and device.HIGH_PRIORITY < -1
+
+
+class RecordingStream:
+    """Stands in for torch.cuda.Stream: records what the copy stream was asked to wait for."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: "RecordingStream") -> None:
+        self.log.append(f"{self.name} waits for {other.name}")
+
+
+def test_a_batch_already_on_the_gpu_is_copied_after_the_work_that_made_it(monkeypatch):
+    """Torch orders nothing between streams: a source tensor made on the caller's stream and read on the
+    copy stream (converted, or moved to the device it is on) needs the copy stream to wait for the caller's.
+    Host batches get no wait, so their copies keep overlapping the caller's step."""
+    log: list[str] = []
+    opts = cpu_opts(dtype="float32")
+    object.__setattr__(opts, "device", torch.device("meta"))  # a device tensor that runs on the CPU
+    stage = DeviceStage(cpu_opts())
+    stage.opts, stage.stream = opts, RecordingStream("copy", log)
+    caller = RecordingStream("caller", log)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: caller)
+    monkeypatch.setattr(DeviceStage, "context", lambda self: contextlib.nullcontext())
+    monkeypatch.setattr(DeviceStage, "fence", lambda self: Fence(None))
+    monkeypatch.setattr(DeviceStage, "handoff", lambda self, batch, fence: batch)
+    upload = DeviceStage.upload
+    monkeypatch.setattr(DeviceStage, "upload", lambda self, t: log.append("upload") or upload(self, t))
+    p = prefetch([], opts)
+    p.stage = stage
+    p.source = [(torch.zeros(2, 5, 6, 3, device="meta"), torch.tensor([1, 2])),
+                (torch.zeros(2, 5, 6, 3, dtype=torch.uint8), torch.tensor([1, 2]))]
+    out = list(p)
+    assert len(out) == 2 and all(x.device.type == "meta" and x.dtype == torch.float32 for x, _ in out)
+    assert log == ["copy waits for caller", "upload", "upload", "upload", "upload"]

@@ -238,6 +238,22 @@ def _filled(values: np.ndarray, device: torch.device) -> torch.Tensor:
     return out
 
 
+def host_to_device(values: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host array (a numpy array or a CPU tensor: a batch's random draws, a kernel) on `device`,
+    queued on the current stream without blocking the host.
+
+    `.to("cuda")` from pageable memory, like `torch.tensor(values, device="cuda")`, waits until the
+    stream has drained (an implicit sync, an error under torch.cuda.set_sync_debug_mode("error")); a
+    copy from pinned memory is asynchronous, and torch's pinned allocator keeps the staging block
+    until the copy has run, so it may be dropped at once."""
+    t = values if isinstance(values, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(values))
+    if t.device == device:
+        return t
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def as_device_options(device: Any) -> DeviceOptions | None:
     """The one reading of a `device=` argument: None stays None (uint8 batches on the CPU, no device
     stage); a DeviceOptions is used as is; anything else is a device (`DeviceOptions(device=that)`)."""
@@ -364,16 +380,20 @@ class Fence:
             f"starved by other work"))
 
 
-def _cuda_tensors(batch: Any) -> Iterator[torch.Tensor]:
+def _tensors(batch: Any) -> Iterator[torch.Tensor]:
+    """Every tensor of a batch (tuple/list/dict, nested)."""
     if isinstance(batch, torch.Tensor):
-        if batch.is_cuda:
-            yield batch
+        yield batch
     elif isinstance(batch, (tuple, list)):
         for item in batch:
-            yield from _cuda_tensors(item)
+            yield from _tensors(item)
     elif isinstance(batch, dict):
         for item in batch.values():
-            yield from _cuda_tensors(item)
+            yield from _tensors(item)
+
+
+def _cuda_tensors(batch: Any) -> Iterator[torch.Tensor]:
+    return (t for t in _tensors(batch) if t.is_cuda)
 
 
 def consumer_fence() -> Fence | None:
@@ -412,6 +432,16 @@ class DeviceStage:
         if self.stream is None:
             return contextlib.nullcontext()
         return torch.cuda.stream(self.stream)
+
+    def follow(self, batch: Any) -> None:
+        """Call outside context(), before the copy stream reads `batch`: when some of its tensors are
+        already on this GPU (made by the caller's work on its current stream), the copy stream waits for
+        that stream, on the GPU (the host does not block). Batches in host memory need no wait, and
+        get none, so their copies still overlap the caller's step."""
+        if self.stream is None:
+            return
+        if any(t.device == self.opts.device for t in _tensors(batch)):
+            self.stream.wait_stream(torch.cuda.current_stream(self.opts.device))
 
     def upload(self, t: torch.Tensor) -> torch.Tensor:
         """Call inside context(): an asynchronous copy (truly overlapped when `t` is in pinned memory)."""

@@ -178,6 +178,7 @@ class Prefetcher:
             cpu = next(it)
         except StopIteration:
             return None
+        stage.follow(cpu)  # a batch already on the GPU: its copy waits for the work that made it
         with stage.context():
             out = self._move(cpu, stage)
             fence = stage.fence()

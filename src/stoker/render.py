@@ -38,6 +38,7 @@ from .reader import CachedDataset, Dataset, PackedDataset
 from .slots import LoaderStats, Slot, WorkerTimes
 from .transforms import (CropWindow, Pipeline, Plan, apply_tail, crop_window, decode_minimums, resize_window_into,
                          run_user_op)
+from .transforms.mixing import check_class_labels
 from .transforms.targets import boxes_through, mask_through, polygons_through, stack_label_maps
 
 # one warning per skipped sample, with its reason, on the Loader's logger: the name users configure
@@ -500,7 +501,13 @@ class DeviceBuilder:
             return stage.upload(labels) if self.opts.is_cuda and isinstance(labels, torch.Tensor) else labels
         if slot.labels is None:
             return list(slot.objects[:n])
-        return stage.upload(slot.labels[:n]) if self.opts.is_cuda else slot.labels[:n].clone()
+        if not self.opts.is_cuda:
+            return slot.labels[:n].clone()
+        batch_ops = self.chain.spec.pipeline.batch
+        if batch_ops is not None and batch_ops.mix is not None and not slot.labels.dtype.is_floating_point:
+            # Mixup's label range check, here on the host: on the GPU it would read the labels back (a sync)
+            check_class_labels(slot.labels[:n], batch_ops.mix.num_classes)
+        return stage.upload(slot.labels[:n])
 
     def _decode_on_gpu(self, slot: Slot, x: torch.Tensor) -> int:
         """Decode the slot's GpuJobs into `x` (NHWC on the device); returns how many rows fell back to

@@ -51,9 +51,19 @@ def test_convert_on_the_gpu_matches_the_cpu(dtype, fmt, layout, normalize):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_uint8_output_on_the_gpu(fmt):
     x = nhwc()
-    (out,) = prefetch([x.pin_memory()], DeviceOptions("cuda", memory_format=fmt))
+    stage = DeviceStage(DeviceOptions("cuda", memory_format=fmt))
+    with stage.context():
+        out = stage.convert(stage.upload(x.pin_memory()), "nhwc")
+        fence = stage.fence()
+    out = stage.handoff(out, fence)
     assert out.is_cuda and out.dtype == torch.uint8 and out.is_contiguous(memory_format=fmt)
     assert torch.equal(out.cpu(), x.permute(0, 3, 1, 2))
+
+
+def test_prefetch_with_options_that_change_nothing_only_moves():
+    x = nhwc()
+    (out,) = prefetch([x.pin_memory()], DeviceOptions("cuda"))  # uint8, plain NCHW, no normalize
+    assert out.is_cuda and torch.equal(out.cpu(), x)  # as it came: NHWC
 
 
 def test_cuda_resolves_to_the_current_gpu():

@@ -143,8 +143,8 @@ def test_readme_first_example_async_copies_of_pinned_batches_are_exact(packed: P
 
 def test_persistent_epochs_on_the_gpu_without_syncs(packed: Path) -> None:
     opts = DeviceOptions("cuda", normalize="imagenet", dtype=torch.bfloat16, memory_format="channels_last")
-    want = [[x.float().sum().item() for x, _ in Loader(packed, 16, transforms=TRAIN, seed=3, device=opts)]
-            for _ in range(3)]
+    plain = Loader(packed, 16, transforms=TRAIN, seed=3, device=opts)  # epochs 0, 1, 2, one pass each
+    want = [[x.float().sum().item() for x, _ in plain] for _ in range(3)]
     loader = Loader(packed, 16, transforms=TRAIN, seed=3, device=opts, persistent=True)
     got = [[x.float().sum() for x, _ in loader]]  # epoch 0 warms everything up
     with no_host_syncs():

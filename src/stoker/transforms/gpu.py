@@ -14,7 +14,8 @@ threads. In a Loader's transforms they follow the per-sample ops and run on the 
 Colour and policy ops take uint8 images (0..255) and keep them uint8 between ops, truncating like
 torchvision's tensor path; `Normalize` turns them into float; `RandomErasing` works on the normalized
 batch, as torchvision's does. Parameters are drawn in numpy from `(seed, epoch, batch index)` and
-copied to the device once per op, so the result is the same on any device and on resume. A policy op
+copied to the device once per op (through pinned memory, never blocking the host), so the result is
+the same on any device and on resume. A policy op
 runs each of its 14 kinds once per batch on the samples that drew it (`index_select` / `index_copy`).
 """
 
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..device import IMAGENET_MEAN, IMAGENET_STD, all_levels, normalize_by_table
+from ..device import IMAGENET_MEAN, IMAGENET_STD, all_levels, host_to_device, normalize_by_table
 from ..errors import ConfigError
 from . import colour, pixels, policy
 from .mixing import Mixup, batch_rng
@@ -112,9 +113,9 @@ def adjust_hue(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
 def adjust_sharpness(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] <= 2 or x.shape[-2] <= 2:
         return x
-    k = torch.ones(3, 3, device=x.device)
-    k[1, 1] = 5.0
-    k = (k / k.sum()).expand(3, 1, 3, 3)
+    k = torch.ones(3, 3)
+    k[1, 1] = 5.0  # on the host: one element set on a GPU tensor is a blocking copy
+    k = host_to_device(k / k.sum(), x.device).expand(3, 1, 3, 3)
     deg = x.clone()
     deg[..., 1:-1, 1:-1] = F.conv2d(x.float(), k, groups=3).round_().to(torch.uint8)
     return _blend(x, deg, f)
@@ -144,12 +145,16 @@ def autocontrast(x: torch.Tensor) -> torch.Tensor:
 
 
 def equalize(x: torch.Tensor) -> torch.Tensor:
-    """torchvision's equalize for every (sample, channel) at once: one bincount, one cumsum, one gather."""
+    """torchvision's equalize for every (sample, channel) at once: one histogram, one cumsum, one gather.
+
+    The histogram is an index_add into 256 bins per row, not torch.bincount, which on CUDA reads the
+    input's min and max back to the host (two syncs per call)."""
     n, c, h, w = x.shape
     rows = n * c
     flat = x.reshape(rows, -1).long()
-    hist = torch.bincount((flat + 256 * torch.arange(rows, device=x.device).view(-1, 1)).view(-1),
-                          minlength=rows * 256).view(rows, 256)
+    keys = (flat + 256 * torch.arange(rows, device=x.device).view(-1, 1)).view(-1)
+    hist = torch.zeros(rows * 256, dtype=torch.int64, device=x.device)
+    hist = hist.index_add_(0, keys, torch.ones_like(keys)).view(rows, 256)
     # the count of the last non-empty bin, to leave out of the step as torchvision does
     last = 255 - torch.argmax((hist.flip(1) > 0).to(torch.uint8), dim=1)
     step = (hist.sum(1) - hist.gather(1, last.view(-1, 1)).squeeze(1)) // 255
@@ -173,7 +178,7 @@ def affine_theta(inv: np.ndarray, h: int, w: int) -> np.ndarray:
 def warp(x: torch.Tensor, inv: np.ndarray, interpolation: str = "nearest", fill: pixels.Fill = None) -> torch.Tensor:
     """torchvision's tensor affine (grid_sample, align_corners=False) with one matrix per sample."""
     n, _, h, w = x.shape
-    theta = torch.from_numpy(affine_theta(inv, h, w)).to(x.device)
+    theta = host_to_device(affine_theta(inv, h, w), x.device)
     grid = F.affine_grid(theta, [n, 3, h, w], align_corners=False)
     f = x.float()
     fillv = pixels._fill_value(fill)
@@ -182,7 +187,7 @@ def warp(x: torch.Tensor, inv: np.ndarray, interpolation: str = "nearest", fill:
     out = F.grid_sample(f, grid, mode=interpolation, padding_mode="zeros", align_corners=False)
     if any(fillv):
         out, mask = out[:, :3], out[:, 3:]
-        fill_t = torch.tensor(fillv, device=x.device).view(1, 3, 1, 1)
+        fill_t = host_to_device(torch.tensor(fillv), x.device).view(1, 3, 1, 1)
         out = torch.where(mask < 0.5, fill_t, out) if interpolation == "nearest" else out * mask + (1 - mask) * fill_t
     return _u8(out.round_() if interpolation == "bilinear" else out)
 
@@ -216,7 +221,7 @@ def apply_policy_op(x: torch.Tensor, name: str, mags: np.ndarray, interpolation:
         return warp(x, _geometry_matrices(name, mags, x.shape[2], x.shape[3]), interpolation, fill)
     if name in policy.PIXEL_OPS:
         kernel, arg = policy.PIXEL_OPS[name]
-        m = torch.from_numpy(np.asarray(mags, np.float32)).to(x.device)
+        m = host_to_device(np.asarray(mags, np.float32), x.device)
         return globals()[kernel](x, *policy.colour_args(arg, m))
     raise ConfigError(f"unknown augmentation op {name!r}")
 
@@ -228,7 +233,7 @@ def run_policy(x: torch.Tensor, op_ids: np.ndarray, mags: np.ndarray, interpolat
             if op < 0 or OPS[op] == "Identity":
                 continue
             rows = np.nonzero(op_ids[:, step] == op)[0]
-            idx = torch.from_numpy(rows).to(x.device)
+            idx = host_to_device(rows, x.device)
             x = x.index_copy(0, idx, apply_policy_op(x.index_select(0, idx), OPS[op], mags[rows, step],
                                                      interpolation, fill))
     return x
@@ -274,8 +279,8 @@ class ColorJitter:
                 rows = np.nonzero(order[:, step] == fn_id)[0]
                 if len(rows) == 0:
                     continue
-                idx = torch.from_numpy(rows).to(x.device)
-                f = torch.from_numpy(factors[rows, fn_id]).to(x.device)
+                idx = host_to_device(rows, x.device)
+                f = host_to_device(factors[rows, fn_id], x.device)
                 x = x.index_copy(0, idx, fns[fn_id](x.index_select(0, idx), f))
         return x
 
@@ -383,7 +388,7 @@ class GaussianBlur:
     def apply(self, x: torch.Tensor, sigma: np.ndarray) -> torch.Tensor:
         _check_uint8(x, "GaussianBlur")
         n, c, h, w = x.shape
-        s = torch.from_numpy(sigma).to(x.device).repeat_interleave(c).view(-1, 1)
+        s = host_to_device(sigma, x.device).repeat_interleave(c).view(-1, 1)
         out = x.float().reshape(1, n * c, h, w)
         kx, ky = self.kernel_size
         for k, dim in ((kx, 3), (ky, 2)):
@@ -410,7 +415,7 @@ class RandomGrayscale:
 
     def apply(self, x: torch.Tensor, mask: np.ndarray) -> torch.Tensor:
         _check_uint8(x, "RandomGrayscale")
-        m = _col(torch.from_numpy(mask).to(x.device))
+        m = _col(host_to_device(mask, x.device))
         return torch.where(m, _gray(x).expand_as(x), x)
 
 
@@ -444,7 +449,7 @@ class Normalize:
             if normalize_by_table(x, all_levels(x.shape[1]).float().mul_(scale).add_(-shift), out):
                 return out
         # (x / 255 - mean) / std, in place on the float copy
-        return x.float().mul_(scale.to(x.device)).add_(-shift.to(x.device))
+        return x.float().mul_(host_to_device(scale, x.device)).add_(host_to_device(-shift, x.device))
 
 
 @dataclass(frozen=True)
@@ -484,7 +489,7 @@ class RandomErasing:
             raise ConfigError("RandomErasing (batched) works on the normalized float batch, as torchvision's; put "
                               "it after Normalize, or use stoker.augment_colour.RandomErasing on uint8 samples")
         n, c, h, w = x.shape
-        if not x.is_cuda:  # on the CPU a slice per erased box beats full-batch masks
+        if x.device.type == "cpu":  # on the CPU a slice per erased box beats full-batch masks
             for k in np.nonzero(boxes[:, 2] > 0)[0]:
                 t, l_, bh, bw = (int(v) for v in boxes[k])
                 if self.value == "random":
@@ -493,7 +498,7 @@ class RandomErasing:
                 else:
                     x[k, :, t:t + bh, l_:l_ + bw] = torch.tensor(self._values(c), dtype=x.dtype).view(c, 1, 1)
             return x
-        b = torch.from_numpy(boxes).to(x.device)
+        b = host_to_device(boxes, x.device)
         ys = torch.arange(h, device=x.device).view(1, h, 1)
         xs = torch.arange(w, device=x.device).view(1, 1, w)
         t, l_, bh, bw = (b[:, k].view(n, 1, 1) for k in range(4))
@@ -504,7 +509,7 @@ class RandomErasing:
             gen = torch.Generator(device=x.device).manual_seed(seed)
             fill = torch.randn(x.shape, generator=gen, device=x.device, dtype=torch.float32).to(x.dtype)
         else:
-            fill = torch.tensor(self._values(c), device=x.device, dtype=x.dtype).view(1, c, 1, 1)
+            fill = host_to_device(torch.tensor(self._values(c), dtype=x.dtype), x.device).view(1, c, 1, 1)
         return torch.where(inside, fill, x)
 
     def _values(self, c: int) -> tuple[float, ...]:

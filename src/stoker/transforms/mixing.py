@@ -21,6 +21,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from ..device import host_to_device
 from ..errors import ConfigError
 from ..order import sample_keys
 
@@ -35,15 +36,25 @@ def batch_rng(seed: int, epoch: int, batch: int, tag: int = _TAG_MIX) -> np.rand
 
 
 def one_hot(labels: torch.Tensor, num_classes: int, on_value: float = 1.0, off_value: float = 0.0) -> torch.Tensor:
-    """float32 [B, num_classes]: `on_value` at each label, `off_value` elsewhere (timm's one_hot)."""
+    """float32 [B, num_classes]: `on_value` at each label, `off_value` elsewhere (timm's one_hot).
+
+    Labels in host memory are range-checked (`check_class_labels`); on a GPU that check would read
+    them back to the host (a sync per batch), so there it is the caller's (the Loader checks the host
+    copy before its upload) and an out-of-range label trips the device's index assert."""
     if labels.dtype.is_floating_point or labels.ndim != 1:
         raise ConfigError(f"class labels must be an integer tensor [B], got {labels.dtype} {tuple(labels.shape)}; "
                           f"multi-hot or soft targets are float [B, num_classes]")
+    if labels.device.type == "cpu":
+        check_class_labels(labels, num_classes)
+    out = torch.full((labels.shape[0], num_classes), off_value, dtype=torch.float32, device=labels.device)
+    return out.scatter_(1, labels.long().view(-1, 1), on_value)
+
+
+def check_class_labels(labels: torch.Tensor, num_classes: int) -> None:
+    """ConfigError unless every class label lies in [0, num_classes) (integer labels in host memory)."""
     if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
         raise ConfigError(f"labels must lie in [0, num_classes={num_classes}), got {int(labels.min())}.."
                           f"{int(labels.max())}; set num_classes to the dataset's class count")
-    out = torch.full((labels.shape[0], num_classes), off_value, dtype=torch.float32, device=labels.device)
-    return out.scatter_(1, labels.long().view(-1, 1), on_value)
 
 
 def soft_targets(labels: torch.Tensor, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
@@ -167,7 +178,7 @@ class Mixup:
         n = images.shape[0]
         h, w = (images.shape[1], images.shape[2]) if nhwc else (images.shape[-2], images.shape[-1])
         dev = images.device
-        lam = torch.from_numpy(p.lam).to(dev)
+        lam = host_to_device(p.lam, dev)
         shape = (n, 1, 1, 1)
         if not bool(np.all(p.lam == 1.0)):
             if self.mode == "batch":
@@ -200,7 +211,7 @@ class Mixup:
         """A lam per sample (timm's _mix_elem), vectorised: blend weights per row, then box masks."""
         dev, n = images.device, images.shape[0]
         partner = images.flip(0)
-        cut = torch.from_numpy(p.cutmix).to(dev)
+        cut = host_to_device(p.cutmix, dev)
         wmix = torch.where(cut, torch.ones_like(lam), lam).view(n, 1, 1, 1)
         mixed = images.float() * wmix + partner.float() * (1.0 - wmix)
         if not images.dtype.is_floating_point:
@@ -208,7 +219,7 @@ class Mixup:
         if p.cutmix.any():
             ys = torch.arange(h, device=dev).view(1, h, 1)
             xs = torch.arange(w, device=dev).view(1, 1, w)
-            b = torch.from_numpy(p.box).to(dev)
+            b = host_to_device(p.box, dev)
             inside = ((ys >= b[:, 0, None, None]) & (ys < b[:, 1, None, None]) & (xs >= b[:, 2, None, None])
                       & (xs < b[:, 3, None, None]) & cut.view(n, 1, 1))
             inside = inside.unsqueeze(-1) if nhwc else inside.unsqueeze(1)
