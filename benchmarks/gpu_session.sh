@@ -23,7 +23,7 @@
 #            stoker doctor with it
 #   peers    the CPU bench with NVIDIA DALI beside stoker (when nvidia-dali imports here)
 #   targets  benchmarks/targets.py on the loader and training results
-#   demo     the demo on the GPU (what `make demo` runs, in this environment)
+#   demo     `make demo STOKER_PYTHON=$PY`: the demo on the GPU, from this checkout with this interpreter
 #
 # Every log and bench.json lands under $OUT (default ./gpu-session); nothing is printed as a result
 # that was not measured in this run. The host needs a CUDA build of torch and, for the models and the
@@ -217,8 +217,8 @@ step_targets() {  # every result together; a rerun (DIR-<pipeline>/) replaces it
     fi
 }
 
-step_demo() {
-    run "$PY" -m stoker.cli demo --device cuda --out "$OUT/demo"
+step_demo() {  # `make demo` itself, with this interpreter (no .venv, nothing downloaded); results into $OUT/demo
+    run make demo STOKER_PYTHON="$PY" && mkdir -p "$OUT/demo" && cp stoker-demo/demo.* "$OUT/demo/"
 }
 
 collect() {  # this run's small files (logs, results; no images) in one archive under $RESULTS
