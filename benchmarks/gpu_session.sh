@@ -140,8 +140,8 @@ step_cudatests() {
     fi
 }
 
-step_cputests() {
-    run "$PY" -m pytest -x -q -p no:cacheprovider --ignore=tests/cuda
+step_cputests() {  # CPU_TESTS_TIMEOUT: seconds before the suite is stopped (0, the default: never)
+    run timeout "${CPU_TESTS_TIMEOUT:-0}" "$PY" -m pytest -x -q -p no:cacheprovider --ignore=tests/cuda
 }
 
 step_tests() {
