@@ -16,8 +16,17 @@ $(BIN)/stoker: pyproject.toml setup.py csrc/jpeg_region.c
 
 setup: $(BIN)/stoker
 
+# STOKER_PYTHON=an interpreter that has torch and stoker's dependencies already (a GPU machine's own
+# image, perhaps with no package index): the demo runs from this checkout with it, no .venv, nothing
+# downloaded; the region decoder is built in place first (optional: without it, whole-image decode).
+ifdef STOKER_PYTHON
+demo:
+	-$(STOKER_PYTHON) setup.py -q build_ext --inplace
+	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(STOKER_PYTHON) -m stoker.cli demo
+else
 demo: setup
 	$(BIN)/stoker demo
+endif
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -3,20 +3,27 @@
 #
 #   benchmarks/gpu_session.sh [STEP...]      (from the repository root; default: every step)
 #
-# Steps, each sized to finish in well under 10 minutes on an H100/H200 with 16 CPU cores:
+# Steps, each sized to finish in well under 10 minutes on an H100/H200 with 16 CPU cores
+# (docs/benchmarks.md has the time of each and how they fit in a few calls):
+#   setup    the region decoder (stoker._jpeg) built in place when stoker runs from the checkout (without
+#            it stoker decodes whole images, about 14% more CPU per image), and whether it loads
 #   env      what this host has: GPU, driver, torch/CUDA, torchvision, TorchCodec, nvImageCodec, DALI
-#   tests    pytest tests/cuda under TORCH_CUDA_SANITIZER=1, then the CPU suite
-#   loader   stoker bench --device cuda, loaders alone (DataLoader+PIL vs stoker, CPU and GPU decode, vs DALI);
-#            pipelines whose start-up is 1% or more of their timed run are rerun once with the
-#            --steps the bench's table asks for
+#   tests    cudatests: pytest tests/cuda -x under TORCH_CUDA_SANITIZER=1 (again without the sanitizer
+#            and without -x only when that fails, to list every failure); then cputests: the CPU suite
+#   loader   stoker bench --device cuda, loaders alone (DataLoader+PIL vs stoker, CPU and GPU decode, vs DALI),
+#            a short first pass (LOADER_STEPS); every pipeline whose start-up was 1% or more of its
+#            timed run then runs again alone with the --steps its own start-up needs, cheapest first,
+#            as many as fit in LOADER_RERUN_S seconds (the others are named, and not judged)
 #   train    the same bench, ResNet-50 and ResNet-18 training fed by each loader vs synthetic data:
-#            train50 then train18, one bench each (either step alone fits one call more easily)
+#            train50 then train18, one bench each (either step alone fits one call more easily); the
+#            stoker feeds whose start-up was 1% or more of their timed run run again together with the
+#            synthetic reference over the same, longer windows, within TRAIN_RERUN_S seconds per model
 #   decoders every GPU JPEG backend side by side, region vs whole-image decode
 #            (benchmarks/bench_gpu_decode.py), which one gpu_decoder="auto" measured fastest, and
 #            stoker doctor with it
 #   peers    the CPU bench with NVIDIA DALI beside stoker (when nvidia-dali imports here)
 #   targets  benchmarks/targets.py on the loader and training results
-#   demo     the demo on the GPU (what `make demo` runs, in this environment)
+#   demo     `make demo STOKER_PYTHON=$PY`: the demo on the GPU, from this checkout with this interpreter
 #
 # Every log and bench.json lands under $OUT (default ./gpu-session); nothing is printed as a result
 # that was not measured in this run. The host needs a CUDA build of torch and, for the models and the
@@ -27,6 +34,9 @@
 # 'nvidia-nvimgcodec-cu12[nvjpeg]' (or -cu13, matching torch's CUDA; [nvjpeg] brings nvJPEG).
 # A host without a package index takes them as wheels: benchmarks/gpu_wheels.sh DIR on a machine
 # with one. PY picks the interpreter (default: python3). WORKERS the CPU cores per pipeline (16).
+# OUT (default ./gpu-session) holds the generated images and packed copies (about 1 GB); RESULTS, when
+# set, receives one small archive per run of this script (its logs, bench.json and bench.md files, the
+# decoder and demo results), for a machine that hands back only a few files.
 set -u -o pipefail
 
 PY=${PY:-python3}
@@ -36,8 +46,15 @@ DEVICE=${DEVICE:-cuda}        # cpu runs the same plumbing on any machine (no GP
 BATCH=${BATCH:-256}
 ROUNDS=${ROUNDS:-3}
 IMAGES=${IMAGES:-5000}        # generated ImageNet-like JPEGs, once, under $OUT/<first bench>/data
-LOADER_STEPS=${LOADER_STEPS:-300}   # batches of 256 per timed round, loaders alone
-TRAIN_STEPS=${TRAIN_STEPS:-100}     # timed steps per round; 3 rounds: 300 steps per model and feed
+# The first passes are short on purpose: they measure each pipeline's rate and start-up, and a pipeline
+# whose start-up weighs 1% or more of its timed run (which targets.py does not judge) runs again at the
+# steps its start-up needs. One long pass for all would time the slowest pipeline (the DataLoader
+# baseline, 4-5x slower than stoker) for as many steps as the fastest one's start-up needs.
+LOADER_STEPS=${LOADER_STEPS:-100}   # batches of 256 per round, loaders alone (a warm-up round, then ROUNDS)
+LOADER_RERUN_S=${LOADER_RERUN_S:-330}
+TRAIN_STEPS=${TRAIN_STEPS:-50}      # timed steps per round, after the bench's 10 warm-up steps
+TRAIN_RERUN_S=${TRAIN_RERUN_S:-150} # per model
+RESULTS=${RESULTS:-}
 mkdir -p "$OUT"
 STATUS=0
 
@@ -63,15 +80,32 @@ bench() {  # bench DIR ARGS...: stoker bench --device $DEVICE into $OUT/DIR
     run "$PY" -m stoker.cli bench --device "$DEVICE" --workers "$WORKERS" --batch-size "$BATCH" \
         --rounds "$ROUNDS" "${data[@]}" --out "$OUT/$dir" "$@"
 }
-startup_steps() {  # startup_steps BENCH_JSON: "PIPELINES STEPS" to rerun, or nothing when all are under 1%
-    "$PY" - "$1" <<'EOF'
+reruns() {  # reruns BENCH_JSON BUDGET_S together|alone [NAMES]: "PIPELINES STEPS SECONDS" a run; "- NAME" left out
+    "$PY" - "$@" <<'EOF'
 import json, sys
-from stoker.tools.bench_gpu import STARTUP_SHARE, steps_for_startup
-r = json.load(open(sys.argv[1]))
-late = [p for p in r["pipelines"] if (p.get("startup_share") or 0) >= STARTUP_SHARE]
-if late:
-    print(",".join(p["name"] for p in late), max(steps_for_startup(r["steps"], p["startup_share"]) for p in late))
+from stoker.tools.bench_gpu import reruns
+names = sys.argv[4].split(",") if len(sys.argv) > 4 else None
+runs, left = reruns(json.load(open(sys.argv[1])), float(sys.argv[2]), names, together=sys.argv[3] == "together")
+for pipelines, steps, seconds in runs:
+    print(",".join(pipelines), steps, round(seconds))
+for name in left:
+    print("-", name)
 EOF
+}
+rerun_late() {  # rerun_late DIR BUDGET_S together|alone NAMES [BENCH ARGS...]: the late pipelines of $OUT/DIR again
+    local dir=$1 budget=$2 how=$3 names=$4 line pipelines steps seconds plans
+    shift 4
+    [ -f "$OUT/$dir/bench.json" ] || return 0   # the bench failed: its log says why
+    mapfile -t plans < <(reruns "$OUT/$dir/bench.json" "$budget" "$how" ${names:+"$names"})
+    for line in "${plans[@]}"; do
+        read -r pipelines steps seconds <<<"$line"
+        if [ "$pipelines" = "-" ]; then
+            note "$dir: start-up of $steps was 1% or more of its timed run; not run again (over $budget s): not judged"
+            continue
+        fi
+        note "$dir: start-up of $pipelines was 1% or more of its timed run: again with --steps $steps (about $seconds s)"
+        bench "$dir-${pipelines##*,}" --pipelines "$pipelines" --steps "$steps" "$@"
+    done
 }
 
 step_env() {
@@ -91,42 +125,48 @@ for mod in ("torchvision", "torchcodec", "nvidia.nvimgcodec", "nvidia.dali", "st
 EOF
 }
 
-step_tests() {
+step_setup() {
+    if ! "$PY" -c "import stoker._jpeg" 2>/dev/null; then
+        run "$PY" setup.py -q build_ext --inplace   # an optional extension: a failure leaves whole-image decode
+    fi
+    run "$PY" -c "from stoker import codecs; from stoker._libjpeg import describe; \
+print('region decode:', codecs.region_decode_available(), '|', describe())"
+}
+
+step_cudatests() {
     # -rs lists every skip with its reason: on a GPU host only a missing optional library may skip
-    TORCH_CUDA_SANITIZER=1 run "$PY" -m pytest tests/cuda -x -rs -p no:cacheprovider
-    run "$PY" -m pytest tests/cuda -rs -p no:cacheprovider   # the same without the sanitizer's slowdown
-    run "$PY" -m pytest -x -q -p no:cacheprovider --ignore=tests/cuda
+    if ! TORCH_CUDA_SANITIZER=1 run "$PY" -m pytest tests/cuda -x -rs -p no:cacheprovider; then
+        run "$PY" -m pytest tests/cuda -rs -p no:cacheprovider   # every failure, without the sanitizer's slowdown
+    fi
+}
+
+step_cputests() {  # CPU_TESTS_TIMEOUT: seconds before the suite is stopped (0, the default: never)
+    run timeout "${CPU_TESTS_TIMEOUT:-0}" "$PY" -m pytest -x -q -p no:cacheprovider --ignore=tests/cuda
+}
+
+step_tests() {
+    step_cudatests
+    step_cputests
 }
 
 step_loader() {
     # generates the images once ($OUT/data), packs them, then the four loader-alone pipelines
     bench bench-loader --pipelines cuda-baseline,cuda-stoker,cuda-stoker-gpu,cuda-dali --steps "$LOADER_STEPS"
-    local again
-    again=$(startup_steps "$OUT/bench-loader/bench.json")
-    if [ -n "$again" ]; then
-        set -- $again
-        note "loader: start-up of $1 was 1% or more of the timed run: again with --steps $2"
-        bench bench-loader-long --pipelines "$1" --steps "$2"
-    fi
-}
-
-late_note() {  # late_note DIR: say which pipelines of $OUT/DIR started up too slowly to be judged
-    local again
-    [ -f "$OUT/$1/bench.json" ] || return 0   # the bench failed: its log says why
-    again=$(startup_steps "$OUT/$1/bench.json")
-    [ -z "$again" ] || note "$1: start-up of ${again% *} was 1% or more of its timed run; rerun with --steps ${again#* } (not done here: time)"
+    rerun_late bench-loader "$LOADER_RERUN_S" alone ""   # each into bench-loader-<pipeline>/
 }
 
 step_train50() {
     bench bench-train-resnet50 --models resnet50 --steps "$TRAIN_STEPS" --pipelines \
 train-resnet50-synthetic,train-resnet50-baseline,train-resnet50-stoker,train-resnet50-stoker-gpu,train-resnet50-dali
-    late_note bench-train-resnet50
+    rerun_late bench-train-resnet50 "$TRAIN_RERUN_S" together train-resnet50-stoker,train-resnet50-stoker-gpu \
+        --models resnet50
 }
 
 step_train18() {
     bench bench-train-resnet18 --models resnet18 --steps "$TRAIN_STEPS" --pipelines \
 train-resnet18-synthetic,train-resnet18-baseline,train-resnet18-stoker,train-resnet18-stoker-gpu,train-resnet18-dali
-    late_note bench-train-resnet18
+    rerun_late bench-train-resnet18 "$TRAIN_RERUN_S" together train-resnet18-stoker,train-resnet18-stoker-gpu \
+        --models resnet18
 }
 
 step_train() {
@@ -163,9 +203,11 @@ step_peers() {
     fi
 }
 
-step_targets() {  # every result together; the longer loader rerun replaces its first run
+step_targets() {  # every result together; a rerun (DIR-<pipeline>/) replaces its first pass (DIR/)
     local f found=()
-    for f in "$OUT"/bench-loader/bench.json "$OUT"/bench-loader-long/bench.json "$OUT"/bench-train-*/bench.json; do
+    for f in "$OUT"/bench-loader/bench.json "$OUT"/bench-loader-*/bench.json \
+             "$OUT"/bench-train-resnet50/bench.json "$OUT"/bench-train-resnet50-*/bench.json \
+             "$OUT"/bench-train-resnet18/bench.json "$OUT"/bench-train-resnet18-*/bench.json; do
         [ -f "$f" ] && found+=("$f")
     done
     if [ ${#found[@]} -gt 0 ]; then
@@ -175,18 +217,29 @@ step_targets() {  # every result together; the longer loader rerun replaces its 
     fi
 }
 
-step_demo() {
-    run "$PY" -m stoker.cli demo --device cuda --out "$OUT/demo"
+step_demo() {  # `make demo` itself, with this interpreter (no .venv, nothing downloaded); results into $OUT/demo
+    run make demo STOKER_PYTHON="$PY" && mkdir -p "$OUT/demo" && cp stoker-demo/demo.* "$OUT/demo/"
+}
+
+collect() {  # this run's small files (logs, results; no images) in one archive under $RESULTS
+    local name="gpu-session-$(date -u +%H%M%S).tar.gz"
+    mkdir -p "$RESULTS"
+    (cd "$OUT" && find . -maxdepth 3 \( -name '*.log' -o -name 'bench.json' -o -name 'bench.md' \
+        -o -name 'decoders.json' -o -name 'demo.md' -o -name 'demo.json' \) -print0 |
+        tar -czf "$RESULTS/$name" --null -T -) && echo "results: $RESULTS/$name"
 }
 
 STEPS=("$@")
-[ ${#STEPS[@]} -gt 0 ] || STEPS=(env tests loader train50 train18 decoders peers targets demo)
+[ ${#STEPS[@]} -gt 0 ] || STEPS=(setup env tests loader train50 train18 decoders peers targets demo)
 for STEP in "${STEPS[@]}"; do
     case "$STEP" in
-        env|tests|loader|train|train50|train18|decoders|peers|targets|demo) note "$STEP"; "step_$STEP" || true ;;
-        *) echo "gpu_session.sh: unknown step '$STEP'; expected env tests loader train (train50 train18) decoders peers targets demo" >&2
+        setup|env|tests|cudatests|cputests|loader|train|train50|train18|decoders|peers|targets|demo)
+            note "$STEP"; "step_$STEP" || true ;;
+        *) echo "gpu_session.sh: unknown step '$STEP'; expected setup env tests (cudatests cputests) loader" \
+                "train (train50 train18) decoders peers targets demo" >&2
            exit 2 ;;
     esac
 done
 note "done: logs and bench.json files in $OUT (exit status $STATUS: 1 when any command failed)"
+[ -z "$RESULTS" ] || collect
 exit "$STATUS"

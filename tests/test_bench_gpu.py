@@ -387,3 +387,47 @@ def test_the_table_flags_a_start_up_that_weighs_on_the_run() -> None:
     assert "Start-up of cuda-baseline (1.50 s) is 5.0% of its timed run" in text
     assert f"--steps {bench_gpu.steps_for_startup(100, 0.05)}" in text and "Start-up of cuda-stoker " not in text
     assert bench_gpu.steps_for_startup(100, 0.05) >= 500   # 5% at 100 steps: 1% needs 5x the steps
+
+
+def _late_json(steps: int, *pipes: tuple[str, float | None, float, str | None]) -> dict:
+    """A device bench.json's fields `reruns` reads: (name, images/s or None when skipped, startup share, ratio_to)."""
+    return {"steps": steps, "rounds": 3, "batch_size": 256, "warmup_steps": 10,
+            "pipelines": [{"name": n, "images_per_s": r, "startup_share": s, "ratio_to": ref,
+                           "skipped": None if r is not None else "not here"} for n, r, s, ref in pipes]}
+
+
+def test_late_loaders_run_again_each_at_its_own_steps_within_the_budget() -> None:
+    result = _late_json(100, ("cuda-baseline", 4000.0, 0.02, None), ("cuda-stoker", 18000.0, 0.03, "cuda-baseline"),
+                        ("cuda-stoker-gpu", 15000.0, 0.10, "cuda-baseline"), ("cuda-dali", None, math.nan, None))
+    base, fast, gpu = (bench_gpu.steps_for_startup(100, share) for share in (0.02, 0.03, 0.10))
+    assert (base, fast, gpu) == (221, 330, 1100)
+    runs, left = bench_gpu.reruns(result, budget_s=3600)
+    # the baseline at the steps its own start-up needs, not at the stoker-gpu's (1,100: 5x longer on the slowest)
+    assert [(names, steps) for names, steps, _ in runs] == [(["cuda-stoker"], fast), (["cuda-baseline"], base),
+                                                           (["cuda-stoker-gpu"], gpu)] and left == []
+    assert runs[1][2] == pytest.approx(4 * base * 256 / 4000)   # a warm-up round and 3 timed rounds at 4,000/s
+    runs, left = bench_gpu.reruns(result, budget_s=60, names=("cuda-baseline", "cuda-stoker", "cuda-stoker-gpu"))
+    assert [names for names, _, _ in runs] == [["cuda-stoker"]] and left == ["cuda-baseline", "cuda-stoker-gpu"]
+    assert bench_gpu.reruns(_late_json(100, ("cuda-stoker", 18000.0, 0.002, None)), 3600) == ([], [])
+
+
+def test_late_training_feeds_run_again_with_their_synthetic_reference_over_the_same_steps() -> None:
+    result = _late_json(100, ("train-m-synthetic", 9000.0, 0.0001, None),
+                        ("train-m-baseline", 4000.0, 0.2, "train-m-synthetic"),
+                        ("train-m-stoker", 8800.0, 0.03, "train-m-synthetic"),
+                        ("train-m-stoker-gpu", 8700.0, 0.08, "train-m-synthetic"))
+    judged = ("train-m-stoker", "train-m-stoker-gpu")
+    runs, left = bench_gpu.reruns(result, 3600, judged, together=True)
+    most = bench_gpu.steps_for_startup(100, 0.08)
+    assert runs == [(["train-m-synthetic", "train-m-stoker", "train-m-stoker-gpu"], most, pytest.approx(
+        sum((3 * most + 10) * 256 / r for r in (9000.0, 8800.0, 8700.0))))] and left == []
+    runs, left = bench_gpu.reruns(result, 150, judged, together=True)   # 881 steps of three do not fit: 330 of two
+    assert [(names, steps) for names, steps, _ in runs] == [(["train-m-synthetic", "train-m-stoker"], 330)]
+    assert left == ["train-m-stoker-gpu"]
+
+
+def test_the_session_script_reruns_late_pipelines_at_their_own_steps() -> None:
+    # it once ran every late loader again at the largest --steps any of them needed
+    text = (Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_session.sh").read_text()
+    assert "from stoker.tools.bench_gpu import" in text and "reruns(" in text
+    assert "max(steps_for_startup" not in text

@@ -29,7 +29,8 @@ def _text() -> str:
 def test_the_script_parses_and_names_only_real_pipelines_and_models() -> None:
     subprocess.run([BASH, "-n", str(SCRIPT)], check=True)
     text = _text()
-    models = [m for found in re.findall(r"--models (\S+)", text) for m in found.split(",")]
+    # each model once (a rerun names its model again)
+    models = list(dict.fromkeys(m for found in re.findall(r"--models (\S+)", text) for m in found.split(",")))
     catalog = device_pipelines(models, check=False)
     named = [n for m in re.finditer(r"--pipelines ([\w,-]+)", text) for n in m.group(1).split(",")]
     assert sorted(named) == sorted(catalog)   # every loader and every training feed, each once
@@ -65,3 +66,15 @@ def test_its_python_snippets_compile() -> None:
     assert len(snippets) == 3   # the start-up check, the environment report, the GPU decoder report
     for code in snippets:
         compile(code, str(SCRIPT), "exec")
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_demo_with_an_existing_interpreter_downloads_nothing() -> None:
+    # a GPU host without a package index has torch already; `make demo` used to build a .venv and pip
+    # install torch==2.13.0 there first, and failed
+    root = SCRIPT.parents[1]
+    dry = subprocess.run(["make", "-n", "-C", str(root), "demo", "STOKER_PYTHON=python3"], capture_output=True,
+                         text=True, check=True).stdout
+    assert "pip" not in dry and "venv" not in dry
+    assert "python3 setup.py -q build_ext --inplace" in dry and "python3 -m stoker.cli demo" in dry
+    assert "make demo STOKER_PYTHON=" in SCRIPT.read_text()   # the GPU session runs `make demo` itself
