@@ -191,7 +191,7 @@ def solid_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _pass_labels(feed: bench_gpu.Feed, training: bool) -> list[int]:
+def _pass_labels(feed: bench_gpu.Feed, training: bool, dtype: torch.dtype = torch.float32) -> list[int]:
     """One pass of `feed`, every batch checked against its labels' colours; the labels seen."""
     from stoker.device import IMAGENET_MEAN, IMAGENET_STD
 
@@ -199,11 +199,11 @@ def _pass_labels(feed: bench_gpu.Feed, training: bool) -> list[int]:
     normalized = (colours - torch.tensor(IMAGENET_MEAN)) / torch.tensor(IMAGENET_STD)   # [class, channel]
     seen: list[int] = []
     for images, labels in feed.epoch():
-        assert images.dtype == torch.float32 and images.device.type == "cpu" and images.shape[1:] == (3, 224, 224)
+        assert images.dtype == dtype and images.device.type == "cpu" and images.shape[1:] == (3, 224, 224)
         assert images.is_contiguous(memory_format=torch.channels_last if training else torch.contiguous_format)
         assert labels.dtype == torch.int64 and labels.shape == images.shape[:1]
         # a flat colour survives crop, resize and flip; JPEG rounds it by a level or two
-        assert (images - normalized[labels][:, :, None, None]).abs().max() < 0.06
+        assert (images.float() - normalized[labels][:, :, None, None]).abs().max() < 0.06
         seen += labels.tolist()
     return seen
 
@@ -227,6 +227,37 @@ def test_dali_batches_are_normalized_rgb_nchw_as_stokers_are(solid_root: Path, t
         assert set(passes[0]) == {0, 1}, name
         if name == "dali":
             assert feed.version.startswith("nvidia.dali ") and feed.version.endswith("decoders.image cpu")
+
+
+@pytest.mark.parametrize("name", ["baseline", "stoker"])
+def test_loader_alone_feeds_hand_out_normalized_bfloat16(solid_root: Path, tmp_path: Path, name: str) -> None:
+    import stoker
+
+    stoker.pack(solid_root, tmp_path / "packed")
+    feed = bench_gpu.open_feed(name, root=str(solid_root), packed=str(tmp_path / "packed"), batch_size=3,
+                               workers=2, device=torch.device("cpu"), training=False, dtype=torch.bfloat16)
+    try:
+        seen = _pass_labels(feed, False, torch.bfloat16)
+        # the baseline's pass is 16 // 3 batches of its ImageNet-long epoch; stoker's an epoch, the last batch partial
+        assert len(seen) == (15 if name == "baseline" else 16) and set(seen) <= {0, 1}
+    finally:
+        feed.close()
+
+
+def test_every_loader_alone_pipeline_asks_for_the_same_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[object] = []
+
+    def fake_open_feed(feed: str, **kwargs: object) -> bench_gpu.Feed:
+        asked.append(kwargs["dtype"])
+        return bench_gpu.Feed(lambda: iter([(torch.zeros(2, 3, 4, 4), torch.zeros(2))]), lambda: None, "fake")
+
+    monkeypatch.setattr(bench_gpu, "open_feed", fake_open_feed)
+    for name in bench_gpu.LOADERS:
+        epoch, close, _ = bench_gpu.loader_epochs(name, root="", packed="", batch_size=2, workers=1, device="cpu",
+                                                  steps=1)
+        assert list(epoch()) == [2]
+        close()
+    assert asked == [torch.bfloat16] * len(bench_gpu.LOADERS) and bench_gpu.LOADER_DTYPE == "bfloat16"
 
 
 def _pipe(name: str, rate: float | None, ratio_to: str | None = None) -> PipelineResult:

@@ -4,7 +4,8 @@
 Two kinds of pipeline; `stoker.tools.bench` runs and times them like every other pipeline (fresh process
 each, median of rounds) and this module supplies what runs on the device:
 
-- loader alone, into device memory, float32 NCHW normalized with ImageNet mean/std:
+- loader alone, into device memory, bfloat16 NCHW normalized with ImageNet mean/std (`LOADER_DTYPE`; the
+  baseline and DALI make float32 and cast it on the device, stoker converts uint8 to it in one pass):
   ``cuda-baseline`` (torchvision ImageFolder + DataLoader(workers, pin_memory, persistent workers),
   torchvision's train transforms incl. ToTensor + Normalize, each batch ``.to(device, non_blocking=True)``),
   ``cuda-stoker`` (stoker.Loader with ``device=``, ``normalize="imagenet"``, CPU decode),
@@ -64,6 +65,8 @@ STARTUP_SHARE = 0.01
 #: samples in one epoch of the baseline DataLoader (ImageNet-1k's training set), drawn from the images
 BASELINE_EPOCH_SAMPLES = 1_281_167
 OUTPUT_SIZE = 224
+#: what every loader-alone pipeline hands out: normalized images in the dtype a bf16 training step takes
+LOADER_DTYPE = "bfloat16"
 
 #: loader-alone pipeline -> the feed it measures
 LOADERS = {"cuda-baseline": "baseline", "cuda-stoker": "stoker", "cuda-stoker-gpu": "stoker-gpu", "cuda-dali": "dali"}
@@ -79,12 +82,14 @@ FEEDS = {
 }
 _LOADER_DESCRIPTIONS = {
     "cuda-baseline": "ImageFolder + DataLoader(pin_memory, persistent workers) + RandomResizedCrop(224), flip, "
-                     "ToTensor, Normalize; .to(device, non_blocking=True)",
-    "cuda-stoker": "stoker.Loader(device=DeviceOptions(device, normalize='imagenet')), RandomResizedCrop(224) + flip, CPU decode",
-    "cuda-stoker-gpu": "stoker.Loader(device=DeviceOptions(device, normalize='imagenet', decode='gpu')), RandomResizedCrop(224) + flip",
+                     "ToTensor, Normalize; .to(device, non_blocking=True), then bfloat16 on the device",
+    "cuda-stoker": "stoker.Loader(device=DeviceOptions(device, normalize='imagenet', dtype=bfloat16)), "
+                   "RandomResizedCrop(224) + flip, CPU decode",
+    "cuda-stoker-gpu": "stoker.Loader(device=DeviceOptions(device, normalize='imagenet', dtype=bfloat16, decode='gpu')), "
+                       "RandomResizedCrop(224) + flip",
     "cuda-dali": "NVIDIA DALI: readers.file (shuffled), decoders.image (device='mixed' on CUDA), "
                  "random_resized_crop(224), crop_mirror_normalize (flip, ImageNet mean/std, float32 CHW); "
-                 "DALIGenericIterator",
+                 "DALIGenericIterator, then bfloat16 on the device",
 }
 
 
@@ -252,7 +257,8 @@ def _torch_version() -> str:
         return f"torch {torch.__version__}"
 
 
-def _baseline_feed(root: str, batch_size: int, workers: int, device: "torch.device", drop_last: bool) -> Feed:
+def _baseline_feed(root: str, batch_size: int, workers: int, device: "torch.device", drop_last: bool,
+                   dtype: "torch.dtype") -> Feed:
     import torch
     from torch.utils.data import DataLoader, RandomSampler
 
@@ -282,7 +288,8 @@ def _baseline_feed(root: str, batch_size: int, workers: int, device: "torch.devi
                 it = iter(loader)
                 batch = next(it)
             images, labels = batch
-            yield images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+            # torchvision's transforms make float32; a float32 batch is not copied again (.to is a no-op)
+            yield images.to(device, non_blocking=True).to(dtype), labels.to(device, non_blocking=True)
 
     def close() -> None:
         nonlocal loader, it
@@ -300,12 +307,12 @@ def _stoker_loader(packed: str, batch_size: int, **options: Any) -> Any:
 
 
 def _stoker_feed(feed: str, packed: str, batch_size: int, workers: int, device: "torch.device",
-                 drop_last: bool, channels_last: bool) -> Feed:
+                 drop_last: bool, channels_last: bool, dtype: "torch.dtype") -> Feed:
     from .. import __version__
     from ..device import DeviceOptions
 
     try:
-        on_device = DeviceOptions(device, normalize="imagenet",
+        on_device = DeviceOptions(device, normalize="imagenet", dtype=dtype,
                                   memory_format="channels_last" if channels_last else None,
                                   decode="gpu" if feed == "stoker-gpu" else "cpu")
         # persistent: epochs run straight into each other (as the baseline's persistent workers do), so
@@ -337,7 +344,7 @@ def _stoker_feed(feed: str, packed: str, batch_size: int, workers: int, device: 
 
 
 def _dali_feed(root: str, batch_size: int, workers: int, device: "torch.device", drop_last: bool,
-               channels_last: bool) -> Feed:
+               channels_last: bool, dtype: "torch.dtype") -> Feed:
     why = why_dali_unavailable()
     if why is not None:
         raise FeedUnavailable(why)
@@ -348,7 +355,11 @@ def _dali_feed(root: str, batch_size: int, workers: int, device: "torch.device",
         raise FeedUnavailable(f"NVIDIA DALI could not start on {device} ({type(exc).__name__}: {exc}); on a GPU "
                               "host check that the driver supports the CUDA of the DALI wheel (nvidia-smi; "
                               "nvidia-dali-cuda130 needs CUDA 13) or install the wheel for its CUDA") from exc
-    return Feed(epoch, close, version)
+
+    def cast() -> Iterator[tuple[Any, Any]]:   # DALI's float32 in the asked dtype, on the device, layout kept
+        for images, labels in epoch():
+            yield images.to(dtype), labels
+    return Feed(cast, close, version)
 
 
 def _synthetic_feed(batch_size: int, device: "torch.device") -> Feed:
@@ -366,17 +377,22 @@ def _synthetic_feed(batch_size: int, device: "torch.device") -> Feed:
 
 
 def open_feed(feed: str, *, root: str, packed: str, batch_size: int, workers: int, device: "torch.device",
-              training: bool) -> Feed:
+              training: bool, dtype: "torch.dtype | None" = None) -> Feed:
     """The batches a pipeline measures. `training`: drop the last partial batch (one input shape, as
-    training loaders do) and hand stoker's and DALI's batches out channels_last (the model's layout)."""
+    training loaders do) and hand stoker's and DALI's batches out channels_last (the model's layout).
+    `dtype`: the images' floating dtype (default float32), the same for every feed but the synthetic one."""
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     if feed == "synthetic":
         return _synthetic_feed(batch_size, device)
     if feed == "baseline":
-        return _baseline_feed(root, batch_size, workers, device, drop_last=training)
+        return _baseline_feed(root, batch_size, workers, device, drop_last=training, dtype=dtype)
     if feed in ("stoker", "stoker-gpu"):
-        return _stoker_feed(feed, packed, batch_size, workers, device, drop_last=training, channels_last=training)
+        return _stoker_feed(feed, packed, batch_size, workers, device, drop_last=training, channels_last=training,
+                            dtype=dtype)
     if feed == "dali":
-        return _dali_feed(root, batch_size, workers, device, drop_last=training, channels_last=training)
+        return _dali_feed(root, batch_size, workers, device, drop_last=training, channels_last=training, dtype=dtype)
     raise ConfigError(f"unknown feed {feed!r}; expected one of {', '.join(FEEDS)}")
 
 
@@ -397,11 +413,13 @@ def loader_epochs(name: str, *, root: str, packed: str, batch_size: int, workers
     the next `steps` batches of a stream that runs on across epochs, each once it is queued for device
     memory, and returns after synchronizing the device, so a round timed around it counts images that
     reached device memory and no round after the first pays the pipeline's start-up."""
+    import torch
+
     if steps < 1:
         raise ConfigError(f"steps must be at least 1 (batches per timed round), got {steps}")
     dev = resolve_device(device)
     feed = open_feed(LOADERS[name], root=root, packed=packed, batch_size=batch_size, workers=workers, device=dev,
-                     training=False)
+                     training=False, dtype=getattr(torch, LOADER_DTYPE))
     stream = _forever(feed, batch_size)
     started = False
 
@@ -560,7 +578,7 @@ def format_tables(result: BenchResult) -> list[str]:
     training = [p for p in result.pipelines if p.name.startswith("train-")]
     lines: list[str] = []
     if loaders:
-        lines += [f"Loader alone: batches in {result.device} memory, float32 NCHW, normalized (ImageNet mean/std), "
+        lines += [f"Loader alone: batches in {result.device} memory, {LOADER_DTYPE} NCHW, normalized (ImageNet mean/std), "
                   f"{result.steps} batches of {result.batch_size} per round.", "",
                   *markdown_table(("pipeline", "images/s", "ratio", "CPU %", "CPU ms/image", "peak RSS (MB)",
                            "peak device (MB)", "first batch (s)"), [(p, _loader_cells(p)) for p in loaders])]
