@@ -176,14 +176,22 @@ step_train() {
 
 step_decoders() {
     run "$PY" benchmarks/bench_gpu_decode.py "$OUT/decoders-cache" --device "$DEVICE" --json "$OUT/decoders.json"
-    run "$PY" - "$OUT" <<'EOF'
+    local d packed=""
+    for d in "$OUT"/bench-*/packed; do
+        [ -f "$d/stoker.json" ] && { packed=$d; break; }
+    done
+    if [ -z "$packed" ]; then   # no bench ran on this machine (a fresh one): 5,000 generated images, packed
+        packed=$OUT/decoders-packed
+        [ -f "$packed/stoker.json" ] || { run "$PY" -m stoker.cli synth "$OUT/decoders-data" --images 5000 --quiet &&
+            run "$PY" -m stoker.cli pack "$OUT/decoders-data" "$packed" --quiet; } || return 1
+    fi
+    run "$PY" - "$packed" <<'EOF'
 import sys
-from pathlib import Path
 import stoker
 from stoker.tools.doctor import run_doctor
 from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop
 
-packed = next(p for p in sorted(Path(sys.argv[1]).glob("bench-*/packed")) if (p / "stoker.json").exists())
+packed = sys.argv[1]
 opts = stoker.DeviceOptions("cuda", normalize="imagenet", dtype="bf16", memory_format="channels_last", decode="gpu")
 with stoker.Loader(packed, 256, transforms=[RandomResizedCrop(224), RandomHorizontalFlip()], device=opts) as loader:
     for _ in zip(range(20), loader):
