@@ -135,3 +135,22 @@ def test_torch_dataloader_is_recognised() -> None:
 
 def test_report_type_is_exported() -> None:
     assert stoker.ProfileReport is ProfileReport
+
+
+class _OnSecondGpu(torch.Tensor):
+    """A host tensor that says it lives on cuda:1: what profile() reads of a batch to pick the GPU to wait for."""
+
+    device = property(lambda self: torch.device("cuda", 1))
+    is_cuda = property(lambda self: True)
+
+
+def test_gpu_batches_synchronize_their_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a training loop on cuda:1 whose thread left device 0 current: synchronizing the current device
+    # would time the step without the GPU work it queued
+    synced: list[object] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    batches = [(torch.zeros(4, 2, 2, 3).as_subclass(_OnSecondGpu), torch.zeros(4)) for _ in range(4)]
+    r = run(iter(batches), step_s=0.0)
+    assert r.synchronized and r.device == "cuda:1"
+    assert synced and all(d is not None and torch.device(d) == torch.device("cuda", 1) for d in synced), synced

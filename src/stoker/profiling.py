@@ -282,7 +282,10 @@ class Profiler:
 
     def _clock(self) -> float:
         if self._synced:
-            sys.modules["torch"].cuda.synchronize()
+            # the batches' GPU (torch.cuda.synchronize() alone waits for the current one, which under a
+            # training loop on cuda:1 with device 0 current is not where the step runs)
+            on = self._device if self._device.startswith("cuda") else None
+            sys.modules["torch"].cuda.synchronize(on)
         return time.perf_counter()
 
     def _mark_start(self) -> None:
