@@ -147,14 +147,18 @@ def autocontrast(x: torch.Tensor) -> torch.Tensor:
 def equalize(x: torch.Tensor) -> torch.Tensor:
     """torchvision's equalize for every (sample, channel) at once: one histogram, one cumsum, one gather.
 
-    The histogram is an index_add into 256 bins per row, not torch.bincount, which on CUDA reads the
-    input's min and max back to the host (two syncs per call)."""
+    On a GPU the histogram is an index_add into 256 bins per row, not torch.bincount, whose CUDA kernel
+    reads the input's min and max back to the host (two syncs per call); on the CPU bincount has no
+    such cost and is about 5x faster than index_add."""
     n, c, h, w = x.shape
     rows = n * c
     flat = x.reshape(rows, -1).long()
     keys = (flat + 256 * torch.arange(rows, device=x.device).view(-1, 1)).view(-1)
-    hist = torch.zeros(rows * 256, dtype=torch.int64, device=x.device)
-    hist = hist.index_add_(0, keys, torch.ones_like(keys)).view(rows, 256)
+    if x.device.type == "cpu":
+        hist = torch.bincount(keys, minlength=rows * 256).view(rows, 256)
+    else:
+        ones = torch.ones((), dtype=torch.int64, device=x.device).expand_as(keys)   # no [B*C*H*W] buffer
+        hist = torch.zeros(rows * 256, dtype=torch.int64, device=x.device).index_add_(0, keys, ones).view(rows, 256)
     # the count of the last non-empty bin, to leave out of the step as torchvision does
     last = 255 - torch.argmax((hist.flip(1) > 0).to(torch.uint8), dim=1)
     step = (hist.sum(1) - hist.gather(1, last.view(-1, 1)).squeeze(1)) // 255
