@@ -44,7 +44,7 @@ from .storage import RemoteStorage, open_storage, url_scheme
 from .storage.remote import DEFAULT_CACHE_LIMIT, default_cache_dir
 from .storage.staging import StagedCopy, stage_for_loader
 from .slots import BatchRing, Feeder, LoaderStats, Run, Slot, check_ring_fits
-from .transforms import Pipeline, colour, gpu
+from .transforms import Pipeline
 
 __all__ = ["Loader", "LoaderStats"]
 
@@ -83,19 +83,7 @@ def _device_options(device: Any, pipeline: Pipeline) -> DeviceOptions | None:
 
 def _check_boxes(boxes: tuple[str, ...], pipeline: Pipeline) -> None:
     """Boxes follow the planned geometry only: refuse ops that would move pixels without them."""
-    if not boxes:
-        return
-    keeps_boxes = (colour.ColorJitter, colour.GaussianBlur, colour.RandomGrayscale, colour.RandomErasing,
-                   gpu.ColorJitter, gpu.GaussianBlur, gpu.RandomGrayscale, gpu.Normalize, gpu.RandomErasing)
-    movers = [getattr(op, "name", type(op).__name__) for op in pipeline.tail
-              if not isinstance(getattr(op, "fn", op), keeps_boxes)]
-    if pipeline.batch is not None:
-        movers += [type(op).__name__ for op in pipeline.batch.ops if not isinstance(op, keeps_boxes)]
-        movers += ["Mixup"] if pipeline.batch.mix is not None else []
-    if movers:
-        raise ConfigError(f"boxes/masks {boxes} follow stoker's planned crop, resize and flip, but {', '.join(movers)} "
-                          f"would move pixels without them; use colour ops only after the geometry "
-                          f"(ColorJitter, GaussianBlur, RandomGrayscale, Normalize, RandomErasing)")
+    pipeline.check_targets(boxes)
 
 
 def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -34,16 +34,14 @@ import numpy as np
 
 from ..errors import ConfigError, StokerError
 from . import colour, gpu, policy
-from .mixing import Mixup
 from .geometry import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
+from .kinds import BATCH, SAMPLE, moves_pixels, stage_of
 
 INPUTS = ("numpy", "pil", "tensor")
 RANDOMNESS = ("rng", "global", "none")
 _GLOBAL_RNG_LOCK = threading.Lock()  # the global generators are process-wide: one seeded call at a time
 _CONVERSIONS = {"ToTensor", "PILToTensor", "ToImage", "ToImageTensor", "ToDtype", "ConvertImageDtype",
                 "ConvertImageDType", "ToPureTensor"}
-PER_SAMPLE_OPS = (colour.ColorJitter, colour.GaussianBlur, colour.RandomGrayscale, colour.RandomErasing,
-                  policy.RandAugment, policy.TrivialAugmentWide, policy.AutoAugment)
 
 
 class TransformError(StokerError, TypeError):
@@ -133,7 +131,7 @@ def _children(t: Any) -> list[Any] | None:
 
 def _batch_op(t: Any) -> Any:
     """stoker's batched op for `t` (torchvision's Normalize / RandomErasing translated), or None."""
-    if isinstance(t, (*gpu.BATCH_OPS, Mixup)):
+    if stage_of(t) == BATCH:   # stoker's batched ops and a Mixup, or any op declared so
         return t
     if _from_torchvision(t) and type(t).__name__ == "Normalize":
         return gpu.Normalize(tuple(float(v) for v in t.mean), tuple(float(v) for v in t.std))
@@ -173,7 +171,7 @@ def as_ops(transforms: Any) -> tuple[list[Any], list[Any]]:
             continue
         if native is not None:
             ops.append(native)
-        elif isinstance(t, (*PER_SAMPLE_OPS, RandomResizedCrop, Resize, CenterCrop, RandomHorizontalFlip, Adapted)):
+        elif stage_of(t) is not None:   # declared planned geometry or per-sample op (kinds.py)
             ops.append(t)
         elif callable(t):
             ops.append(adapt(t))
@@ -263,6 +261,12 @@ class Adapted:
     random: str | None = None
     name: str = ""
     _warned: bool = field(default=False, repr=False)
+    stage = SAMPLE
+
+    @property
+    def moves_pixels(self) -> bool:
+        """What the wrapped callable declares (undeclared: it may move pixels)."""
+        return moves_pixels(self.fn)
 
     def __post_init__(self) -> None:
         if not callable(self.fn):

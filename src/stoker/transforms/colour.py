@@ -18,6 +18,7 @@ import numpy as np
 
 from ..device import IMAGENET_MEAN, IMAGENET_STD
 from ..errors import ConfigError
+from .kinds import SAMPLE
 from .pixels import (INTERPOLATIONS, adjust_brightness, adjust_contrast, adjust_hue, adjust_saturation,
                      gaussian_blur, grayscale)
 
@@ -33,7 +34,11 @@ def _check_interpolation(name: str, interpolation: str) -> None:
 
 class _RandomOp:
     """Shared protocol: `params(rng, height, width)` draws, `apply(img, params)` applies, and calling
-    the op does both (the Loader calls it with `rng=` seeded from the sample's key)."""
+    the op does both (the Loader calls it with `rng=` seeded from the sample's key). A per-sample op
+    (`kinds.py`); each says whether it moves pixels."""
+
+    stage = SAMPLE
+    moves_pixels = True
 
     def params(self, rng: np.random.Generator, height: int, width: int) -> Any:
         raise NotImplementedError
@@ -70,6 +75,8 @@ class ColorJitter(_RandomOp):
     """torchvision.transforms.ColorJitter: brightness, contrast and saturation factors uniform in
     [max(0, 1 - v), 1 + v] (or a given (min, max)), hue uniform in [-hue, hue] (hue <= 0.5), applied
     in a random order (a uniform permutation of the four); 0 disables a component."""
+
+    moves_pixels = False  # pixel values only: boxes and masks stay valid
 
     brightness: Any = 0
     contrast: Any = 0
@@ -137,6 +144,8 @@ class RandomErasing(_RandomOp):
     `transforms.gpu.RandomErasing`). `"random"` fills with per-pixel normal noise of the `mean`/`std`
     (0..1 units) the batch is later normalised with, i.e. torchvision's N(0, 1) after Normalize."""
 
+    moves_pixels = False  # pixel values only: boxes and masks stay valid
+
     p: float = 0.5
     scale: tuple[float, float] = (0.02, 0.33)
     ratio: tuple[float, float] = (0.3, 3.3)
@@ -179,6 +188,8 @@ class GaussianBlur(_RandomOp):
     """torchvision.transforms.GaussianBlur: `kernel_size` (int or (kx, ky), odd), sigma uniform in
     (min, max) (a number gives that sigma), the same sigma on both axes, reflect padding."""
 
+    moves_pixels = False  # pixel values only: boxes and masks stay valid
+
     kernel_size: Any
     sigma: Any = (0.1, 2.0)
 
@@ -202,6 +213,8 @@ class GaussianBlur(_RandomOp):
 @dataclass(frozen=True)
 class RandomGrayscale(_RandomOp):
     """torchvision.transforms.RandomGrayscale: with probability `p`, the luma copied to all 3 channels."""
+
+    moves_pixels = False  # pixel values only: boxes and masks stay valid
 
     p: float = 0.1
 

@@ -6,6 +6,11 @@ mirror flag. Plans are computed for a whole batch at once in numpy from the stor
 JPEG decoder can be asked for just enough resolution (DCT scaling, `decode_minimums`) and the crop is
 resized once, straight into its row of the batch (`crop_resize_into`). `crop_window` is the one home
 of the rounding, clamping and padding maths, shared with the GPU decode path.
+
+Each op declares itself planned geometry (`stage = "plan"`, `transforms/kinds.py`): `plan(state, u)`
+moves a `PlanState` (the crop box so far, the logical size, the flip) with its draws, and
+`fixed_size(size)` says its output size when that does not depend on the image. `plan_ops` only
+runs them in order, so a new geometric op is one class.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import cv2
 import numpy as np
 
 from ..errors import ConfigError
+from .kinds import PLAN
 
 Size = tuple[int, int]
 #: Shrink factor from which resizing uses area averaging (antialiased) instead of bilinear.
@@ -48,12 +54,21 @@ class RandomResizedCrop:
     scale: tuple[float, float] = (0.08, 1.0)
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
     draws = 22  # 10 tries x (area, log-ratio) + (top, left)
+    stage = PLAN
+    moves_pixels = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "size", _pair(self.size, "RandomResizedCrop"))
         if self.scale[0] > self.scale[1] or self.ratio[0] > self.ratio[1] or self.ratio[0] <= 0:
             raise ConfigError(f"RandomResizedCrop: scale and ratio must be (min, max) with min <= max and "
                               f"ratio > 0, got scale={self.scale}, ratio={self.ratio}")
+
+    def plan(self, state: PlanState, u: np.ndarray) -> None:
+        top, left, ch, cw = _plan_rrc(self, state.lh, state.lw, u)
+        state.crop(top, left, ch, cw, np.full(state.n, self.size[0]), np.full(state.n, self.size[1]))
+
+    def fixed_size(self, size: Size | None) -> Size | None:
+        return self.size
 
 
 @dataclass(frozen=True)
@@ -63,6 +78,8 @@ class Resize:
 
     size: Any
     draws = 0
+    stage = PLAN
+    moves_pixels = True
 
     def __post_init__(self) -> None:
         if isinstance(self.size, (int, np.integer)):
@@ -73,6 +90,12 @@ class Resize:
             seq = tuple(self.size)
             object.__setattr__(self, "size", int(seq[0]) if len(seq) == 1 else _pair(seq, "Resize"))
 
+    def plan(self, state: PlanState, u: np.ndarray) -> None:
+        state.lh, state.lw = _resize_size(self.size, state.lh, state.lw)
+
+    def fixed_size(self, size: Size | None) -> Size | None:
+        return self.size if not isinstance(self.size, int) else None
+
 
 @dataclass(frozen=True)
 class CenterCrop:
@@ -81,9 +104,19 @@ class CenterCrop:
 
     size: Any
     draws = 0
+    stage = PLAN
+    moves_pixels = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "size", _pair(self.size, "CenterCrop"))
+
+    def plan(self, state: PlanState, u: np.ndarray) -> None:
+        ch, cw = np.full(state.n, self.size[0]), np.full(state.n, self.size[1])
+        top, left = _center_offsets(self.size[0], state.lh), _center_offsets(self.size[1], state.lw)
+        state.crop(top, left, ch, cw, ch, cw)
+
+    def fixed_size(self, size: Size | None) -> Size | None:
+        return self.size
 
 
 @dataclass(frozen=True)
@@ -92,13 +125,18 @@ class RandomHorizontalFlip:
 
     p: float = 0.5
     draws = 1
+    stage = PLAN
+    moves_pixels = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.p <= 1.0:
             raise ConfigError(f"RandomHorizontalFlip: p must be in [0, 1], got {self.p}")
 
+    def plan(self, state: PlanState, u: np.ndarray) -> None:
+        state.flip ^= u[:, 0] < self.p
 
-GEOMETRIC = (RandomResizedCrop, Resize, CenterCrop, RandomHorizontalFlip)
+    def fixed_size(self, size: Size | None) -> Size | None:
+        return size
 
 
 @dataclass
@@ -109,6 +147,37 @@ class Plan:
     box: np.ndarray
     size: np.ndarray
     flip: np.ndarray
+
+
+class PlanState:
+    """A batch's plan while its ops are composed: `box` float64 [n, 4] (top, left, height, width) in
+    source pixels, the logical image (the box resampled to `lh` x `lw`, int64 [n], mirrored where
+    `flip`). A geometric op's `plan` resizes the logical image (set `lh`, `lw`), flips it (`flip`) or
+    crops it (`crop`)."""
+
+    def __init__(self, heights: np.ndarray, widths: np.ndarray) -> None:
+        self.lh = np.asarray(heights, dtype=np.int64).copy()
+        self.lw = np.asarray(widths, dtype=np.int64).copy()
+        self.n = len(self.lh)
+        self.box = np.zeros((self.n, 4), dtype=np.float64)
+        self.box[:, 2], self.box[:, 3] = self.lh, self.lw
+        self.flip = np.zeros(self.n, dtype=bool)
+
+    def crop(self, top: np.ndarray, left: np.ndarray, ch: np.ndarray, cw: np.ndarray, new_h: np.ndarray,
+             new_w: np.ndarray) -> None:
+        """Crop the logical image to rows top..top+ch, columns left..left+cw (pixels, may leave the
+        image: padding), which becomes new_h x new_w."""
+        box, lh, lw = self.box, self.lh, self.lw
+        sy, sx = box[:, 2] / lh, box[:, 3] / lw
+        left_src = np.where(self.flip, lw - left - cw, left)
+        box[:, 0] += top * sy
+        box[:, 1] += left_src * sx
+        box[:, 2] = ch * sy
+        box[:, 3] = cw * sx
+        self.lh, self.lw = new_h.astype(np.int64), new_w.astype(np.int64)
+
+    def result(self) -> Plan:
+        return Plan(box=self.box, size=np.stack([self.lh, self.lw], axis=1), flip=self.flip)
 
 
 def _plan_rrc(op: RandomResizedCrop, lh: np.ndarray, lw: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -155,36 +224,13 @@ def _center_offsets(crop: int, have: np.ndarray) -> np.ndarray:
 
 def plan_ops(ops: Sequence[Any], offsets: Sequence[int], heights: np.ndarray, widths: np.ndarray,
              u: np.ndarray) -> Plan:
-    """Compose geometric ops into one crop box per sample (source coordinates), an output size and a
-    mirror flag. The logical image is the box resampled to `size`, mirrored when `flip`."""
-    lh = np.asarray(heights, dtype=np.int64).copy()
-    lw = np.asarray(widths, dtype=np.int64).copy()
-    n = len(lh)
-    box = np.zeros((n, 4), dtype=np.float64)
-    box[:, 2], box[:, 3] = lh, lw
-    flip = np.zeros(n, dtype=bool)
+    """Compose planned geometric ops (each reading its `draws` columns of `u`, from its offset) into
+    one crop box per sample (source coordinates), an output size and a mirror flag. The logical image
+    is the box resampled to `size`, mirrored when `flip`."""
+    state = PlanState(heights, widths)
     for op, off in zip(ops, offsets):
-        if isinstance(op, RandomHorizontalFlip):
-            flip ^= u[:, off] < op.p
-            continue
-        if isinstance(op, Resize):
-            lh, lw = _resize_size(op.size, lh, lw)
-            continue
-        if isinstance(op, RandomResizedCrop):
-            top, left, ch, cw = _plan_rrc(op, lh, lw, u[:, off:off + op.draws])
-            new_h, new_w = np.full(n, op.size[0]), np.full(n, op.size[1])
-        else:  # CenterCrop
-            ch, cw = np.full(n, op.size[0]), np.full(n, op.size[1])
-            top, left = _center_offsets(op.size[0], lh), _center_offsets(op.size[1], lw)
-            new_h, new_w = ch, cw
-        sy, sx = box[:, 2] / lh, box[:, 3] / lw
-        left_src = np.where(flip, lw - left - cw, left)
-        box[:, 0] += top * sy
-        box[:, 1] += left_src * sx
-        box[:, 2] = ch * sy
-        box[:, 3] = cw * sx
-        lh, lw = new_h.astype(np.int64), new_w.astype(np.int64)
-    return Plan(box=box, size=np.stack([lh, lw], axis=1), flip=flip)
+        op.plan(state, u[:, off:off + op.draws])
+    return state.result()
 
 
 def decode_minimums(box: Sequence[float], out_h: int, out_w: int, src_h: int, src_w: int) -> tuple[int, int]:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from ..device import IMAGENET_MEAN, IMAGENET_STD, all_levels, host_to_device, normalize_by_table
 from ..errors import ConfigError
 from . import colour, pixels, policy
+from .kinds import BATCH, stage_of
 from .mixing import Mixup, batch_rng
 
 _TAG_BATCH_AUG = 6  # the batch ops' own random stream (order.py uses 1-4, mixing 5)
@@ -254,6 +255,10 @@ def _check_uint8(x: torch.Tensor, name: str) -> None:
 class ColorJitter:
     """Batched torchvision ColorJitter: per-sample factors and per-sample order of the four ops."""
 
+    stage = BATCH
+    takes = "uint8"
+    moves_pixels = False
+
     brightness: Any = 0
     contrast: Any = 0
     saturation: Any = 0
@@ -293,6 +298,10 @@ class ColorJitter:
 class RandAugment:
     """Batched torchvision RandAugment (num_ops=2, magnitude=9, num_magnitude_bins=31 by default)."""
 
+    stage = BATCH
+    takes = "uint8"
+    moves_pixels = True
+
     num_ops: int = 2
     magnitude: int = 9
     num_magnitude_bins: int = 31
@@ -322,6 +331,10 @@ class RandAugment:
 class TrivialAugmentWide:
     """Batched torchvision TrivialAugmentWide: one op and one magnitude bin per sample."""
 
+    stage = BATCH
+    takes = "uint8"
+    moves_pixels = True
+
     num_magnitude_bins: int = 31
     interpolation: str = "nearest"
     fill: pixels.Fill = None
@@ -347,6 +360,10 @@ class TrivialAugmentWide:
 class AutoAugment:
     """Batched torchvision AutoAugment, ImageNet policy: a sub-policy per sample, each op kept when
     its uniform draw is <= its probability."""
+
+    stage = BATCH
+    takes = "uint8"
+    moves_pixels = True
 
     policy: str = "imagenet"
     interpolation: str = "nearest"
@@ -377,6 +394,10 @@ class AutoAugment:
 @dataclass(frozen=True)
 class GaussianBlur:
     """Batched torchvision GaussianBlur: a sigma per sample, one grouped separable convolution."""
+
+    stage = BATCH
+    takes = "uint8"
+    moves_pixels = False
 
     kernel_size: Any
     sigma: Any = (0.1, 2.0)
@@ -412,6 +433,10 @@ class GaussianBlur:
 class RandomGrayscale:
     """Batched torchvision RandomGrayscale: the luma on all three channels, with probability `p`."""
 
+    stage = BATCH
+    takes = "uint8"
+    moves_pixels = False
+
     p: float = 0.1
 
     def params(self, rng: np.random.Generator, n: int, h: int, w: int) -> np.ndarray:
@@ -427,6 +452,11 @@ class RandomGrayscale:
 class Normalize:
     """torchvision Normalize after ToTensor: `(x / 255 - mean) / std` per channel, as float32
     (mean/std in 0..1 units; "imagenet" for ImageNet's)."""
+
+    stage = BATCH
+    takes = "any"
+    gives = "float"
+    moves_pixels = False
 
     mean: Any = "imagenet"
     std: Any = None
@@ -460,6 +490,10 @@ class Normalize:
 class RandomErasing:
     """Batched torchvision RandomErasing on the normalized float batch (in place on the CPU; value 0 = the mean colour,
     "random" = N(0, 1) per pixel), p=0.5, scale=(0.02, 0.33), ratio=(0.3, 3.3)."""
+
+    stage = BATCH
+    takes = "float"
+    moves_pixels = False
 
     p: float = 0.5
     scale: tuple[float, float] = (0.02, 0.33)
@@ -520,26 +554,22 @@ class RandomErasing:
         return tuple(self.value[:c]) if len(self.value) >= c else tuple(self.value) * c
 
 
-UINT8_OPS = (ColorJitter, RandAugment, TrivialAugmentWide, AutoAugment, GaussianBlur, RandomGrayscale)
-BATCH_OPS = (ColorJitter, RandAugment, TrivialAugmentWide, AutoAugment, GaussianBlur, RandomGrayscale, Normalize,
-             RandomErasing)
-
-
 class BatchAugment:
     """Batched ops (and optionally Mixup/CutMix) run on whole batches, their randomness a pure
     function of (seed, epoch, batch index): deterministic on any device, and resumable."""
 
     def __init__(self, ops: Sequence[Any], mix: Mixup | None = None, seed: int = 0) -> None:
-        normalized = False
+        dtype = "uint8"   # what the batch is before each op: the ops declare what they take and give
         for k, op in enumerate(ops):
-            if not isinstance(op, BATCH_OPS):
+            if stage_of(op) != BATCH or getattr(op, "mixes_labels", False):
                 raise ConfigError(f"batch op #{k} ({op!r}) is not a batched op; use the ones in stoker.transforms.gpu")
-            if isinstance(op, RandomErasing) and not normalized:
-                raise ConfigError("RandomErasing (batched) erases the normalized batch, as torchvision's does: put a "
-                                  "Normalize before it")
-            if normalized and isinstance(op, UINT8_OPS):
+            takes = getattr(op, "takes", "any")
+            if takes == "float" and dtype == "uint8":
+                raise ConfigError(f"{type(op).__name__} (batched) works on the normalized batch, as torchvision's "
+                                  f"RandomErasing does: put a Normalize before it")
+            if takes == "uint8" and dtype == "float":
                 raise ConfigError(f"{type(op).__name__} works on uint8 images: put it before Normalize")
-            normalized = normalized or isinstance(op, Normalize)
+            dtype = getattr(op, "gives", None) or dtype
         self.ops, self.mix, self.seed = list(ops), mix, int(seed)
 
     def __call__(self, images: torch.Tensor, labels: Any = None, *, epoch: int = 0, batch: int = 0,

@@ -24,6 +24,7 @@ import torch
 from ..device import host_to_device
 from ..errors import ConfigError
 from ..order import sample_keys
+from .kinds import BATCH
 
 MODES = ("batch", "elem")
 _TAG_MIX = 5  # order.py's streams use tags 1-4; batch mixing draws from its own
@@ -99,6 +100,9 @@ class Mixup:
     correct_lam: bool = True
     label_smoothing: float = 0.1
     num_classes: int = 1000
+    stage = BATCH   # the last batch op: it mixes the labels too
+    mixes_labels = True
+    moves_pixels = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

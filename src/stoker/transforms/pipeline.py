@@ -3,7 +3,8 @@
 `transforms=` may be one transform, a list or a Compose-like object, with stoker's ops, torchvision's
 (translated to stoker's) and any callable on arrays, PIL images or tensors (`adapt.as_ops`). Batched
 ops (`transforms.gpu`: Normalize, RandomErasing, ...) and a `Mixup` at the end run on whole batches,
-on the device when the Loader has one (`batch`, a `gpu.BatchAugment`, or None)."""
+on the device when the Loader has one (`batch`, a `gpu.BatchAugment`, or None). Which is which comes
+from what each op declares (`kinds.py`)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import ConfigError
-from .geometry import (GEOMETRIC, CenterCrop, Plan, RandomResizedCrop, Resize, Size, crop_resize_into,
-                       plan_ops)
+from .geometry import Plan, Size, crop_resize_into, plan_ops
 from .adapt import as_ops
 from .gpu import BatchAugment
-from .mixing import Mixup
+from .kinds import PLAN, moves_pixels, stage_of
 from .user import _UserOp, _wants_rng, apply_tail
 
 
@@ -25,15 +25,15 @@ class Pipeline:
 
     def __init__(self, transforms: Sequence[Any] | Any | None) -> None:
         per_sample, batch_ops = as_ops(transforms)
-        mixes = [k for k, op in enumerate(batch_ops) if isinstance(op, Mixup)]
+        mixes = [k for k, op in enumerate(batch_ops) if getattr(op, "mixes_labels", False)]
         if mixes and mixes != [len(batch_ops) - 1]:
             raise ConfigError("a Mixup must be the last transform (it mixes whole, finished batches), and there can "
                               "be only one")
-        self.batch = None if not batch_ops else BatchAugment([op for op in batch_ops if not isinstance(op, Mixup)],
+        self.batch = None if not batch_ops else BatchAugment(batch_ops[:-1] if mixes else batch_ops,
                                                              mix=batch_ops[-1] if mixes else None)
         ops: list[Any] = []
         for pos, t in enumerate(per_sample):
-            if isinstance(t, GEOMETRIC):
+            if stage_of(t) == PLAN:
                 ops.append(t)
             elif callable(t):
                 ops.append(_UserOp(t, _wants_rng(t), pos))
@@ -44,7 +44,7 @@ class Pipeline:
         self.ops = ops
         self.prefix = ops[:first_user]
         self.tail = ops[first_user:]
-        self.tail_geometric = any(isinstance(op, GEOMETRIC) for op in self.tail)
+        self.tail_geometric = any(stage_of(op) == PLAN for op in self.tail)
         offsets, total = [], 0
         for op in ops:
             offsets.append(total)
@@ -57,10 +57,8 @@ class Pipeline:
         """Output (height, width) when it does not depend on the image size, else None."""
         size: Size | None = None
         for op in self.ops:
-            if isinstance(op, RandomResizedCrop | CenterCrop):
-                size = op.size
-            elif isinstance(op, Resize):
-                size = op.size if not isinstance(op.size, int) else None
+            if stage_of(op) == PLAN:
+                size = op.fixed_size(size)
         return size
 
     def output_size(self, height: int, width: int) -> Size:
@@ -85,3 +83,21 @@ class Pipeline:
     def plan(self, heights: np.ndarray, widths: np.ndarray, u: np.ndarray) -> Plan:
         """Plan the geometric prefix for a batch: sizes are source sizes, `u` the draws [n, self.draws]."""
         return plan_ops(self.prefix, self.offsets, heights, widths, u)
+
+    def pixel_movers(self) -> list[str]:
+        """The ops that move pixels where boxes and masks cannot follow: after the planned prefix (a
+        user callable ends it) or among the batch ops, unless they declare `moves_pixels = False`."""
+        movers = [getattr(op, "name", type(op).__name__) for op in self.tail if moves_pixels(op)]
+        if self.batch is not None:
+            ops = [*self.batch.ops, *([self.batch.mix] if self.batch.mix is not None else [])]
+            movers += [type(op).__name__ for op in ops if moves_pixels(op)]
+        return movers
+
+    def check_targets(self, columns: Sequence[str]) -> None:
+        """Refuse target columns (boxes, masks) when an op would move pixels without them."""
+        movers = self.pixel_movers() if columns else []
+        if movers:
+            raise ConfigError(f"boxes/masks {tuple(columns)} follow stoker's planned crop, resize and flip, but "
+                              f"{', '.join(movers)} would move pixels without them; use colour ops only after the "
+                              f"geometry (ColorJitter, GaussianBlur, RandomGrayscale, Normalize, RandomErasing), or declare "
+                              f"`moves_pixels = False` on your own op's class if it changes pixel values only")

@@ -16,7 +16,8 @@ import numpy as np
 
 from ..errors import UserTransformError
 from .adapt import TransformError
-from .geometry import RandomHorizontalFlip, crop_resize_into, plan_ops
+from .geometry import crop_resize_into, plan_ops
+from .kinds import SAMPLE, moves_pixels
 
 
 @dataclass(frozen=True)
@@ -25,11 +26,16 @@ class _UserOp:
     wants_rng: bool
     position: int
     draws = 0
+    stage = SAMPLE
 
     @property
     def name(self) -> str:
         name = getattr(self.fn, "name", None)  # an adapt.Adapted names the callable it wraps
         return name if isinstance(name, str) and name else getattr(self.fn, "__name__", type(self.fn).__name__)
+
+    @property
+    def moves_pixels(self) -> bool:
+        return moves_pixels(self.fn)
 
 
 def _wants_rng(fn: Callable[..., Any]) -> bool:
@@ -64,17 +70,18 @@ def run_user_op(op: _UserOp, img: np.ndarray, key: int) -> np.ndarray:
 
 def apply_tail(ops: Sequence[Any], offsets: Sequence[int], img: np.ndarray, u: np.ndarray,
                key: int) -> np.ndarray:
-    """Run the ops after the first user callable, one at a time on arrays (the general path)."""
+    """Run the ops after the first user callable, one at a time on arrays (the general path): user
+    callables as they are, planned geometry planned for this one array."""
     for op, off in zip(ops, offsets):
         if isinstance(op, _UserOp):
             img = run_user_op(op, img, key)
             continue
-        plan = plan_ops([op], [0], np.array([img.shape[0]]), np.array([img.shape[1]]),
-                        u[None, off:off + max(op.draws, 1)])
+        h, w = img.shape[:2]
+        plan = plan_ops([op], [0], np.array([h]), np.array([w]), u[None, off:off + max(op.draws, 1)])
         out = np.empty((int(plan.size[0, 0]), int(plan.size[0, 1]), 3), dtype=np.uint8)
-        if isinstance(op, RandomHorizontalFlip):
+        if out.shape[:2] == (h, w) and plan.box[0].tolist() == [0, 0, h, w]:   # the whole image: a copy or a flip
             out[...] = img[:, ::-1] if plan.flip[0] else img
         else:
-            crop_resize_into(np.ascontiguousarray(img), plan.box[0], out, False, img.shape[0], img.shape[1])
+            crop_resize_into(np.ascontiguousarray(img), plan.box[0], out, bool(plan.flip[0]), h, w)
         img = out
     return img
