@@ -38,7 +38,8 @@ from .labels import multi_label_spec
 from .order import ORDERS, epoch_order, make_pool, num_batches, rank_indices, samples_per_rank, shard_window_order
 from .reader import CachedDataset, Dataset, PackedDataset, open_cached, open_dataset, open_loose
 from .device import DeviceOptions, DeviceStage, as_device_options, consumer_fence
-from .render import DeviceBuilder, EpochChain, Filler, RenderSpec, batch_extras, run_batch_ops
+from .device_build import DeviceBuilder, batch_extras, run_batch_ops
+from .render import EpochChain, Filler, RenderSpec
 from .shards import MANIFEST_NAME, looks_like_partial_pack
 from .storage import RemoteStorage, open_storage, url_scheme
 from .storage.remote import DEFAULT_CACHE_LIMIT, default_cache_dir

@@ -1,18 +1,19 @@
-"""Decode + augment: one sample into its row of a batch, and the device stage's work on a batch.
+"""Decode + augment: samples into their rows of a batch.
 
-Both get what they need handed to them: a frozen `RenderSpec` (batch size, output size, transforms,
-seed, on_error, the stored sizes and labels) plus the objects they work with (the dataset, the stats,
-the device stage, the GPU decoder). Nothing here reaches back into the Loader that made them.
+It gets what it needs handed to it: a frozen `RenderSpec` (batch size, output size, transforms,
+seed, on_error, the stored sizes and labels, the target columns) plus the dataset it reads. Nothing
+here reaches back into the Loader that made it.
 
 `Filler` is what the worker threads run: plan a batch in one vectorised step (sample order,
 per-sample random draws, crop boxes from the stored image sizes, labels), then read, decode at the
 smallest DCT scale the crop allows, crop, resize and flip each sample straight into its row of a
 (pinned) ring slot, or replace it deterministically under on_error="skip". With decode="gpu" a JPEG
-row becomes a `GpuJob` instead, left for the device thread.
+row becomes a `GpuJob` instead, left for the device thread. Targets (boxes, instance masks, label
+maps: `transforms.targets`) are read while the batch is planned and placed in each sample's output
+by the worker that renders it, through one protocol (`Target`), whatever their kind.
 
-`DeviceBuilder` is what the Loader's device thread runs on each finished slot, on the copy stream:
-upload the uint8 batch, decode its JPEGs on the GPU (CPU fallback per sample), run the pipeline's
-batch ops (batched augmentations, Normalize, RandomErasing, Mixup: `run_batch_ops`), convert.
+What a finished slot becomes (the batch ops, the extras, the device thread's work) is
+`device_build.py`'s.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import bisect
 import logging
 import math
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -29,17 +29,15 @@ import numpy as np
 
 from ._torch import torch
 from . import codecs
-from .device import DeviceStage, convert
 from .errors import DatasetError, SampleError, UserTransformError
 from .gpu_decode import GpuJob
 from .labels import MultiLabel
 from .order import TAG_DRAW, replacement_index, sample_keys, uniforms
 from .reader import CachedDataset, Dataset, PackedDataset
-from .slots import LoaderStats, Slot, WorkerTimes
+from .slots import Slot, WorkerTimes
 from .transforms import (CropWindow, Pipeline, Plan, apply_tail, crop_window, decode_minimums, resize_window_into,
                          run_user_op)
-from .transforms.mixing import check_class_labels
-from .transforms.targets import boxes_through, mask_through, polygons_through, stack_label_maps
+from .transforms.targets import Boxes, InstanceMasks, LabelMap, Placement, Target, TargetRows
 
 # one warning per skipped sample, with its reason, on the Loader's logger: the name users configure
 _log = logging.getLogger("stoker.loader")
@@ -73,6 +71,15 @@ class RenderSpec:
     #: images of different output sizes go top-left into rows of `output_size` (the largest), zero-padded;
     #: each batch's third item then holds "sizes", int64 [B, 2] (height, width) of each image
     pad: bool = False
+    #: further kinds of targets (`transforms.targets.Target`), after those the column fields above name
+    targets: tuple[Target, ...] = ()
+
+    def target_kinds(self) -> tuple[Target, ...]:
+        """One `Target` per target column: boxes, polygon instance masks (one per box of the first box
+        column, when there is one), label maps, then `targets`."""
+        count_from = self.box_columns[0] if self.box_columns else None
+        return (*(Boxes(c) for c in self.box_columns), *(InstanceMasks(c, count_from) for c in self.mask_columns),
+                *(LabelMap(c, self.ignore_index) for c in self.label_map_columns), *self.targets)
 
 
 @dataclass
@@ -106,6 +113,7 @@ class Filler:
         self.out_h, self.out_w = spec.output_size
         self.draws = max(self.pipe.draws, 1)
         self.fast = spec.decode_quality == "fast"
+        self.targets = {t.column: t for t in spec.target_kinds()}
 
     def _geometry(self, idx: np.ndarray, u: np.ndarray) -> Plan | None:
         if self.heights is None:
@@ -123,62 +131,19 @@ class Filler:
             slot.labels_np[:slot.size] = self.labels[idx]
         else:
             slot.objects[:slot.size] = self.labels[idx].tolist()
-        slot.extras = {c: [self.ds.extra(int(i), c) for i in idx] for c in self.columns}
+        # targets are read here and placed in each output by the worker threads (fill)
+        slot.extras = {c: (TargetRows(self.targets[c], [self.targets[c].read(self.ds, int(i)) for i in idx])
+                           if c in self.targets else [self.ds.extra(int(i), c) for i in idx])
+                       for c in (*self.columns, *(c for c in self.targets if c not in self.columns))}
         geometry = self._geometry(idx, u)
         if self.spec.pad:
             slot.extras["sizes"] = torch.from_numpy(geometry.size.astype(np.int64))
-        for c in self.spec.box_columns:
-            slot.extras[c] = [self._boxes(v, int(i), geometry, r) for r, (i, v) in enumerate(zip(idx, slot.extras[c]))]
-        # masks are filled by the worker threads (fill), from these three columns read here
-        for c in self.spec.mask_columns:
-            slot.extras[c] = [self._polygons(int(i), c) for i in idx]
-        for c in self.spec.label_map_columns:  # decoded by the worker threads (fill)
-            slot.extras[c] = LabelMaps([()] * slot.size)
         if self.gpu:
             slot.jobs = [None] * slot.size
         return BatchPlan(idx, positions, keys, u, geometry)
 
-    def _boxes(self, value: Any, idx: int, geometry: Plan, row: int) -> np.ndarray:
-        """One sample's boxes (fractions of its stored size) in its output's pixels: float32 [k, 4]."""
-        frac = np.asarray(value if value is not None else (), np.float64).reshape(-1, 4)
-        w, h = float(self.widths[idx]), float(self.heights[idx])
-        return boxes_through(frac * (w, h, w, h), geometry.box[row], geometry.size[row], bool(geometry.flip[row]))
-
-    def _polygons(self, idx: int, column: str) -> tuple:
-        """One sample's polygons: (points, lengths, owners, instance count). With boxes, the count is the
-        number of boxes of the first box column, so mask rows line up with box rows."""
-        lengths = self.ds.extra(idx, column + "_points") or ()
-        owners = self.ds.extra(idx, column + "_box") or ()
-        if self.spec.box_columns:
-            count = len(self.ds.extra(idx, self.spec.box_columns[0]) or ()) // 4
-        else:
-            count = max(owners, default=-1) + 1
-        return self.ds.extra(idx, column) or (), lengths, owners, count
-
-    def _masks(self, polygons: tuple, idx: int, geometry: Plan, row: int) -> np.ndarray:
-        """One sample's instance masks uint8 [k, H, W] in its output's pixels."""
-        points, lengths, owners, count = polygons
-        if len(owners) != len(lengths) or sum(lengths) * 2 != len(points) or max(owners, default=-1) >= count:
-            raise ValueError(f"polygon columns disagree: {len(points)} coordinates, {len(lengths)} polygons "
-                             f"of {sum(lengths)} vertices, owners up to {max(owners, default=-1)} for {count} "
-                             f"instances")
-        return polygons_through(points, lengths, owners, count, (self.heights[idx], self.widths[idx]),
-                                geometry.box[row], geometry.size[row], bool(geometry.flip[row]))
-
-    def _label_map(self, idx: int, column: str, geometry: Plan, row: int) -> np.ndarray:
-        """One sample's label map (class ids [H, W], uint8 or int32) in its output's pixels: the image's
-        crop window, nearest neighbour, flipped with it, `ignore_index` where the geometry pads."""
-        data = self.ds.extra(idx, column)
-        if data is None:
-            raise ValueError(f"no label map in column {column!r}")
-        ids = codecs.decode_label_map(data, f"label map {column!r}")
-        if ids.shape != (self.heights[idx], self.widths[idx]):
-            raise ValueError(f"label map {column!r} is {ids.shape[1]}x{ids.shape[0]}, the image "
-                             f"{self.widths[idx]}x{self.heights[idx]}; re-pack the dataset")
-        if ids.dtype == np.uint8 and self.spec.ignore_index > 255:
-            ids = ids.astype(np.int32)
-        return mask_through(ids, geometry.box[row], geometry.size[row], bool(geometry.flip[row]),
-                            fill=self.spec.ignore_index)
+    def _placement(self, geometry: Plan, row: int, idx: int) -> Placement:
+        return Placement.of(geometry, row, self.heights[idx], self.widths[idx])
 
     def fill(self, plan: BatchPlan, row: int, slot: Slot, scratch: dict, times: WorkerTimes,
              gpu: bool | None = None) -> None:
@@ -190,12 +155,10 @@ class Filler:
                 self.queue_gpu(idx, int(plan.keys[row]), plan.u[row], box, row, slot, scratch, times)
             else:
                 self.render(idx, int(plan.keys[row]), plan.u[row], box, slot.images_np[row], scratch, times)
-            for c in self.spec.mask_columns:
-                if isinstance(slot.extras[c][row], tuple):  # not yet filled (a GPU fallback refills the row)
-                    slot.extras[c][row] = self._masks(slot.extras[c][row], idx, geo, row)
-            for c in self.spec.label_map_columns:
-                if isinstance(slot.extras[c][row], tuple):
-                    slot.extras[c][row] = self._label_map(idx, c, geo, row)
+            if self.targets:
+                at = self._placement(geo, row, idx)
+                for c in self.targets:
+                    slot.extras[c].place(row, self.ds, idx, at)
         except UserTransformError as exc:  # a bug in the user's code: no data fix, never skipped
             raise self.transform_error(idx, exc) from (exc.__cause__ or exc)
         except Exception as exc:
@@ -322,7 +285,9 @@ class Filler:
             box = _row_box(geo, 0)
             try:
                 self.render(r, int(key[0]), u[0], box, slot.images_np[row], scratch, times)
-                maps = {c: self._label_map(r, c, geo, 0) for c in self.spec.label_map_columns}
+                raws = {c: t.read(self.ds, r) for c, t in self.targets.items()}
+                at = self._placement(geo, 0, r) if self.targets else None
+                placed = {c: t.place(raws[c], self.ds, r, at) for c, t in self.targets.items()}
             except UserTransformError as exc:
                 raise self.transform_error(r, exc) from (exc.__cause__ or exc)
             except Exception:
@@ -332,13 +297,10 @@ class Filler:
             else:
                 slot.objects[row] = self.labels[r]
             for c in self.columns:
-                slot.extras[c][row] = self.ds.extra(r, c)
-                if c in self.spec.box_columns:
-                    slot.extras[c][row] = self._boxes(slot.extras[c][row], r, geo, 0)
-                elif c in self.spec.mask_columns:
-                    slot.extras[c][row] = self._masks(self._polygons(r, c), r, geo, 0)
-                elif c in maps:
-                    slot.extras[c][row] = maps[c]
+                if c not in self.targets:
+                    slot.extras[c][row] = self.ds.extra(r, c)
+            for c, value in placed.items():
+                slot.extras[c].raw[row], slot.extras[c][row] = raws[c], value
             key_, shard, srow = self._describe(int(plan.indices[row]), first)
             times.skipped += 1
             times.skipped_keys.append(key_ or "?")
@@ -407,120 +369,9 @@ class EpochChain:
         filler.fill(batch_plan, row, slot, scratch, times, gpu)
 
 
-class LabelMaps(list):
-    """A batch's label maps (one per row, filled by the worker threads); `batch_extras` stacks them
-    into one tensor when their sizes agree."""
-
-
 def _row_box(geometry: Plan | None, row: int) -> tuple | None:
     """One row of a plan as (box, flip, (height, width)) in Python numbers (cheaper per sample)."""
     if geometry is None:
         return None
     return geometry.box[row].tolist(), bool(geometry.flip[row]), (int(geometry.size[row, 0]),
                                                                   int(geometry.size[row, 1]))
-
-
-def batch_extras(slot: Slot, upload: Any = None) -> dict[str, Any]:
-    """The third batch item: extra columns as lists, the padded images' sizes as a tensor (uploaded
-    with `upload` when given)."""
-    out: dict[str, Any] = {}
-    for c, v in slot.extras.items():
-        if isinstance(v, LabelMaps):
-            v = stack_label_maps(v)
-        out[c] = (upload(v) if upload else v) if isinstance(v, torch.Tensor) else list(v)
-    return out
-
-
-def run_batch_ops(spec: RenderSpec, images: torch.Tensor, labels: Any, epoch: int, batch: int) -> tuple[Any, Any]:
-    """The pipeline's batch ops on one batch (NHWC in, NCHW out), their draws keyed by (seed, epoch,
-    batch index of the epoch); with a Mixup the labels come back as soft targets [B, num_classes]."""
-    ops = spec.pipeline.batch
-    if ops.mix is not None and not isinstance(labels, torch.Tensor):
-        raise SampleError(f"Mixup needs numeric class labels, batch {batch} of epoch {epoch} has "
-                          f"{type(labels[0]).__name__} labels; drop the Mixup or pack integer labels")
-    out = ops(images.permute(0, 3, 1, 2), labels if ops.mix is not None else None, epoch=epoch, batch=batch,
-              seed=spec.seed)
-    return out if isinstance(out, tuple) else (out, labels)
-
-
-class DeviceBuilder:
-    """The device thread's work on one finished slot (inside the copy stream's context): upload the
-    pinned batch, decode its JPEGs on the GPU (decode="gpu"), convert. Holds no reference to the
-    iterator, so an abandoned iterator can be collected."""
-
-    def __init__(self, stage: DeviceStage, decoder: Any, chain: EpochChain, lock: threading.RLock,
-                 stats: LoaderStats) -> None:
-        self.stage = stage  # the loader's copy stream and its options
-        self.opts = stage.opts
-        self.gpu = decoder  # a gpu_decode.GpuBatchDecoder, or None (decode="cpu")
-        self.chain, self.lock, self.stats = chain, lock, stats
-        self.encode = chain.multi_label
-        self.scratch: dict = {}
-        self.times = WorkerTimes()
-
-    def __call__(self, slot: Slot) -> tuple[Any, Any]:
-        t0 = time.perf_counter()
-        n, stage = slot.size, self.stage
-        # on the CPU `.to()` would return the slot itself, which the workers are about to refill
-        x = stage.upload(slot.images[:n]) if self.opts.is_cuda else slot.images[:n].clone()
-        labels, extras = self._host_items(slot)
-        # past this fence the GPU no longer reads the pinned slot: the workers may refill it while the
-        # GPU decodes and converts (the JPEG bytes of GpuJobs are private copies, not slot memory)
-        reusable = stage.fence()
-        if self.gpu is not None and self._decode_on_gpu(slot, x):
-            # CPU fallback rows were copied from the slot after that fence, and on_error="skip" may have
-            # replaced a sample, label and extras included
-            labels, extras = self._host_items(slot)
-            reusable = stage.fence()
-        spec = self.chain.spec
-        if spec.pipeline.batch is None:
-            images = convert(x, self.opts, layout="nhwc")
-        else:
-            filler, b = self.chain.locate(slot.batch)
-            x, labels = run_batch_ops(spec, x, labels, filler.epoch, b)
-            # a batch Normalize already made float32; convert() reads floats as 0..1 units, so only lay out
-            done = x.dtype.is_floating_point and self.opts.dtype == torch.uint8
-            images = x.contiguous(memory_format=self.opts.memory_format) if done else convert(x, self.opts,
-                                                                                               layout="nchw")
-        batch: tuple = (images, labels)
-        if extras is not None:   # extra columns, and the sizes of padded images
-            batch += (extras,)
-        self.stats.device_s += time.perf_counter() - t0
-        return batch, reusable
-
-    def _host_items(self, slot: Slot) -> tuple[Any, dict[str, Any] | None]:
-        """The slot's labels and third batch item (extras), on the device where they are tensors.
-        Read before the slot's reuse fence: their uploads are copies from the slot too."""
-        extras = batch_extras(slot, self.stage.upload if self.opts.is_cuda else None) if slot.extras else None
-        return self._labels(slot), extras
-
-    def _labels(self, slot: Slot) -> Any:
-        n, stage = slot.size, self.stage
-        if slot.labels is None and self.encode is not None:  # multi-label rows -> one tensor
-            labels = self.encode(slot.objects[:n])
-            return stage.upload(labels) if self.opts.is_cuda and isinstance(labels, torch.Tensor) else labels
-        if slot.labels is None:
-            return list(slot.objects[:n])
-        if not self.opts.is_cuda:
-            return slot.labels[:n].clone()
-        batch_ops = self.chain.spec.pipeline.batch
-        if batch_ops is not None and batch_ops.mix is not None and not slot.labels.dtype.is_floating_point:
-            # Mixup's label range check, here on the host: on the GPU it would read the labels back (a sync)
-            check_class_labels(slot.labels[:n], batch_ops.mix.num_classes)
-        return stage.upload(slot.labels[:n])
-
-    def _decode_on_gpu(self, slot: Slot, x: torch.Tensor) -> int:
-        """Decode the slot's GpuJobs into `x` (NHWC on the device); returns how many rows fell back to
-        the CPU (rendered into the slot, then copied from it)."""
-        jobs = [j for j in slot.jobs[:slot.size] if j is not None]
-        failed = self.gpu.run(jobs, x.permute(0, 3, 1, 2)) if jobs else []
-        for job, exc in failed:  # the CPU path for this sample: raise or replace, as for any failure
-            _log.info("GPU decode failed for %r, decoding it on the CPU: %s", job.key, exc)
-            self.chain.fill(slot.plan, job.row, slot, self.scratch, self.times, gpu=False)
-            x[job.row].copy_(slot.images[job.row], non_blocking=True)
-        with self.lock:
-            self.stats.add(self.times, 0)
-            self.stats.gpu_decoded += len(jobs) - len(failed)
-            self.stats.gpu_fallbacks += len(failed)
-            self.stats.gpu_decoder = self.gpu.decoder.name
-        return len(failed)

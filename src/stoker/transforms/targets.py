@@ -16,18 +16,25 @@ stored as polygons (what the "coco" source packs) have their vertices moved by t
 are filled at the output size (`polygons_through`), so they need no resampling at all. The image's crop window is rounded to
 whole pixels of the (possibly DCT-scaled) decoded image, so a box edge can sit up to one output
 pixel from the drawn edge (tests/test_augment_targets.py draws boxes into images to check it).
+
+The Loader's workers use them through one small protocol, `Target`, with one class per kind
+(`Boxes`, `InstanceMasks`, `LabelMap`): `read` a sample's stored value while the batch is planned,
+`place` it in the sample's output (`Placement`) on a worker thread, `collate` a batch of them. A new
+kind of target is one such class.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
 
 import torch
 
 import cv2
 import numpy as np
 
-from .geometry import crop_window
+from .. import codecs
+from .geometry import Plan, crop_window
 
 
 def xywh_to_xyxy(boxes: np.ndarray | Sequence[float]) -> np.ndarray:
@@ -142,3 +149,132 @@ def pad_batch(rows: Sequence[np.ndarray | torch.Tensor], fill: float = 0) -> tup
     for i, t in enumerate(tensors):
         out[i, :t.shape[0]] = t
     return out, sizes
+
+
+# ---- one class per kind of target ---------------------------------------------------------------
+@dataclass(frozen=True)
+class Placement:
+    """Where one sample's output comes from: its plan's `box` (top, left, height, width in source
+    pixels), output `size` (height, width), `flip`, and the stored image `height` and `width`, pixels."""
+
+    box: np.ndarray
+    size: np.ndarray
+    flip: bool
+    height: int
+    width: int
+
+    @classmethod
+    def of(cls, plan: Plan, row: int, height: int, width: int) -> Placement:
+        return cls(plan.box[row], plan.size[row], bool(plan.flip[row]), height, width)
+
+
+class Target(Protocol):
+    """A kind of per-sample target that follows its image through the planned geometry.
+
+    `read` runs while a batch is planned (on the thread that plans it: small columns only); `place`
+    on a worker thread (decoding, filling, resampling), raising ValueError for bad data (the sample
+    then fails as any sample does, or is replaced under on_error="skip"); `collate` makes the batch's
+    value of `column` in the third batch item."""
+
+    column: str
+
+    def read(self, ds: Any, index: int) -> Any: ...
+
+    def place(self, raw: Any, ds: Any, index: int, at: Placement) -> Any: ...
+
+    def collate(self, rows: list[Any]) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Boxes:
+    """A column of boxes (x0, y0, x1, y1 as fractions of the stored image, flattened): float32
+    [k, 4] in the output's pixels (`boxes_through`); a batch is a list of them."""
+
+    column: str
+
+    def read(self, ds: Any, index: int) -> Any:
+        return ds.extra(index, self.column)
+
+    def place(self, raw: Any, ds: Any, index: int, at: Placement) -> np.ndarray:
+        frac = np.asarray(raw if raw is not None else (), np.float64).reshape(-1, 4)
+        w, h = float(at.width), float(at.height)
+        return boxes_through(frac * (w, h, w, h), at.box, at.size, at.flip)
+
+    def collate(self, rows: list[Any]) -> list[Any]:
+        return list(rows)
+
+
+@dataclass(frozen=True)
+class InstanceMasks:
+    """A column of polygons (with its `_points` and `_box` companions, as the coco source packs them):
+    instance masks uint8 [k, H, W] in the output's pixels (`polygons_through`). With `count_from` (a
+    box column) k is its number of boxes, so mask rows line up with box rows."""
+
+    column: str
+    count_from: str | None = None
+
+    def read(self, ds: Any, index: int) -> tuple:
+        """(points, lengths, owners, instance count)."""
+        lengths = ds.extra(index, self.column + "_points") or ()
+        owners = ds.extra(index, self.column + "_box") or ()
+        if self.count_from is not None:
+            count = len(ds.extra(index, self.count_from) or ()) // 4
+        else:
+            count = max(owners, default=-1) + 1
+        return ds.extra(index, self.column) or (), lengths, owners, count
+
+    def place(self, raw: tuple, ds: Any, index: int, at: Placement) -> np.ndarray:
+        points, lengths, owners, count = raw
+        if len(owners) != len(lengths) or sum(lengths) * 2 != len(points) or max(owners, default=-1) >= count:
+            raise ValueError(f"polygon columns disagree: {len(points)} coordinates, {len(lengths)} polygons "
+                             f"of {sum(lengths)} vertices, owners up to {max(owners, default=-1)} for {count} "
+                             f"instances")
+        return polygons_through(points, lengths, owners, count, (at.height, at.width), at.box, at.size, at.flip)
+
+    def collate(self, rows: list[Any]) -> list[Any]:
+        return list(rows)
+
+
+@dataclass(frozen=True)
+class LabelMap:
+    """A binary column of label-map PNGs (class ids per pixel, the image's size): the image's crop
+    window, nearest neighbour, flipped with it, `ignore_index` where the geometry pads (`mask_through`);
+    a batch is one tensor [B, H, W] when the sizes agree (`stack_label_maps`)."""
+
+    column: str
+    ignore_index: int = 255
+
+    def read(self, ds: Any, index: int) -> None:
+        return None   # the PNG is read and decoded by the worker thread (place)
+
+    def place(self, raw: None, ds: Any, index: int, at: Placement) -> np.ndarray:
+        data = ds.extra(index, self.column)
+        if data is None:
+            raise ValueError(f"no label map in column {self.column!r}")
+        ids = codecs.decode_label_map(data, f"label map {self.column!r}")
+        if ids.shape != (at.height, at.width):
+            raise ValueError(f"label map {self.column!r} is {ids.shape[1]}x{ids.shape[0]}, the image "
+                             f"{at.width}x{at.height}; re-pack the dataset")
+        if ids.dtype == np.uint8 and self.ignore_index > 255:
+            ids = ids.astype(np.int32)
+        return mask_through(ids, at.box, at.size, at.flip, fill=self.ignore_index)
+
+    def collate(self, rows: list[Any]) -> torch.Tensor | list[np.ndarray]:
+        return stack_label_maps(rows)
+
+
+class TargetRows(list):
+    """A batch's values of one target column, row by row: None until a worker thread places the row
+    (the device thread's CPU fallback may fill a row twice: it is placed once); `raw` holds what was
+    read while planning."""
+
+    def __init__(self, target: Target, raw: list[Any]) -> None:
+        super().__init__([None] * len(raw))
+        self.target, self.raw = target, raw
+
+    def place(self, row: int, ds: Any, index: int, at: Placement) -> None:
+        if self[row] is None:
+            self[row] = self.target.place(self.raw[row], ds, index, at)
+
+    def collate(self) -> Any:
+        return self.target.collate(list(self))

@@ -1,0 +1,132 @@
+"""What a finished slot becomes: the batch handed out, on the device thread or the caller's.
+
+`DeviceBuilder` is what the Loader's device thread runs on each finished slot, on the copy stream:
+upload the uint8 batch, decode its JPEGs on the GPU (CPU fallback per sample, through the render
+stage), run the pipeline's batch ops (batched augmentations, Normalize, RandomErasing, Mixup:
+`run_batch_ops`), convert. Without a device stage the Loader runs `run_batch_ops` on the CPU batch
+itself. `batch_extras` makes the third batch item (extra columns, targets as their kind batches them,
+the padded images' sizes) for both.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from ._torch import torch
+from .device import DeviceStage, convert
+from .errors import SampleError
+from .render import EpochChain, RenderSpec
+from .slots import LoaderStats, Slot, WorkerTimes
+from .transforms.mixing import check_class_labels
+from .transforms.targets import TargetRows
+
+_log = logging.getLogger("stoker.loader")
+
+
+def batch_extras(slot: Slot, upload: Any = None) -> dict[str, Any]:
+    """The third batch item: extra columns as lists, the padded images' sizes as a tensor (uploaded
+    with `upload` when given)."""
+    out: dict[str, Any] = {}
+    for c, v in slot.extras.items():
+        if isinstance(v, TargetRows):   # boxes, masks, label maps...: as their kind batches them
+            v = v.collate()
+        out[c] = (upload(v) if upload else v) if isinstance(v, torch.Tensor) else list(v)
+    return out
+
+
+def run_batch_ops(spec: RenderSpec, images: torch.Tensor, labels: Any, epoch: int, batch: int) -> tuple[Any, Any]:
+    """The pipeline's batch ops on one batch (NHWC in, NCHW out), their draws keyed by (seed, epoch,
+    batch index of the epoch); with a Mixup the labels come back as soft targets [B, num_classes]."""
+    ops = spec.pipeline.batch
+    if ops.mix is not None and not isinstance(labels, torch.Tensor):
+        raise SampleError(f"Mixup needs numeric class labels, batch {batch} of epoch {epoch} has "
+                          f"{type(labels[0]).__name__} labels; drop the Mixup or pack integer labels")
+    out = ops(images.permute(0, 3, 1, 2), labels if ops.mix is not None else None, epoch=epoch, batch=batch,
+              seed=spec.seed)
+    return out if isinstance(out, tuple) else (out, labels)
+
+
+class DeviceBuilder:
+    """The device thread's work on one finished slot (inside the copy stream's context): upload the
+    pinned batch, decode its JPEGs on the GPU (decode="gpu"), convert. Holds no reference to the
+    iterator, so an abandoned iterator can be collected."""
+
+    def __init__(self, stage: DeviceStage, decoder: Any, chain: EpochChain, lock: threading.RLock,
+                 stats: LoaderStats) -> None:
+        self.stage = stage  # the loader's copy stream and its options
+        self.opts = stage.opts
+        self.gpu = decoder  # a gpu_decode.GpuBatchDecoder, or None (decode="cpu")
+        self.chain, self.lock, self.stats = chain, lock, stats
+        self.encode = chain.multi_label
+        self.scratch: dict = {}
+        self.times = WorkerTimes()
+
+    def __call__(self, slot: Slot) -> tuple[Any, Any]:
+        t0 = time.perf_counter()
+        n, stage = slot.size, self.stage
+        # on the CPU `.to()` would return the slot itself, which the workers are about to refill
+        x = stage.upload(slot.images[:n]) if self.opts.is_cuda else slot.images[:n].clone()
+        labels, extras = self._host_items(slot)
+        # past this fence the GPU no longer reads the pinned slot: the workers may refill it while the
+        # GPU decodes and converts (the JPEG bytes of GpuJobs are private copies, not slot memory)
+        reusable = stage.fence()
+        if self.gpu is not None and self._decode_on_gpu(slot, x):
+            # CPU fallback rows were copied from the slot after that fence, and on_error="skip" may have
+            # replaced a sample, label and extras included
+            labels, extras = self._host_items(slot)
+            reusable = stage.fence()
+        spec = self.chain.spec
+        if spec.pipeline.batch is None:
+            images = convert(x, self.opts, layout="nhwc")
+        else:
+            filler, b = self.chain.locate(slot.batch)
+            x, labels = run_batch_ops(spec, x, labels, filler.epoch, b)
+            # a batch Normalize already made float32; convert() reads floats as 0..1 units, so only lay out
+            done = x.dtype.is_floating_point and self.opts.dtype == torch.uint8
+            images = x.contiguous(memory_format=self.opts.memory_format) if done else convert(x, self.opts,
+                                                                                               layout="nchw")
+        batch: tuple = (images, labels)
+        if extras is not None:   # extra columns, and the sizes of padded images
+            batch += (extras,)
+        self.stats.device_s += time.perf_counter() - t0
+        return batch, reusable
+
+    def _host_items(self, slot: Slot) -> tuple[Any, dict[str, Any] | None]:
+        """The slot's labels and third batch item (extras), on the device where they are tensors.
+        Read before the slot's reuse fence: their uploads are copies from the slot too."""
+        extras = batch_extras(slot, self.stage.upload if self.opts.is_cuda else None) if slot.extras else None
+        return self._labels(slot), extras
+
+    def _labels(self, slot: Slot) -> Any:
+        n, stage = slot.size, self.stage
+        if slot.labels is None and self.encode is not None:  # multi-label rows -> one tensor
+            labels = self.encode(slot.objects[:n])
+            return stage.upload(labels) if self.opts.is_cuda and isinstance(labels, torch.Tensor) else labels
+        if slot.labels is None:
+            return list(slot.objects[:n])
+        if not self.opts.is_cuda:
+            return slot.labels[:n].clone()
+        batch_ops = self.chain.spec.pipeline.batch
+        if batch_ops is not None and batch_ops.mix is not None and not slot.labels.dtype.is_floating_point:
+            # Mixup's label range check, here on the host: on the GPU it would read the labels back (a sync)
+            check_class_labels(slot.labels[:n], batch_ops.mix.num_classes)
+        return stage.upload(slot.labels[:n])
+
+    def _decode_on_gpu(self, slot: Slot, x: torch.Tensor) -> int:
+        """Decode the slot's GpuJobs into `x` (NHWC on the device); returns how many rows fell back to
+        the CPU (rendered into the slot, then copied from it)."""
+        jobs = [j for j in slot.jobs[:slot.size] if j is not None]
+        failed = self.gpu.run(jobs, x.permute(0, 3, 1, 2)) if jobs else []
+        for job, exc in failed:  # the CPU path for this sample: raise or replace, as for any failure
+            _log.info("GPU decode failed for %r, decoding it on the CPU: %s", job.key, exc)
+            self.chain.fill(slot.plan, job.row, slot, self.scratch, self.times, gpu=False)
+            x[job.row].copy_(slot.images[job.row], non_blocking=True)
+        with self.lock:
+            self.stats.add(self.times, 0)
+            self.stats.gpu_decoded += len(jobs) - len(failed)
+            self.stats.gpu_fallbacks += len(failed)
+            self.stats.gpu_decoder = self.gpu.decoder.name
+        return len(failed)
