@@ -143,6 +143,7 @@ def test_batch_ops_declare_what_they_take() -> None:
     x = torch.full((2, 3, 4, 4), 255, dtype=torch.uint8)
     out = BatchAugment([BatchInvert(), Normalize((0.0,) * 3, (1.0,) * 3), AfterNormalize()])(x)
     assert out.dtype == torch.float32 and torch.equal(out, torch.zeros_like(out))
+    assert Pipeline([BatchInvert(), Normalize()]).normalizes and not Pipeline([BatchInvert()]).normalizes
 
 
 def test_an_unknown_stage_is_named() -> None:

@@ -71,7 +71,7 @@ def _open_source(source: str | Path | Dataset, remote: dict[str, Any], timeout: 
 def _device_options(device: Any, pipeline: Pipeline) -> DeviceOptions | None:
     """The loader's DeviceOptions (None: uint8 batches on the CPU), with every bad combination named."""
     opts = as_device_options(device)
-    batch_norm = pipeline.batch is not None and any(type(op).__name__ == "Normalize" for op in pipeline.batch.ops)
+    batch_norm = pipeline.normalizes
     if opts is not None and batch_norm and opts.normalize is not None:
         raise ConfigError("the transforms end with a Normalize and the device options normalize as well; keep one "
                           "(drop normalize= from the DeviceOptions, or the Normalize from the transforms)")

@@ -84,6 +84,11 @@ class Pipeline:
         """Plan the geometric prefix for a batch: sizes are source sizes, `u` the draws [n, self.draws]."""
         return plan_ops(self.prefix, self.offsets, heights, widths, u)
 
+    @property
+    def normalizes(self) -> bool:
+        """Whether a batch op turns the uint8 batch into normalized floats (a Normalize: `gives = "float"`)."""
+        return self.batch is not None and any(getattr(op, "gives", None) == "float" for op in self.batch.ops)
+
     def pixel_movers(self) -> list[str]:
         """The ops that move pixels where boxes and masks cannot follow: after the planned prefix (a
         user callable ends it) or among the batch ops, unless they declare `moves_pixels = False`."""
