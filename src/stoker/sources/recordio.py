@@ -76,12 +76,31 @@ class Damage(NamedTuple):
     reason: str
 
 
+class _Part(NamedTuple):
+    magic: int
+    flag: int     # 0: a whole record; 1, 2, 3: a split record's first, middle, last part
+    length: int
+    after: int    # the byte after its data and padding
+
+
+def _part(buf: Any, pos: int) -> _Part | None:
+    """The part header at ``pos``, or None where fewer than 8 bytes are left."""
+    if pos < 0 or len(buf) - pos < _PART.size:
+        return None
+    magic, lrec = _PART.unpack_from(buf, pos)
+    length = lrec & _LENGTH_MASK
+    return _Part(magic, lrec >> 29, length, pos + _PART.size + ((length + 3) & ~3))
+
+
 def is_head(buf: Any, pos: int) -> bool:
     """True when a record's first part starts at ``pos`` (magic word, part flag 0 or 1)."""
-    if pos < 0 or len(buf) - pos < _PART.size:
-        return False
-    magic, lrec = _PART.unpack_from(buf, pos)
-    return magic == MAGIC and lrec >> 29 in (0, 1)
+    p = _part(buf, pos)
+    return p is not None and p.magic == MAGIC and p.flag in (0, 1)
+
+
+def _is_continuation(buf: Any, pos: int) -> bool:
+    p = _part(buf, pos)
+    return p is not None and p.magic == MAGIC and p.flag in (2, 3)
 
 
 def frame(buf: Any, pos: int, known_ends: frozenset[int] = frozenset()) -> Record | Damage:
@@ -111,18 +130,29 @@ def frame(buf: Any, pos: int, known_ends: frozenset[int] = frozenset()) -> Recor
         if flag in (0, 3):
             end = min(at, size)
             if end < size and end not in known_ends and not is_head(buf, end) and not _damaged_head(buf, end):
-                return Damage(pos, f"the length in its header at byte {part_at} ({length} bytes) does not end "
-                                   "at another record header: the length is damaged")
+                return Damage(pos, f"the part at byte {part_at} ({length} bytes, part flag {flag}) does not end at "
+                                   "another record header: its length or part flag is damaged")
             return Record(pos, tuple(parts), end)
 
 
 def _damaged_head(buf: Any, pos: int) -> bool:
-    """True when the 4 bytes at ``pos`` are the magic word but for at most 3 bits: a header that
-    is itself damaged, so the record before it ended in the right place (its length is sound)."""
-    if len(buf) - pos < 4:
+    """True when the header at ``pos`` is itself damaged, so the record before it ended in the
+    right place: the magic word but for at most 3 bits, a part flag above 3, or a flag of 2 or 3
+    that its neighbour contradicts (a true last part (3) is followed by a record start or the end of
+    the file, a true middle part (2) by another part; anything else is a record start whose flag
+    was hit, not the rest of a record cut short)."""
+    p = _part(buf, pos)
+    if p is None:
         return False
-    (word,) = struct.unpack_from("<I", buf, pos)
-    return (word ^ MAGIC).bit_count() <= 3
+    if p.magic != MAGIC:
+        return (p.magic ^ MAGIC).bit_count() <= 3
+    if p.flag not in (2, 3):
+        return p.flag > 3
+    if p.after > len(buf):
+        return False
+    if p.flag == 3:
+        return not (p.after == len(buf) or is_head(buf, p.after))
+    return not _is_continuation(buf, p.after)
 
 
 def _find_magic(buf: Any, start: int, stop: int) -> int:
@@ -137,14 +167,25 @@ def _find_magic(buf: Any, start: int, stop: int) -> int:
 
 
 def next_head(buf: Any, pos: int) -> int:
-    """The first record header at or after ``pos`` (4-byte aligned), or the file's size."""
+    """The first record header at or after ``pos`` (4-byte aligned), or the file's size. A part of
+    a split record whose flag was hit (a first part followed by a record start, a whole record
+    followed by the rest of a split one) is not taken for one."""
     while True:
         found = _find_magic(buf, pos, len(buf))
         if found < 0:
             return len(buf)
-        if is_head(buf, found):
+        if is_head(buf, found) and not _inside_split(buf, found):
             return found
         pos = found + 4
+
+
+def _inside_split(buf: Any, pos: int) -> bool:
+    p = _part(buf, pos)
+    if p.after > len(buf):
+        return False
+    if p.flag == 1:
+        return p.after == len(buf) or is_head(buf, p.after)
+    return _is_continuation(buf, p.after) and not _damaged_head(buf, p.after)
 
 
 def scan(buf: Any) -> Iterator[Record | Damage]:
