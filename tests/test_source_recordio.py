@@ -46,9 +46,9 @@ def test_mxnet_written_files_pack_byte_for_byte_with_labels(tmp_path: Path, name
     rejoined; the InsightFace header and identity records are no samples, what they say is kept."""
     rows, manifest = _pack(FIXTURE / src, tmp_path / "out")
     expected = EXPECTED[name]["images"] if name == "faces" else EXPECTED[name]
+    file = name if name in ("scores", "vector") else "train"
     assert {k: (_sha(r["image"]), r["label"]) for k, r in rows.items()} == {
-        f"{'scores' if name == 'scores' else 'vector' if name == 'vector' else 'train'}.rec/{k}": (e["sha256"], e["label"])
-        for k, e in expected.items()}
+        f"{file}.rec/{k}": (e["sha256"], e["label"]) for k, e in expected.items()}
     assert {r["encoding"] for r in rows.values()} == {"jpeg"}
     assert manifest["label_type"] == label_type and manifest["pack_options"]["source_kind"] == "recordio"
     if name == "faces":
@@ -96,8 +96,8 @@ def test_spec_writer_rewrites_mxnets_files_byte_for_byte(tmp_path: Path) -> None
         for identity in range(3):
             w.write(pack(ranges[identity], b"", first + identity), first + identity)
         w.write(pack([first, end], b"", 0), 0)
-    for suffix in (".rec", ".idx"):
-        assert (tmp_path / "faces" / f"train{suffix}").read_bytes() == (FIXTURE / "faces" / f"train{suffix}").read_bytes()
+    for name in ("train.rec", "train.idx"):
+        assert (tmp_path / "faces" / name).read_bytes() == (FIXTURE / "faces" / name).read_bytes()
 
 
 def test_without_idx_a_scan_gives_the_same_images(tmp_path: Path) -> None:

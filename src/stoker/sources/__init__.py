@@ -53,10 +53,10 @@ FORMATS: dict[str, Format] = {
     "files": Format(folder.open_files, folder.detect_files),
     "webdataset": Format(tar.open_tar, tar.detect),
     "tfrecord": Format(tfrecord.open_tfrecord, tfrecord.detect),
-    "recordio": Format(recordio.open_recordio, recordio.detect),
     "hf": Format(hf.open_hf, hf.detect),
     "lmdb": Format(lmdb_env.open_lmdb, lmdb_env.detect),
     "hdf5": Format(hdf5.open_hdf5, hdf5.detect),
+    "recordio": Format(recordio.open_recordio, recordio.detect),
     "folder": Format(folder.open_folder, folder.detect_folder),
 }
 #: Other names accepted for a kind.

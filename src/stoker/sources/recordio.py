@@ -301,7 +301,8 @@ def read_index(index: Path) -> list[tuple[str, int, int]]:
             continue
         if len(fields) != 2 or not fields[1].lstrip("-").isdigit():
             raise SourceError(f"{index} line {number}: expected '<key><TAB><byte offset>', found {line.strip()!r}; "
-                              "fix the line, or remove the .idx to scan the .rec file in order", path=index, line=number)
+                              "fix the line, or remove the .idx to scan the .rec file in order",
+                              path=index, line=number)
         if fields[0] in seen:
             raise SourceError(f"{index} line {number}: key {fields[0]!r} is already listed on line {seen[fields[0]]}; "
                               "each record may appear once", path=index, line=number)
