@@ -29,13 +29,16 @@ a ``property`` file beside the ``.rec`` (``<identities>,<height>,<width>``), go 
 description, kept in the manifest (``pack_options.source``, shown by ``stoker info``). As
 InsightFace's own reader does, an image labelled with a vector there is labelled by its first value.
 
-Damage (RecordIO has no checksums): a wrong magic word, a part flag out of place, a length past
-the end of the file or one that does not end where the next record header is, a split record
-whose last part never comes, an IRHeader longer than its record: that record is skipped and
-logged (``skipped.jsonl`` names its key and byte offset). A scan then goes on at the next aligned
-magic word that starts a record (the writer never leaves one aligned inside data), naming the
-byte range it could not read. A ``.idx`` offset outside the file or not on a record header skips
-that key. Nothing is read past the file's end, so no record costs more memory than the file holds.
+Damage (RecordIO has no checksums; listing reads the 8-byte part headers, never image bytes): a
+wrong magic word, a part flag out of place, a length past the end of the file, past the next
+offset the ``.idx`` lists, or not ending where the next record header is, a split record whose
+last part never comes, an IRHeader longer than its record: that record is skipped and logged
+(``skipped.jsonl`` names its key and byte offset). A scan then goes on at the next aligned magic
+word that starts a record (the writer never leaves one aligned inside data), naming the byte
+range it could not read. A ``.idx`` offset outside the file or not on a record header skips that
+key. Nothing is read past the file's end, so no record costs more memory than the file holds.
+Without an ``.idx``, a length damaged to end exactly at a later record header looks sound (the
+records between become the end of that image).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from ..errors import SourceError
 from ..storage.local import open_regular, read_regular
@@ -103,9 +108,10 @@ def _is_continuation(buf: Any, pos: int) -> bool:
     return p is not None and p.magic == MAGIC and p.flag in (2, 3)
 
 
-def frame(buf: Any, pos: int, known_ends: frozenset[int] = frozenset()) -> Record | Damage:
-    """The record whose first part starts at ``pos``. It must end at the end of the file, at
-    another record header, or at one of ``known_ends`` (the offsets an ``.idx`` lists)."""
+def frame(buf: Any, pos: int, next_start: int | None = None) -> Record | Damage:
+    """The record whose first part starts at ``pos``. It must end at the end of the file or at
+    another record header; with ``next_start`` (the next record start an ``.idx`` lists), at
+    that offset or before it. Only headers are read, never the data."""
     size, parts, at = len(buf), [], pos
     while True:
         if size - at < _PART.size:
@@ -121,15 +127,14 @@ def frame(buf: Any, pos: int, known_ends: frozenset[int] = frozenset()) -> Recor
         if length > size - at - _PART.size:
             return Damage(pos, f"truncated: the part at byte {at} says {length} bytes, the file holds "
                                f"{size - at - _PART.size} after its header")
-        inner = _find_magic(buf, at + _PART.size, at + _PART.size + length)
-        if inner >= 0:
-            return Damage(pos, f"the part at byte {at} says {length} bytes, but a record header lies inside them "
-                               f"(byte {inner}): the length is damaged")
         parts.append((at + _PART.size, length))
         part_at, at = at, at + _PART.size + ((length + 3) & ~3)
         if flag in (0, 3):
             end = min(at, size)
-            if end < size and end not in known_ends and not is_head(buf, end) and not _damaged_head(buf, end):
+            if next_start is not None and end > next_start:
+                return Damage(pos, f"the part at byte {part_at} says {length} bytes, running past byte {next_start} "
+                                   "where the .idx starts the next record: its length is damaged")
+            if end < size and end != next_start and not is_head(buf, end) and not _damaged_head(buf, end):
                 return Damage(pos, f"the part at byte {part_at} ({length} bytes, part flag {flag}) does not end at "
                                    "another record header: its length or part flag is damaged")
             return Record(pos, tuple(parts), end)
@@ -326,13 +331,33 @@ def read_property(path: Path) -> tuple[int, ...]:
 
 # ---------------------------------------------------------------- listing
 
-@dataclass
-class _Entry:
-    key: str
+class _Entry(NamedTuple):
+    file: Path
+    offset: int           # of the record's first header
     number: int | None    # the record's number for the InsightFace layout (.idx key, else IRHeader id)
-    where: str
     header: Header
     item: SourceItem
+
+    @property
+    def key(self) -> str:
+        return self.item.key
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:byte {self.offset}"
+
+
+class _Starts:
+    """The record offsets an ``.idx`` lists, sorted (an array: 8 bytes an offset, where a set of
+    millions of ints would take hundreds of MB)."""
+
+    def __init__(self, offsets: list[int]) -> None:
+        self._sorted = np.unique(np.asarray(offsets, dtype=np.int64))
+
+    def after(self, offset: int) -> int | None:
+        """The first listed offset beyond ``offset``, None when there is none."""
+        i = int(np.searchsorted(self._sorted, offset, side="right"))
+        return int(self._sorted[i]) if i < len(self._sorted) else None
 
 
 class _Listing:
@@ -357,14 +382,14 @@ def _records(file: Path, buf: Any, out: _Listing) -> Iterator[tuple[str, int | N
                 yield f"{file.name}/{number}", None, rec
         return
     entries = read_index(index)
-    ends = frozenset(offset for _, offset, _ in entries)
+    ends = _Starts([offset for _, offset, _ in entries])
     for key, offset, line in entries:
         name, where = f"{file.name}/{key}", f"{file}:byte {offset}"
         if not 0 <= offset < len(buf) or offset % 4:
             out.skip(name, f"{index} line {line}", f"{index.name} line {line} gives byte offset {offset}, which is "
                      f"not a record start in {file.name} ({len(buf)} bytes, records start at multiples of 4)")
             continue
-        rec = frame(buf, offset, ends)
+        rec = frame(buf, offset, ends.after(offset))
         if isinstance(rec, Damage):
             out.skip(name, where, f"{rec.reason} ({index.name} line {line})")
             continue
@@ -375,14 +400,13 @@ def _list_file(file: Path, buf: Any, out: _Listing) -> None:
     split = _SplitRecords(file, [])
     indexed = file.with_suffix(INDEX_SUFFIX).is_file()
     for key, number, rec in _records(file, buf, out):
-        where = f"{file}:byte {rec.offset}"
         whole = len(rec.parts) == 1
         data, base = (buf, rec.parts[0][0]) if whole else (rejoin(buf, rec), 0)
         length = rec.parts[0][1] if whole else len(data)
         try:
             header = parse_header(data, base, length)
         except ValueError as exc:
-            out.skip(key, where, str(exc))
+            out.skip(key, f"{file}:byte {rec.offset}", str(exc))
             continue
         if whole:
             item = SourceItem(key=key, path=None, label=None, container=file, offset=base + header.image,
@@ -391,7 +415,7 @@ def _list_file(file: Path, buf: Any, out: _Listing) -> None:
             split.records.append((rec.parts, header.image))
             item = SourceItem(key=key, path=None, label=None, offset=len(split.records) - 1, size=header.size,
                               store=split)
-        out.entries.append(_Entry(key, number if indexed else header.id, where, header, item))
+        out.entries.append(_Entry(file, rec.offset, number if indexed else header.id, header, item))
 
 
 def _whole(value: float) -> bool:
