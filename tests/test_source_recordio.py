@@ -312,3 +312,10 @@ def test_idx_catches_a_length_that_lands_on_a_later_header(tmp_path: Path) -> No
     assert {i.key: i.read() for i in src.items} == {f"train.rec/{i}": imgs[i] for i in (0, 1, 3, 4)}
     assert [s["key"] for s in src.skipped] == ["train.rec/2"]
     assert f"running past byte {offsets[3]}" in src.skipped[0]["reason"]
+
+
+def test_loader_reads_a_rec_file_without_packing() -> None:
+    with Loader(FIXTURE / "faces" / "train.rec", 6, transforms=[Resize((16, 16))], order="sequential",
+                num_threads=1) as loader:
+        (images, labels), = list(loader)
+    assert images.shape == (6, 16, 16, 3) and labels.tolist() == [0, 0, 0, 1, 1, 2]
