@@ -249,6 +249,8 @@ def test_bad_idx_offsets_skip_their_keys(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("text, message", [
     ("0\t0\n1 x\n", "line 2: expected '<key><TAB><byte offset>'"),
+    ("0\t0\n1\t--8\n", "line 2: expected '<key><TAB><byte offset>'"),
+    ("0\t0\n1\t\u00b2\n", "line 2: expected '<key><TAB><byte offset>'"),
     ("0\t0\n0\t0\n", "line 2: key '0' is already listed on line 1")])
 def test_malformed_idx_is_an_error_naming_the_line(tmp_path: Path, text: str, message: str) -> None:
     rec, _ = _five(tmp_path, True)

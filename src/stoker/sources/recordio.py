@@ -251,7 +251,9 @@ class _SplitRecords:
 
     def read(self, offset: int, size: int) -> bytes:
         parts, image = self.records[offset]
-        data = MAGIC_BYTES.join(read_regular(self.path, s, n) for s, n in parts)
+        first = parts[0][0]
+        span = read_regular(self.path, first, parts[-1][0] + parts[-1][1] - first)   # one read for all parts
+        data = MAGIC_BYTES.join(span[s - first:s - first + n] for s, n in parts)
         return data[image:image + size]
 
 
@@ -304,7 +306,7 @@ def read_index(index: Path) -> list[tuple[str, int, int]]:
         fields = line.split()
         if not fields:
             continue
-        if len(fields) != 2 or not fields[1].lstrip("-").isdigit():
+        if len(fields) != 2 or _integer(fields[1]) is None:
             raise SourceError(f"{index} line {number}: expected '<key><TAB><byte offset>', found {line.strip()!r}; "
                               "fix the line, or remove the .idx to scan the .rec file in order",
                               path=index, line=number)
@@ -314,6 +316,13 @@ def read_index(index: Path) -> list[tuple[str, int, int]]:
         seen[fields[0]] = number
         out.append((fields[0], int(fields[1]), number))
     return out
+
+
+def _integer(text: str) -> int | None:
+    try:
+        return int(text) if text.isascii() else None
+    except ValueError:
+        return None
 
 
 def read_property(path: Path) -> tuple[int, ...]:
@@ -393,7 +402,7 @@ def _records(file: Path, buf: Any, out: _Listing) -> Iterator[tuple[str, int | N
         if isinstance(rec, Damage):
             out.skip(name, where, f"{rec.reason} ({index.name} line {line})")
             continue
-        yield name, int(key) if key.isdigit() else None, rec
+        yield name, _integer(key), rec
 
 
 def _list_file(file: Path, buf: Any, out: _Listing) -> None:
