@@ -4,7 +4,8 @@
 
 The same generated ImageNet-like JPEGs (``stoker.synth``) are written once into every format with
 that format's own writer library (pyarrow for Parquet/Arrow, ``lmdb``, ``h5py``, the ``tfrecord``
-package, ``tarfile``), under CACHE_DIR. Then each source is packed ``--rounds`` times, the formats
+package, ``tarfile``; for MXNet RecordIO, which no longer installs, the tests' writer that
+reproduces MXNet's files byte for byte), under CACHE_DIR. Then each source is packed ``--rounds`` times, the formats
 in a different order each round (so a noisy neighbour hits all of them alike); the median wall time
 is reported with the ratio ``folder time / format time`` (above 1: faster than the folder), and the
 CPU time this process spent per image (all its threads; less sensitive than wall time to other
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import importlib.util
 import io
 import json
 import shutil
@@ -128,6 +130,15 @@ def write_hdf5(samples: list[tuple[Path, int]], out: Path) -> Path:
     return out
 
 
+def write_recordio(samples: list[tuple[Path, int]], out: Path) -> Path:
+    """``train.rec`` + ``train.idx`` as ``im2rec`` writes them (keys 0.., scalar float labels)."""
+    spec = importlib.util.spec_from_file_location(
+        "stoker_recordio_writer", Path(__file__).resolve().parents[1] / "tests" / "recordio_writer.py")
+    writer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(writer)
+    return writer.write_rec(out / "train.rec", [(float(label), path.read_bytes()) for path, label in samples])
+
+
 WRITERS: dict[str, tuple[Callable[..., Path], str]] = {
     "list": (write_list, "list"),
     "webdataset": (write_tars, "webdataset"),
@@ -138,6 +149,7 @@ WRITERS: dict[str, tuple[Callable[..., Path], str]] = {
     "tfrecord": (write_tfrecord, "tfrecord"),
     "tfrecord-gz": (lambda s, o: write_tfrecord(s, o, gz=True), "tfrecord"),
     "hdf5": (lambda s, o: write_hdf5(s, o.with_suffix(".h5")), "hdf5"),
+    "recordio": (write_recordio, "recordio"),
 }
 
 

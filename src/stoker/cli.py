@@ -224,12 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_synth)
 
     p = sub.add_parser("pack", help="pack images (folders, lists, CSV, WebDataset, Hugging Face, LMDB, TFRecord, "
-                       "HDF5, COCO) into Arrow shards, in a folder or object storage")
+                       "MXNet RecordIO, HDF5, COCO) into Arrow shards, in a folder or object storage")
     p.add_argument("src", nargs="+", metavar="SRC",
                    help="ImageFolder directory, 'path label' .txt list, .csv, WebDataset .tar/.tar.gz shards "
                         "(a file, a folder, a brace pattern like 'train-{000000..000146}.tar' in quotes, or "
                         "several files), .parquet/.arrow files or a saved Hugging Face dataset folder, an LMDB "
-                        "environment, TFRecord files (a file or folder), an .h5 file, a COCO instances .json")
+                        "environment, TFRecord files (a file or folder), an MXNet .rec file (with its .idx) or a folder "
+                        "of them, an .h5 file, a COCO instances .json")
     p.add_argument("out", help="output dataset directory, or a URL: s3://bucket/ds (credentials from the usual "
                    "environment; AWS_ENDPOINT_URL for S3-compatible stores)")
     p.add_argument("--kind", default="auto", choices=list(KINDS),

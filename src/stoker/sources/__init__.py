@@ -10,6 +10,7 @@ One module per input format, all behind the interface in :mod:`.base` (a :class:
 - ``"tar"``: WebDataset-style tar files, one ``.tar`` or a folder of them (:mod:`.tar`).
 - ``"segmentation"``: ``images/`` and ``masks/`` folders, each image with its label-map PNG (:mod:`.folder`).
 - ``"coco"``: a COCO instances JSON: images with their boxes and box labels as list columns (:mod:`.coco`).
+- ``"recordio"``: MXNet RecordIO, a ``.rec`` file (with its ``.idx`` when present) or a folder of them (:mod:`.recordio`).
 
 A new format is one module (``open`` and ``detect``, see :mod:`.base`) plus one line in
 ``FORMATS``. Listing is cheap: no image is opened here.
@@ -25,7 +26,7 @@ from pathlib import Path
 from ..errors import SourceError, UnsupportedStorageError
 from ..storage import open_storage, url_scheme
 from ..storage.local import not_regular
-from . import coco, folder, hdf5, hf, listing, lmdb_env, table, tar, tfrecord
+from . import coco, folder, hdf5, hf, listing, lmdb_env, recordio, table, tar, tfrecord
 from .base import IMAGE_EXTENSIONS, Source, SourceItem, SourceOptions, read_bytes, unencodable_keys
 
 __all__ = ["FORMATS", "IMAGE_EXTENSIONS", "KINDS", "Source", "SourceItem", "SourceOptions", "open_source",
@@ -55,6 +56,7 @@ FORMATS: dict[str, Format] = {
     "hf": Format(hf.open_hf, hf.detect),
     "lmdb": Format(lmdb_env.open_lmdb, lmdb_env.detect),
     "hdf5": Format(hdf5.open_hdf5, hdf5.detect),
+    "recordio": Format(recordio.open_recordio, recordio.detect),
     "folder": Format(folder.open_folder, folder.detect_folder),
 }
 #: Other names accepted for a kind.
@@ -70,7 +72,7 @@ def open_source(src: str | Path | Sequence[str | Path], *, kind: str = "auto", l
     ``src`` is a path, a WebDataset brace pattern (``train-{000000..000146}.tar``) or a list of
     shard files. ``kind`` is one of ``KINDS``; ``"auto"`` asks each format's detector in
     ``FORMATS`` order (by file ending, or by content where names say nothing: TFRecord framing,
-    LMDB's ``data.mdb``, a saved Hugging Face dataset's ``state.json``); a folder of class folders
+    LMDB's ``data.mdb``, RecordIO's magic word, a saved Hugging Face dataset's ``state.json``); a folder of class folders
     is the fallback. For lists and CSVs, relative paths resolve against the list's folder and
     ``root`` makes keys relative to a folder; for a COCO instances JSON (``.json``), ``root`` is
     the image folder (e.g. ``root="coco/train2017"``; default: the JSON's folder). ``label_column`` / ``image_column`` name the
@@ -97,7 +99,7 @@ def open_source(src: str | Path | Sequence[str | Path], *, kind: str = "auto", l
     if not path.exists():
         raise SourceError(f"source {path} does not exist; expected an image folder, a .txt list, a .csv, "
                           "WebDataset .tar shards (a file, folder or brace pattern), Parquet/Arrow files, "
-                          "an LMDB environment, TFRecord or HDF5 files", path=path)
+                          "an LMDB environment, TFRecord, MXNet RecordIO or HDF5 files", path=path)
     path = path.resolve()
     mode = path.stat().st_mode
     if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):  # a FIFO would block the format's reader
@@ -139,5 +141,5 @@ def _detect_kind(path: Path) -> str:
             return kind
     raise SourceError.spelled("cannot tell what kind of source " + str(path) + " is; expected an image folder, "
                               "a .txt list, a .csv, .tar/.tar.gz shards, .parquet/.arrow files or a saved Hugging "
-                              "Face dataset, an LMDB environment, TFRecord files or an .h5 file (or pass {kind}: "
+                              "Face dataset, an LMDB environment, TFRecord files, an MXNet .rec file or an .h5 file (or pass {kind}: "
                               f"one of {', '.join(KINDS[1:])})", {"kind": ("kind=...", "--kind")}, path=path)
