@@ -119,7 +119,8 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     options = PackOptions(max_side=args.max_side, encoding=args.encoding, jpeg_quality=args.jpeg_quality,
                           raw_below=args.raw_below, shard_size=args.shard_size, workers=args.workers,
                           on_error=args.on_error, max_pixels=args.max_pixels, engine=args.engine,
-                          address=args.address)
+                          address=args.address, samples=args.samples, video_keyframes=args.video_keyframes,
+                          video_crf=args.video_crf)
     source_options = {"kind": args.kind, "label_column": None if args.no_labels else args.label_column,
                       "path_column": args.path_column, "image_column": args.image_column, "root": args.root,
                       "mask_column": args.mask_column}
@@ -252,7 +253,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on-error", default="skip", choices=["skip", "fail"],
                    help="skip: log bad files to OUT/skipped.jsonl (default); fail: stop at the first")
     p.add_argument("--max-pixels", type=_positive, default=None, metavar="N",
-                   help="refuse images with more pixels than N (decompression bombs)")
+                   help="refuse images (and video frames) with more pixels than N (decompression bombs)")
+    p.add_argument("--samples", default="auto", choices=["auto", "image", "video"],
+                   help="what SRC holds (default: auto, videos when its files end like .mp4/.mkv/.webm/... or "
+                        "its bytes start like a video container); videos need pip install 'stoker[video]'")
+    p.add_argument("--video-keyframes", type=float, default=None, metavar="SECONDS",
+                   help="videos: re-encode to H.264 with a keyframe every SECONDS (cheaper random clips, more "
+                        "bytes; docs/video.md); default: stored byte-for-byte unless --max-side shrinks them")
+    p.add_argument("--video-crf", type=int, default=23, metavar="CRF",
+                   help="quality of re-encoded videos (x264 CRF 0..51, lower is better; default 23)")
     p.add_argument("--resume", action="store_true", help="finish an interrupted pack into OUT")
     p.add_argument("--overwrite", action="store_true", help="replace a pack already in OUT (deletes only "
                    "the files pack writes)")

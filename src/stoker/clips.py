@@ -245,3 +245,32 @@ def finish_clip(pipeline: Any, plan: ClipPlan, dst: np.ndarray) -> None:
             raise ConfigError(f"a transform after the crop changed a frame's shape to {out.shape}; clips keep "
                               f"one shape {dst.shape[1:]}: put resizing ops before user callables")
         dst[t] = out
+
+
+def read_clip(dataset: Any, i: int, spec: ClipSpec, pipeline: Any, *, seed: int = 0, epoch: int = 0,
+              clip: int = 0, dst: np.ndarray | None = None, **decode_options: Any) -> tuple[np.ndarray, ClipStats]:
+    """One clip of video sample ``i`` of a packed dataset (``stoker.open_dataset``): planned, decoded
+    and augmented into ``dst`` (uint8 [T, H, W, 3]; allocated when None). The clip lies inside the
+    sample's ``start``/``end`` seconds where the dataset has those columns (a Kinetics CSV). This is the
+    work one worker thread does per clip; the Loader's clip options are not built yet (docs/video.md)."""
+    from .video import VIDEO_INDEX_COLUMN
+    sample = dataset.sample(i)
+    try:
+        text = dataset.extra(i, VIDEO_INDEX_COLUMN)
+    except (KeyError, ValueError):
+        text = None
+    if text is None:
+        raise ConfigError(f"sample {i} ({sample.key}) has no video index: the dataset was not packed from "
+                          "videos (pack them with stoker pack, samples='video')")
+    index = VideoIndex.from_json(text)
+    columns = getattr(dataset, "extra_columns", ())
+    bounds = [dataset.extra(i, c) if c in columns else None for c in ("start", "end")]
+    window = tuple(None if b is None else float(b) for b in bounds)
+    plan = plan_clip(index, spec, pipeline, seed=seed, epoch=epoch, sample=i, clip=clip,
+                     window=None if window == (None, None) else window)
+    if dst is None:
+        dst = np.empty((spec.frames, *plan.size, 3), np.uint8)
+    stats = decode_clip_into(sample.data, index, plan.frames, dst, plan.box, plan.flip, key=sample.key,
+                             **decode_options)
+    finish_clip(pipeline, plan, dst)
+    return dst, stats

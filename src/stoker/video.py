@@ -22,11 +22,13 @@ import numpy as np
 
 from .errors import CorruptVideoError, DecompressionBombError, MissingDependencyError, UnsupportedVideoError
 
-__all__ = ["VIDEO_INDEX_COLUMN", "VideoIndex", "looks_like_video", "open_container", "probe_video", "reencode",
+__all__ = ["VIDEO_ENCODING", "VIDEO_INDEX_COLUMN", "VideoIndex", "looks_like_video", "open_container", "probe_video", "reencode",
            "require_av", "upright"]
 
 #: the shard column (string, JSON) that holds each video's :class:`VideoIndex`
 VIDEO_INDEX_COLUMN = "video_index"
+#: the shard's ``encoding`` of a video sample (the container and codec are in its index)
+VIDEO_ENCODING = "video"
 #: pack-time bounds on one video: frames decoded and seconds spent checking it
 MAX_FRAMES = 200_000
 MAX_SECONDS = 300.0
@@ -140,6 +142,10 @@ def probe_video(data: bytes | memoryview, key: str, *, max_pixels: int, max_fram
     av = require_av()
     container = open_container(data, key)
     try:
+        fmt = container.format.name.split(",")[0]
+        if fmt.endswith("_pipe") or fmt == "image2":   # FFmpeg opens a JPEG or PNG as a one-frame video
+            raise UnsupportedVideoError(key, f"an image ({fmt.removesuffix('_pipe')}), not a video; pack images and "
+                                             "videos as separate datasets")
         stream = video_stream(container, key, max_pixels)
         stream.thread_type, stream.thread_count = "NONE", 1   # the pack's own pool is the parallelism
         declared = stream.frames
@@ -179,7 +185,6 @@ def probe_video(data: bytes | memoryview, key: str, *, max_pixels: int, max_fram
         rate = float(stream.average_rate or 0) or ((len(pts) - 1) / span if span > 0 else 0.0)
         fps = (len(pts) - 1) / span if span > 0 else rate
         duration = span + (1.0 / fps if fps > 0 else 0.0)
-        fmt = container.format.name.split(",")[0]
         return VideoIndex(codec=stream.codec_context.name, container=fmt, width=stream.codec_context.width,
                           height=stream.codec_context.height, rotation=rotation,
                           time_base=(tb.numerator, tb.denominator), pts=sorted_pts,
