@@ -138,3 +138,24 @@ def test_cli_pack_video_flags(kinetics: Path, tmp_path: Path, capsys: pytest.Cap
     assert main(["pack", str(kinetics), str(tmp_path / "ds"), "--video-keyframes", "1", "--no-progress"]) == 0
     assert "packed 4 videos" in capsys.readouterr().out
     assert all(index.keyframes.tolist() == [0, 10, 20] for *_, index in _stored(tmp_path / "ds"))
+
+
+def test_resume_of_a_finished_video_pack(kinetics: Path, tmp_path: Path) -> None:
+    pack(kinetics, tmp_path / "ds", progress=False)
+    again = pack(kinetics, tmp_path / "ds", progress=False, resume=True)
+    assert again.already_complete and "complete pack of 4 videos" in again.format()
+
+
+def test_cli_synth_videos(tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stoker.cli import main
+    from stoker.tools import synth_video
+    small = synth_video.VideoStyle(seconds=1, fps=10, size=(32, 48))
+    real = synth_video.make_kinetics_like
+    # the CLI's 10 s videos at 256x340 take seconds each: the same call, smaller
+    monkeypatch.setattr(synth_video, "make_kinetics_like",
+                        lambda out, n, **kw: real(out, n, classes=kw["classes"], seed=kw["seed"], style=small))
+    assert main(["synth", str(tmp_path / "v"), "--videos", "4", "--classes", "2"]) == 0
+    assert "wrote 4 Kinetics-like h264 videos" in capsys.readouterr().out
+    assert sorted(p.relative_to(tmp_path / "v").as_posix() for p in (tmp_path / "v").rglob("*.mp4")) == [
+        "class_000/video_00000.mp4", "class_000/video_00001.mp4", "class_001/video_00000.mp4",
+        "class_001/video_00001.mp4"]

@@ -103,6 +103,16 @@ def _setup_logging(quiet: bool) -> logging.Handler:
 
 
 def _cmd_synth(args: argparse.Namespace) -> int:
+    if args.videos:
+        from .tools.synth_video import VideoStyle, make_kinetics_like
+
+        per_class = -(-args.videos // args.classes)
+        result = make_kinetics_like(args.out, per_class, classes=args.classes, seed=args.seed,
+                                    style=VideoStyle(codec=args.codec, keyframe_seconds=args.keyframe_seconds))
+        print(f"wrote {per_class * args.classes:,} Kinetics-like {args.codec} videos (10 s, 25 fps, 256x340, "
+              f"{args.classes} classes) in class folders: {result}\n"
+              f"next: stoker pack {result} {Path(args.out).name}-packed")
+        return 0
     from .tools.synth import make_imagenet_like
 
     result = make_imagenet_like(args.out, args.images, classes=args.classes, seed=args.seed, workers=args.workers,
@@ -221,6 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder: OUT/class_XXX/*.jpg (default); list: OUT/images/*.jpg plus OUT/train.txt")
     p.add_argument("--seed", type=int, default=0, help="same seed, same files (default 0)")
     p.add_argument("--workers", type=_positive, default=None, help="worker processes (default: usable CPUs)")
+    p.add_argument("--videos", type=_positive, default=None, metavar="N",
+                   help="write N Kinetics-like videos (10 s, 25 fps, 256x340, motion by class) instead of JPEGs, "
+                        "in class folders (pip install 'stoker[video]')")
+    p.add_argument("--codec", default="h264", choices=["h264", "hevc", "vp9", "av1", "mpeg4"],
+                   help="with --videos: the encoder (default h264, x264)")
+    p.add_argument("--keyframe-seconds", type=float, default=10.0, metavar="S",
+                   help="with --videos: seconds between keyframes (default 10, x264's default interval)")
     _add_quiet(p)
     p.set_defaults(func=_cmd_synth)
 
