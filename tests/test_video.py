@@ -55,9 +55,25 @@ def test_decode_seeks_and_stops_early(h264: bytes) -> None:
     dst = np.zeros((4, 48, 64, 3), np.uint8)
     # frames 25..39: seek to keyframe 20 (not from 0), and nothing after the last frame is decoded
     stats = decode_clip_into(h264, index, np.array([25, 26, 38, 39]), dst)
-    assert (stats.decoded, stats.delivered, stats.seeks) == (7 + 10, 4, 2)
+    assert (stats.decoded + stats.skipped, stats.delivered, stats.seeks) == (7 + 10, 4, 2)
+    assert stats.skipped > 0   # x264's non-reference B-frames the clip does not keep are never decoded
     stats = decode_clip_into(h264, index, np.array([0, 1, 2, 3]), dst)
-    assert (stats.decoded, stats.seeks) == (4, 0)
+    assert (stats.decoded, stats.skipped, stats.seeks) == (4, 0, 0)
+
+
+def test_h264_non_reference_frames_are_dropped_only_when_not_kept(h264: bytes) -> None:
+    """Every frame, kept alone or in any stride, equals the full decode: a dropped picture is never one
+    the clip keeps or one another frame is predicted from."""
+    index = probe_video(h264, "v", max_pixels=LIMIT)
+    ref = reference(h264)
+    skipped = 0
+    for stride in (1, 2, 3, 5, 7):
+        for first in range(stride):
+            frames = np.arange(first, 40, stride)
+            dst = np.zeros((len(frames), 48, 64, 3), np.uint8)
+            skipped += decode_clip_into(h264, index, frames, dst).skipped
+            np.testing.assert_array_equal(dst, ref[frames])
+    assert skipped > 0
 
 
 def test_index_round_trips_through_json(h264: bytes) -> None:

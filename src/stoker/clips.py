@@ -66,12 +66,14 @@ class ClipSpec:
 
 @dataclass(frozen=True)
 class ClipStats:
-    """What one clip cost: frames the decoder produced, frames the clip kept (distinct), seeks made.
+    """What one clip cost: frames the decoder produced, frames the clip kept (distinct), seeks made, and
+    frames passed over without decoding (non-reference H.264 pictures the clip does not keep).
     ``decoded / delivered`` is the waste: 1.0 means nothing was decoded in vain."""
 
     decoded: int
     delivered: int
     seeks: int
+    skipped: int = 0
 
 
 def clip_key(seed: int, epoch: int, sample: int, clip: int = 0) -> np.ndarray:
@@ -162,8 +164,8 @@ def decode_clip_into(data: bytes | memoryview, index: VideoIndex, frames: np.nda
     """Decode the clip's ``frames`` into ``dst`` (uint8 [T, H, W, 3], row t gets frame ``frames[t]``),
     each the crop ``box`` (upright source pixels; None: the whole frame) resized to H x W, mirrored when
     ``flip``. Seeks to the keyframe at or before each run of wanted frames (only where that skips work)
-    and decodes forward only up to the clip's last frame; frames in between are decoded but never
-    converted. ``threads``/``thread_type``: FFmpeg's own threading per decoder (``"NONE"``: one thread,
+    and decodes forward only up to the clip's last frame; frames in between are decoded (except H.264
+    non-reference pictures, which nothing needs) but never converted. ``threads``/``thread_type``: FFmpeg's own threading per decoder (``"NONE"``: one thread,
     which measured best under a pool of clip threads; docs/video.md)."""
     av = require_av()
     t_out, out_h, out_w = dst.shape[0], dst.shape[1], dst.shape[2]
@@ -180,11 +182,14 @@ def decode_clip_into(data: bytes | memoryview, index: VideoIndex, frames: np.nda
             raise ConfigError(f"{key}: frame {f} is outside the video's {index.frames} frames")
         rows.setdefault(f, []).append(row)
     wanted = sorted(rows)
+    keep = {int(index.pts[f]) for f in wanted}
     container = open_container(data, key)
-    decoded = seeks = 0
+    counts = [0, 0]   # frames decoded, packets left undecoded
+    seeks = 0
     try:
         stream = container.streams.video[0]
         stream.thread_type, stream.thread_count = thread_type, threads
+        nal_length = _avcc_nal_length(stream)
         frames_it, pos = None, -1
         for target in wanted:
             if target <= pos:
@@ -194,9 +199,8 @@ def decode_clip_into(data: bytes | memoryview, index: VideoIndex, frames: np.nda
                 if start > 0 or frames_it is not None:
                     container.seek(int(index.pts[start]), stream=stream, backward=True, any_frame=False)
                     seeks += 1
-                frames_it = container.decode(stream)
+                frames_it = _decoded(container, stream, keep, nal_length, counts)
             for frame in frames_it:
-                decoded += 1
                 n = int(np.searchsorted(index.pts, frame.pts)) if frame.pts is not None else -1
                 if n < 0 or n >= index.frames or index.pts[n] != frame.pts:
                     continue   # not a frame of the index (a leading frame of an open GOP)
@@ -212,7 +216,42 @@ def decode_clip_into(data: bytes | memoryview, index: VideoIndex, frames: np.nda
         raise CorruptVideoError(key, f"decoding failed ({exc})") from None
     finally:
         container.close()
-    return ClipStats(decoded=decoded, delivered=len(wanted), seeks=seeks)
+    return ClipStats(decoded=counts[0], delivered=len(wanted), seeks=seeks, skipped=counts[1])
+
+
+def _decoded(container: Any, stream: Any, keep: set[int], nal_length: int | None, counts: list[int]) -> Any:
+    """The stream's frames from the demuxer's position on. An H.264 packet holding a non-reference
+    picture (no later frame is predicted from it) that the clip does not keep is never sent to the
+    decoder: dropping such pictures is what FFmpeg's own ``skip_frame="NONREF"`` does, but decided per
+    packet, so a kept non-reference frame is still decoded. ``counts``: [decoded, dropped], updated."""
+    for packet in container.demux(stream):
+        if nal_length and packet.size and packet.pts not in keep and _h264_nonref(memoryview(packet), nal_length):
+            counts[1] += 1
+            continue
+        for frame in packet.decode():
+            counts[0] += 1
+            yield frame
+
+
+def _avcc_nal_length(stream: Any) -> int | None:
+    """Bytes of each NAL unit's length prefix for H.264 in MP4/Matroska (an ``avcC`` record as extradata),
+    else None (other codecs, Annex-B H.264): then every packet is decoded."""
+    extra = stream.codec_context.extradata
+    if stream.codec_context.name != "h264" or not extra or len(extra) < 5 or extra[0] != 1:
+        return None
+    return (extra[4] & 3) + 1
+
+
+def _h264_nonref(data: memoryview, nal_length: int) -> bool:
+    """True when the packet's first slice has nal_ref_idc 0: a picture no other picture refers to."""
+    pos, end = 0, len(data)
+    while pos + nal_length < end:
+        size = int.from_bytes(data[pos:pos + nal_length], "big")
+        header = data[pos + nal_length]
+        if header & 0x1F in (1, 5):   # a coded slice (non-IDR, IDR)
+            return (header >> 5) & 3 == 0
+        pos += nal_length + size
+    return False
 
 
 def _write(frame: Any, rows: list[int], dst: np.ndarray, win: Any, flip: bool, rotation: int,
