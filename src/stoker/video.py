@@ -164,7 +164,7 @@ def probe_video(data: bytes | memoryview, key: str, *, max_pixels: int, max_fram
                 if frame.key_frame:
                     keys.append(len(pts))
                 pts.append(frame.pts)
-                if len(pts) >= max_frames or time.perf_counter() - started > max_seconds:
+                if len(pts) > max_frames or time.perf_counter() - started > max_seconds:
                     raise UnsupportedVideoError(key, f"longer than the pack-time limit ({len(pts):,} frames decoded "
                                                      f"in {time.perf_counter() - started:.0f} s); cut it into clips")
         except av.error.FFmpegError as exc:
