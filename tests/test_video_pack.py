@@ -159,3 +159,13 @@ def test_cli_synth_videos(tmp_path: Path, capsys: pytest.CaptureFixture, monkeyp
     assert sorted(p.relative_to(tmp_path / "v").as_posix() for p in (tmp_path / "v").rglob("*.mp4")) == [
         "class_000/video_00000.mp4", "class_000/video_00001.mp4", "class_001/video_00000.mp4",
         "class_001/video_00001.mp4"]
+
+
+def test_without_pyav_a_video_pack_names_the_extra(kinetics: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    from stoker.errors import MissingDependencyError
+    monkeypatch.setitem(sys.modules, "av", None)   # import av raises ImportError
+    with pytest.raises(MissingDependencyError, match=r"pip install 'stoker\[video\]'"):
+        pack(kinetics, tmp_path / "ds", progress=False)
+    assert not (tmp_path / "ds").exists()   # refused before anything is written
