@@ -195,3 +195,8 @@ def test_bad_buffer_and_frames_are_refused(h264: bytes) -> None:
         decode_clip_into(h264, index, np.array([0, 1]), np.zeros((3, 8, 8, 3), np.uint8))
     with pytest.raises(ConfigError, match="outside the video"):
         decode_clip_into(h264, index, np.array([0, 40]), np.zeros((2, 8, 8, 3), np.uint8))
+
+
+def test_synth_refuses_hevc_frames_libx265_crashes_on() -> None:
+    with pytest.raises(ConfigError, match="libx265 crashes"):
+        make_video(0, style=VideoStyle(seconds=1, fps=10, size=(32, 48), codec="hevc"))

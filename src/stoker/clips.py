@@ -21,7 +21,7 @@ from .errors import ConfigError, CorruptVideoError
 from .order import TAG_CLIP, mix64, sample_keys, uniforms
 from .transforms.geometry import crop_window, decode_minimums, resize_window_into
 from .transforms.user import apply_tail
-from .video import VideoIndex, open_container, require_av, upright
+from .video import VideoIndex, open_container, require_av, upright, video_stream
 
 __all__ = ["SAMPLINGS", "ClipPlan", "ClipSpec", "ClipStats", "clip_frames", "clip_key", "decode_clip_into",
            "finish_clip", "plan_clip"]
@@ -187,7 +187,7 @@ def decode_clip_into(data: bytes | memoryview, index: VideoIndex, frames: np.nda
     counts = [0, 0]   # frames decoded, packets left undecoded
     seeks = 0
     try:
-        stream = container.streams.video[0]
+        stream = video_stream(container, key, max_pixels=index.width * index.height)
         stream.thread_type, stream.thread_count = thread_type, threads
         nal_length = _avcc_nal_length(stream)
         frames_it, pos = None, -1

@@ -23,7 +23,7 @@ import numpy as np
 from .errors import CorruptVideoError, DecompressionBombError, MissingDependencyError, UnsupportedVideoError
 
 __all__ = ["VIDEO_ENCODING", "VIDEO_INDEX_COLUMN", "VideoIndex", "looks_like_video", "open_container", "probe_video", "reencode",
-           "require_av", "upright"]
+           "require_av", "upright", "video_stream"]
 
 #: the shard column (string, JSON) that holds each video's :class:`VideoIndex`
 VIDEO_INDEX_COLUMN = "video_index"
@@ -125,6 +125,8 @@ def video_stream(container: Any, key: str, max_pixels: int) -> Any:
         raise UnsupportedVideoError(key, f"no video stream (the file holds {', '.join(kinds)}): "
                                          "an audio-only file cannot be a video sample")
     stream = container.streams.video[0]
+    if stream.codec_context is None:
+        raise UnsupportedVideoError(key, "its video stream is in a codec FFmpeg has no decoder for")
     width, height = stream.codec_context.width, stream.codec_context.height
     if width * height > max_pixels:
         raise DecompressionBombError(key, f"frames of {width}x{height} pixels exceed the limit of {max_pixels:,} "

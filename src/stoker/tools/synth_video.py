@@ -87,6 +87,10 @@ def make_video(label: int = 0, *, classes: int = 10, seed: int = 0, style: Video
         raise ConfigError(f"codec {style.codec!r}: expected one of {sorted(CODECS)}")
     encoder, fmt, _ = CODECS[style.codec]
     height, width = style.size
+    if encoder == "libx265" and min(height, width) < 48:
+        # measured: libx265 in PyAV 18.1's wheel aborts the process (heap corruption) on 48x32 frames
+        raise ConfigError(f"hevc videos of {width}x{height}: libx265 crashes on frames this small; "
+                          "use at least 48 pixels a side")
     count = max(1, round(style.seconds * style.fps))
     frames = _frames(label, classes, count, height, width, seed)
     with tempfile.TemporaryDirectory() as tmp:   # faststart rewrites the file by name
