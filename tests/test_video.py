@@ -61,17 +61,20 @@ def test_decode_seeks_and_stops_early(h264: bytes) -> None:
     assert (stats.decoded, stats.skipped, stats.seeks) == (4, 0, 0)
 
 
-def test_h264_non_reference_frames_are_dropped_only_when_not_kept(h264: bytes) -> None:
+@pytest.mark.parametrize("codec", ["h264", "hevc"])
+def test_non_reference_frames_are_dropped_only_when_not_kept(codec: str) -> None:
     """Every frame, kept alone or in any stride, equals the full decode: a dropped picture is never one
     the clip keeps or one another frame is predicted from."""
-    index = probe_video(h264, "v", max_pixels=LIMIT)
-    ref = reference(h264)
+    data = make_video(1, classes=4, style=VideoStyle(seconds=4, fps=10, size=(48, 64), keyframe_seconds=1,
+                                                      codec=codec))
+    index = probe_video(data, "v", max_pixels=LIMIT)
+    ref = reference(data)
     skipped = 0
     for stride in (1, 2, 3, 5, 7):
         for first in range(stride):
             frames = np.arange(first, 40, stride)
             dst = np.zeros((len(frames), 48, 64, 3), np.uint8)
-            skipped += decode_clip_into(h264, index, frames, dst).skipped
+            skipped += decode_clip_into(data, index, frames, dst).skipped
             np.testing.assert_array_equal(dst, ref[frames])
     assert skipped > 0
 

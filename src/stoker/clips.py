@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Sequence
 
 import numpy as np
@@ -67,7 +68,7 @@ class ClipSpec:
 @dataclass(frozen=True)
 class ClipStats:
     """What one clip cost: frames the decoder produced, frames the clip kept (distinct), seeks made, and
-    frames passed over without decoding (non-reference H.264 pictures the clip does not keep).
+    frames passed over without decoding (non-reference H.264/HEVC pictures the clip does not keep).
     ``decoded / delivered`` is the waste: 1.0 means nothing was decoded in vain."""
 
     decoded: int
@@ -165,7 +166,7 @@ def decode_clip_into(data: bytes | memoryview, index: VideoIndex, frames: np.nda
     each the crop ``box`` (upright source pixels; None: the whole frame) resized to H x W, mirrored when
     ``flip``. Seeks to the keyframe at or before each run of wanted frames (only where that skips work)
     and decodes forward only up to the clip's last frame; frames in between are decoded (except H.264
-    non-reference pictures, which nothing needs) but never converted. ``threads``/``thread_type``: FFmpeg's own threading per decoder (``"NONE"``: one thread,
+    and HEVC non-reference pictures, which nothing needs) but never converted. ``threads``/``thread_type``: FFmpeg's own threading per decoder (``"NONE"``: one thread,
     which measured best under a pool of clip threads; docs/video.md)."""
     av = require_av()
     t_out, out_h, out_w = dst.shape[0], dst.shape[1], dst.shape[2]
@@ -189,7 +190,7 @@ def decode_clip_into(data: bytes | memoryview, index: VideoIndex, frames: np.nda
     try:
         stream = video_stream(container, key, max_pixels=index.width * index.height)
         stream.thread_type, stream.thread_count = thread_type, threads
-        nal_length = _avcc_nal_length(stream)
+        nonref = _nonref_test(stream)
         frames_it, pos = None, -1
         for target in wanted:
             if target <= pos:
@@ -199,7 +200,7 @@ def decode_clip_into(data: bytes | memoryview, index: VideoIndex, frames: np.nda
                 if start > 0 or frames_it is not None:
                     container.seek(int(index.pts[start]), stream=stream, backward=True, any_frame=False)
                     seeks += 1
-                frames_it = _decoded(container, stream, keep, nal_length, counts)
+                frames_it = _decoded(container, stream, keep, nonref, counts)
             for frame in frames_it:
                 n = int(np.searchsorted(index.pts, frame.pts)) if frame.pts is not None else -1
                 if n < 0 or n >= index.frames or index.pts[n] != frame.pts:
@@ -219,13 +220,13 @@ def decode_clip_into(data: bytes | memoryview, index: VideoIndex, frames: np.nda
     return ClipStats(decoded=counts[0], delivered=len(wanted), seeks=seeks, skipped=counts[1])
 
 
-def _decoded(container: Any, stream: Any, keep: set[int], nal_length: int | None, counts: list[int]) -> Any:
-    """The stream's frames from the demuxer's position on. An H.264 packet holding a non-reference
-    picture (no later frame is predicted from it) that the clip does not keep is never sent to the
-    decoder: dropping such pictures is what FFmpeg's own ``skip_frame="NONREF"`` does, but decided per
-    packet, so a kept non-reference frame is still decoded. ``counts``: [decoded, dropped], updated."""
+def _decoded(container: Any, stream: Any, keep: set[int], nonref: Any, counts: list[int]) -> Any:
+    """The stream's frames from the demuxer's position on. A packet holding a non-reference picture
+    (H.264 or HEVC: no later frame is predicted from it) that the clip does not keep is never sent to
+    the decoder: dropping such pictures is what FFmpeg's own ``skip_frame="NONREF"`` does, but decided
+    per packet, so a kept non-reference frame is still decoded. ``counts``: [decoded, dropped], updated."""
     for packet in container.demux(stream):
-        if nal_length and packet.size and packet.pts not in keep and _h264_nonref(memoryview(packet), nal_length):
+        if nonref is not None and packet.size and packet.pts not in keep and nonref(memoryview(packet)):
             counts[1] += 1
             continue
         for frame in packet.decode():
@@ -233,25 +234,48 @@ def _decoded(container: Any, stream: Any, keep: set[int], nal_length: int | None
             yield frame
 
 
-def _avcc_nal_length(stream: Any) -> int | None:
-    """Bytes of each NAL unit's length prefix for H.264 in MP4/Matroska (an ``avcC`` record as extradata),
-    else None (other codecs, Annex-B H.264): then every packet is decoded."""
-    extra = stream.codec_context.extradata
-    if stream.codec_context.name != "h264" or not extra or len(extra) < 5 or extra[0] != 1:
+def _nonref_test(stream: Any) -> Any:
+    """For H.264 (``avcC``) and HEVC (``hvcC``) in MP4/Matroska: a function telling whether a packet's
+    first slice is a non-reference picture; None for other codecs and Annex-B streams (every packet is
+    decoded then)."""
+    ctx = stream.codec_context
+    extra = ctx.extradata
+    if not extra or extra[0] != 1:
         return None
-    return (extra[4] & 3) + 1
+    if ctx.name == "h264" and len(extra) >= 5:
+        return partial(_h264_nonref, nal_length=(extra[4] & 3) + 1)
+    if ctx.name == "hevc" and len(extra) >= 23:
+        layers = (extra[21] >> 3) & 7   # numTemporalLayers; 0: unknown
+        # a sub-layer non-reference picture is unreferenced only in the highest temporal layer
+        return partial(_hevc_nonref, nal_length=(extra[21] & 3) + 1, top=layers) if layers else None
+    return None
+
+
+def _first_slice(data: memoryview, nal_length: int, is_slice: Any) -> int | None:
+    """Offset of the first coded-slice NAL unit's header in a length-prefixed packet, or None."""
+    pos, end = 0, len(data)
+    while pos + nal_length < end:
+        size = int.from_bytes(data[pos:pos + nal_length], "big")
+        if is_slice(data[pos + nal_length]):
+            return pos + nal_length
+        pos += nal_length + size
+    return None
 
 
 def _h264_nonref(data: memoryview, nal_length: int) -> bool:
     """True when the packet's first slice has nal_ref_idc 0: a picture no other picture refers to."""
-    pos, end = 0, len(data)
-    while pos + nal_length < end:
-        size = int.from_bytes(data[pos:pos + nal_length], "big")
-        header = data[pos + nal_length]
-        if header & 0x1F in (1, 5):   # a coded slice (non-IDR, IDR)
-            return (header >> 5) & 3 == 0
-        pos += nal_length + size
-    return False
+    at = _first_slice(data, nal_length, lambda h: h & 0x1F in (1, 5))   # coded slice, non-IDR or IDR
+    return at is not None and (data[at] >> 5) & 3 == 0
+
+
+def _hevc_nonref(data: memoryview, nal_length: int, top: int) -> bool:
+    """True when the packet's first slice is a sub-layer non-reference picture (TRAIL_N, TSA_N, STSA_N,
+    RADL_N, RASL_N, RSV_VCL_N10/12/14) in the highest temporal layer: nothing refers to it."""
+    at = _first_slice(data, nal_length, lambda h: (h >> 1) & 0x3F < 32)   # VCL NAL unit types 0..31
+    if at is None or at + 1 >= len(data):
+        return False
+    kind, temporal = (data[at] >> 1) & 0x3F, (data[at + 1] & 7) - 1
+    return kind <= 14 and kind % 2 == 0 and temporal == top - 1
 
 
 def _write(frame: Any, rows: list[int], dst: np.ndarray, win: Any, flip: bool, rotation: int,
