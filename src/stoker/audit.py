@@ -18,6 +18,7 @@ from .integrity import check_shard
 from .reader import CachedDataset, PackedDataset, open_dataset
 from .shards import MANIFEST_NAME, SHARD_NAME_RE, read_manifest
 from .storage import RemoteStorage, Storage, as_storage
+from .video import VIDEO_ENCODING, VIDEO_INDEX_COLUMN, VideoIndex, probe_video
 
 
 def _stats(values: np.ndarray) -> dict[str, float]:
@@ -152,9 +153,29 @@ def _check_shards(storage: Storage, report: VerifyReport, progress: bool = False
     return not report.problems
 
 
+def _check_video(ds: PackedDataset | CachedDataset, i: int, s: Any) -> Problem | None:
+    """Decode every frame of a video sample and compare it with the index stored at pack time."""
+    where = f"{s.shard} row {s.row} ({s.key})"
+    try:
+        limit = getattr(ds, "manifest", None) and ds.manifest.pack_options.get("max_pixels")
+        found = probe_video(s.data, s.key, max_pixels=limit or codecs.MAX_PIXELS)
+    except ImageError as exc:
+        return Problem(where, f"does not decode: {exc.reason}")
+    stored = VideoIndex.from_json(ds.extra(i, VIDEO_INDEX_COLUMN))
+    if (found.pts.tolist(), found.keyframes.tolist()) != (stored.pts.tolist(), stored.keyframes.tolist()):
+        return Problem(where, "its frames differ from its stored index (timestamps or keyframes)",
+                       f"{stored.frames} frames", f"{found.frames} frames")
+    if found.upright != (s.height, s.width):
+        return Problem(where, "decodes to a size other than the stored one", f"{s.height}x{s.width}",
+                       f"{found.upright[0]}x{found.upright[1]}")
+    return None
+
+
 def _decode_all(ds: PackedDataset | CachedDataset, report: VerifyReport, workers: int, progress: bool = False) -> None:
     def check(i: int) -> Problem | None:
         s = ds.sample(i)
+        if s.encoding == VIDEO_ENCODING:
+            return _check_video(ds, i, s)
         try:
             rgb = codecs.decode_rgb(s.data, s.encoding, s.key, height=s.height, width=s.width)
         except ImageError as exc:

@@ -103,6 +103,16 @@ def _setup_logging(quiet: bool) -> logging.Handler:
 
 
 def _cmd_synth(args: argparse.Namespace) -> int:
+    if args.videos:
+        from .tools.synth_video import VideoStyle, make_kinetics_like
+
+        per_class = -(-args.videos // args.classes)
+        result = make_kinetics_like(args.out, per_class, classes=args.classes, seed=args.seed,
+                                    style=VideoStyle(codec=args.codec, keyframe_seconds=args.keyframe_seconds))
+        print(f"wrote {per_class * args.classes:,} Kinetics-like {args.codec} videos (10 s, 25 fps, 256x340, "
+              f"{args.classes} classes) in class folders: {result}\n"
+              f"next: stoker pack {result} {Path(args.out).name}-packed")
+        return 0
     from .tools.synth import make_imagenet_like
 
     result = make_imagenet_like(args.out, args.images, classes=args.classes, seed=args.seed, workers=args.workers,
@@ -119,7 +129,8 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     options = PackOptions(max_side=args.max_side, encoding=args.encoding, jpeg_quality=args.jpeg_quality,
                           raw_below=args.raw_below, shard_size=args.shard_size, workers=args.workers,
                           on_error=args.on_error, max_pixels=args.max_pixels, engine=args.engine,
-                          address=args.address)
+                          address=args.address, samples=args.samples, video_keyframes=args.video_keyframes,
+                          video_crf=args.video_crf)
     source_options = {"kind": args.kind, "label_column": None if args.no_labels else args.label_column,
                       "path_column": args.path_column, "image_column": args.image_column, "root": args.root,
                       "mask_column": args.mask_column}
@@ -220,6 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder: OUT/class_XXX/*.jpg (default); list: OUT/images/*.jpg plus OUT/train.txt")
     p.add_argument("--seed", type=int, default=0, help="same seed, same files (default 0)")
     p.add_argument("--workers", type=_positive, default=None, help="worker processes (default: usable CPUs)")
+    p.add_argument("--videos", type=_positive, default=None, metavar="N",
+                   help="write N Kinetics-like videos (10 s, 25 fps, 256x340, motion by class) instead of JPEGs, "
+                        "in class folders (pip install 'stoker[video]')")
+    p.add_argument("--codec", default="h264", choices=["h264", "hevc", "vp9", "av1", "mpeg4"],
+                   help="with --videos: the encoder (default h264, x264)")
+    p.add_argument("--keyframe-seconds", type=float, default=10.0, metavar="S",
+                   help="with --videos: seconds between keyframes (default 10, x264's default interval)")
     _add_quiet(p)
     p.set_defaults(func=_cmd_synth)
 
@@ -253,7 +271,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on-error", default="skip", choices=["skip", "fail"],
                    help="skip: log bad files to OUT/skipped.jsonl (default); fail: stop at the first")
     p.add_argument("--max-pixels", type=_positive, default=None, metavar="N",
-                   help="refuse images with more pixels than N (decompression bombs)")
+                   help="refuse images (and video frames) with more pixels than N (decompression bombs)")
+    p.add_argument("--samples", default="auto", choices=["auto", "image", "video"],
+                   help="what SRC holds (default: auto, videos when its files end like .mp4/.mkv/.webm/... or "
+                        "its bytes start like a video container); videos need pip install 'stoker[video]'")
+    p.add_argument("--video-keyframes", type=float, default=None, metavar="SECONDS",
+                   help="videos: re-encode to H.264 with a keyframe every SECONDS (cheaper random clips, more "
+                        "bytes; docs/video.md); default: stored byte-for-byte unless --max-side shrinks them")
+    p.add_argument("--video-crf", type=int, default=23, metavar="CRF",
+                   help="quality of re-encoded videos (x264 CRF 0..51, lower is better; default 23)")
     p.add_argument("--resume", action="store_true", help="finish an interrupted pack into OUT")
     p.add_argument("--overwrite", action="store_true", help="replace a pack already in OUT (deletes only "
                    "the files pack writes)")

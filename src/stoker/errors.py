@@ -8,7 +8,9 @@ and which file, shard, row or sample it concerns.
     ├── SourceError (ValueError)          input that cannot be listed: missing path, bad list line
     ├── ImageError (ValueError)           one image that cannot be used
     │   ├── CorruptImageError             truncated, not an image, decoder failure
+    │   │   └── CorruptVideoError         a video: empty, unreadable container, truncated, decoder failure
     │   ├── UnsupportedImageError         a format or mode stoker cannot turn into RGB
+    │   │   └── UnsupportedVideoError     a video without a video stream (audio-only), or over the limits
     │   └── DecompressionBombError        too many pixels, refused before decoding
     ├── DatasetError (OSError)            a packed dataset on disk is wrong
     │   ├── ManifestError                 stoker.json missing, not JSON, or inconsistent
@@ -111,6 +113,16 @@ class CorruptImageError(ImageError):
 
 class UnsupportedImageError(ImageError):
     """A readable image in a format or mode stoker cannot turn into RGB."""
+
+
+class CorruptVideoError(CorruptImageError):
+    """A video sample that cannot be decoded: empty, not a container FFmpeg reads, truncated (fewer
+    frames decode than the container lists), frames without or with repeated timestamps."""
+
+
+class UnsupportedVideoError(UnsupportedImageError):
+    """A readable file that is not a usable video sample: no video stream (audio-only), or longer than
+    the pack-time limits."""
 
 
 class DecompressionBombError(ImageError):

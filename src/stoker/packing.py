@@ -36,17 +36,18 @@ import numpy as np
 import simplejpeg
 from PIL import Image
 
-from . import codecs
+from . import codecs, video
 from ._progress import Progress
 from ._system import usable_cpus
-from .errors import (OVERWRITE, RESUME, ConfigError, CorruptImageError, DecompressionBombError, ImageError,
-                     OutputError, SourceError, StokerError, UnsupportedImageError)
+from .errors import (OVERWRITE, RESUME, ConfigError, CorruptImageError, CorruptVideoError, DecompressionBombError,
+                     ImageError, OutputError, SourceError, StokerError, UnsupportedImageError, UnsupportedVideoError)
 from .integrity import shard_matches
 from .shards import MANIFEST_NAME, Manifest, ShardInfo, ShardWriter, read_manifest, shard_name, write_manifest
 from .sources import Source, SourceItem, open_source, unencodable_keys
-from .sources.base import inside, read_bytes
+from .sources.base import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, inside, read_bytes
 from .storage import Storage, as_storage, url_scheme
 from .storage.lock import LockHeldError, holder_text
+from .video import VIDEO_ENCODING, VIDEO_INDEX_COLUMN
 
 __all__ = ["JOURNAL_NAME", "SKIPPED_NAME", "PackOptions", "PackSummary", "normalize", "pack"]
 
@@ -61,8 +62,10 @@ TASK_SAMPLES = 8
 #: With encoding="keep", a re-encoded JPEG must keep at least this PSNR (dB) against the
 #: decoded source, or the sample is stored as PNG. Photos at quality 90 measure 32-42 dB.
 MIN_PSNR_DB = 30.0
-_ERROR_TYPES = {cls.__name__: cls for cls in (CorruptImageError, UnsupportedImageError,
-                                               DecompressionBombError, ImageError)}
+_ERROR_TYPES = {cls.__name__: cls for cls in (CorruptImageError, UnsupportedImageError, CorruptVideoError,
+                                               UnsupportedVideoError, DecompressionBombError, ImageError)}
+#: PackOptions.samples: what a source's files are
+SAMPLE_KINDS = ("auto", "image", "video")
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,10 @@ class PackOptions:
     address: str | None = None       # with engine="ray": the cluster ("auto", "ray://host:10001"); None: local
     on_error: str = "skip"           # skip: log bad files to skipped.jsonl; fail: stop at the first
     max_pixels: int = codecs.MAX_PIXELS  # decompression-bomb limit, pixels (None: the default)
+    samples: str = "auto"            # auto: videos when the source lists video files (or bytes), else images
+    video_keyframes: float | None = None  # videos: re-encode (H.264) with a keyframe every this many seconds;
+                                     # None: stored byte-for-byte unless max_side shrinks them
+    video_crf: int = 23              # quality of re-encoded videos (x264's CRF: lower is better, larger)
 
     def __post_init__(self) -> None:
         if self.max_pixels is None:
@@ -107,6 +114,13 @@ class PackOptions:
             raise bad("on_error", "'skip' or 'fail'")
         if not isinstance(self.max_pixels, int) or self.max_pixels < 1:
             raise bad("max_pixels", "a positive pixel count")
+        if self.samples not in SAMPLE_KINDS:
+            raise bad("samples", f"one of {SAMPLE_KINDS}")
+        if self.video_keyframes is not None and not (isinstance(self.video_keyframes, (int, float))
+                                                     and 0 < self.video_keyframes <= 60):
+            raise bad("video_keyframes", "None or seconds between keyframes in (0, 60]")
+        if not isinstance(self.video_crf, int) or not 0 <= self.video_crf <= 51:
+            raise bad("video_crf", "an integer in 0..51")
 
     def output_options(self) -> dict[str, Any]:
         """The options that decide the bytes written (not ``workers``, ``engine``, ``address``)."""
@@ -128,6 +142,7 @@ class PackSummary:
     shards: int
     out: Path | str  # the dataset folder, or its URL
     already_complete: bool = False   # a resume found the pack finished: nothing was packed this time
+    noun: str = "images"             # what the samples are: "images" or "videos"
 
     def __str__(self) -> str:
         return self.format()
@@ -136,11 +151,11 @@ class PackSummary:
         """One line for people: counts, shards, bytes in and out, time and images/s."""
         if self.already_complete:
             skipped = f" ({self.skipped:,} skipped)" if self.skipped else ""
-            return (f"{self.out} already holds a complete pack of {self.packed:,} images{skipped} in {self.shards} "
+            return (f"{self.out} already holds a complete pack of {self.packed:,} {self.noun}{skipped} in {self.shards} "
                     f"shard(s), {_mb(self.bytes_out)}: nothing to do")
-        rate = f", {self.packed / self.seconds:,.0f} images/s" if self.seconds > 0 else ""
+        rate = f", {self.packed / self.seconds:,.0f} {self.noun}/s" if self.seconds > 0 else ""
         skipped = f" ({self.skipped:,} skipped, see {self.out}/{SKIPPED_NAME})" if self.skipped else ""
-        return (f"packed {self.packed:,} images{skipped} into {self.shards} shard(s) in {self.out}: "
+        return (f"packed {self.packed:,} {self.noun}{skipped} into {self.shards} shard(s) in {self.out}: "
                 f"{_mb(self.bytes_in)} in -> {_mb(self.bytes_out)} out, {self.seconds:.1f} s{rate}")
 
 
@@ -225,6 +240,21 @@ def normalize(data: bytes, key: str, options: PackOptions) -> Normalized:
     return Normalized(image, encoding, h, w)
 
 
+def normalize_video(data: bytes, key: str, options: PackOptions) -> tuple[Normalized, str]:
+    """One video as a shard stores it, and its index (JSON for the ``video_index`` column): the bytes
+    as given, after every frame decoded once (:func:`stoker.video.probe_video`), or, with ``max_side``
+    (when the video is larger) or ``video_keyframes``, re-encoded to H.264 upright and indexed again.
+    Height and width are of the upright frames. Raises ImageError subclasses (CorruptVideoError, ...)."""
+    index = video.probe_video(data, key, max_pixels=options.max_pixels)
+    shrink = options.max_side is not None and max(index.upright) > options.max_side
+    if shrink or options.video_keyframes is not None:
+        data = video.reencode(data, key, index, max_side=options.max_side, keyframe_seconds=options.video_keyframes,
+                              crf=options.video_crf, max_pixels=options.max_pixels)
+        index = video.probe_video(data, key, max_pixels=options.max_pixels)
+    height, width = index.upright
+    return Normalized(data if isinstance(data, bytes) else bytes(data), VIDEO_ENCODING, height, width), index.to_json()
+
+
 def _faithful(a: np.ndarray, b: np.ndarray) -> bool:
     diff = a.astype(np.float32) - b
     mse = float(np.mean(diff * diff))
@@ -269,6 +299,9 @@ def _process_one(item: SourceItem, options: PackOptions) -> tuple:
     except OSError as exc:
         return (False, "CorruptImageError", _read_reason(exc))
     try:
+        if options.samples == "video":
+            out, index = normalize_video(data, item.key, options)
+            return (True, out.image, out.encoding, out.height, out.width, len(data), {VIDEO_INDEX_COLUMN: index})
         out = normalize(data, item.key, options)
     except ImageError as exc:
         return (False, type(exc).__name__, exc.reason)
@@ -452,7 +485,7 @@ def _finished_summary(storage: Storage, pack_options: dict[str, Any], started: f
         skipped = 0
     return PackSummary(manifest.num_samples, skipped, 0, sum(s.bytes for s in manifest.shards),
                        time.perf_counter() - started, len(manifest.shards), _out_location(storage),
-                       already_complete=True)
+                       already_complete=True, noun=_noun(pack_options))
 
 
 @contextmanager
@@ -579,6 +612,7 @@ def pack(src: str | Path | Source, out: str | Path | Storage, *, options: PackOp
     if source.skipped and options.on_error == "fail":
         first = source.skipped[0]
         raise CorruptImageError(first["path"], first["reason"])
+    source, options = _resolve_samples(source, options)
     pack_options = {**options.output_options(), "source": source.description, "source_kind": source.kind}
     header = {"format": "stoker-pack-journal", "items": len(source.items), "fingerprint": _fingerprint(source),
               "pack_options": pack_options}
@@ -597,6 +631,31 @@ def pack(src: str | Path | Source, out: str | Path | Storage, *, options: PackOp
                           f"{_OUTPUT_FIX.get(exc.errno, 'fix the output directory')}, then run the same "
                           "pack with resume=True (--resume): finished shards are kept",
                           path=storage.location, errno=exc.errno) from exc
+
+
+def _resolve_samples(source: Source, options: PackOptions) -> tuple[Source, PackOptions]:
+    """Decide whether the source's samples are videos (``samples="auto"``): yes when its keys end like
+    video files, or, for keys without a file ending (a Hugging Face row), when the first sample's bytes
+    start like a video container. A video pack stores each video's index in the ``video_index`` column."""
+    samples = options.samples
+    if samples == "auto":
+        endings = {os.path.splitext(item.key)[1].lower() for item in source.items}
+        if endings & VIDEO_EXTENSIONS:
+            samples = "video"
+        elif source.items and not endings & IMAGE_EXTENSIONS:
+            try:
+                samples = "video" if video.looks_like_video(source.items[0].read()[:16]) else "image"
+            except OSError:
+                samples = "image"   # that sample is skipped with its reason when packed
+        else:
+            samples = "image"
+    if samples == "video":
+        video.require_av()   # before anything is written: a missing extra is named at once
+        if VIDEO_INDEX_COLUMN in source.extra_columns:
+            raise SourceError(f"{source.description} has a column named {VIDEO_INDEX_COLUMN!r}, which a video pack "
+                              "writes itself; rename that column", path=source.root)
+        source = replace(source, extra_columns={**source.extra_columns, VIDEO_INDEX_COLUMN: "string"})
+    return source, replace(options, samples=samples)
 
 
 _OUTPUT_FIX = {errno.ENOSPC: "free some disk space (or choose an output directory on a disk with room)",
@@ -674,4 +733,9 @@ def _finish(storage: Storage, source: Source, state: _State, pack_options: dict[
     write_manifest(storage, manifest)
     _remove(storage, [JOURNAL_NAME])
     return PackSummary(state.packed, len(skipped), state.bytes_in, state.bytes_out,
-                       time.perf_counter() - started, len(state.shards), _out_location(storage))
+                       time.perf_counter() - started, len(state.shards), _out_location(storage),
+                       noun=_noun(pack_options))
+
+
+def _noun(pack_options: dict[str, Any]) -> str:
+    return "videos" if pack_options.get("samples") == "video" else "images"

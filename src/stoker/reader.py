@@ -26,6 +26,7 @@ from . import codecs
 from .errors import ConfigError, DatasetClosedError, ImageError, ShardError, SourceError
 from .integrity import OpenShard, open_shard
 from .shards import Manifest, ShardInfo, read_manifest
+from .video import VIDEO_ENCODING
 from .storage import LocalStorage, RemoteStorage, Storage, as_storage
 from .storage.cache import working_set_bytes
 from .storage.local import read_regular
@@ -117,6 +118,9 @@ class Dataset:
             raise TypeError(f"dataset indices are ints, got {type(i).__name__}; for a subset pass "
                             f"indices=[...] to stoker.Loader")
         s = self.sample(int(i))
+        if s.encoding == VIDEO_ENCODING:
+            raise ConfigError(f"sample {i} ({s.key}) is a video: read clips of it with stoker.clips.read_clip, or "
+                              "its stored bytes with dataset.sample(i).data")
         image = codecs.decode_rgb(s.data, s.encoding, s.key, height=s.height, width=s.width)
         label = s.label.item() if isinstance(s.label, np.generic) else s.label
         return np.array(image), label

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 from ..errors import SourceError
 from ..storage.local import open_regular, read_regular
 
-__all__ = ["IMAGE_EXTENSIONS", "RecordStore", "Source", "SourceItem", "SourceOptions", "read_bytes",
+__all__ = ["IMAGE_EXTENSIONS", "SAMPLE_EXTENSIONS", "VIDEO_EXTENSIONS", "RecordStore", "Source", "SourceItem", "SourceOptions", "read_bytes",
            "unencodable_keys"]
 
 #: File name endings (lower case) treated as images when a folder is listed.
@@ -47,6 +47,10 @@ IMAGE_EXTENSIONS: frozenset[str] = frozenset({
     ".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp",
     ".ppm", ".pgm", ".pbm", ".pnm",
 })
+#: File name endings (lower case) treated as videos: containers FFmpeg (PyAV) reads.
+VIDEO_EXTENSIONS: frozenset[str] = frozenset({".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi"})
+#: Every ending a folder, tar or listing takes as a sample.
+SAMPLE_EXTENSIONS: frozenset[str] = IMAGE_EXTENSIONS | VIDEO_EXTENSIONS
 
 
 @dataclass(frozen=True)
@@ -253,9 +257,9 @@ def optional_module(name: str, extra: str, needed_for: str) -> Any:
         raise SourceError(f"{needed_for} needs the {name} package; run: pip install 'stoker[{extra}]'") from None
 
 
-def is_image_name(name: str) -> bool:
-    """A visible file whose ending is in IMAGE_EXTENSIONS."""
-    return not name.startswith(".") and os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
+def is_sample_name(name: str) -> bool:
+    """A visible file whose ending is in SAMPLE_EXTENSIONS (an image or a video)."""
+    return not name.startswith(".") and os.path.splitext(name)[1].lower() in SAMPLE_EXTENSIONS
 
 
 def scandir(folder: Path) -> list[os.DirEntry]:
@@ -284,7 +288,7 @@ def require_items(items: list[SourceItem], what: str, path: Path) -> None:
     """Refuse a source that lists no image at all."""
     if not items:
         raise SourceError(f"no images found in {what} {path} (looked for "
-                          f"{', '.join(sorted(IMAGE_EXTENSIONS))}); check the path", path=path)
+                          f"{', '.join(sorted(SAMPLE_EXTENSIONS))}); check the path", path=path)
 
 
 def read_text(path: Path) -> str:

@@ -13,13 +13,13 @@ import os
 from pathlib import Path
 
 from ..errors import SourceError
-from .base import Source, SourceItem, SourceOptions, inside, is_image_name, make_key, require_items, scandir
+from .base import Source, SourceItem, SourceOptions, inside, is_sample_name, make_key, require_items, scandir
 
 
 def _entries(path: Path) -> tuple[int, list[str]]:
     """(number of loose images, names of visible sub-folders) directly in ``path``."""
     entries = scandir(path)
-    loose = sum(1 for e in entries if e.is_file() and is_image_name(e.name))
+    loose = sum(1 for e in entries if e.is_file() and is_sample_name(e.name))
     return loose, [e.name for e in entries if e.is_dir() and not e.name.startswith(".")]
 
 
@@ -74,7 +74,7 @@ def walk_images(root: Path, top: Path) -> list[tuple[Path, int]]:
                                   "pack the folder it points to, or copy the file in", path=full)
             if entry.is_dir():
                 stack.append(full)
-            elif entry.is_file() and is_image_name(entry.name):
+            elif entry.is_file() and is_sample_name(entry.name):
                 # DirEntry.inode() is free (from readdir); a symlink costs one stat for its target's
                 inode = entry.stat().st_ino if entry.is_symlink() else entry.inode()
                 found.append(("" if rel_dir == "." else rel_dir, entry.name, full, inode))

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 SUFFIXES = (".parquet", ".arrow")
-IMAGE_NAMES = ("image", "img", "jpg", "png", "webp")
+IMAGE_NAMES = ("image", "img", "jpg", "png", "webp", "video", "mp4")
 LABEL_NAMES = ("label", "labels")
 #: Row groups kept decoded per Parquet file while packing reads it (items come in near order).
 KEEP_ROW_GROUPS = 4

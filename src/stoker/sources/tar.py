@@ -27,8 +27,8 @@ from typing import Any, BinaryIO
 
 from ..errors import SourceError
 from ..storage.local import open_regular
-from .base import (IMAGE_EXTENSIONS, GzipMembers, Source, SourceItem, SourceOptions, describe_labels,
-                   gzip_contents, inside, is_image_name, optional_module, require_items, scandir, split_label_cell,
+from .base import (SAMPLE_EXTENSIONS, GzipMembers, Source, SourceItem, SourceOptions, describe_labels,
+                   gzip_contents, inside, is_sample_name, optional_module, require_items, scandir, split_label_cell,
                    type_any_labels)
 
 SUFFIXES = (".tar", ".tar.gz", ".tgz")
@@ -63,7 +63,7 @@ def detect(path: Path) -> bool:
     if not path.is_dir():
         return False
     entries = scandir(path)
-    if any(e.is_file() and is_image_name(e.name) for e in entries):
+    if any(e.is_file() and is_sample_name(e.name) for e in entries):
         return False
     if any(e.is_dir() and not e.name.startswith(".") for e in entries):
         return False
@@ -110,7 +110,7 @@ def _members(tf: tarfile.TarFile, tar_path: Path, skipped: list[dict[str, str]])
                 stem, _, ext = base.partition(".")
                 ext = "." + ext.lower()
                 group = groups.setdefault(f"{folder}/{stem}" if folder else stem, _Group())
-                if ext in IMAGE_EXTENSIONS and group.image is None:
+                if ext in SAMPLE_EXTENSIONS and group.image is None:
                     group.image = m
                 elif ext in TARGET_EXTENSIONS and ext not in group.targets:
                     group.targets[ext] = tf.extractfile(m).read()
