@@ -133,3 +133,23 @@ def test_bitflip_fuzz_no_crash_no_foreign_error_no_silent_change(tmp_path, fuzz)
     assert summary["caught by verify"] == 300, summary
     assert summary["caught by open"] > 100, summary  # the rest are flips in padding: no value changes
     shutil.rmtree(tmp_path / "build")
+
+
+#: the library each source format's file is written with (the fuzz's builder imports it)
+SOURCE_WRITERS = {"lmdb": "lmdb", "tfrecord": "tfrecord.writer", "hdf5": "h5py", "parquet": "pyarrow.parquet",
+                  "targz": "tarfile"}
+
+
+@pytest.mark.parametrize("kind", sorted(SOURCE_WRITERS))
+def test_bitflips_in_a_source_formats_own_file(tmp_path, fuzz, kind):
+    """A few random one-bit flips anywhere in an LMDB data.mdb, a TFRecord, an HDF5, a Parquet or a
+    .tar.gz file, each listed, packed and read loose in a child: no crash, no hang, nothing but stoker
+    errors (the 500-flip runs are in docs/reliability.md: `fuzz_bitflips.py --source all`)."""
+    pytest.importorskip(SOURCE_WRITERS[kind], reason="pip install 'stoker[test-formats]'")
+    if kind == "tfrecord":
+        pytest.importorskip("crc32c", reason="pip install 'stoker[tfrecord]'")
+    src, target = fuzz.build_source(kind, tmp_path / "build")
+    flips = fuzz.plan_source_flips(target, 6, seed=11)
+    summary = fuzz.summarize_sources(fuzz.run_flips(src, flips, tmp_path / "work", source=kind))
+    assert summary["crash or hang"] == 0 and summary["non-stoker exception"] == 0, summary
+    assert summary["flips"] == 6, summary

@@ -173,13 +173,16 @@ class _Env:
         self.datum: bytearray = bytearray()   # 1 where the value is a Caffe Datum
 
     def read(self, offset: int, size: int) -> bytes:
-        with self.env.begin(buffers=True) as txn:
-            value = txn.get(self.keys[offset])
-            if value is None:
-                raise OSError(f"key {self.keys[offset]!r} is no longer in {self.name}")
-            if self.datum[offset]:
-                return Datum(value).image(value)
-            return bytes(value)
+        try:
+            with self.env.begin(buffers=True) as txn:
+                value = txn.get(self.keys[offset])
+                if value is None:
+                    raise OSError(f"key {self.keys[offset]!r} is no longer in {self.name}")
+                if self.datum[offset]:
+                    return Datum(value).image(value)
+                return bytes(value)
+        except _lmdb().Error as exc:   # a damaged page: this record is lost, not the pack
+            raise OSError(f"{self.name}: LMDB cannot read key {self.keys[offset]!r} ({exc})") from None
 
 
 def _key_text(key: bytes) -> str:
@@ -194,6 +197,18 @@ def open_lmdb(path: Path, options: SourceOptions) -> Source:
     if path.is_file() and path.name == "data.mdb":
         path = folder
     env = _Env(path)
+    try:
+        items, datum_labels = _list(path, env)
+    except _lmdb().Error as exc:
+        raise SourceError(f"{path}: the LMDB environment is damaged ({exc}); its records cannot be listed — "
+                          "restore it, or convert the images again", path=path) from None
+    if not items:
+        raise SourceError(f"{path} holds no records (besides __metadata__ keys)", path=path)
+    return _with_labels(path, folder, items, datum_labels)
+
+
+def _list(path: Path, env: _Env) -> tuple[list[SourceItem], list[int | None]]:
+    """Every record in key order, with its Caffe Datum label when it is one."""
     items: list[SourceItem] = []
     datum_labels: list[int | None] = []
     with env.env.begin(buffers=True) as txn:
@@ -221,9 +236,7 @@ def open_lmdb(path: Path, options: SourceOptions) -> Source:
             items.append(SourceItem(key=text, path=None, label=None, offset=len(env.keys) - 1,
                                     size=len(value), store=env))
             datum_labels.append(label)
-    if not items:
-        raise SourceError(f"{path} holds no records (besides __metadata__ keys)", path=path)
-    return _with_labels(path, folder, items, datum_labels)
+    return items, datum_labels
 
 
 def _with_labels(path: Path, folder: Path, items: list[SourceItem], datum_labels: list[int | None]) -> Source:
