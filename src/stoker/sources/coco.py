@@ -141,7 +141,10 @@ def _number(v: Any) -> float:
 
 
 def _size(img: dict[str, Any]) -> tuple[float, float]:
-    w, h = _number(img["width"]), _number(img["height"])
+    try:
+        w, h = float(img["width"]), float(img["height"])   # "640" as text has always been accepted
+    except (TypeError, ValueError):
+        w = h = math.nan
     if not (math.isfinite(w) and math.isfinite(h) and w > 0 and h > 0):
         raise _BadImage(f"its width x height {img['width']!r} x {img['height']!r} is not a positive size")
     return w, h
