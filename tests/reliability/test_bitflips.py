@@ -153,3 +153,15 @@ def test_bitflips_in_a_source_formats_own_file(tmp_path, fuzz, kind):
     summary = fuzz.summarize_sources(fuzz.run_flips(src, flips, tmp_path / "work", source=kind))
     assert summary["crash or hang"] == 0 and summary["non-stoker exception"] == 0, summary
     assert summary["flips"] == 6, summary
+
+
+def test_hdf5_flips_that_broke_h5pys_object_walk_are_source_errors(tmp_path, fuzz):
+    """Flips the 500-flip run found in the HDF5 file's object headers and local heap: h5py raised
+    KeyError and RuntimeError from its object walk; each is a SourceError naming the file now."""
+    pytest.importorskip("h5py", reason="pip install 'stoker[hdf5]'")
+    src, target = fuzz.build_source("hdf5", tmp_path / "build")
+    flips = [(target.name, offset, bit) for offset, bit in ((1730, 1), (1434, 3), (1169, 4), (132, 1), (1164, 3))]
+    results = fuzz.run_flips(src, flips, tmp_path / "work", source="hdf5")
+    summary = fuzz.summarize_sources(results)
+    assert summary["crash or hang"] == 0 and summary["non-stoker exception"] == 0, summary
+    assert summary["caught by pack"] >= 3, results

@@ -159,7 +159,7 @@ class _Images:
         with self._lock:
             try:
                 value = self._ds[offset]
-            except (OSError, RuntimeError, ValueError) as exc:
+            except (OSError, RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
                 raise OSError(f"cannot read element {offset} of {self.name}: {exc}") from None
         if self.encoded:
             return value if isinstance(value, bytes) else np.asarray(value).tobytes()
@@ -181,6 +181,18 @@ def _pick(sets: dict[str, Any], wanted: str | None, defaults: tuple[str, ...], w
 
 
 def open_hdf5(path: Path, options: SourceOptions) -> Source:
+    """The samples of an HDF5 file. A damaged file makes h5py raise KeyError, RuntimeError or
+    others from deep inside its object walk: any of them is a SourceError naming the file."""
+    try:
+        return _open_hdf5(path, options)
+    except SourceError:
+        raise
+    except (OSError, RuntimeError, KeyError, ValueError, TypeError, IndexError) as exc:
+        raise SourceError(f"{path}: the HDF5 file is damaged ({type(exc).__name__}: {exc}); restore it, or "
+                          "write it again", path=path) from None
+
+
+def _open_hdf5(path: Path, options: SourceOptions) -> Source:
     h5py = _h5py()
     try:
         require_regular(path)   # h5py opens the path itself: a FIFO would block it
