@@ -165,3 +165,14 @@ def test_hdf5_flips_that_broke_h5pys_object_walk_are_source_errors(tmp_path, fuz
     summary = fuzz.summarize_sources(results)
     assert summary["crash or hang"] == 0 and summary["non-stoker exception"] == 0, summary
     assert summary["caught by pack"] >= 3, results
+
+
+def test_parquet_flips_in_data_pages_are_source_errors(tmp_path, fuzz):
+    """Flips the 500-flip run found in the Parquet file's data pages (a corrupt snappy block, a page
+    header thrift cannot read): pyarrow's OSError escaped the listing; a SourceError naming the file now."""
+    src, target = fuzz.build_source("parquet", tmp_path / "build")
+    flips = [(target.name, offset, bit) for offset, bit in ((6339, 4), (6203, 3), (6302, 4), (19321, 3))]
+    results = fuzz.run_flips(src, flips, tmp_path / "work", source="parquet")
+    summary = fuzz.summarize_sources(results)
+    assert summary["crash or hang"] == 0 and summary["non-stoker exception"] == 0, summary
+    assert summary["caught by pack"] == 4, results
