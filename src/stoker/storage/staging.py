@@ -108,8 +108,8 @@ def _other_dataset(dest: Path, src_sha: str) -> str | None:
     """The source of the copy at `dest` when its marker names another dataset than `src_sha`."""
     mark = _read_mark(dest)
     sha = mark.get("manifest_sha256")
-    if sha and sha != src_sha:
-        return str(mark.get("source") or "another dataset")
+    if sha and sha != src_sha:   # the same path re-packed since is another dataset too: say which version
+        return f"{mark.get('source') or 'another dataset'} (manifest sha256 {str(sha)[:12]}...)"
     return None
 
 
