@@ -244,7 +244,7 @@ def test_portable_items_carry_store_bytes_or_the_read_error(tmp_path: Path) -> N
 
     good, bad = tmp_path / "good.gz", tmp_path / "bad.gz"
     good.write_bytes(gzip.compress(b"0123456789"))
-    bad.write_bytes(gzip.compress(b"0123456789")[:-12])   # truncated: cannot be decompressed
+    bad.write_bytes(gzip.compress(b"0123456789")[:12])   # cut inside the header: nothing decompresses
     file_item = SourceItem("a.jpg", tmp_path / "a.jpg", 0)
     assert file_item.portable() is file_item
     moved = pickle.loads(pickle.dumps(SourceItem("k", None, 1, offset=2, size=3, store=GzipMembers(good)).portable()))

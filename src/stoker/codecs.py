@@ -171,27 +171,47 @@ def is_plain_jpeg(info: ImageInfo) -> bool:
     return info.format == "jpeg" and info.mode in ("RGB", "L") and info.orientation == 1
 
 
+#: pixels converted at a time (a strip of rows): converting a whole image through numpy would hold
+#: Pillow's copy, a bytes copy and the array at once (and 8 bytes a pixel for 16-bit and float modes)
+_STRIP_PIXELS = 1 << 20
+_ORIENTATION = 0x0112   # the EXIF tag
+
+
+def _strips(img: Image.Image):
+    """(first row, end row, the strip as an image) covering `img` top to bottom."""
+    rows = max(1, _STRIP_PIXELS // max(img.width, 1))
+    for y0 in range(0, img.height, rows):
+        y1 = min(img.height, y0 + rows)
+        yield y0, y1, img.crop((0, y0, img.width, y1))
+
+
 def _to_rgb(img: Image.Image, key: str) -> np.ndarray:
+    """`img` as RGB ``uint8 [H, W, 3]``, converted a strip of rows at a time: besides Pillow's own
+    decoded image, only the output array and one strip are held."""
     mode = img.mode
-    if mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
-        # 16-bit data scaled to 8 bits (Pillow's convert would clip at 255, turning most
-        # 16-bit images white). 32-bit "I" holding 8-bit values is kept as is.
-        arr = np.asarray(img, dtype=np.int64)
-        if mode != "I" or arr.max(initial=0) > 255:
-            arr = (arr.clip(0, 65535) + 128) // 257
-        gray = arr.clip(0, 255).astype(np.uint8)
-        return np.ascontiguousarray(np.repeat(gray[:, :, None], 3, axis=2))
-    if mode == "F":
-        arr = np.asarray(img, dtype=np.float64)
-        if np.nanmax(arr, initial=0.0) <= 1.0:
-            arr = arr * 255.0
-        gray = np.nan_to_num(arr).round().clip(0, 255).astype(np.uint8)
-        return np.ascontiguousarray(np.repeat(gray[:, :, None], 3, axis=2))
+    out = np.empty((img.height, img.width, 3), np.uint8)
+    if mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
+        # 16-bit data scaled to 8 bits (Pillow's convert would clip at 255, turning most 16-bit
+        # images white); 32-bit "I" holding 8-bit values is kept as is; float in [0, 1] scaled by 255
+        dtype = np.float64 if mode == "F" else np.int64
+        top = max((float(np.nanmax(np.asarray(strip, dtype=dtype), initial=0)) for _, _, strip in _strips(img)),
+                  default=0.0)
+        for y0, y1, strip in _strips(img):
+            arr = np.asarray(strip, dtype=dtype)
+            if mode == "F":
+                gray = np.nan_to_num(arr * 255.0 if top <= 1.0 else arr).round().clip(0, 255).astype(np.uint8)
+            else:
+                if mode != "I" or top > 255:
+                    arr = (arr.clip(0, 65535) + 128) // 257
+                gray = arr.clip(0, 255).astype(np.uint8)
+            out[y0:y1] = gray[:, :, None]
+        return out
     try:
-        rgb = img if mode == "RGB" else img.convert("RGB")
+        for y0, y1, strip in _strips(img):
+            out[y0:y1] = np.asarray(strip if mode == "RGB" else strip.convert("RGB"), dtype=np.uint8)
     except (ValueError, OSError) as exc:
         raise UnsupportedImageError(key, f"cannot convert mode {mode} to RGB: {exc}") from None
-    return np.array(rgb, dtype=np.uint8)
+    return out
 
 
 def decode_pillow_rgb(data: Buffer, key: str, *, max_pixels: int = MAX_PIXELS) -> np.ndarray:
@@ -208,8 +228,9 @@ def decode_pillow_rgb(data: Buffer, key: str, *, max_pixels: int = MAX_PIXELS) -
         raise DecompressionBombError(key, f"refused while decoding: {exc}") from None
     except Exception as exc:  # fuzzed files make Pillow raise almost anything (TypeError too)
         raise CorruptImageError(key, f"decode failed: {type(exc).__name__}: {exc}") from None
-    try:
-        upright = ImageOps.exif_transpose(img) or img
+    try:   # exif_transpose copies the image even when there is nothing to turn: asked only then
+        turned = img.getexif().get(_ORIENTATION, 1) not in (1, None)
+        upright = (ImageOps.exif_transpose(img) or img) if turned else img
     except Exception:  # a broken EXIF block must not lose an otherwise good image
         upright = img
     try:

@@ -133,3 +133,46 @@ def test_bitflip_fuzz_no_crash_no_foreign_error_no_silent_change(tmp_path, fuzz)
     assert summary["caught by verify"] == 300, summary
     assert summary["caught by open"] > 100, summary  # the rest are flips in padding: no value changes
     shutil.rmtree(tmp_path / "build")
+
+
+#: the library each source format's file is written with (the fuzz's builder imports it)
+SOURCE_WRITERS = {"lmdb": "lmdb", "tfrecord": "tfrecord.writer", "hdf5": "h5py", "parquet": "pyarrow.parquet",
+                  "targz": "tarfile"}
+
+
+@pytest.mark.parametrize("kind", sorted(SOURCE_WRITERS))
+def test_bitflips_in_a_source_formats_own_file(tmp_path, fuzz, kind):
+    """A few random one-bit flips anywhere in an LMDB data.mdb, a TFRecord, an HDF5, a Parquet or a
+    .tar.gz file, each listed, packed and read loose in a child: no crash, no hang, nothing but stoker
+    errors (the 500-flip runs are in docs/reliability.md: `fuzz_bitflips.py --source all`)."""
+    pytest.importorskip(SOURCE_WRITERS[kind], reason="pip install 'stoker[test-formats]'")
+    if kind == "tfrecord":
+        pytest.importorskip("crc32c", reason="pip install 'stoker[tfrecord]'")
+    src, target = fuzz.build_source(kind, tmp_path / "build")
+    flips = fuzz.plan_source_flips(target, 6, seed=11)
+    summary = fuzz.summarize_sources(fuzz.run_flips(src, flips, tmp_path / "work", source=kind))
+    assert summary["crash or hang"] == 0 and summary["non-stoker exception"] == 0, summary
+    assert summary["flips"] == 6, summary
+
+
+def test_hdf5_flips_that_broke_h5pys_object_walk_are_source_errors(tmp_path, fuzz):
+    """Flips the 500-flip run found in the HDF5 file's object headers and local heap: h5py raised
+    KeyError and RuntimeError from its object walk; each is a SourceError naming the file now."""
+    pytest.importorskip("h5py", reason="pip install 'stoker[hdf5]'")
+    src, target = fuzz.build_source("hdf5", tmp_path / "build")
+    flips = [(target.name, offset, bit) for offset, bit in ((1730, 1), (1434, 3), (1169, 4), (132, 1), (1164, 3))]
+    results = fuzz.run_flips(src, flips, tmp_path / "work", source="hdf5")
+    summary = fuzz.summarize_sources(results)
+    assert summary["crash or hang"] == 0 and summary["non-stoker exception"] == 0, summary
+    assert summary["caught by pack"] >= 3, results
+
+
+def test_parquet_flips_in_data_pages_are_source_errors(tmp_path, fuzz):
+    """Flips the 500-flip run found in the Parquet file's data pages (a corrupt snappy block, a page
+    header thrift cannot read): pyarrow's OSError escaped the listing; a SourceError naming the file now."""
+    src, target = fuzz.build_source("parquet", tmp_path / "build")
+    flips = [(target.name, offset, bit) for offset, bit in ((6339, 4), (6203, 3), (6302, 4), (19321, 3))]
+    results = fuzz.run_flips(src, flips, tmp_path / "work", source="parquet")
+    summary = fuzz.summarize_sources(results)
+    assert summary["crash or hang"] == 0 and summary["non-stoker exception"] == 0, summary
+    assert summary["caught by pack"] == 4, results

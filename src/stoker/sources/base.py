@@ -27,14 +27,16 @@ images it could not read or decode.
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import os
 import threading
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from ..errors import SourceError
 from ..storage.local import open_regular, read_regular
@@ -129,17 +131,123 @@ class RecordStore(Protocol):
         ...
 
 
-#: Decompressed gzip files kept in memory (bytes): the most recent ones, always at least one.
-GZIP_CACHE_BYTES = 1 << 30
+#: Decompressed gzip files kept (in unlinked temporary files on disk, never in memory): the most
+#: recent ones, up to this many decompressed bytes, always at least one.
+GZIP_CACHE_BYTES = 8 << 30
+#: A gzip file may decompress to at most this many times its own size, or GZIP_FLOOR_BYTES,
+#: whichever is more. Images (JPEG, PNG) barely compress; a 6 MB file that claims 6 GB is a bomb.
+GZIP_MAX_RATIO = 100
+GZIP_FLOOR_BYTES = 64 << 20
+_GZIP_CHUNK = 1 << 20
+
+
+class Inflated:
+    """One gzip file decompressed, streamed in 1 MiB pieces into an unlinked temporary file
+    (``tempfile``'s folder: ``TMPDIR``). ``size`` bytes came out; ``damage`` says why the stream
+    stopped early (truncated, corrupt, too large), None when it decompressed whole."""
+
+    def __init__(self, path: Path) -> None:
+        import tempfile
+
+        self.path = path
+        self.damage: str | None = None
+        self.file = tempfile.TemporaryFile(prefix="stoker-gunzip-")
+        try:
+            self.size = self._inflate()
+        except BaseException:
+            self.file.close()
+            raise
+
+    def _inflate(self) -> int:
+        size = 0
+        with open_regular(self.path) as raw:
+            limit = max(GZIP_FLOOR_BYTES, GZIP_MAX_RATIO * os.fstat(raw.fileno()).st_size)
+            try:
+                with gzip.GzipFile(fileobj=raw, mode="rb") as fh:
+                    while block := fh.read1(_GZIP_CHUNK):   # read1: a damaged end keeps what came before
+                        if size + len(block) > limit:
+                            self.damage = (f"decompresses to more than {limit:,} bytes ({GZIP_MAX_RATIO}x its size: a "
+                                           "decompression bomb, or data that is not images); decompress it "
+                                           "yourself (gunzip) and pack the result if it is genuine")
+                            break
+                        self.file.write(block)
+                        size += len(block)
+            except (EOFError, gzip.BadGzipFile, zlib.error, ValueError) as exc:
+                self.damage = f"the gzip stream is damaged after {size:,} decompressed bytes ({exc})"
+            except OSError as exc:   # the temporary folder is full or unwritable
+                import tempfile
+
+                raise OSError(exc.errno, f"cannot decompress {self.path} into a temporary file in "
+                              f"{tempfile.gettempdir()} ({exc.strerror or exc}); free space there, or set "
+                              "TMPDIR to a folder with room") from None
+        self.file.flush()
+        return size
+
+    def read(self, offset: int, size: int) -> bytes:
+        if offset < 0 or size < 0 or offset + size > self.size:
+            why = f" ({self.damage})" if self.damage else ""
+            raise OSError(f"cannot decompress {self.path} that far: it gives {self.size:,} bytes{why}, the "
+                          f"index wants {size:,} bytes at offset {offset:,}")
+        data = os.pread(self.file.fileno(), size, offset)
+        if len(data) != size:
+            raise OSError(f"{self.path}: short read of its decompressed copy ({len(data)} of {size} bytes)")
+        return data
+
+    def open(self) -> BinaryIO:
+        """A new file object over the decompressed bytes, at offset 0, with a position of its own
+        (positional reads: several may be open at once)."""
+        return io.BufferedReader(_Positional(self), _GZIP_CHUNK)
+
+    def fileno(self) -> int:
+        return self.file.fileno()
+
+    def skip_record(self, key: str) -> dict[str, str] | None:
+        """The ``skipped.jsonl`` line for what could not be decompressed (None: nothing was lost)."""
+        if self.damage is None:
+            return None
+        return {"key": key, "path": str(self.path), "reason": f"{self.damage}; the records after it could not "
+                                                              "be read (the ones before it are packed)"}
+
+
+class _Positional(io.RawIOBase):
+    """A read-only, seekable view of an :class:`Inflated` file, reading with ``os.pread``."""
+
+    def __init__(self, content: Inflated) -> None:
+        self._content = content   # keeps the temporary file open while this view is in use
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._content.fileno()
+
+    def readinto(self, buffer: Any) -> int:
+        data = os.pread(self._content.fileno(), min(len(buffer), max(0, self._content.size - self._pos)), self._pos)
+        buffer[:len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._content.size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
 
 
 class GzipMembers:
     """Byte ranges inside the *decompressed* content of gzip files (``.tar.gz``, gzip TFRecord).
 
-    A gzip stream cannot seek, so a whole file is decompressed on first use and kept while it is
-    read: the most recently used files, up to GZIP_CACHE_BYTES decompressed (at least one).
-    Listing fills the same cache, and items are read in near source order, so each file is
-    decompressed once or twice per pack.
+    A gzip stream cannot seek, so a whole file is decompressed on first use, streamed into a
+    temporary file on disk (memory stays bounded whatever the file claims), and kept while it is
+    read: the most recently used files, up to GZIP_CACHE_BYTES (at least one). Listing fills the
+    same cache, and items are read in near source order, so each file is decompressed once or
+    twice per pack.
     """
 
     def __init__(self, path: Path) -> None:
@@ -147,35 +255,27 @@ class GzipMembers:
         self.name = str(path)
 
     def read(self, offset: int, size: int) -> bytes:
-        data = gzip_contents(self.path)
-        if offset + size > len(data):
-            raise OSError(f"{self.path} decompresses to {len(data)} bytes, shorter than its index "
-                          f"says (wanted {size} bytes at offset {offset})")
-        return bytes(data[offset:offset + size])
+        return inflated(self.path).read(offset, size)
 
 
 class _DecompressedCache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._files: OrderedDict[tuple[str, int, int], bytes] = OrderedDict()
+        self._files: OrderedDict[tuple[str, int, int], Inflated] = OrderedDict()
 
-    def get(self, path: Path) -> bytes:
+    def get(self, path: Path) -> Inflated:
         st = os.stat(path)   # a file rewritten in place is decompressed afresh
         key = (str(path), st.st_mtime_ns, st.st_size)
         with self._lock:  # one decompression per file, even when many threads ask at once
-            data = self._files.get(key)
-            if data is None:
-                try:
-                    with open_regular(path) as raw, gzip.GzipFile(fileobj=raw, mode="rb") as fh:
-                        data = fh.read()
-                except (EOFError, gzip.BadGzipFile, ValueError) as exc:
-                    raise OSError(f"cannot decompress {path}: {exc}") from None
-                self._files[key] = data
+            done = self._files.get(key)
+            if done is None:
+                done = self._files[key] = Inflated(Path(path))
             self._files.move_to_end(key)
-            total = sum(len(v) for v in self._files.values())
+            total = sum(v.size for v in self._files.values())
             while len(self._files) > 1 and total > GZIP_CACHE_BYTES:
-                total -= len(self._files.popitem(last=False)[1])
-            return data
+                # dropped, not closed: a reader holding it keeps its descriptor until done
+                total -= self._files.popitem(last=False)[1].size
+            return done
 
     def clear(self) -> None:
         with self._lock:
@@ -186,11 +286,11 @@ _GZIP_CACHE = _DecompressedCache()
 
 
 def forget_decompressed() -> None:
-    """Drop every decompressed gzip file kept in memory (benchmarks: each run pays its own)."""
+    """Drop every decompressed gzip file kept (benchmarks: each run pays its own)."""
     _GZIP_CACHE.clear()
 
 
-def gzip_contents(path: Path) -> bytes:
+def inflated(path: Path) -> Inflated:
     """The decompressed content of a gzip file, shared with :class:`GzipMembers` (listing a file
     and then packing it decompresses it once while it fits in GZIP_CACHE_BYTES)."""
     return _GZIP_CACHE.get(Path(path))

@@ -18,11 +18,21 @@ output size of each transformed sample (``transforms.targets.polygons_through``)
 ``root`` (default: the JSON's folder), and no path may leave it. Images without annotations are kept,
 with empty lists. The sample label is unused (``-1``). Boxes refer to the pixel grid as stored: an
 image with an EXIF orientation other than 1 is turned upright by the pack, its boxes are not.
+
+Values an annotation file may not be trusted with cost their image, never the pack nor the machine:
+an image whose ``width``/``height`` is not a positive finite number, a box with a NaN or infinite
+number or a negative width or height, a polygon with a non-finite vertex or more than
+MAX_POLYGON_VERTICES vertices (more than MAX_IMAGE_VERTICES in one image), and an RLE whose ``size``
+is not its image's or exceeds the pixel limit (``codecs.MAX_PIXELS``, checked before decoding) are
+skipped with the reason in ``skipped.jsonl``. Contours traced from an RLE are simplified (Douglas-
+Peucker, a growing tolerance from half a pixel) until they fit the vertex bound. Entries of the
+wrong shape (a box of strings, a category without an id) still make the whole file a SourceError.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -30,12 +40,21 @@ from typing import Any
 import cv2
 import numpy as np
 
+from .. import codecs
 from ..errors import SourceError
 from .base import ListedPaths, Source, SourceItem, SourceOptions, check_unique, listing_root, read_text
 
 SUFFIXES = (".json",)
 EXTRA_COLUMNS = {"boxes": "list<float64>", "box_labels": "list<int64>", "box_crowd": "list<int64>",
                  "masks": "list<float64>", "masks_points": "list<int64>", "masks_box": "list<int64>"}
+#: vertices one polygon may have: filling costs grow with them (a bound on the Loader's per-sample work)
+MAX_POLYGON_VERTICES = 4096
+#: vertices all the polygons of one image may have together
+MAX_IMAGE_VERTICES = 32768
+
+
+class _BadImage(Exception):
+    """One image entry (or one of its annotations) holds values that cannot be used: skipped."""
 
 
 def detect(path: Path) -> bool:
@@ -86,29 +105,61 @@ def _open_coco(listing: Path, options: SourceOptions) -> Source:
                               f"'category_id' listed in 'categories'; found {bbox!r}, {ann.get('category_id')!r}",
                               path=listing)
         per_image[ann.get("image_id")].append(ann)
-    items, keys = [], []
+    items, keys, skipped = [], [], []
     for n, img in enumerate(sorted(doc["images"], key=lambda i: i["id"]), start=1):
-        if "file_name" not in img or not img.get("width") or not img.get("height"):
+        if "file_name" not in img or img.get("width") is None or img.get("height") is None:
             raise SourceError(f"{listing}: image entry {img.get('id')!r} needs 'file_name', 'width' and 'height'",
                               path=listing)
-        w, h = float(img["width"]), float(img["height"])
         key, full = check(str(img["file_name"]), n)
-        anns = per_image.get(img["id"], [])
-        boxes = [float(v) for a in anns for v in (a["bbox"][0] / w, a["bbox"][1] / h, (a["bbox"][0] + a["bbox"][2]) / w,
-                                                    (a["bbox"][1] + a["bbox"][3]) / h)]
-        extras = {"boxes": boxes, "box_labels": [index[a["category_id"]] for a in anns],
-                  "box_crowd": [int(a.get("iscrowd", 0)) for a in anns],
-                  **_polygons(anns, w, h, listing)}
-        items.append(SourceItem(key=key, path=full, label=None, extras=extras))
         keys.append((key, n))
-    if not items:
-        raise SourceError(f"{listing} lists no images", path=listing)
+        anns = per_image.get(img["id"], [])
+        try:
+            w, h = _size(img)
+            extras = {"boxes": _boxes(anns, w, h), "box_labels": [index[a["category_id"]] for a in anns],
+                      "box_crowd": [int(a.get("iscrowd", 0)) for a in anns],
+                      **_polygons(anns, w, h, listing)}
+        except _BadImage as exc:
+            skipped.append({"key": key, "path": f"{listing}: image id {img.get('id')!r}",
+                            "reason": f"{exc}; the image is left out (fix its entry in the annotation file)"})
+            continue
+        items.append(SourceItem(key=key, path=full, label=None, extras=extras))
     check_unique(keys, listing)
+    if not items:
+        raise SourceError(f"{listing} lists no usable images ({len(skipped)} refused"
+                          f"{': ' + skipped[0]['reason'] if skipped else ''})", path=listing)
     names = [str(c.get("name", c["id"])) for c in categories]
     return Source(items=items, classes=None, label_type="none", extra_columns=dict(EXTRA_COLUMNS), root=root,
                   description=f"COCO {listing} ({len(items)} images, {len(doc['annotations'])} boxes, "
                               f"{len(names)} categories: {', '.join(names[:5])}{'...' if len(names) > 5 else ''})",
-                  kind="coco")
+                  kind="coco", skipped=skipped)
+
+
+def _number(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"expected a number, found {v!r}")
+    return float(v)
+
+
+def _size(img: dict[str, Any]) -> tuple[float, float]:
+    try:
+        w, h = float(img["width"]), float(img["height"])   # "640" as text has always been accepted
+    except (TypeError, ValueError):
+        w = h = math.nan
+    if not (math.isfinite(w) and math.isfinite(h) and w > 0 and h > 0):
+        raise _BadImage(f"its width x height {img['width']!r} x {img['height']!r} is not a positive size")
+    return w, h
+
+
+def _boxes(anns: list[dict[str, Any]], w: float, h: float) -> list[float]:
+    """The image's boxes as fractions (x0, y0, x1, y1), refusing non-finite numbers and negative sizes."""
+    out: list[float] = []
+    for ann in anns:
+        x, y, bw, bh = (_number(v) for v in ann["bbox"])
+        if not all(math.isfinite(v) for v in (x, y, bw, bh)) or bw < 0 or bh < 0:
+            raise _BadImage(f"annotation id {ann.get('id')!r} has the box {ann['bbox']!r} (x, y, width, height: "
+                            "finite numbers, width and height not negative)")
+        out.extend((x / w, y / h, (x + bw) / w, (y + bh) / h))
+    return out
 
 
 def _polygons(anns: list[dict[str, Any]], w: float, h: float, listing: Path) -> dict[str, list]:
@@ -119,7 +170,7 @@ def _polygons(anns: list[dict[str, Any]], w: float, h: float, listing: Path) -> 
     for k, ann in enumerate(anns):
         seg = ann.get("segmentation")
         if isinstance(seg, dict):
-            polys = _trace_rle(seg, listing, ann.get("id"))
+            polys = _trace_rle(seg, listing, ann.get("id"), w, h)
         elif isinstance(seg, list):
             polys = [p for p in seg if isinstance(p, list) and len(p) >= 6 and len(p) % 2 == 0]
         elif seg is None:
@@ -128,10 +179,18 @@ def _polygons(anns: list[dict[str, Any]], w: float, h: float, listing: Path) -> 
             raise SourceError(f"{listing}: annotation id {ann.get('id')!r} has a 'segmentation' of type "
                               f"{type(seg).__name__}; expected a list of polygons or an RLE dict", path=listing)
         for poly in polys:
-            xy = np.asarray(poly, np.float64).reshape(-1, 2) / (w, h)
-            points.extend(xy.ravel().tolist())
+            xy = np.asarray(poly, np.float64).reshape(-1, 2)
+            if len(xy) > MAX_POLYGON_VERTICES:
+                raise _BadImage(f"annotation id {ann.get('id')!r} has a polygon of {len(xy):,} vertices, more than "
+                                f"the {MAX_POLYGON_VERTICES:,} a polygon may have (simplify it)")
+            if not np.isfinite(xy).all():
+                raise _BadImage(f"annotation id {ann.get('id')!r} has a polygon with a NaN or infinite vertex")
+            points.extend((xy / (w, h)).ravel().tolist())
             lengths.append(len(xy))
             owners.append(k)
+    if len(points) // 2 > MAX_IMAGE_VERTICES:
+        raise _BadImage(f"its polygons have {len(points) // 2:,} vertices together, more than the "
+                        f"{MAX_IMAGE_VERTICES:,} one image may have")
     return {"masks": points, "masks_points": lengths, "masks_box": owners}
 
 
@@ -170,7 +229,24 @@ def rle_decode(seg: dict[str, Any]) -> np.ndarray:
     return np.repeat(values.astype(np.uint8), runs).reshape((h, w), order="F")
 
 
-def _trace_rle(seg: dict[str, Any], listing: Path, ann_id: Any) -> list[list[float]]:
+def _rle_size(seg: dict[str, Any], ann_id: Any, w: float, h: float) -> None:
+    """An RLE's declared size must be its image's (COCO's rule) and within the pixel limit, checked
+    before decoding: a 60000x60000 RLE on a 160x120 image would decode 3.6 GB."""
+    size = seg.get("size")
+    if not (isinstance(size, list) and len(size) == 2 and all(isinstance(v, int) and not isinstance(v, bool)
+                                                               for v in size)):
+        return   # malformed: rle_decode says why, for the whole file
+    rh, rw = size
+    if (rh, rw) != (round(h), round(w)):
+        raise _BadImage(f"annotation id {ann_id!r} has an RLE of size {rh}x{rw} (height x width) on an image "
+                        f"listed as {round(h)}x{round(w)}; an RLE covers its image exactly")
+    if rh * rw > codecs.MAX_PIXELS:
+        raise _BadImage(f"annotation id {ann_id!r} has an RLE of {rh}x{rw} = {rh * rw:,} pixels, above the limit "
+                        f"of {codecs.MAX_PIXELS:,}")
+
+
+def _trace_rle(seg: dict[str, Any], listing: Path, ann_id: Any, w: float, h: float) -> list[list[float]]:
+    _rle_size(seg, ann_id, w, h)
     try:
         mask = rle_decode(seg)
     except (KeyError, TypeError, ValueError, IndexError) as exc:
@@ -178,5 +254,13 @@ def _trace_rle(seg: dict[str, Any], listing: Path, ann_id: Any) -> list[list[flo
                           f"({type(exc).__name__}: {exc}); expected {{'size': [h, w], 'counts': ...}}",
                           path=listing) from exc
     contours, _ = cv2.findContours(mask, cv2.RETR_LIST, cv2.CHAIN_APPROX_SIMPLE)
-    # contour points are pixel centres; +0.5 makes them the pixel-edge coordinates polygons use
-    return [(c.reshape(-1, 2).astype(np.float64) + 0.5).ravel().tolist() for c in contours if len(c) >= 3]
+    out = []
+    for c in contours:
+        epsilon = 0.5
+        while len(c) > MAX_POLYGON_VERTICES:   # a ragged outline: simplified, within `epsilon` pixels
+            c = cv2.approxPolyDP(c, epsilon, True)
+            epsilon *= 2
+        if len(c) >= 3:
+            # contour points are pixel centres; +0.5 makes them the pixel-edge coordinates polygons use
+            out.append((c.reshape(-1, 2).astype(np.float64) + 0.5).ravel().tolist())
+    return out

@@ -12,6 +12,14 @@ Labels are a dataset of the same length (``label_column``; default the first of 
 rows of label indices, -1 padding dropped). Class names come from a ``classes`` or ``class_names``
 attribute of the label dataset or the file when present. Other 1-D datasets of length N with
 numbers or strings become typed extra columns. Keys are ``<dataset name>/<index>``.
+
+A downloaded ``.h5`` is untrusted input, so what it declares is checked before it is believed:
+- data kept outside the file (**external storage**, a **virtual dataset**) is refused, naming the
+  dataset: it would make pack and the Loader read any file of the machine as pixels;
+- a dataset whose declared elements were never written (unallocated chunks: a 2 KB file can declare
+  10^9 images) is refused, and the image dataset must store at least one byte per image it declares;
+- pixel arrays larger than the pixel limit (``codecs.MAX_PIXELS`` per image) are refused from their
+  shape, before one is read; label and extra rows are bounded to ``MAX_ROW_BYTES`` each.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import codecs
 from ..errors import SourceError
 from ..storage.local import open_regular, require_regular
 from .base import Source, SourceItem, SourceOptions, describe_labels, optional_module, type_any_labels
@@ -31,6 +40,9 @@ SUFFIXES = (".h5", ".hdf5", ".he5", ".hdf")
 IMAGE_NAMES = ("images", "image", "imgs", "data", "x")
 LABEL_NAMES = ("labels", "label", "targets", "y")
 _MAGIC = b"\x89HDF\r\n\x1a\n"
+#: bytes one label or extra row may declare (a class name, N x K label indices): above it the
+#: dataset is refused before it is read whole
+MAX_ROW_BYTES = 64 << 10
 
 
 def _h5py() -> Any:
@@ -74,6 +86,60 @@ def _pixels(ds: Any) -> bool:
     return ds.dtype == np.uint8 and (ds.ndim == 3 or (ds.ndim == 4 and ds.shape[-1] in (1, 3)))
 
 
+def _check_stored_here(ds: Any, path: Path) -> None:
+    """Refuse a dataset whose data lives outside the file: external raw files or a virtual dataset
+    (reading it would read whatever file it names, a credentials file as pixels)."""
+    where = f"{path}: dataset {ds.name.lstrip('/')!r}"
+    fix = "stoker reads only data stored in the file itself; copy the data into a regular dataset and pack that"
+    if ds.is_virtual:
+        files = sorted({v.file_name for v in ds.virtual_sources()})
+        raise SourceError(f"{where} is a virtual dataset mapping other files ({', '.join(files)}); {fix}", path=path)
+    if ds.external:
+        files = sorted({_text(e[0]) for e in ds.external})
+        raise SourceError(f"{where} keeps its data in external files ({', '.join(files)}); {fix}", path=path)
+
+
+def _check_written(ds: Any, path: Path) -> None:
+    """Refuse a dataset that declares elements it never stored (unallocated storage reads as fill
+    values: a tiny forged file would list 10^9 samples)."""
+    if ds.size == 0:
+        return
+    if ds.chunks is None:
+        missing = ds.id.get_storage_size() == 0
+    else:
+        expected = int(np.prod([-(-n // c) for n, c in zip(ds.shape, ds.chunks)]))
+        missing = ds.id.get_num_chunks() < expected
+    if missing:
+        raise SourceError(f"{path}: dataset {ds.name.lstrip('/')!r} declares {ds.shape} elements, but part of it "
+                          "was never written (no storage allocated); the file is unfinished or forged — write "
+                          "every element, or pack the part that was written", path=path)
+
+
+def _check_images(ds: Any, path: Path) -> None:
+    name = ds.name.lstrip("/")
+    if _pixels(ds) and ds.shape[1] * ds.shape[2] > codecs.MAX_PIXELS:
+        h, w = ds.shape[1:3]
+        raise SourceError(f"{path}: image dataset {name!r} holds {w}x{h} pixel arrays = {w * h:,} pixels each, "
+                          f"above the limit of {codecs.MAX_PIXELS:,} (a decompression bomb, refused before "
+                          "reading one); store such images encoded (PNG) to pack them", path=path)
+    _check_stored_here(ds, path)
+    _check_written(ds, path)
+    if ds.id.get_storage_size() < len(ds):
+        raise SourceError(f"{path}: image dataset {name!r} declares {len(ds):,} images but stores only "
+                          f"{ds.id.get_storage_size():,} bytes; the file is forged or unfinished", path=path)
+
+
+def _check_rows(ds: Any, path: Path) -> None:
+    """A label or extra dataset, read whole at listing: stored in the file, written, bounded rows."""
+    _check_stored_here(ds, path)
+    _check_written(ds, path)
+    row = ds.dtype.itemsize * int(np.prod(ds.shape[1:], dtype=np.int64))
+    if row > MAX_ROW_BYTES:
+        raise SourceError(f"{path}: dataset {ds.name.lstrip('/')!r} declares {row:,} bytes per row, above "
+                          f"{MAX_ROW_BYTES:,} for a label or extra column; pass label_column= (--label-column) "
+                          "to name the right one", path=path)
+
+
 class _Images:
     """One image dataset, open for reading; h5py serializes access itself (its global lock)."""
 
@@ -81,6 +147,11 @@ class _Images:
         self.name = f"{path}:{name}"
         self._file = _h5py().File(path, "r")
         self._ds = self._file[name]
+        try:  # the file may have been replaced since listing: the same checks again
+            _check_images(self._ds, path)
+        except BaseException:
+            self._file.close()
+            raise
         self.encoded = _encoded(self._ds)
         self._lock = threading.Lock()
 
@@ -88,7 +159,7 @@ class _Images:
         with self._lock:
             try:
                 value = self._ds[offset]
-            except (OSError, RuntimeError, ValueError) as exc:
+            except (OSError, RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
                 raise OSError(f"cannot read element {offset} of {self.name}: {exc}") from None
         if self.encoded:
             return value if isinstance(value, bytes) else np.asarray(value).tobytes()
@@ -110,6 +181,18 @@ def _pick(sets: dict[str, Any], wanted: str | None, defaults: tuple[str, ...], w
 
 
 def open_hdf5(path: Path, options: SourceOptions) -> Source:
+    """The samples of an HDF5 file. A damaged file makes h5py raise KeyError, RuntimeError or
+    others from deep inside its object walk: any of them is a SourceError naming the file."""
+    try:
+        return _open_hdf5(path, options)
+    except SourceError:
+        raise
+    except (OSError, RuntimeError, KeyError, ValueError, TypeError, IndexError) as exc:
+        raise SourceError(f"{path}: the HDF5 file is damaged ({type(exc).__name__}: {exc}); restore it, or "
+                          "write it again", path=path) from None
+
+
+def _open_hdf5(path: Path, options: SourceOptions) -> Source:
     h5py = _h5py()
     try:
         require_regular(path)   # h5py opens the path itself: a FIFO would block it
@@ -123,6 +206,7 @@ def open_hdf5(path: Path, options: SourceOptions) -> Source:
         if image is None or not (_encoded(sets[image]) or _pixels(sets[image])):
             raise SourceError(f"{path}: no image dataset (encoded bytes per element, or uint8 N x H x W x 3) "
                               f"among {list(sets)}; pass image_column= (--image-column)", path=path)
+        _check_images(sets[image], path)
         n = len(sets[image])
         wanted = None if options.label_column == "label" else options.label_column
         label = None if options.label_column is None else _pick(
@@ -132,6 +216,8 @@ def open_hdf5(path: Path, options: SourceOptions) -> Source:
                               path=path)
         extras = {name: ds for name, ds in sets.items()
                   if name not in (image, label) and ds.ndim == 1 and len(ds) == n and ds.dtype.kind in "biufSO"}
+        for ds in ([sets[label]] if label is not None else []) + list(extras.values()):
+            _check_rows(ds, path)
         extra_columns, extra_values = _extras(extras)
         raw = None if label is None else sets[label][()]
         names = _class_names(h5, sets[label]) if label is not None else None

@@ -307,6 +307,8 @@ def _column_type(t: pa.DataType) -> str | None:
 # ---------------------------------------------------------------- the source
 
 def open_hf(path: Path, options: SourceOptions) -> Source:
+    import pyarrow
+
     files, info_features = _files(path)
     tables = [_Table(f) for f in files]
     first = tables[0]
@@ -323,7 +325,11 @@ def open_hf(path: Path, options: SourceOptions) -> Source:
             raise SourceError(f"{table.path} has columns {table.schema.names}, unlike {first.path} "
                               f"({first.schema.names}); pack files of one dataset split together", path=table.path)
         table.image_column = image
-        _list_table(table, image, label, list(extra_columns), items, raw, skipped)
+        try:
+            _list_table(table, image, label, list(extra_columns), items, raw, skipped)
+        except (OSError, pyarrow.ArrowException) as exc:   # a damaged page: a corrupt snappy block, bad thrift
+            raise SourceError(f"cannot list {table.path}: the file is damaged ({exc}); restore it, or download "
+                              "it again", path=table.path) from None
     if not items:
         raise SourceError(f"no rows with image bytes in {path} ({len(skipped)} skipped)", path=path)
     classes, is_list = _class_names(features.get(label)) if label else (None, False)

@@ -21,10 +21,16 @@ in an ImageFolder; else none.
 write) is refused with a SourceError, because unpickling runs whatever code the file holds. Other
 values that are not an image (damaged, or another format) are listed and then skipped by the
 packer with the decoder's reason. Needs ``pip install 'stoker[lmdb]'``.
+
+**Truncated files**: LMDB memory-maps ``data.mdb`` and trusts it, so touching a page past the end
+of a truncated copy kills the process with SIGBUS. Before mapping, the file's size is checked
+against what its own header (the newer of the two meta pages) says it holds; a shorter file is a
+SourceError naming it.
 """
 
 from __future__ import annotations
 
+import struct
 import threading
 import weakref
 from dataclasses import replace
@@ -34,12 +40,16 @@ from typing import Any
 import numpy as np
 
 from ..errors import SourceError
-from ..storage.local import require_regular
+from ..storage.local import open_regular, require_regular
 from .base import Source, SourceItem, SourceOptions, describe_labels, optional_module, read_text, type_any_labels
 from .listing import split_line
 from .protobuf import fields
 
 LABELS_FILE = "labels.txt"
+_META_MAGIC = 0xBEEFC0DE
+#: offsets in a meta page (64-bit LMDB): 16-byte page header, then magic, version, address,
+#: map size, the free DB (whose md_pad holds the page size), the main DB, last page, txn id
+_META = struct.Struct("<16xII8x8xI44x48xQQ")
 _IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM", b"II*\x00", b"MM\x00*")
 
 
@@ -103,13 +113,44 @@ _OPEN: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 _OPEN_LOCK = threading.Lock()
 
 
+def check_data_file(data: Path) -> None:
+    """Refuse a ``data.mdb`` shorter than its header says (a truncated copy): mapping it would
+    end in SIGBUS on the first page past its end. Files whose header is not LMDB's are left to
+    lmdb, which reads it without mapping and says so."""
+    with open_regular(data) as fh:
+        size = fh.seek(0, 2)
+        fh.seek(0)
+        head = fh.read(_META.size)
+        if len(head) < _META.size:
+            return
+        magic, _, psize, last, txn = _META.unpack(head)
+        if magic != _META_MAGIC:
+            return
+        if psize < 512 or psize > 1 << 16 or psize & (psize - 1):
+            raise SourceError(f"{data}: the LMDB header is damaged (page size {psize}); restore the file or "
+                              "convert the images again", path=data)
+        metas = [(txn, last)]
+        fh.seek(psize)
+        second = fh.read(_META.size)
+        if len(second) == _META.size and _META.unpack(second)[0] == _META_MAGIC:
+            metas.append(_META.unpack(second)[3:][::-1])
+    txn, last = max(metas)   # lmdb uses the meta page of the newest transaction
+    need = (last + 1) * psize
+    if size < need:
+        raise SourceError(f"{data}: the LMDB file is truncated ({size:,} bytes; its header says it holds "
+                          f"{last + 1:,} pages of {psize} bytes = {need:,} bytes); restore the whole file "
+                          "(an interrupted copy or download?)", path=data)
+
+
 def _environment(path: Path) -> Any:
     lmdb = _lmdb()
     with _OPEN_LOCK:
         env = _OPEN.get(str(path))
         if env is None:
+            data = path / "data.mdb" if path.is_dir() else path
             try:  # lmdb opens the file itself: a FIFO as data.mdb would block it
-                require_regular(path / "data.mdb" if path.is_dir() else path)
+                require_regular(data)
+                check_data_file(data)
             except OSError as exc:
                 raise SourceError(f"cannot open {path} as an LMDB environment ({exc.filename}: {exc.strerror})",
                                   path=path) from None
@@ -132,13 +173,16 @@ class _Env:
         self.datum: bytearray = bytearray()   # 1 where the value is a Caffe Datum
 
     def read(self, offset: int, size: int) -> bytes:
-        with self.env.begin(buffers=True) as txn:
-            value = txn.get(self.keys[offset])
-            if value is None:
-                raise OSError(f"key {self.keys[offset]!r} is no longer in {self.name}")
-            if self.datum[offset]:
-                return Datum(value).image(value)
-            return bytes(value)
+        try:
+            with self.env.begin(buffers=True) as txn:
+                value = txn.get(self.keys[offset])
+                if value is None:
+                    raise OSError(f"key {self.keys[offset]!r} is no longer in {self.name}")
+                if self.datum[offset]:
+                    return Datum(value).image(value)
+                return bytes(value)
+        except _lmdb().Error as exc:   # a damaged page: this record is lost, not the pack
+            raise OSError(f"{self.name}: LMDB cannot read key {self.keys[offset]!r} ({exc})") from None
 
 
 def _key_text(key: bytes) -> str:
@@ -153,6 +197,18 @@ def open_lmdb(path: Path, options: SourceOptions) -> Source:
     if path.is_file() and path.name == "data.mdb":
         path = folder
     env = _Env(path)
+    try:
+        items, datum_labels = _list(path, env)
+    except _lmdb().Error as exc:
+        raise SourceError(f"{path}: the LMDB environment is damaged ({exc}); its records cannot be listed — "
+                          "restore it, or convert the images again", path=path) from None
+    if not items:
+        raise SourceError(f"{path} holds no records (besides __metadata__ keys)", path=path)
+    return _with_labels(path, folder, items, datum_labels)
+
+
+def _list(path: Path, env: _Env) -> tuple[list[SourceItem], list[int | None]]:
+    """Every record in key order, with its Caffe Datum label when it is one."""
     items: list[SourceItem] = []
     datum_labels: list[int | None] = []
     with env.env.begin(buffers=True) as txn:
@@ -180,9 +236,7 @@ def open_lmdb(path: Path, options: SourceOptions) -> Source:
             items.append(SourceItem(key=text, path=None, label=None, offset=len(env.keys) - 1,
                                     size=len(value), store=env))
             datum_labels.append(label)
-    if not items:
-        raise SourceError(f"{path} holds no records (besides __metadata__ keys)", path=path)
-    return _with_labels(path, folder, items, datum_labels)
+    return items, datum_labels
 
 
 def _with_labels(path: Path, folder: Path, items: list[SourceItem], datum_labels: list[int | None]) -> Source:

@@ -11,12 +11,17 @@ list is a multi-label target.
 Nothing is extracted: an item records the member's offset and size inside the tar (inside the
 decompressed stream for gzip files), and member names are used only as keys, never as paths, so
 a downloaded archive cannot write or read outside itself. A tar that is damaged part-way keeps
-the samples before the damage; the rest of that file is logged in ``skipped.jsonl``.
+the samples before the damage; the rest of that file is logged in ``skipped.jsonl``, compressed
+(a truncated ``.tar.gz``) or not alike.
+
+What a member declares is bounded before it is read: a ``.cls``/``.json``/``.txt`` target over
+MAX_TARGET_BYTES, a sparse member (its declared size is not what the tar stores) and a member
+reaching past the end of the tar cost their sample (a ``skipped.jsonl`` line), never memory. A
+gzip file is streamed to disk, bounded (see :class:`~stoker.sources.base.Inflated`).
 """
 
 from __future__ import annotations
 
-import io
 import os
 import json
 import tarfile
@@ -28,11 +33,13 @@ from typing import Any, BinaryIO
 from ..errors import SourceError
 from ..storage.local import open_regular
 from .base import (SAMPLE_EXTENSIONS, GzipMembers, Source, SourceItem, SourceOptions, describe_labels,
-                   gzip_contents, inside, is_sample_name, optional_module, require_items, scandir, split_label_cell,
+                   inflated, inside, is_sample_name, optional_module, require_items, scandir, split_label_cell,
                    type_any_labels)
 
 SUFFIXES = (".tar", ".tar.gz", ".tgz")
 TARGET_EXTENSIONS = (".cls", ".json", ".txt")
+#: bytes a target member (.cls, .json, .txt) may hold: labels and metadata, never megabytes
+MAX_TARGET_BYTES = 1 << 20
 
 
 def is_shard_name(name: str) -> bool:
@@ -74,32 +81,53 @@ def detect(path: Path) -> bool:
 class _Group:
     image: tarfile.TarInfo | None = None
     targets: dict[str, bytes] = field(default_factory=dict)   # extension -> member bytes
+    problem: str | None = None   # why the sample cannot be used (a member that declares too much)
 
 
-def _open(tar_path: Path) -> tuple[BinaryIO, GzipMembers | None]:
-    """The tar's bytes as a file object (only a regular file is opened: a FIFO would block)."""
+def _open(tar_path: Path, skipped: list[dict[str, str]]) -> tuple[BinaryIO, GzipMembers | None, int]:
+    """(the tar's bytes as a file object, the store of a compressed tar, the bytes there are).
+    Only a regular file is opened (a FIFO would block); a gzip file's damage is logged in `skipped`
+    and what decompressed before it is kept."""
     try:
         if tar_path.name.lower().endswith((".gz", ".tgz")):
-            # decompressed once; packing then reads from it
-            return io.BytesIO(gzip_contents(tar_path)), GzipMembers(tar_path)
-        return open_regular(tar_path), None
+            content = inflated(tar_path)   # decompressed once, to disk; packing then reads from it
+            lost = content.skip_record(f"{tar_path.name}/*")
+            if lost is not None:
+                skipped.append(lost)
+            return content.open(), GzipMembers(tar_path), content.size
+        raw = open_regular(tar_path)
+        return raw, None, os.fstat(raw.fileno()).st_size
     except OSError as exc:
         raise SourceError(f"cannot read {tar_path} as a tar ({exc.strerror or exc})", path=tar_path) from None
 
 
 def _groups(tar_path: Path, skipped: list[dict[str, str]]) -> tuple[dict[str, _Group], GzipMembers | None, int]:
     """(samples by name, the store of a compressed tar, the inode of the tar file read)."""
-    raw, store = _open(tar_path)
+    raw, store, size = _open(tar_path, skipped)
     with raw:
         inode = 0 if store else os.fstat(raw.fileno()).st_ino
         try:
             tf = tarfile.open(fileobj=raw, mode="r:")
         except tarfile.TarError as exc:
+            if store is not None and skipped and skipped[-1]["path"] == str(tar_path):
+                return {}, store, inode   # a .tar.gz cut before its first member: logged, nothing to list
             raise SourceError(f"cannot read {tar_path} as a tar ({exc})", path=tar_path) from None
-        return _members(tf, tar_path, skipped), store, inode
+        return _members(tf, tar_path, size, skipped), store, inode
 
 
-def _members(tf: tarfile.TarFile, tar_path: Path, skipped: list[dict[str, str]]) -> dict[str, _Group]:
+def _declares_too_much(m: tarfile.TarInfo, ext: str, size: int) -> str | None:
+    """Why member `m` of a tar holding `size` bytes cannot be read as it claims, or None."""
+    if m.issparse():
+        return f"member {m.name} is a sparse file (it declares {m.size:,} bytes the tar does not hold)"
+    if m.offset_data + m.size > size:
+        return (f"member {m.name} declares {m.size:,} bytes, but the tar is shorter (it ends "
+                f"{max(0, size - m.offset_data):,} bytes into them)")
+    if ext in TARGET_EXTENSIONS and m.size > MAX_TARGET_BYTES:
+        return f"its {ext} member holds {m.size:,} bytes, more than the {MAX_TARGET_BYTES:,} a target may"
+    return None
+
+
+def _members(tf: tarfile.TarFile, tar_path: Path, size: int, skipped: list[dict[str, str]]) -> dict[str, _Group]:
     groups: dict[str, _Group] = {}
     with tf:
         try:
@@ -110,11 +138,20 @@ def _members(tf: tarfile.TarFile, tar_path: Path, skipped: list[dict[str, str]])
                 stem, _, ext = base.partition(".")
                 ext = "." + ext.lower()
                 group = groups.setdefault(f"{folder}/{stem}" if folder else stem, _Group())
-                if ext in SAMPLE_EXTENSIONS and group.image is None:
-                    group.image = m
-                elif ext in TARGET_EXTENSIONS and ext not in group.targets:
-                    group.targets[ext] = tf.extractfile(m).read()
+                wanted = (ext in SAMPLE_EXTENSIONS and group.image is None) or \
+                    (ext in TARGET_EXTENSIONS and ext not in group.targets)
+                if not wanted:
+                    continue
+                problem = _declares_too_much(m, ext, size)
+                if problem is not None:
+                    group.problem = group.problem or problem
+                if ext in SAMPLE_EXTENSIONS:
+                    group.image = m   # its name keys the sample, skipped or not
+                elif problem is None:
+                    group.targets[ext] = tf.extractfile(m).read(MAX_TARGET_BYTES)
         except (tarfile.TarError, OSError, EOFError) as exc:
+            if skipped and skipped[-1]["key"] == f"{tar_path.name}/*":
+                return groups   # a .tar.gz whose gzip stream was damaged: already logged, with why
             skipped.append({"key": f"{tar_path.name}/*", "path": str(tar_path),
                             "reason": f"the tar is damaged after {len(groups)} samples ({exc}); the rest "
                                       "of this file could not be read"})
@@ -219,6 +256,11 @@ def open_tar(path: Path | str | Sequence[str | Path], options: SourceOptions) ->
         prefix = f"{tar_path.name}/" if prefixed else ""
         for name in sorted(groups):
             group = groups[name]
+            if group.problem is not None:
+                key = prefix + (group.image.name if group.image is not None else name)
+                skipped.append({"key": key, "path": str(tar_path), "reason": f"sample {name}: "
+                                f"{group.problem}; the sample is left out"})
+                continue
             if group.image is None:
                 continue
             m = group.image

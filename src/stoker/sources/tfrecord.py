@@ -9,7 +9,10 @@ as written). Other features become typed extra columns (``image/filename`` -> st
 Each record is framed as ``length (u64) | masked CRC32C of length | data | masked CRC32C of data``;
 both checksums are verified. A record whose data checksum fails is skipped and logged; a damaged
 length ends the readable part of that file (nothing after it can be framed), which is logged too.
-Gzip-compressed files (``.gz``, or the gzip magic bytes) are decompressed one file at a time.
+Gzip-compressed files (``.gz``, or the gzip magic bytes) are decompressed one file at a time,
+streamed to a temporary file on disk and bounded (:class:`~stoker.sources.base.Inflated`); a
+truncated or damaged ``.gz`` keeps the records before the damage and logs the rest, as an
+uncompressed file does.
 
 Why a small reader here rather than a package: TensorFlow is gigabytes; the ``tfrecord`` package
 does not verify checksums and copies every record. This reader gives each image's byte range inside
@@ -30,7 +33,7 @@ from ..errors import SourceError
 from ..storage.local import open_regular
 from .protobuf import fields as _fields
 from .protobuf import varint as _varint
-from .base import (GzipMembers, Source, SourceItem, SourceOptions, describe_labels, gzip_contents,
+from .base import (GzipMembers, Source, SourceItem, SourceOptions, describe_labels, inflated,
                    optional_module, scandir, type_any_labels)
 
 SUFFIXES = (".tfrecord", ".tfrecords", ".tfrec")
@@ -257,10 +260,19 @@ class _Listing:
         self.skipped: list[dict[str, str]] = []
 
 
-def _open_buffer(file: Path, gz: bool) -> Any:
+def _open_buffer(file: Path, gz: bool, skipped: list[dict[str, str]]) -> Any:
+    """The file's records as a buffer: the file memory-mapped, or its decompressed copy (on disk,
+    bounded; see :class:`~stoker.sources.base.Inflated`) mapped, keeping what decompressed before
+    any damage, which is logged in `skipped` as an uncompressed file's truncation is."""
     try:
         if gz:
-            return gzip_contents(file)
+            content = inflated(file)
+            lost = content.skip_record(f"{file.name}/*")
+            if lost is not None:
+                skipped.append(lost)
+            if not content.size:
+                return b""
+            return mmap.mmap(content.fileno(), content.size, access=mmap.ACCESS_READ)
         if not file.stat().st_size:
             return b""
         with open_regular(file) as fh:
@@ -276,7 +288,7 @@ def open_tfrecord(path: Path, options: SourceOptions) -> Source:
     names: list[str | None] = [None, None]   # image and label feature names, from the first record
     for file in files:
         gz = _is_gzip(file)
-        buf = _open_buffer(file, gz)
+        buf = _open_buffer(file, gz, out.skipped)
         try:
             _list_file(file, buf, GzipMembers(file) if gz else None, crc, options, names, out)
         finally:

@@ -12,10 +12,16 @@ How copies stay under control, including after a crash:
   finished; every shard was hashed while copied and matched the manifest before the marker says so.
 - A copy whose marker matches the source is reused (a crashed run's copy included); an unfinished
   or outdated one is redone in place.
-- A copy made for a Loader (``persistent=False``) is removed by the last process that closes it;
-  :func:`sweep` (run by ``Loader(stage=...)`` before staging) removes such copies that nobody
-  holds, i.e. those crashed runs left behind. ``stoker stage`` makes persistent copies: they stay
-  until ``stoker stage --remove``.
+- A copy made for a Loader (``persistent=False``) is removed by the last process that lets it go
+  (``close()``, garbage collection, or interpreter exit); :func:`sweep` (run by ``Loader(stage=...)``
+  before staging) removes such copies that nobody holds, i.e. those crashed runs left behind.
+  ``stoker stage`` makes persistent copies: they stay until ``stoker stage --remove``.
+
+What is never touched: a destination that exists, is not empty and holds no marker is not a stage
+stoker made (``stoker stage packed ~/work``, ``/dev/shm`` itself, the folder above the dataset): it
+is refused before anything is written. Removing a copy deletes only the names staging writes (the
+manifest, ``*.arrow`` shards, the marker, the lock, their temporary files), then the folder if it is
+left empty; anything else a user put there stays.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError, DatasetError, LoaderTimeoutError, ShardError
-from ..shards import MANIFEST_NAME, read_manifest
+from ..shards import MANIFEST_NAME, SHARD_NAME_RE, read_manifest
 
 try:
     import fcntl
@@ -42,15 +48,80 @@ LOCK_NAME = ".stoker-stage.lock"
 MARK_NAME = ".stoker-stage.json"
 _CHUNK = 8 << 20
 _POLL_S = 0.1
+#: how long a wait may see another dataset's marker before staging refuses (a copier rewrites the
+#: marker right after taking the lock, so a marker that stays is another dataset's copy in use)
+_OTHER_GRACE_S = 1.0
 
 
-def _open_lock(dest: Path, exclusive: bool, timeout: float) -> int:
+def _ours(name: str) -> bool:
+    """True for a name staging writes into a copy (and so may delete)."""
+    if name in (LOCK_NAME, MARK_NAME, f".{MARK_NAME}.tmp", MANIFEST_NAME):
+        return True
+    if name.startswith(".") and name.endswith(".tmp"):
+        name = name[1:-4]
+    return bool(SHARD_NAME_RE.fullmatch(name))
+
+
+def _remove_copy(dest: Path) -> None:
+    """Delete what staging wrote in `dest`, then `dest` itself if nothing else is left in it."""
+    try:
+        entries = list(os.scandir(dest))
+    except OSError:
+        return
+    for entry in entries:
+        if _ours(entry.name) and not entry.is_dir(follow_symlinks=False):
+            try:
+                os.unlink(entry.path)
+            except FileNotFoundError:
+                pass
+    try:
+        dest.rmdir()
+    except OSError:  # not empty: files staging did not write stay where they are
+        pass
+
+
+def _check_dest(src: Path, dest: Path) -> None:
+    """Refuse a destination that is not (and cannot become) a stage of its own: a file, a folder
+    holding the dataset, or a non-empty folder without a staging marker (someone's files)."""
+    src_real, dest_real = src.resolve(), dest.resolve()
+    if dest_real == src_real:
+        raise ConfigError(f"{dest}: the staging destination is the dataset itself; pick another folder")
+    if dest_real in src_real.parents:
+        raise ConfigError(f"{dest}: the staging destination holds the dataset {src}; stage into a new "
+                          f"folder of its own, e.g. {dest / 'stoker-stage'}")
+    if src_real in dest_real.parents:
+        raise ConfigError(f"{dest}: the staging destination is inside the dataset {src}; pick a folder outside it")
+    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+        raise ConfigError(f"{dest}: the staging destination exists and is not a folder; pick a new folder")
+    try:
+        names = set(os.listdir(dest))
+    except FileNotFoundError:
+        return
+    if names and MARK_NAME not in names and not names <= {LOCK_NAME, f".{MARK_NAME}.tmp"}:
+        shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
+        raise ConfigError(f"{dest}: the staging destination is a folder that holds files ({shown}) and is not a "
+                          f"stage stoker made (no {MARK_NAME}); staging never replaces them. Stage into a new "
+                          f"folder, e.g. {dest / src_real.name}")
+
+
+def _other_dataset(dest: Path, src_sha: str) -> str | None:
+    """The source of the copy at `dest` when its marker names another dataset than `src_sha`."""
+    mark = _read_mark(dest)
+    sha = mark.get("manifest_sha256")
+    if sha and sha != src_sha:   # the same path re-packed since is another dataset too: say which version
+        return f"{mark.get('source') or 'another dataset'} (manifest sha256 {str(sha)[:12]}...)"
+    return None
+
+
+def _open_lock(dest: Path, exclusive: bool, timeout: float, src_sha: str | None = None) -> int:
     """An fd holding the copy's lock (exclusive or shared), waiting up to `timeout` seconds.
-    Re-opens when the lock file was deleted meanwhile (the copy was removed under us)."""
+    Re-opens when the lock file was deleted meanwhile (the copy was removed under us). With
+    `src_sha`, a wait on another dataset's copy in use fails at once (ConfigError naming it)."""
     if fcntl is None:
         raise ConfigError("staging needs POSIX file locks (flock), which this platform lacks; pass the dataset "
                           "path to the Loader directly")
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = start + timeout
     mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
     while True:
         dest.mkdir(parents=True, exist_ok=True)
@@ -61,6 +132,12 @@ def _open_lock(dest: Path, exclusive: bool, timeout: float) -> int:
                     fcntl.flock(fd, mode)
                     break
                 except BlockingIOError:
+                    other = None if src_sha is None else _other_dataset(dest, src_sha)
+                    if other is not None and time.monotonic() - start > _OTHER_GRACE_S:
+                        raise ConfigError(
+                            f"{dest}: holds a staged copy of {other}, in use by another process; staging never "
+                            f"replaces a copy in use. Stage into another folder, or remove that copy once "
+                            f"nothing uses it (`stoker stage --remove {dest}`)") from None
                     if time.monotonic() > deadline:
                         raise LoaderTimeoutError(
                             f"{dest}: another process has held the staging lock for {timeout:.0f} s (copying "
@@ -131,25 +208,32 @@ class StagedCopy:
     _fd: int | None
 
     def __post_init__(self) -> None:
-        # a safety net: a copy dropped without close() still lets go of its lock (sweep removes it later)
-        self._finalizer = weakref.finalize(self, os.close, self._fd)
+        # a copy dropped without close() (a Loader never closed) is let go when collected, or at
+        # interpreter exit at the latest (weakref.finalize runs then): its memory is not held until
+        # a later sweep
+        self._finalizer = weakref.finalize(self, _let_go, self.path, self._fd, self.persistent)
 
     def close(self) -> None:
         fd, self._fd = self._fd, None
         if fd is None:
             return
         self._finalizer.detach()
-        try:
-            if not self.persistent and _try_exclusive(fd):
-                shutil.rmtree(self.path, ignore_errors=True)
-        finally:
-            os.close(fd)
+        _let_go(self.path, fd, self.persistent)
 
     def __enter__(self) -> "StagedCopy":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _let_go(path: Path, fd: int, persistent: bool) -> None:
+    """Release this process's hold on a copy; the last holder of a non-persistent copy removes it."""
+    try:
+        if not persistent and _try_exclusive(fd):
+            _remove_copy(path)
+    finally:
+        os.close(fd)
 
 
 def _manifest_sha(src: Path) -> str:
@@ -176,32 +260,34 @@ def stage(source: str | Path, dest: str | Path, *, persistent: bool = True, time
     until `close()`. Raises ConfigError when `dest` lacks the room, ShardError for a damaged source."""
     src, dest = Path(source), Path(dest)
     manifest = read_manifest(src)  # a damaged or unfinished source fails here, before anything is copied
-    if dest.resolve() == src.resolve():
-        raise ConfigError(f"{dest}: the staging destination is the dataset itself; pick another folder")
+    _check_dest(src, dest)  # someone's own folder is refused before anything is written into it
     src_sha = _manifest_sha(src)
     # a finished copy is joined under a shared lock (other ranks may be using it); copying needs
     # the exclusive one, and whoever gets it first checks again, so one process copies
-    fd = _open_lock(dest, exclusive=False, timeout=timeout)
+    fd = _open_lock(dest, exclusive=False, timeout=timeout, src_sha=src_sha)
     if _complete(dest, src_sha):
         if persistent and not _read_mark(dest).get("persistent"):
             _write_mark(dest, {**_read_mark(dest), "persistent": True})
         return StagedCopy(dest, True, bool(_read_mark(dest).get("persistent")), fd)
     os.close(fd)
-    fd = _open_lock(dest, exclusive=True, timeout=timeout)
+    fd = _open_lock(dest, exclusive=True, timeout=timeout, src_sha=src_sha)
     reused = False
     try:
         reused = _complete(dest, src_sha)
         if not reused:
-            for entry in os.scandir(dest):  # an unfinished or outdated copy: start again
-                if entry.name != LOCK_NAME:
-                    shutil.rmtree(entry.path) if entry.is_dir() else os.unlink(entry.path)
+            # the marker first (so a waiter sees which dataset this is), then an unfinished or outdated
+            # copy's files go: only names staging writes
+            _write_mark(dest, {"source": str(src.resolve()), "manifest_sha256": src_sha, "complete": False,
+                               "persistent": persistent, "host": socket.gethostname(), "started": time.time()})
+            for entry in os.scandir(dest):
+                if _ours(entry.name) and entry.name not in (LOCK_NAME, MARK_NAME) \
+                        and not entry.is_dir(follow_symlinks=False):
+                    os.unlink(entry.path)
             need = sum(s.bytes for s in manifest.shards)
             free = shutil.disk_usage(dest).free
             if need > free:
                 raise ConfigError(f"{dest}: the dataset needs {need / 1e9:.2f} GB, only {free / 1e9:.2f} GB are free "
                                   f"there; free memory, or stage to a bigger file system")
-            _write_mark(dest, {"source": str(src.resolve()), "manifest_sha256": src_sha, "complete": False,
-                               "persistent": persistent, "host": socket.gethostname(), "started": time.time()})
             for info in manifest.shards:
                 _copy_verified(src / info.file, dest / info.file, info.sha256, info.bytes)
             shutil.copyfile(src / MANIFEST_NAME, dest / MANIFEST_NAME)
@@ -213,7 +299,7 @@ def stage(source: str | Path, dest: str | Path, *, persistent: bool = True, time
         if not reused:
             # remove what we copied, unless someone else holds it
             if _try_exclusive(fd):
-                shutil.rmtree(dest, ignore_errors=True)
+                _remove_copy(dest)
         os.close(fd)
         raise
     return StagedCopy(dest, reused, bool(_read_mark(dest).get("persistent")), fd)
@@ -242,7 +328,7 @@ def sweep(root: str | Path, keep: Path | None = None) -> list[Path]:
             continue
         try:
             if _try_exclusive(fd):
-                shutil.rmtree(dest, ignore_errors=True)
+                _remove_copy(dest)
                 removed.append(dest)
         finally:
             os.close(fd)
@@ -256,7 +342,7 @@ def remove(dest: str | Path, timeout: float = 60.0) -> None:
         raise ConfigError(f"{dest}: not a staged copy (no {LOCK_NAME}); remove it yourself if it is yours")
     fd = _open_lock(dest, exclusive=True, timeout=timeout)
     try:
-        shutil.rmtree(dest, ignore_errors=True)
+        _remove_copy(dest)
     finally:
         os.close(fd)
 
