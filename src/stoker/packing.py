@@ -38,7 +38,7 @@ from PIL import Image
 
 from . import codecs
 from ._progress import Progress
-from ._system import usable_cpus
+from ._system import parse_size, usable_cpus
 from .errors import (OVERWRITE, RESUME, ConfigError, CorruptImageError, DecompressionBombError, ImageError,
                      OutputError, SourceError, StokerError, UnsupportedImageError)
 from .integrity import shard_matches
@@ -75,7 +75,8 @@ class PackOptions:
                                      # jpeg: every sample re-encoded as JPEG; raw: RGB pixels
     jpeg_quality: int = 90           # 1..100, for re-encoded samples
     raw_below: int = 64 * 64         # samples with <= this many pixels are stored raw (0: never)
-    shard_size: int = 256 * 2**20    # bytes of image data per shard (a shard closes once it reaches this)
+    shard_size: int = 256 * 2**20    # bytes of image data per shard (a shard closes once it reaches this);
+                                     # a size string ("16MiB", "1G") is turned into bytes
     workers: int | None = None       # threads; None: one per usable CPU; 1: in this thread
     engine: str = "local"            # local: threads here; ray: Ray workers (see stoker.ray_engine)
     address: str | None = None       # with engine="ray": the cluster ("auto", "ray://host:10001"); None: local
@@ -85,6 +86,8 @@ class PackOptions:
     def __post_init__(self) -> None:
         if self.max_pixels is None:
             object.__setattr__(self, "max_pixels", codecs.MAX_PIXELS)
+        if isinstance(self.shard_size, str):   # "16MiB", as `stoker pack --shard-size` takes it
+            object.__setattr__(self, "shard_size", parse_size(self.shard_size))
         def bad(name: str, expected: str) -> ConfigError:
             return ConfigError(f"pack option {name}={getattr(self, name)!r}: expected {expected}")
         if self.max_side is not None and (not isinstance(self.max_side, int) or self.max_side < 1):
@@ -415,7 +418,7 @@ def _load_journal(storage: Storage, header: dict[str, Any]) -> _State:
                     "pack_options": "pack options or source"}[field_name]
             raise ConfigError.spelled(
                 f"{storage.location} holds an unfinished pack whose {what} differs from this call "
-                f"(was {found.get(field_name)!r}, now {header[field_name]!r}); resume with the "
+                f"({changes(found.get(field_name), header[field_name])}); resume with the "
                 "same source and options, or pass {overwrite} to start over", {"overwrite": OVERWRITE})
     state, kept = _State(), [lines[0]]
     for line in lines[1:]:
@@ -439,12 +442,23 @@ def _load_journal(storage: Storage, header: dict[str, Any]) -> _State:
     return state
 
 
+def changes(was: Any, now: Any) -> str:
+    """What differs between the options a pack was made with and this call's, one `name: was X, now Y`
+    per option (not the whole dicts, in which one changed value is hard to spot)."""
+    if not (isinstance(was, dict) and isinstance(now, dict)):
+        return f"was {was!r}, now {now!r}"
+    unset = "(not set)"
+    return "; ".join(f"{name}: was {was.get(name, unset)!r}, now {now.get(name, unset)!r}"
+                     for name in sorted(set(was) | set(now), key=str) if was.get(name, unset) != now.get(name, unset))
+
+
 def _finished_summary(storage: Storage, pack_options: dict[str, Any], started: float) -> PackSummary:
     manifest = read_manifest(storage)
     if manifest.pack_options != pack_options:
         raise ConfigError.spelled(
             f"{storage.location} already holds a finished pack made with other options or another "
-            f"source ({manifest.pack_options}); pass {{overwrite}} to re-pack", {"overwrite": OVERWRITE})
+            f"source ({changes(manifest.pack_options, pack_options)}); pack with the same options to keep it, "
+            "or pass {overwrite} to re-pack", {"overwrite": OVERWRITE})
     _remove(storage, [JOURNAL_NAME])
     try:
         skipped = len(storage.read_bytes(SKIPPED_NAME).splitlines())
