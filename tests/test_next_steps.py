@@ -119,3 +119,91 @@ def test_a_closed_pipe_ends_quietly(folder: Path, tmp_path: Path) -> None:
     err = child.stderr.read().decode()
     child.stderr.close()
     assert child.wait(timeout=60) == 141 and err == ""
+
+
+# ---- interrupted and resumed packs -----------------------------------------------------------------
+
+def test_ctrl_c_during_pack_names_resume(folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import stoker.packing as packing
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(packing, "pack", interrupted)
+    assert main(["pack", str(folder), str(tmp_path / "out"), "--quiet"]) == 130
+    assert capsys.readouterr().err == ("stoker pack: interrupted (finished shards are kept; run the same command "
+                                       "with --resume to finish it)\n")
+
+
+def test_a_resumed_pack_rates_only_its_own_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    import stoker.packing as packing
+
+    folder = make_image_folder(tmp_path / "imgs", n_per_class=4)   # 12 images
+    real, calls = packing._process_one, []
+
+    def cut(entry, options):   # Ctrl-C at the 10th image: the first task's 8 are in finished shards
+        calls.append(entry)
+        if len(calls) == packing.TASK_SAMPLES + 2:
+            raise KeyboardInterrupt
+        return real(entry, options)
+    opts = PackOptions(workers=1, shard_size=1)   # one image per shard
+    monkeypatch.setattr(packing, "_process_one", cut)
+    with pytest.raises(KeyboardInterrupt):
+        pack(folder, tmp_path / "out", options=opts, progress=False)
+    monkeypatch.undo()
+    # a journal and shards, or (killed before the first shard) a journal alone: both say what was left
+    assert main(["info", str(tmp_path / "out")]) == 2
+    assert "the pack did not finish (8 shard(s) and its journal but no stoker.json)" in capsys.readouterr().err
+    summary = pack(folder, tmp_path / "out", options=opts, progress=False, resume=True)
+    assert (summary.packed, summary.resumed) == (12, 8)
+    assert "packed 12 images (4 now, 8 before the resume) into 12 shard(s)" in summary.format()
+    summary.seconds = 2.0
+    assert summary.format().endswith(", 2.0 s, 2 images/s")   # 4 images in this run, not 12
+
+    for shard in (tmp_path / "out").glob("shard-*.arrow"):
+        shard.unlink()
+    (tmp_path / "out" / "stoker.json").unlink()
+    (tmp_path / "out" / ".stoker-pack.jsonl").write_text("{}\n")
+    assert main(["info", str(tmp_path / "out")]) == 2
+    assert "the pack did not finish (its journal but no stoker.json)" in capsys.readouterr().err
+
+
+# ---- Hugging Face data -----------------------------------------------------------------------------
+
+def test_hugging_face_images_saved_as_paths_say_why_and_what_to_do(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets", reason="pip install 'stoker[test-formats]'")
+    import numpy as np
+
+    for i in range(3):
+        write_image(tmp_path / "imgs" / f"{i}.jpg", np.zeros((8, 8, 3), np.uint8))
+    ds = datasets.Dataset.from_dict({"image": [str(tmp_path / "imgs" / f"{i}.jpg") for i in range(3)],
+                                     "label": [0, 1, 0]}).cast_column("image", datasets.Image())
+    ds.to_parquet(str(tmp_path / "train.parquet"))   # datasets keeps the files' paths here, not their bytes
+    with pytest.raises(SourceError) as err:
+        open_source(tmp_path / "train.parquet")
+    message = str(err.value)
+    assert "no rows with image bytes in" in message and "3 of 3 rows hold only an image path" in message
+    assert f"train.parquet:row 0: only a path ({str(tmp_path / 'imgs' / '0.jpg')!r})" in message
+    assert "re-save the dataset with the images embedded" in message and "`stoker pack train.csv OUT`" in message
+
+
+def test_a_save_to_disk_folder_is_named_as_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    datasets = pytest.importorskip("datasets", reason="pip install 'stoker[test-formats]'")
+    from formats_helpers import photos
+    import stoker
+
+    ds = datasets.Dataset.from_dict({"image": [{"bytes": b, "path": None} for b in photos(4, seed=2)],
+                                     "label": [0, 1, 0, 1]},
+                                    features=datasets.Features({"image": datasets.Image(),
+                                                                "label": datasets.ClassLabel(names=["a", "b"])}))
+    ds.save_to_disk(str(tmp_path / "saved"))
+    assert main(["info", str(tmp_path / "saved")]) == 2
+    err = capsys.readouterr().err
+    assert "a Hugging Face dataset (save_to_disk), not a stoker pack; pack it once with `stoker pack " \
+           f"{tmp_path / 'saved'} OUT`" in err and "did not finish" not in err
+    # the Loader reads it as it reads any unpacked source
+    loader = stoker.Loader(tmp_path / "saved", batch_size=2, transforms=[stoker.RandomResizedCrop(16)], seed=0)
+    images, labels = next(iter(loader))
+    assert tuple(images.shape) == (2, 16, 16, 3) and sorted(labels.tolist()) == [0, 1]
+    loader.close()

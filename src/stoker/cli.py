@@ -374,7 +374,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"stoker {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"stoker {args.command}: interrupted", file=sys.stderr)
+        again = " (finished shards are kept; run the same command with --resume to finish it)" \
+            if args.command == "pack" else ""
+        print(f"stoker {args.command}: interrupted{again}", file=sys.stderr)
         return 130
     finally:
         logging.getLogger("stoker").removeHandler(handler)

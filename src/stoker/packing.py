@@ -131,6 +131,7 @@ class PackSummary:
     shards: int
     out: Path | str  # the dataset folder, or its URL
     already_complete: bool = False   # a resume found the pack finished: nothing was packed this time
+    resumed: int = 0                 # of ``packed``, the samples an interrupted run had packed before
 
     def __str__(self) -> str:
         return self.format()
@@ -141,9 +142,11 @@ class PackSummary:
             skipped = f" ({self.skipped:,} skipped)" if self.skipped else ""
             return (f"{self.out} already holds a complete pack of {self.packed:,} images{skipped} in {self.shards} "
                     f"shard(s), {_mb(self.bytes_out)}: nothing to do")
-        rate = f", {self.packed / self.seconds:,.0f} images/s" if self.seconds > 0 else ""
+        # the rate of this run's work: a resumed run did not pack what the interrupted one had
+        rate = f", {(self.packed - self.resumed) / self.seconds:,.0f} images/s" if self.seconds > 0 else ""
         skipped = f" ({self.skipped:,} skipped, see {self.out}/{SKIPPED_NAME})" if self.skipped else ""
-        return (f"packed {self.packed:,} images{skipped} into {self.shards} shard(s) in {self.out}: "
+        resumed = f" ({self.packed - self.resumed:,} now, {self.resumed:,} before the resume)" if self.resumed else ""
+        return (f"packed {self.packed:,} images{resumed}{skipped} into {self.shards} shard(s) in {self.out}: "
                 f"{_mb(self.bytes_in)} in -> {_mb(self.bytes_out)} out, {self.seconds:.1f} s{rate}")
 
 
@@ -622,6 +625,7 @@ _OUTPUT_FIX = {errno.ENOSPC: "free some disk space (or choose an output director
 
 def _pack_into(storage: Storage, source: Source, options: PackOptions, state: _State,
                pack_options: dict[str, Any], started: float, progress: bool) -> PackSummary:
+    resumed = state.packed   # already in finished shards (a resumed pack)
     packer = _Packer(storage, source, options, state)
     remaining = len(source.items) - state.consumed
     workers = max(1, min(options.workers or usable_cpus(), -(-remaining // TASK_SAMPLES)))
@@ -650,7 +654,7 @@ def _pack_into(storage: Storage, source: Source, options: PackOptions, state: _S
     finally:
         stream.close()  # stops the workers now, not when the traceback is collected
         bar.close()
-    return _finish(storage, source, state, pack_options, started)
+    return replace(_finish(storage, source, state, pack_options, started), resumed=resumed)
 
 
 def _out_location(storage: Storage) -> Path | str:
