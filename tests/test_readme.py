@@ -153,3 +153,20 @@ def test_readme_segmentation_example_runs(tmp_path: Path) -> None:
     assert masks.shape == images.shape[:3] == (10, 512, 512) and masks.dtype == torch.uint8
     for image, ids in zip(images.numpy(), masks.numpy()):
         assert_aligned(image, ids, width=20, cover=0.15)   # crops enlarged up to ~18x: wide blends
+
+
+def test_install_story_and_make_targets_match_pyproject() -> None:
+    """README's extras exist, each with both spellings explained; `make demo` installs only the small
+    `demo` extra (the development environment is `make test`'s)."""
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ reads pyproject.toml")
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    install = README.read_text(encoding="utf-8").split("\n## Install\n", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^\| `([\w-]+)` \|", install, flags=re.M)
+    assert listed and set(listed) <= set(extras)
+    assert "pip install '.[remote]'" in install and "pip install 'stoker[remote]'" in install
+    assert extras["demo"] == ["stoker[plot]"]
+    makefile = (ROOT / "Makefile").read_text()
+    demo_rule = makefile.split("$(VENV)/.demo:", 1)[1].split("\n\n", 1)[0]
+    assert '-e ".[demo]"' in demo_rule and "test" not in demo_rule
+    assert "demo: $(VENV)/.demo" in makefile and "test: $(VENV)/.test" in makefile
