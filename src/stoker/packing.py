@@ -421,7 +421,7 @@ def _load_journal(storage: Storage, header: dict[str, Any]) -> _State:
                     "pack_options": "pack options or source"}[field_name]
             raise ConfigError.spelled(
                 f"{storage.location} holds an unfinished pack whose {what} differs from this call "
-                f"({changes(found.get(field_name), header[field_name])}); resume with the "
+                f"({_changes(found.get(field_name), header[field_name])}); resume with the "
                 "same source and options, or pass {overwrite} to start over", {"overwrite": OVERWRITE})
     state, kept = _State(), [lines[0]]
     for line in lines[1:]:
@@ -445,7 +445,7 @@ def _load_journal(storage: Storage, header: dict[str, Any]) -> _State:
     return state
 
 
-def changes(was: Any, now: Any) -> str:
+def _changes(was: Any, now: Any) -> str:
     """What differs between the options a pack was made with and this call's, one `name: was X, now Y`
     per option (not the whole dicts, in which one changed value is hard to spot)."""
     if not (isinstance(was, dict) and isinstance(now, dict)):
@@ -460,7 +460,7 @@ def _finished_summary(storage: Storage, pack_options: dict[str, Any], started: f
     if manifest.pack_options != pack_options:
         raise ConfigError.spelled(
             f"{storage.location} already holds a finished pack made with other options or another "
-            f"source ({changes(manifest.pack_options, pack_options)}); pack with the same options to keep it, "
+            f"source ({_changes(manifest.pack_options, pack_options)}); pack with the same options to keep it, "
             "or pass {overwrite} to re-pack", {"overwrite": OVERWRITE})
     _remove(storage, [JOURNAL_NAME])
     try:
