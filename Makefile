@@ -22,8 +22,8 @@ $(VENV)/.demo: $(VENV)/.torch $(SOURCES)
 	$(BIN)/pip install -q -e ".[demo]"
 	@touch $@
 
-$(VENV)/.test: $(VENV)/.torch $(SOURCES)
-	$(BIN)/pip install -q -e ".[$(TEST_EXTRAS)]"
+$(VENV)/.test: $(VENV)/.torch $(SOURCES) .ci/constraints.txt
+	$(BIN)/pip install -q -c .ci/constraints.txt -e ".[$(TEST_EXTRAS)]"
 	@touch $@
 
 setup: $(VENV)/.test
