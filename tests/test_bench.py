@@ -205,3 +205,23 @@ def test_ceiling_handles_samples_packed_as_raw_pixels(tmp_path: Path) -> None:
     root = make_tiny_jpegs(tmp_path / "raw", 8, classes=2, size=(32, 48))   # <= 64x64: packed raw
     result = run_bench(root, batch_size=4, rounds=1, workers=1, isolate=False, pipelines=("ceiling",))
     _check_ran(result.get("ceiling"), 8)  # type: ignore[arg-type]
+
+
+def test_chart_bars_are_the_loaders_not_the_overhead_measurement(tmp_path: Path) -> None:
+    """overhead runs on 16x16 raw images (tens of thousands of images/s): as a bar it would set the axis
+    and draw the loaders as slivers, so the chart names its figure under the axis instead."""
+    from stoker.tools.charts import bench_bars, bench_chart
+
+    result = BenchResult([PipelineResult("baseline", "b", images_per_s=300.0, rounds=[300.0]),
+                          PipelineResult("stoker-train", "s", images_per_s=950.0, rounds=[950.0]),
+                          PipelineResult("ceiling", "c", images_per_s=1000.0, rounds=[1000.0]),
+                          PipelineResult("dali", "d", skipped="not installed"),
+                          PipelineResult("overhead", "o", images_per_s=40_000.0, rounds=[40_000.0])],
+                         images=10, batch_size=4, workers=2, rounds=1, data={}, baseline_transforms="x",
+                         machine={})
+    bars, notes = bench_bars(result)
+    assert [p.name for p in bars] == ["baseline", "stoker-train"]
+    assert notes == ["not drawn: overhead (1 thread, 16x16 raw images) 25.0 µs of Python work per sample"]
+    pytest.importorskip("matplotlib")
+    assert bench_chart(result, tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

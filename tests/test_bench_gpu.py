@@ -362,8 +362,8 @@ def test_cli_device_flags(tiny_root: Path, tmp_path: Path, capsys: pytest.Captur
 
 
 @pytest.mark.parametrize("argv, err", [
-    (["--steps", "0"], "must be a positive integer"),
-    (["--warmup-steps", "-1"], "must be an integer >= 0"),
+    (["--steps", "0"], "expected a positive integer, got '0'"),
+    (["--warmup-steps", "-1"], "expected an integer >= 0, got '-1'"),
 ])
 def test_cli_rejects_bad_numbers(argv: list[str], err: str, capsys: pytest.CaptureFixture[str]) -> None:
     from stoker.cli import main

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
 
+from stoker._progress import LOGGER_NAME
 from stoker.profiling import INPUT_BOUND_WAIT
 from stoker.tools.demo import run_demo
 
@@ -32,9 +34,16 @@ def test_tiny_demo_trains_twice_and_writes_table_json_chart(tmp_path: Path,
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
-def test_steps_capped_to_one_pass(tmp_path: Path) -> None:
-    result = run_demo(tmp_path, images=32, batch_size=8, steps=100, progress=False)
+def test_steps_capped_to_one_pass_and_progress_off_a_terminal_is_log_lines(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, LOGGER_NAME)
+    result = run_demo(tmp_path, images=32, batch_size=8, steps=100, progress=True)
     assert result.steps == 3   # 4 batches: one warm-up, three measured
+    # a log file (stderr is not a terminal here) gets lines like pack's, never tqdm's carriage returns
+    assert "\r" not in capsys.readouterr().err
+    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER_NAME]
+    assert any(line.startswith("generate: 32/32 img (100%)") for line in lines)
+    assert any(line.startswith("train: stoker: 4/4 step (100%)") for line in lines)
 
 
 def test_cli_demo_options_parse() -> None:

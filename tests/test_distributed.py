@@ -94,3 +94,17 @@ def test_torchrun_two_processes_gloo(packed: Path, tmp_path: Path) -> None:
     assert sorted(set(idx0) | set(idx1)) == list(range(15))
     labels = Loader(packed, 4, transforms=[RandomResizedCrop(16)]).dataset.labels
     assert seen0 == labels[idx0].tolist() and seen1 == labels[idx1].tolist()
+
+
+def test_default_threads_share_the_cpus_among_torchrun_ranks(packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun every rank on a machine makes its own Loader: each takes its share of the CPUs,
+    not all of them (2 ranks x all cores oversubscribes them)."""
+    import stoker._system as system
+    monkeypatch.setattr(system, "cpu_ids", lambda: list(range(8)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert Loader(packed, batch_size=4, transforms=TRAIN).num_threads == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")   # more ranks than CPUs: still one thread each
+    assert Loader(packed, batch_size=4, transforms=TRAIN).num_threads == 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert Loader(packed, batch_size=4, transforms=TRAIN).num_threads == 8
+    assert Loader(packed, batch_size=4, transforms=TRAIN, num_threads=3).num_threads == 3   # an explicit count is kept

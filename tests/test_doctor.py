@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from stoker._progress import LOGGER_NAME
 from stoker.cli import main
 from stoker.errors import ConfigError
 from stoker.packing import PackOptions, pack
@@ -80,9 +82,14 @@ def test_doctor_with_the_builtin_model_on_a_folder(folder: Path) -> None:
 
 
 
-def test_steps_shrink_to_fit_a_small_dataset(packed: Path) -> None:
-    r = run_doctor(packed, batch_size=16, steps=50, size=32, model=lambda x, y: None, progress=False)
+def test_steps_shrink_to_fit_a_small_dataset(packed: Path, capsys: pytest.CaptureFixture[str],
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, LOGGER_NAME)
+    r = run_doctor(packed, batch_size=16, steps=50, size=32, model=lambda x, y: None, progress=True)
     assert r.steps == 1   # 48 images: 3 batches of 16, one of them warm-up, one ends the last step
+    # off a terminal, progress is log lines (as pack's), no tqdm carriage returns in a log file
+    assert "\r" not in capsys.readouterr().err
+    assert [r.getMessage() for r in caplog.records if r.name == LOGGER_NAME][-1].startswith("doctor: 6/6 batch")
 
 
 @pytest.mark.parametrize("kwargs", [{"transforms": "both"}, {"batch_size": 40}, {"model": "no_colon"},

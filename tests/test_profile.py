@@ -154,3 +154,36 @@ def test_gpu_batches_synchronize_their_own_gpu(monkeypatch: pytest.MonkeyPatch) 
     r = run(iter(batches), step_s=0.0)
     assert r.synchronized and r.device == "cuda:1"
     assert synced and all(d is not None and torch.device(d) == torch.device("cuda", 1) for d in synced), synced
+
+
+class PackedDataset:   # what the verdict reads of a packed stoker dataset: its type name, no sizes
+    heights = widths = None
+
+
+class _PackedLoader:   # a stoker.Loader as the verdict sees it (stats, dataset, threads, prefetch)
+    def __init__(self, threads: int) -> None:
+        self.stats = type("Stats", (), {"read_s": 0.0, "decode_s": 0.0, "augment_s": 0.0, "consumer_wait_s": 0.0})()
+        self.dataset, self.num_threads, self.prefetch = PackedDataset(), threads, 2
+
+
+def _input_bound_report(cpu_percent: float, system_percent: float) -> ProfileReport:
+    return ProfileReport(steps=10, images=80, wall_s=1.0, wait_s=0.5, compute_s=0.5, images_per_s=80.0,
+                         steps_per_s=10.0, data_wait_fraction=0.5, median_wait_ms=50.0, median_step_ms=50.0,
+                         first_batch_s=0.1, warmup_steps=1, synchronized=False, device="cpu", loader="x",
+                         cpu_percent=cpu_percent, cpu_cores=2, system_cpu_percent=system_percent,
+                         stages={"read_ms": 0.0, "decode_ms": 1.0, "augment_ms": 0.1, "worker_wait_s": 0.0,
+                                 "consumer_wait_s": 0.5, "device_ms": 0.0, "samples": 80}, verdict="", reason="")
+
+
+def test_input_bound_always_names_a_fix_and_a_busy_machine() -> None:
+    """A packed Loader on all cores, no stage standing out: it used to say INPUT-BOUND with no fix line."""
+    from stoker.profiling import diagnose
+
+    quiet = diagnose(_input_bound_report(cpu_percent=120.0, system_percent=60.0), _PackedLoader(threads=2))
+    assert quiet.verdict == INPUT_BOUND and len(quiet.fixes) == 1 and "no single stage stands out" in quiet.fixes[0]
+    busy = diagnose(_input_bound_report(cpu_percent=60.0, system_percent=98.0), _PackedLoader(threads=2))
+    assert busy.fixes == [busy.fixes[0]] and busy.fixes[0].startswith(
+        "the machine is 98% busy while this process uses 60% of its 2 core(s)")
+    assert "fix              the machine is 98% busy" in busy.format()
+    mine = diagnose(_input_bound_report(cpu_percent=195.0, system_percent=98.0), _PackedLoader(threads=2))
+    assert not any("machine is" in f for f in mine.fixes) and any("saturated" in f for f in mine.fixes)

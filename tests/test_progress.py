@@ -74,3 +74,17 @@ def test_on_a_terminal_it_draws_a_bar_and_logs_nothing(caplog: pytest.LogCapture
         bar.update(3)
     assert _lines(caplog) == []
     assert "3/3" in capsys.readouterr().err
+
+
+def test_slow_units_show_seconds_per_unit_not_zero_per_second(caplog: pytest.LogCaptureFixture,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import stoker._progress as progress
+    now = [100.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    bar = Progress("bench", 5, unit="pipeline", terminal=False)
+    now[0] += 90.0
+    bar.update(2)
+    assert bar.line() == "bench: 2/5 pipeline (40%), 45.0 s/pipeline"
+    bar.update(1000)
+    assert bar.line() == "bench: 1,002/5 pipeline (20040%), 11 pipeline/s"
+    assert Progress("bench", 5, unit="pipeline", terminal=False).line() == "bench: 0/5 pipeline (0%)"

@@ -1,7 +1,9 @@
-"""Every command in README's "Use" section runs as written, in order, on the data `stoker synth`
-makes there: the shell lines through the CLI, the Python blocks in one namespace (with a stand-in
-model and training step). Blocks that need CUDA (or torchvision) run only where it is present; the
-detection example, which needs COCO, runs on a COCO file written here with its paths pointed at it."""
+"""README's first screen holds what a newcomer needs (what stoker is, `make demo`, `make test`, one
+example) and its example runs as written. Every command in the guide's "Use" section (docs/guide.md)
+runs as written, in order, on the data `stoker synth` makes there: the shell lines through the CLI,
+the Python blocks in one namespace. Blocks that need CUDA (or torchvision) run only where it is
+present; the detection example, which needs COCO, runs on a COCO file written here with its paths
+pointed at it."""
 
 from __future__ import annotations
 
@@ -20,12 +22,42 @@ from test_label_maps import assert_aligned, write_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+GUIDE = ROOT / "docs" / "guide.md"
+FIRST_SCREEN = 40   # lines
 NEEDS_COCO = "coco/annotations"   # section 5 (tested below on a COCO file made here)
 NEEDS_SEGMENTATION = "ade20k/train.csv"   # section 5's label maps (tested below on data made here)
 
 
+def test_readme_first_screen_is_what_commands_and_one_example() -> None:
+    screen = "\n".join(README.read_text(encoding="utf-8").splitlines()[:FIRST_SCREEN])
+    blocks = re.findall(r"```(\w+)\n(.*?)```", screen, flags=re.S)
+    assert [lang for lang, _ in blocks] == ["bash", "python"]
+    commands = [line.split("#")[0].strip() for line in blocks[0][1].splitlines()]
+    assert commands == ["make demo", "make test"]
+    assert "make test" in (ROOT / ".ci" / "run").read_text()   # what CI runs is what README says
+    assert len(blocks[1][1].strip().splitlines()) <= 12 and "Keep the GPU fed" in screen
+
+
+def test_readme_example_runs_as_written(tmp_path: Path) -> None:
+    from stoker.tools.synth import make_imagenet_like
+
+    code = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S)[0]
+    make_imagenet_like(tmp_path / "imgs", 80, classes=4, seed=0, workers=1)   # what `stoker synth imgs` writes
+    cwd = Path.cwd()
+    os.chdir(tmp_path)
+    try:
+        namespace: dict = {}
+        exec(compile(code, "README.md", "exec"), namespace)
+    finally:
+        os.chdir(cwd)
+    train = namespace["train"]
+    assert isinstance(train, __import__("stoker").Loader) and len(train) == 2 and namespace["epoch"] == 1
+    assert namespace["images"].dtype == torch.uint8 and namespace["labels"].shape == (16,)   # the last batch
+    train.close()
+
+
 def _use_section() -> list[tuple[str, str]]:
-    text = README.read_text(encoding="utf-8")
+    text = GUIDE.read_text(encoding="utf-8")
     start = text.index("\n## Use\n")
     section = text[start:text.index("\n## ", start + 1)]   # to the next section (the cloud one: test_remote.py)
     return re.findall(r"```(\w+)\n(.*?)```", section, flags=re.S)
@@ -63,9 +95,7 @@ def test_readme_use_section_runs_as_written(tmp_path: Path) -> None:
         done = subprocess.run([sys.executable, "-m", "stoker.cli", *argv[1:]], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, f"{line}\n{done.stdout}\n{done.stderr}"
-    weights = torch.linspace(-1, 1, 3 * 1000).view(3, 1000)
-    namespace = {"step": lambda images, labels: None,              # the user's training step
-                 "model": lambda x: x.mean(dim=(2, 3)) @ weights}   # and model (section 4)
+    namespace: dict = {}   # nothing defined for the blocks: they run as a reader copies them
     cwd = Path.cwd()
     os.chdir(tmp_path)
     try:
@@ -77,7 +107,7 @@ def test_readme_use_section_runs_as_written(tmp_path: Path) -> None:
             if NEEDS_COCO in body or NEEDS_SEGMENTATION in body:
                 continue
             namespace.setdefault("loader", namespace.get("train"))   # "keeping your own DataLoader"
-            exec(compile(body, "README.md", "exec"), namespace)
+            exec(compile(body, "docs/guide.md", "exec"), namespace)
     finally:
         os.chdir(cwd)
     assert isinstance(namespace["train"], __import__("stoker").Loader) and len(namespace["val"]) == 8
@@ -88,13 +118,13 @@ def test_readme_use_section_runs_as_written(tmp_path: Path) -> None:
 
 
 def snippet(heading: str, replacements: dict[str, str]) -> str:
-    """The first Python block after the README heading starting with ``heading``, paths replaced
-    (each must be there: a README edit that drops one fails here, not silently)."""
-    text = README.read_text(encoding="utf-8")
+    """The first Python block after the guide's heading starting with ``heading``, paths replaced
+    (each must be there: an edit that drops one fails here, not silently)."""
+    text = GUIDE.read_text(encoding="utf-8")
     start = text.index(f"\n{heading}")
     code = text[start:].split("```python\n", 1)[1].split("```", 1)[0]
     for old, new in replacements.items():
-        assert old in code, f"README section {heading!r} no longer mentions {old!r}"
+        assert old in code, f"docs/guide.md section {heading!r} no longer mentions {old!r}"
         code = code.replace(old, new)
     return code
 
@@ -105,7 +135,7 @@ def test_readme_detection_example_runs(tmp_path: Path) -> None:
                               '"coco/train2017"': repr(str(tmp_path / "images")),
                               '"coco-train-packed"': repr(str(tmp_path / "packed"))})
     scope: dict = {}
-    exec(compile(code, "README.md section 5", "exec"), scope)
+    exec(compile(code, "docs/guide.md section 5", "exec"), scope)
     images, targets = scope["images"], scope["targets"]
     assert images.shape[1:] == (512, 512, 3) and len(targets) == images.shape[0]
     for t in targets:
@@ -118,8 +148,25 @@ def test_readme_segmentation_example_runs(tmp_path: Path) -> None:
     code = snippet("#### Semantic segmentation", {'"ade20k/train.csv"': repr(str(listing)),
                                                   '"ade20k-train-packed"': repr(str(tmp_path / "packed"))})
     scope: dict = {}
-    exec(compile(code, "README.md section 5, label maps", "exec"), scope)
+    exec(compile(code, "docs/guide.md section 5, label maps", "exec"), scope)
     images, masks = scope["images"], scope["masks"]
     assert masks.shape == images.shape[:3] == (10, 512, 512) and masks.dtype == torch.uint8
     for image, ids in zip(images.numpy(), masks.numpy()):
         assert_aligned(image, ids, width=20, cover=0.15)   # crops enlarged up to ~18x: wide blends
+
+
+def test_install_story_and_make_targets_match_pyproject() -> None:
+    """README's extras exist, each with both spellings explained; `make demo` installs only the small
+    `demo` extra (the development environment is `make test`'s)."""
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ reads pyproject.toml")
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    install = README.read_text(encoding="utf-8").split("\n## Install\n", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^\| `([\w-]+)` \|", install, flags=re.M)
+    assert listed and set(listed) <= set(extras)
+    assert "pip install '.[remote]'" in install and "pip install 'stoker[remote]'" in install
+    assert extras["demo"] == ["stoker[plot]"]
+    makefile = (ROOT / "Makefile").read_text()
+    demo_rule = makefile.split("$(VENV)/.demo:", 1)[1].split("\n\n", 1)[0]
+    assert '-e ".[demo]"' in demo_rule and "test" not in demo_rule
+    assert "demo: $(VENV)/.demo" in makefile and "test: $(VENV)/.test" in makefile

@@ -349,7 +349,7 @@ def test_a_dataset_over_plain_http(s3: S3Server, packed: Path, tmp_path: Path) -
 
 
 def test_readme_cloud_section_runs_as_written(s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """README's "Datasets in the cloud and on clusters" commands and code, copied as they are,
+    """The guide's (docs/guide.md) "Datasets in the cloud and on clusters" commands and code, copied as they are,
     against this S3 server (the credentials and endpoint from the environment, as a user's shell
     has them). Only locations are moved into tmp_path (/dev/shm, /scratch); the `--address` line
     needs a running Ray cluster, and the same command without it runs here."""
@@ -360,7 +360,7 @@ def test_readme_cloud_section_runs_as_written(s3: S3Server, tmp_path: Path, monk
     from stoker.cli import main
 
     pytest.importorskip("ray", reason="needs the ray extra: pip install 'stoker[ray]'")
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (Path(__file__).parents[1] / "docs" / "guide.md").read_text()
     section = readme.split("## Datasets in the cloud and on clusters", 1)[1].split("\n## ", 1)[0]
     shell, python = re.findall(r"```(?:python)?\n(.*?)```", section, flags=re.S)
     assert "Loader(" in python and "stoker pack" in shell
@@ -385,7 +385,7 @@ def test_readme_cloud_section_runs_as_written(s3: S3Server, tmp_path: Path, monk
     assert ran == ["pack", "pack", "info", "verify", "pack", "stage", "stage"]
     assert not list((tmp_path / "shm").iterdir())   # the staged copy was removed
     namespace: dict[str, Any] = {}
-    exec(compile(here(python), "README.md", "exec"), namespace)
+    exec(compile(here(python), "docs/guide.md", "exec"), namespace)
     loader = namespace["loader"]
     images, labels = next(iter(loader))
     assert tuple(images.shape) == (18, 224, 224, 3)  # 3 classes of 6: one batch

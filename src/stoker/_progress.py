@@ -76,8 +76,11 @@ class Progress:
         parts = [f"{self.desc}: {count} {self.unit}"]
         if self.total:
             parts[0] += f" ({100 * self.done / self.total:.0f}%)"
-        if elapsed > 0:
-            parts.append(f"{(self.done - self._initial) / elapsed:,.0f} {self.unit}/s")
+        done = self.done - self._initial
+        if elapsed > 0 and done / elapsed >= 1:
+            parts.append(f"{done / elapsed:,.0f} {self.unit}/s")
+        elif done > 0:   # slow units (a bench pipeline, a training step): "0 pipeline/s" says nothing
+            parts.append(f"{elapsed / done:,.1f} s/{self.unit}")
         parts.extend(f"{k}={v}" for k, v in self._postfix.items())
         return ", ".join(parts)
 

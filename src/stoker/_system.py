@@ -30,6 +30,17 @@ def usable_cpus() -> int:
     return max(1, len(cpu_ids()))
 
 
+def threads_per_process() -> int:
+    """The default thread count of one process: its usable CPUs shared among the processes `torchrun`
+    started on this machine (LOCAL_WORLD_SIZE), so 2 ranks on 4 CPUs take 2 threads each instead of
+    4 (oversubscribed cores run slower than fewer threads); at least 1."""
+    try:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:   # not set by torchrun: a stray value is no reason to fail
+        local_world = 1
+    return max(1, usable_cpus() // max(1, local_world))
+
+
 def json_safe(obj: Any) -> Any:
     """`obj` with every non-finite float (NaN, inf) in nested dicts, lists and tuples turned into None,
     so `json.dumps` writes valid JSON (null) instead of NaN."""

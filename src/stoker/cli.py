@@ -30,18 +30,23 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+def _integer(text: str, least: int, expected: str) -> int:
+    """`text` as an int >= `least`; otherwise argparse's error names what was expected (not this function)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = least - 1
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
+
+
+def _positive(text: str) -> int:
+    return _integer(text, 1, "a positive integer")
 
 
 def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
-    return value
+    return _integer(text, 0, "an integer >= 0")
 
 
 @contextlib.contextmanager
@@ -382,7 +387,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     handler = _setup_logging(getattr(args, "quiet", False))
     try:
-        return func(args)
+        code = func(args)
+        sys.stdout.flush()   # inside the try: a closed pipe is answered below, not at interpreter exit
+        return code
+    except BrokenPipeError:   # `stoker info packed | head -1`: the reader had what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error when Python flushes
+        return 141   # 128 + SIGPIPE, what a shell tool killed by the closed pipe returns
     except StokerError as exc:
         print(f"stoker {args.command}: error: {exc.for_cli()}", file=sys.stderr)
         return 2
@@ -391,7 +401,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"stoker {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"stoker {args.command}: interrupted", file=sys.stderr)
+        again = " (finished shards are kept; run the same command with --resume to finish it)" \
+            if args.command == "pack" else ""
+        print(f"stoker {args.command}: interrupted{again}", file=sys.stderr)
         return 130
     finally:
         logging.getLogger("stoker").removeHandler(handler)

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from ._torch import torch
-from ._system import usable_cpus
+from ._system import threads_per_process
 from .errors import ConfigError
 from .labels import multi_label_spec
 from .order import ORDERS, epoch_order, make_pool, num_batches, rank_indices, samples_per_rank, shard_window_order
@@ -255,7 +255,7 @@ class Loader:
                order: str, pin_memory: bool | None, timeout: float) -> None:
         ds = self.dataset
         self.batch_size, self.seed, self.drop_last = batch_size, int(seed), drop_last
-        self.num_threads = num_threads or usable_cpus()
+        self.num_threads = num_threads or threads_per_process()
         self.prefetch, self.on_error, self.timeout = prefetch, on_error, float(timeout)
         self.order = order
         self.columns = tuple(columns)

@@ -38,7 +38,7 @@ from PIL import Image
 
 from . import codecs, video
 from ._progress import Progress
-from ._system import usable_cpus
+from ._system import parse_size, usable_cpus
 from .errors import (OVERWRITE, RESUME, ConfigError, CorruptImageError, CorruptVideoError, DecompressionBombError,
                      ImageError, OutputError, SourceError, StokerError, UnsupportedImageError, UnsupportedVideoError)
 from .integrity import shard_matches
@@ -78,7 +78,8 @@ class PackOptions:
                                      # jpeg: every sample re-encoded as JPEG; raw: RGB pixels
     jpeg_quality: int = 90           # 1..100, for re-encoded samples
     raw_below: int = 64 * 64         # samples with <= this many pixels are stored raw (0: never)
-    shard_size: int = 256 * 2**20    # bytes of image data per shard (a shard closes once it reaches this)
+    shard_size: int = 256 * 2**20    # bytes of image data per shard (a shard closes once it reaches this);
+                                     # a size string ("16MiB", "1G") is turned into bytes
     workers: int | None = None       # threads; None: one per usable CPU; 1: in this thread
     engine: str = "local"            # local: threads here; ray: Ray workers (see stoker.ray_engine)
     address: str | None = None       # with engine="ray": the cluster ("auto", "ray://host:10001"); None: local
@@ -92,6 +93,8 @@ class PackOptions:
     def __post_init__(self) -> None:
         if self.max_pixels is None:
             object.__setattr__(self, "max_pixels", codecs.MAX_PIXELS)
+        if isinstance(self.shard_size, str):   # "16MiB", as `stoker pack --shard-size` takes it
+            object.__setattr__(self, "shard_size", parse_size(self.shard_size))
         def bad(name: str, expected: str) -> ConfigError:
             return ConfigError(f"pack option {name}={getattr(self, name)!r}: expected {expected}")
         if self.max_side is not None and (not isinstance(self.max_side, int) or self.max_side < 1):
@@ -143,6 +146,7 @@ class PackSummary:
     out: Path | str  # the dataset folder, or its URL
     already_complete: bool = False   # a resume found the pack finished: nothing was packed this time
     noun: str = "images"             # what the samples are: "images" or "videos"
+    resumed: int = 0                 # of ``packed``, the samples an interrupted run had packed before
 
     def __str__(self) -> str:
         return self.format()
@@ -153,9 +157,11 @@ class PackSummary:
             skipped = f" ({self.skipped:,} skipped)" if self.skipped else ""
             return (f"{self.out} already holds a complete pack of {self.packed:,} {self.noun}{skipped} in {self.shards} "
                     f"shard(s), {_mb(self.bytes_out)}: nothing to do")
-        rate = f", {self.packed / self.seconds:,.0f} {self.noun}/s" if self.seconds > 0 else ""
+        # the rate of this run's work: a resumed run did not pack what the interrupted one had
+        rate = f", {(self.packed - self.resumed) / self.seconds:,.0f} {self.noun}/s" if self.seconds > 0 else ""
         skipped = f" ({self.skipped:,} skipped, see {self.out}/{SKIPPED_NAME})" if self.skipped else ""
-        return (f"packed {self.packed:,} {self.noun}{skipped} into {self.shards} shard(s) in {self.out}: "
+        resumed = f" ({self.packed - self.resumed:,} now, {self.resumed:,} before the resume)" if self.resumed else ""
+        return (f"packed {self.packed:,} {self.noun}{resumed}{skipped} into {self.shards} shard(s) in {self.out}: "
                 f"{_mb(self.bytes_in)} in -> {_mb(self.bytes_out)} out, {self.seconds:.1f} s{rate}")
 
 
@@ -458,7 +464,7 @@ def _load_journal(storage: Storage, header: dict[str, Any]) -> _State:
                     "pack_options": "pack options or source"}[field_name]
             raise ConfigError.spelled(
                 f"{storage.location} holds an unfinished pack whose {what} differs from this call "
-                f"(was {found.get(field_name)!r}, now {header[field_name]!r}); resume with the "
+                f"({_changes(found.get(field_name), header[field_name])}); resume with the "
                 "same source and options, or pass {overwrite} to start over", {"overwrite": OVERWRITE})
     state, kept = _State(), [lines[0]]
     for line in lines[1:]:
@@ -482,12 +488,23 @@ def _load_journal(storage: Storage, header: dict[str, Any]) -> _State:
     return state
 
 
+def _changes(was: Any, now: Any) -> str:
+    """What differs between the options a pack was made with and this call's, one `name: was X, now Y`
+    per option (not the whole dicts, in which one changed value is hard to spot)."""
+    if not (isinstance(was, dict) and isinstance(now, dict)):
+        return f"was {was!r}, now {now!r}"
+    unset = "(not set)"
+    return "; ".join(f"{name}: was {was.get(name, unset)!r}, now {now.get(name, unset)!r}"
+                     for name in sorted(set(was) | set(now), key=str) if was.get(name, unset) != now.get(name, unset))
+
+
 def _finished_summary(storage: Storage, pack_options: dict[str, Any], started: float) -> PackSummary:
     manifest = read_manifest(storage)
     if manifest.pack_options != pack_options:
         raise ConfigError.spelled(
             f"{storage.location} already holds a finished pack made with other options or another "
-            f"source ({manifest.pack_options}); pass {{overwrite}} to re-pack", {"overwrite": OVERWRITE})
+            f"source ({_changes(manifest.pack_options, pack_options)}); pack with the same options to keep it, "
+            "or pass {overwrite} to re-pack", {"overwrite": OVERWRITE})
     _remove(storage, [JOURNAL_NAME])
     try:
         skipped = len(storage.read_bytes(SKIPPED_NAME).splitlines())
@@ -677,6 +694,7 @@ _OUTPUT_FIX = {errno.ENOSPC: "free some disk space (or choose an output director
 
 def _pack_into(storage: Storage, source: Source, options: PackOptions, state: _State,
                pack_options: dict[str, Any], started: float, progress: bool) -> PackSummary:
+    resumed = state.packed   # already in finished shards (a resumed pack)
     packer = _Packer(storage, source, options, state)
     remaining = len(source.items) - state.consumed
     workers = max(1, min(options.workers or usable_cpus(), -(-remaining // TASK_SAMPLES)))
@@ -705,7 +723,7 @@ def _pack_into(storage: Storage, source: Source, options: PackOptions, state: _S
     finally:
         stream.close()  # stops the workers now, not when the traceback is collected
         bar.close()
-    return _finish(storage, source, state, pack_options, started)
+    return replace(_finish(storage, source, state, pack_options, started), resumed=resumed)
 
 
 def _out_location(storage: Storage) -> Path | str:

@@ -438,6 +438,16 @@ def _input_fixes(report: ProfileReport, iterable: Any, saturated: bool) -> list[
             fixes.append("the CPU cores are saturated: decode on the GPU (pack, then `stoker.Loader(..., "
                          "device=DeviceOptions('cuda', decode='gpu'))`, nvJPEG), shrink the images once "
                          "(`stoker pack --max-side 512`), or use more CPU cores per GPU")
+    busy = report.system_cpu_percent
+    if math.isfinite(busy) and busy >= 100 * CPU_SATURATED and not saturated:   # starved by other processes
+        fixes.append(f"the machine is {busy:.0f}% busy while this process uses "
+                     f"{fmt_number(report.cpu_percent, '.0f')}% of its {cores} core(s) (100% = one core): "
+                     "other processes take the CPU the loader needs; run where the cores are free (or give "
+                     "the job its own cores), then profile again")
+    if not fixes:   # none of the figures points anywhere: never leave the verdict bare
+        fixes.append(f"no single stage stands out: try `num_threads={cores}` with a bigger `prefetch`, shrink the "
+                     "images once (`stoker pack --max-side`), or decode on the GPU "
+                     "(`DeviceOptions('cuda', decode='gpu')`)")
     return fixes
 
 

@@ -16,6 +16,7 @@ Every file goes through :mod:`stoker.storage`; nothing here opens a path itself.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import io
 import json
@@ -249,7 +250,19 @@ def looks_like_partial_pack(directory: str | Path | Storage) -> bool:
         names = as_storage(directory).list()
     except OSError:
         return False
-    return any(n.endswith(".arrow") or n.endswith(".arrow.tmp") or n.startswith(".stoker-pack") for n in names)
+    # stoker's own names only: another tool's .arrow files (a Hugging Face save_to_disk) are no pack of ours
+    return any(fnmatch.fnmatch(n, "shard-*.arrow") or fnmatch.fnmatch(n, ".shard-*.arrow.tmp")
+               or n.startswith(".stoker-pack") for n in names)
+
+
+def _partial_contents(storage: Storage) -> str:
+    """What an unfinished pack left: its shards and/or its journal (killed before the first shard)."""
+    names = storage.list()
+    shards = sum(n.endswith(".arrow") for n in names)
+    parts = [f"{shards} shard(s)"] if shards else []
+    if any(n.startswith(".stoker-pack") for n in names):
+        parts.append("its journal")
+    return " and ".join(parts) or "a half-written shard"
 
 
 def read_manifest(dataset: str | Path | Storage) -> Manifest:
@@ -265,8 +278,12 @@ def read_manifest(dataset: str | Path | Storage) -> Manifest:
             raise ManifestError(f"{dataset_dir}: no such dataset directory", path=dataset_dir) from None
         if looks_like_partial_pack(storage):
             raise IncompletePackError(
-                f"{dataset_dir}: the pack did not finish (shards but no {MANIFEST_NAME}); "
+                f"{dataset_dir}: the pack did not finish ({_partial_contents(storage)} but no {MANIFEST_NAME}); "
                 "run `stoker pack SRC OUT --resume` to complete it", path=dataset_dir) from None
+        if storage.exists("dataset_info.json") or storage.exists("dataset_dict.json"):
+            raise ManifestError(f"{dataset_dir}: a Hugging Face dataset (save_to_disk), not a stoker pack; pack it "
+                                f"once with `stoker pack {dataset_dir} OUT` (add --image-column / --label-column "
+                                "if its columns are not image / label), then load OUT", path=dataset_dir) from None
         raise ManifestError(f"{dataset_dir}: not a stoker dataset (no {MANIFEST_NAME}); "
                             "create one with `stoker pack SRC OUT`", path=dataset_dir) from None
     except OSError as exc:

@@ -41,21 +41,22 @@ class Format:
     open: Callable[[Path, SourceOptions], Source]
     detect: Callable[[Path], bool]
     uses_root: bool = False
+    uses_columns: bool = False   # its records have named fields: label_column / image_column apply
 
 
 #: kind -> format. ``kind="auto"`` tries the detectors in this order; "folder" comes last
 #: because any folder is one.
 FORMATS: dict[str, Format] = {
     "list": Format(listing.open_list, listing.detect, uses_root=True),
-    "csv": Format(table.open_csv, table.detect, uses_root=True),
+    "csv": Format(table.open_csv, table.detect, uses_root=True, uses_columns=True),
     "coco": Format(coco.open_coco, coco.detect, uses_root=True),
     "segmentation": Format(folder.open_segmentation, folder.detect_segmentation),
     "files": Format(folder.open_files, folder.detect_files),
-    "webdataset": Format(tar.open_tar, tar.detect),
-    "tfrecord": Format(tfrecord.open_tfrecord, tfrecord.detect),
-    "hf": Format(hf.open_hf, hf.detect),
+    "webdataset": Format(tar.open_tar, tar.detect, uses_columns=True),
+    "tfrecord": Format(tfrecord.open_tfrecord, tfrecord.detect, uses_columns=True),
+    "hf": Format(hf.open_hf, hf.detect, uses_columns=True),
     "lmdb": Format(lmdb_env.open_lmdb, lmdb_env.detect),
-    "hdf5": Format(hdf5.open_hdf5, hdf5.detect),
+    "hdf5": Format(hdf5.open_hdf5, hdf5.detect, uses_columns=True),
     "recordio": Format(recordio.open_recordio, recordio.detect),
     "folder": Format(folder.open_folder, folder.detect_folder),
 }
@@ -108,6 +109,7 @@ def open_source(src: str | Path | Sequence[str | Path], *, kind: str = "auto", l
         kind = _detect_kind(path)
     _check_root(root, kind, path)
     _check_mask_column(mask_column, kind, path)
+    _check_columns(label_column, image_column, kind, path)
     return FORMATS[kind].open(path, options)
 
 
@@ -127,6 +129,21 @@ def _check_root(root: str | Path | None, kind: str, src: str | Path) -> None:
     if root is not None and not FORMATS[kind].uses_root:
         raise SourceError(f"root= (--root) only applies to list, csv and coco sources, not {kind}: its keys "
                           "come from the records themselves", path=src)
+
+
+def _check_columns(label_column: str | None, image_column: str | None, kind: str, src: str | Path) -> None:
+    """Column names for a source without named fields would be ignored in silence: refuse them."""
+    named = [n for n, given in (("label_column", label_column not in ("label", None)),
+                                ("image_column", image_column is not None)) if given]
+    if named and not FORMATS[kind].uses_columns:
+        flags = " and ".join(f"{n}= (--{n.replace('_', '-')})" for n in named)
+        where = {"folder": "its class folders", "list": "the list's lines", "coco": "the annotations",
+                 "lmdb": "labels.txt or the Caffe Datums", "segmentation": "its masks/ folder",
+                 "files": "nowhere (loose files carry none)"}.get(kind, "its files")
+        raise SourceError(f"{flags} names fields of a table or record source (CSV, Parquet/Arrow, TFRecord, "
+                          f"HDF5, WebDataset); {src} is a {kind} source whose labels come from {where}: drop "
+                          f"{'it' if len(named) == 1 else 'them'}, or pass kind= (--kind) if {src} is another "
+                          "format", path=src)
 
 
 def _check_mask_column(mask_column: str | None, kind: str, src: str | Path) -> None:

@@ -89,6 +89,22 @@ def open_coco(listing: Path, options: SourceOptions) -> Source:
                           "category_id, bbox of 4 numbers) and 'categories' (id, name) entries", path=listing) from None
 
 
+#: images checked for presence before a pack starts: all of them missing means the image folder is elsewhere
+PROBE_IMAGES = 8
+
+
+def _check_image_folder(listing: Path, items: list[SourceItem], options: SourceOptions) -> None:
+    """COCO keeps its images beside the annotations folder (train2017/ next to annotations/): with no
+    ``root``, the first images missing means the folder is elsewhere; say so rather than skip them all."""
+    if options.root is not None or any(item.path.exists() for item in items[:PROBE_IMAGES]):
+        return
+    raise SourceError.spelled(
+        f"{listing}: its images are not in {items[0].path.parent} (no {items[0].path.name}, nor the next "
+        f"{min(len(items), PROBE_IMAGES) - 1}); pass {{root}} with the image folder, e.g. "
+        f"{{root_example}}", {"root": ("root=", "--root"),
+                              "root_example": ('root="coco/train2017"', "--root coco/train2017")}, path=listing)
+
+
 def _open_coco(listing: Path, options: SourceOptions) -> Source:
     root, _ = listing_root(listing, options, "coco")
     # Annotation files are often downloaded, not written by the user: every image path must stay
@@ -127,6 +143,7 @@ def _open_coco(listing: Path, options: SourceOptions) -> Source:
     if not items:
         raise SourceError(f"{listing} lists no usable images ({len(skipped)} refused"
                           f"{': ' + skipped[0]['reason'] if skipped else ''})", path=listing)
+    _check_image_folder(listing, items, options)
     names = [str(c.get("name", c["id"])) for c in categories]
     return Source(items=items, classes=None, label_type="none", extra_columns=dict(EXTRA_COLUMNS), root=root,
                   description=f"COCO {listing} ({len(items)} images, {len(doc['annotations'])} boxes, "

@@ -331,7 +331,7 @@ def open_hf(path: Path, options: SourceOptions) -> Source:
             raise SourceError(f"cannot list {table.path}: the file is damaged ({exc}); restore it, or download "
                               "it again", path=table.path) from None
     if not items:
-        raise SourceError(f"no rows with image bytes in {path} ({len(skipped)} skipped)", path=path)
+        raise _no_image_bytes(path, skipped)
     classes, is_list = _class_names(features.get(label)) if label else (None, False)
     items, label_type, classes = _labels(items, raw, label, classes, is_list, first.schema, skipped)
     what = describe_labels(classes, label_type)
@@ -339,6 +339,21 @@ def open_hf(path: Path, options: SourceOptions) -> Source:
                   root=path if path.is_dir() else path.parent, kind="hf", skipped=skipped,
                   description=f"Hugging Face {path} ({len(files)} files, {what}, image column {image!r}, "
                               f"{len(extra_columns)} extra columns)")
+
+
+def _no_image_bytes(path: Path, skipped: list[dict[str, str]]) -> SourceError:
+    """No row has image bytes: nothing gets packed, so no skipped.jsonl is written; the message carries
+    the rows' reason instead, and the way out for images saved as paths (Dataset.to_parquet of images
+    loaded from files keeps their paths, not their bytes)."""
+    if not skipped:
+        return SourceError(f"{path} has no rows", path=path)
+    paths = [s for s in skipped if s["reason"].startswith("only a path")]
+    first = (paths or skipped)[0]
+    message = (f"no rows with image bytes in {path}: {len(paths):,} of {len(skipped):,} rows hold only an image "
+               f"path, the others a null image ({first['path']}: {first['reason']})")
+    if paths:
+        message += "; or pack the image files themselves from a CSV of path,label (`stoker pack train.csv OUT`)"
+    return SourceError(message, path=path)
 
 
 def _list_table(table: _Table, image: str, label: str | None, extras: list[str], items: list[SourceItem],

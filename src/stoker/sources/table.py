@@ -65,8 +65,14 @@ def open_csv(listing: Path, options: SourceOptions) -> Source:
         raise SourceError(f"{listing} line 1: {exc}", path=listing, line=1) from None
     for name in (path_column, label_column, mask_column):
         if name is not None and name not in header:
-            hint = " (pass label_column=None for unlabelled data)" if name == label_column else ""
-            raise SourceError(f"{listing}: no {name!r} column in the header {header}{hint}", path=listing, line=1)
+            flag = {path_column: ("path_column=", "--path-column"), label_column: ("label_column=", "--label-column"),
+                    mask_column: ("mask_column=", "--mask-column")}[name]
+            what = {path_column: "the image paths", label_column: "the labels", mask_column: "the label maps"}[name]
+            unlabelled = " ({none} for unlabelled data)" if name == label_column else ""
+            raise SourceError.spelled(f"{listing}: no {name!r} column in the header {header}; pass {{column}} "
+                                      f"with the column holding {what}{unlabelled}",
+                                      {"column": (f"{flag[0]}NAME", f"{flag[1]} NAME"),
+                                       "none": ("label_column=None", "--no-labels")}, path=listing, line=1)
     check = ListedPaths(base, listing, root)
     rows: list[tuple[str, Path, dict[str, str], int]] = []
     maps: list[dict[str, Path]] = []

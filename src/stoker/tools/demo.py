@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from .._progress import Progress
 from .._system import usable_cpus
 from ..profiling import ProfileReport
 
@@ -90,8 +91,6 @@ def format_table(result: DemoResult) -> str:
 
 def _generate(out: Path, images: int, cores: int, progress: bool) -> Path:
     """`synth.cached_imagenet_like` with a progress bar that counts the files as they appear."""
-    from tqdm.auto import tqdm
-
     from .synth import cached_imagenet_like
 
     name = f"imagenet-like-n{images}-c10-s0"
@@ -106,11 +105,11 @@ def _generate(out: Path, images: int, cores: int, progress: bool) -> Path:
         except OSError:
             return 0
 
-    bar = tqdm(total=images, desc="generate", unit="img", disable=not progress, dynamic_ncols=True)
+    bar = Progress("generate", images, enabled=progress)
 
     def watch() -> None:
         while not done.wait(0.5):
-            bar.update(count() - bar.n)
+            bar.update(count() - bar.done)
 
     watcher = threading.Thread(target=watch, name="stoker-demo-progress", daemon=True)
     watcher.start()
@@ -119,7 +118,7 @@ def _generate(out: Path, images: int, cores: int, progress: bool) -> Path:
     finally:
         done.set()
         watcher.join(timeout=2.0)
-        bar.update(count() - bar.n)
+        bar.update(count() - bar.done)
         bar.close()
     return root
 
@@ -127,7 +126,6 @@ def _generate(out: Path, images: int, cores: int, progress: bool) -> Path:
 def _train(name: str, loader: Iterable[Any], steps: int, device: str, progress: bool) -> ProfileReport:
     """`steps` training steps (after one warm-up step) of a fresh small CNN fed by `loader`, profiled."""
     import torch
-    from tqdm.auto import tqdm
 
     from .train import TrainStep, small_cnn
     from ..profiling import profile
@@ -135,15 +133,14 @@ def _train(name: str, loader: Iterable[Any], steps: int, device: str, progress: 
     torch.manual_seed(0)   # the same initial model for both runs
     step = TrainStep(small_cnn(10, MODEL_WIDTH), device)
     prof = profile(loader, warmup=1, sync=device.startswith("cuda"), verbose=False)
-    with tqdm(total=steps + 1, desc=f"train: {name}", unit="step", disable=not progress,
-              dynamic_ncols=True) as bar:
+    with Progress(f"train: {name}", steps + 1, unit="step", enabled=progress) as bar:
         for k, (images, labels) in enumerate(prof):
             if k > steps:   # asking for this batch ended the last measured step
                 break
             step(images, labels)
             bar.update()
             if prof.images_per_s > 0:
-                bar.set_postfix_str(f"{prof.images_per_s:.0f} img/s", refresh=False)
+                bar.set_postfix(images_per_s=f"{prof.images_per_s:.0f}")
     return prof.reports[-1] if prof.reports else prof.report()
 
 

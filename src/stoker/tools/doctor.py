@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from .._progress import Progress
 from .._system import json_safe, usable_cpus
 from ..errors import ConfigError
 from ..profiling import ProfileReport, profile
@@ -223,7 +224,6 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _bar(total: int, enabled: bool) -> Any:
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="doctor", unit="batch", disable=not enabled, dynamic_ncols=True, leave=False)
+def _bar(total: int, enabled: bool) -> Progress:
+    """A bar on a terminal, `stoker.progress` log lines elsewhere (a log file gets no `\\r` bars)."""
+    return Progress("doctor", total, unit="batch", enabled=enabled)
