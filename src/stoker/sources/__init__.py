@@ -139,7 +139,8 @@ def _check_columns(label_column: str | None, image_column: str | None, kind: str
         flags = " and ".join(f"{n}= (--{n.replace('_', '-')})" for n in named)
         where = {"folder": "its class folders", "list": "the list's lines", "coco": "the annotations",
                  "lmdb": "labels.txt or the Caffe Datums", "segmentation": "its masks/ folder",
-                 "files": "nowhere (loose files carry none)"}.get(kind, "its files")
+                 "files": "nowhere (loose files carry none)",
+                 "recordio": "each record's header (label_column=None, --no-labels, packs none)"}.get(kind, "its files")
         raise SourceError(f"{flags} names fields of a table or record source (CSV, Parquet/Arrow, TFRecord, "
                           f"HDF5, WebDataset); {src} is a {kind} source whose labels come from {where}: drop "
                           f"{'it' if len(named) == 1 else 'them'}, or pass kind= (--kind) if {src} is another "
