@@ -220,7 +220,7 @@ def test_a_torchvision_compose_drops_into_the_loader(packed: Path):
 
 def test_single_transforms_and_bad_orders(packed: Path):
     batch = next(iter(Loader(packed, 4, transforms=RandomResizedCrop(12), num_threads=1)))
-    assert batch[0].shape == (4, 12, 12, 3)
+    assert batch[0].shape == (4, 3, 12, 12)
     with pytest.raises(ConfigError, match="Mixup must be the last"):
         Loader(packed, 4, transforms=[RandomResizedCrop(12), Mixup(num_classes=24), G_NORMALIZE()])
     with pytest.raises(ConfigError, match="keep one"):

@@ -106,7 +106,7 @@ def test_boxes_follow_pack_resize_crop_and_flip(coco):
                     boxes="boxes", columns=("box_labels",), seed=3, num_threads=2)
     checked = 0
     for images, _, extras in loader:
-        for img, boxes, labels in zip(images.numpy(), extras["boxes"], extras["box_labels"]):
+        for img, boxes, labels in zip(images.permute(0, 2, 3, 1).numpy(), extras["boxes"], extras["box_labels"]):
             assert boxes.dtype == np.float32 and boxes.shape == (len(labels), 4)
             for (x0, y0, x1, y1), label in zip(boxes[visible(boxes)], np.asarray(labels)[visible(boxes)]):
                 if x1 - x0 < 6 or y1 - y0 < 6:
@@ -159,7 +159,7 @@ def test_masks_follow_pack_resize_crop_and_flip(coco):
     checked = 0
     for images, _, extras in loader:
         assert set(extras) == {"boxes", "masks", "box_labels"}
-        for img, boxes, masks, labels in zip(images.numpy(), extras["boxes"], extras["masks"], extras["box_labels"]):
+        for img, boxes, masks, labels in zip(images.permute(0, 2, 3, 1).numpy(), extras["boxes"], extras["masks"], extras["box_labels"]):
             assert masks.dtype == np.uint8 and masks.shape == (len(labels), 96, 96)
             for box, mask, label in zip(boxes, masks, labels):
                 lit = img[:, :, label] > 128
@@ -212,7 +212,7 @@ def test_variable_size_images_batch_padded_with_their_sizes(coco):
         assert loader.output_size == (int(want_h.max()), int(want_w.max()))
         seen = 0
         for images, _, extras in loader:
-            x = images.numpy() if device is None else images.permute(0, 2, 3, 1).numpy()
+            x = images.permute(0, 2, 3, 1).numpy()
             sizes = extras["sizes"]
             assert sizes.dtype == torch.int64 and sizes.shape == (len(x), 2)
             for img, (h, w), boxes, masks, labels in zip(x, sizes.tolist(), extras["boxes"], extras["masks"],

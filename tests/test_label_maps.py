@@ -174,8 +174,8 @@ def test_label_maps_follow_crop_resize_and_flip(packed, transforms):
             for images, _, extras in loader:
                 masks = extras["mask"]
                 assert isinstance(masks, torch.Tensor) and masks.dtype == torch.uint8
-                assert masks.shape == images.shape[:3]
-                for img, ids in zip(images.numpy(), masks.numpy()):
+                assert masks.shape == (images.shape[0], *images.shape[2:])
+                for img, ids in zip(images.permute(0, 2, 3, 1).numpy(), masks.numpy()):
                     assert_aligned(img, ids)
                     seen += 1
     assert seen == 20
@@ -188,7 +188,7 @@ def test_padding_gets_the_ignore_index(packed):
         images, _, extras = next(iter(loader))
     masks = extras["mask"].numpy()
     ds = stoker.open_dataset(out)
-    for i, (img, ids) in enumerate(zip(images.numpy(), masks)):
+    for i, (img, ids) in enumerate(zip(images.permute(0, 2, 3, 1).numpy(), masks)):
         h, w = ds.sample(i).height, ds.sample(i).width
         ys, xs = np.nonzero(ids != 254)   # the image's own pixels: one h x w rectangle, centred
         top, left = ys.min(), xs.min()
@@ -213,7 +213,7 @@ def test_max_side_resizes_the_mask_with_nearest_neighbour(packed, tmp_path):
     with Loader(out, 5, transforms=[RandomResizedCrop(32), RandomHorizontalFlip()], masks="mask",
                 num_threads=2) as loader:
         for images, _, extras in loader:
-            for img, ids in zip(images.numpy(), extras["mask"].numpy()):
+            for img, ids in zip(images.permute(0, 2, 3, 1).numpy(), extras["mask"].numpy()):
                 assert_aligned(img, ids)
 
 
@@ -227,7 +227,7 @@ def test_palette_and_16_bit_masks_give_class_ids(tmp_path, mode, offset, dtype):
         for images, _, extras in loader:
             masks = extras["mask"]
             assert masks.dtype == dtype
-            for img, ids in zip(images.numpy(), masks.numpy()):
+            for img, ids in zip(images.permute(0, 2, 3, 1).numpy(), masks.numpy()):
                 assert_aligned(img, ids, offset=offset)
 
 
@@ -301,7 +301,7 @@ def test_a_replaced_sample_brings_its_own_mask(packed, tmp_path):
                 order="sequential", on_error="skip", num_threads=1) as loader:
         images, labels, extras = next(iter(loader))
     assert loader.stats.skipped == 1
-    for img, ids in zip(images.numpy(), extras["mask"].numpy()):
+    for img, ids in zip(images.permute(0, 2, 3, 1).numpy(), extras["mask"].numpy()):
         assert_aligned(img, ids)
     with Loader(tmp_path / "out", 10, masks="mask", transforms=[RandomResizedCrop(40)], order="sequential",
                 num_threads=1) as loader, pytest.raises(stoker.errors.SampleError, match="label map 'mask'"):
@@ -332,7 +332,7 @@ def test_images_of_different_sizes_give_a_list_of_maps_their_own_size(packed):
         for images, _, extras in loader:
             maps, sizes = extras["mask"], extras["sizes"]
             assert isinstance(maps, list) and len(maps) == len(images)
-            for img, ids, (h, w) in zip(images.numpy(), maps, sizes.tolist()):
+            for img, ids, (h, w) in zip(images.permute(0, 2, 3, 1).numpy(), maps, sizes.tolist()):
                 assert ids.shape == (h, w) and ids.dtype == np.uint8
                 assert_aligned(img[:h, :w], ids)
 
@@ -365,7 +365,7 @@ def test_images_and_masks_folders_pair_by_path(packed, tmp_path):
     with Loader(tmp_path / "out", 3, transforms=[RandomResizedCrop(40), RandomHorizontalFlip()], masks="mask",
                 num_threads=2) as loader:
         for images, _, extras in loader:
-            for img, ids in zip(images.numpy(), extras["mask"].numpy()):
+            for img, ids in zip(images.permute(0, 2, 3, 1).numpy(), extras["mask"].numpy()):
                 assert_aligned(img, ids, width=3)   # JPEG images: a little ringing along the edges
 
 
@@ -376,5 +376,5 @@ def test_the_device_stage_hands_the_maps_on_with_their_images(packed):
     kwargs = dict(transforms=[RandomResizedCrop(40), RandomHorizontalFlip()], masks="mask", num_threads=2, seed=4)
     with Loader(out, 4, device="cpu", **kwargs) as on_device, Loader(out, 4, **kwargs) as plain:
         for (images, _, extras), (ref, _, ref_extras) in zip(on_device, plain):
-            assert images.shape[1] == 3 and torch.equal(images.permute(0, 2, 3, 1), ref)
+            assert images.shape[1] == 3 and torch.equal(images, ref)
             assert isinstance(extras["mask"], torch.Tensor) and torch.equal(extras["mask"], ref_extras["mask"])

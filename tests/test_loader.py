@@ -81,7 +81,7 @@ def packed_bad(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def run_epoch(loader: Loader) -> tuple[np.ndarray, np.ndarray]:
     imgs, labels = [], []
     for batch in loader:
-        imgs.append(batch[0].numpy().copy())
+        imgs.append(batch[0].permute(0, 2, 3, 1).numpy().copy())  # NHWC, to compare with decoded pixels
         labels.append(batch[1].numpy().copy())
     return np.concatenate(imgs), np.concatenate(labels)
 
@@ -96,10 +96,11 @@ def settle(baseline: int, timeout: float = 5.0) -> int:
 def test_batches_have_the_promised_shape_and_labels(packed: Path) -> None:
     with Loader(packed, 16, transforms=TRAIN, seed=3) as loader:
         assert len(loader) == 4
-        batches = [(x.clone(), y.clone()) for x, y in loader]  # a batch lives until the next step
+        batches = list(loader)  # batches stay valid while held
         assert [b[0].shape[0] for b in batches] == [16, 16, 16, 12]
         images, labels = batches[0]
-        assert images.dtype == torch.uint8 and images.shape == (16, 32, 32, 3)
+        assert images.dtype == torch.uint8 and images.shape == (16, 3, 32, 32)
+        assert images.is_contiguous(memory_format=torch.channels_last)  # a view of NHWC memory, no copy
         assert labels.dtype == torch.int64
         seen = np.concatenate([b[1].numpy() for b in batches])
         assert sorted(seen.tolist()) == list(range(60))  # every sample once (label = index)
@@ -107,10 +108,16 @@ def test_batches_have_the_promised_shape_and_labels(packed: Path) -> None:
         assert loader.stats.samples == 60 and loader.stats.batches == 4
 
 
-def test_batches_reuse_a_ring_of_prefetch_plus_one_slots(packed: Path) -> None:
+def test_the_common_loop_reuses_a_ring_of_prefetch_plus_two_slots(packed: Path) -> None:
+    """The loop variable holds batch k while k+1 is fetched, so k's slot returns one step later:
+    prefetch + 2 slots, the same four buffers in turn, and no allocation after the first pass."""
     loader = Loader(packed, 4, transforms=TRAIN, prefetch=2)
-    ptrs = [images.data_ptr() for images, _ in loader]
-    assert len(set(ptrs)) == 3 and ptrs[0] == ptrs[3] == ptrs[6]
+    for epoch in range(3):
+        ptrs = []
+        for images, labels in loader:
+            ptrs.append(images.data_ptr())
+        assert len(set(ptrs)) == 4 and ptrs[0] == ptrs[4] == ptrs[8], epoch
+        assert loader.stats.slots_allocated == 4
     assert next(iter(loader))[0].is_pinned() == torch.cuda.is_available()
 
 
@@ -161,39 +168,46 @@ def test_epochs_advance_and_set_epoch_replays(packed: Path) -> None:
     loader.set_epoch(0)
     again = run_epoch(loader)
     assert np.array_equal(e0[0], again[0]) and np.array_equal(e0[1], again[1])
-    # A pass left part-way keeps its place: the next iter() continues the same epoch.
+    # A pass left part-way does not advance the epoch: the next iter() reads it again from its start.
     loader.set_epoch(5)
-    first = next(iter(loader))[1].clone()
-    second = next(iter(loader))[1].clone()
-    assert loader.epoch == 5 and loader.state_dict()["batch"] == 2
-    loader.set_epoch(5)
-    it = iter(loader)
-    assert np.array_equal(next(it)[1], first) and np.array_equal(next(it)[1], second)
+    first = next(iter(loader))[1]
+    again = next(iter(loader))[1]
+    assert loader.epoch == 5 and loader.state_dict()["batch"] == 1 and np.array_equal(first, again)
+    assert np.array_equal(run_epoch(loader)[1][:16], first) and loader.epoch == 6
 
 
 @pytest.mark.parametrize("persistent", [False, True])
-def test_state_after_a_break_is_what_the_next_iter_yields(packed: Path, persistent: bool) -> None:
-    """The rule: state_dict() always describes the next iter(), during a pass, after a break and
-    after an exception in the loop; resuming from it in a fresh Loader gives the same batches."""
+def test_state_records_where_a_pass_stopped_and_only_load_state_dict_resumes_there(packed: Path,
+                                                                                  persistent: bool) -> None:
+    """The rule: state_dict() records the position of the latest pass (during it, after a break,
+    after an exception); a plain iter() always reads a whole epoch; load_state_dict() makes the
+    next iter() continue from the recorded position, in this Loader or a fresh one."""
     loader = Loader(packed, 8, transforms=TRAIN, seed=9, num_threads=2, persistent=persistent)
+    whole = [y for _, y in loader]
+    loader.set_epoch(0)
     for k, (images, labels) in enumerate(loader):
         if k == 4:
             break
     state = loader.state_dict()
     assert (state["epoch"], state["batch"], state["sample"]) == (0, 5, 40)
-    rest_here = [y.clone() for _, y in loader]
+    again = [y for _, y in loader]   # a whole pass of epoch 0 again
+    assert len(again) == len(loader) and all(np.array_equal(a, b) for a, b in zip(again, whole))
     assert loader.epoch == 1 and loader.state_dict()["batch"] == 0
     fresh = Loader(packed, 8, transforms=TRAIN, seed=9, num_threads=1)
     fresh.load_state_dict(state)
-    rest_there = [y.clone() for _, y in fresh]
+    rest_there = [y for _, y in fresh]
+    loader.load_state_dict(state)
+    rest_here = [y for _, y in loader]
     assert len(rest_here) == len(loader) - 5 and len(rest_here) == len(rest_there)
     assert all(np.array_equal(a, b) for a, b in zip(rest_here, rest_there))
+    assert all(np.array_equal(a, b) for a, b in zip(rest_here, whole[5:]))
+    assert len([y for _, y in loader]) == len(loader)   # the resume applied to that one pass only
 
-    with pytest.raises(KeyError):   # an exception in the training step: the place is kept too
+    with pytest.raises(KeyError):   # an exception in the training step: its position is recorded too
         for k, (images, labels) in enumerate(loader):
             if k == 2:
                 raise KeyError("step failed")
-    assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["batch"] == 3
+    assert loader.state_dict()["epoch"] == 2 and loader.state_dict()["batch"] == 3
 
 
 @pytest.mark.parametrize("new_size", [5, 16, 60])
@@ -351,11 +365,9 @@ def test_shutdown_on_exhaustion_break_exception_and_gc(packed: Path) -> None:
     assert settle(base) == base
     first = iter(loader)
     next(first)
-    second = iter(loader)  # a new pass closes the previous one
-    next(second)
-    with pytest.raises(StopIteration):
-        next(first)
-    del second
+    second = iter(loader)  # a pass beside a running one: its own threads and ring, both whole
+    assert len(list(second)) == len(loader) and len(list(first)) == len(loader) - 1
+    del first, second
     gc.collect()
     assert settle(base) == base
 

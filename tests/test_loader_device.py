@@ -68,8 +68,8 @@ def packed_bad(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def reference(loader: Loader) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The plain CPU loader's batches (uint8 NHWC), cloned."""
-    return [(x.clone(), y.clone()) for x, y in loader]
+    """The plain CPU loader's batches (uint8 [B, 3, H, W]) as NHWC copies, to compare with decoded pixels."""
+    return [(x.permute(0, 2, 3, 1).clone(), y) for x, y in loader]
 
 
 def normalized(x: torch.Tensor) -> torch.Tensor:
@@ -359,10 +359,10 @@ class FakeEvent:
 
 
 def idle_reference(packed: Path, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The batches, read while the fake GPU keeps up."""
+    """The batches ([B, 3, H, W]), read while the fake GPU keeps up."""
     FakeEvent.gpu_idle = True
     try:
-        return reference(Loader(packed, batch_size, transforms=TRAIN, seed=6, num_threads=2))
+        return [(x.clone(), y) for x, y in Loader(packed, batch_size, transforms=TRAIN, seed=6, num_threads=2)]
     finally:
         FakeEvent.made, FakeEvent.gpu_idle = [], False
 
@@ -403,7 +403,8 @@ def test_a_guard_that_never_completes_times_out_naming_the_gpu_work(packed: Path
                                                                     fake_gpu_stream: FakeStream) -> None:
     loader = Loader(packed, 10, transforms=TRAIN, seed=6, num_threads=2, prefetch=1, timeout=1.0)
     it = iter(loader)
-    next(it), next(it)
+    for _ in range(3):   # a ring of prefetch + 2 slots: batch 3 is the first to reuse one (batch 0's,
+        next(it)         # which the caller dropped, but whose GPU copy never completes)
     with pytest.raises(LoaderTimeoutError, match="your GPU work on an earlier batch.*had not finished|no complete batch"):
         next(it)
     assert wait_threads_gone(0) == 0
@@ -459,14 +460,15 @@ def test_persistent_prepares_the_next_epoch_while_this_one_drains(packed: Path) 
     it = iter(loader)
     for _ in range(len(loader)):  # every batch of epoch 0, not yet StopIteration
         next(it)
-    # run batches 0-5 are epoch 0; the workers go on with epoch 1's first two (6, 7), as far as the
-    # ring allows (the stats count a worker's samples only when it completes a batch: read the ring)
+    # run batches 0-5 are epoch 0; the workers go on with epoch 1's first three (6, 7, 8), as far as
+    # the ring allows (prefetch + 2 slots, one still holding batch 5, which the caller may hold; the
+    # stats count a worker's samples only when it completes a batch: read the ring)
     run = loader._live.run
     done = lambda: sorted(s.batch for s in run.ring.slots if s.batch >= 6 and s.remaining == 0)  # noqa: E731
     deadline = time.monotonic() + 10
-    while done() != [6, 7] and time.monotonic() < deadline:
+    while done() != [6, 7, 8] and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert done() == [6, 7]
+    assert done() == [6, 7, 8]
     threads = {t for t in threading.enumerate() if t.name.startswith("stoker")}
     assert list(it) == []
     again = epochs(loader, 1)[0]  # epoch 1 from the same threads

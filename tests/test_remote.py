@@ -388,7 +388,7 @@ def test_readme_cloud_section_runs_as_written(s3: S3Server, tmp_path: Path, monk
     exec(compile(here(python), "README.md", "exec"), namespace)
     loader = namespace["loader"]
     images, labels = next(iter(loader))
-    assert tuple(images.shape) == (18, 224, 224, 3)  # 3 classes of 6: one batch
+    assert tuple(images.shape) == (18, 3, 224, 224)  # 3 classes of 6: one batch
     loader.close()
     del namespace, loader
     gc.collect()

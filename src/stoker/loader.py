@@ -324,9 +324,10 @@ class Loader:
             if isinstance(ds, (PackedDataset, CachedDataset)) else None
         # where the next iter() starts: the epoch, and how many of its samples (on this rank) were yielded
         self._epoch, self._cursor = 0, 0
+        self._resume: int | None = None  # load_state_dict(): the sample the next pass starts at
         self.stats = LoaderStats()
         self._ring: BatchRing | None = None
-        self._current: weakref.ref | None = None
+        self._iters: weakref.WeakSet[_LoaderIter] = weakref.WeakSet()  # the passes made, while they live
         self._lock = threading.RLock()  # re-entrant: Ctrl-C inside its with-statement cannot lock us out
 
     def _resolve_output_size(self, h: np.ndarray | None, w: np.ndarray | None) -> tuple[int, int]:
@@ -360,8 +361,9 @@ class Loader:
 
     def set_epoch(self, epoch: int) -> None:
         """Read epoch `epoch` from its start on the next `iter()`. Without calls, an `iter()` after a
-        finished pass reads the next epoch, and one after a pass left part-way continues it."""
-        self._epoch, self._cursor = int(epoch), 0
+        finished pass reads the next epoch, and one after a pass left part-way reads its epoch again
+        from the start."""
+        self._epoch, self._cursor, self._resume = int(epoch), 0, None
 
     def _epoch_samples(self) -> int:
         """Samples of one epoch on this rank (what `epoch_indices` returns, without computing the order)."""
@@ -370,10 +372,11 @@ class Loader:
         return samples_per_rank(self._pool.size, self.world_size, False)
 
     def state_dict(self) -> dict[str, Any]:
-        """What the next `iter()` yields: the epoch, and the samples (and batches) of it already
-        yielded on this rank, plus the settings that must match on resume. It is the same whether
-        taken during a pass, after a `break` or after an exception: a pass left part-way keeps its
-        place, and the next `iter()` continues from there."""
+        """Where the data stands: the epoch, and the samples (and batches) of it the latest pass
+        yielded on this rank, plus the settings that must match on resume. Taken during a pass (a
+        checkpoint in the training loop) or after it stopped (a `break`, an exception), it records
+        that pass's position; `load_state_dict()` of it makes the next `iter()` continue from there,
+        the only way a pass starts part-way (a plain `iter()` reads its epoch from the start)."""
         batch = -(-self._cursor // self.batch_size)
         return {"format": _STATE_FORMAT, "epoch": self._epoch, "batch": batch, "sample": self._cursor,
                 "seed": self.seed, "batch_size": self.batch_size, "world_size": self.world_size,
@@ -381,7 +384,8 @@ class Loader:
                 "pool": self._pool.fingerprint}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume: the next `iter()` yields exactly the samples of `state`'s epoch not yet yielded.
+        """Resume: the next `iter()` (only that one) yields exactly the samples of `state`'s epoch not
+        yet yielded.
         A different `batch_size` is allowed with `drop_last=False` (the samples left are the same;
         only their grouping into batches changes); everything else must match."""
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
@@ -406,6 +410,7 @@ class Loader:
         if not 0 <= int(sample) <= total:
             raise ConfigError(f"saved sample cursor {sample} is outside epoch {epoch}'s {total} samples on this rank")
         self._epoch, self._cursor = (epoch + 1, 0) if int(sample) == total else (epoch, int(sample))
+        self._resume = self._cursor or None
 
     def epoch_indices(self, epoch: int | None = None) -> np.ndarray:
         """Dataset indices this rank reads in `epoch` (default: the current one), in order."""
@@ -444,22 +449,29 @@ class Loader:
 
     def _iterate(self, opts: DeviceOptions | None) -> Iterator[tuple]:
         with self._lock:
-            previous = self._current() if self._current is not None else None
-            if previous is not None:
-                previous.close()
-            # a pass left part-way (break, an exception) keeps its place: this one continues it,
-            # exactly as a state_dict() saved now would resume (set_epoch() starts afresh)
-            it = _LoaderIter(self, self._epoch, self._cursor, opts)
-            self._current = weakref.ref(it)
+            # every iter() is a whole pass of the current epoch; only load_state_dict() starts one part-way
+            start, self._resume = self._resume or 0, None
+            self._cursor = start
+            # a pass still running (an iterator not exhausted, closed or dropped) keeps its threads and
+            # its ring: this one gets its own, as a second DataLoader iterator would
+            busy = any(not it._closed and it._b < it._n for it in list(self._iters))
+            it = _LoaderIter(self, self._epoch, start, opts, private=busy)
+            self._iters.add(it)
             return it
 
-    def _ring_for_run(self, extra: int = 0) -> BatchRing:
+    def _ring_for_run(self, extra: int = 0, private: bool = False) -> BatchRing:
+        """The batch ring: `prefetch` batches being prepared, the one the caller is using and the one
+        its loop variable still holds while the next is fetched (FFCV's `batches_ahead + 2`), plus
+        `extra`. `private`: a ring of its own, for a pass that runs beside another."""
         h, w = self.output_size
-        n_slots = self.prefetch + 1 + extra
+        n_slots = self.prefetch + 2 + extra
+        if private:
+            return BatchRing(n_slots, self.batch_size, h, w, label_dtype=self._label_dtype,
+                             pin_memory=self.pin_memory, stats=self.stats)
         if self._ring is None or not self._ring.matches(n_slots, self.batch_size, h, w, self._label_dtype,
                                                         self.pin_memory):
             self._ring = BatchRing(n_slots, self.batch_size, h, w, label_dtype=self._label_dtype,
-                                   pin_memory=self.pin_memory)
+                                   pin_memory=self.pin_memory, stats=self.stats)
         return self._ring
 
     def _stage_for(self, opts: DeviceOptions) -> DeviceStage:
@@ -469,9 +481,13 @@ class Loader:
             self._stage = DeviceStage(opts)
         return self._stage
 
-    def _pipeline_for(self, epoch: int, start: int, opts: DeviceOptions | None) -> tuple["_Pipeline", int]:
+    def _pipeline_for(self, epoch: int, start: int, opts: DeviceOptions | None, private: bool = False
+                      ) -> tuple["_Pipeline", int]:
         """The pipeline for (epoch, from sample start) and the run batch index it starts at: the
-        persistent one when it is exactly there already, else a new one."""
+        persistent one when it is exactly there already, else a new one. `private`: another pass
+        is running; this one gets its own threads and ring and leaves the other's alone."""
+        if private:
+            return _Pipeline(self, epoch, start, opts, persistent=False, private=True), 0
         live, self._live = self._live, None
         if live is not None:
             g = live.find(epoch, start)
@@ -502,9 +518,8 @@ class Loader:
 
     def close(self) -> None:
         """Stop any running iteration and release the dataset (when the Loader opened it). Idempotent."""
-        cur = self._current() if getattr(self, "_current", None) is not None else None
-        if cur is not None:
-            cur.close()
+        for it in list(getattr(self, "_iters", ())):
+            it.close()
         live, self._live = getattr(self, "_live", None), None
         if live is not None:
             live.stop()
@@ -538,8 +553,8 @@ class _Pipeline:
     the training loop drains epoch N. Every batch comes from its epoch's own Filler: the same batches,
     bit for bit, as a fresh `iter()` of that epoch would give."""
 
-    def __init__(self, loader: Loader, epoch: int, start: int, opts: DeviceOptions | None, persistent: bool
-                 ) -> None:
+    def __init__(self, loader: Loader, epoch: int, start: int, opts: DeviceOptions | None, persistent: bool,
+                 private: bool = False) -> None:
         self.opts = opts
         self.persistent = persistent
         spec = loader._spec
@@ -557,7 +572,7 @@ class _Pipeline:
             return
         threads = min(loader.num_threads, max(1, sum(sizes)))
         # with a device stage, one more slot: the one whose copy to the device is in flight
-        ring = loader._ring_for_run(extra=0 if opts is None else 1)
+        ring = loader._ring_for_run(extra=0 if opts is None else 1, private=private)
         self.run = Run(ring, sizes, threads, self.chain.prepare, self.chain.fill, loader.stats.add, loader.timeout,
                        open_ended=persistent)
         if opts is not None:
@@ -611,34 +626,41 @@ class _Pipeline:
             (self.feeder or self.run).stop(2.0)
 
 
-def _end_lease(pipe: _Pipeline, lease: int, keep: list[bool]) -> None:
-    """An iterator's end: stop its pipeline unless it was handed on (`keep`) or another iterator holds it."""
+def _end_lease(pipe: _Pipeline, lease: int, keep: list[bool], last: list[int]) -> None:
+    """An iterator's end (closed, exhausted or dropped): guard the slot of the last batch it handed out
+    (an `images.cuda(non_blocking=True)` may still read it), then stop its pipeline unless it was
+    handed on (`keep`) or another iterator holds it."""
+    if pipe.run is not None and pipe.feeder is None and last[0] >= 0:
+        pipe.run.guard(last[0], consumer_fence())
     if pipe.lease == lease and not keep[0]:
         pipe.stop()
 
 
 class _LoaderIter:
-    """One pass over the rest of an epoch. Closing it (or dropping it) stops its threads, unless it
-    ran to the end of its epoch in a persistent Loader: the pipeline then goes on with the next epoch."""
+    """One pass over an epoch (from its start, or from where `load_state_dict` put it). Closing it (or
+    dropping it) stops its threads, unless it ran to the end of its epoch in a persistent Loader: the
+    pipeline then goes on with the next epoch."""
 
-    def __init__(self, loader: Loader, epoch: int, start: int, opts: DeviceOptions | None = None) -> None:
+    def __init__(self, loader: Loader, epoch: int, start: int, opts: DeviceOptions | None = None,
+                 private: bool = False) -> None:
         self._loader = loader
         self._epoch = epoch
         bs = loader.batch_size
         left = max(loader._epoch_samples() - start, 0)
         sizes = [min(bs, left - k * bs) for k in range(-(-left // bs))]
         self._n = len(sizes)
-        self._start = start   # samples of the epoch yielded before this pass
+        self._start = start   # samples of the epoch before this pass (a resumed pass)
         self._first_batch = start // bs   # the epoch's batch number of this pass's first batch (batch ops' key)
         self._ends = np.cumsum(sizes, dtype=np.int64) + start if sizes else np.zeros(0, np.int64)
         self._b = 0
         self._closed = False
-        pipe, g0 = loader._pipeline_for(epoch, start, opts)
+        pipe, g0 = loader._pipeline_for(epoch, start, opts, private)
         self._pipe, self._g0 = pipe, g0
         self._run, self._feeder = pipe.run, pipe.feeder
         pipe.lease += 1
         self._keep = [False]  # set when the epoch ends in a persistent pipeline: hand it on, do not stop it
-        self._finalizer = weakref.finalize(self, _end_lease, pipe, pipe.lease, self._keep)
+        self._last = [-1]  # the run batch handed out last (its slot is guarded at the end)
+        self._finalizer = weakref.finalize(self, _end_lease, pipe, pipe.lease, self._keep, self._last)
         self._collate = loader.collate_fn
         self._encode = loader._spec.multi_label
         pipe.start()
@@ -659,7 +681,8 @@ class _LoaderIter:
             else:
                 # the yielded batch is a pinned ring slot the caller may have copied asynchronously
                 # (`images.cuda(non_blocking=True)`): its refill waits for that copy (Slot.guard)
-                slot = self._run.next_batch(g, consumer_fence() if g else None)
+                slot = self._run.next_batch(g, consumer_fence() if self._b else None)
+                self._last[0] = g
         except BaseException:  # SampleError, timeout, Ctrl-C: stop the threads before propagating
             self.close()
             raise
@@ -670,35 +693,38 @@ class _LoaderIter:
             # exhausted): a persistent pipeline goes on into the next one
             self._keep[0] = self._pipe.persistent
             self._pipe.next_g = g + 1
-        if loader._current is not None and loader._current() is self:
-            loader._cursor = int(self._ends[self._b - 1])
-            if self._b == self._n:  # the epoch is complete: a new iter() starts the next one
-                loader._epoch, loader._cursor = self._epoch + 1, 0
+        with loader._lock:
+            if loader._epoch == self._epoch:  # where the data stands, for state_dict()
+                loader._cursor = int(self._ends[self._b - 1])
+                if self._b == self._n:  # the epoch is complete: the next iter() reads the next one
+                    loader._epoch, loader._cursor = self._epoch + 1, 0
         out = batch if self._feeder is not None else self._batch(slot)
         if self._collate is not None:   # the user's batching of the extra columns, on this (their) thread
             out = (*out[:2], self._collate(out[2]))
         return out
 
     def _batch(self, slot: Slot) -> tuple:
+        """The caller's batch: images a [B, 3, H, W] view of the slot (channels_last strides, no copy;
+        the slot is refilled only once nothing references it), labels and extras fresh objects."""
         n = slot.size
-        full = n == slot.images.shape[0]
-        images: Any = slot.images if full else slot.images[:n]
+        images: Any = slot.images if n == slot.images.shape[0] else slot.images[:n]
         if slot.labels is not None:
-            labels: Any = slot.labels if full else slot.labels[:n]
+            labels: Any = slot.labels[:n].clone()
         else:
             labels = list(slot.objects[:n]) if self._encode is None else self._encode(slot.objects[:n])
         spec = self._loader._spec
         if spec.pipeline.batch is not None:  # no device stage: the batch ops run here, on the CPU
             images, labels = run_batch_ops(spec, images, labels, self._epoch, self._first_batch + self._b - 1)
+        else:
+            images = images.permute(0, 3, 1, 2)
         if slot.extras:   # extra columns, and the sizes of padded images
             return images, labels, batch_extras(slot)
         return images, labels
 
     def close(self) -> None:
         """Stop the worker threads (prompt: they check a stop flag at least every 0.1 s); a persistent
-        Loader's pipeline whose epoch was read to the end keeps running into the next one instead."""
-        if not self._closed and self._run is not None and self._feeder is None:
-            # the last batch yielded: the ring outlives this iterator
-            self._run.guard(self._g0 + self._b - 1, consumer_fence())
+        Loader's pipeline whose epoch was read to the end keeps running into the next one instead.
+        The slot of the last batch yielded is guarded by the GPU work queued so far (the ring outlives
+        this iterator)."""
         self._closed = True
         self._finalizer()
