@@ -34,6 +34,7 @@ import numpy as np
 from ._torch import torch
 from ._system import usable_cpus
 from .errors import ConfigError
+from .habits import check_source, dataloader_keywords, pinned_labels
 from .labels import multi_label_spec
 from .order import ORDERS, epoch_order, make_pool, num_batches, rank_indices, samples_per_rank, shard_window_order
 from .reader import CachedDataset, Dataset, PackedDataset, open_cached, open_dataset, open_loose
@@ -177,7 +178,18 @@ class Loader:
                  persistent: bool = False,
                  indices: Sequence[int] | np.ndarray | None = None, weights: Sequence[float] | np.ndarray | None = None,
                  collate_fn: Callable[[dict[str, list]], Any] | None = None, shuffle: bool | None = None,
-                 num_workers: int | None = None) -> None:
+                 num_workers: int | None = None, classes: Sequence[str] | None = None, **dataloader: Any) -> None:
+        check_source(source)
+        mapped = dataloader_keywords(dataloader)
+        if "persistent" in mapped:
+            persistent = mapped["persistent"]
+        if ("indices" in mapped and indices is not None) or ("weights" in mapped and weights is not None):
+            raise ConfigError("pass the samples once: sampler= or indices=/weights=, not both")
+        order = mapped.get("order", order)
+        indices, weights = mapped.get("indices", indices), mapped.get("weights", weights)
+        if classes is not None and (isinstance(classes, str) or len(set(classes)) != len(classes)):
+            raise ConfigError(f"classes= is a list of distinct class names (label k is classes[k]), got {classes!r}")
+        self._pinned = None if classes is None else [str(c) for c in classes]
         if num_workers is not None:  # DataLoader's name: worker threads here, not processes
             if num_threads is not None:
                 raise ConfigError("pass num_threads= or its DataLoader spelling num_workers=, not both")
@@ -297,6 +309,8 @@ class Loader:
         self.output_size = self._resolve_output_size(heights, widths)
         check_ring_fits(prefetch + 1, batch_size, *self.output_size)   # at once, not at the first batch
         labels = ds.labels
+        if self._pinned is not None:
+            labels = pinned_labels(labels, ds.classes, self._pinned, ds.path)
         if labels.dtype.kind in "iufb":
             # a copy (8 bytes a sample), not a view of the mapped shard: batches are labelled without
             # touching the mapping, which a shard truncated mid-epoch would turn into a SIGBUS
@@ -314,7 +328,7 @@ class Loader:
         if companions:
             raise ConfigError(f"{ds.path}: masks={polygons} needs the polygon columns {companions} beside it (as "
                               f"the coco source packs them); the dataset has extra columns {ds.extra_columns}")
-        multi = multi_label_spec(labels, ds.classes, *self._multi_label_args)
+        multi = multi_label_spec(labels, self.classes, *self._multi_label_args)
         self._spec = RenderSpec(batch_size, self.output_size, self.pipeline, self.seed, on_error, self.columns,
                                 labels, heights, widths, multi_label=multi, decode_quality=self.decode_quality,
                                 box_columns=self.boxes, mask_columns=polygons, label_map_columns=label_maps,
@@ -347,6 +361,16 @@ class Loader:
                           f"size, so they cannot be batched; end the transforms with RandomResizedCrop(size), "
                           f"CenterCrop(size) or Resize((height, width)), or pass pad=True to batch them padded "
                           f"with their sizes")
+
+    @property
+    def classes(self) -> list[str] | None:
+        """The class names (label k is classes[k]): `classes=` when given, else the dataset's."""
+        return self._pinned if self._pinned is not None else self.dataset.classes
+
+    @property
+    def class_to_idx(self) -> dict[str, int]:
+        """Class name -> label, as torchvision's ImageFolder has it."""
+        return {name: k for k, name in enumerate(self.classes or ())}
 
     # ---- epochs and state ------------------------------------------------------------------
     def __len__(self) -> int:

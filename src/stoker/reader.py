@@ -88,6 +88,11 @@ class Dataset:
     def __len__(self) -> int:
         raise NotImplementedError
 
+    @property
+    def class_to_idx(self) -> dict[str, int]:
+        """Class name -> label, as torchvision's ImageFolder has it (empty without class names)."""
+        return {name: k for k, name in enumerate(self.classes or ())}
+
     def sample(self, i: int) -> Sample:
         raise NotImplementedError
 
