@@ -460,9 +460,14 @@ class Loader:
     def __iter__(self) -> Iterator[tuple]:
         return self._iterate(self.device)
 
-    def _stoker_device_iter(self, opts: DeviceOptions) -> Iterator[tuple]:
-        """`stoker.prefetch(loader, device)`: iterate with these device options. The ring's
-        pinned memory is reused, so the device copy must happen here, before a slot is refilled."""
+    def iter_on(self, device: str | int | torch.device | DeviceOptions) -> Iterator[tuple]:
+        """One pass whose batches arrive on `device` (a device or `DeviceOptions`), for a Loader made
+        without `device=`: what `stoker.prefetch(loader, device)` iterates. The ring's pinned memory
+        is reused, so the device copy happens here, on the loader's copy stream, before a slot is
+        refilled."""
+        opts = as_device_options(device)
+        if opts is None:
+            raise ConfigError(f"iter_on needs a device or DeviceOptions, got {device!r}")
         if self.device is not None:
             raise ConfigError(f"this Loader already delivers batches to {self.device.device}; iterate it "
                               f"directly instead of wrapping it in stoker.prefetch")
