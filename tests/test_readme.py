@@ -121,5 +121,5 @@ def test_readme_segmentation_example_runs(tmp_path: Path) -> None:
     exec(compile(code, "README.md section 5, label maps", "exec"), scope)
     images, masks = scope["images"], scope["masks"]
     assert masks.shape == (images.shape[0], *images.shape[2:]) == (10, 512, 512) and masks.dtype == torch.uint8
-    for image, ids in zip(images.numpy(), masks.numpy()):
+    for image, ids in zip(images.permute(0, 2, 3, 1).numpy(), masks.numpy()):
         assert_aligned(image, ids, width=20, cover=0.15)   # crops enlarged up to ~18x: wide blends
