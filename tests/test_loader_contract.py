@@ -18,6 +18,7 @@ import stoker.loader
 from stoker.loader import Loader
 from stoker.shards import Manifest, ShardWriter, write_manifest
 from stoker.slots import KEPT_WARN
+from stoker.options import Workers
 
 N, CLASSES, SIDE = 300, 10, 8
 
@@ -111,7 +112,7 @@ def test_a_pass_inside_a_pass_leaves_the_outer_loop_whole(packed: Path) -> None:
 
 
 def test_two_threads_each_get_a_whole_pass(packed: Path) -> None:
-    loader = Loader(packed, 32, seed=6, num_threads=2)
+    loader = Loader(packed, 32, seed=6, workers=2)
     got: dict[int, list] = {}
     errors: list[BaseException] = []
 
@@ -187,7 +188,7 @@ def test_a_kept_batch_is_bit_for_bit_the_same_after_three_more_epochs(packed: Pa
 
 
 def test_the_common_loop_allocates_nothing_after_its_first_pass(packed: Path) -> None:
-    loader = Loader(packed, 16, seed=9, prefetch=3)
+    loader = Loader(packed, 16, seed=9, workers=Workers(prefetch=3))
     for _ in loader:
         pass
     first = loader.stats.slots_allocated
@@ -198,7 +199,7 @@ def test_the_common_loop_allocates_nothing_after_its_first_pass(packed: Path) ->
 
 
 def test_kept_batches_cost_fresh_memory_with_one_warning(packed: Path) -> None:
-    loader = Loader(packed, 4, seed=10, prefetch=2)
+    loader = Loader(packed, 4, seed=10, workers=Workers(prefetch=2))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         batches = list(loader)
@@ -234,7 +235,7 @@ def test_break_then_a_queued_async_copy_still_reads_its_batch(packed: Path, monk
     guarded by the GPU work queued on it, or the next pass overwrites pixels the copy reads."""
     fences: list[_LateCopy] = []
     monkeypatch.setattr(stoker.loader, "consumer_fence", lambda: fences.append(_LateCopy()) or fences[-1])
-    loader = Loader(packed, 30, seed=11, num_threads=2, prefetch=1)
+    loader = Loader(packed, 30, seed=11, workers=Workers(num_threads=2, prefetch=1))
     for k, (x, y) in enumerate(loader):
         if k == 2:
             break

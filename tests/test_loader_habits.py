@@ -15,6 +15,7 @@ from stoker.errors import ConfigError
 from stoker.loader import Loader
 from stoker.reader import open_loose
 from stoker.transforms import Resize
+from stoker.options import Targets
 
 SIZE = [Resize((16, 16))]
 
@@ -32,8 +33,9 @@ def test_samplers_map_to_stokers_sampling(folder: Path) -> None:
     n = 9
     seq = Loader(folder, 4, transforms=SIZE, sampler=data.SequentialSampler(range(n)))
     assert seq.order == "sequential" and labels_of(seq) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
-    assert Loader(folder, 4, transforms=SIZE, order="sequential", sampler=data.RandomSampler(range(n))).order \
-        == "random"
+    assert Loader(folder, 4, transforms=SIZE, sampler=data.RandomSampler(range(n))).order == "random"
+    with pytest.raises(ConfigError, match="pass the order once"):
+        Loader(folder, 4, transforms=SIZE, order="sequential", sampler=data.RandomSampler(range(n)))
     subset = Loader(folder, 4, transforms=SIZE, sampler=data.SubsetRandomSampler([0, 1, 8]))
     assert sorted(labels_of(subset)) == [0, 0, 2] and len(subset) == 1
     weighted = Loader(folder, 4, transforms=SIZE, sampler=data.WeightedRandomSampler([0.0] * 6 + [1.0] * 3, n))
@@ -84,10 +86,10 @@ def test_pinned_classes_keep_labels_when_a_split_lacks_a_class(tmp_path: Path) -
     classes = ["cat", "dog", "eel"]
     val = make_image_folder(tmp_path / "val", n_per_class=2, classes=("cat", "eel"))
     assert open_loose(val).class_to_idx == {"cat": 0, "eel": 1}   # the folder alone shifts eel
-    loader = Loader(val, 4, transforms=SIZE, order="sequential", classes=classes)
+    loader = Loader(val, 4, transforms=SIZE, order="sequential", targets=Targets(classes=classes))
     assert labels_of(loader) == [0, 0, 2, 2]
     assert loader.class_to_idx == {"cat": 0, "dog": 1, "eel": 2} and loader.classes == classes
     with pytest.raises(ConfigError, match=r"\['eel'\] are not in the pinned list"):
-        Loader(val, 4, transforms=SIZE, classes=["cat", "dog"])
+        Loader(val, 4, transforms=SIZE, targets=Targets(classes=["cat", "dog"]))
     with pytest.raises(ConfigError, match="distinct class names"):
-        Loader(val, 4, transforms=SIZE, classes="cat")
+        Loader(val, 4, transforms=SIZE, targets=Targets(classes="cat"))

@@ -32,18 +32,53 @@ _REFUSED = {
 }
 
 
-def dataloader_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Loader keywords for DataLoader's `sampler=` and `persistent_workers=`; a ConfigError naming
-    stoker's argument for the DataLoader keywords it has no use for; TypeError for any other name."""
-    out: dict[str, Any] = {}
+#: DataLoader keywords with a stoker meaning: (option value, its field)
+_MAPPED = {
+    "num_workers": ("workers", "num_threads"),   # threads here, not processes; 0 (the main process) is one
+    "persistent_workers": ("workers", "persistent"),
+    "pin_memory": ("workers", "pin_memory"),
+    "timeout": ("workers", "timeout"),
+    "drop_last": ("sampling", "drop_last"),
+    "shuffle": ("sampling", "order"),
+    "collate_fn": ("targets", "collate_fn"),
+}
+#: the Loader's keywords before its options were grouped (0.1): where each lives now
+_MOVED = {**{k: "workers" for k in ("num_threads", "prefetch", "persistent", "on_error", "decode_quality")},
+          **{k: "sampling" for k in ("rank", "world_size", "indices", "weights")},
+          **{k: "storage" for k in ("cache_dir", "cache_limit", "storage_options", "stage")},
+          **{k: "targets" for k in ("boxes", "masks", "ignore_index", "pad", "multi_label", "num_classes",
+                                    "classes")}}
+_CLASS = {"workers": "Workers", "sampling": "Sampling", "storage": "Storage", "targets": "Targets"}
+
+
+def dataloader_keywords(kwargs: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The fields of stoker's option values that DataLoader's keywords in `kwargs` stand for, per option
+    ("sampling", "workers", "targets"). A ConfigError names stoker's argument for a DataLoader keyword
+    stoker has no use for, and the new spelling for a keyword of the Loader before 0.2; TypeError for
+    any other name."""
+    out: dict[str, dict[str, Any]] = {"sampling": {}, "workers": {}, "targets": {}}
     for name, value in kwargs.items():
-        if name == "persistent_workers":
-            out["persistent"] = bool(value)
+        if name in _MAPPED:
+            group, key = _MAPPED[name]
+            if name == "num_workers":
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ConfigError(f"num_workers must be an int >= 0, got {value!r}; stoker's spelling is "
+                                      f"workers=N (worker threads, not processes)")
+                value = max(value, 1)
+            elif name == "shuffle":
+                value = "random" if value else "sequential"
+            out[group][key] = value
         elif name == "sampler":
             if value is not None:
-                out.update(_from_sampler(value))
+                for key, v in _from_sampler(value).items():
+                    out["sampling"][key] = v
         elif name in _REFUSED:
             raise ConfigError(f"Loader({name}=...) is DataLoader's; {_REFUSED[name]}")
+        elif name in _MOVED:
+            group = _MOVED[name]
+            short = " (or workers=N)" if name == "num_threads" else ""
+            raise ConfigError(f"Loader({name}=...) is now spelled {group}=stoker.{_CLASS[group]}({name}=...){short}: "
+                              f"the Loader's options are grouped into Sampling, Storage, Targets and Workers values")
         else:
             raise TypeError(f"Loader() got an unexpected keyword argument {name!r}")
     return out

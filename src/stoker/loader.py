@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 import weakref
 from dataclasses import replace
 from pathlib import Path
@@ -35,24 +34,43 @@ from ._torch import torch
 from ._system import usable_cpus
 from .errors import ConfigError
 from .habits import check_source, dataloader_keywords, pinned_labels
+from .options import Sampling, Storage, Targets, Workers
 from .labels import multi_label_spec
-from .order import ORDERS, epoch_order, make_pool, num_batches, rank_indices, samples_per_rank, shard_window_order
+from .order import epoch_order, make_pool, num_batches, rank_indices, samples_per_rank, shard_window_order
 from .reader import CachedDataset, Dataset, PackedDataset, open_cached, open_dataset, open_loose
 from .device import DeviceOptions, DeviceStage, as_device_options, consumer_fence
 from .render import DeviceBuilder, EpochChain, Filler, RenderSpec, batch_extras, run_batch_ops
 from .shards import MANIFEST_NAME, looks_like_partial_pack
 from .storage import RemoteStorage, open_storage, url_scheme
-from .storage.remote import DEFAULT_CACHE_LIMIT, default_cache_dir
+from .storage.remote import default_cache_dir
 from .storage.staging import StagedCopy, stage_for_loader
 from .slots import BatchRing, Feeder, LoaderStats, Run, Slot, check_ring_fits
 from .transforms import Pipeline, colour, gpu
 
-__all__ = ["Loader", "LoaderStats"]
+__all__ = ["Loader", "LoaderStats", "Sampling", "Storage", "Targets", "Workers"]
 
 _STATE_FORMAT = "stoker.Loader/1"
-#: "accurate": libjpeg-turbo's exact IDCT and smooth chroma upsampling (what simplejpeg and Pillow
-#: give); "fast": its fast IDCT and plain upsampling, a few % less CPU (docs/decoding.md).
-DECODE_QUALITIES = ("accurate", "fast")
+
+
+def _merge(cls: type, given: Any, loose: dict[str, Any], arg: str) -> Any:
+    """The option value `arg=` gave (or the defaults), with the fields DataLoader's keywords set; a
+    field set both ways, to different values, is refused."""
+    if given is not None and not isinstance(given, cls):
+        raise ConfigError(f"{arg}= takes a stoker.{cls.__name__}, got {type(given).__name__}: {given!r:.80}")
+    if given is None:
+        return cls(**loose)
+    default = cls()
+    for key, value in loose.items():
+        mine = getattr(given, key)
+        if not _equal(mine, getattr(default, key)) and not _equal(mine, value):
+            raise ConfigError(f"{key} is set twice, {arg}={given!r} and a keyword saying {value!r}; pass it once")
+    return replace(given, **loose) if loose else given
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.array_equal(a, b)
+    return a == b
 
 
 def _open_source(source: str | Path | Dataset, remote: dict[str, Any], timeout: float
@@ -166,76 +184,48 @@ class Loader:
     """
 
     def __init__(self, source: str | Path | Dataset, batch_size: int, *, transforms: Sequence[Any] | None = None,
-                 order: str = "random", seed: int = 0, drop_last: bool = False, num_threads: int | None = None,
-                 prefetch: int = 2, columns: Sequence[str] = (), on_error: str = "raise",
-                 rank: int | None = None, world_size: int | None = None, pin_memory: bool | None = None,
-                 timeout: float = 120.0, device: str | int | torch.device | DeviceOptions | None = None,
-                 cache_dir: str | Path | None = None, cache_limit: int | str = DEFAULT_CACHE_LIMIT,
-                 storage_options: dict[str, Any] | None = None, stage: str | Path | None = None,
-                 multi_label: str = "multi-hot", num_classes: int | None = None,
-                 decode_quality: str = "accurate", boxes: str | Sequence[str] = (),
-                 masks: str | Sequence[str] = (), ignore_index: int = 255, pad: bool = False,
-                 persistent: bool = False,
-                 indices: Sequence[int] | np.ndarray | None = None, weights: Sequence[float] | np.ndarray | None = None,
-                 collate_fn: Callable[[dict[str, list]], Any] | None = None, shuffle: bool | None = None,
-                 num_workers: int | None = None, classes: Sequence[str] | None = None, **dataloader: Any) -> None:
+                 order: str | None = None, seed: int | None = None, sampling: Sampling | None = None,
+                 device: str | int | torch.device | DeviceOptions | None = None, columns: Sequence[str] = (),
+                 targets: Targets | None = None, storage: Storage | None = None,
+                 workers: Workers | int | None = None, **dataloader: Any) -> None:
         check_source(source)
-        mapped = dataloader_keywords(dataloader)
-        if "persistent" in mapped:
-            persistent = mapped["persistent"]
-        if ("indices" in mapped and indices is not None) or ("weights" in mapped and weights is not None):
-            raise ConfigError("pass the samples once: sampler= or indices=/weights=, not both")
-        order = mapped.get("order", order)
-        indices, weights = mapped.get("indices", indices), mapped.get("weights", weights)
-        if classes is not None and (isinstance(classes, str) or len(set(classes)) != len(classes)):
-            raise ConfigError(f"classes= is a list of distinct class names (label k is classes[k]), got {classes!r}")
-        self._pinned = None if classes is None else [str(c) for c in classes]
-        if num_workers is not None:  # DataLoader's name: worker threads here, not processes
-            if num_threads is not None:
-                raise ConfigError("pass num_threads= or its DataLoader spelling num_workers=, not both")
-            if not isinstance(num_workers, int) or num_workers < 0:
-                raise ConfigError(f"num_workers must be an int >= 0, got {num_workers!r}; stoker's name is "
-                                  f"num_threads (worker threads, not processes)")
-            num_threads = max(num_workers, 1)   # 0 (DataLoader: load in the main process) -> one thread
+        loose = dataloader_keywords(dataloader)   # DataLoader's keywords, as fields of the options below
+        for name, value in (("order", order), ("seed", seed)):   # the common two, kept at hand
+            if value is not None:
+                if name in loose["sampling"]:
+                    raise ConfigError(f"pass the {name} once: {name}= or the DataLoader keyword that implies it")
+                loose["sampling"][name] = value
+        self.sampling = _merge(Sampling, sampling, loose["sampling"], "sampling")
+        self.workers = _merge(Workers, None if workers is None else Workers.of(workers), loose["workers"], "workers")
+        self.targets = _merge(Targets, targets, loose["targets"], "targets")
+        self.storage = _merge(Storage, storage, {}, "storage")
+        order, seed, indices, weights = (self.sampling.order, self.sampling.seed, self.sampling.indices,
+                                         self.sampling.weights)
+        rank, world_size, drop_last = self.sampling.rank, self.sampling.world_size, self.sampling.drop_last
+        w = self.workers
+        num_threads, prefetch, persistent, pin_memory = w.num_threads, w.prefetch, w.persistent, w.pin_memory
+        timeout, on_error, decode_quality = w.timeout, w.on_error, w.decode_quality
+        t = self.targets
+        boxes, masks, ignore_index, pad, multi_label, num_classes = (t.boxes, t.masks, t.ignore_index, t.pad,
+                                                                     t.multi_label, t.num_classes)
+        collate_fn = t.collate_fn
+        self._pinned = None if t.classes is None else list(t.classes)
+        stage = self.storage.stage
         if collate_fn is not None and (not callable(collate_fn) or not columns):
             raise ConfigError("collate_fn receives the batch's extra columns ({column: [values]}) and returns "
                               "the batch's third item: pass a callable, and name the columns in columns=[...]"
                               " (images and labels are batched by stoker itself)")
         self.collate_fn = collate_fn
-        if shuffle is not None:  # the 0.1 spelling, kept while it costs nothing
-            warnings.warn("Loader(shuffle=) is deprecated: pass order='random' or order='sequential'",
-                          DeprecationWarning, stacklevel=2)
-            if not shuffle:
-                order = "sequential"
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size must be a positive int, got {batch_size!r}")
-        if on_error not in ("raise", "skip"):
-            raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-        if order not in ORDERS:
-            raise ConfigError(f"order must be one of {ORDERS}, got {order!r}")
-        if not isinstance(prefetch, int) or prefetch < 1:
-            raise ConfigError(f"prefetch must be an int >= 1 (batches prepared ahead), got {prefetch!r}")
-        if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
-            raise ConfigError(f"num_threads must be a positive int or None (all usable CPUs), got {num_threads!r}")
-        if not timeout > 0:
-            raise ConfigError(f"timeout must be positive seconds, got {timeout!r}")
-        if not isinstance(persistent, bool):
-            raise ConfigError(f"persistent must be True or False, got {persistent!r}")
         self.persistent = persistent
         self._live: _Pipeline | None = None  # persistent: the pipeline running on into the next epoch
-        if decode_quality not in DECODE_QUALITIES:
-            raise ConfigError(f"decode_quality must be one of {DECODE_QUALITIES}, got {decode_quality!r}")
         self.decode_quality = decode_quality
         self.pipeline = Pipeline(transforms)
         self.device = _device_options(device, self.pipeline)
-        self.boxes = (boxes,) if isinstance(boxes, str) else tuple(boxes)
-        self.masks = (masks,) if isinstance(masks, str) else tuple(masks)
-        if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer)) \
-                or not 0 <= ignore_index < 2**31:
-            raise ConfigError(f"ignore_index must be an int in 0..2**31-1 (the class id label maps get where the "
-                              f"geometry pads), got {ignore_index!r}")
-        self.ignore_index = int(ignore_index)
-        self.pad = bool(pad)
+        self.boxes, self.masks = boxes, masks
+        self.ignore_index = ignore_index
+        self.pad = pad
         if self.pad and self.pipeline.tail_geometric:
             raise ConfigError("pad=True batches the sizes stoker plans; a geometric transform after a user callable "
                               "is planned per sample only: move it before the callable")
@@ -252,14 +242,14 @@ class Loader:
         if stage is not None:
             if isinstance(source, Dataset) or url_scheme(source) not in (None, "file"):
                 raise ConfigError(f"stage={str(stage)!r} copies a packed dataset folder; pass its path as the "
-                                  f"source (a URL is cached through cache_dir= instead)")
+                                  f"source (a URL is cached through Storage(cache_dir=...) instead)")
             self._staged = stage_for_loader(source, stage)
             source = self._staged.path
-        remote = {"cache_dir": cache_dir, "cache_limit": cache_limit, "storage_options": storage_options}
+        remote = self.storage.remote()
         if not isinstance(source, Dataset) and url_scheme(source) not in (None, "file"):
             rank_, world = _distributed(rank, world_size)
             if world > 1:  # each rank keeps its own cache (and limit): no rank deletes a file another maps
-                remote["cache_dir"] = Path(cache_dir or default_cache_dir(str(source))) / f"rank-{rank_}"
+                remote["cache_dir"] = Path(remote["cache_dir"] or default_cache_dir(str(source))) / f"rank-{rank_}"
         try:
             self.dataset, self._owns_dataset = _open_source(source, remote, timeout)
         except BaseException:

@@ -120,7 +120,7 @@ class Dataset:
         from the end. Decoding one at a time is for looking at data; the Loader is what trains fast."""
         if not isinstance(i, (int, np.integer)):
             raise TypeError(f"dataset indices are ints, got {type(i).__name__}; for a subset pass "
-                            f"indices=[...] to stoker.Loader")
+                            f"sampling=stoker.Sampling(indices=[...]) to stoker.Loader")
         s = self.sample(int(i))
         image = codecs.decode_rgb(s.data, s.encoding, s.key, height=s.height, width=s.width)
         label = s.label.item() if isinstance(s.label, np.generic) else s.label

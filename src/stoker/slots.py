@@ -132,7 +132,8 @@ def check_ring_fits(n_slots: int, batch_size: int, height: int, width: int) -> N
     if need > available:
         raise ConfigError(f"the batch ring needs {n_slots} slots x {batch_size} images x {height}x{width}x3 bytes = "
                           f"{need / 2**30:,.1f} GiB, but only {available / 2**30:,.1f} GiB of memory is available; "
-                          "lower batch_size= (--batch-size), prefetch= or the output size of the transforms")
+                          "lower batch_size= (--batch-size), workers=stoker.Workers(prefetch=...) or the output size of the "
+                          "transforms")
 
 
 class BatchRing:
@@ -170,7 +171,7 @@ class BatchRing:
             raise ConfigError(f"cannot allocate a batch ({self.batch_size} images x {self.height}x{self.width}x3 "
                               f"bytes; {len(self.live_kept())} batches kept by the caller): {exc}; drop references to "
                               "old batches (or .clone() the part you keep), or lower batch_size= (--batch-size), "
-                              "prefetch= or the output size of the transforms") from None
+                              "workers=stoker.Workers(prefetch=...) or the output size of the transforms") from None
         slot = Slot(images, images.numpy(), labels, None if labels is None else labels.numpy(),
                     objects=[None] * self.batch_size)
         slot.storage = images.untyped_storage()._cdata
@@ -489,7 +490,7 @@ class Run:
                         f"batch {b}: no complete batch after {self.timeout:.0f} s ({pending} of "
                         f"{self.batch_sizes[b]} samples pending, {sum(t.is_alive() for t in self.threads)} "
                         f"worker threads alive); storage may be stalled or a transform hangs — raise "
-                        f"timeout= if samples are genuinely this slow")
+                        f"workers=stoker.Workers(timeout=...) if samples are genuinely this slow")
                 self.cond.wait(min(_POLL_S, left))
             del self.assigned[b]
             self.ring.hand_out(slot)
@@ -597,7 +598,7 @@ class Feeder:
                         on_timeout=lambda: LoaderTimeoutError(
                             f"batch {b}: nothing reached the device after {self.timeout:.0f} s "
                             f"({self.run.alive()} worker threads alive); storage may be stalled or a transform "
-                            f"hangs — raise Loader(timeout=...) if samples are genuinely this slow"))
+                            f"hangs — raise workers=stoker.Workers(timeout=...) if samples are genuinely this slow"))
         if not self.ready:  # stopped, or the thread ended
             if not ok or self.stop_event.is_set():
                 raise LoaderClosedError(f"the loader was closed while waiting for batch {b}")
