@@ -464,7 +464,7 @@ def test_persistent_prepares_the_next_epoch_while_this_one_drains(packed: Path) 
     # run batches 0-5 are epoch 0; the workers go on with epoch 1's first three (6, 7, 8), as far as
     # the ring allows (prefetch + 2 slots, one still holding batch 5, which the caller may hold; the
     # stats count a worker's samples only when it completes a batch: read the ring)
-    run = loader._live.run
+    run = loader._passes._live.run
     done = lambda: sorted(s.batch for s in run.ring.slots if s.batch >= 6 and s.remaining == 0)  # noqa: E731
     deadline = time.monotonic() + 10
     while done() != [6, 7, 8] and time.monotonic() < deadline:

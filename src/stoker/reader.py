@@ -603,3 +603,64 @@ def open_loose(source: Any, **source_options: Any) -> LooseDataset:
         raise SourceError(f"{source.description}: no images found", path=source.root)
     return LooseDataset(source)
 
+
+
+@dataclass
+class Opened:
+    """A Loader's source, opened: the dataset, whether closing is ours, and the staged copy it reads
+    (removed when the last user closes it)."""
+
+    dataset: Dataset
+    owned: bool
+    staged: Any = None   # storage.staging.StagedCopy
+
+    def close(self) -> None:
+        """Close the dataset (when opened here) and release the staged copy. Idempotent."""
+        if self.owned:
+            self.dataset.close()
+            self.owned = False
+        staged, self.staged = self.staged, None
+        if staged is not None:
+            staged.close()
+
+
+def open_for_loading(source: str | Path | Dataset, options: Any = None, *, rank: int = 0, world_size: int = 1,
+                     timeout: float = 120.0) -> Opened:
+    """Open what a Loader reads, with its storage options (`stoker.Storage`): a Dataset as given; a
+    URL cached per `options` (each rank in its own `rank-N` folder when there are several, so no
+    rank deletes a file another maps); a packed folder, first staged into `options.stage` when set;
+    anything else as loose files (`open_loose`)."""
+    from .options import Storage as StorageOptions
+    from .shards import MANIFEST_NAME, looks_like_partial_pack
+    from .storage import open_storage, url_scheme
+    from .storage.remote import default_cache_dir
+    from .storage.staging import stage_for_loader
+
+    options = StorageOptions() if options is None else options
+    if isinstance(source, Dataset):
+        if options.stage is not None:
+            raise ConfigError(f"Storage(stage={str(options.stage)!r}) copies a packed dataset folder; pass its path "
+                              f"as the source, not an opened dataset")
+        return Opened(source, owned=False)
+    remote_url = url_scheme(source) not in (None, "file")
+    if remote_url:
+        if options.stage is not None:
+            raise ConfigError(f"Storage(stage={str(options.stage)!r}) copies a local packed dataset folder; a URL is "
+                              f"cached through Storage(cache_dir=...) instead")
+        remote = options.remote()
+        if world_size > 1:
+            remote["cache_dir"] = Path(remote["cache_dir"] or default_cache_dir(str(source))) / f"rank-{rank}"
+        # refuses a URL no backend serves, never makes it a local path
+        storage = open_storage(source, **remote)
+        return Opened(open_cached(storage, timeout=max(timeout, 60.0)), owned=True)
+    staged = stage_for_loader(source, options.stage) if options.stage is not None else None
+    try:
+        where = staged.path if staged is not None else source
+        storage = open_storage(where)
+        if storage.is_dir() and (storage.exists(MANIFEST_NAME) or looks_like_partial_pack(storage)):
+            return Opened(open_dataset(storage), owned=True, staged=staged)
+        return Opened(open_loose(where), owned=True, staged=staged)
+    except BaseException:
+        if staged is not None:
+            staged.close()
+        raise
