@@ -227,7 +227,7 @@ class Loader:
         heights = None if ds.heights is None else np.asarray(ds.heights, dtype=np.int64)
         widths = None if ds.widths is None else np.asarray(ds.widths, dtype=np.int64)
         self.output_size = self._resolve_output_size(heights, widths)
-        check_ring_fits(prefetch + 1, batch_size, *self.output_size)   # at once, not at the first batch
+        check_ring_fits(prefetch + 2, batch_size, *self.output_size)   # at once, not at the first batch
         labels = ds.labels
         if self._pinned is not None:
             labels = pinned_labels(labels, ds.classes, self._pinned, ds.path)
