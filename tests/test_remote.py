@@ -211,6 +211,13 @@ def test_info_and_verify_accept_urls(s3: S3Server, url: str, packed: Path, tmp_p
     assert not report.ok and victim.name in report.format()
 
 
+def test_open_dataset_takes_the_storage_options(s3: S3Server, url: str, packed: Path, tmp_path: Path) -> None:
+    options = Storage(cache_dir=tmp_path / "mine", storage_options=s3.storage_options())
+    with open_dataset(url, storage=options) as ds, open_dataset(packed) as local:
+        assert isinstance(ds, CachedDataset) and np.array_equal(ds.sample(3).data, local.sample(3).data)
+    assert any((tmp_path / "mine").rglob("*.arrow"))   # the shard was cached where the options say
+
+
 def test_open_dataset_reads_samples_on_demand(s3: S3Server, url: str, packed: Path, tmp_path: Path) -> None:
     with open_dataset(packed) as local, \
             open_dataset(RemoteStorage(url, storage_options=s3.storage_options(), cache_dir=tmp_path / "c")) as ds:

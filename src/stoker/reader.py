@@ -309,14 +309,21 @@ def _blocks(shard: OpenShard) -> list[_Block]:
     return blocks
 
 
-def open_dataset(path: str | Path | Storage, *, verify: bool = False) -> PackedDataset | CachedDataset:
+def open_dataset(path: str | Path | Storage, *, verify: bool = False, storage: Any = None
+                 ) -> PackedDataset | CachedDataset:
     """Open a packed dataset directory or URL. Cheap: reads the manifest and each shard's footer.
 
     Checks at open time that every shard exists, has the manifest's size and row count and is
     Arrow; ``verify=True`` also checks every shard's SHA-256 (reads all bytes). A URL no storage
     backend serves raises UnsupportedStorageError. A URL gives a :class:`CachedDataset` (its
-    shards are downloaded when needed; ``verify=True`` downloads and checks them all now).
+    shards are downloaded when needed; ``verify=True`` downloads and checks them all now), cached
+    per ``storage`` (a ``stoker.Storage``: cache_dir, cache_limit, storage_options).
     """
+    if storage is not None and isinstance(path, (str, Path)):
+        from .storage import open_storage, url_scheme
+
+        if url_scheme(path) not in (None, "file"):
+            path = open_storage(path, **storage.remote())
     storage = as_storage(path)
     if isinstance(storage, RemoteStorage):
         return open_cached(storage, verify=verify)
@@ -651,8 +658,7 @@ def open_for_loading(source: str | Path | Dataset, options: Any = None, *, rank:
         if world_size > 1:
             remote["cache_dir"] = Path(remote["cache_dir"] or default_cache_dir(str(source))) / f"rank-{rank}"
         # refuses a URL no backend serves, never makes it a local path
-        storage = open_storage(source, **remote)
-        return Opened(open_cached(storage, timeout=max(timeout, 60.0)), owned=True)
+        return Opened(open_cached(open_storage(source, **remote), timeout=max(timeout, 60.0)), owned=True)
     staged = stage_for_loader(source, options.stage) if options.stage is not None else None
     try:
         where = staged.path if staged is not None else source
