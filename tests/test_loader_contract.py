@@ -73,8 +73,9 @@ def test_list_of_the_loader_holds_distinct_correct_batches(packed: Path) -> None
     check(batches)
 
 
-def test_peek_then_loop_reads_the_whole_epoch(packed: Path) -> None:
-    train = Loader(packed, 32, seed=2)
+@pytest.mark.parametrize("persistent", [False, True])   # warm threads change nothing a pass holds
+def test_peek_then_loop_reads_the_whole_epoch(packed: Path, persistent: bool) -> None:
+    train = Loader(packed, 32, seed=2, persistent_workers=persistent)
     peeked = next(iter(train))
     batches = list(train)
     check(batches)
@@ -82,16 +83,18 @@ def test_peek_then_loop_reads_the_whole_epoch(packed: Path) -> None:
     assert train.epoch == 1
 
 
-def test_break_then_loop_reads_the_whole_epoch(packed: Path) -> None:
-    train = Loader(packed, 32, seed=3)
+@pytest.mark.parametrize("persistent", [False, True])   # warm threads change nothing a pass holds
+def test_break_then_loop_reads_the_whole_epoch(packed: Path, persistent: bool) -> None:
+    train = Loader(packed, 32, seed=3, persistent_workers=persistent)
     for k, _ in enumerate(train):
         if k == 3:
             break
     check(list(train))
 
 
-def test_exception_then_loop_reads_the_whole_epoch(packed: Path) -> None:
-    train = Loader(packed, 32, seed=4)
+@pytest.mark.parametrize("persistent", [False, True])   # warm threads change nothing a pass holds
+def test_exception_then_loop_reads_the_whole_epoch(packed: Path, persistent: bool) -> None:
+    train = Loader(packed, 32, seed=4, persistent_workers=persistent)
     with pytest.raises(ZeroDivisionError):
         for k, _ in enumerate(train):
             if k == 2:
