@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from stoker import Loader, RandomResizedCrop
+from stoker import Loader, RandomResizedCrop, Storage
 from stoker.packing import PackOptions, pack
 from stoker.reader import open_dataset
 from stoker.storage import RemoteStorage
@@ -50,7 +50,7 @@ def evict(folder: Path) -> None:
 
 
 def epoch(source: Any, **kw: Any) -> float:
-    with Loader(source, 64, num_threads=2, seed=0, transforms=[RandomResizedCrop(160)], **kw) as loader:
+    with Loader(source, 64, seed=0, transforms=[RandomResizedCrop(160)], **kw, workers=2) as loader:
         t0 = time.perf_counter()
         n = sum(len(labels) for _, labels in loader)
         return n / (time.perf_counter() - t0)
@@ -104,7 +104,8 @@ def bench_s3(packed: Path, mbps: float) -> dict[str, Any]:
         for f in sorted(packed.iterdir()):
             fs.put_file(str(f), f"bench/ds/{f.name}")
         with tempfile.TemporaryDirectory() as cache:
-            remote = dict(cache_dir=cache, storage_options=server.storage_options(), order="shard_window")
+            remote = dict(storage=Storage(cache_dir=cache, storage_options=server.storage_options()),
+                          order="shard_window")
             local = epoch(packed, order="shard_window")
             cold = epoch("s3://bench/ds", **remote)
             warm = epoch("s3://bench/ds", **remote)

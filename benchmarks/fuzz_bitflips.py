@@ -276,8 +276,8 @@ def read_everything(path: Path) -> list:
 def run_loader(path: Path) -> None:
     from stoker import Loader, Resize
 
-    loader = Loader(path, 8, transforms=[Resize((16, 16))], num_threads=1, columns=("caption", "score"),
-                    timeout=60.0)
+    loader = Loader(path, 8, transforms=[Resize((16, 16))], columns=("caption", "score"),
+                    timeout=60.0, workers=1)
     try:
         for _ in loader:
             pass

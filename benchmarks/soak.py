@@ -28,6 +28,7 @@ import simplejpeg
 
 from stoker import Loader, RandomHorizontalFlip, RandomResizedCrop
 from stoker.packing import PackOptions, pack
+from stoker.options import Workers
 
 
 def make_images(folder: Path, n: int, seed: int = 0) -> None:
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         started = time.perf_counter()
         with Loader(out, args.batch, transforms=[RandomResizedCrop(32), RandomHorizontalFlip(), noise],
-                    num_threads=args.threads, prefetch=2, timeout=60) as loader:
+                    timeout=60, workers=Workers(num_threads=args.threads, prefetch=2)) as loader:
             for epoch in range(1, args.epochs + 1):
                 t0 = time.perf_counter()
                 samples = 0

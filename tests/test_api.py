@@ -9,7 +9,7 @@ import stoker
 
 EXPECTED = {
     "CenterCrop", "Dataset", "DeviceOptions", "Loader", "LoaderStats", "PackOptions", "PackSummary", "Pipeline",
-    "RandomHorizontalFlip", "RandomResizedCrop", "Resize", "Sample", "StokerError", "__version__",
+    "RandomHorizontalFlip", "RandomResizedCrop", "Resize", "Sample", "Sampling", "Storage", "StokerError", "Targets", "Workers", "__version__",
     "describe", "errors", "open_dataset", "open_loose", "pack", "prefetch", "profile", "ProfileReport", "verify",
     "AutoAugment", "ColorJitter", "GaussianBlur", "Mixup", "Normalize", "RandAugment", "RandomErasing",
     "RandomGrayscale", "TrivialAugmentWide", "adapt",

@@ -163,7 +163,7 @@ def test_adapted_transforms_in_the_loader_are_deterministic_for_any_thread_count
         ops, _ = as_ops(tf)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            loader = Loader(packed, 6, transforms=ops, seed=1, num_threads=threads)
+            loader = Loader(packed, 6, transforms=ops, seed=1, workers=threads)
             runs.append(np.concatenate([b[0].numpy().copy() for b in loader]))
     assert np.array_equal(runs[0], runs[1])
 
@@ -174,7 +174,7 @@ def test_a_failing_user_transform_names_sample_and_transform(packed: Path):
 
     ops, _ = as_ops([RandomResizedCrop(16), adapt(explode, input="numpy")])
     with pytest.raises(SampleError, match=r"transform explode raised ValueError: no thanks on sample 'img/\d+\.x'"):
-        for _ in Loader(packed, 4, transforms=ops, num_threads=1):
+        for _ in Loader(packed, 4, transforms=ops, workers=1):
             pass
 
 
@@ -204,23 +204,23 @@ def same(a, b) -> bool:
 
 
 def test_a_torchvision_compose_drops_into_the_loader(packed: Path):
-    one = collect(Loader(packed, 6, transforms=deit_pipeline(), seed=4, num_threads=1))
+    one = collect(Loader(packed, 6, transforms=deit_pipeline(), seed=4, workers=1))
     x, t = one[0]
     assert x.shape == (6, 3, 16, 16) and x.dtype == torch.float32 and x.min() < -1.0  # normalized NCHW
     assert t.shape == (6, 24) and torch.allclose(t.sum(1), torch.ones(6))  # soft targets
-    assert same(one, collect(Loader(packed, 6, transforms=deit_pipeline(), seed=4, num_threads=2)))
+    assert same(one, collect(Loader(packed, 6, transforms=deit_pipeline(), seed=4, workers=2)))
     # the device stage (here on the CPU) runs the same batch ops, with the same draws
-    assert same(one, collect(Loader(packed, 6, transforms=deit_pipeline(), seed=4, num_threads=2, device="cpu")))
-    first = Loader(packed, 6, transforms=deit_pipeline(), seed=4, num_threads=2)
+    assert same(one, collect(Loader(packed, 6, transforms=deit_pipeline(), seed=4, device="cpu", workers=2)))
+    first = Loader(packed, 6, transforms=deit_pipeline(), seed=4, workers=2)
     collect(first, stop=2)
-    resumed = Loader(packed, 6, transforms=deit_pipeline(), seed=4, num_threads=1)
+    resumed = Loader(packed, 6, transforms=deit_pipeline(), seed=4, workers=1)
     resumed.load_state_dict(first.state_dict())
     assert same(one[2:], collect(resumed))
 
 
 def test_single_transforms_and_bad_orders(packed: Path):
-    batch = next(iter(Loader(packed, 4, transforms=RandomResizedCrop(12), num_threads=1)))
-    assert batch[0].shape == (4, 12, 12, 3)
+    batch = next(iter(Loader(packed, 4, transforms=RandomResizedCrop(12), workers=1)))
+    assert batch[0].shape == (4, 3, 12, 12)
     with pytest.raises(ConfigError, match="Mixup must be the last"):
         Loader(packed, 4, transforms=[RandomResizedCrop(12), Mixup(num_classes=24), G_NORMALIZE()])
     with pytest.raises(ConfigError, match="keep one"):

@@ -17,6 +17,7 @@ from stoker.packing import PackOptions, pack
 from stoker.sources import open_source
 from stoker.transforms import ColorJitter, RandAugment, RandomHorizontalFlip, RandomResizedCrop, Resize
 from stoker.transforms.targets import visible
+from stoker.options import Targets
 
 def runs_of(mask: np.ndarray) -> list[int]:
     """COCO RLE runs of a 0/1 mask: column-major, alternating 0 and 1, starting with 0."""
@@ -103,10 +104,10 @@ def test_boxes_follow_pack_resize_crop_and_flip(coco):
     _, packed = coco
     loader = Loader(packed, 4, transforms=[RandomResizedCrop(96, scale=(0.3, 1.0)), RandomHorizontalFlip(),
                                            ColorJitter(0.2, 0.2)],
-                    boxes="boxes", columns=("box_labels",), seed=3, num_threads=2)
+                    columns=("box_labels",), seed=3, targets=Targets(boxes="boxes"), workers=2)
     checked = 0
     for images, _, extras in loader:
-        for img, boxes, labels in zip(images.numpy(), extras["boxes"], extras["box_labels"]):
+        for img, boxes, labels in zip(images.permute(0, 2, 3, 1).numpy(), extras["boxes"], extras["box_labels"]):
             assert boxes.dtype == np.float32 and boxes.shape == (len(labels), 4)
             for (x0, y0, x1, y1), label in zip(boxes[visible(boxes)], np.asarray(labels)[visible(boxes)]):
                 if x1 - x0 < 6 or y1 - y0 < 6:
@@ -121,9 +122,9 @@ def test_boxes_follow_pack_resize_crop_and_flip(coco):
                 checked += 1
     assert checked > 10
     again = Loader(packed, 4, transforms=[RandomResizedCrop(96, scale=(0.3, 1.0)), RandomHorizontalFlip(),
-                                          ColorJitter(0.2, 0.2)], boxes="boxes", seed=3, num_threads=1)
+                                          ColorJitter(0.2, 0.2)], seed=3, targets=Targets(boxes="boxes"), workers=1)
     a = [b for batch in Loader(packed, 4, transforms=[RandomResizedCrop(96, scale=(0.3, 1.0)), RandomHorizontalFlip(),
-                                                       ColorJitter(0.2, 0.2)], boxes="boxes", seed=3, num_threads=2)
+                                                       ColorJitter(0.2, 0.2)], seed=3, targets=Targets(boxes="boxes"), workers=2)
          for b in batch[2]["boxes"]]
     b = [b for batch in again for b in batch[2]["boxes"]]
     assert all(np.array_equal(x, y) for x, y in zip(a, b)) and len(a) == len(b) == 12
@@ -132,7 +133,7 @@ def test_boxes_follow_pack_resize_crop_and_flip(coco):
 def test_ops_that_move_pixels_are_refused_with_boxes(coco):
     _, packed = coco
     with pytest.raises(ConfigError, match="RandAugment would move pixels"):
-        Loader(packed, 4, transforms=[Resize((64, 64)), RandAugment()], boxes="boxes")
+        Loader(packed, 4, transforms=[Resize((64, 64)), RandAugment()], targets=Targets(boxes="boxes"))
 
 
 def test_rle_counts_decode_pycocotools_strings():
@@ -154,12 +155,12 @@ def test_masks_follow_pack_resize_crop_and_flip(coco):
     their object lit after the pack's resize and the Loader's crop, resize and flip."""
     _, packed = coco
     transforms = [RandomResizedCrop(96, scale=(0.3, 1.0)), RandomHorizontalFlip()]
-    loader = Loader(packed, 4, transforms=transforms, boxes="boxes", masks="masks", columns=("box_labels",),
-                    seed=4, num_threads=2)
+    loader = Loader(packed, 4, transforms=transforms, columns=("box_labels",),
+                    seed=4, targets=Targets(boxes="boxes", masks="masks"), workers=2)
     checked = 0
     for images, _, extras in loader:
         assert set(extras) == {"boxes", "masks", "box_labels"}
-        for img, boxes, masks, labels in zip(images.numpy(), extras["boxes"], extras["masks"], extras["box_labels"]):
+        for img, boxes, masks, labels in zip(images.permute(0, 2, 3, 1).numpy(), extras["boxes"], extras["masks"], extras["box_labels"]):
             assert masks.dtype == np.uint8 and masks.shape == (len(labels), 96, 96)
             for box, mask, label in zip(boxes, masks, labels):
                 lit = img[:, :, label] > 128
@@ -174,19 +175,18 @@ def test_masks_follow_pack_resize_crop_and_flip(coco):
                 checked += 1
     assert checked > 10
     # the same epoch again, one thread, no boxes (every box has a segmentation: the same rows)
-    plain = Loader(packed, 4, transforms=transforms, masks="masks", seed=4, num_threads=1)
+    plain = Loader(packed, 4, transforms=transforms, seed=4, targets=Targets(masks="masks"), workers=1)
     again = [m for batch in plain for m in batch[2]["masks"]]
-    first = [m for batch in Loader(packed, 4, transforms=transforms, boxes="boxes", masks="masks", seed=4,
-                                   num_threads=2) for m in batch[2]["masks"]]
+    first = [m for batch in Loader(packed, 4, transforms=transforms, seed=4, targets=Targets(boxes="boxes", masks="masks"), workers=2) for m in batch[2]["masks"]]
     assert len(again) == 12 and all(np.array_equal(a, b) for a, b in zip(again, first))
 
 
 def test_masks_need_their_polygon_columns(coco, tmp_path):
     _, packed = coco
     with pytest.raises(ConfigError, match="masks_points"):
-        Loader(packed, 4, transforms=[Resize((64, 64))], masks="boxes")
+        Loader(packed, 4, transforms=[Resize((64, 64))], targets=Targets(masks="boxes"))
     with pytest.raises(ConfigError, match="RandAugment would move pixels"):
-        Loader(packed, 4, transforms=[Resize((64, 64)), RandAugment()], masks="masks")
+        Loader(packed, 4, transforms=[Resize((64, 64)), RandAugment()], targets=Targets(masks="masks"))
 
 
 def test_variable_size_images_batch_padded_with_their_sizes(coco):
@@ -197,7 +197,7 @@ def test_variable_size_images_batch_padded_with_their_sizes(coco):
     with pytest.raises(ConfigError, match="pass pad=True"):
         Loader(packed, 4, transforms=[Resize(64)])
     with pytest.raises(ConfigError, match="hide the column 'sizes'"):
-        Loader(packed, 4, transforms=[Resize(64)], pad=True, columns=("sizes",))
+        Loader(packed, 4, transforms=[Resize(64)], columns=("sizes",), targets=Targets(pad=True))
     from stoker.reader import open_dataset
 
     ds = open_dataset(packed)
@@ -207,12 +207,12 @@ def test_variable_size_images_batch_padded_with_their_sizes(coco):
     assert (short > 0).all()
     ds.close()
     for device in (None, "cpu"):
-        loader = Loader(packed, 5, transforms=[Resize(64), RandomHorizontalFlip()], pad=True, boxes="boxes",
-                        masks="masks", columns=("box_labels",), order="sequential", num_threads=2, device=device)
+        loader = Loader(packed, 5, transforms=[Resize(64), RandomHorizontalFlip()], 
+                        columns=("box_labels",), order="sequential", device=device, targets=Targets(pad=True, boxes="boxes", masks="masks"), workers=2)
         assert loader.output_size == (int(want_h.max()), int(want_w.max()))
         seen = 0
         for images, _, extras in loader:
-            x = images.numpy() if device is None else images.permute(0, 2, 3, 1).numpy()
+            x = images.permute(0, 2, 3, 1).numpy()
             sizes = extras["sizes"]
             assert sizes.dtype == torch.int64 and sizes.shape == (len(x), 2)
             for img, (h, w), boxes, masks, labels in zip(x, sizes.tolist(), extras["boxes"], extras["masks"],

@@ -190,11 +190,11 @@ def test_batch_augment_over_a_loader_is_deterministic_and_resumes(packed: Path):
         return out
 
     tf = [RandomResizedCrop(20)]
-    full = run(Loader(packed, 6, transforms=tf, seed=2, num_threads=2))
+    full = run(Loader(packed, 6, transforms=tf, seed=2, workers=2))
     assert full[0][0].dtype == torch.float32 and full[0][0].shape == (6, 3, 20, 20)
-    first = Loader(packed, 6, transforms=tf, seed=2, num_threads=1)
+    first = Loader(packed, 6, transforms=tf, seed=2, workers=1)
     run(first, stop=3)
-    resumed = Loader(packed, 6, transforms=tf, seed=2, num_threads=1)
+    resumed = Loader(packed, 6, transforms=tf, seed=2, workers=1)
     resumed.load_state_dict(first.state_dict())
     rest = run(resumed)
     assert len(rest) == len(full) - 3

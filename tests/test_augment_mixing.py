@@ -146,13 +146,13 @@ def test_mixing_over_a_loader_is_deterministic_and_resumes(packed: Path):
                 break
         return out
 
-    full = run(Loader(packed, 8, transforms=tf, seed=3, num_threads=1))
-    other = run(Loader(packed, 8, transforms=tf, seed=3, num_threads=2))
+    full = run(Loader(packed, 8, transforms=tf, seed=3, workers=1))
+    other = run(Loader(packed, 8, transforms=tf, seed=3, workers=2))
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(full, other))
-    first = Loader(packed, 8, transforms=tf, seed=3, num_threads=2)
+    first = Loader(packed, 8, transforms=tf, seed=3, workers=2)
     run(first, stop=2)
     state = first.state_dict()
-    resumed = Loader(packed, 8, transforms=tf, seed=3, num_threads=2)
+    resumed = Loader(packed, 8, transforms=tf, seed=3, workers=2)
     resumed.load_state_dict(state)
     rest = run(resumed)
     assert len(rest) == len(full) - 2

@@ -88,8 +88,8 @@ def test_the_loader_decodes_with_each_library(decoder: Any, tmp_path: Path) -> N
     packed = build_packed(tmp_path / "ds", n=40)
     on_cpu = Loader(packed, 8, transforms=train, seed=3, device=DeviceOptions("cpu", dtype=torch.uint8))
     expected = [x.clone() for x, _ in on_cpu]
-    with Loader(packed, 8, transforms=train, seed=3, num_threads=2,
-                device=DeviceOptions("cpu", dtype=torch.uint8, decode="gpu", gpu_decoder=decoder)) as loader:
+    with Loader(packed, 8, transforms=train, seed=3, 
+                device=DeviceOptions("cpu", dtype=torch.uint8, decode="gpu", gpu_decoder=decoder), workers=2) as loader:
         got = [x.clone() for x, _ in loader]
         jpegs = sum(i % 11 != 5 and i % 13 != 6 for i in range(40))  # build_packed: raw and PNG rows aside
         assert loader.stats.gpu_decoded == jpegs and loader.stats.gpu_fallbacks == 0

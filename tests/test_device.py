@@ -567,7 +567,7 @@ class FakeLoader:
     def __len__(self) -> int:
         return 5
 
-    def _stoker_device_iter(self, opts):
+    def iter_on(self, opts):
         self.opts = opts
         outer = self
 

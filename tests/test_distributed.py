@@ -15,6 +15,7 @@ import pytest
 
 from stoker.loader import Loader
 from stoker.packing import pack
+from stoker.options import Sampling
 from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop
 
 TRAIN = [RandomResizedCrop(16), RandomHorizontalFlip()]
@@ -35,8 +36,8 @@ def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("order", ["random", "shard_random", "shard_window"])
 def test_ranks_split_every_epoch(packed: Path, world: int, drop_last: bool, order: str) -> None:
     n = 15
-    loaders = [Loader(packed, 2, transforms=TRAIN, rank=r, world_size=world, drop_last=drop_last, order=order,
-                      seed=7, num_threads=1) for r in range(world)]
+    loaders = [Loader(packed, 2, transforms=TRAIN, drop_last=drop_last, order=order,
+                      seed=7, sampling=Sampling(rank=r, world_size=world), workers=1) for r in range(world)]
     for epoch in (0, 1):
         parts = []
         for ld in loaders:
@@ -65,7 +66,7 @@ from stoker.loader import Loader
 from stoker.transforms import RandomResizedCrop
 
 dist.init_process_group("gloo")
-loader = Loader(sys.argv[1], 4, transforms=[RandomResizedCrop(16)], seed=3, num_threads=1)
+loader = Loader(sys.argv[1], 4, transforms=[RandomResizedCrop(16)], seed=3, workers=1)
 assert (loader.rank, loader.world_size) == (dist.get_rank(), dist.get_world_size())
 seen = [int(v) for _, labels in loader for v in labels.tolist()]
 counts = [None] * loader.world_size

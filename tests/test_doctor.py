@@ -36,11 +36,11 @@ def test_train_step_takes_uint8_and_float_batches_and_any_labels() -> None:
     torch.manual_seed(0)
     step = TrainStep(small_cnn(3, width=4), "cpu")
     before = [p.detach().clone() for p in step.model.parameters()]
-    step(torch.randint(0, 256, (2, 64, 64, 3), dtype=torch.uint8), torch.tensor([0, 2]))
+    step(torch.randint(0, 256, (2, 3, 64, 64), dtype=torch.uint8), torch.tensor([0, 2]))
     labels = torch.tensor([1, 5])
     step(torch.randn(2, 3, 64, 64), labels)   # labels outside the classes wrap around
     assert labels.tolist() == [1, 5]          # ... without touching the caller's tensor
-    step(torch.randint(0, 256, (2, 64, 64, 3), dtype=torch.uint8), ["a", "b"])   # non-class labels
+    step(torch.randint(0, 256, (2, 3, 64, 64), dtype=torch.uint8), ["a", "b"])   # non-class labels
     assert torch.isfinite(step.last_loss)
     assert any(not torch.equal(a, b.detach()) for a, b in zip(before, step.model.parameters()))   # it trained
 
@@ -49,7 +49,7 @@ def test_train_step_normalizes_uint8_like_the_device_stage() -> None:
     from stoker.device import IMAGENET_MEAN, IMAGENET_STD
 
     step = TrainStep(small_cnn(3, width=4), "cpu")
-    x = step.prepare(torch.full((1, 2, 2, 3), 255, dtype=torch.uint8))
+    x = step.prepare(torch.full((1, 3, 2, 2), 255, dtype=torch.uint8))
     assert x.shape == (1, 3, 2, 2)
     expected = [(1 - m) / s for m, s in zip(IMAGENET_MEAN, IMAGENET_STD)]
     assert torch.allclose(x[0, :, 0, 0], torch.tensor(expected))

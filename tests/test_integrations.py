@@ -118,6 +118,7 @@ def test_accelerate_save_state_carries_the_loader(in_workdir: Path) -> None:
     ns = _run(code)
     saved = ns["train"].state_dict()
     assert (saved["epoch"], saved["batch"]) == (0, 3)
+    ns["train"].load_state_dict(saved)   # a plain iter() reads a whole epoch; a resume continues
     expected = [y.tolist() for _, y in ns["train"]]   # what the run would have seen next
     ns["train"].close()
 

@@ -32,6 +32,7 @@ from stoker.errors import ConfigError, SourceError
 from stoker.sources import SourceItem
 from stoker.transforms import Pipeline, crop_resize_into
 from stoker.transforms.targets import mask_through
+from stoker.options import Targets, Workers
 
 ROOT = Path(__file__).resolve().parents[1]
 #: far-apart colours, one per class id (index = id)
@@ -168,14 +169,14 @@ def test_pack_stores_the_mask_png_bytes_exactly(packed):
 def test_label_maps_follow_crop_resize_and_flip(packed, transforms):
     _, out = packed
     seen = 0
-    with Loader(out, 4, transforms=transforms, masks="mask", num_threads=2, seed=3) as loader:
+    with Loader(out, 4, transforms=transforms, seed=3, targets=Targets(masks="mask"), workers=2) as loader:
         for epoch in range(2):
             loader.set_epoch(epoch)
             for images, _, extras in loader:
                 masks = extras["mask"]
                 assert isinstance(masks, torch.Tensor) and masks.dtype == torch.uint8
-                assert masks.shape == images.shape[:3]
-                for img, ids in zip(images.numpy(), masks.numpy()):
+                assert masks.shape == (images.shape[0], *images.shape[2:])
+                for img, ids in zip(images.permute(0, 2, 3, 1).numpy(), masks.numpy()):
                     assert_aligned(img, ids)
                     seen += 1
     assert seen == 20
@@ -183,12 +184,11 @@ def test_label_maps_follow_crop_resize_and_flip(packed, transforms):
 
 def test_padding_gets_the_ignore_index(packed):
     _, out = packed
-    with Loader(out, 10, transforms=[CenterCrop(150)], masks="mask", num_threads=1, order="sequential",
-                ignore_index=254) as loader:
+    with Loader(out, 10, transforms=[CenterCrop(150)], order="sequential", targets=Targets(masks="mask", ignore_index=254), workers=1) as loader:
         images, _, extras = next(iter(loader))
     masks = extras["mask"].numpy()
     ds = stoker.open_dataset(out)
-    for i, (img, ids) in enumerate(zip(images.numpy(), masks)):
+    for i, (img, ids) in enumerate(zip(images.permute(0, 2, 3, 1).numpy(), masks)):
         h, w = ds.sample(i).height, ds.sample(i).width
         ys, xs = np.nonzero(ids != 254)   # the image's own pixels: one h x w rectangle, centred
         top, left = ys.min(), xs.min()
@@ -210,10 +210,9 @@ def test_max_side_resizes_the_mask_with_nearest_neighbour(packed, tmp_path):
         assert stored.shape == (s.height, s.width)
         original = np.asarray(Image.open(listing.parent / s.key.replace("images/", "masks/")))
         assert set(np.unique(stored)) <= set(np.unique(original))   # ids stay ids: nothing blended
-    with Loader(out, 5, transforms=[RandomResizedCrop(32), RandomHorizontalFlip()], masks="mask",
-                num_threads=2) as loader:
+    with Loader(out, 5, transforms=[RandomResizedCrop(32), RandomHorizontalFlip()],  targets=Targets(masks="mask"), workers=2) as loader:
         for images, _, extras in loader:
-            for img, ids in zip(images.numpy(), extras["mask"].numpy()):
+            for img, ids in zip(images.permute(0, 2, 3, 1).numpy(), extras["mask"].numpy()):
                 assert_aligned(img, ids)
 
 
@@ -222,12 +221,11 @@ def test_palette_and_16_bit_masks_give_class_ids(tmp_path, mode, offset, dtype):
     listing = write_dataset(tmp_path / "src", n=6, seed=5, mode=mode)
     stoker.pack(listing, tmp_path / "out", mask_column="mask", progress=False,
                 options=PackOptions(encoding="raw", max_side=80, workers=1))
-    with Loader(tmp_path / "out", 3, transforms=[RandomResizedCrop(40), RandomHorizontalFlip()], masks="mask",
-                num_threads=1) as loader:
+    with Loader(tmp_path / "out", 3, transforms=[RandomResizedCrop(40), RandomHorizontalFlip()],  targets=Targets(masks="mask"), workers=1) as loader:
         for images, _, extras in loader:
             masks = extras["mask"]
             assert masks.dtype == dtype
-            for img, ids in zip(images.numpy(), masks.numpy()):
+            for img, ids in zip(images.permute(0, 2, 3, 1).numpy(), masks.numpy()):
                 assert_aligned(img, ids, offset=offset)
 
 
@@ -267,8 +265,8 @@ def test_same_seed_same_masks_whatever_the_threads(packed):
     _, out = packed
 
     def run(threads):
-        with Loader(out, 3, transforms=[RandomResizedCrop(40), RandomHorizontalFlip()], masks="mask",
-                    num_threads=threads, seed=11) as loader:
+        with Loader(out, 3, transforms=[RandomResizedCrop(40), RandomHorizontalFlip()], 
+                    seed=11, targets=Targets(masks="mask"), workers=threads) as loader:
             return [extras["mask"].clone() for _, _, extras in loader]
     one, three = run(1), run(3)
     assert len(one) == len(three) and all(torch.equal(a, b) for a, b in zip(one, three))
@@ -297,20 +295,19 @@ def test_a_replaced_sample_brings_its_own_mask(packed, tmp_path):
     at = blob.find(victim)
     blob[at + 40:at + len(victim) - 20] = b"\x00" * (len(victim) - 60)
     shard.write_bytes(bytes(blob))
-    with Loader(tmp_path / "out", 10, transforms=[RandomResizedCrop(40), RandomHorizontalFlip()], masks="mask",
-                order="sequential", on_error="skip", num_threads=1) as loader:
+    with Loader(tmp_path / "out", 10, transforms=[RandomResizedCrop(40), RandomHorizontalFlip()], 
+                order="sequential", targets=Targets(masks="mask"), workers=Workers(on_error="skip", num_threads=1)) as loader:
         images, labels, extras = next(iter(loader))
     assert loader.stats.skipped == 1
-    for img, ids in zip(images.numpy(), extras["mask"].numpy()):
+    for img, ids in zip(images.permute(0, 2, 3, 1).numpy(), extras["mask"].numpy()):
         assert_aligned(img, ids)
-    with Loader(tmp_path / "out", 10, masks="mask", transforms=[RandomResizedCrop(40)], order="sequential",
-                num_threads=1) as loader, pytest.raises(stoker.errors.SampleError, match="label map 'mask'"):
+    with Loader(tmp_path / "out", 10, transforms=[RandomResizedCrop(40)], order="sequential", targets=Targets(masks="mask"), workers=1) as loader, pytest.raises(stoker.errors.SampleError, match="label map 'mask'"):
         next(iter(loader))
 
 
 def test_ignore_index_is_checked(packed):
     with pytest.raises(ConfigError, match="ignore_index"):
-        Loader(packed[1], 2, masks="mask", ignore_index=-1)
+        Loader(packed[1], 2, targets=Targets(masks="mask", ignore_index=-1))
 
 
 def test_cli_pack_with_mask_column_and_max_side(packed, tmp_path):
@@ -328,11 +325,11 @@ def test_cli_pack_with_mask_column_and_max_side(packed, tmp_path):
 
 def test_images_of_different_sizes_give_a_list_of_maps_their_own_size(packed):
     _, out = packed
-    with Loader(out, 5, transforms=[Resize(40)], masks="mask", pad=True, num_threads=2) as loader:
+    with Loader(out, 5, transforms=[Resize(40)], targets=Targets(masks="mask", pad=True), workers=2) as loader:
         for images, _, extras in loader:
             maps, sizes = extras["mask"], extras["sizes"]
             assert isinstance(maps, list) and len(maps) == len(images)
-            for img, ids, (h, w) in zip(images.numpy(), maps, sizes.tolist()):
+            for img, ids, (h, w) in zip(images.permute(0, 2, 3, 1).numpy(), maps, sizes.tolist()):
                 assert ids.shape == (h, w) and ids.dtype == np.uint8
                 assert_aligned(img[:h, :w], ids)
 
@@ -362,10 +359,9 @@ def test_images_and_masks_folders_pair_by_path(packed, tmp_path):
     assert skip["key"] == "images/a/003.jpg" and str(src / "masks" / "a" / "003.png") in skip["reason"]
     ds = stoker.open_dataset(tmp_path / "out")
     assert ds.manifest.extra_columns == {"mask": "binary"} and ds.manifest.pack_options["source_kind"] == "segmentation"
-    with Loader(tmp_path / "out", 3, transforms=[RandomResizedCrop(40), RandomHorizontalFlip()], masks="mask",
-                num_threads=2) as loader:
+    with Loader(tmp_path / "out", 3, transforms=[RandomResizedCrop(40), RandomHorizontalFlip()],  targets=Targets(masks="mask"), workers=2) as loader:
         for images, _, extras in loader:
-            for img, ids in zip(images.numpy(), extras["mask"].numpy()):
+            for img, ids in zip(images.permute(0, 2, 3, 1).numpy(), extras["mask"].numpy()):
                 assert_aligned(img, ids, width=3)   # JPEG images: a little ringing along the edges
 
 
@@ -373,8 +369,9 @@ def test_the_device_stage_hands_the_maps_on_with_their_images(packed):
     """device=...: the device thread builds the batch (NCHW images there); the maps stay one tensor,
     row for row with the images, the same as without a device stage."""
     _, out = packed
-    kwargs = dict(transforms=[RandomResizedCrop(40), RandomHorizontalFlip()], masks="mask", num_threads=2, seed=4)
+    kwargs = dict(transforms=[RandomResizedCrop(40), RandomHorizontalFlip()], targets=Targets(masks="mask"), workers=2,
+                  seed=4)
     with Loader(out, 4, device="cpu", **kwargs) as on_device, Loader(out, 4, **kwargs) as plain:
         for (images, _, extras), (ref, _, ref_extras) in zip(on_device, plain):
-            assert images.shape[1] == 3 and torch.equal(images.permute(0, 2, 3, 1), ref)
+            assert images.shape[1] == 3 and torch.equal(images, ref)
             assert isinstance(extras["mask"], torch.Tensor) and torch.equal(extras["mask"], ref_extras["mask"])

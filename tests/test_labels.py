@@ -14,6 +14,7 @@ from stoker.errors import ConfigError
 from stoker.labels import MultiLabel, multi_label_spec
 from stoker.packing import PackOptions, pack
 from stoker.transforms import Resize
+from stoker.options import Targets, Workers
 
 
 def test_encodings() -> None:
@@ -46,21 +47,21 @@ def test_loader_delivers_multi_hot_from_a_packed_multi_label_list(tmp_path: Path
     (tmp_path / "train.txt").write_text("\n".join(lines) + "\n")
     expected = {i: ([5] if i % 4 == 0 else list(range(i % 4))) for i in range(6)}
     pack(tmp_path / "train.txt", tmp_path / "out", options=PackOptions(workers=1), progress=False)
-    with Loader(tmp_path / "out", 3, transforms=[Resize((16, 16))], order="sequential", num_threads=1) as loader:
+    with Loader(tmp_path / "out", 3, transforms=[Resize((16, 16))], order="sequential", workers=1) as loader:
         batches = [labels for _, labels in loader]
     hot = torch.cat(batches)
     assert hot.shape == (6, 6) and hot.dtype == torch.float32
     assert [torch.nonzero(row).flatten().tolist() for row in hot] == [expected[i] for i in range(6)]
-    with Loader(tmp_path / "out", 6, transforms=[Resize((16, 16))], order="sequential", num_threads=1,
-                multi_label="indices", num_classes=10) as loader:
+    with Loader(tmp_path / "out", 6, transforms=[Resize((16, 16))], order="sequential", 
+                workers=1, targets=Targets(multi_label="indices", num_classes=10)) as loader:
         (_, idx), = list(loader)
     assert [[v for v in row if v >= 0] for row in idx.tolist()] == [expected[i] for i in range(6)]
-    with Loader(tmp_path / "out", 6, transforms=[Resize((16, 16))], order="sequential", num_threads=1,
-                device="cpu") as loader:   # the device stage's path
+    with Loader(tmp_path / "out", 6, transforms=[Resize((16, 16))], order="sequential", 
+                device="cpu", workers=1) as loader:   # the device stage's path
         (_, hot_dev), = list(loader)
     assert torch.equal(hot_dev, hot)
-    with Loader(tmp_path / "out", 3, transforms=[Resize((16, 16))], order="sequential", num_threads=1,
-                device="cpu", persistent=True) as loader:   # epochs in a row from one pipeline
+    with Loader(tmp_path / "out", 3, transforms=[Resize((16, 16))], order="sequential", 
+                device="cpu", workers=Workers(num_threads=1, persistent=True)) as loader:   # epochs in a row from one pipeline
         for _ in range(2):
             assert torch.equal(torch.cat([labels for _, labels in loader]), hot)
 
@@ -76,20 +77,20 @@ def test_soft_targets_arrive_as_float_rows_and_mix(tmp_path: Path) -> None:
         lines.append(f"{i}.jpg " + " ".join(f"{v:.1f}" for v in rows[i]))
     (tmp_path / "train.txt").write_text("\n".join(lines) + "\n")
     pack(tmp_path / "train.txt", tmp_path / "out", options=PackOptions(workers=1), progress=False)
-    with Loader(tmp_path / "out", 3, transforms=[Resize((16, 16))], order="sequential", num_threads=1) as loader:
+    with Loader(tmp_path / "out", 3, transforms=[Resize((16, 16))], order="sequential", workers=1) as loader:
         soft = torch.cat([labels for _, labels in loader])
     assert soft.dtype == torch.float32 and torch.allclose(soft, torch.tensor(rows))
     mix = Mixup(mixup_alpha=1.0, label_smoothing=0.1, num_classes=3)
     for device in (None, "cpu"):   # the CPU batch and the device stage's path
-        with Loader(tmp_path / "out", 6, transforms=[Resize((16, 16)), mix], order="sequential", num_threads=1,
-                    device=device) as loader:
+        with Loader(tmp_path / "out", 6, transforms=[Resize((16, 16)), mix], order="sequential", 
+                    device=device, workers=1) as loader:
             (_, mixed), = list(loader)
         assert mixed.shape == (6, 3) and torch.allclose(mixed.sum(1), torch.ones(6), atol=1e-5)
         smooth = soft * 0.9 + 0.1 / 3   # timm: the smoothed rows, mixed with the batch's mirror by one lam
         lam = (mixed[0, 0] - smooth[5, 0]) / (smooth[0, 0] - smooth[5, 0])
         assert 0 <= lam <= 1 and torch.allclose(mixed, lam * smooth + (1 - lam) * smooth.flip(0), atol=1e-5)
     with pytest.raises(ConfigError, match="num_classes=4, but the soft targets have 3"):
-        Loader(tmp_path / "out", 3, transforms=[Resize((16, 16))], num_classes=4)
+        Loader(tmp_path / "out", 3, transforms=[Resize((16, 16))], targets=Targets(num_classes=4))
 
 
 def test_soft_rows_must_agree_in_length() -> None:

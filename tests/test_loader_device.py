@@ -22,6 +22,7 @@ import stoker
 from stoker.device import DeviceOptions
 from stoker.errors import ConfigError, LoaderTimeoutError, SampleError
 from stoker.loader import Loader
+from stoker.options import Workers
 from test_loader import TRAIN, build_packed
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -68,8 +69,8 @@ def packed_bad(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def reference(loader: Loader) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The plain CPU loader's batches (uint8 NHWC), cloned."""
-    return [(x.clone(), y.clone()) for x, y in loader]
+    """The plain CPU loader's batches (uint8 [B, 3, H, W]) as NHWC copies, to compare with decoded pixels."""
+    return [(x.permute(0, 2, 3, 1).clone(), y) for x, y in loader]
 
 
 def normalized(x: torch.Tensor) -> torch.Tensor:
@@ -98,9 +99,9 @@ def wait_threads_gone(before: int, timeout: float = 5.0) -> int:
 # ---- device="cpu": the device stage without streams -------------------------------------------
 
 def test_normalized_nchw_batches_match_the_uint8_batches(packed: Path) -> None:
-    ref = reference(Loader(packed, 16, transforms=TRAIN, seed=3, num_threads=2))
-    got = Loader(packed, 16, transforms=TRAIN, seed=3, num_threads=2,
-                 device=DeviceOptions("cpu", normalize="imagenet"))
+    ref = reference(Loader(packed, 16, transforms=TRAIN, seed=3, workers=2))
+    got = Loader(packed, 16, transforms=TRAIN, seed=3, 
+                 device=DeviceOptions("cpu", normalize="imagenet"), workers=2)
     batches = list(got)
     assert len(batches) == len(ref)
     for (x, y), (rx, ry) in zip(batches, ref):
@@ -112,9 +113,9 @@ def test_normalized_nchw_batches_match_the_uint8_batches(packed: Path) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_channels_last(packed: Path, dtype: torch.dtype) -> None:
-    ref = reference(Loader(packed, 16, transforms=TRAIN, seed=1, num_threads=2))
-    got = list(Loader(packed, 16, transforms=TRAIN, seed=1, num_threads=2,
-                      device=DeviceOptions("cpu", normalize=(MEAN, STD), dtype=dtype, memory_format="channels_last")))
+    ref = reference(Loader(packed, 16, transforms=TRAIN, seed=1, workers=2))
+    got = list(Loader(packed, 16, transforms=TRAIN, seed=1, 
+                      device=DeviceOptions("cpu", normalize=(MEAN, STD), dtype=dtype, memory_format="channels_last"), workers=2))
     for (x, _), (rx, _) in zip(got, ref):
         assert x.dtype == dtype and x.is_contiguous(memory_format=torch.channels_last)
         tol = 1e-2 if dtype is torch.float16 else 3e-2
@@ -123,8 +124,8 @@ def test_half_precision_channels_last(packed: Path, dtype: torch.dtype) -> None:
 
 def test_same_seed_same_bits_for_any_thread_count_and_prefetch_on_a_device(packed: Path) -> None:
     opts = DeviceOptions("cpu", normalize="imagenet")
-    runs = [[x.clone() for x, _ in Loader(packed, 8, transforms=TRAIN, seed=5, num_threads=t, prefetch=p,
-                                          device=opts)] for t, p in ((1, 1), (2, 3), (4, 2))]
+    runs = [[x.clone() for x, _ in Loader(packed, 8, transforms=TRAIN, seed=5, 
+                                          device=opts, workers=Workers(num_threads=t, prefetch=p))] for t, p in ((1, 1), (2, 3), (4, 2))]
     for other in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
 
@@ -203,7 +204,7 @@ def test_gpu_decode_refuses_user_callables(packed: Path) -> None:
 
 def test_shutdown_with_a_device_thread(packed: Path) -> None:
     before = worker_threads()
-    loader = Loader(packed, 4, transforms=TRAIN, num_threads=2, device=DeviceOptions("cpu", normalize="imagenet"))
+    loader = Loader(packed, 4, transforms=TRAIN, device=DeviceOptions("cpu", normalize="imagenet"), workers=2)
     for _ in loader:  # exhaustion
         pass
     assert wait_threads_gone(before) == before
@@ -236,10 +237,10 @@ def test_a_stalled_device_stage_times_out_and_stops(packed: Path) -> None:
 # ---- decode="gpu" with a stand-in decoder -------------------------------------------------
 
 def test_gpu_decode_path_crops_like_the_cpu_path(packed: Path) -> None:
-    ref = reference(Loader(packed, 16, transforms=TRAIN, seed=7, num_threads=2))
+    ref = reference(Loader(packed, 16, transforms=TRAIN, seed=7, workers=2))
     dec = CpuJpegDecoder()
-    loader = Loader(packed, 16, transforms=TRAIN, seed=7, num_threads=2,
-                    device=DeviceOptions("cpu", dtype=torch.uint8, decode="gpu", gpu_decoder=dec))
+    loader = Loader(packed, 16, transforms=TRAIN, seed=7, 
+                    device=DeviceOptions("cpu", dtype=torch.uint8, decode="gpu", gpu_decoder=dec), workers=2)
     got = [(x.clone(), y.clone()) for x, y in loader]
     for (x, y), (rx, ry) in zip(got, ref):
         assert torch.equal(y, ry)
@@ -271,18 +272,18 @@ def test_gpu_decode_corrupt_samples_raise_or_are_replaced_like_the_cpu_path(pack
     opts = DeviceOptions("cpu", dtype=torch.uint8, decode="gpu", gpu_decoder=CpuJpegDecoder())
     with pytest.raises(SampleError, match=r"img/0009|img/0017"):
         list(Loader(packed_bad, 8, transforms=TRAIN, seed=9, device=opts))
-    cpu = Loader(packed_bad, 8, transforms=TRAIN, seed=9, on_error="skip")
+    cpu = Loader(packed_bad, 8, transforms=TRAIN, seed=9, workers=Workers(on_error="skip"))
     ref_labels = [y.clone() for _, y in cpu]
-    gpu = Loader(packed_bad, 8, transforms=TRAIN, seed=9, on_error="skip", device=opts)
+    gpu = Loader(packed_bad, 8, transforms=TRAIN, seed=9, device=opts, workers=Workers(on_error="skip"))
     labels = [y.clone() for _, y in gpu]
     assert all(torch.equal(a, b) for a, b in zip(labels, ref_labels))  # the same stand-ins
     assert gpu.stats.skipped == cpu.stats.skipped == 2
 
 
 def test_gpu_decode_is_deterministic_across_thread_counts(packed: Path) -> None:
-    runs = [[x.clone() for x, _ in Loader(packed, 8, transforms=TRAIN, seed=10, num_threads=t,
+    runs = [[x.clone() for x, _ in Loader(packed, 8, transforms=TRAIN, seed=10, 
                                           device=DeviceOptions("cpu", dtype=torch.uint8, decode="gpu",
-                                                               gpu_decoder=CpuJpegDecoder()))]
+                                                               gpu_decoder=CpuJpegDecoder()), workers=t)]
             for t in (1, 3)]
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
@@ -292,7 +293,7 @@ def test_ctrl_c_inside_the_lock_cannot_strand_the_workers(packed: Path) -> None:
     must give it back, or every worker blocks on it forever."""
     from stoker.slots import Run
 
-    loader = Loader(packed, 8, transforms=TRAIN, num_threads=2)
+    loader = Loader(packed, 8, transforms=TRAIN, workers=2)
     it = iter(loader)
     run: Run = it._run
     real = run._next_batch
@@ -327,8 +328,8 @@ def test_the_slot_is_fenced_for_reuse_before_the_gpu_decode(packed: Path, monkey
     fence, run = DeviceStage.fence, GpuBatchDecoder.run
     monkeypatch.setattr(DeviceStage, "fence", lambda self: log.append("fence") or fence(self))
     monkeypatch.setattr(GpuBatchDecoder, "run", lambda self, jobs, out: log.append("decode") or run(self, jobs, out))
-    loader = Loader(packed, 20, transforms=TRAIN, seed=2, num_threads=2,
-                    device=DeviceOptions("cpu", dtype=torch.uint8, decode="gpu", gpu_decoder=CpuJpegDecoder()))
+    loader = Loader(packed, 20, transforms=TRAIN, seed=2, 
+                    device=DeviceOptions("cpu", dtype=torch.uint8, decode="gpu", gpu_decoder=CpuJpegDecoder()), workers=2)
     assert len(list(loader)) == 3
     # per batch: the reuse fence, the decode, then the batch's ready fence (Feeder)
     assert log == ["fence", "decode", "fence"] * 3
@@ -359,10 +360,10 @@ class FakeEvent:
 
 
 def idle_reference(packed: Path, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The batches, read while the fake GPU keeps up."""
+    """The batches ([B, 3, H, W]), read while the fake GPU keeps up."""
     FakeEvent.gpu_idle = True
     try:
-        return reference(Loader(packed, batch_size, transforms=TRAIN, seed=6, num_threads=2))
+        return [(x.clone(), y) for x, y in Loader(packed, batch_size, transforms=TRAIN, seed=6, workers=2)]
     finally:
         FakeEvent.made, FakeEvent.gpu_idle = [], False
 
@@ -383,7 +384,7 @@ def test_a_yielded_slot_is_not_refilled_before_the_callers_gpu_copy_ran(packed: 
     """`images.cuda(non_blocking=True)` queues a copy that reads the pinned slot later; the next
     `next()` must not let the workers overwrite the slot before the GPU has run that copy."""
     want = idle_reference(packed, 10)
-    loader = Loader(packed, 10, transforms=TRAIN, seed=6, num_threads=2, prefetch=1, timeout=20)  # 2 slots
+    loader = Loader(packed, 10, transforms=TRAIN, seed=6, timeout=20, workers=Workers(num_threads=2, prefetch=1))  # 2 slots
     it = iter(loader)
     x0, _ = next(it)  # the caller queues x0.cuda(non_blocking=True) here; the GPU is busy with its step
     assert torch.equal(x0, want[0][0])
@@ -401,9 +402,10 @@ def test_a_yielded_slot_is_not_refilled_before_the_callers_gpu_copy_ran(packed: 
 
 def test_a_guard_that_never_completes_times_out_naming_the_gpu_work(packed: Path,
                                                                     fake_gpu_stream: FakeStream) -> None:
-    loader = Loader(packed, 10, transforms=TRAIN, seed=6, num_threads=2, prefetch=1, timeout=1.0)
+    loader = Loader(packed, 10, transforms=TRAIN, seed=6, timeout=1.0, workers=Workers(num_threads=2, prefetch=1))
     it = iter(loader)
-    next(it), next(it)
+    for _ in range(3):   # a ring of prefetch + 2 slots: batch 3 is the first to reuse one (batch 0's,
+        next(it)         # which the caller dropped, but whose GPU copy never completes)
     with pytest.raises(LoaderTimeoutError, match="your GPU work on an earlier batch.*had not finished|no complete batch"):
         next(it)
     assert wait_threads_gone(0) == 0
@@ -412,7 +414,7 @@ def test_a_guard_that_never_completes_times_out_naming_the_gpu_work(packed: Path
 def test_the_last_slot_of_an_epoch_stays_guarded_for_the_next_epoch(packed: Path,
                                                                    fake_gpu_stream: FakeStream) -> None:
     want = idle_reference(packed, 30)
-    loader = Loader(packed, 30, transforms=TRAIN, seed=6, num_threads=2, prefetch=1, timeout=20)
+    loader = Loader(packed, 30, transforms=TRAIN, seed=6, timeout=20, workers=Workers(num_threads=2, prefetch=1))
     first = [x for x, _ in loader]  # 2 batches: slot 1 holds the last one
     assert len(FakeEvent.made) == 2  # at next() for batch 1, and when the epoch ended (guarding slot 1)
     last = FakeEvent.made[-1]
@@ -447,26 +449,27 @@ def same(a: list, b: list) -> bool:
 def test_persistent_epochs_give_the_same_batches(packed: Path, device: object) -> None:
     # 60 samples in batches of 16: each epoch ends with a partial batch in the middle of the run
     kw = dict(transforms=TRAIN, seed=4, device=device)
-    want = epochs(Loader(packed, 16, num_threads=2, **kw), 3)
+    want = epochs(Loader(packed, 16, **kw, workers=2), 3)
     for threads in (1, 3):
-        with Loader(packed, 16, num_threads=threads, persistent=True, **kw) as loader:
+        with Loader(packed, 16, **kw, workers=Workers(num_threads=threads, persistent=True)) as loader:
             assert same(epochs(loader, 3), want)
 
 
 def test_persistent_prepares_the_next_epoch_while_this_one_drains(packed: Path) -> None:
     before = worker_threads()
-    loader = Loader(packed, 10, transforms=TRAIN, seed=4, num_threads=2, prefetch=2, persistent=True)
+    loader = Loader(packed, 10, transforms=TRAIN, seed=4, workers=Workers(num_threads=2, prefetch=2, persistent=True))
     it = iter(loader)
     for _ in range(len(loader)):  # every batch of epoch 0, not yet StopIteration
         next(it)
-    # run batches 0-5 are epoch 0; the workers go on with epoch 1's first two (6, 7), as far as the
-    # ring allows (the stats count a worker's samples only when it completes a batch: read the ring)
-    run = loader._live.run
+    # run batches 0-5 are epoch 0; the workers go on with epoch 1's first three (6, 7, 8), as far as
+    # the ring allows (prefetch + 2 slots, one still holding batch 5, which the caller may hold; the
+    # stats count a worker's samples only when it completes a batch: read the ring)
+    run = loader._passes._live.run
     done = lambda: sorted(s.batch for s in run.ring.slots if s.batch >= 6 and s.remaining == 0)  # noqa: E731
     deadline = time.monotonic() + 10
-    while done() != [6, 7] and time.monotonic() < deadline:
+    while done() != [6, 7, 8] and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert done() == [6, 7]
+    assert done() == [6, 7, 8]
     threads = {t for t in threading.enumerate() if t.name.startswith("stoker")}
     assert list(it) == []
     again = epochs(loader, 1)[0]  # epoch 1 from the same threads
@@ -482,8 +485,8 @@ def test_persistent_batch_ops_draw_from_each_batchs_own_epoch_and_index(packed: 
     # must hand the device stage each batch's own epoch and index, not the run's batch count
     kw = dict(transforms=[*TRAIN, stoker.Mixup(mixup_alpha=1.0, cutmix_alpha=1.0, num_classes=60)], seed=4,
               device=device, drop_last=True)
-    want = epochs(Loader(packed, 16, num_threads=2, **kw), 3)
-    with Loader(packed, 16, num_threads=2, persistent=True, **kw) as loader:
+    want = epochs(Loader(packed, 16, **kw, workers=2), 3)
+    with Loader(packed, 16, **kw, workers=Workers(num_threads=2, persistent=True)) as loader:
         assert same(epochs(loader, 3), want)
 
 
@@ -491,9 +494,9 @@ def test_persistent_batch_ops_draw_from_each_batchs_own_epoch_and_index(packed: 
 def test_persistent_hands_on_an_epoch_read_to_the_end_but_not_exhausted(packed: Path, leave: str) -> None:
     # `for step, batch in zip(range(steps), loader)` or a break after the last batch: the iterator never
     # raised StopIteration, yet the epoch was read whole, so epoch 1 comes from the same threads
-    kw = dict(transforms=TRAIN, seed=4, num_threads=2)
+    kw = dict(transforms=TRAIN, seed=4, workers=2)
     want = epochs(Loader(packed, 10, **kw), 2)
-    loader = Loader(packed, 10, persistent=True, **kw)
+    loader = Loader(packed, 10, **{**kw, "workers": Workers(num_threads=2, persistent=True)})
     it = iter(loader)
     first = [(x.clone(), y.clone()) for x, y in (next(it) for _ in range(len(loader)))]
     threads = {t for t in threading.enumerate() if t.name.startswith("stoker")}
@@ -509,10 +512,10 @@ def test_persistent_hands_on_an_epoch_read_to_the_end_but_not_exhausted(packed: 
 
 
 def test_persistent_resume_and_moves_elsewhere_restart_the_pipeline(packed: Path) -> None:
-    kw = dict(transforms=TRAIN, seed=4, num_threads=2)
+    kw = dict(transforms=TRAIN, seed=4, workers=2)
     want = epochs(Loader(packed, 10, **kw), 3)
     before = worker_threads()
-    loader = Loader(packed, 10, persistent=True, **kw)
+    loader = Loader(packed, 10, **{**kw, "workers": Workers(num_threads=2, persistent=True)})
     it = iter(loader)
     next(it), next(it)
     state = loader.state_dict()
@@ -528,8 +531,8 @@ def test_persistent_resume_and_moves_elsewhere_restart_the_pipeline(packed: Path
 
 def test_persistent_threads_stop_when_the_loader_is_dropped(packed: Path) -> None:
     before = worker_threads()
-    loader = Loader(packed, 10, transforms=TRAIN, num_threads=2, persistent=True,
-                    device=DeviceOptions("cpu", dtype=torch.uint8))
+    loader = Loader(packed, 10, transforms=TRAIN, 
+                    device=DeviceOptions("cpu", dtype=torch.uint8), workers=Workers(num_threads=2, persistent=True))
     epochs(loader, 1)
     assert worker_threads() > before  # running on into epoch 1
     del loader

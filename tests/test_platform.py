@@ -16,6 +16,7 @@ from PIL import Image
 
 from stoker.shards import ShardWriter, _HashingSink
 from stoker.storage import LocalStorage
+from stoker.options import Workers
 
 POSIX_ONLY = ("resource", "fcntl", "termios", "pwd", "grp", "posix")
 
@@ -175,8 +176,8 @@ def test_skipped_samples_log_on_stoker_loader(tmp_path: Path, caplog: pytest.Log
         Image.new("RGB", (20, 20), (i * 40, 0, 0)).save(folder / f"{i}.jpg")
     (folder / "bad.jpg").write_bytes(b"\xff\xd8\xffnot a jpeg")
     with caplog.at_level(logging.WARNING, logger="stoker.loader"):
-        with Loader(tmp_path / "imgs", 5, transforms=[RandomResizedCrop(8)], on_error="skip",
-                    order="sequential") as loader:
+        with Loader(tmp_path / "imgs", 5, transforms=[RandomResizedCrop(8)], 
+                    order="sequential", workers=Workers(on_error="skip")) as loader:
             next(iter(loader))
     records = [r for r in caplog.records if "bad.jpg" in r.getMessage()]
     assert records and all(r.name == "stoker.loader" for r in records)

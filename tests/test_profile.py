@@ -105,16 +105,16 @@ def test_stoker_loader_stages_and_loose_files_fix(loose: Path) -> None:
     def sleepy(img):   # a user transform that makes the loader slow: 10 ms per image, 1 thread
         time.sleep(0.01)
         return img
-    loader = stoker.Loader(loose, 8, transforms=[slow, sleepy], num_threads=1)
+    loader = stoker.Loader(loose, 8, transforms=[slow, sleepy], workers=1)
     r = run(loader, step_s=0.0)
     assert r.verdict == INPUT_BOUND and "loose files" in r.loader
     assert r.stages is not None and r.stages["augment_ms"] >= 9
     assert any("stoker pack" in f for f in r.fixes)
-    assert any("num_threads" in f for f in r.fixes) or any("saturated" in f for f in r.fixes)
+    assert any("more threads: `workers=" in f for f in r.fixes) or any("saturated" in f for f in r.fixes)
 
 
 def test_stoker_loader_compute_bound(loose: Path) -> None:
-    loader = stoker.Loader(loose, 8, transforms=[stoker.RandomResizedCrop(32)], num_threads=2)
+    loader = stoker.Loader(loose, 8, transforms=[stoker.RandomResizedCrop(32)], workers=2)
     r = run(loader, step_s=0.05)
     assert r.verdict == COMPUTE_BOUND and r.stages is not None and r.stages["decode_ms"] > 0
 

@@ -178,5 +178,5 @@ def test_a_dataset_indexes_like_a_torch_dataset(tmp_path: Path) -> None:
             assert label == 1 and np.array_equal(image, items[2][0])
             with pytest.raises(IndexError):
                 ds[3]
-            with pytest.raises(TypeError, match="indices=\\[...\\] to stoker.Loader"):
+            with pytest.raises(TypeError, match=r"sampling=stoker\.Sampling\(indices=\[\.\.\.\]\) to stoker\.Loader"):
                 ds[0:2]

@@ -137,7 +137,7 @@ def test_readme_detection_example_runs(tmp_path: Path) -> None:
     scope: dict = {}
     exec(compile(code, "docs/guide.md section 5", "exec"), scope)
     images, targets = scope["images"], scope["targets"]
-    assert images.shape[1:] == (512, 512, 3) and len(targets) == images.shape[0]
+    assert images.shape[1:] == (3, 512, 512) and len(targets) == images.shape[0]
     for t in targets:
         k = len(t["labels"])
         assert t["boxes"].shape == (k, 4) and t["masks"].shape == (k, 512, 512) and k >= 1
@@ -150,8 +150,8 @@ def test_readme_segmentation_example_runs(tmp_path: Path) -> None:
     scope: dict = {}
     exec(compile(code, "docs/guide.md section 5, label maps", "exec"), scope)
     images, masks = scope["images"], scope["masks"]
-    assert masks.shape == images.shape[:3] == (10, 512, 512) and masks.dtype == torch.uint8
-    for image, ids in zip(images.numpy(), masks.numpy()):
+    assert masks.shape == (images.shape[0], *images.shape[2:]) == (10, 512, 512) and masks.dtype == torch.uint8
+    for image, ids in zip(images.permute(0, 2, 3, 1).numpy(), masks.numpy()):
         assert_aligned(image, ids, width=20, cover=0.15)   # crops enlarged up to ~18x: wide blends
 
 

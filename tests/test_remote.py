@@ -23,6 +23,7 @@ from stoker.errors import ConfigError, SampleError, ShardError  # noqa: E402
 from stoker.packing import LOCK_NAME, PackOptions, pack  # noqa: E402
 from stoker.reader import CachedDataset, open_dataset  # noqa: E402
 from stoker.storage import RemoteStorage  # noqa: E402
+from stoker.options import Sampling, Storage, Workers
 
 from conftest import make_image_folder  # noqa: E402
 
@@ -59,9 +60,12 @@ def url(s3: S3Server, packed: Path) -> str:
     return f"s3://{bucket}/packed"
 
 
-def remote_loader(s3: S3Server, url: str, cache: Path, **kw: Any) -> Loader:
+def remote_loader(s3: S3Server, url: str, cache: Path, *, cache_limit: Any = None, rank: int | None = None,
+                  world_size: int | None = None, **kw: Any) -> Loader:
     kw.setdefault("transforms", [RandomResizedCrop(32)])
-    return Loader(url, 8, num_threads=2, seed=3, cache_dir=cache, storage_options=s3.storage_options(), **kw)
+    limit = {} if cache_limit is None else {"cache_limit": cache_limit}
+    storage = Storage(cache_dir=cache, storage_options=s3.storage_options(), **limit)
+    return Loader(url, 8, seed=3, **kw, workers=2, storage=storage, sampling=Sampling(rank=rank, world_size=world_size))
 
 
 def batches(loader: Loader) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -76,7 +80,7 @@ def n_shards(packed: Path) -> int:
 def test_batches_from_s3_equal_local_and_second_epoch_is_cached(s3: S3Server, url: str, packed: Path,
                                                                 tmp_path: Path, order: str) -> None:
     assert n_shards(packed) == 24
-    local = Loader(packed, 8, num_threads=2, seed=3, transforms=[RandomResizedCrop(32)], order=order)
+    local = Loader(packed, 8, seed=3, transforms=[RandomResizedCrop(32)], order=order, workers=2)
     with remote_loader(s3, url, tmp_path / "cache", order=order) as remote:
         assert isinstance(remote.dataset, CachedDataset)
         for epoch in range(2):
@@ -116,8 +120,8 @@ def test_cache_never_exceeds_its_limit(s3: S3Server, url: str, packed: Path, tmp
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        with Loader(url, 4, num_threads=1, prefetch=1, seed=3, transforms=[RandomResizedCrop(32)], cache_dir=cache,
-                    cache_limit=limit, order="shard_window", storage_options=s3.storage_options()) as loader:
+        with Loader(url, 4, seed=3, transforms=[RandomResizedCrop(32)], 
+                    order="shard_window", workers=Workers(num_threads=1, prefetch=1), storage=Storage(cache_dir=cache, cache_limit=limit, storage_options=s3.storage_options())) as loader:
             for _ in range(2):
                 assert len(batches(loader)) == len(loader)
             stats = loader.dataset.cache.stats
@@ -148,7 +152,7 @@ def test_corrupt_shard_in_the_bucket_is_named(s3: S3Server, url: str, packed: Pa
 
 def test_dropped_connection_mid_shard_is_retried(s3: S3Server, url: str, packed: Path, tmp_path: Path) -> None:
     victim = sorted(packed.glob("shard-*.arrow"))[1].name
-    local = Loader(packed, 8, num_threads=2, seed=3, transforms=[RandomResizedCrop(32)], order="sequential")
+    local = Loader(packed, 8, seed=3, transforms=[RandomResizedCrop(32)], order="sequential", workers=2)
     s3.log.cut[victim] = 2  # the first two GETs of this shard stop after half their body
     with remote_loader(s3, url, tmp_path / "cache", order="sequential") as remote:
         got = batches(remote)
@@ -205,6 +209,13 @@ def test_info_and_verify_accept_urls(s3: S3Server, url: str, packed: Path, tmp_p
     s3.filesystem().pipe_file(f"{url[5:]}/{victim.name}", victim.read_bytes()[:-10])
     report = verify(RemoteStorage(url, storage_options=s3.storage_options(), cache_dir=tmp_path / "other"))
     assert not report.ok and victim.name in report.format()
+
+
+def test_open_dataset_takes_the_storage_options(s3: S3Server, url: str, packed: Path, tmp_path: Path) -> None:
+    options = Storage(cache_dir=tmp_path / "mine", storage_options=s3.storage_options())
+    with open_dataset(url, storage=options) as ds, open_dataset(packed) as local:
+        assert isinstance(ds, CachedDataset) and np.array_equal(ds.sample(3).data, local.sample(3).data)
+    assert any((tmp_path / "mine").rglob("*.arrow"))   # the shard was cached where the options say
 
 
 def test_open_dataset_reads_samples_on_demand(s3: S3Server, url: str, packed: Path, tmp_path: Path) -> None:
@@ -335,9 +346,8 @@ def test_a_dataset_over_plain_http(s3: S3Server, packed: Path, tmp_path: Path) -
         fs.put_file(str(f), f"public/packed/{f.name}")
         fs.chmod(f"public/packed/{f.name}", acl="public-read")
     url = f"{s3.endpoint}/public/packed"
-    local = Loader(packed, 8, num_threads=2, seed=3, transforms=[RandomResizedCrop(32)], order="shard_window")
-    with Loader(url, 8, num_threads=2, seed=3, transforms=[RandomResizedCrop(32)], order="shard_window",
-                cache_dir=tmp_path / "cache") as remote:
+    local = Loader(packed, 8, seed=3, transforms=[RandomResizedCrop(32)], order="shard_window", workers=2)
+    with Loader(url, 8, seed=3, transforms=[RandomResizedCrop(32)], order="shard_window", workers=2, storage=Storage(cache_dir=tmp_path / "cache")) as remote:
         got, want = batches(remote), batches(local)
     local.close()
     assert len(got) == len(want) == 6
@@ -345,7 +355,7 @@ def test_a_dataset_over_plain_http(s3: S3Server, packed: Path, tmp_path: Path) -
         assert np.array_equal(a, b) and np.array_equal(la, lb)
     fs.put_file(str(packed / "stoker.json"), "public/private/stoker.json")   # not public-read: 403
     with pytest.raises(ManifestError, match=r"/public/private/stoker.json: cannot read the manifest: .*403"):
-        Loader(f"{s3.endpoint}/public/private", 8, cache_dir=tmp_path / "c2")
+        Loader(f"{s3.endpoint}/public/private", 8, storage=Storage(cache_dir=tmp_path / "c2"))
 
 
 def test_readme_cloud_section_runs_as_written(s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -388,7 +398,7 @@ def test_readme_cloud_section_runs_as_written(s3: S3Server, tmp_path: Path, monk
     exec(compile(here(python), "docs/guide.md", "exec"), namespace)
     loader = namespace["loader"]
     images, labels = next(iter(loader))
-    assert tuple(images.shape) == (18, 224, 224, 3)  # 3 classes of 6: one batch
+    assert tuple(images.shape) == (18, 3, 224, 224)  # 3 classes of 6: one batch
     loader.close()
     del namespace, loader
     gc.collect()
@@ -408,9 +418,9 @@ def test_a_second_pack_into_the_same_url_fails_at_once(s3: S3Server, bucket: str
 def test_persistent_loader_over_s3_gives_the_same_epochs(s3: S3Server, url: str, packed: Path, tmp_path: Path) -> None:
     """persistent=True: each epoch still hands the cache its own order (the pipeline restarts per
     epoch for a remote dataset); the batches are those of a local persistent Loader."""
-    local = Loader(packed, 8, num_threads=2, seed=3, transforms=[RandomResizedCrop(32)], order="shard_window",
-                   persistent=True)
-    with remote_loader(s3, url, tmp_path / "cache", order="shard_window", persistent=True) as remote:
+    local = Loader(packed, 8, seed=3, transforms=[RandomResizedCrop(32)], order="shard_window",
+                   workers=Workers(num_threads=2, persistent=True))
+    with remote_loader(s3, url, tmp_path / "cache", order="shard_window", persistent_workers=True) as remote:
         for _ in range(2):
             for (a, la), (b, lb) in zip(batches(remote), batches(local), strict=True):
                 assert np.array_equal(a, b) and np.array_equal(la, lb)

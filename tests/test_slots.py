@@ -284,3 +284,20 @@ def test_feeder_returns_a_slot_to_the_workers_only_after_its_copy_finished() -> 
     assert not feeder.thread.is_alive() and run.alive() == 0
 
 
+
+
+# ---- the ring: a slot returns only when nothing references it ----------------------------------
+
+def test_a_held_slot_is_never_refilled_and_a_kept_one_is_replaced() -> None:
+    ring = BatchRing(3, 4, 2, 2, label_dtype=None, pin_memory=False)
+    first = ring.free.popleft()
+    ring.hand_out(first)
+    view = first.images[1:2].permute(0, 3, 1, 2)   # a view keeps the memory, as the batch itself would
+    assert ring.reclaim() is False and ring.out == [first]   # the latest: maybe the loop variable
+    second = ring.free.popleft()
+    ring.hand_out(second)
+    assert ring.reclaim() is True   # `first` is older and still held: let go, a fresh slot in its place
+    assert first not in ring.slots and first not in ring.free and len(ring.slots) == 3
+    assert ring.out == [] and second in ring.free   # nothing referenced it: back to the workers
+    del view, first
+    assert ring.live_kept() == []   # the caller dropped it: its memory is gone, not back in the ring

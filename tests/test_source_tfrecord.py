@@ -154,9 +154,9 @@ def test_loader_reads_tfrecords_without_packing(tmp_path: Path) -> None:
 
     imgs = photos(5, seed=6)
     _write(tmp_path / "t" / "a.tfrecord", [_slim(imgs[i], i, f"{i}.jpg") for i in range(5)])
-    with Loader(tmp_path / "t", 5, transforms=[Resize((32, 32))], order="sequential", num_threads=1) as loader:
+    with Loader(tmp_path / "t", 5, transforms=[Resize((32, 32))], order="sequential", workers=1) as loader:
         (images, labels), = list(loader)
-    assert images.shape == (5, 32, 32, 3) and labels.tolist() == [0, 1, 2, 3, 4]
+    assert images.shape == (5, 3, 32, 32) and labels.tolist() == [0, 1, 2, 3, 4]
 
 
 def test_resume_from_gzip_records_matches_an_uninterrupted_run(tmp_path: Path, monkeypatch) -> None:

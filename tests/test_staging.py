@@ -14,6 +14,7 @@ from stoker.errors import ConfigError, ShardError
 from stoker.packing import PackOptions, pack
 from stoker.reader import open_dataset
 from stoker.storage.staging import LOCK_NAME, MARK_NAME, remove, stage, stage_for_loader, sweep
+from stoker.options import Storage
 
 SMALL_SHARDS = PackOptions(workers=1, shard_size=20_000)
 
@@ -131,8 +132,8 @@ def test_loader_stage_argument(packed: Path, tmp_path: Path) -> None:
     from stoker import Loader, RandomResizedCrop
 
     root = tmp_path / "shm"
-    plain = Loader(packed, 4, num_threads=2, seed=1, transforms=[RandomResizedCrop(24)])
-    with Loader(packed, 4, num_threads=2, seed=1, transforms=[RandomResizedCrop(24)], stage=root) as staged:
+    plain = Loader(packed, 4, seed=1, transforms=[RandomResizedCrop(24)], workers=2)
+    with Loader(packed, 4, seed=1, transforms=[RandomResizedCrop(24)], workers=2, storage=Storage(stage=root)) as staged:
         assert str(staged.dataset.path).startswith(str(root))
         for (a, la), (b, lb) in zip(staged, plain):
             assert a.equal(b) and la.equal(lb)

@@ -324,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stage", help="copy a packed dataset into memory-backed storage (/dev/shm) once, verified",
                        description="stoker stage DATASET /dev/shm/NAME: copy (or reuse a finished copy), checking "
                        "every shard's SHA-256; the copy stays until --remove. --sweep ROOT removes copies made by "
-                       "Loader(stage=ROOT) that crashed runs left behind.")
+                       "Loader(storage=Storage(stage=ROOT)) that crashed runs left behind.")
     p.add_argument("paths", nargs="+", metavar="PATH", help="DATASET DEST, or DEST with --remove, ROOT with --sweep")
     p.add_argument("--remove", action="store_true", help="delete staged copies (waits while a process uses them)")
     p.add_argument("--sweep", action="store_true", help="delete abandoned copies under ROOT that no process holds")

@@ -94,7 +94,8 @@ class Prefetcher:
         self.source = batches
         self.opts = opts
         self.images, self.layout, self._convert = images, layout, bool(convert)
-        self._delegate = callable(getattr(batches, "_stoker_device_iter", None))
+        # a stoker.Loader (or anything with its public `iter_on(opts)`) does its own device copy
+        self._delegate = callable(getattr(batches, "iter_on", None))
         if self._delegate and (images is not None or layout != "auto"):
             raise ConfigError("images= and layout= do not apply to a stoker.Loader, which knows its own batches; "
                               "drop them")
@@ -129,7 +130,7 @@ class Prefetcher:
 
     # ---- the passes ---------------------------------------------------------------------------
     def _run_delegate(self) -> Iterator[Any]:
-        it = iter(self.source._stoker_device_iter(self.opts))  # type: ignore[attr-defined]
+        it = iter(self.source.iter_on(self.opts))  # type: ignore[attr-defined]
         try:
             for batch in it:  # not `yield from`, which would close `it` a second time on break
                 yield batch

@@ -419,9 +419,9 @@ def _input_fixes(report: ProfileReport, iterable: Any, saturated: bool) -> list[
                          "(decode cost grows with the pixels decoded)")
         if bursty:
             fixes.append(f"waits come in bursts (median wait {report.median_wait_ms:.1f} ms per step): a bigger "
-                         f"prefetch, e.g. `prefetch={max(4, loader.prefetch * 2)}`")
+                         f"prefetch, e.g. `workers=stoker.Workers(prefetch={max(4, loader.prefetch * 2)})`")
         if loader.num_threads < cores and not saturated:
-            fixes.append(f"more threads: `num_threads={cores}` (now {loader.num_threads}; {cores} usable cores)")
+            fixes.append(f"more threads: `workers={cores}` (now {loader.num_threads}; {cores} usable cores)")
         if saturated:
             fixes.append("the CPU cores are saturated: more threads cannot help; decode on the GPU "
                          "(`Loader(..., device=DeviceOptions('cuda', decode='gpu'))`, nvJPEG) or use a machine "

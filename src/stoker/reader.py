@@ -89,6 +89,11 @@ class Dataset:
     def __len__(self) -> int:
         raise NotImplementedError
 
+    @property
+    def class_to_idx(self) -> dict[str, int]:
+        """Class name -> label, as torchvision's ImageFolder has it (empty without class names)."""
+        return {name: k for k, name in enumerate(self.classes or ())}
+
     def sample(self, i: int) -> Sample:
         raise NotImplementedError
 
@@ -116,7 +121,7 @@ class Dataset:
         from the end. Decoding one at a time is for looking at data; the Loader is what trains fast."""
         if not isinstance(i, (int, np.integer)):
             raise TypeError(f"dataset indices are ints, got {type(i).__name__}; for a subset pass "
-                            f"indices=[...] to stoker.Loader")
+                            f"sampling=stoker.Sampling(indices=[...]) to stoker.Loader")
         s = self.sample(int(i))
         if s.encoding == VIDEO_ENCODING:
             raise ConfigError(f"sample {i} ({s.key}) is a video: read clips of it with stoker.clips.read_clip, or "
@@ -308,14 +313,21 @@ def _blocks(shard: OpenShard) -> list[_Block]:
     return blocks
 
 
-def open_dataset(path: str | Path | Storage, *, verify: bool = False) -> PackedDataset | CachedDataset:
+def open_dataset(path: str | Path | Storage, *, verify: bool = False, storage: Any = None
+                 ) -> PackedDataset | CachedDataset:
     """Open a packed dataset directory or URL. Cheap: reads the manifest and each shard's footer.
 
     Checks at open time that every shard exists, has the manifest's size and row count and is
     Arrow; ``verify=True`` also checks every shard's SHA-256 (reads all bytes). A URL no storage
     backend serves raises UnsupportedStorageError. A URL gives a :class:`CachedDataset` (its
-    shards are downloaded when needed; ``verify=True`` downloads and checks them all now).
+    shards are downloaded when needed; ``verify=True`` downloads and checks them all now), cached
+    per ``storage`` (a ``stoker.Storage``: cache_dir, cache_limit, storage_options).
     """
+    if storage is not None and isinstance(path, (str, Path)):
+        from .storage import open_storage, url_scheme
+
+        if url_scheme(path) not in (None, "file"):
+            path = open_storage(path, **storage.remote())
     storage = as_storage(path)
     if isinstance(storage, RemoteStorage):
         return open_cached(storage, verify=verify)
@@ -602,3 +614,63 @@ def open_loose(source: Any, **source_options: Any) -> LooseDataset:
         raise SourceError(f"{source.description}: no images found", path=source.root)
     return LooseDataset(source)
 
+
+
+@dataclass
+class Opened:
+    """A Loader's source, opened: the dataset, whether closing is ours, and the staged copy it reads
+    (removed when the last user closes it)."""
+
+    dataset: Dataset
+    owned: bool
+    staged: Any = None   # storage.staging.StagedCopy
+
+    def close(self) -> None:
+        """Close the dataset (when opened here) and release the staged copy. Idempotent."""
+        if self.owned:
+            self.dataset.close()
+            self.owned = False
+        staged, self.staged = self.staged, None
+        if staged is not None:
+            staged.close()
+
+
+def open_for_loading(source: str | Path | Dataset, options: Any = None, *, rank: int = 0, world_size: int = 1,
+                     timeout: float = 120.0) -> Opened:
+    """Open what a Loader reads, with its storage options (`stoker.Storage`): a Dataset as given; a
+    URL cached per `options` (each rank in its own `rank-N` folder when there are several, so no
+    rank deletes a file another maps); a packed folder, first staged into `options.stage` when set;
+    anything else as loose files (`open_loose`)."""
+    from .options import Storage as StorageOptions
+    from .shards import MANIFEST_NAME, looks_like_partial_pack
+    from .storage import open_storage, url_scheme
+    from .storage.remote import default_cache_dir
+    from .storage.staging import stage_for_loader
+
+    options = StorageOptions() if options is None else options
+    if isinstance(source, Dataset):
+        if options.stage is not None:
+            raise ConfigError(f"Storage(stage={str(options.stage)!r}) copies a packed dataset folder; pass its path "
+                              f"as the source, not an opened dataset")
+        return Opened(source, owned=False)
+    remote_url = url_scheme(source) not in (None, "file")
+    if remote_url:
+        if options.stage is not None:
+            raise ConfigError(f"Storage(stage={str(options.stage)!r}) copies a local packed dataset folder; a URL is "
+                              f"cached through Storage(cache_dir=...) instead")
+        remote = options.remote()
+        if world_size > 1:
+            remote["cache_dir"] = Path(remote["cache_dir"] or default_cache_dir(str(source))) / f"rank-{rank}"
+        # refuses a URL no backend serves, never makes it a local path
+        return Opened(open_cached(open_storage(source, **remote), timeout=max(timeout, 60.0)), owned=True)
+    staged = stage_for_loader(source, options.stage) if options.stage is not None else None
+    try:
+        where = staged.path if staged is not None else source
+        storage = open_storage(where)
+        if storage.is_dir() and (storage.exists(MANIFEST_NAME) or looks_like_partial_pack(storage)):
+            return Opened(open_dataset(storage), owned=True, staged=staged)
+        return Opened(open_loose(where), owned=True, staged=staged)
+    except BaseException:
+        if staged is not None:
+            staged.close()
+        raise

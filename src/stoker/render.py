@@ -331,8 +331,8 @@ class Filler:
         key, shard, row = self._describe(idx, exc)
         notes = "".join(f" ({n})" for n in getattr(exc, "__notes__", ()))  # e.g. which transform raised it
         return SampleError(f"sample {key!r} (shard {shard}, row {row}, index {idx}) failed: "
-                           f"{type(exc).__name__}: {exc}{notes}{extra}. Pass on_error='skip' to replace failing "
-                           f"samples, or re-pack to drop them", key=key, shard=shard, row=row, index=idx)
+                           f"{type(exc).__name__}: {exc}{notes}{extra}. Pass workers=stoker.Workers(on_error='skip') "
+                           f"to replace failing samples, or re-pack to drop them", key=key, shard=shard, row=row, index=idx)
 
 
 class EpochChain:

@@ -1,10 +1,17 @@
 """The batch ring and the worker threads that fill it.
 
-A ring of `prefetch + 1` preallocated slots, each a `uint8 [B, H, W, 3]` tensor (pinned when CUDA is
+A ring of `prefetch + 2` preallocated slots, each a `uint8 [B, H, W, 3]` tensor (pinned when CUDA is
 available) plus a label array. Worker threads claim sample positions from one shared counter, in
-order, and write each sample straight into its row; the consumer takes batches in order. A slot is
-refilled only after the consumer has moved past the batch it held, so memory is bounded by the ring
-and a yielded batch stays valid until the next step.
+order, and write each sample straight into its row; the consumer takes batches in order.
+
+A batch handed out stays valid as long as the caller holds it: a slot goes back to the workers only
+when nothing references its memory any more (the storage's use count, which counts every view such
+as `x[0]` or `x.permute(...)`, is back to the ring's own) and the GPU work queued on it is done (its
+guard fence). The loop variable of `for x, y in loader` still holds batch k while batch k+1 is
+fetched, so the last batch handed out may be held; an older one still held is one the caller keeps
+(`list(loader)`, a cache): the ring lets it go and allocates a fresh slot in its place, so kept
+batches cost memory (one warning past `KEPT_WARN` of them) and are never overwritten. In the common
+loop no slot is ever allocated after the first pass.
 
 Threads, not processes: libjpeg-turbo, OpenCV and Pillow release the GIL while they work, so the
 threads share one address space and write directly into (pinned) batch memory. What runs under the
@@ -21,6 +28,7 @@ import bisect
 import itertools
 import threading
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Protocol
@@ -32,6 +40,12 @@ from ._system import poll_until
 from .errors import ConfigError, LoaderClosedError, LoaderTimeoutError, WorkerError
 
 _POLL_S = 0.1  # how often a blocked wait re-checks the stop flag, seconds
+#: batches the caller keeps (still referenced after the next step) before a one-time warning
+KEPT_WARN = 16
+# the number of strong references to a tensor storage: every tensor (view) over it holds one; torch
+# keeps it per StorageImpl (what torch.multiprocessing's StorageWeakRef reads). Without it (a torch
+# that lacks the function) every handed-out slot counts as held: always fresh memory, never wrong data.
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 class Fence(Protocol):
@@ -73,7 +87,7 @@ def notify_all(cond: threading.Condition) -> None:
         raise
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity (a ring finds its slots in lists)
 class Slot:
     """One batch buffer. `images`/`labels` are preallocated tensors; `*_np` are numpy views of them."""
 
@@ -93,6 +107,12 @@ class Slot:
     plan: Any = None  # the fill function's per-batch plan
     errors: list[tuple[int, BaseException]] = field(default_factory=list)
     jobs: list[Any] = field(default_factory=list)  # per row: work left for the device stage (GPU decode)
+    storage: int = 0  # the images' StorageImpl (an address; valid while `images` lives)
+    uses: int = 0  # its use count with only the ring's own references
+
+    def held(self) -> bool:
+        """Whether anything outside the ring still references this slot's image memory."""
+        return _use_count is None or _use_count(self.storage) > self.uses
 
 
 def ring_bytes(n_slots: int, batch_size: int, height: int, width: int) -> int:
@@ -112,38 +132,107 @@ def check_ring_fits(n_slots: int, batch_size: int, height: int, width: int) -> N
     if need > available:
         raise ConfigError(f"the batch ring needs {n_slots} slots x {batch_size} images x {height}x{width}x3 bytes = "
                           f"{need / 2**30:,.1f} GiB, but only {available / 2**30:,.1f} GiB of memory is available; "
-                          "lower batch_size= (--batch-size), prefetch= or the output size of the transforms")
+                          "lower batch_size= (--batch-size), workers=stoker.Workers(prefetch=...) or the output size of the "
+                          "transforms")
 
 
 class BatchRing:
-    """`n_slots` preallocated batches: images uint8 [batch_size, height, width, 3] and labels."""
+    """Preallocated batches: images uint8 [batch_size, height, width, 3] and labels.
+
+    `free` slots wait for the workers; `out` holds the slots handed to the caller, oldest first,
+    until `reclaim` finds them unreferenced. A slot the caller keeps is let go and replaced by a
+    fresh one (`slots_allocated` in the stats counts every slot made). Used under the lock of the
+    Run that fills it (one Run at a time per ring)."""
 
     def __init__(self, n_slots: int, batch_size: int, height: int, width: int, *,
-                 label_dtype: np.dtype | None, pin_memory: bool) -> None:
+                 label_dtype: np.dtype | None, pin_memory: bool, stats: "LoaderStats | None" = None) -> None:
         self.batch_size, self.height, self.width = batch_size, height, width
+        self.n_slots = n_slots
         self.label_dtype = label_dtype
         self.pin_memory = pin_memory
+        self.stats = stats
+        self.slots: list[Slot] = []  # every slot the ring owns (free, being filled, handed out)
+        self.free: deque[Slot] = deque()
+        self.out: list[Slot] = []
+        self._kept: list[Any] = []  # StorageWeakRefs of the batches let go while the caller held them
+        self._warned = False
         check_ring_fits(n_slots, batch_size, height, width)
-        try:
-            self.slots = [self._make_slot(pin_memory) for _ in range(n_slots)]
-        except (RuntimeError, MemoryError) as exc:  # the memory went between the check and now
-            raise ConfigError(f"cannot allocate the batch ring ({n_slots} slots x {batch_size} images x "
-                              f"{height}x{width}x3 bytes): {exc}; lower batch_size= (--batch-size), prefetch= "
-                              "or the output size of the transforms") from None
+        self.top_up()
 
-    def _make_slot(self, pin: bool) -> Slot:
-        images = torch.empty((self.batch_size, self.height, self.width, 3), dtype=torch.uint8, pin_memory=pin)
-        labels = None
-        if self.label_dtype is not None:
-            labels = torch.empty(self.batch_size, dtype=torch.from_numpy(np.empty(0, self.label_dtype)).dtype,
-                                 pin_memory=pin)
-        return Slot(images, images.numpy(), labels, None if labels is None else labels.numpy(),
+    def _make_slot(self) -> Slot:
+        try:
+            images = torch.empty((self.batch_size, self.height, self.width, 3), dtype=torch.uint8,
+                                 pin_memory=self.pin_memory)
+            labels = None
+            if self.label_dtype is not None:
+                labels = torch.empty(self.batch_size, dtype=torch.from_numpy(np.empty(0, self.label_dtype)).dtype,
+                                     pin_memory=self.pin_memory)
+        except (RuntimeError, MemoryError) as exc:  # the memory went since check_ring_fits, or kept batches took it
+            raise ConfigError(f"cannot allocate a batch ({self.batch_size} images x {self.height}x{self.width}x3 "
+                              f"bytes; {len(self.live_kept())} batches kept by the caller): {exc}; drop references to "
+                              "old batches (or .clone() the part you keep), or lower batch_size= (--batch-size), "
+                              "workers=stoker.Workers(prefetch=...) or the output size of the transforms") from None
+        slot = Slot(images, images.numpy(), labels, None if labels is None else labels.numpy(),
                     objects=[None] * self.batch_size)
+        slot.storage = images.untyped_storage()._cdata
+        slot.uses = _use_count(slot.storage) if _use_count is not None else 0
+        self.slots.append(slot)
+        if self.stats is not None:
+            self.stats.slots_allocated += 1
+        return slot
+
+    def top_up(self) -> None:
+        """Allocate slots until the ring holds `n_slots` (after a Run whose threads did not stop in
+        time kept theirs)."""
+        while len(self.free) + len(self.out) < self.n_slots:
+            self.free.append(self._make_slot())
+
+    def hand_out(self, slot: Slot) -> None:
+        self.out.append(slot)
+
+    def reclaim(self) -> bool:
+        """Give the workers back every handed-out slot nothing references. The latest may still be
+        the caller's loop variable and waits for the next call; an older one still referenced is
+        kept by the caller: it is let go and a fresh slot takes its place. True if any came back."""
+        back, latest = False, len(self.out) - 1
+        keep: list[Slot] = []
+        for k, slot in enumerate(self.out):
+            if not slot.held():
+                self.free.append(slot)
+                back = True
+            elif k == latest:
+                keep.append(slot)
+            else:
+                self._let_go(slot)
+                back = True
+        self.out = keep
+        return back
+
+    def _let_go(self, slot: Slot) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self.slots.remove(slot)
+        self._kept.append(StorageWeakRef(slot.images.untyped_storage()))
+        self.free.append(self._make_slot())
+        kept = self.live_kept()
+        if len(kept) >= KEPT_WARN and not self._warned:
+            self._warned = True
+            mib = len(kept) * self.batch_size * self.height * self.width * 3 / 2**20
+            warnings.warn(f"{len(kept)} batches from this stoker Loader are still referenced ({mib:,.0f} MiB): "
+                          f"every batch kept past the next step costs a fresh {self.batch_size}-image buffer. "
+                          f"Keep only what you need (.clone() a slice, e.g. images[:8].clone(), or the "
+                          f"labels) and drop the rest, so the loader can reuse its memory", ResourceWarning,
+                          stacklevel=2)
+
+    def live_kept(self) -> list[Any]:
+        """The batches let go that the caller still holds (the rest are pruned)."""
+        self._kept = [w for w in self._kept if not w.expired()]
+        return self._kept
 
     def matches(self, n_slots: int, batch_size: int, height: int, width: int, label_dtype: np.dtype | None,
                 pin_memory: bool) -> bool:
         """True when this ring can be reused for a run with these parameters."""
-        return (len(self.slots), self.batch_size, self.height, self.width, self.label_dtype,
+        return (self.n_slots, self.batch_size, self.height, self.width, self.label_dtype,
                 self.pin_memory) == (n_slots, batch_size, height, width, label_dtype, pin_memory)
 
 
@@ -164,6 +253,7 @@ class LoaderStats:
     gpu_decoded: int = 0  # samples decoded on the GPU (decode="gpu")
     gpu_fallbacks: int = 0  # JPEGs the GPU could not decode, decoded on the CPU instead
     gpu_decoder: str = ""  # decode="gpu": the backend that decoded them (with what "auto" measured)
+    slots_allocated: int = 0  # batch buffers allocated: the ring's own, plus one per batch the caller kept
 
     def as_dict(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items()}
@@ -211,7 +301,7 @@ class Run:
                  fill: FillFn, flush: FlushFn, timeout: float, name: str = "stoker", open_ended: bool = False
                  ) -> None:
         self.ring = ring
-        self.n_slots = len(ring.slots)
+        ring.top_up()
         self.batch_sizes = list(batch_sizes)
         self._starts = list(itertools.accumulate(self.batch_sizes, initial=0))  # first position of each batch
         self.total = self._starts[-1]
@@ -223,14 +313,17 @@ class Run:
         self.lock = threading.RLock()  # an RLock so the consumer can tell it still holds it (Ctrl-C)
         self.cond = threading.Condition(self.lock)
         self.stop_event = threading.Event()
-        self.released = 0  # batches the consumer has moved past; slots of batches < released + n_slots are free
+        self.released = 0  # batches the consumer has moved past
+        self.assigned: dict[int, Slot] = {}  # batch -> its slot, from planning until it is handed out
+        self.next_assign = 0  # batches are given slots in order: no batch can take the slot an earlier one needs
+        self.last_given: tuple[int, Slot] | None = None  # the batch handed out last, and its slot
         self.fatal: BaseException | None = None
         self.stalled: LoaderTimeoutError | None = None  # a slot's guard never completed
         self._counter = itertools.count()
         self.threads = [threading.Thread(target=self._work, name=f"{name}-worker-{k}", daemon=True)
                         for k in range(num_threads)]
-        for s in ring.slots:
-            s.batch = -1
+        for slot in ring.free:
+            slot.batch = -1
 
     def start(self) -> None:
         for t in self.threads:
@@ -260,35 +353,50 @@ class Run:
         return b, p - self._starts[b]
 
     def _wait_slot(self, b: int, times: WorkerTimes) -> Slot | None:
-        if b >= self.released + self.n_slots:
-            t0 = time.perf_counter()
-            with self.cond:
-                while b >= self.released + self.n_slots and not self.stop_event.is_set():
-                    self.cond.wait(_POLL_S)
-            times.wait += time.perf_counter() - t0
-        if self.stop_event.is_set():
+        """The slot of batch b, planned: the first worker to need it (or a later batch) takes the next
+        free slot for each batch up to b, in order, once the GPU work queued on it is done. None when
+        stopped or a guard timed out."""
+        slot = self.assigned.get(b)
+        if slot is not None:
+            return slot
+        t0 = time.perf_counter()
+        try:
+            while not self.stop_event.is_set():
+                with self.cond:
+                    slot = self.assigned.get(b)
+                    if slot is not None:
+                        return slot
+                    if not self.ring.free:
+                        self.cond.wait(_POLL_S)
+                        continue
+                    nxt = self.ring.free[0]
+                    if nxt.guard is None or nxt.guard.done():
+                        self.ring.free.popleft()
+                        nxt.guard = None
+                        self._plan(self.next_assign, nxt)
+                        continue
+                if not self._wait_guard(nxt, b):  # outside the lock: the consumer goes on meanwhile
+                    return None
             return None
-        slot = self.ring.slots[b % self.n_slots]
-        if slot.batch != b:
-            if not self._wait_guard(slot, b, times):
-                return None
-            with self.lock:
-                if slot.batch != b:  # first worker on this batch: plan it
-                    slot.errors = []
-                    slot.finished = []
-                    slot.size = slot.remaining = self.batch_sizes[b]
-                    slot.plan = self.prepare(b, slot)
-                    slot.batch = b
-        return slot
+        finally:
+            times.wait += time.perf_counter() - t0
 
-    def _wait_guard(self, slot: Slot, b: int, times: WorkerTimes) -> bool:
-        """Before batch b overwrites `slot`: wait (polling, bounded by `timeout`) until the GPU has run
+    def _plan(self, b: int, slot: Slot) -> None:
+        slot.errors = []
+        slot.finished = []
+        slot.size = slot.remaining = self.batch_sizes[b]
+        slot.plan = self.prepare(b, slot)
+        slot.batch = b
+        self.assigned[b] = slot
+        self.next_assign = b + 1
+
+    def _wait_guard(self, slot: Slot, b: int) -> bool:
+        """Before a batch overwrites `slot`: wait (polling, bounded by `timeout`) until the GPU has run
         what the consumer queued on the batch the slot held. False when stopped or timed out (the
         timeout then reaches the consumer as a LoaderTimeoutError)."""
         guard = slot.guard
-        if guard is None or guard.done():
+        if guard is None:
             return True
-        t0 = time.perf_counter()
         try:
             guard.wait(self.timeout, self.stop_event)
         except LoaderTimeoutError as exc:
@@ -296,12 +404,7 @@ class Run:
                 self.stalled = LoaderTimeoutError(f"batch {b} cannot be written into its slot: {exc}")
                 self.cond.notify_all()
             return False
-        finally:
-            times.wait += time.perf_counter() - t0
-        if self.stop_event.is_set():
-            return False
-        slot.guard = None
-        return True
+        return not self.stop_event.is_set()
 
     def _work(self) -> None:
         scratch: dict = {}
@@ -346,8 +449,9 @@ class Run:
         """Release batch b-1 and return the slot of batch b once every row is written.
 
         `guard`: a fence behind the consumer's GPU work on batch b-1 (an asynchronous copy of its pinned
-        slot); the workers refill that slot only once it is done. Raises the first row's exception when
-        a sample failed, LoaderTimeoutError after `timeout` seconds without the batch completing."""
+        slot); the workers refill that slot only once it is done (and nothing references it). Raises
+        the first row's exception when a sample failed, LoaderTimeoutError after `timeout` seconds
+        without the batch completing."""
         self.guard(b - 1, guard)  # before the release in _next_batch: no worker sees the slot unguarded
         try:
             return self._next_batch(b)
@@ -356,21 +460,22 @@ class Run:
             raise
 
     def guard(self, b: int, guard: Fence | None) -> None:
-        """Guard the slot of batch b (already yielded, the run ending or closing): see `next_batch`.
-        The ring outlives the run, so the next run's workers honour it too."""
-        if guard is not None and b >= 0:
-            slot = self.ring.slots[b % self.n_slots]
-            if slot.batch == b:
-                slot.guard = guard
+        """Guard the slot of batch b (the last one handed out; the run ending or closing): see
+        `next_batch`. The ring outlives the run, so the next run's workers honour it too."""
+        last = self.last_given
+        if guard is not None and last is not None and last[0] == b:
+            last[1].guard = guard
 
     def _next_batch(self, b: int) -> Slot:
-        slot = self.ring.slots[b % self.n_slots]
         deadline = time.monotonic() + self.timeout
         with self.cond:
-            if self.released < b:
-                self.released = b
+            self.released = max(self.released, b)
+            if self.ring.reclaim():
                 self.cond.notify_all()
-            while not (slot.batch == b and slot.remaining == 0):
+            while True:
+                slot = self.assigned.get(b)
+                if slot is not None and slot.remaining == 0:
+                    break
                 if self.fatal is not None:
                     raise WorkerError(f"a stoker worker thread failed outside any sample: {self.fatal!r}; "
                                       f"this is a bug in stoker, please report it with the traceback") from self.fatal
@@ -380,20 +485,24 @@ class Run:
                     raise LoaderClosedError(f"the loader was closed while waiting for batch {b}")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    pending = slot.size - len(slot.finished) if slot.batch == b else self.batch_sizes[b]
+                    pending = slot.size - len(slot.finished) if slot is not None else self.batch_sizes[b]
                     raise LoaderTimeoutError(
                         f"batch {b}: no complete batch after {self.timeout:.0f} s ({pending} of "
                         f"{self.batch_sizes[b]} samples pending, {sum(t.is_alive() for t in self.threads)} "
                         f"worker threads alive); storage may be stalled or a transform hangs — raise "
-                        f"Loader(timeout=...) if samples are genuinely this slow")
+                        f"workers=stoker.Workers(timeout=...) if samples are genuinely this slow")
                 self.cond.wait(min(_POLL_S, left))
+            del self.assigned[b]
+            self.ring.hand_out(slot)
+            self.last_given = (b, slot)
         if slot.errors:
             row, exc = min(slot.errors, key=lambda e: e[0])
             raise exc
         return slot
 
-    def stop(self, join_timeout: float = 5.0) -> None:
-        """Stop the workers and wait (bounded) for them to exit. Safe to call repeatedly, from any thread."""
+    def stop(self, join_timeout: float = 5.0, give_back: bool = True) -> None:
+        """Stop the workers and wait (bounded) for them to exit, then give the ring back the slots of
+        batches never handed out. Safe to call repeatedly, from any thread."""
         self.stop_event.set()
         notify_all(self.cond)
         me = threading.current_thread()
@@ -401,6 +510,17 @@ class Run:
         for t in self.threads:
             if t is not me and t.is_alive():
                 t.join(max(0.0, deadline - time.monotonic()))
+        if give_back:
+            self.give_back()
+
+    def give_back(self) -> None:
+        """Return the slots of planned batches never handed out to the ring, once no worker can write
+        them any more (a worker still alive keeps them: the next Run allocates in their place)."""
+        if self.alive():
+            return
+        with self.cond:
+            self.ring.free.extend(self.assigned.values())
+            self.assigned.clear()
 
     def alive(self) -> int:
         return sum(t.is_alive() for t in self.threads)
@@ -478,7 +598,7 @@ class Feeder:
                         on_timeout=lambda: LoaderTimeoutError(
                             f"batch {b}: nothing reached the device after {self.timeout:.0f} s "
                             f"({self.run.alive()} worker threads alive); storage may be stalled or a transform "
-                            f"hangs — raise Loader(timeout=...) if samples are genuinely this slow"))
+                            f"hangs — raise workers=stoker.Workers(timeout=...) if samples are genuinely this slow"))
         if not self.ready:  # stopped, or the thread ended
             if not ok or self.stop_event.is_set():
                 raise LoaderClosedError(f"the loader was closed while waiting for batch {b}")
@@ -492,9 +612,11 @@ class Feeder:
     def stop(self, join_timeout: float = 5.0) -> None:
         """Stop this thread and the Run's workers, bounded. Safe to call repeatedly, from any thread."""
         self.stop_event.set()
-        self.run.stop(join_timeout)
+        self.run.stop(join_timeout, give_back=False)
         if self.thread is not threading.current_thread() and self.thread.is_alive():
             self.thread.join(join_timeout)
+        if not self.thread.is_alive():  # it may still be reading the slot it builds from
+            self.run.give_back()
         self.ready.clear()  # drop queued device batches now rather than at collection
 
     def alive(self) -> int:

@@ -229,6 +229,7 @@ def _baseline_recipe_runner(spec: _Spec) -> _Runner:
 
 def _stoker_recipe_runner(spec: _Spec) -> _Runner:
     from ..loader import Loader
+    from ..options import Workers
     from ..transforms import Normalize, RandAugment, RandomErasing, RandomHorizontalFlip, RandomResizedCrop
     from .baseline_recipes import deit_mixup
 
@@ -238,7 +239,7 @@ def _stoker_recipe_runner(spec: _Spec) -> _Runner:
         # the batch ops on the loader's device thread (here the CPU), beside the workers and the consumer
         ops += [Normalize("imagenet"), RandomErasing(p=0.25), deit_mixup(len(list_image_folder(Path(spec.root))[1]))]
         device = "cpu"
-    loader = Loader(spec.packed, spec.batch_size, transforms=ops, seed=0, num_threads=spec.workers, device=device)
+    loader = Loader(spec.packed, spec.batch_size, transforms=ops, seed=0, device=device, workers=spec.workers)
 
     def epoch() -> Iterator[int]:
         for batch in loader:
@@ -249,6 +250,7 @@ def _stoker_recipe_runner(spec: _Spec) -> _Runner:
 def _stoker_runner(spec: _Spec, train: bool) -> _Runner:
     from ..device import DeviceOptions
     from ..loader import Loader
+    from ..options import Workers
     from ..transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
 
     if spec.pipeline == "overhead":
@@ -258,8 +260,7 @@ def _stoker_runner(spec: _Spec, train: bool) -> _Runner:
     else:
         ops = [Resize(256), CenterCrop(224)]
     device = DeviceOptions(device="cpu", normalize="imagenet") if spec.pipeline == "stoker-train-float" else None
-    loader = Loader(spec.packed, spec.batch_size, transforms=ops, seed=0, num_threads=spec.workers, device=device,
-                    decode_quality="fast" if spec.pipeline == "stoker-train-fast" else "accurate")
+    loader = Loader(spec.packed, spec.batch_size, transforms=ops, seed=0, device=device, workers=Workers(num_threads=spec.workers, decode_quality="fast" if spec.pipeline == "stoker-train-fast" else "accurate"))
 
     def epoch() -> Iterator[int]:
         for batch in loader:

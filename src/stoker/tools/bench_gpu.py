@@ -75,8 +75,10 @@ FEEDS = {
     "synthetic": "one GPU-resident random batch (no input pipeline: the model's own speed)",
     "baseline": "ImageFolder + DataLoader(pin_memory, persistent workers) + torchvision train transforms, "
                 ".to(device, non_blocking=True)",
-    "stoker": "stoker.Loader(persistent=True, device=DeviceOptions(device, normalize='imagenet')), CPU decode",
-    "stoker-gpu": "stoker.Loader(persistent=True, device=DeviceOptions(device, normalize='imagenet', decode='gpu'))",
+    "stoker": "stoker.Loader(workers=Workers(persistent=True), device=DeviceOptions(device, normalize='imagenet')), "
+              "CPU decode",
+    "stoker-gpu": "stoker.Loader(workers=Workers(persistent=True), device=DeviceOptions(device, normalize='imagenet', "
+                  "decode='gpu'))",
     "dali": "NVIDIA DALI: readers.file + decoders.image (device='mixed' on CUDA) + random_resized_crop + "
             "crop_mirror_normalize, DALIGenericIterator",
 }
@@ -310,6 +312,7 @@ def _stoker_feed(feed: str, packed: str, batch_size: int, workers: int, device: 
                  drop_last: bool, channels_last: bool, dtype: "torch.dtype") -> Feed:
     from .. import __version__
     from ..device import DeviceOptions
+    from ..options import Workers
 
     try:
         on_device = DeviceOptions(device, normalize="imagenet", dtype=dtype,
@@ -317,8 +320,8 @@ def _stoker_feed(feed: str, packed: str, batch_size: int, workers: int, device: 
                                   decode="gpu" if feed == "stoker-gpu" else "cpu")
         # persistent: epochs run straight into each other (as the baseline's persistent workers do), so
         # no round or training window after the first pays the pipeline's start-up again
-        loader = _stoker_loader(packed, batch_size, num_threads=workers, drop_last=drop_last, device=on_device,
-                                persistent=True)
+        loader = _stoker_loader(packed, batch_size, workers=Workers(num_threads=workers, persistent=True),
+                                drop_last=drop_last, device=on_device)
     except ConfigError as exc:   # e.g. decode="gpu" without a GPU JPEG decoder installed
         raise FeedUnavailable(str(exc)) from exc
     started = False

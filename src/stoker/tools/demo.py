@@ -210,7 +210,7 @@ def _race(root: Path, packed: Path, batch_size: int, steps: int, device: str, lo
     # on a GPU the loader's device stage copies uint8 batches on its own stream and normalizes there
     on_device = {"device": DeviceOptions(device, normalize="imagenet")} if cuda else {}
     with Loader(packed, batch_size, transforms=[RandomResizedCrop(224), RandomHorizontalFlip()],
-                num_threads=loader_cores, seed=0, **on_device) as loader:
+                seed=0, **on_device, workers=loader_cores) as loader:
         how = ("copied as uint8 on the loader's copy stream and normalized on the GPU, a batch ahead" if cuda
                else f"converted to float and normalized by the training step on {device}")
         fast = DemoRun("stoker", f"stoker.Loader, {loader_cores} thread(s), the same transforms; uint8 batches, "

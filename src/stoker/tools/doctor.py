@@ -154,8 +154,8 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = 8, thread
         raise ConfigError(f"decode='gpu' needs a CUDA device, got {device}; use decode='cpu'")
     on_device = {"device": DeviceOptions(device, normalize="imagenet", decode=decode)} \
         if device.startswith("cuda") else {}
-    loader = Loader(path, batch_size, transforms=ops, num_threads=threads or loader_cores, drop_last=True, seed=0,
-                    **on_device)
+    loader = Loader(path, batch_size, transforms=ops, drop_last=True, seed=0,
+                    **on_device, workers=threads or loader_cores)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(model_threads)   # restored below
     try:

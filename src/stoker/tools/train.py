@@ -3,7 +3,7 @@ the device bench (torchvision models, channels_last, bf16 autocast) run this one
 own recipe.
 
     step = TrainStep(small_cnn(10), "cpu")
-    for images, labels in loader:     # uint8 [B, H, W, 3] (stoker) or float [B, 3, H, W] (normalized)
+    for images, labels in loader:     # uint8 [B, 3, H, W] (stoker) or float [B, 3, H, W] (normalized)
         step(images, labels)
 """
 
@@ -77,7 +77,7 @@ def load_model(spec: str) -> Any:
 class TrainStep:
     """One SGD step of `model` on a batch, cross entropy, `zero_grad(set_to_none=True)`.
 
-    Images: uint8 `[B, H, W, 3]` (stoker's CPU batches) are moved to `device`, made float NCHW and
+    Images: uint8 `[B, 3, H, W]` (stoker's CPU batches) are moved to `device`, made float and
     normalized with ImageNet mean/std there; float `[B, 3, H, W]` (already normalized) are only moved.
     Integer labels wrap to the model's class count (a data set's labels may exceed a small model's);
     other labels (none, strings) train against class 0.
@@ -103,12 +103,12 @@ class TrainStep:
         self.last_loss: Any = math.nan
 
     def prepare(self, images: Any) -> Any:
-        """The model's input: on the device, float NCHW (normalized from uint8 NHWC), channels_last if asked."""
+        """The model's input: on the device, float [B, 3, H, W] (normalized from uint8), channels_last if asked."""
         import torch
 
         x = images.to(self.device, non_blocking=True)
-        if x.dtype == torch.uint8:   # NHWC uint8 -> NCHW float, normalized, on the device
-            x = x.permute(0, 3, 1, 2).float().sub_(self.mean).div_(self.std)
+        if x.dtype == torch.uint8:   # uint8 -> float, normalized, on the device (keeps channels_last strides)
+            x = x.float().sub_(self.mean).div_(self.std)
         # a no-op when the feed delivers channels_last already
         return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
 

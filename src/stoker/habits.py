@@ -1,0 +1,143 @@
+"""DataLoader's keywords and sources, read the way stoker means them, or refused naming stoker's own.
+
+A DataLoader user passes what they know (`sampler=`, `persistent_workers=`, ...). Each keyword either
+maps to stoker's meaning or raises a ConfigError that names stoker's argument, never a bare
+TypeError; a source stoker cannot read (a torch Dataset, a list of paths) is refused with the way
+to read it. `pinned_labels` remaps a dataset's labels onto a pinned class list (`classes=`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from ._torch import torch
+from .errors import ConfigError
+
+#: DataLoader keywords stoker has no use for, with what to pass instead
+_REFUSED = {
+    "prefetch_factor": "prefetch_factor counts batches per worker process; stoker's threads share one ring: pass "
+                       "prefetch=N (batches prepared ahead in total, default 2)",
+    "generator": "stoker's order is a pure function of (seed, epoch), not a torch.Generator's state: pass seed=<int>",
+    "pin_memory_device": "batches are pinned for the current CUDA device (pin_memory=); to deliver them to a device, "
+                         "pass device='cuda:N' or a stoker.DeviceOptions",
+    "batch_sampler": "stoker batches by itself: pass batch_size=, and indices= (a subset) or weights= (drawn with "
+                     "replacement) for the samples",
+    "worker_init_fn": "stoker's workers are threads of this process (nothing to initialise); a transform that "
+                      "needs randomness takes rng= (see docs/transforms.md)",
+    "multiprocessing_context": "stoker's workers are threads, not processes: pass num_threads=",
+    "in_order": "stoker hands batches out in order always",
+}
+
+
+#: DataLoader keywords with a stoker meaning: (option value, its field)
+_MAPPED = {
+    "num_workers": ("workers", "num_threads"),   # threads here, not processes; 0 (the main process) is one
+    "persistent_workers": ("workers", "persistent"),
+    "pin_memory": ("workers", "pin_memory"),
+    "timeout": ("workers", "timeout"),
+    "drop_last": ("sampling", "drop_last"),
+    "shuffle": ("sampling", "order"),
+    "collate_fn": ("targets", "collate_fn"),
+}
+#: the Loader's keywords before its options were grouped (0.1): where each lives now
+_MOVED = {**{k: "workers" for k in ("num_threads", "prefetch", "persistent", "on_error", "decode_quality")},
+          **{k: "sampling" for k in ("rank", "world_size", "indices", "weights")},
+          **{k: "storage" for k in ("cache_dir", "cache_limit", "storage_options", "stage")},
+          **{k: "targets" for k in ("boxes", "masks", "ignore_index", "pad", "multi_label", "num_classes",
+                                    "classes")}}
+_CLASS = {"workers": "Workers", "sampling": "Sampling", "storage": "Storage", "targets": "Targets"}
+
+
+def dataloader_keywords(kwargs: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The fields of stoker's option values that DataLoader's keywords in `kwargs` stand for, per option
+    ("sampling", "workers", "targets"). A ConfigError names stoker's argument for a DataLoader keyword
+    stoker has no use for, and the new spelling for a keyword of the Loader before 0.2; TypeError for
+    any other name."""
+    out: dict[str, dict[str, Any]] = {"sampling": {}, "workers": {}, "targets": {}}
+    for name, value in kwargs.items():
+        if name in _MAPPED:
+            group, key = _MAPPED[name]
+            if name == "num_workers":
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ConfigError(f"num_workers must be an int >= 0, got {value!r}; stoker's spelling is "
+                                      f"workers=N (worker threads, not processes)")
+                value = max(value, 1)
+            elif name == "shuffle":
+                value = "random" if value else "sequential"
+            out[group][key] = value
+        elif name == "sampler":
+            if value is not None:
+                for key, v in _from_sampler(value).items():
+                    out["sampling"][key] = v
+        elif name in _REFUSED:
+            raise ConfigError(f"Loader({name}=...) is DataLoader's; {_REFUSED[name]}")
+        elif name in _MOVED:
+            group = _MOVED[name]
+            short = " (or workers=N)" if name == "num_threads" else ""
+            raise ConfigError(f"Loader({name}=...) is now spelled {group}=stoker.{_CLASS[group]}({name}=...){short}: "
+                              f"the Loader's options are grouped into Sampling, Storage, Targets and Workers values")
+        else:
+            raise TypeError(f"Loader() got an unexpected keyword argument {name!r}")
+    return out
+
+
+def _from_sampler(sampler: Any) -> dict[str, Any]:
+    """A torch sampler as stoker's sampling arguments (its own seed replaces the sampler's generator)."""
+    data = torch.utils.data
+    kind = type(sampler).__name__
+    if isinstance(sampler, data.SequentialSampler):
+        return {"order": "sequential"}
+    if isinstance(sampler, data.SubsetRandomSampler):
+        return {"indices": np.asarray(list(sampler.indices), dtype=np.int64)}
+    if isinstance(sampler, data.RandomSampler) and not sampler.replacement and sampler._num_samples is None:
+        return {"order": "random"}
+    if isinstance(sampler, data.WeightedRandomSampler) and sampler.replacement \
+            and sampler.num_samples == len(sampler.weights):
+        return {"weights": sampler.weights.numpy()}
+    if isinstance(sampler, data.distributed.DistributedSampler):
+        raise ConfigError("Loader(sampler=DistributedSampler(...)): each rank reads its own slice by itself; pass "
+                          "rank= and world_size= (taken from torch.distributed by default), and no sampler")
+    raise ConfigError(f"Loader(sampler={kind}(...)) cannot be read as stoker's sampling: pass order='random' or "
+                      f"'sequential', indices= (a subset, shuffled with order='random') or weights= (one per sample, "
+                      f"drawn with replacement each epoch like WeightedRandomSampler)")
+
+
+def check_source(source: Any) -> None:
+    """Refuse, naming the way to read it, a source that is not a path, URL or stoker dataset."""
+    if isinstance(source, torch.utils.data.Dataset):
+        raise ConfigError(f"Loader(source) reads a packed dataset, an image folder or a file list, not a torch "
+                          f"{type(source).__name__}: keep your DataLoader and wrap it, "
+                          f"stoker.prefetch(DataLoader(dataset, ...), 'cuda'), or pack the images once "
+                          f"(stoker pack SRC OUT) and pass OUT")
+    if isinstance(source, (list, tuple)):
+        raise ConfigError(f"Loader(source) takes one location, got a {type(source).__name__} of {len(source)}: "
+                          f"write the paths to a file list (one 'path label' a line) or pack them (stoker pack "
+                          f"LIST OUT) and pass that; for a torch Dataset use stoker.prefetch(DataLoader(...))")
+    if not isinstance(source, (str, Path)) and not hasattr(source, "sample"):
+        raise ConfigError(f"Loader(source) takes a path or URL (packed dataset, image folder, file list), got "
+                          f"{type(source).__name__}")
+
+
+def pinned_labels(labels: np.ndarray, found: Sequence[str] | None, classes: Sequence[str], where: Any
+                  ) -> np.ndarray:
+    """The dataset's integer labels (indices into its class names `found`) as indices into the
+    pinned list `classes`, so a split missing a class keeps every other class's label."""
+    if found is None:
+        raise ConfigError(f"{where}: classes= pins class names, but this dataset has none (its labels are stored "
+                          f"as given); drop classes=")
+    if labels.dtype.kind not in "iu":
+        raise ConfigError(f"{where}: classes= remaps integer class labels; this dataset's labels are "
+                          f"{labels.dtype} values")
+    unknown = [c for c in found if c not in classes]
+    if unknown:
+        raise ConfigError(f"{where}: classes {unknown} are not in the pinned list classes= ({len(classes)} names); "
+                          f"add them, or pack the split without them")
+    position = {name: k for k, name in enumerate(classes)}
+    table = np.array([position[c] for c in found], dtype=labels.dtype)
+    out = labels.copy()
+    known = (labels >= 0) & (labels < len(table))
+    out[known] = table[labels[known]]
+    return out

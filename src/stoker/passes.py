@@ -1,0 +1,357 @@
+"""Passes over the data: the pass/lease protocol between the Loader and its threads.
+
+`Passes` is given the frozen parts of a Loader (`PassParts`: the render spec, the dataset, the
+epoch order, the thread settings) and a `Cursor` it reports progress to; it never reaches back
+into the Loader. Each `begin()` is a whole pass (`PassIter`): the epoch's batches from its start,
+or from where `load_state_dict` put the cursor. A pass started while another is still running gets
+threads and a ring of its own, as a second DataLoader iterator would. A persistent Loader's
+threads (`_Pipeline`) run on into the next epoch, and the next pass leases them when it starts
+exactly where they are.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import numpy as np
+
+from .device import DeviceOptions, DeviceStage, consumer_fence
+from .reader import CachedDataset, Dataset
+from .device_build import DeviceBuilder, batch_extras, run_batch_ops
+from .render import EpochChain, Filler, RenderSpec
+from .slots import BatchRing, Feeder, LoaderStats, Run, Slot
+
+__all__ = ["Cursor", "PassIter", "PassParts", "Passes"]
+
+
+@dataclass(frozen=True)
+class PassParts:
+    """What a pass needs of its Loader, fixed when the Loader is made."""
+
+    spec: RenderSpec
+    dataset: Dataset
+    epoch_indices: Callable[[int], np.ndarray]   # epoch -> this rank's dataset indices, in order
+    epoch_samples: int   # samples of one epoch on this rank
+    batch_size: int
+    num_threads: int
+    prefetch: int
+    timeout: float
+    label_dtype: Any   # numpy dtype of numeric labels, or None
+    pin_memory: bool
+    persistent: bool   # threads run on into the next epoch (never for a dataset in object storage)
+    stats: LoaderStats
+    collate: Callable[[dict[str, list]], Any] | None = None
+
+
+class Cursor:
+    """Where the data stands: the epoch the next pass reads, the samples of it the latest pass
+    yielded, and where `load_state_dict` asks the next pass to start (None: at the epoch's start)."""
+
+    def __init__(self) -> None:
+        self.epoch, self.sample = 0, 0
+        self.resume: int | None = None
+        self.lock = threading.RLock()
+
+    def begin(self) -> tuple[int, int]:
+        """A pass starts: its epoch and first sample (the resume point once, else 0)."""
+        with self.lock:
+            start, self.resume = self.resume or 0, None
+            self.sample = start
+            return self.epoch, start
+
+    def advance(self, epoch: int, sample: int, done: bool) -> None:
+        """A pass of `epoch` has yielded its samples up to `sample`; `done`: the epoch is complete."""
+        with self.lock:
+            if epoch == self.epoch:
+                self.epoch, self.sample = (epoch + 1, 0) if done else (epoch, sample)
+
+    def move(self, epoch: int, sample: int = 0, resume: bool = False) -> None:
+        with self.lock:
+            self.epoch, self.sample = int(epoch), int(sample)
+            self.resume = int(sample) or None if resume else None
+
+
+class Passes:
+    """The Loader's passes: their threads, the batch ring, the device stage and GPU decoder they share."""
+
+    def __init__(self, parts: PassParts, cursor: Cursor) -> None:
+        self.parts, self.cursor = parts, cursor
+        self._ring: BatchRing | None = None
+        self._stage: DeviceStage | None = None  # one copy stream per loader, made on first use
+        self._gpu: Any = None  # the GpuBatchDecoder (decode="gpu")
+        self._live: _Pipeline | None = None  # persistent: the pipeline running on into the next epoch
+        self._iters: weakref.WeakSet[PassIter] = weakref.WeakSet()  # the passes made, while they live
+        self._lock = threading.RLock()  # re-entrant: Ctrl-C inside its with-statement cannot lock us out
+
+    def begin(self, opts: DeviceOptions | None) -> PassIter:
+        """A whole pass of the cursor's epoch (from the resume point `load_state_dict` set, once)."""
+        with self._lock:
+            epoch, start = self.cursor.begin()
+            # a pass still running keeps its threads and its ring: this one gets its own
+            busy = any(it.running for it in list(self._iters))
+            it = PassIter(self, epoch, start, opts, private=busy)
+            self._iters.add(it)
+            return it
+
+    def ring(self, extra: int = 0, private: bool = False) -> BatchRing:
+        """The batch ring: `prefetch` batches being prepared, the one the caller is using and the one
+        its loop variable still holds while the next is fetched (FFCV's `batches_ahead + 2`), plus
+        `extra`. `private`: a ring of its own, for a pass that runs beside another."""
+        p = self.parts
+        h, w = p.spec.output_size
+        n_slots = p.prefetch + 2 + extra
+        if private or self._ring is None or not self._ring.matches(n_slots, p.batch_size, h, w, p.label_dtype,
+                                                                   p.pin_memory):
+            ring = BatchRing(n_slots, p.batch_size, h, w, label_dtype=p.label_dtype, pin_memory=p.pin_memory,
+                             stats=p.stats)
+            if private:
+                return ring
+            self._ring = ring
+        return self._ring
+
+    def stage(self, opts: DeviceOptions) -> DeviceStage:
+        """The DeviceStage: one copy stream per loader, kept across epochs (the CUDA caching
+        allocator pools memory per stream)."""
+        if self._stage is None or self._stage.opts != opts:
+            self._stage = DeviceStage(opts)
+        return self._stage
+
+    def gpu(self, opts: DeviceOptions) -> Any:
+        """The GpuBatchDecoder for decode="gpu", made once (gpu_decode loads only when asked for)."""
+        from .gpu_decode import GpuBatchDecoder, make_decoder
+
+        if self._gpu is None:
+            spec = opts.gpu_decoder
+            decoder = make_decoder(spec, opts.device) if isinstance(spec, str) else spec
+            self._gpu = GpuBatchDecoder(decoder, opts.device)
+        return self._gpu
+
+    def pipeline_for(self, epoch: int, start: int, opts: DeviceOptions | None, private: bool = False
+                     ) -> tuple["_Pipeline", int]:
+        """The pipeline for (epoch, from sample start) and the run batch index it starts at: the
+        persistent one when it is exactly there already, else a new one. `private`: another pass
+        is running; this one gets its own threads and ring and leaves the other's alone."""
+        if private:
+            return _Pipeline(self, epoch, start, opts, persistent=False, private=True), 0
+        live, self._live = self._live, None
+        if live is not None:
+            g = live.find(epoch, start)
+            running = live.run is not None and not live.run.stop_event.is_set() and live.run.alive() > 0
+            if running and live.opts == opts and g is not None and g == live.next_g:
+                live.append(self.parts, epoch + 1)  # keep one epoch ahead
+                self._live = live
+                return live, g
+            live.stop()
+        # a dataset in object storage gives its cache each epoch's order when that epoch starts (the
+        # plan decides what is downloaded and evicted), so its pipelines do not run on into the next
+        pipe = _Pipeline(self, epoch, start, opts, persistent=self.parts.persistent)
+        if pipe.persistent and pipe.run is not None:
+            self._live = pipe
+            weakref.finalize(self, pipe.stop)  # the Passes collected (with its Loader): its threads stop
+        return pipe, 0
+
+    def stop_live(self) -> None:
+        """Stop a persistent pipeline running on (a set_epoch / load_state_dict elsewhere, close)."""
+        live, self._live = self._live, None
+        if live is not None:
+            live.stop()
+
+    def close(self) -> None:
+        """End every pass and stop every thread. Idempotent."""
+        for it in list(self._iters):
+            it.close()
+        self.stop_live()
+        self._ring = None
+        self._stage = self._gpu = None
+
+
+class _Pipeline:
+    """The worker threads (and the device thread) of one or more epochs' batches in a row.
+
+    Run batch g: the batches of (epoch, from `start`) first, then, for a persistent Loader, whole
+    epochs appended one at a time (`append`), so the workers prepare epoch N+1's first batches while
+    the training loop drains epoch N. Every batch comes from its epoch's own Filler: the same batches,
+    bit for bit, as a fresh `iter()` of that epoch would give."""
+
+    def __init__(self, passes: "Passes", epoch: int, start: int, opts: DeviceOptions | None, persistent: bool,
+                 private: bool = False) -> None:
+        self.opts = opts
+        self.persistent = persistent
+        parts = passes.parts
+        spec = parts.spec
+        if opts is not None and opts.decode == "gpu":
+            spec = replace(spec, gpu_decode=True)
+        self.spec = spec
+        self.chain = EpochChain(spec)
+        self.epochs: list[tuple[int, int, int, int]] = []  # (epoch, first run batch, batches, first sample)
+        sizes = self._segment(parts, epoch, start)
+        self.run: Run | None = None
+        self.feeder: Feeder | None = None
+        self.lease = 0  # which iterator holds the pipeline (see _LoaderIter)
+        self.next_g = 0  # the run batch the next iterator starts at (persistent: where the last one ended)
+        if not sizes:
+            return
+        threads = min(parts.num_threads, max(1, sum(sizes)))
+        # with a device stage, one more slot: the one whose copy to the device is in flight
+        ring = passes.ring(extra=0 if opts is None else 1, private=private)
+        self.run = Run(ring, sizes, threads, self.chain.prepare, self.chain.fill, parts.stats.add, parts.timeout,
+                       open_ended=persistent)
+        if opts is not None:
+            stage = passes.stage(opts)
+            decoder = passes.gpu(opts) if spec.gpu_decode else None
+            build = DeviceBuilder(stage, decoder, self.chain, self.run.lock, parts.stats)
+            self.feeder = Feeder(self.run, stage, build, parts.prefetch, parts.timeout)
+        if persistent:
+            self.append(parts, epoch + 1)
+        self._started = False
+
+    def start(self) -> None:
+        """Start the threads (once; call after whoever stops them holds the pipeline, so Ctrl-C landing
+        in between cannot leave threads no one stops)."""
+        if self.run is None or self._started:
+            return
+        self._started = True
+        self.run.start()
+        if self.feeder is not None:
+            self.feeder.start()
+
+    def _segment(self, parts: "PassParts", epoch: int, start: int) -> list[int]:
+        """Batch sizes of `epoch` from its sample `start` on (a resume may start between batches)."""
+        indices = parts.epoch_indices(epoch)
+        if isinstance(parts.dataset, CachedDataset):  # downloads follow the order; done shards make room
+            ahead = (parts.prefetch + 2) * parts.batch_size + parts.num_threads
+            parts.dataset.plan(indices[start:], lookahead=ahead)
+        bs, left = parts.batch_size, max(len(indices) - start, 0)
+        sizes = [min(bs, left - k * bs) for k in range(-(-left // bs))]
+        first = self.epochs[-1][1] + self.epochs[-1][2] if self.epochs else 0
+        self.chain.add(Filler(self.spec, parts.dataset, epoch, indices, start), first)
+        self.epochs.append((epoch, first, len(sizes), start))
+        return sizes
+
+    def append(self, parts: "PassParts", epoch: int) -> None:
+        """Queue the whole of `epoch` after the batches already planned (persistent Loaders)."""
+        assert self.run is not None
+        with self.run.cond:
+            self.run.extend(self._segment(parts, epoch, 0))
+
+    def find(self, epoch: int, start: int) -> int | None:
+        """The run batch index of (epoch, from sample start), if this pipeline has it ahead."""
+        for e, first, n, s0 in self.epochs:
+            k, r = divmod(start - s0, self.spec.batch_size)
+            if e == epoch and r == 0 and 0 <= k < n:
+                return first + k
+        return None
+
+    def stop(self) -> None:
+        if self.run is not None:
+            (self.feeder or self.run).stop(2.0)
+
+
+def _end_lease(pipe: _Pipeline, lease: int, keep: list[bool], last: list[int]) -> None:
+    """An iterator's end (closed, exhausted or dropped): guard the slot of the last batch it handed out
+    (an `images.cuda(non_blocking=True)` may still read it), then stop its pipeline unless it was
+    handed on (`keep`) or another iterator holds it."""
+    if pipe.run is not None and pipe.feeder is None and last[0] >= 0:
+        pipe.run.guard(last[0], consumer_fence())
+    if pipe.lease == lease and not keep[0]:
+        pipe.stop()
+
+
+class PassIter:
+    """One pass over an epoch (from its start, or from where `load_state_dict` put it): the caller's
+    iterator. It reports where the data stands to the `Cursor`; closing it (or dropping it) stops its
+    threads, unless it ran to the end of its epoch in a persistent Loader: the pipeline then goes on
+    with the next epoch."""
+
+    def __init__(self, passes: "Passes", epoch: int, start: int, opts: DeviceOptions | None = None,
+                 private: bool = False) -> None:
+        parts = passes.parts
+        self._parts, self._cursor = parts, passes.cursor
+        self._epoch = epoch
+        bs = parts.batch_size
+        left = max(parts.epoch_samples - start, 0)
+        sizes = [min(bs, left - k * bs) for k in range(-(-left // bs))]
+        self._n = len(sizes)
+        self._start = start   # samples of the epoch before this pass (a resumed pass)
+        self._first_batch = start // bs   # the epoch's batch number of this pass's first batch (batch ops' key)
+        self._ends = np.cumsum(sizes, dtype=np.int64) + start if sizes else np.zeros(0, np.int64)
+        self._b = 0
+        self._closed = False
+        pipe, g0 = passes.pipeline_for(epoch, start, opts, private)
+        self._pipe, self._g0 = pipe, g0
+        self._run, self._feeder = pipe.run, pipe.feeder
+        pipe.lease += 1
+        self._keep = [False]  # set when the epoch ends in a persistent pipeline: hand it on, do not stop it
+        self._last = [-1]  # the run batch handed out last (its slot is guarded at the end)
+        self._finalizer = weakref.finalize(self, _end_lease, pipe, pipe.lease, self._keep, self._last)
+        pipe.start()
+
+    @property
+    def running(self) -> bool:
+        """Whether this pass still has batches to hand out and has not been closed."""
+        return not self._closed and self._b < self._n
+
+    def __iter__(self) -> "PassIter":
+        return self
+
+    def __next__(self) -> tuple:
+        if self._closed or self._run is None or self._b >= self._n:
+            self.close()
+            raise StopIteration
+        parts = self._parts
+        t0 = time.perf_counter()
+        g = self._g0 + self._b
+        try:
+            if self._feeder is not None:
+                batch = self._feeder.get(g)
+            else:
+                # the yielded batch is a pinned ring slot the caller may have copied asynchronously
+                # (`images.cuda(non_blocking=True)`): its refill waits for that copy (Slot.guard)
+                slot = self._run.next_batch(g, consumer_fence() if self._b else None)
+                self._last[0] = g
+        except BaseException:  # SampleError, timeout, Ctrl-C: stop the threads before propagating
+            self.close()
+            raise
+        parts.stats.consumer_wait_s += time.perf_counter() - t0
+        parts.stats.batches += 1
+        self._b += 1
+        if self._b == self._n:  # the whole epoch was read (even if this iterator is then dropped, not
+            # exhausted): a persistent pipeline goes on into the next one
+            self._keep[0] = self._pipe.persistent
+            self._pipe.next_g = g + 1
+        self._cursor.advance(self._epoch, int(self._ends[self._b - 1]), self._b == self._n)
+        out = batch if self._feeder is not None else self._batch(slot)
+        if parts.collate is not None:   # the user's batching of the extra columns, on this (their) thread
+            out = (*out[:2], parts.collate(out[2]))
+        return out
+
+    def _batch(self, slot: Slot) -> tuple:
+        """The caller's batch: images a [B, 3, H, W] view of the slot (channels_last strides, no copy;
+        the slot is refilled only once nothing references it), labels and extras fresh objects."""
+        n = slot.size
+        images: Any = slot.images if n == slot.images.shape[0] else slot.images[:n]
+        spec = self._parts.spec
+        if slot.labels is not None:
+            labels: Any = slot.labels[:n].clone()
+        else:
+            encode = spec.multi_label
+            labels = list(slot.objects[:n]) if encode is None else encode(slot.objects[:n])
+        if spec.pipeline.batch is not None:  # no device stage: the batch ops run here, on the CPU
+            images, labels = run_batch_ops(spec, images, labels, self._epoch, self._first_batch + self._b - 1)
+        else:
+            images = images.permute(0, 3, 1, 2)
+        if slot.extras:   # extra columns, and the sizes of padded images
+            return images, labels, batch_extras(slot)
+        return images, labels
+
+    def close(self) -> None:
+        """Stop the worker threads (prompt: they check a stop flag at least every 0.1 s); a persistent
+        Loader's pipeline whose epoch was read to the end keeps running into the next one instead.
+        The slot of the last batch yielded is guarded by the GPU work queued so far (the ring outlives
+        this iterator)."""
+        self._closed = True
+        self._finalizer()

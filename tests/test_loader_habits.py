@@ -1,0 +1,95 @@
+"""DataLoader habits: its keywords map to stoker's meaning or are refused naming stoker's argument,
+sources stoker cannot read say how to read them, and classes= pins the labels of a split."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils import data
+
+from conftest import make_image_folder
+from stoker.errors import ConfigError
+from stoker.loader import Loader
+from stoker.reader import open_loose
+from stoker.transforms import Resize
+from stoker.options import Targets
+
+SIZE = [Resize((16, 16))]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_image_folder(tmp_path_factory.mktemp("habits") / "train", n_per_class=3)
+
+
+def labels_of(loader: Loader) -> list[int]:
+    return torch.cat([y for _, y in loader]).tolist()
+
+
+def test_samplers_map_to_stokers_sampling(folder: Path) -> None:
+    n = 9
+    seq = Loader(folder, 4, transforms=SIZE, sampler=data.SequentialSampler(range(n)))
+    assert seq.order == "sequential" and labels_of(seq) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert Loader(folder, 4, transforms=SIZE, sampler=data.RandomSampler(range(n))).order == "random"
+    with pytest.raises(ConfigError, match="pass the order once"):
+        Loader(folder, 4, transforms=SIZE, order="sequential", sampler=data.RandomSampler(range(n)))
+    subset = Loader(folder, 4, transforms=SIZE, sampler=data.SubsetRandomSampler([0, 1, 8]))
+    assert sorted(labels_of(subset)) == [0, 0, 2] and len(subset) == 1
+    weighted = Loader(folder, 4, transforms=SIZE, sampler=data.WeightedRandomSampler([0.0] * 6 + [1.0] * 3, n))
+    assert labels_of(weighted) == [2] * n   # only the weighted class is drawn, with replacement
+    persistent = Loader(folder, 4, transforms=SIZE, persistent_workers=True)
+    assert persistent.persistent
+    persistent.close()
+
+
+@pytest.mark.parametrize("kwargs, names", [
+    ({"sampler": data.distributed.DistributedSampler(range(9), num_replicas=2, rank=0)}, "rank= and world_size="),
+    ({"sampler": data.RandomSampler(range(9), replacement=True)}, "weights="),
+    ({"prefetch_factor": 4}, "prefetch="),
+    ({"generator": torch.Generator()}, "seed="),
+    ({"pin_memory_device": "cuda"}, "device="),
+    ({"batch_sampler": None}, "indices="),
+    ({"worker_init_fn": print}, "rng="),
+    ({"multiprocessing_context": "spawn"}, "num_threads="),
+])
+def test_dataloader_keywords_stoker_has_no_use_for_name_stokers_argument(folder: Path, kwargs: dict,
+                                                                         names: str) -> None:
+    with pytest.raises(ConfigError, match=names):
+        Loader(folder, 4, transforms=SIZE, **kwargs)
+
+
+def test_an_unknown_keyword_is_a_type_error(folder: Path) -> None:
+    with pytest.raises(TypeError, match="batchsize"):
+        Loader(folder, 4, transforms=SIZE, batchsize=3)
+
+
+def test_torch_datasets_and_lists_of_paths_say_how_to_read_them(folder: Path) -> None:
+    class Images(data.Dataset):
+        def __len__(self) -> int:
+            return 3
+
+        def __getitem__(self, i: int):
+            return torch.zeros(3, 8, 8), 0
+
+    for source in (Images(), data.Subset(Images(), [0, 1])):
+        with pytest.raises(ConfigError, match=r"stoker\.prefetch\(DataLoader") as info:
+            Loader(source, 4)
+        assert "stoker pack" in str(info.value)
+    with pytest.raises(ConfigError, match="stoker pack"):
+        Loader(sorted(str(p) for p in folder.rglob("*.jpg")), 4)
+
+
+def test_pinned_classes_keep_labels_when_a_split_lacks_a_class(tmp_path: Path) -> None:
+    classes = ["cat", "dog", "eel"]
+    val = make_image_folder(tmp_path / "val", n_per_class=2, classes=("cat", "eel"))
+    assert open_loose(val).class_to_idx == {"cat": 0, "eel": 1}   # the folder alone shifts eel
+    loader = Loader(val, 4, transforms=SIZE, order="sequential", targets=Targets(classes=classes))
+    assert labels_of(loader) == [0, 0, 2, 2]
+    assert loader.class_to_idx == {"cat": 0, "dog": 1, "eel": 2} and loader.classes == classes
+    with pytest.raises(ConfigError, match=r"\['eel'\] are not in the pinned list"):
+        Loader(val, 4, transforms=SIZE, targets=Targets(classes=["cat", "dog"]))
+    with pytest.raises(ConfigError, match="distinct class names"):
+        Loader(val, 4, transforms=SIZE, targets=Targets(classes="cat"))
