@@ -108,4 +108,4 @@ def test_default_threads_share_the_cpus_among_torchrun_ranks(packed: Path, monke
     assert Loader(packed, batch_size=4, transforms=TRAIN).num_threads == 1
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert Loader(packed, batch_size=4, transforms=TRAIN).num_threads == 8
-    assert Loader(packed, batch_size=4, transforms=TRAIN, num_threads=3).num_threads == 3   # an explicit count is kept
+    assert Loader(packed, batch_size=4, transforms=TRAIN, workers=3).num_threads == 3   # an explicit count is kept

@@ -205,5 +205,5 @@ def test_a_save_to_disk_folder_is_named_as_one(tmp_path: Path, capsys: pytest.Ca
     # the Loader reads it as it reads any unpacked source
     loader = stoker.Loader(tmp_path / "saved", batch_size=2, transforms=[stoker.RandomResizedCrop(16)], seed=0)
     images, labels = next(iter(loader))
-    assert tuple(images.shape) == (2, 16, 16, 3) and sorted(labels.tolist()) == [0, 1]
+    assert tuple(images.shape) == (2, 3, 16, 16) and sorted(labels.tolist()) == [0, 1]
     loader.close()

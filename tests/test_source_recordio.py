@@ -122,11 +122,11 @@ def test_cli_pack_info_verify_and_loader_with_labels(tmp_path: Path, capsys: pyt
     assert main(["info", str(out)]) == 0
     assert "RecordIO" in capsys.readouterr().out
     assert main(["verify", str(out), "--decode"]) == 0
-    with Loader(out, 6, transforms=[Resize((16, 16))], order="sequential", num_threads=1) as loader:
+    with Loader(out, 6, transforms=[Resize((16, 16))], order="sequential", workers=1) as loader:
         (images, labels), = list(loader)
     assert images.shape[0] == 6 and labels.tolist() == [0, 1, 2, 1, 0, 2]
     assert main(["pack", str(FIXTURE / "vector.rec"), str(soft), "--no-progress"]) == 0
-    with Loader(soft, 3, transforms=[Resize((16, 16))], order="sequential", num_threads=1) as loader:
+    with Loader(soft, 3, transforms=[Resize((16, 16))], order="sequential", workers=1) as loader:
         (_, targets), = list(loader)
     assert targets.dtype == torch.float32 and torch.equal(targets, torch.tensor(
         [e["label"] for e in EXPECTED["vector"].values()], dtype=torch.float32))
@@ -320,9 +320,9 @@ def test_idx_catches_a_length_that_lands_on_a_later_header(tmp_path: Path) -> No
 
 def test_loader_reads_a_rec_file_without_packing() -> None:
     with Loader(FIXTURE / "faces" / "train.rec", 6, transforms=[Resize((16, 16))], order="sequential",
-                num_threads=1) as loader:
+                workers=1) as loader:
         (images, labels), = list(loader)
-    assert images.shape == (6, 16, 16, 3) and labels.tolist() == [0, 0, 0, 1, 1, 2]
+    assert images.shape == (6, 3, 16, 16) and labels.tolist() == [0, 0, 0, 1, 1, 2]
 
 
 _MAGIC_HEAVY = st.lists(st.sampled_from([MAGIC_BYTES, b"\x0a", b"\x23\xd7", b"\xce", b"\0", b"jpeg"]),

@@ -12,6 +12,7 @@ import torch
 
 from stoker.errors import ConfigError
 from stoker.loader import Loader
+from stoker.options import Targets
 from stoker.packing import PackOptions, pack
 from stoker.transforms import Normalize, Pipeline, Resize
 from stoker.transforms.gpu import BatchAugment
@@ -105,8 +106,8 @@ def epoch(loader: Loader) -> tuple[list[torch.Tensor], list[np.ndarray]]:
 
 @pytest.mark.parametrize("op", [Invert(), BatchInvert()], ids=["per-sample", "batch"])
 def test_a_colour_op_declared_in_its_class_runs_with_boxes_kept(packed: Path, op) -> None:
-    plain = Loader(packed, 3, transforms=[Resize((48, 64))], boxes="boxes", seed=2, num_threads=1)
-    inverted = Loader(packed, 3, transforms=[Resize((48, 64)), op], boxes="boxes", seed=2, num_threads=1)
+    plain = Loader(packed, 3, transforms=[Resize((48, 64))], targets=Targets(boxes="boxes"), seed=2, workers=1)
+    inverted = Loader(packed, 3, transforms=[Resize((48, 64)), op], targets=Targets(boxes="boxes"), seed=2, workers=1)
     (x0, b0), (x1, b1) = epoch(plain), epoch(inverted)
     assert len(x1) == 2 and all(torch.equal(a, 255 - b) for a, b in zip(x0, x1))
     assert len(b1) == 6 and all(np.array_equal(a, b) for a, b in zip(b0, b1))
@@ -115,12 +116,12 @@ def test_a_colour_op_declared_in_its_class_runs_with_boxes_kept(packed: Path, op
 
 def test_ops_that_move_pixels_or_do_not_say_are_refused_with_boxes(packed: Path) -> None:
     with pytest.raises(ConfigError, match="Shift would move pixels"):
-        Loader(packed, 3, transforms=[Resize((48, 64)), Shift()], boxes="boxes")
+        Loader(packed, 3, transforms=[Resize((48, 64)), Shift()], targets=Targets(boxes="boxes"))
     def roll(img: np.ndarray) -> np.ndarray:
         return np.roll(img, 1)
 
     with pytest.raises(ConfigError, match="roll would move pixels.*moves_pixels = False"):   # undeclared
-        Loader(packed, 3, transforms=[Resize((48, 64)), roll], boxes="boxes")
+        Loader(packed, 3, transforms=[Resize((48, 64)), roll], targets=Targets(boxes="boxes"))
     pipe = Pipeline([Resize(8), Invert(), TopHalf()])   # planned geometry after a callable: not planned
     assert pipe.pixel_movers() == ["TopHalf"]
 

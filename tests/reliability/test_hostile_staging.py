@@ -89,9 +89,9 @@ def test_loader_copy_released_without_close(small_pack: Path, tmp_path: Path, en
     root = tmp_path / "shm"
     code = f"""
 from pathlib import Path
-from stoker import Loader
+from stoker import Loader, Storage
 root = Path({str(root)!r})
-loader = Loader({str(small_pack)!r}, 4, stage=root)
+loader = Loader({str(small_pack)!r}, 4, storage=Storage(stage=root))
 next(iter(loader))
 assert len(list(root.iterdir())) == 1
 {ending}

@@ -75,17 +75,17 @@ def test_loading_a_large_packed_image_decodes_only_what_the_crop_needs(tmp_path:
     pack(tmp_path / "src", tmp_path / "packed", options=PackOptions(workers=1), progress=False)
     code = f"""
 import gc, resource
-from stoker import Loader, RandomResizedCrop
+from stoker import Loader, RandomResizedCrop, Sampling
 from stoker.reader import open_dataset
 with open_dataset({str(tmp_path / "packed")!r}) as ds:
     big = [i for i in range(len(ds)) if ds.heights[i] == {SIDE}]
     small = [i for i in range(len(ds)) if ds.heights[i] != {SIDE}]
-warm = Loader({str(tmp_path / "packed")!r}, 1, transforms=[RandomResizedCrop(224)], num_threads=1, indices=small)
+warm = Loader({str(tmp_path / "packed")!r}, 1, transforms=[RandomResizedCrop(224)], workers=1, sampling=Sampling(indices=small))
 next(iter(warm)); warm.close(); gc.collect()
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 for seed in range(4):
-    loader = Loader({str(tmp_path / "packed")!r}, 1, transforms=[RandomResizedCrop(224)], num_threads=1,
-                    indices=big, seed=seed)
+    loader = Loader({str(tmp_path / "packed")!r}, 1, transforms=[RandomResizedCrop(224)], workers=1,
+                    sampling=Sampling(indices=big), seed=seed)
     next(iter(loader)); loader.close()
 print("GREW", (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)
 """
