@@ -584,7 +584,7 @@ class _Pipeline:
         indices = loader.epoch_indices(epoch)
         if isinstance(loader.dataset, CachedDataset):  # downloads follow the order; done shards make room
             ahead = (loader.prefetch + 2) * loader.batch_size + loader.num_threads
-            loader.dataset.plan(indices[start:], lookahead=ahead)
+            loader.dataset.plan(indices[start:], lookahead=ahead, order=loader.order)
         bs, left = loader.batch_size, max(len(indices) - start, 0)
         sizes = [min(bs, left - k * bs) for k in range(-(-left // bs))]
         first = self.epochs[-1][1] + self.epochs[-1][2] if self.epochs else 0

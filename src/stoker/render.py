@@ -30,7 +30,7 @@ import numpy as np
 from ._torch import torch
 from . import codecs
 from .device import DeviceStage, convert
-from .errors import DatasetError, SampleError, UserTransformError
+from .errors import DatasetError, OutputError, SampleError, UserTransformError
 from .gpu_decode import GpuJob
 from .labels import MultiLabel
 from .order import TAG_DRAW, replacement_index, sample_keys, uniforms
@@ -198,6 +198,8 @@ class Filler:
                     slot.extras[c][row] = self._label_map(idx, c, geo, row)
         except UserTransformError as exc:  # a bug in the user's code: no data fix, never skipped
             raise self.transform_error(idx, exc) from (exc.__cause__ or exc)
+        except OutputError:  # the machine's problem (the shard cache's disk is full), not this sample's
+            raise
         except Exception as exc:
             if self.on_error == "raise":
                 raise self.sample_error(idx, exc) from exc
@@ -325,6 +327,8 @@ class Filler:
                 maps = {c: self._label_map(r, c, geo, 0) for c in self.spec.label_map_columns}
             except UserTransformError as exc:
                 raise self.transform_error(r, exc) from (exc.__cause__ or exc)
+            except OutputError:
+                raise
             except Exception:
                 continue
             if slot.labels_np is not None:
@@ -368,9 +372,11 @@ class Filler:
     def sample_error(self, idx: int, exc: BaseException, extra: str = "") -> SampleError:
         key, shard, row = self._describe(idx, exc)
         notes = "".join(f" ({n})" for n in getattr(exc, "__notes__", ()))  # e.g. which transform raised it
+        fix = ("Re-pack to drop the failing samples" if self.on_error == "skip" else
+               "Pass on_error='skip' to replace failing samples, or re-pack to drop them")
         return SampleError(f"sample {key!r} (shard {shard}, row {row}, index {idx}) failed: "
-                           f"{type(exc).__name__}: {exc}{notes}{extra}. Pass on_error='skip' to replace failing "
-                           f"samples, or re-pack to drop them", key=key, shard=shard, row=row, index=idx)
+                           f"{type(exc).__name__}: {exc}{notes}{extra}. {fix}", key=key, shard=shard,
+                           row=row, index=idx)
 
 
 class EpochChain:

@@ -30,6 +30,7 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._system import format_bytes
 from ..errors import ConfigError, DatasetError, LoaderTimeoutError, ShardError
 from ..shards import MANIFEST_NAME, read_manifest
 
@@ -198,7 +199,7 @@ def stage(source: str | Path, dest: str | Path, *, persistent: bool = True, time
             need = sum(s.bytes for s in manifest.shards)
             free = shutil.disk_usage(dest).free
             if need > free:
-                raise ConfigError(f"{dest}: the dataset needs {need / 1e9:.2f} GB, only {free / 1e9:.2f} GB are free "
+                raise ConfigError(f"{dest}: the dataset needs {format_bytes(need)}, only {format_bytes(free)} are free "
                                   f"there; free memory, or stage to a bigger file system")
             _write_mark(dest, {"source": str(src.resolve()), "manifest_sha256": src_sha, "complete": False,
                                "persistent": persistent, "host": socket.gethostname(), "started": time.time()})
