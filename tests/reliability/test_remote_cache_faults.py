@@ -133,11 +133,9 @@ def test_two_jobs_sharing_a_cache_folder_do_not_evict_each_other(s3: S3Server, u
     sizes = sorted(f.stat().st_size for f in packed.glob("shard-*.arrow"))
     limit = sum(sizes[-12:])  # half the dataset: every job evicts all the time
     cache = tmp_path / "shared-cache"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2] / "src"),
-                                                        os.environ.get("PYTHONPATH", "")])}
     jobs = [subprocess.Popen([sys.executable, "-c", _SHARING_JOB, url, json.dumps(s3.storage_options()), str(cache),
                               str(limit), "4", str(seed)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=env) for seed in (1, 2, 3)]
+                             text=True) for seed in (1, 2, 3)]
     failures = []
     for job in jobs:
         try:
