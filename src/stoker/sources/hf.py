@@ -107,7 +107,7 @@ class _Table:
                 self._pf = pq.ParquetFile(path)
                 self.schema = self._pf.schema_arrow
                 meta = self._pf.metadata
-                counts = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+                counts = _row_group_rows(meta, path)
                 self._starts = [0]
                 for c in counts:
                     self._starts.append(self._starts[-1] + c)
@@ -124,7 +124,11 @@ class _Table:
     def columns(self, names: list[str]) -> pa.Table:
         if self._arrow is not None:
             return self._arrow.select(names)
-        return self._pf.read(columns=names)
+        table = self._pf.read(columns=names)
+        if table.num_rows != self.num_rows:
+            raise SourceError(f"{self.path}: columns {names} hold {table.num_rows} rows, the row groups declare "
+                              f"{self.num_rows}; the file is damaged or forged: write it again", path=self.path)
+        return table
 
     def missing_images(self, column: str) -> dict[int, str | None]:
         """Rows whose image has no bytes -> their ``path`` (or None). Reads no image bytes where
@@ -165,6 +169,10 @@ class _Table:
                 except (OSError, pa.ArrowException) as exc:
                     raise OSError(f"cannot read row group {group} of {self.path}: {exc}") from None
                 array = table.column(0).combine_chunks()
+                declared = self._starts[group + 1] - self._starts[group]
+                if len(array) != declared:   # labels were listed by the declared counts: never pair them wrongly
+                    raise OSError(f"row group {group} of {self.path} declares {declared} rows but its image "
+                                  f"column holds {len(array)}; the file is damaged, write it again")
                 if pa.types.is_struct(array.type):   # keep the bytes child: no struct scalar per row
                     array = array.field("bytes")
                 self._groups[group] = array
@@ -172,6 +180,25 @@ class _Table:
             while len(self._groups) > KEEP_ROW_GROUPS:
                 self._groups.popitem(last=False)
         return _bytes_of(array[offset - self._starts[group]], self.path, offset)
+
+
+def _row_group_rows(meta: Any, path: Path) -> list[int]:
+    """Rows per row group, checked against what each flat column chunk says it holds: labels and
+    images are read separately, so a forged count would pair images with other rows' labels."""
+    counts = []
+    for g in range(meta.num_row_groups):
+        rg = meta.row_group(g)
+        for j in range(rg.num_columns):
+            chunk = rg.column(j)
+            if meta.schema.column(j).max_repetition_level == 0 and chunk.num_values != rg.num_rows:
+                raise SourceError(f"{path}: row group {g} declares {rg.num_rows} rows but its column "
+                                  f"{chunk.path_in_schema!r} holds {chunk.num_values} values; the file is damaged "
+                                  "or forged: write it again (e.g. with pyarrow.parquet.write_table)", path=path)
+        counts.append(rg.num_rows)
+    if sum(counts) != meta.num_rows:
+        raise SourceError(f"{path}: its row groups hold {sum(counts)} rows, its footer says {meta.num_rows}; the "
+                          "file is damaged or forged: write it again", path=path)
+    return counts
 
 
 def _struct_field(t: pa.DataType) -> bool:
