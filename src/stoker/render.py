@@ -30,7 +30,7 @@ import numpy as np
 from ._torch import torch
 from . import codecs
 from .device import DeviceStage, convert
-from .errors import DatasetError, OutputError, SampleError, UserTransformError
+from .errors import DatasetError, ImageError, OutputError, SampleError, UserTransformError
 from .gpu_decode import GpuJob
 from .labels import MultiLabel
 from .order import TAG_DRAW, replacement_index, sample_keys, uniforms
@@ -171,7 +171,10 @@ class Filler:
         data = self.ds.extra(idx, column)
         if data is None:
             raise ValueError(f"no label map in column {column!r}")
-        ids = codecs.decode_label_map(data, f"label map {column!r}")
+        try:
+            ids = codecs.decode_label_map(data, f"label map {column!r}")
+        except ImageError as exc:  # the sample's key, not the column's name, is what the error must name
+            raise ValueError(f"its label map {column!r}: {exc.reason}; re-pack the dataset") from None
         if ids.shape != (self.heights[idx], self.widths[idx]):
             raise ValueError(f"label map {column!r} is {ids.shape[1]}x{ids.shape[0]}, the image "
                              f"{self.widths[idx]}x{self.heights[idx]}; re-pack the dataset")

@@ -128,3 +128,63 @@ def test_weights_whose_sum_overflows_still_draw_by_their_proportions() -> None:
     assert counts[3] == 0 and min(counts[:3]) > 200
     with pytest.raises(ConfigError, match=r"weights\[2\] = inf"):
         make_pool(4, weights=[1.0, 1.0, float("inf"), 1.0])
+
+
+# ---------------------------------------------------------------- item 14: truncated label maps
+
+def _segmentation_folder(root: Path, n: int = 4) -> Path:
+    from PIL import Image
+    rng = np.random.default_rng(3)
+    for i in range(n):
+        (root / "images").mkdir(parents=True, exist_ok=True)
+        (root / "masks").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(smooth_rgb(rng, 64, 80)).save(root / "images" / f"{i:03d}.png")
+        Image.fromarray(rng.integers(0, 5, (64, 80), dtype=np.uint8)).save(root / "masks" / f"{i:03d}.png")
+    return root
+
+
+def test_truncated_label_map_is_skipped_at_pack_and_named_by_verify_and_loader(tmp_path: Path) -> None:
+    from stoker import Loader, verify
+    from stoker.errors import SampleError
+    src = _segmentation_folder(tmp_path / "ade")
+    mask = src / "masks" / "002.png"
+    mask.write_bytes(mask.read_bytes()[:-300])  # header and first rows intact, the rest cut off
+    out = tmp_path / "out"
+    summary = pack(src, out, options=ONE_WORKER, progress=False)
+    assert summary.packed == 3 and summary.skipped == 1
+    assert str(mask) in next(iter(skipped(out).values()))
+    # a dataset packed before this check, holding the truncated map: verify --decode names the sample
+    good = tmp_path / "good"
+    src2 = _segmentation_folder(tmp_path / "ade2")
+    pack(src2, good, options=ONE_WORKER, progress=False)
+    from stoker.shards import read_manifest
+    from stoker.storage import LocalStorage
+    import pyarrow as pa
+    manifest = read_manifest(LocalStorage(good))
+    shard = good / manifest.shards[0].file
+    table = pa.ipc.open_file(pa.BufferReader(shard.read_bytes())).read_all()
+    maps = table.column("mask").to_pylist()
+    row = table.column("key").to_pylist().index("images/002.png")
+    maps[row] = maps[row][:-300]
+    table = table.set_column(table.schema.get_field_index("mask"), "mask", pa.array(maps, table.schema.field("mask").type))
+    with pa.OSFile(str(shard), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    _rewrite_checksums(good, table)
+    report = verify(good, decode=True)
+    assert not report.ok and "images/002.png" in report.format() and "label map 'mask'" in report.format()
+    with Loader(good, 4, masks="mask", order="sequential", num_threads=1) as loader, \
+            pytest.raises(SampleError) as caught:
+        list(loader)
+    assert caught.value.key == "images/002.png" and "label map 'mask'" in str(caught.value)
+
+
+def _rewrite_checksums(out: Path, table) -> None:
+    """Make the manifest agree with an edited shard 0 (as a forger would), so only decoding can tell."""
+    import hashlib
+    from stoker.shards import columns_digest
+    manifest = json.loads((out / "stoker.json").read_text())
+    shard = manifest["shards"][0]
+    data = (out / shard["file"]).read_bytes()
+    shard.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest(),
+                 columns_sha256=columns_digest(table.combine_chunks().to_batches()))
+    (out / "stoker.json").write_text(json.dumps(manifest))
