@@ -188,3 +188,142 @@ def _rewrite_checksums(out: Path, table) -> None:
     shard.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest(),
                  columns_sha256=columns_digest(table.combine_chunks().to_batches()))
     (out / "stoker.json").write_text(json.dumps(manifest))
+
+
+# ---------------------------------------------------------------- item 15: labels outside the class list
+
+def _hf_parquet(path: Path, labels: list, names: list) -> Path:
+    datasets = pytest.importorskip("datasets")
+    feats = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=names)})
+    imgs = photos(len(labels))
+    ds = datasets.Dataset.from_dict({"image": [{"bytes": b, "path": None} for b in imgs], "label": labels},
+                                    features=feats)
+    ds.to_parquet(str(path))
+    return path
+
+
+def test_hf_no_label_minus_one_is_skipped_and_the_pack_opens(tmp_path: Path) -> None:
+    src = _hf_parquet(tmp_path / "train.parquet", [0, -1, 1, 2, -1, 1], ["cat", "dog", "fox"])
+    summary = pack(src, tmp_path / "out", options=ONE_WORKER, progress=False)
+    assert summary.packed == 4 and summary.skipped == 2
+    assert all("-1" in reason and "no label" in reason for reason in skipped(tmp_path / "out").values())
+    with open_dataset(tmp_path / "out") as ds:
+        assert sorted(ds.labels.tolist()) == [0, 1, 1, 2] and ds.classes == ["cat", "dog", "fox"]
+    everything_unlabelled = _hf_parquet(tmp_path / "test.parquet", [-1, -1], ["cat", "dog"])
+    with pytest.raises(SourceError, match="label_column=None"):
+        pack(everything_unlabelled, tmp_path / "out2", options=ONE_WORKER, progress=False)
+
+
+def test_labels_past_the_class_list_fail_the_pack_naming_the_sample(tmp_path: Path) -> None:
+    h5py = pytest.importorskip("h5py")
+    imgs = photos(3)
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        dt = h5py.vlen_dtype(np.dtype("uint8"))
+        images = f.create_dataset("images", (3,), dtype=dt)
+        for i, b in enumerate(imgs):
+            images[i] = np.frombuffer(b, np.uint8)
+        f.create_dataset("labels", data=np.array([0, 1, 3]))
+        f.attrs["classes"] = ["a", "b"]   # shorter than the labels say
+    with pytest.raises(SourceError, match=r"label 3, but the class list names only 2 classes") as caught:
+        pack(tmp_path / "d.h5", tmp_path / "out", options=ONE_WORKER, progress=False)
+    assert "/2" in str(caught.value) or "d.h5" in str(caught.value)
+    assert not (tmp_path / "out" / "stoker.json").exists()
+
+
+def test_non_text_class_names_become_text(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    features = {"image": {"_type": "Image"}, "label": {"_type": "ClassLabel", "names": [7, 9]}}
+    table = pa.table({"image": pa.array([{"bytes": b, "path": None} for b in photos(2)]), "label": [0, 1]})
+    table = table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})})
+    pq.write_table(table, tmp_path / "train.parquet")
+    pack(tmp_path / "train.parquet", tmp_path / "out", options=ONE_WORKER, progress=False)
+    with open_dataset(tmp_path / "out") as ds:
+        assert ds.classes == ["7", "9"] and ds.labels.tolist() == [0, 1]
+    features["label"]["names"] = [{"a": 1}, "b"]
+    table = table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})})
+    pq.write_table(table, tmp_path / "bad.parquet")
+    with pytest.raises(SourceError, match="class name 0"):
+        pack(tmp_path / "bad.parquet", tmp_path / "out2", options=ONE_WORKER, progress=False)
+
+
+# ---------------------------------------------------------------- item 19: extras named like built-in columns
+
+def test_img2dataset_webdataset_shards_pack_with_their_json(tmp_path: Path) -> None:
+    wds = pytest.importorskip("webdataset")
+    imgs = photos(3)
+    with wds.TarWriter(str(tmp_path / "00000.tar")) as sink:
+        for i, b in enumerate(imgs):  # img2dataset's layout: jpg, txt caption, json with key/width/height
+            meta = {"url": f"http://example.com/{i}.jpg", "caption": f"photo {i}", "key": f"{i:09d}",
+                    "status": "success", "width": 48, "height": 40, "original_width": 480, "original_height": 400,
+                    "exif": "{}", "sha256": "0" * 64}
+            sink.write({"__key__": f"{i:09d}", "jpg": b, "txt": f"photo {i}", "json": json.dumps(meta).encode()})
+    out = tmp_path / "out"
+    pack(tmp_path / "00000.tar", out, options=ONE_WORKER, progress=False, label_column=None)
+    with open_dataset(out) as ds:
+        extras = ds.manifest.extra_columns
+        assert {"source_key", "source_width", "source_height", "url", "caption"} <= set(extras)
+        assert ds.extra(0, "source_key") == "000000000" and ds.extra(0, "source_width") == 48
+    pack(tmp_path / "00000.tar", tmp_path / "few", options=ONE_WORKER, progress=False, label_column=None,
+         columns=["caption", "source_width"])
+    with open_dataset(tmp_path / "few") as ds:
+        assert ds.manifest.extra_columns == {"caption": "string", "source_width": "int64"}
+    with pytest.raises(SourceError, match="no extra column"):
+        pack(tmp_path / "00000.tar", tmp_path / "bad", options=ONE_WORKER, progress=False, columns=["nope"])
+
+
+def test_tfrecord_tutorial_layout_packs(tmp_path: Path) -> None:
+    tfrecord = pytest.importorskip("tfrecord")
+    imgs = photos(3)
+    path = tmp_path / "images.tfrecords"
+    writer = tfrecord.TFRecordWriter(str(path))
+    for i, b in enumerate(imgs):  # tensorflow.org's TFRecord tutorial: height, width, depth, label, image_raw
+        writer.write({"height": (40, "int"), "width": (48, "int"), "depth": (3, "int"), "label": (i % 2, "int"),
+                      "image_raw": (b, "byte")})
+    writer.close()
+    out = tmp_path / "out"
+    pack(path, out, options=ONE_WORKER, progress=False, image_column="image_raw")
+    with open_dataset(out) as ds:
+        assert ds.labels.tolist() == [0, 1, 0]
+        assert {"source_height", "source_width", "depth"} <= set(ds.manifest.extra_columns)
+
+
+def test_hf_parquet_with_width_and_height_columns_packs(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    imgs = photos(3)
+    table = pa.table({"image": pa.array([{"bytes": b, "path": None} for b in imgs]), "label": [0, 1, 0],
+                      "width": [480, 640, 320], "height": [400, 480, 240], "caption": ["a", "b", "c"]})
+    pq.write_table(table, tmp_path / "train.parquet")
+    pack(tmp_path / "train.parquet", tmp_path / "out", options=ONE_WORKER, progress=False)
+    with open_dataset(tmp_path / "out") as ds:
+        assert ds.heights.tolist() == [40, 40, 40]  # the stored images' sizes
+        assert [ds.extra(i, "source_width") for i in range(3)] == [480, 640, 320]
+
+
+# ---------------------------------------------------------------- item 18: integers above int64
+
+def test_integers_above_int64_in_extras_and_labels(tmp_path: Path) -> None:
+    imgs = photos(3)
+    (tmp_path / "img").mkdir()
+    for i, b in enumerate(imgs):
+        (tmp_path / "img" / f"{i}.jpg").write_bytes(b)
+    (tmp_path / "list.csv").write_text("path,label,id\n" + "".join(
+        f"img/{i}.jpg,{i % 2},{2**70 + i if i == 1 else i}\n" for i in range(3)))
+    pack(tmp_path / "list.csv", tmp_path / "out", options=ONE_WORKER, progress=False)
+    with open_dataset(tmp_path / "out") as ds:
+        assert [ds.extra(i, "id") for i in range(3)] == ["0", str(2**70 + 1), "2"]
+    wds = pytest.importorskip("webdataset")
+    with wds.TarWriter(str(tmp_path / "s.tar")) as sink:
+        for i, b in enumerate(imgs):
+            sink.write({"__key__": f"{i:04d}", "jpg": b, "cls": i % 2,
+                        "json": json.dumps({"big": 2**64 if i == 2 else i}).encode()})
+    pack(tmp_path / "s.tar", tmp_path / "out2", options=ONE_WORKER, progress=False)
+    with open_dataset(tmp_path / "out2") as ds:
+        assert ds.extra(2, "big") == str(2**64)
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    table = pa.table({"image": pa.array(imgs, pa.binary()), "label": pa.array([0, 2**63 + 5, 1], pa.uint64())})
+    pq.write_table(table, tmp_path / "u64.parquet")
+    summary = pack(tmp_path / "u64.parquet", tmp_path / "out3", options=ONE_WORKER, progress=False)
+    assert summary.packed == 2 and "64-bit" in next(iter(skipped(tmp_path / "out3").values()))
