@@ -268,6 +268,8 @@ def _process_one(item: SourceItem, options: PackOptions) -> tuple:
         data = item.read()
     except OSError as exc:
         return (False, "CorruptImageError", _read_reason(exc))
+    except Exception as exc:  # a record a source's reader chokes on costs one sample, not the run
+        return (False, "CorruptImageError", f"cannot read the record: {type(exc).__name__}: {exc}")
     try:
         out = normalize(data, item.key, options)
     except ImageError as exc:

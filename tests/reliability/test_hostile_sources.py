@@ -327,3 +327,27 @@ def test_integers_above_int64_in_extras_and_labels(tmp_path: Path) -> None:
     pq.write_table(table, tmp_path / "u64.parquet")
     summary = pack(tmp_path / "u64.parquet", tmp_path / "out3", options=ONE_WORKER, progress=False)
     assert summary.packed == 2 and "64-bit" in next(iter(skipped(tmp_path / "out3").values()))
+
+
+# ---------------------------------------------------------------- item 16: one bad Caffe Datum
+
+def test_one_bad_caffe_datum_costs_one_sample(tmp_path: Path) -> None:
+    lmdb = pytest.importorskip("lmdb")
+    pytest.importorskip("google.protobuf")
+    from test_source_lmdb import _datum_class
+    Datum = _datum_class()
+    rgb = smooth_rgb(np.random.default_rng(1), 8, 6)
+    records = {
+        b"00000000": Datum(channels=3, height=8, width=6, data=rgb[:, :, ::-1].transpose(2, 0, 1).tobytes(),
+                           label=1).SerializeToString(),
+        b"00000001": Datum(channels=1, height=-2, width=-2, data=b"\0" * 4, label=0).SerializeToString(),
+        b"00000002": Datum(data=photos(1)[0], label=2, encoded=True).SerializeToString(),
+    }
+    env = lmdb.open(str(tmp_path / "db"), map_size=16 << 20)
+    with env.begin(write=True) as txn:
+        for key, value in records.items():
+            txn.put(key, value)
+    env.close()
+    summary = pack(tmp_path / "db", tmp_path / "out", options=ONE_WORKER, progress=False)
+    assert summary.packed == 2 and summary.skipped == 1
+    assert "-2" in skipped(tmp_path / "out")["00000001"]
