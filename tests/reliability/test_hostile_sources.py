@@ -351,3 +351,76 @@ def test_one_bad_caffe_datum_costs_one_sample(tmp_path: Path) -> None:
     summary = pack(tmp_path / "db", tmp_path / "out", options=ONE_WORKER, progress=False)
     assert summary.packed == 2 and summary.skipped == 1
     assert "-2" in skipped(tmp_path / "out")["00000001"]
+
+
+# ---------------------------------------------------------------- item 18: errors naming the file, not tracebacks
+
+@pytest.mark.parametrize("info", ["[]", '{"features": [1, 2]}'])
+def test_hf_save_to_disk_with_a_damaged_dataset_info(tmp_path: Path, info: str) -> None:
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"image": [{"bytes": b, "path": None} for b in photos(2)], "label": [0, 1]},
+                                    features=datasets.Features({"image": datasets.Image(),
+                                                                "label": datasets.ClassLabel(names=["a", "b"])}))
+    ds.save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "saved" / "dataset_info.json").write_text(info)
+    try:
+        pack(tmp_path / "saved", tmp_path / "out", options=ONE_WORKER, progress=False)
+    except SourceError as exc:
+        assert "dataset_info.json" in str(exc)
+        return
+    with open_dataset(tmp_path / "out") as packed:  # class names come from the Arrow schema's metadata
+        assert packed.labels.tolist() == [0, 1]
+
+
+def test_hf_image_struct_whose_bytes_are_a_struct(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    image = pa.array([{"bytes": {"data": b}, "path": None} for b in photos(2)])
+    pq.write_table(pa.table({"image": image, "label": [0, 1]}), tmp_path / "t.parquet")
+    with pytest.raises(SourceError, match="t.parquet"):
+        pack(tmp_path / "t.parquet", tmp_path / "out", options=ONE_WORKER, progress=False)
+
+
+def test_hdf5_uint64_label_above_int64(tmp_path: Path) -> None:
+    h5py = pytest.importorskip("h5py")
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        images = f.create_dataset("images", (3,), dtype=h5py.vlen_dtype(np.dtype("uint8")))
+        for i, b in enumerate(photos(3)):
+            images[i] = np.frombuffer(b, np.uint8)
+        f.create_dataset("labels", data=np.array([0, 2**63 + 1, 1], np.uint64))
+        f.create_dataset("ids", data=np.array([1, 2, 2**64 - 1], np.uint64))
+    summary = pack(tmp_path / "d.h5", tmp_path / "out", options=ONE_WORKER, progress=False)
+    assert summary.packed == 2 and "64-bit" in next(iter(skipped(tmp_path / "out").values()))
+    with open_dataset(tmp_path / "out") as ds:
+        assert ds.labels.tolist() == [0, 1] and [ds.extra(i, "ids") for i in range(2)] == ["1", str(2**64 - 1)]
+
+
+def test_coco_iscrowd_out_of_range(tmp_path: Path) -> None:
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "a.jpg").write_bytes(photos(1)[0])
+    doc = {"images": [{"id": 1, "file_name": "a.jpg", "width": 48, "height": 40}],
+           "annotations": [{"id": 7, "image_id": 1, "category_id": 1, "bbox": [1, 1, 10, 10], "iscrowd": 2**70}],
+           "categories": [{"id": 1, "name": "thing"}]}
+    (tmp_path / "instances.json").write_text(json.dumps(doc))
+    with pytest.raises(SourceError, match=r"annotation id 7 has iscrowd"):
+        pack(tmp_path / "instances.json", tmp_path / "out", options=ONE_WORKER, progress=False,
+             root=tmp_path / "images")
+
+
+@pytest.mark.slow
+def test_ray_workers_dying_again_and_again_say_resume() -> None:
+    ray = pytest.importorskip("ray")
+    import os
+    from stoker.errors import StokerError
+    from stoker.ray_engine import run_on_ray
+
+    def die(task, options):  # a worker killed mid-task (out of memory, a node lost), on every retry
+        os._exit(1)
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        with pytest.raises(StokerError, match=r"resume=True \(--resume\)") as caught:
+            list(run_on_ray(die, iter([1]), None, address=None, timeout=120))
+        assert "WorkerCrashedError" in str(caught.value)
+    finally:
+        ray.shutdown()

@@ -97,7 +97,7 @@ def _open_coco(listing: Path, options: SourceOptions) -> Source:
         boxes = [float(v) for a in anns for v in (a["bbox"][0] / w, a["bbox"][1] / h, (a["bbox"][0] + a["bbox"][2]) / w,
                                                     (a["bbox"][1] + a["bbox"][3]) / h)]
         extras = {"boxes": boxes, "box_labels": [index[a["category_id"]] for a in anns],
-                  "box_crowd": [int(a.get("iscrowd", 0)) for a in anns],
+                  "box_crowd": [_crowd(a, listing) for a in anns],
                   **_polygons(anns, w, h, listing)}
         items.append(SourceItem(key=key, path=full, label=None, extras=extras))
         keys.append((key, n))
@@ -109,6 +109,15 @@ def _open_coco(listing: Path, options: SourceOptions) -> Source:
                   description=f"COCO {listing} ({len(items)} images, {len(doc['annotations'])} boxes, "
                               f"{len(names)} categories: {', '.join(names[:5])}{'...' if len(names) > 5 else ''})",
                   kind="coco")
+
+
+def _crowd(ann: dict[str, Any], listing: Path) -> int:
+    """An annotation's ``iscrowd`` flag: 0 or 1 (COCO's only values), else a SourceError naming it."""
+    flag = ann.get("iscrowd", 0)
+    if flag not in (0, 1):   # True/False compare equal to 1/0
+        raise SourceError(f"{listing}: annotation id {ann.get('id')!r} has iscrowd {flag!r:.40}; COCO's iscrowd is 0 "
+                          "or 1", path=listing)
+    return int(flag)
 
 
 def _polygons(anns: list[dict[str, Any]], w: float, h: float, listing: Path) -> dict[str, list]:

@@ -80,7 +80,12 @@ def _files(path: Path) -> tuple[list[Path], dict | None]:
                 raise SourceError(f"{path}/state.json lists {n!r}, which is not a file in the folder",
                                   path=path)
         files = [path / n for n in names]
-        return files, info.get("features")
+        features = info.get("features") if isinstance(info, dict) else None
+        if not isinstance(features, (dict, type(None))):
+            raise SourceError(f"{path}/dataset_info.json: 'features' is a {type(features).__name__}, expected an "
+                              "object mapping column names to features (as datasets writes it); write the dataset "
+                              "again with save_to_disk", path=path)
+        return files, features
     files = sorted(Path(e.path) for e in scandir(path) if e.is_file() and e.name.lower().endswith(".parquet"))
     if not files:
         raise SourceError(f"{path} holds no .parquet files", path=path)
@@ -252,7 +257,9 @@ def _features(table: _Table, fallback: dict | None) -> dict[str, Any]:
     if meta:
         try:
             obj = json.loads(meta)
-            return (obj.get("info") or {}).get("features") or obj.get("features") or {}
+            features = (obj.get("info") or {}).get("features") or obj.get("features") or {}
+            if isinstance(features, dict):
+                return features
         except (ValueError, AttributeError, RecursionError):
             pass
     return fallback or {}
@@ -277,7 +284,9 @@ def _is_image_type(t: pa.DataType) -> bool:
     import pyarrow as pa
     if pa.types.is_binary(t) or pa.types.is_large_binary(t):
         return True
-    return pa.types.is_struct(t) and t.get_field_index("bytes") >= 0
+    # an Image struct: its bytes child must be bytes itself (a struct there would fail on every row)
+    return pa.types.is_struct(t) and t.get_field_index("bytes") >= 0 and \
+        (pa.types.is_binary(t.field("bytes").type) or pa.types.is_large_binary(t.field("bytes").type))
 
 
 def _pick_image(schema: pa.Schema, features: dict, wanted: str | None, path: Path) -> str:
