@@ -165,3 +165,30 @@ def test_full_disk_under_the_cache_names_the_cache_folder(s3: S3Server, url: str
     assert "needs" in message and "bytes" in message and "cache_dir" in message
     assert url not in message.split(" while downloading ")[0]  # the folder is to blame, not the bucket
     assert "re-pack" not in message
+
+
+def test_staging_onto_a_file_system_that_fills_up_names_it(packed: Path, tmp_path: Path) -> None:
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full (Linux), whose every write fails with ENOSPC, as a full disk's do")
+    from stoker.storage.staging import _copy_verified
+    info = read_manifest(LocalStorage(packed)).shards[0]
+    dest = tmp_path / "shm"
+    dest.mkdir()
+    # what a second stager filling the tmpfs since the free-space check looks like: the kernel's ENOSPC
+    (dest / f".{info.file}.tmp").symlink_to("/dev/full")
+    with pytest.raises(OutputError) as caught:
+        _copy_verified(packed / info.file, dest / info.file, info.sha256, info.bytes)
+    assert str(dest) in str(caught.value) and "filled up" in str(caught.value) and "bytes" in str(caught.value)
+
+
+def test_cache_limit_error_under_shard_window_names_a_fix_that_applies(s3: S3Server, url: str, packed: Path,
+                                                                       tmp_path: Path) -> None:
+    from stoker.errors import ConfigError
+    biggest = max(f.stat().st_size for f in packed.glob("shard-*.arrow"))
+    with pytest.raises(ConfigError) as caught:
+        with Loader(url, 8, num_threads=2, order="shard_window", cache_dir=tmp_path / "c", cache_limit=biggest,
+                    transforms=[RandomResizedCrop(32)], storage_options=s3.storage_options()) as loader:
+            next(iter(loader))
+    message = str(caught.value)
+    assert "order='shard_window'" not in message  # it already is
+    assert "raise cache_limit to at least" in message and "lower prefetch" in message

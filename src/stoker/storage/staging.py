@@ -20,6 +20,7 @@ How copies stay under control, including after a crash:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .._system import format_bytes
-from ..errors import ConfigError, DatasetError, LoaderTimeoutError, ShardError
+from ..errors import ConfigError, DatasetError, LoaderTimeoutError, OutputError, ShardError
 from ..shards import MANIFEST_NAME, read_manifest
 
 try:
@@ -107,11 +108,20 @@ def _copy_verified(src: Path, dst: Path, expected_sha: str, expected_bytes: int)
     digest = hashlib.sha256()
     size = 0
     try:
-        with open(src, "rb") as fin, open(tmp, "wb") as fout:
-            while block := fin.read(_CHUNK):
-                digest.update(block)
-                size += len(block)
-                fout.write(block)
+        try:
+            with open(src, "rb") as fin, open(tmp, "wb") as fout:
+                while block := fin.read(_CHUNK):
+                    digest.update(block)
+                    size += len(block)
+                    fout.write(block)
+        except OSError as exc:  # another stager (or anything else) filled the file system since the check
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise OutputError(f"{dst.parent}: the file system filled up while staging {src.name} "
+                              f"({os.strerror(exc.errno)}; {format_bytes(shutil.disk_usage(dst.parent).free)} free "
+                              f"now, the shard needs {format_bytes(expected_bytes)}); free memory there (another "
+                              "process may be staging at the same time), or stage to a bigger file system",
+                              path=dst.parent, errno=exc.errno) from None
         if size != expected_bytes or digest.hexdigest() != expected_sha:
             raise ShardError(f"{src}: does not match the manifest (expected {expected_bytes} bytes, sha256 "
                              f"{expected_sha}; found {size} bytes, sha256 {digest.hexdigest()}); the source is "
