@@ -382,6 +382,9 @@ class ShardCache:
                     self._cond.notify_all()
                 continue
             with self._cond:
+                if self._stop.is_set() and not self._threads:  # close() gave up waiting for this thread
+                    os.close(lease)
+                    continue
                 st = os.fstat(lease)
                 e.lease, e.identity = lease, (st.st_dev, st.st_ino)
                 e.state, e.generation, e.last_used = "local", e.generation + 1, time.monotonic()
