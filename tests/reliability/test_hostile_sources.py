@@ -424,3 +424,18 @@ def test_ray_workers_dying_again_and_again_say_resume() -> None:
         assert "WorkerCrashedError" in str(caught.value)
     finally:
         ray.shutdown()
+
+
+def test_columns_flag_keeps_or_drops_extras(tmp_path: Path) -> None:
+    from stoker.cli import main
+    imgs = photos(2)
+    (tmp_path / "img").mkdir()
+    for i, b in enumerate(imgs):
+        (tmp_path / "img" / f"{i}.jpg").write_bytes(b)
+    (tmp_path / "l.csv").write_text("path,label,width,caption\nimg/0.jpg,0,480,a\nimg/1.jpg,1,640,b\n")
+    assert main(["pack", str(tmp_path / "l.csv"), str(tmp_path / "one"), "--columns", "source_width",
+                 "--no-progress", "--quiet"]) == 0
+    assert main(["pack", str(tmp_path / "l.csv"), str(tmp_path / "none"), "--columns", "", "--no-progress",
+                 "--quiet"]) == 0
+    with open_dataset(tmp_path / "one") as one, open_dataset(tmp_path / "none") as none:
+        assert one.manifest.extra_columns == {"source_width": "int64"} and none.manifest.extra_columns == {}
