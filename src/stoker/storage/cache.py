@@ -536,7 +536,10 @@ def _unlink_unleased(path: Path) -> bool:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 return False
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink(missing_ok=True)
+        except PermissionError:  # Windows: a file another process has open cannot be deleted
+            return False
         return True
     finally:
         os.close(fd)
