@@ -526,20 +526,22 @@ def _drop_lease(e: _Entry) -> None:
 
 def _unlink_unleased(path: Path) -> bool:
     """Delete `path` unless a live process holds a lease on it; True when it is gone."""
+    if fcntl is None:  # Windows: no flock, but a file another process has open cannot be deleted
+        try:
+            path.unlink(missing_ok=True)
+        except PermissionError:
+            return False
+        return True
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         return True
     try:
-        if fcntl is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return False
         try:
-            path.unlink(missing_ok=True)
-        except PermissionError:  # Windows: a file another process has open cannot be deleted
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
             return False
+        path.unlink(missing_ok=True)
         return True
     finally:
         os.close(fd)
