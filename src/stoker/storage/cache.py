@@ -446,6 +446,9 @@ class ShardCache:
                     raise
                 found = digest.hexdigest()
                 if found == info.sha256:
+                    if fcntl is None:  # Windows: an open file cannot be renamed (and there is no flock)
+                        os.replace(tmp, final)
+                        return _lease(final)
                     fd = _lease(tmp)
                     os.replace(tmp, final)
                     return fd
