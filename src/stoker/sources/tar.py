@@ -111,20 +111,29 @@ def _members(tf: tarfile.TarFile, tar_path: Path, skipped: list[dict[str, str]])
                 ext = "." + ext.lower()
                 name = f"{folder}/{stem}" if folder else stem
                 group = groups.setdefault(name, _Group())
-                if ext in IMAGE_EXTENSIONS and group.image is None:
+                wanted = (ext in IMAGE_EXTENSIONS and group.image is None) or \
+                    (ext in TARGET_EXTENSIONS and ext not in group.targets)
+                if not wanted:
+                    if ext in IMAGE_EXTENSIONS or ext in TARGET_EXTENSIONS:
+                        skipped.append(_second_member(m, ext, name, group, tar_path))
+                    continue
+                if ext in IMAGE_EXTENSIONS:
                     group.image = m
-                elif ext in TARGET_EXTENSIONS and ext not in group.targets:
+                else:
                     group.targets[ext] = tf.extractfile(m).read()
-                elif ext in IMAGE_EXTENSIONS or ext in TARGET_EXTENSIONS:  # WebDataset keeps one per sample
-                    kept = f"the image {group.image.name}" if ext in IMAGE_EXTENSIONS else f"the first {ext}"
-                    skipped.append({"key": m.name, "path": f"{tar_path}:{m.name}",
-                                    "reason": f"sample {name!r} already has {kept}; only that one is packed: "
-                                              "give each sample its own name"})
         except (tarfile.TarError, OSError, EOFError) as exc:
             skipped.append({"key": f"{tar_path.name}/*", "path": str(tar_path),
                             "reason": f"the tar is damaged after {len(groups)} samples ({exc}); the rest "
                                       "of this file could not be read"})
     return groups
+
+
+def _second_member(m: tarfile.TarInfo, ext: str, name: str, group: _Group, tar_path: Path) -> dict[str, str]:
+    """The skipped.jsonl line of a member WebDataset does not use: a sample keeps one image and
+    one target of each kind (the first), so a second ``x.png`` beside ``x.jpg`` is logged, not lost."""
+    kept = f"the image {group.image.name}" if ext in IMAGE_EXTENSIONS and group.image else f"a {ext} member"
+    return {"key": m.name, "path": f"{tar_path}:{m.name}",
+            "reason": f"sample {name!r} already has {kept}; only the first is packed: give each sample its own name"}
 
 
 def _target(group: _Group, label_column: str | None, where: str) -> tuple[str | list[str] | None, dict]:
