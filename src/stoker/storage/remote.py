@@ -237,8 +237,12 @@ class RemoteStorage(Storage):
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         for path, data in ((local, payload), (mark, hashlib.sha256(payload).hexdigest().encode())):
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
+            try:
+                tmp.write_bytes(data)
+                os.replace(tmp, path)
+            except OSError:  # a full or read-only cache disk: this copy only saves the next run some GETs
+                tmp.unlink(missing_ok=True)
+                break
         return table
 
     def identity(self, name: str) -> tuple[int, ...]:
