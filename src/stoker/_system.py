@@ -80,6 +80,15 @@ def poll_until(predicate: Callable[[], object], timeout: float | None, *, stop: 
     return True
 
 
+def format_bytes(n: int) -> str:
+    """'20.5 MiB (21,474,836 bytes)': readable, and exact, so two different sizes never print alike."""
+    n = int(n)
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.1f} {unit} ({n:,} bytes)"
+    return f"{n:,} bytes"
+
+
 def parse_size(value: int | str) -> int:
     """Bytes from an int or a size string in binary multiples: '256MiB', '64M', '50GB' (= 50 GiB),
     '1048576'. Raises ConfigError naming the accepted forms."""

@@ -172,6 +172,8 @@ def _check_video(ds: PackedDataset | CachedDataset, i: int, s: Any) -> Problem |
 
 
 def _decode_all(ds: PackedDataset | CachedDataset, report: VerifyReport, workers: int, progress: bool = False) -> None:
+    label_maps = [c for c, t in ds.manifest.extra_columns.items() if t == "binary"]  # PNGs of class ids
+
     def check(i: int) -> Problem | None:
         s = ds.sample(i)
         if s.encoding == VIDEO_ENCODING:
@@ -183,6 +185,17 @@ def _decode_all(ds: PackedDataset | CachedDataset, report: VerifyReport, workers
         if rgb.shape[:2] != (s.height, s.width):  # crops are planned from the stored size
             return Problem(f"{s.shard} row {s.row} ({s.key})", "decodes to a size other than the stored one",
                            f"{s.height}x{s.width}", f"{rgb.shape[0]}x{rgb.shape[1]}")
+        for column in label_maps:
+            data = ds.extra(i, column)
+            if data is None:
+                continue
+            try:
+                ids = codecs.decode_label_map(data, s.key)
+            except ImageError as exc:
+                return Problem(f"{s.shard} row {s.row} ({s.key})", f"label map {column!r} does not decode: {exc.reason}")
+            if ids.shape != (s.height, s.width):
+                return Problem(f"{s.shard} row {s.row} ({s.key})", f"label map {column!r} is not the image's size",
+                               f"{s.height}x{s.width}", f"{ids.shape[0]}x{ids.shape[1]}")
         return None
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stoker-verify") as pool, \

@@ -128,6 +128,10 @@ def _cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def _column_list(text: str) -> list[str]:
+    return [c.strip() for c in text.split(",") if c.strip()]
+
+
 def _cmd_pack(args: argparse.Namespace) -> int:
     from .packing import PackOptions, pack
 
@@ -138,7 +142,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
                           video_crf=args.video_crf)
     source_options = {"kind": args.kind, "label_column": None if args.no_labels else args.label_column,
                       "path_column": args.path_column, "image_column": args.image_column, "root": args.root,
-                      "mask_column": args.mask_column}
+                      "mask_column": args.mask_column, "columns": args.columns}
     src = args.src[0] if len(args.src) == 1 else list(args.src)   # several: a list of WebDataset shards
     with contextlib.nullcontext() if args.verbose else _quiet_native_output():
         summary = pack(src, args.out, options=options, resume=args.resume, overwrite=args.overwrite,
@@ -302,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mask-column", default=None, metavar="NAME",
                    help="CSV column holding each image's label map (a PNG of class ids, same size as the image), "
                         "stored as a binary column NAME; resized with nearest neighbour under --max-side")
+    p.add_argument("--columns", type=_column_list, default=None, metavar="NAME,...",
+                   help="keep only these extra columns (comma-separated; '' keeps none); fields named like a "
+                        "built-in column (key, image, encoding, height, width, label) are stored as source_<name>")
     p.add_argument("--root", type=Path, default=None, metavar="DIR",
                    help="lists and CSVs: resolve relative paths against DIR and make keys relative to it "
                         "(default: the list's folder; absolute paths work either way)")

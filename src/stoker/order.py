@@ -261,8 +261,13 @@ def make_pool(n: int, indices: Any = None, weights: Any = None) -> Pool:
         if w.ndim != 1 or len(w) != size:
             what = "entry of indices" if idx is not None else "dataset sample"
             raise ConfigError(f"weights must hold one number per {what} ({size}), got shape {w.shape}")
-        if not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
-            raise ConfigError("weights must be finite and >= 0, with a positive sum")
-        cdf = np.cumsum(w)
+        if not np.isfinite(w).all() or (w < 0).any() or not w.max() > 0:
+            bad = np.flatnonzero(~np.isfinite(w) | (w < 0))
+            found = f"weights[{bad[0]}] = {w[bad[0]]}" if bad.size else "all are 0"
+            raise ConfigError(f"weights must be finite and >= 0, with a positive sum; {found}")
+        with np.errstate(over="ignore"):
+            cdf = np.cumsum(w)
+        if not 1e-200 < cdf[-1] < np.inf:  # a sum that overflows (or nearly underflows): same proportions,
+            cdf = np.cumsum(w / w.max())     # scaled to at most one per sample
         digest.update(b"weights" + w.tobytes())
     return Pool(size, idx, cdf, digest.hexdigest()[:16])

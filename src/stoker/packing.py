@@ -314,6 +314,8 @@ def _process_one(item: SourceItem, options: PackOptions) -> tuple:
         data = item.read()
     except OSError as exc:
         return (False, "CorruptImageError", _read_reason(exc))
+    except Exception as exc:  # a record a source's reader chokes on costs one sample, not the run
+        return (False, "CorruptImageError", f"cannot read the record: {type(exc).__name__}: {exc}")
     try:
         if options.samples == "video":
             out, index = normalize_video(data, item.key, options)
@@ -356,9 +358,12 @@ def _label_map(item: SourceItem, path: Path, data: bytes, out: Normalized, optio
         raise UnsupportedImageError(item.where(), f"the image is {info.width}x{info.height} but its label map "
                                     f"{path} is {img.width}x{img.height}; a mask must match its image pixel "
                                     "for pixel")
+    try:   # decoded whole even when kept as is: a truncated PNG has a sound header
+        ids = codecs.decode_label_map(raw, str(path), max_pixels=options.max_pixels)
+    except ImageError as exc:
+        raise type(exc)(item.where(), f"label map {path}: {exc.reason}") from None
     if (out.height, out.width) == (info.height, info.width):
         return raw
-    ids = codecs.decode_label_map(raw, str(path), max_pixels=options.max_pixels)
     small = cv2.resize(ids, (out.width, out.height), interpolation=cv2.INTER_NEAREST_EXACT)
     return codecs.encode_label_map(small, img)
 

@@ -45,6 +45,7 @@ class PassParts:
     persistent: bool   # threads run on into the next epoch (never for a dataset in object storage)
     stats: LoaderStats
     collate: Callable[[dict[str, list]], Any] | None = None
+    order: str | None = None   # the Loader's order, named in the cache's messages
 
 
 class Cursor:
@@ -224,7 +225,7 @@ class _Pipeline:
         indices = parts.epoch_indices(epoch)
         if isinstance(parts.dataset, CachedDataset):  # downloads follow the order; done shards make room
             ahead = (parts.prefetch + 2) * parts.batch_size + parts.num_threads
-            parts.dataset.plan(indices[start:], lookahead=ahead)
+            parts.dataset.plan(indices[start:], lookahead=ahead, order=parts.order)
         bs, left = parts.batch_size, max(len(indices) - start, 0)
         sizes = [min(bs, left - k * bs) for k in range(-(-left // bs))]
         first = self.epochs[-1][1] + self.epochs[-1][2] if self.epochs else 0

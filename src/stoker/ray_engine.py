@@ -66,8 +66,15 @@ def run_on_ray(fn: Callable[[Any, Any], list], tasks: Iterator[Any], options: An
 
 
 def _get(ray: Any, ref: Any, timeout: float) -> list:
+    errors = ray.exceptions
     try:
         return ray.get(ref, timeout=timeout)
-    except ray.exceptions.GetTimeoutError:
+    except errors.GetTimeoutError:
         raise StokerError(f"a Ray pack task took more than {timeout:.0f} s and looks stuck (a worker without "
                           "access to the source files?); rerun with resume=True (--resume)") from None
+    except (errors.WorkerCrashedError, errors.ObjectLostError, errors.NodeDiedError, errors.RaySystemError) as exc:
+        # the cluster failed, not the data: the shards written so far are kept and resume finishes them
+        raise StokerError(f"Ray workers died running a pack task, and its retries died too ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}); the finished shards are kept: "
+                          "check the workers' memory and logs, then rerun with resume=True (--resume) to finish "
+                          "the pack") from None

@@ -28,6 +28,7 @@ from .integrity import OpenShard, open_shard
 from .shards import Manifest, ShardInfo, read_manifest
 from .video import VIDEO_ENCODING
 from .storage import LocalStorage, RemoteStorage, Storage, as_storage
+from ._system import format_bytes
 from .storage.cache import working_set_bytes
 from .storage.local import read_regular
 
@@ -479,10 +480,11 @@ class CachedDataset(Dataset):
         info, row = self._shard_of(self._check_index(i))
         return info.file, row
 
-    def plan(self, indices: np.ndarray, lookahead: int) -> None:
+    def plan(self, indices: np.ndarray, lookahead: int, order: str | None = None) -> None:
         """Give the cache the order samples will be read in (`lookahead`: how far ahead the readers
-        may run), so it downloads ahead of need and evicts what this epoch is done with. Raises
-        ConfigError when that order needs more shards at once than the cache may hold."""
+        may run; `order`: the Loader's name for it, for the message), so it downloads ahead of need
+        and evicts what this epoch is done with. Raises ConfigError when that order needs more
+        shards at once than the cache may hold."""
         shard_idx = np.searchsorted(self._starts, np.asarray(indices, dtype=np.int64), side="right") - 1
         if not len(shard_idx):
             self.cache.plan([])
@@ -494,10 +496,13 @@ class CachedDataset(Dataset):
         need = working_set_bytes(dict(zip(names, first.tolist())), dict(zip(names, last.tolist())),
                                  {s.file: s.bytes for s in infos}, lookahead)
         if need > self.cache.limit:
+            fix = (f"raise Storage(cache_limit=) to at least {format_bytes(need)}, or read fewer samples ahead (lower Workers(prefetch=), "
+                   f"batch_size or num_threads: they read up to {lookahead:,} samples ahead)"
+                   if order == "shard_window" else
+                   "use order='shard_window' (a few shards at a time) or raise cache_limit")
             raise ConfigError(
-                f"{self.url}: this epoch's order needs up to {need:,} bytes of shards cached at once, more than "
-                f"cache_limit ({self.cache.limit:,} bytes); use order='shard_window' (a few shards at a time) or "
-                f"raise cache_limit")
+                f"{self.url}: this epoch's order needs up to {format_bytes(need)} of shards cached at once, more than "
+                f"cache_limit ({format_bytes(self.cache.limit)}); {fix}")
         self.cache.plan([names[j] for j in np.argsort(first, kind="stable")], dict(zip(names, counts.tolist())))
 
     def close(self) -> None:

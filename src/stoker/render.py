@@ -29,7 +29,7 @@ import numpy as np
 
 from ._torch import torch
 from . import codecs
-from .errors import DatasetError, SampleError, UserTransformError
+from .errors import DatasetError, OutputError, SampleError, UserTransformError
 from .gpu_decode import GpuJob
 from .labels import MultiLabel
 from .order import TAG_DRAW, replacement_index, sample_keys, uniforms
@@ -161,6 +161,8 @@ class Filler:
                     slot.extras[c].place(row, self.ds, idx, at)
         except UserTransformError as exc:  # a bug in the user's code: no data fix, never skipped
             raise self.transform_error(idx, exc) from (exc.__cause__ or exc)
+        except OutputError:  # the machine's problem (the shard cache's disk is full), not this sample's
+            raise
         except Exception as exc:
             if self.on_error == "raise":
                 raise self.sample_error(idx, exc) from exc
@@ -290,6 +292,8 @@ class Filler:
                 placed = {c: t.place(raws[c], self.ds, r, at) for c, t in self.targets.items()}
             except UserTransformError as exc:
                 raise self.transform_error(r, exc) from (exc.__cause__ or exc)
+            except OutputError:
+                raise
             except Exception:
                 continue
             if slot.labels_np is not None:
@@ -330,9 +334,11 @@ class Filler:
     def sample_error(self, idx: int, exc: BaseException, extra: str = "") -> SampleError:
         key, shard, row = self._describe(idx, exc)
         notes = "".join(f" ({n})" for n in getattr(exc, "__notes__", ()))  # e.g. which transform raised it
+        fix = ("Re-pack to drop the failing samples" if self.on_error == "skip" else
+               "Pass workers=stoker.Workers(on_error='skip') to replace failing samples, or re-pack to drop them")
         return SampleError(f"sample {key!r} (shard {shard}, row {row}, index {idx}) failed: "
-                           f"{type(exc).__name__}: {exc}{notes}{extra}. Pass workers=stoker.Workers(on_error='skip') "
-                           f"to replace failing samples, or re-pack to drop them", key=key, shard=shard, row=row, index=idx)
+                           f"{type(exc).__name__}: {exc}{notes}{extra}. {fix}", key=key, shard=shard,
+                           row=row, index=idx)
 
 
 class EpochChain:

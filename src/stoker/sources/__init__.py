@@ -28,6 +28,7 @@ from ..storage import open_storage, url_scheme
 from ..storage.local import not_regular
 from . import coco, folder, hdf5, hf, listing, lmdb_env, recordio, table, tar, tfrecord
 from .base import IMAGE_EXTENSIONS, Source, SourceItem, SourceOptions, read_bytes, unencodable_keys
+from .checks import checked_source
 
 __all__ = ["FORMATS", "IMAGE_EXTENSIONS", "KINDS", "Source", "SourceItem", "SourceOptions", "open_source",
            "read_bytes", "unencodable_keys"]
@@ -67,7 +68,8 @@ KINDS = ("auto", *FORMATS, *ALIASES)
 
 def open_source(src: str | Path | Sequence[str | Path], *, kind: str = "auto", label_column: str | None = "label",
                 path_column: str = "path", root: str | Path | None = None,
-                image_column: str | None = None, mask_column: str | None = None) -> Source:
+                image_column: str | None = None, mask_column: str | None = None,
+                columns: Sequence[str] | None = None) -> Source:
     """List the samples of ``src``.
 
     ``src`` is a path, a WebDataset brace pattern (``train-{000000..000146}.tar``) or a list of
@@ -79,8 +81,10 @@ def open_source(src: str | Path | Sequence[str | Path], *, kind: str = "auto", l
     the image folder (e.g. ``root="coco/train2017"``; default: the JSON's folder). ``label_column`` / ``image_column`` name the
     fields of records (table columns, TFRecord features, HDF5 datasets, JSON fields);
     ``label_column=None`` reads without labels; ``mask_column`` (CSV only) names a column of
-    label-map PNG paths, packed as a binary column of that name. Raises SourceError (and UnsupportedStorageError
-    for a URL: sources are local today).
+    label-map PNG paths, packed as a binary column of that name. ``columns`` keeps only the extra
+    columns named (None: all). Every listing then goes through :func:`.checks.checked_source` (labels
+    within the classes, extras named like built-in columns stored as ``source_<name>``). Raises
+    SourceError (and UnsupportedStorageError for a URL: sources are local today).
     """
     if kind not in KINDS:
         raise SourceError(f"unknown source kind {kind!r}; expected one of {', '.join(KINDS)}", path=str(src))
@@ -95,7 +99,7 @@ def open_source(src: str | Path | Sequence[str | Path], *, kind: str = "auto", l
                               path=str(src))
         _check_root(root, "webdataset", str(src))
         _check_mask_column(mask_column, "webdataset", str(src))
-        return tar.open_tar(src, options)
+        return checked_source(tar.open_tar(src, options), columns)
     path = Path(src).expanduser()
     if not path.exists():
         raise SourceError(f"source {path} does not exist; expected an image folder, a .txt list, a .csv, "
@@ -110,7 +114,7 @@ def open_source(src: str | Path | Sequence[str | Path], *, kind: str = "auto", l
     _check_root(root, kind, path)
     _check_mask_column(mask_column, kind, path)
     _check_columns(label_column, image_column, kind, path)
-    return FORMATS[kind].open(path, options)
+    return checked_source(FORMATS[kind].open(path, options), columns)
 
 
 def _local(location: str | Path) -> str | Path:

@@ -132,7 +132,7 @@ def _open_coco(listing: Path, options: SourceOptions) -> Source:
         try:
             w, h = _size(img)
             extras = {"boxes": _boxes(anns, w, h), "box_labels": [index[a["category_id"]] for a in anns],
-                      "box_crowd": [int(a.get("iscrowd", 0)) for a in anns],
+                      "box_crowd": [_crowd(a, listing) for a in anns],
                       **_polygons(anns, w, h, listing)}
         except _BadImage as exc:
             skipped.append({"key": key, "path": f"{listing}: image id {img.get('id')!r}",
@@ -177,6 +177,15 @@ def _boxes(anns: list[dict[str, Any]], w: float, h: float) -> list[float]:
                             "finite numbers, width and height not negative)")
         out.extend((x / w, y / h, (x + bw) / w, (y + bh) / h))
     return out
+
+
+def _crowd(ann: dict[str, Any], listing: Path) -> int:
+    """An annotation's ``iscrowd`` flag: 0 or 1 (COCO's only values), else a SourceError naming it."""
+    flag = ann.get("iscrowd", 0)
+    if flag not in (0, 1):   # True/False compare equal to 1/0
+        raise SourceError(f"{listing}: annotation id {ann.get('id')!r} has iscrowd {flag!r:.40}; COCO's iscrowd is 0 "
+                          "or 1", path=listing)
+    return int(flag)
 
 
 def _polygons(anns: list[dict[str, Any]], w: float, h: float, listing: Path) -> dict[str, list]:

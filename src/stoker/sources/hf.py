@@ -80,7 +80,12 @@ def _files(path: Path) -> tuple[list[Path], dict | None]:
                 raise SourceError(f"{path}/state.json lists {n!r}, which is not a file in the folder",
                                   path=path)
         files = [path / n for n in names]
-        return files, info.get("features")
+        features = info.get("features") if isinstance(info, dict) else None
+        if not isinstance(features, (dict, type(None))):
+            raise SourceError(f"{path}/dataset_info.json: 'features' is a {type(features).__name__}, expected an "
+                              "object mapping column names to features (as datasets writes it); write the dataset "
+                              "again with save_to_disk", path=path)
+        return files, features
     files = sorted(Path(e.path) for e in scandir(path) if e.is_file() and e.name.lower().endswith(".parquet"))
     if not files:
         raise SourceError(f"{path} holds no .parquet files", path=path)
@@ -107,7 +112,7 @@ class _Table:
                 self._pf = pq.ParquetFile(path)
                 self.schema = self._pf.schema_arrow
                 meta = self._pf.metadata
-                counts = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+                counts = _row_group_rows(meta, path)
                 self._starts = [0]
                 for c in counts:
                     self._starts.append(self._starts[-1] + c)
@@ -124,7 +129,11 @@ class _Table:
     def columns(self, names: list[str]) -> pa.Table:
         if self._arrow is not None:
             return self._arrow.select(names)
-        return self._pf.read(columns=names)
+        table = self._pf.read(columns=names)
+        if table.num_rows != self.num_rows:
+            raise SourceError(f"{self.path}: columns {names} hold {table.num_rows} rows, the row groups declare "
+                              f"{self.num_rows}; the file is damaged or forged: write it again", path=self.path)
+        return table
 
     def missing_images(self, column: str) -> dict[int, str | None]:
         """Rows whose image has no bytes -> their ``path`` (or None). Reads no image bytes where
@@ -165,6 +174,10 @@ class _Table:
                 except (OSError, pa.ArrowException) as exc:
                     raise OSError(f"cannot read row group {group} of {self.path}: {exc}") from None
                 array = table.column(0).combine_chunks()
+                declared = self._starts[group + 1] - self._starts[group]
+                if len(array) != declared:   # labels were listed by the declared counts: never pair them wrongly
+                    raise OSError(f"row group {group} of {self.path} declares {declared} rows but its image "
+                                  f"column holds {len(array)}; the file is damaged, write it again")
                 if pa.types.is_struct(array.type):   # keep the bytes child: no struct scalar per row
                     array = array.field("bytes")
                 self._groups[group] = array
@@ -172,6 +185,25 @@ class _Table:
             while len(self._groups) > KEEP_ROW_GROUPS:
                 self._groups.popitem(last=False)
         return _bytes_of(array[offset - self._starts[group]], self.path, offset)
+
+
+def _row_group_rows(meta: Any, path: Path) -> list[int]:
+    """Rows per row group, checked against what each flat column chunk says it holds: labels and
+    images are read separately, so a forged count would pair images with other rows' labels."""
+    counts = []
+    for g in range(meta.num_row_groups):
+        rg = meta.row_group(g)
+        for j in range(rg.num_columns):
+            chunk = rg.column(j)
+            if meta.schema.column(j).max_repetition_level == 0 and chunk.num_values != rg.num_rows:
+                raise SourceError(f"{path}: row group {g} declares {rg.num_rows} rows but its column "
+                                  f"{chunk.path_in_schema!r} holds {chunk.num_values} values; the file is damaged "
+                                  "or forged: write it again (e.g. with pyarrow.parquet.write_table)", path=path)
+        counts.append(rg.num_rows)
+    if sum(counts) != meta.num_rows:
+        raise SourceError(f"{path}: its row groups hold {sum(counts)} rows, its footer says {meta.num_rows}; the "
+                          "file is damaged or forged: write it again", path=path)
+    return counts
 
 
 def _struct_field(t: pa.DataType) -> bool:
@@ -225,7 +257,9 @@ def _features(table: _Table, fallback: dict | None) -> dict[str, Any]:
     if meta:
         try:
             obj = json.loads(meta)
-            return (obj.get("info") or {}).get("features") or obj.get("features") or {}
+            features = (obj.get("info") or {}).get("features") or obj.get("features") or {}
+            if isinstance(features, dict):
+                return features
         except (ValueError, AttributeError, RecursionError):
             pass
     return fallback or {}
@@ -250,7 +284,9 @@ def _is_image_type(t: pa.DataType) -> bool:
     import pyarrow as pa
     if pa.types.is_binary(t) or pa.types.is_large_binary(t):
         return True
-    return pa.types.is_struct(t) and t.get_field_index("bytes") >= 0
+    # an Image struct: its bytes child must be bytes itself (a struct there would fail on every row)
+    return pa.types.is_struct(t) and t.get_field_index("bytes") >= 0 and \
+        (pa.types.is_binary(t.field("bytes").type) or pa.types.is_large_binary(t.field("bytes").type))
 
 
 def _pick_image(schema: pa.Schema, features: dict, wanted: str | None, path: Path) -> str:

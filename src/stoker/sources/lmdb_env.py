@@ -100,7 +100,7 @@ class Datum:
         if self.encoded:
             return bytes(value[lo:hi])
         c, h, w = self.channels, self.height, self.width
-        if c not in (1, 3) or c * h * w != hi - lo:
+        if c not in (1, 3) or h <= 0 or w <= 0 or c * h * w != hi - lo:
             raise OSError(f"raw Datum of {c}x{h}x{w} does not match its {hi - lo} data bytes")
         planes = np.frombuffer(value, np.uint8, count=hi - lo, offset=lo).reshape(c, h, w)
         pixels = planes[0] if c == 1 else planes[::-1].transpose(1, 2, 0)   # BGR planes -> RGB

@@ -137,10 +137,13 @@ def _members(tf: tarfile.TarFile, tar_path: Path, size: int, skipped: list[dict[
                 folder, _, base = m.name.rpartition("/")
                 stem, _, ext = base.partition(".")
                 ext = "." + ext.lower()
-                group = groups.setdefault(f"{folder}/{stem}" if folder else stem, _Group())
+                name = f"{folder}/{stem}" if folder else stem
+                group = groups.setdefault(name, _Group())
                 wanted = (ext in SAMPLE_EXTENSIONS and group.image is None) or \
                     (ext in TARGET_EXTENSIONS and ext not in group.targets)
                 if not wanted:
+                    if ext in SAMPLE_EXTENSIONS or ext in TARGET_EXTENSIONS:
+                        skipped.append(_second_member(m, ext, name, group, tar_path))
                     continue
                 problem = _declares_too_much(m, ext, size)
                 if problem is not None:
@@ -156,6 +159,14 @@ def _members(tf: tarfile.TarFile, tar_path: Path, size: int, skipped: list[dict[
                             "reason": f"the tar is damaged after {len(groups)} samples ({exc}); the rest "
                                       "of this file could not be read"})
     return groups
+
+
+def _second_member(m: tarfile.TarInfo, ext: str, name: str, group: _Group, tar_path: Path) -> dict[str, str]:
+    """The skipped.jsonl line of a member WebDataset does not use: a sample keeps one image and
+    one target of each kind (the first), so a second ``x.png`` beside ``x.jpg`` is logged, not lost."""
+    kept = f"the image {group.image.name}" if ext in SAMPLE_EXTENSIONS and group.image else f"a {ext} member"
+    return {"key": m.name, "path": f"{tar_path}:{m.name}",
+            "reason": f"sample {name!r} already has {kept}; only the first is packed: give each sample its own name"}
 
 
 def _target(group: _Group, label_column: str | None, where: str) -> tuple[str | list[str] | None, dict]:
@@ -227,6 +238,9 @@ def shard_files(src: str | Path | Sequence[str | Path]) -> tuple[list[Path], Pat
                 raise SourceError(f"shard {f} does not exist", path=f)
         if not files:
             raise SourceError("an empty list of shards; pass at least one .tar file")
+        twice = next((f for k, f in enumerate(files) if f in files[:k]), None)
+        if twice is not None:
+            raise SourceError(f"shard {twice} is listed twice; pass each file once", path=twice)
         return files, files[0].parent, True
     if isinstance(src, str) and is_pattern(src) and not Path(src).exists():
         files = [p.resolve() for p in expand(src)]
@@ -245,15 +259,25 @@ def shard_files(src: str | Path | Sequence[str | Path]) -> tuple[list[Path], Pat
     return [path], path.parent, False
 
 
+def _key_prefixes(files: list[Path]) -> list[str]:
+    """Each file's part of its samples' keys: its name, or, when two files share a name (shards
+    from different folders), its path under the folders' common parent, so keys stay unique."""
+    names = [f.name for f in files]
+    if len(set(names)) == len(names):
+        return [f"{n}/" for n in names]
+    common = Path(os.path.commonpath([str(f.parent) for f in files]))
+    return [f"{f.relative_to(common).as_posix()}/" for f in files]
+
+
 def open_tar(path: Path | str | Sequence[str | Path], options: SourceOptions) -> Source:
     files, root, prefixed = shard_files(path)
     items: list[SourceItem] = []
     raw: list[str | list[str] | None] = []
     json_rows: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
-    for tar_path in files:
+    prefixes = _key_prefixes(files) if prefixed else [""] * len(files)
+    for tar_path, prefix in zip(files, prefixes):
         groups, store, inode = _groups(tar_path, skipped)
-        prefix = f"{tar_path.name}/" if prefixed else ""
         for name in sorted(groups):
             group = groups[name]
             if group.problem is not None:

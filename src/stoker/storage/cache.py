@@ -16,23 +16,38 @@ epoch (least recently used first), then shards needed only later than the one co
 furthest first); a shard a reader holds is never deleted, and a download waits until there is room.
 
 Files are named by their SHA-256 (`<sha256>.arrow`), so a second run, another rank on the same
-machine or another dataset holding the same shard reuses them; a file is trusted on adoption when
-its name and size match, because only verified files are ever renamed in.
+machine or another dataset holding the same shard reuses them. A file found in the folder is hashed
+again before its first use in this process (a disk error or a stray write since it was renamed in
+would otherwise be served for ever); one that does not match is downloaded again.
+
+Several processes may share one folder (two jobs on one URL use the same default folder). Each
+holds a lease, a shared ``flock`` on the file, on every shard it has local; a process deletes a
+file only when it can take the exclusive lock, i.e. when no live process holds it (the kernel
+drops a dead process's leases). A file another process holds is left in place and no longer
+counts against this process's `limit`: each process keeps to its own limit. A shard whose file
+changed or vanished under a process anyway (deleted by hand) is fetched again on its next use.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Protocol, Sequence
 
-from .._system import parse_size
-from ..errors import ConfigError, LoaderTimeoutError, ShardError
+from .._system import format_bytes, parse_size
+from ..errors import ConfigError, LoaderTimeoutError, OutputError, ShardError
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; a shared cache folder is then unguarded, as before
+    fcntl = None  # type: ignore[assignment]
 
 
 class ShardInfo(Protocol):
@@ -87,13 +102,15 @@ class CacheStats:
 @dataclass
 class _Entry:
     info: ShardInfo
-    state: str = "remote"  # remote | fetching | local | failed
+    state: str = "remote"  # remote | unverified (a file found in the folder) | fetching | local | failed
     remaining: int = 0  # planned reads not yet released this epoch
     pins: int = 0  # get() calls not yet released
     position: int = 2**62  # place in the current plan's order (unplanned: last)
     generation: int = 0  # bumped on every (re)download, so readers notice a new file
     last_used: float = 0.0
     error: BaseException | None = None
+    lease: int | None = None  # fd holding a shared flock on the local file (state "local" only)
+    identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the leased file
 
 
 class ShardCache:
@@ -165,7 +182,7 @@ class ShardCache:
             for position, name in enumerate(order):
                 self._entries[name].remaining = (uses or {}).get(name, 1)
                 self._entries[name].position = min(self._entries[name].position, position)
-            self._queue = [n for n in dict.fromkeys(order) if self._entries[n].state == "remote"]
+            self._queue = [n for n in dict.fromkeys(order) if self._entries[n].state in ("remote", "unverified")]
             self._cond.notify_all()
 
     def get(self, name: str, timeout: float | None = None) -> tuple[Path, int]:
@@ -179,14 +196,14 @@ class ShardCache:
                 raise ShardError(f"{self._where(name)}: not a shard of this dataset", path=self._where(name))
             e.pins += 1
             try:
-                if e.state == "local":
+                if e.state == "local" and self._still_there(e):
                     self.stats.hits += 1
                 while e.state != "local":
                     self._raise_if_closed()
                     if e.state == "failed":
                         assert e.error is not None
                         raise e.error
-                    if e.state == "remote" and name not in self._queue[:1]:
+                    if e.state in ("remote", "unverified") and name not in self._queue[:1]:
                         self._queue = [name] + [n for n in self._queue if n != name]  # needed now
                         e.position = min(e.position, -1)
                         self._cond.notify_all()
@@ -227,6 +244,9 @@ class ShardCache:
             if t is not threading.current_thread():
                 t.join(timeout)
         self._threads = []
+        with self._cond:
+            for e in self._entries.values():
+                _drop_lease(e)
 
     def __enter__(self) -> "ShardCache":
         return self
@@ -257,7 +277,7 @@ class ShardCache:
             size = entry.stat().st_size
             e = by_sha.get(entry.name[:64])
             if e is not None and size == e.info.bytes and e.state == "remote":
-                e.state, e.last_used = "local", entry.stat().st_mtime
+                e.state, e.last_used = "unverified", entry.stat().st_mtime  # hashed before its first use
                 self.stats.adopted += 1
             else:
                 self._foreign[path] = size
@@ -271,7 +291,7 @@ class ShardCache:
         for path, _ in self._foreign.items():
             yield (0, 0.0), path
         for name, e in self._entries.items():
-            if e.state != "local" or e.pins:
+            if e.state not in ("local", "unverified") or e.pins:
                 continue
             if e.remaining == 0:
                 yield (1, e.last_used), name
@@ -286,32 +306,52 @@ class ShardCache:
                 return False
             victim = victims[0][1]
             if isinstance(victim, Path):
-                victim.unlink(missing_ok=True)
+                _unlink_unleased(victim)
                 self._used -= self._foreign.pop(victim)
             else:
                 e = self._entries[victim]
                 for callback in self._on_evict:
                     callback(victim)
-                self.path(victim).unlink(missing_ok=True)
+                _drop_lease(e)
+                _unlink_unleased(self.path(victim))  # left in place while another process holds it
                 e.state = "remote"
                 self._used -= e.info.bytes
             self.stats.evictions += 1
         return True
 
-    def _next_job(self) -> _Entry | None:
-        """Under the lock: the next shard to download, with room reserved for it, or None."""
-        while self._queue and self._entries[self._queue[0]].state != "remote":
+    def _still_there(self, e: _Entry) -> bool:
+        """Under the lock: True when the leased file of local entry `e` is still at its path; else
+        `e` goes back to the queue (a file there now is hashed first), and False."""
+        try:
+            st = os.stat(self.path(e.info.file))
+            if (st.st_dev, st.st_ino) == e.identity:
+                return True
+            state = "unverified" if st.st_size == e.info.bytes else "remote"
+        except FileNotFoundError:
+            state = "remote"
+        _drop_lease(e)
+        e.state = state
+        if state == "remote":
+            self._used -= e.info.bytes
+        return False
+
+    def _next_job(self) -> tuple[_Entry, bool] | None:
+        """Under the lock: the next shard to download (or to hash, when its file is already here:
+        the flag), with room reserved for it, or None."""
+        while self._queue and self._entries[self._queue[0]].state not in ("remote", "unverified"):
             self._queue.pop(0)
         if not self._queue:
             return None
         e = self._entries[self._queue[0]]
-        if not self._make_room(e.info.bytes, e.position):
+        present = e.state == "unverified"  # its bytes are counted already
+        if not present and not self._make_room(e.info.bytes, e.position):
             return None  # wait for readers to release shards
         self._queue.pop(0)
         e.state = "fetching"
-        self._used += e.info.bytes
+        if not present:
+            self._used += e.info.bytes
         self.stats.peak_bytes = max(self.stats.peak_bytes, self._used)
-        return e
+        return e, present
 
     def _worker(self) -> None:
         try:
@@ -324,48 +364,94 @@ class ShardCache:
     def _work(self) -> None:
         while not self._stop.is_set():
             with self._cond:
-                e = self._next_job()
-                if e is None:
+                job = self._next_job()
+                if job is None:
                     self._cond.wait(_POLL_S)
                     continue
+            e, present = job
             try:
-                self._download(e.info)
+                lease = self._verified(e.info) if present else None
+                downloaded = lease is None
+                if downloaded:
+                    lease = self._download(e.info)
             except BaseException as exc:  # reported to every get() of this shard
                 with self._cond:
-                    e.state, e.error = "failed", exc if isinstance(exc, ShardError) else ShardError(
+                    e.state, e.error = "failed", exc if isinstance(exc, (ShardError, OutputError)) else ShardError(
                         f"{self._where(e.info.file)}: download failed: {exc!r}", path=self._where(e.info.file))
                     self._used -= e.info.bytes
                     self._cond.notify_all()
                 continue
             with self._cond:
+                if self._stop.is_set() and not self._threads:  # close() gave up waiting for this thread
+                    os.close(lease)
+                    continue
+                st = os.fstat(lease)
+                e.lease, e.identity = lease, (st.st_dev, st.st_ino)
                 e.state, e.generation, e.last_used = "local", e.generation + 1, time.monotonic()
-                self.stats.shards_fetched += 1
-                self.stats.fetched.append(e.info.file)
+                if downloaded:
+                    self.stats.shards_fetched += 1
+                    self.stats.fetched.append(e.info.file)
                 self._cond.notify_all()
 
+    def _verified(self, info: ShardInfo) -> int | None:
+        """A lease on the file of `info` found in the folder when its SHA-256 matches the manifest;
+        else None, the damaged file deleted (unless another process holds it)."""
+        path = self.dir / f"{info.sha256}.arrow"
+        try:
+            fd = _lease(path)
+        except FileNotFoundError:
+            return None
+        try:
+            digest = hashlib.sha256()
+            with open(fd, "rb", closefd=False) as fh:
+                while block := fh.read(8 << 20):
+                    if self._stop.is_set():
+                        raise ShardError(f"{path}: check stopped (the cache was closed)", path=path)
+                    digest.update(block)
+            if digest.hexdigest() == info.sha256:
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+        _unlink_unleased(path)
+        with self._cond:
+            self.stats.retries += 1
+        return None
+
     # ---- download ----------------------------------------------------------------------------
-    def _download(self, info: ShardInfo) -> None:
-        """Fetch `info` into a temporary file, verify size and SHA-256, rename it in. One more full
-        attempt after a checksum mismatch, in case the damage happened on the way."""
+    def _download(self, info: ShardInfo) -> int:
+        """Fetch `info` into a temporary file, verify size and SHA-256, rename it in; returns a
+        lease on it (taken before the rename, so no other process can delete it in between). One
+        more full attempt after a checksum mismatch, in case the damage happened on the way."""
         final = self.dir / f"{info.sha256}.arrow"
         tmp = self.dir / f".{info.sha256}.{os.getpid()}.tmp"
         where = self._where(info.file)
         try:
             for attempt in range(2):
                 digest = hashlib.sha256()
-                with open(tmp, "wb") as fh:
-                    for start in range(0, info.bytes, self._chunk):
-                        if self._stop.is_set():
-                            raise ShardError(f"{where}: download stopped (the cache was closed)", path=where)
-                        data = self._fetch_range(info, start, min(start + self._chunk, info.bytes))
-                        digest.update(data)
-                        fh.write(data)
-                    fh.flush()
-                    os.fsync(fh.fileno())
+                try:
+                    with open(tmp, "wb") as fh:
+                        for start in range(0, info.bytes, self._chunk):
+                            if self._stop.is_set():
+                                raise ShardError(f"{where}: download stopped (the cache was closed)", path=where)
+                            data = self._fetch_range(info, start, min(start + self._chunk, info.bytes))
+                            digest.update(data)
+                            fh.write(data)
+                        fh.flush()
+                        os.fsync(fh.fileno())
+                except OSError as exc:
+                    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                        raise self._disk_full(info, exc) from None
+                    raise
                 found = digest.hexdigest()
                 if found == info.sha256:
+                    if fcntl is None:  # Windows: an open file cannot be renamed (and there is no flock)
+                        os.replace(tmp, final)
+                        return _lease(final)
+                    fd = _lease(tmp)
                     os.replace(tmp, final)
-                    return
+                    return fd
                 if attempt:
                     raise ShardError(f"{where}: checksum mismatch: the manifest expects sha256 {info.sha256}, "
                                      f"the stored object has {found}; the object is damaged — upload it again "
@@ -374,6 +460,19 @@ class ShardCache:
                     self.stats.retries += 1
         finally:
             tmp.unlink(missing_ok=True)
+
+    def _disk_full(self, info: ShardInfo, exc: OSError) -> OutputError:
+        """A full disk is the cache folder's problem, not the shard's: the error names the folder and
+        the room the shard needs (not the bucket URL, which is intact)."""
+        try:
+            free = f"{format_bytes(shutil.disk_usage(self.dir).free)} free"
+        except OSError:
+            free = "free space unknown"
+        return OutputError(
+            f"{self.dir}: the shard cache folder's disk is full ({os.strerror(exc.errno)}) while downloading "
+            f"{self._where(info.file)}: it needs {format_bytes(info.bytes)} for this shard and up to "
+            f"{format_bytes(self.limit)} in all (cache_limit), {free}; free space there, lower cache_limit, or "
+            f"point cache_dir at a larger disk", path=self.dir, errno=exc.errno)
 
     def _fetch_range(self, info: ShardInfo, start: int, end: int) -> bytes:
         where = self._where(info.file)
@@ -411,6 +510,44 @@ class ShardCache:
             if self._stop.wait(self._backoff * 2 ** attempt):
                 raise ShardError(f"{where}: download stopped (the cache was closed)", path=where)
         raise AssertionError("unreachable")
+
+
+def _lease(path: Path) -> int:
+    """An fd of `path` holding a shared flock on it: while it is open, no stoker process deletes the
+    file (see the module docstring)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    if fcntl is not None:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # only an evicting process holds LOCK_EX, for an instant
+    return fd
+
+
+def _drop_lease(e: _Entry) -> None:
+    fd, e.lease, e.identity = e.lease, None, None
+    if fd is not None:
+        os.close(fd)
+
+
+def _unlink_unleased(path: Path) -> bool:
+    """Delete `path` unless a live process holds a lease on it; True when it is gone."""
+    if fcntl is None:  # Windows: no flock, but a file another process has open cannot be deleted
+        try:
+            path.unlink(missing_ok=True)
+        except PermissionError:
+            return False
+        return True
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return True
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        path.unlink(missing_ok=True)
+        return True
+    finally:
+        os.close(fd)
 
 
 def _alive(pid: int) -> bool:

@@ -193,14 +193,17 @@ class RemoteStorage(Storage):
     def shard_meta(self, info: ShardInfo, rows: int, columns: Sequence[str]) -> pa.Table:
         """`columns` of a shard (small ones: height, width, label) without downloading it: ranged
         GETs of just their buffers (Arrow IPC's footer says where they are). Kept in the cache
-        directory (`<sha256>.meta.arrow`) for the next run."""
+        directory for the next run (`<sha256>.meta.arrow`, with its own SHA-256 beside it in
+        `<sha256>.meta.sha256`: labels come from this file, so a damaged copy must not be used)."""
         local = self.cache_dir / f"{info.sha256}.meta.arrow"
+        mark = local.with_suffix(".sha256")
         try:
-            with pa.memory_map(str(local), "r") as mm:
-                table = pa.ipc.open_file(mm).read_all()
-            if table.num_rows == rows and table.schema.names == list(columns):
-                return table
-        except (OSError, pa.ArrowException):
+            payload = local.read_bytes()
+            if hashlib.sha256(payload).hexdigest() == mark.read_text().strip():
+                table = pa.ipc.open_file(pa.BufferReader(payload)).read_all()
+                if table.num_rows == rows and table.schema.names == list(columns):
+                    return table
+        except (OSError, ValueError, pa.ArrowException):
             pass  # absent or damaged: read it again
         where = self.join(info.file)
         try:
@@ -227,11 +230,19 @@ class RemoteStorage(Storage):
         if table.num_rows != rows:
             raise ShardError(f"{where}: holds {table.num_rows} rows, the manifest expects {rows}; upload it "
                              "again or re-pack", path=where)
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = local.with_name(f".{local.name}.{os.getpid()}.tmp")
-        with pa.OSFile(str(tmp), "wb") as out, pa.ipc.new_file(out, table.schema) as writer:
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table)
-        os.replace(tmp, local)
+        payload = sink.getvalue().to_pybytes()
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        for path, data in ((local, payload), (mark, hashlib.sha256(payload).hexdigest().encode())):
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            try:
+                tmp.write_bytes(data)
+                os.replace(tmp, path)
+            except OSError:  # a full or read-only cache disk: this copy only saves the next run some GETs
+                tmp.unlink(missing_ok=True)
+                break
         return table
 
     def identity(self, name: str) -> tuple[int, ...]:

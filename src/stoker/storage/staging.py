@@ -26,6 +26,7 @@ left empty; anything else a user put there stays.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -36,7 +37,8 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError, DatasetError, LoaderTimeoutError, ShardError
+from .._system import format_bytes
+from ..errors import ConfigError, DatasetError, LoaderTimeoutError, OutputError, ShardError
 from ..shards import MANIFEST_NAME, SHARD_NAME_RE, read_manifest
 
 try:
@@ -183,11 +185,20 @@ def _copy_verified(src: Path, dst: Path, expected_sha: str, expected_bytes: int)
     digest = hashlib.sha256()
     size = 0
     try:
-        with open(src, "rb") as fin, open(tmp, "wb") as fout:
-            while block := fin.read(_CHUNK):
-                digest.update(block)
-                size += len(block)
-                fout.write(block)
+        try:
+            with open(src, "rb") as fin, open(tmp, "wb") as fout:
+                while block := fin.read(_CHUNK):
+                    digest.update(block)
+                    size += len(block)
+                    fout.write(block)
+        except OSError as exc:  # another stager (or anything else) filled the file system since the check
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise OutputError(f"{dst.parent}: the file system filled up while staging {src.name} "
+                              f"({os.strerror(exc.errno)}; {format_bytes(shutil.disk_usage(dst.parent).free)} free "
+                              f"now, the shard needs {format_bytes(expected_bytes)}); free memory there (another "
+                              "process may be staging at the same time), or stage to a bigger file system",
+                              path=dst.parent, errno=exc.errno) from None
         if size != expected_bytes or digest.hexdigest() != expected_sha:
             raise ShardError(f"{src}: does not match the manifest (expected {expected_bytes} bytes, sha256 "
                              f"{expected_sha}; found {size} bytes, sha256 {digest.hexdigest()}); the source is "
@@ -286,7 +297,7 @@ def stage(source: str | Path, dest: str | Path, *, persistent: bool = True, time
             need = sum(s.bytes for s in manifest.shards)
             free = shutil.disk_usage(dest).free
             if need > free:
-                raise ConfigError(f"{dest}: the dataset needs {need / 1e9:.2f} GB, only {free / 1e9:.2f} GB are free "
+                raise ConfigError(f"{dest}: the dataset needs {format_bytes(need)}, only {format_bytes(free)} are free "
                                   f"there; free memory, or stage to a bigger file system")
             for info in manifest.shards:
                 _copy_verified(src / info.file, dest / info.file, info.sha256, info.bytes)

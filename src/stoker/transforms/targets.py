@@ -34,6 +34,7 @@ import cv2
 import numpy as np
 
 from .. import codecs
+from ..errors import ImageError
 from .geometry import Plan, crop_window
 
 
@@ -281,7 +282,10 @@ class LabelMap:
         data = ds.extra(index, self.column)
         if data is None:
             raise ValueError(f"no label map in column {self.column!r}")
-        ids = codecs.decode_label_map(data, f"label map {self.column!r}")
+        try:
+            ids = codecs.decode_label_map(data, f"label map {self.column!r}")
+        except ImageError as exc:  # the sample's key, not the column's name, is what the error must name
+            raise ValueError(f"its label map {self.column!r}: {exc.reason}; re-pack the dataset") from None
         if ids.shape != (at.height, at.width):
             raise ValueError(f"label map {self.column!r} is {ids.shape[1]}x{ids.shape[0]}, the image "
                              f"{at.width}x{at.height}; re-pack the dataset")
