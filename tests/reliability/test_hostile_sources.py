@@ -144,7 +144,7 @@ def _segmentation_folder(root: Path, n: int = 4) -> Path:
 
 
 def test_truncated_label_map_is_skipped_at_pack_and_named_by_verify_and_loader(tmp_path: Path) -> None:
-    from stoker import Loader, verify
+    from stoker import Loader, Targets, verify
     from stoker.errors import SampleError
     src = _segmentation_folder(tmp_path / "ade")
     mask = src / "masks" / "002.png"
@@ -172,7 +172,7 @@ def test_truncated_label_map_is_skipped_at_pack_and_named_by_verify_and_loader(t
     _rewrite_checksums(good, table)
     report = verify(good, decode=True)
     assert not report.ok and "images/002.png" in report.format() and "label map 'mask'" in report.format()
-    with Loader(good, 4, masks="mask", order="sequential", num_threads=1) as loader, \
+    with Loader(good, 4, targets=Targets(masks="mask"), order="sequential", workers=1) as loader, \
             pytest.raises(SampleError) as caught:
         list(loader)
     assert caught.value.key == "images/002.png" and "label map 'mask'" in str(caught.value)

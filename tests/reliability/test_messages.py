@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from stoker import Loader
+from stoker import Loader, Workers
 from stoker.errors import ConfigError, SampleError
 from stoker.shards import MANIFEST_NAME
 
@@ -54,11 +54,11 @@ def _all_images_garbage(packed: Path) -> None:
 
 def test_skip_errors_do_not_advise_skipping(small_pack: Path) -> None:
     _all_images_garbage(small_pack)
-    with Loader(small_pack, 4, num_threads=1, on_error="skip") as loader, pytest.raises(SampleError) as caught:
+    with Loader(small_pack, 4, workers=Workers(num_threads=1, on_error="skip")) as loader, pytest.raises(SampleError) as caught:
         next(iter(loader))
     message = str(caught.value)
     assert "replacement samples failed as well" in message
-    assert "on_error='skip'" not in message and "re-pack" in message.lower()
-    with Loader(small_pack, 4, num_threads=1) as loader, pytest.raises(SampleError) as caught:
+    assert "Workers(on_error='skip')" not in message and "re-pack" in message.lower()
+    with Loader(small_pack, 4, workers=1) as loader, pytest.raises(SampleError) as caught:
         next(iter(loader))
-    assert "Pass on_error='skip'" in str(caught.value)  # the advice where it applies
+    assert "Pass workers=stoker.Workers(on_error='skip')" in str(caught.value)  # the advice where it applies

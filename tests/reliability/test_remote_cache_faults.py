@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("s3fs", reason="needs the remote extra: pip install 'stoker[remote]'")
 pytest.importorskip("moto", reason="needs moto[server]: pip install -e '.[test-remote]'")
 
-from stoker import Loader, RandomResizedCrop  # noqa: E402
+from stoker import Loader, RandomResizedCrop, Storage, Workers  # noqa: E402
 from stoker.audit import verify  # noqa: E402
 from stoker.errors import OutputError  # noqa: E402
 from stoker.packing import PackOptions, pack  # noqa: E402
@@ -63,8 +63,9 @@ def url(s3: S3Server, packed: Path) -> str:
 
 
 def batches(source: Any, **kw: Any) -> list[tuple[np.ndarray, np.ndarray]]:
-    with Loader(source, 8, num_threads=2, seed=3, transforms=[RandomResizedCrop(32)], order="sequential",
-                **kw) as loader:
+    on_error = kw.pop("on_error", "raise")
+    with Loader(source, 8, workers=Workers(num_threads=2, on_error=on_error), seed=3,
+                transforms=[RandomResizedCrop(32)], order="sequential", storage=Storage(**kw)) as loader:
         return [(images.numpy().copy(), labels.numpy().copy()) for images, labels in loader]
 
 
@@ -115,11 +116,11 @@ def test_damaged_cached_labels_are_read_again(s3: S3Server, url: str, packed: Pa
 
 _SHARING_JOB = textwrap.dedent("""
     import json, sys
-    from stoker import Loader, RandomResizedCrop
+    from stoker import Loader, RandomResizedCrop, Storage, Workers
     url, options, cache, limit, epochs, seed = sys.argv[1:]
-    with Loader(url, 4, num_threads=2, prefetch=1, seed=int(seed), transforms=[RandomResizedCrop(32)],
-                order="shard_window", cache_dir=cache, cache_limit=int(limit),
-                storage_options=json.loads(options)) as loader:
+    with Loader(url, 4, workers=Workers(num_threads=2, prefetch=1), seed=int(seed), transforms=[RandomResizedCrop(32)],
+                order="shard_window", storage=Storage(cache_dir=cache, cache_limit=int(limit),
+                storage_options=json.loads(options))) as loader:
         for epoch in range(int(epochs)):
             loader.set_epoch(epoch)
             n = sum(len(labels) for _, labels in loader)
@@ -186,9 +187,10 @@ def test_cache_limit_error_under_shard_window_names_a_fix_that_applies(s3: S3Ser
     from stoker.errors import ConfigError
     biggest = max(f.stat().st_size for f in packed.glob("shard-*.arrow"))
     with pytest.raises(ConfigError) as caught:
-        with Loader(url, 8, num_threads=2, order="shard_window", cache_dir=tmp_path / "c", cache_limit=biggest,
-                    transforms=[RandomResizedCrop(32)], storage_options=s3.storage_options()) as loader:
+        with Loader(url, 8, workers=2, order="shard_window", transforms=[RandomResizedCrop(32)],
+                    storage=Storage(cache_dir=tmp_path / "c", cache_limit=biggest,
+                                    storage_options=s3.storage_options())) as loader:
             next(iter(loader))
     message = str(caught.value)
     assert "order='shard_window'" not in message  # it already is
-    assert "raise cache_limit to at least" in message and "lower prefetch" in message
+    assert "raise Storage(cache_limit=) to at least" in message and "lower Workers(prefetch=)" in message
