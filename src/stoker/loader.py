@@ -50,8 +50,9 @@ __all__ = ["Loader", "LoaderStats"]
 
 _STATE_FORMAT = "stoker.Loader/1"
 #: "accurate": libjpeg-turbo's exact IDCT and smooth chroma upsampling (what simplejpeg and Pillow
-#: give); "fast": its fast IDCT and plain upsampling, a few % less CPU (docs/decoding.md).
-DECODE_QUALITIES = ("accurate", "fast")
+#: give); "fast": its fast IDCT and plain upsampling, a few % less CPU (docs/decoding.md); "exact": the
+#: accurate decode at full size (no DCT scaling), so each resize sees torchvision's pixels (within 1).
+DECODE_QUALITIES = ("accurate", "fast", "exact")
 
 
 def _open_source(source: str | Path | Dataset, remote: dict[str, Any], timeout: float
@@ -156,7 +157,7 @@ class Loader:
     images whose transforms do not end in a fixed size (e.g. `Resize(800)`, the shorter side) are batched
     top-left in zero-padded rows as large as the largest output in the dataset, with each image's
     (height, width) in the third item as "sizes" (int64 [B, 2]).
-    `decode_quality`: "accurate" or "fast" (CPU JPEG decode; see `DECODE_QUALITIES`).
+    `decode_quality`: "accurate", "fast" or "exact" (CPU JPEG decode; see `DECODE_QUALITIES`).
 
     DataLoader habits: `indices` reads only those dataset indices (a `Subset`), `weights` (one per
     sample, or per entry of `indices`) draws each epoch with replacement like `WeightedRandomSampler`,

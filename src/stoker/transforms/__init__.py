@@ -29,9 +29,9 @@ each op reads a fixed slice of that stream.
 
 from __future__ import annotations
 
-from .geometry import (AREA_FROM, GEOMETRIC, CenterCrop, CropWindow, Plan, RandomHorizontalFlip,
-                       RandomResizedCrop, Resize, Size, crop_resize_into, crop_window, decode_minimums,
-                       plan_ops, resize_window_into)
+from .geometry import (GEOMETRIC, INTERPOLATIONS, CenterCrop, CropWindow, Plan, RandomHorizontalFlip,
+                       RandomResizedCrop, Resize, Resampling, Size, crop_resize_into, crop_window,
+                       decode_minimums, plan_ops, resample, resample_into, resampling)
 from .adapt import Adapted, TransformError, adapt
 from .colour import ColorJitter, GaussianBlur, RandomGrayscale
 from .gpu import BatchAugment, Normalize, RandomErasing
@@ -40,8 +40,9 @@ from .pipeline import Pipeline
 from .policy import AutoAugment, RandAugment, TrivialAugmentWide
 from .user import apply_tail, run_user_op
 
-__all__ = ["AREA_FROM", "GEOMETRIC", "Adapted", "AutoAugment", "BatchAugment", "CenterCrop", "ColorJitter",
+__all__ = ["GEOMETRIC", "INTERPOLATIONS", "Adapted", "AutoAugment", "BatchAugment", "CenterCrop", "ColorJitter",
            "CropWindow", "GaussianBlur", "Mixup", "Normalize", "Pipeline", "Plan", "RandAugment",
-           "RandomErasing", "RandomGrayscale", "RandomHorizontalFlip", "RandomResizedCrop", "Resize", "Size",
+           "RandomErasing", "RandomGrayscale", "RandomHorizontalFlip", "RandomResizedCrop", "Resampling", "Resize",
+           "Size",
            "TransformError", "TrivialAugmentWide", "adapt", "apply_tail", "crop_resize_into", "crop_window",
-           "decode_minimums", "plan_ops", "resize_window_into", "run_user_op"]
+           "decode_minimums", "plan_ops", "resample", "resample_into", "resampling", "run_user_op"]

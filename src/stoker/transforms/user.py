@@ -75,6 +75,7 @@ def apply_tail(ops: Sequence[Any], offsets: Sequence[int], img: np.ndarray, u: n
         if isinstance(op, RandomHorizontalFlip):
             out[...] = img[:, ::-1] if plan.flip[0] else img
         else:
-            crop_resize_into(np.ascontiguousarray(img), plan.box[0], out, False, img.shape[0], img.shape[1])
+            crop_resize_into(np.ascontiguousarray(img), plan.box[0], out, False, img.shape[0], img.shape[1],
+                             plan.clip[0], plan.grid[0], plan.interpolation, plan.antialias)
         img = out
     return img
