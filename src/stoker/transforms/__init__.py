@@ -35,13 +35,13 @@ from .geometry import (GEOMETRIC, INTERPOLATIONS, CenterCrop, CropWindow, Plan, 
 from .adapt import Adapted, TransformError, adapt
 from .colour import ColorJitter, GaussianBlur, RandomGrayscale
 from .gpu import BatchAugment, Normalize, RandomErasing
-from .mixing import Mixup
+from .mixing import CutMix, MixUp, Mixup
 from .pipeline import Pipeline
 from .policy import AutoAugment, RandAugment, TrivialAugmentWide
 from .user import apply_tail, run_user_op
 
 __all__ = ["GEOMETRIC", "INTERPOLATIONS", "Adapted", "AutoAugment", "BatchAugment", "CenterCrop", "ColorJitter",
-           "CropWindow", "GaussianBlur", "Mixup", "Normalize", "Pipeline", "Plan", "RandAugment",
+           "CropWindow", "CutMix", "GaussianBlur", "MixUp", "Mixup", "Normalize", "Pipeline", "Plan", "RandAugment",
            "RandomErasing", "RandomGrayscale", "RandomHorizontalFlip", "RandomResizedCrop", "Resampling", "Resize",
            "Size",
            "TransformError", "TrivialAugmentWide", "adapt", "apply_tail", "crop_resize_into", "crop_window",

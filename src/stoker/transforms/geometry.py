@@ -340,6 +340,11 @@ def resample(src: np.ndarray, dst: np.ndarray, interpolation: str = "bilinear", 
     if src.shape[:2] == dst.shape[:2]:
         dst[...] = src
         return
+    if not dst.flags.c_contiguous:  # a window of a row (padding): the kernels write whole channels-last images
+        whole = np.empty(dst.shape, np.uint8)
+        resample(src, whole, interpolation, antialias)
+        dst[...] = whole
+        return
     x = torch.from_numpy(src).permute(2, 0, 1).unsqueeze(0)
     out = torch.from_numpy(dst).permute(2, 0, 1).unsqueeze(0)
     mode, kw = _mode(interpolation, antialias)
