@@ -36,7 +36,7 @@ from .labels import MultiLabel
 from .order import TAG_DRAW, replacement_index, sample_keys, uniforms
 from .reader import CachedDataset, Dataset, PackedDataset
 from .slots import LoaderStats, Slot, WorkerTimes
-from .transforms import (Pipeline, Plan, Resampling, apply_tail, decode_minimums, resample_into, resampling,
+from .transforms import (Pipeline, Plan, Resampling, apply_tail, decode_minimums, resample_region_into, resampling,
                          run_user_op)
 from .transforms.mixing import check_class_labels
 from .transforms.targets import boxes_through, mask_through, polygons_through, stack_label_maps
@@ -249,7 +249,7 @@ class Filler:
             if size != dst.shape[:2]:
                 raise ValueError(f"transforms give {size[0]}x{size[1]} for this {s.height}x{s.width} image, "
                                  f"the batch is {dst.shape[0]}x{dst.shape[1]}")
-            resample_into(region, win, dst, box[1], *self.pipe.resampling)
+            resample_region_into(region, win, dst, box[1], *self.pipe.resampling)
             for op in tail:
                 out = run_user_op(op, dst, key)
                 if out is not dst:
@@ -257,7 +257,7 @@ class Filler:
                     dst[...] = out
         else:
             mid = np.empty((size[0], size[1], 3), np.uint8)
-            resample_into(region, win, mid, box[1], *self.pipe.resampling)
+            resample_region_into(region, win, mid, box[1], *self.pipe.resampling)
             out = apply_tail(tail, self.pipe.offsets[len(self.pipe.prefix):], mid, u, key)
             self._check_shape(out, dst, "the transforms")
             dst[...] = out

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from .geometry import (GEOMETRIC, INTERPOLATIONS, CenterCrop, CropWindow, Plan, RandomHorizontalFlip,
                        RandomResizedCrop, Resize, Resampling, Size, crop_resize_into, crop_window,
-                       decode_minimums, plan_ops, resample, resample_into, resampling)
+                       decode_minimums, plan_ops, resample, resample_region_into, resampling)
 from .adapt import Adapted, TransformError, adapt
 from .colour import ColorJitter, GaussianBlur, RandomGrayscale
 from .gpu import BatchAugment, Normalize, RandomErasing
@@ -45,4 +45,4 @@ __all__ = ["GEOMETRIC", "INTERPOLATIONS", "Adapted", "AutoAugment", "BatchAugmen
            "RandomErasing", "RandomGrayscale", "RandomHorizontalFlip", "RandomResizedCrop", "Resampling", "Resize",
            "Size",
            "TransformError", "TrivialAugmentWide", "adapt", "apply_tail", "crop_resize_into", "crop_window",
-           "decode_minimums", "plan_ops", "resample", "resample_into", "resampling", "run_user_op"]
+           "decode_minimums", "plan_ops", "resample", "resample_region_into", "resampling", "run_user_op"]

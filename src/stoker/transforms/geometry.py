@@ -355,7 +355,7 @@ def resample(src: np.ndarray, dst: np.ndarray, interpolation: str = "bilinear", 
     out.copy_(torch.nn.functional.interpolate(x, size=size, mode=mode, **kw))
 
 
-def resample_into(region: np.ndarray, r: Resampling, dst: np.ndarray, flip: bool, interpolation: str = "bilinear",
+def resample_region_into(region: np.ndarray, r: Resampling, dst: np.ndarray, flip: bool, interpolation: str = "bilinear",
                   antialias: bool = True) -> None:
     """`region` holds the source pixels `r.src` (cut from a decoded image, or decoded alone by a region
     decoder): resample them into `dst` as `r` says, zeros where nothing lands, mirrored when `flip`."""
@@ -391,4 +391,4 @@ def crop_resize_into(src: np.ndarray, box: Sequence[float], dst: np.ndarray, fli
     size). Parts of the box outside the image become zeros (CenterCrop padding)."""
     r = resampling(box, src.shape[0], src.shape[1], full_h, full_w, clip, grid, dst.shape[:2])
     y0, y1, x0, x1 = r.src
-    resample_into(src[y0:y1, x0:x1], r, dst, flip, interpolation, antialias)
+    resample_region_into(src[y0:y1, x0:x1], r, dst, flip, interpolation, antialias)
