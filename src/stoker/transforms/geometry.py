@@ -328,6 +328,9 @@ def resampling(box: Sequence[float], src_h: int, src_w: int, full_h: int, full_w
     return Resampling((y0, y1, x0, x1), (rh, rw), (py, px), (top, bottom, left, right))
 
 
+_BILINEAR_AA = torch.ops.aten._upsample_bilinear2d_aa.out  # F.interpolate's kernel, with an out= (the batch row)
+
+
 def _mode(interpolation: str, antialias: bool) -> tuple[str, dict[str, Any]]:
     if interpolation in ("bilinear", "bicubic"):
         return interpolation, {"align_corners": False, "antialias": antialias}
@@ -345,18 +348,18 @@ def resample(src: np.ndarray, dst: np.ndarray, interpolation: str = "bilinear", 
         resample(src, whole, interpolation, antialias)
         dst[...] = whole
         return
-    x = torch.from_numpy(src).permute(2, 0, 1).unsqueeze(0)
-    out = torch.from_numpy(dst).permute(2, 0, 1).unsqueeze(0)
-    mode, kw = _mode(interpolation, antialias)
-    size = list(dst.shape[:2])
-    if mode == "bilinear" and antialias:  # the common case: straight into the batch row, channels last
-        torch.ops.aten._upsample_bilinear2d_aa.out(x, size, False, None, None, out=out)
+    # rows cut from a wider image: the uint8 kernels are fast only on dense channels-last memory
+    x = torch.from_numpy((src if src.flags.c_contiguous else np.ascontiguousarray(src)).transpose(2, 0, 1)[None])
+    out = torch.from_numpy(dst.transpose(2, 0, 1)[None])
+    if antialias and interpolation == "bilinear":  # the common case: straight into the batch row, channels last
+        _BILINEAR_AA(x, dst.shape[:2], False, None, None, out=out)
         return
-    out.copy_(torch.nn.functional.interpolate(x, size=size, mode=mode, **kw))
+    mode, kw = _mode(interpolation, antialias)
+    out.copy_(torch.nn.functional.interpolate(x, size=list(dst.shape[:2]), mode=mode, **kw))
 
 
-def resample_region_into(region: np.ndarray, r: Resampling, dst: np.ndarray, flip: bool, interpolation: str = "bilinear",
-                  antialias: bool = True) -> None:
+def resample_region_into(region: np.ndarray, r: Resampling, dst: np.ndarray, flip: bool,
+                         interpolation: str = "bilinear", antialias: bool = True) -> None:
     """`region` holds the source pixels `r.src` (cut from a decoded image, or decoded alone by a region
     decoder): resample them into `dst` as `r` says, zeros where nothing lands, mirrored when `flip`."""
     (rh, rw), (py, px) = r.size, r.place
