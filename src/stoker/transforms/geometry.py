@@ -297,7 +297,8 @@ class Resampling:
     pad: tuple[int, int, int, int] = (0, 0, 0, 0)
 
 
-def _axis(b0: float, c0: float, clen: float, g: int, s: int, f: float) -> tuple[int, ...]:
+def _axis(b0: float, blen: float, c0: float, clen: float, g: int, s: int, f: float,
+          trim: bool) -> tuple[int, ...]:
     """One axis of :func:`resampling`: source pixels (w0, w1), zeros before and after them, the
     resampled length and its placement in the output."""
     c0s, c1s = c0 * f, (c0 + clen) * f
@@ -309,6 +310,11 @@ def _axis(b0: float, c0: float, clen: float, g: int, s: int, f: float) -> tuple[
     if pad0 or pad1:  # the clip leaves the image: pad it with zeros, resample all of it
         return w0, w1, pad0, pad1, g, -out0
     k = g / max(c1s - c0s, 1e-9)  # grid pixels per source pixel
+    if trim:  # only the output's share of the clip, plus what the filter reads around it (bicubic: 2 taps)
+        margin = 2.0 * max(1.0, 1.0 / k) + 1.0
+        lo, hi = max(w0, math.floor(b0 * f - margin)), min(w1, math.ceil((b0 + blen) * f + margin))
+        if hi > lo:
+            w0, w1 = lo, hi
     g0 = round((w0 - c0s) * k)
     g1 = max(g0 + 1, round((w1 - c0s) * k))
     return w0, w1, 0, 0, g1 - g0, g0 - out0
@@ -316,15 +322,22 @@ def _axis(b0: float, c0: float, clen: float, g: int, s: int, f: float) -> tuple[
 
 def resampling(box: Sequence[float], src_h: int, src_w: int, full_h: int, full_w: int,
                clip: Sequence[float] | None = None, grid: Sequence[int] | None = None,
-               size: Sequence[int] | None = None) -> Resampling:
+               size: Sequence[int] | None = None, trim: bool = False) -> Resampling:
     """Where the plan's `clip` (top, left, height, width in a full_h x full_w image, pixels) lies in a
     src_h x src_w version of that image, the size it is resampled to (its share of `grid`) and where
-    the output (`box`, of `size`) lies in it. Without `clip`, the box itself is resampled to `size`."""
+    the output (`box`, of `size`) lies in it. Without `clip`, the box itself is resampled to `size`.
+
+    `trim`: read only the part of the clip the output needs (its box and the filter's reach), resampled
+    to its share of the grid rounded to whole pixels: up to half an output pixel off torchvision's grid
+    (the DCT-scaled path, which is not torchvision's pixels anyway), for less to decode and resample
+    when a `CenterCrop` follows a `Resize`."""
     if clip is None or grid is None:
         clip, grid = box, size
     fy, fx = src_h / full_h, src_w / full_w
-    y0, y1, top, bottom, rh, py = _axis(float(box[0]), float(clip[0]), float(clip[2]), int(grid[0]), src_h, fy)
-    x0, x1, left, right, rw, px = _axis(float(box[1]), float(clip[1]), float(clip[3]), int(grid[1]), src_w, fx)
+    y0, y1, top, bottom, rh, py = _axis(float(box[0]), float(box[2]), float(clip[0]), float(clip[2]), int(grid[0]),
+                                        src_h, fy, trim)
+    x0, x1, left, right, rw, px = _axis(float(box[1]), float(box[3]), float(clip[1]), float(clip[3]), int(grid[1]),
+                                        src_w, fx, trim)
     return Resampling((y0, y1, x0, x1), (rh, rw), (py, px), (top, bottom, left, right))
 
 
