@@ -133,6 +133,7 @@ def fast_path(photos: dict, crops: int) -> tuple[Table, list[str]]:
             theirs.append(ref)
             per_image.append(np.abs(out.astype(np.int16) - ref).mean())
     t.add(f"RandomResizedCrop(224), {len(ours)} crops", ours, theirs)
+    t.add("Resize(256) + CenterCrop(224), through the Loader", *loader_vs_torchvision(photos))
     a, b = np.stack(ours), np.stack(theirs)
     pi = np.array(per_image)
     lines = [f"per-image mean |difference|: median {np.median(pi):.2f}, 95th percentile {np.percentile(pi, 95):.2f}, "
@@ -141,6 +142,27 @@ def fast_path(photos: dict, crops: int) -> tuple[Table, list[str]]:
         lines.append(f"{what}: stoker {x1.mean():.3f}, torchvision {x2.mean():.3f}, paired KS p = "
                      f"{ks_pvalue(x1, x2):.3f} over {len(x1)} crops")
     return t, lines
+
+
+def loader_vs_torchvision(photos: dict) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The Loader's default path on the photos (as JPEGs in a folder) and torchvision on Pillow's decode."""
+    import tempfile
+
+    import stoker
+    from torchvision_helpers import images_hwc
+
+    tv = v2()
+    ref = tv.Compose([tv.Resize(256), tv.CenterCrop(224)])
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "photos"
+        folder.mkdir()
+        names = sorted(photos)
+        for k, name in enumerate(names):
+            (folder / f"{k:03d}.jpg").write_bytes(photos[name][0])
+        with stoker.Loader(stoker.open_loose(Path(tmp)), len(names), transforms=[Resize(256), CenterCrop(224)],
+                           order="sequential") as loader:
+            ours = list(images_hwc(next(iter(loader))[0]))
+    return ours, [hwc(ref(chw(photos[name][1]))) for name in names]
 
 
 def independent_crops(photos: dict, crops: int) -> list[str]:

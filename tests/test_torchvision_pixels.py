@@ -133,6 +133,8 @@ def ks_pvalue(a: np.ndarray, b: np.ndarray) -> float:
     a, b = np.sort(a), np.sort(b)
     grid = np.concatenate([a, b])
     d = np.abs(np.searchsorted(a, grid, side="right") / len(a) - np.searchsorted(b, grid, side="right") / len(b)).max()
+    if d == 0:
+        return 1.0
     n = len(a) * len(b) / (len(a) + len(b))
     lam = (math.sqrt(n) + 0.12 + 0.11 / math.sqrt(n)) * d
     return float(min(1.0, max(0.0, 2 * sum((-1) ** (k - 1) * math.exp(-2 * k * k * lam * lam) for k in range(1, 101)))))

@@ -278,15 +278,16 @@ class Filler:
         `box` is the row's (box, flip, size, clip, grid). A JPEG is decoded at the smallest DCT scale
         the box allows and, where the region decoder is installed, only the rectangle the resampling
         reads; its pixels are exactly that rectangle of the whole scaled image, so the batch is the same
-        with or without it. With decode_quality="exact", full size, and the whole region torchvision
-        resamples (torchvision's pixels); otherwise only the output's share of it (`resampling(trim=)`)."""
+        with or without it. An image decoded at full size (always with decode_quality="exact") is
+        resampled from the whole region torchvision resamples, giving its pixels; a DCT-scaled one, whose
+        pixels are not torchvision's anyway, from the output's share of it (`resampling(trim=)`)."""
         crop, clip, grid = box[0], box[3], box[4]
         if s.encoding == "jpeg":
             h, w = s.height, s.width
             mh, mw = (h, w) if self.full_size else decode_minimums(crop, size[0], size[1], h, w)
             n = codecs.jpeg_scale_eighths(h, w, mh, mw)
             sh, sw = math.ceil(h * n / 8), math.ceil(w * n / 8)
-            r = resampling(crop, sh, sw, h, w, clip, grid, size, trim=not self.full_size)
+            r = resampling(crop, sh, sw, h, w, clip, grid, size, trim=n < 8)  # full size: torchvision's grid
             y0, y1, x0, x1 = r.src
             region = codecs.decode_jpeg_region(s.data, s.key, height=h, width=w, scale=n, window=r.src,
                                                out=self._scratch(scratch, (y1 - y0) * (x1 - x0) * 3),
@@ -301,7 +302,8 @@ class Filler:
                 raise ValueError(f"decoded size {img.shape[1]}x{img.shape[0]} differs from the stored size "
                                  f"{s.width}x{s.height}; re-pack the dataset")
         # the whole image was decoded (at some scale, or full size by Pillow): cut the window from it
-        r = resampling(crop, img.shape[0], img.shape[1], s.height, s.width, clip, grid, size, trim=not self.full_size)
+        r = resampling(crop, img.shape[0], img.shape[1], s.height, s.width, clip, grid, size,
+                       trim=img.shape[:2] != (s.height, s.width))
         y0, y1, x0, x1 = r.src
         return img[y0:y1, x0:x1], r
 

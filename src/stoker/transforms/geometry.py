@@ -233,11 +233,21 @@ def plan_ops(ops: Sequence[Any], offsets: Sequence[int], heights: np.ndarray, wi
                 interpolation=interpolation, antialias=antialias)
 
 
-def decode_minimums(box: Sequence[float], out_h: int, out_w: int, src_h: int, src_w: int) -> tuple[int, int]:
-    """Smallest full-image (height, width), in pixels, whose version of `box` still has at least the
-    output resolution: what to ask a DCT-scaling JPEG decoder for."""
+#: The DCT-scaled decode keeps at least this many times the output resolution, so the antialiasing
+#: filter does the last halving. Measured on real photographs (tests/test_torchvision_pixels.py): with 1x
+#: the crops that were DCT-scaled came out 3.4% less sharp than torchvision's (mean gradient, KS p = 1e-9
+#: over 403 crops; the scaled IDCT's low-pass adds to the filter's), with 1.5x 1% (p = 0.002), with 2x
+#: indistinguishable (p = 0.24).
+AA_HEADROOM = 2.0
+
+
+def decode_minimums(box: Sequence[float], out_h: int, out_w: int, src_h: int, src_w: int,
+                    headroom: float = AA_HEADROOM) -> tuple[int, int]:
+    """Smallest full-image (height, width), in pixels, whose version of `box` still has `headroom`
+    times the output resolution: what to ask a DCT-scaling JPEG decoder for."""
     bh, bw = max(float(box[2]), 1e-9), max(float(box[3]), 1e-9)
-    return min(src_h, math.ceil(src_h * out_h / bh - 1e-6)), min(src_w, math.ceil(src_w * out_w / bw - 1e-6))
+    return (min(src_h, math.ceil(src_h * out_h * headroom / bh - 1e-6)),
+            min(src_w, math.ceil(src_w * out_w * headroom / bw - 1e-6)))
 
 
 @dataclass(frozen=True)
