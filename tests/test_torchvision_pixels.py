@@ -127,6 +127,32 @@ def test_loader_exact_path_matches_torchvision(photo_folder: Path) -> None:
     within_one(ours, theirs, "Loader exact Resize(256)+CenterCrop(224)")
 
 
+def test_loader_default_path_is_torchvisions_where_the_decode_is_full_size(photo_folder: Path) -> None:
+    """The default decode_quality: Resize(256)+CenterCrop(224) gives torchvision's pixels (within 1) on
+    every photograph not large enough to be DCT-scaled, and stays close on the one that is."""
+    from stoker import codecs
+    from stoker.transforms import decode_minimums
+
+    tv = v2()
+    ours = _loader_images(photo_folder, [Resize(256), CenterCrop(224)], "accurate")
+    ref = tv.Compose([tv.Resize(256), tv.CenterCrop(224)])
+    pipe = Pipeline([Resize(256), CenterCrop(224)])
+    scaled = 0
+    for got, f in zip(ours, sorted((photo_folder / "photo").iterdir())):
+        img = np.asarray(Image.open(f).convert("RGB"))
+        h, w = img.shape[:2]
+        box = pipe.plan(np.array([h]), np.array([w]), np.zeros((1, 1))).box[0]
+        theirs = hwc(ref(chw(img)))
+        worst, share = differing(got, theirs)
+        if codecs.jpeg_scale_eighths(h, w, *decode_minimums(box, 224, 224, h, w)) == 8:
+            assert share <= 0.001, f"{f.name}: {share:.3%} of values differ by more than 1 (max {worst})"
+        else:
+            scaled += 1
+            mean = np.abs(got.astype(np.int16) - theirs).mean()
+            assert mean < 4, f"{f.name} (DCT-scaled): mean |difference| {mean:.2f}"
+    assert 0 < scaled < len(ours)  # both kinds are checked
+
+
 def ks_pvalue(a: np.ndarray, b: np.ndarray) -> float:
     """Two-sample Kolmogorov-Smirnov test, asymptotic p-value (what scipy.stats.ks_2samp gives for
     samples this large)."""
