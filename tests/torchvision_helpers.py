@@ -6,7 +6,8 @@ library does not load, and `import torchvision` then fails while registering fak
 those ops. The transforms are plain torch: declaring the two ops' schemas (what the library would
 have done) lets torchvision import, with the detection ops unusable, which no test here calls.
 
-`v2()` returns `torchvision.transforms.v2`, `timm_data()` `timm.data`; each skips the calling test
+`v2()` returns `torchvision.transforms.v2`, `v1()` `torchvision.transforms`, `timm_data()` `timm.data`;
+each skips the calling test
 with the install command only where the package is not installed at all.
 """
 
@@ -58,6 +59,13 @@ def v2() -> Any:
     _import_torchvision()
     import torchvision.transforms.v2 as transforms_v2
     return transforms_v2
+
+
+def v1() -> Any:
+    """torchvision.transforms, the classic API (skipped where torchvision is not installed)."""
+    _import_torchvision()
+    import torchvision.transforms as transforms_v1
+    return transforms_v1
 
 
 def v2_functional() -> Any:
