@@ -6,12 +6,15 @@ HWC uint8 arrays, PIL images or CHW tensors.
 - containers are flattened (the result is what `Pipeline` compiles: per-sample ops, then batch ops): a list or tuple, anything with a `.transforms` list (torchvision's and
   albumentations' `Compose`), a `torch.nn.Sequential`;
 - torchvision's own transforms are replaced by stoker's equivalents with the same parameters
-  (RandomResizedCrop, Resize, CenterCrop, RandomHorizontalFlip, ColorJitter, RandAugment,
-  TrivialAugmentWide, AutoAugment(IMAGENET), GaussianBlur, RandomGrayscale), so a user's pipeline
-  drops in and runs on the fast path; conversions (ToTensor, PILToTensor, ToImage, ToDtype,
-  ConvertImageDtype) are dropped (stoker's batches are uint8, converted on the device); Normalize
+  (RandomResizedCrop, Resize with their interpolation and antialias, CenterCrop, RandomHorizontalFlip,
+  ColorJitter, RandAugment, TrivialAugmentWide, AutoAugment(IMAGENET), GaussianBlur, RandomGrayscale),
+  so a user's pipeline drops in and runs on the fast path; an interpolation stoker has no kernel for is
+  refused, never swapped; conversions (ToTensor, PILToTensor, ToImage, ToDtype, ConvertImageDtype) are
+  dropped (stoker's batches are uint8, converted on the device), the value range they leave kept for
+  the Normalize after them (0..255 after `ToDtype(float32)` without `scale=True`); Normalize
   and RandomErasing, which torchvision runs on normalized tensors, become stoker's batched ops
-  (`gpu.Normalize`, `gpu.RandomErasing`), as do stoker's batched ops and a `Mixup` given directly;
+  (`gpu.Normalize`, `gpu.RandomErasing`), v2's MixUp / CutMix (and a RandomChoice of them) stoker's
+  `Mixup`, as do stoker's batched ops and a `Mixup` given directly;
 - any other callable is wrapped in `Adapted`: the sample is handed over as the kind it takes
   (declared with `adapt(fn, input=...)`, else detected on the first sample), its result converted
   back, its randomness made reproducible (a transform that takes `rng=` gets the sample's Generator;
