@@ -7,8 +7,7 @@ those ops. The transforms are plain torch: declaring the two ops' schemas (what 
 have done) lets torchvision import, with the detection ops unusable, which no test here calls.
 
 `v2()` returns `torchvision.transforms.v2`, `v1()` `torchvision.transforms`, `timm_data()` `timm.data`;
-each skips the calling test
-with the install command only where the package is not installed at all.
+each skips the calling test, with the install command, only where the package is not installed at all.
 """
 
 from __future__ import annotations
