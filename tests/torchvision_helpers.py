@@ -53,6 +53,16 @@ def _import_torchvision() -> Any:
     return torchvision
 
 
+def torchvision_importable() -> bool:
+    """Make an installed torchvision importable (as `v2()` does) and say whether one is; never skips.
+    For tests of libraries that import torchvision themselves (Lightning through torchmetrics, timm)."""
+    try:
+        _import_torchvision()
+    except pytest.skip.Exception:
+        return False
+    return True
+
+
 def v2() -> Any:
     """torchvision.transforms.v2 (the test is skipped where torchvision is not installed)."""
     _import_torchvision()
