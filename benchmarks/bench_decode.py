@@ -27,8 +27,8 @@ import numpy as np
 from stoker import codecs
 from stoker.order import sample_keys, uniforms
 from stoker.tools.synth import cached_imagenet_like, synth_image
-from stoker.transforms import (CenterCrop, Pipeline, RandomResizedCrop, Resize, crop_resize_into, crop_window,
-                               decode_minimums, resize_window_into)
+from stoker.transforms import (CenterCrop, Pipeline, RandomResizedCrop, Resize, crop_resize_into, decode_minimums,
+                               resample_region_into, resampling)
 
 OUT = 224
 
@@ -58,9 +58,9 @@ def _whole(data: bytes, h: int, w: int, box: Any, dst: np.ndarray, buf: np.ndarr
 def _region(data: bytes, h: int, w: int, box: Any, dst: np.ndarray, buf: np.ndarray, fast: bool) -> None:
     mh, mw = decode_minimums(box, OUT, OUT, h, w)
     n = codecs.jpeg_scale_eighths(h, w, mh, mw)
-    win = crop_window(box, math.ceil(h * n / 8), math.ceil(w * n / 8), h, w, OUT, OUT)
-    region = codecs.decode_jpeg_region(data, "k", height=h, width=w, scale=n, window=win.src, out=buf, fast=fast)
-    resize_window_into(region, win, dst, False)
+    r = resampling(box, math.ceil(h * n / 8), math.ceil(w * n / 8), h, w, size=(OUT, OUT))
+    region = codecs.decode_jpeg_region(data, "k", height=h, width=w, scale=n, window=r.src, out=buf, fast=fast)
+    resample_region_into(region, r, dst, False)
 
 
 def _full_size_decode(data: bytes, h: int, w: int, box: Any, dst: np.ndarray, buf: np.ndarray, fast: bool) -> None:

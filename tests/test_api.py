@@ -11,7 +11,7 @@ EXPECTED = {
     "CenterCrop", "Dataset", "DeviceOptions", "Loader", "LoaderStats", "PackOptions", "PackSummary", "Pipeline",
     "RandomHorizontalFlip", "RandomResizedCrop", "Resize", "Sample", "Sampling", "Storage", "StokerError", "Targets", "Workers", "__version__",
     "describe", "errors", "open_dataset", "open_loose", "pack", "prefetch", "profile", "ProfileReport", "verify",
-    "AutoAugment", "ColorJitter", "GaussianBlur", "Mixup", "Normalize", "RandAugment", "RandomErasing",
+    "AutoAugment", "ColorJitter", "CutMix", "GaussianBlur", "MixUp", "Mixup", "Normalize", "RandAugment", "RandomErasing",
     "RandomGrayscale", "TrivialAugmentWide", "adapt",
 }
 

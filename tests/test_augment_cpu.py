@@ -297,7 +297,7 @@ def test_randaugment_draws_like_torchvision():
     assert list(space) == ["Identity", "ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate", "Brightness",
                            "Color", "Contrast", "Sharpness", "Posterize", "Solarize", "AutoContrast", "Equalize"]
     expect = {"ShearX": 0.09, "ShearY": 0.09, "TranslateX": 150 / 331 * 224 * 9 / 30, "Rotate": 9.0,
-              "Brightness": 0.27, "Posterize": 7.0, "Solarize": 178.5, "Identity": 0.0, "Equalize": 0.0}
+              "Brightness": 0.27, "Posterize": 7.0, "Solarize": 0.7, "Identity": 0.0, "Equalize": 0.0}  # 178.5 / 255
     draws = [op.params(rng, 224, 224) for _ in range(N)]
     assert all(len(d) == 2 for d in draws)
     flat = [x for d in draws for x in d]

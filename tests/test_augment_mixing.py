@@ -1,10 +1,12 @@
-"""Mixup / CutMix against timm's definitions (timm.data.mixup, written out here), on CPU uint8 NHWC
-batches and float NCHW batches, plus determinism and resume through a real Loader."""
+"""Mixup / CutMix against timm's definitions (timm.data.mixup: written out here, and timm 1.0.31 itself where
+tests/torchvision_helpers.py imports it), on CPU uint8 NHWC batches and float NCHW batches, plus determinism
+and resume through a real Loader."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from stoker.loader import Loader
 from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop
 from stoker.transforms.mixing import MixParams, Mixup, batch_rng, soft_targets
 from test_loader import build_packed
+from torchvision_helpers import timm_data
 
 
 def ks_two(a: np.ndarray, b: np.ndarray) -> float:
@@ -44,24 +47,48 @@ def test_batch_lam_follows_beta_and_the_switch():
     assert ks_two(mix_lams, ref) < 1.63 * math.sqrt(1 / len(mix_lams) + 1 / len(ref))
 
 
-def test_cutmix_box_and_corrected_lam_follow_timm():
+def _timm_box(monkeypatch: pytest.MonkeyPatch, draws: list, *args: Any, **kwargs: Any) -> tuple:
+    """timm's own cutmix_bbox_and_lam, its np.random.randint calls answered from `draws` in order."""
+    mixup = timm_data().mixup
+    queue = list(draws)
+    monkeypatch.setattr(mixup.np.random, "randint", lambda *a, **k: queue.pop(0))
+    return mixup.cutmix_bbox_and_lam(*args, **kwargs)
+
+
+def test_cutmix_box_and_corrected_lam_follow_timm(monkeypatch: pytest.MonkeyPatch):
+    """The box of timm itself (1.0.31: the upper half of an odd side is the longer one), given the same draws."""
     m = Mixup(mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=10)
-    h, w = 24, 40
+    h, w = 31, 47
     for b in range(200):
         rng_ours, rng_ref = batch_rng(3, 1, b), batch_rng(3, 1, b)
         p = m.params(rng_ours, 4, h, w)
-        # timm: lam ~ Beta(1, 1) (after the mix_prob draw order of _params_per_elem), then rand_bbox
-        cut = np.ones(1, bool)
-        lam = rng_ref.beta(1.0, 1.0, 1)
-        rng_ref.random(1)  # the prob draw
-        ratio = np.sqrt(1 - lam)
-        ch, cw = (h * ratio).astype(int), (w * ratio).astype(int)
-        cy, cx = rng_ref.integers(0, h, 1), rng_ref.integers(0, w, 1)
-        yl, yh = np.clip(cy - ch // 2, 0, h), np.clip(cy + ch // 2, 0, h)
-        xl, xh = np.clip(cx - cw // 2, 0, w), np.clip(cx + cw // 2, 0, w)
-        assert cut.all() and p.cutmix.all()
-        assert p.box[0].tolist() == [int(yl[0]), int(yh[0]), int(xl[0]), int(xh[0])]
-        assert p.lam[0] == pytest.approx(1 - (yh - yl)[0] * (xh - xl)[0] / (h * w))
+        lam = float(rng_ref.beta(1.0, 1.0, 1)[0])  # Beta(1, 1), then the prob draw, then the centre
+        rng_ref.random(1)
+        cy, cx = int(rng_ref.integers(0, h, 1)[0]), int(rng_ref.integers(0, w, 1)[0])
+        (yl, yh, xl, xh), lam_ref = _timm_box(monkeypatch, [cy, cx], (3, h, w), lam, correct_lam=True)
+        assert p.cutmix.all()
+        assert p.box[0].tolist() == [int(yl), int(yh), int(xl), int(xh)]
+        assert p.lam[0] == pytest.approx(lam_ref)
+
+
+def test_cutmix_minmax_box_follows_timm(monkeypatch: pytest.MonkeyPatch):
+    m = Mixup(mixup_alpha=0.0, cutmix_alpha=1.0, cutmix_minmax=(0.2, 0.8), num_classes=10)
+    h, w = 31, 47
+    for b in range(200):
+        rng_ours, rng_ref = batch_rng(4, 0, b), batch_rng(4, 0, b)
+        p = m.params(rng_ours, 2, h, w)
+        rng_ref.beta(1.0, 1.0, 1), rng_ref.random(1)
+        ch = int(rng_ref.integers(int(h * 0.2), int(h * 0.8), 1)[0])
+        cw = int(rng_ref.integers(int(w * 0.2), int(w * 0.8), 1)[0])
+        # timm draws the corner in [0, size - cut] inclusive: our draw maps to its range
+        yl = int(rng_ref.integers(0, h - ch + 1, 1)[0])
+        xl = int(rng_ref.integers(0, w - cw + 1, 1)[0])
+        (y0, y1, x0, x1), lam_ref = _timm_box(monkeypatch, [ch, cw, yl, xl], (3, h, w), 0.5, ratio_minmax=(0.2, 0.8))
+        assert p.box[0].tolist() == [int(y0), int(y1), int(x0), int(x1)]
+        assert p.lam[0] == pytest.approx(lam_ref)
+    # the corner reaches the far edge, as timm's randint(0, size - cut + 1) does (the old range stopped short)
+    boxes = np.array([m.params(batch_rng(5, 0, b), 2, h, w).box[0] for b in range(3000)])
+    assert (boxes[:, 1] == h).any() and (boxes[:, 3] == w).any()
 
 
 def test_mixup_pixels_and_targets_float_nchw():
@@ -121,12 +148,23 @@ def test_uint8_mixup_rounds_like_timms_collate():
 
 
 def test_multi_hot_targets_and_bad_labels():
-    t = soft_targets(torch.tensor([[1.0, 0.0, 1.0]]), 3, smoothing=0.3)
+    t = soft_targets(torch.tensor([[1.0, 0.0, 1.0]]), 3, smoothing=0.3, multi_label=False)
     assert torch.allclose(t, torch.tensor([[0.8, 0.1, 0.8]]))
     with pytest.raises(ConfigError, match="num_classes"):
         soft_targets(torch.tensor([0, 7]), 5)
     with pytest.raises(ConfigError, match="nothing would be mixed"):
         Mixup(mixup_alpha=0.0, cutmix_alpha=0.0)
+
+
+def test_multi_hot_targets_are_smoothed_toward_half_as_timm_multi_label():
+    mixup = timm_data().mixup
+    t = torch.tensor([[1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
+    for lam in (1.0, 0.7):
+        m = Mixup(mixup_alpha=1.0, label_smoothing=0.2, num_classes=4)
+        ref = mixup.mixup_target(t, 4, lam, 0.2, multi_label=True)
+        p = MixParams(np.full(2, lam, np.float32), np.zeros(2, bool), np.zeros((2, 4), np.int64))
+        _, ours = m.apply(torch.zeros(2, 3, 4, 4), t, p)
+        assert torch.allclose(ours, ref)
 
 
 @pytest.fixture(scope="module")

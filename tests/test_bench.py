@@ -19,6 +19,7 @@ from stoker.tools.baseline import (_TVCenterCrop, _TVRandomResizedCrop, _TVResiz
                                    list_image_folder)
 from stoker.tools.bench import NOTE, BenchResult, PipelineResult, format_table, machine_info, run_bench
 from stoker.tools.synth import make_tiny_jpegs
+from torchvision_helpers import v1
 
 
 def _dali_imports() -> bool:
@@ -187,7 +188,7 @@ def test_resize_center_crop_and_normalize() -> None:
 
 
 def test_matches_real_torchvision_when_installed() -> None:
-    tv = pytest.importorskip("torchvision.transforms")
+    tv = v1()  # torchvision.transforms, importable on a CPU-only torch too (tests/torchvision_helpers.py)
     img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (375, 500, 3), dtype=np.uint8))
     for seed in range(20):
         torch.manual_seed(seed)

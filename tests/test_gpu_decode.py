@@ -107,7 +107,8 @@ def jobs_for(pipe: Pipeline, jpegs: list[bytes], sizes: list[tuple[int, int]], s
                            int(heights[i]), int(widths[i]), f"img-{i}.jpg"))
         full = simplejpeg.decode_jpeg(data, colorspace="RGB")
         ref = np.full((out_h, out_w, 3), 77, np.uint8)
-        crop_resize_into(full, box, ref, bool(plan.flip[i]), int(heights[i]), int(widths[i]))
+        crop_resize_into(full, box, ref, bool(plan.flip[i]), int(heights[i]), int(widths[i]), plan.clip[i],
+                         plan.grid[i])
         refs.append(ref)
     return jobs, refs
 

@@ -13,6 +13,14 @@ import torch
 
 import stoker
 from stoker.tools.synth import make_imagenet_like
+from torchvision_helpers import torchvision_importable
+
+
+@pytest.fixture(autouse=True)
+def _torchvision_imports() -> None:
+    """Lightning (through torchmetrics) and timm import torchvision where it is installed; one built for
+    another torch (the CUDA wheel beside a CPU torch) is made importable first."""
+    torchvision_importable()
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "integrations.md"
 

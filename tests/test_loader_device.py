@@ -23,6 +23,7 @@ from stoker.device import DeviceOptions
 from stoker.errors import ConfigError, LoaderTimeoutError, SampleError
 from stoker.loader import Loader
 from stoker.options import Workers
+from stoker.transforms import RandomResizedCrop
 from test_loader import TRAIN, build_packed
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -200,6 +201,14 @@ def test_gpu_decode_refuses_user_callables(packed: Path) -> None:
     with pytest.raises(ConfigError, match="solarize work on numpy arrays"):
         Loader(packed, 8, transforms=[*TRAIN, solarize], device=DeviceOptions("cpu", decode="gpu",
                                                                               gpu_decoder=CpuJpegDecoder()))
+
+
+def test_gpu_decode_refuses_interpolations_it_does_not_run(packed: Path) -> None:
+    gpu = DeviceOptions("cpu", decode="gpu", gpu_decoder=CpuJpegDecoder())
+    for op in (RandomResizedCrop(32, interpolation="bicubic"), RandomResizedCrop(32, antialias=False)):
+        with pytest.raises(ConfigError, match="decode='gpu' resizes with antialiased bilinear only"):
+            Loader(packed, 8, transforms=[op], device=gpu)
+    Loader(packed, 8, transforms=[RandomResizedCrop(32)], device=gpu).close()
 
 
 def test_shutdown_with_a_device_thread(packed: Path) -> None:

@@ -206,8 +206,10 @@ def test_bad_arguments_name_the_problem() -> None:
 
 
 def test_decode_minimums_keep_output_resolution() -> None:
-    # A 1000x1000 crop of a 2000x3000 image into 224x224: the decoded image needs >= 448x672.
-    assert decode_minimums(np.array([0, 0, 1000, 1000.0]), 224, 224, 2000, 3000) == (448, 672)
+    # A 1000x1000 crop of a 2000x3000 image into 224x224: the crop needs >= 224x224 of the decoded image,
+    # twice that for the antialiasing filter (AA_HEADROOM), so the image >= 896x1344.
+    assert decode_minimums(np.array([0, 0, 1000, 1000.0]), 224, 224, 2000, 3000) == (896, 1344)
+    assert decode_minimums(np.array([0, 0, 1000, 1000.0]), 224, 224, 2000, 3000, headroom=1.0) == (448, 672)
     # Enlarging never asks for more than the image has.
     assert decode_minimums(np.array([0, 0, 50, 50.0]), 224, 224, 100, 100) == (100, 100)
 

@@ -18,6 +18,8 @@ _EXPORTS = {
     "ColorJitter": "transforms",
     "GaussianBlur": "transforms",
     "Mixup": "transforms",
+    "MixUp": "transforms",
+    "CutMix": "transforms",
     "Normalize": "transforms",
     "RandAugment": "transforms",
     "RandomErasing": "transforms",

@@ -283,6 +283,10 @@ class TorchvisionDecoder(_DecodeStreamBackend):
         if _version(version) < TORCHVISION_MIN:
             raise ConfigError(f"torchvision {version} cannot batch JPEG decodes on the GPU; "
                               f"{'.'.join(map(str, TORCHVISION_MIN))} or newer can. {_torchvision_hint()}")
+        extension = getattr(tv, "extension", None)
+        if extension is not None and not extension._has_ops():  # imports, but its compiled code did not load
+            raise ConfigError(f"gpu_decoder='torchvision': torchvision {version} imports, but its compiled "
+                              f"extensions did not load with this torch ({torch.__version__}). {_torchvision_hint()}")
         return tv_io
 
     @staticmethod

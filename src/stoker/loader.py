@@ -79,6 +79,11 @@ def _device_options(device: Any, pipeline: Pipeline) -> DeviceOptions | None:
         names = ", ".join(op.name for op in pipeline.tail if hasattr(op, "name"))
         raise ConfigError(f"decode='gpu' runs only stoker's geometric transforms on the GPU; {names} "
                           f"work on numpy arrays: use DeviceOptions(decode='cpu') for them")
+    if opts is not None and opts.decode == "gpu" and pipeline.resampling != ("bilinear", True):
+        interpolation, antialias = pipeline.resampling
+        raise ConfigError(f"decode='gpu' resizes with antialiased bilinear only; the transforms ask for "
+                          f"interpolation={interpolation!r}, antialias={antialias}: use DeviceOptions(decode='cpu'), "
+                          f"or the defaults")
     return opts
 
 

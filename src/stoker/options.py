@@ -23,8 +23,9 @@ from .storage.remote import DEFAULT_CACHE_LIMIT
 __all__ = ["Sampling", "Storage", "Targets", "Workers", "DECODE_QUALITIES", "ON_ERROR"]
 
 #: "accurate": libjpeg-turbo's exact IDCT and smooth chroma upsampling (what simplejpeg and Pillow
-#: give); "fast": its fast IDCT and plain upsampling, a few % less CPU (docs/decoding.md).
-DECODE_QUALITIES = ("accurate", "fast")
+#: give); "fast": its fast IDCT and plain upsampling, a few % less CPU (docs/decoding.md); "exact": the
+#: accurate decode at full size (no DCT scaling), so each resize sees torchvision's pixels (within 1).
+DECODE_QUALITIES = ("accurate", "fast", "exact")
 ON_ERROR = ("raise", "skip")
 
 
@@ -191,7 +192,8 @@ class Workers(_Printable):
     pin_memory: default pinned when CUDA is available; True without CUDA is refused by the Loader.
     timeout: seconds to wait for one batch before LoaderTimeoutError.
     on_error: "raise", or "skip" (a failed sample is replaced, deterministically, and counted).
-    decode_quality: "accurate" or "fast" (CPU JPEG decode; docs/decoding.md).
+    decode_quality: "accurate", "fast" or "exact" (CPU JPEG decode; "exact": the accurate decode at full
+    size, no DCT scaling, so each resize sees torchvision's pixels; docs/decoding.md).
     """
 
     num_threads: int | None = None

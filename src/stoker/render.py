@@ -35,7 +35,8 @@ from .labels import MultiLabel
 from .order import TAG_DRAW, replacement_index, sample_keys, uniforms
 from .reader import CachedDataset, Dataset, PackedDataset
 from .slots import Slot, WorkerTimes
-from .transforms import (CropWindow, Pipeline, Plan, apply_tail, crop_window, decode_minimums, resize_window_into,
+from .transforms import (Pipeline, Plan, Resampling, apply_tail, decode_minimums,
+                         resample_region_into, resampling,
                          run_user_op)
 from .transforms.targets import Boxes, InstanceMasks, LabelMap, Placement, Target, TargetRows
 
@@ -58,7 +59,9 @@ class RenderSpec:
     heights: np.ndarray | None  # stored image sizes, pixels; None when known only after reading (loose files)
     widths: np.ndarray | None
     gpu_decode: bool = False  # decode="gpu": JPEG rows become GpuJobs for the device thread
-    decode_quality: str = "accurate"  # "fast": libjpeg-turbo's fast IDCT and plain chroma upsampling
+    #: "fast": libjpeg-turbo's fast IDCT and plain chroma upsampling; "exact": JPEGs decoded at full size
+    #: (no DCT scaling), so the resampling sees torchvision's pixels
+    decode_quality: str = "accurate"
     multi_label: MultiLabel | None = None  # turns a batch of label lists into one tensor (multi-label data)
     key_by_draw: bool = False  # weighted sampling: random streams per draw, so a repeated sample gets new crops
     members: np.ndarray | None = None  # indices=: a failed sample's stand-in comes from these only
@@ -114,6 +117,7 @@ class Filler:
         self.draws = max(self.pipe.draws, 1)
         self.fast = spec.decode_quality == "fast"
         self.targets = {t.column: t for t in spec.target_kinds()}
+        self.full_size = spec.decode_quality == "exact"
 
     def _geometry(self, idx: np.ndarray, u: np.ndarray) -> Plan | None:
         if self.heights is None:
@@ -189,8 +193,8 @@ class Filler:
 
     def _box(self, s: Any, u: np.ndarray, box: tuple | None) -> tuple[tuple, tuple[int, int]]:
         if box is None:  # sizes known only now (loose files): plan this one sample
-            p = self.pipe.plan(np.array([s.height]), np.array([s.width]), u[None, :])
-            return (p.box[0].tolist(), bool(p.flip[0])), (int(p.size[0, 0]), int(p.size[0, 1]))
+            box = _row_box(self.pipe.plan(np.array([s.height]), np.array([s.width]), u[None, :]), 0)
+            return box, box[2]
         return box, (box[2] if self.spec.pad else (self.out_h, self.out_w))
 
     def render(self, idx: int, key: int, u: np.ndarray, box: tuple | None, dst: np.ndarray, scratch: dict,
@@ -200,7 +204,7 @@ class Filler:
         s = self.ds.sample(idx) if sample is None else sample
         t1 = time.perf_counter()
         box, size = self._box(s, u, box)
-        region, win = self.decode(s, box[0], size, scratch)
+        region, win = self.decode(s, box, size, scratch)
         t2 = time.perf_counter()
         if self.spec.pad:   # this image's own size, top-left in its row; zero the rest (slots are reused)
             dst[size[0]:] = 0
@@ -211,7 +215,7 @@ class Filler:
             if size != dst.shape[:2]:
                 raise ValueError(f"transforms give {size[0]}x{size[1]} for this {s.height}x{s.width} image, "
                                  f"the batch is {dst.shape[0]}x{dst.shape[1]}")
-            resize_window_into(region, win, dst, box[1])
+            resample_region_into(region, win, dst, box[1], *self.pipe.resampling)
             for op in tail:
                 out = run_user_op(op, dst, key)
                 if out is not dst:
@@ -219,7 +223,7 @@ class Filler:
                     dst[...] = out
         else:
             mid = np.empty((size[0], size[1], 3), np.uint8)
-            resize_window_into(region, win, mid, box[1])
+            resample_region_into(region, win, mid, box[1], *self.pipe.resampling)
             out = apply_tail(tail, self.pipe.offsets[len(self.pipe.prefix):], mid, u, key)
             self._check_shape(out, dst, "the transforms")
             dst[...] = out
@@ -234,25 +238,28 @@ class Filler:
             raise ValueError(f"{what} returned an array of shape {out.shape}; the batch needs {dst.shape} "
                              f"(every sample must come out the same size)")
 
-    def decode(self, s: Any, box: Sequence[float], size: tuple[int, int],
-               scratch: dict) -> tuple[np.ndarray, CropWindow]:
-        """The source pixels the crop reads (`win.src` of the image at the decoded scale) and the window.
+    def decode(self, s: Any, box: tuple, size: tuple[int, int], scratch: dict) -> tuple[np.ndarray, Resampling]:
+        """The source pixels the resampling reads (`r.src` of the image at the decoded scale) and how.
 
-        A JPEG is decoded at the smallest DCT scale the box allows and, where the region decoder is
-        installed, only the box's rectangle of it; its pixels are exactly that rectangle of the whole
-        scaled image, so the batch is the same with or without it."""
+        `box` is the row's (box, flip, size, clip, grid). A JPEG is decoded at the smallest DCT scale
+        the box allows and, where the region decoder is installed, only the rectangle the resampling
+        reads; its pixels are exactly that rectangle of the whole scaled image, so the batch is the same
+        with or without it. An image decoded at full size (always with decode_quality="exact") is
+        resampled from the whole region torchvision resamples, giving its pixels; a DCT-scaled one, whose
+        pixels are not torchvision's anyway, from the output's share of it (`resampling(trim=)`)."""
+        crop, clip, grid = box[0], box[3], box[4]
         if s.encoding == "jpeg":
             h, w = s.height, s.width
-            mh, mw = decode_minimums(box, size[0], size[1], h, w)
+            mh, mw = (h, w) if self.full_size else decode_minimums(crop, size[0], size[1], h, w)
             n = codecs.jpeg_scale_eighths(h, w, mh, mw)
             sh, sw = math.ceil(h * n / 8), math.ceil(w * n / 8)
-            win = crop_window(box, sh, sw, h, w, size[0], size[1])
-            y0, y1, x0, x1 = win.src
-            region = codecs.decode_jpeg_region(s.data, s.key, height=h, width=w, scale=n, window=win.src,
+            r = resampling(crop, sh, sw, h, w, clip, grid, size, trim=n < 8)  # full size: torchvision's grid
+            y0, y1, x0, x1 = r.src
+            region = codecs.decode_jpeg_region(s.data, s.key, height=h, width=w, scale=n, window=r.src,
                                                out=self._scratch(scratch, (y1 - y0) * (x1 - x0) * 3),
                                                fast=self.fast)
             if region is not None:
-                return region, win
+                return region, r
             img = codecs.decode_rgb(s.data, "jpeg", s.key, height=h, width=w, min_height=mh, min_width=mw,
                                     out=self._scratch(scratch, sh * sw * 3), fast=self.fast)
         else:
@@ -261,9 +268,10 @@ class Filler:
                 raise ValueError(f"decoded size {img.shape[1]}x{img.shape[0]} differs from the stored size "
                                  f"{s.width}x{s.height}; re-pack the dataset")
         # the whole image was decoded (at some scale, or full size by Pillow): cut the window from it
-        win = crop_window(box, img.shape[0], img.shape[1], s.height, s.width, size[0], size[1])
-        y0, y1, x0, x1 = win.src
-        return img[y0:y1, x0:x1], win
+        r = resampling(crop, img.shape[0], img.shape[1], s.height, s.width, clip, grid, size,
+                       trim=img.shape[:2] != (s.height, s.width))
+        y0, y1, x0, x1 = r.src
+        return img[y0:y1, x0:x1], r
 
     @staticmethod
     def _scratch(scratch: dict, need: int) -> np.ndarray:
@@ -376,8 +384,11 @@ class EpochChain:
 
 
 def _row_box(geometry: Plan | None, row: int) -> tuple | None:
-    """One row of a plan as (box, flip, (height, width)) in Python numbers (cheaper per sample)."""
+    """One row of a plan as (box, flip, (height, width), clip, grid) in Python numbers (cheaper per sample)."""
     if geometry is None:
         return None
-    return geometry.box[row].tolist(), bool(geometry.flip[row]), (int(geometry.size[row, 0]),
-                                                                  int(geometry.size[row, 1]))
+    size = (int(geometry.size[row, 0]), int(geometry.size[row, 1]))
+    if geometry.clip is None:
+        return geometry.box[row].tolist(), bool(geometry.flip[row]), size, None, None
+    return (geometry.box[row].tolist(), bool(geometry.flip[row]), size, geometry.clip[row].tolist(),
+            geometry.grid[row].tolist())

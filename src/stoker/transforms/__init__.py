@@ -34,20 +34,21 @@ each op reads a fixed slice of that stream.
 
 from __future__ import annotations
 
-from .geometry import (AREA_FROM, CenterCrop, CropWindow, Plan, PlanState, RandomHorizontalFlip,
-                       RandomResizedCrop, Resize, Size, crop_resize_into, crop_window, decode_minimums,
-                       plan_ops, resize_window_into)
+from .geometry import (INTERPOLATIONS, CenterCrop, CropWindow, Plan, PlanState, RandomHorizontalFlip,
+                       RandomResizedCrop, Resize, Resampling, Size, crop_resize_into, crop_window,
+                       decode_minimums, plan_ops, resample, resample_region_into, resampling)
 from .adapt import Adapted, TransformError, adapt
 from .colour import ColorJitter, GaussianBlur, RandomGrayscale
 from .gpu import BatchAugment, Normalize, RandomErasing
 from .kinds import BATCH, PLAN, SAMPLE
-from .mixing import Mixup
+from .mixing import CutMix, MixUp, Mixup
 from .pipeline import Pipeline
 from .policy import AutoAugment, RandAugment, TrivialAugmentWide
 from .user import apply_tail, run_user_op
 
-__all__ = ["AREA_FROM", "Adapted", "AutoAugment", "BATCH", "BatchAugment", "CenterCrop", "ColorJitter",
-           "CropWindow", "GaussianBlur", "Mixup", "Normalize", "PLAN", "Pipeline", "Plan", "PlanState", "RandAugment",
-           "RandomErasing", "RandomGrayscale", "RandomHorizontalFlip", "RandomResizedCrop", "Resize", "SAMPLE", "Size",
+__all__ = ["INTERPOLATIONS", "Adapted", "AutoAugment", "BATCH", "BatchAugment", "CenterCrop", "ColorJitter",
+           "CropWindow", "CutMix", "GaussianBlur", "MixUp", "Mixup", "Normalize", "PLAN", "Pipeline", "Plan",
+           "PlanState", "RandAugment", "RandomErasing", "RandomGrayscale", "RandomHorizontalFlip", "RandomResizedCrop",
+           "Resampling", "Resize", "SAMPLE", "Size",
            "TransformError", "TrivialAugmentWide", "adapt", "apply_tail", "crop_resize_into", "crop_window",
-           "decode_minimums", "plan_ops", "resize_window_into", "run_user_op"]
+           "decode_minimums", "plan_ops", "resample", "resample_region_into", "resampling", "run_user_op"]

@@ -6,12 +6,15 @@ HWC uint8 arrays, PIL images or CHW tensors.
 - containers are flattened (the result is what `Pipeline` compiles: per-sample ops, then batch ops): a list or tuple, anything with a `.transforms` list (torchvision's and
   albumentations' `Compose`), a `torch.nn.Sequential`;
 - torchvision's own transforms are replaced by stoker's equivalents with the same parameters
-  (RandomResizedCrop, Resize, CenterCrop, RandomHorizontalFlip, ColorJitter, RandAugment,
-  TrivialAugmentWide, AutoAugment(IMAGENET), GaussianBlur, RandomGrayscale), so a user's pipeline
-  drops in and runs on the fast path; conversions (ToTensor, PILToTensor, ToImage, ToDtype,
-  ConvertImageDtype) are dropped (stoker's batches are uint8, converted on the device); Normalize
+  (RandomResizedCrop, Resize with their interpolation and antialias, CenterCrop, RandomHorizontalFlip,
+  ColorJitter, RandAugment, TrivialAugmentWide, AutoAugment(IMAGENET), GaussianBlur, RandomGrayscale),
+  so a user's pipeline drops in and runs on the fast path; an interpolation stoker has no kernel for is
+  refused, never swapped; conversions (ToTensor, PILToTensor, ToImage, ToDtype, ConvertImageDtype) are
+  dropped (stoker's batches are uint8, converted on the device), the value range they leave kept for
+  the Normalize after them (0..255 after `ToDtype(float32)` without `scale=True`); Normalize
   and RandomErasing, which torchvision runs on normalized tensors, become stoker's batched ops
-  (`gpu.Normalize`, `gpu.RandomErasing`), as do stoker's batched ops and a `Mixup` given directly;
+  (`gpu.Normalize`, `gpu.RandomErasing`), v2's MixUp / CutMix (and a RandomChoice of them) stoker's
+  `Mixup`, as do stoker's batched ops and a `Mixup` given directly;
 - any other callable is wrapped in `Adapted`: the sample is handed over as the kind it takes
   (declared with `adapt(fn, input=...)`, else detected on the first sample), its result converted
   back, its randomness made reproducible (a transform that takes `rng=` gets the sample's Generator;
@@ -33,8 +36,9 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import ConfigError, StokerError
-from . import colour, gpu, policy
-from .geometry import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
+from . import colour, gpu, mixing, policy
+from .mixing import Mixup
+from .geometry import INTERPOLATIONS, CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
 from .kinds import BATCH, SAMPLE, moves_pixels, stage_of
 
 INPUTS = ("numpy", "pil", "tensor")
@@ -61,9 +65,33 @@ def _from_torchvision(t: Any) -> bool:
     return type(t).__module__.startswith("torchvision.")
 
 
-def _interp(value: Any) -> str:
-    text = str(getattr(value, "value", value)).lower()
-    return "bilinear" if "bilinear" in text else "nearest"
+POLICY_INTERPOLATIONS = ("nearest", "bilinear")  # the policies' rotate/shear/translate kernels (pixels.py)
+#: PIL's integer filter codes, which torchvision transforms also accept for `interpolation=`
+_PIL_FILTERS = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
+
+
+def _interp_name(value: Any) -> str:
+    """torchvision's InterpolationMode (or a PIL filter code) as its name: "bilinear", "nearest-exact"..."""
+    if isinstance(value, int) and not hasattr(value, "value"):
+        return _PIL_FILTERS.get(value, str(value))
+    return str(getattr(value, "value", value)).lower()
+
+
+def _interp(t: Any, allowed: tuple[str, ...], default: str) -> str:
+    """The interpolation of torchvision transform `t` (`default` where it has none), refused (never
+    swapped) where stoker has no such kernel."""
+    name = _interp_name(getattr(t, "interpolation", default))
+    if name not in allowed:
+        raise ConfigError(f"{type(t).__name__}(interpolation={name}): stoker's {type(t).__name__} supports "
+                          f"{', '.join(allowed)}; choose one of those, or keep torchvision's op with "
+                          f"stoker.adapt({type(t).__name__}(...)) (slower: it runs on PIL images)")
+    return name
+
+
+def _resize_args(t: Any) -> dict[str, Any]:
+    """interpolation= and antialias= of a torchvision resize, as stoker's geometry takes them. antialias=None
+    (no antialiasing on tensors) is False; NEAREST ignores it, as torchvision does."""
+    return {"interpolation": _interp(t, INTERPOLATIONS, "bilinear"), "antialias": bool(getattr(t, "antialias", True))}
 
 
 def _range(value: Any) -> Any:
@@ -88,10 +116,10 @@ def translate(t: Any) -> Any:
     if name in _CONVERSIONS:
         return "drop"
     if name == "RandomResizedCrop":
-        return RandomResizedCrop(tuple(t.size), scale=tuple(t.scale), ratio=tuple(t.ratio))
+        return RandomResizedCrop(tuple(t.size), scale=tuple(t.scale), ratio=tuple(t.ratio), **_resize_args(t))
     if name == "Resize" and getattr(t, "max_size", None) is None:
         size = t.size
-        return Resize(size if isinstance(size, int) else tuple(size))
+        return Resize(size if isinstance(size, int) else tuple(size), **_resize_args(t))
     if name == "CenterCrop":
         return CenterCrop(tuple(t.size))
     if name == "RandomHorizontalFlip":
@@ -99,12 +127,12 @@ def translate(t: Any) -> Any:
     if name == "ColorJitter":
         return colour.ColorJitter(_range(t.brightness), _range(t.contrast), _range(t.saturation), _range(t.hue))
     if name == "RandAugment":
-        return policy.RandAugment(int(t.num_ops), int(t.magnitude), int(t.num_magnitude_bins), _interp(t.interpolation),
-                               _fill(t.fill))
+        return policy.RandAugment(int(t.num_ops), int(t.magnitude), int(t.num_magnitude_bins),
+                                  _interp(t, POLICY_INTERPOLATIONS, "nearest"), _fill(t.fill))
     if name == "TrivialAugmentWide":
-        return policy.TrivialAugmentWide(int(t.num_magnitude_bins), _interp(t.interpolation), _fill(t.fill))
+        return policy.TrivialAugmentWide(int(t.num_magnitude_bins), _interp(t, POLICY_INTERPOLATIONS, "nearest"), _fill(t.fill))
     if name == "AutoAugment" and str(getattr(t.policy, "value", t.policy)).lower() == "imagenet":
-        return policy.AutoAugment("imagenet", _interp(t.interpolation), _fill(t.fill))
+        return policy.AutoAugment("imagenet", _interp(t, POLICY_INTERPOLATIONS, "nearest"), _fill(t.fill))
     if name == "GaussianBlur":
         return colour.GaussianBlur(tuple(t.kernel_size), tuple(t.sigma))
     if name == "RandomGrayscale":
@@ -112,10 +140,16 @@ def translate(t: Any) -> Any:
     return None
 
 
+#: torchvision containers that run only some of their transforms: never flattened into a sequence
+_RANDOM_CONTAINERS = {"RandomChoice", "RandomApply", "RandomOrder"}
+
+
 def _children(t: Any) -> list[Any] | None:
-    """The transforms inside a container, or None when `t` is not one."""
+    """The transforms inside a container, or None when `t` is not one (or one that picks among them)."""
     if isinstance(t, (list, tuple)):
         return list(t)
+    if _from_torchvision(t) and type(t).__name__ in _RANDOM_CONTAINERS:
+        return None
     inner = getattr(t, "transforms", None)
     if isinstance(inner, (list, tuple)) and not isinstance(t, type):
         return list(inner)
@@ -129,12 +163,47 @@ def _children(t: Any) -> list[Any] | None:
     return None
 
 
-def _batch_op(t: Any) -> Any:
-    """stoker's batched op for `t` (torchvision's Normalize / RandomErasing translated), or None."""
+def _scaling(t: Any, unscaled: bool) -> bool:
+    """Whether the images are float in 0..255 after torchvision conversion `t` (they were if `unscaled`):
+    `ToDtype(torch.float32)` without `scale=True` converts without dividing by 255; ToTensor,
+    ConvertImageDtype and `ToDtype(..., scale=True)` scale to 0..1."""
+    name = type(t).__name__
+    if name in ("ToTensor", "ConvertImageDtype"):
+        return False
+    if name == "ToDtype":
+        dtype = t.dtype
+        if isinstance(dtype, dict):  # v2: {tv_tensors.Image: torch.float32, "others": None}
+            dtype = next((v for k, v in dtype.items() if getattr(k, "__name__", k) in ("Image", "others")), None)
+        if dtype is not None and getattr(dtype, "is_floating_point", False):
+            return not bool(getattr(t, "scale", False))
+    return unscaled
+
+
+def _mix(t: Any) -> Mixup | None:
+    """torchvision v2's MixUp / CutMix, or a RandomChoice of one of each (its v2 recipe), as a stoker Mixup."""
+    if not _from_torchvision(t):
+        return None
+    name = type(t).__name__
+    if name == "MixUp":
+        return mixing.MixUp(t.alpha, t.num_classes)
+    if name == "CutMix":
+        return mixing.CutMix(t.alpha, t.num_classes)
+    if name == "RandomChoice" and t.transforms and all(type(k).__name__ in ("MixUp", "CutMix") for k in t.transforms):
+        return mixing.mix_choice([_mix(k) for k in t.transforms], list(t.p))
+    return None
+
+
+def _batch_op(t: Any, unscaled: bool = False) -> Any:
+    """stoker's batched op for `t` (torchvision's Normalize / RandomErasing translated), or None.
+    `unscaled`: a conversion before it left float values in 0..255 (stoker's Normalize works on 0..1)."""
     if stage_of(t) == BATCH:   # stoker's batched ops and a Mixup, or any op declared so
         return t
+    mix = _mix(t)
+    if mix is not None:
+        return mix
     if _from_torchvision(t) and type(t).__name__ == "Normalize":
-        return gpu.Normalize(tuple(float(v) for v in t.mean), tuple(float(v) for v in t.std))
+        k = 255.0 if unscaled else 1.0
+        return gpu.Normalize(tuple(float(v) / k for v in t.mean), tuple(float(v) / k for v in t.std))
     if _from_torchvision(t) and type(t).__name__ == "RandomErasing":
         value = t.value if isinstance(t.value, str) or t.value is None else t.value
         return gpu.RandomErasing(float(t.p), tuple(t.scale), tuple(t.ratio), "random" if value is None else value)
@@ -158,8 +227,11 @@ def as_ops(transforms: Any) -> tuple[list[Any], list[Any]]:
     walk(transforms)
     ops: list[Any] = []
     batch: list[Any] = []
+    unscaled = False
     for pos, t in enumerate(flat):
-        as_batch = _batch_op(t)
+        if _from_torchvision(t) and type(t).__name__ in _CONVERSIONS:
+            unscaled = _scaling(t, unscaled)
+        as_batch = _batch_op(t, unscaled)
         if as_batch is not None:
             batch.append(as_batch)
             continue

@@ -117,9 +117,11 @@ def adjust_sharpness(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
     k = torch.ones(3, 3)
     k[1, 1] = 5.0  # on the host: one element set on a GPU tensor is a blocking copy
     k = host_to_device(k / k.sum(), x.device).expand(3, 1, 3, 3)
-    deg = x.clone()
-    deg[..., 1:-1, 1:-1] = F.conv2d(x.float(), k, groups=3).round_().to(torch.uint8)
-    return _blend(x, deg, f)
+    out = x.float()
+    inner = out[..., 1:-1, 1:-1]
+    # torchvision's blend, x + (1 - f) * (smoothed - x): a flat patch stays exactly as it was
+    inner.add_(F.conv2d(out, k, groups=3).round_().sub_(inner).mul_((1.0 - _col(f)).float()))
+    return _u8(out)
 
 
 def posterize(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:

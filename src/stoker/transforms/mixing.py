@@ -5,7 +5,10 @@ sample (mode="elem"), with probability `prob` the batch is mixed with its revers
 Mixup (lam ~ Beta(mixup_alpha, mixup_alpha), a weighted sum) or CutMix (lam ~ Beta(cutmix_alpha,
 cutmix_alpha), a box of area (1 - lam) pasted from the partner); with both alphas set, CutMix is chosen
 with probability `switch_prob`. Targets become `lam * onehot(y) + (1 - lam) * onehot(y.flip(0))`,
-each one-hot smoothed to `1 - smoothing + smoothing / num_classes` and `smoothing / num_classes`.
+each one-hot smoothed to `1 - smoothing + smoothing / num_classes` and `smoothing / num_classes`;
+dense multi-label targets are smoothed toward 0.5 (timm's `multi_label=True`). The box is timm's
+(timm >= 1.0.29); `MixUp` and `CutMix` are torchvision v2's names and parameters (its box, no smoothing),
+and `RandomChoice([MixUp(...), CutMix(...)])` from torchvision becomes one `Mixup` switching between them.
 
 Randomness is a pure function of `(seed, epoch, batch index)`, so a resumed run mixes exactly as the
 uninterrupted one did. Works on stoker's CPU batches (uint8 [B, H, W, 3], rounded like timm's
@@ -27,6 +30,7 @@ from ..order import sample_keys
 from .kinds import BATCH
 
 MODES = ("batch", "elem")
+BOXES = ("timm", "torchvision")  # whose CutMix box: see Mixup
 _TAG_MIX = 5  # order.py's streams use tags 1-4; batch mixing draws from its own
 
 
@@ -58,14 +62,16 @@ def check_class_labels(labels: torch.Tensor, num_classes: int) -> None:
                           f"{int(labels.max())}; set num_classes to the dataset's class count")
 
 
-def soft_targets(labels: torch.Tensor, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
-    """Smoothed one-hot targets for int labels; float [B, C] targets (multi-hot, soft) are smoothed as
-    `t * (1 - smoothing) + smoothing / num_classes`."""
+def soft_targets(labels: torch.Tensor, num_classes: int, smoothing: float = 0.0,
+                 multi_label: bool | None = None) -> torch.Tensor:
+    """Smoothed one-hot targets for int labels. Float [B, C] targets: multi-hot ones (`multi_label` True,
+    or None) are smoothed toward 0.5 as timm's `multi_label=True`, `t * (1 - smoothing) + smoothing / 2`;
+    soft targets (probabilities, `multi_label=False`) as `t * (1 - smoothing) + smoothing / num_classes`."""
     off = smoothing / num_classes
     if labels.dtype.is_floating_point and labels.ndim == 2:
         if labels.shape[1] != num_classes:
             raise ConfigError(f"targets have {labels.shape[1]} columns, num_classes is {num_classes}")
-        return labels.float() * (1.0 - smoothing) + off
+        return labels.float() * (1.0 - smoothing) + (off if multi_label is False else 0.5 * smoothing)
     return one_hot(labels, num_classes, 1.0 - smoothing + off, off)
 
 
@@ -89,7 +95,9 @@ class Mixup:
 
     DeiT's setting: `Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1, num_classes=1000)`.
     `cutmix_minmax` (min, max) draws the box's sides as fractions of the image instead of from lam;
-    `correct_lam` recomputes lam from the clipped box's area (timm's default)."""
+    `correct_lam` recomputes lam from the clipped box's area (timm's default). `multi_label`: how dense
+    float targets are smoothed (see `soft_targets`). `box`: "timm" (timm >= 1.0.29's `rand_bbox`) or
+    "torchvision" (v2.CutMix's: half-sides int(sqrt(1 - lam) / 2 * size), lam always corrected)."""
 
     mixup_alpha: float = 1.0
     cutmix_alpha: float = 0.0
@@ -100,11 +108,15 @@ class Mixup:
     correct_lam: bool = True
     label_smoothing: float = 0.1
     num_classes: int = 1000
+    multi_label: bool | None = None
+    box: str = "timm"
     stage = BATCH   # the last batch op: it mixes the labels too
     mixes_labels = True
     moves_pixels = True
 
     def __post_init__(self) -> None:
+        if self.box not in BOXES:
+            raise ConfigError(f"Mixup: box must be one of {BOXES}, got {self.box!r}")
         if self.mode not in MODES:
             raise ConfigError(f"Mixup: mode must be one of {MODES}, got {self.mode!r}")
         if self.mixup_alpha < 0 or self.cutmix_alpha < 0:
@@ -151,16 +163,22 @@ class Mixup:
             lo, hi = self.cutmix_minmax
             cut_h = rng.integers(int(h * lo), int(h * hi), size=n)
             cut_w = rng.integers(int(w * lo), int(w * hi), size=n)
-            yl, xl = rng.integers(0, h - cut_h, size=n), rng.integers(0, w - cut_w, size=n)
+            yl, xl = rng.integers(0, h - cut_h + 1, size=n), rng.integers(0, w - cut_w + 1, size=n)
             yh, xh = yl + cut_h, xl + cut_w
-        else:
+        elif self.box == "torchvision":  # v2.CutMix: a box of half-sides int(r * size) around a random centre
+            r = 0.5 * np.sqrt(1.0 - lam.astype(np.float64))
+            half_h, half_w = (r * h).astype(np.int64), (r * w).astype(np.int64)
+            cy, cx = rng.integers(0, h, size=n), rng.integers(0, w, size=n)
+            yl, yh = np.clip(cy - half_h, 0, h), np.clip(cy + half_h, 0, h)
+            xl, xh = np.clip(cx - half_w, 0, w), np.clip(cx + half_w, 0, w)
+        else:  # timm's rand_bbox (>= 1.0.29: the lower half of an odd side is the shorter one)
             ratio = np.sqrt(1.0 - lam.astype(np.float64))
             cut_h, cut_w = (h * ratio).astype(np.int64), (w * ratio).astype(np.int64)
             cy, cx = rng.integers(0, h, size=n), rng.integers(0, w, size=n)
-            yl, yh = np.clip(cy - cut_h // 2, 0, h), np.clip(cy + cut_h // 2, 0, h)
-            xl, xh = np.clip(cx - cut_w // 2, 0, w), np.clip(cx + cut_w // 2, 0, w)
+            yl, yh = np.clip(cy - cut_h // 2, 0, h), np.clip(cy + (cut_h + 1) // 2, 0, h)
+            xl, xh = np.clip(cx - cut_w // 2, 0, w), np.clip(cx + (cut_w + 1) // 2, 0, w)
         box = np.stack([yl, yh, xl, xh], 1).astype(np.int64)
-        if self.correct_lam or self.cutmix_minmax is not None:
+        if self.correct_lam or self.cutmix_minmax is not None or self.box == "torchvision":
             lam = (1.0 - (yh - yl) * (xh - xl) / float(h * w)).astype(np.float32)
         return box, lam
 
@@ -189,7 +207,7 @@ class Mixup:
                 self._mix_batch(images, p, nhwc)
             else:
                 self._mix_elem(images, p, nhwc, lam, h, w)
-        t1 = soft_targets(labels, self.num_classes, self.label_smoothing)
+        t1 = soft_targets(labels, self.num_classes, self.label_smoothing, self.multi_label)
         targets = t1 * lam.view(n, 1) + t1.flip(0) * (1.0 - lam.view(n, 1))
         return images, targets
 
@@ -247,3 +265,41 @@ class Mixup:
         for b, batch in enumerate(it, start):
             images, labels = self(batch[0], batch[1], seed=loader.seed, epoch=epoch, batch=b)
             yield (images, labels, *batch[2:])
+
+
+def MixUp(alpha: float = 1.0, num_classes: int | None = None) -> Mixup:  # noqa: N802 (torchvision's name)
+    """torchvision.transforms.v2.MixUp: every batch blended with a partner, lam ~ Beta(alpha, alpha),
+    one-hot targets mixed by lam (no smoothing). A stoker `Mixup`; the partner of each image is another
+    image of the same (shuffled) batch, as torchvision's `roll(1)` is."""
+    return Mixup(mixup_alpha=float(alpha), cutmix_alpha=0.0, label_smoothing=0.0,
+                 num_classes=_classes(num_classes, "MixUp"), box="torchvision")
+
+
+def CutMix(alpha: float = 1.0, num_classes: int | None = None) -> Mixup:  # noqa: N802 (torchvision's name)
+    """torchvision.transforms.v2.CutMix: on every batch a box of area about (1 - lam) pasted from a partner,
+    lam ~ Beta(alpha, alpha) corrected to the box's clipped area, one-hot targets (no smoothing)."""
+    return Mixup(mixup_alpha=0.0, cutmix_alpha=float(alpha), label_smoothing=0.0,
+                 num_classes=_classes(num_classes, "CutMix"), box="torchvision")
+
+
+def _classes(num_classes: int | None, name: str) -> int:
+    if num_classes is None:
+        raise ConfigError(f"{name}: num_classes is needed (stoker's labels are class indices, made one-hot "
+                          f"on the device); pass {name}(alpha, num_classes=...) with the dataset's class count")
+    return int(num_classes)
+
+
+def mix_choice(options: list[Mixup], p: list[float] | None = None) -> Mixup:
+    """torchvision's `RandomChoice([MixUp(a), CutMix(b)])` (the v2 recipe) as one Mixup switching between
+    them: CutMix with probability p[CutMix] (0.5 without p). Other combinations are refused."""
+    kinds = {"mixup" if o.cutmix_alpha == 0 else "cutmix": o for o in options}
+    if len(options) != 2 or set(kinds) != {"mixup", "cutmix"}:
+        raise ConfigError("RandomChoice of batch mixes: stoker takes exactly one MixUp and one CutMix; "
+                          "pass a stoker.Mixup(mixup_alpha=..., cutmix_alpha=..., switch_prob=...) instead")
+    mix, cut = kinds["mixup"], kinds["cutmix"]
+    weights = [1.0, 1.0] if p is None else [float(v) for v in p]
+    switch = weights[options.index(cut)] / sum(weights)
+    if mix.num_classes != cut.num_classes:
+        raise ConfigError(f"RandomChoice: MixUp has num_classes={mix.num_classes}, CutMix {cut.num_classes}")
+    return Mixup(mixup_alpha=mix.mixup_alpha, cutmix_alpha=cut.cutmix_alpha, switch_prob=switch,
+                 label_smoothing=0.0, num_classes=mix.num_classes, box="torchvision")

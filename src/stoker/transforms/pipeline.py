@@ -51,6 +51,9 @@ class Pipeline:
             total += op.draws
         self.offsets = offsets
         self.draws = total
+        resizes = [op for op in self.prefix if isinstance(op, (RandomResizedCrop, Resize))]
+        #: (interpolation, antialias) of the planned prefix's resampling: its last resize's, as `plan_ops`
+        self.resampling = (resizes[-1].interpolation, resizes[-1].antialias) if resizes else ("bilinear", True)
 
     @property
     def fixed_size(self) -> Size | None:
@@ -77,7 +80,8 @@ class Pipeline:
         h, w = img.shape[:2]
         p = self.plan(np.array([h]), np.array([w]), u[None, :])
         out = np.empty((int(p.size[0, 0]), int(p.size[0, 1]), 3), np.uint8)
-        crop_resize_into(np.ascontiguousarray(img), p.box[0], out, bool(p.flip[0]), h, w)
+        crop_resize_into(np.ascontiguousarray(img), p.box[0], out, bool(p.flip[0]), h, w, p.clip[0], p.grid[0],
+                         p.interpolation, p.antialias)
         return apply_tail(self.tail, self.offsets[len(self.prefix):], out, u, key)
 
     def plan(self, heights: np.ndarray, widths: np.ndarray, u: np.ndarray) -> Plan:

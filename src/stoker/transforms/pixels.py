@@ -84,13 +84,19 @@ _SHARPEN = np.array([[1, 1, 1], [1, 5, 1], [1, 1, 1]], np.float32) / 13.0
 
 
 def adjust_sharpness(img: np.ndarray, factor: float) -> np.ndarray:
-    """F.adjust_sharpness: blend with a 3x3 smoothed copy (border pixels kept); 0 blurs, 2 sharpens."""
+    """F.adjust_sharpness: blend with a 3x3 smoothed copy (border pixels kept); 0 blurs, 2 sharpens.
+    Blended as torchvision does, x + (1 - factor) * (smoothed - x): a flat patch stays exactly as it was
+    (factor * x + (1 - factor) * x can land just below x and truncate one lower)."""
     if img.shape[0] <= 2 or img.shape[1] <= 2:
         return img
-    degenerate = img.copy()
-    inner = cv2.filter2D(img, -1, _SHARPEN, borderType=cv2.BORDER_REFLECT_101)
-    degenerate[1:-1, 1:-1] = inner[1:-1, 1:-1]
-    return _blend(img, degenerate, factor)
+    out = img.astype(np.float32)
+    inner = out[1:-1, 1:-1]
+    smoothed = cv2.filter2D(img, -1, _SHARPEN, borderType=cv2.BORDER_REFLECT_101)[1:-1, 1:-1].astype(np.float32)
+    smoothed -= inner
+    smoothed *= np.float32(1.0 - float(factor))
+    inner += smoothed
+    np.clip(out, 0, 255, out=out)
+    return out.astype(np.uint8)
 
 
 def posterize(img: np.ndarray, bits: int) -> np.ndarray:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from .._torch import torch
 from ..errors import ConfigError
 from .colour import _check_interpolation, _RandomOp
 from . import pixels
@@ -27,14 +28,15 @@ PIXEL_OPS = {"Brightness": ("adjust_brightness", "factor"), "Color": ("adjust_sa
 
 def colour_args(arg: str | None, magnitude: Any) -> tuple:
     """The kernel's arguments for a magnitude (a float, or one per sample as a tensor): enhancements take
-    the factor 1 + m, posterize whole bits, solarize the threshold itself."""
+    the factor 1 + m, posterize whole bits, solarize the threshold 255 * m, in float64 as torchvision
+    computes it (255 * float32(0.93333334) is 238.0000017: a value of 238 stays)."""
     if arg is None:
         return ()
     if arg == "factor":
         return (1.0 + magnitude,)
     if arg == "bits":
         return (magnitude.long() if hasattr(magnitude, "long") else int(magnitude),)
-    return (magnitude,)
+    return (magnitude.double() * 255.0 if hasattr(magnitude, "double") else 255.0 * float(magnitude),)
 
 
 def apply_op(img: np.ndarray, name: str, magnitude: float, interpolation: str = "nearest",
@@ -61,7 +63,9 @@ def apply_op(img: np.ndarray, name: str, magnitude: float, interpolation: str = 
 
 
 def _linspace(start: float, end: float, n: int) -> np.ndarray:
-    return np.linspace(start, end, n, dtype=np.float64).astype(np.float32)
+    """torch.linspace's float32 values themselves: numpy's differ in the last bit for some bins, and
+    TranslateX/Y truncate (bin 15 of TrivialAugmentWide's 0..32 is 15.999999, a 15-pixel shift)."""
+    return torch.linspace(start, end, n, dtype=torch.float32).numpy()
 
 
 def _posterize_bits(n: int, span: int) -> np.ndarray:
@@ -79,7 +83,7 @@ def _table(num_bins: int, *, shear: float, translate: tuple[float, float], rotat
         "Rotate": (_linspace(0.0, rotate, num_bins), True),
         **{name: (_linspace(0.0, enhance, num_bins), True) for name in ("Brightness", "Color", "Contrast", "Sharpness")},
         "Posterize": (_posterize_bits(num_bins, posterize_span), False),
-        "Solarize": (_linspace(255.0, 0.0, num_bins), False),
+        "Solarize": (_linspace(1.0, 0.0, num_bins), False),  # a fraction of 255, as torchvision v2
         "AutoContrast": (None, False),
         "Equalize": (None, False),
     }

@@ -82,6 +82,7 @@ def apply_tail(ops: Sequence[Any], offsets: Sequence[int], img: np.ndarray, u: n
         if out.shape[:2] == (h, w) and plan.box[0].tolist() == [0, 0, h, w]:   # the whole image: a copy or a flip
             out[...] = img[:, ::-1] if plan.flip[0] else img
         else:
-            crop_resize_into(np.ascontiguousarray(img), plan.box[0], out, bool(plan.flip[0]), h, w)
+            crop_resize_into(np.ascontiguousarray(img), plan.box[0], out, bool(plan.flip[0]), h, w,
+                             plan.clip[0], plan.grid[0], plan.interpolation, plan.antialias)
         img = out
     return img
