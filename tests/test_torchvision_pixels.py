@@ -98,8 +98,8 @@ def test_center_crop_padding_matches_torchvision(corpus_photos: dict) -> None:
 
 def _loader_images(folder: Path, ops: list, quality: str, epochs: int = 1) -> np.ndarray:
     out = []
-    with stoker.Loader(stoker.open_loose(folder), 8, transforms=ops, order="sequential", decode_quality=quality,
-                       num_threads=2, seed=5) as loader:
+    with stoker.Loader(stoker.open_loose(folder), 8, transforms=ops, order="sequential", seed=5,
+                       workers=stoker.Workers(num_threads=2, decode_quality=quality)) as loader:
         for epoch in range(epochs):
             loader.set_epoch(epoch)
             out.extend(images_hwc(images) for images, _ in loader)

@@ -51,7 +51,8 @@ class Pipeline:
             total += op.draws
         self.offsets = offsets
         self.draws = total
-        resizes = [op for op in self.prefix if isinstance(op, (RandomResizedCrop, Resize))]
+        # a planned op that resamples declares its filter (`interpolation`, `antialias`)
+        resizes = [op for op in self.prefix if hasattr(op, "interpolation")]
         #: (interpolation, antialias) of the planned prefix's resampling: its last resize's, as `plan_ops`
         self.resampling = (resizes[-1].interpolation, resizes[-1].antialias) if resizes else ("bilinear", True)
 
