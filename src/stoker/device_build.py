@@ -67,6 +67,7 @@ class DeviceBuilder:
     def __call__(self, slot: Slot) -> tuple[Any, Any]:
         t0 = time.perf_counter()
         n, stage = slot.size, self.stage
+        stage.bind()  # this runs on the device thread: every CUDA call it makes is on the loader's GPU
         # on the CPU `.to()` would return the slot itself, which the workers are about to refill
         x = stage.upload(slot.images[:n]) if self.opts.is_cuda else slot.images[:n].clone()
         labels, extras = self._host_items(slot)
