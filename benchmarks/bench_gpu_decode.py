@@ -7,10 +7,10 @@ has both.
                                           [--rounds 5] [--large 0] [--json out.json]
 
 CACHE_DIR keeps the generated ImageNet-like JPEGs (about 400 x 350 px, made on first use); `--large`
-adds that many 1200 x 900 images. On `--device cuda` the candidates are TorchCodec, torchvision, nvImageCodec
-with the hardware JPEG engines first, and nvImageCodec's CUDA decoders (with and without region
-decode: region decode only where the release does it soundly, see docs/gpu-decode.md); each round
-is timed from a synchronized device to a synchronized device. On `--device cpu` (any machine) the
+adds that many 1200 x 900 images. On `--device cuda` the candidates are TorchCodec and nvImageCodec
+(the hardware JPEG engines first), whole images (neither decodes regions on the GPU, see
+docs/gpu-decode.md); each round is timed from a synchronized device to a synchronized device. This is
+where the backends are compared: `gpu_decoder="auto"` takes the first that works, it times nothing. On `--device cpu` (any machine) the
 candidate is nvImageCodec's CPU backend, with and without region decode: the same library calls,
 so the pixels a region decode saves are counted the same way, but its times are CPU times, no GPU
 figure. Reported: ms per image through the whole `GpuBatchDecoder.run` (decode, crop, resize, flip,
@@ -93,7 +93,7 @@ def _candidates(device: torch.device) -> list[Counting]:
         dec = NvImageCodecDecoder("cpu")
         return [Counting(dec, regions=True), Counting(dec, regions=False)]
     out: list[Counting] = []
-    for backend in ("torchcodec", "torchvision", "nvimgcodec", "nvimgcodec-cuda"):
+    for backend in ("torchcodec", "nvimgcodec"):
         try:
             dec = make_decoder(backend, device)
         except ConfigError as exc:

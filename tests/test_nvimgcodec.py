@@ -1,7 +1,7 @@
 """nvImageCodec's own features against the real library, on any machine: its CPU backend
-(libjpeg-turbo) runs the same Python API the GPU path calls, so region decode (code-stream regions,
-the margin that keeps it pixel-identical), the release gate for GPU region decode, `auto` mixing
-region and whole-image backends and the decoder benchmark are checked here before any GPU runs them.
+(libjpeg-turbo) runs the same Python API the GPU path calls, so the wrapper, region decode (code-stream
+regions, the margin that keeps it pixel-identical; CPU only) and the decoder benchmark are checked
+here before any GPU runs them.
 tests/test_decode_libraries.py checks what every decoder library must do; tests/cuda runs them on a GPU.
 
 `make test` installs nvImageCodec (the `test-gpu-decode` extra); where it does not import, these skip.
@@ -9,7 +9,6 @@ tests/test_decode_libraries.py checks what every decoder library must do; tests/
 
 from __future__ import annotations
 
-import types
 from pathlib import Path
 
 import pytest
@@ -18,11 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stoker.errors import ConfigError, CorruptImageError
-from stoker.gpu_decode import (NVIMGCODEC_GPU_REGIONS_BEFORE, REGION_MARGIN, GpuBatchDecoder, MeasuredDecoder,
-                               NvImageCodecDecoder, NvImageCodecHardwareDecoder, nvimgcodec_regions)
+from stoker.gpu_decode import REGION_MARGIN, GpuBatchDecoder, NvImageCodecDecoder
 from stoker.transforms import Pipeline, RandomHorizontalFlip, RandomResizedCrop
 from test_decode_libraries import as_tensor, kinds_of_jpeg, libjpeg_turbo
-from test_gpu_decode import SIZES, CpuDecoder, jobs_for, make_jpegs, psnr, rows
+from test_gpu_decode import SIZES, jobs_for, make_jpegs, psnr, rows
 
 try:
     from nvidia import nvimgcodec as nv
@@ -39,9 +37,9 @@ def decoder() -> NvImageCodecDecoder:
 def test_the_wrapper_builds_on_the_installed_release(decoder: NvImageCodecDecoder) -> None:
     # the names the wrapper uses exist in this release (ColorSpec.SRGB, not RGB, since 0.7; Backend kinds)
     assert decoder.name.startswith(f"nvImageCodec {nv.__version__} CPU (libjpeg-turbo)")
-    assert decoder.regions and decoder.name.endswith("region decode")
-    with pytest.raises(ConfigError, match="hardware JPEG engines are on the GPU"):
-        NvImageCodecHardwareDecoder("cpu")
+    assert decoder.regions and decoder.name.endswith("region decode") and not decoder.writes_at_call
+    with pytest.raises(ConfigError, match="decodes on a CUDA device or the CPU, not meta"):
+        NvImageCodecDecoder("meta")
 
 
 JPEGS = kinds_of_jpeg()
@@ -66,21 +64,6 @@ def test_inside_its_margin_a_region_decode_is_the_whole_decode(kind: str, corner
     assert tuple(out.shape) == (3, region[2] - region[0], region[3] - region[1])
     inner = out[:, top - region[0]:bottom - region[0], left - region[1]:right - region[1]]
     assert torch.equal(inner, whole[:, top:bottom, left:right])
-
-
-def test_regions_only_where_the_release_decodes_them_soundly() -> None:
-    def module(version: str, regions: bool = True) -> types.SimpleNamespace:
-        code_stream = type("CodeStream", (), {"get_sub_code_stream": lambda self: None} if regions else {})
-        return types.SimpleNamespace(__version__=version, Region=object, CodeStream=code_stream)
-
-    before = ".".join(map(str, NVIMGCODEC_GPU_REGIONS_BEFORE))
-    assert NVIMGCODEC_GPU_REGIONS_BEFORE <= (0, 9)  # 0.9.0 crashes on H100 (NVIDIA/nvImageCodec#55)
-    assert nvimgcodec_regions(module("0.8.1"), "cuda")
-    assert not nvimgcodec_regions(module(before + ".0"), "cuda")
-    assert not nvimgcodec_regions(module("0.9.0.20"), "cuda")
-    assert nvimgcodec_regions(module("0.9.0"), "cpu")  # the CPU backend's regions are sound (tested above)
-    assert not nvimgcodec_regions(module("0.8.1"), "cuda", hardware=True)  # the engines decode whole images
-    assert not nvimgcodec_regions(module("0.5.0", regions=False), "cpu")
 
 
 def test_batch_decoder_decodes_only_the_crops_and_matches_the_cpu_path(decoder: NvImageCodecDecoder) -> None:
@@ -111,23 +94,6 @@ def test_batch_decoder_decodes_only_the_crops_and_matches_the_cpu_path(decoder: 
     for i, ref in enumerate(refs):
         if i != 2:
             assert psnr(rows(out)[i], ref) > 40, f"sample {i}: {psnr(rows(out)[i], ref):.1f} dB against the CPU path"
-
-
-def test_auto_mixes_region_and_whole_image_backends(decoder: NvImageCodecDecoder) -> None:
-    # the first batch goes through every candidate; whichever wins, its images (a region or the whole
-    # image) land in the right place: the batch decoder tells them apart by size
-    jobs, refs = jobs_for(Pipeline([RandomResizedCrop(48), RandomHorizontalFlip()]), make_jpegs(seed=5), SIZES)
-    for order in ([NvImageCodecDecoder("cpu"), CpuDecoder()], [CpuDecoder(), NvImageCodecDecoder("cpu")]):
-        auto = MeasuredDecoder(order, torch.device("cpu"), synchronize=lambda device: None)
-        assert auto.regions
-        out = torch.zeros((len(jobs), 3, 48, 48), dtype=torch.uint8)
-        gpu = GpuBatchDecoder(auto, "cpu")
-        assert gpu.run(jobs, out) == [] and auto.chosen is not None
-        again = torch.zeros_like(out)
-        assert gpu.run(jobs, again) == []
-        assert torch.equal(out, again)
-        for i, ref in enumerate(refs):
-            assert psnr(rows(out)[i], ref) > 30
 
 
 def test_the_decoder_benchmark_counts_what_region_decode_saves(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

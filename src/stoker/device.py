@@ -185,8 +185,8 @@ class DeviceOptions:
     memory_format: None/"contiguous"/"nchw" or "channels_last" (or the torch memory formats).
     decode: "cpu" (JPEGs decoded by the worker threads) or "gpu" (nvJPEG on the device thread, with the
         CPU's crop plan; a Loader only; CUDA only, unless gpu_decoder is an object).
-    gpu_decoder: with decode="gpu", "auto" (the fastest working backend, measured on the first batch),
-        "torchcodec", "torchvision", "nvimgcodec" (hardware JPEG engines first), "nvimgcodec-cuda" or an object with a
+    gpu_decoder: with decode="gpu", "auto" (TorchCodec, else nvImageCodec: the first that works here),
+        "torchcodec", "nvimgcodec" (hardware JPEG engines first) or an object with a
         `decode(list_of_uint8_tensors)` method.
 
     A plain device string anywhere a DeviceOptions is accepted means `DeviceOptions(device=that)`:
@@ -214,8 +214,7 @@ class DeviceOptions:
             if isinstance(self.gpu_decoder, str) and not self.is_cuda:
                 raise ConfigError(f"decode='gpu' needs a CUDA device, got device={self.device}; use decode='cpu'")
             if not isinstance(self.gpu_decoder, str) and not callable(getattr(self.gpu_decoder, "decode", None)):
-                raise ConfigError(f"gpu_decoder must be 'auto', 'torchcodec', 'torchvision', 'nvimgcodec', 'nvimgcodec-cuda' or an "
-                                  f"object with a "
+                raise ConfigError(f"gpu_decoder must be 'auto', 'torchcodec', 'nvimgcodec' or an object with a "
                                   f"decode(list_of_tensors) method, got {self.gpu_decoder!r}")
 
     @property
@@ -432,10 +431,11 @@ def consumer_fence() -> Fence | None:
     current one at `next()` is not covered: copy the batch on the current stream, or `.clone()` it."""
     if not torch.cuda.is_initialized():
         return None
+    stream = torch.cuda.current_stream()
     event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream())
+    event.record(stream)
     return Fence(event, "your GPU work on an earlier batch (e.g. images.cuda(non_blocking=True))",
-                 torch.cuda.current_device())
+                 getattr(getattr(stream, "device", None), "index", None))
 
 
 def bind_device(index: int) -> None:

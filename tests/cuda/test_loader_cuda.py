@@ -17,7 +17,7 @@ from test_loader import TRAIN, build_packed
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 needs_gpu_decoder = pytest.mark.skipif(not gpu_decoders(), reason="no GPU JPEG decoder imports here "
-                                       "(pip install torchvision, or nvidia-nvimgcodec-cu12 / -cu13)")
+                                       "(pip install torchcodec, or nvidia-nvimgcodec-cu12 / -cu13)")
 
 
 @pytest.fixture(scope="module")
