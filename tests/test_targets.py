@@ -152,4 +152,4 @@ def test_start_up_share_is_reported_beside_the_verdict_not_a_gate(tmp_path: Path
     assert "| start-up share of the run |" in table and "train-resnet50-stoker-gpu 3.0%, train-resnet50-synthetic 0.2%" in table
     (tmp_path / "bench.json").write_text(json.dumps({"pipelines": pipes}))
     proc = _run(tmp_path / "bench.json")
-    assert proc.returncode == 0 and "start-up weighs 1% or more of the timed run of train-resnet50-stoker-gpu" in proc.stdout
+    assert proc.returncode == 0 and "start-up is 1% or more of the timed run of train-resnet50-stoker-gpu" in proc.stdout
