@@ -133,3 +133,12 @@ def test_a_graph_captured_in_thread_local_mode_while_the_loader_runs(packed: Pat
             got.append(static_y.sum().item())
             want.append(model(x).sum().item())
     assert len(got) == 5 and got == pytest.approx(want, rel=1e-4)
+
+
+def test_doctor_reports_the_loaders_gpu_memory(packed: Path) -> None:
+    from stoker.tools.doctor import run_doctor
+
+    report = run_doctor(packed, batch_size=16, steps=2, device="cuda", progress=False)
+    one_batch = 16 * 3 * 224 * 224 * 4   # float32, normalized
+    assert report.loader_gpu_bytes is not None and report.loader_gpu_bytes >= one_batch
+    assert "loader GPU mem" in report.format()
