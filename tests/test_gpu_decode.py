@@ -180,61 +180,6 @@ def test_padded_center_crop_has_zero_borders_where_the_cpu_path_has_them(ops: li
             assert psnr(got[i], ref) > 30
 
 
-class RegionCpuDecoder(CpuDecoder):
-    """A stand-in region decoder: the whole decode cut to each region asked for (or `wrong` pixels
-    short of it, to see a bad size refused). Records the regions it was given."""
-
-    regions = True
-
-    def __init__(self, wrong: int = 0) -> None:
-        super().__init__()
-        self.asked: list[object] = []
-        self.wrong = wrong
-
-    def decode(self, datas, regions=None):
-        outs = super().decode(datas)
-        self.asked.extend(regions if regions is not None else [None] * len(datas))
-        for i, region in enumerate(regions or []):
-            if region is not None and isinstance(outs[i], torch.Tensor):
-                top, left, bottom, right = region
-                outs[i] = outs[i][:, top:bottom - self.wrong, left:right]
-        return outs
-
-
-def test_region_decode_places_each_crop_like_the_whole_image() -> None:
-    pipe = Pipeline([RandomResizedCrop(64), RandomHorizontalFlip()])
-    jpegs = make_jpegs(seed=6)
-    jobs, _ = jobs_for(pipe, jpegs, SIZES, seed=8)
-    whole = torch.zeros((len(jobs), 3, 64, 64), dtype=torch.uint8)
-    assert GpuBatchDecoder(CpuDecoder(), "cpu").run(jobs, whole) == []
-    dec = RegionCpuDecoder()
-    regional = torch.zeros_like(whole)
-    assert GpuBatchDecoder(dec, "cpu").run(jobs, regional) == []
-    assert torch.equal(regional, whole)  # the same source pixels, from a smaller decoded image
-    m = gpu_decode.REGION_MARGIN
-    for job, region in zip(jobs, dec.asked):
-        if region is None:  # the crop and its margin cover the whole image
-            continue
-        top, left, bottom, right = region
-        assert 0 <= top < bottom <= job.height and 0 <= left < right <= job.width
-        # the margin around the crop's box, unless the image ends first
-        assert top == 0 or top <= job.box[0] - m + 1
-        assert left == 0 or left <= job.box[1] - m + 1
-    assert any(r is not None for r in dec.asked)
-
-
-def test_a_region_of_the_wrong_size_falls_back_naming_both_sizes() -> None:
-    jobs, _ = jobs_for(Pipeline([RandomResizedCrop(32)]), make_jpegs(seed=2), SIZES, seed=1)
-    failures = GpuBatchDecoder(RegionCpuDecoder(wrong=1), "cpu").run(jobs, torch.zeros((len(jobs), 3, 32, 32),
-                                                                                        dtype=torch.uint8))
-    assert failures, "every sample decoded as a region should fail its size check"
-    job, err = failures[0]
-    assert isinstance(err, CorruptImageError) and err.key == job.key and "region" in str(err)
-    with pytest.raises(ValueError, match="whole images only"):
-        gpu_decode.TorchCodecDecoder.decode(types.SimpleNamespace(regions=False, name="tc", device=torch.device("cpu")),
-                                            [jobs[0].data], regions=[None])
-
-
 def test_chunks_stay_under_the_budget() -> None:
     sizes = [(100, 100), (200, 150), (50, 80), (400, 300), (120, 90), (90, 120), (300, 400), (60, 60)]
     jpegs = make_jpegs(seed=4, sizes=sizes)
@@ -616,7 +561,7 @@ def test_nvimgcodec_takes_the_hardware_engines_first_with_few_threads_and_no_hos
     on_fake_cuda_device(monkeypatch)
     monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", fake_nvimgcodec_09(fake_cuda))
     dec = make_decoder("nvimgcodec", "cuda")
-    assert dec._decoder.kinds == ["hw", "gpu", "hybrid"] and not dec.regions
+    assert dec._decoder.kinds == ["hw", "gpu", "hybrid"]
     assert dec._decoder.threads == gpu_decode.NVIMGCODEC_CPU_THREADS <= 4
     assert dec.writes_at_call and dec.name == "nvImageCodec 0.9.0 hardware JPEG first"
     fake_cuda.clear()

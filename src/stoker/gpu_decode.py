@@ -34,10 +34,6 @@ BACKENDS = ("auto", "torchcodec", "nvimgcodec")
 #: Default bound on the decoded pixels held at once by `GpuBatchDecoder.run`: 256 MiB of uint8 RGB,
 #: e.g. about 470 ImageNet-sized (375x500) images, or 7 twelve-megapixel photos.
 DEFAULT_BUDGET_BYTES = 256 << 20
-#: Pixels a region decode adds around each crop (one 4:2:0 MCU), clamped to the image: chroma upsampling
-#: at a region's edge has no neighbour beyond it, so the edge pixels of a tight region can differ from
-#: the whole image's by a few levels; inside this margin every pixel the crop reads is the whole decode's.
-REGION_MARGIN = 16
 #: The first TorchCodec with image decoding (torchcodec.decoders.decode_jpeg, CPU and CUDA).
 TORCHCODEC_MIN = (0, 16)
 
@@ -55,18 +51,12 @@ class GpuJob:
     key: str  # names the sample in error messages
 
 
-#: A rectangle of an image to decode: (top, left, bottom, right), pixels, bottom and right exclusive.
-Region = tuple[int, int, int, int]
-
-
 @runtime_checkable
 class GpuDecoder(Protocol):
-    """What `GpuBatchDecoder` needs from a decoder library.
+    """What `GpuBatchDecoder` needs from a decoder library: whole images, one per JPEG.
 
-    A decoder that can decode just a rectangle of a JPEG (region decode: less entropy decoding, IDCT
-    and memory than the whole image) says so with a true `regions` attribute; `GpuBatchDecoder` then
-    calls `decode(datas, regions=[...])` with each sample's crop rectangle (or None for the whole
-    image), and may get back the rectangle or the whole image: it tells them apart by their size."""
+    A decoder that writes its outputs when called rather than in stream order (the hardware JPEG
+    engines) says so with a true `writes_at_call` attribute (see `GpuBatchDecoder`)."""
 
     name: str  # e.g. "TorchCodec 0.17.0 nvJPEG"
 
@@ -74,11 +64,6 @@ class GpuDecoder(Protocol):
         """One result per input, in order: a uint8 RGB tensor [3, H, W] on the decoder's device, or the
         exception for that sample. One failing sample must not fail the others."""
         ...
-
-
-def takes_regions(decoder: Any) -> bool:
-    """Whether `decoder` accepts `decode(datas, regions=...)` (see `GpuDecoder`)."""
-    return bool(getattr(decoder, "regions", False))
 
 
 # ---- backends ------------------------------------------------------------------------------------
@@ -94,14 +79,11 @@ def _input_problem(data: Any) -> str | None:
     return None
 
 
-def _decode_each(call: Any, datas: Sequence[torch.Tensor], regions: Sequence[Region | None] | None = None
-                 ) -> list[Any]:
-    """Decode a batch with `call(list) -> list` (`call(list, regions=list)` when regions are given);
-    when the batched call fails (or returns a list of the wrong length), decode one image at a time so
-    only the bad ones fail."""
+def _decode_each(call: Any, datas: Sequence[torch.Tensor]) -> list[Any]:
+    """Decode a batch with `call(list) -> list`; when the batched call fails (or returns a list of the
+    wrong length), decode one image at a time so only the bad ones fail."""
     def run(idx: list[int]) -> list[Any]:
-        batch = [datas[i] for i in idx]
-        return list(call(batch) if regions is None else call(batch, regions=[regions[i] for i in idx]))
+        return list(call([datas[i] for i in idx]))
 
     results: list[Any] = [None] * len(datas)
     todo = []
@@ -186,21 +168,17 @@ class _Backend:
     time when a batched call fails, so one bad sample never fails the others."""
 
     device: torch.device
-    regions = False  # whether decode() takes regions= (GpuDecoder)
     # the library writes its outputs when called, not in stream order (GpuBatchDecoder waits for the
     # previous chunk's reads first)
     writes_at_call = False
 
-    def _call(self, batch: list[torch.Tensor], regions: Sequence[Region | None] | None = None) -> list[Any]:
+    def _call(self, batch: list[torch.Tensor]) -> list[Any]:
         raise NotImplementedError
 
-    def decode(self, datas: list[torch.Tensor], regions: Sequence[Region | None] | None = None
-               ) -> list[torch.Tensor | Exception]:
-        if regions is not None and not self.regions:
-            raise ValueError(f"{self.name} decodes whole images only; call decode(datas) without regions")
+    def decode(self, datas: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
         context = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         with context:
-            return _decode_each(self._call, datas, regions)
+            return _decode_each(self._call, datas)
 
 
 class TorchCodecDecoder(_Backend):
@@ -251,7 +229,7 @@ class TorchCodecDecoder(_Backend):
     def hint() -> str:
         return _torchcodec_hint()
 
-    def _call(self, batch: list[torch.Tensor], regions: Sequence[Region | None] | None = None) -> list[torch.Tensor]:
+    def _call(self, batch: list[torch.Tensor]) -> list[torch.Tensor]:
         if self._stream is None:
             return list(self._decode_jpeg(batch, mode="RGB", device=self.device))
         caller = torch.cuda.current_stream(self.device)
@@ -288,9 +266,8 @@ class NvImageCodecDecoder(_Backend):
 
     On the CPU (`device="cpu"`) the same library runs its CPU backend (libjpeg-turbo) and no GPU is
     involved: that is how the GPU path is tested against the real library on machines without one.
-    There, where the release has code-stream regions, `decode(datas, regions=)` decodes only each
-    crop's rectangle (`regions`); on the GPU it never does: the engines decode whole images, and
-    0.9's CUDA region decode fails on ordinary regions (NVIDIA/nvImageCodec#55).
+    Whole images only: the engines decode nothing else, and 0.9's CUDA region decode fails on ordinary
+    regions (NVIDIA/nvImageCodec#55).
     """
 
     label = "nvImageCodec"
@@ -321,12 +298,9 @@ class NvImageCodecDecoder(_Backend):
         self._decoder = nv.Decoder(max_num_cpu_threads=NVIMGCODEC_CPU_THREADS, **args)
         self.writes_at_call = self.device.type == "cuda"
         self._params = self._decode_params(nv)
-        code_stream = getattr(nv, "CodeStream", None)
-        self.regions = (self.device.type == "cpu" and hasattr(nv, "Region")
-                        and hasattr(code_stream, "get_sub_code_stream"))
         kind = ("" if "backends" not in args else " CPU (libjpeg-turbo)" if self.device.type == "cpu"
                 else " hardware JPEG first")  # an early release: its default backends
-        self.name = f"nvImageCodec {version}".rstrip() + kind + (", region decode" if self.regions else "")
+        self.name = f"nvImageCodec {version}".rstrip() + kind
 
     def _decoder_args(self, nv: Any) -> dict[str, Any]:
         kinds = getattr(nv, "BackendKind", None)
@@ -356,40 +330,23 @@ class NvImageCodecDecoder(_Backend):
             params.color_spec = colour
             return params
 
-    def _source(self, data: torch.Tensor, region: Region | None) -> Any:
-        array = data.numpy()
-        if region is None:
-            return array
-        top, left, bottom, right = region
-        return self._nv.CodeStream(array).get_sub_code_stream(region=self._nv.Region(top, left, bottom, right))
-
     def _tensor(self, image: Any) -> torch.Tensor:
         # torch keeps the Image alive while the tensor lives (through the array it wraps on the CPU)
         hwc = (torch.as_tensor(image, device=self.device) if self.device.type == "cuda"
                else torch.from_numpy(np.asarray(image)))
         return hwc.permute(2, 0, 1)
 
-    def _call(self, batch: list[torch.Tensor], regions: Sequence[Region | None] | None = None) -> list[Any]:
-        out: list[Any] = [None] * len(batch)
-        sources, where = [], []
-        for i, data in enumerate(batch):
-            try:  # a header nvImageCodec cannot parse fails its own sample only
-                sources.append(self._source(data, None if regions is None else regions[i]))
-                where.append(i)
-            except Exception as exc:
-                out[i] = exc
-        if sources:
-            if self.device.type == "cuda":
-                stream = torch.cuda.current_stream(self.device)
-                images = self._decoder.decode(sources, params=self._params, cuda_stream=stream.cuda_stream)
-            else:
-                images = self._decoder.decode(sources, params=self._params)
-            if len(images) != len(sources):  # an older release dropped the failed ones: retried one by one
-                raise RuntimeError(f"nvImageCodec returned {len(images)} images for {len(sources)} inputs")
-            for i, img in zip(where, images):
-                out[i] = (RuntimeError("nvImageCodec could not decode this image (its log says why)")
-                          if img is None else self._tensor(img))
-        return out
+    def _call(self, batch: list[torch.Tensor]) -> list[Any]:
+        sources = [data.numpy() for data in batch]
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            images = self._decoder.decode(sources, params=self._params, cuda_stream=stream.cuda_stream)
+        else:
+            images = self._decoder.decode(sources, params=self._params)
+        if len(images) != len(sources):  # an older release dropped the failed ones: retried one by one
+            raise RuntimeError(f"nvImageCodec returned {len(images)} images for {len(sources)} inputs")
+        return [RuntimeError("nvImageCodec could not decode this image (its log says why)") if img is None
+                else self._tensor(img) for img in images]
 
 
 def _cuda_device(device: Any) -> torch.device:
@@ -549,10 +506,6 @@ class GpuBatchDecoder:
     and the intermediate product) also stays under `budget_bytes` (at least one image per group).
     Peak GPU memory of one `run` is therefore about 2 x budget_bytes (or a single large image's
     share), plus the decoder library's own work buffers (nvJPEG keeps them between calls).
-
-    A decoder that decodes regions (`takes_regions`) is given each sample's crop rectangle, so it
-    decodes only the pixels the crop reads (chunks are still sized by whole images: a bound, not
-    an estimate).
     """
 
     def __init__(self, decoder: GpuDecoder, device: torch.device | str, budget_bytes: int = DEFAULT_BUDGET_BYTES
@@ -613,19 +566,18 @@ class GpuBatchDecoder:
             for chunk in self.chunks(jobs):
                 windows = [crop_window(job.box, job.height, job.width, job.height, job.width, out_h, out_w)
                            for job in chunk]
-                regions = self._regions(chunk, windows)
                 if self._reads_done is not None:
                     self._reads_done.synchronize()
                     self._reads_done = None
-                images = self._decode(chunk, regions)
+                # Backends already retry a failed batch one image at a time; this covers any other decoder.
+                images = _decode_each(self.decoder.decode, [job.data for job in chunk])
                 placed: list[_Placed] = []
                 for k, job in enumerate(chunk):
                     img, images[k] = images[k], None
                     try:
                         if isinstance(img, BaseException):
                             raise img
-                        region = None if regions is None else regions[k]
-                        placed.append(self._place(job, img, windows[k], region, out))
+                        placed.append(self._place(job, img, windows[k], out))
                     except Exception as exc:
                         failures.append((job, self._failure(job, exc)))
                 img = images = None
@@ -650,23 +602,6 @@ class GpuBatchDecoder:
         if bad:
             raise ValueError(f"job rows {bad[:5]} are outside the batch of {out.shape[0]}")
 
-    def _regions(self, chunk: list[GpuJob], windows: list[CropWindow]) -> list[Region | None] | None:
-        """Each job's region to decode (its crop window and REGION_MARGIN around it; None: the whole
-        image), or None when the decoder decodes whole images only."""
-        if not takes_regions(self.decoder):
-            return None
-        regions: list[Region | None] = []
-        for job, win in zip(chunk, windows):
-            y0, y1, x0, x1 = win.src
-            m = REGION_MARGIN
-            region = (max(0, y0 - m), max(0, x0 - m), min(job.height, y1 + m), min(job.width, x1 + m))
-            regions.append(None if region == (0, 0, job.height, job.width) else region)
-        return regions
-
-    def _decode(self, chunk: list[GpuJob], regions: list[Region | None] | None) -> list[Any]:
-        # Backends already retry a failed batch one image at a time; this covers any other decoder.
-        return _decode_each(self.decoder.decode, [job.data for job in chunk], regions)
-
     def _failure(self, job: GpuJob, exc: BaseException) -> Exception:
         if isinstance(exc, ImageError) and exc.key == job.key:
             return exc
@@ -674,26 +609,19 @@ class GpuBatchDecoder:
         err.__cause__ = exc
         return err
 
-    def _place(self, job: GpuJob, img: Any, win: CropWindow, region: Region | None, out: torch.Tensor) -> _Placed:
-        """Check a decoded image (uint8 [C, h, w], C 1 or 3: the stored size, or the region asked for)
-        and place it with the CPU path's crop window (`crop_window`)."""
+    def _place(self, job: GpuJob, img: Any, win: CropWindow, out: torch.Tensor) -> _Placed:
+        """Check a decoded image (uint8 [C, h, w], C 1 or 3, the stored size) and place it with the CPU
+        path's crop window (`crop_window`)."""
         if (not isinstance(img, torch.Tensor) or img.dim() != 3 or img.dtype != torch.uint8
                 or img.shape[0] not in (1, 3)):
             got = f"{img.dtype} {tuple(img.shape)}" if isinstance(img, torch.Tensor) else type(img).__name__
             raise ValueError(f"the decoder returned {got}; expected a uint8 [3, H, W] tensor")
         _, h, w = img.shape
-        sy0, sy1, sx0, sx1 = win.src
-        if (h, w) == (job.height, job.width):
-            src = win.src
-        elif region is not None and (h, w) == (region[2] - region[0], region[3] - region[1]):
-            top, left = region[0], region[1]  # a region decode: the image is that rectangle
-            src = (sy0 - top, sy1 - top, sx0 - left, sx1 - left)
-        else:
-            asked = "" if region is None else f" (region {region[2] - region[0]}x{region[3] - region[1]})"
+        if (h, w) != (job.height, job.width):
             raise CorruptImageError(job.key, f"the GPU decoded {h}x{w} pixels, the dataset stores "
-                                             f"{job.height}x{job.width} for this image{asked}")
+                                             f"{job.height}x{job.width} for this image")
         if img.shape[0] == 1:  # grayscale from a decoder that ignored the RGB request: a view, no copy
             img = img.expand(3, h, w)
         if img.device != out.device:
             img = img.to(out.device)
-        return _Placed(job, img, src, win.dst)
+        return _Placed(job, img, win.src, win.dst)
