@@ -72,13 +72,15 @@ def test_gpu_decode_in_the_device_thread_never_syncs_the_host_with_torchcodec(pa
 def test_a_break_mid_epoch_under_no_host_syncs_stops_every_thread(packed: Path) -> None:
     before = stoker_threads()
     loader = Loader(packed, 8, transforms=TRAIN, device=DeviceOptions("cuda", normalize="imagenet"), prefetch=3)
-    next(iter(loader))  # warm: the allocators hold what the steady state uses
+    for _ in loader:  # a whole epoch first: the allocators hold what the steady state uses
+        pass
     with no_host_syncs():
         for i, (x, _) in enumerate(loader):
             gpu_sleep(5)
             if i == 2:
                 break
     assert wait_for_threads(before) == before
+    loader.set_epoch(5)
     assert sum(x.shape[0] for x, _ in loader) == 96  # and it starts again
 
 
