@@ -97,7 +97,7 @@ def default_gpu(count: int) -> int:
     if rank != current:
         warnings.warn(f"stoker: device='cuda' is cuda:{rank} here (LOCAL_RANK={rank}), but the current CUDA device is "
                       f"cuda:{current}; call torch.cuda.set_device({rank}) before building the model and the "
-                      f"Loader, or pass device='cuda:<index>' to choose", stacklevel=4)
+                      f"Loader, or pass device='cuda:<index>' to choose", stacklevel=5)
     return rank
 
 
