@@ -101,6 +101,7 @@ def _archived(results: Path) -> set[str]:
         return {name.removeprefix("./") for name in tar.getnames()}
 
 
+@pytest.mark.slow   # about 30 s: every bench pipeline starts a fresh process (CI runs it: `make test`)
 def test_a_cpu_rehearsal_runs_the_loader_bench_and_the_targets_and_hands_back_the_results(tmp_path: Path) -> None:
     done = subprocess.run([BASH, str(SCRIPT), "--device", "cpu", "env", "loader", "targets"], cwd=ROOT,
                           env=_session_env(tmp_path), capture_output=True, text=True, timeout=600)
