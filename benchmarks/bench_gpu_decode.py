@@ -1,22 +1,19 @@
 """The decode="gpu" path's decoders side by side: each backend decodes the same batches of JPEGs and
 crops, resizes and flips them into 224 x 224 rows (RandomResizedCrop(224) + flip, seeded), through
-`GpuBatchDecoder` as the Loader runs it; region decode against whole-image decode where a backend
-has both.
+`GpuBatchDecoder` as the Loader runs it.
 
     python benchmarks/bench_gpu_decode.py CACHE_DIR [--device cuda] [--images 1024] [--batch 256]
                                           [--rounds 5] [--large 0] [--json out.json]
 
 CACHE_DIR keeps the generated ImageNet-like JPEGs (about 400 x 350 px, made on first use); `--large`
-adds that many 1200 x 900 images. On `--device cuda` the candidates are TorchCodec, torchvision, nvImageCodec
-with the hardware JPEG engines first, and nvImageCodec's CUDA decoders (with and without region
-decode: region decode only where the release does it soundly, see docs/gpu-decode.md); each round
-is timed from a synchronized device to a synchronized device. On `--device cpu` (any machine) the
-candidate is nvImageCodec's CPU backend, with and without region decode: the same library calls,
-so the pixels a region decode saves are counted the same way, but its times are CPU times, no GPU
-figure. Reported: ms per image through the whole `GpuBatchDecoder.run` (decode, crop, resize, flip,
-store; best round: the machine may be shared), the decode calls alone (a separate set of rounds,
-the device synchronized around each call), decoded megapixels per image, and each region variant
-against its whole-image twin measured in the same run.
+adds that many 1200 x 900 images. On `--device cuda` the candidates are TorchCodec and nvImageCodec
+(the hardware JPEG engines first); each round is timed from a synchronized device to a synchronized
+device. This is where the backends are compared: `gpu_decoder="auto"` takes the first that works, it
+times nothing. On `--device cpu` (any machine) the candidate is nvImageCodec's CPU backend: the same
+library calls, CPU times, no GPU figure. Reported: ms per image through the whole
+`GpuBatchDecoder.run` (decode, crop, resize, flip, store; best round: the machine may be shared), the
+decode calls alone (a separate set of rounds, the device synchronized around each call), and decoded
+megapixels per image.
 """
 
 from __future__ import annotations
@@ -42,22 +39,20 @@ OUT = 224
 
 
 class Counting:
-    """A decoder that counts the pixels its inner decoder hands back (a region or a whole image) and,
-    when `timing` is set, the seconds spent decoding (the device synchronized around each call)."""
+    """A decoder that counts the pixels its inner decoder hands back and, when `timing` is set, the
+    seconds spent decoding (the device synchronized around each call)."""
 
-    def __init__(self, inner: Any, regions: bool) -> None:
-        self.inner, self.regions, self.pixels = inner, regions, 0
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.name, self.pixels = inner, inner.name, 0
+        self.writes_at_call = getattr(inner, "writes_at_call", False)
         self.timing: torch.device | None = None
         self.seconds = 0.0
-        self.backend = inner.name.replace(", region decode", "")  # the twins' shared name
-        both = getattr(inner, "regions", False)  # this backend runs twice: with and without regions
-        self.name = self.backend + ((", region decode" if regions else ", whole images") if both else "")
 
-    def decode(self, datas: list[torch.Tensor], regions: Any = None) -> list[Any]:
+    def decode(self, datas: list[torch.Tensor]) -> list[Any]:
         if self.timing is not None:
             _sync(self.timing)
         t0 = time.perf_counter()
-        outs = self.inner.decode(datas, regions=regions) if regions is not None else self.inner.decode(datas)
+        outs = self.inner.decode(datas)
         if self.timing is not None:
             _sync(self.timing)
             self.seconds += time.perf_counter() - t0
@@ -90,18 +85,13 @@ def _batches(images: list[tuple[bytes, int, int]], batch: int) -> list[list[GpuJ
 
 def _candidates(device: torch.device) -> list[Counting]:
     if device.type == "cpu":
-        dec = NvImageCodecDecoder("cpu")
-        return [Counting(dec, regions=True), Counting(dec, regions=False)]
+        return [Counting(NvImageCodecDecoder("cpu"))]
     out: list[Counting] = []
-    for backend in ("torchcodec", "torchvision", "nvimgcodec", "nvimgcodec-cuda"):
+    for backend in ("torchcodec", "nvimgcodec"):
         try:
-            dec = make_decoder(backend, device)
+            out.append(Counting(make_decoder(backend, device)))
         except ConfigError as exc:
             print(f"{backend}: not measured: {exc}", file=sys.stderr)
-            continue
-        out.append(Counting(dec, regions=False))
-        if getattr(dec, "regions", False):
-            out.append(Counting(dec, regions=True))
     return out
 
 
@@ -132,7 +122,7 @@ def measure(cand: Counting, batches: list[list[GpuJob]], device: torch.device, r
             gpu.run(b, out[:len(b)])
         decode = min(decode, cand.seconds)
     cand.timing = None
-    return {"decoder": cand.name, "backend": cand.backend, "region": cand.regions, "ms_per_image": 1000 * best / n, "decode_ms_per_image": 1000 * decode / n,
+    return {"decoder": cand.name, "ms_per_image": 1000 * best / n, "decode_ms_per_image": 1000 * decode / n,
             "decoded_mpix_per_image": pixels / n / 1e6, "failed": failed}
 
 
@@ -153,21 +143,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no GPU JPEG decoder works on {device}: see the reasons above", file=sys.stderr)
         return 1
     rows = [measure(c, batches, device, args.rounds) for c in candidates]
-    whole = {r["backend"]: r for r in rows if not r["region"]}
     print(f"{sum(len(b) for b in batches)} images, batches of {args.batch}, RandomResizedCrop({OUT}) + flip, "
           f"on {device}; best of {args.rounds} rounds\n")
-    print("| decoder | ms/image | decode alone, ms/image | decoded Mpx/image | vs whole-image decode "
-          "(all, decode alone) | failed |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| decoder | ms/image | decode alone, ms/image | decoded Mpx/image | failed |")
+    print("| --- | --- | --- | --- | --- |")
     for r in rows:
-        twin = whole.get(r["backend"]) if r["region"] else None
-        ratio = "-"
-        if twin is not None:
-            ratio = (f"{twin['ms_per_image'] / r['ms_per_image']:.2f}x, "
-                     f"{twin['decode_ms_per_image'] / r['decode_ms_per_image']:.2f}x")
-        r["vs_whole"] = ratio
         print(f"| {r['decoder']} | {r['ms_per_image']:.3f} | {r['decode_ms_per_image']:.3f} | "
-              f"{r['decoded_mpix_per_image']:.3f} | {ratio} | {r['failed']} |")
+              f"{r['decoded_mpix_per_image']:.3f} | {r['failed']} |")
     if args.json:
         args.json.write_text(json.dumps({"device": str(device), "images": sum(len(b) for b in batches),
                                          "batch": args.batch, "rows": rows}, indent=2))

@@ -1,42 +1,44 @@
 #!/usr/bin/env bash
 # Everything a GPU host runs for the GPU path's "Measure" list, in order, in a few calls.
 #
-#   benchmarks/gpu_session.sh [STEP...]      (from the repository root; default: every step)
+#   benchmarks/gpu_session.sh [--device cpu|cuda] [STEP...]   (from the repository root; default: every step)
 #
 # Steps, each sized to finish in well under 10 minutes on an H100/H200 with 16 CPU cores
 # (docs/benchmarks.md has the time of each and how they fit in a few calls):
 #   setup    the region decoder (stoker._jpeg) built in place when stoker runs from the checkout (without
 #            it stoker decodes whole images, about 14% more CPU per image), and whether it loads
 #   env      what this host has: GPU, driver, torch/CUDA, torchvision, TorchCodec, nvImageCodec, DALI
-#   tests    cudatests: pytest tests/cuda -x under TORCH_CUDA_SANITIZER=1 (again without the sanitizer
-#            and without -x only when that fails, to list every failure); then cputests: the CPU suite
-#   loader   stoker bench --device cuda, loaders alone (DataLoader+PIL vs stoker, CPU and GPU decode, vs DALI),
-#            a short first pass (LOADER_STEPS); every pipeline whose start-up was 1% or more of its
-#            timed run then runs again alone with the --steps its own start-up needs, cheapest first,
-#            as many as fit in LOADER_RERUN_S seconds (the others are named, and not judged)
+#   tests    cudatests: pytest tests/cuda once, every failure listed (no -x, and no sanitizer: its mode is
+#            per thread, so it sees only the main thread); then cputests: the CPU suite
+#   loader   stoker bench, loaders alone (DataLoader+PIL vs stoker, CPU and GPU decode, vs DALI),
+#            LOADER_STEPS batches a round
 #   train    the same bench, ResNet-50 and ResNet-18 training fed by each loader vs synthetic data:
-#            train50 then train18, one bench each (either step alone fits one call more easily); the
-#            stoker feeds whose start-up was 1% or more of their timed run run again together with the
-#            synthetic reference over the same, longer windows, within TRAIN_RERUN_S seconds per model
-#   decoders every GPU JPEG backend side by side, region vs whole-image decode
-#            (benchmarks/bench_gpu_decode.py), which one gpu_decoder="auto" measured fastest, and
-#            stoker doctor with it
+#            train50 then train18, one bench each (either step alone fits one call more easily)
+#   decoders every GPU JPEG backend side by side (benchmarks/bench_gpu_decode.py), the one
+#            gpu_decoder="auto" took, and stoker doctor with it
 #   peers    the CPU bench with NVIDIA DALI beside stoker (when nvidia-dali imports here)
-#   targets  benchmarks/targets.py on the loader and training results
+#   targets  benchmarks/targets.py on the loader and training results: each verdict with the start-up
+#            share of the pipelines behind it (reported, not a gate)
 #   demo     `make demo STOKER_PYTHON=$PY`: the demo on the GPU, from this checkout with this interpreter
 #
-# Every log and bench.json lands under $OUT (default ./gpu-session); nothing is printed as a result
-# that was not measured in this run. The host needs a CUDA build of torch and, for the models and the
-# real baseline transforms, the matching torchvision; stoker installed (pip install -e ".[test]") or
-# PYTHONPATH=src. The dali pipelines (cuda-dali, train-<model>-dali) need NVIDIA DALI on this host:
-# pip install nvidia-dali-cuda130 (the env step says whether it imports; without it they are reported
-# as skipped). nvImageCodec, a GPU JPEG backend beside torchvision's: pip install
-# 'nvidia-nvimgcodec-cu12[nvjpeg]' (or -cu13, matching torch's CUDA; [nvjpeg] brings nvJPEG).
+# --device cpu (or DEVICE=cpu) runs the same steps on any machine, on tiny data when the sizes below
+# are set small: a rehearsal of everything but the device itself (tests/test_gpu_session.py runs one).
+#
+# Every log and bench.json lands under $OUT (default ./gpu-session), beside conditions.md: what the
+# figures were measured under (images in page cache, how the baseline copies). Nothing is printed as a
+# result that was not measured in this run. RESULTS, when set, receives one small archive of this run
+# (logs, bench.json and bench.md files, the decoder and demo results, conditions.md), rewritten after
+# every step and on any exit (trap EXIT), so a run stopped by its time limit still hands back what
+# its finished steps measured: for a machine that hands back only a few files.
+# The host needs a CUDA build of torch and, for the models and the real baseline transforms, the
+# matching torchvision; stoker installed (pip install -e ".[test]") or PYTHONPATH=src. The dali
+# pipelines (cuda-dali, train-<model>-dali) need NVIDIA DALI: pip install nvidia-dali-cuda130 (the env
+# step says whether it imports; without it they are reported as skipped). GPU JPEG decode needs
+# TorchCodec (pip install torchcodec, the build matching torch) or nvImageCodec
+# (pip install 'nvidia-nvimgcodec-cu12[nvjpeg]' or -cu13, matching torch's CUDA).
 # A host without a package index takes them as wheels: benchmarks/gpu_wheels.sh DIR on a machine
 # with one. PY picks the interpreter (default: python3). WORKERS the CPU cores per pipeline (16).
-# OUT (default ./gpu-session) holds the generated images and packed copies (about 1 GB); RESULTS, when
-# set, receives one small archive per run of this script (its logs, bench.json and bench.md files, the
-# decoder and demo results), for a machine that hands back only a few files.
+# OUT holds the generated images and packed copies (about 1 GB).
 set -u -o pipefail
 
 PY=${PY:-python3}
@@ -46,17 +48,34 @@ DEVICE=${DEVICE:-cuda}        # cpu runs the same plumbing on any machine (no GP
 BATCH=${BATCH:-256}
 ROUNDS=${ROUNDS:-3}
 IMAGES=${IMAGES:-5000}        # generated ImageNet-like JPEGs, once, under $OUT/<first bench>/data
-# The first passes are short on purpose: they measure each pipeline's rate and start-up, and a pipeline
-# whose start-up weighs 1% or more of its timed run (which targets.py does not judge) runs again at the
-# steps its start-up needs. One long pass for all would time the slowest pipeline (the DataLoader
-# baseline, 4-5x slower than stoker) for as many steps as the fastest one's start-up needs.
-LOADER_STEPS=${LOADER_STEPS:-100}   # batches of 256 per round, loaders alone (a warm-up round, then ROUNDS)
-LOADER_RERUN_S=${LOADER_RERUN_S:-330}
-TRAIN_STEPS=${TRAIN_STEPS:-50}      # timed steps per round, after the bench's 10 warm-up steps
-TRAIN_RERUN_S=${TRAIN_RERUN_S:-150} # per model
+LOADER_STEPS=${LOADER_STEPS:-200}     # batches per round, loaders alone (a warm-up round, then ROUNDS)
+TRAIN_STEPS=${TRAIN_STEPS:-100}       # timed steps per round, after WARMUP_STEPS untimed ones
+WARMUP_STEPS=${WARMUP_STEPS:-10}
+DECODE_IMAGES=${DECODE_IMAGES:-1024}  # images bench_gpu_decode.py decodes a round
 RESULTS=${RESULTS:-}
+
+STEPS=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --device) [ $# -ge 2 ] || { echo "gpu_session.sh: --device needs a value (cpu or cuda)" >&2; exit 2; }
+                  DEVICE=$2; shift 2 ;;
+        --device=*) DEVICE=${1#--device=}; shift ;;
+        *) STEPS+=("$1"); shift ;;
+    esac
+done
+[ ${#STEPS[@]} -gt 0 ] || STEPS=(setup env tests loader train50 train18 decoders peers targets demo)
+for STEP in "${STEPS[@]}"; do   # every name checked before anything runs: a typo costs nothing
+    case "$STEP" in
+        setup|env|tests|cudatests|cputests|loader|train|train50|train18|decoders|peers|targets|demo) ;;
+        *) echo "gpu_session.sh: unknown step '$STEP'; expected setup env tests (cudatests cputests) loader" \
+                "train (train50 train18) decoders peers targets demo" >&2
+           exit 2 ;;
+    esac
+done
 mkdir -p "$OUT"
 STATUS=0
+STEP=session
+ARCHIVE=gpu-session-$(date -u +%Y%m%d-%H%M%S).tar.gz
 
 note() { printf '\n== %s  (%s)\n' "$1" "$(date -u +%H:%M:%S)" | tee -a "$OUT/session.log"; }
 run() {  # run CMD..., its output to the step's log and the terminal; remember a failure
@@ -80,36 +99,38 @@ bench() {  # bench DIR ARGS...: stoker bench --device $DEVICE into $OUT/DIR
     run "$PY" -m stoker.cli bench --device "$DEVICE" --workers "$WORKERS" --batch-size "$BATCH" \
         --rounds "$ROUNDS" "${data[@]}" --out "$OUT/$dir" "$@"
 }
-reruns() {  # reruns BENCH_JSON BUDGET_S together|alone [NAMES]: "PIPELINES STEPS SECONDS" a run; "- NAME" left out
-    "$PY" - "$@" <<'EOF'
-import json, sys
-from stoker.tools.bench_gpu import reruns
-names = sys.argv[4].split(",") if len(sys.argv) > 4 else None
-runs, left = reruns(json.load(open(sys.argv[1])), float(sys.argv[2]), names, together=sys.argv[3] == "together")
-for pipelines, steps, seconds in runs:
-    print(",".join(pipelines), steps, round(seconds))
-for name in left:
-    print("-", name)
+conditions() {  # what every figure of this run was measured under, kept beside the figures
+    cat >"$OUT/conditions.md" <<EOF
+# Conditions of this run ($(date -u +%Y-%m-%dT%H:%M:%SZ))
+
+- Device: $DEVICE; steps: ${STEPS[*]}; $WORKERS CPU cores per pipeline; batches of $BATCH; $ROUNDS timed rounds.
+- Data: $IMAGES generated ImageNet-like JPEGs (about 400 x 350 px) and their packed copy on local disk.
+  After the first pass every read comes from the page cache (the host has far more memory than these
+  files), so the loader figures are decode-bound, not I/O-bound: reads from cold disk or object
+  storage are not measured here.
+- Baseline (cuda-baseline, train-<model>-baseline): torchvision ImageFolder + DataLoader($WORKERS workers,
+  pin_memory, persistent workers) with ToTensor + Normalize on the workers, so float32 batches cross
+  the bus (4x the bytes of uint8), each copied with .to(device, non_blocking=True) on the default
+  stream of the training thread: the copy queues behind the step on that stream, no overlap; then a
+  cast to bfloat16 on the device.
+- stoker (cuda-stoker, cuda-stoker-gpu, train-<model>-stoker*): uint8 batches copied on the loader's
+  own stream and converted there (bfloat16, normalized), overlapping the step.
+- Start-up (construction to first batch) is untimed warm-up; targets.py shows, beside each verdict,
+  the start-up share of the pipelines behind it (start-up over the timed run), not a gate.
 EOF
 }
-rerun_late() {  # rerun_late DIR BUDGET_S together|alone NAMES [BENCH ARGS...]: the late pipelines of $OUT/DIR again
-    local dir=$1 budget=$2 how=$3 names=$4 line pipelines steps seconds plans
-    shift 4
-    [ -f "$OUT/$dir/bench.json" ] || return 0   # the bench failed: its log says why
-    mapfile -t plans < <(reruns "$OUT/$dir/bench.json" "$budget" "$how" ${names:+"$names"})
-    for line in "${plans[@]}"; do
-        read -r pipelines steps seconds <<<"$line"
-        if [ "$pipelines" = "-" ]; then
-            note "$dir: start-up of $steps was 1% or more of its timed run; not run again (over $budget s): not judged"
-            continue
-        fi
-        note "$dir: start-up of $pipelines was 1% or more of its timed run: again with --steps $steps (about $seconds s)"
-        bench "$dir-${pipelines##*,}" --pipelines "$pipelines" --steps "$steps" "$@"
-    done
+collect() {  # this run's small files (logs, results, conditions; no images) in one archive under $RESULTS
+    [ -n "$RESULTS" ] || return 0
+    mkdir -p "$RESULTS" || return 0
+    (cd "$OUT" && find . -maxdepth 3 \( -name '*.log' -o -name 'bench.json' -o -name 'bench.md' \
+        -o -name 'decoders.json' -o -name 'demo.md' -o -name 'demo.json' -o -name 'conditions.md' \) -print0 |
+        tar -czf "$RESULTS/$ARCHIVE.part" --null -T -) && mv -f "$RESULTS/$ARCHIVE.part" "$RESULTS/$ARCHIVE"
 }
 
 step_env() {
-    run nvidia-smi
+    if [ "$DEVICE" != cpu ]; then
+        run nvidia-smi
+    fi
     run "$PY" - <<'EOF'
 import importlib, torch
 print("torch", torch.__version__, "CUDA", torch.version.cuda, "available", torch.cuda.is_available())
@@ -134,10 +155,9 @@ print('region decode:', codecs.region_decode_available(), '|', describe())"
 }
 
 step_cudatests() {
-    # -rs lists every skip with its reason: on a GPU host only a missing optional library may skip
-    if ! TORCH_CUDA_SANITIZER=1 run "$PY" -m pytest tests/cuda -x -rs -p no:cacheprovider; then
-        run "$PY" -m pytest tests/cuda -rs -p no:cacheprovider   # every failure, without the sanitizer's slowdown
-    fi
+    # once, every failure listed; -rs lists every skip with its reason: on a GPU host only a missing
+    # optional library may skip
+    run "$PY" -m pytest tests/cuda -q -rs -p no:cacheprovider
 }
 
 step_cputests() {  # CPU_TESTS_TIMEOUT: seconds before the suite is stopped (0, the default: never)
@@ -150,23 +170,18 @@ step_tests() {
 }
 
 step_loader() {
-    # generates the images once ($OUT/data), packs them, then the four loader-alone pipelines
+    # generates the images once ($OUT/bench-loader/data), packs them, then the four loader-alone pipelines
     bench bench-loader --pipelines cuda-baseline,cuda-stoker,cuda-stoker-gpu,cuda-dali --steps "$LOADER_STEPS"
-    rerun_late bench-loader "$LOADER_RERUN_S" alone ""   # each into bench-loader-<pipeline>/
 }
 
 step_train50() {
-    bench bench-train-resnet50 --models resnet50 --steps "$TRAIN_STEPS" --pipelines \
+    bench bench-train-resnet50 --models resnet50 --steps "$TRAIN_STEPS" --warmup-steps "$WARMUP_STEPS" --pipelines \
 train-resnet50-synthetic,train-resnet50-baseline,train-resnet50-stoker,train-resnet50-stoker-gpu,train-resnet50-dali
-    rerun_late bench-train-resnet50 "$TRAIN_RERUN_S" together train-resnet50-stoker,train-resnet50-stoker-gpu \
-        --models resnet50
 }
 
 step_train18() {
-    bench bench-train-resnet18 --models resnet18 --steps "$TRAIN_STEPS" --pipelines \
+    bench bench-train-resnet18 --models resnet18 --steps "$TRAIN_STEPS" --warmup-steps "$WARMUP_STEPS" --pipelines \
 train-resnet18-synthetic,train-resnet18-baseline,train-resnet18-stoker,train-resnet18-stoker-gpu,train-resnet18-dali
-    rerun_late bench-train-resnet18 "$TRAIN_RERUN_S" together train-resnet18-stoker,train-resnet18-stoker-gpu \
-        --models resnet18
 }
 
 step_train() {
@@ -175,30 +190,39 @@ step_train() {
 }
 
 step_decoders() {
-    run "$PY" benchmarks/bench_gpu_decode.py "$OUT/decoders-cache" --device "$DEVICE" --json "$OUT/decoders.json"
+    run "$PY" benchmarks/bench_gpu_decode.py "$OUT/decoders-cache" --device "$DEVICE" --images "$DECODE_IMAGES" \
+        --batch "$BATCH" --rounds "$ROUNDS" --json "$OUT/decoders.json"
     local d packed=""
     for d in "$OUT"/bench-*/packed; do
         [ -f "$d/stoker.json" ] && { packed=$d; break; }
     done
-    if [ -z "$packed" ]; then   # no bench ran on this machine (a fresh one): 5,000 generated images, packed
+    if [ -z "$packed" ]; then   # no bench ran on this machine (a fresh one): IMAGES generated images, packed
         packed=$OUT/decoders-packed
-        [ -f "$packed/stoker.json" ] || { run "$PY" -m stoker.cli synth "$OUT/decoders-data" --images 5000 --quiet &&
+        [ -f "$packed/stoker.json" ] || { run "$PY" -m stoker.cli synth "$OUT/decoders-data" --images "$IMAGES" --quiet &&
             run "$PY" -m stoker.cli pack "$OUT/decoders-data" "$packed" --quiet; } || return 1
     fi
-    run "$PY" - "$packed" <<'EOF'
+    run "$PY" - "$packed" "$DEVICE" "$BATCH" <<'EOF'
 import sys
 import stoker
 from stoker.tools.doctor import run_doctor
 from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop
 
-packed = sys.argv[1]
-opts = stoker.DeviceOptions("cuda", normalize="imagenet", dtype="bf16", memory_format="channels_last", decode="gpu")
-with stoker.Loader(packed, 256, transforms=[RandomResizedCrop(224), RandomHorizontalFlip()], device=opts) as loader:
+packed, device, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if device == "cpu":  # the rehearsal: the same path, nvImageCodec's CPU backend standing in for the GPU's
+    from stoker.gpu_decode import NvImageCodecDecoder
+    decoder = NvImageCodecDecoder("cpu")
+else:
+    decoder = "auto"
+opts = stoker.DeviceOptions(device, normalize="imagenet", dtype="bf16", memory_format="channels_last", decode="gpu",
+                            gpu_decoder=decoder)
+with stoker.Loader(packed, batch, transforms=[RandomResizedCrop(224), RandomHorizontalFlip()], device=opts) as loader:
     for _ in zip(range(20), loader):
         pass
-    print("gpu_decoder='auto' chose:", loader.stats.gpu_decoder)
+    print("gpu_decoder='auto' took:", loader.stats.gpu_decoder)
     print("decoded on the GPU:", loader.stats.gpu_decoded, "CPU fallbacks:", loader.stats.gpu_fallbacks)
-print(run_doctor(packed, batch_size=256, steps=20, model="resnet50", device="cuda", decode="gpu").format())
+on_gpu = device != "cpu"
+print(run_doctor(packed, batch_size=batch, steps=20, model="resnet50" if on_gpu else None, device=device,
+                 decode="gpu" if on_gpu else "cpu", progress=False).format())
 EOF
 }
 
@@ -211,11 +235,10 @@ step_peers() {
     fi
 }
 
-step_targets() {  # every result together; a rerun (DIR-<pipeline>/) replaces its first pass (DIR/)
+step_targets() {  # every result together
     local f found=()
-    for f in "$OUT"/bench-loader/bench.json "$OUT"/bench-loader-*/bench.json \
-             "$OUT"/bench-train-resnet50/bench.json "$OUT"/bench-train-resnet50-*/bench.json \
-             "$OUT"/bench-train-resnet18/bench.json "$OUT"/bench-train-resnet18-*/bench.json; do
+    for f in "$OUT"/bench-loader/bench.json "$OUT"/bench-train-resnet50/bench.json \
+             "$OUT"/bench-train-resnet18/bench.json; do
         [ -f "$f" ] && found+=("$f")
     done
     if [ ${#found[@]} -gt 0 ]; then
@@ -229,25 +252,16 @@ step_demo() {  # `make demo` itself, with this interpreter (no .venv, nothing do
     run make demo STOKER_PYTHON="$PY" && mkdir -p "$OUT/demo" && cp stoker-demo/demo.* "$OUT/demo/"
 }
 
-collect() {  # this run's small files (logs, results; no images) in one archive under $RESULTS
-    local name="gpu-session-$(date -u +%H%M%S).tar.gz"
-    mkdir -p "$RESULTS"
-    (cd "$OUT" && find . -maxdepth 3 \( -name '*.log' -o -name 'bench.json' -o -name 'bench.md' \
-        -o -name 'decoders.json' -o -name 'demo.md' -o -name 'demo.json' \) -print0 |
-        tar -czf "$RESULTS/$name" --null -T -) && echo "results: $RESULTS/$name"
-}
-
-STEPS=("$@")
-[ ${#STEPS[@]} -gt 0 ] || STEPS=(setup env tests loader train50 train18 decoders peers targets demo)
+trap 'collect' EXIT     # however the run ends, what its finished steps measured is handed back
+trap 'exit 143' TERM    # a signal ends the run through the EXIT trap
+trap 'exit 130' INT
+conditions
 for STEP in "${STEPS[@]}"; do
-    case "$STEP" in
-        setup|env|tests|cudatests|cputests|loader|train|train50|train18|decoders|peers|targets|demo)
-            note "$STEP"; "step_$STEP" || true ;;
-        *) echo "gpu_session.sh: unknown step '$STEP'; expected setup env tests (cudatests cputests) loader" \
-                "train (train50 train18) decoders peers targets demo" >&2
-           exit 2 ;;
-    esac
+    note "$STEP"
+    "step_$STEP" || true
+    collect             # after every step: a step killed outright loses only itself
 done
+STEP=session
 note "done: logs and bench.json files in $OUT (exit status $STATUS: 1 when any command failed)"
-[ -z "$RESULTS" ] || collect
+[ -z "$RESULTS" ] || echo "results: $RESULTS/$ARCHIVE"
 exit "$STATUS"

@@ -1,9 +1,9 @@
 """Every GPU JPEG decoder wrapper against its real library, on the CPU: nvImageCodec (its CPU
-backend), TorchCodec and torchvision each run the same library calls with device="cpu" as on a GPU,
+backend) and TorchCodec each run the same library calls with device="cpu" as on a GPU,
 so the wrappers, `GpuBatchDecoder` and a whole decode="gpu" Loader are checked against the real
 libraries before any GPU runs them. Each library is skipped where it does not import: `make test`
-installs nvImageCodec (`test-gpu-decode`); TorchCodec and torchvision need a CUDA build of torch
-(their libraries load CUDA's), so they run on machines that have one. tests/cuda runs them on a GPU.
+installs nvImageCodec (`test-gpu-decode`); TorchCodec needs a CUDA build of torch
+(its library loads CUDA's), so they run on machines that have one. tests/cuda runs them on a GPU.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import torch
 from conftest import jpeg_bytes, smooth_rgb
 from stoker import DeviceOptions, Loader
 from stoker.errors import ConfigError
-from stoker.gpu_decode import NvImageCodecDecoder, TorchCodecDecoder, TorchvisionDecoder
+from stoker.gpu_decode import NvImageCodecDecoder, TorchCodecDecoder
 from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop
 from test_gpu_decode import psnr, textured
 from test_loader import build_packed
 
-WRAPPERS = {"nvimgcodec": NvImageCodecDecoder, "torchcodec": TorchCodecDecoder, "torchvision": TorchvisionDecoder}
+WRAPPERS = {"nvimgcodec": NvImageCodecDecoder, "torchcodec": TorchCodecDecoder}
 
 
 @pytest.fixture(scope="module", params=sorted(WRAPPERS))
@@ -109,6 +109,6 @@ def test_the_pillow_gauntlet_never_crashes_a_decoder(decoder: Any, pillow_corpus
         if isinstance(out, torch.Tensor):
             assert out.dtype == torch.uint8 and out.dim() == 3 and out.shape[0] == 3, path.name
     # a truncated file fails on its own (libraries differ on files libjpeg only warns about, such as
-    # junk before a marker: nvImageCodec refuses them, TorchCodec and torchvision decode them)
+    # junk before a marker: nvImageCodec refuses them, TorchCodec decodes them)
     assert "truncated_jpeg.jpg" in failed
     assert len(failed) < len(files) // 4

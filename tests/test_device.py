@@ -112,10 +112,77 @@ def test_cuda_index_out_of_range(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
     with pytest.raises(ConfigError, match=r"has 2 CUDA GPU\(s\), indices 0..1"):
         DeviceOptions("cuda:2")
     assert DeviceOptions("cuda").device == torch.device("cuda", 1)  # "cuda" = the current GPU, fixed
     assert DeviceOptions(0).device == torch.device("cuda", 0)
+
+
+def on_two_gpus(monkeypatch, current: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+
+
+def test_cuda_is_the_local_ranks_gpu_under_torchrun(monkeypatch, recwarn):
+    """A Loader made before torch.cuda.set_device(local_rank) used to put every rank's batches on cuda:0."""
+    on_two_gpus(monkeypatch, current=0)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.warns(UserWarning, match=r"cuda:1 here \(LOCAL_RANK=1\), but the current CUDA device is cuda:0; "
+                                         r"call torch.cuda.set_device\(1\)"):
+        assert DeviceOptions("cuda").device == torch.device("cuda", 1)
+    assert DeviceOptions("cuda:0").device == torch.device("cuda", 0)  # an explicit index is obeyed, silently
+    on_two_gpus(monkeypatch, current=1)
+    recwarn.clear()
+    assert DeviceOptions("cuda").device == torch.device("cuda", 1) and not recwarn.list  # they agree
+    monkeypatch.setenv("LOCAL_RANK", "3")  # one GPU visible per rank (CUDA_VISIBLE_DEVICES): the current one
+    assert DeviceOptions("cuda").device == torch.device("cuda", 1) and not recwarn.list
+
+
+class ThreadDevices:
+    """Stands in for the CUDA runtime's per-thread current device (GPU 0 in a new thread) and records which
+    device each event query ran on."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.local = threading.local()
+        self.queries: list[int] = []
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(self.local, "device", 0))
+        monkeypatch.setattr(torch.cuda, "set_device", lambda d: setattr(self.local, "device", int(d)))
+
+    def event(self) -> object:
+        devices = self
+
+        class Event:
+            def query(self) -> bool:
+                devices.queries.append(torch.cuda.current_device())
+                return True
+
+        return Event()
+
+
+def test_a_fence_queried_on_another_thread_binds_its_gpu_first(monkeypatch):
+    """A thread that never chose a device runs CUDA calls on GPU 0: under torchrun every rank > 0 would
+    make a context there."""
+    devices = ThreadDevices(monkeypatch)
+    fence = Fence(devices.event(), "a copy", device=1)
+    worker = threading.Thread(target=lambda: (fence.done(), fence.wait(1.0)))
+    worker.start()
+    worker.join()
+    assert devices.queries == [1, 1]
+    assert Fence(devices.event()).done() and devices.queries[-1] == 0  # no device given: left as it is
+
+
+def test_the_stage_binds_the_device_thread_to_its_gpu(monkeypatch):
+    devices = ThreadDevices(monkeypatch)
+    stage = DeviceStage(cpu_opts())
+    object.__setattr__(stage.opts, "device", torch.device("cuda", 1))
+    stage.stream = object()  # as if made on that GPU
+    seen = []
+    worker = threading.Thread(target=lambda: (stage.bind(), seen.append(torch.cuda.current_device())))
+    worker.start()
+    worker.join()
+    assert seen == [1] and torch.cuda.current_device() == 0  # the caller's thread is left alone
 
 
 @pytest.mark.parametrize("normalize, match", [
@@ -670,13 +737,15 @@ def test_constants_are_filled_on_the_device_not_copied_from_the_host(monkeypatch
     torch.testing.assert_close(shift.flatten(), torch.tensor([-1.0, -0.5, -0.5]))
 
 
-def test_the_copy_stream_has_the_highest_priority(monkeypatch):
+def test_the_copy_stream_runs_at_the_default_priority(monkeypatch):
+    """The conversion and the batch ops run on the copy stream: at a high priority their kernels would
+    preempt the training step's."""
     import stoker.device as device
 
     made = []
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None, priority=0: made.append((device, priority)))
     device.copy_stream(torch.device("cuda", 0))
-    assert made == [(torch.device("cuda", 0), device.HIGH_PRIORITY)] and device.HIGH_PRIORITY < -1
+    assert made == [(torch.device("cuda", 0), 0)]
 
 
 class RecordingStream:

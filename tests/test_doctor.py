@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,36 @@ def test_cli_doctor_json_with_a_model_by_name(packed: Path, capsys: pytest.Captu
     obj = json.loads(capsys.readouterr().out)
     assert obj["verdict"] == COMPUTE_BOUND and obj["batch_size"] == 8
     assert obj["model"] == f"{__name__}:sleepy_model" and obj["profile"]["steps"] == 2
+
+
+def test_the_loaders_gpu_memory_is_its_peak_above_what_was_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The doctor reports the loader's GPU memory (DALI's GPU pipeline once halved the largest batch that
+    fit): the peak of torch's allocator while the loader runs alone, above the model already there."""
+    from stoker.tools import doctor
+
+    allocated = {"now": 100, "peak": 100}
+    calls: list[str] = []
+
+    def reset(device: str) -> None:
+        calls.append(f"reset {device}")
+        allocated["peak"] = allocated["now"]
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: allocated["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+
+    def loader_alone() -> float:
+        allocated["peak"] = max(allocated["peak"], 100 + 4 * 38_535_168)   # four batches in flight, then freed
+        return 12_000.0
+
+    assert doctor.gpu_memory_of("cuda:1", loader_alone) == (12_000.0, 4 * 38_535_168)
+    assert calls == ["reset cuda:1"]
+    assert doctor.gpu_memory_of("cpu", loader_alone) == (12_000.0, None) and calls == ["reset cuda:1"]
+    profile = types.SimpleNamespace(images_per_s=2_900.0, verdict="COMPUTE-BOUND", format=lambda: "",
+                                    as_dict=lambda: {})
+    report = doctor.DoctorReport("ds", "m", "cuda:1", 256, 8, 16, "train", 12_000.0, 3_000.0, profile,
+                                 loader_gpu_bytes=4 * 38_535_168)
+    assert "\n  loader GPU mem   154.1 MB at peak, running alone (batches in flight" in report.format()
+    assert report.as_dict()["loader_gpu_bytes"] == 4 * 38_535_168
+    report.loader_gpu_bytes = None   # on the CPU: no such line
+    assert "loader GPU mem" not in report.format()

@@ -1,7 +1,7 @@
 """The GPU decode path on the CPU: GpuBatchDecoder driven by stand-in decoders (simplejpeg), checked
 against the CPU crop path; crop_window's geometry as a property; make_decoder's errors.
 
-tests/cuda/test_gpu_decode_cuda.py runs the real backends (torchvision, nvImageCodec) on a GPU.
+tests/cuda/test_gpu_decode_cuda.py runs the real backends (TorchCodec, nvImageCodec) on a GPU.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class CpuDecoder:
 
 
 class BatchRaisingDecoder(CpuDecoder):
-    """Like torchvision: one bad image in a batch fails the whole call."""
+    """Like TorchCodec: one bad image in a batch fails the whole call."""
 
     def decode(self, datas: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
         out = super().decode(datas)
@@ -179,61 +179,6 @@ def test_padded_center_crop_has_zero_borders_where_the_cpu_path_has_them(ops: li
             assert np.array_equal(got[i], ref)
         else:
             assert psnr(got[i], ref) > 30
-
-
-class RegionCpuDecoder(CpuDecoder):
-    """A stand-in region decoder: the whole decode cut to each region asked for (or `wrong` pixels
-    short of it, to see a bad size refused). Records the regions it was given."""
-
-    regions = True
-
-    def __init__(self, wrong: int = 0) -> None:
-        super().__init__()
-        self.asked: list[object] = []
-        self.wrong = wrong
-
-    def decode(self, datas, regions=None):
-        outs = super().decode(datas)
-        self.asked.extend(regions if regions is not None else [None] * len(datas))
-        for i, region in enumerate(regions or []):
-            if region is not None and isinstance(outs[i], torch.Tensor):
-                top, left, bottom, right = region
-                outs[i] = outs[i][:, top:bottom - self.wrong, left:right]
-        return outs
-
-
-def test_region_decode_places_each_crop_like_the_whole_image() -> None:
-    pipe = Pipeline([RandomResizedCrop(64), RandomHorizontalFlip()])
-    jpegs = make_jpegs(seed=6)
-    jobs, _ = jobs_for(pipe, jpegs, SIZES, seed=8)
-    whole = torch.zeros((len(jobs), 3, 64, 64), dtype=torch.uint8)
-    assert GpuBatchDecoder(CpuDecoder(), "cpu").run(jobs, whole) == []
-    dec = RegionCpuDecoder()
-    regional = torch.zeros_like(whole)
-    assert GpuBatchDecoder(dec, "cpu").run(jobs, regional) == []
-    assert torch.equal(regional, whole)  # the same source pixels, from a smaller decoded image
-    m = gpu_decode.REGION_MARGIN
-    for job, region in zip(jobs, dec.asked):
-        if region is None:  # the crop and its margin cover the whole image
-            continue
-        top, left, bottom, right = region
-        assert 0 <= top < bottom <= job.height and 0 <= left < right <= job.width
-        # the margin around the crop's box, unless the image ends first
-        assert top == 0 or top <= job.box[0] - m + 1
-        assert left == 0 or left <= job.box[1] - m + 1
-    assert any(r is not None for r in dec.asked)
-
-
-def test_a_region_of_the_wrong_size_falls_back_naming_both_sizes() -> None:
-    jobs, _ = jobs_for(Pipeline([RandomResizedCrop(32)]), make_jpegs(seed=2), SIZES, seed=1)
-    failures = GpuBatchDecoder(RegionCpuDecoder(wrong=1), "cpu").run(jobs, torch.zeros((len(jobs), 3, 32, 32),
-                                                                                        dtype=torch.uint8))
-    assert failures, "every sample decoded as a region should fail its size check"
-    job, err = failures[0]
-    assert isinstance(err, CorruptImageError) and err.key == job.key and "region" in str(err)
-    with pytest.raises(ValueError, match="whole images only"):
-        gpu_decode.TorchvisionDecoder.decode(types.SimpleNamespace(regions=False, name="tv", device=torch.device("cpu")),
-                                             [jobs[0].data], regions=[None])
 
 
 def test_chunks_stay_under_the_budget() -> None:
@@ -359,43 +304,34 @@ def test_run_checks_its_output_tensor() -> None:
 
 
 def test_make_decoder_errors_name_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ConfigError, match="'auto', 'torchcodec', 'torchvision', 'nvimgcodec'"):
+    with pytest.raises(ConfigError, match=r"one of \('auto', 'torchcodec', 'nvimgcodec'\)"):
         make_decoder("nvdec", "cuda")
+    with pytest.raises(ConfigError, match="'torchvision' is no longer offered: torchvision deprecated .* use 'torchcodec'"):
+        make_decoder("torchvision", "cuda")
+    with pytest.raises(ConfigError, match="'nvimgcodec-cuda' is no longer offered: 'nvimgcodec' uses the CUDA"):
+        make_decoder("nvimgcodec-cuda", "cuda")
     # No library importable (whatever this machine has installed).
     monkeypatch.setitem(sys.modules, "torchcodec", None)
     monkeypatch.setitem(sys.modules, "torchcodec.decoders", None)
-    monkeypatch.setitem(sys.modules, "torchvision", None)
-    monkeypatch.setitem(sys.modules, "torchvision.io", None)
     monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", None)
     with pytest.raises(ConfigError) as info:
         make_decoder("auto", "cuda")
     msg = str(info.value)
-    assert "pip install torchvision" in msg and "pip install 'nvidia-nvimgcodec-cu" in msg and "decode='cpu'" in msg
+    assert "pip install 'nvidia-nvimgcodec-cu" in msg and "decode='cpu'" in msg
     assert "pip install torchcodec (0.16 or newer" in msg
     with pytest.raises(ConfigError, match="pip install torchcodec"):
         make_decoder("torchcodec", "cuda")
-    with pytest.raises(ConfigError, match="pip install torchvision"):
-        make_decoder("torchvision", "cuda")
     with pytest.raises(ConfigError, match="pip install 'nvidia-nvimgcodec-cu"):
         make_decoder("nvimgcodec", 0)
 
 
-def test_make_decoder_needs_a_cuda_device_and_a_recent_torchvision(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gpu_decode.TorchvisionDecoder, "load", staticmethod(lambda: None))
+def test_make_decoder_needs_a_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu_decode.TorchCodecDecoder, "load", staticmethod(lambda: None))
     with pytest.raises(ConfigError, match="needs a CUDA device, got cpu"):
-        make_decoder("torchvision", "cpu")
+        make_decoder("torchcodec", "cpu")
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="CUDA build of torch"):
-            make_decoder("torchvision", "cuda")
-    monkeypatch.undo()
-
-    class OldTorchvision:
-        __version__ = "0.18.1+cu121"
-
-    monkeypatch.setitem(sys.modules, "torchvision", OldTorchvision())
-    monkeypatch.setitem(sys.modules, "torchvision.io", OldTorchvision())
-    with pytest.raises(ConfigError, match=r"torchvision 0\.18\.1\+cu121 cannot batch.*0\.19 or newer"):
-        make_decoder("torchvision", "cuda")
+            make_decoder("torchcodec", "cuda")
 
 
 def test_decoder_protocol_is_satisfied_by_the_stand_in() -> None:
@@ -492,7 +428,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 def fake_decode_jpeg(log: list[str], rgb: object):
     """A library decode_jpeg(list, mode=..., device=...) on a CUDA device (CPU tensors here) that logs
-    its calls and, like torchvision and TorchCodec, fails the whole call for one bad image."""
+    its calls and, like TorchCodec, fails the whole call for one bad image."""
     def decode_jpeg(batch, mode, device):
         assert isinstance(batch, list) and mode == rgb and device == torch.device("cuda", 0)
         log.append(f"decode {len(batch)}")
@@ -503,25 +439,19 @@ def fake_decode_jpeg(log: list[str], rgb: object):
     return decode_jpeg
 
 
-@pytest.mark.parametrize("library", ["torchvision", "torchcodec"])
-def test_library_wrappers_batch_and_retry_on_their_own_stream_without_host_syncs(
-        monkeypatch: pytest.MonkeyPatch, fake_cuda: list[str], library: str) -> None:
+def fake_torchcodec(monkeypatch: pytest.MonkeyPatch, log: list[str]) -> None:
+    decoders = types.SimpleNamespace(decode_jpeg=fake_decode_jpeg(log, "RGB"))
+    monkeypatch.setitem(sys.modules, "torchcodec", types.SimpleNamespace(__version__="0.17.0", decoders=decoders))
+    monkeypatch.setitem(sys.modules, "torchcodec.decoders", decoders)
+
+
+def test_the_torchcodec_wrapper_batches_and_retries_on_its_own_stream_without_host_syncs(
+        monkeypatch: pytest.MonkeyPatch, fake_cuda: list[str]) -> None:
     monkeypatch.setattr(gpu_decode, "_cuda_device", lambda device: torch.device("cuda", 0))
-    for name in ("torchvision", "torchvision.io", "torchcodec", "torchcodec.decoders", "nvidia.nvimgcodec"):
-        monkeypatch.setitem(sys.modules, name, None)  # whatever this machine has installed
-    if library == "torchvision":
-        io = types.SimpleNamespace(ImageReadMode=types.SimpleNamespace(RGB="rgb-mode"),
-                                   decode_jpeg=fake_decode_jpeg(fake_cuda, "rgb-mode"))
-        monkeypatch.setitem(sys.modules, "torchvision", types.SimpleNamespace(__version__="0.26.0+cu128", io=io))
-        monkeypatch.setitem(sys.modules, "torchvision.io", io)
-        kind, name = gpu_decode.TorchvisionDecoder, "torchvision 0.26.0+cu128 nvJPEG"
-    else:
-        decoders = types.SimpleNamespace(decode_jpeg=fake_decode_jpeg(fake_cuda, "RGB"))
-        monkeypatch.setitem(sys.modules, "torchcodec", types.SimpleNamespace(__version__="0.17.0", decoders=decoders))
-        monkeypatch.setitem(sys.modules, "torchcodec.decoders", decoders)
-        kind, name = gpu_decode.TorchCodecDecoder, "TorchCodec 0.17.0 nvJPEG"
+    monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", None)  # whatever this machine has installed
+    fake_torchcodec(monkeypatch, fake_cuda)
     dec = make_decoder("auto", "cuda")  # probes once with a tiny JPEG
-    assert isinstance(dec, kind) and dec.name == name
+    assert isinstance(dec, gpu_decode.TorchCodecDecoder) and dec.name == "TorchCodec 0.17.0 nvJPEG"
     one = ["on decode", "decode 1", "caller waits decode", "record caller"]
     assert fake_cuda == one
     fake_cuda.clear()
@@ -570,7 +500,7 @@ def test_nvimgcodec_wrapper_handles_none_and_dropped_images(monkeypatch: pytest.
     class Decoder:
         drop_failed = False  # releases before None entries dropped failed images from the list
 
-        def __init__(self, device_id: int | None = None) -> None:
+        def __init__(self, device_id: int | None = None, max_num_cpu_threads: int = 0) -> None:
             self.calls: list[int] = []
 
         def decode(self, srcs, params, cuda_stream):
@@ -600,17 +530,17 @@ def test_nvimgcodec_wrapper_handles_none_and_dropped_images(monkeypatch: pytest.
         assert [type(o).__name__ for o in outs] == ["Tensor", "RuntimeError", "Tensor"]
         assert tuple(outs[0].shape) == (3, 32, 40) and tuple(outs[2].shape) == (3, 24, 24)
         assert dec._decoder.calls == ([1, 3] if not drop else [1, 3, 1, 1, 1])  # probe, batch, (retries)
-    # queued on the current stream; an early release's default backends include the hardware engines,
-    # so each decode first waits on the host for what is queued there (see the test below)
-    assert fake_cuda == ["event on caller", "sync"] * (2 + 2 + 3)
+    # queued on the current stream; no host wait here (GpuBatchDecoder orders the chunks: see below)
+    assert fake_cuda == [] and dec.writes_at_call
 
 
 def fake_nvimgcodec_09(log: list[str]) -> types.SimpleNamespace:
     """nvImageCodec 0.9's Python API as the wrapper calls it on a CUDA device: backends by kind,
     ColorSpec.SRGB, a Decoder that logs its decode calls (host arrays here, device images there)."""
     class Decoder:
-        def __init__(self, device_id: int = -1, backends: list | None = None) -> None:
+        def __init__(self, device_id: int = -1, backends: list | None = None, max_num_cpu_threads: int = 0) -> None:
             self.kinds = [b.kind for b in backends or []]
+            self.threads = max_num_cpu_threads
 
         def decode(self, srcs, params, cuda_stream):
             assert cuda_stream == 1234
@@ -624,40 +554,59 @@ def fake_nvimgcodec_09(log: list[str]) -> types.SimpleNamespace:
         DecodeParams=lambda **kw: types.SimpleNamespace(**kw))
 
 
-@pytest.mark.parametrize("backend", ["nvimgcodec", "nvimgcodec-cuda"])
-def test_nvimgcodec_hardware_decode_waits_for_the_stream_on_the_host(monkeypatch: pytest.MonkeyPatch,
-                                                                      fake_cuda: list[str], backend: str) -> None:
-    """nvImageCodec frees an image's buffer on its stream (cudaFreeAsync) while kernels queued there may
-    still read it, and the next decode may be handed that memory; the hardware JPEG engines write it
-    when the call is made, ignoring stream order (meta-pytorch/torchcodec#1634). So the hardware
-    backend waits on the host for the stream's queued work before each decode; the CUDA decoders
-    (GPU_ONLY, HYBRID_CPU_GPU) keep stream order and need no wait."""
+def test_nvimgcodec_takes_the_hardware_engines_first_with_few_threads_and_no_host_wait(
+        monkeypatch: pytest.MonkeyPatch, fake_cuda: list[str]) -> None:
+    """The engines first, the CUDA decoders for the rest; its CPU stages bounded (the library's default is one
+    thread per core, beside the Loader's workers); the wrapper itself never waits on the host (it used to
+    wait for the whole stream before every decode)."""
     on_fake_cuda_device(monkeypatch)
     monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", fake_nvimgcodec_09(fake_cuda))
-    dec = make_decoder(backend, "cuda")
-    hardware = backend == "nvimgcodec"
-    assert ("hw" in dec._decoder.kinds) == hardware
+    dec = make_decoder("nvimgcodec", "cuda")
+    assert dec._decoder.kinds == ["hw", "gpu", "hybrid"]
+    assert dec._decoder.threads == gpu_decode.NVIMGCODEC_CPU_THREADS <= 4
+    assert dec.writes_at_call and dec.name == "nvImageCodec 0.9.0 hardware JPEG first"
     fake_cuda.clear()
     jpegs = make_jpegs(sizes=[(32, 40), (24, 24)])
     outs = dec.decode([torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in jpegs])
     assert [tuple(o.shape) for o in outs] == [(3, 32, 40), (3, 24, 24)]
-    assert fake_cuda == (["event on caller", "sync", "decode 2"] if hardware else ["decode 2"])
+    assert fake_cuda == ["decode 2"]
+
+
+def test_a_decoder_that_writes_when_called_waits_for_the_previous_chunks_reads_only(
+        fake_cuda: list[str]) -> None:
+    """The hardware engines may be handed memory freed by the previous chunk's images while the resampling
+    still reads it: before each decode the host waits for an event recorded after those reads (the
+    previous batch's last chunk included), not for everything queued on the stream."""
+    class Engines(CpuDecoder):
+        writes_at_call = True
+
+        def decode(self, datas):
+            fake_cuda.append(f"decode {len(datas)}")
+            return super().decode(datas)
+
+    sizes = [(64, 64)] * 6
+    jobs, _ = jobs_for(Pipeline([CenterCrop(32)]), make_jpegs(seed=6, sizes=sizes), sizes)
+    gpu = GpuBatchDecoder(Engines(), "cpu", budget_bytes=2 * 3 * 64 * 64)  # three chunks of two
+    out = torch.zeros((6, 3, 32, 32), dtype=torch.uint8)
+    assert gpu.run(jobs, out) == []
+    chunk = ["decode 2", "event on caller"]
+    assert fake_cuda == chunk + ["sync"] + chunk + ["sync"] + chunk
+    fake_cuda.clear()
+    assert gpu.run(jobs[:2], out) == []
+    assert fake_cuda == ["sync"] + chunk
+    fake_cuda.clear()
+    assert GpuBatchDecoder(CpuDecoder(), "cpu").run(jobs, out) == [] and fake_cuda == []  # in stream order: no wait
 
 
 def test_a_backend_that_fails_its_probe_is_skipped_by_auto(monkeypatch: pytest.MonkeyPatch,
                                                            fake_cuda: list[str]) -> None:
-    class BrokenIO:
-        class ImageReadMode:
-            RGB = 3
+    def decode_jpeg(batch, mode, device):
+        raise RuntimeError("DecodeJpegCuda: torchcodec not compiled with nvJPEG support")
 
-        @staticmethod
-        def decode_jpeg(batch, mode, device):
-            raise RuntimeError("decode_jpegs_cuda: torchvision not compiled with nvJPEG support")
-
-    monkeypatch.setitem(sys.modules, "torchvision", types.SimpleNamespace(__version__="0.26.0", io=BrokenIO))
-    monkeypatch.setitem(sys.modules, "torchvision.io", BrokenIO)
+    decoders = types.SimpleNamespace(decode_jpeg=decode_jpeg)
+    monkeypatch.setitem(sys.modules, "torchcodec", types.SimpleNamespace(__version__="0.17.0", decoders=decoders))
+    monkeypatch.setitem(sys.modules, "torchcodec.decoders", decoders)
     monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", None)
-    monkeypatch.setitem(sys.modules, "torchcodec.decoders", None)
     with pytest.raises(ConfigError) as info:
         make_decoder("auto", "cuda")
     msg = str(info.value)
@@ -744,80 +693,35 @@ def test_batched_resample_respects_its_budget_and_row_order() -> None:
 
 
 
-@pytest.mark.parametrize("backend, hint", [("torchvision", "pip install torchvision"),
+@pytest.mark.parametrize("backend, hint", [("torchcodec", "pip install torchcodec"),
                                            ("nvimgcodec", "pip install 'nvidia-nvimgcodec-cu")])
 def test_a_backend_whose_import_raises_anything_is_a_config_error(monkeypatch: pytest.MonkeyPatch, backend: str,
                                                                   hint: str) -> None:
-    for name in ("torchvision", "torchvision.io", "nvidia", "nvidia.nvimgcodec"):
+    for name in ("torchcodec", "torchcodec.decoders", "nvidia", "nvidia.nvimgcodec"):
         monkeypatch.delitem(sys.modules, name, raising=False)
-    monkeypatch.setattr(sys, "meta_path", [BrokenImport("torchvision", "nvidia", "nvidia.nvimgcodec"),
+    monkeypatch.setattr(sys, "meta_path", [BrokenImport("torchcodec", "torchcodec.decoders", "nvidia", "nvidia.nvimgcodec"),
                                            *sys.meta_path])
     with pytest.raises(ConfigError) as info:
         make_decoder(backend, "cuda")
     assert "RuntimeError" in str(info.value) and hint in str(info.value) and "decode='cpu'" in str(info.value)
 
 
-def test_auto_falls_back_past_a_torchvision_that_raises_on_import(monkeypatch: pytest.MonkeyPatch,
-                                                                  fake_cuda: list[str]) -> None:
-    class Decoder:
-        def __init__(self, device_id: int | None = None) -> None:
-            pass
-
-        def decode(self, srcs, params, cuda_stream):
-            return [simplejpeg.decode_jpeg(s, colorspace="RGB") for s in srcs]
-
-    class DecodeParams:
-        def __init__(self, **kw: object) -> None:
-            pass
-
-    fake = types.SimpleNamespace(__version__="0.6.0", Decoder=Decoder, DecodeParams=DecodeParams,
-                                 ColorSpec=types.SimpleNamespace(RGB=1))
+def test_auto_takes_the_first_backend_that_works_and_makes_no_other(monkeypatch: pytest.MonkeyPatch,
+                                                                    fake_cuda: list[str]) -> None:
+    """Deterministic: TorchCodec, else nvImageCodec. The runtime timer it replaces kept every candidate
+    alive (an nvJPEG state, a stream and a thread per core each) and synchronized the device."""
+    made: list[str] = []
+    fake = fake_nvimgcodec_09(fake_cuda)
+    real = fake.Decoder
+    fake.Decoder = lambda **kw: made.append("nvimgcodec") or real(**kw)
     on_fake_cuda_device(monkeypatch)
-    monkeypatch.delitem(sys.modules, "torchvision", raising=False)
-    monkeypatch.delitem(sys.modules, "torchvision.io", raising=False)
-    monkeypatch.setattr(sys, "meta_path", [BrokenImport("torchvision"), *sys.meta_path])
     monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", fake)
-    monkeypatch.setitem(sys.modules, "torchcodec.decoders", None)  # whatever this machine has installed
-    dec = make_decoder("auto", "cuda")  # both nvImageCodec variants work: measured at first use
-    assert isinstance(dec, gpu_decode.MeasuredDecoder)
-    assert [type(c) for c in dec.candidates] == [gpu_decode.NvImageCodecHardwareDecoder,
-                                                 gpu_decode.NvImageCodecDecoder]
-
-
-class Timed(CpuDecoder):
-    """A stand-in that 'takes' `ms` per image on a fake clock (`first_ms` on its first call: set-up);
-    `broken` fails every image."""
-
-    def __init__(self, name: str, ms: float, clock: list[float], broken: bool = False,
-                 first_ms: float | None = None) -> None:
-        super().__init__()
-        self.name, self.ms, self.clock, self.broken, self.first_ms = name, ms, clock, broken, first_ms
-
-    def decode(self, datas):
-        ms = self.ms if self.first_ms is None or self.calls else self.first_ms
-        self.clock[0] += ms * len(datas) / 1000
-        if self.broken:
-            self.calls.append(len(datas))
-            return [RuntimeError("no") for _ in datas]
-        return super().decode(datas)
-
-
-def test_auto_keeps_the_backend_measured_fastest_on_the_first_batch() -> None:
-    clock = [0.0]
-    syncs: list[object] = []
-    broken = Timed("broken-but-fast", 0.1, clock, broken=True)
-    # "fast" is the slowest of all on its first call (buffers sized on first use): not what it costs later
-    slow, fast = Timed("slow", 3.0, clock), Timed("fast", 1.0, clock, first_ms=9.0)
-    dec = gpu_decode.MeasuredDecoder([broken, slow, fast], torch.device("cpu"), synchronize=syncs.append,
-                                     clock=lambda: clock[0])
-    assert "not measured yet" in dec.name
-    jobs, refs = jobs_for(Pipeline([CenterCrop(32)]), make_jpegs(seed=3), SIZES)
-    out = torch.zeros((len(jobs), 3, 32, 32), dtype=torch.uint8)
-    assert GpuBatchDecoder(dec, "cpu").run(jobs, out) == []  # the chosen one's images are the batch's
-    assert dec.chosen is fast and len(syncs) == 6  # the device synchronized around each timed decode
-    assert dec.timings == pytest.approx({"broken-but-fast": 0.1, "slow": 3.0, "fast": 1.0})
-    assert dec.name.startswith("fast (auto: fastest") and "slow 3.000" in dec.name
-    assert all(np.array_equal(rows(out)[i], ref) for i, ref in enumerate(refs))
-    dec.decode([jobs[0].data])
-    # each candidate decoded the first batch twice (warm-up, timed); only the chosen one from now on
-    assert (slow.calls, fast.calls[-1], len(syncs)) == ([len(jobs)] * 2, 1, 6)
+    for name in ("torchcodec", "torchcodec.decoders"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    with monkeypatch.context() as broken:  # a TorchCodec built for another torch: passed over
+        broken.setattr(sys, "meta_path", [BrokenImport("torchcodec", "torchcodec.decoders"), *sys.meta_path])
+        assert isinstance(make_decoder("auto", "cuda"), gpu_decode.NvImageCodecDecoder) and made == ["nvimgcodec"]
+    made.clear()
+    fake_torchcodec(monkeypatch, fake_cuda)
+    assert isinstance(make_decoder("auto", "cuda"), gpu_decode.TorchCodecDecoder) and made == []
+    assert "sync" not in fake_cuda

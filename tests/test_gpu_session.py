@@ -1,14 +1,19 @@
 """benchmarks/gpu_session.sh, the GPU host's measurement script: it must name only pipelines, models,
-flags and steps that exist, so a GPU session does not lose a call to a typo. (Its full plumbing runs on
-the CPU with DEVICE=cpu; that takes minutes, so it is not part of the suite.)"""
+flags and steps that exist, so a GPU session does not lose a call to a typo, and it is rehearsed here
+with --device cpu on tiny data (the same steps, the device aside), including what it hands back when
+it is stopped mid-run."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -63,7 +68,7 @@ def test_an_unknown_step_is_refused_and_env_runs(tmp_path: Path) -> None:
 
 def test_its_python_snippets_compile() -> None:
     snippets = re.findall(r"<<'EOF'\n(.*?)\nEOF\n", SCRIPT.read_text(), re.S)
-    assert len(snippets) == 3   # the start-up check, the environment report, the GPU decoder report
+    assert len(snippets) == 2   # the environment report, the GPU decoder report
     for code in snippets:
         compile(code, str(SCRIPT), "exec")
 
@@ -78,3 +83,53 @@ def test_make_demo_with_an_existing_interpreter_downloads_nothing() -> None:
     assert "pip" not in dry and "venv" not in dry
     assert "python3 setup.py -q build_ext --inplace" in dry and "python3 -m stoker.cli demo" in dry
     assert "make demo STOKER_PYTHON=" in SCRIPT.read_text()   # the GPU session runs `make demo` itself
+
+
+ROOT = SCRIPT.parents[1]
+TINY = {"IMAGES": "24", "BATCH": "8", "ROUNDS": "1", "LOADER_STEPS": "2", "TRAIN_STEPS": "1", "WARMUP_STEPS": "1",
+        "DECODE_IMAGES": "16", "WORKERS": "1"}
+
+
+def _session_env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, **TINY, "OUT": str(tmp_path / "out"), "RESULTS": str(tmp_path / "results"),
+            "PY": sys.executable, "PYTHONPATH": str(ROOT / "src")}
+
+
+def _archived(results: Path) -> set[str]:
+    (archive,) = results.glob("gpu-session-*.tar.gz")
+    with tarfile.open(archive) as tar:
+        return {name.removeprefix("./") for name in tar.getnames()}
+
+
+@pytest.mark.slow   # about 30 s: every bench pipeline starts a fresh process (CI runs it: `make test`)
+def test_a_cpu_rehearsal_runs_the_loader_bench_and_the_targets_and_hands_back_the_results(tmp_path: Path) -> None:
+    done = subprocess.run([BASH, str(SCRIPT), "--device", "cpu", "env", "loader", "targets"], cwd=ROOT,
+                          env=_session_env(tmp_path), capture_output=True, text=True, timeout=600)
+    log = done.stdout + done.stderr
+    out = tmp_path / "out"
+    bench = json.loads((out / "bench-loader" / "bench.json").read_text())
+    assert {p["name"] for p in bench["pipelines"]} >= {"cuda-baseline", "cuda-stoker"}, log[-3000:]
+    assert "| start-up share of the run |" in (out / "targets.log").read_text()   # reported, not gated
+    conditions = (out / "conditions.md").read_text()
+    assert "page cache" in conditions and "decode-bound, not I/O-bound" in conditions
+    assert "float32 batches cross" in conditions and "default" in conditions and "no overlap" in conditions
+    assert {"env.log", "loader.log", "targets.log", "session.log", "conditions.md",
+            "bench-loader/bench.json", "bench-loader/bench.md"} <= _archived(tmp_path / "results")
+    assert "TORCH_CUDA_SANITIZER" not in SCRIPT.read_text()
+
+
+def test_a_session_stopped_mid_step_still_hands_back_its_finished_steps(tmp_path: Path) -> None:
+    proc = subprocess.Popen([BASH, str(SCRIPT), "--device", "cpu", "env", "cudatests"], cwd=ROOT,
+                            env=_session_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "out" / "cudatests.log").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)   # env is done and archived once cudatests has begun
+        assert proc.poll() is None, "the session ended before it could be stopped"
+        os.killpg(proc.pid, signal.SIGTERM)   # what a time limit does to the command
+        assert proc.wait(timeout=60) != 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert {"env.log", "conditions.md", "session.log"} <= _archived(tmp_path / "results")

@@ -261,6 +261,48 @@ def test_gpu_decode_path_crops_like_the_cpu_path(packed: Path) -> None:
     assert loader.stats.gpu_decoder == "cpu stand-in" == loader.stats.as_dict()["gpu_decoder"]  # which one ran
 
 
+def test_gpu_decode_uploads_only_the_rows_decoded_on_the_cpu() -> None:
+    """The GPU decode overwrites every JPEG row: uploading the whole pinned slot first moved 38.5 MB per
+    256x224x224 batch for nothing. On "meta" (a device tensor that runs here), every copy from host
+    memory is recorded."""
+    import types
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from stoker.device import DeviceStage
+    from stoker.device_build import DeviceBuilder
+    from stoker.slots import LoaderStats, Slot
+
+    class Uploads(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows: list[int] = []
+
+        def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+            if func.__name__.startswith("copy_") and args[1].device.type == "cpu" and args[0].device.type == "meta":
+                self.rows.append(args[1].shape[0])
+            return func(*args, **(kwargs or {}))
+
+    opts = DeviceOptions("cpu", dtype=torch.uint8)
+    object.__setattr__(opts, "device", torch.device("meta"))
+    stage = DeviceStage(DeviceOptions("cpu"))
+    stage.opts = opts
+    decoded: list[int] = []
+    gpu = types.SimpleNamespace(decoder=types.SimpleNamespace(name="stand-in"),
+                                run=lambda jobs, out: decoded.extend(j.row for j in jobs) or [])
+    chain = types.SimpleNamespace(spec=types.SimpleNamespace(pipeline=types.SimpleNamespace(batch=None)),
+                                  multi_label=None)
+    builder = DeviceBuilder(stage, gpu, chain, threading.RLock(), LoaderStats())
+    images = torch.zeros((8, 4, 6, 3), dtype=torch.uint8)
+    slot = Slot(images, images.numpy(), torch.arange(8), None, size=7)
+    # rows 1, 2 and 5 are JPEGs for the GPU; 0, 3, 4 and 6 were rendered on the CPU
+    slot.jobs = [types.SimpleNamespace(row=r) if r in (1, 2, 5) else None for r in range(7)]
+    with Uploads() as uploads:
+        (x, _), _ = builder(slot)
+    assert x.device.type == "meta" and tuple(x.shape) == (7, 3, 4, 6)
+    assert decoded == [1, 2, 5] and uploads.rows == [1, 2, 1]  # rows 0, 3-4, 6: one copy per run
+
+
 def test_gpu_decode_failures_fall_back_to_the_cpu_per_sample(packed: Path) -> None:
     ref = reference(Loader(packed, 60, transforms=TRAIN, seed=8, order="sequential"))
     from stoker.reader import open_dataset

@@ -94,7 +94,7 @@ def test_script_prints_the_verdicts_of_a_results_file(tmp_path: Path) -> None:
     proc = _run(tmp_path / "bench.json")
     assert proc.returncode == 1, proc.stderr   # ResNet-50 keeps 90%, not 97%
     lines = proc.stdout.splitlines()
-    assert lines[0] == "| target | measured | from | verdict |"
+    assert lines[0] == "| target | measured | from | verdict | start-up share of the run |"
     assert any("4.00x cuda-baseline | cuda-stoker | met |" in ln for ln in lines)
     assert any("16,000 images/s | cuda-stoker | met |" in ln for ln in lines)
     assert any("90.0% of synthetic | train-resnet50-stoker | NOT met |" in ln for ln in lines)
@@ -136,7 +136,9 @@ def test_script_refuses_a_cpu_bench_result(tmp_path: Path) -> None:
     assert _run(tmp_path / "broken.json").returncode == 2
 
 
-def test_a_pipeline_whose_start_up_weighs_on_its_run_is_not_judged() -> None:
+def test_start_up_share_is_reported_beside_the_verdict_not_a_gate(tmp_path: Path) -> None:
+    """A 1% gate on start-up turned a 1.2 s baseline start-up into "not measured" unless minutes of reruns
+    fitted: the share is reported instead, and every figure is judged."""
     def timed(name: str, rate: float, share: float) -> PipelineResult:
         p = _pipe(name, rate)
         p.startup_share = share
@@ -144,8 +146,10 @@ def test_a_pipeline_whose_start_up_weighs_on_its_run_is_not_judged() -> None:
     pipes = _json_pipelines(timed("train-resnet50-synthetic", 3000.0, 0.002), timed("train-resnet50-stoker", 2950.0, 0.004),
                             timed("train-resnet50-stoker-gpu", 2990.0, 0.03))
     (r50,) = targets.check_targets(pipes, {"resnet50": 0.97})
-    # the faster feed started up for 3% of its run: only the other one is judged
-    assert (r50.pipeline, r50.met) == ("train-resnet50-stoker", True)
-    assert targets.too_short(pipes) == ["train-resnet50-stoker-gpu"]
-    pipes[0]["startup_share"] = 0.01   # the reference itself: nothing to judge against
-    assert targets.check_targets(pipes, {"resnet50": 0.97})[0].verdict == "not measured"
+    assert (r50.pipeline, r50.met) == ("train-resnet50-stoker-gpu", True)   # the faster feed, judged
+    assert r50.startup == {"train-resnet50-stoker-gpu": 0.03, "train-resnet50-synthetic": 0.002}
+    table = targets.format_targets([r50])
+    assert "| start-up share of the run |" in table and "train-resnet50-stoker-gpu 3.0%, train-resnet50-synthetic 0.2%" in table
+    (tmp_path / "bench.json").write_text(json.dumps({"pipelines": pipes}))
+    proc = _run(tmp_path / "bench.json")
+    assert proc.returncode == 0 and "start-up is 1% or more of the timed run of train-resnet50-stoker-gpu" in proc.stdout

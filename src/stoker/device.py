@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, ContextManager, Iterator
 
@@ -49,7 +51,6 @@ _FORMATS = {
 }
 LAYOUTS = ("nchw", "nhwc")
 DECODES = ("cpu", "gpu")  # where JPEGs are decoded (DeviceOptions.decode)
-HIGH_PRIORITY = -(1 << 10)  # the copy stream's priority: the highest the GPU offers (see copy_stream)
 
 
 # ---- options --------------------------------------------------------------------------------
@@ -76,12 +77,28 @@ def parse_device(device: Any) -> torch.device:
                           f"install a CUDA build of torch (https://pytorch.org/get-started/locally/) "
                           f"or pass device='cpu'")
     count = torch.cuda.device_count()
-    # "cuda" means the current GPU when the options are made (torch.cuda.set_device first under torchrun);
     # fixing the index here keeps the stage's stream, its events and its outputs on one GPU
-    index = torch.cuda.current_device() if dev.index is None else dev.index
+    index = default_gpu(count) if dev.index is None else dev.index
     if index >= count:
         raise ConfigError(f"device={device!r}: this machine has {count} CUDA GPU(s), indices 0..{count - 1}")
     return torch.device("cuda", index)
+
+
+def default_gpu(count: int) -> int:
+    """The GPU that "cuda" means: under torchrun (LOCAL_RANK set, and that many GPUs visible) the local
+    rank's, so a Loader made before `torch.cuda.set_device(local_rank)` still feeds its own rank's GPU,
+    not GPU 0; otherwise (and when each rank sees one GPU) the current one. Warns when LOCAL_RANK and
+    the current device disagree: the model is probably on the other one."""
+    current = torch.cuda.current_device()
+    local = os.environ.get("LOCAL_RANK", "").strip()
+    if not local.isdigit() or int(local) >= count:
+        return current
+    rank = int(local)
+    if rank != current:
+        warnings.warn(f"stoker: device='cuda' is cuda:{rank} here (LOCAL_RANK={rank}), but the current CUDA device is "
+                      f"cuda:{current}; call torch.cuda.set_device({rank}) before building the model and the "
+                      f"Loader, or pass device='cuda:<index>' to choose", stacklevel=5)
+    return rank
 
 
 def _floats(name: str, values: Any) -> tuple[float, ...]:
@@ -160,15 +177,16 @@ class DeviceOptions:
     Frozen and self-validating: shorthand is accepted and resolved when it is made, so a bad value
     fails at construction with a message that names the fix, and the fields hold resolved values.
 
-    device: "cuda", "cuda:1", an int GPU index, a torch.device or "cpu" ("cuda" = the current GPU).
+    device: "cuda", "cuda:1", an int GPU index, a torch.device or "cpu" ("cuda" = LOCAL_RANK's GPU under
+        torchrun, else the current GPU: `default_gpu`).
     normalize: None, "imagenet" or (mean, std), 1 value or one per channel each, in 0..1 units.
     dtype: float32/float16/bfloat16/uint8 as a torch dtype or name; default float32 with normalize,
         else uint8 (a float dtype without normalize gives x / 255, like ToTensor).
     memory_format: None/"contiguous"/"nchw" or "channels_last" (or the torch memory formats).
     decode: "cpu" (JPEGs decoded by the worker threads) or "gpu" (nvJPEG on the device thread, with the
         CPU's crop plan; a Loader only; CUDA only, unless gpu_decoder is an object).
-    gpu_decoder: with decode="gpu", "auto" (the fastest working backend, measured on the first batch),
-        "torchcodec", "torchvision", "nvimgcodec" (hardware JPEG engines first), "nvimgcodec-cuda" or an object with a
+    gpu_decoder: with decode="gpu", "auto" (TorchCodec, else nvImageCodec: the first that works here),
+        "torchcodec", "nvimgcodec" (hardware JPEG engines first) or an object with a
         `decode(list_of_uint8_tensors)` method.
 
     A plain device string anywhere a DeviceOptions is accepted means `DeviceOptions(device=that)`:
@@ -196,8 +214,7 @@ class DeviceOptions:
             if isinstance(self.gpu_decoder, str) and not self.is_cuda:
                 raise ConfigError(f"decode='gpu' needs a CUDA device, got device={self.device}; use decode='cpu'")
             if not isinstance(self.gpu_decoder, str) and not callable(getattr(self.gpu_decoder, "decode", None)):
-                raise ConfigError(f"gpu_decoder must be 'auto', 'torchcodec', 'torchvision', 'nvimgcodec', 'nvimgcodec-cuda' or an "
-                                  f"object with a "
+                raise ConfigError(f"gpu_decoder must be 'auto', 'torchcodec', 'nvimgcodec' or an object with a "
                                   f"decode(list_of_tensors) method, got {self.gpu_decoder!r}")
 
     @property
@@ -359,16 +376,24 @@ def normalize_by_table(x: torch.Tensor, levels: torch.Tensor, out: torch.Tensor)
 class Fence:
     """Marks a point on a stream: done once the GPU has run everything queued there before it.
 
-    `event` is anything with `query() -> bool` (a torch.cuda.Event); None (the CPU) is always done."""
+    `event` is anything with `query() -> bool` (a torch.cuda.Event); None (the CPU) is always done.
+    `device` is the event's GPU index: a thread that queries the fence makes that GPU its current device
+    first (`bind_device`), since a CUDA call from a thread that never chose one creates a context on
+    GPU 0 (about 0.5 GB under torchrun, in every rank)."""
 
-    __slots__ = ("event", "what")
+    __slots__ = ("event", "what", "device")
 
-    def __init__(self, event: Any = None, what: str = "the copy to the device") -> None:
+    def __init__(self, event: Any = None, what: str = "the copy to the device", device: int | None = None) -> None:
         self.event = event
         self.what = what
+        self.device = device
 
     def done(self) -> bool:
-        return self.event is None or bool(self.event.query())
+        if self.event is None:
+            return True
+        if self.device is not None:
+            bind_device(self.device)
+        return bool(self.event.query())
 
     def wait(self, timeout: float, stop: threading.Event | None = None) -> None:
         """Return once done; return early (no error) when `stop` is set; LoaderTimeoutError after `timeout` s.
@@ -406,26 +431,40 @@ def consumer_fence() -> Fence | None:
     current one at `next()` is not covered: copy the batch on the current stream, or `.clone()` it."""
     if not torch.cuda.is_initialized():
         return None
+    stream = torch.cuda.current_stream()
     event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream())
-    return Fence(event, "your GPU work on an earlier batch (e.g. images.cuda(non_blocking=True))")
+    event.record(stream)
+    return Fence(event, "your GPU work on an earlier batch (e.g. images.cuda(non_blocking=True))",
+                 getattr(getattr(stream, "device", None), "index", None))
+
+
+def bind_device(index: int) -> None:
+    """Make GPU `index` the calling thread's current device (a new thread starts on GPU 0). Cheap when it
+    already is: `current_device` asks the runtime, it creates no context."""
+    if torch.cuda.current_device() != index:
+        torch.cuda.set_device(index)
 
 
 def copy_stream(device: torch.device) -> "torch.cuda.Stream":
-    """The stage's CUDA stream at the highest priority the device offers, so its copies and
-    conversions are scheduled ahead of training kernels queued at the default priority instead of
-    waiting behind them."""
-    # lower numbers are higher priorities; torch maps a number past the device's range to its highest
-    return torch.cuda.Stream(device=device, priority=HIGH_PRIORITY)
+    """The stage's CUDA stream, at the default priority. A higher one buys the copies nothing (the copy
+    engines do not preempt) and would let the conversion and the batch ops (RandAugment, Mixup), which
+    run on this stream too, preempt the training step's kernels."""
+    return torch.cuda.Stream(device=device)
 
 
 class DeviceStage:
-    """One per loader (or prefetcher): a dedicated high-priority CUDA copy stream, made once and kept,
-    plus the conversion."""
+    """One per loader (or prefetcher): a dedicated CUDA copy stream, made once and kept, plus the
+    conversion."""
 
     def __init__(self, opts: DeviceOptions) -> None:
         self.opts = opts
         self.stream: torch.cuda.Stream | None = copy_stream(opts.device) if opts.is_cuda else None
+
+    def bind(self) -> None:
+        """Call first in the thread that drives this stage (the device thread): its GPU becomes the
+        thread's current device, so nothing the thread does (event queries included) touches GPU 0."""
+        if self.stream is not None:
+            bind_device(self.opts.device.index)
 
     def context(self) -> ContextManager[None]:
         """Makes the copy stream current (and its GPU the current device) inside the block."""
@@ -457,7 +496,7 @@ class DeviceStage:
             return Fence(None)
         event = torch.cuda.Event()  # no timing: cheaper to record and query
         event.record(self.stream)
-        return Fence(event, f"the copy of a batch to {self.opts.device}")
+        return Fence(event, f"the copy of a batch to {self.opts.device}", self.opts.device.index)
 
     def handoff(self, batch: Any, fence: Fence) -> Any:
         """In the consuming thread: the consumer's current stream waits for `fence` (on the GPU, the host

@@ -67,8 +67,16 @@ class DeviceBuilder:
     def __call__(self, slot: Slot) -> tuple[Any, Any]:
         t0 = time.perf_counter()
         n, stage = slot.size, self.stage
-        # on the CPU `.to()` would return the slot itself, which the workers are about to refill
-        x = stage.upload(slot.images[:n]) if self.opts.is_cuda else slot.images[:n].clone()
+        stage.bind()  # this runs on the device thread: every CUDA call it makes is on the loader's GPU
+        if self.gpu is not None:
+            # the GPU decode writes every JPEG row: only the rows rendered on the CPU cross the bus
+            # (all of a 256x224x224 batch would be 38.5 MB), into a batch allocated on the device
+            x = torch.empty(slot.images[:n].shape, dtype=slot.images.dtype, device=self.opts.device)
+            jobs = slot.jobs[:n]
+            self._upload_rows(slot, x, [r for r in range(n) if r >= len(jobs) or jobs[r] is None])
+        else:
+            # on the CPU `.to()` would return the slot itself, which the workers are about to refill
+            x = stage.upload(slot.images[:n]) if self.opts.is_cuda else slot.images[:n].clone()
         labels, extras = self._host_items(slot)
         # past this fence the GPU no longer reads the pinned slot: the workers may refill it while the
         # GPU decodes and converts (the JPEG bytes of GpuJobs are private copies, not slot memory)
@@ -115,6 +123,19 @@ class DeviceBuilder:
             check_class_labels(slot.labels[:n], batch_ops.mix.num_classes)
         return stage.upload(slot.labels[:n])
 
+    @staticmethod
+    def _upload_rows(slot: Slot, x: torch.Tensor, rows: list[int]) -> None:
+        """Copy `rows` of the slot's images into `x` (on the device), one asynchronous copy per run of
+        consecutive rows."""
+        start = 0
+        while start < len(rows):
+            end = start + 1
+            while end < len(rows) and rows[end] == rows[end - 1] + 1:
+                end += 1
+            a, b = rows[start], rows[end - 1] + 1
+            x[a:b].copy_(slot.images[a:b], non_blocking=True)
+            start = end
+
     def _decode_on_gpu(self, slot: Slot, x: torch.Tensor) -> int:
         """Decode the slot's GpuJobs into `x` (NHWC on the device); returns how many rows fell back to
         the CPU (rendered into the slot, then copied from it)."""
@@ -123,7 +144,7 @@ class DeviceBuilder:
         for job, exc in failed:  # the CPU path for this sample: raise or replace, as for any failure
             _log.info("GPU decode failed for %r, decoding it on the CPU: %s", job.key, exc)
             self.chain.fill(slot.plan, job.row, slot, self.scratch, self.times, gpu=False)
-            x[job.row].copy_(slot.images[job.row], non_blocking=True)
+            self._upload_rows(slot, x, [job.row])
         with self.lock:
             self.stats.add(self.times, 0)
             self.stats.gpu_decoded += len(jobs) - len(failed)

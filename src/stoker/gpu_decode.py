@@ -1,7 +1,7 @@
 """JPEG decode on the GPU (nvJPEG), cropped and resized there with the CPU path's crop plan.
 
 For machines whose CPU cores cannot decode fast enough: the Loader's device thread hands the JPEGs
-of a batch to a `GpuDecoder` (nvJPEG through TorchCodec, torchvision or NVIDIA nvImageCodec), then crops each
+of a batch to a `GpuDecoder` (nvJPEG through TorchCodec, or NVIDIA nvImageCodec), then crops each
 decoded image with the same integer geometry as the CPU path (`transforms.crop_window`), then crops,
 resizes (`torch.nn.functional.interpolate`'s bilinear weights, as batched resampling matrices), flips
 and writes a whole group of samples into their rows of the batch on the device in a few kernels. The crop plan is the CPU's (computed from the stored sizes), so a seed gives the same crops
@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import re
-import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 
@@ -31,16 +30,10 @@ from .transforms import CropWindow, crop_window
 F = torch.nn.functional
 
 #: Accepted values of `gpu_decoder` / `make_decoder(backend=...)`.
-BACKENDS = ("auto", "torchcodec", "torchvision", "nvimgcodec", "nvimgcodec-cuda")
+BACKENDS = ("auto", "torchcodec", "nvimgcodec")
 #: Default bound on the decoded pixels held at once by `GpuBatchDecoder.run`: 256 MiB of uint8 RGB,
 #: e.g. about 470 ImageNet-sized (375x500) images, or 7 twelve-megapixel photos.
 DEFAULT_BUDGET_BYTES = 256 << 20
-#: Pixels a region decode adds around each crop (one 4:2:0 MCU), clamped to the image: chroma upsampling
-#: at a region's edge has no neighbour beyond it, so the edge pixels of a tight region can differ from
-#: the whole image's by a few levels; inside this margin every pixel the crop reads is the whole decode's.
-REGION_MARGIN = 16
-#: The first torchvision whose decode_jpeg takes a list and batches it on the GPU.
-TORCHVISION_MIN = (0, 19)
 #: The first TorchCodec with image decoding (torchcodec.decoders.decode_jpeg, CPU and CUDA).
 TORCHCODEC_MIN = (0, 16)
 
@@ -58,30 +51,19 @@ class GpuJob:
     key: str  # names the sample in error messages
 
 
-#: A rectangle of an image to decode: (top, left, bottom, right), pixels, bottom and right exclusive.
-Region = tuple[int, int, int, int]
-
-
 @runtime_checkable
 class GpuDecoder(Protocol):
-    """What `GpuBatchDecoder` needs from a decoder library.
+    """What `GpuBatchDecoder` needs from a decoder library: whole images, one per JPEG.
 
-    A decoder that can decode just a rectangle of a JPEG (region decode: less entropy decoding, IDCT
-    and memory than the whole image) says so with a true `regions` attribute; `GpuBatchDecoder` then
-    calls `decode(datas, regions=[...])` with each sample's crop rectangle (or None for the whole
-    image), and may get back the rectangle or the whole image: it tells them apart by their size."""
+    A decoder that writes its outputs when called rather than in stream order (the hardware JPEG
+    engines) says so with a true `writes_at_call` attribute (see `GpuBatchDecoder`)."""
 
-    name: str  # e.g. "torchvision 0.26.0 nvJPEG"
+    name: str  # e.g. "TorchCodec 0.17.0 nvJPEG"
 
     def decode(self, datas: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
         """One result per input, in order: a uint8 RGB tensor [3, H, W] on the decoder's device, or the
         exception for that sample. One failing sample must not fail the others."""
         ...
-
-
-def takes_regions(decoder: Any) -> bool:
-    """Whether `decoder` accepts `decode(datas, regions=...)` (see `GpuDecoder`)."""
-    return bool(getattr(decoder, "regions", False))
 
 
 # ---- backends ------------------------------------------------------------------------------------
@@ -97,14 +79,11 @@ def _input_problem(data: Any) -> str | None:
     return None
 
 
-def _decode_each(call: Any, datas: Sequence[torch.Tensor], regions: Sequence[Region | None] | None = None
-                 ) -> list[Any]:
-    """Decode a batch with `call(list) -> list` (`call(list, regions=list)` when regions are given);
-    when the batched call fails (or returns a list of the wrong length), decode one image at a time so
-    only the bad ones fail."""
+def _decode_each(call: Any, datas: Sequence[torch.Tensor]) -> list[Any]:
+    """Decode a batch with `call(list) -> list`; when the batched call fails (or returns a list of the
+    wrong length), decode one image at a time so only the bad ones fail."""
     def run(idx: list[int]) -> list[Any]:
-        batch = [datas[i] for i in idx]
-        return list(call(batch) if regions is None else call(batch, regions=[regions[i] for i in idx]))
+        return list(call([datas[i] for i in idx]))
 
     results: list[Any] = [None] * len(datas)
     todo = []
@@ -161,10 +140,6 @@ def _check_backend(decoder: Any, label: str, hint: str) -> None:
                           f"{hint}") from exc
 
 
-def _torchvision_install() -> str:
-    return f"pip install torchvision (the build matching torch {torch.__version__}, from the same index as torch)"
-
-
 def _nvimgcodec_install() -> str:
     # [nvjpeg] brings nvJPEG itself: without it nvImageCodec registers no GPU JPEG decoder
     # unless the CUDA toolkit's libraries are on the library path
@@ -184,10 +159,6 @@ def _torchcodec_hint() -> str:
     return f"Fix: {_torchcodec_install()}, or use decode='cpu'"
 
 
-def _torchvision_hint() -> str:
-    return f"Fix: {_torchvision_install()}, or use decode='cpu'"
-
-
 def _nvimgcodec_hint() -> str:
     return f"Fix: {_nvimgcodec_install()}, or use decode='cpu'"
 
@@ -197,123 +168,48 @@ class _Backend:
     time when a batched call fails, so one bad sample never fails the others."""
 
     device: torch.device
-    regions = False  # whether decode() takes regions= (GpuDecoder)
+    # the library writes its outputs when called, not in stream order (GpuBatchDecoder waits for the
+    # previous chunk's reads first)
+    writes_at_call = False
 
-    def _call(self, batch: list[torch.Tensor], regions: Sequence[Region | None] | None = None) -> list[Any]:
+    def _call(self, batch: list[torch.Tensor]) -> list[Any]:
         raise NotImplementedError
 
-    def decode(self, datas: list[torch.Tensor], regions: Sequence[Region | None] | None = None
-               ) -> list[torch.Tensor | Exception]:
-        if regions is not None and not self.regions:
-            raise ValueError(f"{self.name} decodes whole images only; call decode(datas) without regions")
+    def decode(self, datas: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
         context = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         with context:
-            return _decode_each(self._call, datas, regions)
+            return _decode_each(self._call, datas)
 
 
-class _DecodeStreamBackend(_Backend):
-    """A library `decode_jpeg(list, mode=..., device=...)` that blocks the calling thread until its batch
-    is decoded (torchvision, TorchCodec), run with a dedicated decode stream current (made once, kept):
-    whatever the library synchronizes waits for the decode alone, not for the uploads and conversions
-    queued on the copy stream; the outputs come from that stream's memory pool, and each is marked
-    `record_stream(caller's stream)`, so its block is recycled only once the caller's work on it has
-    run; the caller's stream then waits for the decode stream (`wait_stream`, on the GPU): no host
-    synchronization of stoker's own. One bad image fails the library's whole call, so a failed batch is
-    retried one image at a time.
-
-    On the CPU (`device="cpu"`) the same library call decodes on the calling thread (libjpeg-turbo), no
-    stream involved: the wrapper's library calls run on machines without a GPU."""
-
-    def __init__(self, device: torch.device | str) -> None:
-        self.device = torch.device(device)
-        self._decode_jpeg, self._rgb, self.name = self._library()
-        # the decode stream (see the class docstring); None on the CPU
-        self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
-
-    def _library(self) -> tuple[Any, Any, str]:
-        """(decode_jpeg, its RGB mode, this backend's name: `_named`)."""
-        raise NotImplementedError
-
-    def _named(self, library: str, version: str) -> str:
-        return f"{library} {version} {'nvJPEG' if self.device.type == 'cuda' else 'CPU'}"
-
-    def _call(self, batch: list[torch.Tensor], regions: Sequence[Region | None] | None = None) -> list[torch.Tensor]:
-        if self._stream is None:
-            return list(self._decode_jpeg(batch, mode=self._rgb, device=self.device))
-        caller = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self._stream):
-            outs = self._decode_jpeg(batch, mode=self._rgb, device=self.device)
-        caller.wait_stream(self._stream)
-        for out in outs:
-            out.record_stream(caller)
-        return outs
-
-
-class TorchvisionDecoder(_DecodeStreamBackend):
-    """nvJPEG through `torchvision.io.decode_jpeg(list, mode=RGB, device="cuda")` (torchvision >= 0.19;
-    deprecated from 0.29 in favour of TorchCodec, `TorchCodecDecoder`).
-
-    How torchvision runs it (torchvision/csrc/io/image/cuda/decode_jpegs_cuda.cpp): one process-wide
-    decoder behind a mutex; baseline JPEGs go to nvJPEG's batched decoder (the hardware JPEG engine on
-    A100/H100-class GPUs), others (progressive) one at a time through its hybrid path; the work runs
-    on a private CUDA stream and **the call blocks the calling thread** (cudaStreamSynchronize) until
-    the batch is decoded; the result is then ordered before later work on the current stream. RGB
-    mode turns grayscale into 3 channels. EXIF orientation is not applied on the GPU. One bad image
-    fails the whole call (RuntimeError "Error while decoding JPEG images: ...").
-
-    The outputs are allocated on the caller's current stream but written from the private stream,
-    which does not wait for the caller's stream (pytorch/vision#9606): a block the caching allocator
-    recycles may still be read by kernels queued on that stream. The dedicated decode stream
-    (`_DecodeStreamBackend`) is what makes this safe: its pool only ever holds decoded images and
-    nothing queued on it reads them.
-    """
-
-    label = "torchvision"
-
-    @staticmethod
-    def load() -> Any:
-        """torchvision.io, or a ConfigError with the install hint (touches no GPU)."""
-        try:
-            tv = importlib.import_module("torchvision")
-            tv_io = importlib.import_module("torchvision.io")
-        except Exception as exc:  # missing (ImportError), or built for another torch (RuntimeError: operator ...)
-            raise ConfigError(f"gpu_decoder='torchvision' needs a torchvision that imports with this torch "
-                              f"({type(exc).__name__}: {exc}). {_torchvision_hint()}") from None
-        version = getattr(tv, "__version__", "0")
-        if _version(version) < TORCHVISION_MIN:
-            raise ConfigError(f"torchvision {version} cannot batch JPEG decodes on the GPU; "
-                              f"{'.'.join(map(str, TORCHVISION_MIN))} or newer can. {_torchvision_hint()}")
-        extension = getattr(tv, "extension", None)
-        if extension is not None and not extension._has_ops():  # imports, but its compiled code did not load
-            raise ConfigError(f"gpu_decoder='torchvision': torchvision {version} imports, but its compiled "
-                              f"extensions did not load with this torch ({torch.__version__}). {_torchvision_hint()}")
-        return tv_io
-
-    @staticmethod
-    def hint() -> str:
-        return _torchvision_hint()
-
-    def _library(self) -> tuple[Any, Any, str]:
-        tv_io = self.load()
-        return tv_io.decode_jpeg, tv_io.ImageReadMode.RGB, self._named("torchvision", importlib.import_module(
-            "torchvision").__version__)
-
-
-class TorchCodecDecoder(_DecodeStreamBackend):
+class TorchCodecDecoder(_Backend):
     """nvJPEG through TorchCodec's `torchcodec.decoders.decode_jpeg(list, mode="RGB", device="cuda")`
-    (TorchCodec >= 0.16, whose image decoders supersede torchvision's).
+    (TorchCodec >= 0.16, whose image decoders supersede torchvision's: torchvision deprecated its GPU
+    `decode_jpeg` in 0.29 in favour of them).
 
     How TorchCodec runs it (src/torchcodec/_core/DecodeJpegCuda.cpp): baseline JPEGs batched on the
     hardware JPEG engines where the GPU has them, others (progressive) one at a time through nvJPEG's
     software path; the work is queued on the current stream into outputs allocated there, and **the
-    call host-synchronizes that stream** before it returns. On the copy stream that would wait for
-    every upload and conversion queued there; on the dedicated decode stream (`_DecodeStreamBackend`)
-    it waits for the decode alone. RGB mode turns grayscale into 3 channels; EXIF orientation is
-    applied (stored `jpeg` samples carry none: the pack turns rotated images upright). One bad image
-    fails the whole call (RuntimeError).
-    """
+    call host-synchronizes that stream** before it returns. So it runs with a dedicated decode stream
+    current (made once, kept): the sync waits for the decode alone, not for the uploads and
+    conversions queued on the copy stream; the outputs come from that stream's memory pool, and each
+    is marked `record_stream(caller's stream)`, so its block is recycled only once the caller's work
+    on it has run; the caller's stream then waits for the decode stream (`wait_stream`, on the GPU).
+    RGB mode turns grayscale into 3 channels; EXIF orientation is applied (stored `jpeg` samples carry
+    none: the pack turns rotated images upright). One bad image fails the whole call (RuntimeError),
+    so a failed batch is retried one image at a time.
+
+    On the CPU (`device="cpu"`) the same library call decodes on the calling thread, no stream
+    involved: the wrapper's library calls run on machines without a GPU."""
 
     label = "TorchCodec"
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        decoders = self.load()
+        self._decode_jpeg = decoders.decode_jpeg
+        version = getattr(importlib.import_module("torchcodec"), "__version__", "?")
+        self.name = f"TorchCodec {version} {'nvJPEG' if self.device.type == 'cuda' else 'CPU'}"
+        self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
 
     @staticmethod
     def load() -> Any:
@@ -333,56 +229,45 @@ class TorchCodecDecoder(_DecodeStreamBackend):
     def hint() -> str:
         return _torchcodec_hint()
 
-    def _library(self) -> tuple[Any, Any, str]:
-        decoders = self.load()
-        return decoders.decode_jpeg, "RGB", self._named("TorchCodec", getattr(importlib.import_module("torchcodec"),
-                                                                               "__version__", "?"))
+    def _call(self, batch: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self._stream is None:
+            return list(self._decode_jpeg(batch, mode="RGB", device=self.device))
+        caller = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._stream):
+            outs = self._decode_jpeg(batch, mode="RGB", device=self.device)
+        caller.wait_stream(self._stream)
+        for out in outs:
+            out.record_stream(caller)
+        return outs
 
 
-#: nvImageCodec (major, minor) releases from which region decode on the GPU is not used: 0.9.0's region
-#: decode (`CodeStream.get_sub_code_stream(region=)`) fails on ordinary in-bounds regions, with
-#: INTERNAL_ERROR on A100 and a segmentation fault on H100 (NVIDIA/nvImageCodec issue #55; 0.8 worked).
-#: A crash cannot be caught, so newer releases decode whole images until a GPU run shows them sound
-#: (tests/cuda/test_gpu_decode_cuda.py compares region and whole-image decodes). Their CPU backend's
-#: region decode is sound and tested on every machine (tests/test_nvimgcodec.py).
-NVIMGCODEC_GPU_REGIONS_BEFORE = (0, 9)
-
-
-def nvimgcodec_regions(nv: Any, device_type: str, hardware: bool = False) -> bool:
-    """Whether stoker decodes regions with this nvImageCodec module `nv` on a "cuda" or "cpu" device: the
-    release has code-stream regions, and on the GPU it is older than NVIMGCODEC_GPU_REGIONS_BEFORE.
-    Never with the hardware engines first (they decode whole images)."""
-    code_stream = getattr(nv, "CodeStream", None)
-    if hardware or not hasattr(nv, "Region") or not hasattr(code_stream, "get_sub_code_stream"):
-        return False
-    return device_type == "cpu" or _version(str(getattr(nv, "__version__", "0")))[:2] < NVIMGCODEC_GPU_REGIONS_BEFORE
+#: Threads nvImageCodec may use for its CPU stages (the Huffman decode of what the hardware engines do not
+#: take, on the hybrid backend). Its default, 0, means one per core: 16 more threads beside the Loader's.
+NVIMGCODEC_CPU_THREADS = 4
 
 
 class NvImageCodecDecoder(_Backend):
-    """nvJPEG (and nvImageCodec's other JPEG backends) through `nvidia.nvimgcodec.Decoder`.
+    """NVIDIA nvImageCodec (`nvidia.nvimgcodec.Decoder`, the decoder behind DALI): on a GPU its hardware
+    JPEG engines first (A100, H100, H200 and other GPUs that have them), then its CUDA and hybrid
+    CPU+GPU decoders for what the engines do not take (progressive JPEGs) or where there are none.
 
     The batch is decoded with `cuda_stream=` the current stream, so the pixels are ready for work
     queued after it on that stream. Output buffers are nvImageCodec's own (cudaMallocAsync on that
     stream, outside PyTorch's caching allocator) and freed on that stream (cudaFreeAsync) when the
     tensors wrapping them are released, while kernels queued there may still read them; the next
     decode may be handed that memory at once. The hardware JPEG engines write their outputs when the
-    call is made, not in stream order (meta-pytorch/torchcodec#1634: a device-side wait, which is
-    what nvImageCodec's hardware decoder adds, does not hold them back), so where they may decode
-    (`hardware`, or an early release's default backends) the calling thread first waits until the
-    stream's queued work has run (`_host_wait`). Images come back interleaved [H, W, 3] and are
-    viewed as [3, H, W].
+    call is made, not in stream order (meta-pytorch/torchcodec#1634), so this backend says
+    `writes_at_call`, and `GpuBatchDecoder` waits for an event recorded after the last read of the
+    previous chunk's images before each decode (not for the whole stream). Images come back
+    interleaved [H, W, 3] and are viewed as [3, H, W].
     Colour spec sRGB turns grayscale and CMYK into 3 channels; EXIF orientation is not applied (as on
     the CPU path). An image that fails comes back as None (older releases drop it from the list
     instead; a list of the wrong length is retried one image at a time).
 
-    Region decode (`regions`): where the release has code-stream regions and its GPU region decode is
-    sound (`NVIMGCODEC_GPU_REGIONS_BEFORE`), `decode(datas, regions=)` decodes only each crop's
-    rectangle. The hardware variant never does: the JPEG engines decode whole images, and a region
-    would send the image to the CUDA decoders instead; `gpu_decoder="auto"` times both and keeps the
-    faster.
-
     On the CPU (`device="cpu"`) the same library runs its CPU backend (libjpeg-turbo) and no GPU is
     involved: that is how the GPU path is tested against the real library on machines without one.
+    Whole images only: the engines decode nothing else, and 0.9's CUDA region decode fails on ordinary
+    regions (NVIDIA/nvImageCodec#55).
     """
 
     label = "nvImageCodec"
@@ -400,8 +285,6 @@ class NvImageCodecDecoder(_Backend):
     def hint() -> str:
         return _nvimgcodec_hint()
 
-    hardware = False  # NvImageCodecHardwareDecoder: the GPU's hardware JPEG engines first
-
     def __init__(self, device: torch.device | str) -> None:
         nv = self.load()
         self.device = torch.device(device)
@@ -409,20 +292,15 @@ class NvImageCodecDecoder(_Backend):
             raise ConfigError(f"nvImageCodec decodes on a CUDA device or the CPU, not {self.device}")
         if self.device.type == "cuda" and self.device.index is None:  # nvImageCodec takes a device number
             self.device = _cuda_device(self.device)
-        if self.hardware and self.device.type == "cpu":
-            raise ConfigError("the hardware JPEG engines are on the GPU: give a CUDA device, or use "
-                              "NvImageCodecDecoder('cpu') for nvImageCodec's CPU backend")
         self._nv = nv
         version = str(getattr(nv, "__version__", ""))
         args = self._decoder_args(nv)
-        self._decoder = nv.Decoder(**args)
-        # the hardware JPEG engines may decode (an early release's default backends include them)
-        self._engines = self.device.type == "cuda" and (self.hardware or "backends" not in args)
+        self._decoder = nv.Decoder(max_num_cpu_threads=NVIMGCODEC_CPU_THREADS, **args)
+        self.writes_at_call = self.device.type == "cuda"
         self._params = self._decode_params(nv)
-        self.regions = nvimgcodec_regions(nv, self.device.type, hardware=self.hardware)
         kind = ("" if "backends" not in args else " CPU (libjpeg-turbo)" if self.device.type == "cpu"
-                else " hardware JPEG" if self.hardware else " CUDA")  # an early release: its default backends
-        self.name = f"nvImageCodec {version}".rstrip() + kind + (", region decode" if self.regions else "")
+                else " hardware JPEG first")  # an early release: its default backends
+        self.name = f"nvImageCodec {version}".rstrip() + kind
 
     def _decoder_args(self, nv: Any) -> dict[str, Any]:
         kinds = getattr(nv, "BackendKind", None)
@@ -433,10 +311,8 @@ class NvImageCodecDecoder(_Backend):
             return {"device_id": nv.NVIMGCODEC_DEVICE_CPU_ONLY, "backends": [nv.Backend(kinds.CPU_ONLY)]}
         if kinds is None or not hasattr(nv, "Backend"):  # an early release: its default backends
             return {"device_id": self.device.index}
-        if self.hardware:  # what the hardware engines cannot take (progressive JPEGs) goes to the CUDA ones
-            names = ("HW_GPU_ONLY", "GPU_ONLY", "HYBRID_CPU_GPU")
-        else:
-            names = ("GPU_ONLY", "HYBRID_CPU_GPU")
+        # what the hardware engines cannot take (progressive JPEGs) goes to the CUDA ones
+        names = ("HW_GPU_ONLY", "GPU_ONLY", "HYBRID_CPU_GPU")
         return {"device_id": self.device.index, "backends": [nv.Backend(getattr(kinds, n)) for n in names]}
 
     @staticmethod
@@ -454,114 +330,23 @@ class NvImageCodecDecoder(_Backend):
             params.color_spec = colour
             return params
 
-    def _source(self, data: torch.Tensor, region: Region | None) -> Any:
-        array = data.numpy()
-        if region is None:
-            return array
-        top, left, bottom, right = region
-        return self._nv.CodeStream(array).get_sub_code_stream(region=self._nv.Region(top, left, bottom, right))
-
     def _tensor(self, image: Any) -> torch.Tensor:
         # torch keeps the Image alive while the tensor lives (through the array it wraps on the CPU)
         hwc = (torch.as_tensor(image, device=self.device) if self.device.type == "cuda"
                else torch.from_numpy(np.asarray(image)))
         return hwc.permute(2, 0, 1)
 
-    def _call(self, batch: list[torch.Tensor], regions: Sequence[Region | None] | None = None) -> list[Any]:
-        out: list[Any] = [None] * len(batch)
-        sources, where = [], []
-        for i, data in enumerate(batch):
-            try:  # a header nvImageCodec cannot parse fails its own sample only
-                sources.append(self._source(data, None if regions is None else regions[i]))
-                where.append(i)
-            except Exception as exc:
-                out[i] = exc
-        if sources:
-            if self.device.type == "cuda":
-                stream = torch.cuda.current_stream(self.device)
-                if self._engines:  # freed outputs may still be read by queued kernels (class docstring)
-                    _host_wait(stream)
-                images = self._decoder.decode(sources, params=self._params, cuda_stream=stream.cuda_stream)
-            else:
-                images = self._decoder.decode(sources, params=self._params)
-            if len(images) != len(sources):  # an older release dropped the failed ones: retried one by one
-                raise RuntimeError(f"nvImageCodec returned {len(images)} images for {len(sources)} inputs")
-            for i, img in zip(where, images):
-                out[i] = (RuntimeError("nvImageCodec could not decode this image (its log says why)")
-                          if img is None else self._tensor(img))
-        return out
-
-
-class NvImageCodecHardwareDecoder(NvImageCodecDecoder):
-    """nvImageCodec with the GPU's hardware JPEG decode engines first (A100, H100, H200 and other GPUs
-    that have them; elsewhere nvImageCodec passes every image on to its CUDA backends)."""
-
-    label = "nvImageCodec (hardware JPEG)"
-    hardware = True
-
-
-def _synchronize(device: torch.device) -> None:
-    torch.cuda.synchronize(device)
-
-
-def _host_wait(stream: Any) -> None:
-    """Block the calling thread until everything queued on `stream` so far has run (an event, not
-    `stream.synchronize()`: a deliberate wait, which torch's sync debug mode should not report)."""
-    event = torch.cuda.Event()
-    event.record(stream)
-    event.synchronize()
-
-
-class MeasuredDecoder:
-    """gpu_decoder="auto" with more than one working backend: the first batch is decoded by every
-    candidate twice, once untimed (the library sizes its work buffers for these images, as in the
-    steady state) and once timed from start to finish on the GPU (the device is synchronized around
-    it: a one-time cost, at first use); the fastest that decoded the most images decodes everything
-    from then on. `name` says which one runs and what was measured; `timings` holds ms per image.
-    Candidates that decode regions are timed decoding regions (the work they would do)."""
-
-    def __init__(self, candidates: Sequence[GpuDecoder], device: torch.device,
-                 synchronize: Any = _synchronize, clock: Any = time.perf_counter) -> None:
-        self.candidates = list(candidates)
-        self.device = device
-        self.chosen: GpuDecoder | None = None
-        self.timings: dict[str, float] = {}
-        self._sync, self._clock = synchronize, clock
-        self.name = "auto, not measured yet: " + " or ".join(c.name for c in self.candidates)
-
-    @property
-    def regions(self) -> bool:
-        """Whether decode() takes regions: the chosen backend's answer once measured, before that any
-        candidate's (those that do not take them are given the whole images)."""
-        return takes_regions(self.chosen) if self.chosen is not None else any(map(takes_regions, self.candidates))
-
-    @staticmethod
-    def _run(decoder: GpuDecoder, datas: list[torch.Tensor], regions: Sequence[Region | None] | None) -> list[Any]:
-        if regions is not None and takes_regions(decoder):
-            return decoder.decode(datas, regions=regions)  # type: ignore[call-arg]
-        return decoder.decode(datas)
-
-    def decode(self, datas: list[torch.Tensor], regions: Sequence[Region | None] | None = None
-               ) -> list[torch.Tensor | Exception]:
-        if self.chosen is not None:
-            return self._run(self.chosen, datas, regions)
-        best: tuple[int, float] | None = None
-        result: list[Any] = []
-        for cand in self.candidates:
-            self._run(cand, datas, regions)  # warm-up: first-use allocations are not the backend's speed
-            self._sync(self.device)
-            t0 = self._clock()
-            outs = self._run(cand, datas, regions)
-            self._sync(self.device)
-            seconds = self._clock() - t0
-            self.timings[cand.name] = 1000 * seconds / max(1, len(datas))
-            rank = (-sum(not isinstance(o, BaseException) for o in outs), seconds)
-            if best is None or rank < best:
-                best, result, self.chosen = rank, outs, cand
-        assert self.chosen is not None
-        measured = ", ".join(f"{n} {ms:.3f}" for n, ms in self.timings.items())
-        self.name = f"{self.chosen.name} (auto: fastest on the first {len(datas)} images, ms/image: {measured})"
-        return result
+    def _call(self, batch: list[torch.Tensor]) -> list[Any]:
+        sources = [data.numpy() for data in batch]
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            images = self._decoder.decode(sources, params=self._params, cuda_stream=stream.cuda_stream)
+        else:
+            images = self._decoder.decode(sources, params=self._params)
+        if len(images) != len(sources):  # an older release dropped the failed ones: retried one by one
+            raise RuntimeError(f"nvImageCodec returned {len(images)} images for {len(sources)} inputs")
+        return [RuntimeError("nvImageCodec could not decode this image (its log says why)") if img is None
+                else self._tensor(img) for img in images]
 
 
 def _cuda_device(device: Any) -> torch.device:
@@ -574,50 +359,50 @@ def _cuda_device(device: Any) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
 
 
+#: gpu_decoder="auto": the first of these that works here, in this order (docs/gpu-decode.md says why);
+#: the others are never made, so no second nvJPEG state, stream or thread pool is held.
+AUTO = ("torchcodec", "nvimgcodec")
+#: Backends that were removed, and what to use instead.
+REMOVED = {"torchvision": "torchvision deprecated its GPU decode_jpeg in favour of TorchCodec: use 'torchcodec'",
+           "nvimgcodec-cuda": "'nvimgcodec' uses the CUDA decoders for what the hardware JPEG engines do not take"}
+
+
 def make_decoder(backend: str, device: torch.device | str | int) -> GpuDecoder:
     """A working GPU JPEG decoder on `device` (a CUDA device).
 
-    backend: "torchcodec", "torchvision", "nvimgcodec" (the hardware JPEG engines first where the GPU has them),
-    "nvimgcodec-cuda" (nvImageCodec's CUDA decoders only), or "auto": every one of them that works
-    here, and when more than one does, the fastest on the first batch (`MeasuredDecoder`), so the
-    choice follows the machine, not what happens to be installed. Each backend decodes a probe image
+    backend: "torchcodec", "nvimgcodec" (the hardware JPEG engines first where the GPU has them), or
+    "auto": the first of `AUTO` that works here; which one is faster on a machine is for
+    benchmarks/bench_gpu_decode.py to say, not a timer at start-up. Each backend decodes a probe image
     once here, so a broken install fails now with a ConfigError that names the fix (the pip install
     command), not later on every sample."""
+    if backend in REMOVED:
+        raise ConfigError(f"gpu_decoder={backend!r} is no longer offered: {REMOVED[backend]}")
     if backend not in BACKENDS:
         raise ConfigError(f"gpu_decoder must be one of {BACKENDS}, got {backend!r}")
-    kinds: list[Any] = {"torchcodec": [TorchCodecDecoder], "torchvision": [TorchvisionDecoder],
-                        "nvimgcodec": [NvImageCodecHardwareDecoder], "nvimgcodec-cuda": [NvImageCodecDecoder],
-                        "auto": [TorchCodecDecoder, TorchvisionDecoder, NvImageCodecHardwareDecoder,
-                                 NvImageCodecDecoder]}[backend]
+    kinds: dict[str, Any] = {"torchcodec": TorchCodecDecoder, "nvimgcodec": NvImageCodecDecoder}
     reasons: list[str] = []
     importable = []
-    for kind in kinds:  # imports first: a missing library is named even on a machine without a GPU
-        try:
-            kind.load()
-            importable.append(kind)
+    for name in AUTO if backend == "auto" else (backend,):
+        try:  # imports first: a missing library is named even on a machine without a GPU
+            kinds[name].load()
+            importable.append(kinds[name])
         except ConfigError as exc:
             reasons.append(str(exc))
-    working: list[GpuDecoder] = []
     if importable:
         dev = _cuda_device(device)
         for kind in importable:
             try:
                 decoder = kind(dev)
                 _check_backend(decoder, kind.label, kind.hint())
-                working.append(decoder)
+                return decoder
             except ConfigError as exc:
                 reasons.append(str(exc))
             except Exception as exc:  # the library imported but cannot start (driver, CUDA mismatch)
                 reasons.append(f"{kind.label} could not start on {dev}: {type(exc).__name__}: {exc}. {kind.hint()}")
-        if len(working) == 1:
-            return working[0]
-        if working:
-            return MeasuredDecoder(working, dev)
     if len(reasons) == 1:
         raise ConfigError(reasons[0])
     raise ConfigError("decode='gpu' found no working GPU JPEG decoder:\n  - " + "\n  - ".join(reasons) +
-                      f"\nInstall one: {_torchcodec_install()}; or {_torchvision_install()}; or {_nvimgcodec_install()}. "
-                      "Or use decode='cpu'.")
+                      f"\nInstall one: {_torchcodec_install()}; or {_nvimgcodec_install()}. Or use decode='cpu'.")
 
 
 # ---- crop, resize, flip on the device: a whole chunk in a few kernels ----------------------------------
@@ -721,10 +506,6 @@ class GpuBatchDecoder:
     and the intermediate product) also stays under `budget_bytes` (at least one image per group).
     Peak GPU memory of one `run` is therefore about 2 x budget_bytes (or a single large image's
     share), plus the decoder library's own work buffers (nvJPEG keeps them between calls).
-
-    A decoder that decodes regions (`takes_regions`) is given each sample's crop rectangle, so it
-    decodes only the pixels the crop reads (chunks are still sized by whole images: a bound, not
-    an estimate).
     """
 
     def __init__(self, decoder: GpuDecoder, device: torch.device | str, budget_bytes: int = DEFAULT_BUDGET_BYTES
@@ -734,6 +515,10 @@ class GpuBatchDecoder:
         self.decoder = decoder
         self.device = torch.device(device)
         self.budget_bytes = budget_bytes
+        # a decoder that writes its outputs when called (`writes_at_call`: the hardware JPEG engines) may
+        # be handed memory that queued kernels still read: it waits, on the host, for this event,
+        # recorded after the last read of the previous chunk's decoded images
+        self._reads_done: Any = None
 
     def chunks(self, jobs: Sequence[GpuJob]) -> Iterator[list[GpuJob]]:
         """Consecutive runs of jobs whose decoded bytes (3*h*w each) sum to at most budget_bytes; a job
@@ -781,16 +566,18 @@ class GpuBatchDecoder:
             for chunk in self.chunks(jobs):
                 windows = [crop_window(job.box, job.height, job.width, job.height, job.width, out_h, out_w)
                            for job in chunk]
-                regions = self._regions(chunk, windows)
-                images = self._decode(chunk, regions)
+                if self._reads_done is not None:
+                    self._reads_done.synchronize()
+                    self._reads_done = None
+                # Backends already retry a failed batch one image at a time; this covers any other decoder.
+                images = _decode_each(self.decoder.decode, [job.data for job in chunk])
                 placed: list[_Placed] = []
                 for k, job in enumerate(chunk):
                     img, images[k] = images[k], None
                     try:
                         if isinstance(img, BaseException):
                             raise img
-                        region = None if regions is None else regions[k]
-                        placed.append(self._place(job, img, windows[k], region, out))
+                        placed.append(self._place(job, img, windows[k], out))
                     except Exception as exc:
                         failures.append((job, self._failure(job, exc)))
                 img = images = None
@@ -800,6 +587,9 @@ class GpuBatchDecoder:
                     except Exception as exc:  # e.g. out of GPU memory: these samples go to the CPU
                         failures.extend((p.job, self._failure(p.job, exc)) for p in group)
                 group = placed = None  # the chunk's decoded images are free before the next chunk is decoded
+                if getattr(self.decoder, "writes_at_call", False):
+                    self._reads_done = torch.cuda.Event()
+                    self._reads_done.record(torch.cuda.current_stream(self.device))
         failures.sort(key=lambda f: f[0].row)
         return failures
 
@@ -812,23 +602,6 @@ class GpuBatchDecoder:
         if bad:
             raise ValueError(f"job rows {bad[:5]} are outside the batch of {out.shape[0]}")
 
-    def _regions(self, chunk: list[GpuJob], windows: list[CropWindow]) -> list[Region | None] | None:
-        """Each job's region to decode (its crop window and REGION_MARGIN around it; None: the whole
-        image), or None when the decoder decodes whole images only."""
-        if not takes_regions(self.decoder):
-            return None
-        regions: list[Region | None] = []
-        for job, win in zip(chunk, windows):
-            y0, y1, x0, x1 = win.src
-            m = REGION_MARGIN
-            region = (max(0, y0 - m), max(0, x0 - m), min(job.height, y1 + m), min(job.width, x1 + m))
-            regions.append(None if region == (0, 0, job.height, job.width) else region)
-        return regions
-
-    def _decode(self, chunk: list[GpuJob], regions: list[Region | None] | None) -> list[Any]:
-        # Backends already retry a failed batch one image at a time; this covers any other decoder.
-        return _decode_each(self.decoder.decode, [job.data for job in chunk], regions)
-
     def _failure(self, job: GpuJob, exc: BaseException) -> Exception:
         if isinstance(exc, ImageError) and exc.key == job.key:
             return exc
@@ -836,26 +609,19 @@ class GpuBatchDecoder:
         err.__cause__ = exc
         return err
 
-    def _place(self, job: GpuJob, img: Any, win: CropWindow, region: Region | None, out: torch.Tensor) -> _Placed:
-        """Check a decoded image (uint8 [C, h, w], C 1 or 3: the stored size, or the region asked for)
-        and place it with the CPU path's crop window (`crop_window`)."""
+    def _place(self, job: GpuJob, img: Any, win: CropWindow, out: torch.Tensor) -> _Placed:
+        """Check a decoded image (uint8 [C, h, w], C 1 or 3, the stored size) and place it with the CPU
+        path's crop window (`crop_window`)."""
         if (not isinstance(img, torch.Tensor) or img.dim() != 3 or img.dtype != torch.uint8
                 or img.shape[0] not in (1, 3)):
             got = f"{img.dtype} {tuple(img.shape)}" if isinstance(img, torch.Tensor) else type(img).__name__
             raise ValueError(f"the decoder returned {got}; expected a uint8 [3, H, W] tensor")
         _, h, w = img.shape
-        sy0, sy1, sx0, sx1 = win.src
-        if (h, w) == (job.height, job.width):
-            src = win.src
-        elif region is not None and (h, w) == (region[2] - region[0], region[3] - region[1]):
-            top, left = region[0], region[1]  # a region decode: the image is that rectangle
-            src = (sy0 - top, sy1 - top, sx0 - left, sx1 - left)
-        else:
-            asked = "" if region is None else f" (region {region[2] - region[0]}x{region[3] - region[1]})"
+        if (h, w) != (job.height, job.width):
             raise CorruptImageError(job.key, f"the GPU decoded {h}x{w} pixels, the dataset stores "
-                                             f"{job.height}x{job.width} for this image{asked}")
+                                             f"{job.height}x{job.width} for this image")
         if img.shape[0] == 1:  # grayscale from a decoder that ignored the RGB request: a view, no copy
             img = img.expand(3, h, w)
         if img.device != out.device:
             img = img.to(out.device)
-        return _Placed(job, img, src, win.dst)
+        return _Placed(job, img, win.src, win.dst)

@@ -25,8 +25,7 @@ def importable(module: str) -> bool:
 
 def gpu_decoders() -> list[str]:
     """The GPU JPEG decoder libraries that import here."""
-    return [name for name, module in (("torchcodec", "torchcodec.decoders"), ("torchvision", "torchvision.io"),
-                                      ("nvimgcodec", "nvidia.nvimgcodec"))
+    return [name for name, module in (("torchcodec", "torchcodec.decoders"), ("nvimgcodec", "nvidia.nvimgcodec"))
             if importable(module)]
 
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from cuda_helpers import gpu_decoders, gpu_sleep, no_host_syncs
-from stoker.device import DeviceOptions
+from stoker.device import DeviceOptions, DeviceStage
 from stoker.loader import Loader
 from test_loader import TRAIN, build_packed
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 needs_gpu_decoder = pytest.mark.skipif(not gpu_decoders(), reason="no GPU JPEG decoder imports here "
-                                       "(pip install torchvision, or nvidia-nvimgcodec-cu12 / -cu13)")
+                                       "(pip install torchcodec, or nvidia-nvimgcodec-cu12 / -cu13)")
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,11 @@ def test_no_device_wide_sync_and_a_consumer_on_its_own_stream(packed: Path, monk
     ref = cpu_batches(packed, dtype=torch.uint8)
     loader = Loader(packed, 16, transforms=TRAIN, seed=3, device=DeviceOptions("cuda", dtype=torch.uint8))
 
+    # each upload lands late (the copy stream sleeps first): a hand-off that made the default stream wait
+    # instead of `side` would let `side` sum the batch's memory before the copy has written it
+    upload = DeviceStage.upload
+    monkeypatch.setattr(DeviceStage, "upload", lambda self, t: (gpu_sleep(20), upload(self, t))[1])
+    gpu_sleep(0.1)  # calibrated outside no_host_syncs()
     side = torch.cuda.Stream()
     sums = []
     with torch.cuda.stream(side):  # the loader must make *this* stream wait, not the default one
@@ -160,7 +165,7 @@ def test_gpu_decode_names_the_backend_that_ran(packed: Path) -> None:
     for _ in loader:
         pass
     name = loader.stats.gpu_decoder
-    assert any(lib in name for lib in ("torchvision", "nvImageCodec")), name
+    assert any(lib in name for lib in ("TorchCodec", "torchvision", "nvImageCodec")), name
 
 
 @needs_gpu_decoder

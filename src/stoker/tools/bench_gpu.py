@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["DEFAULT_MODELS", "FEEDS", "LOADERS", "FeedUnavailable", "TrainRun", "device_pipelines", "feed_of",
-           "format_tables", "is_device_pipeline", "model_label", "reruns", "resolve_device"]
+           "format_tables", "is_device_pipeline", "model_label", "resolve_device"]
 
 DEFAULT_MODELS = ("resnet50", "resnet18")
 DEFAULT_STEPS = 100          # timed training steps per round
@@ -451,54 +451,6 @@ def steps_for_startup(steps: int, share: float) -> int:
     """The timed steps per round that bring a start-up measured at `share` of a run of `steps` steps per
     round under STARTUP_SHARE."""
     return max(steps, math.ceil(steps * share / STARTUP_SHARE * 1.1))
-
-
-def reruns(result: Mapping[str, Any], budget_s: float, names: Collection[str] | None = None, *,
-           together: bool = False) -> tuple[list[tuple[list[str], int, float]], list[str]]:
-    """What to run again from a device bench's JSON (`BenchResult.to_json()`) so that every pipeline (of
-    `names`, when given) whose start-up was STARTUP_SHARE or more of its timed run can be judged: runs of
-    `(pipelines, --steps, estimated seconds)`, the seconds at each pipeline's measured rate (a loader's
-    warm-up is one more round, a training run's `warmup_steps`), and the late pipelines left out because
-    the runs would not fit in `budget_s`.
-
-    Loaders (`together` False) run again one by one, each with its own steps (`steps_for_startup`), so a
-    slow pipeline is not run for the steps a fast one needs; cheapest first, as many as fit. Training feeds
-    (`together` True) run again in one bench with their reference (`ratio_to`, the synthetic-data run) at
-    the largest of their steps, so that a feed and its reference are timed over the same windows; the
-    feed needing the most steps is left out while the run does not fit."""
-    steps, rounds, batch = int(result["steps"]), int(result["rounds"]), int(result["batch_size"])
-    by_name = {p["name"]: p for p in result["pipelines"]}
-
-    def seconds(name: str, again: int) -> float:
-        batches = (rounds + 1) * again if name in LOADERS else rounds * again + int(result.get("warmup_steps", 0))
-        return batches * batch / by_name[name]["images_per_s"]
-
-    def measured(p: Mapping[str, Any]) -> bool:
-        rate = p.get("images_per_s")
-        return p.get("skipped") is None and isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0
-
-    late = sorted(((p["name"], steps_for_startup(steps, p["startup_share"])) for p in result["pipelines"]
-                   if (names is None or p["name"] in names) and measured(p)
-                   and isinstance(p.get("startup_share"), (int, float)) and p["startup_share"] >= STARTUP_SHARE),
-                  key=lambda nl: seconds(*nl))
-    runs: list[tuple[list[str], int, float]] = []
-    if not together:
-        for name, again in late:
-            if sum(s for _, _, s in runs) + seconds(name, again) <= budget_s:
-                runs.append(([name], again, seconds(name, again)))
-    else:
-        chosen = sorted(late, key=lambda nl: nl[1])
-        while chosen:
-            again = chosen[-1][1]
-            refs = {by_name[n]["ratio_to"] for n, _ in chosen if by_name[n].get("ratio_to") in by_name}
-            group = sorted(refs) + [n for n, _ in chosen if n not in refs]
-            cost = sum(seconds(n, again) for n in group if measured(by_name[n]))
-            if cost <= budget_s:
-                runs.append((group, again, cost))
-                break
-            chosen.pop()
-    ran = {n for group, _, _ in runs for n in group}
-    return runs, [name for name, _ in late if name not in ran]
 
 
 # ----------------------------------------------------------------------------- training

@@ -90,7 +90,8 @@ class DoctorReport:
     step_images_per_s: float        # the model step alone, on a batch held in memory
     profile: ProfileReport          # both together: verdict and fixes
     decoder: str = ""               # which CPU JPEG path the loader uses (region decode, or why not)
-    gpu_decoder: str = ""           # decode="gpu": the backend that decoded the JPEGs (what "auto" measured)
+    gpu_decoder: str = ""           # decode="gpu": the backend that decoded the JPEGs
+    loader_gpu_bytes: int | None = None  # on a GPU: peak bytes the loader alone held in torch's allocator
 
     @property
     def verdict(self) -> str:
@@ -99,7 +100,7 @@ class DoctorReport:
     def as_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in ("path", "model", "device", "batch_size", "steps", "threads",
                                              "transforms", "loader_images_per_s", "step_images_per_s", "decoder",
-                                             "gpu_decoder")}
+                                             "gpu_decoder", "loader_gpu_bytes")}
         return json_safe({**out, "verdict": self.verdict, "profile": self.profile.as_dict()})
 
     def format(self) -> str:
@@ -111,6 +112,9 @@ class DoctorReport:
             f"  JPEG decode      {self.decoder}",
             *([f"  GPU JPEG decode  {self.gpu_decoder}"] if self.gpu_decoder else []),
             f"  loader alone     {self.loader_images_per_s:,.1f} images/s",
+            *([f"  loader GPU mem   {self.loader_gpu_bytes / 1e6:,.1f} MB at peak, running alone (batches in flight, "
+               f"uploads, conversion, GPU decode; torch's allocator: nvImageCodec's own buffers are not in it)"]
+              if self.loader_gpu_bytes is not None else []),
             f"  model step alone {self.step_images_per_s:,.1f} images/s",
             f"  together         {self.profile.images_per_s:,.1f} images/s "
             f"(alone, the {slower} is the slower of the two)",
@@ -171,12 +175,14 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = 8, thread
         bar = _bar(3 * (steps + 1), progress)
 
         # 1. the loader alone
-        t0 = None
-        for k, _ in enumerate(_batches(loader, steps + 1)):
-            if k == 0:
-                t0 = time.perf_counter()   # after the warm-up batch
-            bar.update()
-        loader_rate = steps * batch_size / (time.perf_counter() - t0)   # type: ignore[operator]
+        def alone() -> float:
+            t0 = None
+            for k, _ in enumerate(_batches(loader, steps + 1)):
+                if k == 0:
+                    t0 = time.perf_counter()   # after the warm-up batch
+                bar.update()
+            return steps * batch_size / (time.perf_counter() - t0)   # type: ignore[operator]
+        loader_rate, loader_gpu = gpu_memory_of(device, alone)
 
         # 2. the model step alone, on one batch held in memory
         images, ys = next(iter(_batches(loader, 1)))[:2]
@@ -205,7 +211,7 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = 8, thread
         torch.set_num_threads(threads_before)
         loader.close()
     return DoctorReport(str(path), model_name, device, batch_size, steps, loader.num_threads, transforms,
-                        loader_rate, step_rate, report, _decoder(), loader.stats.gpu_decoder)
+                        loader_rate, step_rate, report, _decoder(), loader.stats.gpu_decoder, loader_gpu)
 
 
 def _decoder() -> str:
@@ -216,6 +222,19 @@ def _decoder() -> str:
         return "region + DCT-scaled (only the crop's rectangle is decoded)"
     return (f"whole images, DCT-scaled ({_libjpeg.describe()}; reinstall stoker where a C compiler is "
             "available to build the region decoder)")
+
+
+def gpu_memory_of(device: str, run: Callable[[], Any]) -> tuple[Any, int | None]:
+    """`run()`'s result and, on a CUDA device, the peak bytes allocated through torch's caching allocator
+    while it ran, above what was allocated before (the model's weights, say); None elsewhere."""
+    if not device.startswith("cuda"):
+        return run(), None
+    import torch
+
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    out = run()
+    return out, max(0, torch.cuda.max_memory_allocated(device) - base)
 
 
 def _sync(device: str) -> None:
