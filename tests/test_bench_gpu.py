@@ -63,7 +63,9 @@ def _check_ran(p: PipelineResult | None) -> PipelineResult:
 
 
 def test_pipeline_names_and_references() -> None:
-    catalog = device_pipelines(["resnet50"] if importlib.util.find_spec("torchvision") else [TINY])
+    from torchvision_helpers import torchvision_importable   # imports it on a CPU-only torch too
+
+    catalog = device_pipelines(["resnet50"] if torchvision_importable() else [TINY])
     label = next(n for n in catalog if n.startswith("train-")).split("-")[1]
     assert list(catalog)[:4] == ["cuda-baseline", "cuda-stoker", "cuda-stoker-gpu", "cuda-dali"]
     assert catalog["cuda-stoker-gpu"][1] == "cuda-baseline" and catalog["cuda-baseline"][1] is None

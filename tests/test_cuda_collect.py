@@ -70,13 +70,7 @@ def _bad_keywords(path: Path) -> list[str]:
     return bad
 
 
-# test_loader_cuda.py still passes normalize=/dtype= to the Loader, whose keywords the Loader rebuild
-# replaces; strict, so this marker fails (and goes) once that file is brought up to date
-_STALE = {"test_loader_cuda.py": pytest.mark.xfail(strict=True, reason="Loader keywords being replaced (issue 26, 1)")}
-
-
-@pytest.mark.parametrize("path", [pytest.param(p, marks=_STALE.get(p.name, ())) for p in
-                                  sorted(CUDA_TESTS.glob("test_*.py"))], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(CUDA_TESTS.glob("test_*.py")), ids=lambda p: p.name)
 def test_the_cuda_tests_call_loader_and_options_with_keywords_they_take(path: Path) -> None:
     """Collection does not call anything: a keyword the Loader dropped fails only when the test runs.
     Read the calls instead."""
