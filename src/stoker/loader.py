@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from ._torch import torch
+from ._torch import HAVE_TORCH, missing_torch, torch
 from ._system import usable_cpus
 from .errors import ConfigError
 from .habits import check_source, dataloader_keywords, pinned_labels
@@ -53,6 +53,9 @@ _STATE_FORMAT = "stoker.Loader/1"
 #: "accurate": libjpeg-turbo's exact IDCT and smooth chroma upsampling (what simplejpeg and Pillow
 #: give); "fast": its fast IDCT and plain upsampling, a few % less CPU (docs/decoding.md).
 DECODE_QUALITIES = ("accurate", "fast")
+#: what a batch is handed out as: "torch" tensors (the default, and the only output a device stage
+#: makes), or "numpy" arrays (numpy_output: JAX, TensorFlow, NumPy; needs no torch installed)
+OUTPUTS = ("torch", "numpy")
 
 
 def _open_source(source: str | Path | Dataset, remote: dict[str, Any], timeout: float
@@ -82,6 +85,29 @@ def _device_options(device: Any, pipeline: Pipeline) -> DeviceOptions | None:
     return opts
 
 
+def _check_output(output: str, device: Any, pin_memory: bool | None, pipeline: Pipeline) -> None:
+    """Refuse an output that cannot be made here, and every option NumPy output cannot honour."""
+    if output not in OUTPUTS:
+        raise ConfigError(f"output must be one of {OUTPUTS}, got {output!r}")
+    if output == "torch":
+        if not HAVE_TORCH:
+            raise missing_torch("the Loader's default output (torch tensors)",
+                                instead="pass Loader(..., output='numpy') for NumPy batches without torch")
+        return
+    if device is not None:
+        raise ConfigError(f"output='numpy' hands out numpy arrays in host memory, but device={device!r} asks for "
+                          f"torch tensors on a device; drop device= and place the arrays with your framework "
+                          f"(e.g. jax.device_put, docs/jax.md), or use output='torch'")
+    if pin_memory:
+        raise ConfigError("pin_memory=True pins torch tensors for CUDA copies; output='numpy' hands out plain numpy "
+                          "arrays: drop pin_memory=, or use output='torch'")
+    if pipeline.batch is not None:
+        names = [type(op).__name__ for op in pipeline.batch.ops] + (["Mixup"] if pipeline.batch.mix else [])
+        raise ConfigError(f"output='numpy': the batch ops {', '.join(names)} run on torch tensors; drop them from "
+                          f"transforms= and apply them in your training step (e.g. (x / 255 - mean) / std with "
+                          f"jax.numpy, docs/jax.md), or use output='torch'")
+
+
 def _check_boxes(boxes: tuple[str, ...], pipeline: Pipeline) -> None:
     """Boxes follow the planned geometry only: refuse ops that would move pixels without them."""
     if not boxes:
@@ -100,7 +126,7 @@ def _check_boxes(boxes: tuple[str, ...], pipeline: Pipeline) -> None:
 
 
 def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    if rank is None or world_size is None:
+    if (rank is None or world_size is None) and HAVE_TORCH:
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized():
             rank = dist.get_rank() if rank is None else rank
@@ -170,6 +196,7 @@ class Loader:
                  prefetch: int = 2, columns: Sequence[str] = (), on_error: str = "raise",
                  rank: int | None = None, world_size: int | None = None, pin_memory: bool | None = None,
                  timeout: float = 120.0, device: str | int | torch.device | DeviceOptions | None = None,
+                 output: str = "torch",
                  cache_dir: str | Path | None = None, cache_limit: int | str = DEFAULT_CACHE_LIMIT,
                  storage_options: dict[str, Any] | None = None, stage: str | Path | None = None,
                  multi_label: str = "multi-hot", num_classes: int | None = None,
@@ -227,6 +254,8 @@ class Loader:
             raise ConfigError(f"decode_quality must be one of {DECODE_QUALITIES}, got {decode_quality!r}")
         self.decode_quality = decode_quality
         self.pipeline = Pipeline(transforms)
+        _check_output(output, device, pin_memory, self.pipeline)
+        self.output = output
         self.device = _device_options(device, self.pipeline)
         self.boxes = (boxes,) if isinstance(boxes, str) else tuple(boxes)
         self.masks = (masks,) if isinstance(masks, str) else tuple(masks)
@@ -286,6 +315,8 @@ class Loader:
         if missing:
             raise ConfigError(f"{ds.path}: no column(s) {missing}; the dataset has extra columns {ds.extra_columns}")
         self.rank, self.world_size = _distributed(rank, world_size)
+        if self.output == "numpy":   # plain arrays: no CUDA copy reads them, torch may be absent
+            pin_memory = False
         if pin_memory and not torch.cuda.is_available():
             raise ConfigError("pin_memory=True needs CUDA, and torch finds no CUDA device here (a CPU-only "
                               "torch build, or no driver); pass pin_memory=None (pinned only when CUDA is "
@@ -465,6 +496,9 @@ class Loader:
         without `device=`: what `stoker.prefetch(loader, device)` iterates. The ring's pinned memory
         is reused, so the device copy happens here, on the loader's copy stream, before a slot is
         refilled."""
+        if self.output == "numpy":
+            raise ConfigError("this Loader hands out numpy arrays (output='numpy'); stoker.prefetch and iter_on "
+                              "move torch tensors: make the Loader with output='torch' for them")
         opts = as_device_options(device)
         if opts is None:
             raise ConfigError(f"iter_on needs a device or DeviceOptions, got {device!r}")
@@ -494,13 +528,18 @@ class Loader:
         `extra`. `private`: a ring of its own, for a pass that runs beside another."""
         h, w = self.output_size
         n_slots = self.prefetch + 2 + extra
+        buffers = None
+        if self.output == "numpy":
+            from .numpy_output import NumpyBuffers   # loaded by NumPy output only
+
+            buffers = NumpyBuffers()
         if private:
             return BatchRing(n_slots, self.batch_size, h, w, label_dtype=self._label_dtype,
-                             pin_memory=self.pin_memory, stats=self.stats)
+                             pin_memory=self.pin_memory, stats=self.stats, buffers=buffers)
         if self._ring is None or not self._ring.matches(n_slots, self.batch_size, h, w, self._label_dtype,
                                                         self.pin_memory):
             self._ring = BatchRing(n_slots, self.batch_size, h, w, label_dtype=self._label_dtype,
-                                   pin_memory=self.pin_memory, stats=self.stats)
+                                   pin_memory=self.pin_memory, stats=self.stats, buffers=buffers)
         return self._ring
 
     def _stage_for(self, opts: DeviceOptions) -> DeviceStage:
@@ -692,6 +731,11 @@ class _LoaderIter:
         self._finalizer = weakref.finalize(self, _end_lease, pipe, pipe.lease, self._keep, self._last)
         self._collate = loader.collate_fn
         self._encode = loader._spec.multi_label
+        self._numpy: Callable[..., tuple] | None = None
+        if loader.output == "numpy":
+            from .numpy_output import numpy_batch   # loaded by NumPy output only
+
+            self._numpy = numpy_batch
         pipe.start()
 
     def __iter__(self) -> "_LoaderIter":
@@ -727,7 +771,10 @@ class _LoaderIter:
                 loader._cursor = int(self._ends[self._b - 1])
                 if self._b == self._n:  # the epoch is complete: the next iter() reads the next one
                     loader._epoch, loader._cursor = self._epoch + 1, 0
-        out = batch if self._feeder is not None else self._batch(slot)
+        if self._feeder is not None:
+            out = batch
+        else:
+            out = self._batch(slot) if self._numpy is None else self._numpy(slot, self._encode)
         if self._collate is not None:   # the user's batching of the extra columns, on this (their) thread
             out = (*out[:2], self._collate(out[2]))
         return out

@@ -126,7 +126,7 @@ class Filler:
         slot.extras = {c: [self.ds.extra(int(i), c) for i in idx] for c in self.columns}
         geometry = self._geometry(idx, u)
         if self.spec.pad:
-            slot.extras["sizes"] = torch.from_numpy(geometry.size.astype(np.int64))
+            slot.extras["sizes"] = geometry.size.astype(np.int64)  # a tensor or an array at hand-out
         for c in self.spec.box_columns:
             slot.extras[c] = [self._boxes(v, int(i), geometry, r) for r, (i, v) in enumerate(zip(idx, slot.extras[c]))]
         # masks are filled by the worker threads (fill), from these three columns read here
@@ -427,6 +427,8 @@ def batch_extras(slot: Slot, upload: Any = None) -> dict[str, Any]:
     for c, v in slot.extras.items():
         if isinstance(v, LabelMaps):
             v = stack_label_maps(v)
+        elif isinstance(v, np.ndarray):   # pad=True's sizes
+            v = torch.from_numpy(v)
         out[c] = (upload(v) if upload else v) if isinstance(v, torch.Tensor) else list(v)
     return out
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import sys
 import threading
 import time
 import warnings
@@ -109,10 +110,22 @@ class Slot:
     jobs: list[Any] = field(default_factory=list)  # per row: work left for the device stage (GPU decode)
     storage: int = 0  # the images' StorageImpl (an address; valid while `images` lives)
     uses: int = 0  # its use count with only the ring's own references
+    owner: Any = None  # NumPy output: the image array, whose reference count counts its views (numpy_output)
 
     def held(self) -> bool:
         """Whether anything outside the ring still references this slot's image memory."""
+        if self.owner is not None:
+            return sys.getrefcount(self.owner) > self.uses
         return _use_count is None or _use_count(self.storage) > self.uses
+
+
+class Buffers(Protocol):
+    """What makes a ring's slots when they are not torch tensors (numpy_output.NumpyBuffers)."""
+
+    def allocate(self, batch_size: int, height: int, width: int, label_dtype: np.dtype | None) -> Slot: ...
+
+    def weak(self, slot: Slot) -> Any:
+        """A weak reference to the slot's memory whose `expired()` says the caller let go of it."""
 
 
 def ring_bytes(n_slots: int, batch_size: int, height: int, width: int) -> int:
@@ -144,8 +157,10 @@ class BatchRing:
     Run that fills it (one Run at a time per ring)."""
 
     def __init__(self, n_slots: int, batch_size: int, height: int, width: int, *,
-                 label_dtype: np.dtype | None, pin_memory: bool, stats: "LoaderStats | None" = None) -> None:
+                 label_dtype: np.dtype | None, pin_memory: bool, stats: "LoaderStats | None" = None,
+                 buffers: "Buffers | None" = None) -> None:
         self.batch_size, self.height, self.width = batch_size, height, width
+        self.buffers = buffers  # None: torch tensors; else what makes the slots (numpy_output.NumpyBuffers)
         self.n_slots = n_slots
         self.label_dtype = label_dtype
         self.pin_memory = pin_memory
@@ -160,24 +175,30 @@ class BatchRing:
 
     def _make_slot(self) -> Slot:
         try:
-            images = torch.empty((self.batch_size, self.height, self.width, 3), dtype=torch.uint8,
-                                 pin_memory=self.pin_memory)
-            labels = None
-            if self.label_dtype is not None:
-                labels = torch.empty(self.batch_size, dtype=torch.from_numpy(np.empty(0, self.label_dtype)).dtype,
-                                     pin_memory=self.pin_memory)
+            slot = self._allocate()
         except (RuntimeError, MemoryError) as exc:  # the memory went since check_ring_fits, or kept batches took it
             raise ConfigError(f"cannot allocate a batch ({self.batch_size} images x {self.height}x{self.width}x3 "
                               f"bytes; {len(self.live_kept())} batches kept by the caller): {exc}; drop references to "
                               "old batches (or .clone() the part you keep), or lower batch_size= (--batch-size), "
                               "prefetch= or the output size of the transforms") from None
+        self.slots.append(slot)
+        if self.stats is not None:
+            self.stats.slots_allocated += 1
+        return slot
+
+    def _allocate(self) -> Slot:
+        if self.buffers is not None:
+            return self.buffers.allocate(self.batch_size, self.height, self.width, self.label_dtype)
+        images = torch.empty((self.batch_size, self.height, self.width, 3), dtype=torch.uint8,
+                             pin_memory=self.pin_memory)
+        labels = None
+        if self.label_dtype is not None:
+            labels = torch.empty(self.batch_size, dtype=torch.from_numpy(np.empty(0, self.label_dtype)).dtype,
+                                 pin_memory=self.pin_memory)
         slot = Slot(images, images.numpy(), labels, None if labels is None else labels.numpy(),
                     objects=[None] * self.batch_size)
         slot.storage = images.untyped_storage()._cdata
         slot.uses = _use_count(slot.storage) if _use_count is not None else 0
-        self.slots.append(slot)
-        if self.stats is not None:
-            self.stats.slots_allocated += 1
         return slot
 
     def top_up(self) -> None:
@@ -208,10 +229,13 @@ class BatchRing:
         return back
 
     def _let_go(self, slot: Slot) -> None:
-        from torch.multiprocessing.reductions import StorageWeakRef
-
         self.slots.remove(slot)
-        self._kept.append(StorageWeakRef(slot.images.untyped_storage()))
+        if self.buffers is not None:
+            self._kept.append(self.buffers.weak(slot))
+        else:
+            from torch.multiprocessing.reductions import StorageWeakRef
+
+            self._kept.append(StorageWeakRef(slot.images.untyped_storage()))
         self.free.append(self._make_slot())
         kept = self.live_kept()
         if len(kept) >= KEPT_WARN and not self._warned:
