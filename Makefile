@@ -11,7 +11,7 @@ $(BIN)/stoker: pyproject.toml setup.py csrc/jpeg_region.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[test,test-formats,test-remote,test-gpu-decode,plot,dist,integrations]"
+	$(BIN)/pip install -q -e ".[test,test-jax,test-formats,test-remote,test-gpu-decode,plot,dist,integrations]"
 	@touch $@
 
 setup: $(BIN)/stoker
