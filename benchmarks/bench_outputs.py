@@ -7,9 +7,10 @@ CACHE_DIR keeps the generated ImageNet-like JPEGs (`stoker.tools.synth`) and the
 Loaders run the same train transforms (RandomResizedCrop(224), RandomHorizontalFlip) with the same
 seed, so they decode and augment the same crops; only the output type differs. Each round is one
 whole epoch of each, in alternating order (torch first, then numpy first, ...; one warm-up epoch of
-each before), and the report gives each output's best and median images/s and the median of the
-per-round ratios numpy / torch (the pair of epochs nearest in time: what a shared machine disturbs
-least).
+each before). The report gives each output's median and best images/s, its median CPU time per
+image (the whole process, all threads: what the output costs, and far less swayed by other processes
+on a shared machine than the wall clock), and the medians of the per-round ratios numpy / torch (the
+pair of epochs nearest in time).
 The loop touches each batch's first pixel (what a training step that reads the batch costs at
 least); the batch is dropped before the next, so the ring reuses its slots.
 """
@@ -36,13 +37,14 @@ def _packed(cache: Path, n: int) -> Path:
     return out
 
 
-def _epoch(loader: Loader) -> tuple[int, float]:
-    t0 = time.perf_counter()
+def _epoch(loader: Loader) -> tuple[int, float, float]:
+    """(images, wall seconds, process CPU seconds) of one epoch."""
+    t0, c0 = time.perf_counter(), time.process_time()
     n = 0
     for images, _ in loader:
         int(images[0, 0, 0, 0])
         n += images.shape[0]
-    return n, time.perf_counter() - t0
+    return n, time.perf_counter() - t0, time.process_time() - c0
 
 
 def main() -> None:
@@ -59,26 +61,32 @@ def main() -> None:
     loaders = {o: Loader(data, args.batch_size, transforms=transforms, seed=0, num_threads=args.threads, output=o)
                for o in OUTPUTS}
     rates: dict[str, list[float]] = {o: [] for o in OUTPUTS}
+    cpu_ms: dict[str, list[float]] = {o: [] for o in OUTPUTS}   # CPU milliseconds per image
     try:
         for o in OUTPUTS:   # warm-up: page cache, the rings, the threads' first allocations
             _epoch(loaders[o])
         for k in range(args.rounds):
             for o in (OUTPUTS if k % 2 == 0 else OUTPUTS[::-1]):
-                n, s = _epoch(loaders[o])
+                n, s, cpu = _epoch(loaders[o])
                 rates[o].append(n / s)
+                cpu_ms[o].append(1e3 * cpu / n)
     finally:
         for loader in loaders.values():
             loader.close()
-    result = {o: {"median": statistics.median(r), "best": max(r), "rounds": r} for o, r in rates.items()}
+    result: dict = {o: {"median": statistics.median(r), "best": max(r), "rounds": r,
+                        "cpu_ms_per_image": statistics.median(cpu_ms[o]), "cpu_rounds": cpu_ms[o]}
+                    for o, r in rates.items()}
     result["ratio_rounds"] = statistics.median(a / b for a, b in zip(rates["numpy"], rates["torch"]))
+    result["cpu_ratio_rounds"] = statistics.median(a / b for a, b in zip(cpu_ms["numpy"], cpu_ms["torch"]))
     result["ratio_best"] = result["numpy"]["best"] / result["torch"]["best"]
     result["settings"] = {"images": args.images, "batch_size": args.batch_size, "threads": args.threads,
                           "rounds": args.rounds}
-    print("| output | median images/s | best images/s |\n|---|---|---|")
+    print("| output | median images/s | best images/s | CPU ms/image |\n|---|---|---|---|")
     for o in OUTPUTS:
-        print(f"| {o} | {result[o]['median']:,.0f} | {result[o]['best']:,.0f} |")
-    print(f"numpy / torch: {result['ratio_rounds']:.3f} (median of the rounds' ratios), "
-          f"{result['ratio_best']:.3f} (best rounds)")
+        r = result[o]
+        print(f"| {o} | {r['median']:,.0f} | {r['best']:,.0f} | {r['cpu_ms_per_image']:.2f} |")
+    print(f"numpy / torch images/s: {result['ratio_rounds']:.3f} (median of the rounds' ratios), "
+          f"{result['ratio_best']:.3f} (best rounds); CPU per image: {result['cpu_ratio_rounds']:.3f}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
 

@@ -1,7 +1,8 @@
 """The batch ring and the worker threads that fill it.
 
 A ring of `prefetch + 2` preallocated slots, each a `uint8 [B, H, W, 3]` tensor (pinned when CUDA is
-available) plus a label array. Worker threads claim sample positions from one shared counter, in
+available; a numpy array with `Loader(output="numpy")`, made by `numpy_output.NumpyBuffers`) plus a
+label array. Worker threads claim sample positions from one shared counter, in
 order, and write each sample straight into its row; the consumer takes batches in order.
 
 A batch handed out stays valid as long as the caller holds it: a slot goes back to the workers only
@@ -90,7 +91,8 @@ def notify_all(cond: threading.Condition) -> None:
 
 @dataclass(eq=False)  # compared by identity (a ring finds its slots in lists)
 class Slot:
-    """One batch buffer. `images`/`labels` are preallocated tensors; `*_np` are numpy views of them."""
+    """One batch buffer. `images`/`labels` are preallocated tensors; `*_np` are numpy views of them
+    (NumPy output: the same numpy arrays, `owner` the image array)."""
 
     images: torch.Tensor
     images_np: np.ndarray
