@@ -140,3 +140,20 @@ def test_numpy_batches_equal_torch_batches(packed: Path) -> None:
     with _numpy_loader(packed) as a, Loader(packed, 4, transforms=TRAIN, seed=3, num_threads=2) as b:
         for (x, y), (tx, ty) in zip(a, b, strict=True):
             assert torch.equal(torch.from_numpy(x), tx) and torch.equal(torch.from_numpy(y), ty)
+
+
+def test_label_rows_and_label_maps_encode_as_numpy() -> None:
+    from stoker.labels import MultiLabel
+    from stoker.transforms.targets import stack_label_map_arrays
+
+    rows = [[0, 2], [3], []]
+    hot = MultiLabel("multi-hot", 4).arrays(rows)
+    assert hot.dtype == np.float32 and hot.tolist() == [[1, 0, 1, 0], [0, 0, 0, 1], [0, 0, 0, 0]]
+    idx = MultiLabel("indices", 4).arrays(rows)
+    assert idx.dtype == np.int64 and idx.tolist() == [[0, 2], [3, -1], [-1, -1]]
+    soft = MultiLabel("soft", 2).arrays([[0.25, 0.75], [1.0, 0.0]])
+    assert soft.dtype == np.float32 and soft.shape == (2, 2)
+    maps = [np.full((2, 3), 7, np.uint8), np.full((2, 3), 300, np.int32)]
+    stacked = stack_label_map_arrays(maps)
+    assert type(stacked) is np.ndarray and stacked.dtype == np.int32 and stacked[:, 0, 0].tolist() == [7, 300]
+    assert isinstance(stack_label_map_arrays([maps[0], np.zeros((4, 4), np.uint8)]), list)   # sizes differ
