@@ -162,6 +162,8 @@ class Loader:
     4 shards: each rank downloads ~1/world_size of the shards; for object storage). `device`: None (the uint8
     batches above), a device ("cuda", "cuda:1", "cpu": images `uint8 [B, 3, H, W]` there, numeric
     labels too) or a `DeviceOptions` (normalize, dtype, memory_format, decode="gpu", gpu_decoder).
+    `output="numpy"`: the same batches as numpy arrays (images a `uint8 [B, 3, H, W]` view of the ring
+    slot, labels and extras fresh arrays), for JAX or NumPy, with no torch installed (`numpy_output`).
     `persistent=True`: the threads run straight on into the next epoch, preparing its first batches
     while this one drains (like a DataLoader's persistent workers, without the restart between
     epochs); the batches are the same as without it, and `state_dict()` resumes the same way. The
