@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 SOURCES := pyproject.toml setup.py csrc/jpeg_region.c
-TEST_EXTRAS := test,test-formats,test-remote,test-gpu-decode,test-torchvision,plot,dist,integrations,video
+TEST_EXTRAS := test,test-jax,test-formats,test-remote,test-gpu-decode,test-torchvision,plot,dist,integrations,video
 
 .PHONY: demo test bench dist setup clean
 

@@ -16,6 +16,7 @@ TESTS = Path(__file__).resolve().parent
 # these are collected.
 TORCH_FREE = frozenset({
     "test_audit.py", "test_cli.py", "test_cli_install.py", "test_codecs.py", "test_gauntlet.py", "test_layering.py",
+    "test_jax.py", "test_numpy_output.py",
     "test_order.py", "test_pack.py", "test_platform.py", "test_progress.py", "test_reader.py",
     "test_shards.py", "test_sources.py", "test_storage.py", "test_synth.py",
     "reliability/test_fuzz_decode.py", "reliability/test_pack_faults.py", "reliability/test_security.py",

@@ -1,5 +1,5 @@
-"""A fresh `pip install stoker` has no torch: pack, info and verify must work without it, and the
-Loader must say how to install it. Each check runs in a child interpreter where `import torch` fails."""
+"""A fresh `pip install stoker` has no torch: pack, info, verify and NumPy batches must work without it,
+and torch output must say how to install it. Each check runs in a child interpreter where `import torch` fails."""
 
 from __future__ import annotations
 
@@ -37,26 +37,33 @@ def test_pack_info_verify_run_without_torch(tmp_path: Path) -> None:
     assert (tmp_path / "packed" / "stoker.json").is_file()
 
 
-def test_loader_without_torch_names_the_install_command(tmp_path: Path) -> None:
+def test_torch_outputs_without_torch_name_the_install_command(tmp_path: Path) -> None:
+    # everything imports without torch (a Loader with device="numpy" needs none, tests/test_numpy_output.py);
+    # what makes torch tensors says how to install it the moment it is asked for
+    make_image_folder(tmp_path / "imgs")
     proc = _run_without_torch("""
         import stoker
         from stoker.errors import MissingDependencyError
-        for name in ("Loader", "DeviceOptions", "prefetch"):
+        calls = {"Loader": lambda: stoker.Loader("imgs", 4), "DeviceOptions": lambda: stoker.DeviceOptions("cpu"),
+                 "prefetch": lambda: stoker.prefetch([], "cpu")}
+        for name, call in calls.items():
             try:
-                getattr(stoker, name)
+                call()
             except MissingDependencyError as exc:
                 assert isinstance(exc, ImportError) and exc.package == "torch"
                 print(name, "->", exc)
             else:
-                raise SystemExit(f"stoker.{name} imported without torch")
+                raise SystemExit(f"stoker.{name} made torch output without torch")
+        print("torch loaded:", sys.modules.get("torch") is not None)
         """, tmp_path)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert len(lines) == 3
-    for line in lines:
+    assert len(lines) == 4 and lines[-1] == "torch loaded: False"
+    for line in lines[:3]:
         assert "PyTorch, which is not installed" in line
         assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in line   # CPU only
         assert "Apple silicon" in line and "CUDA" in line and "stoker[torch]" in line
+    assert "device='numpy'" in lines[0]   # the Loader names the way without torch
 
 
 def test_a_broken_torch_install_is_not_reported_as_missing(tmp_path: Path) -> None:

@@ -32,7 +32,7 @@ from typing import Any, ContextManager, Iterator
 
 import numpy as np
 
-from ._torch import torch
+from ._torch import HAVE_TORCH, torch
 from ._system import poll_until
 from .errors import ConfigError, LoaderTimeoutError
 
@@ -429,7 +429,7 @@ def consumer_fence() -> Fence | None:
     copied with `images.cuda(non_blocking=True)` is refilled only after that copy has run; an event
     record costs a few microseconds and never blocks the host. Work on other streams or GPUs than the
     current one at `next()` is not covered: copy the batch on the current stream, or `.clone()` it."""
-    if not torch.cuda.is_initialized():
+    if not HAVE_TORCH or not torch.cuda.is_initialized():   # NumPy output without torch: no GPU work
         return None
     stream = torch.cuda.current_stream()
     event = torch.cuda.Event()

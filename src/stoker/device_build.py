@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+
 from ._torch import torch
 from .device import DeviceStage, convert
 from .errors import SampleError
@@ -33,6 +35,8 @@ def batch_extras(slot: Slot, upload: Any = None) -> dict[str, Any]:
     for c, v in slot.extras.items():
         if isinstance(v, TargetRows):   # boxes, masks, label maps...: as their kind batches them
             v = v.collate()
+        elif isinstance(v, np.ndarray):   # pad=True's sizes
+            v = torch.from_numpy(v)
         out[c] = (upload(v) if upload else v) if isinstance(v, torch.Tensor) else list(v)
     return out
 

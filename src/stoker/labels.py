@@ -42,21 +42,26 @@ class MultiLabel:
     num_classes: int
 
     def __call__(self, rows: Sequence[Sequence[Any]]) -> Any:
+        out = self.arrays(rows)
+        return torch.from_numpy(out) if isinstance(out, np.ndarray) else out
+
+    def arrays(self, rows: Sequence[Sequence[Any]]) -> np.ndarray | list[list[Any]]:
+        """The same as numpy arrays (`Loader(device="numpy")`); "list" stays lists."""
         if self.format == "list":
             return [list(r) for r in rows]
         if self.format == "soft":
-            return torch.from_numpy(np.array(rows, dtype=np.float32).reshape(len(rows), self.num_classes))
+            return np.array(rows, dtype=np.float32).reshape(len(rows), self.num_classes)
         lengths = np.fromiter((len(r) for r in rows), np.int64, len(rows))
         flat = np.fromiter((v for r in rows for v in r), np.int64, int(lengths.sum()))
         row_of = np.repeat(np.arange(len(rows)), lengths)
         if self.format == "multi-hot":
-            out = torch.zeros(len(rows), self.num_classes, dtype=torch.float32)
-            out.numpy()[row_of, flat] = 1.0
+            out = np.zeros((len(rows), self.num_classes), dtype=np.float32)
+            out[row_of, flat] = 1.0
             return out
         width = max(1, int(lengths.max(initial=0)))
-        out = torch.full((len(rows), width), -1, dtype=torch.int64)
+        out = np.full((len(rows), width), -1, dtype=np.int64)
         starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-        out.numpy()[row_of, np.arange(len(flat)) - np.repeat(starts, lengths)] = flat
+        out[row_of, np.arange(len(flat)) - np.repeat(starts, lengths)] = flat
         return out
 
 

@@ -28,7 +28,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from ._torch import torch
+from ._torch import HAVE_TORCH, missing_torch, torch
 from ._system import threads_per_process
 from .errors import ConfigError
 from .habits import check_source, dataloader_keywords, pinned_labels
@@ -87,13 +87,37 @@ def _device_options(device: Any, pipeline: Pipeline) -> DeviceOptions | None:
     return opts
 
 
+#: `device="numpy"`: the batches as NumPy arrays in host memory, not torch tensors (numpy_output: JAX,
+#: TensorFlow, NumPy), with or without torch installed
+NUMPY = "numpy"
+
+
+def _output(device: Any, pin_memory: bool | None, pipeline: Pipeline) -> str:
+    """What the batches are: "torch" tensors (the default, and the only output a device stage makes) or
+    "numpy" arrays (`device="numpy"`); refuses what NumPy output cannot honour, and torch output without torch."""
+    if not (isinstance(device, str) and device == NUMPY):
+        if not HAVE_TORCH:
+            raise missing_torch("the Loader's default output (torch tensors)",
+                                instead="pass Loader(..., device='numpy') for NumPy batches without torch")
+        return "torch"
+    if pin_memory:
+        raise ConfigError("pin_memory=True pins torch tensors for CUDA copies; device='numpy' hands out plain numpy "
+                          "arrays: drop pin_memory= (Workers(pin_memory=)), or leave device= unset for torch tensors")
+    if pipeline.batch is not None:
+        names = [type(op).__name__ for op in pipeline.batch.ops] + (["Mixup"] if pipeline.batch.mix else [])
+        raise ConfigError(f"device='numpy': the batch ops {', '.join(names)} run on torch tensors; drop them from "
+                          f"transforms= and apply them in your training step (e.g. (x / 255 - mean) / std with "
+                          f"jax.numpy, docs/jax.md), or leave device= unset for torch tensors")
+    return NUMPY
+
+
 def _check_boxes(boxes: tuple[str, ...], pipeline: Pipeline) -> None:
     """Boxes follow the planned geometry only: refuse ops that would move pixels without them."""
     pipeline.check_targets(boxes)
 
 
 def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    if rank is None or world_size is None:
+    if (rank is None or world_size is None) and HAVE_TORCH:
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized():
             rank = dist.get_rank() if rank is None else rank
@@ -164,7 +188,8 @@ class Loader:
         self.persistent = persistent
         self.decode_quality = decode_quality
         self.pipeline = Pipeline(transforms)
-        self.device = _device_options(device, self.pipeline)
+        self.output = _output(device, pin_memory, self.pipeline)
+        self.device = None if self.output == NUMPY else _device_options(device, self.pipeline)
         self.boxes, self.masks = boxes, masks
         self.ignore_index = ignore_index
         self.pad = pad
@@ -203,6 +228,8 @@ class Loader:
         if missing:
             raise ConfigError(f"{ds.path}: no column(s) {missing}; the dataset has extra columns {ds.extra_columns}")
         self.rank, self.world_size = _distributed(rank, world_size)
+        if self.output == "numpy":   # plain arrays: no CUDA copy reads them, torch may be absent
+            pin_memory = False
         if pin_memory and not torch.cuda.is_available():
             raise ConfigError("pin_memory=True needs CUDA, and torch finds no CUDA device here (a CPU-only "
                               "torch build, or no driver); pass pin_memory=None (pinned only when CUDA is "
@@ -257,7 +284,7 @@ class Loader:
             self.timeout, self._label_dtype, self.pin_memory,
             # a dataset in object storage gives its cache each epoch's order when that epoch starts
             persistent=self.persistent and not isinstance(ds, CachedDataset), stats=self.stats,
-            collate=self.collate_fn, order=self.order), self._cursor)
+            collate=self.collate_fn, order=self.order, buffers=self._buffers()), self._cursor)
         if self.device is not None and self.device.decode == "gpu":
             self._passes.gpu(self.device)  # a missing decoder library fails here, with its install hint
 
@@ -387,6 +414,9 @@ class Loader:
         without `device=`: what `stoker.prefetch(loader, device)` iterates. The ring's pinned memory
         is reused, so the device copy happens here, on the loader's copy stream, before a slot is
         refilled."""
+        if self.output == NUMPY:
+            raise ConfigError("this Loader hands out numpy arrays (device='numpy'); stoker.prefetch and iter_on "
+                              "move torch tensors: make the Loader without device='numpy' for them")
         opts = as_device_options(device)
         if opts is None:
             raise ConfigError(f"iter_on needs a device or DeviceOptions, got {device!r}")
@@ -406,6 +436,14 @@ class Loader:
         opened = getattr(self, "_opened", None)
         if opened is not None:
             opened.close()
+
+    def _buffers(self) -> Any:
+        """What makes the ring's slots: None (torch tensors), or numpy arrays for device="numpy"."""
+        if self.output != NUMPY:
+            return None
+        from .numpy_output import NumpyBuffers   # loaded by NumPy output only
+
+        return NumpyBuffers()
 
     def __enter__(self) -> "Loader":
         return self

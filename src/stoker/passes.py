@@ -46,6 +46,7 @@ class PassParts:
     stats: LoaderStats
     collate: Callable[[dict[str, list]], Any] | None = None
     order: str | None = None   # the Loader's order, named in the cache's messages
+    buffers: Any = None   # device="numpy": what makes the ring's numpy slots (numpy_output.NumpyBuffers)
 
 
 class Cursor:
@@ -108,7 +109,7 @@ class Passes:
         if private or self._ring is None or not self._ring.matches(n_slots, p.batch_size, h, w, p.label_dtype,
                                                                    p.pin_memory):
             ring = BatchRing(n_slots, p.batch_size, h, w, label_dtype=p.label_dtype, pin_memory=p.pin_memory,
-                             stats=p.stats)
+                             stats=p.stats, buffers=p.buffers)
             if private:
                 return ring
             self._ring = ring
@@ -325,7 +326,14 @@ class PassIter:
             self._keep[0] = self._pipe.persistent
             self._pipe.next_g = g + 1
         self._cursor.advance(self._epoch, int(self._ends[self._b - 1]), self._b == self._n)
-        out = batch if self._feeder is not None else self._batch(slot)
+        if self._feeder is not None:
+            out = batch
+        elif parts.buffers is not None:   # device="numpy": numpy arrays (numpy_output)
+            from .numpy_output import numpy_batch   # loaded by NumPy output only
+
+            out = numpy_batch(slot, parts.spec.multi_label)
+        else:
+            out = self._batch(slot)
         if parts.collate is not None:   # the user's batching of the extra columns, on this (their) thread
             out = (*out[:2], parts.collate(out[2]))
         return out

@@ -141,7 +141,7 @@ class Filler:
                        for c in (*self.columns, *(c for c in self.targets if c not in self.columns))}
         geometry = self._geometry(idx, u)
         if self.spec.pad:
-            slot.extras["sizes"] = torch.from_numpy(geometry.size.astype(np.int64))
+            slot.extras["sizes"] = geometry.size.astype(np.int64)  # a tensor or an array at hand-out
         if self.gpu:
             slot.jobs = [None] * slot.size
         return BatchPlan(idx, positions, keys, u, geometry)

@@ -1,7 +1,8 @@
 """The batch ring and the worker threads that fill it.
 
 A ring of `prefetch + 2` preallocated slots, each a `uint8 [B, H, W, 3]` tensor (pinned when CUDA is
-available) plus a label array. Worker threads claim sample positions from one shared counter, in
+available; a numpy array with `Loader(device="numpy")`, made by `numpy_output.NumpyBuffers`) plus a
+label array. Worker threads claim sample positions from one shared counter, in
 order, and write each sample straight into its row; the consumer takes batches in order.
 
 A batch handed out stays valid as long as the caller holds it: a slot goes back to the workers only
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import sys
 import threading
 import time
 import warnings
@@ -89,7 +91,8 @@ def notify_all(cond: threading.Condition) -> None:
 
 @dataclass(eq=False)  # compared by identity (a ring finds its slots in lists)
 class Slot:
-    """One batch buffer. `images`/`labels` are preallocated tensors; `*_np` are numpy views of them."""
+    """One batch buffer. `images`/`labels` are preallocated tensors; `*_np` are numpy views of them
+    (NumPy output: the same numpy arrays, `owner` the image array)."""
 
     images: torch.Tensor
     images_np: np.ndarray
@@ -109,10 +112,22 @@ class Slot:
     jobs: list[Any] = field(default_factory=list)  # per row: work left for the device stage (GPU decode)
     storage: int = 0  # the images' StorageImpl (an address; valid while `images` lives)
     uses: int = 0  # its use count with only the ring's own references
+    owner: Any = None  # NumPy output: the image array, whose reference count counts its views (numpy_output)
 
     def held(self) -> bool:
         """Whether anything outside the ring still references this slot's image memory."""
+        if self.owner is not None:
+            return sys.getrefcount(self.owner) > self.uses
         return _use_count is None or _use_count(self.storage) > self.uses
+
+
+class Buffers(Protocol):
+    """What makes a ring's slots when they are not torch tensors (numpy_output.NumpyBuffers)."""
+
+    def allocate(self, batch_size: int, height: int, width: int, label_dtype: np.dtype | None) -> Slot: ...
+
+    def weak(self, slot: Slot) -> Any:
+        """A weak reference to the slot's memory whose `expired()` says the caller let go of it."""
 
 
 def ring_bytes(n_slots: int, batch_size: int, height: int, width: int) -> int:
@@ -145,8 +160,10 @@ class BatchRing:
     Run that fills it (one Run at a time per ring)."""
 
     def __init__(self, n_slots: int, batch_size: int, height: int, width: int, *,
-                 label_dtype: np.dtype | None, pin_memory: bool, stats: "LoaderStats | None" = None) -> None:
+                 label_dtype: np.dtype | None, pin_memory: bool, stats: "LoaderStats | None" = None,
+                 buffers: "Buffers | None" = None) -> None:
         self.batch_size, self.height, self.width = batch_size, height, width
+        self.buffers = buffers  # None: torch tensors; else what makes the slots (numpy_output.NumpyBuffers)
         self.n_slots = n_slots
         self.label_dtype = label_dtype
         self.pin_memory = pin_memory
@@ -161,24 +178,30 @@ class BatchRing:
 
     def _make_slot(self) -> Slot:
         try:
-            images = torch.empty((self.batch_size, self.height, self.width, 3), dtype=torch.uint8,
-                                 pin_memory=self.pin_memory)
-            labels = None
-            if self.label_dtype is not None:
-                labels = torch.empty(self.batch_size, dtype=torch.from_numpy(np.empty(0, self.label_dtype)).dtype,
-                                     pin_memory=self.pin_memory)
+            slot = self._allocate()
         except (RuntimeError, MemoryError) as exc:  # the memory went since check_ring_fits, or kept batches took it
             raise ConfigError(f"cannot allocate a batch ({self.batch_size} images x {self.height}x{self.width}x3 "
                               f"bytes; {len(self.live_kept())} batches kept by the caller): {exc}; drop references to "
                               "old batches (or .clone() the part you keep), or lower batch_size= (--batch-size), "
                               "workers=stoker.Workers(prefetch=...) or the output size of the transforms") from None
+        self.slots.append(slot)
+        if self.stats is not None:
+            self.stats.slots_allocated += 1
+        return slot
+
+    def _allocate(self) -> Slot:
+        if self.buffers is not None:
+            return self.buffers.allocate(self.batch_size, self.height, self.width, self.label_dtype)
+        images = torch.empty((self.batch_size, self.height, self.width, 3), dtype=torch.uint8,
+                             pin_memory=self.pin_memory)
+        labels = None
+        if self.label_dtype is not None:
+            labels = torch.empty(self.batch_size, dtype=torch.from_numpy(np.empty(0, self.label_dtype)).dtype,
+                                 pin_memory=self.pin_memory)
         slot = Slot(images, images.numpy(), labels, None if labels is None else labels.numpy(),
                     objects=[None] * self.batch_size)
         slot.storage = images.untyped_storage()._cdata
         slot.uses = _use_count(slot.storage) if _use_count is not None else 0
-        self.slots.append(slot)
-        if self.stats is not None:
-            self.stats.slots_allocated += 1
         return slot
 
     def top_up(self) -> None:
@@ -209,10 +232,13 @@ class BatchRing:
         return back
 
     def _let_go(self, slot: Slot) -> None:
-        from torch.multiprocessing.reductions import StorageWeakRef
-
         self.slots.remove(slot)
-        self._kept.append(StorageWeakRef(slot.images.untyped_storage()))
+        if self.buffers is not None:
+            self._kept.append(self.buffers.weak(slot))
+        else:
+            from torch.multiprocessing.reductions import StorageWeakRef
+
+            self._kept.append(StorageWeakRef(slot.images.untyped_storage()))
         self.free.append(self._make_slot())
         kept = self.live_kept()
         if len(kept) >= KEPT_WARN and not self._warned:

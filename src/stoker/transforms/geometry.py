@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import cv2
 import numpy as np
 
-from .._torch import torch
+from .._torch import HAVE_TORCH, torch
 from ..errors import ConfigError
 from .kinds import PLAN
 
@@ -422,6 +422,9 @@ def resample(src: np.ndarray, dst: np.ndarray, interpolation: str = "bilinear", 
         resample(src, whole, interpolation, antialias)
         dst[...] = whole
         return
+    if not HAVE_TORCH:   # NumPy output without torch installed: Pillow's filters (below)
+        _resample_pillow(src, dst, interpolation)
+        return
     # rows cut from a wider image: the uint8 kernels are fast only on dense channels-last memory
     x = torch.from_numpy((src if src.flags.c_contiguous else np.ascontiguousarray(src)).transpose(2, 0, 1)[None])
     out = torch.from_numpy(dst.transpose(2, 0, 1)[None])
@@ -430,6 +433,18 @@ def resample(src: np.ndarray, dst: np.ndarray, interpolation: str = "bilinear", 
         return
     mode, kw = _mode(interpolation, antialias)
     out.copy_(torch.nn.functional.interpolate(x, size=list(dst.shape[:2]), mode=mode, **kw))
+
+
+def _resample_pillow(src: np.ndarray, dst: np.ndarray, interpolation: str) -> None:
+    """`resample` where torch is not installed (`Loader(device="numpy")`): Pillow's resize, whose bilinear
+    and bicubic filters widen with the shrink as torchvision's antialiased ones do (torchvision's kernel
+    follows PIL's), so the pixels agree within a level or two; `antialias=False` has no Pillow twin."""
+    from PIL import Image
+
+    filters = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC,
+               "nearest": Image.Resampling.NEAREST, "nearest-exact": Image.Resampling.NEAREST}
+    img = Image.fromarray(np.ascontiguousarray(src))
+    dst[...] = np.asarray(img.resize((dst.shape[1], dst.shape[0]), filters[interpolation]))
 
 
 def resample_region_into(region: np.ndarray, r: Resampling, dst: np.ndarray, flip: bool,

@@ -26,14 +26,15 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
+from .._torch import torch
 from ..device import IMAGENET_MEAN, IMAGENET_STD, all_levels, host_to_device, normalize_by_table
 from ..errors import ConfigError
 from . import colour, pixels, policy
 from .kinds import BATCH, stage_of
 from .mixing import Mixup, batch_rng
+
+F = torch.nn.functional
 
 _TAG_BATCH_AUG = 6  # the batch ops' own random stream (order.py uses 1-4, mixing 5)
 OPS = ("Identity", "ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate", "Brightness", "Color", "Contrast",

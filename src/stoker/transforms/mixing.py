@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import numpy as np
-import torch
 
+from .._torch import torch
 from ..device import host_to_device
 from ..errors import ConfigError
 from ..order import sample_keys

@@ -28,11 +28,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
-import torch
-
 import cv2
 import numpy as np
 
+from .._torch import torch
 from .. import codecs
 from ..errors import ImageError
 from .geometry import Plan, crop_window
@@ -157,10 +156,16 @@ def polygons_through(points: np.ndarray | Sequence[float], lengths: Sequence[int
 def stack_label_maps(rows: Sequence[np.ndarray]) -> torch.Tensor | list[np.ndarray]:
     """A batch's label maps as one tensor ``[B, H, W]`` when their sizes agree (uint8 when every map
     is uint8, else int32), else the list as it is (images of different sizes, ``pad=True``)."""
+    out = stack_label_map_arrays(rows)
+    return torch.from_numpy(out) if isinstance(out, np.ndarray) else out
+
+
+def stack_label_map_arrays(rows: Sequence[np.ndarray]) -> np.ndarray | list[np.ndarray]:
+    """`stack_label_maps` as one numpy array (NumPy output)."""
     if not rows or any(r.shape != rows[0].shape for r in rows):
         return list(rows)
     dtype = np.uint8 if all(r.dtype == np.uint8 for r in rows) else np.int32
-    return torch.from_numpy(np.stack([r.astype(dtype, copy=False) for r in rows]))
+    return np.stack([r.astype(dtype, copy=False) for r in rows])
 
 
 def pad_batch(rows: Sequence[np.ndarray | torch.Tensor], fill: float = 0) -> tuple[torch.Tensor, torch.Tensor]:
