@@ -148,6 +148,9 @@ def test_a_lightning_style_sanity_check_then_a_whole_validation_epoch(packed: Pa
 
 
 def test_lightning_sanity_check_on_a_val_loader(packed: Path) -> None:
+    from torchvision_helpers import torchvision_importable
+
+    torchvision_importable()   # Lightning imports torchvision where it is installed (on a CPU-only torch too)
     try:
         import lightning as L
     except Exception as exc:  # not installed, or built for another torch (a RuntimeError from torchvision)

@@ -93,7 +93,7 @@ def test_a_held_view_is_never_overwritten_and_a_dropped_one_is_reused(packed: Pa
         assert loader.stats.slots_allocated == ring + 2   # each kept batch was replaced by a fresh slot
         del kept, view
         gc.collect()
-        assert loader._ring.live_kept() == []   # dropping them releases them
+        assert loader._passes._ring.live_kept() == []   # dropping them releases them
 
 
 def test_pad_sizes_and_extras_are_numpy(packed: Path) -> None:

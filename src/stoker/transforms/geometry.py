@@ -425,6 +425,8 @@ def resample(src: np.ndarray, dst: np.ndarray, interpolation: str = "bilinear", 
     if not HAVE_TORCH:   # NumPy output without torch installed: Pillow's filters (below)
         _resample_pillow(src, dst, interpolation)
         return
+    if not src.flags.writeable:   # raw pixels mapped from a shard (small): torch takes writable arrays only
+        src = src.copy()
     # rows cut from a wider image: the uint8 kernels are fast only on dense channels-last memory
     x = torch.from_numpy((src if src.flags.c_contiguous else np.ascontiguousarray(src)).transpose(2, 0, 1)[None])
     out = torch.from_numpy(dst.transpose(2, 0, 1)[None])
