@@ -20,7 +20,7 @@ import numpy as np
 
 from .errors import ConfigError, CorruptVideoError
 from .order import TAG_CLIP, mix64, sample_keys, uniforms
-from .transforms.geometry import crop_window, decode_minimums, resize_window_into
+from .transforms.geometry import decode_minimums, resample_region_into, resampling
 from .transforms.user import apply_tail
 from .video import VideoIndex, open_container, require_av, upright, video_stream
 
@@ -152,7 +152,8 @@ def _decode_size(index: VideoIndex, box: Sequence[float], out_h: int, out_w: int
     """(height, width) of the upright frame to convert to: smaller than the video where the crop still
     keeps the output's resolution at half the size or less (swscale shrinks while converting to RGB)."""
     full_h, full_w = index.upright
-    need_h, need_w = decode_minimums(box, out_h, out_w, full_h, full_w)
+    # swscale's area shrink is already antialiased: no headroom (the figures in docs/video.md)
+    need_h, need_w = decode_minimums(box, out_h, out_w, full_h, full_w, headroom=1.0)
     scale = max(need_h / full_h, need_w / full_w)
     if scale > 0.5:
         return full_h, full_w
@@ -176,7 +177,7 @@ def decode_clip_into(data: bytes | memoryview, index: VideoIndex, frames: np.nda
     box = (0.0, 0.0, float(full_h), float(full_w)) if box is None else box
     scaled_h, scaled_w = _decode_size(index, box, out_h, out_w)
     coded_h, coded_w = (scaled_w, scaled_h) if index.rotation % 180 else (scaled_h, scaled_w)
-    win = crop_window(box, scaled_h, scaled_w, full_h, full_w, out_h, out_w)
+    win = resampling(box, scaled_h, scaled_w, full_h, full_w, size=(out_h, out_w))
     rows: dict[int, list[int]] = {}
     for row, f in enumerate(np.asarray(frames, dtype=np.int64).tolist()):
         if not 0 <= f < index.frames:
@@ -291,7 +292,7 @@ def _write(frame: Any, rows: list[int], dst: np.ndarray, win: Any, flip: bool, r
     if rotation:
         region = np.ascontiguousarray(region)
     first = dst[rows[0]]
-    resize_window_into(region, win, first, flip)
+    resample_region_into(region, win, first, flip)
     for r in rows[1:]:
         dst[r] = first
 
