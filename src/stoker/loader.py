@@ -272,6 +272,11 @@ class Loader:
             raise ConfigError(f"{ds.path}: masks={polygons} needs the polygon columns {companions} beside it (as "
                               f"the coco source packs them); the dataset has extra columns {ds.extra_columns}")
         multi = multi_label_spec(labels, self.classes, *self._multi_label_args)
+        mix = self.pipeline.batch.mix if self.pipeline.batch is not None else None
+        if mix is not None and mix.multi_label is None and multi is not None:
+            # the dataset says what its float rows are: soft targets (probabilities) are smoothed toward
+            # 1/C, multi-hot rows toward 0.5 (timm's multi_label=True)
+            self.pipeline.batch.mix = replace(mix, multi_label=multi.format != "soft")
         self._spec = RenderSpec(batch_size, self.output_size, self.pipeline, self.seed, on_error, self.columns,
                                 labels, heights, widths, multi_label=multi, decode_quality=self.decode_quality,
                                 box_columns=self.boxes, mask_columns=polygons, label_map_columns=label_maps,

@@ -19,6 +19,7 @@ import pytest
 from .rhelpers import CORPUS, GOOD_SHAPE, reference_rgb, run_child
 
 from stoker import CenterCrop, Loader, codecs, open_dataset, verify
+import stoker
 from stoker.errors import ImageError, SampleError
 from stoker.packing import SKIPPED_NAME, PackOptions, pack
 
@@ -63,8 +64,8 @@ def _loader_one(path: Path, on_error: str) -> tuple[str, object]:
     listing = path.parent / f".{path.name}.txt"
     listing.write_text(f"{path.name} 0\n")
     try:
-        with Loader(listing, 1, transforms=[CROP], order="sequential", num_threads=1, on_error=on_error,
-                    timeout=LOADER_TIMEOUT_S) as loader:
+        with Loader(listing, 1, transforms=[CROP], order="sequential",
+                    timeout=LOADER_TIMEOUT_S, workers=stoker.Workers(num_threads=1, on_error=on_error)) as loader:
             (images, labels), = [(x.clone(), y.clone()) for x, y in loader]
         return "ok", images[0].numpy()
     except SampleError as exc:
@@ -85,9 +86,9 @@ def test_loose_loader_raise_each_file(hostile_folder):
             assert isinstance(value.__cause__, ImageError) and value.__cause__.reason
         else:
             assert expected != "skip", f"{name} must be refused"
-            assert value.shape == (*GOOD_SHAPE, 3) and value.dtype == np.uint8
+            assert value.shape == (3, *GOOD_SHAPE) and value.dtype == np.uint8
             if expected == "ok":
-                assert np.abs(value.astype(np.int16) - reference_rgb(data)).max() <= 1, name
+                assert np.abs(value.transpose(1, 2, 0).astype(np.int16) - reference_rgb(data)).max() <= 1, name
 
 
 def test_loose_loader_skip_logs_each_bad_file(hostile_folder, caplog):
@@ -97,8 +98,8 @@ def test_loose_loader_skip_logs_each_bad_file(hostile_folder, caplog):
     refused = {name for name in files if _loader_one(folder / name, "raise")[0] == "error"}
     assert refused >= {n for n, (_, e) in files.items() if e == "skip"}
     caplog.set_level(logging.WARNING, logger="stoker")
-    with Loader(folder, 8, transforms=[CROP], order="sequential", num_threads=2, on_error="skip",
-                timeout=LOADER_TIMEOUT_S) as loader:
+    with Loader(folder, 8, transforms=[CROP], order="sequential",
+                timeout=LOADER_TIMEOUT_S, workers=stoker.Workers(num_threads=2, on_error="skip")) as loader:
         rows = sum(x.shape[0] for x, _ in loader)
         assert rows == len(files)
         assert loader.stats.skipped == len(refused)
@@ -115,6 +116,7 @@ from pathlib import Path
 warnings.simplefilter("ignore")
 resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # a runaway allocation fails, not the machine
 from stoker import Loader, RandomResizedCrop
+import stoker
 from stoker.packing import PackOptions, pack
 from stoker.sources import IMAGE_EXTENSIONS
 corpus, work = Path(sys.argv[1]), Path(sys.argv[2])
@@ -131,7 +133,7 @@ class Keep(logging.Handler):
     def emit(self, record):
         warned.append(record.getMessage())
 logging.getLogger("stoker").addHandler(Keep())
-with Loader(flat, 16, transforms=[RandomResizedCrop(24)], num_threads=2, on_error="skip", timeout=60) as ld:
+with Loader(flat, 16, transforms=[RandomResizedCrop(24)], timeout=60, workers=stoker.Workers(num_threads=2, on_error="skip")) as ld:
     rows = sum(x.shape[0] for x, _ in ld)
     stats = ld.stats
 print(json.dumps({"files": len(names), "packed": summary.packed, "skipped": summary.skipped,

@@ -77,6 +77,6 @@ def test_output_under_a_file_is_one_line(tmp_path):
 
 
 def test_a_batch_ring_larger_than_memory_is_refused_up_front(small_pack):
-    with pytest.raises(ConfigError, match=r"batch ring needs 3 slots x 1000000 images x 224x224x3 bytes = .* GiB.*"
-                                          r"lower batch_size= \(--batch-size\), prefetch="):
+    with pytest.raises(ConfigError, match=r"batch ring needs 4 slots x 1000000 images x 224x224x3 bytes = .* GiB.*"
+                                          r"lower batch_size= \(--batch-size\), workers=stoker.Workers\(prefetch="):
         Loader(small_pack, 10**6, transforms=[RandomResizedCrop(224)])

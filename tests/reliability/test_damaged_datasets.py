@@ -141,12 +141,12 @@ _MIDTRAIN_CHILD = r"""
 import json, os, shutil, sys, time
 from pathlib import Path
 from stoker import Loader, RandomResizedCrop
+import stoker
 from stoker.errors import SampleError, ShardError
 root, action, on_error = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 names = [s["file"] for s in json.loads((root / "stoker.json").read_text())["shards"]]
 victim = root / names[1]
-ld = Loader(root, 4, transforms=[RandomResizedCrop(16)], order="sequential", num_threads=2, prefetch=1,
-            on_error=on_error, timeout=30)
+ld = Loader(root, 4, transforms=[RandomResizedCrop(16)], order="sequential", timeout=30, workers=stoker.Workers(num_threads=2, prefetch=1, on_error=on_error))
 it = iter(ld)
 next(it)
 time.sleep(0.3)  # the ring is full; workers wait for a slot

@@ -17,6 +17,7 @@ import pyarrow as pa
 import pytest
 
 from stoker import Loader, Resize, open_dataset, verify
+import stoker
 from stoker.errors import DatasetError, ManifestError, ShardError
 from stoker.packing import PackOptions, pack
 from stoker.shards import MANIFEST_NAME, columns_digest
@@ -84,7 +85,7 @@ def test_forged_dataset_is_a_stoker_error_everywhere(packed, tmp_path, name):
     with pytest.raises(error):
         open_dataset(root)
     with pytest.raises(DatasetError):
-        Loader(root, 4, transforms=[Resize((16, 16))], num_threads=1, on_error="skip")
+        Loader(root, 4, transforms=[Resize((16, 16))], workers=stoker.Workers(num_threads=1, on_error="skip"))
     report = verify(root, decode=True)
     assert not report.ok and report.problems
     proc = subprocess.run([sys.executable, "-m", "stoker.cli", "info", str(root)], capture_output=True,

@@ -14,6 +14,7 @@ import tarfile
 import pytest
 
 from stoker import Loader, Resize, open_loose
+import stoker
 from stoker.errors import SourceError
 from stoker.packing import PackOptions, pack
 from stoker.sources import open_source
@@ -42,7 +43,7 @@ def test_a_file_swapped_for_a_symlink_after_listing_is_skipped_not_packed(tmp_pa
 
 
 def test_the_loose_loader_refuses_the_swapped_file_too(swapped):
-    loader = Loader(open_loose(swapped), 3, transforms=[Resize((16, 16))], num_threads=1, on_error="skip", timeout=30.0)
+    loader = Loader(open_loose(swapped), 3, transforms=[Resize((16, 16))], timeout=30.0, workers=stoker.Workers(num_threads=1, on_error="skip"))
     try:
         n = sum(len(labels) for _, labels in loader)
         assert loader.stats.skipped == 1 and n == 6   # the skipped place is filled by another sample

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+import stoker
+
 from .rhelpers import make_image_folder, run_child
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are POSIX")
@@ -82,11 +84,11 @@ def test_fifo_named_like_the_manifest_or_a_shard(small_pack):
 def test_loose_loader_skips_a_fifo_without_leaking_a_thread(tmp_path):
     listing = _list_with_fifo(tmp_path)
     code = ("import sys, threading, time\n"
-            "from stoker import Loader, Resize\n"
+            "import stoker\nfrom stoker import Loader, Resize\n"
             "before = threading.active_count()\n"
             "for attempt in range(3):\n"
-            "    loader = Loader(sys.argv[1], 4, transforms=[Resize((16, 16))], num_threads=2, "
-            "on_error='skip', timeout=10.0)\n"
+            "    loader = Loader(sys.argv[1], 4, transforms=[Resize((16, 16))], "
+            "timeout=10.0, workers=stoker.Workers(num_threads=2, on_error='skip'))\n"
             "    n = sum(len(labels) for _, labels in loader)\n"
             "    loader.close()\n"
             "    assert n == 7, n  # the FIFO's place is filled by another sample\n"
