@@ -212,6 +212,43 @@ def test_feeder_times_out_and_reports_a_closed_loader() -> None:
     assert feeder.alive() == 0
 
 
+
+def test_feeder_hand_offs_block_on_a_notify_instead_of_sleeping(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The consumer waiting for a slow build, and the device thread waiting for room in the queue,
+    each wake on the other side's notify: neither calls time.sleep (a poll would, every 0.2-2 ms)."""
+    sleeps: dict[str, int] = {}
+    real_sleep = time.sleep
+
+    def counting_sleep(seconds: float) -> None:
+        name = threading.current_thread().name
+        sleeps[name] = sleeps.get(name, 0) + 1
+        real_sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", counting_sleep)
+    slow_build, pause = threading.Event(), threading.Event()
+
+    def build(slot):
+        if slot.batch == 0:
+            slow_build.wait(5.0)
+        return slot.batch, Fence(None)
+
+    run = make_run([4] * 4)
+    feeder = Feeder(run, Stage(), build, depth=1, timeout=10.0)
+    run.start(), feeder.start()
+    timer = threading.Timer(0.1, slow_build.set)
+    timer.start()
+    try:
+        got = [feeder.get(0)]  # waits ~0.1 s for batch 0's build
+        pause.wait(0.1)  # a slow training step: the device thread waits with batch 1 queued (depth 1)
+        got += [feeder.get(b) for b in range(1, 4)]
+    finally:
+        timer.cancel()
+        feeder.stop()
+    assert got == [0, 1, 2, 3]
+    assert sleeps.get(threading.current_thread().name, 0) == 0, sleeps
+    assert sleeps.get(feeder.thread.name, 0) == 0, sleeps
+
+
 # ---- the one polling wait ------------------------------------------------------------------------
 
 def test_poll_until_returns_true_false_or_raises_the_callers_timeout() -> None:
