@@ -268,15 +268,21 @@ def test_poll_until_returns_true_false_or_raises_the_callers_timeout() -> None:
 # ---- the Feeder: a slot goes back to the workers only after its copy finished ----------------
 
 class _SlowFence:
+    """A copy that finishes 30 ms after it was queued, as the GPU would, with no notification."""
+
     def __init__(self, log: list, b: int) -> None:
         self.log, self.b = log, b
+        self.finished_at = time.perf_counter() + 0.03
 
     def done(self) -> bool:
+        if time.perf_counter() < self.finished_at:
+            return False
+        if ("copied", self.b) not in self.log:
+            self.log.append(("copied", self.b))
         return True
 
     def wait(self, timeout: float, stop: threading.Event | None = None) -> None:
-        time.sleep(0.03)  # the copy is still running
-        self.log.append(("copied", self.b))
+        poll_until(self.done, timeout, stop=stop)
 
 
 class _FakeStage:
@@ -284,11 +290,10 @@ class _FakeStage:
         self.log = log
 
     def context(self):
-        import contextlib
         return contextlib.nullcontext()
 
-    def fence(self) -> _SlowFence:
-        return _SlowFence([], -1)
+    def fence(self) -> Fence:
+        return Fence(None)
 
     def handoff(self, batch, fence):
         return batch
@@ -297,15 +302,16 @@ class _FakeStage:
 def test_feeder_returns_a_slot_to_the_workers_only_after_its_copy_finished() -> None:
     log: list = []
     ring = BatchRing(2, 4, 2, 2, label_dtype=None, pin_memory=False)
+    lock = threading.Lock()
 
     def prepare(b, slot):
-        log.append(("fill", b))
+        with lock:
+            log.append(("fill", b))
 
     def fill(plan, row, slot, scratch, times):
         slot.images_np[row] = slot.batch
 
     def build(slot):
-        log.append(("build", slot.batch))
         return slot.images.clone(), _SlowFence(log, slot.batch)
 
     run = Run(ring, [4] * 8, 2, prepare, fill, lambda t, n: None, timeout=10.0)
@@ -321,6 +327,30 @@ def test_feeder_returns_a_slot_to_the_workers_only_after_its_copy_finished() -> 
     assert not feeder.thread.is_alive() and run.alive() == 0
 
 
+def test_the_device_thread_does_not_wait_for_its_own_copy() -> None:
+    """The copy's fence guards the slot for the workers; the device thread builds the next batch at
+    once instead of waiting the copy out (three 250 ms copies cost the consumer far less than 750 ms)."""
+    class CopyFence:
+        def __init__(self) -> None:
+            self.finished_at = time.perf_counter() + 0.25
+
+        def done(self) -> bool:
+            return time.perf_counter() >= self.finished_at
+
+        def wait(self, timeout: float, stop: threading.Event | None = None) -> None:
+            poll_until(self.done, timeout, stop=stop)
+
+    run = make_run([4] * 3, n_slots=4)
+    feeder = Feeder(run, Stage(), lambda slot: (slot.batch, CopyFence()), depth=3, timeout=10.0)
+    run.start(), feeder.start()
+    try:
+        t0 = time.perf_counter()
+        got = [feeder.get(b) for b in range(3)]
+        took = time.perf_counter() - t0
+    finally:
+        feeder.stop()
+    assert got == [0, 1, 2]
+    assert took < 0.5, f"{took * 1000:.0f} ms for 3 batches: the device thread waited for each copy"
 
 
 # ---- the ring: a slot returns only when nothing references it ----------------------------------

@@ -417,8 +417,12 @@ class Run:
 
     def _wait_guard(self, slot: Slot, b: int) -> bool:
         """Before a batch overwrites `slot`: wait (polling, bounded by `timeout`) until the GPU has run
-        what the consumer queued on the batch the slot held. False when stopped or timed out (the
-        timeout then reaches the consumer as a LoaderTimeoutError)."""
+        what was queued on the batch the slot held (the consumer's copy, or the device thread's). False
+        when stopped or timed out (the timeout then reaches the consumer as a LoaderTimeoutError).
+
+        The one wait here that polls (`Fence.wait`): nothing notifies the host when the GPU passes an
+        event. A slot comes round again only `prefetch + 1` batches later, so its fence is nearly always
+        done by then and this wait is rarely entered."""
         guard = slot.guard
         if guard is None:
             return True
@@ -558,9 +562,10 @@ class Feeder:
     """The device stage's thread: takes the finished slots of a `Run` in order, moves each to the
     device with `build` (on the stage's copy stream) and queues the result, `depth` batches ahead.
 
-    A slot goes back to the workers (by asking the Run for the next batch) only once the fence that
-    `build` returned is done, i.e. its copy has finished: pinned memory is never overwritten while
-    the GPU still reads it. The consumer's stream waits on each batch's ready fence (no device-wide
+    The fence that `build` returns (its copy has finished) becomes the guard of the slot (`Run.guard`)
+    before the slot goes back to the workers (by asking the Run for the next batch): they refill it only
+    once that fence is done, so pinned memory is never overwritten while the GPU still reads it, and
+    this thread never waits for its own copy. The consumer's stream waits on each batch's ready fence (no device-wide
     sync). Errors from the Run (a failed sample, a timeout) or from `build` reach the consumer in
     batch order. Every wait has a timeout and checks the stop flag.
 
@@ -624,9 +629,9 @@ class Feeder:
                 with self.stage.context():
                     out, reusable = self.build(slot)
                     ready = self.stage.fence()
-                # a fence: nothing notifies when the GPU finishes the copy, so Fence.wait polls
-                # (bounded, stop-aware); only this thread waits on it, never the consumer
-                reusable.wait(self.timeout, self.stop_event)
+                # no wait here: the copy's fence becomes the slot's guard, so the workers refill the
+                # slot only once the GPU has read it, and this thread goes straight on to batch b+1
+                self.run.guard(b, reusable)
             except BaseException as exc:  # for the consumer, in order; this thread is done
                 self._put(("error", exc, None))
                 return
