@@ -268,11 +268,11 @@ def test_poll_until_returns_true_false_or_raises_the_callers_timeout() -> None:
 # ---- the Feeder: a slot goes back to the workers only after its copy finished ----------------
 
 class _SlowFence:
-    """A copy that finishes 30 ms after it was queued, as the GPU would, with no notification."""
+    """A copy that finishes `seconds` after it was queued, as the GPU would, with no notification."""
 
-    def __init__(self, log: list, b: int) -> None:
+    def __init__(self, log: list, b: int, seconds: float = 0.03) -> None:
         self.log, self.b = log, b
-        self.finished_at = time.perf_counter() + 0.03
+        self.finished_at = time.perf_counter() + seconds
 
     def done(self) -> bool:
         if time.perf_counter() < self.finished_at:
@@ -330,18 +330,9 @@ def test_feeder_returns_a_slot_to_the_workers_only_after_its_copy_finished() -> 
 def test_the_device_thread_does_not_wait_for_its_own_copy() -> None:
     """The copy's fence guards the slot for the workers; the device thread builds the next batch at
     once instead of waiting the copy out (three 250 ms copies cost the consumer far less than 750 ms)."""
-    class CopyFence:
-        def __init__(self) -> None:
-            self.finished_at = time.perf_counter() + 0.25
-
-        def done(self) -> bool:
-            return time.perf_counter() >= self.finished_at
-
-        def wait(self, timeout: float, stop: threading.Event | None = None) -> None:
-            poll_until(self.done, timeout, stop=stop)
-
     run = make_run([4] * 3, n_slots=4)
-    feeder = Feeder(run, Stage(), lambda slot: (slot.batch, CopyFence()), depth=3, timeout=10.0)
+    feeder = Feeder(run, Stage(), lambda slot: (slot.batch, _SlowFence([], slot.batch, 0.25)), depth=3,
+                    timeout=10.0)
     run.start(), feeder.start()
     try:
         t0 = time.perf_counter()
