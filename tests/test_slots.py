@@ -212,6 +212,43 @@ def test_feeder_times_out_and_reports_a_closed_loader() -> None:
     assert feeder.alive() == 0
 
 
+
+def test_feeder_hand_offs_block_on_a_notify_instead_of_sleeping(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The consumer waiting for a slow build, and the device thread waiting for room in the queue,
+    each wake on the other side's notify: neither calls time.sleep (a poll would, every 0.2-2 ms)."""
+    sleeps: dict[str, int] = {}
+    real_sleep = time.sleep
+
+    def counting_sleep(seconds: float) -> None:
+        name = threading.current_thread().name
+        sleeps[name] = sleeps.get(name, 0) + 1
+        real_sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", counting_sleep)
+    slow_build, pause = threading.Event(), threading.Event()
+
+    def build(slot):
+        if slot.batch == 0:
+            slow_build.wait(5.0)
+        return slot.batch, Fence(None)
+
+    run = make_run([4] * 4)
+    feeder = Feeder(run, Stage(), build, depth=1, timeout=10.0)
+    run.start(), feeder.start()
+    timer = threading.Timer(0.1, slow_build.set)
+    timer.start()
+    try:
+        got = [feeder.get(0)]  # waits ~0.1 s for batch 0's build
+        pause.wait(0.1)  # a slow training step: the device thread waits with batch 1 queued (depth 1)
+        got += [feeder.get(b) for b in range(1, 4)]
+    finally:
+        timer.cancel()
+        feeder.stop()
+    assert got == [0, 1, 2, 3]
+    assert sleeps.get(threading.current_thread().name, 0) == 0, sleeps
+    assert sleeps.get(feeder.thread.name, 0) == 0, sleeps
+
+
 # ---- the one polling wait ------------------------------------------------------------------------
 
 def test_poll_until_returns_true_false_or_raises_the_callers_timeout() -> None:
@@ -231,15 +268,21 @@ def test_poll_until_returns_true_false_or_raises_the_callers_timeout() -> None:
 # ---- the Feeder: a slot goes back to the workers only after its copy finished ----------------
 
 class _SlowFence:
-    def __init__(self, log: list, b: int) -> None:
+    """A copy that finishes `seconds` after it was queued, as the GPU would, with no notification."""
+
+    def __init__(self, log: list, b: int, seconds: float = 0.03) -> None:
         self.log, self.b = log, b
+        self.finished_at = time.perf_counter() + seconds
 
     def done(self) -> bool:
+        if time.perf_counter() < self.finished_at:
+            return False
+        if ("copied", self.b) not in self.log:
+            self.log.append(("copied", self.b))
         return True
 
     def wait(self, timeout: float, stop: threading.Event | None = None) -> None:
-        time.sleep(0.03)  # the copy is still running
-        self.log.append(("copied", self.b))
+        poll_until(self.done, timeout, stop=stop)
 
 
 class _FakeStage:
@@ -247,11 +290,10 @@ class _FakeStage:
         self.log = log
 
     def context(self):
-        import contextlib
         return contextlib.nullcontext()
 
-    def fence(self) -> _SlowFence:
-        return _SlowFence([], -1)
+    def fence(self) -> Fence:
+        return Fence(None)
 
     def handoff(self, batch, fence):
         return batch
@@ -260,15 +302,16 @@ class _FakeStage:
 def test_feeder_returns_a_slot_to_the_workers_only_after_its_copy_finished() -> None:
     log: list = []
     ring = BatchRing(2, 4, 2, 2, label_dtype=None, pin_memory=False)
+    lock = threading.Lock()
 
     def prepare(b, slot):
-        log.append(("fill", b))
+        with lock:
+            log.append(("fill", b))
 
     def fill(plan, row, slot, scratch, times):
         slot.images_np[row] = slot.batch
 
     def build(slot):
-        log.append(("build", slot.batch))
         return slot.images.clone(), _SlowFence(log, slot.batch)
 
     run = Run(ring, [4] * 8, 2, prepare, fill, lambda t, n: None, timeout=10.0)
@@ -284,6 +327,21 @@ def test_feeder_returns_a_slot_to_the_workers_only_after_its_copy_finished() -> 
     assert not feeder.thread.is_alive() and run.alive() == 0
 
 
+def test_the_device_thread_does_not_wait_for_its_own_copy() -> None:
+    """The copy's fence guards the slot for the workers; the device thread builds the next batch at
+    once instead of waiting the copy out (three 250 ms copies cost the consumer far less than 750 ms)."""
+    run = make_run([4] * 3, n_slots=4)
+    feeder = Feeder(run, Stage(), lambda slot: (slot.batch, _SlowFence([], slot.batch, 0.25)), depth=3,
+                    timeout=10.0)
+    run.start(), feeder.start()
+    try:
+        t0 = time.perf_counter()
+        got = [feeder.get(b) for b in range(3)]
+        took = time.perf_counter() - t0
+    finally:
+        feeder.stop()
+    assert got == [0, 1, 2]
+    assert took < 0.5, f"{took * 1000:.0f} ms for 3 batches: the device thread waited for each copy"
 
 
 # ---- the ring: a slot returns only when nothing references it ----------------------------------

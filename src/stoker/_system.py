@@ -1,5 +1,5 @@
 """Small answers every module may share: the CPUs this process may use, the one bounded, stop-aware
-wait that the device fence and the device thread's hand-off poll with, and how a measured number is
+poll for what no thread can notify (a CUDA fence), and how a measured number is
 written out (JSON null or "-" where it is not a finite number)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any, Callable
 
 from .errors import ConfigError
 
-POLL_PAUSE_S = (0.0002, 0.002)
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)  # poll_until: first pause between checks, growing to the second (seconds)
+POLL_PAUSE_S = (0.0002, 0.002)  # poll_until: first pause between checks, growing to the second (seconds)
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
 def cpu_ids() -> list[int]:
@@ -65,8 +65,9 @@ def poll_until(predicate: Callable[[], object], timeout: float | None, *, stop: 
 
     After `timeout` seconds (None: no limit, only `stop` ends the wait) raise `on_timeout()` (default
     TimeoutError). Polls with short sleeps, 0.2 ms growing to 2 ms, so a wait costs at most ~2 ms of
-    latency and little CPU, and never holds a lock Ctrl-C could strand; used where the thing waited on
-    has no waitable handle (a CUDA event, a lock-free deque)."""
+    latency and little CPU, and never holds a lock Ctrl-C could strand; used only where the thing waited on
+    has no waitable handle and no thread to notify (a CUDA event); a hand-off between threads waits
+    on a threading.Condition instead (slots.py)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     wait = pause[0]
     while not predicate():

@@ -38,7 +38,6 @@ from typing import Any, Callable, ContextManager, Protocol
 import numpy as np
 
 from ._torch import torch
-from ._system import poll_until
 from .errors import ConfigError, LoaderClosedError, LoaderTimeoutError, WorkerError
 
 _POLL_S = 0.1  # how often a blocked wait re-checks the stop flag, seconds
@@ -418,8 +417,12 @@ class Run:
 
     def _wait_guard(self, slot: Slot, b: int) -> bool:
         """Before a batch overwrites `slot`: wait (polling, bounded by `timeout`) until the GPU has run
-        what the consumer queued on the batch the slot held. False when stopped or timed out (the
-        timeout then reaches the consumer as a LoaderTimeoutError)."""
+        what was queued on the batch the slot held (the consumer's copy, or the device thread's). False
+        when stopped or timed out (the timeout then reaches the consumer as a LoaderTimeoutError).
+
+        The one wait here that polls (`Fence.wait`): nothing notifies the host when the GPU passes an
+        event. A slot comes round again only `prefetch + 1` batches later, so its fence is nearly always
+        done by then and this wait is rarely entered."""
         guard = slot.guard
         if guard is None:
             return True
@@ -559,22 +562,27 @@ class Feeder:
     """The device stage's thread: takes the finished slots of a `Run` in order, moves each to the
     device with `build` (on the stage's copy stream) and queues the result, `depth` batches ahead.
 
-    A slot goes back to the workers (by asking the Run for the next batch) only once the fence that
-    `build` returned is done, i.e. its copy has finished: pinned memory is never overwritten while
-    the GPU still reads it. The consumer's stream waits on each batch's ready fence (no device-wide
+    The fence that `build` returns (its copy has finished) becomes the guard of the slot (`Run.guard`)
+    before the slot goes back to the workers (by asking the Run for the next batch): they refill it only
+    once that fence is done, so pinned memory is never overwritten while the GPU still reads it, and
+    this thread never waits for its own copy. The consumer's stream waits on each batch's ready fence (no device-wide
     sync). Errors from the Run (a failed sample, a timeout) or from `build` reach the consumer in
     batch order. Every wait has a timeout and checks the stop flag.
 
-    The hand-off is a deque polled with short sleeps (`_system.poll_until`) rather than a queue.Queue:
-    the consumer then takes no lock, so Ctrl-C in the training loop can never leave one held (see
-    _release_if_owned)."""
+    The hand-off is a deque guarded by a Condition (on an RLock) that each side notifies: the consumer
+    wakes as soon as a batch is queued and the device thread as soon as one is taken, with no sleep
+    in between. Each wait is bounded (`_POLL_S`, re-checking the stop flag) and `stop()` wakes every
+    waiter; Ctrl-C landing while the consumer holds the lock is undone by `_release_if_owned`."""
 
     def __init__(self, run: Run, stage: Stage, build: BuildFn, depth: int, timeout: float,
                  name: str = "stoker-device") -> None:
         self.run, self.stage, self.build = run, stage, build
         self.timeout = timeout
         self.depth = depth
-        self.ready: deque[tuple[str, Any, Any]] = deque()  # append/popleft are atomic
+        self.ready: deque[tuple[str, Any, Any]] = deque()
+        # an RLock so the consumer can tell it still holds it (Ctrl-C, see _release_if_owned)
+        self.cond = threading.Condition(threading.RLock())
+        self.ended = False  # the device thread has left its loop (set under `cond`)
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._work, name=name, daemon=True)
 
@@ -584,9 +592,13 @@ class Feeder:
     def _put(self, item: tuple[str, Any, Any]) -> bool:
         """Queue `item` once fewer than `depth` are waiting (only this thread appends, so the check
         cannot go stale); False when stopped first. No timeout: a slow training step is no fault."""
-        if not poll_until(lambda: len(self.ready) < self.depth, None, stop=self.stop_event):
-            return False
-        self.ready.append(item)
+        with self.cond:
+            while len(self.ready) >= self.depth and not self.stop_event.is_set():
+                self.cond.wait(_POLL_S)
+            if self.stop_event.is_set():
+                return False
+            self.ready.append(item)
+            self.cond.notify_all()
         return True
 
     def _more(self, b: int) -> bool:
@@ -600,6 +612,14 @@ class Feeder:
         return b < len(run.batch_sizes)
 
     def _work(self) -> None:
+        try:
+            self._loop()
+        finally:  # wake a consumer waiting for a batch that will never come
+            with self.cond:
+                self.ended = True
+                self.cond.notify_all()
+
+    def _loop(self) -> None:
         b = -1
         while self._more(b := b + 1):
             if self.stop_event.is_set():
@@ -609,7 +629,9 @@ class Feeder:
                 with self.stage.context():
                     out, reusable = self.build(slot)
                     ready = self.stage.fence()
-                reusable.wait(self.timeout, self.stop_event)
+                # no wait here: the copy's fence becomes the slot's guard, so the workers refill the
+                # slot only once the GPU has read it, and this thread goes straight on to batch b+1
+                self.run.guard(b, reusable)
             except BaseException as exc:  # for the consumer, in order; this thread is done
                 self._put(("error", exc, None))
                 return
@@ -619,25 +641,42 @@ class Feeder:
     def get(self, b: int) -> Any:
         """Batch b on the device, ready to use on the caller's current stream. Raises what the
         pipeline raised for it, LoaderTimeoutError after `timeout` seconds without it."""
-        thread = self.thread
-        ok = poll_until(lambda: self.ready or not thread.is_alive(), self.timeout, stop=self.stop_event,
-                        on_timeout=lambda: LoaderTimeoutError(
-                            f"batch {b}: nothing reached the device after {self.timeout:.0f} s "
-                            f"({self.run.alive()} worker threads alive); storage may be stalled or a transform "
-                            f"hangs — raise workers=stoker.Workers(timeout=...) if samples are genuinely this slow"))
-        if not self.ready:  # stopped, or the thread ended
-            if not ok or self.stop_event.is_set():
-                raise LoaderClosedError(f"the loader was closed while waiting for batch {b}")
-            raise WorkerError(f"the stoker device thread ended before batch {b}; this is a bug in stoker, "
-                              f"please report it")
-        kind, value, ready = self.ready.popleft()
+        try:
+            item = self._take(b)
+        except BaseException:
+            _release_if_owned(self.cond)
+            raise
+        kind, value, ready = item
         if kind == "error":
             raise value
         return self.stage.handoff(value, ready)
 
+    def _take(self, b: int) -> tuple[str, Any, Any]:
+        """The next queued item, waiting (bounded, stop-aware) until the device thread notifies one."""
+        deadline = time.monotonic() + self.timeout
+        thread = self.thread
+        with self.cond:
+            while not self.ready:
+                if self.stop_event.is_set():
+                    raise LoaderClosedError(f"the loader was closed while waiting for batch {b}")
+                if self.ended or not thread.is_alive():
+                    raise WorkerError(f"the stoker device thread ended before batch {b}; this is a bug in stoker, "
+                                      f"please report it")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LoaderTimeoutError(
+                        f"batch {b}: nothing reached the device after {self.timeout:.0f} s "
+                        f"({self.run.alive()} worker threads alive); storage may be stalled or a transform "
+                        f"hangs — raise workers=stoker.Workers(timeout=...) if samples are genuinely this slow")
+                self.cond.wait(min(_POLL_S, left))
+            item = self.ready.popleft()
+            self.cond.notify_all()  # room for the device thread's next batch
+        return item
+
     def stop(self, join_timeout: float = 5.0) -> None:
         """Stop this thread and the Run's workers, bounded. Safe to call repeatedly, from any thread."""
         self.stop_event.set()
+        notify_all(self.cond)
         self.run.stop(join_timeout, give_back=False)
         if self.thread is not threading.current_thread() and self.thread.is_alive():
             self.thread.join(join_timeout)

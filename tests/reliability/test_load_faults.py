@@ -17,15 +17,15 @@ import pytest
 
 from .rhelpers import open_fds, settle_threads
 
-from stoker import DeviceOptions, Loader, RandomHorizontalFlip, RandomResizedCrop
+from stoker import DeviceOptions, Loader, RandomHorizontalFlip, RandomResizedCrop, Workers
 from stoker.errors import LoaderTimeoutError, SampleError
 
 TRANSFORMS = [RandomResizedCrop(16), RandomHorizontalFlip()]
 
 
-def _loader(root, **kw) -> Loader:
-    kw = {"transforms": TRANSFORMS, "num_threads": 2, "prefetch": 2, "timeout": 30.0, **kw}
-    return Loader(root, 4, **kw)
+def _loader(root, *, num_threads: int = 2, timeout: float = 30.0, **kw) -> Loader:
+    kw = {"transforms": TRANSFORMS, **kw}
+    return Loader(root, 4, workers=Workers(num_threads=num_threads, prefetch=2, timeout=timeout), **kw)
 
 
 def test_user_transform_exception_arrives_with_traceback(small_pack):
@@ -119,7 +119,7 @@ def test_many_loaders_alive_at_once(small_pack):
     for _ in range(3):
         for it in iters:
             images, labels = next(it)
-            assert images.shape == (4, 16, 16, 3)
+            assert images.shape == (4, 3, 16, 16)  # CHW, the default layout
     assert threading.active_count() > threads
     for ld in loaders[:10]:
         ld.close()
