@@ -148,3 +148,18 @@ class S3Server:
         self._proxy.server_close()
         self._thread.join(5)
         self._moto.stop()
+
+
+_buckets = iter(range(10**6))
+
+
+def upload_pack(s3: "S3Server", packed: Any, prefix: str) -> str:
+    """A fresh bucket (named `prefix` + a counter) holding a copy of the packed folder `packed` under
+    `packed/`; the request log starts empty. Returns its URL."""
+    bucket = f"{prefix}{next(_buckets)}"
+    fs = s3.filesystem()
+    fs.mkdir(bucket)
+    for f in sorted(packed.iterdir()):
+        fs.put_file(str(f), f"{bucket}/packed/{f.name}")
+    s3.reset_log()
+    return f"s3://{bucket}/packed"

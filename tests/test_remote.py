@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("s3fs", reason="needs the remote extra: pip install 'stoker[remote]'")
 pytest.importorskip("moto", reason="needs moto[server]: pip install -e '.[test-remote]'")
 
-from s3_helpers import S3Server  # noqa: E402
+from s3_helpers import S3Server, upload_pack  # noqa: E402
 
 from stoker import Loader, RandomResizedCrop  # noqa: E402
 from stoker.audit import describe, verify  # noqa: E402
@@ -45,19 +45,13 @@ def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "packed"
 
 
-_buckets = iter(range(10**6))
+_out_buckets = iter(range(10**6))
 
 
 @pytest.fixture
 def url(s3: S3Server, packed: Path) -> str:
     """A fresh bucket holding a copy of `packed`; the request log starts empty."""
-    bucket = f"ds{next(_buckets)}"
-    fs = s3.filesystem()
-    fs.mkdir(bucket)
-    for f in sorted(packed.iterdir()):
-        fs.put_file(str(f), f"{bucket}/packed/{f.name}")
-    s3.reset_log()
-    return f"s3://{bucket}/packed"
+    return upload_pack(s3, packed, "ds")
 
 
 def remote_loader(s3: S3Server, url: str, cache: Path, *, cache_limit: Any = None, rank: int | None = None,
@@ -239,7 +233,7 @@ def _dataset_rows(ds: Any) -> list[tuple]:
 
 @pytest.fixture
 def bucket(s3: S3Server) -> str:
-    name = f"out{next(_buckets)}"
+    name = f"out{next(_out_buckets)}"
     s3.filesystem().mkdir(name)
     s3.reset_log()
     return name

@@ -29,7 +29,7 @@ from stoker.storage import LocalStorage, RemoteStorage  # noqa: E402
 from .rhelpers import TESTS, make_image_folder  # noqa: E402
 
 sys.path.insert(0, str(TESTS))
-from s3_helpers import S3Server  # noqa: E402
+from s3_helpers import S3Server, upload_pack  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -48,18 +48,10 @@ def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "packed"
 
 
-_buckets = iter(range(10**6))
-
-
 @pytest.fixture
 def url(s3: S3Server, packed: Path) -> str:
-    bucket = f"faults{next(_buckets)}"
-    fs = s3.filesystem()
-    fs.mkdir(bucket)
-    for f in sorted(packed.iterdir()):
-        fs.put_file(str(f), f"{bucket}/packed/{f.name}")
-    s3.reset_log()
-    return f"s3://{bucket}/packed"
+    """A fresh bucket holding a copy of `packed`; the request log starts empty."""
+    return upload_pack(s3, packed, "faults")
 
 
 def batches(source: Any, **kw: Any) -> list[tuple[np.ndarray, np.ndarray]]:
