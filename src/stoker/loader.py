@@ -146,7 +146,8 @@ class Loader:
     cache_limit, storage_options, stage), `targets=Targets(...)` (boxes, masks, ignore_index, pad,
     multi_label, num_classes, classes, collate_fn), `workers=Workers(...)` or an int (num_threads,
     prefetch, persistent, pin_memory, timeout, on_error, decode_quality). `device`: None (the uint8
-    batches above), a device ("cuda", "cuda:1", "cpu") or a `DeviceOptions` (normalize, dtype,
+    batches above), "numpy" (the same batches as NumPy arrays, no torch needed: JAX, docs/jax.md),
+    a device ("cuda", "cuda:1", "cpu") or a `DeviceOptions` (normalize, dtype,
     memory_format, decode="gpu"). DataLoader's keywords map onto the options or raise a ConfigError
     naming stoker's argument (`habits`); so do the 0.1 keywords, naming their new spelling.
     """
