@@ -12,7 +12,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
 
 # Hop-by-hop headers a proxy must not forward.
 _HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
@@ -163,3 +166,25 @@ def upload_pack(s3: "S3Server", packed: Any, prefix: str) -> str:
         fs.put_file(str(f), f"{bucket}/packed/{f.name}")
     s3.reset_log()
     return f"s3://{bucket}/packed"
+
+
+#: bytes of images per shard in `pack_remote_set`: its 48 small JPEGs make 24 shards of 2
+SHARD_SIZE = 12_000
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator["S3Server"]:
+    """One S3 server per test module (import this fixture into the module)."""
+    server = S3Server()
+    yield server
+    server.stop()
+
+
+def pack_remote_set(root: Path) -> Path:
+    """48 small JPEGs of 3 classes packed into 24 shards of 2 at `root/packed` (the remote tests' data)."""
+    from conftest import make_image_folder
+    from stoker.packing import PackOptions, pack
+
+    make_image_folder(root / "imgs", n_per_class=16)
+    pack(root / "imgs", root / "packed", options=PackOptions(workers=1, shard_size=SHARD_SIZE), progress=False)
+    return root / "packed"

@@ -7,7 +7,7 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("s3fs", reason="needs the remote extra: pip install 'stoker[remote]'")
 pytest.importorskip("moto", reason="needs moto[server]: pip install -e '.[test-remote]'")
 
-from s3_helpers import S3Server, upload_pack  # noqa: E402
+from s3_helpers import SHARD_SIZE, S3Server, pack_remote_set, s3, upload_pack  # noqa: E402,F401 (s3: a fixture)
 
 from stoker import Loader, RandomResizedCrop  # noqa: E402
 from stoker.audit import describe, verify  # noqa: E402
@@ -27,22 +27,12 @@ from stoker.options import Sampling, Storage, Workers
 
 from conftest import make_image_folder  # noqa: E402
 
-SHARD_SIZE = 12_000  # bytes of images per shard: the 48 small JPEGs make 24 shards of 2
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Server]:
-    server = S3Server()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("remote")
-    make_image_folder(root / "imgs", n_per_class=16)
-    pack(root / "imgs", root / "packed", options=PackOptions(workers=1, shard_size=SHARD_SIZE), progress=False)
-    return root / "packed"
+    """24 shards of 2 small JPEGs (labels 0..2)."""
+    return pack_remote_set(tmp_path_factory.mktemp("remote"))
 
 
 _out_buckets = iter(range(10**6))

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -26,26 +26,16 @@ from stoker.packing import PackOptions, pack  # noqa: E402
 from stoker.shards import read_manifest  # noqa: E402
 from stoker.storage import LocalStorage, RemoteStorage  # noqa: E402
 
-from .rhelpers import TESTS, make_image_folder  # noqa: E402
+from .rhelpers import TESTS  # noqa: E402
 
 sys.path.insert(0, str(TESTS))
-from s3_helpers import S3Server, upload_pack  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Server]:
-    server = S3Server()
-    yield server
-    server.stop()
+from s3_helpers import SHARD_SIZE, S3Server, pack_remote_set, s3, upload_pack  # noqa: E402,F401 (s3: a fixture)
 
 
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """24 shards of 2 small JPEGs (labels 0..2)."""
-    root = tmp_path_factory.mktemp("remote-faults")
-    make_image_folder(root / "imgs", n_per_class=16)
-    pack(root / "imgs", root / "packed", options=PackOptions(workers=1, shard_size=12_000), progress=False)
-    return root / "packed"
+    return pack_remote_set(tmp_path_factory.mktemp("remote-faults"))
 
 
 @pytest.fixture
