@@ -290,6 +290,11 @@ class PassIter:
         self._keep = [False]  # set when the epoch ends in a persistent pipeline: hand it on, do not stop it
         self._last = [-1]  # the run batch handed out last (its slot is guarded at the end)
         self._finalizer = weakref.finalize(self, _end_lease, pipe, pipe.lease, self._keep, self._last)
+        self._numpy: Callable[..., tuple] | None = None
+        if parts.buffers is not None:
+            from .numpy_output import numpy_batch   # loaded by NumPy output only
+
+            self._numpy = numpy_batch
         pipe.start()
 
     @property
@@ -328,10 +333,8 @@ class PassIter:
         self._cursor.advance(self._epoch, int(self._ends[self._b - 1]), self._b == self._n)
         if self._feeder is not None:
             out = batch
-        elif parts.buffers is not None:   # device="numpy": numpy arrays (numpy_output)
-            from .numpy_output import numpy_batch   # loaded by NumPy output only
-
-            out = numpy_batch(slot, parts.spec.multi_label)
+        elif self._numpy is not None:   # device="numpy": numpy arrays (numpy_output)
+            out = self._numpy(slot, parts.spec.multi_label)
         else:
             out = self._batch(slot)
         if parts.collate is not None:   # the user's batching of the extra columns, on this (their) thread
