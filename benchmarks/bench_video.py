@@ -29,13 +29,13 @@ from typing import Any, Callable
 import numpy as np
 
 import stoker
-from stoker.clips import ClipSpec, decode_clip_into, finish_clip, plan_clip
+from stoker.clips import Clips, decode_clip_into, finish_clip, plan_clip
 from stoker.packing import PackOptions, pack
 from stoker.tools.synth_video import VideoStyle, make_kinetics_like
 from stoker.transforms import Pipeline, RandomHorizontalFlip, RandomResizedCrop
 from stoker.video import VIDEO_INDEX_COLUMN, VideoIndex
 
-SPEC = ClipSpec(frames=16, stride=4)
+SPEC = Clips(frames=16, stride=4)
 SIZE = 224
 
 

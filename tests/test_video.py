@@ -10,7 +10,7 @@ import pytest
 
 av = pytest.importorskip("av", reason="videos need PyAV: pip install 'stoker[video]'")
 
-from stoker.clips import ClipSpec, clip_frames, clip_key, decode_clip_into, finish_clip, plan_clip  # noqa: E402
+from stoker.clips import Clips, clip_frames, clip_key, decode_clip_into, finish_clip, plan_clip  # noqa: E402
 from stoker.errors import ConfigError  # noqa: E402
 from stoker.tools.synth_video import CODECS, VideoStyle, make_video  # noqa: E402
 from stoker.transforms import CenterCrop, ColorJitter, Pipeline, RandomHorizontalFlip, RandomResizedCrop  # noqa: E402
@@ -105,7 +105,7 @@ def test_variable_frame_rate_keeps_real_timestamps() -> None:
     index = probe_video(data, "vfr", max_pixels=LIMIT)
     gaps = np.diff(index.seconds(np.arange(index.frames)))
     assert gaps.min() < 0.07 and gaps.max() > 0.13   # 50..150 ms apart, as written
-    spec = ClipSpec(frames=8, fps=5.0, sampling="uniform")
+    spec = Clips(frames=8, fps=5.0, sampling="uniform")
     frames = clip_frames(index, spec, 0.0)
     # one clip, centred: 8 instants 0.2 s apart; each frame is the last one shown at or before its instant
     span = float(index.seconds(index.frames - 1))
@@ -140,24 +140,24 @@ def test_large_source_is_shrunk_while_converting() -> None:
 
 def test_clip_frames_stride_random_uniform_and_short_videos(h264: bytes) -> None:
     index = probe_video(h264, "v", max_pixels=LIMIT)   # 40 frames
-    spec = ClipSpec(frames=4, stride=4)                  # spans 13 frames: starts 0..27
+    spec = Clips(frames=4, stride=4)                  # spans 13 frames: starts 0..27
     starts = {int(clip_frames(index, spec, u)[0]) for u in np.linspace(0, 0.999, 200)}
     assert starts == set(range(28))
     np.testing.assert_array_equal(clip_frames(index, spec, 0.5), clip_frames(index, spec, 0.5)[0] + [0, 4, 8, 12])
-    uniform = ClipSpec(frames=4, stride=4, sampling="uniform", clips_per_video=3)
+    uniform = Clips(frames=4, stride=4, sampling="uniform", clips_per_video=3)
     assert [int(clip_frames(index, uniform, 0.9, c)[0]) for c in range(3)] == [4, 14, 23]   # floor(28 * (c + 0.5) / 3)
-    long = ClipSpec(frames=16, stride=4)                 # 61 frames wanted of 40: spread over the video
+    long = Clips(frames=16, stride=4)                 # 61 frames wanted of 40: spread over the video
     frames = clip_frames(index, long, 0.3)
     assert frames[0] == 0 and frames[-1] == 39 and np.all(np.diff(frames) >= 0)
     # a window (start, end seconds, a Kinetics annotation) bounds the clip
-    inside = clip_frames(index, ClipSpec(frames=4, stride=2), 0.999, window=(1.0, 2.5))
+    inside = clip_frames(index, Clips(frames=4, stride=2), 0.999, window=(1.0, 2.5))
     assert inside.min() >= 10 and inside.max() <= 25
 
 
 def test_clip_draws_are_a_pure_function_of_seed_epoch_sample_clip(h264: bytes) -> None:
     index = probe_video(h264, "v", max_pixels=LIMIT)
     pipe = Pipeline([RandomResizedCrop(32), RandomHorizontalFlip()])
-    spec = ClipSpec(frames=4, stride=3)
+    spec = Clips(frames=4, stride=3)
     a = plan_clip(index, spec, pipe, seed=1, epoch=2, sample=7)
     b = plan_clip(index, spec, pipe, seed=1, epoch=2, sample=7)
     assert a.frames.tolist() == b.frames.tolist() and a.box.tolist() == b.box.tolist() and a.flip == b.flip
@@ -172,7 +172,7 @@ def test_one_augmentation_plan_per_clip(h264: bytes) -> None:
     """ColorJitter after the crop: every frame of a clip gets the same jitter (a static scene stays static)."""
     index = probe_video(h264, "v", max_pixels=LIMIT)
     pipe = Pipeline([CenterCrop(32), ColorJitter(brightness=0.8, contrast=0.8, saturation=0.8, hue=0.3)])
-    plan = plan_clip(index, ClipSpec(frames=3, stride=1), pipe, seed=0, epoch=0, sample=3)
+    plan = plan_clip(index, Clips(frames=3, stride=1), pipe, seed=0, epoch=0, sample=3)
     frames = np.array([5, 5, 5])   # one frame three times: the rows must come out identical
     dst = np.zeros((3, 32, 32, 3), np.uint8)
     decode_clip_into(h264, index, frames, dst, plan.box, plan.flip)
@@ -183,13 +183,13 @@ def test_one_augmentation_plan_per_clip(h264: bytes) -> None:
 
 
 def test_clip_spec_is_validated() -> None:
-    assert ClipSpec().stride == 4
+    assert Clips().stride == 4
     with pytest.raises(ConfigError, match="pass one of them"):
-        ClipSpec(stride=2, fps=5.0)
+        Clips(stride=2, fps=5.0)
     with pytest.raises(ConfigError, match="frames=0"):
-        ClipSpec(frames=0)
+        Clips(frames=0)
     with pytest.raises(ConfigError, match="sampling"):
-        ClipSpec(sampling="center")
+        Clips(sampling="center")
 
 
 def test_bad_buffer_and_frames_are_refused(h264: bytes) -> None:

@@ -14,7 +14,7 @@ import pytest
 av = pytest.importorskip("av", reason="videos need PyAV: pip install 'stoker[video]'")
 
 import stoker  # noqa: E402
-from stoker.clips import ClipSpec, read_clip  # noqa: E402
+from stoker.clips import Clips, read_clip  # noqa: E402
 from stoker.errors import ConfigError  # noqa: E402
 from stoker.packing import PackOptions, pack  # noqa: E402
 from stoker.tools.synth_video import VideoStyle, make_kinetics_like, make_video  # noqa: E402
@@ -66,7 +66,7 @@ def test_path_label_list_and_csv_with_start_end(kinetics: Path, tmp_path: Path) 
     manifest = json.loads((tmp_path / "from_csv" / "stoker.json").read_text())
     assert manifest["extra_columns"] == {"start": "float64", "end": "float64", VIDEO_INDEX_COLUMN: "string"}
     with stoker.open_dataset(tmp_path / "from_csv") as ds:
-        spec, pipe = ClipSpec(frames=4, stride=2), Pipeline([CenterCrop(32)])
+        spec, pipe = Clips(frames=4, stride=2), Pipeline([CenterCrop(32)])
         for seed in range(8):   # every clip lies inside the annotated 1.0-2.0 s (frames 10..20)
             clip, stats = read_clip(ds, 1, spec, pipe, seed=seed)
             assert clip.shape == (4, 32, 32, 3) and stats.delivered == 4

@@ -27,6 +27,7 @@ _EXPORTS = {
     "TrivialAugmentWide": "transforms",
     "adapt": "transforms",
     "CenterCrop": "transforms",
+    "Clips": "clips",
     "Dataset": "reader",
     "DeviceOptions": "device",
     "Loader": "loader",

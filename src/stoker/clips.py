@@ -24,14 +24,14 @@ from .transforms.geometry import decode_minimums, resample_region_into, resampli
 from .transforms.user import apply_tail
 from .video import VideoIndex, open_container, require_av, upright, video_stream
 
-__all__ = ["SAMPLINGS", "ClipPlan", "ClipSpec", "ClipStats", "clip_frames", "clip_key", "decode_clip_into",
+__all__ = ["SAMPLINGS", "ClipPlan", "Clips", "ClipStats", "clip_frames", "clip_key", "decode_clip_into",
            "finish_clip", "plan_clip"]
 
 SAMPLINGS = ("random", "uniform")
 
 
 @dataclass(frozen=True)
-class ClipSpec:
+class Clips:
     """Which frames make a clip: ``frames`` per clip, taken every ``stride`` frames or at ``fps`` frames
     per second of presentation time (one of the two; neither: stride 4), placed at random in the video
     (``sampling="random"``, training) or evenly (``"uniform"``, evaluation: clip ``c`` of
@@ -96,7 +96,7 @@ def _window(index: VideoIndex, window: tuple[float | None, float | None] | None)
     return (a, b) if b > a else (0, index.frames)
 
 
-def clip_frames(index: VideoIndex, spec: ClipSpec, u: float, clip: int = 0,
+def clip_frames(index: VideoIndex, spec: Clips, u: float, clip: int = 0,
                 window: tuple[float | None, float | None] | None = None) -> np.ndarray:
     """Frame numbers (int64 [spec.frames], presentation order) of one clip. ``u`` in [0, 1) places a
     random clip; ``clip`` picks the part for uniform sampling; ``window`` (start, end) seconds bounds the
@@ -135,7 +135,7 @@ class ClipPlan:
     key: int
 
 
-def plan_clip(index: VideoIndex, spec: ClipSpec, pipeline: Any, *, seed: int, epoch: int, sample: int,
+def plan_clip(index: VideoIndex, spec: Clips, pipeline: Any, *, seed: int, epoch: int, sample: int,
               clip: int = 0, window: tuple[float | None, float | None] | None = None) -> ClipPlan:
     """Plan one clip: its frames (:func:`clip_frames`) and one spatial plan for all of them, from
     ``pipeline`` (a :class:`stoker.transforms.Pipeline`). Deterministic in (seed, epoch, sample, clip)."""
@@ -311,7 +311,7 @@ def finish_clip(pipeline: Any, plan: ClipPlan, dst: np.ndarray) -> None:
         dst[t] = out
 
 
-def read_clip(dataset: Any, i: int, spec: ClipSpec, pipeline: Any, *, seed: int = 0, epoch: int = 0,
+def read_clip(dataset: Any, i: int, spec: Clips, pipeline: Any, *, seed: int = 0, epoch: int = 0,
               clip: int = 0, dst: np.ndarray | None = None, **decode_options: Any) -> tuple[np.ndarray, ClipStats]:
     """One clip of video sample ``i`` of a packed dataset (``stoker.open_dataset``): planned, decoded
     and augmented into ``dst`` (uint8 [T, H, W, 3]; allocated when None). The clip lies inside the

@@ -227,7 +227,7 @@ class Loader:
         self.columns = tuple(columns)
         if "video_index" in ds.extra_columns:   # video.VIDEO_INDEX_COLUMN: a video pack
             raise ConfigError(f"{ds.path} holds videos; the Loader's clip options are not built yet: read clips with "
-                              f"stoker.clips.read_clip(stoker.open_dataset(path), index, ClipSpec(...), Pipeline(transforms)) (docs/video.md)")
+                              f"stoker.clips.read_clip(stoker.open_dataset(path), index, Clips(...), Pipeline(transforms)) (docs/video.md)")
         missing = [c for c in self.columns if c not in ds.extra_columns]
         if missing:
             raise ConfigError(f"{ds.path}: no column(s) {missing}; the dataset has extra columns {ds.extra_columns}")
