@@ -214,3 +214,33 @@ def test_numpy_output_gives_numpy_clips(videos: Path) -> None:
         y, labels = next(iter(ld))
     assert isinstance(y, np.ndarray) and y.shape == (2, 3, 3, 16, 16)
     np.testing.assert_array_equal(y, x.numpy())
+
+
+def test_video_pack_from_s3_and_staged_equals_local(videos: Path, tmp_path: Path) -> None:
+    """The Storage paths load a video pack like an image pack: from a bucket through moto's S3 server
+    (shards through the local cache) and staged to a memory-backed copy; the clips equal the local ones."""
+    pytest.importorskip("s3fs", reason="needs the remote extra: pip install 'stoker[remote]'")
+    pytest.importorskip("moto", reason="needs moto[server]: pip install -e '.[test-remote]'")
+    from s3_helpers import S3Server, upload_pack
+
+    pack(videos.parent / "src", tmp_path / "ds", progress=False, options=stoker.PackOptions(shard_size=20_000))
+    assert len(list((tmp_path / "ds").glob("shard-*.arrow"))) > 1
+
+    def load(path: str | Path, storage: stoker.Storage | None = None) -> list[tuple]:
+        with stoker.Loader(path, 4, clips=Clips(frames=3, clips_per_video=2), transforms=CROP, seed=9,
+                           storage=storage, workers=2) as ld:
+            return _clips(ld)
+
+    local = load(tmp_path / "ds")
+    staged = load(tmp_path / "ds", stoker.Storage(stage=tmp_path / "shm"))
+    server = S3Server()
+    try:
+        url = upload_pack(server, tmp_path / "ds", "videos")
+        remote = load(url, stoker.Storage(cache_dir=tmp_path / "cache", storage_options=server.storage_options()))
+        assert server.log.gets(".arrow")
+    finally:
+        server.stop()
+    for other in (staged, remote):
+        assert len(other) == len(local) == 3
+        for a, b in zip(local, other):
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(a[2]["video"], b[2]["video"])
