@@ -146,7 +146,9 @@ class Loader:
     seed, indices, weights, rank, world_size, drop_last), `storage=Storage(...)` (cache_dir,
     cache_limit, storage_options, stage), `targets=Targets(...)` (boxes, masks, ignore_index, pad,
     multi_label, num_classes, classes, collate_fn), `workers=Workers(...)` or an int (num_threads,
-    prefetch, persistent, pin_memory, timeout, on_error, decode_quality). `device`: None (the uint8
+    prefetch, persistent, pin_memory, timeout, on_error, decode_quality). `clips`: on a video pack, a
+    `stoker.Clips` (frames, stride or fps, sampling, clips_per_video; None: `Clips()`): each sample is
+    a clip and images are `uint8 [B, T, 3, H, W]` (docs/video.md). `device`: None (the uint8
     batches above), "numpy" (the same batches as NumPy arrays, no torch needed: JAX, docs/jax.md),
     a device ("cuda", "cuda:1", "cpu") or a `DeviceOptions` (normalize, dtype,
     memory_format, decode="gpu"). DataLoader's keywords map onto the options or raise a ConfigError
