@@ -244,3 +244,27 @@ def test_video_pack_from_s3_and_staged_equals_local(videos: Path, tmp_path: Path
         assert len(other) == len(local) == 3
         for a, b in zip(local, other):
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(a[2]["video"], b[2]["video"])
+
+
+def test_persistent_threads_and_drop_last_give_the_same_epochs(videos: Path) -> None:
+    """A persistent Loader runs on into the next epoch with that epoch's clips; drop_last counts clips."""
+    def epochs(**kw: object) -> list[list[tuple]]:
+        with stoker.Loader(videos, 4, clips=Clips(frames=2, clips_per_video=3), transforms=CROP, seed=2,
+                           drop_last=True, **kw) as ld:
+            assert len(ld) == 4   # 6 videos x 3 clips = 18 samples: 4 whole batches
+            return [_clips(ld) for _ in range(2)]
+    plain, persistent = epochs(), epochs(workers=stoker.Workers(persistent=True))
+    assert [len(e) for e in plain] == [4, 4]
+    assert not torch.equal(plain[0][0][0], plain[1][0][0])   # a new epoch draws new clips
+    for a_epoch, b_epoch in zip(plain, persistent):
+        for a, b in zip(a_epoch, b_epoch):
+            assert torch.equal(a[0], b[0]) and torch.equal(a[2]["clip"], b[2]["clip"])
+
+
+def test_weighted_draws_of_one_video_get_different_clips(videos: Path) -> None:
+    weights = np.array([1.0, 0, 0, 0, 0, 0])   # every draw is video 0
+    with stoker.Loader(videos, 6, clips=Clips(frames=3), transforms=CROP, seed=1,
+                       sampling=stoker.Sampling(weights=weights)) as ld:
+        (images, labels), = [b[:2] for b in _clips(ld)]
+        assert ld.epoch_indices(0).tolist() == [0] * 6
+    assert len({bytes(c.numpy()) for c in images}) == 6

@@ -331,13 +331,17 @@ def _clip_source(dataset: Any, i: int) -> tuple[Any, VideoIndex, tuple[float | N
 
 
 def read_clip(dataset: Any, i: int, spec: Clips, pipeline: Any, *, seed: int = 0, epoch: int = 0,
-              clip: int = 0, dst: np.ndarray | None = None, **decode_options: Any) -> tuple[np.ndarray, ClipStats]:
+              clip: int = 0, dst: np.ndarray | None = None, key_sample: int | None = None,
+              **decode_options: Any) -> tuple[np.ndarray, ClipStats]:
     """One clip of video sample ``i`` of a packed dataset (``stoker.open_dataset``): planned, decoded
     and augmented into ``dst`` (uint8 [T, H, W, 3]; allocated when None). The clip lies inside the
     sample's ``start``/``end`` seconds where the dataset has those columns (a Kinetics CSV). This is the
-    work one worker thread does per clip (the Loader's, through :class:`ClipSamples`)."""
+    work one worker thread does per clip (the Loader's, through :class:`ClipSamples`). ``key_sample``:
+    the sample number of the clip's random stream (default ``i``; a weighted epoch keys by draw, so a
+    video drawn twice gets two clips)."""
     sample, index, window = _clip_source(dataset, i)
-    plan = plan_clip(index, spec, pipeline, seed=seed, epoch=epoch, sample=i, clip=clip, window=window)
+    plan = plan_clip(index, spec, pipeline, seed=seed, epoch=epoch, sample=i if key_sample is None else key_sample,
+                     clip=clip, window=window)
     if dst is None:
         dst = np.empty((spec.frames, *plan.size, 3), np.uint8)
     elif dst.shape[1:3] != plan.size:
@@ -372,7 +376,8 @@ class ClipSamples:
         return positions % self.clips.clips_per_video
 
     def render(self, dataset: Any, pipeline: Any, *, seed: int, epoch: int, index: int, position: int,
-               dst: np.ndarray) -> None:
-        """Clip ``clip_of(position)`` of video ``index`` into ``dst`` (uint8 [T, H, W, 3])."""
+               dst: np.ndarray, by_draw: bool = False) -> None:
+        """Clip ``clip_of(position)`` of video ``index`` into ``dst`` (uint8 [T, H, W, 3]); ``by_draw``
+        (weighted sampling): its random stream keyed by the epoch position, not the video."""
         read_clip(dataset, index, self.clips, pipeline, seed=seed, epoch=epoch, clip=int(self.clip_of(position)),
-                  dst=dst)
+                  dst=dst, key_sample=position if by_draw else None)

@@ -217,7 +217,7 @@ class Filler:
             return
         t0 = time.perf_counter()
         self.clips.render(self.ds, self.pipe, seed=self.seed, epoch=self.epoch, index=idx, position=position,
-                          dst=dst)
+                          dst=dst, by_draw=self.spec.key_by_draw)
         times.decode += time.perf_counter() - t0
 
     def render(self, idx: int, key: int, u: np.ndarray, box: tuple | None, dst: np.ndarray, scratch: dict,
