@@ -24,8 +24,8 @@ from .transforms.geometry import decode_minimums, resample_region_into, resampli
 from .transforms.user import apply_tail
 from .video import VideoIndex, open_container, require_av, upright, video_stream
 
-__all__ = ["SAMPLINGS", "ClipPlan", "ClipSamples", "Clips", "ClipStats", "clip_frames", "clip_key", "decode_clip_into",
-           "finish_clip", "plan_clip"]
+__all__ = ["SAMPLINGS", "ClipPlan", "ClipSamples", "Clips", "ClipStats", "clip_frames", "clip_key",
+           "decode_clip_into", "finish_clip", "plan_clip", "read_clip"]
 
 SAMPLINGS = ("random", "uniform")
 

@@ -29,8 +29,8 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ._torch import HAVE_TORCH, missing_torch, torch
-from .clips import Clips, ClipSamples
 from ._system import threads_per_process
+from .clips import Clips, ClipSamples
 from .errors import ConfigError
 from .habits import check_source, dataloader_keywords, pinned_labels
 from .options import Sampling, Storage, Targets, Workers
@@ -41,7 +41,7 @@ from .device import DeviceOptions, as_device_options
 from .render import RenderSpec
 from .passes import Cursor, PassParts, Passes
 from .slots import LoaderStats, check_ring_fits
-from .transforms import Pipeline
+from .transforms import Normalize, Pipeline
 
 __all__ = ["Loader", "LoaderStats", "Sampling", "Storage", "Targets", "Workers"]
 
@@ -319,7 +319,7 @@ class Loader:
                    ("decode='gpu' (DeviceOptions)", self.device is not None and self.device.decode == "gpu")]
         batch = self.pipeline.batch
         if batch is not None:
-            names = [type(op).__name__ for op in batch.ops if type(op).__name__ != "Normalize"]
+            names = [type(op).__name__ for op in batch.ops if not isinstance(op, Normalize)]
             refused.append((", ".join(names + (["Mixup"] if batch.mix else [])) + " (batch ops)",
                             bool(names) or batch.mix is not None))
         for what, asked in refused:

@@ -3,8 +3,8 @@ without torch installed.
 
 The batch ring's slots are then plain numpy arrays (not pinned: no CUDA copy reads them), and a batch
 is handed out with the layout contract of the torch output: images `uint8 [B, 3, H, W]` (clips
-`[B, T, 3, H, W]`), a transposed view of the slot's `[B, H, W, 3]` rows (channels_last strides, no copy); labels and extras fresh
-arrays. The batch stays valid while the caller holds it: a slot goes back to the workers only when
+`[B, T, 3, H, W]`), a transposed view of the slot's `[B, H, W, 3]` rows (channels_last strides, no
+copy); labels and extras fresh arrays. The batch stays valid while the caller holds it: a slot goes back to the workers only when
 nothing refers to its memory any more. Every numpy view keeps a reference to the array it views (as
 do a memoryview, `torch.from_numpy`, and a `jax.device_put` that aliases host memory while it copies),
 so the slot array's reference count above the ring's own references counts exactly the holders, as

@@ -154,8 +154,8 @@ def check_ring_fits(n_slots: int, batch_size: int, height: int, width: int, fram
         what = f"clips x {frames}x{height}x{width}x3" if frames else f"images x {height}x{width}x3"
         raise ConfigError(f"the batch ring needs {n_slots} slots x {batch_size} {what} bytes = "
                           f"{need / 2**30:,.1f} GiB, but only {available / 2**30:,.1f} GiB of memory is available; "
-                          "lower batch_size= (--batch-size), workers=stoker.Workers(prefetch=...), the output size of the "
-                          "transforms" + (" or Clips(frames=)" if frames else ""))
+                          "lower batch_size= (--batch-size), workers=stoker.Workers(prefetch=...), the output size "
+                          "of the transforms" + (" or Clips(frames=)" if frames else ""))
 
 
 class BatchRing:
