@@ -10,8 +10,8 @@ CACHE_DIR keeps the generated Kinetics-like videos (10 s, 25 fps, 256 x 340, H.2
 (`stoker pack --video-keyframes 1`). Every pipeline decodes the same clips (frames and crop planned once by
 stoker.clips.plan_clip) into uint8 [16, 224, 224, 3]. Reported per pipeline: clips/s, CPU ms per clip (all
 threads, plus the DataLoader workers' own CPU time), frames decoded per frame delivered (the waste), best
-round of `--rounds`. The stoker figure is the decode path on threads (what a Loader worker will run per
-clip), not yet through the Loader: the Loader's clip options are not built yet (docs/video.md).
+round of `--rounds`. The stoker figure is the decode path on threads (what a Loader worker runs per
+clip), without the Loader around it (`stoker demo --video` trains through the Loader: docs/video.md).
 """
 
 from __future__ import annotations

@@ -169,14 +169,3 @@ def test_without_pyav_a_video_pack_names_the_extra(kinetics: Path, tmp_path: Pat
     with pytest.raises(MissingDependencyError, match=r"pip install 'stoker\[video\]'"):
         pack(kinetics, tmp_path / "ds", progress=False)
     assert not (tmp_path / "ds").exists()   # refused before anything is written
-
-
-def test_the_loader_refuses_a_video_pack_naming_the_clip_reader(kinetics: Path, tmp_path: Path) -> None:
-    """Until the Loader has clip options, a video pack is refused when the Loader is made, with the way
-    to read its clips, not per sample mid-epoch."""
-    from stoker import Loader, Resize
-    from stoker.errors import ConfigError
-
-    pack(kinetics, tmp_path / "ds", progress=False)
-    with pytest.raises(ConfigError, match=r"holds videos.*stoker\.clips\.read_clip"):
-        Loader(tmp_path / "ds", 2, transforms=[Resize((32, 32))])

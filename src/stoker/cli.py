@@ -213,9 +213,16 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    sizes = {k: v for k, v in (("batch_size", args.batch_size), ("steps", args.steps)) if v is not None}
+    if args.video:
+        from .tools.demo_video import VideoDemoSetup, run_video_demo
+
+        setup = VideoDemoSetup(videos=args.videos, rounds=args.rounds, **sizes)
+        run_video_demo(args.out or Path("stoker-demo-video"), setup, device=args.device)
+        return 0
     from .tools.demo import run_demo
 
-    run_demo(args.out, images=args.images, batch_size=args.batch_size, steps=args.steps, device=args.device)
+    run_demo(args.out or Path("stoker-demo"), images=args.images, device=args.device, **sizes)
     return 0
 
 
@@ -380,10 +387,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_doctor)
 
     p = sub.add_parser("demo", help="the main job on built-in data: generate, pack, train twice, compare")
-    p.add_argument("--out", type=Path, default=Path("stoker-demo"), help="working directory (default ./stoker-demo)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="working directory (default ./stoker-demo; ./stoker-demo-video with --video)")
     p.add_argument("--images", type=_positive, default=2000, help="images to generate (default 2000)")
-    p.add_argument("--batch-size", type=_positive, default=64)
-    p.add_argument("--steps", type=_positive, default=30, help="training steps per run (default 30)")
+    p.add_argument("--batch-size", type=_positive, default=None, help="default 64 (--video: 8 clips)")
+    p.add_argument("--steps", type=_positive, default=None, help="training steps per run (default 30; --video: 10)")
+    p.add_argument("--video", action="store_true",
+                   help="train a tiny 3D CNN on generated video clips: a DataLoader decoding with PyAV vs stoker's "
+                        "Loader(clips=...), alternating (needs pip install 'stoker[video]')")
+    p.add_argument("--videos", type=_positive, default=32, help="--video: videos to generate (default 32)")
+    p.add_argument("--rounds", type=_positive, default=2, help="--video: rounds of each feed, alternating (default 2)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.set_defaults(func=_cmd_demo)
     return parser

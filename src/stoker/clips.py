@@ -24,8 +24,8 @@ from .transforms.geometry import decode_minimums, resample_region_into, resampli
 from .transforms.user import apply_tail
 from .video import VideoIndex, open_container, require_av, upright, video_stream
 
-__all__ = ["SAMPLINGS", "ClipPlan", "Clips", "ClipStats", "clip_frames", "clip_key", "decode_clip_into",
-           "finish_clip", "plan_clip"]
+__all__ = ["SAMPLINGS", "ClipPlan", "ClipSamples", "Clips", "ClipStats", "clip_frames", "clip_key",
+           "decode_clip_into", "finish_clip", "plan_clip", "read_clip"]
 
 SAMPLINGS = ("random", "uniform")
 
@@ -311,12 +311,9 @@ def finish_clip(pipeline: Any, plan: ClipPlan, dst: np.ndarray) -> None:
         dst[t] = out
 
 
-def read_clip(dataset: Any, i: int, spec: Clips, pipeline: Any, *, seed: int = 0, epoch: int = 0,
-              clip: int = 0, dst: np.ndarray | None = None, **decode_options: Any) -> tuple[np.ndarray, ClipStats]:
-    """One clip of video sample ``i`` of a packed dataset (``stoker.open_dataset``): planned, decoded
-    and augmented into ``dst`` (uint8 [T, H, W, 3]; allocated when None). The clip lies inside the
-    sample's ``start``/``end`` seconds where the dataset has those columns (a Kinetics CSV). This is the
-    work one worker thread does per clip; the Loader's clip options are not built yet (docs/video.md)."""
+def _clip_source(dataset: Any, i: int) -> tuple[Any, VideoIndex, tuple[float | None, float | None] | None]:
+    """Video sample ``i`` of a packed dataset: its stored sample, its index, and the window (start, end
+    seconds) its ``start``/``end`` columns give (a Kinetics CSV), None without them."""
     from .video import VIDEO_INDEX_COLUMN
     sample = dataset.sample(i)
     try:
@@ -330,11 +327,57 @@ def read_clip(dataset: Any, i: int, spec: Clips, pipeline: Any, *, seed: int = 0
     columns = getattr(dataset, "extra_columns", ())
     bounds = [dataset.extra(i, c) if c in columns else None for c in ("start", "end")]
     window = tuple(None if b is None else float(b) for b in bounds)
-    plan = plan_clip(index, spec, pipeline, seed=seed, epoch=epoch, sample=i, clip=clip,
-                     window=None if window == (None, None) else window)
+    return sample, index, None if window == (None, None) else window
+
+
+def read_clip(dataset: Any, i: int, spec: Clips, pipeline: Any, *, seed: int = 0, epoch: int = 0,
+              clip: int = 0, dst: np.ndarray | None = None, key_sample: int | None = None,
+              **decode_options: Any) -> tuple[np.ndarray, ClipStats]:
+    """One clip of video sample ``i`` of a packed dataset (``stoker.open_dataset``): planned, decoded
+    and augmented into ``dst`` (uint8 [T, H, W, 3]; allocated when None). The clip lies inside the
+    sample's ``start``/``end`` seconds where the dataset has those columns (a Kinetics CSV). This is the
+    work one worker thread does per clip (the Loader's, through :class:`ClipSamples`). ``key_sample``:
+    the sample number of the clip's random stream (default ``i``; a weighted epoch keys by draw, so a
+    video drawn twice gets two clips)."""
+    sample, index, window = _clip_source(dataset, i)
+    plan = plan_clip(index, spec, pipeline, seed=seed, epoch=epoch, sample=i if key_sample is None else key_sample,
+                     clip=clip, window=window)
     if dst is None:
         dst = np.empty((spec.frames, *plan.size, 3), np.uint8)
+    elif dst.shape[1:3] != plan.size:
+        raise ValueError(f"the transforms give {plan.size[0]}x{plan.size[1]} frames for this video "
+                         f"({index.upright[0]}x{index.upright[1]}); the batch is {dst.shape[1]}x{dst.shape[2]}")
     stats = decode_clip_into(sample.data, index, plan.frames, dst, plan.box, plan.flip, key=sample.key,
                              **decode_options)
     finish_clip(pipeline, plan, dst)
     return dst, stats
+
+
+@dataclass(frozen=True)
+class ClipSamples:
+    """A video pack's samples, as the Loader's render stage sees them (its per-kind hook): each
+    video is listed ``clips_per_video`` times in a row in an epoch, and position ``p`` of the epoch
+    holds clip ``p % clips_per_video`` of its video, so order, ranks, resume and replacement of a
+    failed sample work on videos unchanged. A row is one clip, rendered by :func:`read_clip` straight
+    into the slot's ``[T, H, W, 3]`` row."""
+
+    clips: Clips
+
+    @property
+    def frames(self) -> int:
+        return self.clips.frames
+
+    @property
+    def per_video(self) -> int:
+        return self.clips.clips_per_video
+
+    def clip_of(self, positions: np.ndarray | int) -> np.ndarray | int:
+        """The clip number of the epoch's position(s)."""
+        return positions % self.clips.clips_per_video
+
+    def render(self, dataset: Any, pipeline: Any, *, seed: int, epoch: int, index: int, position: int,
+               dst: np.ndarray, by_draw: bool = False) -> None:
+        """Clip ``clip_of(position)`` of video ``index`` into ``dst`` (uint8 [T, H, W, 3]); ``by_draw``
+        (weighted sampling): its random stream keyed by the epoch position, not the video."""
+        read_clip(dataset, index, self.clips, pipeline, seed=seed, epoch=epoch, clip=int(self.clip_of(position)),
+                  dst=dst, key_sample=position if by_draw else None)

@@ -42,15 +42,19 @@ def batch_extras(slot: Slot, upload: Any = None) -> dict[str, Any]:
 
 
 def run_batch_ops(spec: RenderSpec, images: torch.Tensor, labels: Any, epoch: int, batch: int) -> tuple[Any, Any]:
-    """The pipeline's batch ops on one batch (NHWC in, NCHW out), their draws keyed by (seed, epoch,
-    batch index of the epoch); with a Mixup the labels come back as soft targets [B, num_classes]."""
+    """The pipeline's batch ops on one batch (NHWC in, NCHW out; clips [B, T, H, W, 3] in, [B, T, 3, H, W]
+    out, every frame an image of the batch), their draws keyed by (seed, epoch, batch index of the epoch);
+    with a Mixup the labels come back as soft targets [B, num_classes]."""
     ops = spec.pipeline.batch
     if ops.mix is not None and not isinstance(labels, torch.Tensor):
         raise SampleError(f"Mixup needs numeric class labels, batch {batch} of epoch {epoch} has "
                           f"{type(labels[0]).__name__} labels; drop the Mixup or pack integer labels")
-    out = ops(images.permute(0, 3, 1, 2), labels if ops.mix is not None else None, epoch=epoch, batch=batch,
+    frames = images.shape[1] if images.dim() == 5 else 0
+    x = images.flatten(0, 1) if frames else images
+    out = ops(x.permute(0, 3, 1, 2), labels if ops.mix is not None else None, epoch=epoch, batch=batch,
               seed=spec.seed)
-    return out if isinstance(out, tuple) else (out, labels)
+    x, labels = out if isinstance(out, tuple) else (out, labels)
+    return (x.unflatten(0, (-1, frames)) if frames else x), labels
 
 
 class DeviceBuilder:
@@ -82,6 +86,9 @@ class DeviceBuilder:
             # on the CPU `.to()` would return the slot itself, which the workers are about to refill
             x = stage.upload(slot.images[:n]) if self.opts.is_cuda else slot.images[:n].clone()
         labels, extras = self._host_items(slot)
+        frames = x.shape[1] if x.dim() == 5 else 0   # clips: converted as B x T images, then regrouped
+        if frames:
+            x = x.flatten(0, 1)
         # past this fence the GPU no longer reads the pinned slot: the workers may refill it while the
         # GPU decodes and converts (the JPEG bytes of GpuJobs are private copies, not slot memory)
         reusable = stage.fence()
@@ -100,6 +107,8 @@ class DeviceBuilder:
             done = x.dtype.is_floating_point and self.opts.dtype == torch.uint8
             images = x.contiguous(memory_format=self.opts.memory_format) if done else convert(x, self.opts,
                                                                                                layout="nchw")
+        if frames:
+            images = images.unflatten(0, (-1, frames))
         batch: tuple = (images, labels)
         if extras is not None:   # extra columns, and the sizes of padded images
             batch += (extras,)

@@ -30,6 +30,7 @@ import numpy as np
 
 from ._torch import HAVE_TORCH, missing_torch, torch
 from ._system import threads_per_process
+from .clips import Clips, ClipSamples
 from .errors import ConfigError
 from .habits import check_source, dataloader_keywords, pinned_labels
 from .options import Sampling, Storage, Targets, Workers
@@ -40,7 +41,7 @@ from .device import DeviceOptions, as_device_options
 from .render import RenderSpec
 from .passes import Cursor, PassParts, Passes
 from .slots import LoaderStats, check_ring_fits
-from .transforms import Pipeline
+from .transforms import Normalize, Pipeline
 
 __all__ = ["Loader", "LoaderStats", "Sampling", "Storage", "Targets", "Workers"]
 
@@ -145,7 +146,9 @@ class Loader:
     seed, indices, weights, rank, world_size, drop_last), `storage=Storage(...)` (cache_dir,
     cache_limit, storage_options, stage), `targets=Targets(...)` (boxes, masks, ignore_index, pad,
     multi_label, num_classes, classes, collate_fn), `workers=Workers(...)` or an int (num_threads,
-    prefetch, persistent, pin_memory, timeout, on_error, decode_quality). `device`: None (the uint8
+    prefetch, persistent, pin_memory, timeout, on_error, decode_quality). `clips`: on a video pack, a
+    `stoker.Clips` (frames, stride or fps, sampling, clips_per_video; None: `Clips()`): each sample is
+    a clip and images are `uint8 [B, T, 3, H, W]` (docs/video.md). `device`: None (the uint8
     batches above), "numpy" (the same batches as NumPy arrays, no torch needed: JAX, docs/jax.md),
     a device ("cuda", "cuda:1", "cpu") or a `DeviceOptions` (normalize, dtype,
     memory_format, decode="gpu"). DataLoader's keywords map onto the options or raise a ConfigError
@@ -156,8 +159,11 @@ class Loader:
                  order: str | None = None, seed: int | None = None, sampling: Sampling | None = None,
                  device: str | int | torch.device | DeviceOptions | None = None, columns: Sequence[str] = (),
                  targets: Targets | None = None, storage: Storage | None = None,
-                 workers: Workers | int | None = None, **dataloader: Any) -> None:
+                 workers: Workers | int | None = None, clips: Clips | None = None, **dataloader: Any) -> None:
         check_source(source)
+        if clips is not None and not isinstance(clips, Clips):
+            raise ConfigError(f"clips= takes a stoker.Clips, got {type(clips).__name__}: {clips!r:.80}")
+        self._clips_arg = clips
         loose = dataloader_keywords(dataloader)   # DataLoader's keywords, as fields of the options below
         for name, value in (("order", order), ("seed", seed)):   # the common two, kept at hand
             if value is not None:
@@ -225,9 +231,7 @@ class Loader:
         self.prefetch, self.on_error, self.timeout = prefetch, on_error, float(timeout)
         self.order = order
         self.columns = tuple(columns)
-        if "video_index" in ds.extra_columns:   # video.VIDEO_INDEX_COLUMN: a video pack
-            raise ConfigError(f"{ds.path} holds videos; the Loader's clip options are not built yet: read clips with "
-                              f"stoker.clips.read_clip(stoker.open_dataset(path), index, Clips(...), Pipeline(transforms)) (docs/video.md)")
+        self.clips = self._video_clips(ds)
         missing = [c for c in self.columns if c not in ds.extra_columns]
         if missing:
             raise ConfigError(f"{ds.path}: no column(s) {missing}; the dataset has extra columns {ds.extra_columns}")
@@ -251,7 +255,8 @@ class Loader:
         heights = None if ds.heights is None else np.asarray(ds.heights, dtype=np.int64)
         widths = None if ds.widths is None else np.asarray(ds.widths, dtype=np.int64)
         self.output_size = self._resolve_output_size(heights, widths)
-        check_ring_fits(prefetch + 2, batch_size, *self.output_size)   # at once, not at the first batch
+        frames = 0 if self.clips is None else self.clips.frames
+        check_ring_fits(prefetch + 2, batch_size, *self.output_size, frames)   # at once, not at the first batch
         labels = ds.labels
         if self._pinned is not None:
             labels = pinned_labels(labels, ds.classes, self._pinned, ds.path)
@@ -282,7 +287,8 @@ class Loader:
                                 labels, heights, widths, multi_label=multi, decode_quality=self.decode_quality,
                                 box_columns=self.boxes, mask_columns=polygons, label_map_columns=label_maps,
                                 ignore_index=self.ignore_index, pad=self.pad,
-                                key_by_draw=self._pool.weighted, members=self._pool.members())
+                                key_by_draw=self._pool.weighted, members=self._pool.members(),
+                                clips=None if self.clips is None else ClipSamples(self.clips))
         self._shard_rows = [s.rows for s in ds.manifest.shards] \
             if isinstance(ds, (PackedDataset, CachedDataset)) else None
         self.stats = LoaderStats()
@@ -296,6 +302,37 @@ class Loader:
             collate=self.collate_fn, order=self.order, buffers=self._buffers()), self._cursor)
         if self.device is not None and self.device.decode == "gpu":
             self._passes.gpu(self.device)  # a missing decoder library fails here, with its install hint
+
+    def _video_clips(self, ds: Dataset) -> Clips | None:
+        """The clip options of a video pack (`clips=`, or `Clips()`'s defaults); None for images. Refuses
+        what clips cannot honour here, when the Loader is made, naming what to change."""
+        from .video import VIDEO_INDEX_COLUMN, require_av
+
+        if VIDEO_INDEX_COLUMN not in ds.extra_columns:
+            if self._clips_arg is not None:
+                raise ConfigError(f"{ds.path} holds images, not videos; clips= applies to a video pack (stoker pack "
+                                  f"of video files): drop clips=")
+            return None
+        require_av()   # PyAV decodes the clips: missing, the install hint now rather than per sample
+        # each of these would treat a clip's frames as unrelated images
+        refused = [("boxes=/masks= (stoker.Targets)", bool(self.boxes or self.masks)), ("pad=True", self.pad),
+                   ("decode='gpu' (DeviceOptions)", self.device is not None and self.device.decode == "gpu")]
+        batch = self.pipeline.batch
+        if batch is not None:
+            names = [type(op).__name__ for op in batch.ops if not isinstance(op, Normalize)]
+            refused.append((", ".join(names + (["Mixup"] if batch.mix else [])) + " (batch ops)",
+                            bool(names) or batch.mix is not None))
+        for what, asked in refused:
+            if asked:
+                raise ConfigError(f"{ds.path} holds videos: {what} cannot apply to clips yet (of the batch ops, "
+                                  f"clips take Normalize only); drop it for a video pack (docs/video.md)")
+        clips = Clips() if self._clips_arg is None else self._clips_arg
+        taken = [c for c in ("video", "clip") if c in self.columns]
+        if taken and clips.clips_per_video > 1:
+            raise ConfigError(f"{ds.path}: with clips_per_video > 1 the batch's extras 'video' and 'clip' say which "
+                              f"video and clip each row holds, and would hide the column(s) {taken} asked for in "
+                              f"columns=; rename them when packing")
+        return clips
 
     def _resolve_output_size(self, h: np.ndarray | None, w: np.ndarray | None) -> tuple[int, int]:
         fixed = self.pipeline.fixed_size
@@ -328,8 +365,13 @@ class Loader:
     # ---- epochs and state ------------------------------------------------------------------
     def __len__(self) -> int:
         """Batches per epoch on this rank."""
-        return num_batches(samples_per_rank(self._pool.size, self.world_size, self.drop_last),
+        return num_batches(samples_per_rank(self._pool.size, self.world_size, self.drop_last) * self._per_video,
                            self.batch_size, self.drop_last)
+
+    @property
+    def _per_video(self) -> int:
+        """Samples per dataset row in an epoch: a video pack's clips per video, else 1."""
+        return 1 if self.clips is None else self.clips.clips_per_video
 
     @property
     def epoch(self) -> int:
@@ -346,7 +388,7 @@ class Loader:
         """Samples of one epoch on this rank (what `epoch_indices` returns, without computing the order)."""
         if self.drop_last:
             return len(self) * self.batch_size
-        return samples_per_rank(self._pool.size, self.world_size, False)
+        return samples_per_rank(self._pool.size, self.world_size, False) * self._per_video
 
     def state_dict(self) -> dict[str, Any]:
         """Where the data stands: the epoch, and the samples (and batches) of it the latest pass
@@ -360,7 +402,8 @@ class Loader:
         return {"format": _STATE_FORMAT, "epoch": epoch, "batch": batch, "sample": sample,
                 "seed": self.seed, "batch_size": self.batch_size, "world_size": self.world_size,
                 "num_samples": len(self.dataset), "order": self.order, "drop_last": self.drop_last,
-                "pool": self._pool.fingerprint}
+                "pool": self._pool.fingerprint,
+                **({} if self.clips is None else {"clips": repr(self.clips)})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next `iter()` (only that one) yields exactly the samples of `state`'s epoch not
@@ -371,6 +414,8 @@ class Loader:
             raise ConfigError(f"not a stoker Loader state (expected format {_STATE_FORMAT!r}): {state!r:.200}")
         mine = self.state_dict()
         keys = ["seed", "world_size", "num_samples", "order", "drop_last", "pool"]
+        if self.clips is not None:   # which clips an epoch holds
+            keys.append("clips")
         if self.drop_last:  # which samples an epoch drops depends on the batch size
             keys.append("batch_size")
         diff = {k: (state.get(k), mine[k]) for k in keys if state.get(k) != mine[k]}
@@ -400,6 +445,7 @@ class Loader:
         if self.order == "shard_window":
             idx = shard_window_order(self._shard_rows or [len(self.dataset)], seed=self.seed, epoch=epoch,
                                      rank=self.rank, world_size=self.world_size, drop_last=self.drop_last)
+            idx = np.repeat(idx, self._per_video)   # a video's clips one after another (clips.ClipSamples)
             return idx[:len(idx) // self.batch_size * self.batch_size] if self.drop_last else idx
         if pool.weighted:
             perm = pool.draw(self.seed, epoch)
@@ -409,6 +455,7 @@ class Loader:
                 perm = pool.indices[perm]
         idx = rank_indices(perm, self.rank, self.world_size, drop_last=self.drop_last,
                            contiguous=self.order == "shard_random")
+        idx = np.repeat(idx, self._per_video)   # a video's clips one after another (clips.ClipSamples)
         if self.drop_last:
             idx = idx[:len(idx) // self.batch_size * self.batch_size]
         return idx

@@ -2,9 +2,9 @@
 without torch installed.
 
 The batch ring's slots are then plain numpy arrays (not pinned: no CUDA copy reads them), and a batch
-is handed out with the layout contract of the torch output: images `uint8 [B, 3, H, W]`, a transposed
-view of the slot's `[B, H, W, 3]` rows (channels_last strides, no copy); labels and extras fresh
-arrays. The batch stays valid while the caller holds it: a slot goes back to the workers only when
+is handed out with the layout contract of the torch output: images `uint8 [B, 3, H, W]` (clips
+`[B, T, 3, H, W]`), a transposed view of the slot's `[B, H, W, 3]` rows (channels_last strides, no
+copy); labels and extras fresh arrays. The batch stays valid while the caller holds it: a slot goes back to the workers only when
 nothing refers to its memory any more. Every numpy view keeps a reference to the array it views (as
 do a memoryview, `torch.from_numpy`, and a `jax.device_put` that aliases host memory while it copies),
 so the slot array's reference count above the ring's own references counts exactly the holders, as
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .labels import MultiLabel
-from .slots import Slot
+from .slots import Slot, row_shape
 from .transforms.targets import LabelMap, TargetRows, stack_label_map_arrays
 
 __all__ = ["ArrayWeakRef", "NumpyBuffers", "numpy_batch"]
@@ -31,9 +31,10 @@ __all__ = ["ArrayWeakRef", "NumpyBuffers", "numpy_batch"]
 class NumpyBuffers:
     """The ring's slots as numpy arrays (`slots.Buffers`): the image array counts its holders."""
 
-    def allocate(self, batch_size: int, height: int, width: int, label_dtype: np.dtype | None) -> Slot:
+    def allocate(self, batch_size: int, height: int, width: int, label_dtype: np.dtype | None,
+                 frames: int = 0) -> Slot:
         labels = None if label_dtype is None else np.empty(batch_size, label_dtype)
-        slot = Slot(np.empty((batch_size, height, width, 3), np.uint8), None, labels, labels,
+        slot = Slot(np.empty((batch_size, *row_shape(height, width, frames)), np.uint8), None, labels, labels,
                     objects=[None] * batch_size)
         slot.images_np = slot.owner = slot.images
         # the ring's own references, counted the way `Slot.held` counts them (no local holds the array)
@@ -56,10 +57,10 @@ class ArrayWeakRef:
 
 
 def numpy_batch(slot: Slot, encode: MultiLabel | None) -> tuple:
-    """The caller's batch from a finished slot: images a [B, 3, H, W] view of it, labels and extras
-    fresh (label lists encoded as numpy arrays, label maps stacked, pad=True's sizes)."""
+    """The caller's batch from a finished slot: images a [B, 3, H, W] (clips: [B, T, 3, H, W]) view of
+    it, labels and extras fresh (label lists encoded as numpy arrays, label maps stacked, pad=True's sizes)."""
     n = slot.size
-    images = slot.owner[:n].transpose(0, 3, 1, 2)
+    images = np.moveaxis(slot.owner[:n], -1, -3)
     labels: Any
     if slot.labels_np is not None:
         labels = slot.labels_np[:n].copy()

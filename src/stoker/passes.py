@@ -106,10 +106,11 @@ class Passes:
         p = self.parts
         h, w = p.spec.output_size
         n_slots = p.prefetch + 2 + extra
+        frames = p.spec.frames
         if private or self._ring is None or not self._ring.matches(n_slots, p.batch_size, h, w, p.label_dtype,
-                                                                   p.pin_memory):
+                                                                   p.pin_memory, frames):
             ring = BatchRing(n_slots, p.batch_size, h, w, label_dtype=p.label_dtype, pin_memory=p.pin_memory,
-                             stats=p.stats, buffers=p.buffers)
+                             stats=p.stats, buffers=p.buffers, frames=frames)
             if private:
                 return ring
             self._ring = ring
@@ -342,8 +343,8 @@ class PassIter:
         return out
 
     def _batch(self, slot: Slot) -> tuple:
-        """The caller's batch: images a [B, 3, H, W] view of the slot (channels_last strides, no copy;
-        the slot is refilled only once nothing references it), labels and extras fresh objects."""
+        """The caller's batch: images a [B, 3, H, W] (clips: [B, T, 3, H, W]) view of the slot (channels_last
+        strides, no copy; the slot is refilled only once nothing references it), labels and extras fresh objects."""
         n = slot.size
         images: Any = slot.images if n == slot.images.shape[0] else slot.images[:n]
         spec = self._parts.spec
@@ -355,7 +356,7 @@ class PassIter:
         if spec.pipeline.batch is not None:  # no device stage: the batch ops run here, on the CPU
             images, labels = run_batch_ops(spec, images, labels, self._epoch, self._first_batch + self._b - 1)
         else:
-            images = images.permute(0, 3, 1, 2)
+            images = images.movedim(-1, -3)
         if slot.extras:   # extra columns, and the sizes of padded images
             return images, labels, batch_extras(slot)
         return images, labels

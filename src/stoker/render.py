@@ -76,6 +76,13 @@ class RenderSpec:
     pad: bool = False
     #: further kinds of targets (`transforms.targets.Target`), after those the column fields above name
     targets: tuple[Target, ...] = ()
+    #: a video pack: each row is a clip (`clips.ClipSamples`), [T, H, W, 3]; None: each row is an image
+    clips: Any = None
+
+    @property
+    def frames(self) -> int:
+        """Frames per row: a clip's T, or 0 for images (`slots.row_shape`)."""
+        return 0 if self.clips is None else self.clips.frames
 
     def target_kinds(self) -> tuple[Target, ...]:
         """One `Target` per target column: boxes, polygon instance masks (one per box of the first box
@@ -118,9 +125,10 @@ class Filler:
         self.fast = spec.decode_quality == "fast"
         self.targets = {t.column: t for t in spec.target_kinds()}
         self.full_size = spec.decode_quality == "exact"
+        self.clips = spec.clips  # a video pack: rows are clips, each planned on its own (clips.ClipSamples)
 
     def _geometry(self, idx: np.ndarray, u: np.ndarray) -> Plan | None:
-        if self.heights is None:
+        if self.heights is None or self.clips is not None:
             return None
         return self.pipe.plan(self.heights[idx], self.widths[idx], u)
 
@@ -139,6 +147,8 @@ class Filler:
         slot.extras = {c: (TargetRows(self.targets[c], [self.targets[c].read(self.ds, int(i)) for i in idx])
                            if c in self.targets else [self.ds.extra(int(i), c) for i in idx])
                        for c in (*self.columns, *(c for c in self.targets if c not in self.columns))}
+        if self.clips is not None and self.clips.per_video > 1:   # which video and clip each row holds
+            slot.extras["video"], slot.extras["clip"] = idx.astype(np.int64), self.clips.clip_of(positions)
         geometry = self._geometry(idx, u)
         if self.spec.pad:
             slot.extras["sizes"] = geometry.size.astype(np.int64)  # a tensor or an array at hand-out
@@ -158,7 +168,8 @@ class Filler:
             if self.gpu if gpu is None else gpu:
                 self.queue_gpu(idx, int(plan.keys[row]), plan.u[row], box, row, slot, scratch, times)
             else:
-                self.render(idx, int(plan.keys[row]), plan.u[row], box, slot.images_np[row], scratch, times)
+                self.render_row(idx, int(plan.positions[row]), int(plan.keys[row]), plan.u[row], box,
+                                slot.images_np[row], scratch, times)
             if self.targets:
                 at = self._placement(geo, row, idx)
                 for c in self.targets:
@@ -196,6 +207,18 @@ class Filler:
             box = _row_box(self.pipe.plan(np.array([s.height]), np.array([s.width]), u[None, :]), 0)
             return box, box[2]
         return box, (box[2] if self.spec.pad else (self.out_h, self.out_w))
+
+    def render_row(self, idx: int, position: int, key: int, u: np.ndarray, box: tuple | None, dst: np.ndarray,
+                   scratch: dict, times: WorkerTimes) -> None:
+        """Sample `idx`, at `position` of the epoch, into its row: an image (`render`) or, from a video
+        pack, the clip that position holds (its own plan, decode and colour ops: `clips.ClipSamples`)."""
+        if self.clips is None:
+            self.render(idx, key, u, box, dst, scratch, times)
+            return
+        t0 = time.perf_counter()
+        self.clips.render(self.ds, self.pipe, seed=self.seed, epoch=self.epoch, index=idx, position=position,
+                          dst=dst, by_draw=self.spec.key_by_draw)
+        times.decode += time.perf_counter() - t0
 
     def render(self, idx: int, key: int, u: np.ndarray, box: tuple | None, dst: np.ndarray, scratch: dict,
                times: WorkerTimes, sample: Any = None) -> None:
@@ -294,7 +317,7 @@ class Filler:
             geo = self._geometry(np.array([r]), u)
             box = _row_box(geo, 0)
             try:
-                self.render(r, int(key[0]), u[0], box, slot.images_np[row], scratch, times)
+                self.render_row(r, pos, int(key[0]), u[0], box, slot.images_np[row], scratch, times)
                 raws = {c: t.read(self.ds, r) for c, t in self.targets.items()}
                 at = self._placement(geo, 0, r) if self.targets else None
                 placed = {c: t.place(raws[c], self.ds, r, at) for c, t in self.targets.items()}
@@ -311,6 +334,8 @@ class Filler:
             for c in self.columns:
                 if c not in self.targets:
                     slot.extras[c][row] = self.ds.extra(r, c)
+            if "video" in slot.extras and self.clips is not None:
+                slot.extras["video"][row] = r
             for c, value in placed.items():
                 slot.extras[c].raw[row], slot.extras[c][row] = raws[c], value
             key_, shard, srow = self._describe(int(plan.indices[row]), first)

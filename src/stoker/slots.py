@@ -123,35 +123,44 @@ class Slot:
 class Buffers(Protocol):
     """What makes a ring's slots when they are not torch tensors (numpy_output.NumpyBuffers)."""
 
-    def allocate(self, batch_size: int, height: int, width: int, label_dtype: np.dtype | None) -> Slot: ...
+    def allocate(self, batch_size: int, height: int, width: int, label_dtype: np.dtype | None,
+                 frames: int = 0) -> Slot: ...
 
     def weak(self, slot: Slot) -> Any:
         """A weak reference to the slot's memory whose `expired()` says the caller let go of it."""
 
 
-def ring_bytes(n_slots: int, batch_size: int, height: int, width: int) -> int:
-    """Bytes a ring of ``n_slots`` batches of uint8 ``[batch_size, height, width, 3]`` images
-    (plus int64 labels) holds."""
-    return n_slots * batch_size * (height * width * 3 + 8)
+def row_shape(height: int, width: int, frames: int = 0) -> tuple[int, ...]:
+    """The shape of one batch row: an image ``(height, width, 3)``, or a clip of ``frames`` such
+    images ``(frames, height, width, 3)`` (``frames`` 0: images)."""
+    return (frames, height, width, 3) if frames else (height, width, 3)
 
 
-def check_ring_fits(n_slots: int, batch_size: int, height: int, width: int) -> None:
+def ring_bytes(n_slots: int, batch_size: int, height: int, width: int, frames: int = 0) -> int:
+    """Bytes a ring of ``n_slots`` batches of uint8 ``[batch_size, height, width, 3]`` images (or
+    ``[batch_size, frames, height, width, 3]`` clips), plus int64 labels, holds."""
+    return n_slots * batch_size * (max(frames, 1) * height * width * 3 + 8)
+
+
+def check_ring_fits(n_slots: int, batch_size: int, height: int, width: int, frames: int = 0) -> None:
     """Refuse, before allocating, a ring larger than the memory available now (an allocation that
     would fail with a bare RuntimeError deep in torch, or push the machine into swap), naming the
     knobs that size it."""
     import psutil
 
-    need = ring_bytes(n_slots, batch_size, height, width)
+    need = ring_bytes(n_slots, batch_size, height, width, frames)
     available = psutil.virtual_memory().available
     if need > available:
-        raise ConfigError(f"the batch ring needs {n_slots} slots x {batch_size} images x {height}x{width}x3 bytes = "
+        what = f"clips x {frames}x{height}x{width}x3" if frames else f"images x {height}x{width}x3"
+        raise ConfigError(f"the batch ring needs {n_slots} slots x {batch_size} {what} bytes = "
                           f"{need / 2**30:,.1f} GiB, but only {available / 2**30:,.1f} GiB of memory is available; "
-                          "lower batch_size= (--batch-size), workers=stoker.Workers(prefetch=...) or the output size of the "
-                          "transforms")
+                          "lower batch_size= (--batch-size), workers=stoker.Workers(prefetch=...), the output size "
+                          "of the transforms" + (" or Clips(frames=)" if frames else ""))
 
 
 class BatchRing:
-    """Preallocated batches: images uint8 [batch_size, height, width, 3] and labels.
+    """Preallocated batches: images uint8 [batch_size, height, width, 3] (clips: [batch_size, frames,
+    height, width, 3]) and labels.
 
     `free` slots wait for the workers; `out` holds the slots handed to the caller, oldest first,
     until `reclaim` finds them unreferenced. A slot the caller keeps is let go and replaced by a
@@ -160,8 +169,8 @@ class BatchRing:
 
     def __init__(self, n_slots: int, batch_size: int, height: int, width: int, *,
                  label_dtype: np.dtype | None, pin_memory: bool, stats: "LoaderStats | None" = None,
-                 buffers: "Buffers | None" = None) -> None:
-        self.batch_size, self.height, self.width = batch_size, height, width
+                 buffers: "Buffers | None" = None, frames: int = 0) -> None:
+        self.batch_size, self.height, self.width, self.frames = batch_size, height, width, frames
         self.buffers = buffers  # None: torch tensors; else what makes the slots (numpy_output.NumpyBuffers)
         self.n_slots = n_slots
         self.label_dtype = label_dtype
@@ -172,7 +181,7 @@ class BatchRing:
         self.out: list[Slot] = []
         self._kept: list[Any] = []  # StorageWeakRefs of the batches let go while the caller held them
         self._warned = False
-        check_ring_fits(n_slots, batch_size, height, width)
+        check_ring_fits(n_slots, batch_size, height, width, frames)
         self.top_up()
 
     def _make_slot(self) -> Slot:
@@ -190,8 +199,8 @@ class BatchRing:
 
     def _allocate(self) -> Slot:
         if self.buffers is not None:
-            return self.buffers.allocate(self.batch_size, self.height, self.width, self.label_dtype)
-        images = torch.empty((self.batch_size, self.height, self.width, 3), dtype=torch.uint8,
+            return self.buffers.allocate(self.batch_size, self.height, self.width, self.label_dtype, self.frames)
+        images = torch.empty((self.batch_size, *row_shape(self.height, self.width, self.frames)), dtype=torch.uint8,
                              pin_memory=self.pin_memory)
         labels = None
         if self.label_dtype is not None:
@@ -242,7 +251,7 @@ class BatchRing:
         kept = self.live_kept()
         if len(kept) >= KEPT_WARN and not self._warned:
             self._warned = True
-            mib = len(kept) * self.batch_size * self.height * self.width * 3 / 2**20
+            mib = len(kept) * ring_bytes(1, self.batch_size, self.height, self.width, self.frames) / 2**20
             warnings.warn(f"{len(kept)} batches from this stoker Loader are still referenced ({mib:,.0f} MiB): "
                           f"every batch kept past the next step costs a fresh {self.batch_size}-image buffer. "
                           f"Keep only what you need (.clone() a slice, e.g. images[:8].clone(), or the "
@@ -255,10 +264,10 @@ class BatchRing:
         return self._kept
 
     def matches(self, n_slots: int, batch_size: int, height: int, width: int, label_dtype: np.dtype | None,
-                pin_memory: bool) -> bool:
+                pin_memory: bool, frames: int = 0) -> bool:
         """True when this ring can be reused for a run with these parameters."""
         return (self.n_slots, self.batch_size, self.height, self.width, self.label_dtype,
-                self.pin_memory) == (n_slots, batch_size, height, width, label_dtype, pin_memory)
+                self.pin_memory, self.frames) == (n_slots, batch_size, height, width, label_dtype, pin_memory, frames)
 
 
 @dataclass
