@@ -71,7 +71,6 @@ class DeviceBuilder:
     def __call__(self, slot: Slot) -> tuple[Any, Any]:
         t0 = time.perf_counter()
         n, stage = slot.size, self.stage
-        stage.bind()  # this runs on the device thread: every CUDA call it makes is on the loader's GPU
         if self.gpu is not None:
             # the GPU decode writes every JPEG row: only the rows rendered on the CPU cross the bus
             # (all of a 256x224x224 batch would be 38.5 MB), into a batch allocated on the device

@@ -84,6 +84,23 @@ def test_a_break_mid_epoch_under_no_host_syncs_stops_every_thread(packed: Path) 
     assert sum(x.shape[0] for x, _ in loader) == 96  # and it starts again
 
 
+def test_the_device_thread_runs_on_the_loaders_gpu(packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device thread binds to the Loader's GPU when it starts (the last one here: cuda:1 on a
+    two-GPU machine, while this thread stays on cuda:0) and builds every batch there."""
+    from stoker.device_build import DeviceBuilder
+
+    seen: list[tuple[str, int]] = []
+    build = DeviceBuilder.__call__
+    monkeypatch.setattr(DeviceBuilder, "__call__", lambda self, slot: (
+        seen.append((threading.current_thread().name, torch.cuda.current_device())), build(self, slot))[1])
+    last = torch.cuda.device_count() - 1
+    before = torch.cuda.current_device()
+    loader = Loader(packed, 16, transforms=TRAIN, device=f"cuda:{last}", workers=2)
+    assert all(x.device == torch.device("cuda", last) for x, _ in loader)
+    assert seen and set(seen) == {("stoker-device", last)}
+    assert torch.cuda.current_device() == before   # the caller's thread is left alone
+
+
 GPU_1 = """
 import os, sys, torch
 from stoker import DeviceOptions, Loader

@@ -35,15 +35,15 @@ __all__ = ["DoctorReport", "default_device", "run_doctor", "split_cores"]
 
 
 def default_device(device: str | None = None) -> str:
-    """`device` checked and made explicit by `stoker.device.parse_device` ("cuda" -> "cuda:0"); None: the
-    current CUDA GPU when there is one, else the CPU."""
+    """`device` checked and made explicit by `stoker.device.parse_device` and `resolve_device` ("cuda" ->
+    "cuda:0", or LOCAL_RANK's GPU); None: the current CUDA GPU when there is one, else the CPU."""
     import torch
 
-    from ..device import parse_device
+    from ..device import parse_device, resolve_device
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return str(parse_device(device))
+    return str(resolve_device(parse_device(device)))
 
 
 def split_cores(device: str, cores: int) -> tuple[int, int]:
