@@ -426,6 +426,17 @@ def _tensors(batch: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
+def storages_on(batch: Any, device: torch.device) -> dict[int, int]:
+    """The distinct storages of `batch`'s tensors (tuple/list/dict, nested) on `device`: address -> bytes.
+    Views share their storage, so each is counted once, at its full size."""
+    out: dict[int, int] = {}
+    for t in _tensors(batch):
+        if t.device == device:
+            st = t.untyped_storage()
+            out[st.data_ptr()] = st.nbytes()
+    return out
+
+
 def _cuda_tensors(batch: Any) -> Iterator[torch.Tensor]:
     return (t for t in _tensors(batch) if t.is_cuda)
 

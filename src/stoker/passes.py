@@ -209,7 +209,8 @@ class _Pipeline:
             stage = passes.stage(opts)
             decoder = passes.gpu(opts) if spec.gpu_decode else None
             build = DeviceBuilder(stage, decoder, self.chain, self.run.lock, parts.stats)
-            self.feeder = Feeder(self.run, stage, build, parts.prefetch, parts.timeout)
+            self.feeder = Feeder(self.run, stage, build, parts.prefetch, parts.timeout, stats=parts.stats,
+                                 measure=build.measure)
         if persistent:
             self.append(parts, epoch + 1)
         self._started = False

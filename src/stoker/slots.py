@@ -287,9 +287,29 @@ class LoaderStats:
     gpu_fallbacks: int = 0  # JPEGs the GPU could not decode, decoded on the CPU instead
     gpu_decoder: str = ""  # decode="gpu": the backend that decoded them (with what "auto" measured)
     slots_allocated: int = 0  # batch buffers allocated: the ring's own, plus one per batch the caller kept
+    # memory on the device stage's device (GPU memory with device="cuda") the loader holds, in bytes: the
+    # batches the device thread has built and not yet handed out. Counted by summing the storages of the
+    # tensors it owns (not torch.cuda.memory_allocated deltas, which the training step's allocations
+    # would pollute); the peak also counts the batch being built with its working tensor (the uint8
+    # upload, or GPU decode target). A GPU decoder library's own buffers are not in it.
+    device_bytes: int = 0
+    device_peak_bytes: int = 0
+    _device_lock: Any = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items()}
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items() if not k.startswith("_")}
+
+    def hold_device(self, nbytes: int, working: int = 0) -> None:
+        """A built batch of `nbytes` now held on the device; `working`: bytes that also lived while it was
+        built (freed since), for the peak."""
+        with self._device_lock:
+            self.device_bytes += nbytes
+            self.device_peak_bytes = max(self.device_peak_bytes, self.device_bytes + working)
+
+    def release_device(self, nbytes: int) -> None:
+        """A held batch handed out to the caller (then it is theirs) or dropped."""
+        with self._device_lock:
+            self.device_bytes -= nbytes
 
     def add(self, times: "WorkerTimes", samples: int) -> None:
         """Add a worker's counters since its last flush (call under the run's lock) and reset them."""
@@ -566,6 +586,7 @@ class Run:
 
 
 BuildFn = Callable[[Slot], "tuple[Any, Fence]"]  # slot -> (device batch, fence after which the slot is reusable)
+MeasureFn = Callable[[Any], "tuple[int, int]"]  # device batch -> (bytes it holds, working bytes of its build)
 
 
 class Feeder:
@@ -588,8 +609,12 @@ class Feeder:
     waiter; Ctrl-C landing while the consumer holds the lock is undone by `_release_if_owned`."""
 
     def __init__(self, run: Run, stage: Stage, build: BuildFn, depth: int, timeout: float,
-                 name: str = "stoker-device") -> None:
+                 name: str = "stoker-device", stats: LoaderStats | None = None,
+                 measure: MeasureFn | None = None) -> None:
         self.run, self.stage, self.build = run, stage, build
+        # the device memory of built batches until handed out: `measure(batch)` -> (bytes held, working
+        # bytes of its build), summed into `stats` (LoaderStats.device_bytes)
+        self.stats, self.measure = stats, measure
         self.timeout = timeout
         self.depth = depth
         self.ready: deque[tuple[str, Any, Any]] = deque()
@@ -655,11 +680,25 @@ class Feeder:
                 # no wait here: the copy's fence becomes the slot's guard, so the workers refill the
                 # slot only once the GPU has read it, and this thread goes straight on to batch b+1
                 self.run.guard(b, reusable)
+                held = self._hold(out)
             except BaseException as exc:  # for the consumer, in order; this thread is done
                 self._put(("error", exc, None))
                 return
-            if not self._put(("batch", out, ready)):
+            if not self._put(("batch", out, (ready, held))):
+                self._release(held)
                 return
+
+    def _hold(self, out: Any) -> int:
+        """Count a built batch's device memory as the loader's (until `_release`); its size in bytes."""
+        if self.stats is None or self.measure is None:
+            return 0
+        held, working = self.measure(out)
+        self.stats.hold_device(held, working)
+        return held
+
+    def _release(self, held: int) -> None:
+        if held and self.stats is not None:
+            self.stats.release_device(held)
 
     def get(self, b: int) -> Any:
         """Batch b on the device, ready to use on the caller's current stream. Raises what the
@@ -669,9 +708,11 @@ class Feeder:
         except BaseException:
             _release_if_owned(self.cond)
             raise
-        kind, value, ready = item
+        kind, value, meta = item
         if kind == "error":
             raise value
+        ready, held = meta
+        self._release(held)   # the caller's from here on
         return self.stage.handoff(value, ready)
 
     def _take(self, b: int) -> tuple[str, Any, Any]:
@@ -705,7 +746,11 @@ class Feeder:
             self.thread.join(join_timeout)
         if not self.thread.is_alive():  # it may still be reading the slot it builds from
             self.run.give_back()
-        self.ready.clear()  # drop queued device batches now rather than at collection
+        with self.cond:  # drop queued device batches now rather than at collection
+            dropped = [meta[1] for kind, _, meta in self.ready if kind == "batch"]
+            self.ready.clear()
+        for held in dropped:
+            self._release(held)
 
     def alive(self) -> int:
         return self.run.alive() + self.thread.is_alive()

@@ -19,6 +19,7 @@ import torch
 from cuda_helpers import gpu_decoders, gpu_sleep, no_host_syncs
 from stoker.device import DeviceOptions
 from stoker.loader import Loader
+from stoker.options import Workers
 from stoker.transforms import gpu
 from stoker.transforms.mixing import Mixup
 from test_loader import TRAIN, build_packed
@@ -154,6 +155,29 @@ def test_a_graph_captured_in_thread_local_mode_while_the_loader_runs(packed: Pat
     assert len(got) == 5 and got == pytest.approx(want, rel=1e-4)
 
 
+def test_the_gpu_memory_in_the_stats_matches_torchs_allocator(packed: Path) -> None:
+    """LoaderStats.device_bytes sums the loader's own tensors; torch's allocator, asked once the device
+    thread sits on a full queue, holds that plus the batch this thread has (and the constants)."""
+    loader = Loader(packed, 16, transforms=TRAIN, seed=1, device=DeviceOptions("cuda", normalize="imagenet"),
+                    workers=Workers(prefetch=2))
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    it = iter(loader)
+    x, y = next(it)
+    per_batch = x.untyped_storage().nbytes() + y.untyped_storage().nbytes()
+    deadline = time.monotonic() + 30
+    while loader.stats.device_bytes < 3 * per_batch and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - base - per_batch   # less the batch this thread holds
+    assert loader.stats.device_bytes == 3 * per_batch   # prefetch queued + the one waiting to be queued
+    assert abs(held - loader.stats.device_bytes) <= 16 * 1024, (held, loader.stats.device_bytes)
+    assert loader.stats.device_peak_bytes >= 3 * per_batch + 16 * 32 * 32 * 3   # + the uint8 upload
+    del x, y, it
+    loader.close()
+
+
 def test_doctor_reports_the_loaders_gpu_memory(packed: Path) -> None:
     from stoker.tools.doctor import run_doctor
 
@@ -161,3 +185,4 @@ def test_doctor_reports_the_loaders_gpu_memory(packed: Path) -> None:
     one_batch = 16 * 3 * 224 * 224 * 4   # float32, normalized
     assert report.loader_gpu_bytes is not None and report.loader_gpu_bytes >= one_batch
     assert "loader GPU mem" in report.format()
+    assert report.loader_batch_bytes is not None and report.loader_batch_bytes >= one_batch
