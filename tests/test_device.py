@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from stoker.device import IMAGENET_MEAN, IMAGENET_STD, DeviceOptions, DeviceStage, Fence, as_device_options, convert
+from stoker.device import (IMAGENET_MEAN, IMAGENET_STD, DeviceOptions, DeviceStage, Fence, as_device_options, convert,
+                           is_on)
 from stoker.prefetcher import Prefetcher, prefetch
 from stoker.errors import ConfigError, LoaderTimeoutError
 
@@ -160,6 +161,18 @@ def test_a_pass_warns_when_local_rank_and_the_current_device_disagree(monkeypatc
     with pytest.warns(UserWarning, match=r"cuda:1 here \(LOCAL_RANK=1\), but the current CUDA device is cuda:0; "
                                          r"call torch.cuda.set_device\(1\)"):
         assert DeviceStage(opts).opts.device == torch.device("cuda", 1)
+
+
+def test_convert_takes_an_unresolved_cuda_as_any_gpu():
+    """DeviceOptions("cuda") keeps no index until a pass starts: convert() called by hand with it must
+    still take images on the GPU they are on (`is_on`, the check convert makes)."""
+    assert is_on(torch.device("cuda", 1), torch.device("cuda"))
+    assert is_on(torch.device("cuda", 1), torch.device("cuda", 1))
+    assert not is_on(torch.device("cuda", 0), torch.device("cuda", 1))
+    assert not is_on(torch.device("cpu"), torch.device("cuda"))
+    opts = DeviceOptions("cpu")
+    with pytest.raises(ConfigError, match="images are on meta but the options say cpu"):
+        convert(torch.empty((2, 4, 4, 3), dtype=torch.uint8, device="meta"), opts)
 
 
 def test_the_stage_binds_the_device_thread_to_its_gpu(monkeypatch):

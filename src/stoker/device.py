@@ -186,8 +186,8 @@ class DeviceOptions:
     fails at construction with a message that names the fix, and the fields hold resolved values.
 
     device: "cuda", "cuda:1", an int GPU index, a torch.device or "cpu". "cuda" keeps no index (the field
-        is torch.device("cuda")) until a pass starts: then it is LOCAL_RANK's GPU under torchrun, else
-        the current GPU (`resolved()`, `default_gpu`).
+        is torch.device("cuda")) until a Loader's pass starts (or a prefetch() is made): then it is
+        LOCAL_RANK's GPU under torchrun, else the current GPU (`resolved()`, `default_gpu`).
     normalize: None, "imagenet" or (mean, std), 1 value or one per channel each, in 0..1 units.
     dtype: float32/float16/bfloat16/uint8 as a torch dtype or name; default float32 with normalize,
         else uint8 (a float dtype without normalize gives x / 255, like ToTensor).
@@ -303,12 +303,13 @@ def convert(images: torch.Tensor, opts: DeviceOptions, *, layout: str = "nhwc") 
     the /255 (uint8 input to a float dtype). Arithmetic in float32, rounded to the output dtype as it
     is stored (one kernel, one pass over the output). A uint8 output is a
     layout change only (no copy when NHWC input is asked for as channels_last). On the GPU, call it
-    inside DeviceStage.context() so it runs on the copy stream."""
+    inside DeviceStage.context() so it runs on the copy stream. An unresolved "cuda" in the options
+    accepts images on any GPU (the output is made where they are)."""
     if layout not in LAYOUTS:
         raise ConfigError(f"layout must be 'nhwc' or 'nchw', got {layout!r}")
     if images.dim() != 4:
         raise ConfigError(f"images must be a 4-D batch ({layout.upper()}), got shape {tuple(images.shape)}")
-    if images.device != opts.device:
+    if not is_on(images.device, opts.device):
         raise ConfigError(f"images are on {images.device} but the options say {opts.device}; upload them first "
                           f"(DeviceStage.upload)")
     from_uint8 = images.dtype == torch.uint8
@@ -347,6 +348,12 @@ def convert(images: torch.Tensor, opts: DeviceOptions, *, layout: str = "nhwc") 
     if x.dtype != opts.dtype:
         x = x.to(opts.dtype, memory_format=fmt)
     return x.contiguous(memory_format=fmt)
+
+
+def is_on(device: torch.device, want: torch.device) -> bool:
+    """Whether a tensor on `device` is where `want` says: the same device, or any GPU for a "cuda" not
+    yet resolved to one (options made before a pass started)."""
+    return device == want or (want.index is None and device.type == want.type)
 
 
 def all_levels(channels: int) -> torch.Tensor:

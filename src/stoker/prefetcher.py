@@ -102,9 +102,8 @@ class Prefetcher:
         if not self._delegate and opts.decode == "gpu":
             raise ConfigError(f"decode='gpu' applies to a stoker.Loader, which holds encoded JPEGs; a "
                               f"{type(batches).__name__} yields decoded batches: use decode='cpu'")
-        # a stoker.Loader reuses its pinned batch memory, so it does the device copy itself; otherwise the
-        # stage (one copy stream, kept) is made as the first pass starts, when "cuda" means a GPU
-        self.stage: DeviceStage | None = None
+        # a stoker.Loader reuses its pinned batch memory, so it does the device copy itself
+        self.stage: DeviceStage | None = None if self._delegate else DeviceStage(opts)
         self._live: weakref.WeakSet = weakref.WeakSet()
 
     def __len__(self) -> int:
@@ -139,9 +138,8 @@ class Prefetcher:
             _close(it)
 
     def _run(self) -> Iterator[Any]:
-        if self.stage is None:
-            self.stage = DeviceStage(self.opts)
         stage = self.stage
+        assert stage is not None
         it = iter(self.source)
         inflight: deque[tuple[Fence, Any]] = deque()  # (fence, CPU batch): kept alive until its copy is done
         try:
