@@ -488,7 +488,8 @@ def test_a_guard_that_never_completes_times_out_naming_the_gpu_work(packed: Path
     it = iter(loader)
     for _ in range(3):   # a ring of prefetch + 2 slots: batch 3 is the first to reuse one (batch 0's,
         next(it)         # which the caller dropped, but whose GPU copy never completes)
-    with pytest.raises(LoaderTimeoutError, match="your GPU work on an earlier batch.*had not finished|no complete batch"):
+    with pytest.raises(LoaderTimeoutError, match=r"batch 3 cannot be written into its slot: your GPU work on an earlier "
+                                                  r"batch .* had not finished after 1 s"):
         next(it)
     assert wait_threads_gone(0) == 0
 
