@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from stoker.device import IMAGENET_MEAN, IMAGENET_STD, DeviceOptions, DeviceStage, Fence, as_device_options, convert
+from stoker.device import (IMAGENET_MEAN, IMAGENET_STD, DeviceOptions, DeviceStage, Fence, as_device_options, convert,
+                           is_on)
 from stoker.prefetcher import Prefetcher, prefetch
 from stoker.errors import ConfigError, LoaderTimeoutError
 
@@ -115,69 +116,68 @@ def test_cuda_index_out_of_range(monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     with pytest.raises(ConfigError, match=r"has 2 CUDA GPU\(s\), indices 0..1"):
         DeviceOptions("cuda:2")
-    assert DeviceOptions("cuda").device == torch.device("cuda", 1)  # "cuda" = the current GPU, fixed
+    assert DeviceOptions("cuda").device == torch.device("cuda")  # "cuda" keeps no index until a pass starts
+    assert DeviceOptions("cuda").resolved().device == torch.device("cuda", 1)  # then: the current GPU
     assert DeviceOptions(0).device == torch.device("cuda", 0)
 
 
-def on_two_gpus(monkeypatch, current: int) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
-
-
-def test_cuda_is_the_local_ranks_gpu_under_torchrun(monkeypatch, recwarn):
-    """A Loader made before torch.cuda.set_device(local_rank) used to put every rank's batches on cuda:0."""
-    on_two_gpus(monkeypatch, current=0)
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    with pytest.warns(UserWarning, match=r"cuda:1 here \(LOCAL_RANK=1\), but the current CUDA device is cuda:0; "
-                                         r"call torch.cuda.set_device\(1\)"):
-        assert DeviceOptions("cuda").device == torch.device("cuda", 1)
-    assert DeviceOptions("cuda:0").device == torch.device("cuda", 0)  # an explicit index is obeyed, silently
-    on_two_gpus(monkeypatch, current=1)
-    recwarn.clear()
-    assert DeviceOptions("cuda").device == torch.device("cuda", 1) and not recwarn.list  # they agree
-    monkeypatch.setenv("LOCAL_RANK", "3")  # one GPU visible per rank (CUDA_VISIBLE_DEVICES): the current one
-    assert DeviceOptions("cuda").device == torch.device("cuda", 1) and not recwarn.list
-
-
 class ThreadDevices:
-    """Stands in for the CUDA runtime's per-thread current device (GPU 0 in a new thread) and records which
-    device each event query ran on."""
+    """Stands in for two CUDA GPUs and the runtime's per-thread current device (GPU 0 in a new thread)."""
 
-    def __init__(self, monkeypatch) -> None:
+    def __init__(self, monkeypatch, count: int = 2) -> None:
         self.local = threading.local()
-        self.queries: list[int] = []
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(self.local, "device", 0))
         monkeypatch.setattr(torch.cuda, "set_device", lambda d: setattr(self.local, "device", int(d)))
-
-    def event(self) -> object:
-        devices = self
-
-        class Event:
-            def query(self) -> bool:
-                devices.queries.append(torch.cuda.current_device())
-                return True
-
-        return Event()
+        monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: ("stream", device))
 
 
-def test_a_fence_queried_on_another_thread_binds_its_gpu_first(monkeypatch):
-    """A thread that never chose a device runs CUDA calls on GPU 0: under torchrun every rank > 0 would
-    make a context there."""
+def test_cuda_is_the_local_ranks_gpu_when_a_pass_starts(monkeypatch, recwarn):
+    """A Loader made before torch.cuda.set_device(local_rank) used to put every rank's batches on cuda:0:
+    "cuda" was frozen to the current device when the options were made."""
     devices = ThreadDevices(monkeypatch)
-    fence = Fence(devices.event(), "a copy", device=1)
-    worker = threading.Thread(target=lambda: (fence.done(), fence.wait(1.0)))
-    worker.start()
-    worker.join()
-    assert devices.queries == [1, 1]
-    assert Fence(devices.event()).done() and devices.queries[-1] == 0  # no device given: left as it is
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    early = DeviceOptions("cuda")  # made before set_device, as a training script may: no warning yet
+    assert early.device == torch.device("cuda") and not recwarn.list
+    torch.cuda.set_device(1)
+    stage = DeviceStage(early)  # what a pass makes when it starts
+    assert stage.opts.device == torch.device("cuda", 1) and stage.stream == ("stream", torch.device("cuda", 1))
+    assert not recwarn.list  # LOCAL_RANK and the current device agree
+    assert DeviceOptions("cuda:0").resolved().device == torch.device("cuda", 0)  # an explicit index is obeyed
+    monkeypatch.setenv("LOCAL_RANK", "3")  # one GPU visible per rank (CUDA_VISIBLE_DEVICES): the current one
+    assert early.resolved().device == torch.device("cuda", 1) and not recwarn.list
+    monkeypatch.delenv("LOCAL_RANK")
+    devices.local.device = 0
+    made_on_0 = DeviceOptions("cuda")
+    torch.cuda.set_device(1)   # no torchrun: the current device when the pass starts, not when made
+    assert made_on_0.resolved().device == torch.device("cuda", 1)
+
+
+def test_a_pass_warns_when_local_rank_and_the_current_device_disagree(monkeypatch):
+    ThreadDevices(monkeypatch)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    opts = DeviceOptions("cuda")
+    with pytest.warns(UserWarning, match=r"cuda:1 here \(LOCAL_RANK=1\), but the current CUDA device is cuda:0; "
+                                         r"call torch.cuda.set_device\(1\)"):
+        assert DeviceStage(opts).opts.device == torch.device("cuda", 1)
+
+
+def test_convert_takes_an_unresolved_cuda_as_any_gpu():
+    """DeviceOptions("cuda") keeps no index until a pass starts: convert() called by hand with it must
+    still take images on the GPU they are on (`is_on`, the check convert makes)."""
+    assert is_on(torch.device("cuda", 1), torch.device("cuda"))
+    assert is_on(torch.device("cuda", 1), torch.device("cuda", 1))
+    assert not is_on(torch.device("cuda", 0), torch.device("cuda", 1))
+    assert not is_on(torch.device("cpu"), torch.device("cuda"))
+    opts = DeviceOptions("cpu")
+    with pytest.raises(ConfigError, match="images are on meta but the options say cpu"):
+        convert(torch.empty((2, 4, 4, 3), dtype=torch.uint8, device="meta"), opts)
 
 
 def test_the_stage_binds_the_device_thread_to_its_gpu(monkeypatch):
-    devices = ThreadDevices(monkeypatch)
-    stage = DeviceStage(cpu_opts())
-    object.__setattr__(stage.opts, "device", torch.device("cuda", 1))
-    stage.stream = object()  # as if made on that GPU
+    ThreadDevices(monkeypatch)
+    stage = DeviceStage(DeviceOptions("cuda:1"))
     seen = []
     worker = threading.Thread(target=lambda: (stage.bind(), seen.append(torch.cuda.current_device())))
     worker.start()

@@ -154,4 +154,7 @@ def test_the_loaders_gpu_memory_is_its_peak_above_what_was_there(monkeypatch: py
     assert "\n  loader GPU mem   154.1 MB at peak, running alone (batches in flight" in report.format()
     assert report.as_dict()["loader_gpu_bytes"] == 4 * 38_535_168
     report.loader_gpu_bytes = None   # on the CPU: no such line
-    assert "loader GPU mem" not in report.format()
+    assert "loader GPU mem" not in report.format() and "loader batches" not in report.format()
+    report.loader_batch_bytes = 3 * 38_535_168 + 8 * 256   # LoaderStats.device_peak_bytes
+    assert "\n  loader batches   115.6 MB at peak: the device batches it built ahead" in report.format()
+    assert report.as_dict()["loader_batch_bytes"] == 3 * 38_535_168 + 8 * 256

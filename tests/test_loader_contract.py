@@ -218,21 +218,22 @@ def test_kept_batches_cost_fresh_memory_with_one_warning(packed: Path) -> None:
 
 
 class _LateCopy:
-    """A fence for an `images.cuda(non_blocking=True)` still queued: not done until a worker waits for
-    it; `check` runs (if set) when the wait begins, while the copy would still read the batch."""
+    """A fence for an `images.cuda(non_blocking=True)` still queued: the first query finds it pending
+    (and runs `check`, if set, while the copy would still read the batch); it is done from the next."""
+
+    what = "a late copy"
 
     def __init__(self) -> None:
-        self.copied = False
+        self.queried = False
         self.check = None
 
     def done(self) -> bool:
-        return self.copied
-
-    def wait(self, timeout: float, stop: threading.Event | None = None) -> None:
+        if self.queried:
+            return True
+        self.queried = True
         if self.check is not None:
             self.check()
-        time.sleep(0.02)
-        self.copied = True
+        return False
 
 
 def test_break_then_a_queued_async_copy_still_reads_its_batch(packed: Path, monkeypatch: pytest.MonkeyPatch

@@ -243,6 +243,37 @@ def test_a_stalled_device_stage_times_out_and_stops(packed: Path) -> None:
     assert wait_threads_gone(before, timeout=8.0) == before
 
 
+def wait_for(predicate, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_the_device_memory_the_loader_holds_is_in_its_stats(packed: Path) -> None:
+    """LoaderStats.device_bytes: the built batches not yet handed out (prefetch queued, plus the one the
+    device thread holds while it waits to queue it); the peak adds that build's uint8 upload."""
+    loader = Loader(packed, 10, transforms=TRAIN, seed=1, device=DeviceOptions("cpu", normalize="imagenet"),
+                    workers=Workers(num_threads=2, prefetch=2))
+    it = iter(loader)
+    x0, y0 = next(it)
+    per_batch = x0.untyped_storage().nbytes() + y0.untyped_storage().nbytes()   # what one batch holds
+    assert per_batch == 10 * 3 * 32 * 32 * 4 + 10 * 8   # float32 images, int64 labels
+    assert wait_for(lambda: loader.stats.device_bytes == 3 * per_batch), loader.stats.device_bytes
+    upload = 10 * 32 * 32 * 3   # the uint8 batch converted from, freed once its build is done
+    assert loader.stats.device_peak_bytes == 3 * per_batch + upload
+    assert loader.stats.as_dict()["device_peak_bytes"] == 3 * per_batch + upload
+    time.sleep(0.2)   # a full queue: nothing more is built
+    assert loader.stats.device_bytes == 3 * per_batch
+    assert sum(1 for _ in it) == 5   # every batch handed out: the caller's now
+    assert loader.stats.device_bytes == 0
+    it = iter(loader)
+    next(it)
+    assert wait_for(lambda: loader.stats.device_bytes == 3 * per_batch)
+    loader.close()   # batches dropped unseen are no longer held
+    assert loader.stats.device_bytes == 0 and loader.stats.device_peak_bytes == 3 * per_batch + upload
+
+
 # ---- decode="gpu" with a stand-in decoder -------------------------------------------------
 
 def test_gpu_decode_path_crops_like_the_cpu_path(packed: Path) -> None:
@@ -457,7 +488,8 @@ def test_a_guard_that_never_completes_times_out_naming_the_gpu_work(packed: Path
     it = iter(loader)
     for _ in range(3):   # a ring of prefetch + 2 slots: batch 3 is the first to reuse one (batch 0's,
         next(it)         # which the caller dropped, but whose GPU copy never completes)
-    with pytest.raises(LoaderTimeoutError, match="your GPU work on an earlier batch.*had not finished|no complete batch"):
+    with pytest.raises(LoaderTimeoutError, match=r"batch 3 cannot be written into its slot: your GPU work on an earlier "
+                                                  r"batch .* had not finished after 1 s"):
         next(it)
     assert wait_threads_gone(0) == 0
 

@@ -154,6 +154,9 @@ def test_stop_is_idempotent_and_a_closed_run_raises_loader_closed() -> None:
 class Stage:
     """The Feeder's view of a device stage, with no device: batches pass through."""
 
+    def bind(self) -> None:
+        pass
+
     def context(self):
         return contextlib.nullcontext()
 
@@ -270,6 +273,8 @@ def test_poll_until_returns_true_false_or_raises_the_callers_timeout() -> None:
 class _SlowFence:
     """A copy that finishes `seconds` after it was queued, as the GPU would, with no notification."""
 
+    what = "a slow copy"
+
     def __init__(self, log: list, b: int, seconds: float = 0.03) -> None:
         self.log, self.b = log, b
         self.finished_at = time.perf_counter() + seconds
@@ -285,18 +290,9 @@ class _SlowFence:
         poll_until(self.done, timeout, stop=stop)
 
 
-class _FakeStage:
+class _FakeStage(Stage):
     def __init__(self, log: list) -> None:
         self.log = log
-
-    def context(self):
-        return contextlib.nullcontext()
-
-    def fence(self) -> Fence:
-        return Fence(None)
-
-    def handoff(self, batch, fence):
-        return batch
 
 
 def test_feeder_returns_a_slot_to_the_workers_only_after_its_copy_finished() -> None:

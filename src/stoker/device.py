@@ -27,7 +27,7 @@ import math
 import os
 import threading
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ContextManager, Iterator
 
 import numpy as np
@@ -77,27 +77,35 @@ def parse_device(device: Any) -> torch.device:
                           f"install a CUDA build of torch (https://pytorch.org/get-started/locally/) "
                           f"or pass device='cpu'")
     count = torch.cuda.device_count()
-    # fixing the index here keeps the stage's stream, its events and its outputs on one GPU
-    index = default_gpu(count) if dev.index is None else dev.index
-    if index >= count:
+    if dev.index is not None and dev.index >= count:
         raise ConfigError(f"device={device!r}: this machine has {count} CUDA GPU(s), indices 0..{count - 1}")
-    return torch.device("cuda", index)
+    # "cuda" keeps no index here: which GPU it means is decided when a pass starts (resolve_device)
+    return torch.device("cuda", dev.index) if dev.index is not None else torch.device("cuda")
 
 
-def default_gpu(count: int) -> int:
+def resolve_device(device: torch.device, *, warn: bool = True) -> torch.device:
+    """`device` with its GPU index fixed: "cuda" becomes `default_gpu`'s choice, asked when it is
+    called (a pass starting), not when the options were made, so a Loader made before
+    `torch.cuda.set_device(local_rank)` still feeds the right GPU; anything else is returned as is."""
+    if device.type != "cuda" or device.index is not None:
+        return device
+    return torch.device("cuda", default_gpu(torch.cuda.device_count(), warn=warn))
+
+
+def default_gpu(count: int, *, warn: bool = True) -> int:
     """The GPU that "cuda" means: under torchrun (LOCAL_RANK set, and that many GPUs visible) the local
     rank's, so a Loader made before `torch.cuda.set_device(local_rank)` still feeds its own rank's GPU,
-    not GPU 0; otherwise (and when each rank sees one GPU) the current one. Warns when LOCAL_RANK and
-    the current device disagree: the model is probably on the other one."""
+    not GPU 0; otherwise (and when each rank sees one GPU) the current one. Warns (`warn`) when
+    LOCAL_RANK and the current device disagree: the model is probably on the other one."""
     current = torch.cuda.current_device()
     local = os.environ.get("LOCAL_RANK", "").strip()
     if not local.isdigit() or int(local) >= count:
         return current
     rank = int(local)
-    if rank != current:
+    if rank != current and warn:
         warnings.warn(f"stoker: device='cuda' is cuda:{rank} here (LOCAL_RANK={rank}), but the current CUDA device is "
-                      f"cuda:{current}; call torch.cuda.set_device({rank}) before building the model and the "
-                      f"Loader, or pass device='cuda:<index>' to choose", stacklevel=5)
+                      f"cuda:{current}; call torch.cuda.set_device({rank}) before building the model and "
+                      f"iterating the Loader, or pass device='cuda:<index>' to choose", stacklevel=4)
     return rank
 
 
@@ -177,8 +185,9 @@ class DeviceOptions:
     Frozen and self-validating: shorthand is accepted and resolved when it is made, so a bad value
     fails at construction with a message that names the fix, and the fields hold resolved values.
 
-    device: "cuda", "cuda:1", an int GPU index, a torch.device or "cpu" ("cuda" = LOCAL_RANK's GPU under
-        torchrun, else the current GPU: `default_gpu`).
+    device: "cuda", "cuda:1", an int GPU index, a torch.device or "cpu". "cuda" keeps no index (the field
+        is torch.device("cuda")) until a Loader's pass starts (or a prefetch() is made): then it is
+        LOCAL_RANK's GPU under torchrun, else the current GPU (`resolved()`, `default_gpu`).
     normalize: None, "imagenet" or (mean, std), 1 value or one per channel each, in 0..1 units.
     dtype: float32/float16/bfloat16/uint8 as a torch dtype or name; default float32 with normalize,
         else uint8 (a float dtype without normalize gives x / 255, like ToTensor).
@@ -226,6 +235,12 @@ class DeviceOptions:
     @property
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
+
+    def resolved(self, *, warn: bool = True) -> "DeviceOptions":
+        """These options with the GPU fixed (`resolve_device`): what a pass and its stage use. Itself
+        when the device already has an index (or is the CPU)."""
+        device = resolve_device(self.device, warn=warn)
+        return self if device == self.device else replace(self, device=device)
 
     def _affine(self, device: torch.device, from_uint8: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(scale, shift) with y = x * scale + shift, or None when there is nothing to compute."""
@@ -288,12 +303,13 @@ def convert(images: torch.Tensor, opts: DeviceOptions, *, layout: str = "nhwc") 
     the /255 (uint8 input to a float dtype). Arithmetic in float32, rounded to the output dtype as it
     is stored (one kernel, one pass over the output). A uint8 output is a
     layout change only (no copy when NHWC input is asked for as channels_last). On the GPU, call it
-    inside DeviceStage.context() so it runs on the copy stream."""
+    inside DeviceStage.context() so it runs on the copy stream. An unresolved "cuda" in the options
+    accepts images on any GPU (the output is made where they are)."""
     if layout not in LAYOUTS:
         raise ConfigError(f"layout must be 'nhwc' or 'nchw', got {layout!r}")
     if images.dim() != 4:
         raise ConfigError(f"images must be a 4-D batch ({layout.upper()}), got shape {tuple(images.shape)}")
-    if images.device != opts.device:
+    if not is_on(images.device, opts.device):
         raise ConfigError(f"images are on {images.device} but the options say {opts.device}; upload them first "
                           f"(DeviceStage.upload)")
     from_uint8 = images.dtype == torch.uint8
@@ -332,6 +348,12 @@ def convert(images: torch.Tensor, opts: DeviceOptions, *, layout: str = "nhwc") 
     if x.dtype != opts.dtype:
         x = x.to(opts.dtype, memory_format=fmt)
     return x.contiguous(memory_format=fmt)
+
+
+def is_on(device: torch.device, want: torch.device) -> bool:
+    """Whether a tensor on `device` is where `want` says: the same device, or any GPU for a "cuda" not
+    yet resolved to one (options made before a pass started)."""
+    return device == want or (want.index is None and device.type == want.type)
 
 
 def all_levels(channels: int) -> torch.Tensor:
@@ -377,23 +399,17 @@ class Fence:
     """Marks a point on a stream: done once the GPU has run everything queued there before it.
 
     `event` is anything with `query() -> bool` (a torch.cuda.Event); None (the CPU) is always done.
-    `device` is the event's GPU index: a thread that queries the fence makes that GPU its current device
-    first (`bind_device`), since a CUDA call from a thread that never chose one creates a context on
-    GPU 0 (about 0.5 GB under torchrun, in every rank)."""
+    Query it only from the loader's CUDA actor (the device thread, bound to its GPU at its start, or
+    the consumer's own thread): a thread that never chose a device would make a context on GPU 0."""
 
-    __slots__ = ("event", "what", "device")
+    __slots__ = ("event", "what")
 
-    def __init__(self, event: Any = None, what: str = "the copy to the device", device: int | None = None) -> None:
+    def __init__(self, event: Any = None, what: str = "the copy to the device") -> None:
         self.event = event
         self.what = what
-        self.device = device
 
     def done(self) -> bool:
-        if self.event is None:
-            return True
-        if self.device is not None:
-            bind_device(self.device)
-        return bool(self.event.query())
+        return self.event is None or bool(self.event.query())
 
     def wait(self, timeout: float, stop: threading.Event | None = None) -> None:
         """Return once done; return early (no error) when `stop` is set; LoaderTimeoutError after `timeout` s.
@@ -417,6 +433,17 @@ def _tensors(batch: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
+def storages_on(batch: Any, device: torch.device) -> dict[int, int]:
+    """The distinct storages of `batch`'s tensors (tuple/list/dict, nested) on `device`: address -> bytes.
+    Views share their storage, so each is counted once, at its full size."""
+    out: dict[int, int] = {}
+    for t in _tensors(batch):
+        if t.device == device:
+            st = t.untyped_storage()
+            out[st.data_ptr()] = st.nbytes()
+    return out
+
+
 def _cuda_tensors(batch: Any) -> Iterator[torch.Tensor]:
     return (t for t in _tensors(batch) if t.is_cuda)
 
@@ -434,8 +461,7 @@ def consumer_fence() -> Fence | None:
     stream = torch.cuda.current_stream()
     event = torch.cuda.Event()
     event.record(stream)
-    return Fence(event, "your GPU work on an earlier batch (e.g. images.cuda(non_blocking=True))",
-                 getattr(getattr(stream, "device", None), "index", None))
+    return Fence(event, "your GPU work on an earlier batch (e.g. images.cuda(non_blocking=True))")
 
 
 def bind_device(index: int) -> None:
@@ -457,12 +483,13 @@ class DeviceStage:
     conversion."""
 
     def __init__(self, opts: DeviceOptions) -> None:
-        self.opts = opts
-        self.stream: torch.cuda.Stream | None = copy_stream(opts.device) if opts.is_cuda else None
+        self.opts = opts.resolved()  # "cuda" means a GPU from here on: the stream, events and outputs share it
+        self.stream: torch.cuda.Stream | None = copy_stream(self.opts.device) if self.opts.is_cuda else None
 
     def bind(self) -> None:
-        """Call first in the thread that drives this stage (the device thread): its GPU becomes the
-        thread's current device, so nothing the thread does (event queries included) touches GPU 0."""
+        """Call first in the thread that drives this stage (the device thread, the loader's one CUDA
+        actor): its GPU becomes the thread's current device, so nothing the thread does (event queries
+        included) touches GPU 0."""
         if self.stream is not None:
             bind_device(self.opts.device.index)
 
@@ -496,7 +523,7 @@ class DeviceStage:
             return Fence(None)
         event = torch.cuda.Event()  # no timing: cheaper to record and query
         event.record(self.stream)
-        return Fence(event, f"the copy of a batch to {self.opts.device}", self.opts.device.index)
+        return Fence(event, f"the copy of a batch to {self.opts.device}")
 
     def handoff(self, batch: Any, fence: Fence) -> Any:
         """In the consuming thread: the consumer's current stream waits for `fence` (on the GPU, the host

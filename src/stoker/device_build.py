@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ._torch import torch
-from .device import DeviceStage, convert
+from .device import DeviceStage, convert, storages_on
 from .errors import SampleError
 from .render import EpochChain, RenderSpec
 from .slots import LoaderStats, Slot, WorkerTimes
@@ -71,11 +71,11 @@ class DeviceBuilder:
         self.encode = chain.multi_label
         self.scratch: dict = {}
         self.times = WorkerTimes()
+        self.working: dict[int, int] = {}  # the last build's working tensors on the device (measure)
 
     def __call__(self, slot: Slot) -> tuple[Any, Any]:
         t0 = time.perf_counter()
         n, stage = slot.size, self.stage
-        stage.bind()  # this runs on the device thread: every CUDA call it makes is on the loader's GPU
         if self.gpu is not None:
             # the GPU decode writes every JPEG row: only the rows rendered on the CPU cross the bus
             # (all of a 256x224x224 batch would be 38.5 MB), into a batch allocated on the device
@@ -112,8 +112,15 @@ class DeviceBuilder:
         batch: tuple = (images, labels)
         if extras is not None:   # extra columns, and the sizes of padded images
             batch += (extras,)
+        self.working = storages_on(x, self.opts.device)   # the upload / GPU decode target
         self.stats.device_s += time.perf_counter() - t0
         return batch, reusable
+
+    def measure(self, batch: Any) -> tuple[int, int]:
+        """(bytes of device memory `batch` holds, bytes of the working tensors its build also held):
+        the storages of the tensors, each counted once (LoaderStats.device_bytes)."""
+        held = storages_on(batch, self.opts.device)
+        return sum(held.values()), sum(n for ptr, n in self.working.items() if ptr not in held)
 
     def _host_items(self, slot: Slot) -> tuple[Any, dict[str, Any] | None]:
         """The slot's labels and third batch item (extras), on the device where they are tensors.

@@ -90,7 +90,9 @@ class Passes:
         self._lock = threading.RLock()  # re-entrant: Ctrl-C inside its with-statement cannot lock us out
 
     def begin(self, opts: DeviceOptions | None) -> PassIter:
-        """A whole pass of the cursor's epoch (from the resume point `load_state_dict` set, once)."""
+        """A whole pass of the cursor's epoch (from the resume point `load_state_dict` set, once).
+        "cuda" is resolved to a GPU here, as the pass starts (`DeviceOptions.resolved`)."""
+        opts = None if opts is None else opts.resolved()
         with self._lock:
             epoch, start = self.cursor.begin()
             # a pass still running keeps its threads and its ring: this one gets its own
@@ -127,7 +129,8 @@ class Passes:
         """The GpuBatchDecoder for decode="gpu", made once (gpu_decode loads only when asked for)."""
         from .gpu_decode import GpuBatchDecoder, make_decoder
 
-        if self._gpu is None:
+        opts = opts.resolved(warn=False)  # a Loader checks its decoder when made: the pass warns, if need be
+        if self._gpu is None or self._gpu.device != opts.device:
             spec = opts.gpu_decoder
             decoder = make_decoder(spec, opts.device) if isinstance(spec, str) else spec
             self._gpu = GpuBatchDecoder(decoder, opts.device)
@@ -207,7 +210,8 @@ class _Pipeline:
             stage = passes.stage(opts)
             decoder = passes.gpu(opts) if spec.gpu_decode else None
             build = DeviceBuilder(stage, decoder, self.chain, self.run.lock, parts.stats)
-            self.feeder = Feeder(self.run, stage, build, parts.prefetch, parts.timeout)
+            self.feeder = Feeder(self.run, stage, build, parts.prefetch, parts.timeout, stats=parts.stats,
+                                 measure=build.measure)
         if persistent:
             self.append(parts, epoch + 1)
         self._started = False

@@ -41,6 +41,9 @@ from ._torch import torch
 from .errors import ConfigError, LoaderClosedError, LoaderTimeoutError, WorkerError
 
 _POLL_S = 0.1  # how often a blocked wait re-checks the stop flag, seconds
+# how often the CUDA actor re-checks a slot's guard while the workers wait for it: nothing notifies
+# the host when the GPU passes an event, so this one wait polls (seconds)
+_FENCE_POLL_S = 0.001
 #: batches the caller keeps (still referenced after the next step) before a one-time warning
 KEPT_WARN = 16
 # the number of strong references to a tensor storage: every tensor (view) over it holds one; torch
@@ -50,15 +53,18 @@ _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 class Fence(Protocol):
-    """What the Feeder and the workers need of a point on a CUDA stream (device.Fence is one)."""
+    """What a slot's guard needs of a point on a CUDA stream (device.Fence is one). Only the loader's
+    CUDA actor asks `done()` (`Run.settle`): the device thread, or without one the consumer's thread."""
+
+    what: str
 
     def done(self) -> bool: ...
-
-    def wait(self, timeout: float, stop: threading.Event | None = None) -> None: ...
 
 
 class Stage(Protocol):
     """What the Feeder needs of the device stage (device.DeviceStage is one)."""
+
+    def bind(self) -> None: ...
 
     def context(self) -> ContextManager[None]: ...
 
@@ -100,9 +106,11 @@ class Slot:
     objects: list[Any] = field(default_factory=list)  # labels that are not numbers (str, lists)
     extras: dict[str, Any] = field(default_factory=dict)  # column -> list per row; "sizes" -> tensor (pad=True)
     batch: int = -1  # which batch of the run the slot holds
-    # GPU work the consumer queued that may still read this slot (its `images.cuda(non_blocking=True)`):
-    # the workers refill the slot only once this fence is done (`Run.next_batch(b, guard)`)
+    # GPU work that may still read this slot (the consumer's `images.cuda(non_blocking=True)`, the device
+    # thread's copy): the workers refill the slot only once it is None again, which the CUDA actor sets
+    # after it saw the fence done (`Run.settle`); workers never query a CUDA event themselves
     guard: Fence | None = None
+    guarded_at: float = 0.0  # time.monotonic() when the guard was set (a guard that never completes times out)
     size: int = 0  # samples in that batch
     remaining: int = 0  # samples not yet written; 0 once the batch is complete
     finished: list[int] = field(default_factory=list)  # rows written so far (appended without a lock)
@@ -288,9 +296,29 @@ class LoaderStats:
     gpu_fallbacks: int = 0  # JPEGs the GPU could not decode, decoded on the CPU instead
     gpu_decoder: str = ""  # decode="gpu": the backend that decoded them (with what "auto" measured)
     slots_allocated: int = 0  # batch buffers allocated: the ring's own, plus one per batch the caller kept
+    # memory on the device stage's device (GPU memory with device="cuda") the loader holds, in bytes: the
+    # batches the device thread has built and not yet handed out. Counted by summing the storages of the
+    # tensors it owns (not torch.cuda.memory_allocated deltas, which the training step's allocations
+    # would pollute); the peak also counts the batch being built with its working tensor (the uint8
+    # upload, or GPU decode target). A GPU decoder library's own buffers are not in it.
+    device_bytes: int = 0
+    device_peak_bytes: int = 0
+    _device_lock: Any = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items()}
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items() if not k.startswith("_")}
+
+    def hold_device(self, nbytes: int, working: int = 0) -> None:
+        """A built batch of `nbytes` now held on the device; `working`: bytes that also lived while it was
+        built (freed since), for the peak."""
+        with self._device_lock:
+            self.device_bytes += nbytes
+            self.device_peak_bytes = max(self.device_peak_bytes, self.device_bytes + working)
+
+    def release_device(self, nbytes: int) -> None:
+        """A held batch handed out to the caller (then it is theirs) or dropped."""
+        with self._device_lock:
+            self.device_bytes -= nbytes
 
     def add(self, times: "WorkerTimes", samples: int) -> None:
         """Add a worker's counters since its last flush (call under the run's lock) and reset them."""
@@ -388,29 +416,22 @@ class Run:
 
     def _wait_slot(self, b: int, times: WorkerTimes) -> Slot | None:
         """The slot of batch b, planned: the first worker to need it (or a later batch) takes the next
-        free slot for each batch up to b, in order, once the GPU work queued on it is done. None when
-        stopped or a guard timed out."""
+        free slot for each batch up to b, in order, once its guard is cleared (`settle`, by the CUDA
+        actor: a worker makes no CUDA call). None when stopped or a guard timed out."""
         slot = self.assigned.get(b)
         if slot is not None:
             return slot
         t0 = time.perf_counter()
         try:
-            while not self.stop_event.is_set():
-                with self.cond:
+            with self.cond:
+                while not self.stop_event.is_set() and self.stalled is None:
                     slot = self.assigned.get(b)
                     if slot is not None:
                         return slot
-                    if not self.ring.free:
-                        self.cond.wait(_POLL_S)
+                    if self.ring.free and self.ring.free[0].guard is None:
+                        self._plan(self.next_assign, self.ring.free.popleft())
                         continue
-                    nxt = self.ring.free[0]
-                    if nxt.guard is None or nxt.guard.done():
-                        self.ring.free.popleft()
-                        nxt.guard = None
-                        self._plan(self.next_assign, nxt)
-                        continue
-                if not self._wait_guard(nxt, b):  # outside the lock: the consumer goes on meanwhile
-                    return None
+                    self.cond.wait(_POLL_S)  # notified by a release, or by settle() clearing a guard
             return None
         finally:
             times.wait += time.perf_counter() - t0
@@ -424,25 +445,33 @@ class Run:
         self.assigned[b] = slot
         self.next_assign = b + 1
 
-    def _wait_guard(self, slot: Slot, b: int) -> bool:
-        """Before a batch overwrites `slot`: wait (polling, bounded by `timeout`) until the GPU has run
-        what was queued on the batch the slot held (the consumer's copy, or the device thread's). False
-        when stopped or timed out (the timeout then reaches the consumer as a LoaderTimeoutError).
+    def settle(self) -> bool:
+        """Clear the guard of every free slot whose fence is done, and wake the workers for them; True
+        while some guard is still pending. Called only by the loader's one CUDA actor (the thread that
+        asks for batches: the device thread, or the consumer's without one), whose GPU is its current
+        device, so no worker thread ever makes a CUDA call (a thread that never chose a device would
+        make a context on GPU 0). Each `done()` is an event query: no wait, no host sync.
 
-        The one wait here that polls (`Fence.wait`): nothing notifies the host when the GPU passes an
-        event. A slot comes round again only `prefetch + 1` batches later, so its fence is nearly always
-        done by then and this wait is rarely entered."""
-        guard = slot.guard
-        if guard is None:
-            return True
-        try:
-            guard.wait(self.timeout, self.stop_event)
-        except LoaderTimeoutError as exc:
-            with self.lock:
-                self.stalled = LoaderTimeoutError(f"batch {b} cannot be written into its slot: {exc}")
+        A guard pending longer than `timeout` stalls the run: the consumer gets a LoaderTimeoutError
+        naming the GPU work that never finished."""
+        with self.cond:
+            pending, cleared = False, False
+            for slot in self.ring.free:
+                guard = slot.guard
+                if guard is None:
+                    continue
+                if guard.done():
+                    slot.guard, cleared = None, True
+                elif time.monotonic() - slot.guarded_at > self.timeout and self.stalled is None:
+                    self.stalled = LoaderTimeoutError(
+                        f"batch {self.next_assign} cannot be written into its slot: {guard.what} had not finished "
+                        f"after {self.timeout:g} s; the GPU may be hung or its copy engine starved by other work")
+                    cleared = True
+                else:
+                    pending = True
+            if cleared:
                 self.cond.notify_all()
-            return False
-        return not self.stop_event.is_set()
+            return pending
 
     def _work(self) -> None:
         scratch: dict = {}
@@ -502,7 +531,7 @@ class Run:
         `next_batch`. The ring outlives the run, so the next run's workers honour it too."""
         last = self.last_given
         if guard is not None and last is not None and last[0] == b:
-            last[1].guard = guard
+            last[1].guard, last[1].guarded_at = guard, time.monotonic()
 
     def _next_batch(self, b: int) -> Slot:
         deadline = time.monotonic() + self.timeout
@@ -511,6 +540,7 @@ class Run:
             if self.ring.reclaim():
                 self.cond.notify_all()
             while True:
+                pending = self.settle()  # this thread is the CUDA actor: it clears the slots' guards
                 slot = self.assigned.get(b)
                 if slot is not None and slot.remaining == 0:
                     break
@@ -529,7 +559,7 @@ class Run:
                         f"{self.batch_sizes[b]} samples pending, {sum(t.is_alive() for t in self.threads)} "
                         f"worker threads alive); storage may be stalled or a transform hangs — raise "
                         f"workers=stoker.Workers(timeout=...) if samples are genuinely this slow")
-                self.cond.wait(min(_POLL_S, left))
+                self.cond.wait(min(_FENCE_POLL_S if pending else _POLL_S, left))
             del self.assigned[b]
             self.ring.hand_out(slot)
             self.last_given = (b, slot)
@@ -565,16 +595,20 @@ class Run:
 
 
 BuildFn = Callable[[Slot], "tuple[Any, Fence]"]  # slot -> (device batch, fence after which the slot is reusable)
+MeasureFn = Callable[[Any], "tuple[int, int]"]  # device batch -> (bytes it holds, working bytes of its build)
 
 
 class Feeder:
     """The device stage's thread: takes the finished slots of a `Run` in order, moves each to the
     device with `build` (on the stage's copy stream) and queues the result, `depth` batches ahead.
 
-    The fence that `build` returns (its copy has finished) becomes the guard of the slot (`Run.guard`)
-    before the slot goes back to the workers (by asking the Run for the next batch): they refill it only
-    once that fence is done, so pinned memory is never overwritten while the GPU still reads it, and
-    this thread never waits for its own copy. The consumer's stream waits on each batch's ready fence (no device-wide
+    This thread is the loader's one CUDA actor: it binds to the stage's GPU first (`stage.bind()`) and
+    makes every event query. The fence that `build` returns (its copy has finished) becomes the guard
+    of the slot (`Run.guard`) before the slot goes back to the workers (by asking the Run for the next
+    batch); this thread clears the guard once the fence is done (`Run.settle`, also while it waits to
+    queue a batch), and only then do the workers refill the slot: pinned memory is never overwritten
+    while the GPU still reads it, the workers never touch CUDA, and this thread never waits for its
+    own copy. The consumer's stream waits on each batch's ready fence (no device-wide
     sync). Errors from the Run (a failed sample, a timeout) or from `build` reach the consumer in
     batch order. Every wait has a timeout and checks the stop flag.
 
@@ -584,8 +618,12 @@ class Feeder:
     waiter; Ctrl-C landing while the consumer holds the lock is undone by `_release_if_owned`."""
 
     def __init__(self, run: Run, stage: Stage, build: BuildFn, depth: int, timeout: float,
-                 name: str = "stoker-device") -> None:
+                 name: str = "stoker-device", stats: LoaderStats | None = None,
+                 measure: MeasureFn | None = None) -> None:
         self.run, self.stage, self.build = run, stage, build
+        # the device memory of built batches until handed out: `measure(batch)` -> (bytes held, working
+        # bytes of its build), summed into `stats` (LoaderStats.device_bytes)
+        self.stats, self.measure = stats, measure
         self.timeout = timeout
         self.depth = depth
         self.ready: deque[tuple[str, Any, Any]] = deque()
@@ -600,15 +638,18 @@ class Feeder:
 
     def _put(self, item: tuple[str, Any, Any]) -> bool:
         """Queue `item` once fewer than `depth` are waiting (only this thread appends, so the check
-        cannot go stale); False when stopped first. No timeout: a slow training step is no fault."""
-        with self.cond:
-            while len(self.ready) >= self.depth and not self.stop_event.is_set():
-                self.cond.wait(_POLL_S)
-            if self.stop_event.is_set():
-                return False
-            self.ready.append(item)
-            self.cond.notify_all()
-        return True
+        cannot go stale); False when stopped first. No timeout: a slow training step is no fault.
+        While it waits it keeps clearing the slots' guards (`Run.settle`), so the workers go on."""
+        while True:
+            pending = self.run.settle()  # outside self.cond: the run's lock is never taken inside it
+            with self.cond:
+                if self.stop_event.is_set():
+                    return False
+                if len(self.ready) < self.depth:
+                    self.ready.append(item)
+                    self.cond.notify_all()
+                    return True
+                self.cond.wait(_FENCE_POLL_S if pending else _POLL_S)
 
     def _more(self, b: int) -> bool:
         """Whether the run has a batch b, waiting (stop-aware) for an open-ended run to be extended."""
@@ -617,7 +658,7 @@ class Feeder:
             return b < len(run.batch_sizes)
         with run.cond:
             while b >= len(run.batch_sizes) and not self.stop_event.is_set():
-                run.cond.wait(_POLL_S)
+                run.cond.wait(_FENCE_POLL_S if run.settle() else _POLL_S)
         return b < len(run.batch_sizes)
 
     def _work(self) -> None:
@@ -629,6 +670,13 @@ class Feeder:
                 self.cond.notify_all()
 
     def _loop(self) -> None:
+        try:
+            # the loader's one CUDA actor: its GPU becomes this thread's current device before any
+            # CUDA call (a new thread starts on GPU 0, where a query would make a context)
+            self.stage.bind()
+        except BaseException as exc:
+            self._put(("error", exc, None))
+            return
         b = -1
         while self._more(b := b + 1):
             if self.stop_event.is_set():
@@ -641,11 +689,25 @@ class Feeder:
                 # no wait here: the copy's fence becomes the slot's guard, so the workers refill the
                 # slot only once the GPU has read it, and this thread goes straight on to batch b+1
                 self.run.guard(b, reusable)
+                held = self._hold(out)
             except BaseException as exc:  # for the consumer, in order; this thread is done
                 self._put(("error", exc, None))
                 return
-            if not self._put(("batch", out, ready)):
+            if not self._put(("batch", out, (ready, held))):
+                self._release(held)
                 return
+
+    def _hold(self, out: Any) -> int:
+        """Count a built batch's device memory as the loader's (until `_release`); its size in bytes."""
+        if self.stats is None or self.measure is None:
+            return 0
+        held, working = self.measure(out)
+        self.stats.hold_device(held, working)
+        return held
+
+    def _release(self, held: int) -> None:
+        if held and self.stats is not None:
+            self.stats.release_device(held)
 
     def get(self, b: int) -> Any:
         """Batch b on the device, ready to use on the caller's current stream. Raises what the
@@ -655,9 +717,11 @@ class Feeder:
         except BaseException:
             _release_if_owned(self.cond)
             raise
-        kind, value, ready = item
+        kind, value, meta = item
         if kind == "error":
             raise value
+        ready, held = meta
+        self._release(held)   # the caller's from here on
         return self.stage.handoff(value, ready)
 
     def _take(self, b: int) -> tuple[str, Any, Any]:
@@ -691,7 +755,11 @@ class Feeder:
             self.thread.join(join_timeout)
         if not self.thread.is_alive():  # it may still be reading the slot it builds from
             self.run.give_back()
-        self.ready.clear()  # drop queued device batches now rather than at collection
+        with self.cond:  # drop queued device batches now rather than at collection
+            dropped = [meta[1] for kind, _, meta in self.ready if kind == "batch"]
+            self.ready.clear()
+        for held in dropped:
+            self._release(held)
 
     def alive(self) -> int:
         return self.run.alive() + self.thread.is_alive()

@@ -44,7 +44,7 @@ def test_convert_on_the_gpu_matches_the_cpu(dtype, fmt, layout, normalize):
         out = stage.convert(stage.upload(x.pin_memory()), layout)
         fence = stage.fence()
     out = stage.handoff(out, fence)
-    assert out.is_cuda and out.device == opts.device and out.dtype == dtype and out.is_contiguous(memory_format=fmt)
+    assert out.is_cuda and out.device == stage.opts.device and out.dtype == dtype and out.is_contiguous(memory_format=fmt)
     torch.testing.assert_close(out.cpu().double(), want.double(), atol=TOLERANCE[dtype], rtol=0)
 
 
@@ -68,7 +68,8 @@ def test_prefetch_with_options_that_change_nothing_only_moves():
 
 def test_cuda_resolves_to_the_current_gpu(monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    assert DeviceOptions("cuda").device == torch.device("cuda", torch.cuda.current_device())
+    assert DeviceOptions("cuda").device == torch.device("cuda")   # resolved when a pass starts
+    assert DeviceOptions("cuda").resolved().device == torch.device("cuda", torch.cuda.current_device())
     assert DeviceOptions(0).device == torch.device("cuda", 0)
 
 

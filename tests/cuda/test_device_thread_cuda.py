@@ -19,6 +19,7 @@ import torch
 from cuda_helpers import gpu_decoders, gpu_sleep, no_host_syncs
 from stoker.device import DeviceOptions
 from stoker.loader import Loader
+from stoker.options import Workers
 from stoker.transforms import gpu
 from stoker.transforms.mixing import Mixup
 from test_loader import TRAIN, build_packed
@@ -84,6 +85,23 @@ def test_a_break_mid_epoch_under_no_host_syncs_stops_every_thread(packed: Path) 
     assert sum(x.shape[0] for x, _ in loader) == 96  # and it starts again
 
 
+def test_the_device_thread_runs_on_the_loaders_gpu(packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device thread binds to the Loader's GPU when it starts (the last one here: cuda:1 on a
+    two-GPU machine, while this thread stays on cuda:0) and builds every batch there."""
+    from stoker.device_build import DeviceBuilder
+
+    seen: list[tuple[str, int]] = []
+    build = DeviceBuilder.__call__
+    monkeypatch.setattr(DeviceBuilder, "__call__", lambda self, slot: (
+        seen.append((threading.current_thread().name, torch.cuda.current_device())), build(self, slot))[1])
+    last = torch.cuda.device_count() - 1
+    before = torch.cuda.current_device()
+    loader = Loader(packed, 16, transforms=TRAIN, device=f"cuda:{last}", workers=2)
+    assert all(x.device == torch.device("cuda", last) for x, _ in loader)
+    assert seen and set(seen) == {("stoker-device", last)}
+    assert torch.cuda.current_device() == before   # the caller's thread is left alone
+
+
 GPU_1 = """
 import os, sys, torch
 from stoker import DeviceOptions, Loader
@@ -137,6 +155,29 @@ def test_a_graph_captured_in_thread_local_mode_while_the_loader_runs(packed: Pat
     assert len(got) == 5 and got == pytest.approx(want, rel=1e-4)
 
 
+def test_the_gpu_memory_in_the_stats_matches_torchs_allocator(packed: Path) -> None:
+    """LoaderStats.device_bytes sums the loader's own tensors; torch's allocator, asked once the device
+    thread sits on a full queue, holds that plus the batch this thread has (and the constants)."""
+    loader = Loader(packed, 16, transforms=TRAIN, seed=1, device=DeviceOptions("cuda", normalize="imagenet"),
+                    workers=Workers(prefetch=2))
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    it = iter(loader)
+    x, y = next(it)
+    per_batch = x.untyped_storage().nbytes() + y.untyped_storage().nbytes()
+    deadline = time.monotonic() + 30
+    while loader.stats.device_bytes < 3 * per_batch and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - base - per_batch   # less the batch this thread holds
+    assert loader.stats.device_bytes == 3 * per_batch   # prefetch queued + the one waiting to be queued
+    assert abs(held - loader.stats.device_bytes) <= 16 * 1024, (held, loader.stats.device_bytes)
+    assert loader.stats.device_peak_bytes >= 3 * per_batch + 16 * 32 * 32 * 3   # + the uint8 upload
+    del x, y, it
+    loader.close()
+
+
 def test_doctor_reports_the_loaders_gpu_memory(packed: Path) -> None:
     from stoker.tools.doctor import run_doctor
 
@@ -144,3 +185,4 @@ def test_doctor_reports_the_loaders_gpu_memory(packed: Path) -> None:
     one_batch = 16 * 3 * 224 * 224 * 4   # float32, normalized
     assert report.loader_gpu_bytes is not None and report.loader_gpu_bytes >= one_batch
     assert "loader GPU mem" in report.format()
+    assert report.loader_batch_bytes is not None and report.loader_batch_bytes >= one_batch

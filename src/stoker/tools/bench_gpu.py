@@ -151,10 +151,10 @@ def device_pipelines(models: Sequence[str], *, check: bool = True) -> dict[str, 
 def resolve_device(device: str) -> "torch.device":
     """'cuda', 'cuda:1' or 'cpu' -> torch.device (`stoker.device.parse_device`); ConfigError naming the fix when
     the device is not one this machine has."""
-    from ..device import parse_device
+    from ..device import parse_device, resolve_device as gpu_of
 
     try:
-        return parse_device(device)
+        return gpu_of(parse_device(device))
     except ConfigError as exc:
         raise ConfigError(f"bench --device {device}: {exc}; or leave --device out for the CPU benchmark") from exc
 

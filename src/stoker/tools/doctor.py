@@ -35,15 +35,15 @@ __all__ = ["DoctorReport", "default_device", "run_doctor", "split_cores"]
 
 
 def default_device(device: str | None = None) -> str:
-    """`device` checked and made explicit by `stoker.device.parse_device` ("cuda" -> "cuda:0"); None: the
-    current CUDA GPU when there is one, else the CPU."""
+    """`device` checked and made explicit by `stoker.device.parse_device` and `resolve_device` ("cuda" ->
+    "cuda:0", or LOCAL_RANK's GPU); None: the current CUDA GPU when there is one, else the CPU."""
     import torch
 
-    from ..device import parse_device
+    from ..device import parse_device, resolve_device
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return str(parse_device(device))
+    return str(resolve_device(parse_device(device)))
 
 
 def split_cores(device: str, cores: int) -> tuple[int, int]:
@@ -92,6 +92,7 @@ class DoctorReport:
     decoder: str = ""               # which CPU JPEG path the loader uses (region decode, or why not)
     gpu_decoder: str = ""           # decode="gpu": the backend that decoded the JPEGs
     loader_gpu_bytes: int | None = None  # on a GPU: peak bytes the loader alone held in torch's allocator
+    loader_batch_bytes: int | None = None  # on a GPU: the peak of LoaderStats.device_peak_bytes (its own tensors)
 
     @property
     def verdict(self) -> str:
@@ -100,7 +101,7 @@ class DoctorReport:
     def as_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in ("path", "model", "device", "batch_size", "steps", "threads",
                                              "transforms", "loader_images_per_s", "step_images_per_s", "decoder",
-                                             "gpu_decoder", "loader_gpu_bytes")}
+                                             "gpu_decoder", "loader_gpu_bytes", "loader_batch_bytes")}
         return json_safe({**out, "verdict": self.verdict, "profile": self.profile.as_dict()})
 
     def format(self) -> str:
@@ -115,6 +116,9 @@ class DoctorReport:
             *([f"  loader GPU mem   {self.loader_gpu_bytes / 1e6:,.1f} MB at peak, running alone (batches in flight, "
                f"uploads, conversion, GPU decode; torch's allocator: nvImageCodec's own buffers are not in it)"]
               if self.loader_gpu_bytes is not None else []),
+            *([f"  loader batches   {self.loader_batch_bytes / 1e6:,.1f} MB at peak: the device batches it built "
+               f"ahead and held (LoaderStats.device_peak_bytes, its own tensors summed)"]
+              if self.loader_batch_bytes is not None else []),
             f"  model step alone {self.step_images_per_s:,.1f} images/s",
             f"  together         {self.profile.images_per_s:,.1f} images/s "
             f"(alone, the {slower} is the slower of the two)",
@@ -183,6 +187,7 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = 8, thread
                 bar.update()
             return steps * batch_size / (time.perf_counter() - t0)   # type: ignore[operator]
         loader_rate, loader_gpu = gpu_memory_of(device, alone)
+        held = loader.stats.device_peak_bytes if on_device else None   # the loader's own tensors, alone
 
         # 2. the model step alone, on one batch held in memory
         images, ys = next(iter(_batches(loader, 1)))[:2]
@@ -211,7 +216,7 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = 8, thread
         torch.set_num_threads(threads_before)
         loader.close()
     return DoctorReport(str(path), model_name, device, batch_size, steps, loader.num_threads, transforms,
-                        loader_rate, step_rate, report, _decoder(), loader.stats.gpu_decoder, loader_gpu)
+                        loader_rate, step_rate, report, _decoder(), loader.stats.gpu_decoder, loader_gpu, held)
 
 
 def _decoder() -> str:
