@@ -255,6 +255,46 @@ def test_ffmpeg_threading_belongs_to_the_pyav_decoder(h264: bytes) -> None:
         PyAVDecoder(threads=-1)
 
 
+def test_one_swscale_converter_per_thread_and_one_conversion_per_kept_frame(h264: bytes, monkeypatch) -> None:
+    import threading
+
+    from av.video.reformatter import VideoReformatter
+
+    import stoker.clips as clips
+    made: list[object] = []
+    converted: list[int] = []
+
+    class Counting:   # VideoReformatter cannot be subclassed: wrap it
+        def __init__(self) -> None:
+            self.real = VideoReformatter()
+            made.append(self)
+
+        def reformat(self, frame, *args, **kwargs):
+            converted.append(frame.pts)
+            return self.real.reformat(frame, *args, **kwargs)
+
+    monkeypatch.setattr(av.video.reformatter, "VideoReformatter", Counting)
+    monkeypatch.setattr(clips, "_per_thread", threading.local())
+    index = probe_video(h264, "v", max_pixels=LIMIT)
+    ref = reference(h264)
+
+    def two_clips() -> None:
+        for frames in ([3, 7, 7, 11], [30, 2, 21, 2]):
+            dst = np.zeros((4, 48, 64, 3), np.uint8)
+            decode_clip_into(h264, index, np.array(frames), dst)
+            np.testing.assert_array_equal(dst, ref[frames])
+
+    two_clips()
+    worker = threading.Thread(target=two_clips)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive()
+    # set up once per thread, not once per frame (to_ndarray(format=) makes a swscale context per frame)
+    assert len(made) == 2
+    # a frame wanted twice is converted once
+    assert len(converted) == 2 * (3 + 3)
+
+
 def test_synth_refuses_hevc_frames_libx265_crashes_on() -> None:
     with pytest.raises(ConfigError, match="libx265 crashes"):
         make_video(0, style=VideoStyle(seconds=1, fps=10, size=(32, 48), codec="hevc"))

@@ -13,6 +13,7 @@ frames the clip keeps, into a uint8 ``[T, H, W, 3]`` array: the clip's rows of a
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar, Protocol, Sequence
@@ -241,6 +242,7 @@ class PyAVDecoder:
             rows.setdefault(f, []).append(row)
         wanted = sorted(rows)
         keep = {int(index.pts[f]) for f in wanted}
+        convert = _converter(av)
         container = open_container(data, key)
         counts = [0, 0]   # frames decoded, packets left undecoded
         seeks = 0
@@ -264,7 +266,9 @@ class PyAVDecoder:
                         continue   # not a frame of the index (a leading frame of an open GOP)
                     pos = n
                     if n in rows:
-                        _write(frame, rows[n], dst, win, flip, index.rotation, coded_h, coded_w)
+                        rgb = convert.reformat(frame, format="rgb24", width=coded_w, height=coded_h,
+                                               interpolation="AREA").to_ndarray()
+                        _write(rgb, rows[n], dst, win, flip, index.rotation)
                     if n >= target:
                         break
                 else:
@@ -275,6 +279,19 @@ class PyAVDecoder:
         finally:
             container.close()
         return ClipStats(decoded=counts[0], delivered=len(wanted), seeks=seeks, skipped=counts[1])
+
+
+_per_thread = threading.local()
+
+
+def _converter(av: Any) -> Any:
+    """This thread's swscale converter. ``frame.to_ndarray(format=)`` sets up a new swscale context for
+    every frame, which cost more than decoding it (0.4-2.6 ms for a 256x340 frame, docs/video.md); one
+    kept per thread is set up again only when a clip's sizes differ from the last one's."""
+    convert = getattr(_per_thread, "convert", None)
+    if convert is None:
+        convert = _per_thread.convert = av.video.reformatter.VideoReformatter()
+    return convert
 
 
 def _decoded(container: Any, stream: Any, keep: set[int], nonref: Any, counts: list[int]) -> Any:
@@ -335,14 +352,9 @@ def _hevc_nonref(data: memoryview, nal_length: int, top: int) -> bool:
     return kind <= 14 and kind % 2 == 0 and temporal == top - 1
 
 
-def _write(frame: Any, rows: list[int], dst: np.ndarray, win: Any, flip: bool, rotation: int,
-           coded_h: int, coded_w: int) -> None:
-    """Convert one frame (swscale: YUV to RGB, shrunk to coded_h x coded_w in the same pass), turn it
-    upright, crop and resize it into ``dst[rows[0]]``, and copy that row to the others."""
-    if (frame.height, frame.width) == (coded_h, coded_w):
-        rgb = frame.to_ndarray(format="rgb24")
-    else:
-        rgb = frame.to_ndarray(format="rgb24", width=coded_w, height=coded_h, interpolation="AREA")
+def _write(rgb: np.ndarray, rows: list[int], dst: np.ndarray, win: Any, flip: bool, rotation: int) -> None:
+    """Turn one converted frame (RGB, coded orientation) upright, crop and resize it into
+    ``dst[rows[0]]``, and copy that row to the others."""
     y0, y1, x0, x1 = win.src
     region = upright(rgb, rotation)[y0:y1, x0:x1]
     if rotation:
