@@ -16,7 +16,8 @@ round so that the machine's load falls on all of them alike:
 - ``DataLoader+decord``: the same with decord's ``VideoReader.get_batch``, where decord imports.
 
 Reported per pipeline: clips/s and CPU ms per clip (every thread, plus the DataLoader workers'
-processes) of the best round, and frames decoded per frame delivered (the waste; decord does not say).
+processes) of the best round, their product (cores busy: on a shared machine, the share each pipeline
+got), and frames decoded per frame delivered (the waste; decord does not say).
 """
 
 from __future__ import annotations
@@ -272,13 +273,14 @@ def format_video_table(result: VideoBenchResult) -> str:
              f"{packs[0]}: the videos as stored ({result.bytes[packs[0]] / 1e6:.1f} MB), {packs[1]}: re-encoded "
              f"with a keyframe every {s['keyframes']:g} s ({result.bytes[packs[1]] / 1e6:.1f} MB); each DataLoader "
              f"figure includes starting its workers ({result.loader_startup_s:.2f} s for trivial batches)", "",
-             f"| pipeline | clips/s | CPU ms / clip | frames decoded / delivered | clips/s vs {BASELINE} "
+             f"| pipeline | clips/s | CPU ms / clip | cores busy | frames decoded / delivered | clips/s vs {BASELINE} "
              f"[{packs[0]}] | CPU / clip vs {BASELINE} [{packs[0]}] |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for k, v in result.best.items():
         waste = "n/a" if v["waste"] != v["waste"] else f"{v['waste']:.2f}"
-        lines.append(f"| {k} | {v['clips_per_s']:.2f} | {v['cpu_ms_per_clip']:.0f} | {waste} | "
+        cores = v["clips_per_s"] * v["cpu_ms_per_clip"] / 1000   # CPU seconds per second: the share it got
+        lines.append(f"| {k} | {v['clips_per_s']:.2f} | {v['cpu_ms_per_clip']:.0f} | {cores:.2f} | {waste} | "
                      f"{v['clips_per_s'] / base['clips_per_s']:.2f}x | "
                      f"{base['cpu_ms_per_clip'] / v['cpu_ms_per_clip']:.2f}x |")
-    lines += [f"| {k} | skipped: {why} | | | | |" for k, why in result.skipped.items()]
+    lines += [f"| {k} | skipped: {why} | | | | | |" for k, why in result.skipped.items()]
     return "\n".join(lines)
