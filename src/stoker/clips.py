@@ -162,6 +162,13 @@ def _decode_size(index: VideoIndex, box: Sequence[float], out_h: int, out_w: int
     return max(2, math.ceil(full_h * scale)), max(2, math.ceil(full_w * scale))
 
 
+#: FFmpeg's threading per decoder under a pool of clip threads: one thread ("NONE"), measured best for
+#: CPU per clip with as many clip threads as cores (docs/video.md, `stoker bench --video`)
+DEFAULT_FFMPEG_THREADS = 1
+DEFAULT_FFMPEG_THREAD_TYPE = "NONE"
+FFMPEG_THREAD_TYPES = ("NONE", "FRAME", "SLICE", "AUTO")
+
+
 class ClipDecoder(Protocol):
     """What decodes a clip: given the video's stored bytes, its index and the clip's validated frame
     numbers, write row ``t`` of ``dst`` (uint8 [T, H, W, 3]) from frame ``frames[t]``, the crop ``box``
@@ -200,13 +207,6 @@ def decode_clip_into(data: bytes | memoryview, index: VideoIndex, frames: np.nda
     full_h, full_w = index.upright
     whole = (0.0, 0.0, float(full_h), float(full_w))
     return decoder.decode_into(data, index, frames, dst, whole if box is None else tuple(box), flip, key=key)
-
-
-#: FFmpeg's threading per decoder under a pool of clip threads: one thread ("NONE"), measured best for
-#: CPU per clip with as many clip threads as cores (docs/video.md, `stoker bench --video`)
-DEFAULT_FFMPEG_THREADS = 1
-DEFAULT_FFMPEG_THREAD_TYPE = "NONE"
-FFMPEG_THREAD_TYPES = ("NONE", "FRAME", "SLICE", "AUTO")
 
 
 @dataclass(frozen=True)
