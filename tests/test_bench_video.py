@@ -55,6 +55,19 @@ def test_cli_bench_video_runs_every_pipeline_on_both_packs(videos: Path, tmp_pat
     assert decord or "DataLoader+decord" in result["skipped"]
 
 
+def test_bench_video_measures_a_given_pack_as_it_is(videos: Path, tmp_path: Path) -> None:
+    from stoker.packing import PackOptions, pack
+    packed = tmp_path / "packed"
+    pack(videos, packed, options=PackOptions(workers=1), progress=False)
+    result = run_video_bench(packed, cache=tmp_path / "cache", clips=4, rounds=1, threads=1, keyframes=0.5,
+                             ffmpeg=False, decord=False)
+    assert not (tmp_path / "cache" / "packed-packed-keep").exists()   # the given pack is not packed again
+    assert result.bytes["keep"] < result.bytes["kf0.5"]
+    assert sorted(result.best) == ["DataLoader+PyAV workers=1 [keep]", "DataLoader+PyAV workers=1 [kf0.5]",
+                                   "stoker pool=1 [keep]", "stoker pool=1 [kf0.5]"]
+    assert result.best["stoker pool=1 [kf0.5]"]["waste"] < result.best["stoker pool=1 [keep]"]["waste"]
+
+
 def test_bench_video_refuses_bad_settings(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="keyframes=0"):
         run_video_bench(cache=tmp_path, keyframes=0)

@@ -390,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="where to write JSON/markdown/PNG")
     p.add_argument("--video", action="store_true",
                    help="random video clips (16 frames, stride 4, 224x224): stoker's clip decode vs DataLoaders with "
-                   "PyAV and decord, as stored and re-encoded; --data is then a folder of videos")
+                   "PyAV and decord, as stored and re-encoded; --data is then a folder of videos or a packed dataset of them")
     p.add_argument("--videos", type=_positive, default=8, help="with --video: videos to generate (default 8)")
     p.add_argument("--clips", type=_positive, default=24, help="with --video: clips per round and pack (default 24)")
     p.add_argument("--video-keyframes", type=_positive_float, default=1.0, metavar="SECONDS",

@@ -62,24 +62,38 @@ class VideoBenchResult:
         return json.loads(json.dumps(asdict(self), default=float).replace("NaN", "null"))
 
 
-def prepare(cache: Path, data: Path | None, videos: int, keyframes: float, threads: int) -> dict[str, Path]:
-    """Both packs of the videos (generated Kinetics-like ones when ``data`` is None) and each pack's videos
-    as loose files (what the DataLoader baselines open), cached under ``cache`` for the next run."""
+def prepare(cache: Path, data: Path | None, videos: int, keyframes: float,
+            threads: int) -> dict[str, tuple[Path, list[Path]]]:
+    """Both packs (``keep``: the videos as they are; ``kf<keyframes>``: re-encoded) and each pack's videos
+    as loose files (what the DataLoader baselines open), cached under ``cache`` for the next run.
+    ``data``: a folder of videos, a packed dataset (measured as it is; its videos are re-encoded for the
+    second pack), or None: ``videos`` generated Kinetics-like videos."""
+    import stoker
     from ..packing import PackOptions, pack
+    from ..shards import MANIFEST_NAME
     from .synth_video import VideoStyle, make_kinetics_like
 
     if data is None:
         data = cache / f"kinetics-{videos}"
         if not data.exists():
             make_kinetics_like(data, max(1, videos // 4), classes=4, style=VideoStyle())
+    data = Path(data)
     tag = data.name if data.parent == cache else \
         f"{data.name}-{hashlib.sha1(str(data.resolve()).encode()).hexdigest()[:8]}"   # two folders, two caches
-    out: dict[str, Path] = {}
-    for name, options in (("keep", PackOptions(workers=threads)),
-                          (f"kf{keyframes:g}", PackOptions(workers=threads, video_keyframes=keyframes))):
-        dest = cache / f"packed-{tag}-{name}"
-        pack(data, dest, options=options, resume=dest.exists(), progress=False)
-        out[name] = dest
+    kf = f"kf{keyframes:g}"
+    given = (data / MANIFEST_NAME).is_file()
+    keep, files = (data if given else cache / f"packed-{tag}-keep"), cache / f"packed-{tag}-keep-files"
+    if not given:
+        pack(data, keep, options=PackOptions(workers=threads), resume=keep.exists(), progress=False)
+    out: dict[str, tuple[Path, list[Path]]] = {}
+    with stoker.open_dataset(keep) as ds:
+        out["keep"] = (keep, _loose(ds, files))
+    reencoded = cache / f"packed-{tag}-{kf}"
+    # a given pack's videos, written out just above, are the source of its re-encode
+    pack(files if given else data, reencoded, options=PackOptions(workers=threads, video_keyframes=keyframes),
+         resume=reencoded.exists(), progress=False)
+    with stoker.open_dataset(reencoded) as ds:
+        out[kf] = (reencoded, _loose(ds, cache / f"packed-{tag}-{kf}-files"))
     return out
 
 
@@ -213,8 +227,9 @@ def run_video_bench(data: Path | None = None, *, cache: Path, videos: int = 8, c
                     threads: int = 2, keyframes: float = 1.0, ffmpeg: bool = True, decord: bool = True,
                     progress: bool = False) -> VideoBenchResult:
     """Measure random clips through each pipeline on both packs, ``rounds`` rounds of ``clips`` clips
-    (best round kept). ``data``: a folder of videos (anything ``stoker pack`` reads); None generates
-    ``videos`` Kinetics-like ones (10 s, 25 fps, 256x340, H.264, a keyframe every 10 s). ``cache``
+    (best round kept). ``data``: a folder of videos (anything ``stoker pack`` reads) or a packed dataset
+    of videos (measured as it is, and re-encoded for the second pack); None generates ``videos``
+    Kinetics-like ones (10 s, 25 fps, 256x340, H.264, a keyframe every 10 s). ``cache``
     keeps the videos, packs and loose copies for the next run. ``ffmpeg``: also run the FFmpeg threading
     variants; ``decord``: the decord DataLoader where decord imports."""
     import stoker
@@ -241,9 +256,9 @@ def run_video_bench(data: Path | None = None, *, cache: Path, videos: int = 8, c
     with Progress("bench --video", rounds * 2 * len(runs), unit="run", enabled=progress) as bar:
         bar.stage("preparing the videos and their two packs (cached for the next run)")
         packs = prepare(cache, data, videos, keyframes, threads)
-        datasets = {name: stoker.open_dataset(path) for name, path in packs.items()}
+        datasets = {name: stoker.open_dataset(path) for name, (path, _) in packs.items()}
         try:
-            loose = {name: _loose(ds, cache / f"{packs[name].name}-files") for name, ds in datasets.items()}
+            loose = {name: files for name, (_, files) in packs.items()}
             result.bytes = {name: int(np.sum(ds.sizes)) for name, ds in datasets.items()}
             for r in range(rounds):
                 for name, ds in datasets.items():
