@@ -10,7 +10,8 @@ import pytest
 
 av = pytest.importorskip("av", reason="videos need PyAV: pip install 'stoker[video]'")
 
-from stoker.clips import Clips, clip_frames, clip_key, decode_clip_into, finish_clip, plan_clip  # noqa: E402
+from stoker.clips import (Clips, ClipStats, PyAVDecoder, clip_frames, clip_key, decode_clip_into, finish_clip,  # noqa: E402
+                          plan_clip)
 from stoker.errors import ConfigError  # noqa: E402
 from stoker.tools.synth_video import CODECS, VideoStyle, make_video  # noqa: E402
 from stoker.transforms import CenterCrop, ColorJitter, Pipeline, RandomHorizontalFlip, RandomResizedCrop  # noqa: E402
@@ -198,6 +199,100 @@ def test_bad_buffer_and_frames_are_refused(h264: bytes) -> None:
         decode_clip_into(h264, index, np.array([0, 1]), np.zeros((3, 8, 8, 3), np.uint8))
     with pytest.raises(ConfigError, match="outside the video"):
         decode_clip_into(h264, index, np.array([0, 40]), np.zeros((2, 8, 8, 3), np.uint8))
+
+
+@pytest.mark.parametrize("threads, thread_type", [(2, "FRAME"), (2, "SLICE"), (0, "AUTO")])
+def test_ffmpeg_threading_gives_the_same_pixels(h264: bytes, threads: int, thread_type: str) -> None:
+    index = probe_video(h264, "v", max_pixels=LIMIT)
+    frames = np.array([25, 26, 38, 39, 3])
+    ref = reference(h264)[frames]
+    for decoder in (PyAVDecoder(threads=threads, thread_type=thread_type), None):
+        dst = np.zeros((5, 48, 64, 3), np.uint8)
+        if decoder is None:   # the same through decode_clip_into's own keywords
+            decode_clip_into(h264, index, frames, dst, threads=threads, thread_type=thread_type)
+        else:
+            decode_clip_into(h264, index, frames, dst, decoder=decoder)
+        np.testing.assert_array_equal(dst, ref)
+
+
+class _Recording:
+    """A ClipDecoder that records what decode_clip_into hands it and decodes with PyAV."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[int], tuple[float, ...], bool, str]] = []
+
+    def decode_into(self, data, index, frames, dst, box, flip, *, key) -> ClipStats:
+        self.calls.append((frames.tolist(), tuple(box), flip, key))
+        return PyAVDecoder().decode_into(data, index, frames, dst, box, flip, key=key)
+
+
+def test_decode_clip_into_hands_a_checked_clip_to_the_decoder(h264: bytes) -> None:
+    index = probe_video(h264, "v", max_pixels=LIMIT)
+    rec = _Recording()
+    dst = np.zeros((2, 24, 32, 3), np.uint8)
+    stats = decode_clip_into(h264, index, [7, 2], dst, None, True, key="a.mp4", decoder=rec)
+    assert rec.calls == [([7, 2], (0.0, 0.0, 48.0, 64.0), True, "a.mp4")]
+    assert stats.delivered == 2
+    want = np.zeros_like(dst)
+    decode_clip_into(h264, index, np.array([7, 2]), want, flip=True)
+    np.testing.assert_array_equal(dst, want)
+    # a bad clip never reaches the decoder
+    with pytest.raises(ConfigError, match="outside the video"):
+        decode_clip_into(h264, index, np.array([0, 40]), np.zeros((2, 8, 8, 3), np.uint8), decoder=rec)
+    assert len(rec.calls) == 1
+
+
+def test_ffmpeg_threading_belongs_to_the_pyav_decoder(h264: bytes) -> None:
+    index = probe_video(h264, "v", max_pixels=LIMIT)
+    dst = np.zeros((1, 8, 8, 3), np.uint8)
+    with pytest.raises(ConfigError, match=r"PyAVDecoder\(threads="):
+        decode_clip_into(h264, index, [0], dst, threads=2, decoder=_Recording())
+    with pytest.raises(ConfigError, match="thread_type='frame'"):
+        PyAVDecoder(thread_type="frame")
+    with pytest.raises(ConfigError, match="threads=-1"):
+        PyAVDecoder(threads=-1)
+
+
+def test_one_swscale_converter_per_thread_and_one_conversion_per_kept_frame(h264: bytes, monkeypatch) -> None:
+    import threading
+
+    from av.video.reformatter import VideoReformatter
+
+    import stoker.clips as clips
+    made: list[object] = []
+    converted: list[int] = []
+
+    class Counting:   # VideoReformatter cannot be subclassed: wrap it
+        def __init__(self) -> None:
+            self.real = VideoReformatter()
+            made.append(self)
+
+        def reformat(self, frame, *args, **kwargs):
+            converted.append(frame.pts)
+            return self.real.reformat(frame, *args, **kwargs)
+
+    monkeypatch.setattr(av.video.reformatter, "VideoReformatter", Counting)
+    monkeypatch.setattr(clips, "_per_thread", threading.local())
+    index = probe_video(h264, "v", max_pixels=LIMIT)
+    ref = reference(h264)
+
+    def two_clips() -> None:
+        for frames in ([3, 7, 7, 11], [30, 2, 21, 2]):
+            dst = np.zeros((4, 48, 64, 3), np.uint8)
+            decode_clip_into(h264, index, np.array(frames), dst)
+            np.testing.assert_array_equal(dst, ref[frames])
+
+    two_clips()
+    worker = threading.Thread(target=two_clips)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive()
+    # set up once per thread, not once per frame (to_ndarray(format=) makes a swscale context per frame)
+    assert len(made) == 2
+    # a frame wanted twice is converted once
+    assert len(converted) == 2 * (3 + 3)
 
 
 def test_synth_refuses_hevc_frames_libx265_crashes_on() -> None:

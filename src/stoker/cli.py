@@ -49,6 +49,16 @@ def _non_negative(text: str) -> int:
     return _integer(text, 0, "an integer >= 0")
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
 @contextlib.contextmanager
 def _quiet_native_output() -> Iterator[None]:
     """Keep decoder chatter off the terminal while packing a messy folder.
@@ -191,14 +201,32 @@ def _cmd_stage(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.video:
+        return _bench_video(args)
     from .tools.bench import format_table, run_bench
 
     models = None if args.models is None else tuple(m.strip() for m in args.models.split(",") if m.strip())
     result = run_bench(args.data, images=args.images, batch_size=args.batch_size, workers=args.workers,
-                       rounds=args.rounds, out_dir=args.out, device=args.device, models=models, steps=args.steps,
+                       rounds=args.rounds or 3, out_dir=args.out, device=args.device, models=models, steps=args.steps,
                        warmup_steps=args.warmup_steps, recipe=args.recipe, progress=not args.quiet,
                        **({"pipelines": tuple(args.pipelines.split(","))} if args.pipelines else {}))
     print(json.dumps(result.to_json(), indent=1) if args.json else format_table(result))
+    return 0
+
+
+def _bench_video(args: argparse.Namespace) -> int:
+    from .tools.bench_video import format_video_table, run_video_bench
+
+    if args.device != "cpu" or args.pipelines or args.models:
+        raise ConfigError("stoker bench --video measures clip decode on the CPU and takes no --device, --pipelines or "
+                          "--models (NVDEC clip decode is not built: docs/video.md); drop them or drop --video")
+    result = run_video_bench(args.data, cache=args.out / "video", videos=args.videos, clips=args.clips,
+                             rounds=args.rounds or 2, threads=args.workers or 2, keyframes=args.video_keyframes,
+                             progress=not args.quiet)
+    table = format_video_table(result)
+    (args.out / "video.json").write_text(json.dumps(result.to_json(), indent=1))
+    (args.out / "video.md").write_text(table + "\n")
+    print(json.dumps(result.to_json(), indent=1) if args.json else table)
     return 0
 
 
@@ -350,7 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="images to generate (default 2000; 5000 with --device cuda)")
     p.add_argument("--batch-size", type=_positive, default=256)
     p.add_argument("--workers", type=_positive, default=None, help="CPU cores each pipeline may use")
-    p.add_argument("--rounds", type=_positive, default=3, help="timed rounds after one warm-up (median)")
+    p.add_argument("--rounds", type=_positive, default=None,
+                   help="timed rounds after one warm-up (median; default 3); with --video: rounds, best kept (default 2)")
     p.add_argument("--pipelines", default=None, help="comma-separated subset, e.g. baseline,stoker-train")
     p.add_argument("--recipe", choices=("basic", "randaug", "deit"), default="basic",
                    help="augmentation recipe both sides run: basic (crop+flip), randaug (+RandAugment 2/9), "
@@ -366,6 +395,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=_non_negative, default=None,
                    help="with --device cuda: untimed training steps first (default 10)")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="where to write JSON/markdown/PNG")
+    p.add_argument("--video", action="store_true",
+                   help="random video clips (16 frames, stride 4, 224x224): stoker's clip decode vs DataLoaders with "
+                   "PyAV and decord, as stored and re-encoded; --data is then a folder of videos or a packed dataset of them")
+    p.add_argument("--videos", type=_positive, default=8, help="with --video: videos to generate (default 8)")
+    p.add_argument("--clips", type=_positive, default=24, help="with --video: clips per round and pack (default 24)")
+    p.add_argument("--video-keyframes", type=_positive_float, default=1.0, metavar="SECONDS",
+                   help="with --video: keyframe interval of the re-encoded pack compared with the stored one (default 1)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     _add_quiet(p)
     p.set_defaults(func=_cmd_bench)

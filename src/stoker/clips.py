@@ -3,18 +3,20 @@
 Given a video's stored bytes and its :class:`~stoker.video.VideoIndex`, a clip's frame numbers are a
 pure function of ``(seed, epoch, sample index, clip)`` (:func:`clip_frames`, keyed like
 :func:`stoker.order.sample_keys`), and so is its one crop/flip plan (:func:`plan_clip`, stoker's planned
-geometry). :func:`decode_clip_into` seeks to the keyframe at or before each run of wanted frames and
-decodes forward only as far as the clip needs, converting (and downscaling, in the same swscale pass)
-only the frames the clip keeps, into a uint8 ``[T, H, W, 3]`` array: the clip's rows of a batch slot.
-PyAV (FFmpeg) releases the GIL while it decodes and converts, so clips decode in parallel on threads.
+geometry). :func:`decode_clip_into` checks the clip and hands it to a :class:`ClipDecoder`; the one
+built, :class:`PyAVDecoder`, seeks to the keyframe at or before each run of wanted frames and decodes
+forward only as far as the clip needs, converting (and downscaling, in the same swscale pass) only the
+frames the clip keeps, into a uint8 ``[T, H, W, 3]`` array: the clip's rows of a batch slot. PyAV
+(FFmpeg) releases the GIL while it decodes and converts, so clips decode in parallel on threads.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Sequence
+from typing import Any, ClassVar, Protocol, Sequence
 
 import numpy as np
 
@@ -24,8 +26,8 @@ from .transforms.geometry import decode_minimums, resample_region_into, resampli
 from .transforms.user import apply_tail
 from .video import VideoIndex, open_container, require_av, upright, video_stream
 
-__all__ = ["SAMPLINGS", "ClipPlan", "ClipSamples", "Clips", "ClipStats", "clip_frames", "clip_key",
-           "decode_clip_into", "finish_clip", "plan_clip", "read_clip"]
+__all__ = ["SAMPLINGS", "ClipDecoder", "ClipPlan", "ClipSamples", "ClipStats", "Clips", "PyAVDecoder", "clip_frames",
+           "clip_key", "decode_clip_into", "finish_clip", "plan_clip", "read_clip"]
 
 SAMPLINGS = ("random", "uniform")
 
@@ -160,65 +162,136 @@ def _decode_size(index: VideoIndex, box: Sequence[float], out_h: int, out_w: int
     return max(2, math.ceil(full_h * scale)), max(2, math.ceil(full_w * scale))
 
 
+#: FFmpeg's threading per decoder under a pool of clip threads: one thread ("NONE"), measured best for
+#: CPU per clip with as many clip threads as cores (docs/video.md, `stoker bench --video`)
+DEFAULT_FFMPEG_THREADS = 1
+DEFAULT_FFMPEG_THREAD_TYPE = "NONE"
+FFMPEG_THREAD_TYPES = ("NONE", "FRAME", "SLICE", "AUTO")
+
+
+class ClipDecoder(Protocol):
+    """What decodes a clip: given the video's stored bytes, its index and the clip's validated frame
+    numbers, write row ``t`` of ``dst`` (uint8 [T, H, W, 3]) from frame ``frames[t]``, the crop ``box``
+    (upright source pixels) resized to H x W and mirrored when ``flip``, and say what it cost.
+    ``name`` identifies it in benchmarks and messages. :class:`PyAVDecoder` is the one built."""
+
+    name: str
+
+    def decode_into(self, data: bytes | memoryview, index: VideoIndex, frames: np.ndarray, dst: np.ndarray,
+                    box: tuple[float, float, float, float], flip: bool, *, key: str) -> ClipStats: ...
+
+
 def decode_clip_into(data: bytes | memoryview, index: VideoIndex, frames: np.ndarray, dst: np.ndarray,
                      box: Sequence[float] | None = None, flip: bool = False, *, key: str = "",
-                     threads: int = 1, thread_type: str = "NONE") -> ClipStats:
+                     threads: int | None = None, thread_type: str | None = None,
+                     decoder: ClipDecoder | None = None) -> ClipStats:
     """Decode the clip's ``frames`` into ``dst`` (uint8 [T, H, W, 3], row t gets frame ``frames[t]``),
     each the crop ``box`` (upright source pixels; None: the whole frame) resized to H x W, mirrored when
-    ``flip``. Seeks to the keyframe at or before each run of wanted frames (only where that skips work)
-    and decodes forward only up to the clip's last frame; frames in between are decoded (except H.264
-    and HEVC non-reference pictures, which nothing needs) but never converted. ``threads``/``thread_type``: FFmpeg's own threading per decoder (``"NONE"``: one thread,
-    which measured best under a pool of clip threads; docs/video.md)."""
-    av = require_av()
-    t_out, out_h, out_w = dst.shape[0], dst.shape[1], dst.shape[2]
-    if len(frames) != t_out or dst.dtype != np.uint8 or dst.shape[3] != 3:
+    ``flip``. ``decoder``: a :class:`ClipDecoder` (None: ``PyAVDecoder(threads, thread_type)``, FFmpeg
+    on the calling thread; ``threads``/``thread_type`` are its FFmpeg threading and belong to it, so they
+    cannot be given with another decoder). Raises ConfigError for a buffer of the wrong shape or a frame
+    outside the video, CorruptVideoError when the bytes do not decode as the index says."""
+    t_out = dst.shape[0]
+    if len(frames) != t_out or dst.dtype != np.uint8 or dst.ndim != 4 or dst.shape[3] != 3:
         raise ConfigError(f"clip buffer {dst.shape} {dst.dtype}: expected uint8 [{len(frames)}, H, W, 3]")
+    frames = np.asarray(frames, dtype=np.int64)
+    outside = frames[(frames < 0) | (frames >= index.frames)]
+    if len(outside):
+        raise ConfigError(f"{key}: frame {int(outside[0])} is outside the video's {index.frames} frames")
+    if decoder is None:
+        decoder = PyAVDecoder(threads=DEFAULT_FFMPEG_THREADS if threads is None else threads,
+                              thread_type=DEFAULT_FFMPEG_THREAD_TYPE if thread_type is None else thread_type)
+    elif threads is not None or thread_type is not None:
+        raise ConfigError(f"threads={threads!r}, thread_type={thread_type!r} with decoder={decoder.name!r}: "
+                          "FFmpeg's threading is PyAVDecoder's own option; pass PyAVDecoder(threads=, thread_type=)")
     full_h, full_w = index.upright
-    box = (0.0, 0.0, float(full_h), float(full_w)) if box is None else box
-    scaled_h, scaled_w = _decode_size(index, box, out_h, out_w)
-    coded_h, coded_w = (scaled_w, scaled_h) if index.rotation % 180 else (scaled_h, scaled_w)
-    win = resampling(box, scaled_h, scaled_w, full_h, full_w, size=(out_h, out_w))
-    rows: dict[int, list[int]] = {}
-    for row, f in enumerate(np.asarray(frames, dtype=np.int64).tolist()):
-        if not 0 <= f < index.frames:
-            raise ConfigError(f"{key}: frame {f} is outside the video's {index.frames} frames")
-        rows.setdefault(f, []).append(row)
-    wanted = sorted(rows)
-    keep = {int(index.pts[f]) for f in wanted}
-    container = open_container(data, key)
-    counts = [0, 0]   # frames decoded, packets left undecoded
-    seeks = 0
-    try:
-        stream = video_stream(container, key, max_pixels=index.width * index.height)
-        stream.thread_type, stream.thread_count = thread_type, threads
-        nonref = _nonref_test(stream)
-        frames_it, pos = None, -1
-        for target in wanted:
-            if target <= pos:
-                continue   # written on the way to an earlier target
-            start = index.keyframe_before(target)
-            if frames_it is None or start > pos + 1:
-                if start > 0 or frames_it is not None:
-                    container.seek(int(index.pts[start]), stream=stream, backward=True, any_frame=False)
-                    seeks += 1
-                frames_it = _decoded(container, stream, keep, nonref, counts)
-            for frame in frames_it:
-                n = int(np.searchsorted(index.pts, frame.pts)) if frame.pts is not None else -1
-                if n < 0 or n >= index.frames or index.pts[n] != frame.pts:
-                    continue   # not a frame of the index (a leading frame of an open GOP)
-                pos = n
-                if n in rows:
-                    _write(frame, rows[n], dst, win, flip, index.rotation, coded_h, coded_w)
-                if n >= target:
-                    break
-            else:
-                raise CorruptVideoError(key, f"the video ended before frame {target} of the {index.frames} its "
-                                             "index lists; the stored bytes do not match the index: re-pack")
-    except av.error.FFmpegError as exc:
-        raise CorruptVideoError(key, f"decoding failed ({exc})") from None
-    finally:
-        container.close()
-    return ClipStats(decoded=counts[0], delivered=len(wanted), seeks=seeks, skipped=counts[1])
+    whole = (0.0, 0.0, float(full_h), float(full_w))
+    return decoder.decode_into(data, index, frames, dst, whole if box is None else tuple(box), flip, key=key)
+
+
+@dataclass(frozen=True)
+class PyAVDecoder:
+    """Clips decoded by FFmpeg through PyAV on the calling thread (PyAV releases the GIL while it decodes
+    and converts, so clips decode in parallel on a pool of threads). Seeks to the keyframe at or before
+    each run of wanted frames (only where that skips work) and decodes forward only up to the clip's last
+    frame; frames in between are decoded (except H.264 and HEVC non-reference pictures, which nothing
+    needs) but never converted. ``threads``/``thread_type``: FFmpeg's own threading inside each decoder
+    (``threads=0``: FFmpeg picks; ``"NONE"``: one thread, the default)."""
+
+    threads: int = DEFAULT_FFMPEG_THREADS
+    thread_type: str = DEFAULT_FFMPEG_THREAD_TYPE
+    name: ClassVar[str] = "pyav"
+
+    def __post_init__(self) -> None:
+        if self.thread_type not in FFMPEG_THREAD_TYPES:
+            raise ConfigError(f"thread_type={self.thread_type!r}: expected one of {FFMPEG_THREAD_TYPES} "
+                              "(FFmpeg's threading inside each decoder)")
+        if not isinstance(self.threads, int) or self.threads < 0:
+            raise ConfigError(f"threads={self.threads!r}: expected FFmpeg threads per decoder, 0 (FFmpeg picks) or more")
+
+    def decode_into(self, data: bytes | memoryview, index: VideoIndex, frames: np.ndarray, dst: np.ndarray,
+                    box: tuple[float, float, float, float], flip: bool, *, key: str) -> ClipStats:
+        av = require_av()
+        out_h, out_w = dst.shape[1], dst.shape[2]
+        full_h, full_w = index.upright
+        scaled_h, scaled_w = _decode_size(index, box, out_h, out_w)
+        coded_h, coded_w = (scaled_w, scaled_h) if index.rotation % 180 else (scaled_h, scaled_w)
+        win = resampling(box, scaled_h, scaled_w, full_h, full_w, size=(out_h, out_w))
+        rows: dict[int, list[int]] = {}
+        for row, f in enumerate(frames.tolist()):
+            rows.setdefault(f, []).append(row)
+        wanted = sorted(rows)
+        keep = {int(index.pts[f]) for f in wanted}
+        convert = _converter(av)
+        container = open_container(data, key)
+        counts = [0, 0]   # frames decoded, packets left undecoded
+        seeks = 0
+        try:
+            stream = video_stream(container, key, max_pixels=index.width * index.height)
+            stream.thread_type, stream.thread_count = self.thread_type, self.threads
+            nonref = _nonref_test(stream)
+            frames_it, pos = None, -1
+            for target in wanted:
+                if target <= pos:
+                    continue   # written on the way to an earlier target
+                start = index.keyframe_before(target)
+                if frames_it is None or start > pos + 1:
+                    if start > 0 or frames_it is not None:
+                        container.seek(int(index.pts[start]), stream=stream, backward=True, any_frame=False)
+                        seeks += 1
+                    frames_it = _decoded(container, stream, keep, nonref, counts)
+                for frame in frames_it:
+                    n = int(np.searchsorted(index.pts, frame.pts)) if frame.pts is not None else -1
+                    if n < 0 or n >= index.frames or index.pts[n] != frame.pts:
+                        continue   # not a frame of the index (a leading frame of an open GOP)
+                    pos = n
+                    if n in rows:
+                        rgb = convert.reformat(frame, format="rgb24", width=coded_w, height=coded_h,
+                                               interpolation="AREA").to_ndarray()
+                        _write(rgb, rows[n], dst, win, flip, index.rotation)
+                    if n >= target:
+                        break
+                else:
+                    raise CorruptVideoError(key, f"the video ended before frame {target} of the {index.frames} "
+                                                 "its index lists; the stored bytes do not match the index: re-pack")
+        except av.error.FFmpegError as exc:
+            raise CorruptVideoError(key, f"decoding failed ({exc})") from None
+        finally:
+            container.close()
+        return ClipStats(decoded=counts[0], delivered=len(wanted), seeks=seeks, skipped=counts[1])
+
+
+_per_thread = threading.local()
+
+
+def _converter(av: Any) -> Any:
+    """This thread's swscale converter. ``frame.to_ndarray(format=)`` sets up a new swscale context for
+    every frame, which cost more than decoding it (0.4-2.6 ms for a 256x340 frame, docs/video.md); one
+    kept per thread is set up again only when a clip's sizes differ from the last one's."""
+    convert = getattr(_per_thread, "convert", None)
+    if convert is None:
+        convert = _per_thread.convert = av.video.reformatter.VideoReformatter()
+    return convert
 
 
 def _decoded(container: Any, stream: Any, keep: set[int], nonref: Any, counts: list[int]) -> Any:
@@ -279,14 +352,9 @@ def _hevc_nonref(data: memoryview, nal_length: int, top: int) -> bool:
     return kind <= 14 and kind % 2 == 0 and temporal == top - 1
 
 
-def _write(frame: Any, rows: list[int], dst: np.ndarray, win: Any, flip: bool, rotation: int,
-           coded_h: int, coded_w: int) -> None:
-    """Convert one frame (swscale: YUV to RGB, shrunk to coded_h x coded_w in the same pass), turn it
-    upright, crop and resize it into ``dst[rows[0]]``, and copy that row to the others."""
-    if (frame.height, frame.width) == (coded_h, coded_w):
-        rgb = frame.to_ndarray(format="rgb24")
-    else:
-        rgb = frame.to_ndarray(format="rgb24", width=coded_w, height=coded_h, interpolation="AREA")
+def _write(rgb: np.ndarray, rows: list[int], dst: np.ndarray, win: Any, flip: bool, rotation: int) -> None:
+    """Turn one converted frame (RGB, coded orientation) upright, crop and resize it into
+    ``dst[rows[0]]``, and copy that row to the others."""
     y0, y1, x0, x1 = win.src
     region = upright(rgb, rotation)[y0:y1, x0:x1]
     if rotation:
