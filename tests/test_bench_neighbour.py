@@ -69,15 +69,15 @@ def _hold_gil(hold_us: int, idle_s: float, truth: list[float]) -> Callable[[Call
 @pytest.mark.parametrize("hold_us,idle_s", [(2000, 0.003), (500, 0.0015)])
 def test_probe_measures_a_known_gil_hold(hold_us: int, idle_s: float) -> None:
     truth: list[float] = []
-    got = gil_share(_hold_gil(hold_us, idle_s, truth), seconds=0.3, rounds=2)
+    got = gil_share(_hold_gil(hold_us, idle_s, truth), seconds=0.25, rounds=3)
     # The load waits for the GIL the probe holds before each hold (up to the 5 ms switch interval), so
     # its share is below hold / (hold + idle); what it held is what it measured itself.
     want = sum(truth) / len(truth)
-    assert want > 0.05
+    assert want > 0.02   # the load ran
     assert abs(got.share - want) <= 0.05 + 0.3 * want, (got, want)
     assert got.us_per_unit == pytest.approx(got.share / want, rel=0.2)   # µs seen per µs held: about 1
     if got.method == "blocked":   # Linux: the probe's blocked time, not its lost progress
-        assert abs(got.share_alone) < 0.05
+        assert abs(got.share_alone) < 0.1   # the probe alone is (nearly) never blocked
 
 
 def test_probe_sees_no_gil_held_by_a_sleeping_load() -> None:

@@ -79,6 +79,9 @@ def _spin(n: int) -> int:
     return k
 
 
+_Reading = tuple[int, float, "float | None", "int | None"]
+
+
 class _Probe:
     """A thread doing pure-Python work in units of `PROBE_CHUNK` iterations, counting them.
 
@@ -100,15 +103,16 @@ class _Probe:
             _spin(PROBE_CHUNK)
             self.units += 1
 
-    def reading(self) -> tuple[int, float, float | None]:
-        """(units, wall s, blocked s or None where the scheduler's times are not readable)."""
+    def reading(self) -> _Reading:
+        """(units, wall s, blocked s, times scheduled in; the last two None where the scheduler's
+        account is not readable)."""
         wall = time.perf_counter()
         try:
             with open(f"/proc/self/task/{self._tid}/schedstat") as f:
-                on_cpu, waiting = (int(v) for v in f.read().split()[:2])
+                on_cpu, waiting, slices = (int(v) for v in f.read().split()[:3])
         except (OSError, ValueError):
-            return self.units, wall, None
-        return self.units, wall, wall - (on_cpu + waiting) / 1e9
+            return self.units, wall, None, None
+        return self.units, wall, wall - (on_cpu + waiting) / 1e9, slices
 
     def __enter__(self) -> "_Probe":
         self._thread.start()
@@ -133,13 +137,17 @@ class GilShare:
     units_per_s: float
     method: str
     share_alone: float   # the same measure with the load idle (subtracted; near 0 on a quiet machine)
+    # times the probe was scheduled back in per unit, over its rate alone: about the GIL hand-offs per
+    # sample (each costs a thread wake-up, which a busy machine lengthens); NaN without the account
+    switches_per_unit: float = float("nan")
 
 
-def _share(start: tuple[int, float, float | None], end: tuple[int, float, float | None]) -> tuple[float, float | None]:
-    """(probe units/s, blocked share or None) between two readings."""
+def _share(start: _Reading, end: _Reading) -> tuple[float, float | None, float | None]:
+    """(probe units/s, blocked share, times scheduled in per second; None where unknown) between two readings."""
     wall = end[1] - start[1]
     blocked = None if start[2] is None or end[2] is None else (end[2] - start[2]) / wall
-    return (end[0] - start[0]) / wall, blocked
+    slices = None if start[3] is None or end[3] is None else (end[3] - start[3]) / wall
+    return (end[0] - start[0]) / wall, blocked, slices
 
 
 def gil_share(run_load: Callable[[Callable[[], None], float], int], seconds: float = 1.0, rounds: int = 3
@@ -152,8 +160,8 @@ def gil_share(run_load: Callable[[Callable[[], None], float], int], seconds: flo
     alternate with windows where the calling thread only sleeps, `rounds` of each (medians). The
     probe's time blocked (`_Probe`) is the time others held the GIL; lost CPU time to other processes
     is not counted. Without the scheduler's times, the probe's lost progress stands in."""
-    alone: list[tuple[float, float | None]] = []
-    loaded: list[tuple[float, float | None]] = []
+    alone: list[tuple[float, float | None, float | None]] = []
+    loaded: list[tuple[float, float | None, float | None]] = []
     wall, units = 0.0, 0
     for _ in range(rounds):
         with _Probe() as probe:
@@ -161,20 +169,24 @@ def gil_share(run_load: Callable[[Callable[[], None], float], int], seconds: flo
             time.sleep(seconds)
             alone.append(_share(r0, probe.reading()))
         with _Probe() as probe:
-            marks: list[tuple[int, float, float | None]] = []
+            marks: list[_Reading] = []
             done = run_load(lambda: marks.append(probe.reading()), seconds)
             r1 = probe.reading()
             loaded.append(_share(marks[0], r1))
         wall, units = wall + r1[1] - marks[0][1], units + done
-    if all(b is not None for _, b in alone + loaded):
+    switches = float("nan")
+    if all(x[1] is not None and x[2] is not None for x in alone + loaded):
         method = "blocked"
-        base = statistics.median(b for _, b in alone)  # type: ignore[misc]
-        share = statistics.median(b for _, b in loaded) - base  # type: ignore[misc]
+        base = statistics.median(x[1] for x in alone)  # type: ignore[misc]
+        share = statistics.median(x[1] for x in loaded) - base  # type: ignore[misc]
+        extra = statistics.median(x[2] for x in loaded) - statistics.median(x[2] for x in alone)  # type: ignore[misc]
+        switches = max(0.0, extra) * wall / units if units else float("nan")
     else:
         method, base = "progress", 0.0
-        share = 1.0 - statistics.median(r for r, _ in loaded) / statistics.median(r for r, _ in alone)
+        share = 1.0 - statistics.median(x[0] for x in loaded) / statistics.median(x[0] for x in alone)
     share = min(1.0, max(0.0, share))
-    return GilShare(share, share * wall / units * 1e6 if units else float("nan"), units / wall, method, base)
+    return GilShare(share, share * wall / units * 1e6 if units else float("nan"), units / wall, method, base,
+                    switches)
 
 
 # ----------------------------------------------------------------------------- the feeds
@@ -418,11 +430,11 @@ def format_neighbour(result: NeighbourResult) -> str:
                      f"{'-' if none else f'{r.inflation_p90_pct:+.1f}%'} | "
                      f"{'-' if none else fmt_number(r.images_per_s, ',.0f')} | {r.step_share:.0%} |")
     if result.gil:
-        lines += ["", "| GIL held, 1 thread/worker | share of the GIL | µs per sample | images/s beside the probe |",
-                  "| --- | ---: | ---: | ---: |"]
+        lines += ["", "| GIL held, 1 thread/worker | share of the GIL | µs per sample | hand-offs per sample | "
+                      "images/s beside the probe |", "| --- | ---: | ---: | ---: | ---: |"]
         for name, g in result.gil.items():
             lines.append(f"| {name} | {g['share']:.1%} | {fmt_number(g['us_per_unit'], '.1f')} | "
-                         f"{fmt_number(g['units_per_s'], ',.0f')} |")
+                         f"{fmt_number(g['switches_per_unit'], '.1f')} | {fmt_number(g['units_per_s'], ',.0f')} |")
     d, m = result.data, result.machine
     lines += ["",
               f"Step: {result.step_ops} in-place ops on 16-element tensors (dispatch-bound, as a GPU step is for the "
@@ -436,8 +448,10 @@ def format_neighbour(result: NeighbourResult) -> str:
               "GIL: a probe thread that always wants the GIL runs beside the loader (the loop only drains batches); "
               "its time blocked (Linux's scheduler account: neither on a CPU nor waiting for one) over windows "
               "without the loader is the loader's share of the GIL; that share of the windows' wall time over the "
-              "samples delivered is µs per sample (the probe slows stoker's threads: they wait for the lock "
-              f"it holds). Method: {next(iter(result.gil.values()))['method'] if result.gil else '-'}.",
+              "samples delivered is µs per sample: the Python the loader runs under the lock plus each hand-off of "
+              "the lock (a thread wake-up, longer on a busy machine; hand-offs per sample: the probe's extra times "
+              "scheduled in). The probe slows stoker's threads (they wait for the lock it holds). Method: "
+              f"{next(iter(result.gil.values()))['method'] if result.gil else '-'}.",
               f"Data: {d['images']} {'generated ImageNet-like ' if d['generated'] else ''}JPEGs, mean "
               f"{d['mean_width']}x{d['mean_height']} px, {d['mean_file_kb']} KB; batch {result.batch_size}.",
               f"Machine: {m['cpu']}, {m['usable_cores']} usable cores, load average {m['load_1m']} at the start; "
