@@ -376,19 +376,19 @@ class Run:
         with self._claim_lock:
             p = self._next_position
             self._next_position = p + 1
-            if p < self.total:
-                b = bisect.bisect_right(self._starts, p) - 1  # a partial batch may end an epoch mid-run
-                return b, p - self._starts[b]
-        if not self.open_ended:
-            return None
-        with self.cond:  # `extend` appends batches under this Condition and notifies it
-            while p >= self.total and not self.stop_event.is_set():
-                self.cond.wait(_POLL_S)
-        with self._claim_lock:
-            if p >= self.total:
+            total = self.total
+        if p >= total:
+            if not self.open_ended:
                 return None
-            b = bisect.bisect_right(self._starts, p) - 1
-            return b, p - self._starts[b]
+            with self.cond:  # `extend` appends batches under this Condition and notifies it
+                while p >= self.total and not self.stop_event.is_set():
+                    self.cond.wait(_POLL_S)
+                if p >= self.total:
+                    return None
+        # `_starts` only grows, and position p's entries were appended before `total` passed p (under
+        # the lock just taken), so it can be searched without the lock
+        b = bisect.bisect_right(self._starts, p) - 1  # a partial batch may end an epoch mid-run
+        return b, p - self._starts[b]
 
     def _wait_slot(self, b: int, times: WorkerTimes) -> Slot | None:
         """The slot of batch b, planned: the first worker to need it (or a later batch) takes the next
