@@ -85,7 +85,7 @@ def test_probe_sees_no_gil_held_by_a_sleeping_load() -> None:
     got = gil_share(_hold_gil(0, 0.002, truth), seconds=0.3, rounds=2)
     if got.method != "blocked":
         pytest.skip("without the scheduler's times the probe's lost progress counts CPU contention too")
-    assert got.share < 0.05, got
+    assert abs(got.share) < 0.05, got
 
 
 def test_neighbour_on_real_photos(photo_root: Path, tmp_path: Path) -> None:
@@ -103,7 +103,7 @@ def test_neighbour_on_real_photos(photo_root: Path, tmp_path: Path) -> None:
     assert all(r.images_per_s > 0 for r in result.rows[1:])
     assert set(result.gil) == {"stoker", "dataloader"}
     for g in result.gil.values():
-        assert 0.0 <= g["share"] <= 1.0 and g["units_per_s"] > 0 and g["us_per_unit"] >= 0
+        assert -0.1 < g["share"] <= 1.0 and g["units_per_s"] > 0 and math.isfinite(g["us_per_unit"])
     assert result.data["images"] == 48 and not result.data["generated"]
     assert json.loads((tmp_path / "neighbour.json").read_text()) == json.loads(json.dumps(result.to_json()))
     table = (tmp_path / "neighbour.md").read_text()

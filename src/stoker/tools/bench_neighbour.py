@@ -127,7 +127,8 @@ class _Probe:
 
 @dataclass
 class GilShare:
-    """What `gil_share` measured: `share` of the GIL the load held (0..1), `us_per_unit` of GIL time per
+    """What `gil_share` measured: `share` of the GIL the load held (0..1; a little below 0 where noise
+    outweighs it, beside `share_alone`, the probe's own blocked share), `us_per_unit` of GIL time per
     unit of the load's work (µs per sample for a loader), the load's own rate while the probe ran
     (`units_per_s`), and how (`method`: "blocked", the probe's time blocked in the scheduler's account;
     "progress", its lost progress, which CPU contention inflates)."""
@@ -184,7 +185,7 @@ def gil_share(run_load: Callable[[Callable[[], None], float], int], seconds: flo
     else:
         method, base = "progress", 0.0
         share = 1.0 - statistics.median(x[0] for x in loaded) / statistics.median(x[0] for x in alone)
-    share = min(1.0, max(0.0, share))
+    share = min(1.0, share)   # not clamped at 0: a negative share is noise, and says how much
     return GilShare(share, share * wall / units * 1e6 if units else float("nan"), units / wall, method, base,
                     switches)
 
@@ -431,10 +432,11 @@ def format_neighbour(result: NeighbourResult) -> str:
                      f"{'-' if none else fmt_number(r.images_per_s, ',.0f')} | {r.step_share:.0%} |")
     if result.gil:
         lines += ["", "| GIL held, 1 thread/worker | share of the GIL | µs per sample | hand-offs per sample | "
-                      "images/s beside the probe |", "| --- | ---: | ---: | ---: | ---: |"]
+                      "images/s beside the probe | probe blocked alone |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
         for name, g in result.gil.items():
-            lines.append(f"| {name} | {g['share']:.1%} | {fmt_number(g['us_per_unit'], '.1f')} | "
-                         f"{fmt_number(g['switches_per_unit'], '.1f')} | {fmt_number(g['units_per_s'], ',.0f')} |")
+            lines.append(f"| {name} | {g['share']:.2%} | {fmt_number(g['us_per_unit'], '.1f')} | "
+                         f"{fmt_number(g['switches_per_unit'], '.1f')} | {fmt_number(g['units_per_s'], ',.0f')} | "
+                         f"{g['share_alone']:.2%} |")
     d, m = result.data, result.machine
     lines += ["",
               f"Step: {result.step_ops} in-place ops on 16-element tensors (dispatch-bound, as a GPU step is for the "
@@ -446,8 +448,8 @@ def format_neighbour(result: NeighbourResult) -> str:
               "dataloader: torch DataLoader + PIL + torchvision's transforms (ToTensor, Normalize) on N worker "
               "processes.",
               "GIL: a probe thread that always wants the GIL runs beside the loader (the loop only drains batches); "
-              "its time blocked (Linux's scheduler account: neither on a CPU nor waiting for one) over windows "
-              "without the loader is the loader's share of the GIL; that share of the windows' wall time over the "
+              "its time blocked (Linux's scheduler account: neither on a CPU nor waiting for one) less its blocked "
+              "time in windows without the loader (last column: the noise floor) is the loader's share of the GIL; that share of the windows' wall time over the "
               "samples delivered is µs per sample: the Python the loader runs under the lock plus each hand-off of "
               "the lock (a thread wake-up, longer on a busy machine; hand-offs per sample: the probe's extra times "
               "scheduled in). The probe slows stoker's threads (they wait for the lock it holds). Method: "
