@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -151,8 +152,8 @@ def _share(start: _Reading, end: _Reading) -> tuple[float, float | None, float |
     return (end[0] - start[0]) / wall, blocked, slices
 
 
-def gil_share(run_load: Callable[[Callable[[], None], float], int], seconds: float = 1.0, rounds: int = 3
-              ) -> GilShare:
+def gil_share(run_load: Callable[[Callable[[], None], float], int], seconds: float = 1.0, rounds: int = 3,
+              switch_interval: float | None = None) -> GilShare:
     """The share of the GIL a load holds, measured by a probe thread that always wants it.
 
     `run_load(mark, seconds)` sets the load up on the calling thread, calls `mark()` where the measured
@@ -160,7 +161,22 @@ def gil_share(run_load: Callable[[Callable[[], None], float], int], seconds: flo
     own threads) and returns the units of work done since `mark()` (samples). Windows with the load
     alternate with windows where the calling thread only sleeps, `rounds` of each (medians). The
     probe's time blocked (`_Probe`) is the time others held the GIL; lost CPU time to other processes
-    is not counted. Without the scheduler's times, the probe's lost progress stands in."""
+    is not counted. Without the scheduler's times, the probe's lost progress stands in.
+
+    `switch_interval` (seconds; None: Python's, 5 ms by default) is how long a thread waiting for the GIL
+    lets the probe run before asking for it (`sys.setswitchinterval`, restored after). Shorter, a loader
+    runs nearer its own speed beside the probe, but on a busy machine the probe then spends more of its
+    wait runnable rather than blocked, which this account does not count: a known 2 ms hold read about
+    half its share at 0.5 ms, within 10% at 5 ms (tests/test_bench_neighbour.py checks the default)."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(before if switch_interval is None else switch_interval)
+    try:
+        return _gil_share(run_load, seconds, rounds)
+    finally:
+        sys.setswitchinterval(before)
+
+
+def _gil_share(run_load: Callable[[Callable[[], None], float], int], seconds: float, rounds: int) -> GilShare:
     alone: list[tuple[float, float | None, float | None]] = []
     loaded: list[tuple[float, float | None, float | None]] = []
     wall, units = 0.0, 0
@@ -354,7 +370,7 @@ def _check(images: int, batch_size: int, max_threads: int, rounds: int, batches:
 
 def run_neighbour(data_dir: Path | None = None, *, images: int | None = None, batch_size: int = 32,
                   workers: int | None = 2, rounds: int = 3, batches: int = 12, steps_per_batch: int = 10,
-                  step_ops: int = STEP_OPS, gil_seconds: float = 1.0, out_dir: Path | None = None, seed: int = 0,
+                  step_ops: int = STEP_OPS, gil_seconds: float = 2.0, out_dir: Path | None = None, seed: int = 0,
                   progress: bool = False) -> NeighbourResult:
     """The noisy-neighbour bench: a dispatch-bound step's inflation beside each loader, and the GIL time per
     sample of stoker and of a DataLoader at 1 thread/worker (module docstring).
