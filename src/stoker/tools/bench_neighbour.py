@@ -11,9 +11,10 @@ training process. This bench measures both sides in one run:
   feeding it; per configuration the step's median and p90 (ms), the inflation of each over the
   no-loader step, and the loader's images/s. Configurations alternate within each round, so slow
   drifts of a shared machine fall on all of them.
-- **GIL time per sample**: a probe thread runs pure-Python work in a loop; what it loses while a
-  loader runs (against windows with the loader idle, alternated) is the share of the GIL the loader
-  held, and that share of the window's wall time over its samples is µs per sample (`gil_share`).
+- **GIL time per sample**: a probe thread runs pure-Python work in a loop; its time blocked waiting for
+  the GIL while a loader runs (Linux's scheduler account, less the same in alternated windows with the
+  loader idle) is the share of the GIL the loader held, and that share of the windows' wall time over
+  their samples is µs per sample (`gil_share`; checked against a load holding the GIL for known times).
 
 The arrangement of the training loop: `next(loader)`, then `steps_per_batch` timed steps, and again.
 The steps take a small share of each batch's time (the share is reported), so the loader runs at
