@@ -111,6 +111,11 @@ def test_neighbour_on_real_photos(photo_root: Path, tmp_path: Path) -> None:
     assert all(f"| {r.name} |" in table for r in result.rows) and "µs per sample" in table
 
 
+def test_a_load_that_never_marks_its_start_is_refused() -> None:
+    with pytest.raises(ConfigError, match="mark"):
+        gil_share(lambda mark, seconds: 0, seconds=0.01, rounds=1)
+
+
 def test_too_few_images_for_a_window_names_the_fix(photo_root: Path) -> None:
     with pytest.raises(ConfigError, match="--images"):
         run_neighbour(photo_root, batch_size=16, workers=1, rounds=1, batches=3)

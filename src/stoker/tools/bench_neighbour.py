@@ -190,6 +190,9 @@ def _gil_share(run_load: Callable[[Callable[[], None], float], int], seconds: fl
             marks: list[_Reading] = []
             done = run_load(lambda: marks.append(probe.reading()), seconds)
             r1 = probe.reading()
+            if not marks:
+                raise ConfigError("gil_share: run_load(mark, seconds) returned without calling mark() where its "
+                                  "measured part begins")
             loaded.append(_share(marks[0], r1))
         wall, units = wall + r1[1] - marks[0][1], units + done
     switches = float("nan")
@@ -365,8 +368,9 @@ def _check(images: int, batch_size: int, max_threads: int, rounds: int, batches:
                           f"{steps_per_batch}, {gil_seconds}")
     if images < (batches + 1) * batch_size:
         raise ConfigError(f"run_neighbour: {images} images is less than the {batches + 1} batches of {batch_size} "
-                          f"one measured window takes (one warm-up batch first); use more images (--images, or a "
-                          f"larger --data folder), a smaller --batch-size, or fewer batches")
+                          f"one measured window takes (one warm-up batch first); use more images (images=, "
+                          f"--images, or a larger data folder), a smaller batch_size (--batch-size), or fewer "
+                          f"batches (batches=)")
 
 
 def run_neighbour(data_dir: Path | None = None, *, images: int | None = None, batch_size: int = 32,
