@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import stoker
+from stoker.numpy_output import NumpyBuffers
 from stoker.slots import BatchRing, Run, Slot, WorkerTimes
 
 FREE_THREADED = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
@@ -36,7 +37,8 @@ def _recording_run(sizes: list[int], threads: int, seen: list[tuple[int, int]], 
         slot.images_np[row, 0, 0, 0] = slot.batch % 256
         slot.images_np[row, 0, 0, 1] = row
 
-    ring = BatchRing(3, max(sizes), 2, 2, label_dtype=None, pin_memory=False)
+    # NumPy slots: the run needs no torch, so this runs on a free-threaded Python with numpy alone
+    ring = BatchRing(3, max(sizes), 2, 2, label_dtype=None, pin_memory=False, buffers=NumpyBuffers())
     return Run(ring, sizes, threads, lambda b, slot: None, fill, lambda times, n: None, 20.0,
                name="stoker-ft", open_ended=open_ended)
 
