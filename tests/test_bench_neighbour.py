@@ -135,3 +135,11 @@ def test_cli(photo_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str
     obj = json.loads(capsys.readouterr().out)
     assert [r["name"] for r in obj["rows"]] == ["none", "stoker-1", "dataloader-1"] and obj["batch_size"] == 2
     assert (tmp_path / "neighbour.md").is_file()
+
+
+@pytest.mark.parametrize("argv", [["--device", "cuda"], ["--recipe", "randaug"], ["--steps", "5"]])
+def test_cli_refuses_the_device_bench_flags(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    from stoker.cli import main
+
+    assert main(["bench", "--pipelines", "neighbour", *argv]) == 2
+    assert "leave out --device, --recipe" in capsys.readouterr().err
