@@ -205,8 +205,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _bench_video(args)
     from .tools.bench import format_table, run_bench
 
+    if args.pipelines == "neighbour":
+        return _cmd_bench_neighbour(args)
     models = None if args.models is None else tuple(m.strip() for m in args.models.split(",") if m.strip())
-    result = run_bench(args.data, images=args.images, batch_size=args.batch_size, workers=args.workers,
+    result = run_bench(args.data, images=args.images, batch_size=args.batch_size or 256, workers=args.workers,
                        rounds=args.rounds or 3, out_dir=args.out, device=args.device, models=models, steps=args.steps,
                        warmup_steps=args.warmup_steps, recipe=args.recipe, progress=not args.quiet,
                        **({"pipelines": tuple(args.pipelines.split(","))} if args.pipelines else {}))
@@ -227,6 +229,18 @@ def _bench_video(args: argparse.Namespace) -> int:
     (args.out / "video.json").write_text(json.dumps(result.to_json(), indent=1))
     (args.out / "video.md").write_text(table + "\n")
     print(json.dumps(result.to_json(), indent=1) if args.json else table)
+    return 0
+
+
+def _cmd_bench_neighbour(args: argparse.Namespace) -> int:
+    from .tools.bench_neighbour import format_neighbour, run_neighbour
+
+    if args.device != "cpu" or args.recipe != "basic" or args.models or args.steps or args.warmup_steps is not None:
+        raise ConfigError("stoker bench --pipelines neighbour runs on the CPU with its own step; leave out --device, "
+                          "--recipe, --models, --steps and --warmup-steps")
+    result = run_neighbour(args.data, images=args.images, batch_size=args.batch_size or 32,
+                           workers=args.workers or 2, rounds=args.rounds or 3, out_dir=args.out, progress=not args.quiet)
+    print(json.dumps(result.to_json(), indent=1) if args.json else format_neighbour(result))
     return 0
 
 
@@ -376,11 +390,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", type=Path, default=None, help="image folder to use (default: generate ImageNet-like)")
     p.add_argument("--images", type=_positive, default=None,
                    help="images to generate (default 2000; 5000 with --device cuda)")
-    p.add_argument("--batch-size", type=_positive, default=256)
-    p.add_argument("--workers", type=_positive, default=None, help="CPU cores each pipeline may use")
+    p.add_argument("--batch-size", type=_positive, default=None, help="default 256 (32 for neighbour)")
+    p.add_argument("--workers", type=_positive, default=None,
+                   help="CPU cores each pipeline may use (neighbour: measure 1..N threads/workers, default 2)")
     p.add_argument("--rounds", type=_positive, default=None,
                    help="timed rounds after one warm-up (median; default 3); with --video: rounds, best kept (default 2)")
-    p.add_argument("--pipelines", default=None, help="comma-separated subset, e.g. baseline,stoker-train")
+    p.add_argument("--pipelines", default=None,
+                   help="comma-separated subset, e.g. baseline,stoker-train; or neighbour alone: what each loader "
+                   "costs the training thread's Python (step inflation, GIL time per sample)")
     p.add_argument("--recipe", choices=("basic", "randaug", "deit"), default="basic",
                    help="augmentation recipe both sides run: basic (crop+flip), randaug (+RandAugment 2/9), "
                    "deit (+RandomErasing 0.25, Mixup/CutMix)")

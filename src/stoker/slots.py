@@ -16,8 +16,10 @@ loop no slot is ever allocated after the first pass.
 
 Threads, not processes: libjpeg-turbo, OpenCV and Pillow release the GIL while they work, so the
 threads share one address space and write directly into (pinned) batch memory. What runs under the
-GIL per sample is a counter increment, two list appends and the Python glue of the fill function;
-the lock is taken once per batch (by the worker that completes it), which also flushes the stats.
+GIL per sample is a position claim (under a small lock of its own), a list append and the Python
+glue of the fill function; the run's lock is taken once per batch (by the worker that completes it),
+which also flushes the stats. Nothing relies on the GIL for atomicity, so the same code is correct on
+a free-threaded build (docs/architecture.md, "Threads and the GIL").
 
 Every wait has a timeout and checks the stop flag. Worker threads hold no reference to the
 iterator that owns a run, so an abandoned iterator can be collected; its finalizer stops the run.
@@ -381,7 +383,11 @@ class Run:
         self.last_given: tuple[int, Slot] | None = None  # the batch handed out last, and its slot
         self.fatal: BaseException | None = None
         self.stalled: LoaderTimeoutError | None = None  # a slot's guard never completed
-        self._counter = itertools.count()
+        # Positions are claimed under their own lock, not the Condition's (which the consumer takes): a
+        # shared itertools.count was atomic only under the GIL; on a free-threaded build two workers
+        # could draw the same position. Uncontended, the lock costs a fraction of a microsecond a sample.
+        self._claim_lock = threading.Lock()
+        self._next_position = 0
         self.threads = [threading.Thread(target=self._work, name=f"{name}-worker-{k}", daemon=True)
                         for k in range(num_threads)]
         for slot in ring.free:
@@ -395,22 +401,29 @@ class Run:
     def extend(self, batch_sizes: list[int]) -> None:
         """Append batches to an open-ended run (their plans come from `prepare` like the others)."""
         with self.cond:
-            for size in batch_sizes:
-                self.batch_sizes.append(size)
-                self._starts.append(self._starts[-1] + size)
-            self.total = self._starts[-1]
+            with self._claim_lock:   # a claim reads `_starts` and `total` together
+                for size in batch_sizes:
+                    self.batch_sizes.append(size)
+                    self._starts.append(self._starts[-1] + size)
+                self.total = self._starts[-1]
             self.cond.notify_all()
 
     def _claim(self) -> tuple[int, int] | None:
-        p = next(self._counter)  # atomic under the GIL: positions are handed out once, in order
-        if p >= self.total:
+        """The next position (batch, row): each handed out once, in order, with or without a GIL."""
+        with self._claim_lock:
+            p = self._next_position
+            self._next_position = p + 1
+            total = self.total
+        if p >= total:
             if not self.open_ended:
                 return None
-            with self.cond:
+            with self.cond:  # `extend` appends batches under this Condition and notifies it
                 while p >= self.total and not self.stop_event.is_set():
                     self.cond.wait(_POLL_S)
-            if p >= self.total:
-                return None
+                if p >= self.total:
+                    return None
+        # `_starts` only grows, and position p's entries were appended before `total` passed p (under
+        # the lock just taken), so it can be searched without the lock
         b = bisect.bisect_right(self._starts, p) - 1  # a partial batch may end an epoch mid-run
         return b, p - self._starts[b]
 
@@ -491,8 +504,11 @@ class Run:
                 except BaseException as exc:  # kept for the consumer, which raises it in order
                     slot.errors.append((row, exc))
                 done += 1
-                # No lock per sample: list.append is atomic under the GIL, and only the worker that
-                # sees the last row arrive takes the lock, to flush its counters and wake the consumer.
+                # No lock per sample: list.append is atomic (under the GIL, or the list's own lock on a
+                # free-threaded build), and each worker checks the length after its own append, so the
+                # one that adds the last row always sees it complete. Two may both see it (the last two
+                # appends land before either checks): both flush their own counters and notify, which
+                # is harmless; the `is` check below skips a slot already refilled for a later batch.
                 finished, size = slot.finished, slot.size
                 finished.append(row)
                 if len(finished) == size:

@@ -1,0 +1,100 @@
+"""What stoker's threads rely on where the GIL is gone (a free-threaded build, python3.13t): positions
+claimed once each by many workers, and the region decoder declaring itself safe without the GIL. The
+claim test runs on every build (with a tiny switch interval here: threads interleave as often as they
+can); the extension's check needs a free-threaded interpreter and skips elsewhere."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+import threading
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+import stoker
+from stoker.numpy_output import NumpyBuffers
+from stoker.slots import BatchRing, Run, Slot, WorkerTimes
+
+FREE_THREADED = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
+
+
+@pytest.fixture
+def busy_switching():
+    """Threads switch at every opportunity (no effect on what a free-threaded build runs in parallel)."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(before)
+
+
+def _recording_run(sizes: list[int], threads: int, seen: list[tuple[int, int]], open_ended: bool = False) -> Run:
+    def fill(plan: None, row: int, slot: Slot, scratch: dict, times: WorkerTimes) -> None:
+        seen.append((slot.batch, row))
+        slot.images_np[row, 0, 0, 0] = slot.batch % 256
+        slot.images_np[row, 0, 0, 1] = row
+
+    # NumPy slots: the run needs no torch, so this runs on a free-threaded Python with numpy alone
+    ring = BatchRing(3, max(sizes), 2, 2, label_dtype=None, pin_memory=False, buffers=NumpyBuffers())
+    return Run(ring, sizes, threads, lambda b, slot: None, fill, lambda times, n: None, 20.0,
+               name="stoker-ft", open_ended=open_ended)
+
+
+def _drain(run: Run, sizes: list[int], first: int = 0) -> None:
+    for b, n in enumerate(sizes, start=first):
+        slot = run.next_batch(b)
+        assert slot.images_np[:n, 0, 0, 0].tolist() == [b % 256] * n
+        assert slot.images_np[:n, 0, 0, 1].tolist() == list(range(n))
+
+
+@pytest.mark.usefixtures("busy_switching")
+def test_many_workers_claim_every_position_once() -> None:
+    sizes = [8] * 60 + [3]   # a partial batch at the end
+    seen: list[tuple[int, int]] = []
+    run = _recording_run(sizes, 8, seen)
+    run.start()
+    try:
+        _drain(run, sizes)
+    finally:
+        run.stop()
+    want = Counter((b, r) for b, n in enumerate(sizes) for r in range(n))
+    assert Counter(seen) == want   # none twice, none missed
+
+
+@pytest.mark.usefixtures("busy_switching")
+def test_an_open_ended_run_claims_appended_batches_once() -> None:
+    """A persistent Loader's next epoch: batches appended while workers wait for them."""
+    first, more = [8] * 10, [8] * 10 + [5]
+    seen: list[tuple[int, int]] = []
+    run = _recording_run(first, 6, seen, open_ended=True)
+    run.start()
+    try:
+        _drain(run, first)
+        run.extend(more)
+        _drain(run, more, first=len(first))
+    finally:
+        run.stop()
+    sizes = first + more
+    assert Counter(seen) == Counter((b, r) for b, n in enumerate(sizes) for r in range(n))
+
+
+@pytest.mark.skipif(not FREE_THREADED, reason="needs a free-threaded Python (python3.13t)")
+def test_region_decoder_leaves_the_gil_off() -> None:
+    """Importing stoker._jpeg alone (not the package, whose dependencies may not declare themselves
+    yet) keeps the GIL disabled and warns about nothing."""
+    found = sorted(Path(stoker.__file__).parent.glob("_jpeg*" + sysconfig.get_config_var("EXT_SUFFIX")))
+    if not found:
+        pytest.skip("the compiled extension stoker._jpeg is not built for this interpreter")
+    code = ("import importlib.machinery, importlib.util, sys\n"
+            f"loader = importlib.machinery.ExtensionFileLoader('stoker._jpeg', {str(found[0])!r})\n"
+            "spec = importlib.util.spec_from_loader('stoker._jpeg', loader)\n"
+            "loader.exec_module(importlib.util.module_from_spec(spec))\n"
+            "print(sys._is_gil_enabled())\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON_GIL"}
+    out = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", code], capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
