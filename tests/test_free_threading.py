@@ -1,19 +1,24 @@
 """What stoker's threads rely on where the GIL is gone (a free-threaded build, python3.13t): positions
-claimed once each by many workers, and the region decoder declaring itself safe without the GIL. The
-claim test runs on every build (with a tiny switch interval here: threads interleave as often as they
-can); the extension's check needs a free-threaded interpreter and skips elsewhere."""
+claimed once each by many workers, the region decoder run from eight threads at once giving the serial
+pixels, and the extension declaring itself safe without the GIL. All but the last run on every build
+(with a tiny switch interval here: threads interleave as often as they can); `.ci/freethreaded` builds
+CPython 3.13t and runs this file there, with numpy, Pillow and pyarrow only (no torch, OpenCV or
+simplejpeg: none of them has a free-threaded wheel this machine can install)."""
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
 import sysconfig
-import threading
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
 import stoker
 from stoker.numpy_output import NumpyBuffers
@@ -98,3 +103,60 @@ def test_region_decoder_leaves_the_gil_off() -> None:
                          text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def _jpeg_module():
+    """stoker._jpeg with Pillow's libjpeg-turbo loaded into it (the library stoker itself picks first)."""
+    try:
+        from stoker import _jpeg
+        from stoker._libjpeg import _candidates
+    except ImportError as exc:
+        pytest.skip(f"the region decoder is not compiled here: {exc}")
+    for path in _candidates():
+        try:
+            _jpeg.load(path)
+            return _jpeg
+        except RuntimeError:  # loaded already (by stoker itself, or an earlier test): one per process
+            return _jpeg
+        except OSError:
+            continue
+    pytest.skip("no libjpeg-turbo with partial decode found")
+
+
+def _photo(seed: int, h: int = 240, w: int = 320, restart: bool = False) -> tuple[bytes, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w]
+    rgb = np.stack([x * 255 // w, y * 255 // h, (x ^ y) & 255], -1).astype(np.int16)
+    rgb = np.clip(rgb + rng.integers(-20, 21, rgb.shape), 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, "JPEG", quality=90, subsampling=2, **({"restart_marker_rows": 1} if restart else {}))
+    data = buf.getvalue()
+    return data, np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_region_decodes_from_eight_threads_match_serial_and_pillow(restart):
+    mod = _jpeg_module()
+    images = [_photo(seed, restart=restart) for seed in range(4)]
+    rng = np.random.default_rng(7)
+    jobs = []
+    for k in range(96):
+        data, full = images[k % len(images)]
+        h, w = full.shape[:2]
+        y0, x0 = int(rng.integers(0, h - 16)), int(rng.integers(0, w - 16))
+        y1, x1 = int(rng.integers(y0 + 8, h + 1)), int(rng.integers(x0 + 8, w + 1))
+        jobs.append((k % len(images), y0, y1, x0, x1))
+
+    def run(job):
+        i, y0, y1, x0, x1 = job
+        out = np.empty((y1 - y0, x1 - x0, 3), np.uint8)
+        mod.decode(images[i][0], out, 8, y0, y1, x0, x1)
+        return out
+
+    serial = [run(j) for j in jobs]
+    with ThreadPoolExecutor(8) as pool:
+        parallel = list(pool.map(run, jobs))
+    for job, a, b in zip(jobs, serial, parallel):
+        i, y0, y1, x0, x1 = job
+        assert np.array_equal(a, b), f"job {job}: threads decode different pixels"
+        assert np.array_equal(a, images[i][1][y0:y1, x0:x1]), f"job {job}: differs from Pillow's decode"

@@ -23,7 +23,6 @@ import numpy as np
 
 from .labels import MultiLabel
 from .slots import Slot, row_shape
-from .transforms.targets import LabelMap, TargetRows, stack_label_map_arrays
 
 __all__ = ["ArrayWeakRef", "NumpyBuffers", "numpy_batch"]
 
@@ -70,6 +69,9 @@ def numpy_batch(slot: Slot, encode: MultiLabel | None) -> tuple:
         labels = encode.arrays(slot.objects[:n])
     if not slot.extras:
         return images, labels
+    # here, not at import: the ring's NumpyBuffers stay importable without OpenCV (the free-threaded checks)
+    from .transforms.targets import LabelMap, TargetRows, stack_label_map_arrays
+
     extras: dict[str, Any] = {}
     for column, value in slot.extras.items():
         if isinstance(value, TargetRows):   # label maps stacked as arrays; boxes and masks as lists
