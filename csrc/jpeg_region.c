@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "jpeglib.h"
+#include "resample.h"
 
 /* The functions used, resolved by load(). */
 static struct {
@@ -482,6 +483,11 @@ static PyMethodDef methods[] = {
      "Decode rows y0..y1, columns x0..x1 of the image scaled by scale/8 into out as RGB;\n"
      "return the scaled image's size and whether decoding started at a restart marker.\n"
      "Raises JpegError, UnsupportedError or TooLargeError."},
+    {"resample", (PyCFunction)(void (*)(void))stoker_py_resample, METH_VARARGS | METH_KEYWORDS,
+     "resample(src, dst, antialias=True, simd=True)\n\n"
+     "Resize the uint8 [h, w, 3] image src into dst (its own height and width) exactly as torchvision's\n"
+     "bilinear resize of a uint8 tensor does (see csrc/resample.c); rows of either may be strided.\n"
+     "simd=False: the portable loops (the same pixels, for tests)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -9,7 +9,8 @@ once, straight into its row of the batch (`crop_resize_into`).
 
 Resampling is torchvision's own: `torch.nn.functional.interpolate` on the uint8 image, antialiased
 bilinear by default (the triangle filter whose support widens with the shrink factor, as PIL and
-`antialias=True` compute it; libtorch's uint8 kernel releases the GIL). `Resize(256)` then
+`antialias=True` compute it; libtorch's uint8 kernel releases the GIL). Bilinear goes through the
+C copy of that kernel (`native.resample`, the same pixels) where the extension is built. `Resize(256)` then
 `CenterCrop(224)` resamples the whole image to 256 on the short side and cuts the centre, as
 torchvision does, so the filter sees the same pixels at the crop's edges (`resampling`).
 `crop_window` is the rounding, clamping and padding maths of the GPU decode path and the label maps.
@@ -29,6 +30,7 @@ from typing import Any, Sequence
 import cv2
 import numpy as np
 
+from .. import native
 from .._torch import HAVE_TORCH, torch
 from ..errors import ConfigError
 from .kinds import PLAN
@@ -416,6 +418,8 @@ def resample(src: np.ndarray, dst: np.ndarray, interpolation: str = "bilinear", 
     `resize(..., interpolation, antialias)` does on a uint8 tensor: the same libtorch kernels."""
     if src.shape[:2] == dst.shape[:2]:
         dst[...] = src
+        return
+    if interpolation == "bilinear" and native.resample(src, dst, antialias):  # the same pixels, no torch call
         return
     if not dst.flags.c_contiguous:  # a window of a row (padding): the kernels write whole channels-last images
         whole = np.empty(dst.shape, np.uint8)

@@ -1,0 +1,23 @@
+/*
+ * The uint8 bilinear resize of torchvision's `resize(antialias=True)` (libtorch's
+ * _upsample_bilinear2d_aa on uint8, channels last) and of `antialias=False` (upsample_bilinear2d),
+ * pixel for pixel, on packed RGB (3 bytes per pixel, any row stride). See resample.c.
+ */
+#ifndef STOKER_RESAMPLE_H
+#define STOKER_RESAMPLE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+
+/* Resample src (sh x sw RGB, rows src_stride bytes apart) into dst (dh x dw, rows dst_stride bytes
+ * apart); simd = 0 takes the portable loops (the same pixels). Returns 0, or -1 when out of memory.
+ * Touches no Python object: call it without the GIL. */
+int stoker_resample(const unsigned char *src, int sh, int sw, ptrdiff_t src_stride, unsigned char *dst,
+                    int dh, int dw, ptrdiff_t dst_stride, int antialias, int simd);
+
+/* resample(src, dst, antialias=True, simd=True): the Python entry (numpy arrays [h, w, 3] uint8, rows may be
+ * strided), GIL released for the work. */
+PyObject *stoker_py_resample(PyObject *self, PyObject *args, PyObject *kwargs);
+
+#endif
