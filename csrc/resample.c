@@ -437,6 +437,62 @@ done:
     return status;
 }
 
+int stoker_place(const unsigned char *region, int h, int w, ptrdiff_t stride, const int pad[4], int rh, int rw,
+                 int py, int px, unsigned char *dst, int oh, int ow, ptrdiff_t dst_stride, int flip, int antialias) {
+    const unsigned char *src = region;
+    unsigned char *padded = NULL, *whole = NULL;
+    int sh = h, sw = w, status = 0;
+    ptrdiff_t sstride = stride;
+    if (pad[0] || pad[1] || pad[2] || pad[3]) { /* zeros around the pixels, as a copyMakeBorder */
+        sh = h + pad[0] + pad[1];
+        sw = w + pad[2] + pad[3];
+        sstride = (ptrdiff_t)sw * 3;
+        padded = (unsigned char *)calloc((size_t)sh * sw * 3, 1);
+        if (padded == NULL)
+            return -1;
+        for (int y = 0; y < h; y++)
+            memcpy(padded + (ptrdiff_t)(y + pad[0]) * sstride + (ptrdiff_t)pad[2] * 3, region + (ptrdiff_t)y * stride,
+                   (size_t)w * 3);
+        src = padded;
+    }
+    if (py == 0 && px == 0 && rh == oh && rw == ow) {
+        status = stoker_resample(src, sh, sw, sstride, dst, oh, ow, dst_stride, antialias, 1);
+    } else {
+        int y0 = py > 0 ? py : 0, y1 = py + rh < oh ? py + rh : oh;
+        int x0 = px > 0 ? px : 0, x1 = px + rw < ow ? px + rw : ow;
+        if (!(y0 == 0 && x0 == 0 && y1 == oh && x1 == ow))
+            for (int y = 0; y < oh; y++)
+                memset(dst + (ptrdiff_t)y * dst_stride, 0, (size_t)ow * 3);
+        if (y1 > y0 && x1 > x0) {
+            if (y0 == py && x0 == px && y1 - y0 == rh && x1 - x0 == rw) {
+                status = stoker_resample(src, sh, sw, sstride, dst + (ptrdiff_t)y0 * dst_stride + (ptrdiff_t)x0 * 3,
+                                         rh, rw, dst_stride, antialias, 1);
+            } else { /* only part of the resampled pixels is the output */
+                whole = (unsigned char *)malloc((size_t)rh * rw * 3);
+                status = whole == NULL ? -1 : stoker_resample(src, sh, sw, sstride, whole, rh, rw, (ptrdiff_t)rw * 3,
+                                                              antialias, 1);
+                for (int y = y0; status == 0 && y < y1; y++)
+                    memcpy(dst + (ptrdiff_t)y * dst_stride + (ptrdiff_t)x0 * 3,
+                           whole + ((ptrdiff_t)(y - py) * rw + (x0 - px)) * 3, (size_t)(x1 - x0) * 3);
+            }
+        }
+    }
+    if (status == 0 && flip) {
+        for (int y = 0; y < oh; y++) {
+            unsigned char *l = dst + (ptrdiff_t)y * dst_stride, *r = l + (ptrdiff_t)(ow - 1) * 3;
+            for (; l < r; l += 3, r -= 3)
+                for (int c = 0; c < 3; c++) {
+                    unsigned char t = l[c];
+                    l[c] = r[c];
+                    r[c] = t;
+                }
+        }
+    }
+    free(padded);
+    free(whole);
+    return status;
+}
+
 /* An [h, w, 3] uint8 image whose pixels are packed (3 bytes apart, channels adjacent). */
 static int image_view(PyObject *obj, Py_buffer *view, int writable, const char *name) {
     if (PyObject_GetBuffer(obj, view, PyBUF_RECORDS_RO | (writable ? PyBUF_WRITABLE : 0)) < 0)

@@ -16,6 +16,13 @@
 int stoker_resample(const unsigned char *src, int sh, int sw, ptrdiff_t src_stride, unsigned char *dst,
                     int dh, int dw, ptrdiff_t dst_stride, int antialias, int simd);
 
+/* Geometry's resample_region_into: `region` (h x w) with pad = (top, bottom, left, right) zero rows
+ * and columns around it, resampled to rh x rw, its top-left placed at (py, px) of dst (oh x ow; may
+ * be negative: only part of it is kept), zeros where nothing lands, then mirrored left-right when
+ * `flip`. Returns 0, or -1 when out of memory. No GIL needed. */
+int stoker_place(const unsigned char *region, int h, int w, ptrdiff_t stride, const int pad[4], int rh, int rw,
+                 int py, int px, unsigned char *dst, int oh, int ow, ptrdiff_t dst_stride, int flip, int antialias);
+
 /* resample(src, dst, antialias=True, simd=True): the Python entry (numpy arrays [h, w, 3] uint8, rows may be
  * strided), GIL released for the work. */
 PyObject *stoker_py_resample(PyObject *self, PyObject *args, PyObject *kwargs);

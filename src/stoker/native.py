@@ -46,3 +46,32 @@ def resample(src: np.ndarray, dst: np.ndarray, antialias: bool) -> bool:
         return False
     _mod.resample(src, dst, antialias=antialias)
     return True
+
+
+#: columns of the per-row parameters `render_rows` takes (csrc/jpeg_region.c's P_* order)
+PARAMS = ("row", "height", "width", "scale", "y0", "y1", "x0", "x1", "pad_top", "pad_bottom", "pad_left",
+          "pad_right", "resize_h", "resize_w", "place_y", "place_x", "flip")
+
+
+def chunks_available() -> bool:
+    """True when whole chunks of JPEG rows can be rendered natively (the extension is on and found a
+    libjpeg-turbo for its region decoder)."""
+    from . import _libjpeg
+
+    return ON and _libjpeg.region_decoder() is not None
+
+
+def render_rows(datas: list, params: np.ndarray, images: np.ndarray, antialias: bool, fast: bool,
+                max_pixels: int) -> np.ndarray:
+    """Region-decode, resize, place and flip each JPEG of `datas` into its row of `images` (uint8
+    [rows, H, W, 3]) as its row of `params` says, in one call that releases the GIL once. Returns
+    a status per row: 0 written; otherwise the row is left for the per-sample path."""
+    status = np.empty(len(datas), np.uint8)
+    _mod.render_rows(datas, params, images, status, antialias=antialias, fast=fast, max_pixels=float(max_pixels))
+    return status
+
+
+def native_chunk(batch_size: int, threads: int) -> int:
+    """Rows a worker claims at a time on the native path: up to 16 (the Python per chunk, not per
+    row), but at least four claims per thread per batch, so the threads still share a batch evenly."""
+    return max(1, min(16, batch_size // (4 * max(threads, 1))))

@@ -313,6 +313,8 @@ class WorkerTimes:
 PrepareFn = Callable[[int, Slot], Any]  # (batch, slot) -> plan; fills labels/extras of the slot
 FillFn = Callable[[Any, int, Slot, dict, WorkerTimes], None]  # (plan, row, slot, scratch, times)
 FlushFn = Callable[[WorkerTimes, int], None]  # (times, samples done) under the run's lock
+#: (plan, first row, end row, slot, scratch, times) -> [(row, exception)] of the rows that failed
+ChunkFn = Callable[[Any, int, int, Slot, dict, WorkerTimes], list]
 
 
 class Run:
@@ -320,20 +322,26 @@ class Run:
 
     `prepare(b, slot)` runs once per batch (in whichever worker gets there first, under a lock) and
     returns the plan; `fill(plan, row, slot, scratch, times)` writes one sample. Exceptions from fill
-    are kept per row and raised by `next_batch` for the first failing row of that batch."""
+    are kept per row and raised by `next_batch` for the first failing row of that batch.
+
+    With `fill_chunk`, workers claim `chunk` rows of a batch at a time and write them with one
+    `fill_chunk(plan, r0, r1, slot, scratch, times)` (the native path: one GIL release for the
+    chunk), which returns the failed rows' exceptions; which thread writes a row never changes it."""
 
     def __init__(self, ring: BatchRing, batch_sizes: list[int], num_threads: int, prepare: PrepareFn,
-                 fill: FillFn, flush: FlushFn, timeout: float, name: str = "stoker", open_ended: bool = False
-                 ) -> None:
+                 fill: FillFn, flush: FlushFn, timeout: float, name: str = "stoker", open_ended: bool = False,
+                 fill_chunk: ChunkFn | None = None, chunk: int = 1) -> None:
         self.ring = ring
         ring.top_up()
         self.batch_sizes = list(batch_sizes)
-        self._starts = list(itertools.accumulate(self.batch_sizes, initial=0))  # first position of each batch
+        self.chunk = chunk if fill_chunk is not None else 1
+        # first claim of each batch: a claim is `chunk` rows (the last of a batch may be fewer)
+        self._starts = list(itertools.accumulate((-(-n // self.chunk) for n in self.batch_sizes), initial=0))
         self.total = self._starts[-1]
         # open_ended: batches may be appended (`extend`, the next epoch of a persistent Loader); workers
         # that run out wait for them (stop-aware) instead of exiting
         self.open_ended = open_ended
-        self.prepare, self.fill, self.flush = prepare, fill, flush
+        self.prepare, self.fill, self.flush, self.fill_chunk = prepare, fill, flush, fill_chunk
         self.timeout = timeout
         self.lock = threading.RLock()  # an RLock so the consumer can tell it still holds it (Ctrl-C)
         self.cond = threading.Condition(self.lock)
@@ -360,12 +368,13 @@ class Run:
         with self.cond:
             for size in batch_sizes:
                 self.batch_sizes.append(size)
-                self._starts.append(self._starts[-1] + size)
+                self._starts.append(self._starts[-1] + -(-size // self.chunk))
             self.total = self._starts[-1]
             self.cond.notify_all()
 
-    def _claim(self) -> tuple[int, int] | None:
-        p = next(self._counter)  # atomic under the GIL: positions are handed out once, in order
+    def _claim(self) -> tuple[int, int, int] | None:
+        """The next (batch, first row, end row) to write; None when the run is over or stopped."""
+        p = next(self._counter)  # atomic under the GIL: claims are handed out once, in order
         if p >= self.total:
             if not self.open_ended:
                 return None
@@ -375,7 +384,8 @@ class Run:
             if p >= self.total:
                 return None
         b = bisect.bisect_right(self._starts, p) - 1  # a partial batch may end an epoch mid-run
-        return b, p - self._starts[b]
+        r0 = (p - self._starts[b]) * self.chunk
+        return b, r0, min(r0 + self.chunk, self.batch_sizes[b])
 
     def _wait_slot(self, b: int, times: WorkerTimes) -> Slot | None:
         """The slot of batch b, planned: the first worker to need it (or a later batch) takes the next
@@ -444,19 +454,22 @@ class Run:
                 claim = self._claim()
                 if claim is None:
                     break
-                b, row = claim
+                b, r0, r1 = claim
                 slot = self._wait_slot(b, times)
                 if slot is None:
                     break
-                try:
-                    self.fill(slot.plan, row, slot, scratch, times)
-                except BaseException as exc:  # kept for the consumer, which raises it in order
-                    slot.errors.append((row, exc))
-                done += 1
-                # No lock per sample: list.append is atomic under the GIL, and only the worker that
+                if self.fill_chunk is not None:
+                    slot.errors.extend(self.fill_chunk(slot.plan, r0, r1, slot, scratch, times))
+                else:
+                    try:
+                        self.fill(slot.plan, r0, slot, scratch, times)
+                    except BaseException as exc:  # kept for the consumer, which raises it in order
+                        slot.errors.append((r0, exc))
+                done += r1 - r0
+                # No lock per sample: list.extend is atomic under the GIL, and only the worker that
                 # sees the last row arrive takes the lock, to flush its counters and wake the consumer.
                 finished, size = slot.finished, slot.size
-                finished.append(row)
+                finished.extend(range(r0, r1))
                 if len(finished) == size:
                     with self.lock:
                         self.flush(times, done)
