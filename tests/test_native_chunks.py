@@ -142,3 +142,16 @@ def test_row_parameters_equal_the_per_sample_maths():
                 want = [i, h[i], w[i], k, *r.src, *r.pad, *r.size, *r.place, int(geo.flip[i])]
                 assert params[i].tolist() == want, (transforms, i)
                 assert ok[i] == (tuple(geo.size[i]) == out)
+
+
+def test_jpeg_views_are_the_samples_bytes(dataset):
+    """`PackedDataset.jpeg_views` (one shard check per chunk, no Sample per row) against `sample(i)`,
+    and the generic `Dataset.jpeg_views` the other datasets use."""
+    from stoker.reader import Dataset, open_dataset
+
+    ds = open_dataset(dataset)
+    idx = np.random.default_rng(2).permutation(len(ds))[:40]
+    want = [bytes(s.data) if s.encoding == "jpeg" else None for s in (ds.sample(int(i)) for i in idx)]
+    assert any(w is None for w in want) and any(w is not None for w in want)
+    for got in (ds.jpeg_views(idx), Dataset.jpeg_views(ds, idx)):
+        assert [None if g is None else bytes(g) for g in got] == want

@@ -188,31 +188,25 @@ class Filler:
         if plan.native is not None:
             t0 = time.perf_counter()
             params, ok = plan.native
-            datas, picked = [], []
-            for r in range(r0, r1):
-                if not ok[r]:
-                    continue
-                try:
-                    s = self.ds.sample(int(plan.indices[r]))
-                except Exception:  # noqa: BLE001 - fill reads it again and reports it
-                    continue
-                if s.encoding == "jpeg" and s.height == params[r, 1] and s.width == params[r, 2]:
-                    datas.append(s.data)
-                    picked.append(r)
+            rows = np.flatnonzero(ok[r0:r1]) + r0
+            try:
+                views = self.ds.jpeg_views(plan.indices[rows])
+            except Exception:  # noqa: BLE001 - a shard that fails its check: each row's own read reports it
+                views = [None] * len(rows)
+            picked = [r for r, v in zip(rows.tolist(), views) if v is not None]
             t1 = time.perf_counter()
             if picked:
-                status = native.render_rows(datas, params[picked], slot.images_np, self.pipe.resampling[1],
-                                            self.fast, codecs.MAX_PIXELS)
+                status = native.render_rows([v for v in views if v is not None], params[picked], slot.images_np,
+                                            self.pipe.resampling[1], self.fast, codecs.MAX_PIXELS)
                 done[np.asarray(picked)[status == 0] - r0] = True
             times.read += t1 - t0
             times.decode += time.perf_counter() - t1
         errors = []
-        for r in range(r0, r1):
-            if not done[r - r0]:
-                try:
-                    self.fill(plan, r, slot, scratch, times)
-                except BaseException as exc:  # kept for the consumer, which raises it in order
-                    errors.append((r, exc))
+        for r in (np.flatnonzero(~done) + r0).tolist():
+            try:
+                self.fill(plan, r, slot, scratch, times)
+            except BaseException as exc:  # kept for the consumer, which raises it in order
+                errors.append((r, exc))
         return errors
 
     def queue_gpu(self, idx: int, key: int, u: np.ndarray, box: tuple | None, row: int, slot: Slot,
