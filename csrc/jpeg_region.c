@@ -615,10 +615,10 @@ static PyMethodDef methods[] = {
      "pad, resample, place and mirror into images[row] (uint8 [rows, height, width, 3]), the GIL released\n"
      "once; status[i] = 0 where row i was written, non-zero where the caller must render it itself."},
     {"resample", (PyCFunction)(void (*)(void))stoker_py_resample, METH_VARARGS | METH_KEYWORDS,
-     "resample(src, dst, antialias=True, simd=True)\n\n"
+     "resample(src, dst, antialias=True, simd=2)\n\n"
      "Resize the uint8 [h, w, 3] image src into dst (its own height and width) exactly as torchvision's\n"
      "bilinear resize of a uint8 tensor does (see csrc/resample.c); rows of either may be strided.\n"
-     "simd=False: the portable loops (the same pixels, for tests)."},
+     "simd: 2 the best SIMD the CPU has, 1 at most SSSE3, 0 the portable loops (the same pixels; for tests)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -251,7 +251,17 @@ __attribute__((target("avx2"))) static inline __m256i taps_avx2(const unsigned c
                                                                 const int32_t *pairs, int npairs, __m256i acc) {
     const __m256i pair01 = _mm256_setr_epi8(0, -1, 3, -1, 1, -1, 4, -1, 2, -1, 5, -1, -1, -1, -1, -1,
                                             0, -1, 3, -1, 1, -1, 4, -1, 2, -1, 5, -1, -1, -1, -1, -1);
-    for (int j = 0; j < npairs; j++) {
+    const __m256i pair23 = _mm256_setr_epi8(6, -1, 9, -1, 7, -1, 10, -1, 8, -1, 11, -1, -1, -1, -1, -1,
+                                            6, -1, 9, -1, 7, -1, 10, -1, 8, -1, 11, -1, -1, -1, -1, -1);
+    int j = 0;
+    for (; j + 2 <= npairs; j += 2) { /* four taps from one 16-byte load per row */
+        __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p0 + 6 * j))),
+                                            _mm_loadu_si128((const __m128i *)(p1 + 6 * j)), 1);
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_shuffle_epi8(v, pair01), _mm256_set1_epi32(pairs[j])));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_shuffle_epi8(v, pair23),
+                                                      _mm256_set1_epi32(pairs[j + 1])));
+    }
+    if (j < npairs) {
         __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)(p0 + 6 * j))),
                                             _mm_loadl_epi64((const __m128i *)(p1 + 6 * j)), 1);
         acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_shuffle_epi8(v, pair01), _mm256_set1_epi32(pairs[j])));
@@ -261,7 +271,7 @@ __attribute__((target("avx2"))) static inline __m256i taps_avx2(const unsigned c
 
 __attribute__((target("avx2"))) static void pass_horizontal_avx2(const unsigned char *src, ptrdiff_t sstride,
                                                                   int y0, int y1, const axis_t *a, int simd_end,
-                                                                  unsigned char *dst, ptrdiff_t dstride) {
+                                                                  int dw, unsigned char *dst, ptrdiff_t dstride) {
     const __m256i half = _mm256_set1_epi32((int32_t)1 << (a->prec - 1));
     const int kp = (a->ksize + 1) / 2;
     for (int y = y0; y < y1; y += 4) {
@@ -285,11 +295,52 @@ __attribute__((target("avx2"))) static void pass_horizontal_avx2(const unsigned 
             uint64_t lo = (uint64_t)_mm_cvtsi128_si64(_mm256_castsi256_si128(packed));
             uint64_t hi = (uint64_t)_mm_cvtsi128_si64(_mm256_extracti128_si256(packed, 1));
             uint32_t px[4] = {(uint32_t)lo, (uint32_t)hi, (uint32_t)(lo >> 32), (uint32_t)(hi >> 32)};
-            for (int r = 0; r < rows; r++) {
-                d[r][3 * x] = (unsigned char)px[r];
-                d[r][3 * x + 1] = (unsigned char)(px[r] >> 8);
-                d[r][3 * x + 2] = (unsigned char)(px[r] >> 16);
+            if (x + 1 < dw) { /* 4 bytes: the 4th lands on the next pixel, which is written next */
+                for (int r = 0; r < rows; r++)
+                    memcpy(d[r] + 3 * x, &px[r], 4);
+            } else {
+                for (int r = 0; r < rows; r++)
+                    memcpy(d[r] + 3 * x, &px[r], 3);
             }
+        }
+    }
+}
+
+/* pass_vertical_sse2 with AVX2: 32 bytes at a time (unpack and pack work per 128-bit lane, so the
+ * bytes come back in order). */
+__attribute__((target("avx2"))) static void pass_vertical_avx2(const unsigned char *src, ptrdiff_t sstride, int first,
+                                                                const axis_t *a, int dh, int bytes,
+                                                                unsigned char *dst, ptrdiff_t dstride) {
+    const __m256i half = _mm256_set1_epi32((int32_t)1 << (a->prec - 1)), zero = _mm256_setzero_si256();
+    const int kp = (a->ksize + 1) / 2;
+    for (int y = 0; y < dh; y++) {
+        const int32_t *pairs = a->pairs + (size_t)y * kp;
+        const int n = a->xsize[y];
+        const unsigned char *rows = src + (ptrdiff_t)(a->xmin[y] - first) * sstride;
+        unsigned char *d = dst + (ptrdiff_t)y * dstride;
+        int i = 0;
+        for (; i + 32 <= bytes; i += 32) {
+            __m256i s0 = half, s1 = half, s2 = half, s3 = half;
+            for (int k = 0; k < n; k += 2) {
+                __m256i r0 = _mm256_loadu_si256((const __m256i *)(rows + (ptrdiff_t)k * sstride + i));
+                __m256i r1 = k + 1 < n ? _mm256_loadu_si256((const __m256i *)(rows + (ptrdiff_t)(k + 1) * sstride + i))
+                                       : zero;
+                __m256i w = _mm256_set1_epi32(pairs[k / 2]);
+                __m256i lo = _mm256_unpacklo_epi8(r0, r1), hi = _mm256_unpackhi_epi8(r0, r1);
+                s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_unpacklo_epi8(lo, zero), w));
+                s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_unpackhi_epi8(lo, zero), w));
+                s2 = _mm256_add_epi32(s2, _mm256_madd_epi16(_mm256_unpacklo_epi8(hi, zero), w));
+                s3 = _mm256_add_epi32(s3, _mm256_madd_epi16(_mm256_unpackhi_epi8(hi, zero), w));
+            }
+            __m256i p01 = _mm256_packs_epi32(_mm256_srai_epi32(s0, a->prec), _mm256_srai_epi32(s1, a->prec));
+            __m256i p23 = _mm256_packs_epi32(_mm256_srai_epi32(s2, a->prec), _mm256_srai_epi32(s3, a->prec));
+            _mm256_storeu_si256((__m256i *)(d + i), _mm256_packus_epi16(p01, p23));
+        }
+        for (; i < bytes; i++) { /* the row's last bytes */
+            int32_t acc = (int32_t)1 << (a->prec - 1);
+            for (int k = 0; k < n; k++)
+                acc += (int32_t)a->w[(size_t)y * a->ksize + k] * rows[(ptrdiff_t)k * sstride + i];
+            d[i] = settle(acc, a->prec);
         }
     }
 }
@@ -339,11 +390,12 @@ static void resample_rows(const unsigned char *src, ptrdiff_t sstride, int y0, i
     int x0 = 0;
 #ifdef HAVE_SSSE3_PATH
     if (simd && __builtin_cpu_supports("ssse3")) {
-        /* output pixels whose 8-byte loads stay inside the source row take the SIMD loops */
-        while (x0 < dw && 3 * (a->xmin[x0] + a->xsize[x0]) + 5 <= 3 * sw)
+        /* output pixels whose loads (16 bytes at most 7 past their last tap) stay inside the source
+         * row take the SIMD loops */
+        while (x0 < dw && 3 * (a->xmin[x0] + a->xsize[x0]) + 7 <= 3 * sw)
             x0++;
-        if (__builtin_cpu_supports("avx2"))
-            pass_horizontal_avx2(src, sstride, y0, y1, a, x0, dst, dstride);
+        if (simd >= 2 && __builtin_cpu_supports("avx2"))
+            pass_horizontal_avx2(src, sstride, y0, y1, a, x0, dw, dst, dstride);
         else
             pass_horizontal_ssse3(src, sstride, y0, y1, a, x0, dst, dstride);
     }
@@ -377,7 +429,10 @@ static void columns(const unsigned char *src, ptrdiff_t sstride, int first, cons
                     unsigned char *dst, ptrdiff_t dstride, int32_t *acc, int simd) {
 #ifdef HAVE_SSSE3_PATH
     if (simd) {
-        pass_vertical_sse2(src, sstride, first, a, dh, bytes, dst, dstride);
+        if (simd >= 2 && __builtin_cpu_supports("avx2"))
+            pass_vertical_avx2(src, sstride, first, a, dh, bytes, dst, dstride);
+        else
+            pass_vertical_sse2(src, sstride, first, a, dh, bytes, dst, dstride);
         return;
     }
 #endif
@@ -456,7 +511,7 @@ int stoker_place(const unsigned char *region, int h, int w, ptrdiff_t stride, co
         src = padded;
     }
     if (py == 0 && px == 0 && rh == oh && rw == ow) {
-        status = stoker_resample(src, sh, sw, sstride, dst, oh, ow, dst_stride, antialias, 1);
+        status = stoker_resample(src, sh, sw, sstride, dst, oh, ow, dst_stride, antialias, 2);
     } else {
         int y0 = py > 0 ? py : 0, y1 = py + rh < oh ? py + rh : oh;
         int x0 = px > 0 ? px : 0, x1 = px + rw < ow ? px + rw : ow;
@@ -466,11 +521,11 @@ int stoker_place(const unsigned char *region, int h, int w, ptrdiff_t stride, co
         if (y1 > y0 && x1 > x0) {
             if (y0 == py && x0 == px && y1 - y0 == rh && x1 - x0 == rw) {
                 status = stoker_resample(src, sh, sw, sstride, dst + (ptrdiff_t)y0 * dst_stride + (ptrdiff_t)x0 * 3,
-                                         rh, rw, dst_stride, antialias, 1);
+                                         rh, rw, dst_stride, antialias, 2);
             } else { /* only part of the resampled pixels is the output */
                 whole = (unsigned char *)malloc((size_t)rh * rw * 3);
                 status = whole == NULL ? -1 : stoker_resample(src, sh, sw, sstride, whole, rh, rw, (ptrdiff_t)rw * 3,
-                                                              antialias, 1);
+                                                              antialias, 2);
                 for (int y = y0; status == 0 && y < y1; y++)
                     memcpy(dst + (ptrdiff_t)y * dst_stride + (ptrdiff_t)x0 * 3,
                            whole + ((ptrdiff_t)(y - py) * rw + (x0 - px)) * 3, (size_t)(x1 - x0) * 3);
@@ -510,9 +565,9 @@ static int image_view(PyObject *obj, Py_buffer *view, int writable, const char *
 PyObject *stoker_py_resample(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"src", "dst", "antialias", "simd", NULL};
     PyObject *src_obj, *dst_obj;
-    int antialias = 1, simd = 1;
+    int antialias = 1, simd = 2;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|pp", keywords, &src_obj, &dst_obj, &antialias, &simd))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|pi", keywords, &src_obj, &dst_obj, &antialias, &simd))
         return NULL;
     Py_buffer src, dst;
     if (image_view(src_obj, &src, 0, "src") < 0)

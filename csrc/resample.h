@@ -11,7 +11,8 @@
 #include <stddef.h>
 
 /* Resample src (sh x sw RGB, rows src_stride bytes apart) into dst (dh x dw, rows dst_stride bytes
- * apart); simd = 0 takes the portable loops (the same pixels). Returns 0, or -1 when out of memory.
+ * apart); simd: 2 the best SIMD the CPU has, 1 at most SSSE3, 0 the portable loops (the same
+ * pixels every time). Returns 0, or -1 when out of memory.
  * Touches no Python object: call it without the GIL. */
 int stoker_resample(const unsigned char *src, int sh, int sw, ptrdiff_t src_stride, unsigned char *dst,
                     int dh, int dw, ptrdiff_t dst_stride, int antialias, int simd);
@@ -23,7 +24,7 @@ int stoker_resample(const unsigned char *src, int sh, int sw, ptrdiff_t src_stri
 int stoker_place(const unsigned char *region, int h, int w, ptrdiff_t stride, const int pad[4], int rh, int rw,
                  int py, int px, unsigned char *dst, int oh, int ow, ptrdiff_t dst_stride, int flip, int antialias);
 
-/* resample(src, dst, antialias=True, simd=True): the Python entry (numpy arrays [h, w, 3] uint8, rows may be
+/* resample(src, dst, antialias=True, simd=2): the Python entry (numpy arrays [h, w, 3] uint8, rows may be
  * strided), GIL released for the work. */
 PyObject *stoker_py_resample(PyObject *self, PyObject *args, PyObject *kwargs);
 
