@@ -36,7 +36,7 @@ def _jpeg(rgb: np.ndarray, **save) -> bytes:
     return buf.getvalue()
 
 
-def build(out: Path, seed: int = 0, corpus: bool = False, bad: tuple[int, ...] = ()) -> Path:
+def build(out: Path, seed: int = 0, corpus: bool = False, bad: tuple[int, ...] = (), shards: int = 2) -> Path:
     """JPEGs of varied size, subsampling and restart markers, a few PNG and raw rows, and (corpus=True)
     the shared corpus's JPEGs as they are (some CMYK, progressive, odd sizes)."""
     rng = np.random.default_rng(seed)
@@ -68,11 +68,14 @@ def build(out: Path, seed: int = 0, corpus: bool = False, bad: tuple[int, ...] =
                 continue
             items.append((data, "jpeg", h, w))
     out.mkdir(parents=True)
-    writer = ShardWriter(out, 0, label_type="int64")
-    for i, (data, enc, h, w) in enumerate(items):
-        writer.add(f"img/{i:04d}", data, enc, h, w, i)
-    write_manifest(out, Manifest(num_samples=len(items), shards=[writer.finish()], classes=None,
-                                 label_type="int64"))
+    infos, per = [], -(-len(items) // shards)
+    for k in range(shards):
+        writer = ShardWriter(out, k, label_type="int64")
+        for i in range(k * per, min(len(items), (k + 1) * per)):
+            data, enc, h, w = items[i]
+            writer.add(f"img/{i:04d}", data, enc, h, w, i)
+        infos.append(writer.finish())
+    write_manifest(out, Manifest(num_samples=len(items), shards=infos, classes=None, label_type="int64"))
     return out
 
 
@@ -144,13 +147,14 @@ def test_row_parameters_equal_the_per_sample_maths():
                 assert ok[i] == (tuple(geo.size[i]) == out)
 
 
-def test_jpeg_views_are_the_samples_bytes(dataset):
+@pytest.mark.parametrize("shards", [1, 3])
+def test_jpeg_views_are_the_samples_bytes(tmp_path, shards):
     """`PackedDataset.jpeg_views` (one shard check per chunk, no Sample per row) against `sample(i)`,
     and the generic `Dataset.jpeg_views` the other datasets use."""
     from stoker.reader import Dataset, open_dataset
 
-    ds = open_dataset(dataset)
-    idx = np.random.default_rng(2).permutation(len(ds))[:40]
+    ds = open_dataset(build(tmp_path / "ds", seed=3, shards=shards))
+    idx = np.random.default_rng(2).permutation(len(ds))[:30]
     want = [bytes(s.data) if s.encoding == "jpeg" else None for s in (ds.sample(int(i)) for i in idx)]
     assert any(w is None for w in want) and any(w is not None for w in want)
     for got in (ds.jpeg_views(idx), Dataset.jpeg_views(ds, idx)):

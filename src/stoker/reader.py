@@ -232,14 +232,16 @@ class PackedDataset(Dataset):
         if self._closed:
             raise DatasetClosedError(f"{self.path}: the dataset was closed; open it again with open_dataset()")
         idx = np.asarray(indices, np.int64)
-        k = (np.searchsorted(self._starts, idx, side="right") - 1 if len(self._blocks) > 1
-             else np.zeros(len(idx), np.int64))
         out: list[Any] = [None] * len(idx)
-        for blk in np.unique(k).tolist():
+        if len(self._blocks) == 1:  # the common case, in fewer NumPy calls
+            parts = [(0, np.arange(len(idx)), idx)]
+        else:
+            k = np.searchsorted(self._starts, idx, side="right") - 1
+            parts = [(blk, sel, idx[sel] - self._starts[blk])
+                     for blk in np.unique(k).tolist() for sel in [np.flatnonzero(k == blk)]]
+        for blk, sel, r in parts:
             b = self._blocks[blk]
             self._guard(b.shard)
-            sel = np.flatnonzero(k == blk)
-            r = idx[sel] - self._starts[blk]
             jpeg = b.enc_codes[r] == b.enc_names.index("jpeg") if "jpeg" in b.enc_names else np.zeros(len(r), bool)
             data = b.img_data
             for j, lo, hi, ok in zip(sel.tolist(), b.img_offsets[r].tolist(), b.img_offsets[r + 1].tolist(),

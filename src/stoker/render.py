@@ -94,7 +94,7 @@ class BatchPlan:
     u: np.ndarray  # uniform draws [rows, pipeline.draws]
     geometry: Plan | None  # None when image sizes are only known after reading (loose files)
     #: the native path's per-row parameters (`native_rows`) and which rows it serves; None: none
-    native: tuple[np.ndarray, np.ndarray] | None = None
+    native: tuple[np.ndarray, list[bool]] | None = None
 
 
 class Filler:
@@ -184,25 +184,27 @@ class Filler:
         once for all of them), every other row, and any the native call could not write, through
         `fill` one at a time (the same pixels, errors and on_error replacements). Returns the
         (row, exception) of the rows that failed."""
-        done = np.zeros(r1 - r0, bool)
-        if plan.native is not None:
+        written: set[int] = set()
+        if plan.native is not None:  # few NumPy calls here: after a chunk's native work they run on cold caches
             t0 = time.perf_counter()
             params, ok = plan.native
-            rows = np.flatnonzero(ok[r0:r1]) + r0
             try:
-                views = self.ds.jpeg_views(plan.indices[rows])
+                views = self.ds.jpeg_views(plan.indices[r0:r1])
             except Exception:  # noqa: BLE001 - a shard that fails its check: each row's own read reports it
-                views = [None] * len(rows)
-            picked = [r for r, v in zip(rows.tolist(), views) if v is not None]
+                views = [None] * (r1 - r0)
+            picked = [r for r, v in zip(range(r0, r1), views) if v is not None and ok[r]]
             t1 = time.perf_counter()
             if picked:
-                status = native.render_rows([v for v in views if v is not None], params[picked], slot.images_np,
+                status = native.render_rows([views[r - r0] for r in picked], params[picked], slot.images_np,
                                             self.pipe.resampling[1], self.fast, codecs.MAX_PIXELS)
-                done[np.asarray(picked)[status == 0] - r0] = True
+                written = (set(picked) if not status.any() else
+                           {r for r, st in zip(picked, status.tolist()) if st == 0})
             times.read += t1 - t0
             times.decode += time.perf_counter() - t1
         errors = []
-        for r in (np.flatnonzero(~done) + r0).tolist():
+        for r in range(r0, r1):
+            if r in written:
+                continue
             try:
                 self.fill(plan, r, slot, scratch, times)
             except BaseException as exc:  # kept for the consumer, which raises it in order
@@ -426,7 +428,7 @@ class EpochChain:
 
 
 def native_rows(geometry: Plan, heights: np.ndarray, widths: np.ndarray, out_size: tuple[int, int],
-              full_size: bool) -> tuple[np.ndarray, np.ndarray]:
+              full_size: bool) -> tuple[np.ndarray, list[bool]]:
     """The `render_rows` parameters of a batch's rows (int64 [n, len(native.PARAMS)]), computed in one
     vectorised step from its plan and stored sizes exactly as `Filler.decode` computes them one
     sample at a time, and which rows the native path serves (bool [n]: those whose plan gives the
@@ -443,7 +445,7 @@ def native_rows(geometry: Plan, heights: np.ndarray, widths: np.ndarray, out_siz
     params = np.concatenate([np.arange(len(h))[:, None], h[:, None], w[:, None], n[:, None], r.src, r.pad,
                              r.size, r.place, geometry.flip[:, None].astype(np.int64)], axis=1)
     ok = (geometry.size[:, 0] == oh) & (geometry.size[:, 1] == ow) & (h > 0) & (w > 0)
-    return np.ascontiguousarray(params, np.int64), ok
+    return np.ascontiguousarray(params, np.int64), ok.tolist()
 
 
 def native_claims(spec: RenderSpec, chain: EpochChain, threads: int) -> dict[str, Any]:
