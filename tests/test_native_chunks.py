@@ -159,3 +159,28 @@ def test_jpeg_views_are_the_samples_bytes(tmp_path, shards):
     assert any(w is None for w in want) and any(w is not None for w in want)
     for got in (ds.jpeg_views(idx), Dataset.jpeg_views(ds, idx)):
         assert [None if g is None else bytes(g) for g in got] == want
+
+
+def test_damaged_jpegs_give_the_same_batches(tmp_path, monkeypatch):
+    """Bytes flipped inside the entropy data of some JPEGs: the native call reports those rows and the
+    per-sample path decodes, replaces or keeps them exactly as it does without the native path."""
+    src = build(tmp_path / "src", seed=4, shards=1)
+    from stoker.reader import open_dataset
+
+    ds = open_dataset(src)
+    rng = np.random.default_rng(9)
+    out = tmp_path / "flipped"
+    out.mkdir()
+    writer = ShardWriter(out, 0, label_type="int64")
+    for i in range(len(ds)):
+        s = ds.sample(i)
+        data = bytearray(s.data)
+        if s.encoding == "jpeg" and i % 3 == 0:
+            for at in rng.integers(len(data) // 2, len(data) - 2, 4):
+                data[at] ^= 0x5A
+        writer.add(s.key, bytes(data), s.encoding, s.height, s.width, i)
+    write_manifest(out, Manifest(num_samples=len(ds), shards=[writer.finish()], classes=None, label_type="int64"))
+    on = epoch(out, TRAIN, 2)
+    monkeypatch.setattr(native, "ON", False)
+    off = epoch(out, TRAIN, 2)
+    assert np.array_equal(on[1], off[1]) and np.array_equal(on[0], off[0])
