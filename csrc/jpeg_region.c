@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "jpeglib.h"
+#include "resample.h"
 
 /* The functions used, resolved by load(). */
 static struct {
@@ -473,6 +474,131 @@ out:
     return result;
 }
 
+/* ---- A chunk of a batch in one call ----
+ * For each row: region-decode at a DCT scale, pad, resample, place and mirror straight into the
+ * row of the batch (stoker_place), with the GIL released once for all of them. A row that fails
+ * anywhere gets a non-zero status and is left for the caller's per-sample path, which decodes
+ * it again and says what is wrong (or falls back to a whole-image decode). */
+enum { P_ROW, P_H, P_W, P_SCALE, P_Y0, P_Y1, P_X0, P_X1, P_PT, P_PB, P_PL, P_PR, P_RH, P_RW, P_PY, P_PX, P_FLIP,
+       NPARAM };
+
+static unsigned char render_one(const int64_t *p, const Py_buffer *data, unsigned char *images, Py_ssize_t rows,
+                                int oh, int ow, int antialias, int fast, double max_pixels, error_mgr *err,
+                                unsigned char **scratch, size_t *scratch_size) {
+    int64_t n = p[P_SCALE];
+    if (p[P_ROW] < 0 || p[P_ROW] >= rows || n < 1 || n > 8 || p[P_Y0] < 0 || p[P_Y1] <= p[P_Y0] ||
+        p[P_X0] < 0 || p[P_X1] <= p[P_X0] || p[P_RH] < 1 || p[P_RW] < 1 || p[P_Y1] > INT32_MAX ||
+        p[P_X1] > INT32_MAX || p[P_RH] > INT32_MAX || p[P_RW] > INT32_MAX)
+        return 20;
+    size_t need = (size_t)(p[P_Y1] - p[P_Y0]) * (size_t)(p[P_X1] - p[P_X0]) * 3;
+    if (need > *scratch_size) {
+        unsigned char *grown = (unsigned char *)realloc(*scratch, need);
+        if (grown == NULL)
+            return 4;
+        *scratch = grown;
+        *scratch_size = need;
+    }
+    job_t job;
+    memset(&job, 0, sizeof(job));
+    job.data = (const unsigned char *)data->buf;
+    job.size = (unsigned long)data->len;
+    job.out = *scratch;
+    job.scale = (int)n;
+    job.fast = fast;
+    job.pad = 2;
+    job.max_pixels = max_pixels;
+    job.seek = 1;
+    job.y0 = (JDIMENSION)p[P_Y0], job.y1 = (JDIMENSION)p[P_Y1];
+    job.x0 = (JDIMENSION)p[P_X0], job.x1 = (JDIMENSION)p[P_X1];
+    run(&job, err);
+    if (job.status != 0)
+        return (unsigned char)job.status;
+    /* the header must give the stored size at this scale (else the per-sample path reports it) */
+    if ((int64_t)job.height != (p[P_H] * n + 7) / 8 || (int64_t)job.width != (p[P_W] * n + 7) / 8)
+        return 21;
+    int pad[4] = {(int)p[P_PT], (int)p[P_PB], (int)p[P_PL], (int)p[P_PR]};
+    unsigned char *dst = images + (size_t)p[P_ROW] * (size_t)oh * (size_t)ow * 3;
+    if (stoker_place(*scratch, (int)(p[P_Y1] - p[P_Y0]), (int)(p[P_X1] - p[P_X0]), (ptrdiff_t)(p[P_X1] - p[P_X0]) * 3,
+                     pad, (int)p[P_RH], (int)p[P_RW], (int)p[P_PY], (int)p[P_PX], dst, oh, ow, (ptrdiff_t)ow * 3,
+                     (int)p[P_FLIP], antialias) < 0)
+        return 4;
+    return 0;
+}
+
+static PyObject *render_rows(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *keywords[] = {"datas", "params", "images", "status", "antialias", "fast", "max_pixels", NULL};
+    PyObject *datas, *params_obj, *images_obj, *status_obj;
+    int antialias = 1, fast = 0;
+    double max_pixels = 1e18;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO|ppd", keywords, &datas, &params_obj, &images_obj,
+                                     &status_obj, &antialias, &fast, &max_pixels))
+        return NULL;
+    if (lib_handle == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "no libjpeg loaded: call load(path) first");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(datas, "datas must be a sequence of JPEG buffers");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(seq), got = 0;
+    Py_buffer params, images, status;
+    int have_params = 0, have_images = 0, have_status = 0;
+    Py_buffer *bufs = (Py_buffer *)PyMem_Calloc((size_t)(k > 0 ? k : 1), sizeof(Py_buffer));
+    PyObject *result = NULL;
+    if (bufs == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    if (PyObject_GetBuffer(params_obj, &params, PyBUF_C_CONTIGUOUS) < 0)
+        goto out;
+    have_params = 1;
+    if (PyObject_GetBuffer(images_obj, &images, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        goto out;
+    have_images = 1;
+    if (PyObject_GetBuffer(status_obj, &status, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        goto out;
+    have_status = 1;
+    if (params.len != k * NPARAM * (Py_ssize_t)sizeof(int64_t) || status.len < k || images.ndim != 4 ||
+        images.shape[3] != 3 || images.itemsize != 1) {
+        PyErr_Format(PyExc_ValueError, "render_rows: params must be int64 [%zd, %d], status %zd bytes, images uint8 "
+                     "[rows, height, width, 3]", k, NPARAM, k);
+        goto out;
+    }
+    for (; got < k; got++)
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &bufs[got], PyBUF_SIMPLE) < 0)
+            goto out;
+    error_mgr *err = (error_mgr *)calloc(1, sizeof(error_mgr));
+    if (err == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    const int64_t *p = (const int64_t *)params.buf;
+    unsigned char *st = (unsigned char *)status.buf, *scratch = NULL;
+    size_t scratch_size = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < k; i++)
+        st[i] = render_one(p + i * NPARAM, &bufs[i], (unsigned char *)images.buf, images.shape[0],
+                           (int)images.shape[1], (int)images.shape[2], antialias, fast, max_pixels, err, &scratch,
+                           &scratch_size);
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    free(err);
+    result = Py_None;
+    Py_INCREF(result);
+out:
+    for (Py_ssize_t i = 0; i < got; i++)
+        PyBuffer_Release(&bufs[i]);
+    PyMem_Free(bufs);
+    if (have_params)
+        PyBuffer_Release(&params);
+    if (have_images)
+        PyBuffer_Release(&images);
+    if (have_status)
+        PyBuffer_Release(&status);
+    Py_DECREF(seq);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"load", load, METH_VARARGS, "load(path): open a libjpeg-turbo shared library (>= 1.5)."},
     {"unload", unload, METH_NOARGS, "unload(): close the library load() opened (no decode may be running)."},
@@ -482,6 +608,17 @@ static PyMethodDef methods[] = {
      "Decode rows y0..y1, columns x0..x1 of the image scaled by scale/8 into out as RGB;\n"
      "return the scaled image's size and whether decoding started at a restart marker.\n"
      "Raises JpegError, UnsupportedError or TooLargeError."},
+    {"render_rows", (PyCFunction)(void (*)(void))render_rows, METH_VARARGS | METH_KEYWORDS,
+     "render_rows(datas, params, images, status, antialias=True, fast=False, max_pixels=1e18)\n\n"
+     "For each JPEG of datas and its row of params (int64: row, stored height, width, scale n of n/8,\n"
+     "window y0 y1 x0 x1, pad top bottom left right, resize height width, place y x, flip): region-decode,\n"
+     "pad, resample, place and mirror into images[row] (uint8 [rows, height, width, 3]), the GIL released\n"
+     "once; status[i] = 0 where row i was written, non-zero where the caller must render it itself."},
+    {"resample", (PyCFunction)(void (*)(void))stoker_py_resample, METH_VARARGS | METH_KEYWORDS,
+     "resample(src, dst, antialias=True, simd=2)\n\n"
+     "Resize the uint8 [h, w, 3] image src into dst (its own height and width) exactly as torchvision's\n"
+     "bilinear resize of a uint8 tensor does (see csrc/resample.c); rows of either may be strided.\n"
+     "simd: 2 the best SIMD the CPU has, 1 at most SSSE3, 0 the portable loops (the same pixels; for tests)."},
     {NULL, NULL, 0, NULL},
 };
 

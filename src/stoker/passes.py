@@ -22,7 +22,7 @@ import numpy as np
 from .device import DeviceOptions, DeviceStage, consumer_fence
 from .reader import CachedDataset, Dataset
 from .device_build import DeviceBuilder, batch_extras, run_batch_ops
-from .render import EpochChain, Filler, RenderSpec
+from .render import EpochChain, Filler, RenderSpec, native_claims
 from .slots import BatchRing, Feeder, LoaderStats, Run, Slot
 
 __all__ = ["Cursor", "PassIter", "PassParts", "Passes"]
@@ -205,7 +205,7 @@ class _Pipeline:
         # with a device stage, one more slot: the one whose copy to the device is in flight
         ring = passes.ring(extra=0 if opts is None else 1, private=private)
         self.run = Run(ring, sizes, threads, self.chain.prepare, self.chain.fill, parts.stats.add, parts.timeout,
-                       open_ended=persistent)
+                       open_ended=persistent, **native_claims(spec, self.chain, threads))
         if opts is not None:
             stage = passes.stage(opts)
             decoder = passes.gpu(opts) if spec.gpu_decode else None

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ._torch import torch
-from . import codecs
+from . import codecs, native
 from .errors import DatasetError, OutputError, SampleError, UserTransformError
 from .gpu_decode import GpuJob
 from .labels import MultiLabel
@@ -38,6 +38,7 @@ from .slots import Slot, WorkerTimes
 from .transforms import (Pipeline, Plan, Resampling, apply_tail, decode_minimums,
                          resample_region_into, resampling,
                          run_user_op)
+from .transforms.geometry import decode_minimums_many, resamplings
 from .transforms.targets import Boxes, InstanceMasks, LabelMap, Placement, Target, TargetRows
 
 # one warning per skipped sample, with its reason, on the Loader's logger: the name users configure
@@ -99,6 +100,8 @@ class BatchPlan:
     keys: np.ndarray  # uint64 random-stream key per row
     u: np.ndarray  # uniform draws [rows, pipeline.draws]
     geometry: Plan | None  # None when image sizes are only known after reading (loose files)
+    #: the native path's per-row parameters (`native_rows`) and which rows it serves; None: none
+    native: tuple[np.ndarray, list[bool]] | None = None
 
 
 class Filler:
@@ -126,6 +129,7 @@ class Filler:
         self.targets = {t.column: t for t in spec.target_kinds()}
         self.full_size = spec.decode_quality == "exact"
         self.clips = spec.clips  # a video pack: rows are clips, each planned on its own (clips.ClipSamples)
+        self.native = native_serves(spec)
 
     def _geometry(self, idx: np.ndarray, u: np.ndarray) -> Plan | None:
         if self.heights is None or self.clips is not None:
@@ -154,7 +158,9 @@ class Filler:
             slot.extras["sizes"] = geometry.size.astype(np.int64)  # a tensor or an array at hand-out
         if self.gpu:
             slot.jobs = [None] * slot.size
-        return BatchPlan(idx, positions, keys, u, geometry)
+        rows = (native_rows(geometry, self.heights[idx], self.widths[idx], (self.out_h, self.out_w),
+                                 self.full_size) if self.native and geometry is not None else None)
+        return BatchPlan(idx, positions, keys, u, geometry, rows)
 
     def _placement(self, geometry: Plan, row: int, idx: int) -> Placement:
         return Placement.of(geometry, row, self.heights[idx], self.widths[idx])
@@ -182,6 +188,39 @@ class Filler:
             if self.on_error == "raise":
                 raise self.sample_error(idx, exc) from exc
             self.replace(plan, row, slot, scratch, times, exc)
+
+    def fill_chunk(self, plan: BatchPlan, r0: int, r1: int, slot: Slot, scratch: dict,
+                   times: WorkerTimes) -> list[tuple[int, BaseException]]:
+        """Rows r0..r1 of the batch: the JPEG rows the native path serves in one call (the GIL released
+        once for all of them), every other row, and any the native call could not write, through
+        `fill` one at a time (the same pixels, errors and on_error replacements). Returns the
+        (row, exception) of the rows that failed."""
+        written: set[int] = set()
+        if plan.native is not None:  # few NumPy calls here: after a chunk's native work they run on cold caches
+            t0 = time.perf_counter()
+            params, ok = plan.native
+            try:
+                views = self.ds.jpeg_views(plan.indices[r0:r1])
+            except Exception:  # noqa: BLE001 - a shard that fails its check: each row's own read reports it
+                views = [None] * (r1 - r0)
+            picked = [r for r, v in zip(range(r0, r1), views) if v is not None and ok[r]]
+            t1 = time.perf_counter()
+            if picked:
+                status = native.render_rows([views[r - r0] for r in picked], params[picked], slot.images_np,
+                                            self.pipe.resampling[1], self.fast, codecs.MAX_PIXELS)
+                written = (set(picked) if not status.any() else
+                           {r for r, st in zip(picked, status.tolist()) if st == 0})
+            times.read += t1 - t0
+            times.decode += time.perf_counter() - t1
+        errors = []
+        for r in range(r0, r1):
+            if r in written:
+                continue
+            try:
+                self.fill(plan, r, slot, scratch, times)
+            except BaseException as exc:  # kept for the consumer, which raises it in order
+                errors.append((r, exc))
+        return errors
 
     def queue_gpu(self, idx: int, key: int, u: np.ndarray, box: tuple | None, row: int, slot: Slot,
                   scratch: dict, times: WorkerTimes) -> None:
@@ -406,6 +445,51 @@ class EpochChain:
              gpu: bool | None = None) -> None:
         filler, batch_plan = plan
         filler.fill(batch_plan, row, slot, scratch, times, gpu)
+
+    def fill_chunk(self, plan: tuple[Filler, BatchPlan], r0: int, r1: int, slot: Slot, scratch: dict,
+                   times: WorkerTimes) -> list[tuple[int, BaseException]]:
+        filler, batch_plan = plan
+        return filler.fill_chunk(batch_plan, r0, r1, slot, scratch, times)
+
+
+def native_rows(geometry: Plan, heights: np.ndarray, widths: np.ndarray, out_size: tuple[int, int],
+              full_size: bool) -> tuple[np.ndarray, list[bool]]:
+    """The `render_rows` parameters of a batch's rows (int64 [n, len(native.PARAMS)]), computed in one
+    vectorised step from its plan and stored sizes exactly as `Filler.decode` computes them one
+    sample at a time, and which rows the native path serves (bool [n]: those whose plan gives the
+    batch's output size; the others take the per-sample path, which reports them)."""
+    h, w = np.asarray(heights, np.int64), np.asarray(widths, np.int64)
+    oh, ow = out_size
+    box = geometry.box
+    clip = box if geometry.clip is None else geometry.clip
+    grid = np.tile(np.array([oh, ow], np.int64), (len(h), 1)) if geometry.grid is None else geometry.grid
+    mh, mw = (h, w) if full_size else decode_minimums_many(box, oh, ow, h, w)
+    n = codecs.jpeg_scales_eighths(h, w, mh, mw)
+    sh, sw = np.ceil(h * n / 8).astype(np.int64), np.ceil(w * n / 8).astype(np.int64)
+    r = resamplings(box, sh, sw, h, w, clip, grid, n < 8)
+    params = np.concatenate([np.arange(len(h))[:, None], h[:, None], w[:, None], n[:, None], r.src, r.pad,
+                             r.size, r.place, geometry.flip[:, None].astype(np.int64)], axis=1)
+    ok = (geometry.size[:, 0] == oh) & (geometry.size[:, 1] == ow) & (h > 0) & (w > 0)
+    return np.ascontiguousarray(params, np.int64), ok.tolist()
+
+
+def native_claims(spec: RenderSpec, chain: EpochChain, threads: int) -> dict[str, Any]:
+    """`Run`'s chunk arguments: chunks of rows through `chain.fill_chunk` where the native path
+    serves the spec, else none (one row per claim through `fill`, as without it)."""
+    if not native_serves(spec):
+        return {}
+    return {"fill_chunk": chain.fill_chunk, "chunk": native.native_chunk(spec.batch_size, threads)}
+
+
+def native_serves(spec: RenderSpec) -> bool:
+    """Whether batches of this spec go through the native chunk path (`Filler.fill_chunk`): JPEG
+    rows whose transforms are planned geometry (+ flip) resampled bilinearly, with nothing per sample
+    after them (no user callables, policy or colour ops), no targets to place, no padded rows, no
+    video clips, CPU decode; and the extension is built with a libjpeg-turbo (`STOKER_NATIVE=off`
+    turns it off)."""
+    pipe = spec.pipeline
+    return (spec.clips is None and not spec.gpu_decode and not spec.pad and not pipe.tail and not spec.target_kinds()
+            and pipe.resampling[0] == "bilinear" and spec.heights is not None and native.chunks_available())
 
 
 def _row_box(geometry: Plan | None, row: int) -> tuple | None:

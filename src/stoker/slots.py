@@ -352,6 +352,8 @@ class WorkerTimes:
 PrepareFn = Callable[[int, Slot], Any]  # (batch, slot) -> plan; fills labels/extras of the slot
 FillFn = Callable[[Any, int, Slot, dict, WorkerTimes], None]  # (plan, row, slot, scratch, times)
 FlushFn = Callable[[WorkerTimes, int], None]  # (times, samples done) under the run's lock
+#: (plan, first row, end row, slot, scratch, times) -> [(row, exception)] of the rows that failed
+ChunkFn = Callable[[Any, int, int, Slot, dict, WorkerTimes], list]
 
 
 class Run:
@@ -359,20 +361,26 @@ class Run:
 
     `prepare(b, slot)` runs once per batch (in whichever worker gets there first, under a lock) and
     returns the plan; `fill(plan, row, slot, scratch, times)` writes one sample. Exceptions from fill
-    are kept per row and raised by `next_batch` for the first failing row of that batch."""
+    are kept per row and raised by `next_batch` for the first failing row of that batch.
+
+    With `fill_chunk`, workers claim `chunk` rows of a batch at a time and write them with one
+    `fill_chunk(plan, r0, r1, slot, scratch, times)` (the native path: one GIL release for the
+    chunk), which returns the failed rows' exceptions; which thread writes a row never changes it."""
 
     def __init__(self, ring: BatchRing, batch_sizes: list[int], num_threads: int, prepare: PrepareFn,
-                 fill: FillFn, flush: FlushFn, timeout: float, name: str = "stoker", open_ended: bool = False
-                 ) -> None:
+                 fill: FillFn, flush: FlushFn, timeout: float, name: str = "stoker", open_ended: bool = False,
+                 fill_chunk: ChunkFn | None = None, chunk: int = 1) -> None:
         self.ring = ring
         ring.top_up()
         self.batch_sizes = list(batch_sizes)
-        self._starts = list(itertools.accumulate(self.batch_sizes, initial=0))  # first position of each batch
+        self.chunk = chunk if fill_chunk is not None else 1
+        # first claim of each batch: a claim is `chunk` rows (the last of a batch may be fewer)
+        self._starts = list(itertools.accumulate((-(-n // self.chunk) for n in self.batch_sizes), initial=0))
         self.total = self._starts[-1]
         # open_ended: batches may be appended (`extend`, the next epoch of a persistent Loader); workers
         # that run out wait for them (stop-aware) instead of exiting
         self.open_ended = open_ended
-        self.prepare, self.fill, self.flush = prepare, fill, flush
+        self.prepare, self.fill, self.flush, self.fill_chunk = prepare, fill, flush, fill_chunk
         self.timeout = timeout
         self.lock = threading.RLock()  # an RLock so the consumer can tell it still holds it (Ctrl-C)
         self.cond = threading.Condition(self.lock)
@@ -404,12 +412,12 @@ class Run:
             with self._claim_lock:   # a claim reads `_starts` and `total` together
                 for size in batch_sizes:
                     self.batch_sizes.append(size)
-                    self._starts.append(self._starts[-1] + size)
+                    self._starts.append(self._starts[-1] + -(-size // self.chunk))  # claims of `chunk` rows
                 self.total = self._starts[-1]
             self.cond.notify_all()
 
-    def _claim(self) -> tuple[int, int] | None:
-        """The next position (batch, row): each handed out once, in order, with or without a GIL."""
+    def _claim(self) -> tuple[int, int, int] | None:
+        """The next claim (batch, first row, end row): each handed out once, in order, with or without a GIL."""
         with self._claim_lock:
             p = self._next_position
             self._next_position = p + 1
@@ -425,7 +433,8 @@ class Run:
         # `_starts` only grows, and position p's entries were appended before `total` passed p (under
         # the lock just taken), so it can be searched without the lock
         b = bisect.bisect_right(self._starts, p) - 1  # a partial batch may end an epoch mid-run
-        return b, p - self._starts[b]
+        r0 = (p - self._starts[b]) * self.chunk
+        return b, r0, min(r0 + self.chunk, self.batch_sizes[b])
 
     def _wait_slot(self, b: int, times: WorkerTimes) -> Slot | None:
         """The slot of batch b, planned: the first worker to need it (or a later batch) takes the next
@@ -495,22 +504,25 @@ class Run:
                 claim = self._claim()
                 if claim is None:
                     break
-                b, row = claim
+                b, r0, r1 = claim
                 slot = self._wait_slot(b, times)
                 if slot is None:
                     break
-                try:
-                    self.fill(slot.plan, row, slot, scratch, times)
-                except BaseException as exc:  # kept for the consumer, which raises it in order
-                    slot.errors.append((row, exc))
-                done += 1
-                # No lock per sample: list.append is atomic (under the GIL, or the list's own lock on a
-                # free-threaded build), and each worker checks the length after its own append, so the
-                # one that adds the last row always sees it complete. Two may both see it (the last two
-                # appends land before either checks): both flush their own counters and notify, which
-                # is harmless; the `is` check below skips a slot already refilled for a later batch.
+                if self.fill_chunk is not None:
+                    slot.errors.extend(self.fill_chunk(slot.plan, r0, r1, slot, scratch, times))
+                else:
+                    try:
+                        self.fill(slot.plan, r0, slot, scratch, times)
+                    except BaseException as exc:  # kept for the consumer, which raises it in order
+                        slot.errors.append((r0, exc))
+                done += r1 - r0
+                # No lock per chunk: list.extend is atomic (under the GIL, or the list's own lock on a
+                # free-threaded build), and each worker checks the length after its own extend, so the
+                # one that adds the last rows always sees the batch complete. Two may both see it (the
+                # last two extends land before either checks): both flush their own counters and notify,
+                # which is harmless; the `is` check below skips a slot already refilled for a later batch.
                 finished, size = slot.finished, slot.size
-                finished.append(row)
+                finished.extend(range(r0, r1))
                 if len(finished) == size:
                     with self.lock:
                         self.flush(times, done)

@@ -1,0 +1,78 @@
+"""The native pixel path: torchvision's uint8 bilinear resize in C (``stoker._jpeg.resample``), and
+region decode + resize + flip of whole chunks of a batch in one call that releases the GIL once.
+
+Worker threads share the training process, so each microsecond of Python they run per sample is
+taken from the training loop's own Python (the GIL). The C resize gives the same pixels as
+libtorch's kernel (csrc/resample.c: the same double-precision weights, quantised to int16 at the
+same precision, horizontal pass then vertical, the same rounding), so it replaces the torch call
+wherever the interpolation is bilinear; tests/test_resample_native.py checks every pixel against
+torch.
+
+``STOKER_NATIVE=off`` (read when stoker is imported) turns the native path off: the torch kernel
+and the per-sample Python path, as before (the same pixels; for comparisons and benchmarks).
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import numpy as np
+
+ENV = "STOKER_NATIVE"
+
+
+def _module() -> ModuleType | None:
+    if os.environ.get(ENV, "").strip().lower() in ("0", "off", "false", "no"):
+        return None
+    try:
+        from . import _jpeg
+    except ImportError:  # not compiled (no C compiler at install time): torch's kernels serve
+        return None
+    return _jpeg if hasattr(_jpeg, "resample") else None
+
+
+_mod = _module()
+#: True when the native path is in use (the extension is built and STOKER_NATIVE does not turn it off)
+ON = _mod is not None
+
+
+def resample(src: np.ndarray, dst: np.ndarray, antialias: bool) -> bool:
+    """Bilinear-resize the uint8 [h, w, 3] `src` into `dst` (rows of either may be strided) as
+    torchvision does; False when the native path is off or the arrays are not packed RGB rows
+    (the caller then uses torch)."""
+    if (not ON or src.ndim != 3 or dst.ndim != 3 or src.strides[1:] != (3, 1) or dst.strides[1:] != (3, 1)
+            or src.strides[0] <= 0 or dst.strides[0] <= 0 or src.dtype != np.uint8 or dst.dtype != np.uint8):
+        return False
+    _mod.resample(src, dst, antialias=antialias)
+    return True
+
+
+#: columns of the per-row parameters `render_rows` takes (csrc/jpeg_region.c's P_* order)
+PARAMS = ("row", "height", "width", "scale", "y0", "y1", "x0", "x1", "pad_top", "pad_bottom", "pad_left",
+          "pad_right", "resize_h", "resize_w", "place_y", "place_x", "flip")
+
+
+def chunks_available() -> bool:
+    """True when whole chunks of JPEG rows can be rendered natively (the extension is on and found a
+    libjpeg-turbo for its region decoder)."""
+    from . import _libjpeg
+
+    return ON and _libjpeg.region_decoder() is not None
+
+
+def render_rows(datas: list, params: np.ndarray, images: np.ndarray, antialias: bool, fast: bool,
+                max_pixels: int) -> np.ndarray:
+    """Region-decode, resize, place and flip each JPEG of `datas` into its row of `images` (uint8
+    [rows, H, W, 3]) as its row of `params` says, in one call that releases the GIL once. Returns
+    a status per row: 0 written; otherwise the row is left for the per-sample path."""
+    status = np.empty(len(datas), np.uint8)
+    _mod.render_rows(datas, params, images, status, antialias=antialias, fast=fast, max_pixels=float(max_pixels))
+    return status
+
+
+def native_chunk(batch_size: int, threads: int) -> int:
+    """Rows a worker claims at a time on the native path: up to 64 (the Python is per chunk, and
+    after a chunk's native work it runs on cold caches, so fewer, larger chunks cost less of it),
+    but at least four claims per thread per batch, so the threads still share a batch evenly."""
+    return max(1, min(64, batch_size // (4 * max(threads, 1))))

@@ -1,0 +1,186 @@
+"""The native chunk path (`Filler.fill_chunk` -> `stoker._jpeg.render_rows`): batches bit-identical
+with it on and off, on the train and val pipelines, 1 and 2 threads, synthetic JPEGs of every kind
+and the real photographs of the shared corpus; rows it does not serve (PNG, raw, CMYK, corrupt) go
+through the per-sample path with the same errors and replacements; its per-row parameters are
+exactly the per-sample path's."""
+
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import PILLOW_CORPUS, smooth_rgb
+from stoker import codecs, native
+from stoker.codecs import encode_jpeg
+from stoker.loader import Loader
+from stoker.options import Workers
+from stoker.render import native_rows
+from stoker.shards import Manifest, ShardWriter, write_manifest
+from stoker.transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
+from stoker.transforms.geometry import decode_minimums, resampling
+
+pytestmark = pytest.mark.skipif(not native.chunks_available(), reason="the native extension or its libjpeg is missing")
+
+TRAIN = [RandomResizedCrop(64), RandomHorizontalFlip()]
+VAL = [Resize(72), CenterCrop(64)]
+
+
+def _jpeg(rgb: np.ndarray, **save) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, "JPEG", quality=88, **save)
+    return buf.getvalue()
+
+
+def build(out: Path, seed: int = 0, corpus: bool = False, bad: tuple[int, ...] = (), shards: int = 2) -> Path:
+    """JPEGs of varied size, subsampling and restart markers, a few PNG and raw rows, and (corpus=True)
+    the shared corpus's JPEGs as they are (some CMYK, progressive, odd sizes)."""
+    rng = np.random.default_rng(seed)
+    items = []
+    kinds = [{"subsampling": 2}, {"subsampling": 0}, {"subsampling": 1}, {"subsampling": 2, "restart_marker_rows": 1},
+             {"progressive": True}]
+    for i in range(36):
+        h, w = (int(v) for v in rng.integers(20, 420, 2))
+        rgb = smooth_rgb(rng, h, w)
+        if i in bad:
+            items.append((b"\xff\xd8\xff\xe0" + bytes(rng.integers(0, 255, 300, dtype=np.uint8)), "jpeg", h, w))
+        elif i % 9 == 4:
+            items.append((rgb.tobytes(), "raw", h, w))
+        elif i % 10 == 7:
+            buf = io.BytesIO()
+            Image.fromarray(rgb).save(buf, "PNG")
+            items.append((buf.getvalue(), "png", h, w))
+        elif i % 8 == 5:
+            items.append((_jpeg(rgb[:, :, 0]), "jpeg", h, w))
+        else:
+            items.append((_jpeg(rgb, **kinds[i % len(kinds)]), "jpeg", h, w))
+    if corpus:
+        for path in sorted(PILLOW_CORPUS.glob("*.jpg")):
+            data = path.read_bytes()
+            try:
+                with Image.open(io.BytesIO(data)) as im:
+                    w, h = im.size
+            except Exception:  # noqa: BLE001 - a file Pillow cannot open is not a JPEG row to compare
+                continue
+            items.append((data, "jpeg", h, w))
+    out.mkdir(parents=True)
+    infos, per = [], -(-len(items) // shards)
+    for k in range(shards):
+        writer = ShardWriter(out, k, label_type="int64")
+        for i in range(k * per, min(len(items), (k + 1) * per)):
+            data, enc, h, w = items[i]
+            writer.add(f"img/{i:04d}", data, enc, h, w, i)
+        infos.append(writer.finish())
+    write_manifest(out, Manifest(num_samples=len(items), shards=infos, classes=None, label_type="int64"))
+    return out
+
+
+def epoch(path: Path, transforms: list, threads: int, on_error: str = "skip") -> tuple[np.ndarray, np.ndarray]:
+    imgs, labels = [], []
+    with Loader(path, 8, transforms=transforms, seed=5, device="numpy",
+                workers=Workers(num_threads=threads, prefetch=1, on_error=on_error)) as loader:
+        for batch in loader:
+            imgs.append(np.asarray(batch[0]).copy())
+            labels.append(np.asarray(batch[1]).copy())
+    return np.concatenate(imgs), np.concatenate(labels)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build(tmp_path_factory.mktemp("native") / "ds", corpus=PILLOW_CORPUS.is_dir())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("transforms", [TRAIN, VAL], ids=["train", "val"])
+def test_batches_are_the_same_with_the_native_path_on_and_off(dataset, transforms, threads, monkeypatch):
+    calls = []
+    real = native.render_rows
+    monkeypatch.setattr(native, "render_rows", lambda *a, **k: (calls.append(len(a[0])), real(*a, **k))[1])
+    on = epoch(dataset, transforms, threads)
+    assert sum(calls) > 30, "the native path served too few rows"
+    monkeypatch.setattr(native, "ON", False)
+    off = epoch(dataset, transforms, threads)
+    assert len(calls) == len(calls[:]) and np.array_equal(on[1], off[1])
+    bad = [i for i in range(len(on[0])) if not np.array_equal(on[0][i], off[0][i])]
+    assert not bad, f"rows {bad[:10]} differ between the native and the per-sample path"
+
+
+def test_a_failing_row_gets_the_per_sample_error(tmp_path, monkeypatch):
+    path = build(tmp_path / "bad", seed=1, bad=(10,))
+    with pytest.raises(Exception) as on:
+        epoch(path, TRAIN, 2, on_error="raise")
+    monkeypatch.setattr(native, "ON", False)
+    with pytest.raises(Exception) as off:
+        epoch(path, TRAIN, 2, on_error="raise")
+    assert type(on.value) is type(off.value) and str(on.value) == str(off.value)
+    assert "img/0010" in str(on.value)
+
+
+def test_row_parameters_equal_the_per_sample_maths():
+    """`render.native_rows` (vectorised, once per batch) against `Filler.decode`'s per-sample maths."""
+    rng = np.random.default_rng(11)
+    for transforms, out in ((TRAIN, (64, 64)), (VAL, (64, 64)), ([RandomResizedCrop((224, 160))], (224, 160)),
+                            ([Resize(300), CenterCrop(224)], (224, 224)), ([CenterCrop(500), Resize(224)], (224, 224))):
+        from stoker.transforms import Pipeline
+
+        pipe = Pipeline(transforms)
+        n = 400
+        h, w = rng.integers(1, 3000, n), rng.integers(1, 3000, n)
+        u = rng.random((n, max(pipe.draws, 1)))
+        geo = pipe.plan(h, w, u)
+        for full_size in (False, True):
+            params, ok = native_rows(geo, h, w, out, full_size)
+            for i in range(n):
+                box = geo.box[i].tolist()
+                clip = None if geo.clip is None else geo.clip[i].tolist()
+                grid = None if geo.grid is None else geo.grid[i].tolist()
+                mh, mw = (int(h[i]), int(w[i])) if full_size else decode_minimums(box, *out, int(h[i]), int(w[i]))
+                k = codecs.jpeg_scale_eighths(int(h[i]), int(w[i]), mh, mw)
+                sh, sw = math.ceil(h[i] * k / 8), math.ceil(w[i] * k / 8)
+                r = resampling(box, sh, sw, int(h[i]), int(w[i]), clip, grid, out, trim=k < 8)
+                want = [i, h[i], w[i], k, *r.src, *r.pad, *r.size, *r.place, int(geo.flip[i])]
+                assert params[i].tolist() == want, (transforms, i)
+                assert ok[i] == (tuple(geo.size[i]) == out)
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_jpeg_views_are_the_samples_bytes(tmp_path, shards):
+    """`PackedDataset.jpeg_views` (one shard check per chunk, no Sample per row) against `sample(i)`,
+    and the generic `Dataset.jpeg_views` the other datasets use."""
+    from stoker.reader import Dataset, open_dataset
+
+    ds = open_dataset(build(tmp_path / "ds", seed=3, shards=shards))
+    idx = np.random.default_rng(2).permutation(len(ds))[:30]
+    want = [bytes(s.data) if s.encoding == "jpeg" else None for s in (ds.sample(int(i)) for i in idx)]
+    assert any(w is None for w in want) and any(w is not None for w in want)
+    for got in (ds.jpeg_views(idx), Dataset.jpeg_views(ds, idx)):
+        assert [None if g is None else bytes(g) for g in got] == want
+
+
+def test_damaged_jpegs_give_the_same_batches(tmp_path, monkeypatch):
+    """Bytes flipped inside the entropy data of some JPEGs: the native call reports those rows and the
+    per-sample path decodes, replaces or keeps them exactly as it does without the native path."""
+    src = build(tmp_path / "src", seed=4, shards=1)
+    from stoker.reader import open_dataset
+
+    ds = open_dataset(src)
+    rng = np.random.default_rng(9)
+    out = tmp_path / "flipped"
+    out.mkdir()
+    writer = ShardWriter(out, 0, label_type="int64")
+    for i in range(len(ds)):
+        s = ds.sample(i)
+        data = bytearray(s.data)
+        if s.encoding == "jpeg" and i % 3 == 0:
+            for at in rng.integers(len(data) // 2, len(data) - 2, 4):
+                data[at] ^= 0x5A
+        writer.add(s.key, bytes(data), s.encoding, s.height, s.width, i)
+    write_manifest(out, Manifest(num_samples=len(ds), shards=[writer.finish()], classes=None, label_type="int64"))
+    on = epoch(out, TRAIN, 2)
+    monkeypatch.setattr(native, "ON", False)
+    off = epoch(out, TRAIN, 2)
+    assert np.array_equal(on[1], off[1]) and np.array_equal(on[0], off[0])
