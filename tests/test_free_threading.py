@@ -160,3 +160,31 @@ def test_region_decodes_from_eight_threads_match_serial_and_pillow(restart):
         i, y0, y1, x0, x1 = job
         assert np.array_equal(a, b), f"job {job}: threads decode different pixels"
         assert np.array_equal(a, images[i][1][y0:y1, x0:x1]), f"job {job}: differs from Pillow's decode"
+
+
+def test_native_resize_from_eight_threads_matches_serial():
+    """The C resize keeps its weights per call: threads resizing at once get the serial pixels."""
+    try:
+        from stoker import _jpeg
+    except ImportError as exc:
+        pytest.skip(f"the extension is not compiled here: {exc}")
+    if not hasattr(_jpeg, "resample"):
+        pytest.skip("this build of the extension has no native resize")
+    rng = np.random.default_rng(3)
+    jobs = []
+    for k in range(64):
+        h, w = (int(v) for v in rng.integers(8, 300, 2))
+        oh, ow = (int(v) for v in rng.integers(1, 260, 2))
+        jobs.append((rng.integers(0, 256, (h, w, 3), dtype=np.uint8), (oh, ow), bool(k % 2)))
+
+    def run(job):
+        src, size, antialias = job
+        out = np.empty((*size, 3), np.uint8)
+        _jpeg.resample(src, out, antialias=antialias)
+        return out
+
+    serial = [run(j) for j in jobs]
+    with ThreadPoolExecutor(8) as pool:
+        parallel = list(pool.map(run, jobs))
+    for k, (a, b) in enumerate(zip(serial, parallel)):
+        assert np.array_equal(a, b), f"job {k}: threads resize to different pixels"
