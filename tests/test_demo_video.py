@@ -20,7 +20,7 @@ def test_tiny_video_demo_trains_on_both_feeds_and_writes_table_and_json(tmp_path
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
     result = run_video_demo(tmp_path, TINY, device="cpu")
     names = list(result.runs)
-    assert names[0].startswith("baseline (DataLoader + PyAV") and names[1].startswith("stoker (Loader, clips=")
+    assert names[0].startswith("baseline (DataLoader + PyAV") and names[1].startswith("stoker (Loader with clips")
     for reports in result.runs.values():
         (report,) = reports
         assert report.steps == 2 and report.images == 4 and report.images_per_s > 0

@@ -41,7 +41,8 @@ def _clips(loader: stoker.Loader) -> list[tuple]:
 
 def test_batches_are_clips_matching_read_clip(videos: Path) -> None:
     spec = Clips(frames=4, stride=2, sampling="random")
-    with stoker.Loader(videos, 4, clips=spec, transforms=CROP, seed=3, workers=stoker.Workers(num_threads=2)) as ld:
+    with stoker.Loader(videos, 4, sampling=stoker.Sampling(clips=spec),
+                       transforms=CROP, seed=3, workers=stoker.Workers(num_threads=2)) as ld:
         assert len(ld) == 2
         batches = _clips(ld)
         order = ld.epoch_indices(0)
@@ -57,7 +58,7 @@ def test_batches_are_clips_matching_read_clip(videos: Path) -> None:
 
 
 def test_each_frame_is_channels_last_view_of_the_slot(videos: Path) -> None:
-    with stoker.Loader(videos, 3, clips=Clips(frames=2), transforms=[Resize((16, 20))]) as ld:
+    with stoker.Loader(videos, 3, sampling=stoker.Sampling(clips=Clips(frames=2)), transforms=[Resize((16, 20))]) as ld:
         images, _ = next(iter(ld))
         assert images.shape == (3, 2, 3, 16, 20)
         assert images[0].is_contiguous(memory_format=torch.channels_last)   # a clip: T channels_last frames
@@ -79,7 +80,8 @@ def test_one_plan_per_clip_and_clips_differ(videos: Path) -> None:
     (still / "src" / "a").mkdir(parents=True, exist_ok=True)
     (still / "src" / "a" / "v.mp4").write_bytes(buf.getvalue())
     pack(still / "src", still / "ds", progress=False)
-    with stoker.Loader(still / "ds", 4, clips=Clips(frames=5, stride=2, clips_per_video=4), transforms=CROP,
+    with stoker.Loader(still / "ds", 4, sampling=stoker.Sampling(clips=Clips(frames=5, stride=2, clips_per_video=4)),
+                       transforms=CROP,
                        seed=1) as ld:
         images, labels, extras = next(iter(ld))
     assert extras["video"].tolist() == [0, 0, 0, 0] and extras["clip"].tolist() == [0, 1, 2, 3]
@@ -91,7 +93,8 @@ def test_one_plan_per_clip_and_clips_differ(videos: Path) -> None:
 
 def test_same_batches_for_one_and_two_threads(videos: Path) -> None:
     def run(threads: int) -> list[tuple]:
-        with stoker.Loader(videos, 4, clips=Clips(frames=3, clips_per_video=2), transforms=CROP, seed=7,
+        with stoker.Loader(videos, 4, sampling=stoker.Sampling(clips=Clips(frames=3, clips_per_video=2)),
+                           transforms=CROP, seed=7,
                            workers=stoker.Workers(num_threads=threads)) as ld:
             return _clips(ld)
     one, two = run(1), run(2)
@@ -106,7 +109,7 @@ def test_same_batches_for_one_and_two_threads(videos: Path) -> None:
 
 def test_resume_mid_epoch_gives_the_rest_identically(videos: Path) -> None:
     spec = Clips(frames=3, clips_per_video=2, sampling="uniform")
-    with stoker.Loader(videos, 3, clips=spec, transforms=CROP, seed=5) as ld:
+    with stoker.Loader(videos, 3, sampling=stoker.Sampling(clips=spec), transforms=CROP, seed=5) as ld:
         ld.set_epoch(1)
         full = _clips(ld)
         ld.set_epoch(1)
@@ -116,13 +119,14 @@ def test_resume_mid_epoch_gives_the_rest_identically(videos: Path) -> None:
         state = ld.state_dict()
         it.close()
     assert state["sample"] == 6
-    with stoker.Loader(videos, 3, clips=spec, transforms=CROP, seed=5) as again:
+    with stoker.Loader(videos, 3, sampling=stoker.Sampling(clips=spec), transforms=CROP, seed=5) as again:
         again.load_state_dict(state)
         rest = _clips(again)
     assert len(rest) == len(full) - 2
     for a, b in zip(full[2:], rest):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(a[2]["clip"], b[2]["clip"])
-    with stoker.Loader(videos, 3, clips=Clips(frames=3, clips_per_video=3), transforms=CROP, seed=5) as other:
+    with stoker.Loader(videos, 3, sampling=stoker.Sampling(clips=Clips(frames=3, clips_per_video=3)),
+                       transforms=CROP, seed=5) as other:
         with pytest.raises(ConfigError, match="clips"):
             other.load_state_dict(state)
 
@@ -130,8 +134,9 @@ def test_resume_mid_epoch_gives_the_rest_identically(videos: Path) -> None:
 def test_ranks_split_videos_without_overlap(videos: Path) -> None:
     seen = []
     for rank in range(2):
-        with stoker.Loader(videos, 2, clips=Clips(frames=2, clips_per_video=2), transforms=[Resize((16, 16))],
-                           sampling=stoker.Sampling(rank=rank, world_size=2)) as ld:
+        with stoker.Loader(videos, 2, transforms=[Resize((16, 16))],
+                           sampling=stoker.Sampling(clips=Clips(frames=2, clips_per_video=2), rank=rank,
+                                                    world_size=2)) as ld:
             batches = _clips(ld)
             assert len(ld) == len(batches) == 3
             seen.append(torch.cat([b[2]["video"] for b in batches]).tolist())
@@ -155,15 +160,15 @@ def test_a_damaged_video_is_replaced_under_skip(videos: Path, tmp_path: Path) ->
     raw[end - len(data) // 3:end] = bytes(len(data) // 3)   # the moov atom at the end of a plain MP4
     path.write_bytes(bytes(raw))
     spec = Clips(frames=4, stride=4)
-    with stoker.Loader(tmp_path / "ds", 6, clips=spec, transforms=[Resize((16, 16))]) as ld:
+    with stoker.Loader(tmp_path / "ds", 6, sampling=stoker.Sampling(clips=spec), transforms=[Resize((16, 16))]) as ld:
         with pytest.raises(SampleError, match=key):
             _clips(ld)
-    with stoker.Loader(tmp_path / "ds", 6, clips=spec, transforms=[Resize((16, 16))],
+    with stoker.Loader(tmp_path / "ds", 6, sampling=stoker.Sampling(clips=spec), transforms=[Resize((16, 16))],
                        workers=stoker.Workers(on_error="skip")) as ld:
         (images, labels), = [b[:2] for b in _clips(ld)]
         order = ld.epoch_indices(0).tolist()
         assert ld.stats.skipped == 1
-    with stoker.Loader(videos, 6, clips=spec, transforms=[Resize((16, 16))]) as good:
+    with stoker.Loader(videos, 6, sampling=stoker.Sampling(clips=spec), transforms=[Resize((16, 16))]) as good:
         (want, want_labels), = [b[:2] for b in _clips(good)]
     row = order.index(broken)
     keep = [r for r in range(6) if r != row]
@@ -175,10 +180,12 @@ def test_clips_option_is_checked(videos: Path, tmp_path: Path) -> None:
     from stoker.tools.synth import make_tiny_jpegs
 
     images = make_tiny_jpegs(tmp_path / "img", 4)
-    with pytest.raises(ConfigError, match="holds images, not videos; clips= applies to a video pack"):
-        stoker.Loader(images, 2, clips=Clips(), transforms=[Resize((16, 16))])
+    with pytest.raises(ConfigError, match=r"holds images, not videos; Sampling\(clips=\) applies to a video pack"):
+        stoker.Loader(images, 2, sampling=stoker.Sampling(clips=Clips()), transforms=[Resize((16, 16))])
     with pytest.raises(ConfigError, match="clips= takes a stoker.Clips"):
-        stoker.Loader(videos, 2, clips={"frames": 4})
+        stoker.Loader(videos, 2, sampling=stoker.Sampling(clips={"frames": 4}))
+    with pytest.raises(ConfigError, match=r"spelled sampling=stoker.Sampling\(clips=...\)"):
+        stoker.Loader(videos, 2, clips=Clips())   # the Loader keeps its 12 parameters: clips are sampling
     with pytest.raises(ConfigError, match="pad=True cannot apply to clips"):
         stoker.Loader(videos, 2, transforms=[Resize(16)], targets=stoker.Targets(pad=True))
     with pytest.raises(ConfigError, match="RandomErasing .batch ops. cannot apply to clips"):
@@ -189,16 +196,17 @@ def test_clips_option_is_checked(videos: Path, tmp_path: Path) -> None:
 
 def test_normalize_gives_float_clips(videos: Path) -> None:
     spec = Clips(frames=3)
-    with stoker.Loader(videos, 2, clips=spec, transforms=[Resize((16, 16))], seed=2) as plain:
+    with stoker.Loader(videos, 2, sampling=stoker.Sampling(clips=spec), transforms=[Resize((16, 16))], seed=2) as plain:
         x, _ = next(iter(plain))
         x = x.clone()
     want = (x.float() / 255 - torch.tensor(stoker.device.IMAGENET_MEAN).view(3, 1, 1)) \
         / torch.tensor(stoker.device.IMAGENET_STD).view(3, 1, 1)
-    with stoker.Loader(videos, 2, clips=spec, transforms=[Resize((16, 16)), stoker.Normalize()], seed=2) as ld:
+    with stoker.Loader(videos, 2, sampling=stoker.Sampling(clips=spec),
+                       transforms=[Resize((16, 16)), stoker.Normalize()], seed=2) as ld:
         y, _ = next(iter(ld))
     assert y.shape == (2, 3, 3, 16, 16) and y.dtype == torch.float32
     torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
-    with stoker.Loader(videos, 2, clips=spec, transforms=[Resize((16, 16))], seed=2,
+    with stoker.Loader(videos, 2, sampling=stoker.Sampling(clips=spec), transforms=[Resize((16, 16))], seed=2,
                        device=stoker.DeviceOptions("cpu", normalize="imagenet")) as ld:
         z, _ = next(iter(ld))
     assert z.shape == (2, 3, 3, 16, 16)
@@ -206,10 +214,12 @@ def test_normalize_gives_float_clips(videos: Path) -> None:
 
 
 def test_numpy_output_gives_numpy_clips(videos: Path) -> None:
-    with stoker.Loader(videos, 2, clips=Clips(frames=3), transforms=[Resize((16, 16))], seed=2) as ld:
+    with stoker.Loader(videos, 2, sampling=stoker.Sampling(clips=Clips(frames=3)),
+                       transforms=[Resize((16, 16))], seed=2) as ld:
         x, _ = next(iter(ld))
         x = x.clone()
-    with stoker.Loader(videos, 2, clips=Clips(frames=3), transforms=[Resize((16, 16))], seed=2,
+    with stoker.Loader(videos, 2, sampling=stoker.Sampling(clips=Clips(frames=3)),
+                       transforms=[Resize((16, 16))], seed=2,
                        device="numpy") as ld:
         y, labels = next(iter(ld))
     assert isinstance(y, np.ndarray) and y.shape == (2, 3, 3, 16, 16)
@@ -227,7 +237,8 @@ def test_video_pack_from_s3_and_staged_equals_local(videos: Path, tmp_path: Path
     assert len(list((tmp_path / "ds").glob("shard-*.arrow"))) > 1
 
     def load(path: str | Path, storage: stoker.Storage | None = None) -> list[tuple]:
-        with stoker.Loader(path, 4, clips=Clips(frames=3, clips_per_video=2), transforms=CROP, seed=9,
+        with stoker.Loader(path, 4, sampling=stoker.Sampling(clips=Clips(frames=3, clips_per_video=2)),
+                           transforms=CROP, seed=9,
                            storage=storage, workers=2) as ld:
             return _clips(ld)
 
@@ -249,7 +260,8 @@ def test_video_pack_from_s3_and_staged_equals_local(videos: Path, tmp_path: Path
 def test_persistent_threads_and_drop_last_give_the_same_epochs(videos: Path) -> None:
     """A persistent Loader runs on into the next epoch with that epoch's clips; drop_last counts clips."""
     def epochs(**kw: object) -> list[list[tuple]]:
-        with stoker.Loader(videos, 4, clips=Clips(frames=2, clips_per_video=3), transforms=CROP, seed=2,
+        with stoker.Loader(videos, 4, sampling=stoker.Sampling(clips=Clips(frames=2, clips_per_video=3)),
+                           transforms=CROP, seed=2,
                            drop_last=True, **kw) as ld:
             assert len(ld) == 4   # 6 videos x 3 clips = 18 samples: 4 whole batches
             return [_clips(ld) for _ in range(2)]
@@ -263,8 +275,8 @@ def test_persistent_threads_and_drop_last_give_the_same_epochs(videos: Path) -> 
 
 def test_weighted_draws_of_one_video_get_different_clips(videos: Path) -> None:
     weights = np.array([1.0, 0, 0, 0, 0, 0])   # every draw is video 0
-    with stoker.Loader(videos, 6, clips=Clips(frames=3), transforms=CROP, seed=1,
-                       sampling=stoker.Sampling(weights=weights)) as ld:
+    with stoker.Loader(videos, 6, transforms=CROP, seed=1,
+                       sampling=stoker.Sampling(clips=Clips(frames=3), weights=weights)) as ld:
         (images, labels), = [b[:2] for b in _clips(ld)]
         assert ld.epoch_indices(0).tolist() == [0] * 6
     assert len({bytes(c.numpy()) for c in images}) == 6

@@ -447,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_positive, default=None, help="training steps per run (default 30; --video: 10)")
     p.add_argument("--video", action="store_true",
                    help="train a tiny 3D CNN on generated video clips: a DataLoader decoding with PyAV vs stoker's "
-                        "Loader(clips=...), alternating (needs pip install 'stoker[video]')")
+                        "Loader(sampling=Sampling(clips=...)), alternating (needs pip install 'stoker[video]')")
     p.add_argument("--videos", type=_positive, default=32, help="--video: videos to generate (default 32)")
     p.add_argument("--rounds", type=_positive, default=2, help="--video: rounds of each feed, alternating (default 2)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")

@@ -44,7 +44,7 @@ _MAPPED = {
 }
 #: the Loader's keywords before its options were grouped (0.1): where each lives now
 _MOVED = {**{k: "workers" for k in ("num_threads", "prefetch", "persistent", "on_error", "decode_quality")},
-          **{k: "sampling" for k in ("rank", "world_size", "indices", "weights")},
+          **{k: "sampling" for k in ("rank", "world_size", "indices", "weights", "clips")},
           **{k: "storage" for k in ("cache_dir", "cache_limit", "storage_options", "stage")},
           **{k: "targets" for k in ("boxes", "masks", "ignore_index", "pad", "multi_label", "num_classes",
                                     "classes")}}

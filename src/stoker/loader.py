@@ -143,12 +143,11 @@ class Loader:
     `stoker.Dataset`. `transforms`: one transform, a list or a Compose-like object (docs/transforms.md).
     `order`, `seed`: the two `Sampling` fields kept at hand. The rest are option values, each frozen,
     checked where it is made and usable alone (`stoker.options`): `sampling=Sampling(...)` (order,
-    seed, indices, weights, rank, world_size, drop_last), `storage=Storage(...)` (cache_dir,
+    seed, indices, weights, rank, world_size, drop_last, clips: on a video pack a `stoker.Clips`,
+    each sample a clip, images `uint8 [B, T, 3, H, W]`, docs/video.md), `storage=Storage(...)` (cache_dir,
     cache_limit, storage_options, stage), `targets=Targets(...)` (boxes, masks, ignore_index, pad,
     multi_label, num_classes, classes, collate_fn), `workers=Workers(...)` or an int (num_threads,
-    prefetch, persistent, pin_memory, timeout, on_error, decode_quality). `clips`: on a video pack, a
-    `stoker.Clips` (frames, stride or fps, sampling, clips_per_video; None: `Clips()`): each sample is
-    a clip and images are `uint8 [B, T, 3, H, W]` (docs/video.md). `device`: None (the uint8
+    prefetch, persistent, pin_memory, timeout, on_error, decode_quality). `device`: None (the uint8
     batches above), "numpy" (the same batches as NumPy arrays, no torch needed: JAX, docs/jax.md),
     a device ("cuda", "cuda:1", "cpu") or a `DeviceOptions` (normalize, dtype,
     memory_format, decode="gpu"). DataLoader's keywords map onto the options or raise a ConfigError
@@ -159,11 +158,8 @@ class Loader:
                  order: str | None = None, seed: int | None = None, sampling: Sampling | None = None,
                  device: str | int | torch.device | DeviceOptions | None = None, columns: Sequence[str] = (),
                  targets: Targets | None = None, storage: Storage | None = None,
-                 workers: Workers | int | None = None, clips: Clips | None = None, **dataloader: Any) -> None:
+                 workers: Workers | int | None = None, **dataloader: Any) -> None:
         check_source(source)
-        if clips is not None and not isinstance(clips, Clips):
-            raise ConfigError(f"clips= takes a stoker.Clips, got {type(clips).__name__}: {clips!r:.80}")
-        self._clips_arg = clips
         loose = dataloader_keywords(dataloader)   # DataLoader's keywords, as fields of the options below
         for name, value in (("order", order), ("seed", seed)):   # the common two, kept at hand
             if value is not None:
@@ -171,6 +167,7 @@ class Loader:
                     raise ConfigError(f"pass the {name} once: {name}= or the DataLoader keyword that implies it")
                 loose["sampling"][name] = value
         self.sampling = _merge(Sampling, sampling, loose["sampling"], "sampling")
+        self._clips_arg = self.sampling.clips
         self.workers = _merge(Workers, None if workers is None else Workers.of(workers), loose["workers"], "workers")
         self.targets = _merge(Targets, targets, loose["targets"], "targets")
         self.storage = _merge(Storage, storage, {}, "storage")
@@ -304,14 +301,14 @@ class Loader:
             self._passes.gpu(self.device)  # a missing decoder library fails here, with its install hint
 
     def _video_clips(self, ds: Dataset) -> Clips | None:
-        """The clip options of a video pack (`clips=`, or `Clips()`'s defaults); None for images. Refuses
+        """The clip options of a video pack (`Sampling(clips=)`, or `Clips()`'s defaults); None for images. Refuses
         what clips cannot honour here, when the Loader is made, naming what to change."""
         from .video import VIDEO_INDEX_COLUMN, require_av
 
         if VIDEO_INDEX_COLUMN not in ds.extra_columns:
             if self._clips_arg is not None:
-                raise ConfigError(f"{ds.path} holds images, not videos; clips= applies to a video pack (stoker pack "
-                                  f"of video files): drop clips=")
+                raise ConfigError(f"{ds.path} holds images, not videos; Sampling(clips=) applies to a video pack "
+                                  f"(stoker pack of video files): drop clips=")
             return None
         require_av()   # PyAV decodes the clips: missing, the install hint now rather than per sample
         # each of these would treat a clip's frames as unrelated images

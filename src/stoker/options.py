@@ -70,6 +70,8 @@ class Sampling(_Printable):
         indices), drawn each epoch with replacement (WeightedRandomSampler).
     rank, world_size: default from torch.distributed when it is initialized, else 0 and 1.
     drop_last: drop the last partial batch (and, with several ranks, the tail that would need padding).
+    clips: a video pack's clips (`stoker.Clips`: frames per clip, stride or fps, random or uniform,
+        clips per video); default `Clips()` for a video pack, refused for images.
     """
 
     order: str = "random"
@@ -79,8 +81,14 @@ class Sampling(_Printable):
     rank: int | None = None
     world_size: int | None = None
     drop_last: bool = False
+    clips: Any = None
 
     def __post_init__(self) -> None:
+        if self.clips is not None:
+            from .clips import Clips   # here: the option values import nothing heavy until a clip is asked for
+
+            if not isinstance(self.clips, Clips):
+                raise ConfigError(f"clips= takes a stoker.Clips, got {type(self.clips).__name__}: {self.clips!r:.80}")
         if self.order not in ORDERS:
             raise ConfigError(f"order must be one of {ORDERS}, got {self.order!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):

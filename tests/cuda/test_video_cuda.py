@@ -30,7 +30,8 @@ def videos(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_clips_on_the_gpu_equal_the_cpu_stage(videos: Path, memory_format: str) -> None:
     def run(device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         opts = stoker.DeviceOptions(device, normalize="imagenet", memory_format=memory_format)
-        with stoker.Loader(videos, 3, clips=stoker.Clips(frames=4, stride=2), transforms=TRAIN, seed=4,
+        with stoker.Loader(videos, 3, sampling=stoker.Sampling(clips=stoker.Clips(frames=4, stride=2)),
+                           transforms=TRAIN, seed=4,
                            device=opts) as ld:
             return [(x.cpu(), y.cpu()) for x, y in ld]
     cpu, gpu = run("cpu"), run("cuda")

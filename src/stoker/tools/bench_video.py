@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import resource
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -201,10 +201,11 @@ def loader_startup(workers: int) -> float:
 
 def _timed(fn: Callable[[], list[tuple[int, int]]], clips: int) -> dict[str, float]:
     wall, cpu = time.perf_counter(), time.process_time()
-    child = resource.getrusage(resource.RUSAGE_CHILDREN)
+    child = os.times()   # the DataLoader's workers, once they exit and are reaped (0 on Windows)
     counts = fn()
-    child_after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = time.process_time() - cpu + (child_after.ru_utime + child_after.ru_stime - child.ru_utime - child.ru_stime)
+    child_after = os.times()
+    cpu = time.process_time() - cpu + (child_after.children_user + child_after.children_system
+                                       - child.children_user - child.children_system)
     wall = time.perf_counter() - wall
     known = all(d >= 0 for d, _ in counts)
     waste = sum(d for d, _ in counts) / sum(n for _, n in counts) if known else float("nan")

@@ -6,8 +6,9 @@ the same tiny 3D CNN for the same number of steps, alternating between two feeds
 - the baseline: a torch DataLoader whose worker processes open each video with PyAV, decode from its
   first frame up to a random clip's last frame, keep the clip's frames, and crop, resize and flip them
   with torchvision's RandomResizedCrop sampling (one plan per clip) and antialiased bilinear resize;
-- stoker: `Loader(pack, clips=Clips(...))`, the same clip length, stride and transforms, decoded on
-  threads from the keyframe before each clip straight into pinned `[B, T, H, W, 3]` slots.
+- stoker: `Loader(pack, sampling=Sampling(clips=Clips(...)))`, the same clip length, stride and
+  transforms, decoded on threads from the keyframe before each clip straight into pinned
+  `[B, T, H, W, 3]` slots.
 
 Each run is measured with `stoker.profile` (clips/s, data-wait share); the best round of each feed is
 compared. On a machine without a GPU the model and the loader split the CPU cores (`doctor.split_cores`).
@@ -190,6 +191,7 @@ def run_video_demo(out: str | Path = "stoker-demo-video", setup: VideoDemoSetup 
     from ..clips import Clips
     from ..device import DeviceOptions
     from ..loader import Loader
+    from ..options import Sampling
     from ..packing import PackOptions, pack
     from ..transforms import RandomHorizontalFlip, RandomResizedCrop
     from ..video import require_av
@@ -220,7 +222,7 @@ def run_video_demo(out: str | Path = "stoker-demo-video", setup: VideoDemoSetup 
     print(f"[3/3] training a tiny 3D CNN, {d.steps} steps of {d.batch_size} clips per run, alternating feeds "
           f"({where})", flush=True)
     base_name = f"baseline (DataLoader + PyAV, {loader_cores} worker(s))"
-    fast_name = f"stoker (Loader, clips=, {loader_cores} thread(s))"
+    fast_name = f"stoker (Loader with clips, {loader_cores} thread(s))"
     runs: dict[str, list[ProfileReport]] = {base_name: [], fast_name: []}
     threads_before = torch.get_num_threads()
     torch.set_num_threads(model_threads)
@@ -232,7 +234,7 @@ def run_video_demo(out: str | Path = "stoker-demo-video", setup: VideoDemoSetup 
                               num_workers=loader_cores, persistent_workers=True, pin_memory=cuda, drop_last=True)
             runs[base_name].append(_train(base, d.steps, d.classes, device))
             del base
-            with Loader(packed, d.batch_size, clips=Clips(frames=d.frames, stride=d.stride),
+            with Loader(packed, d.batch_size, sampling=Sampling(clips=Clips(frames=d.frames, stride=d.stride)),
                         transforms=[RandomResizedCrop(d.size), RandomHorizontalFlip()], seed=r, drop_last=True,
                         workers=loader_cores, **on_device) as loader:
                 runs[fast_name].append(_train(loader, d.steps, d.classes, device))
