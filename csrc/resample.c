@@ -165,6 +165,18 @@ static inline unsigned char settle(int32_t acc, int prec) {
     return (unsigned char)(acc < 0 ? 0 : (acc > 255 ? 255 : acc));
 }
 
+/* Output row y's bytes i..bytes of a vertical pass, one at a time (the SIMD passes' last bytes). */
+static void vertical_tail(const unsigned char *rows, ptrdiff_t sstride, const axis_t *a, int y, int i, int bytes,
+                          unsigned char *d) {
+    const int16_t *w = a->w + (size_t)y * a->ksize;
+    for (; i < bytes; i++) {
+        int32_t acc = (int32_t)1 << (a->prec - 1);
+        for (int k = 0; k < a->xsize[y]; k++)
+            acc += (int32_t)w[k] * rows[(ptrdiff_t)k * sstride + i];
+        d[i] = settle(acc, a->prec);
+    }
+}
+
 /* Rows y0..y1 of src, resampled along x into rows 0.. of dst (output columns x0..dw). */
 static void pass_horizontal(const unsigned char *src, ptrdiff_t sstride, int y0, int y1, const axis_t *a, int x0,
                             int dw, unsigned char *dst, ptrdiff_t dstride) {
@@ -336,12 +348,7 @@ __attribute__((target("avx2"))) static void pass_vertical_avx2(const unsigned ch
             __m256i p23 = _mm256_packs_epi32(_mm256_srai_epi32(s2, a->prec), _mm256_srai_epi32(s3, a->prec));
             _mm256_storeu_si256((__m256i *)(d + i), _mm256_packus_epi16(p01, p23));
         }
-        for (; i < bytes; i++) { /* the row's last bytes */
-            int32_t acc = (int32_t)1 << (a->prec - 1);
-            for (int k = 0; k < n; k++)
-                acc += (int32_t)a->w[(size_t)y * a->ksize + k] * rows[(ptrdiff_t)k * sstride + i];
-            d[i] = settle(acc, a->prec);
-        }
+        vertical_tail(rows, sstride, a, y, i, bytes, d);
     }
 }
 
@@ -374,12 +381,7 @@ static void pass_vertical_sse2(const unsigned char *src, ptrdiff_t sstride, int 
             __m128i p23 = _mm_packs_epi32(_mm_srai_epi32(s2, a->prec), _mm_srai_epi32(s3, a->prec));
             _mm_storeu_si128((__m128i *)(d + i), _mm_packus_epi16(p01, p23));
         }
-        for (; i < bytes; i++) { /* the row's last bytes */
-            int32_t acc = (int32_t)1 << (a->prec - 1);
-            for (int k = 0; k < n; k++)
-                acc += (int32_t)a->w[(size_t)y * a->ksize + k] * rows[(ptrdiff_t)k * sstride + i];
-            d[i] = settle(acc, a->prec);
-        }
+        vertical_tail(rows, sstride, a, y, i, bytes, d);
     }
 }
 #endif
