@@ -525,30 +525,47 @@ static unsigned char render_one(const int64_t *p, const Py_buffer *data, unsigne
     return 0;
 }
 
+/* The buffer of block `id` of `blocks`, acquired once per call however many rows read it: the `got`
+ * acquired so far are ids[0..got) (a chunk reads few blocks, so a linear search is enough). */
+static const Py_buffer *block_buffer(PyObject *blocks, Py_ssize_t nblocks, int64_t id, int64_t *ids, Py_buffer *bufs,
+                                     Py_ssize_t *got) {
+    for (Py_ssize_t j = 0; j < *got; j++)
+        if (ids[j] == id)
+            return &bufs[j];
+    if (id < 0 || id >= nblocks)
+        return NULL;
+    if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(blocks, id), &bufs[*got], PyBUF_SIMPLE) < 0)
+        return NULL;
+    ids[*got] = id;
+    return &bufs[(*got)++];
+}
+
 static PyObject *render_rows(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *keywords[] = {"datas", "params", "images", "status", "antialias", "fast", "max_pixels", NULL};
-    PyObject *datas, *params_obj, *images_obj, *status_obj;
+    static char *keywords[] = {"blocks", "spans", "params", "images", "status", "antialias", "fast", "max_pixels",
+                               NULL};
+    PyObject *blocks_obj, *spans_obj, *params_obj, *images_obj, *status_obj;
     int antialias = 1, fast = 0;
     double max_pixels = 1e18;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO|ppd", keywords, &datas, &params_obj, &images_obj,
-                                     &status_obj, &antialias, &fast, &max_pixels))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO|ppd", keywords, &blocks_obj, &spans_obj, &params_obj,
+                                     &images_obj, &status_obj, &antialias, &fast, &max_pixels))
         return NULL;
     if (lib_handle == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "no libjpeg loaded: call load(path) first");
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(datas, "datas must be a sequence of JPEG buffers");
-    if (seq == NULL)
+    PyObject *blocks = PySequence_Fast(blocks_obj, "blocks must be a sequence of byte buffers");
+    if (blocks == NULL)
         return NULL;
-    Py_ssize_t k = PySequence_Fast_GET_SIZE(seq), got = 0;
-    Py_buffer params, images, status;
-    int have_params = 0, have_images = 0, have_status = 0;
-    Py_buffer *bufs = (Py_buffer *)PyMem_Calloc((size_t)(k > 0 ? k : 1), sizeof(Py_buffer));
+    Py_ssize_t nblocks = PySequence_Fast_GET_SIZE(blocks), k = 0, got = 0, left = 0;
+    Py_buffer spans, params, images, status;
+    int have_spans = 0, have_params = 0, have_images = 0, have_status = 0;
+    Py_buffer *bufs = NULL;
+    int64_t *ids = NULL;
+    const Py_buffer **rows = NULL;
     PyObject *result = NULL;
-    if (bufs == NULL) {
-        PyErr_NoMemory();
+    if (PyObject_GetBuffer(spans_obj, &spans, PyBUF_C_CONTIGUOUS) < 0)
         goto out;
-    }
+    have_spans = 1;
     if (PyObject_GetBuffer(params_obj, &params, PyBUF_C_CONTIGUOUS) < 0)
         goto out;
     have_params = 1;
@@ -558,15 +575,33 @@ static PyObject *render_rows(PyObject *self, PyObject *args, PyObject *kwargs) {
     if (PyObject_GetBuffer(status_obj, &status, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
         goto out;
     have_status = 1;
-    if (params.len != k * NPARAM * (Py_ssize_t)sizeof(int64_t) || status.len < k || images.ndim != 4 ||
-        images.shape[3] != 3 || images.itemsize != 1) {
-        PyErr_Format(PyExc_ValueError, "render_rows: params must be int64 [%zd, %d], status %zd bytes, images uint8 "
-                     "[rows, height, width, 3]", k, NPARAM, k);
+    k = spans.len / (Py_ssize_t)(3 * sizeof(int64_t));
+    if (spans.len != k * 3 * (Py_ssize_t)sizeof(int64_t) || params.len != k * NPARAM * (Py_ssize_t)sizeof(int64_t) ||
+        status.len < k || images.ndim != 4 || images.shape[3] != 3 || images.itemsize != 1) {
+        PyErr_Format(PyExc_ValueError, "render_rows: spans must be int64 [rows, 3], params int64 [rows, %d], status "
+                     "one byte per row, images uint8 [rows, height, width, 3]", NPARAM);
         goto out;
     }
-    for (; got < k; got++)
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &bufs[got], PyBUF_SIMPLE) < 0)
+    size_t n = (size_t)(k > 0 ? k : 1);
+    bufs = (Py_buffer *)PyMem_Calloc(n, sizeof(Py_buffer));
+    ids = (int64_t *)PyMem_Calloc(n, sizeof(int64_t));
+    rows = (const Py_buffer **)PyMem_Calloc(n, sizeof(Py_buffer *));
+    if (bufs == NULL || ids == NULL || rows == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    const int64_t *sp = (const int64_t *)spans.buf;
+    for (Py_ssize_t i = 0; i < k; i++) {  /* -1: not a JPEG the caller could read; the per-sample path takes it */
+        if (sp[3 * i] < 0)
+            continue;
+        rows[i] = block_buffer(blocks, nblocks, sp[3 * i], ids, bufs, &got);
+        if (rows[i] == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_IndexError, "render_rows: row %zd names block %lld of %zd", i,
+                             (long long)sp[3 * i], nblocks);
             goto out;
+        }
+    }
     error_mgr *err = (error_mgr *)calloc(1, sizeof(error_mgr));
     if (err == NULL) {
         PyErr_NoMemory();
@@ -576,26 +611,41 @@ static PyObject *render_rows(PyObject *self, PyObject *args, PyObject *kwargs) {
     unsigned char *st = (unsigned char *)status.buf, *scratch = NULL;
     size_t scratch_size = 0;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < k; i++)
-        st[i] = render_one(p + i * NPARAM, &bufs[i], (unsigned char *)images.buf, images.shape[0],
-                           (int)images.shape[1], (int)images.shape[2], antialias, fast, max_pixels, err, &scratch,
-                           &scratch_size);
+    for (Py_ssize_t i = 0; i < k; i++) {
+        int64_t lo = sp[3 * i + 1], hi = sp[3 * i + 2];
+        if (rows[i] == NULL)
+            st[i] = 22;
+        else if (lo < 0 || hi < lo || hi > rows[i]->len)  /* bytes outside the block: let the caller report it */
+            st[i] = 23;
+        else {
+            Py_buffer view = *rows[i];
+            view.buf = (char *)rows[i]->buf + lo;
+            view.len = hi - lo;
+            st[i] = render_one(p + i * NPARAM, &view, (unsigned char *)images.buf, images.shape[0],
+                               (int)images.shape[1], (int)images.shape[2], antialias, fast, max_pixels, err, &scratch,
+                               &scratch_size);
+        }
+        left += st[i] != 0;
+    }
     Py_END_ALLOW_THREADS
     free(scratch);
     free(err);
-    result = Py_None;
-    Py_INCREF(result);
+    result = PyLong_FromSsize_t(left);
 out:
-    for (Py_ssize_t i = 0; i < got; i++)
-        PyBuffer_Release(&bufs[i]);
+    for (Py_ssize_t j = 0; j < got; j++)
+        PyBuffer_Release(&bufs[j]);
     PyMem_Free(bufs);
+    PyMem_Free(ids);
+    PyMem_Free(rows);
+    if (have_spans)
+        PyBuffer_Release(&spans);
     if (have_params)
         PyBuffer_Release(&params);
     if (have_images)
         PyBuffer_Release(&images);
     if (have_status)
         PyBuffer_Release(&status);
-    Py_DECREF(seq);
+    Py_DECREF(blocks);
     return result;
 }
 
@@ -609,11 +659,13 @@ static PyMethodDef methods[] = {
      "return the scaled image's size and whether decoding started at a restart marker.\n"
      "Raises JpegError, UnsupportedError or TooLargeError."},
     {"render_rows", (PyCFunction)(void (*)(void))render_rows, METH_VARARGS | METH_KEYWORDS,
-     "render_rows(datas, params, images, status, antialias=True, fast=False, max_pixels=1e18)\n\n"
-     "For each JPEG of datas and its row of params (int64: row, stored height, width, scale n of n/8,\n"
+     "render_rows(blocks, spans, params, images, status, antialias=True, fast=False, max_pixels=1e18) -> int\n\n"
+     "For each row i: the JPEG at bytes spans[i, 1]..spans[i, 2] of blocks[spans[i, 0]] (a sequence of byte\n"
+     "buffers; -1: no JPEG, status 22), with params[i] (int64: row, stored height, width, scale n of n/8,\n"
      "window y0 y1 x0 x1, pad top bottom left right, resize height width, place y x, flip): region-decode,\n"
      "pad, resample, place and mirror into images[row] (uint8 [rows, height, width, 3]), the GIL released\n"
-     "once; status[i] = 0 where row i was written, non-zero where the caller must render it itself."},
+     "once; status[i] = 0 where row i was written, non-zero where the caller must render it itself.\n"
+     "Returns how many rows were not written."},
     {"resample", (PyCFunction)(void (*)(void))stoker_py_resample, METH_VARARGS | METH_KEYWORDS,
      "resample(src, dst, antialias=True, simd=2)\n\n"
      "Resize the uint8 [h, w, 3] image src into dst (its own height and width) exactly as torchvision's\n"

@@ -99,9 +99,10 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_batches_are_the_same_with_the_native_path_on_and_off(dataset, transforms, threads, monkeypatch):
     calls = []
     real = native.render_rows
-    monkeypatch.setattr(native, "render_rows", lambda *a, **k: (calls.append(len(a[0])), real(*a, **k))[1])
+    monkeypatch.setattr(native, "render_rows", lambda *a, **k: (lambda left: (calls.append(len(a[1]) - left), left)[1])(
+        real(*a, **k)))
     on = epoch(dataset, transforms, threads)
-    assert sum(calls) > 30, "the native path served too few rows"
+    assert sum(calls) > 30, "the native path wrote too few rows"
     monkeypatch.setattr(native, "ON", False)
     off = epoch(dataset, transforms, threads)
     assert len(calls) == len(calls[:]) and np.array_equal(on[1], off[1])
@@ -133,7 +134,7 @@ def test_row_parameters_equal_the_per_sample_maths():
         u = rng.random((n, max(pipe.draws, 1)))
         geo = pipe.plan(h, w, u)
         for full_size in (False, True):
-            params, ok = native_rows(geo, h, w, out, full_size)
+            params = native_rows(geo, h, w, out, full_size)
             for i in range(n):
                 box = geo.box[i].tolist()
                 clip = None if geo.clip is None else geo.clip[i].tolist()
@@ -142,23 +143,62 @@ def test_row_parameters_equal_the_per_sample_maths():
                 k = codecs.jpeg_scale_eighths(int(h[i]), int(w[i]), mh, mw)
                 sh, sw = math.ceil(h[i] * k / 8), math.ceil(w[i] * k / 8)
                 r = resampling(box, sh, sw, int(h[i]), int(w[i]), clip, grid, out, trim=k < 8)
-                want = [i, h[i], w[i], k, *r.src, *r.pad, *r.size, *r.place, int(geo.flip[i])]
+                served = tuple(geo.size[i]) == out  # the others: row -1, for the per-sample path
+                want = [i if served else -1, h[i], w[i], k, *r.src, *r.pad, *r.size, *r.place, int(geo.flip[i])]
                 assert params[i].tolist() == want, (transforms, i)
-                assert ok[i] == (tuple(geo.size[i]) == out)
 
 
 @pytest.mark.parametrize("shards", [1, 3])
-def test_jpeg_views_are_the_samples_bytes(tmp_path, shards):
-    """`PackedDataset.jpeg_views` (one shard check per chunk, no Sample per row) against `sample(i)`,
-    and the generic `Dataset.jpeg_views` the other datasets use."""
+def test_jpeg_spans_are_the_samples_bytes(tmp_path, shards):
+    """`PackedDataset.jpeg_spans` (the mapped blocks, one gather, one shard check per chunk) against
+    `sample(i)`, and the generic `Dataset.jpeg_spans` the other datasets use."""
     from stoker.reader import Dataset, open_dataset
 
     ds = open_dataset(build(tmp_path / "ds", seed=3, shards=shards))
     idx = np.random.default_rng(2).permutation(len(ds))[:30]
     want = [bytes(s.data) if s.encoding == "jpeg" else None for s in (ds.sample(int(i)) for i in idx)]
     assert any(w is None for w in want) and any(w is not None for w in want)
-    for got in (ds.jpeg_views(idx), Dataset.jpeg_views(ds, idx)):
-        assert [None if g is None else bytes(g) for g in got] == want
+    for blocks, spans in (ds.jpeg_spans(idx), Dataset.jpeg_spans(ds, idx)):
+        assert spans.dtype == np.int64 and spans.shape == (len(idx), 3) and spans.flags.c_contiguous
+        got = [None if k < 0 else bytes(np.asarray(blocks[k]).reshape(-1)[lo:hi]) for k, lo, hi in spans.tolist()]
+        assert got == want
+    if shards > 1:
+        assert len(ds.jpeg_spans(idx)[0]) == shards  # the mapped blocks, not a view per row
+
+
+def test_a_replaced_shard_sends_its_chunk_to_the_per_sample_path(tmp_path):
+    """A shard whose file changed since it was opened: `jpeg_spans` raises ShardError naming it
+    (the chunk then goes row by row, and each row's own read reports it)."""
+    from stoker.errors import ShardError
+    from stoker.reader import open_dataset
+
+    path = build(tmp_path / "ds", seed=3, shards=2)
+    ds = open_dataset(path)
+    ds.jpeg_spans(np.arange(len(ds)))
+    shard = sorted(path.glob("*.arrow"))[-1]
+    with open(shard, "ab") as f:
+        f.write(b"0" * 16)
+    with pytest.raises(ShardError, match=shard.name):
+        ds.jpeg_spans(np.arange(len(ds)))
+    ds.jpeg_spans(np.arange(len(ds) // 4))  # rows of the first shard only: it alone is checked
+
+
+def test_render_rows_refuses_rows_it_cannot_read():
+    """Rows with no JPEG (block -1), bytes outside their block, or row -1 get a non-zero status and
+    are not written; the count of rows left comes back; a block index out of range is an IndexError."""
+    rgb = smooth_rgb(np.random.default_rng(0), 40, 50)
+    data = np.frombuffer(_jpeg(rgb), np.uint8)
+    h, w = 40, 50
+    base = [0, h, w, 8, 0, h, 0, w, 0, 0, 0, 0, 16, 16, 0, 0, 0]
+    params = np.array([[r, *base[1:]] for r in (0, 1, 2, -1)], np.int64)
+    spans = np.array([[0, 0, len(data)], [-1, -1, -1], [0, 0, len(data) + 1], [0, 0, len(data)]], np.int64)
+    images = np.zeros((4, 16, 16, 3), np.uint8)
+    status = np.full(4, 99, np.uint8)
+    left = native.render_rows([data], spans, params, images, status, True, False, codecs.MAX_PIXELS)
+    assert left == 3 and status[0] == 0 and status[1:].all()
+    assert images[0].any() and not images[1:].any()
+    with pytest.raises(IndexError, match="block 1"):
+        native.render_rows([data], np.array([[1, 0, 1]], np.int64), params[:1], images, status, True, False, 1e9)
 
 
 def test_damaged_jpegs_give_the_same_batches(tmp_path, monkeypatch):
