@@ -122,15 +122,18 @@ def test_a_failing_row_gets_the_per_sample_error(tmp_path, monkeypatch):
 
 
 def test_row_parameters_equal_the_per_sample_maths():
-    """`render.native_rows` (vectorised, once per batch) against `Filler.decode`'s per-sample maths."""
+    """`render.native_rows` (one native call per batch, `native.plan_rows`) against `Filler.decode`'s
+    per-sample maths: stored sizes from 1 pixel to far above the output (DCT scales 1/8 to 1, crops
+    that leave the image and pad, upscales), with and without full-size decode."""
     rng = np.random.default_rng(11)
     for transforms, out in ((TRAIN, (64, 64)), (VAL, (64, 64)), ([RandomResizedCrop((224, 160))], (224, 160)),
                             ([Resize(300), CenterCrop(224)], (224, 224)), ([CenterCrop(500), Resize(224)], (224, 224))):
         from stoker.transforms import Pipeline
 
         pipe = Pipeline(transforms)
-        n = 400
+        n = 600
         h, w = rng.integers(1, 3000, n), rng.integers(1, 3000, n)
+        h[:100], w[100:200] = rng.integers(1, 64, 100), rng.integers(1, 64, 100)  # thin and tiny images
         u = rng.random((n, max(pipe.draws, 1)))
         geo = pipe.plan(h, w, u)
         for full_size in (False, True):

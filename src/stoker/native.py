@@ -62,6 +62,18 @@ def chunks_available() -> bool:
     return ON and _libjpeg.region_decoder() is not None
 
 
+def plan_rows(box: np.ndarray, clip: np.ndarray, grid: np.ndarray, sizes: np.ndarray, plan_sizes: np.ndarray,
+              flip: np.ndarray, out_size: tuple[int, int], full_size: bool, headroom: float) -> np.ndarray:
+    """The `render_rows` parameters (int64 [n, len(PARAMS)]) of a batch's rows from its plan (`box`,
+    `clip` float64 [n, 4]; `grid` int64 [n, 2] or [1, 2]; `plan_sizes` int64 [n, 2]; `flip` bool [n])
+    and stored (height, width) `sizes` (int64 [n, 2]), in one call: the per-sample path's maths
+    (`decode_minimums`, `jpeg_scale_eighths`, `resampling`) row by row in C, the same integers. A
+    row whose plan is not `out_size`, or whose stored size is empty, gets row -1 (refused)."""
+    params = np.empty((len(flip), len(PARAMS)), np.int64)
+    _mod.plan_rows(box, clip, grid, sizes, plan_sizes, flip, params, out_size[0], out_size[1], full_size, headroom)
+    return params
+
+
 def render_rows(blocks: Sequence, spans: np.ndarray, params: np.ndarray, images: np.ndarray, status: np.ndarray,
                 antialias: bool, fast: bool, max_pixels: int) -> int:
     """Region-decode, resize, place and flip each row's JPEG into its row of `images` (uint8

@@ -38,7 +38,7 @@ from .slots import Slot, WorkerTimes
 from .transforms import (Pipeline, Plan, Resampling, apply_tail, decode_minimums,
                          resample_region_into, resampling,
                          run_user_op)
-from .transforms.geometry import decode_minimums_many, resamplings
+from .transforms.geometry import AA_HEADROOM
 from .transforms.targets import Boxes, InstanceMasks, LabelMap, Placement, Target, TargetRows
 
 # one warning per skipped sample, with its reason, on the Loader's logger: the name users configure
@@ -452,25 +452,18 @@ class EpochChain:
 
 def native_rows(geometry: Plan, heights: np.ndarray, widths: np.ndarray, out_size: tuple[int, int],
                 full_size: bool) -> np.ndarray:
-    """The `render_rows` parameters of a batch's rows (int64 [n, len(native.PARAMS)]), computed in one
-    vectorised step from its plan and stored sizes exactly as `Filler.decode` computes them one
-    sample at a time. A row the native path does not serve (its plan does not give the batch's output
+    """The `render_rows` parameters of a batch's rows (int64 [n, len(native.PARAMS)]), computed from
+    its plan and stored sizes in one native call (`native.plan_rows`) exactly as `Filler.decode`
+    computes them one sample at a time (no NumPy call per step of the maths). A row the native path does not serve (its plan does not give the batch's output
     size, or no stored size) has row -1: the native call refuses it and the per-sample path, which
     reports it, takes it."""
-    h, w = np.asarray(heights, np.int64), np.asarray(widths, np.int64)
-    oh, ow = out_size
-    box = geometry.box
-    clip = box if geometry.clip is None else geometry.clip
-    grid = np.tile(np.array([oh, ow], np.int64), (len(h), 1)) if geometry.grid is None else geometry.grid
-    mh, mw = (h, w) if full_size else decode_minimums_many(box, oh, ow, h, w)
-    n = codecs.jpeg_scales_eighths(h, w, mh, mw)
-    sh, sw = np.ceil(h * n / 8).astype(np.int64), np.ceil(w * n / 8).astype(np.int64)
-    r = resamplings(box, sh, sw, h, w, clip, grid, n < 8)
-    ok = (geometry.size[:, 0] == oh) & (geometry.size[:, 1] == ow) & (h > 0) & (w > 0)
-    row = np.where(ok, np.arange(len(h)), -1)
-    params = np.concatenate([row[:, None], h[:, None], w[:, None], n[:, None], r.src, r.pad,
-                             r.size, r.place, geometry.flip[:, None].astype(np.int64)], axis=1)
-    return np.ascontiguousarray(params, np.int64)
+    hw = np.empty((len(heights), 2), np.int64)
+    hw[:, 0], hw[:, 1] = heights, widths
+    box = np.ascontiguousarray(geometry.box, np.float64)
+    clip = box if geometry.clip is None else np.ascontiguousarray(geometry.clip, np.float64)
+    grid = np.array([out_size], np.int64) if geometry.grid is None else np.ascontiguousarray(geometry.grid, np.int64)
+    return native.plan_rows(box, clip, grid, hw, np.ascontiguousarray(geometry.size, np.int64),
+                            np.ascontiguousarray(geometry.flip, np.bool_), out_size, full_size, AA_HEADROOM)
 
 
 def native_claims(spec: RenderSpec, chain: EpochChain, threads: int) -> dict[str, Any]:
