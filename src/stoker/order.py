@@ -23,6 +23,8 @@ versions.
 
 from __future__ import annotations
 
+import functools
+
 import hashlib
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -59,9 +61,13 @@ def _u64(value: int) -> np.ndarray:
     return np.array([int(value) & _MASK64], dtype=np.uint64)
 
 
+@functools.lru_cache(maxsize=64)
 def stream_key(seed: int, epoch: int, tag: int) -> np.ndarray:
-    """One uint64 (as a length-1 array) naming the stream of `(seed, epoch, tag)`."""
-    return mix64(mix64(mix64(_u64(seed)) ^ _u64(epoch)) ^ _u64(tag))
+    """One uint64 (as a read-only length-1 array) naming the stream of `(seed, epoch, tag)`. Cached:
+    every batch of an epoch asks for the same one (ten NumPy calls saved per batch)."""
+    key = mix64(mix64(mix64(_u64(seed)) ^ _u64(epoch)) ^ _u64(tag))
+    key.flags.writeable = False
+    return key
 
 
 def sample_keys(seed: int, epoch: int, indices: np.ndarray, *, tag: int = _TAG_SAMPLE) -> np.ndarray:

@@ -132,10 +132,12 @@ class Filler:
         self.clips = spec.clips  # a video pack: rows are clips, each planned on its own (clips.ClipSamples)
         self.native = native_serves(spec)
 
-    def _geometry(self, idx: np.ndarray, u: np.ndarray) -> Plan | None:
-        if self.heights is None or self.clips is not None:
-            return None
-        return self.pipe.plan(self.heights[idx], self.widths[idx], u)
+    def _sizes(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """Stored (heights, widths) of samples `idx`; None when known only after reading (loose files)."""
+        return None if self.heights is None else (self.heights[idx], self.widths[idx])
+
+    def _geometry(self, sizes: tuple[np.ndarray, np.ndarray] | None, u: np.ndarray) -> Plan | None:
+        return None if sizes is None or self.clips is not None else self.pipe.plan(*sizes, u)
 
     def prepare(self, b: int, slot: Slot) -> BatchPlan:
         lo = self.first + b * self.batch_size
@@ -154,14 +156,15 @@ class Filler:
                        for c in (*self.columns, *(c for c in self.targets if c not in self.columns))}
         if self.clips is not None and self.clips.per_video > 1:   # which video and clip each row holds
             slot.extras["video"], slot.extras["clip"] = idx.astype(np.int64), self.clips.clip_of(positions)
-        geometry = self._geometry(idx, u)
+        sizes = self._sizes(idx)
+        geometry = self._geometry(sizes, u)
         if self.spec.pad:
             slot.extras["sizes"] = geometry.size.astype(np.int64)  # a tensor or an array at hand-out
         if self.gpu:
             slot.jobs = [None] * slot.size
         if not self.native or geometry is None:
             return BatchPlan(idx, positions, keys, u, geometry)
-        rows = native_rows(geometry, self.heights[idx], self.widths[idx], (self.out_h, self.out_w), self.full_size)
+        rows = native_rows(geometry, *sizes, (self.out_h, self.out_w), self.full_size)
         return BatchPlan(idx, positions, keys, u, geometry, rows, np.empty(len(idx), np.uint8))
 
     def _placement(self, geometry: Plan, row: int, idx: int) -> Placement:
@@ -351,7 +354,7 @@ class Filler:
                  int(members[replacement_index(self.seed, self.epoch, pos, attempt, len(members))]))
             key = sample_keys(self.seed, self.epoch, np.array([r]))
             u = uniforms(key, self.draws)
-            geo = self._geometry(np.array([r]), u)
+            geo = self._geometry(self._sizes(np.array([r])), u)
             box = _row_box(geo, 0)
             try:
                 self.render_row(r, pos, int(key[0]), u[0], box, slot.images_np[row], scratch, times)

@@ -195,20 +195,21 @@ class PlanState:
     crops it (`crop`)."""
 
     def __init__(self, heights: np.ndarray, widths: np.ndarray) -> None:
-        self.lh = np.asarray(heights, dtype=np.int64).copy()
-        self.lw = np.asarray(widths, dtype=np.int64).copy()
+        self.lh = np.array(heights, dtype=np.int64)  # copies: the ops replace or change them
+        self.lw = np.array(widths, dtype=np.int64)
         self.n = len(self.lh)
-        self.box = np.zeros((self.n, 4), dtype=np.float64)
-        self.box[:, 2], self.box[:, 3] = self.lh, self.lw
-        self.flip = np.zeros(self.n, dtype=bool)
         # what the resampling reads (`clip`, source pixels) and the size it makes of it (`grid`)
-        self.clip, self.grid = self.box.copy(), np.stack([self.lh, self.lw], axis=1)
+        self.grid = _pairs(self.lh, self.lw)
+        self.box = np.zeros((self.n, 4), dtype=np.float64)
+        self.box[:, 2:4] = self.grid
+        self.flip = np.zeros(self.n, dtype=bool)
+        self.clip = self.box.copy()
         self.resampled, self.interpolation, self.antialias = False, "bilinear", True
 
     def resample(self, op: Any) -> None:
         """`op` (a Resize or RandomResizedCrop) resamples the logical image: the filter reads the box
         so far and makes the logical size of it, with the op's interpolation."""
-        self.clip, self.grid = self.box.copy(), np.stack([self.lh, self.lw], axis=1)
+        self.clip, self.grid = self.box.copy(), _pairs(self.lh, self.lw)
         self.resampled, self.interpolation, self.antialias = True, op.interpolation, op.antialias
 
     def crop(self, top: np.ndarray, left: np.ndarray, ch: np.ndarray, cw: np.ndarray, new_h: np.ndarray,
@@ -224,11 +225,18 @@ class PlanState:
         box[:, 3] = cw * sx
         self.lh, self.lw = new_h.astype(np.int64), new_w.astype(np.int64)
         if not self.resampled:  # nothing resampled yet: the crop is what gets resampled
-            self.clip, self.grid = self.box.copy(), np.stack([self.lh, self.lw], axis=1)
+            self.clip, self.grid = self.box.copy(), _pairs(self.lh, self.lw)
 
     def result(self) -> Plan:
-        return Plan(box=self.box, size=np.stack([self.lh, self.lw], axis=1), flip=self.flip, clip=self.clip,
+        return Plan(box=self.box, size=_pairs(self.lh, self.lw), flip=self.flip, clip=self.clip,
                     grid=self.grid, interpolation=self.interpolation, antialias=self.antialias)
+
+
+def _pairs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """int64 [n, 2] of columns `a`, `b`: `np.stack(axis=1)` in three C calls (planned once per batch)."""
+    out = np.empty((len(a), 2), np.int64)
+    out[:, 0], out[:, 1] = a, b
+    return out
 
 
 def _plan_rrc(op: RandomResizedCrop, lh: np.ndarray, lw: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -241,11 +249,13 @@ def _plan_rrc(op: RandomResizedCrop, lh: np.ndarray, lw: np.ndarray, u: np.ndarr
     h = np.rint(np.sqrt(target / aspect))
     ok = (w > 0) & (w <= lw[:, None]) & (h > 0) & (h <= lh[:, None])
     first = np.argmax(ok, axis=1)
-    found = ok[np.arange(len(first)), first]
     rows = np.arange(len(first))
     w_t, h_t = w[rows, first].astype(np.int64), h[rows, first].astype(np.int64)
     top = np.floor(u[:, 20] * (lh - h_t + 1)).astype(np.int64)
     left = np.floor(u[:, 21] * (lw - w_t + 1)).astype(np.int64)
+    found = ok.any(axis=1)
+    if found.all():  # the usual batch: no fallback to plan (planned once per batch)
+        return top, left, h_t, w_t
     # Fallback after 10 failed tries: the central crop at the nearest allowed aspect ratio.
     in_ratio = lw / lh
     fw = np.where(in_ratio < op.ratio[0], lw, np.where(in_ratio > op.ratio[1], np.rint(lh * op.ratio[1]), lw))
