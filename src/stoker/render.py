@@ -457,9 +457,9 @@ def native_rows(geometry: Plan, heights: np.ndarray, widths: np.ndarray, out_siz
                 full_size: bool) -> np.ndarray:
     """The `render_rows` parameters of a batch's rows (int64 [n, len(native.PARAMS)]), computed from
     its plan and stored sizes in one native call (`native.plan_rows`) exactly as `Filler.decode`
-    computes them one sample at a time (no NumPy call per step of the maths). A row the native path does not serve (its plan does not give the batch's output
-    size, or no stored size) has row -1: the native call refuses it and the per-sample path, which
-    reports it, takes it."""
+    computes them one sample at a time (no NumPy call per step of the maths). A row the native path
+    does not serve (its plan does not give the batch's output size, or no stored size) has row -1:
+    the native call refuses it and the per-sample path, which reports it, takes it."""
     hw = np.empty((len(heights), 2), np.int64)
     hw[:, 0], hw[:, 1] = heights, widths
     box = np.ascontiguousarray(geometry.box, np.float64)
