@@ -36,7 +36,8 @@ def _jpeg(rgb: np.ndarray, **save) -> bytes:
     return buf.getvalue()
 
 
-def build(out: Path, seed: int = 0, corpus: bool = False, bad: tuple[int, ...] = (), shards: int = 2) -> Path:
+def build(out: Path, seed: int = 0, corpus: bool = False, bad: tuple[int, ...] = (), shards: int = 2,
+          batch_bytes: int = 32 * 2**20) -> Path:
     """JPEGs of varied size, subsampling and restart markers, a few PNG and raw rows, and (corpus=True)
     the shared corpus's JPEGs as they are (some CMYK, progressive, odd sizes)."""
     rng = np.random.default_rng(seed)
@@ -70,7 +71,7 @@ def build(out: Path, seed: int = 0, corpus: bool = False, bad: tuple[int, ...] =
     out.mkdir(parents=True)
     infos, per = [], -(-len(items) // shards)
     for k in range(shards):
-        writer = ShardWriter(out, k, label_type="int64")
+        writer = ShardWriter(out, k, label_type="int64", batch_bytes=batch_bytes)
         for i in range(k * per, min(len(items), (k + 1) * per)):
             data, enc, h, w = items[i]
             writer.add(f"img/{i:04d}", data, enc, h, w, i)
@@ -89,6 +90,19 @@ def epoch(path: Path, transforms: list, threads: int, on_error: str = "skip") ->
     return np.concatenate(imgs), np.concatenate(labels)
 
 
+def count_native_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that gets, for each `native.render_rows` call from now on, the rows it wrote."""
+    calls: list[int] = []
+    real = native.render_rows
+
+    def counted(*args, **kwargs):
+        left = real(*args, **kwargs)
+        calls.append(len(args[1]) - left)
+        return left
+    monkeypatch.setattr(native, "render_rows", counted)
+    return calls
+
+
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build(tmp_path_factory.mktemp("native") / "ds", corpus=PILLOW_CORPUS.is_dir())
@@ -97,10 +111,7 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("transforms", [TRAIN, VAL], ids=["train", "val"])
 def test_batches_are_the_same_with_the_native_path_on_and_off(dataset, transforms, threads, monkeypatch):
-    calls = []
-    real = native.render_rows
-    monkeypatch.setattr(native, "render_rows", lambda *a, **k: (lambda left: (calls.append(len(a[1]) - left), left)[1])(
-        real(*a, **k)))
+    calls = count_native_rows(monkeypatch)
     on = epoch(dataset, transforms, threads)
     assert sum(calls) > 30, "the native path wrote too few rows"
     monkeypatch.setattr(native, "ON", False)
@@ -151,13 +162,14 @@ def test_row_parameters_equal_the_per_sample_maths():
                 assert params[i].tolist() == want, (transforms, i)
 
 
-@pytest.mark.parametrize("shards", [1, 3])
-def test_jpeg_spans_are_the_samples_bytes(tmp_path, shards):
+@pytest.mark.parametrize("shards, batch_bytes", [(1, 32 * 2**20), (3, 32 * 2**20), (1, 20_000), (3, 20_000)])
+def test_jpeg_spans_are_the_samples_bytes(tmp_path, shards, batch_bytes):
     """`PackedDataset.jpeg_spans` (the mapped blocks, one gather, one shard check per chunk) against
-    `sample(i)`, and the generic `Dataset.jpeg_spans` the other datasets use."""
+    `sample(i)`, and the generic `Dataset.jpeg_spans` the other datasets use; small `batch_bytes`
+    gives shards of several record batches, each with its own encoding dictionary."""
     from stoker.reader import Dataset, open_dataset
 
-    ds = open_dataset(build(tmp_path / "ds", seed=3, shards=shards))
+    ds = open_dataset(build(tmp_path / "ds", seed=3, shards=shards, batch_bytes=batch_bytes))
     idx = np.random.default_rng(2).permutation(len(ds))[:30]
     want = [bytes(s.data) if s.encoding == "jpeg" else None for s in (ds.sample(int(i)) for i in idx)]
     assert any(w is None for w in want) and any(w is not None for w in want)
@@ -165,8 +177,8 @@ def test_jpeg_spans_are_the_samples_bytes(tmp_path, shards):
         assert spans.dtype == np.int64 and spans.shape == (len(idx), 3) and spans.flags.c_contiguous
         got = [None if k < 0 else bytes(np.asarray(blocks[k]).reshape(-1)[lo:hi]) for k, lo, hi in spans.tolist()]
         assert got == want
-    if shards > 1:
-        assert len(ds.jpeg_spans(idx)[0]) == shards  # the mapped blocks, not a view per row
+    blocks = ds.jpeg_spans(idx)[0]  # the mapped blocks, not a view per row
+    assert len(blocks) == shards if batch_bytes > 2**20 else len(blocks) > 2 * shards
 
 
 def test_a_replaced_shard_sends_its_chunk_to_the_per_sample_path(tmp_path):
@@ -257,3 +269,15 @@ def test_batch_plans_are_the_released_ones(transforms, want):
     for a in (keys, drawn, u, geo.box, geo.size, geo.flip, geo.clip, geo.grid):
         sha.update(np.ascontiguousarray(a).tobytes())
     assert sha.hexdigest()[:16] == want
+
+
+def test_shards_of_many_record_batches_give_the_same_batches(tmp_path, monkeypatch):
+    """Chunks whose rows come from many blocks of several shards (the spans name a block each): the
+    same batches with the native path on and off, and the native path wrote most rows."""
+    path = build(tmp_path / "ds", seed=6, shards=3, batch_bytes=20_000)
+    calls = count_native_rows(monkeypatch)
+    on = epoch(path, TRAIN, 2)
+    assert sum(calls) > 20
+    monkeypatch.setattr(native, "ON", False)
+    off = epoch(path, TRAIN, 2)
+    assert np.array_equal(on[1], off[1]) and np.array_equal(on[0], off[0])
