@@ -803,8 +803,9 @@ PyMODINIT_FUNC PyInit__jpeg(void) {
     /* Safe without the GIL: load() and unload() write the function table and lib_handle, but stoker
      * calls them only under _libjpeg's lock, before the module is handed to any decoding thread (and
      * never unload() while a decode runs); decode() reads that table and touches nothing shared
-     * besides (its job, error manager and libjpeg object are its own); the exception types above are
-     * set once, here. */
+     * besides (its job, error manager and libjpeg object are its own), nor do render_rows (its blocks
+     * are read-only buffers, each row written by the one call that claimed it) and plan_rows (pure
+     * arithmetic on the arrays it is handed); the exception types above are set once, here. */
     if (PyUnstable_Module_SetGIL(m, Py_MOD_GIL_NOT_USED) < 0) {
         Py_DECREF(m);
         return NULL;
