@@ -36,7 +36,8 @@ def _jpeg(rgb: np.ndarray, **save) -> bytes:
     return buf.getvalue()
 
 
-def build(out: Path, seed: int = 0, corpus: bool = False, bad: tuple[int, ...] = (), shards: int = 2) -> Path:
+def build(out: Path, seed: int = 0, corpus: bool = False, bad: tuple[int, ...] = (), shards: int = 2,
+          batch_bytes: int = 32 * 2**20) -> Path:
     """JPEGs of varied size, subsampling and restart markers, a few PNG and raw rows, and (corpus=True)
     the shared corpus's JPEGs as they are (some CMYK, progressive, odd sizes)."""
     rng = np.random.default_rng(seed)
@@ -70,7 +71,7 @@ def build(out: Path, seed: int = 0, corpus: bool = False, bad: tuple[int, ...] =
     out.mkdir(parents=True)
     infos, per = [], -(-len(items) // shards)
     for k in range(shards):
-        writer = ShardWriter(out, k, label_type="int64")
+        writer = ShardWriter(out, k, label_type="int64", batch_bytes=batch_bytes)
         for i in range(k * per, min(len(items), (k + 1) * per)):
             data, enc, h, w = items[i]
             writer.add(f"img/{i:04d}", data, enc, h, w, i)
@@ -89,6 +90,19 @@ def epoch(path: Path, transforms: list, threads: int, on_error: str = "skip") ->
     return np.concatenate(imgs), np.concatenate(labels)
 
 
+def count_native_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that gets, for each `native.render_rows` call from now on, the rows it wrote."""
+    calls: list[int] = []
+    real = native.render_rows
+
+    def counted(*args, **kwargs):
+        left = real(*args, **kwargs)
+        calls.append(len(args[1]) - left)
+        return left
+    monkeypatch.setattr(native, "render_rows", counted)
+    return calls
+
+
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build(tmp_path_factory.mktemp("native") / "ds", corpus=PILLOW_CORPUS.is_dir())
@@ -97,11 +111,9 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("transforms", [TRAIN, VAL], ids=["train", "val"])
 def test_batches_are_the_same_with_the_native_path_on_and_off(dataset, transforms, threads, monkeypatch):
-    calls = []
-    real = native.render_rows
-    monkeypatch.setattr(native, "render_rows", lambda *a, **k: (calls.append(len(a[0])), real(*a, **k))[1])
+    calls = count_native_rows(monkeypatch)
     on = epoch(dataset, transforms, threads)
-    assert sum(calls) > 30, "the native path served too few rows"
+    assert sum(calls) > 30, "the native path wrote too few rows"
     monkeypatch.setattr(native, "ON", False)
     off = epoch(dataset, transforms, threads)
     assert len(calls) == len(calls[:]) and np.array_equal(on[1], off[1])
@@ -121,19 +133,22 @@ def test_a_failing_row_gets_the_per_sample_error(tmp_path, monkeypatch):
 
 
 def test_row_parameters_equal_the_per_sample_maths():
-    """`render.native_rows` (vectorised, once per batch) against `Filler.decode`'s per-sample maths."""
+    """`render.native_rows` (one native call per batch, `native.plan_rows`) against `Filler.decode`'s
+    per-sample maths: stored sizes from 1 pixel to far above the output (DCT scales 1/8 to 1, crops
+    that leave the image and pad, upscales), with and without full-size decode."""
     rng = np.random.default_rng(11)
     for transforms, out in ((TRAIN, (64, 64)), (VAL, (64, 64)), ([RandomResizedCrop((224, 160))], (224, 160)),
                             ([Resize(300), CenterCrop(224)], (224, 224)), ([CenterCrop(500), Resize(224)], (224, 224))):
         from stoker.transforms import Pipeline
 
         pipe = Pipeline(transforms)
-        n = 400
+        n = 600
         h, w = rng.integers(1, 3000, n), rng.integers(1, 3000, n)
+        h[:100], w[100:200] = rng.integers(1, 64, 100), rng.integers(1, 64, 100)  # thin and tiny images
         u = rng.random((n, max(pipe.draws, 1)))
         geo = pipe.plan(h, w, u)
         for full_size in (False, True):
-            params, ok = native_rows(geo, h, w, out, full_size)
+            params = native_rows(geo, h, w, out, full_size)
             for i in range(n):
                 box = geo.box[i].tolist()
                 clip = None if geo.clip is None else geo.clip[i].tolist()
@@ -142,23 +157,63 @@ def test_row_parameters_equal_the_per_sample_maths():
                 k = codecs.jpeg_scale_eighths(int(h[i]), int(w[i]), mh, mw)
                 sh, sw = math.ceil(h[i] * k / 8), math.ceil(w[i] * k / 8)
                 r = resampling(box, sh, sw, int(h[i]), int(w[i]), clip, grid, out, trim=k < 8)
-                want = [i, h[i], w[i], k, *r.src, *r.pad, *r.size, *r.place, int(geo.flip[i])]
+                served = tuple(geo.size[i]) == out  # the others: row -1, for the per-sample path
+                want = [i if served else -1, h[i], w[i], k, *r.src, *r.pad, *r.size, *r.place, int(geo.flip[i])]
                 assert params[i].tolist() == want, (transforms, i)
-                assert ok[i] == (tuple(geo.size[i]) == out)
 
 
-@pytest.mark.parametrize("shards", [1, 3])
-def test_jpeg_views_are_the_samples_bytes(tmp_path, shards):
-    """`PackedDataset.jpeg_views` (one shard check per chunk, no Sample per row) against `sample(i)`,
-    and the generic `Dataset.jpeg_views` the other datasets use."""
+@pytest.mark.parametrize("shards, batch_bytes", [(1, 32 * 2**20), (3, 32 * 2**20), (1, 20_000), (3, 20_000)])
+def test_jpeg_spans_are_the_samples_bytes(tmp_path, shards, batch_bytes):
+    """`PackedDataset.jpeg_spans` (the mapped blocks, one gather, one shard check per chunk) against
+    `sample(i)`, and the generic `Dataset.jpeg_spans` the other datasets use; small `batch_bytes`
+    gives shards of several record batches, each with its own encoding dictionary."""
     from stoker.reader import Dataset, open_dataset
 
-    ds = open_dataset(build(tmp_path / "ds", seed=3, shards=shards))
+    ds = open_dataset(build(tmp_path / "ds", seed=3, shards=shards, batch_bytes=batch_bytes))
     idx = np.random.default_rng(2).permutation(len(ds))[:30]
     want = [bytes(s.data) if s.encoding == "jpeg" else None for s in (ds.sample(int(i)) for i in idx)]
     assert any(w is None for w in want) and any(w is not None for w in want)
-    for got in (ds.jpeg_views(idx), Dataset.jpeg_views(ds, idx)):
-        assert [None if g is None else bytes(g) for g in got] == want
+    for blocks, spans in (ds.jpeg_spans(idx), Dataset.jpeg_spans(ds, idx)):
+        assert spans.dtype == np.int64 and spans.shape == (len(idx), 3) and spans.flags.c_contiguous
+        got = [None if k < 0 else bytes(np.asarray(blocks[k]).reshape(-1)[lo:hi]) for k, lo, hi in spans.tolist()]
+        assert got == want
+    blocks = ds.jpeg_spans(idx)[0]  # the mapped blocks, not a view per row
+    assert len(blocks) == shards if batch_bytes > 2**20 else len(blocks) > 2 * shards
+
+
+def test_a_replaced_shard_sends_its_chunk_to_the_per_sample_path(tmp_path):
+    """A shard whose file changed since it was opened: `jpeg_spans` raises ShardError naming it
+    (the chunk then goes row by row, and each row's own read reports it)."""
+    from stoker.errors import ShardError
+    from stoker.reader import open_dataset
+
+    path = build(tmp_path / "ds", seed=3, shards=2)
+    ds = open_dataset(path)
+    ds.jpeg_spans(np.arange(len(ds)))
+    shard = sorted(path.glob("*.arrow"))[-1]
+    with open(shard, "ab") as f:
+        f.write(b"0" * 16)
+    with pytest.raises(ShardError, match=shard.name):
+        ds.jpeg_spans(np.arange(len(ds)))
+    ds.jpeg_spans(np.arange(len(ds) // 4))  # rows of the first shard only: it alone is checked
+
+
+def test_render_rows_refuses_rows_it_cannot_read():
+    """Rows with no JPEG (block -1), bytes outside their block, or row -1 get a non-zero status and
+    are not written; the count of rows left comes back; a block index out of range is an IndexError."""
+    rgb = smooth_rgb(np.random.default_rng(0), 40, 50)
+    data = np.frombuffer(_jpeg(rgb), np.uint8)
+    h, w = 40, 50
+    base = [0, h, w, 8, 0, h, 0, w, 0, 0, 0, 0, 16, 16, 0, 0, 0]
+    params = np.array([[r, *base[1:]] for r in (0, 1, 2, -1)], np.int64)
+    spans = np.array([[0, 0, len(data)], [-1, -1, -1], [0, 0, len(data) + 1], [0, 0, len(data)]], np.int64)
+    images = np.zeros((4, 16, 16, 3), np.uint8)
+    status = np.full(4, 99, np.uint8)
+    left = native.render_rows([data], spans, params, images, status, True, False, codecs.MAX_PIXELS)
+    assert left == 3 and status[0] == 0 and status[1:].all()
+    assert images[0].any() and not images[1:].any()
+    with pytest.raises(IndexError, match="block 1"):
+        native.render_rows([data], np.array([[1, 0, 1]], np.int64), params[:1], images, status, True, False, 1e9)
 
 
 def test_damaged_jpegs_give_the_same_batches(tmp_path, monkeypatch):
@@ -183,4 +238,46 @@ def test_damaged_jpegs_give_the_same_batches(tmp_path, monkeypatch):
     on = epoch(out, TRAIN, 2)
     monkeypatch.setattr(native, "ON", False)
     off = epoch(out, TRAIN, 2)
+    assert np.array_equal(on[1], off[1]) and np.array_equal(on[0], off[0])
+
+
+@pytest.mark.parametrize("transforms, want", [
+    ([RandomResizedCrop(224), RandomHorizontalFlip()], "30854411bec10b38"),
+    ([Resize(256), CenterCrop(224)], "7db2e2a6d86cb60d"),
+    ([CenterCrop(300), Resize((120, 90))], "1ff4e12c4b85226b"),
+    ([RandomResizedCrop((160, 224), scale=(0.3, 1.0), ratio=(0.5, 2.0))], "60710ab8ae198b9c"),
+], ids=["train", "val", "crop-resize", "rrc-rect"])
+def test_batch_plans_are_the_released_ones(transforms, want):
+    """Planning was made cheaper (cached stream keys, fewer NumPy calls, RandomResizedCrop's fallback
+    planned only when a row needs it): keys, draws and plans must stay bit for bit those stoker gave
+    before, so a seed gives the same crops. The digests were computed with the earlier code; tiny and
+    very wide images take RandomResizedCrop's fallback."""
+    import hashlib
+
+    from stoker.order import TAG_DRAW, sample_keys, uniforms
+    from stoker.transforms import Pipeline
+
+    rng = np.random.default_rng(17)
+    h, w = rng.integers(1, 2000, 512), rng.integers(1, 2000, 512)
+    h[:64], w[64:128] = rng.integers(1, 12, 64), h[64:128] * 9
+    pipe = Pipeline(transforms)
+    keys = np.concatenate([sample_keys(3, e, np.arange(256)) for e in (0, 1)])
+    drawn = sample_keys(3, 2, np.arange(512), tag=TAG_DRAW)
+    u = uniforms(keys ^ drawn, max(pipe.draws, 1))
+    geo = pipe.plan(h.astype(np.int32), w.astype(np.int32), u)
+    sha = hashlib.sha256()
+    for a in (keys, drawn, u, geo.box, geo.size, geo.flip, geo.clip, geo.grid):
+        sha.update(np.ascontiguousarray(a).tobytes())
+    assert sha.hexdigest()[:16] == want
+
+
+def test_shards_of_many_record_batches_give_the_same_batches(tmp_path, monkeypatch):
+    """Chunks whose rows come from many blocks of several shards (the spans name a block each): the
+    same batches with the native path on and off, and the native path wrote most rows."""
+    path = build(tmp_path / "ds", seed=6, shards=3, batch_bytes=20_000)
+    calls = count_native_rows(monkeypatch)
+    on = epoch(path, TRAIN, 2)
+    assert sum(calls) > 20
+    monkeypatch.setattr(native, "ON", False)
+    off = epoch(path, TRAIN, 2)
     assert np.array_equal(on[1], off[1]) and np.array_equal(on[0], off[0])

@@ -255,16 +255,6 @@ def jpeg_scale_eighths(height: int, width: int, min_height: int, min_width: int,
     return 8
 
 
-def jpeg_scales_eighths(heights: np.ndarray, widths: np.ndarray, min_heights: np.ndarray,
-                        min_widths: np.ndarray) -> np.ndarray:
-    """:func:`jpeg_scale_eighths` (powers of two) for arrays of images at once: int64 n per image."""
-    n = np.full(len(heights), 8, np.int64)
-    for k in (4, 2, 1):  # the smallest scale that is still large enough wins
-        fits = (np.ceil(heights * k / 8) >= min_heights) & (np.ceil(widths * k / 8) >= min_widths)
-        n = np.where(fits, k, n)
-    return np.where((min_heights <= 0) & (min_widths <= 0), 8, n)
-
-
 def jpeg_scaled_shape(height: int, width: int, min_height: int, min_width: int,
                       *, powers_of_two: bool = True) -> tuple[int, int]:
     """(h, w) that :func:`decode_rgb` returns for a JPEG of that size and those minimums."""

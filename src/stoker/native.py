@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
+from typing import Sequence
 
 import numpy as np
 
@@ -61,14 +62,28 @@ def chunks_available() -> bool:
     return ON and _libjpeg.region_decoder() is not None
 
 
-def render_rows(datas: list, params: np.ndarray, images: np.ndarray, antialias: bool, fast: bool,
-                max_pixels: int) -> np.ndarray:
-    """Region-decode, resize, place and flip each JPEG of `datas` into its row of `images` (uint8
-    [rows, H, W, 3]) as its row of `params` says, in one call that releases the GIL once. Returns
-    a status per row: 0 written; otherwise the row is left for the per-sample path."""
-    status = np.empty(len(datas), np.uint8)
-    _mod.render_rows(datas, params, images, status, antialias=antialias, fast=fast, max_pixels=float(max_pixels))
-    return status
+def plan_rows(box: np.ndarray, clip: np.ndarray, grid: np.ndarray, sizes: np.ndarray, plan_sizes: np.ndarray,
+              flip: np.ndarray, out_size: tuple[int, int], full_size: bool, headroom: float) -> np.ndarray:
+    """The `render_rows` parameters (int64 [n, len(PARAMS)]) of a batch's rows from its plan (`box`,
+    `clip` float64 [n, 4]; `grid` int64 [n, 2] or [1, 2]; `plan_sizes` int64 [n, 2]; `flip` bool [n])
+    and stored (height, width) `sizes` (int64 [n, 2]), in one call: the per-sample path's maths
+    (`decode_minimums`, `jpeg_scale_eighths`, `resampling`) row by row in C, the same integers. A
+    row whose plan is not `out_size`, or whose stored size is empty, gets row -1 (refused)."""
+    params = np.empty((len(flip), len(PARAMS)), np.int64)
+    _mod.plan_rows(box, clip, grid, sizes, plan_sizes, flip, params, out_size[0], out_size[1], full_size, headroom)
+    return params
+
+
+def render_rows(blocks: Sequence, spans: np.ndarray, params: np.ndarray, images: np.ndarray, status: np.ndarray,
+                antialias: bool, fast: bool, max_pixels: int) -> int:
+    """Region-decode, resize, place and flip each row's JPEG into its row of `images` (uint8
+    [rows, H, W, 3]) as its row of `params` says, in one call that releases the GIL once. Row i's JPEG
+    is bytes `spans[i, 1]:spans[i, 2]` of `blocks[spans[i, 0]]` (int64 [k, 3]; -1: none, as for a
+    row that is not a JPEG), so a chunk hands over the mapped blocks it reads, never a view per row.
+    Writes a status per row into `status` (uint8 [k]: 0 written; otherwise the row is left for the
+    per-sample path) and returns how many rows were not written."""
+    return _mod.render_rows(blocks, spans, params, images, status, antialias=antialias, fast=fast,
+                            max_pixels=float(max_pixels))
 
 
 def native_chunk(batch_size: int, threads: int) -> int:

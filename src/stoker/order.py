@@ -23,6 +23,8 @@ versions.
 
 from __future__ import annotations
 
+import functools
+
 import hashlib
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -50,18 +52,25 @@ TAG_CLIP = 8
 def mix64(x: np.ndarray) -> np.ndarray:
     """SplitMix64 finalizer over a uint64 array (wrapping arithmetic); returns a new array."""
     z = np.asarray(x, dtype=np.uint64) + _GOLDEN
-    z = (z ^ (z >> _S30)) * _M1
-    z = (z ^ (z >> _S27)) * _M2
-    return z ^ (z >> _S31)
+    z ^= z >> _S30  # in place: the same values, fewer arrays made (once per batch, on [rows, draws])
+    z *= _M1
+    z ^= z >> _S27
+    z *= _M2
+    z ^= z >> _S31
+    return z
 
 
 def _u64(value: int) -> np.ndarray:
     return np.array([int(value) & _MASK64], dtype=np.uint64)
 
 
+@functools.lru_cache(maxsize=64)
 def stream_key(seed: int, epoch: int, tag: int) -> np.ndarray:
-    """One uint64 (as a length-1 array) naming the stream of `(seed, epoch, tag)`."""
-    return mix64(mix64(mix64(_u64(seed)) ^ _u64(epoch)) ^ _u64(tag))
+    """One uint64 (as a read-only length-1 array) naming the stream of `(seed, epoch, tag)`. Cached:
+    every batch of an epoch asks for the same one (ten NumPy calls saved per batch)."""
+    key = mix64(mix64(mix64(_u64(seed)) ^ _u64(epoch)) ^ _u64(tag))
+    key.flags.writeable = False
+    return key
 
 
 def sample_keys(seed: int, epoch: int, indices: np.ndarray, *, tag: int = _TAG_SAMPLE) -> np.ndarray:
@@ -73,9 +82,18 @@ def sample_keys(seed: int, epoch: int, indices: np.ndarray, *, tag: int = _TAG_S
 def uniforms(keys: np.ndarray, count: int, offset: int = 0) -> np.ndarray:
     """float64 [len(keys), count] uniform in [0, 1): draws `offset .. offset+count-1` of each key's stream."""
     keys = np.asarray(keys, dtype=np.uint64).reshape(-1, 1)
-    counters = np.arange(offset + 1, offset + count + 1, dtype=np.uint64).reshape(1, -1)
-    bits = mix64(keys ^ (counters * _M2))
-    return (bits >> _S11).astype(np.float64) * (1.0 / 9007199254740992.0)
+    bits = mix64(keys ^ _counters(offset, count))
+    bits >>= _S11
+    return bits.astype(np.float64) * (1.0 / 9007199254740992.0)
+
+
+@functools.lru_cache(maxsize=64)
+def _counters(offset: int, count: int) -> np.ndarray:
+    """uint64 [1, count]: draw counters `offset + 1 ..` times the stream multiplier (read-only, cached:
+    the same for every batch)."""
+    counters = np.arange(offset + 1, offset + count + 1, dtype=np.uint64).reshape(1, -1) * _M2
+    counters.flags.writeable = False
+    return counters
 
 
 def _hash_order(keys: np.ndarray) -> np.ndarray:

@@ -17,7 +17,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple, Sequence, Union
 
 import numpy as np
 import pyarrow as pa
@@ -98,19 +98,23 @@ class Dataset:
     def sample(self, i: int) -> Sample:
         raise NotImplementedError
 
-    def jpeg_views(self, indices: np.ndarray) -> list[Any]:
-        """The stored bytes of samples `indices` where they are JPEGs, None for any other encoding
-        or a sample that cannot be read (its per-sample read reports it): the native chunk path's
-        read (`Filler.fill_chunk`), without a `Sample` per row where a dataset can avoid it."""
-        out: list[Any] = []
-        for i in np.asarray(indices).tolist():
+    def jpeg_spans(self, indices: np.ndarray) -> tuple[Sequence[Any], np.ndarray]:
+        """Where the stored bytes of samples `indices` are, for the native chunk path
+        (`Filler.fill_chunk` -> `native.render_rows`): `(blocks, spans)`, spans int64 [k, 3] holding
+        each sample's (index into `blocks`, first byte, end byte), block -1 for any other encoding or
+        a sample that cannot be read (its per-sample read reports it). Here each JPEG is its own
+        block (its `sample(i).data`); a packed dataset hands over its mapped blocks instead."""
+        blocks: list[Any] = []
+        spans = np.full((len(indices), 3), -1, np.int64)
+        for j, i in enumerate(np.asarray(indices).tolist()):
             try:
                 s = self.sample(i)
             except Exception:  # noqa: BLE001 - read again, and reported, by the per-sample path
-                out.append(None)
                 continue
-            out.append(s.data if s.encoding == "jpeg" else None)
-        return out
+            if s.encoding == "jpeg":
+                spans[j] = len(blocks), 0, memoryview(s.data).nbytes
+                blocks.append(s.data)
+        return blocks, spans
 
     @property
     def labels(self) -> np.ndarray:
@@ -181,6 +185,7 @@ class PackedDataset(Dataset):
         # each shard's storage identity (file, size) when it was mapped: see _guard
         self._identities = {s.info.file: s.identity for s in shards}
         self._cache: dict[str, np.ndarray] = {}
+        self._spans: tuple | None = None  # `_spans_table`, made on first use
         self._lock = threading.Lock()
         self._closed = False
 
@@ -226,29 +231,45 @@ class PackedDataset(Dataset):
                          f"{found_size} bytes{', truncated' if found_size < size else ''}); "
                          "restore the shard or re-pack", path=path)
 
-    def jpeg_views(self, indices: np.ndarray) -> list[Any]:
-        """:meth:`Dataset.jpeg_views` from the mapped shards: zero-copy views, each shard checked
-        once (`_guard`) for all of its rows; a shard that fails the check raises ShardError."""
-        if self._closed:
-            raise DatasetClosedError(f"{self.path}: the dataset was closed; open it again with open_dataset()")
-        idx = np.asarray(indices, np.int64)
-        out: list[Any] = [None] * len(idx)
-        if len(self._blocks) == 1:  # the common case, in fewer NumPy calls
-            parts = [(0, np.arange(len(idx)), idx)]
+    def jpeg_spans(self, indices: np.ndarray) -> tuple[Sequence[Any], np.ndarray]:
+        """:meth:`Dataset.jpeg_spans` from the mapped shards: the blocks are the shards' mapped image
+        bytes (zero-copy), the spans one gather from a table of every sample's (block, first byte,
+        end byte), so a chunk costs a few NumPy calls whatever its size; each shard the rows read is
+        checked once (`_guard`), and one that fails the check raises ShardError."""
+        table, datas, block_shard, names = self._spans_table()
+        spans = table[np.asarray(indices, np.int64)]
+        if len(names) == 1:
+            self._guard(names[0])
         else:
-            k = np.searchsorted(self._starts, idx, side="right") - 1
-            parts = [(blk, sel, idx[sel] - self._starts[blk])
-                     for blk in np.unique(k).tolist() for sel in [np.flatnonzero(k == blk)]]
-        for blk, sel, r in parts:
-            b = self._blocks[blk]
-            self._guard(b.shard)
-            jpeg = b.enc_codes[r] == b.enc_names.index("jpeg") if "jpeg" in b.enc_names else np.zeros(len(r), bool)
-            data = b.img_data
-            for j, lo, hi, ok in zip(sel.tolist(), b.img_offsets[r].tolist(), b.img_offsets[r + 1].tolist(),
-                                     jpeg.tolist()):
-                if ok:
-                    out[j] = data[lo:hi]
-        return out
+            blk = spans[:, 0]
+            for k in np.unique(block_shard[blk[blk >= 0]]).tolist():
+                self._guard(names[k])
+        return datas, spans
+
+    def _spans_table(self) -> tuple[np.ndarray, list[np.ndarray], np.ndarray, list[str]]:
+        """(table, image data per block, shard number per block, shard names): `table` int64 [n, 3] is
+        each sample's (block, first byte, end byte), block -1 where it is not a JPEG. Made on first use
+        (24 bytes per sample), for the native chunk path only."""
+        spans = self._spans
+        if spans is not None:
+            return spans
+        with self._lock:
+            if self._closed:
+                raise DatasetClosedError(f"{self.path}: the dataset was closed; open it again with open_dataset()")
+            if self._spans is None:
+                table = np.empty((self._n, 3), np.int64)
+                names = [s.info.file for s in self._shards]
+                number = {name: k for k, name in enumerate(names)}
+                for k, (b, start) in enumerate(zip(self._blocks, self._starts)):
+                    end = start + len(b.img_offsets) - 1
+                    jpeg = b.enc_names.index("jpeg") if "jpeg" in b.enc_names else -1
+                    table[start:end, 0] = np.where(b.enc_codes == jpeg, k, -1)
+                    table[start:end, 1] = b.img_offsets[:-1]
+                    table[start:end, 2] = b.img_offsets[1:]
+                table.flags.writeable = False
+                self._spans = (table, [b.img_data for b in self._blocks],
+                               np.array([number[b.shard] for b in self._blocks], np.int64), names)
+            return self._spans
 
     def sample(self, i: int) -> Sample:
         """Sample ``i``: bytes as a zero-copy view of the mapped shard, plus its metadata.
@@ -327,6 +348,7 @@ class PackedDataset(Dataset):
     def close(self) -> None:
         self._closed = True
         self._blocks = []
+        self._spans = None
         self._cache.clear()
         for shard in self._shards:
             shard.close()

@@ -38,7 +38,7 @@ from .slots import Slot, WorkerTimes
 from .transforms import (Pipeline, Plan, Resampling, apply_tail, decode_minimums,
                          resample_region_into, resampling,
                          run_user_op)
-from .transforms.geometry import decode_minimums_many, resamplings
+from .transforms.geometry import AA_HEADROOM
 from .transforms.targets import Boxes, InstanceMasks, LabelMap, Placement, Target, TargetRows
 
 # one warning per skipped sample, with its reason, on the Loader's logger: the name users configure
@@ -100,8 +100,9 @@ class BatchPlan:
     keys: np.ndarray  # uint64 random-stream key per row
     u: np.ndarray  # uniform draws [rows, pipeline.draws]
     geometry: Plan | None  # None when image sizes are only known after reading (loose files)
-    #: the native path's per-row parameters (`native_rows`) and which rows it serves; None: none
-    native: tuple[np.ndarray, list[bool]] | None = None
+    #: the native path's per-row parameters (`native_rows`); None: the batch does not take it
+    native: np.ndarray | None = None
+    status: np.ndarray | None = None  # uint8 [rows]: the native call's status per row (each chunk its own)
 
 
 class Filler:
@@ -131,10 +132,12 @@ class Filler:
         self.clips = spec.clips  # a video pack: rows are clips, each planned on its own (clips.ClipSamples)
         self.native = native_serves(spec)
 
-    def _geometry(self, idx: np.ndarray, u: np.ndarray) -> Plan | None:
-        if self.heights is None or self.clips is not None:
-            return None
-        return self.pipe.plan(self.heights[idx], self.widths[idx], u)
+    def _sizes(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """Stored (heights, widths) of samples `idx`; None when known only after reading (loose files)."""
+        return None if self.heights is None else (self.heights[idx], self.widths[idx])
+
+    def _geometry(self, sizes: tuple[np.ndarray, np.ndarray] | None, u: np.ndarray) -> Plan | None:
+        return None if sizes is None or self.clips is not None else self.pipe.plan(*sizes, u)
 
     def prepare(self, b: int, slot: Slot) -> BatchPlan:
         lo = self.first + b * self.batch_size
@@ -153,14 +156,16 @@ class Filler:
                        for c in (*self.columns, *(c for c in self.targets if c not in self.columns))}
         if self.clips is not None and self.clips.per_video > 1:   # which video and clip each row holds
             slot.extras["video"], slot.extras["clip"] = idx.astype(np.int64), self.clips.clip_of(positions)
-        geometry = self._geometry(idx, u)
+        sizes = self._sizes(idx)
+        geometry = self._geometry(sizes, u)
         if self.spec.pad:
             slot.extras["sizes"] = geometry.size.astype(np.int64)  # a tensor or an array at hand-out
         if self.gpu:
             slot.jobs = [None] * slot.size
-        rows = (native_rows(geometry, self.heights[idx], self.widths[idx], (self.out_h, self.out_w),
-                                 self.full_size) if self.native and geometry is not None else None)
-        return BatchPlan(idx, positions, keys, u, geometry, rows)
+        if not self.native or geometry is None:
+            return BatchPlan(idx, positions, keys, u, geometry)
+        rows = native_rows(geometry, *sizes, (self.out_h, self.out_w), self.full_size)
+        return BatchPlan(idx, positions, keys, u, geometry, rows, np.empty(len(idx), np.uint8))
 
     def _placement(self, geometry: Plan, row: int, idx: int) -> Placement:
         return Placement.of(geometry, row, self.heights[idx], self.widths[idx])
@@ -195,27 +200,23 @@ class Filler:
         once for all of them), every other row, and any the native call could not write, through
         `fill` one at a time (the same pixels, errors and on_error replacements). Returns the
         (row, exception) of the rows that failed."""
-        written: set[int] = set()
-        if plan.native is not None:  # few NumPy calls here: after a chunk's native work they run on cold caches
+        rows: Sequence[int] = range(r0, r1)
+        if plan.native is not None:  # O(1) Python when every row is written: no per-row list, set or loop
             t0 = time.perf_counter()
-            params, ok = plan.native
             try:
-                views = self.ds.jpeg_views(plan.indices[r0:r1])
+                blocks, spans = self.ds.jpeg_spans(plan.indices[r0:r1])
             except Exception:  # noqa: BLE001 - a shard that fails its check: each row's own read reports it
-                views = [None] * (r1 - r0)
-            picked = [r for r, v in zip(range(r0, r1), views) if v is not None and ok[r]]
+                blocks = None
             t1 = time.perf_counter()
-            if picked:
-                status = native.render_rows([views[r - r0] for r in picked], params[picked], slot.images_np,
-                                            self.pipe.resampling[1], self.fast, codecs.MAX_PIXELS)
-                written = (set(picked) if not status.any() else
-                           {r for r, st in zip(picked, status.tolist()) if st == 0})
+            if blocks is not None:
+                status = plan.status[r0:r1]
+                left = native.render_rows(blocks, spans, plan.native[r0:r1], slot.images_np, status,
+                                          self.pipe.resampling[1], self.fast, codecs.MAX_PIXELS)
+                rows = (np.flatnonzero(status) + r0).tolist() if left else ()
             times.read += t1 - t0
             times.decode += time.perf_counter() - t1
         errors = []
-        for r in range(r0, r1):
-            if r in written:
-                continue
+        for r in rows:
             try:
                 self.fill(plan, r, slot, scratch, times)
             except BaseException as exc:  # kept for the consumer, which raises it in order
@@ -353,7 +354,7 @@ class Filler:
                  int(members[replacement_index(self.seed, self.epoch, pos, attempt, len(members))]))
             key = sample_keys(self.seed, self.epoch, np.array([r]))
             u = uniforms(key, self.draws)
-            geo = self._geometry(np.array([r]), u)
+            geo = self._geometry(self._sizes(np.array([r])), u)
             box = _row_box(geo, 0)
             try:
                 self.render_row(r, pos, int(key[0]), u[0], box, slot.images_np[row], scratch, times)
@@ -453,24 +454,19 @@ class EpochChain:
 
 
 def native_rows(geometry: Plan, heights: np.ndarray, widths: np.ndarray, out_size: tuple[int, int],
-              full_size: bool) -> tuple[np.ndarray, list[bool]]:
-    """The `render_rows` parameters of a batch's rows (int64 [n, len(native.PARAMS)]), computed in one
-    vectorised step from its plan and stored sizes exactly as `Filler.decode` computes them one
-    sample at a time, and which rows the native path serves (bool [n]: those whose plan gives the
-    batch's output size; the others take the per-sample path, which reports them)."""
-    h, w = np.asarray(heights, np.int64), np.asarray(widths, np.int64)
-    oh, ow = out_size
-    box = geometry.box
-    clip = box if geometry.clip is None else geometry.clip
-    grid = np.tile(np.array([oh, ow], np.int64), (len(h), 1)) if geometry.grid is None else geometry.grid
-    mh, mw = (h, w) if full_size else decode_minimums_many(box, oh, ow, h, w)
-    n = codecs.jpeg_scales_eighths(h, w, mh, mw)
-    sh, sw = np.ceil(h * n / 8).astype(np.int64), np.ceil(w * n / 8).astype(np.int64)
-    r = resamplings(box, sh, sw, h, w, clip, grid, n < 8)
-    params = np.concatenate([np.arange(len(h))[:, None], h[:, None], w[:, None], n[:, None], r.src, r.pad,
-                             r.size, r.place, geometry.flip[:, None].astype(np.int64)], axis=1)
-    ok = (geometry.size[:, 0] == oh) & (geometry.size[:, 1] == ow) & (h > 0) & (w > 0)
-    return np.ascontiguousarray(params, np.int64), ok.tolist()
+                full_size: bool) -> np.ndarray:
+    """The `render_rows` parameters of a batch's rows (int64 [n, len(native.PARAMS)]), computed from
+    its plan and stored sizes in one native call (`native.plan_rows`) exactly as `Filler.decode`
+    computes them one sample at a time (no NumPy call per step of the maths). A row the native path
+    does not serve (its plan does not give the batch's output size, or no stored size) has row -1:
+    the native call refuses it and the per-sample path, which reports it, takes it."""
+    hw = np.empty((len(heights), 2), np.int64)
+    hw[:, 0], hw[:, 1] = heights, widths
+    box = np.ascontiguousarray(geometry.box, np.float64)
+    clip = box if geometry.clip is None else np.ascontiguousarray(geometry.clip, np.float64)
+    grid = np.array([out_size], np.int64) if geometry.grid is None else np.ascontiguousarray(geometry.grid, np.int64)
+    return native.plan_rows(box, clip, grid, hw, np.ascontiguousarray(geometry.size, np.int64),
+                            np.ascontiguousarray(geometry.flip, np.bool_), out_size, full_size, AA_HEADROOM)
 
 
 def native_claims(spec: RenderSpec, chain: EpochChain, threads: int) -> dict[str, Any]:

@@ -195,20 +195,21 @@ class PlanState:
     crops it (`crop`)."""
 
     def __init__(self, heights: np.ndarray, widths: np.ndarray) -> None:
-        self.lh = np.asarray(heights, dtype=np.int64).copy()
-        self.lw = np.asarray(widths, dtype=np.int64).copy()
+        self.lh = np.array(heights, dtype=np.int64)  # copies: the ops replace or change them
+        self.lw = np.array(widths, dtype=np.int64)
         self.n = len(self.lh)
-        self.box = np.zeros((self.n, 4), dtype=np.float64)
-        self.box[:, 2], self.box[:, 3] = self.lh, self.lw
-        self.flip = np.zeros(self.n, dtype=bool)
         # what the resampling reads (`clip`, source pixels) and the size it makes of it (`grid`)
-        self.clip, self.grid = self.box.copy(), np.stack([self.lh, self.lw], axis=1)
+        self.grid = _pairs(self.lh, self.lw)
+        self.box = np.zeros((self.n, 4), dtype=np.float64)
+        self.box[:, 2:4] = self.grid
+        self.flip = np.zeros(self.n, dtype=bool)
+        self.clip = self.box.copy()
         self.resampled, self.interpolation, self.antialias = False, "bilinear", True
 
     def resample(self, op: Any) -> None:
         """`op` (a Resize or RandomResizedCrop) resamples the logical image: the filter reads the box
         so far and makes the logical size of it, with the op's interpolation."""
-        self.clip, self.grid = self.box.copy(), np.stack([self.lh, self.lw], axis=1)
+        self.clip, self.grid = self.box.copy(), _pairs(self.lh, self.lw)
         self.resampled, self.interpolation, self.antialias = True, op.interpolation, op.antialias
 
     def crop(self, top: np.ndarray, left: np.ndarray, ch: np.ndarray, cw: np.ndarray, new_h: np.ndarray,
@@ -224,11 +225,18 @@ class PlanState:
         box[:, 3] = cw * sx
         self.lh, self.lw = new_h.astype(np.int64), new_w.astype(np.int64)
         if not self.resampled:  # nothing resampled yet: the crop is what gets resampled
-            self.clip, self.grid = self.box.copy(), np.stack([self.lh, self.lw], axis=1)
+            self.clip, self.grid = self.box.copy(), _pairs(self.lh, self.lw)
 
     def result(self) -> Plan:
-        return Plan(box=self.box, size=np.stack([self.lh, self.lw], axis=1), flip=self.flip, clip=self.clip,
+        return Plan(box=self.box, size=_pairs(self.lh, self.lw), flip=self.flip, clip=self.clip,
                     grid=self.grid, interpolation=self.interpolation, antialias=self.antialias)
+
+
+def _pairs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """int64 [n, 2] of columns `a`, `b`: `np.stack(axis=1)` in three C calls (planned once per batch)."""
+    out = np.empty((len(a), 2), np.int64)
+    out[:, 0], out[:, 1] = a, b
+    return out
 
 
 def _plan_rrc(op: RandomResizedCrop, lh: np.ndarray, lw: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -241,11 +249,13 @@ def _plan_rrc(op: RandomResizedCrop, lh: np.ndarray, lw: np.ndarray, u: np.ndarr
     h = np.rint(np.sqrt(target / aspect))
     ok = (w > 0) & (w <= lw[:, None]) & (h > 0) & (h <= lh[:, None])
     first = np.argmax(ok, axis=1)
-    found = ok[np.arange(len(first)), first]
     rows = np.arange(len(first))
     w_t, h_t = w[rows, first].astype(np.int64), h[rows, first].astype(np.int64)
     top = np.floor(u[:, 20] * (lh - h_t + 1)).astype(np.int64)
     left = np.floor(u[:, 21] * (lw - w_t + 1)).astype(np.int64)
+    found = ok.any(axis=1)
+    if found.all():  # the usual batch: no fallback to plan (planned once per batch)
+        return top, left, h_t, w_t
     # Fallback after 10 failed tries: the central crop at the nearest allowed aspect ratio.
     in_ratio = lw / lh
     fw = np.where(in_ratio < op.ratio[0], lw, np.where(in_ratio > op.ratio[1], np.rint(lh * op.ratio[1]), lw))
@@ -402,60 +412,6 @@ def resampling(box: Sequence[float], src_h: int, src_w: int, full_h: int, full_w
     x0, x1, left, right, rw, px = _axis(float(box[1]), float(box[3]), float(clip[1]), float(clip[3]), int(grid[1]),
                                         src_w, fx, trim)
     return Resampling((y0, y1, x0, x1), (rh, rw), (py, px), (top, bottom, left, right))
-
-
-@dataclass
-class Resamplings:
-    """:func:`resampling` for many samples at once (numpy, int64 [n, 4] / [n, 2]): the same integers,
-    computed in one vectorised step when a batch is planned (the native path's per-row parameters)."""
-
-    src: np.ndarray  # (y0, y1, x0, x1)
-    size: np.ndarray  # (height, width)
-    place: np.ndarray  # (y, x)
-    pad: np.ndarray  # (top, bottom, left, right)
-
-
-def _axes(b0: np.ndarray, blen: np.ndarray, c0: np.ndarray, clen: np.ndarray, g: np.ndarray, s: np.ndarray,
-          f: np.ndarray, trim: np.ndarray) -> tuple[np.ndarray, ...]:
-    """:func:`_axis` on arrays, operation for operation (float64; `np.rint` rounds half to even as
-    Python's `round` does), so every sample gets exactly the scalar version's integers."""
-    c0s, c1s = c0 * f, (c0 + clen) * f
-    r0, r1 = np.rint(c0s).astype(np.int64), np.rint(c1s).astype(np.int64)
-    w0 = np.minimum(s - 1, np.maximum(0, r0))
-    w1 = np.minimum(s, np.maximum(w0 + 1, r1))
-    out0 = np.rint((b0 - c0) * g / np.maximum(clen, 1e-9)).astype(np.int64)
-    pad0, pad1 = np.maximum(0, w0 - r0), np.maximum(0, r1 - w1)
-    padded = (pad0 > 0) | (pad1 > 0)
-    k = g / np.maximum(c1s - c0s, 1e-9)
-    with np.errstate(divide="ignore"):
-        margin = 2.0 * np.maximum(1.0, 1.0 / k) + 1.0
-    lo = np.maximum(w0, np.floor(b0 * f - margin).astype(np.int64))
-    hi = np.minimum(w1, np.ceil((b0 + blen) * f + margin).astype(np.int64))
-    cut = trim & (hi > lo) & ~padded
-    t0, t1 = np.where(cut, lo, w0), np.where(cut, hi, w1)
-    g0 = np.rint((t0 - c0s) * k).astype(np.int64)
-    g1 = np.maximum(g0 + 1, np.rint((t1 - c0s) * k).astype(np.int64))
-    return (np.where(padded, w0, t0), np.where(padded, w1, t1), np.where(padded, pad0, 0),
-            np.where(padded, pad1, 0), np.where(padded, g, g1 - g0), np.where(padded, -out0, g0 - out0))
-
-
-def resamplings(box: np.ndarray, src_h: np.ndarray, src_w: np.ndarray, full_h: np.ndarray, full_w: np.ndarray,
-                clip: np.ndarray, grid: np.ndarray, trim: np.ndarray) -> Resamplings:
-    """:func:`resampling` of n samples (`box`, `clip` float64 [n, 4]; sizes int64 [n]; `grid` int64
-    [n, 2]; `trim` bool [n]), vectorised."""
-    fy, fx = src_h / full_h, src_w / full_w
-    y0, y1, top, bottom, rh, py = _axes(box[:, 0], box[:, 2], clip[:, 0], clip[:, 2], grid[:, 0], src_h, fy, trim)
-    x0, x1, left, right, rw, px = _axes(box[:, 1], box[:, 3], clip[:, 1], clip[:, 3], grid[:, 1], src_w, fx, trim)
-    return Resamplings(np.stack([y0, y1, x0, x1], 1), np.stack([rh, rw], 1), np.stack([py, px], 1),
-                       np.stack([top, bottom, left, right], 1))
-
-
-def decode_minimums_many(box: np.ndarray, out_h: int, out_w: int, src_h: np.ndarray, src_w: np.ndarray,
-                         headroom: float = AA_HEADROOM) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`decode_minimums` of n boxes (float64 [n, 4]) and stored sizes (int64 [n]), vectorised."""
-    bh, bw = np.maximum(box[:, 2], 1e-9), np.maximum(box[:, 3], 1e-9)
-    return (np.minimum(src_h, np.ceil(src_h * out_h * headroom / bh - 1e-6).astype(np.int64)),
-            np.minimum(src_w, np.ceil(src_w * out_w * headroom / bw - 1e-6).astype(np.int64)))
 
 
 _BILINEAR_AA = torch.ops.aten._upsample_bilinear2d_aa.out  # F.interpolate's kernel, with an out= (the batch row)
