@@ -1,0 +1,244 @@
+"""Workers(processes=1): the worker threads in a child process, batches in shared memory. The same
+bits, resume, shutdown and error guarantees as the thread mode (tests/test_loader.py)."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from stoker import procs
+from stoker.errors import ConfigError, CorruptImageError, SampleError, WorkerError
+from stoker.loader import Loader
+from stoker.options import Workers
+
+from test_loader import TRAIN, build_packed, run_epoch
+
+pytestmark = pytest.mark.skipif(procs._posixshmem is None, reason="POSIX shared memory only")
+
+PROCESS = Workers(num_threads=2, processes=1)
+THREADS = Workers(num_threads=2)
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_packed(tmp_path_factory.mktemp("packed") / "ds", n=48)
+
+
+@pytest.fixture(scope="module")
+def packed_bad(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_packed(tmp_path_factory.mktemp("bad") / "ds", n=24, corrupt=(13,))
+
+
+def shm_left() -> list[str]:
+    return [p.name for p in Path("/dev/shm").glob(f"stoker-{os.getpid()}-*")] if Path("/dev/shm").is_dir() else []
+
+
+def workers_alive() -> list[multiprocessing.Process]:
+    return [p for p in multiprocessing.active_children() if p.name == "stoker-worker-process"]
+
+
+def gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def clean(pids: list[int]) -> None:
+    """No worker process alive and no shared memory name left."""
+    assert all(gone(pid) for pid in pids)
+    assert not workers_alive()
+    assert shm_left() == []
+
+
+def test_processes_is_validated() -> None:
+    assert Workers(processes=1).processes == 1 and Workers().processes == 0
+    for bad in (2, -1, True, "1"):
+        with pytest.raises(ConfigError, match="processes must be 0"):
+            Workers(processes=bad)
+
+
+def test_what_cannot_cross_is_refused_with_the_fix(packed: Path) -> None:
+    with pytest.raises(ConfigError, match="pickl.*drop processes="):
+        Loader(packed, 8, transforms=[*TRAIN, lambda img: img], workers=PROCESS)
+    with pytest.raises(ConfigError, match="persistent=True"):
+        Loader(packed, 8, transforms=TRAIN, workers=Workers(processes=1, persistent=True))
+    with pytest.raises(ConfigError, match="device='numpy'"):
+        Loader(packed, 8, transforms=TRAIN, workers=PROCESS, device="numpy")
+
+
+def test_same_bits_as_threads_over_two_epochs(packed: Path) -> None:
+    threads = Loader(packed, 8, transforms=TRAIN, seed=5, workers=THREADS)
+    process = Loader(packed, 8, transforms=TRAIN, seed=5, workers=PROCESS)
+    for _ in range(2):
+        xt, yt = run_epoch(threads)
+        xp, yp = run_epoch(process)
+        assert np.array_equal(xt, xp) and np.array_equal(yt, yp)
+    assert process.stats.samples == 2 * 48 and process.stats.decode_s > 0   # the child's counters came home
+    assert process.epoch == 2
+    clean([])
+
+
+def test_kept_batches_are_never_overwritten(packed: Path) -> None:
+    """The caller keeps every batch: the parent lets each slot go and sends the child fresh memory."""
+    expected = [x.clone() for x, _ in Loader(packed, 4, transforms=TRAIN, seed=1, workers=THREADS)]
+    kept = list(Loader(packed, 4, transforms=TRAIN, seed=1, workers=PROCESS))
+    assert len(kept) == len(expected) == 12
+    for (x, _), want in zip(kept, expected):
+        assert np.array_equal(x.numpy(), want.numpy())
+    clean([])
+
+
+def test_resume_mid_epoch_gives_the_rest(packed: Path) -> None:
+    full = [y.tolist() for _, y in Loader(packed, 8, transforms=TRAIN, seed=2, workers=THREADS)]
+    first = Loader(packed, 8, transforms=TRAIN, seed=2, workers=PROCESS)
+    got = []
+    for _, y in first:
+        got.append(y.tolist())
+        if len(got) == 2:
+            state = first.state_dict()
+            break
+    second = Loader(packed, 8, transforms=TRAIN, seed=2, workers=PROCESS)
+    second.load_state_dict(state)
+    threads = Loader(packed, 8, transforms=TRAIN, seed=2, workers=THREADS)
+    threads.load_state_dict(state)
+    rest = run_epoch(second)
+    assert np.array_equal(rest[0], run_epoch(threads)[0])
+    assert got + [y.tolist() for y in np.split(rest[1], len(full) - 2)] == full
+    clean([])
+
+
+def test_shutdown_on_exhaustion_break_exception_and_close(packed: Path) -> None:
+    loader = Loader(packed, 8, transforms=TRAIN, workers=PROCESS)
+    pids: list[int] = []
+
+    def child() -> int:
+        (proc,) = workers_alive()
+        pids.append(proc.pid)
+        return proc.pid
+
+    it = iter(loader)
+    next(it)
+    child()
+    list(it)   # exhaustion
+    clean(pids)
+    for _ in loader:   # break
+        child()
+        break
+    gc.collect()
+    clean(pids)
+    with pytest.raises(RuntimeError, match="boom"):
+        for _ in loader:
+            child()
+            raise RuntimeError("boom")
+    clean(pids)
+    it = iter(loader)
+    next(it)
+    child()
+    loader.close()
+    clean(pids)
+    assert len(set(pids)) == 4
+
+
+def test_a_killed_worker_process_is_an_error_naming_it(packed: Path) -> None:
+    loader = Loader(packed, 4, transforms=TRAIN, workers=Workers(num_threads=2, processes=1, timeout=60))
+    it = iter(loader)
+    next(it)
+    (proc,) = workers_alive()
+    os.kill(proc.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        for _ in it:
+            pass
+    assert time.monotonic() - t0 < 10
+    assert f"pid {proc.pid}" in str(info.value) and "code -9" in str(info.value)
+    clean([proc.pid])
+
+
+def test_a_sample_error_reads_as_in_thread_mode(packed_bad: Path) -> None:
+    errors = []
+    for workers in (THREADS, PROCESS):
+        got = []
+        with pytest.raises(SampleError) as info:
+            for _, y in Loader(packed_bad, 4, transforms=TRAIN, order="sequential", workers=workers):
+                got.extend(y.tolist())
+        assert got == list(range(12))
+        errors.append(info.value)
+    threads, process = errors
+    assert type(process) is type(threads) and str(process) == str(threads)
+    assert (process.key, process.shard, process.row) == (threads.key, threads.shard, threads.row) == \
+        ("img/0013.x", "shard-00001.arrow", 1)
+    assert isinstance(process.__cause__, CorruptImageError)
+    assert "decode_rgb" in str(process.__cause__.__cause__)   # the worker's traceback, as text
+    clean([])
+
+
+def test_interpreter_exit_ends_the_worker_process(packed: Path, tmp_path: Path) -> None:
+    script = textwrap.dedent(f"""
+        import multiprocessing, os
+        from stoker import Loader, Workers, RandomResizedCrop
+        if __name__ == "__main__":
+            loader = Loader({str(packed)!r}, 4, transforms=[RandomResizedCrop(32)],
+                            workers=Workers(num_threads=2, processes=1))
+            it = iter(loader)
+            next(it)
+            print(os.getpid(), multiprocessing.active_children()[0].pid, flush=True)
+    """)
+    (tmp_path / "run.py").write_text(script)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, str(tmp_path / "run.py")], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert out.returncode == 0, out.stderr
+    parent, child = map(int, out.stdout.split())
+    assert gone(child)
+    assert not list(Path("/dev/shm").glob(f"stoker-{parent}-*"))
+    assert "leaked" not in out.stderr
+
+
+class FakeCudart:
+    """torch.cuda.cudart()'s two calls, recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        self.calls.append(("register", ptr, size, flags))
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        self.calls.append(("unregister", ptr))
+        return 0
+
+
+def test_shared_slots_are_registered_pinned_and_unregistered_before_unmapping(monkeypatch) -> None:
+    fake = FakeCudart()
+    monkeypatch.setattr(procs, "_cudart", lambda: fake)
+    buffers = procs.SharedBuffers(pin=True)
+    slot = buffers.allocate(4, 8, 8, np.dtype(np.int64))
+    name = buffers.segments[slot].name
+    ((kind, ptr, size, flags),) = fake.calls
+    assert kind == "register" and flags == 0 and size >= 4 * 8 * 8 * 3 + 4 * 8
+    assert slot.images.data_ptr() == ptr   # the batch tensor is a view of the registered memory
+    view = slot.images[1:]
+    buffers.unlink_all()
+    assert not (Path("/dev/shm") / name).exists()
+    del slot
+    gc.collect()
+    assert len(fake.calls) == 1   # a view still holds the memory: still registered
+    view[0, 0, 0, 0] = 7   # still mapped
+    del view
+    gc.collect()
+    assert fake.calls[1:] == [("unregister", ptr)]
