@@ -91,8 +91,9 @@ def test_probe_sees_no_gil_held_by_a_sleeping_load() -> None:
 def test_neighbour_on_real_photos(photo_root: Path, tmp_path: Path) -> None:
     result = run_neighbour(photo_root, batch_size=4, workers=1, rounds=1, batches=2, steps_per_batch=3,
                            step_ops=30, gil_seconds=0.1, out_dir=tmp_path)
-    assert [r.name for r in result.rows] == ["none", "stoker-1", "dataloader-1"]
-    assert [(r.feed, r.threads) for r in result.rows] == [("none", 0), ("stoker", 1), ("dataloader", 1)]
+    assert [r.name for r in result.rows] == ["none", "stoker-1", "stoker-process-1", "dataloader-1"]
+    assert [(r.feed, r.threads) for r in result.rows] == [("none", 0), ("stoker", 1), ("stoker-process", 1),
+                                                          ("dataloader", 1)]
     for r in result.rows:
         assert r.steps == 6 and len(r.step_ms) == 6
         assert 0 < r.step_median_ms <= r.step_p90_ms < 1000
@@ -101,7 +102,7 @@ def test_neighbour_on_real_photos(photo_root: Path, tmp_path: Path) -> None:
     none = result.rows[0]
     assert none.inflation_median_pct == 0.0 and none.images_per_s == 0.0
     assert all(r.images_per_s > 0 for r in result.rows[1:])
-    assert set(result.gil) == {"stoker", "dataloader"}
+    assert set(result.gil) == {"stoker", "stoker-process", "dataloader"}
     for g in result.gil.values():
         assert -0.1 < g["share"] <= 1.0 and g["units_per_s"] > 0 and math.isfinite(g["us_per_unit"])
     assert result.data["images"] == 48 and not result.data["generated"]
@@ -133,7 +134,8 @@ def test_cli(photo_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert main(["bench", "--pipelines", "neighbour", "--data", str(photo_root), "--batch-size", "2",
                  "--workers", "1", "--rounds", "1", "--out", str(tmp_path), "--json", "--quiet"]) == 0
     obj = json.loads(capsys.readouterr().out)
-    assert [r["name"] for r in obj["rows"]] == ["none", "stoker-1", "dataloader-1"] and obj["batch_size"] == 2
+    assert [r["name"] for r in obj["rows"]] == ["none", "stoker-1", "stoker-process-1", "dataloader-1"]
+    assert obj["batch_size"] == 2
     assert (tmp_path / "neighbour.md").is_file()
 
 

@@ -7,7 +7,8 @@ training process. This bench measures both sides in one run:
 
 - **step inflation**: a fixed, dispatch-bound "training step" (`dispatch_step`: a few hundred small
   torch ops on tiny tensors, as kernel launches are for the host) timed on the main thread with no
-  loader, with stoker's Loader at 1..N threads and with a DataLoader + PIL at 1..N worker processes
+  loader, with stoker's Loader at 1..N threads (in this process, and in one worker process:
+  `Workers(processes=1)`, "stoker-process") and with a DataLoader + PIL at 1..N worker processes
   feeding it; per configuration the step's median and p90 (ms), the inflation of each over the
   no-loader step, and the loader's images/s. Configurations alternate within each round, so slow
   drifts of a shared machine fall on all of them.
@@ -44,6 +45,8 @@ __all__ = ["GilShare", "NeighbourResult", "NeighbourRow", "dispatch_step", "form
            "run_neighbour"]
 
 STEP_OPS = 300          # small torch ops per step
+#: the loaders measured: stoker's threads here, the same threads in a worker process, a DataLoader
+FEEDS = ("stoker", "stoker-process", "dataloader")
 PROBE_CHUNK = 2000      # pure-Python loop iterations the probe counts as one unit (about 50 µs)
 
 
@@ -212,13 +215,14 @@ def _gil_share(run_load: Callable[[Callable[[], None], float], int], seconds: fl
 
 # ----------------------------------------------------------------------------- the feeds
 
-def _stoker_feed(packed: Path, batch_size: int, threads: int, seed: int) -> tuple[Iterator[Any], Callable[[], None]]:
+def _stoker_feed(packed: Path, batch_size: int, threads: int, seed: int, processes: int = 0
+                 ) -> tuple[Iterator[Any], Callable[[], None]]:
     from ..loader import Loader
     from ..options import Workers
     from ..transforms import RandomHorizontalFlip, RandomResizedCrop
 
     loader = Loader(str(packed), batch_size, transforms=[RandomResizedCrop(224), RandomHorizontalFlip()], seed=seed,
-                    workers=Workers(num_threads=threads))
+                    workers=Workers(num_threads=threads, processes=processes))
     it = iter(loader)
 
     def close() -> None:
@@ -241,8 +245,8 @@ def _dataloader_feed(root: Path, batch_size: int, workers: int, seed: int) -> tu
 
 def _open_feed(name: str, threads: int, data: "_Data", batch_size: int, seed: int
                ) -> tuple[Iterator[Any], Callable[[], None]]:
-    if name == "stoker":
-        return _stoker_feed(data.packed, batch_size, threads, seed)
+    if name in ("stoker", "stoker-process"):   # the threads in this process, or in one worker process
+        return _stoker_feed(data.packed, batch_size, threads, seed, processes=int(name == "stoker-process"))
     return _dataloader_feed(data.root, batch_size, threads, seed)
 
 
@@ -259,8 +263,8 @@ class _Data:
 class NeighbourRow:
     """One configuration: the step's times beside it and the loader's rate."""
 
-    name: str                 # "none", "stoker-1", "dataloader-2", ...
-    feed: str                 # "none", "stoker", "dataloader"
+    name: str                 # "none", "stoker-1", "stoker-process-1", "dataloader-2", ...
+    feed: str                 # "none", "stoker", "stoker-process" (Workers(processes=1)), "dataloader"
     threads: int              # stoker's threads or the DataLoader's worker processes (0: no loader)
     step_median_ms: float = float("nan")
     step_p90_ms: float = float("nan")
@@ -341,7 +345,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 def _plan_rows(max_threads: int) -> list[NeighbourRow]:
     rows = [NeighbourRow("none", "none", 0)]
-    for feed in ("stoker", "dataloader"):
+    for feed in FEEDS:
         rows += [NeighbourRow(f"{feed}-{n}", feed, n) for n in range(1, max_threads + 1)]
     return rows
 
@@ -378,7 +382,8 @@ def run_neighbour(data_dir: Path | None = None, *, images: int | None = None, ba
                   step_ops: int = STEP_OPS, gil_seconds: float = 2.0, out_dir: Path | None = None, seed: int = 0,
                   progress: bool = False) -> NeighbourResult:
     """The noisy-neighbour bench: a dispatch-bound step's inflation beside each loader, and the GIL time per
-    sample of stoker and of a DataLoader at 1 thread/worker (module docstring).
+    sample of stoker (threads here, and in a worker process) and of a DataLoader at 1 thread/worker
+    (module docstring).
 
     `data_dir`: an ImageFolder tree of JPEGs (None: `images` generated ImageNet-like JPEGs, default 1,000).
     `workers`: the largest thread/worker count measured (1..workers; None: all usable cores). Each of
@@ -426,7 +431,7 @@ def run_neighbour(data_dir: Path | None = None, *, images: int | None = None, ba
         _fill(rows, counts)
         gil: dict[str, dict[str, float]] = {}
         if gil_seconds > 0:
-            for feed_name in ("stoker", "dataloader"):
+            for feed_name in FEEDS:
                 bar.stage(f"GIL share of {feed_name} at 1 thread/worker")
                 gil[feed_name] = asdict(_measure_gil(feed_name, data, batch_size, gil_seconds, rounds, seed))
                 bar.update()
@@ -465,7 +470,9 @@ def format_neighbour(result: NeighbourResult) -> str:
               f"{result.batches} batches per window (after one warm-up batch), {result.rounds} round(s), the "
               "configurations alternating within each round. Inflation: over the no-loader step. images/s: what "
               "the loop received; step share: the loop's time in steps (the rest waits in next()).",
-              "stoker: Loader, RandomResizedCrop(224) + RandomHorizontalFlip on N threads in this process. "
+              "stoker: Loader, RandomResizedCrop(224) + RandomHorizontalFlip on N threads in this process; "
+              "stoker-process: the same N threads in one worker process (Workers(processes=1)), batches in shared "
+              "memory. "
               "dataloader: torch DataLoader + PIL + torchvision's transforms (ToTensor, Normalize) on N worker "
               "processes.",
               "GIL: a probe thread that always wants the GIL runs beside the loader (the loop only drains batches); "
