@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from stoker import procs
-from stoker.errors import ConfigError, CorruptImageError, SampleError, WorkerError
+from stoker.errors import ConfigError, CorruptImageError, LoaderTimeoutError, SampleError, WorkerError
 from stoker.loader import Loader
 from stoker.options import Workers
 
@@ -242,3 +242,36 @@ def test_shared_slots_are_registered_pinned_and_unregistered_before_unmapping(mo
     del view
     gc.collect()
     assert fake.calls[1:] == [("unregister", ptr)]
+
+
+def test_the_device_stage_and_extra_columns_work_over_shared_slots(packed: Path) -> None:
+    """device="cpu" runs the device thread (the Feeder) on the process mode's slots; extras come along."""
+    def epoch(workers: Workers) -> list:
+        loader = Loader(packed, 8, transforms=TRAIN, seed=4, workers=workers, device="cpu", columns=["weight"])
+        return [(x.clone(), y.clone(), list(extras["weight"])) for x, y, extras in loader]
+
+    threads, process = epoch(THREADS), epoch(PROCESS)
+    assert len(threads) == len(process) == 6
+    for (xt, yt, wt), (xp, yp, wp) in zip(threads, process):
+        assert xt.dtype == xp.dtype and xt.equal(xp) and yt.equal(yp) and wt == wp
+    clean([])
+
+
+class NeverDone:
+    what = "a copy that never finishes"
+
+    def done(self) -> bool:
+        return False
+
+
+def test_a_guard_that_never_passes_times_out_naming_it(packed: Path) -> None:
+    """Slots whose GPU copy never completes are never sent back to the child: once every slot is
+    stuck, a timeout naming the copy, not a hang."""
+    loader = Loader(packed, 8, transforms=TRAIN, workers=Workers(num_threads=2, processes=1, prefetch=1, timeout=1))
+    it = iter(loader)
+    t0 = time.monotonic()
+    with pytest.raises(LoaderTimeoutError, match="a copy that never finishes"):
+        for k, _ in enumerate(it):
+            it._run.guard(k, NeverDone())   # as a copy of batch k queued on a stream would
+    assert time.monotonic() - t0 < 30
+    clean([])

@@ -60,6 +60,7 @@ except ImportError:   # pragma: no cover - Windows
 __all__ = ["ProcessRun", "SharedBuffers", "check_process_mode", "child_main", "process_run"]
 
 _POLL_S = 0.1   # how often a blocked wait re-checks the stop flag and the child's liveness, seconds
+_START_S = 60.0  # the least time a worker process is given to start (a fresh interpreter importing stoker)
 _ALIGN = 64     # the labels' offset in a slot's segment
 #: what the child adds up and sends with each batch (LoaderStats fields)
 _COUNTERS = ("samples", "skipped", "read_s", "decode_s", "augment_s", "worker_wait_s")
@@ -306,6 +307,7 @@ class ProcessRun:
         self.cond = threading.Condition(self.lock)
         self.stop_event = threading.Event()
         self.last_given: tuple[int, Slot] | None = None
+        self.stalled: LoaderTimeoutError | None = None   # a slot's guard never completed
         self.ids: dict[Slot, int] = {}   # slot -> its id in the messages
         self.by_id: dict[int, Slot] = {}
         self.counted = dict.fromkeys(_COUNTERS, 0.0)   # the child's counters already added to `stats`
@@ -324,6 +326,8 @@ class ProcessRun:
             target=child_main, args=(child, payload), name="stoker-worker-process", daemon=True)
         self._child_end = child
         self._started = False
+        self.spawned_at = 0.0
+        self.started_at: float | None = None   # when the child reported its slots mapped
         self.threads: list = []   # no threads of its own (passes count `alive()`)
 
     def _describe(self, slot: Slot) -> tuple[int, str | None, int]:
@@ -338,6 +342,7 @@ class ProcessRun:
 
     def start(self) -> None:
         self._started = True
+        self.spawned_at = time.monotonic()
         self.process.start()
         self._child_end.close()   # the child holds its end: EOF here once it is gone
 
@@ -358,11 +363,17 @@ class ProcessRun:
             last[1].guard, last[1].guarded_at = guard, time.monotonic()
 
     def _next_batch(self, b: int) -> Slot:
-        deadline = time.monotonic() + self.timeout
+        # the child's start (a fresh interpreter importing stoker) is not the samples' time: the batch's
+        # timeout runs from when the child has started, the start itself has a limit of its own
+        started = self.started_at is not None
+        deadline = time.monotonic() + self.timeout if started else \
+            self.spawned_at + max(self.timeout, _START_S)
         with self.cond:
             self.ring.reclaim()
         while True:
-            self.settle()
+            if not started and self.started_at is not None:
+                started, deadline = True, max(time.monotonic(), self.started_at) + self.timeout
+            pending = self.settle()
             msg = self.early.pop(b, None) or self._receive(min(_POLL_S, max(deadline - time.monotonic(), 0)))
             if msg is not None and msg[1] == b:
                 break
@@ -370,6 +381,18 @@ class ProcessRun:
                 self.early[msg[1]] = msg
             if self.stop_event.is_set():
                 raise LoaderClosedError(f"the loader was closed while waiting for batch {b}")
+            if self.stalled is not None:
+                raise self.stalled
+            if time.monotonic() >= deadline and not started:
+                raise LoaderTimeoutError(
+                    f"stoker's worker process (pid {self.process.pid}) did not start within "
+                    f"{max(self.timeout, _START_S):.0f} s; the machine may be overloaded — raise "
+                    f"workers=stoker.Workers(timeout=...), or use worker threads (Workers(processes=0))")
+            if time.monotonic() >= deadline and pending:   # the child waits for slots the GPU still reads
+                what = next(s.guard.what for s in self.ring.free if s.guard is not None)
+                raise LoaderTimeoutError(f"batch {b}: no free slot to write it into after {self.timeout:g} s: "
+                                         f"{what} had not finished; the GPU may be hung or its copy engine "
+                                         f"starved by other work")
             if time.monotonic() >= deadline:
                 raise LoaderTimeoutError(
                     f"batch {b}: no complete batch after {self.timeout:.0f} s from stoker's worker process "
@@ -403,6 +426,8 @@ class ProcessRun:
                 if msg is not None:
                     kind = msg[0]
                     if kind == "attached":
+                        if self.started_at is None:
+                            self.started_at = time.monotonic()
                         for sid in msg[1]:
                             self.buffers.segments[self.by_id[sid]].unlink()
                         continue
@@ -440,9 +465,10 @@ class ProcessRun:
             keep: deque[Slot] = deque()
             for slot in self.ring.free:
                 if slot.guard is not None and not slot.guard.done():
-                    if time.monotonic() - slot.guarded_at > self.timeout:
-                        raise LoaderTimeoutError(f"a batch slot cannot be refilled: {slot.guard.what} had not "
-                                                 f"finished after {self.timeout:g} s; the GPU may be hung")
+                    if time.monotonic() - slot.guarded_at > self.timeout and self.stalled is None:
+                        self.stalled = LoaderTimeoutError(
+                            f"a batch slot cannot be refilled: {slot.guard.what} had not finished after "
+                            f"{self.timeout:g} s; the GPU may be hung or its copy engine starved by other work")
                     keep.append(slot)
                     pending = True
                 else:
