@@ -145,3 +145,28 @@ def test_cli_refuses_the_device_bench_flags(argv: list[str], capsys: pytest.Capt
 
     assert main(["bench", "--pipelines", "neighbour", *argv]) == 2
     assert "leave out --device, --recipe" in capsys.readouterr().err
+
+
+def test_python_work_holds_the_gil_for_its_time_and_crosses_to_a_worker_process() -> None:
+    import pickle
+
+    import numpy as np
+
+    from stoker.tools.bench_neighbour import PythonWork
+    from stoker.transforms import adapt
+
+    img = np.zeros((4, 4, 3), np.uint8)
+    t0 = time.perf_counter()
+    assert PythonWork(3000)(img) is img
+    assert time.perf_counter() - t0 >= 0.003
+    op = pickle.loads(pickle.dumps(adapt(PythonWork(50), input="numpy", random="none")))   # Workers(processes=1)
+    assert op.fn.us == 50
+    with pytest.raises(ConfigError, match="python_us"):
+        run_neighbour(Path("nowhere"), python_us=-1)
+
+
+def test_cli_python_us_is_for_the_neighbour_bench_only(capsys: pytest.CaptureFixture[str]) -> None:
+    from stoker.cli import main
+
+    assert main(["bench", "--pipelines", "stoker-train", "--python-us", "100"]) == 2
+    assert "--python-us applies to --pipelines neighbour only" in capsys.readouterr().err
