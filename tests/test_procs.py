@@ -208,6 +208,35 @@ def test_interpreter_exit_ends_the_worker_process(packed: Path, tmp_path: Path) 
     assert "leaked" not in out.stderr
 
 
+def test_a_killed_training_process_leaves_no_worker_process(packed: Path, tmp_path: Path) -> None:
+    script = textwrap.dedent(f"""
+        import multiprocessing, os, time
+        from stoker import Loader, Workers, RandomResizedCrop
+        if __name__ == "__main__":
+            loader = Loader({str(packed)!r}, 4, transforms=[RandomResizedCrop(32)],
+                            workers=Workers(num_threads=2, processes=1))
+            it = iter(loader)
+            next(it)
+            print(os.getpid(), multiprocessing.active_children()[0].pid, flush=True)
+            time.sleep(60)
+    """)
+    (tmp_path / "run.py").write_text(script)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "run.py")], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        parent, child = map(int, proc.stdout.readline().split())
+        proc.kill()
+        proc.wait(10)
+        assert gone(child)   # its pipe closed: the worker process stopped on its own
+        deadline = time.monotonic() + 10
+        while list(Path("/dev/shm").glob(f"stoker-{parent}-*")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not list(Path("/dev/shm").glob(f"stoker-{parent}-*"))
+    finally:
+        proc.kill()
+        proc.stdout.close()
+
+
 class FakeCudart:
     """torch.cuda.cudart()'s two calls, recorded."""
 

@@ -312,7 +312,6 @@ class ProcessRun:
         self.by_id: dict[int, Slot] = {}
         self.counted = dict.fromkeys(_COUNTERS, 0.0)   # the child's counters already added to `stats`
         self.skipped_keys = 0
-        self.early: dict[int, tuple] = {}   # messages for batches not yet asked for
         self._send_lock = threading.Lock()
         initial = [self._describe(slot) for slot in list(ring.free)]
         ring.free.clear()
@@ -374,11 +373,12 @@ class ProcessRun:
             if not started and self.started_at is not None:
                 started, deadline = True, max(time.monotonic(), self.started_at) + self.timeout
             pending = self.settle()
-            msg = self.early.pop(b, None) or self._receive(min(_POLL_S, max(deadline - time.monotonic(), 0)))
-            if msg is not None and msg[1] == b:
+            msg = self._receive(min(_POLL_S, max(deadline - time.monotonic(), 0)))
+            if msg is not None:   # the child reports its batches in order; each call reads the next
+                if msg[1] != b:
+                    raise WorkerError(f"stoker's worker process sent batch {msg[1]} when batch {b} was due; this "
+                                      f"is a bug in stoker, please report it")
                 break
-            if msg is not None:
-                self.early[msg[1]] = msg
             if self.stop_event.is_set():
                 raise LoaderClosedError(f"the loader was closed while waiting for batch {b}")
             if self.stalled is not None:
