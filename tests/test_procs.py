@@ -304,3 +304,27 @@ def test_a_guard_that_never_passes_times_out_naming_it(packed: Path) -> None:
             it._run.guard(k, NeverDone())   # as a copy of batch k queued on a stream would
     assert time.monotonic() - t0 < 30
     clean([])
+
+
+def test_video_clips_give_the_same_batches_as_threads(tmp_path: Path) -> None:
+    """Clips, where the process mode pays most (PyAV's per-frame Python), cross as images do."""
+    pytest.importorskip("av", reason="videos need PyAV: pip install 'stoker[video]'")
+    import stoker
+    from stoker.clips import Clips
+    from stoker.packing import pack
+    from stoker.tools.synth_video import VideoStyle, make_kinetics_like
+    from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop
+
+    make_kinetics_like(tmp_path / "src", 2, classes=2, style=VideoStyle(seconds=1, fps=10, size=(40, 48)))
+    pack(tmp_path / "src", tmp_path / "ds", progress=False)
+
+    def run(workers: Workers) -> list:
+        with stoker.Loader(tmp_path / "ds", 2, clips=Clips(frames=3), transforms=[RandomResizedCrop(24),
+                           RandomHorizontalFlip()], seed=3, workers=workers) as loader:
+            return [(x.clone(), y.clone()) for x, y in loader]
+
+    threads, process = run(THREADS), run(PROCESS)
+    assert len(threads) == len(process) == 2 and threads[0][0].shape == (2, 3, 3, 24, 24)
+    for (xt, yt), (xp, yp) in zip(threads, process):
+        assert xt.equal(xp) and yt.equal(yp)
+    clean([])
