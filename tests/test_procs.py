@@ -3,6 +3,7 @@ bits, resume, shutdown and error guarantees as the thread mode (tests/test_loade
 
 from __future__ import annotations
 
+import _thread
 import gc
 import multiprocessing
 import os
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -151,6 +153,40 @@ def test_shutdown_on_exhaustion_break_exception_and_close(packed: Path) -> None:
     loader.close()
     clean(pids)
     assert len(set(pids)) == 4
+
+
+def test_a_pass_beside_a_running_one_and_an_abandoned_pass(packed: Path) -> None:
+    loader = Loader(packed, 8, transforms=TRAIN, workers=PROCESS)
+    first = iter(loader)
+    next(first)
+    second = iter(loader)   # its own worker process and ring; both passes whole
+    assert len(workers_alive()) == 2
+    assert len(list(second)) == len(loader) and len(list(first)) == len(loader) - 1
+    del first, second
+    abandoned = iter(loader)
+    next(abandoned)
+    del abandoned   # collected: its worker process stops
+    gc.collect()
+    clean([])
+
+
+def slow(img: np.ndarray) -> np.ndarray:
+    time.sleep(0.05)
+    return img
+
+
+def test_ctrl_c_stops_the_worker_process(packed: Path) -> None:
+    loader = Loader(packed, 24, transforms=[*TRAIN, slow], workers=PROCESS)
+    it = iter(loader)
+    timer = threading.Timer(0.3, _thread.interrupt_main)   # while next() waits for the first batch
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        for _ in it:
+            pass
+    timer.join()
+    assert time.monotonic() - t0 < 10.0
+    clean([])
 
 
 def test_a_killed_worker_process_is_an_error_naming_it(packed: Path) -> None:
