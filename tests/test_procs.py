@@ -76,8 +76,6 @@ def test_processes_is_validated() -> None:
 def test_what_cannot_cross_is_refused_with_the_fix(packed: Path) -> None:
     with pytest.raises(ConfigError, match="pickl.*drop processes="):
         Loader(packed, 8, transforms=[*TRAIN, lambda img: img], workers=PROCESS)
-    with pytest.raises(ConfigError, match="persistent=True"):
-        Loader(packed, 8, transforms=TRAIN, workers=Workers(processes=1, persistent=True))
     with pytest.raises(ConfigError, match="device='numpy'"):
         Loader(packed, 8, transforms=TRAIN, workers=PROCESS, device="numpy")
 
@@ -92,6 +90,23 @@ def test_same_bits_as_threads_over_two_epochs(packed: Path) -> None:
     assert process.stats.samples == 2 * 48 and process.stats.decode_s > 0   # the child's counters came home
     assert process.epoch == 2
     clean([])
+
+
+def test_persistent_one_worker_process_runs_on_through_the_epochs(packed: Path) -> None:
+    threads = Loader(packed, 8, transforms=TRAIN, seed=6, workers=Workers(num_threads=2, persistent=True))
+    process = Loader(packed, 8, transforms=TRAIN, seed=6, workers=Workers(num_threads=2, processes=1,
+                                                                          persistent=True))
+    pids = set()
+    for _ in range(3):
+        xt, yt = run_epoch(threads)
+        xp, yp = run_epoch(process)
+        assert np.array_equal(xt, xp) and np.array_equal(yt, yp)
+        pids |= {p.pid for p in workers_alive()}
+    assert len(pids) == 1   # started once: the next epoch was already under way
+    assert shm_left() == []
+    process.close()
+    threads.close()
+    clean(list(pids))
 
 
 def test_kept_batches_are_never_overwritten(packed: Path) -> None:

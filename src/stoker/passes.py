@@ -210,7 +210,7 @@ class _Pipeline:
         if parts.child_spec is not None:   # the threads in a worker process, over a ring in shared memory
             from .procs import process_run
 
-            self.run = process_run(parts, self._orders, sizes, threads, extra)
+            self.run = process_run(parts, self._orders, sizes, threads, extra, open_ended=persistent)
         else:
             ring = passes.ring(extra=extra, private=private)
             self.run = Run(ring, sizes, threads, self.chain.prepare, self.chain.fill, parts.stats.add,

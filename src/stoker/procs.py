@@ -246,7 +246,7 @@ def _rebuild(data: dict) -> BaseException:
 
 
 # ---- what can cross ------------------------------------------------------------------------------
-def check_process_mode(spec: Any, dataset: Any, *, persistent: bool, output: str, device: Any) -> bytes:
+def check_process_mode(spec: Any, dataset: Any, *, output: str, device: Any) -> bytes:
     """Refuse, when the Loader is made, what the process mode cannot do, naming the fix; else the
     pickled RenderSpec the child is given."""
     from .reader import PackedDataset
@@ -257,9 +257,6 @@ def check_process_mode(spec: Any, dataset: Any, *, persistent: bool, output: str
         raise ConfigError(f"Workers(processes=1) reopens the dataset in its worker process, which needs a packed "
                           f"dataset on local storage (or staged with Storage(stage=)); {dataset.path} is not one: "
                           f"pack it first (stoker pack SRC OUT), or use worker threads (drop processes=)")
-    if persistent:
-        raise ConfigError("Workers(processes=1) starts one worker process per pass; persistent=True is not "
-                          "available with it yet: drop persistent=, or processes=")
     if output != "torch":
         raise ConfigError("Workers(processes=1) hands out torch tensors over shared memory; device='numpy' is not "
                           "available with it yet: drop processes=, or device='numpy'")
@@ -277,15 +274,17 @@ def check_process_mode(spec: Any, dataset: Any, *, persistent: bool, output: str
 
 # ---- the parent's side -----------------------------------------------------------------------------
 def process_run(parts: Any, orders: list[tuple[int, np.ndarray, int]], sizes: list[int], threads: int,
-                extra: int) -> "ProcessRun":
-    """A pass's `ProcessRun` over a ring of its own in shared memory (`prefetch + 2 + extra` slots):
-    each pass starts a worker process, which maps the ring's segments once and then they are unlinked."""
+                extra: int, open_ended: bool = False) -> "ProcessRun":
+    """A pipeline's `ProcessRun` over a ring of its own in shared memory (`prefetch + 2 + extra` slots):
+    each pipeline (one pass, or a persistent Loader's epochs in a row) starts a worker process, which
+    maps the ring's segments once and then they are unlinked. `orders`: the pipeline's (epoch, indices,
+    first sample) list, which `extend` finds the appended epochs in."""
     h, w = parts.spec.output_size
     ring = BatchRing(parts.prefetch + 2 + extra, parts.batch_size, h, w, label_dtype=parts.label_dtype,
                      pin_memory=parts.pin_memory, stats=parts.stats, buffers=SharedBuffers(parts.pin_memory),
                      frames=parts.spec.frames)
     return ProcessRun(ring, sizes, threads, spec=parts.child_spec, path=str(parts.dataset.path), orders=orders,
-                      stats=parts.stats, timeout=parts.timeout, label_dtype=parts.label_dtype)
+                      stats=parts.stats, timeout=parts.timeout, label_dtype=parts.label_dtype, open_ended=open_ended)
 
 
 class ProcessRun:
@@ -293,12 +292,14 @@ class ProcessRun:
     in a child process. Only the thread that asks for batches (the consumer, or the device thread)
     reads the pipe; `stop` may come from any thread."""
 
-    open_ended = False
-
     def __init__(self, ring: BatchRing, batch_sizes: list[int], num_threads: int, *, spec: bytes,
                  path: str, orders: list[tuple[int, np.ndarray, int]], stats: LoaderStats, timeout: float,
-                 label_dtype: Any) -> None:
+                 label_dtype: Any, open_ended: bool = False) -> None:
         self.ring = ring
+        # open_ended: epochs may be appended (`extend`, a persistent Loader): the child runs on into them
+        self.open_ended = open_ended
+        self.orders = orders
+        self.sent_orders = len(orders)
         self.buffers: SharedBuffers = ring.buffers   # type: ignore[assignment]
         ring.top_up()
         self.batch_sizes = list(batch_sizes)
@@ -317,17 +318,35 @@ class ProcessRun:
         ring.free.clear()
         parent, child = multiprocessing.get_context("spawn").Pipe(duplex=True)
         self.conn = parent
-        payload = {"spec": spec, "path": path, "orders": orders, "sizes": self.batch_sizes,
+        segments = [(e, idx, start, len(self.batch_sizes)) for e, idx, start in orders]
+        payload = {"spec": spec, "path": path, "orders": segments, "sizes": list(self.batch_sizes),
+                   "open_ended": open_ended,
                    "threads": num_threads, "timeout": timeout, "slots": initial,
                    "geometry": (ring.batch_size, row_shape(ring.height, ring.width, ring.frames)),
                    "label_dtype": None if label_dtype is None else np.dtype(label_dtype).str}
         self.process = multiprocessing.get_context("spawn").Process(
             target=child_main, args=(child, payload), name="stoker-worker-process", daemon=True)
         self._child_end = child
+        self.payload = payload
         self._started = False
         self.spawned_at = 0.0
         self.started_at: float | None = None   # when the child reported its slots mapped
         self.threads: list = []   # no threads of its own (passes count `alive()`)
+
+    def extend(self, batch_sizes: list[int]) -> None:
+        """Append an epoch's batches (an open-ended run); its order is the last of `orders`. Before the
+        child starts, they join what it is given; after, they are sent."""
+        with self.cond:
+            (epoch, indices, start), = self.orders[self.sent_orders:]
+            self.sent_orders += 1
+            self.batch_sizes.extend(batch_sizes)
+            segment = (epoch, indices, start, len(batch_sizes))
+            if not self._started:
+                self.payload["orders"].append(segment)
+                self.payload["sizes"].extend(batch_sizes)
+            else:
+                self._send(("extend", segment, list(batch_sizes)))
+            self.cond.notify_all()
 
     def _describe(self, slot: Slot) -> tuple[int, str | None, int]:
         """(id, segment name the first time the child hears of it, else None, segment bytes)."""
@@ -344,6 +363,7 @@ class ProcessRun:
         self.spawned_at = time.monotonic()
         self.process.start()
         self._child_end.close()   # the child holds its end: EOF here once it is gone
+        self.payload = {}   # the child has its copy (the indices need not stay here)
 
     # ---- consumer ---------------------------------------------------------------------------
     def next_batch(self, b: int, guard: Fence | None = None) -> Slot:
@@ -571,12 +591,17 @@ def _child(conn: Any, payload: dict) -> None:
     spec = pickle.loads(payload["spec"])
     dataset = open_dataset(payload["path"])
     chain = EpochChain(spec)
-    first = 0
-    for epoch, indices, start in payload["orders"]:
-        chain.add(Filler(spec, dataset, epoch, indices, start), first)
+    first = [0]   # the run batch the next epoch's batches start at
+
+    def add(epoch: int, indices: np.ndarray, start: int, batches: int) -> None:
+        chain.add(Filler(spec, dataset, epoch, indices, start), first[0])
+        first[0] += batches
+
+    for segment in payload["orders"]:
+        add(*segment)
     stats = LoaderStats()
     run = Run(ring, payload["sizes"], payload["threads"], chain.prepare, chain.fill, stats.add, payload["timeout"],
-              name="stoker-process")
+              name="stoker-process", open_ended=payload["open_ended"])
     send_lock = threading.Lock()
 
     def send(msg: tuple) -> None:
@@ -589,6 +614,11 @@ def _child(conn: Any, payload: dict) -> None:
                 msg = conn.recv()
                 if msg[0] == "stop":
                     break
+                if msg[0] == "extend":   # a persistent Loader's next epoch
+                    with run.cond:
+                        add(*msg[1])
+                        run.extend(msg[2])
+                    continue
                 _, sid, name, nbytes = msg
                 slot = slots[sid] if name is None else attach(sid, name, nbytes)
                 if name is not None:
@@ -611,10 +641,16 @@ def _child(conn: Any, payload: dict) -> None:
         return out
 
     try:
-        for b in range(len(payload["sizes"])):
-            with run.cond:   # the batch gets a slot once the parent frees one: waiting for the consumer is no fault
-                while b not in run.assigned and not run.stop_event.is_set():
+        b = -1
+        while True:
+            b += 1
+            with run.cond:   # the batch gets a slot once the parent frees one (and, open-ended, once it exists):
+                # waiting for the consumer is no fault
+                while b not in run.assigned and not run.stop_event.is_set() and \
+                        (run.open_ended or b < len(run.batch_sizes)):
                     run.cond.wait(_POLL_S)
+                if b >= len(run.batch_sizes) or run.stop_event.is_set():
+                    break
             try:
                 slot = run.next_batch(b)
             except LoaderClosedError:
