@@ -237,6 +237,32 @@ def test_a_sample_error_reads_as_in_thread_mode(packed_bad: Path) -> None:
     clean([])
 
 
+def test_skip_gives_the_same_replacements_and_counts(packed_bad: Path) -> None:
+    runs = []
+    for workers in (THREADS, PROCESS):
+        loader = Loader(packed_bad, 4, transforms=TRAIN, order="sequential",
+                        workers=Workers(num_threads=2, processes=workers.processes, on_error="skip"))
+        runs.append((run_epoch(loader), loader.stats.skipped, loader.stats.skipped_keys))
+    (xt, yt), skipped_t, keys_t = runs[0]
+    (xp, yp), skipped_p, keys_p = runs[1]
+    assert np.array_equal(xt, xp) and np.array_equal(yt, yp)
+    assert skipped_p == skipped_t == 1 and keys_p == keys_t == ["img/0013.x"]
+    clean([])
+
+
+def test_a_worker_process_that_cannot_start_its_work_says_why(packed: Path, tmp_path: Path) -> None:
+    import shutil
+
+    copy = tmp_path / "ds"
+    shutil.copytree(packed, copy)
+    loader = Loader(copy, 8, transforms=TRAIN, workers=PROCESS)
+    (copy / "stoker.json").unlink()   # the worker process reopens the dataset by its path
+    with pytest.raises(WorkerError, match=r"failed outside any sample:(.|\n)*stoker.json"):
+        next(iter(loader))
+    loader.close()
+    clean([])
+
+
 def test_interpreter_exit_ends_the_worker_process(packed: Path, tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import multiprocessing, os
