@@ -19,6 +19,7 @@ import numpy as np
 import psutil
 import pytest
 
+import stoker
 from stoker import procs
 from stoker.errors import ConfigError, CorruptImageError, LoaderTimeoutError, SampleError, WorkerError
 from stoker.loader import Loader
@@ -76,8 +77,8 @@ def test_processes_is_validated() -> None:
 def test_what_cannot_cross_is_refused_with_the_fix(packed: Path) -> None:
     with pytest.raises(ConfigError, match="pickl.*drop processes="):
         Loader(packed, 8, transforms=[*TRAIN, lambda img: img], workers=PROCESS)
-    with pytest.raises(ConfigError, match="device='numpy'"):
-        Loader(packed, 8, transforms=TRAIN, workers=PROCESS, device="numpy")
+    with pytest.raises(ConfigError, match="decode='cpu'"):
+        Loader(packed, 8, transforms=TRAIN, workers=PROCESS, device=stoker.DeviceOptions("cpu", decode="gpu"))
 
 
 def test_same_bits_as_threads_over_two_epochs(packed: Path) -> None:
@@ -116,6 +117,19 @@ def test_kept_batches_are_never_overwritten(packed: Path) -> None:
     assert len(kept) == len(expected) == 12
     for (x, _), want in zip(kept, expected):
         assert np.array_equal(x.numpy(), want.numpy())
+    clean([])
+
+
+def test_numpy_output_over_shared_slots_and_kept_arrays(packed: Path) -> None:
+    """device="numpy": the slots are numpy arrays over shared memory whose holders are counted."""
+    def epoch(workers: Workers) -> list:
+        return list(Loader(packed, 8, transforms=TRAIN, seed=8, workers=workers, device="numpy"))   # kept
+
+    threads, process = epoch(THREADS), epoch(PROCESS)
+    assert len(threads) == len(process) == 6
+    for (xt, yt), (xp, yp) in zip(threads, process):
+        assert isinstance(xp, np.ndarray) and xp.shape == (8, 3, 32, 32)
+        assert np.array_equal(xt, xp) and np.array_equal(yt, yp)
     clean([])
 
 

@@ -296,7 +296,7 @@ class Loader:
         if self.processes:   # the worker threads in a child process: refuse here what cannot cross
             from .procs import check_process_mode
 
-            child_spec = check_process_mode(self._spec, ds, output=self.output, device=self.device)
+            child_spec = check_process_mode(self._spec, ds, device=self.device)
         self.stats = LoaderStats()
         # where the data stands (the epoch, the samples of it yielded), written by the passes
         self._cursor = Cursor()

@@ -36,6 +36,7 @@ import multiprocessing
 import os
 import pickle
 import secrets
+import sys
 import threading
 import time
 import traceback
@@ -100,11 +101,14 @@ def _layout(batch_size: int, shape: tuple[int, ...], label_dtype: np.dtype | Non
     return images, at, max(at + labels, 1)
 
 
-def _views(base: np.ndarray, batch_size: int, shape: tuple[int, ...], label_dtype: np.dtype | None
+def _views(mm: mmap.mmap, batch_size: int, shape: tuple[int, ...], label_dtype: np.dtype | None
            ) -> tuple[np.ndarray, np.ndarray | None]:
-    images, at, _ = _layout(batch_size, shape, label_dtype)
-    img = base[:images].reshape(batch_size, *shape)
-    lab = None if label_dtype is None else base[at:at + batch_size * np.dtype(label_dtype).itemsize].view(label_dtype)
+    """A slot's images and labels over its mapping. Each is made on the mapping itself (not as a view of
+    another array), so every view of the images references the images array: its reference count
+    counts the holders (numpy collapses a view's base to the first array that is not a view)."""
+    _, at, _ = _layout(batch_size, shape, label_dtype)
+    img = np.ndarray((batch_size, *shape), np.uint8, buffer=mm)
+    lab = None if label_dtype is None else np.ndarray((batch_size,), label_dtype, buffer=mm, offset=at)
     return img, lab
 
 
@@ -131,11 +135,12 @@ class SharedBuffers:
     mapping does (a finalizer on the array the tensors keep alive, which runs before that array lets go
     of the mapping)."""
 
-    def __init__(self, pin: bool = False) -> None:
+    def __init__(self, pin: bool = False, arrays: bool = False) -> None:
         if _posixshmem is None:   # pragma: no cover - Windows
             raise ConfigError("Workers(processes=1) needs POSIX shared memory (Linux, macOS); use worker threads "
                               "(Workers(processes=0), the default) on this system")
         self.pin = pin
+        self.arrays = arrays   # device="numpy": the slots as numpy arrays counting their holders (numpy_output)
         self.segments: weakref.WeakKeyDictionary[Slot, Segment] = weakref.WeakKeyDictionary()
         self._all: list[Segment] = []   # every segment made, to unlink what the child never mapped
 
@@ -148,10 +153,17 @@ class SharedBuffers:
         resource_tracker.register("/" + name, "shared_memory")   # removed by the tracker if we die first
         segment = Segment(name, nbytes)
         self._all.append(segment)
-        base = np.frombuffer(mm, dtype=np.uint8)
+        img, lab = _views(mm, batch_size, shape, label_dtype)
+        del mm   # the arrays keep the mapping
         if self.pin:
-            _pin(base)
-        img, lab = _views(base, batch_size, shape, label_dtype)
+            _pin(img, nbytes)
+        if self.arrays:   # as numpy_output.NumpyBuffers: the image array's reference count counts the holders
+            slot = Slot(img, img, lab, lab, objects=[None] * batch_size)
+            slot.owner = img
+            del img, lab
+            slot.uses = sys.getrefcount(slot.owner)
+            self.segments[slot] = segment
+            return slot
         images = torch.from_numpy(img)
         labels = None if lab is None else torch.from_numpy(lab)
         slot = Slot(images, images.numpy(), labels, None if labels is None else labels.numpy(),
@@ -162,6 +174,10 @@ class SharedBuffers:
         return slot
 
     def weak(self, slot: Slot) -> Any:
+        if self.arrays:
+            from .numpy_output import ArrayWeakRef
+
+            return ArrayWeakRef(slot.owner)
         from torch.multiprocessing.reductions import StorageWeakRef
 
         return StorageWeakRef(slot.images.untyped_storage())
@@ -173,14 +189,16 @@ class SharedBuffers:
         self._all = [s for s in self._all if s.linked]
 
 
-def _pin(base: np.ndarray) -> None:
-    """cudaHostRegister the array's memory; cudaHostUnregister it just before the array goes."""
-    cudart, ptr = _cudart(), base.ctypes.data
-    rc = cudart.cudaHostRegister(ptr, base.nbytes, 0)
+def _pin(images: np.ndarray, nbytes: int) -> None:
+    """cudaHostRegister the `nbytes` of a slot's segment, which starts at its images array;
+    cudaHostUnregister them when that array goes (before the mapping, which the array keeps alive: the
+    labels, also in the segment, are copied when a batch is handed out)."""
+    cudart, ptr = _cudart(), images.ctypes.data
+    rc = cudart.cudaHostRegister(ptr, nbytes, 0)
     if int(getattr(rc, "value", rc)) != 0:
-        raise ConfigError(f"cudaHostRegister of a {base.nbytes}-byte shared batch failed (error {rc}); use worker "
+        raise ConfigError(f"cudaHostRegister of a {nbytes}-byte shared batch failed (error {rc}); use worker "
                           f"threads (Workers(processes=0)) or Workers(pin_memory=False)")
-    weakref.finalize(base, cudart.cudaHostUnregister, ptr)
+    weakref.finalize(images, cudart.cudaHostUnregister, ptr)
 
 
 # ---- errors across the boundary -------------------------------------------------------------------
@@ -246,7 +264,7 @@ def _rebuild(data: dict) -> BaseException:
 
 
 # ---- what can cross ------------------------------------------------------------------------------
-def check_process_mode(spec: Any, dataset: Any, *, output: str, device: Any) -> bytes:
+def check_process_mode(spec: Any, dataset: Any, *, device: Any) -> bytes:
     """Refuse, when the Loader is made, what the process mode cannot do, naming the fix; else the
     pickled RenderSpec the child is given."""
     from .reader import PackedDataset
@@ -257,9 +275,6 @@ def check_process_mode(spec: Any, dataset: Any, *, output: str, device: Any) -> 
         raise ConfigError(f"Workers(processes=1) reopens the dataset in its worker process, which needs a packed "
                           f"dataset on local storage (or staged with Storage(stage=)); {dataset.path} is not one: "
                           f"pack it first (stoker pack SRC OUT), or use worker threads (drop processes=)")
-    if output != "torch":
-        raise ConfigError("Workers(processes=1) hands out torch tensors over shared memory; device='numpy' is not "
-                          "available with it yet: drop processes=, or device='numpy'")
     if device is not None and getattr(device, "decode", "cpu") == "gpu":
         raise ConfigError("Workers(processes=1) renders on the CPU in its worker process; decode='gpu' runs on the "
                           "training process's GPU: use DeviceOptions(decode='cpu'), or drop processes=")
@@ -281,7 +296,8 @@ def process_run(parts: Any, orders: list[tuple[int, np.ndarray, int]], sizes: li
     first sample) list, which `extend` finds the appended epochs in."""
     h, w = parts.spec.output_size
     ring = BatchRing(parts.prefetch + 2 + extra, parts.batch_size, h, w, label_dtype=parts.label_dtype,
-                     pin_memory=parts.pin_memory, stats=parts.stats, buffers=SharedBuffers(parts.pin_memory),
+                     pin_memory=parts.pin_memory, stats=parts.stats,
+                     buffers=SharedBuffers(parts.pin_memory, arrays=parts.buffers is not None),
                      frames=parts.spec.frames)
     return ProcessRun(ring, sizes, threads, spec=parts.child_spec, path=str(parts.dataset.path), orders=orders,
                       stats=parts.stats, timeout=parts.timeout, label_dtype=parts.label_dtype, open_ended=open_ended)
@@ -579,7 +595,7 @@ def _child(conn: Any, payload: dict) -> None:
     def attach(sid: int, name: str, nbytes: int) -> Slot:
         mm = _map(name, nbytes, create=False)
         maps.append(mm)
-        img, lab = _views(np.frombuffer(mm, dtype=np.uint8), batch_size, shape, label_dtype)
+        img, lab = _views(mm, batch_size, shape, label_dtype)
         slot = Slot(img, img, None, lab, objects=[None] * batch_size)   # numpy rows: no torch needed to write
         slots[sid], ids[id(slot)] = slot, sid
         return slot
