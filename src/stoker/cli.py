@@ -241,8 +241,8 @@ def _cmd_bench_neighbour(args: argparse.Namespace) -> int:
         raise ConfigError("stoker bench --pipelines neighbour runs on the CPU with its own step; leave out --device, "
                           "--recipe, --models, --steps and --warmup-steps")
     result = run_neighbour(args.data, images=args.images, batch_size=args.batch_size or 32,
-                           workers=args.workers or 2, rounds=args.rounds or 3, out_dir=args.out, progress=not args.quiet,
-                           python_us=args.python_us)
+                           workers=args.workers or 2, rounds=args.rounds or 3, out_dir=args.out,
+                           progress=not args.quiet, python_us=args.python_us)
     print(json.dumps(result.to_json(), indent=1) if args.json else format_neighbour(result))
     return 0
 

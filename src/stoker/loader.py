@@ -305,7 +305,8 @@ class Loader:
             self.timeout, self._label_dtype, self.pin_memory,
             # a dataset in object storage gives its cache each epoch's order when that epoch starts
             persistent=self.persistent and not isinstance(ds, CachedDataset), stats=self.stats,
-            collate=self.collate_fn, order=self.order, buffers=self._buffers(), child_spec=child_spec), self._cursor)
+            collate=self.collate_fn, order=self.order, buffers=self._buffers(), child_spec=child_spec),
+            self._cursor)
         if self.device is not None and self.device.decode == "gpu":
             self._passes.gpu(self.device)  # a missing decoder library fails here, with its install hint
 
@@ -517,4 +518,5 @@ class Loader:
         h, w = self.output_size
         where = "" if self.device is None else f", to {self.device.device}, decode {self.device.decode}"
         return (f"<stoker.Loader {len(self.dataset)} samples, batch {self.batch_size}, {h}x{w}, "
-                f"{self.num_threads} threads{' in a worker process' if self.processes else ''}, rank {self.rank}/{self.world_size}, epoch {self.epoch}{where}>")
+                f"{self.num_threads} threads{' in a worker process' if self.processes else ''}, "
+                f"rank {self.rank}/{self.world_size}, epoch {self.epoch}{where}>")

@@ -262,9 +262,10 @@ def _stoker_runner(spec: _Spec, train: bool) -> _Runner:
     else:
         ops = [Resize(256), CenterCrop(224)]
     device = DeviceOptions(device="cpu", normalize="imagenet") if spec.pipeline == "stoker-train-float" else None
-    loader = Loader(spec.packed, spec.batch_size, transforms=ops, seed=0, device=device, workers=Workers(num_threads=spec.workers, decode_quality="fast" if spec.pipeline == "stoker-train-fast" else "accurate",
-                                   processes=int(spec.pipeline == "stoker-train-process"),
-                                   persistent=spec.pipeline == "stoker-train-process"))
+    process = spec.pipeline == "stoker-train-process"   # one worker process, started once
+    workers = Workers(num_threads=spec.workers, decode_quality="fast" if spec.pipeline == "stoker-train-fast"
+                      else "accurate", processes=int(process), persistent=process)
+    loader = Loader(spec.packed, spec.batch_size, transforms=ops, seed=0, device=device, workers=workers)
 
     def epoch() -> Iterator[int]:
         for batch in loader:
