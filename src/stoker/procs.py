@@ -17,12 +17,13 @@ Who does what:
   runs the same `slots.Run` and `render.Filler` as the thread mode, over a ring whose free slots are
   only those the parent sent (`_ChildRing`).
 - The pipe between them carries small messages only: parent to child "slot k is free" (with its
-  segment's name the first time) and "stop"; child to parent "attached", "batch b is in slot k" (with
+  segment's name the first time), "extend" (a persistent Loader's next epoch: its indices) and "stop"; child to parent "attached", "batch b is in slot k" (with
   its size, the labels that are not numbers, the extra columns and the workers' counters) and errors
   with their traceback text.
 
-Shared memory never outlives the pass: the parent creates each segment and unlinks it as soon as the
-child has mapped it (or at the latest when the pass stops), and registers it with multiprocessing's
+Shared memory never outlives its pass (or a persistent Loader's run of epochs, which one child serves):
+the parent creates each segment and unlinks it as soon as the child has mapped it (or at the latest
+when the child stops), and registers it with multiprocessing's
 resource tracker in between, so even a parent killed outright leaves nothing in /dev/shm. The memory
 itself lives while either process maps it. A child that dies (killed, out of memory) is an error in
 the consumer naming its pid and exit code, found within the Loader's timeout, never a hang.
@@ -453,12 +454,14 @@ class ProcessRun:
         without one. A child that has died raises WorkerError naming it."""
         end = time.monotonic() + wait_s
         while True:
+            msg = ()   # nothing read yet (None: the pipe closed)
             ready = wait_any([self.conn, self.process.sentinel], max(end - time.monotonic(), 0))
             if self.conn in ready:
                 try:
                     msg = self.conn.recv()
-                except (EOFError, OSError):
+                except (EOFError, OSError):   # the child's end closed: it is exiting
                     msg = None
+                    self.process.join(1.0)
                 if msg is not None:
                     kind = msg[0]
                     if kind == "attached":
@@ -472,7 +475,8 @@ class ProcessRun:
                                           f"sample: {msg[1]}")
                     self._count(msg[-1])
                     return msg[:-1]
-            if not self.process.is_alive() or (self.process.sentinel in ready and not self.conn.poll()):
+            if msg is None or not self.process.is_alive() or \
+                    (self.process.sentinel in ready and not self.conn.poll()):
                 self.process.join(1.0)
                 raise WorkerError(f"stoker's worker process (pid {self.process.pid}) exited with code "
                                   f"{self.process.exitcode} before its batches were done (killed, or out of "
