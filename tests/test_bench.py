@@ -87,6 +87,16 @@ def test_stoker_pipelines_in_process(tiny_root: Path, tmp_path: Path) -> None:
     assert result.get("stoker-val").ratio_to == "baseline-val"  # type: ignore[union-attr]
 
 
+def test_the_process_mode_pipeline_counts_its_worker_process_cpu(tiny_root: Path, tmp_path: Path) -> None:
+    result = run_bench(tiny_root, batch_size=16, rounds=1, workers=2, isolate=False, out_dir=tmp_path,
+                       pipelines=("baseline", "stoker-train", "stoker-train-process"))
+    threads, process = result.get("stoker-train"), result.get("stoker-train-process")
+    _check_ran(process, 64)  # type: ignore[arg-type]
+    assert process.ratio_to == "baseline"  # type: ignore[union-attr]
+    # the worker process's decode is counted (reaped children), not only this process's share
+    assert process.cpu_ms_per_image > 0.5 * threads.cpu_ms_per_image  # type: ignore[union-attr]
+
+
 def test_recipes_fast_mode_and_overhead_in_process(tiny_root: Path, tmp_path: Path) -> None:
     result = run_bench(tiny_root, batch_size=16, rounds=1, workers=2, isolate=False, out_dir=tmp_path,
                        pipelines=("baseline", "stoker-train", "stoker-train-fast", "stoker-train-float",

@@ -91,8 +91,9 @@ def test_probe_sees_no_gil_held_by_a_sleeping_load() -> None:
 def test_neighbour_on_real_photos(photo_root: Path, tmp_path: Path) -> None:
     result = run_neighbour(photo_root, batch_size=4, workers=1, rounds=1, batches=2, steps_per_batch=3,
                            step_ops=30, gil_seconds=0.1, out_dir=tmp_path)
-    assert [r.name for r in result.rows] == ["none", "stoker-1", "dataloader-1"]
-    assert [(r.feed, r.threads) for r in result.rows] == [("none", 0), ("stoker", 1), ("dataloader", 1)]
+    assert [r.name for r in result.rows] == ["none", "stoker-1", "stoker-process-1", "dataloader-1"]
+    assert [(r.feed, r.threads) for r in result.rows] == [("none", 0), ("stoker", 1), ("stoker-process", 1),
+                                                          ("dataloader", 1)]
     for r in result.rows:
         assert r.steps == 6 and len(r.step_ms) == 6
         assert 0 < r.step_median_ms <= r.step_p90_ms < 1000
@@ -101,7 +102,7 @@ def test_neighbour_on_real_photos(photo_root: Path, tmp_path: Path) -> None:
     none = result.rows[0]
     assert none.inflation_median_pct == 0.0 and none.images_per_s == 0.0
     assert all(r.images_per_s > 0 for r in result.rows[1:])
-    assert set(result.gil) == {"stoker", "dataloader"}
+    assert set(result.gil) == {"stoker", "stoker-process", "dataloader"}
     for g in result.gil.values():
         assert -0.1 < g["share"] <= 1.0 and g["units_per_s"] > 0 and math.isfinite(g["us_per_unit"])
     assert result.data["images"] == 48 and not result.data["generated"]
@@ -133,7 +134,8 @@ def test_cli(photo_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert main(["bench", "--pipelines", "neighbour", "--data", str(photo_root), "--batch-size", "2",
                  "--workers", "1", "--rounds", "1", "--out", str(tmp_path), "--json", "--quiet"]) == 0
     obj = json.loads(capsys.readouterr().out)
-    assert [r["name"] for r in obj["rows"]] == ["none", "stoker-1", "dataloader-1"] and obj["batch_size"] == 2
+    assert [r["name"] for r in obj["rows"]] == ["none", "stoker-1", "stoker-process-1", "dataloader-1"]
+    assert obj["batch_size"] == 2
     assert (tmp_path / "neighbour.md").is_file()
 
 
@@ -143,3 +145,28 @@ def test_cli_refuses_the_device_bench_flags(argv: list[str], capsys: pytest.Capt
 
     assert main(["bench", "--pipelines", "neighbour", *argv]) == 2
     assert "leave out --device, --recipe" in capsys.readouterr().err
+
+
+def test_python_work_holds_the_gil_for_its_time_and_crosses_to_a_worker_process() -> None:
+    import pickle
+
+    import numpy as np
+
+    from stoker.tools.bench_neighbour import PythonWork
+    from stoker.transforms import adapt
+
+    img = np.zeros((4, 4, 3), np.uint8)
+    t0 = time.perf_counter()
+    assert PythonWork(3000)(img) is img
+    assert time.perf_counter() - t0 >= 0.003
+    op = pickle.loads(pickle.dumps(adapt(PythonWork(50), input="numpy", random="none")))   # Workers(processes=1)
+    assert op.fn.us == 50
+    with pytest.raises(ConfigError, match="python_us"):
+        run_neighbour(Path("nowhere"), python_us=-1)
+
+
+def test_cli_python_us_is_for_the_neighbour_bench_only(capsys: pytest.CaptureFixture[str]) -> None:
+    from stoker.cli import main
+
+    assert main(["bench", "--pipelines", "stoker-train", "--python-us", "100"]) == 2
+    assert "--python-us applies to --pipelines neighbour only" in capsys.readouterr().err

@@ -27,7 +27,8 @@ _REFUSED = {
                      "replacement) for the samples",
     "worker_init_fn": "stoker's workers are threads of this process (nothing to initialise); a transform that "
                       "needs randomness takes rng= (see docs/transforms.md)",
-    "multiprocessing_context": "stoker's workers are threads, not processes: pass num_threads=",
+    "multiprocessing_context": "stoker's workers are threads: pass num_threads=; to run them in a worker process "
+                               "of their own (started with 'spawn'), pass workers=stoker.Workers(processes=1)",
     "in_order": "stoker hands batches out in order always",
 }
 

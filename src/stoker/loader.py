@@ -288,6 +288,12 @@ class Loader:
                                 clips=None if self.clips is None else ClipSamples(self.clips))
         self._shard_rows = [s.rows for s in ds.manifest.shards] \
             if isinstance(ds, (PackedDataset, CachedDataset)) else None
+        self.processes = self.workers.processes
+        child_spec = None
+        if self.processes:   # the worker threads in a child process: refuse here what cannot cross
+            from .procs import check_process_mode
+
+            child_spec = check_process_mode(self._spec, ds, device=self.device)
         self.stats = LoaderStats()
         # where the data stands (the epoch, the samples of it yielded), written by the passes
         self._cursor = Cursor()
@@ -296,7 +302,8 @@ class Loader:
             self.timeout, self._label_dtype, self.pin_memory,
             # a dataset in object storage gives its cache each epoch's order when that epoch starts
             persistent=self.persistent and not isinstance(ds, CachedDataset), stats=self.stats,
-            collate=self.collate_fn, order=self.order, buffers=self._buffers()), self._cursor)
+            collate=self.collate_fn, order=self.order, buffers=self._buffers(), child_spec=child_spec),
+            self._cursor)
         if self.device is not None and self.device.decode == "gpu":
             self._passes.gpu(self.device)  # a missing decoder library fails here, with its install hint
 
@@ -508,4 +515,5 @@ class Loader:
         h, w = self.output_size
         where = "" if self.device is None else f", to {self.device.device}, decode {self.device.decode}"
         return (f"<stoker.Loader {len(self.dataset)} samples, batch {self.batch_size}, {h}x{w}, "
-                f"{self.num_threads} threads, rank {self.rank}/{self.world_size}, epoch {self.epoch}{where}>")
+                f"{self.num_threads} threads{' in a worker process' if self.processes else ''}, "
+                f"rank {self.rank}/{self.world_size}, epoch {self.epoch}{where}>")

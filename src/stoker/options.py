@@ -202,6 +202,9 @@ class Workers(_Printable):
     on_error: "raise", or "skip" (a failed sample is replaced, deterministically, and counted).
     decode_quality: "accurate", "fast" or "exact" (CPU JPEG decode; "exact": the accurate decode at full
     size, no DCT scaling, so each resize sees torchvision's pixels; docs/decoding.md).
+    processes: 0 (the threads run in this process) or 1: the threads run in one child process, writing
+    into shared memory this process hands out as the batches, so the Python they run per sample (video
+    clips, user transforms) no longer competes with the training loop's for the GIL (docs/loader.md).
     """
 
     num_threads: int | None = None
@@ -211,6 +214,7 @@ class Workers(_Printable):
     timeout: float = 120.0
     on_error: str = "raise"
     decode_quality: str = "accurate"
+    processes: int = 0
 
     def __post_init__(self) -> None:
         _set(self, "num_threads", _int_or_none(self.num_threads, "num_threads (worker threads)", 1))
@@ -227,6 +231,9 @@ class Workers(_Printable):
             raise ConfigError(f"on_error must be 'raise' or 'skip', got {self.on_error!r}")
         if self.decode_quality not in DECODE_QUALITIES:
             raise ConfigError(f"decode_quality must be one of {DECODE_QUALITIES}, got {self.decode_quality!r}")
+        if isinstance(self.processes, bool) or self.processes not in (0, 1):
+            raise ConfigError(f"processes must be 0 (worker threads in this process) or 1 (the worker threads in "
+                              f"one child process; raise num_threads= for more of them), got {self.processes!r}")
 
     @classmethod
     def of(cls, value: "Workers | int | None") -> "Workers":

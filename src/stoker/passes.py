@@ -47,6 +47,8 @@ class PassParts:
     collate: Callable[[dict[str, list]], Any] | None = None
     order: str | None = None   # the Loader's order, named in the cache's messages
     buffers: Any = None   # device="numpy": what makes the ring's numpy slots (numpy_output.NumpyBuffers)
+    #: Workers(processes=1): the pickled RenderSpec for the worker process (procs.py); None: threads here
+    child_spec: bytes | None = None
 
 
 class Cursor:
@@ -194,6 +196,7 @@ class _Pipeline:
         self.spec = spec
         self.chain = EpochChain(spec)
         self.epochs: list[tuple[int, int, int, int]] = []  # (epoch, first run batch, batches, first sample)
+        self._orders: list[tuple[int, np.ndarray, int]] = []  # (epoch, its indices, first sample): a worker process's
         sizes = self._segment(parts, epoch, start)
         self.run: Run | None = None
         self.feeder: Feeder | None = None
@@ -203,9 +206,15 @@ class _Pipeline:
             return
         threads = min(parts.num_threads, max(1, sum(sizes)))
         # with a device stage, one more slot: the one whose copy to the device is in flight
-        ring = passes.ring(extra=0 if opts is None else 1, private=private)
-        self.run = Run(ring, sizes, threads, self.chain.prepare, self.chain.fill, parts.stats.add, parts.timeout,
-                       open_ended=persistent, **native_claims(spec, self.chain, threads))
+        extra = 0 if opts is None else 1
+        if parts.child_spec is not None:   # the threads in a worker process, over a ring in shared memory
+            from .procs import process_run
+
+            self.run = process_run(parts, self._orders, sizes, threads, extra, open_ended=persistent)
+        else:
+            ring = passes.ring(extra=extra, private=private)
+            self.run = Run(ring, sizes, threads, self.chain.prepare, self.chain.fill, parts.stats.add,
+                           parts.timeout, open_ended=persistent, **native_claims(spec, self.chain, threads))
         if opts is not None:
             stage = passes.stage(opts)
             decoder = passes.gpu(opts) if spec.gpu_decode else None
@@ -236,6 +245,7 @@ class _Pipeline:
         sizes = [min(bs, left - k * bs) for k in range(-(-left // bs))]
         first = self.epochs[-1][1] + self.epochs[-1][2] if self.epochs else 0
         self.chain.add(Filler(self.spec, parts.dataset, epoch, indices, start), first)
+        self._orders.append((epoch, indices, start))
         self.epochs.append((epoch, first, len(sizes), start))
         return sizes
 

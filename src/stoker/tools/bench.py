@@ -72,6 +72,8 @@ PIPELINES: dict[str, tuple[str, str | None]] = {
     "stoker-val": ("stoker.Loader, Resize(256) + CenterCrop(224)", "baseline-val"),
     "ceiling": ("simplejpeg full decode of every image, nothing else", "baseline"),
     "stoker-train-fast": ("stoker-train with decode_quality='fast'", "baseline"),
+    "stoker-train-process": ("stoker-train with its threads in one worker process, batches in shared memory "
+                             "(Workers(processes=1, persistent=True): the process started once)", "baseline"),
     "stoker-train-float": ("stoker-train delivering float32 normalized NCHW on the CPU like the baseline "
                            "(device='cpu', normalize='imagenet')", "baseline"),
     "stoker-train-raw256": ("stoker-train on a pack with --encoding raw --max-side 256", "baseline"),
@@ -260,7 +262,10 @@ def _stoker_runner(spec: _Spec, train: bool) -> _Runner:
     else:
         ops = [Resize(256), CenterCrop(224)]
     device = DeviceOptions(device="cpu", normalize="imagenet") if spec.pipeline == "stoker-train-float" else None
-    loader = Loader(spec.packed, spec.batch_size, transforms=ops, seed=0, device=device, workers=Workers(num_threads=spec.workers, decode_quality="fast" if spec.pipeline == "stoker-train-fast" else "accurate"))
+    process = spec.pipeline == "stoker-train-process"   # one worker process, started once
+    workers = Workers(num_threads=spec.workers, decode_quality="fast" if spec.pipeline == "stoker-train-fast"
+                      else "accurate", processes=int(process), persistent=process)
+    loader = Loader(spec.packed, spec.batch_size, transforms=ops, seed=0, device=device, workers=workers)
 
     def epoch() -> Iterator[int]:
         for batch in loader:

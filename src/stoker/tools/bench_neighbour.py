@@ -7,7 +7,8 @@ training process. This bench measures both sides in one run:
 
 - **step inflation**: a fixed, dispatch-bound "training step" (`dispatch_step`: a few hundred small
   torch ops on tiny tensors, as kernel launches are for the host) timed on the main thread with no
-  loader, with stoker's Loader at 1..N threads and with a DataLoader + PIL at 1..N worker processes
+  loader, with stoker's Loader at 1..N threads (in this process, and in one worker process:
+  `Workers(processes=1)`, "stoker-process") and with a DataLoader + PIL at 1..N worker processes
   feeding it; per configuration the step's median and p90 (ms), the inflation of each over the
   no-loader step, and the loader's images/s. Configurations alternate within each round, so slow
   drifts of a shared machine fall on all of them.
@@ -44,6 +45,8 @@ __all__ = ["GilShare", "NeighbourResult", "NeighbourRow", "dispatch_step", "form
            "run_neighbour"]
 
 STEP_OPS = 300          # small torch ops per step
+#: the loaders measured: stoker's threads here, the same threads in a worker process, a DataLoader
+FEEDS = ("stoker", "stoker-process", "dataloader")
 PROBE_CHUNK = 2000      # pure-Python loop iterations the probe counts as one unit (about 50 µs)
 
 
@@ -212,13 +215,31 @@ def _gil_share(run_load: Callable[[Callable[[], None], float], int], seconds: fl
 
 # ----------------------------------------------------------------------------- the feeds
 
-def _stoker_feed(packed: Path, batch_size: int, threads: int, seed: int) -> tuple[Iterator[Any], Callable[[], None]]:
+class PythonWork:
+    """A user transform that runs `us` µs of pure Python per sample (under the GIL) and returns the image
+    unchanged: the per-sample Python a video clip's frame loop or a user's own transform brings."""
+
+    def __init__(self, us: float) -> None:
+        self.us = us
+
+    def __call__(self, img: np.ndarray) -> np.ndarray:
+        end = time.perf_counter() + self.us / 1e6
+        while time.perf_counter() < end:
+            pass
+        return img
+
+
+def _stoker_feed(packed: Path, batch_size: int, threads: int, seed: int, processes: int = 0, python_us: float = 0.0
+                 ) -> tuple[Iterator[Any], Callable[[], None]]:
     from ..loader import Loader
     from ..options import Workers
-    from ..transforms import RandomHorizontalFlip, RandomResizedCrop
+    from ..transforms import RandomHorizontalFlip, RandomResizedCrop, adapt
 
-    loader = Loader(str(packed), batch_size, transforms=[RandomResizedCrop(224), RandomHorizontalFlip()], seed=seed,
-                    workers=Workers(num_threads=threads))
+    ops: list[Any] = [RandomResizedCrop(224), RandomHorizontalFlip()]
+    if python_us:
+        ops.append(adapt(PythonWork(python_us), input="numpy", random="none"))
+    loader = Loader(str(packed), batch_size, transforms=ops, seed=seed,
+                    workers=Workers(num_threads=threads, processes=processes))
     it = iter(loader)
 
     def close() -> None:
@@ -241,8 +262,9 @@ def _dataloader_feed(root: Path, batch_size: int, workers: int, seed: int) -> tu
 
 def _open_feed(name: str, threads: int, data: "_Data", batch_size: int, seed: int
                ) -> tuple[Iterator[Any], Callable[[], None]]:
-    if name == "stoker":
-        return _stoker_feed(data.packed, batch_size, threads, seed)
+    if name in ("stoker", "stoker-process"):   # the threads in this process, or in one worker process
+        return _stoker_feed(data.packed, batch_size, threads, seed, processes=int(name == "stoker-process"),
+                            python_us=data.python_us)
     return _dataloader_feed(data.root, batch_size, threads, seed)
 
 
@@ -251,6 +273,7 @@ class _Data:
     root: Path     # ImageFolder (the DataLoader's)
     packed: Path   # the same images packed (stoker's)
     images: int
+    python_us: float = 0.0   # µs of pure Python per sample in stoker's transforms (PythonWork)
 
 
 # ----------------------------------------------------------------------------- results
@@ -259,8 +282,8 @@ class _Data:
 class NeighbourRow:
     """One configuration: the step's times beside it and the loader's rate."""
 
-    name: str                 # "none", "stoker-1", "dataloader-2", ...
-    feed: str                 # "none", "stoker", "dataloader"
+    name: str                 # "none", "stoker-1", "stoker-process-1", "dataloader-2", ...
+    feed: str                 # "none", "stoker", "stoker-process" (Workers(processes=1)), "dataloader"
     threads: int              # stoker's threads or the DataLoader's worker processes (0: no loader)
     step_median_ms: float = float("nan")
     step_p90_ms: float = float("nan")
@@ -283,6 +306,7 @@ class NeighbourResult:
     step_ops: int
     data: dict[str, Any]
     machine: dict[str, Any]
+    python_us: float = 0.0   # µs of pure Python per sample added to stoker's transforms
 
     def get(self, name: str) -> NeighbourRow | None:
         return next((r for r in self.rows if r.name == name), None)
@@ -341,7 +365,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 def _plan_rows(max_threads: int) -> list[NeighbourRow]:
     rows = [NeighbourRow("none", "none", 0)]
-    for feed in ("stoker", "dataloader"):
+    for feed in FEEDS:
         rows += [NeighbourRow(f"{feed}-{n}", feed, n) for n in range(1, max_threads + 1)]
     return rows
 
@@ -376,15 +400,18 @@ def _check(images: int, batch_size: int, max_threads: int, rounds: int, batches:
 def run_neighbour(data_dir: Path | None = None, *, images: int | None = None, batch_size: int = 32,
                   workers: int | None = 2, rounds: int = 3, batches: int = 12, steps_per_batch: int = 10,
                   step_ops: int = STEP_OPS, gil_seconds: float = 2.0, out_dir: Path | None = None, seed: int = 0,
-                  progress: bool = False) -> NeighbourResult:
+                  progress: bool = False, python_us: float = 0.0) -> NeighbourResult:
     """The noisy-neighbour bench: a dispatch-bound step's inflation beside each loader, and the GIL time per
-    sample of stoker and of a DataLoader at 1 thread/worker (module docstring).
+    sample of stoker (threads here, and in a worker process) and of a DataLoader at 1 thread/worker
+    (module docstring).
 
     `data_dir`: an ImageFolder tree of JPEGs (None: `images` generated ImageNet-like JPEGs, default 1,000).
     `workers`: the largest thread/worker count measured (1..workers; None: all usable cores). Each of
     `rounds` rounds runs every configuration once, for `batches` batches of `batch_size` after one warm-up
     batch, `steps_per_batch` timed steps of `step_ops` ops after each batch. `gil_seconds`: each GIL window
-    (0 skips the GIL measurement). `out_dir` receives neighbour.json and neighbour.md.
+    (0 skips the GIL measurement). `out_dir` receives neighbour.json and neighbour.md. `python_us`: µs of
+    pure Python per sample added to stoker's transforms (`PythonWork`, as a user transform or a clip's frame
+    loop brings; the DataLoader's transforms stay torchvision's).
     Raises ConfigError for bad arguments.
     """
     from .._progress import Progress
@@ -392,6 +419,8 @@ def run_neighbour(data_dir: Path | None = None, *, images: int | None = None, ba
     from .baseline import list_image_folder
     from .synth import cached_imagenet_like
 
+    if not python_us >= 0:
+        raise ConfigError(f"run_neighbour: python_us (--python-us) is µs of Python per sample, >= 0; got {python_us}")
     max_threads = workers or usable_cpus()
     rows = _plan_rows(max_threads)
     with tempfile.TemporaryDirectory(prefix="stoker-neighbour-") as tmp, \
@@ -404,7 +433,7 @@ def run_neighbour(data_dir: Path | None = None, *, images: int | None = None, ba
         samples, _ = list_image_folder(root)
         _check(len(samples), batch_size, max_threads, rounds, batches, steps_per_batch, gil_seconds)
         bar.stage("packing the images once")
-        data = _Data(root, work / "packed-neighbour", len(samples))
+        data = _Data(root, work / "packed-neighbour", len(samples), python_us)
         _pack_once(root, data.packed, max_threads)
         step = make_step(step_ops)
         for _ in range(20):   # warm the dispatcher and the caches
@@ -426,12 +455,12 @@ def run_neighbour(data_dir: Path | None = None, *, images: int | None = None, ba
         _fill(rows, counts)
         gil: dict[str, dict[str, float]] = {}
         if gil_seconds > 0:
-            for feed_name in ("stoker", "dataloader"):
+            for feed_name in FEEDS:
                 bar.stage(f"GIL share of {feed_name} at 1 thread/worker")
                 gil[feed_name] = asdict(_measure_gil(feed_name, data, batch_size, gil_seconds, rounds, seed))
                 bar.update()
         result = NeighbourResult(rows, gil, batch_size, rounds, steps_per_batch, batches, step_ops,
-                                 _data_stats(root, samples, generated), machine_info())
+                                 _data_stats(root, samples, generated), machine_info(), python_us)
         if out_dir is not None:
             (work / "neighbour.json").write_text(json.dumps(result.to_json(), indent=1) + "\n")
             (work / "neighbour.md").write_text(format_neighbour(result) + "\n")
@@ -465,7 +494,10 @@ def format_neighbour(result: NeighbourResult) -> str:
               f"{result.batches} batches per window (after one warm-up batch), {result.rounds} round(s), the "
               "configurations alternating within each round. Inflation: over the no-loader step. images/s: what "
               "the loop received; step share: the loop's time in steps (the rest waits in next()).",
-              "stoker: Loader, RandomResizedCrop(224) + RandomHorizontalFlip on N threads in this process. "
+              "stoker: Loader, RandomResizedCrop(224) + RandomHorizontalFlip on N threads in this process; "
+              "stoker-process: the same N threads in one worker process (Workers(processes=1)), batches in shared "
+              "memory. " + (f"Both add a user transform of {result.python_us:g} µs of pure Python per sample "
+                            "(PythonWork). " if result.python_us else "") +
               "dataloader: torch DataLoader + PIL + torchvision's transforms (ToTensor, Normalize) on N worker "
               "processes.",
               "GIL: a probe thread that always wants the GIL runs beside the loader (the loop only drains batches); "

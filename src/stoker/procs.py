@@ -1,0 +1,688 @@
+"""The process mode (`Workers(processes=1)`): the worker threads in one child process, writing into
+ring slots in shared memory that the training process hands out as zero-copy batches.
+
+Why: a worker thread still runs some Python per sample under the GIL (planning, a user transform,
+PyAV's per-frame loop for clips), and the training loop's own Python (kernel dispatch) waits for the
+same lock. In a child process those workers have a GIL of their own; the pixels still travel no
+further than the ring, because the ring's slots are shared memory both processes map.
+
+Who does what:
+
+- The parent keeps the ring (`slots.BatchRing`, its slots made by `SharedBuffers`: one POSIX shared
+  memory segment per slot, pinned with `cudaHostRegister` when CUDA is present) and every rule about
+  it: a slot goes back to the child only once nothing references it and its guard fence has passed.
+  `ProcessRun` is what the pass talks to in place of `slots.Run`, with the same methods.
+- The child (`child_main`, started with the "spawn" context: never a fork of a threaded parent) gets
+  the frozen `RenderSpec` (pickled), the dataset's path, the epoch's indices and the slots' names; it
+  runs the same `slots.Run` and `render.Filler` as the thread mode, over a ring whose free slots are
+  only those the parent sent (`_ChildRing`).
+- The pipe between them carries small messages only: parent to child "slot k is free" (with its
+  segment's name the first time), "extend" (a persistent Loader's next epoch: its indices) and "stop"; child to parent "attached", "batch b is in slot k" (with
+  its size, the labels that are not numbers, the extra columns and the workers' counters) and errors
+  with their traceback text.
+
+Shared memory never outlives its pass (or a persistent Loader's run of epochs, which one child serves):
+the parent creates each segment and unlinks it as soon as the child has mapped it (or at the latest
+when the child stops), and registers it with multiprocessing's
+resource tracker in between, so even a parent killed outright leaves nothing in /dev/shm. The memory
+itself lives while either process maps it. A child that dies (killed, out of memory) is an error in
+the consumer naming its pid and exit code, found within the Loader's timeout, never a hang.
+"""
+
+from __future__ import annotations
+
+import importlib
+import mmap
+import multiprocessing
+import os
+import pickle
+import secrets
+import sys
+import threading
+import time
+import traceback
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing import resource_tracker
+from multiprocessing.connection import wait as wait_any
+from typing import Any
+
+import numpy as np
+
+from ._torch import torch
+from .errors import ConfigError, LoaderClosedError, LoaderTimeoutError, WorkerError
+from .slots import BatchRing, Fence, LoaderStats, Run, Slot, _release_if_owned, _use_count, row_shape
+
+try:   # POSIX shared memory, as multiprocessing.shared_memory uses it (not on Windows)
+    import _posixshmem
+except ImportError:   # pragma: no cover - Windows
+    _posixshmem = None
+
+__all__ = ["ProcessRun", "SharedBuffers", "check_process_mode", "child_main", "process_run"]
+
+_POLL_S = 0.1   # how often a blocked wait re-checks the stop flag and the child's liveness, seconds
+_START_S = 60.0  # the least time a worker process is given to start (a fresh interpreter importing stoker)
+_ALIGN = 64     # the labels' offset in a slot's segment
+#: what the child adds up and sends with each batch (LoaderStats fields)
+_COUNTERS = ("samples", "skipped", "read_s", "decode_s", "augment_s", "worker_wait_s")
+
+
+def _cudart() -> Any:
+    """CUDA's runtime API through torch (cudaHostRegister / cudaHostUnregister); tests swap in a fake."""
+    return torch.cuda.cudart()
+
+
+# ---- shared memory ------------------------------------------------------------------------------
+def _map(name: str, nbytes: int, create: bool) -> mmap.mmap:
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = _posixshmem.shm_open("/" + name, flags, mode=0o600)
+    try:
+        if create:
+            os.ftruncate(fd, nbytes)
+        return mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
+def _unlink(name: str) -> None:
+    """Remove a segment's name (the memory stays while a process maps it); forget it in the tracker."""
+    try:
+        _posixshmem.shm_unlink("/" + name)
+    except FileNotFoundError:
+        pass
+    resource_tracker.unregister("/" + name, "shared_memory")
+
+
+def _layout(batch_size: int, shape: tuple[int, ...], label_dtype: np.dtype | None) -> tuple[int, int, int]:
+    """(image bytes, labels offset, segment bytes) of one slot."""
+    images = batch_size * int(np.prod(shape))
+    at = -(-images // _ALIGN) * _ALIGN
+    labels = 0 if label_dtype is None else batch_size * np.dtype(label_dtype).itemsize
+    return images, at, max(at + labels, 1)
+
+
+def _views(mm: mmap.mmap, batch_size: int, shape: tuple[int, ...], label_dtype: np.dtype | None
+           ) -> tuple[np.ndarray, np.ndarray | None]:
+    """A slot's images and labels over its mapping. Each is made on the mapping itself (not as a view of
+    another array), so every view of the images references the images array: its reference count
+    counts the holders (numpy collapses a view's base to the first array that is not a view)."""
+    _, at, _ = _layout(batch_size, shape, label_dtype)
+    img = np.ndarray((batch_size, *shape), np.uint8, buffer=mm)
+    lab = None if label_dtype is None else np.ndarray((batch_size,), label_dtype, buffer=mm, offset=at)
+    return img, lab
+
+
+@dataclass
+class Segment:
+    """One slot's shared memory, as the parent knows it."""
+
+    name: str
+    nbytes: int
+    linked: bool = True   # its /dev/shm name still exists (until the child has mapped it)
+
+    def unlink(self) -> None:
+        if self.linked:
+            self.linked = False
+            _unlink(self.name)
+
+
+class SharedBuffers:
+    """`slots.Buffers` for the process mode: each slot's images (and numeric labels) in one shared
+    memory segment, as torch tensors over it, so a batch handed out is a view of memory the child wrote.
+
+    `pin`: register each segment with CUDA (`cudaHostRegister`) so copies from it are asynchronous DMA
+    as from `pin_memory=True` tensors; it is unregistered when the last view of it goes, before the
+    mapping does (a finalizer on the array the tensors keep alive, which runs before that array lets go
+    of the mapping)."""
+
+    def __init__(self, pin: bool = False, arrays: bool = False) -> None:
+        if _posixshmem is None:   # pragma: no cover - Windows
+            raise ConfigError("Workers(processes=1) needs POSIX shared memory (Linux, macOS); use worker threads "
+                              "(Workers(processes=0), the default) on this system")
+        self.pin = pin
+        self.arrays = arrays   # device="numpy": the slots as numpy arrays counting their holders (numpy_output)
+        self.segments: weakref.WeakKeyDictionary[Slot, Segment] = weakref.WeakKeyDictionary()
+        self._all: list[Segment] = []   # every segment made, to unlink what the child never mapped
+
+    def allocate(self, batch_size: int, height: int, width: int, label_dtype: np.dtype | None,
+                 frames: int = 0) -> Slot:
+        shape = row_shape(height, width, frames)
+        _, _, nbytes = _layout(batch_size, shape, label_dtype)
+        name = f"stoker-{os.getpid()}-{secrets.token_hex(6)}"
+        mm = _map(name, nbytes, create=True)
+        resource_tracker.register("/" + name, "shared_memory")   # removed by the tracker if we die first
+        segment = Segment(name, nbytes)
+        self._all.append(segment)
+        img, lab = _views(mm, batch_size, shape, label_dtype)
+        del mm   # the arrays keep the mapping
+        if self.pin:
+            _pin(img, nbytes)
+        if self.arrays:   # as numpy_output.NumpyBuffers: the image array's reference count counts the holders
+            slot = Slot(img, img, lab, lab, objects=[None] * batch_size)
+            slot.owner = img
+            del img, lab
+            slot.uses = sys.getrefcount(slot.owner)
+            self.segments[slot] = segment
+            return slot
+        images = torch.from_numpy(img)
+        labels = None if lab is None else torch.from_numpy(lab)
+        slot = Slot(images, images.numpy(), labels, None if labels is None else labels.numpy(),
+                    objects=[None] * batch_size)
+        slot.storage = images.untyped_storage()._cdata
+        slot.uses = _use_count(slot.storage) if _use_count is not None else 0
+        self.segments[slot] = segment
+        return slot
+
+    def weak(self, slot: Slot) -> Any:
+        if self.arrays:
+            from .numpy_output import ArrayWeakRef
+
+            return ArrayWeakRef(slot.owner)
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        return StorageWeakRef(slot.images.untyped_storage())
+
+    def unlink_all(self) -> None:
+        """Remove every name still in /dev/shm (mapped memory stays valid where it is mapped)."""
+        for segment in self._all:
+            segment.unlink()
+        self._all = [s for s in self._all if s.linked]
+
+
+def _pin(images: np.ndarray, nbytes: int) -> None:
+    """cudaHostRegister the `nbytes` of a slot's segment, which starts at its images array;
+    cudaHostUnregister them when that array goes (before the mapping, which the array keeps alive: the
+    labels, also in the segment, are copied when a batch is handed out)."""
+    cudart, ptr = _cudart(), images.ctypes.data
+    rc = cudart.cudaHostRegister(ptr, nbytes, 0)
+    if int(getattr(rc, "value", rc)) != 0:
+        raise ConfigError(f"cudaHostRegister of a {nbytes}-byte shared batch failed (error {rc}); use worker "
+                          f"threads (Workers(processes=0)) or Workers(pin_memory=False)")
+    weakref.finalize(images, cudart.cudaHostUnregister, ptr)
+
+
+# ---- errors across the boundary -------------------------------------------------------------------
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in the worker process, as text (the `__cause__` of what
+    the consumer raises, like concurrent.futures' _RemoteTraceback)."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return f'\n"""\n{self.tb}"""'
+
+
+def _portable(exc: BaseException | None, depth: int = 0) -> dict | None:
+    """An exception as plain data: its class, args, attributes, traceback text and cause."""
+    if exc is None or depth > 4:
+        return None
+    state = {}
+    for k, v in vars(exc).items():
+        try:
+            pickle.dumps(v)
+            state[k] = v
+        except Exception:
+            state[k] = repr(v)
+    try:
+        pickle.dumps(exc.args)
+        args: tuple = exc.args
+    except Exception:
+        args = (str(exc),)
+    return {"cls": (type(exc).__module__, type(exc).__qualname__), "args": args, "state": state,
+            "tb": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, chain=False)),
+            "cause": _portable(exc.__cause__, depth + 1)}
+
+
+def _rebuild(data: dict) -> BaseException:
+    """The exception `_portable` described: the same class and message (a class the parent cannot
+    import becomes a WorkerError with the same text); the child's traceback text is its innermost cause."""
+    module, name = data["cls"]
+    cls: Any = None
+    try:
+        cls = importlib.import_module(module)
+        for part in name.split("."):
+            cls = getattr(cls, part)
+    except Exception:
+        cls = None
+    if isinstance(cls, type) and issubclass(cls, BaseException):
+        exc = cls.__new__(cls)
+        exc.args = data["args"]
+        try:
+            exc.__dict__.update(data["state"])
+        except AttributeError:
+            pass
+    else:
+        exc = WorkerError(f"{name}: {' '.join(map(str, data['args']))}")
+    cause = _rebuild(data["cause"]) if data["cause"] is not None else None
+    if cause is None:
+        exc.__cause__ = RemoteTraceback(data["tb"])
+    else:
+        exc.__cause__ = cause
+    return exc
+
+
+# ---- what can cross ------------------------------------------------------------------------------
+def check_process_mode(spec: Any, dataset: Any, *, device: Any) -> bytes:
+    """Refuse, when the Loader is made, what the process mode cannot do, naming the fix; else the
+    pickled RenderSpec the child is given."""
+    from .reader import PackedDataset
+
+    if _posixshmem is None:   # pragma: no cover - Windows
+        raise ConfigError("Workers(processes=1) needs POSIX shared memory (Linux, macOS); drop processes=")
+    if not isinstance(dataset, PackedDataset):
+        raise ConfigError(f"Workers(processes=1) reopens the dataset in its worker process, which needs a packed "
+                          f"dataset on local storage (or staged with Storage(stage=)); {dataset.path} is not one: "
+                          f"pack it first (stoker pack SRC OUT), or use worker threads (drop processes=)")
+    if device is not None and getattr(device, "decode", "cpu") == "gpu":
+        raise ConfigError("Workers(processes=1) renders on the CPU in its worker process; decode='gpu' runs on the "
+                          "training process's GPU: use DeviceOptions(decode='cpu'), or drop processes=")
+    try:
+        return pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        raise ConfigError(f"Workers(processes=1) sends the transforms to its worker process by pickling them, and "
+                          f"one cannot be pickled ({type(exc).__name__}: {exc}); define a user transform at the top "
+                          f"level of a module (not a lambda or a nested function), or use worker threads (drop "
+                          f"processes=)") from None
+
+
+# ---- the parent's side -----------------------------------------------------------------------------
+def process_run(parts: Any, orders: list[tuple[int, np.ndarray, int]], sizes: list[int], threads: int,
+                extra: int, open_ended: bool = False) -> "ProcessRun":
+    """A pipeline's `ProcessRun` over a ring of its own in shared memory (`prefetch + 2 + extra` slots):
+    each pipeline (one pass, or a persistent Loader's epochs in a row) starts a worker process, which
+    maps the ring's segments once and then they are unlinked. `orders`: the pipeline's (epoch, indices,
+    first sample) list, which `extend` finds the appended epochs in."""
+    h, w = parts.spec.output_size
+    ring = BatchRing(parts.prefetch + 2 + extra, parts.batch_size, h, w, label_dtype=parts.label_dtype,
+                     pin_memory=parts.pin_memory, stats=parts.stats,
+                     buffers=SharedBuffers(parts.pin_memory, arrays=parts.buffers is not None),
+                     frames=parts.spec.frames)
+    return ProcessRun(ring, sizes, threads, spec=parts.child_spec, path=str(parts.dataset.path), orders=orders,
+                      stats=parts.stats, timeout=parts.timeout, label_dtype=parts.label_dtype, open_ended=open_ended)
+
+
+class ProcessRun:
+    """`slots.Run`'s part for the pass (`next_batch`, `guard`, `settle`, `stop`, ...) with the workers
+    in a child process. Only the thread that asks for batches (the consumer, or the device thread)
+    reads the pipe; `stop` may come from any thread."""
+
+    def __init__(self, ring: BatchRing, batch_sizes: list[int], num_threads: int, *, spec: bytes,
+                 path: str, orders: list[tuple[int, np.ndarray, int]], stats: LoaderStats, timeout: float,
+                 label_dtype: Any, open_ended: bool = False) -> None:
+        self.ring = ring
+        # open_ended: epochs may be appended (`extend`, a persistent Loader): the child runs on into them
+        self.open_ended = open_ended
+        self.orders = orders
+        self.sent_orders = len(orders)
+        self.buffers: SharedBuffers = ring.buffers   # type: ignore[assignment]
+        ring.top_up()
+        self.batch_sizes = list(batch_sizes)
+        self.stats, self.timeout = stats, timeout
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
+        self.stop_event = threading.Event()
+        self.last_given: tuple[int, Slot] | None = None
+        self.stalled: LoaderTimeoutError | None = None   # a slot's guard never completed
+        self.ids: dict[Slot, int] = {}   # slot -> its id in the messages
+        self.by_id: dict[int, Slot] = {}
+        self.counted = dict.fromkeys(_COUNTERS, 0.0)   # the child's counters already added to `stats`
+        self.skipped_keys = 0
+        self._send_lock = threading.Lock()
+        initial = [self._describe(slot) for slot in list(ring.free)]
+        ring.free.clear()
+        parent, child = multiprocessing.get_context("spawn").Pipe(duplex=True)
+        self.conn = parent
+        segments = [(e, idx, start, len(self.batch_sizes)) for e, idx, start in orders]
+        payload = {"spec": spec, "path": path, "orders": segments, "sizes": list(self.batch_sizes),
+                   "open_ended": open_ended,
+                   "threads": num_threads, "timeout": timeout, "slots": initial,
+                   "geometry": (ring.batch_size, row_shape(ring.height, ring.width, ring.frames)),
+                   "label_dtype": None if label_dtype is None else np.dtype(label_dtype).str}
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=child_main, args=(child, payload), name="stoker-worker-process", daemon=True)
+        self._child_end = child
+        self.payload = payload
+        self._started = False
+        self.spawned_at = 0.0
+        self.started_at: float | None = None   # when the child reported its slots mapped
+        self.threads: list = []   # no threads of its own (passes count `alive()`)
+
+    def extend(self, batch_sizes: list[int]) -> None:
+        """Append an epoch's batches (an open-ended run); its order is the last of `orders`. Before the
+        child starts, they join what it is given; after, they are sent."""
+        with self.cond:
+            (epoch, indices, start), = self.orders[self.sent_orders:]
+            self.sent_orders += 1
+            self.batch_sizes.extend(batch_sizes)
+            segment = (epoch, indices, start, len(batch_sizes))
+            if not self._started:
+                self.payload["orders"].append(segment)
+                self.payload["sizes"].extend(batch_sizes)
+            else:
+                self._send(("extend", segment, list(batch_sizes)))
+            self.cond.notify_all()
+
+    def _describe(self, slot: Slot) -> tuple[int, str | None, int]:
+        """(id, segment name the first time the child hears of it, else None, segment bytes)."""
+        sid = self.ids.get(slot)
+        if sid is None:
+            sid = self.ids[slot] = len(self.ids)
+            self.by_id[sid] = slot
+            segment = self.buffers.segments[slot]
+            return sid, segment.name, segment.nbytes
+        return sid, None, 0
+
+    def start(self) -> None:
+        self._started = True
+        self.spawned_at = time.monotonic()
+        self.process.start()
+        self._child_end.close()   # the child holds its end: EOF here once it is gone
+        self.payload = {}   # the child has its copy (the indices need not stay here)
+
+    # ---- consumer ---------------------------------------------------------------------------
+    def next_batch(self, b: int, guard: Fence | None = None) -> Slot:
+        """Release batch b-1 (to the child, once nothing references it and its guard has passed) and
+        return the slot of batch b once the child reports it written."""
+        self.guard(b - 1, guard)
+        try:
+            return self._next_batch(b)
+        except BaseException:
+            _release_if_owned(self.cond)
+            raise
+
+    def guard(self, b: int, guard: Fence | None) -> None:
+        last = self.last_given
+        if guard is not None and last is not None and last[0] == b:
+            last[1].guard, last[1].guarded_at = guard, time.monotonic()
+
+    def _next_batch(self, b: int) -> Slot:
+        # the child's start (a fresh interpreter importing stoker) is not the samples' time: the batch's
+        # timeout runs from when the child has started, the start itself has a limit of its own
+        started = self.started_at is not None
+        deadline = time.monotonic() + self.timeout if started else \
+            self.spawned_at + max(self.timeout, _START_S)
+        with self.cond:
+            self.ring.reclaim()
+        while True:
+            if not started and self.started_at is not None:
+                started, deadline = True, max(time.monotonic(), self.started_at) + self.timeout
+            pending = self.settle()
+            msg = self._receive(min(_POLL_S, max(deadline - time.monotonic(), 0)))
+            if msg is not None:   # the child reports its batches in order; each call reads the next
+                if msg[1] != b:
+                    raise WorkerError(f"stoker's worker process sent batch {msg[1]} when batch {b} was due; this "
+                                      f"is a bug in stoker, please report it")
+                break
+            if self.stop_event.is_set():
+                raise LoaderClosedError(f"the loader was closed while waiting for batch {b}")
+            if self.stalled is not None:
+                raise self.stalled
+            if time.monotonic() >= deadline and not started:
+                raise LoaderTimeoutError(
+                    f"stoker's worker process (pid {self.process.pid}) did not start within "
+                    f"{max(self.timeout, _START_S):.0f} s; the machine may be overloaded — raise "
+                    f"workers=stoker.Workers(timeout=...), or use worker threads (Workers(processes=0))")
+            if time.monotonic() >= deadline and pending:   # the child waits for slots the GPU still reads
+                what = next(s.guard.what for s in self.ring.free if s.guard is not None)
+                raise LoaderTimeoutError(f"batch {b}: no free slot to write it into after {self.timeout:g} s: "
+                                         f"{what} had not finished; the GPU may be hung or its copy engine "
+                                         f"starved by other work")
+            if time.monotonic() >= deadline:
+                raise LoaderTimeoutError(
+                    f"batch {b}: no complete batch after {self.timeout:.0f} s from stoker's worker process "
+                    f"(pid {self.process.pid}, alive); storage may be stalled or a transform hangs — raise "
+                    f"workers=stoker.Workers(timeout=...) if samples are genuinely this slow")
+        kind = msg[0]
+        if kind == "error":
+            raise _rebuild(msg[2])
+        _, _, sid, size, objects, extras = msg
+        slot = self.by_id[sid]
+        slot.batch, slot.size, slot.remaining = b, size, 0
+        if slot.labels_np is None:
+            slot.objects[:size] = objects
+        slot.extras = extras
+        with self.cond:
+            self.ring.hand_out(slot)
+            self.last_given = (b, slot)
+        return slot
+
+    def _receive(self, wait_s: float) -> tuple | None:
+        """The child's next batch (or error) message, handling the others; None after `wait_s`
+        without one. A child that has died raises WorkerError naming it."""
+        end = time.monotonic() + wait_s
+        while True:
+            msg = ()   # nothing read yet (None: the pipe closed)
+            ready = wait_any([self.conn, self.process.sentinel], max(end - time.monotonic(), 0))
+            if self.conn in ready:
+                try:
+                    msg = self.conn.recv()
+                except (EOFError, OSError):   # the child's end closed: it is exiting
+                    msg = None
+                    self.process.join(1.0)
+                if msg is not None:
+                    kind = msg[0]
+                    if kind == "attached":
+                        if self.started_at is None:
+                            self.started_at = time.monotonic()
+                        for sid in msg[1]:
+                            self.buffers.segments[self.by_id[sid]].unlink()
+                        continue
+                    if kind == "fatal":
+                        raise WorkerError(f"stoker's worker process (pid {self.process.pid}) failed outside any "
+                                          f"sample: {msg[1]}")
+                    self._count(msg[-1])
+                    return msg[:-1]
+            if msg is None or not self.process.is_alive() or \
+                    (self.process.sentinel in ready and not self.conn.poll()):
+                self.process.join(1.0)
+                raise WorkerError(f"stoker's worker process (pid {self.process.pid}) exited with code "
+                                  f"{self.process.exitcode} before its batches were done (killed, or out of "
+                                  f"memory?); the pass is over: start a new one, or use worker threads "
+                                  f"(Workers(processes=0)) to see the failure in this process")
+            if not ready or time.monotonic() >= end:
+                return None
+
+    def _count(self, counters: dict) -> None:
+        """Add what the child counted since its last report to the Loader's stats."""
+        stats = self.stats
+        for k in _COUNTERS:
+            delta = counters[k] - self.counted[k]
+            self.counted[k] = counters[k]
+            setattr(stats, k, getattr(stats, k) + (int(delta) if k in ("samples", "skipped") else delta))
+        keys = counters["skipped_keys"]
+        new, self.skipped_keys = keys[self.skipped_keys:], len(keys)
+        if new and len(stats.skipped_keys) < 100:
+            stats.skipped_keys.extend(new[:100 - len(stats.skipped_keys)])
+
+    def settle(self) -> bool:
+        """Send the child every free slot whose guard has passed (this thread is the CUDA actor, as in
+        `Run.settle`); True while some guard is still pending."""
+        pending, send = False, []
+        with self.cond:
+            keep: deque[Slot] = deque()
+            for slot in self.ring.free:
+                if slot.guard is not None and not slot.guard.done():
+                    if time.monotonic() - slot.guarded_at > self.timeout and self.stalled is None:
+                        self.stalled = LoaderTimeoutError(
+                            f"a batch slot cannot be refilled: {slot.guard.what} had not finished after "
+                            f"{self.timeout:g} s; the GPU may be hung or its copy engine starved by other work")
+                    keep.append(slot)
+                    pending = True
+                else:
+                    slot.guard = None
+                    send.append(self._describe(slot))
+            self.ring.free = keep
+        for item in send:
+            self._send(("slot", *item))
+        return pending
+
+    def _send(self, msg: tuple) -> None:
+        with self._send_lock:
+            try:
+                self.conn.send(msg)
+            except (OSError, ValueError):   # the child is gone: the next receive says how
+                pass
+
+    def stop(self, join_timeout: float = 5.0, give_back: bool = True) -> None:
+        """Stop the child (asked, then terminated, then killed, each bounded) and remove every shared
+        memory name left. Safe to call repeatedly, from any thread."""
+        self.stop_event.set()
+        if self._started:
+            self._send(("stop",))
+            self.process.join(join_timeout)
+            if self.process.is_alive():
+                self.process.terminate()
+                self.process.join(1.0)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(1.0)
+        try:
+            self.conn.close()
+            self._child_end.close()
+        except OSError:
+            pass
+        self.buffers.unlink_all()
+
+    def give_back(self) -> None:
+        """The slots the child held are not returned to the ring: each pass has a ring of its own."""
+
+    def alive(self) -> int:
+        return int(self._started and self.process.is_alive())
+
+
+# ---- the child's side ------------------------------------------------------------------------------
+class _ChildRing:
+    """What `slots.Run` needs of a ring, in the worker process: the slots the parent said are free.
+    The parent decides when a slot is free (it alone sees the caller's references and GPU copies)."""
+
+    def __init__(self) -> None:
+        self.free: deque[Slot] = deque()
+
+    def top_up(self) -> None:
+        pass
+
+    def reclaim(self) -> bool:
+        return False
+
+    def hand_out(self, slot: Slot) -> None:
+        pass
+
+
+def child_main(conn: Any, payload: dict) -> None:
+    """The worker process: the thread mode's `Run` and `Filler` over the shared slots, reporting each
+    finished batch to the parent in order. Ends on "stop", on the pipe closing (the parent is gone), or
+    after the last batch."""
+    try:
+        _child(conn, payload)
+    except BaseException:
+        try:
+            conn.send(("fatal", traceback.format_exc()))
+        except Exception:
+            pass
+    finally:
+        conn.close()
+
+
+def _child(conn: Any, payload: dict) -> None:
+    from .reader import open_dataset
+    from .render import EpochChain, Filler, native_claims
+
+    batch_size, shape = payload["geometry"]
+    label_dtype = None if payload["label_dtype"] is None else np.dtype(payload["label_dtype"])
+    maps: list[mmap.mmap] = []
+    slots: dict[int, Slot] = {}
+    ids: dict[int, int] = {}   # id(slot) -> its id in the messages
+
+    def attach(sid: int, name: str, nbytes: int) -> Slot:
+        mm = _map(name, nbytes, create=False)
+        maps.append(mm)
+        img, lab = _views(mm, batch_size, shape, label_dtype)
+        slot = Slot(img, img, None, lab, objects=[None] * batch_size)   # numpy rows: no torch needed to write
+        slots[sid], ids[id(slot)] = slot, sid
+        return slot
+
+    ring = _ChildRing()
+    for sid, name, nbytes in payload["slots"]:
+        ring.free.append(attach(sid, name, nbytes))
+    conn.send(("attached", [sid for sid, _, _ in payload["slots"]], None))
+    spec = pickle.loads(payload["spec"])
+    dataset = open_dataset(payload["path"])
+    chain = EpochChain(spec)
+    first = [0]   # the run batch the next epoch's batches start at
+
+    def add(epoch: int, indices: np.ndarray, start: int, batches: int) -> None:
+        chain.add(Filler(spec, dataset, epoch, indices, start), first[0])
+        first[0] += batches
+
+    for segment in payload["orders"]:
+        add(*segment)
+    stats = LoaderStats()
+    run = Run(ring, payload["sizes"], payload["threads"], chain.prepare, chain.fill, stats.add, payload["timeout"],
+              name="stoker-process", open_ended=payload["open_ended"], **native_claims(spec, chain, payload["threads"]))
+    send_lock = threading.Lock()
+
+    def send(msg: tuple) -> None:
+        with send_lock:
+            conn.send(msg)
+
+    def listen() -> None:   # the parent's messages: free slots, stop; EOF when the parent is gone
+        try:
+            while True:
+                msg = conn.recv()
+                if msg[0] == "stop":
+                    break
+                if msg[0] == "extend":   # a persistent Loader's next epoch
+                    with run.cond:
+                        add(*msg[1])
+                        run.extend(msg[2])
+                    continue
+                _, sid, name, nbytes = msg
+                slot = slots[sid] if name is None else attach(sid, name, nbytes)
+                if name is not None:
+                    send(("attached", [sid], None))
+                with run.cond:
+                    ring.free.append(slot)
+                    run.cond.notify_all()
+        except (EOFError, OSError):
+            pass
+        run.stop(join_timeout=2.0, give_back=False)
+
+    listener = threading.Thread(target=listen, name="stoker-process-pipe", daemon=True)
+    listener.start()
+    run.start()
+
+    def counters() -> dict:
+        with run.lock:
+            out = {k: getattr(stats, k) for k in _COUNTERS}
+            out["skipped_keys"] = list(stats.skipped_keys)
+        return out
+
+    try:
+        b = -1
+        while True:
+            b += 1
+            with run.cond:   # the batch gets a slot once the parent frees one (and, open-ended, once it exists):
+                # waiting for the consumer is no fault
+                while b not in run.assigned and not run.stop_event.is_set() and \
+                        (run.open_ended or b < len(run.batch_sizes)):
+                    run.cond.wait(_POLL_S)
+                if b >= len(run.batch_sizes) or run.stop_event.is_set():
+                    break
+            try:
+                slot = run.next_batch(b)
+            except LoaderClosedError:
+                break
+            except BaseException as exc:   # a sample's error, a timeout: the parent raises it in order
+                send(("error", b, _portable(exc), counters()))
+                break
+            n = slot.size
+            objects = list(slot.objects[:n]) if slot.labels_np is None else None
+            send(("batch", b, ids[id(slot)], n, objects, slot.extras, counters()))
+    finally:
+        run.stop(join_timeout=2.0, give_back=False)
+        listener.join(2.0)
+        dataset.close()
+
