@@ -410,8 +410,8 @@ def test_video_clips_give_the_same_batches_as_threads(tmp_path: Path) -> None:
     pack(tmp_path / "src", tmp_path / "ds", progress=False)
 
     def run(workers: Workers) -> list:
-        with stoker.Loader(tmp_path / "ds", 2, clips=Clips(frames=3), transforms=[RandomResizedCrop(24),
-                           RandomHorizontalFlip()], seed=3, workers=workers) as loader:
+        with stoker.Loader(tmp_path / "ds", 2, sampling=stoker.Sampling(clips=Clips(frames=3)),
+                           transforms=[RandomResizedCrop(24), RandomHorizontalFlip()], seed=3, workers=workers) as loader:
             return [(x.clone(), y.clone()) for x, y in loader]
 
     threads, process = run(THREADS), run(PROCESS)

@@ -17,9 +17,9 @@ Who does what:
   runs the same `slots.Run` and `render.Filler` as the thread mode, over a ring whose free slots are
   only those the parent sent (`_ChildRing`).
 - The pipe between them carries small messages only: parent to child "slot k is free" (with its
-  segment's name the first time), "extend" (a persistent Loader's next epoch: its indices) and "stop"; child to parent "attached", "batch b is in slot k" (with
-  its size, the labels that are not numbers, the extra columns and the workers' counters) and errors
-  with their traceback text.
+  segment's name the first time), "extend" (a persistent Loader's next epoch: its indices) and
+  "stop"; child to parent "attached", "batch b is in slot k" (with its size, the labels that are not
+  numbers, the extra columns and the workers' counters) and errors with their traceback text.
 
 Shared memory never outlives its pass (or a persistent Loader's run of epochs, which one child serves):
 the parent creates each segment and unlinks it as soon as the child has mapped it (or at the latest
