@@ -277,30 +277,10 @@ def test_a_worker_process_that_cannot_start_its_work_says_why(packed: Path, tmp_
     clean([])
 
 
-def test_interpreter_exit_ends_the_worker_process(packed: Path, tmp_path: Path) -> None:
-    script = textwrap.dedent(f"""
-        import multiprocessing, os
-        from stoker import Loader, Workers, RandomResizedCrop
-        if __name__ == "__main__":
-            loader = Loader({str(packed)!r}, 4, transforms=[RandomResizedCrop(32)],
-                            workers=Workers(num_threads=2, processes=1))
-            it = iter(loader)
-            next(it)
-            print(os.getpid(), multiprocessing.active_children()[0].pid, flush=True)
-    """)
-    (tmp_path / "run.py").write_text(script)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run([sys.executable, str(tmp_path / "run.py")], capture_output=True, text=True, timeout=120,
-                         env=env)
-    assert out.returncode == 0, out.stderr
-    parent, child = map(int, out.stdout.split())
-    assert gone(child)
-    assert not list(Path("/dev/shm").glob(f"stoker-{parent}-*"))
-    assert "leaked" not in out.stderr
-
-
-def test_a_killed_training_process_leaves_no_worker_process(packed: Path, tmp_path: Path) -> None:
-    script = textwrap.dedent(f"""
+def _training_script(packed: Path, path: Path, then: str = "") -> tuple[list[str], dict]:
+    """A training process that takes one batch in process mode, prints its pid and its worker's, then
+    runs `then`: the command and environment to start it with."""
+    path.write_text(textwrap.dedent(f"""
         import multiprocessing, os, time
         from stoker import Loader, Workers, RandomResizedCrop
         if __name__ == "__main__":
@@ -309,11 +289,23 @@ def test_a_killed_training_process_leaves_no_worker_process(packed: Path, tmp_pa
             it = iter(loader)
             next(it)
             print(os.getpid(), multiprocessing.active_children()[0].pid, flush=True)
-            time.sleep(60)
-    """)
-    (tmp_path / "run.py").write_text(script)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "run.py")], stdout=subprocess.PIPE, text=True, env=env)
+    """) + (f"    {then}\n" if then else ""))
+    return [sys.executable, str(path)], {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+
+
+def test_interpreter_exit_ends_the_worker_process(packed: Path, tmp_path: Path) -> None:
+    cmd, env = _training_script(packed, tmp_path / "run.py")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    parent, child = map(int, out.stdout.split())
+    assert gone(child)
+    assert not list(Path("/dev/shm").glob(f"stoker-{parent}-*"))
+    assert "leaked" not in out.stderr
+
+
+def test_a_killed_training_process_leaves_no_worker_process(packed: Path, tmp_path: Path) -> None:
+    cmd, env = _training_script(packed, tmp_path / "run.py", then="time.sleep(60)")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     try:
         parent, child = map(int, proc.stdout.readline().split())
         proc.kill()

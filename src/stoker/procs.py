@@ -52,7 +52,7 @@ import numpy as np
 
 from ._torch import torch
 from .errors import ConfigError, LoaderClosedError, LoaderTimeoutError, WorkerError
-from .slots import BatchRing, Fence, LoaderStats, Run, Slot, _release_if_owned, _use_count, row_shape
+from .slots import BatchRing, Fence, HandOut, LoaderStats, Run, Slot, _release_if_owned, _use_count, row_shape
 
 try:   # POSIX shared memory, as multiprocessing.shared_memory uses it (not on Windows)
     import _posixshmem
@@ -304,7 +304,7 @@ def process_run(parts: Any, orders: list[tuple[int, np.ndarray, int]], sizes: li
                       stats=parts.stats, timeout=parts.timeout, label_dtype=parts.label_dtype, open_ended=open_ended)
 
 
-class ProcessRun:
+class ProcessRun(HandOut):
     """`slots.Run`'s part for the pass (`next_batch`, `guard`, `settle`, `stop`, ...) with the workers
     in a child process. Only the thread that asks for batches (the consumer, or the device thread)
     reads the pipe; `stop` may come from any thread."""
@@ -383,21 +383,6 @@ class ProcessRun:
         self.payload = {}   # the child has its copy (the indices need not stay here)
 
     # ---- consumer ---------------------------------------------------------------------------
-    def next_batch(self, b: int, guard: Fence | None = None) -> Slot:
-        """Release batch b-1 (to the child, once nothing references it and its guard has passed) and
-        return the slot of batch b once the child reports it written."""
-        self.guard(b - 1, guard)
-        try:
-            return self._next_batch(b)
-        except BaseException:
-            _release_if_owned(self.cond)
-            raise
-
-    def guard(self, b: int, guard: Fence | None) -> None:
-        last = self.last_given
-        if guard is not None and last is not None and last[0] == b:
-            last[1].guard, last[1].guarded_at = guard, time.monotonic()
-
     def _next_batch(self, b: int) -> Slot:
         # the child's start (a fresh interpreter importing stoker) is not the samples' time: the batch's
         # timeout runs from when the child has started, the start itself has a limit of its own

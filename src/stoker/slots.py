@@ -356,7 +356,39 @@ FlushFn = Callable[[WorkerTimes, int], None]  # (times, samples done) under the 
 ChunkFn = Callable[[Any, int, int, Slot, dict, WorkerTimes], list]
 
 
-class Run:
+class HandOut:
+    """The consumer's side that `Run` and the process mode's `procs.ProcessRun` share: a batch's slot
+    handed out, the previous one guarded and released (`_next_batch` is each one's own)."""
+
+    last_given: "tuple[int, Slot] | None"
+    cond: threading.Condition
+
+    def _next_batch(self, b: int) -> Slot:
+        raise NotImplementedError
+
+    def next_batch(self, b: int, guard: Fence | None = None) -> Slot:
+        """Release batch b-1 and return the slot of batch b once every row is written.
+
+        `guard`: a fence behind the consumer's GPU work on batch b-1 (an asynchronous copy of its pinned
+        slot); the workers refill that slot only once it is done (and nothing references it). Raises
+        the first row's exception when a sample failed, LoaderTimeoutError after `timeout` seconds
+        without the batch completing."""
+        self.guard(b - 1, guard)  # before the release in _next_batch: no worker sees the slot unguarded
+        try:
+            return self._next_batch(b)
+        except BaseException:
+            _release_if_owned(self.cond)
+            raise
+
+    def guard(self, b: int, guard: Fence | None) -> None:
+        """Guard the slot of batch b (the last one handed out; the run ending or closing): see
+        `next_batch`. The ring outlives the run, so the next run's workers honour it too."""
+        last = self.last_given
+        if guard is not None and last is not None and last[0] == b:
+            last[1].guard, last[1].guarded_at = guard, time.monotonic()
+
+
+class Run(HandOut):
     """One pass over `batch_sizes` batches: worker threads fill ring slots, `next_batch` hands them out.
 
     `prepare(b, slot)` runs once per batch (in whichever worker gets there first, under a lock) and
@@ -539,28 +571,7 @@ class Run:
                 with self.lock:
                     self.flush(times, done)
 
-    # ---- consumer ------------------------------------------------------------------------
-    def next_batch(self, b: int, guard: Fence | None = None) -> Slot:
-        """Release batch b-1 and return the slot of batch b once every row is written.
-
-        `guard`: a fence behind the consumer's GPU work on batch b-1 (an asynchronous copy of its pinned
-        slot); the workers refill that slot only once it is done (and nothing references it). Raises
-        the first row's exception when a sample failed, LoaderTimeoutError after `timeout` seconds
-        without the batch completing."""
-        self.guard(b - 1, guard)  # before the release in _next_batch: no worker sees the slot unguarded
-        try:
-            return self._next_batch(b)
-        except BaseException:
-            _release_if_owned(self.cond)
-            raise
-
-    def guard(self, b: int, guard: Fence | None) -> None:
-        """Guard the slot of batch b (the last one handed out; the run ending or closing): see
-        `next_batch`. The ring outlives the run, so the next run's workers honour it too."""
-        last = self.last_given
-        if guard is not None and last is not None and last[0] == b:
-            last[1].guard, last[1].guarded_at = guard, time.monotonic()
-
+    # ---- consumer: next_batch and guard are HandOut's ----------------------------------------
     def _next_batch(self, b: int) -> Slot:
         deadline = time.monotonic() + self.timeout
         with self.cond:
