@@ -293,6 +293,25 @@ def _training_script(packed: Path, path: Path, then: str = "") -> tuple[list[str
     return [sys.executable, str(path)], {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
 
 
+def test_a_script_without_a_main_guard_gets_an_error_that_names_the_guard(packed: Path, tmp_path: Path) -> None:
+    """The worker process is spawned, which imports the main script again: a script that iterates at
+    its top level (fine with threads, and with DataLoader's fork on Linux) fails there. The training
+    process must say so, not "killed, or out of memory?", and must not fail again while stopping."""
+    (tmp_path / "run.py").write_text(textwrap.dedent(f"""
+        from stoker import Loader, Workers, RandomResizedCrop
+        loader = Loader({str(packed)!r}, 4, transforms=[RandomResizedCrop(32)],
+                        workers=Workers(num_threads=2, processes=1))
+        next(iter(loader))
+    """))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, str(tmp_path / "run.py")], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("stoker.errors.WorkerError") and 'if __name__ == "__main__":' in last, out.stderr
+    assert "can only join a started process" not in out.stderr
+
+
 def test_interpreter_exit_ends_the_worker_process(packed: Path, tmp_path: Path) -> None:
     cmd, env = _training_script(packed, tmp_path / "run.py")
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)

@@ -376,9 +376,12 @@ class ProcessRun(HandOut):
         return sid, None, 0
 
     def start(self) -> None:
-        self._started = True
-        self.spawned_at = time.monotonic()
-        self.process.start()
+        # under the lock: `extend` adds to the payload until the child has it, then sends instead; and
+        # `stop` joins only a child that did start (a failed start leaves nothing to join)
+        with self.cond:
+            self.spawned_at = time.monotonic()
+            self.process.start()
+            self._started = True
         self._child_end.close()   # the child holds its end: EOF here once it is gone
         self.payload = {}   # the child has its copy (the indices need not stay here)
 
@@ -463,6 +466,13 @@ class ProcessRun(HandOut):
             if msg is None or not self.process.is_alive() or \
                     (self.process.sentinel in ready and not self.conn.poll()):
                 self.process.join(1.0)
+                if self.started_at is None:   # it never mapped its slots: it failed while starting
+                    raise WorkerError(
+                        f"stoker's worker process (pid {self.process.pid}) exited with code {self.process.exitcode} "
+                        f"while starting, before it mapped its slots (its error, if any, is printed above). The "
+                        f"worker process is started with 'spawn', which imports your main script again: training "
+                        f"code at the top level of a script must be under `if __name__ == \"__main__\":`. Add "
+                        f"that guard, or use worker threads (Workers(processes=0))")
                 raise WorkerError(f"stoker's worker process (pid {self.process.pid}) exited with code "
                                   f"{self.process.exitcode} before its batches were done (killed, or out of "
                                   f"memory?); the pass is over: start a new one, or use worker threads "
