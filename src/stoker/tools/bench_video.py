@@ -149,34 +149,44 @@ class _ClipSet:
         return len(self.work)
 
     def __getitem__(self, j: int) -> tuple[Any, int]:
-        import torch
         i, plan = self.work[j]
         frames = plan.frames.tolist()
         if self.reader == "pyav":
-            clip, decoded = _pyav_from_start(self.paths[i], frames)
+            import av
+            with av.open(str(self.paths[i])) as container:
+                clip, decoded = pyav_from_start(container, frames)
         else:
             import decord
             vr = decord.VideoReader(str(self.paths[i]), num_threads=1)
             clip, decoded = vr.get_batch(frames).asnumpy(), -1
-        top, left, h, w = (int(round(v)) for v in plan.box)
-        x = torch.from_numpy(np.ascontiguousarray(clip[:, top:top + h, left:left + w])).permute(0, 3, 1, 2).float()
-        x = torch.nn.functional.interpolate(x, size=(SIZE, SIZE), mode="bilinear", antialias=True, align_corners=False)
-        if plan.flip:
-            x = x.flip(-1)
-        return x.round().clamp(0, 255).to(torch.uint8), decoded
+        box = tuple(int(round(v)) for v in plan.box)
+        return crop_resize_flip(clip, box, SIZE, bool(plan.flip)), decoded
 
 
-def _pyav_from_start(path: Path, frames: list[int]) -> tuple[np.ndarray, int]:
-    """The common script: open the file, decode from the first frame, keep the clip's frames, stop after
-    the last one."""
-    import av
+def crop_resize_flip(clip: np.ndarray, box: tuple[int, int, int, int], size: int, flip: bool) -> Any:
+    """A DataLoader baseline's per-clip transform: the (top, left, height, width) box of every frame of
+    `clip` (uint8 [T, H, W, 3]) resized to size x size with torch's antialiased bilinear (what
+    torchvision's tensor transforms run), mirrored when `flip`; uint8 [T, 3, size, size]."""
+    import torch
+
+    top, left, h, w = box
+    x = torch.from_numpy(np.ascontiguousarray(clip[:, top:top + h, left:left + w])).permute(0, 3, 1, 2).float()
+    x = torch.nn.functional.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+    if flip:
+        x = x.flip(-1)
+    return x.round_().clamp_(0, 255).to(torch.uint8)
+
+
+def pyav_from_start(container: Any, frames: list[int]) -> tuple[np.ndarray, int]:
+    """The common script, on a video opened with `av.open`: decode from the first frame, keep the
+    clip's `frames`, stop after the last one. Returns the clip (uint8 [T, H, W, 3]) and the frames
+    decoded."""
     wanted, last, kept, n = set(frames), max(frames), {}, -1
-    with av.open(str(path)) as container:
-        for n, frame in enumerate(container.decode(video=0)):
-            if n in wanted:
-                kept[n] = frame.to_ndarray(format="rgb24")
-            if n >= last:
-                break
+    for n, frame in enumerate(container.decode(video=0)):
+        if n in wanted:
+            kept[n] = frame.to_ndarray(format="rgb24")
+        if n >= last:
+            break
     return np.stack([kept[f] for f in frames]), n + 1
 
 

@@ -124,10 +124,10 @@ class PyAVClips:
 
     def __getitem__(self, i: int) -> tuple[Any, int]:
         import av
-        import numpy as np
         import torch
 
         from .baseline import _TVRandomResizedCrop
+        from .bench_video import crop_resize_flip, pyav_from_start
 
         path, label = self.items[i]
         span = (self.frames - 1) * self.stride + 1
@@ -135,20 +135,9 @@ class PyAVClips:
             total = container.streams.video[0].frames
             start = int(torch.randint(0, max(1, total - span + 1), (1,)).item())
             wanted = [min(start + k * self.stride, max(total - 1, 0)) for k in range(self.frames)]
-            kept: dict[int, Any] = {}
-            for n, frame in enumerate(container.decode(video=0)):
-                if n in wanted:
-                    kept[n] = frame.to_ndarray(format="rgb24")
-                if n >= wanted[-1]:
-                    break
-        clip = np.stack([kept[f] for f in wanted])
-        top, left, h, w = _TVRandomResizedCrop(self.size).get_params(clip.shape[2], clip.shape[1])
-        x = torch.from_numpy(clip[:, top:top + h, left:left + w]).permute(0, 3, 1, 2).float()
-        x = torch.nn.functional.interpolate(x, size=(self.size, self.size), mode="bilinear", antialias=True,
-                                            align_corners=False)
-        if torch.rand(1).item() < 0.5:
-            x = x.flip(-1)
-        return x.round_().clamp_(0, 255).to(torch.uint8), label
+            clip, _ = pyav_from_start(container, wanted)
+        box = _TVRandomResizedCrop(self.size).get_params(clip.shape[2], clip.shape[1])
+        return crop_resize_flip(clip, box, self.size, torch.rand(1).item() < 0.5), label
 
 
 def _epochs(loader: Any) -> Iterator[Any]:
