@@ -22,7 +22,7 @@ where the data stands to the Loader's `Cursor`; none of the stages calls back.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -297,8 +297,12 @@ class Loader:
         self.stats = LoaderStats()
         # where the data stands (the epoch, the samples of it yielded), written by the passes
         self._cursor = Cursor()
+        # the passes get the order without the Loader (a bound method here was a reference cycle that kept
+        # an abandoned Loader's ring and mapped shards until the cyclic garbage collector ran)
+        self._order = _EpochOrder(self._pool, self.order, self._shard_rows, len(ds), self.seed, self.rank,
+                                  self.world_size, self.drop_last, self.batch_size, self._per_video)
         self._passes = Passes(PassParts(
-            self._spec, ds, self.epoch_indices, self._epoch_samples(), batch_size, self.num_threads, prefetch,
+            self._spec, ds, self._order, self._epoch_samples(), batch_size, self.num_threads, prefetch,
             self.timeout, self._label_dtype, self.pin_memory,
             # a dataset in object storage gives its cache each epoch's order when that epoch starts
             persistent=self.persistent and not isinstance(ds, CachedDataset), stats=self.stats,
@@ -444,25 +448,7 @@ class Loader:
 
     def epoch_indices(self, epoch: int | None = None) -> np.ndarray:
         """Dataset indices this rank reads in `epoch` (default: the current one), in order."""
-        epoch = self._cursor.epoch if epoch is None else epoch
-        pool = self._pool
-        if self.order == "shard_window":
-            idx = shard_window_order(self._shard_rows or [len(self.dataset)], seed=self.seed, epoch=epoch,
-                                     rank=self.rank, world_size=self.world_size, drop_last=self.drop_last)
-            idx = np.repeat(idx, self._per_video)   # a video's clips one after another (clips.ClipSamples)
-            return idx[:len(idx) // self.batch_size * self.batch_size] if self.drop_last else idx
-        if pool.weighted:
-            perm = pool.draw(self.seed, epoch)
-        else:
-            perm = epoch_order(pool.size, seed=self.seed, epoch=epoch, order=self.order, shard_rows=self._shard_rows)
-            if pool.indices is not None:
-                perm = pool.indices[perm]
-        idx = rank_indices(perm, self.rank, self.world_size, drop_last=self.drop_last,
-                           contiguous=self.order == "shard_random")
-        idx = np.repeat(idx, self._per_video)   # a video's clips one after another (clips.ClipSamples)
-        if self.drop_last:
-            idx = idx[:len(idx) // self.batch_size * self.batch_size]
-        return idx
+        return self._order(self._cursor.epoch if epoch is None else epoch)
 
     # ---- iteration ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[tuple]:
@@ -517,3 +503,40 @@ class Loader:
         return (f"<stoker.Loader {len(self.dataset)} samples, batch {self.batch_size}, {h}x{w}, "
                 f"{self.num_threads} threads{' in a worker process' if self.processes else ''}, "
                 f"rank {self.rank}/{self.world_size}, epoch {self.epoch}{where}>")
+
+
+@dataclass(frozen=True)
+class _EpochOrder:
+    """`Loader.epoch_indices`: what it reads of the Loader, so the passes hold it without the Loader."""
+
+    pool: Any
+    order: str
+    shard_rows: list[int] | None
+    samples: int   # the dataset's
+    seed: int
+    rank: int
+    world_size: int
+    drop_last: bool
+    batch_size: int
+    per_video: int
+
+    def __call__(self, epoch: int) -> np.ndarray:
+        pool = self.pool
+        if self.order == "shard_window":
+            idx = shard_window_order(self.shard_rows or [self.samples], seed=self.seed, epoch=epoch, rank=self.rank,
+                                     world_size=self.world_size, drop_last=self.drop_last)
+            idx = np.repeat(idx, self.per_video)   # a video's clips one after another (clips.ClipSamples)
+            return idx[:len(idx) // self.batch_size * self.batch_size] if self.drop_last else idx
+        if pool.weighted:
+            perm = pool.draw(self.seed, epoch)
+        else:
+            perm = epoch_order(pool.size, seed=self.seed, epoch=epoch, order=self.order,
+                               shard_rows=self.shard_rows)
+            if pool.indices is not None:
+                perm = pool.indices[perm]
+        idx = rank_indices(perm, self.rank, self.world_size, drop_last=self.drop_last,
+                           contiguous=self.order == "shard_random")
+        idx = np.repeat(idx, self.per_video)   # a video's clips one after another (clips.ClipSamples)
+        if self.drop_last:
+            idx = idx[:len(idx) // self.batch_size * self.batch_size]
+        return idx
