@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from stoker.loader import Loader
+from stoker.options import Targets
 from stoker.transforms import RandomResizedCrop, gpu
 from stoker.transforms.mixing import Mixup
 from test_loader import build_packed
@@ -45,7 +46,8 @@ def test_padded_batches_bring_their_sizes_to_the_gpu(tmp_path: Path) -> None:
 
     ann = make_coco(tmp_path)
     pack(ann, tmp_path / "packed", root=tmp_path / "images", options=PackOptions(workers=1), progress=False)
-    loader = Loader(tmp_path / "packed", 4, transforms=[Resize(64)], pad=True, masks="masks", device="cuda")
+    loader = Loader(tmp_path / "packed", 4, transforms=[Resize(64)], targets=Targets(pad=True, masks=("masks",)),
+                    device="cuda")
     x, _, extras = next(iter(loader))
     assert x.is_cuda and x.shape[2:] == loader.output_size
     assert extras["sizes"].is_cuda and extras["sizes"].shape == (4, 2)
