@@ -129,6 +129,7 @@ for STEP in "${STEPS[@]}"; do   # every name checked before anything runs: a typ
 done
 limit_of() {  # the time limit of step $1 in seconds from LIMITS (0: none)
     local kv limit=0
+    case "$1" in train50) set -- train-resnet50 ;; train18) set -- train-resnet18 ;; esac
     for kv in $LIMITS; do [ "${kv%%=*}" = "$1" ] && limit=${kv#*=}; done
     case "$1" in train-*) [ "$limit" -gt 0 ] || for kv in $LIMITS; do   # another model: the smallest model's
         [ "${kv%%=*}" = train-resnet18 ] && limit=${kv#*=}; done ;; esac
