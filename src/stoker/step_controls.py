@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable
 
 from .errors import StokerError
 
-__all__ = ["MIN_VERDICT_STEPS", "StepControls", "call_step", "measure_controls", "resident_copy"]
+__all__ = ["MIN_VERDICT_STEPS", "Drain", "StepControls", "call_step", "measure_controls", "resident_copy"]
 
 #: Fewer measured steps than this give no verdict. The first steps after warm-up are served from the
 #: batches the loader queued while the first one was made (stoker's default prefetch of 2 and its ring
@@ -107,7 +107,7 @@ def _window(step: Callable[..., Any], batch: Any, steps: int, device: Any,
     return time.perf_counter() - start
 
 
-class _Drain:
+class Drain:
     """A thread that takes one batch from `iterable` per permit and drops it, starting the next pass when
     one ends (a one-shot iterator that runs out ends the control)."""
 
@@ -197,7 +197,7 @@ def measure_controls(step: Callable[..., Any], batch: Any, iterable: Iterable[An
     first = _window(step, resident, steps, device)
     interference, why = None, "no loader given"
     if iterable is not None:
-        drain = _Drain(iterable)
+        drain = Drain(iterable)
         drain.start()
         try:
             call_step(step, resident)
