@@ -47,7 +47,7 @@ def test_tiny_demo_trains_synthetic_and_both_feeds_and_writes_table_json_chart(
 def test_the_window_is_four_times_the_largest_queue() -> None:
     # 16 DataLoader workers x prefetch_factor 2: 32 batches queued; stoker's ring holds 4
     assert plan_steps(30, 16) == (34, 128, 32)
-    assert plan_steps(30, 1) == (6, 30, 4) and plan_steps(3, 1) == (6, 16, 4)
+    assert plan_steps(30, 1) == (6, 30, 4) and plan_steps(3, 1) == (6, 16, 4) and plan_steps(3, 3) == (8, 24, 6)
 
 
 def _run(name: str, rate: float, synthetic: float) -> DemoRun:

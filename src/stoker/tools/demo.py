@@ -38,7 +38,7 @@ from .._progress import Progress
 from .._system import fmt_number, json_safe, ratio_words, usable_cpus
 
 #: timed steps (a floor: raised to QUEUE_MULTIPLE x the largest loader queue)
-DEFAULT_STEPS = 30
+DEFAULT_STEPS = 20
 #: images per step on a CPU host (the small CNN) and on a GPU (ResNet-18)
 DEFAULT_BATCH = 64
 GPU_BATCH = 256
