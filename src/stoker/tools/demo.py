@@ -151,7 +151,7 @@ def format_table(result: DemoResult) -> str:
                      f"{fmt_number(run.cpu_percent, '.0f')} |")
     lines += ["", result.headline() + ".", ""]
     lines += [f"- {run.name}: {run.description}" for run in [result.synthetic, *result.runs]]
-    lines += ["", f"Same model ({result.model}), same {result.steps} timed steps of {result.batch_size} images after "
+    lines += ["", f"Same model: {result.model}; same {result.steps} timed steps of {result.batch_size} images after "
               f"{result.warmup_steps} warm-up steps, on {result.device}. The window is {QUEUE_MULTIPLE}x or more the "
               f"largest loader queue ({result.queue_batches} batches), so it measures each loader's sustained rate, "
               "not a queue filled before the clock started; the device is synchronized at the window's ends only. "
@@ -283,8 +283,8 @@ def _feeds(loader_cores: int) -> list[tuple[str, str, str]]:
              f"torch DataLoader, {loader_cores} persistent worker process(es), pin_memory on a GPU, PIL decode, "
              "torchvision's RandomResizedCrop(224), flip, ToTensor, Normalize (float32, on the CPU), then copied"),
             ("stoker", "stoker",
-             f"stoker.Loader on the pack, {loader_cores} thread(s), the same transforms; uint8 copied to the device "
-             "and normalized there (on a GPU: on the loader's own stream, a batch ahead)")]
+             f"stoker.Loader on the pack, {loader_cores} thread(s), the same transforms; on a GPU, uint8 copied on "
+             "the loader's own stream and normalized there, a batch ahead; on the CPU, normalized by its threads")]
 
 
 def _write(result: DemoResult, out: Path) -> None:
