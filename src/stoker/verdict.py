@@ -60,6 +60,9 @@ def diagnose(report: ProfileReport, iterable: Any = None) -> ProfileReport:
     if report.steps < MIN_VERDICT_STEPS:
         return _too_few_steps(report)
     frac = report.data_wait_fraction
+    if not math.isfinite(frac):   # steps without any measurable time: nothing to judge
+        report.verdict, report.reason = UNDECIDED, "the measured steps took no measurable time"
+        return report
     cpu_use = report.cpu_percent / (100.0 * report.cpu_cores) if math.isfinite(report.cpu_percent) else math.nan
     saturated = math.isfinite(cpu_use) and cpu_use >= CPU_SATURATED
     fed = report.fed_ratio
@@ -99,7 +102,7 @@ def _too_few_steps(report: ProfileReport) -> ProfileReport:
     report.reason = (f"{report.steps} step(s) measured after {report.warmup_steps} warm-up; a verdict needs at least "
                      f"{MIN_VERDICT_STEPS}: {more} more{images}")
     report.fixes = [f"profile a pass of at least {MIN_VERDICT_STEPS + report.warmup_steps} batches: more images or a "
-                    "smaller batch_size (`stoker doctor PATH --batch-size N` picks its own steps)"]
+                    "smaller batch_size (`stoker doctor PATH --steps N` for the doctor)"]
     return report
 
 

@@ -200,11 +200,12 @@ def _train(feed: str, name: str, description: str, model: str, paths: tuple[Path
            steps: tuple[int, int], loader_cores: int, device: str, progress: bool) -> DemoRun:
     """`warmup` untimed steps, then one timed window of `timed` steps (device synchronized at its ends)."""
     from ..profiling import cpu_seconds
-    from .bench_gpu import TrainRun
+    from .bench_gpu import TrainRun, autotuned_convolutions
 
     warmup, timed = steps
     root, packed = paths
-    with Progress(f"train: {name}", warmup + timed, unit="step", enabled=progress) as bar:
+    # cudnn.benchmark on for the run only, as a training script sets it (and the device bench does)
+    with autotuned_convolutions(), Progress(f"train: {name}", warmup + timed, unit="step", enabled=progress) as bar:
         run = TrainRun(f"train-demo-{feed}", model, root=str(root), packed=str(packed), batch_size=batch_size,
                        workers=loader_cores, device=device)
         try:
