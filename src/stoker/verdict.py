@@ -119,7 +119,11 @@ def _interference_fixes(report: ProfileReport, iterable: Any) -> list[str]:
     ratio = report.interference_ratio
     if ratio is None or ratio >= 1.0 - INPUT_BOUND_WAIT:
         return []
-    if _is_stoker_loader(iterable):
+    torch = sys.modules.get("torch")
+    if not report.device.startswith("cuda") and not (torch is not None and torch.cuda.is_available()):
+        how = ("without a GPU the model and the loader share these cores; train on a GPU, or give the loader "
+               "fewer threads")
+    elif _is_stoker_loader(iterable):
         how = ("run its threads in their own process (`workers=stoker.Workers(processes=1)`), decode on the GPU "
                "(`DeviceOptions('cuda', decode='gpu')`), or give it fewer threads")
     else:
