@@ -42,7 +42,7 @@ def default_device(device: str | None = None) -> str:
     "cuda:0", or LOCAL_RANK's GPU); None: the current CUDA GPU when there is one, else the CPU."""
     import torch
 
-    from ..device import parse_device, resolve_device
+    from ..device.stage import parse_device, resolve_device
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -153,8 +153,8 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = MIN_VERDI
     """
     import torch
 
-    from ..device import DeviceOptions
-    from ..loader import Loader
+    from ..device.stage import DeviceOptions
+    from ..loader.loader import Loader
     from ..transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
 
     if transforms not in ("train", "val"):
