@@ -42,7 +42,8 @@ from typing import Any, Callable, Iterable, Iterator, TextIO
 
 from ._system import json_safe, usable_cpus
 from .errors import ConfigError
-from .step_controls import MIN_VERDICT_STEPS, StepControls, measure_controls, resident_copy
+from .step_controls import (MIN_VERDICT_STEPS, StepControls, _batch_size, _first_tensor, measure_controls,
+                            resident_copy)
 # the verdict's names, re-exported: `stoker.profiling` is where users and tools look for them
 from .verdict import (COMPUTE_BOUND, CPU_SATURATED, INPUT_BOUND, INPUT_BOUND_WAIT, OVERSIZED,  # noqa: F401
                       READ_HEAVY, UNDECIDED, _is_data_loader, _is_stoker_loader, _packed, diagnose)
@@ -182,33 +183,6 @@ def _describe(obj: Any) -> str:
     if _is_data_loader(obj):
         return f"torch DataLoader (num_workers={obj.num_workers}, batch_size={obj.batch_size})"
     return type(obj).__name__
-
-
-def _first_tensor(batch: Any) -> Any:
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return None
-    if isinstance(batch, torch.Tensor):
-        return batch
-    if isinstance(batch, dict):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for item in batch:
-            t = _first_tensor(item)
-            if t is not None:
-                return t
-    return None
-
-
-def _batch_size(batch: Any) -> int:
-    t = _first_tensor(batch)
-    if t is not None and t.dim() > 0:
-        return int(t.shape[0])
-    first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
-    try:
-        return len(first)
-    except TypeError:
-        return 0
 
 
 def cpu_seconds() -> float:

@@ -59,6 +59,33 @@ class StepControls:
         return self.interference_images_per_s / self.synthetic_images_per_s
 
 
+def _first_tensor(batch: Any) -> Any:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            t = _first_tensor(item)
+            if t is not None:
+                return t
+    return None
+
+
+def _batch_size(batch: Any) -> int:
+    t = _first_tensor(batch)
+    if t is not None and t.dim() > 0:
+        return int(t.shape[0])
+    first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
+    try:
+        return len(first)
+    except TypeError:
+        return 0
+
+
 def _tensors_cloned(obj: Any) -> Any:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
@@ -190,8 +217,6 @@ def measure_controls(step: Callable[..., Any], batch: Any, iterable: Iterable[An
     if steps < 1:
         raise StokerError(f"measure_controls: steps must be >= 1, got {steps}")
     resident = resident_copy(batch)
-    from .profiling import _batch_size
-
     size = _batch_size(resident)
     call_step(step, resident)   # warm-up: the first step on this batch pays for any lazy set-up
     first = _window(step, resident, steps, device)

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ._system import fmt_number
 from .step_controls import MIN_VERDICT_STEPS
 
-if TYPE_CHECKING:
-    from .profiling import ProfileReport
+#: what the functions below judge: a `stoker.profiling.ProfileReport` (not imported: profiling imports this)
+ProfileReport = Any
 
 __all__ = ["COMPUTE_BOUND", "INPUT_BOUND", "INPUT_BOUND_WAIT", "UNDECIDED", "diagnose"]
 
