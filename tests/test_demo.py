@@ -94,3 +94,9 @@ def test_cli_demo_options_parse() -> None:
 
     args = build_parser().parse_args(["demo", "--images", "40", "--steps", "2", "--batch-size", "8"])
     assert (args.images, args.steps, args.batch_size, args.device) == (40, 2, 8, None)
+
+
+def test_ratio_words_follow_the_sign_and_never_say_nan() -> None:
+    assert ratio_words(1.9) == "1.90x faster" and ratio_words(0.25) == "4.00x slower"
+    assert ratio_words(1.002) == "as fast" and ratio_words(0.5, faster="ahead", slower="behind") == "2.00x behind"
+    assert ratio_words(None) == ratio_words(float("nan")) == ratio_words(0.0) == "not measured"
