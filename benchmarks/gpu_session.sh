@@ -5,7 +5,7 @@
 #
 # quick: one command for a time-limited host (15 minutes of machine time, its 1-2 minute start included;
 # commands of at most 10 minutes; a few files handed back): setup env cudatests loader train-resnet50
-# train-resnet18 targets in at most 9 minutes wall, each step under its own time limit (LIMITS below),
+# train-resnet18 targets in at most 9 minutes wall, each step under its own time limit (QUICK_LIMITS),
 # on smaller sizes (2,000 images, 2 rounds: QUICK_* below). Without STEP and without quick, every
 # step of the full run below, sized to finish in well under 10 minutes each on an H100/H200 with 16 CPU
 # cores (docs/benchmarks.md has the time of each and how both profiles fit their calls):
@@ -53,12 +53,14 @@ set -u -o pipefail
 # (train-{model}-stoker-process, train-{model}-stoker-interference, a CPU+GPU split decode loader, ...);
 # PIPELINES in the environment replaces the profile's list.
 FULL_PIPELINES="cuda-baseline cuda-stoker cuda-stoker-gpu cuda-dali train-{model}-synthetic train-{model}-baseline
-train-{model}-stoker train-{model}-stoker-gpu train-{model}-dali"
-QUICK_PIPELINES="cuda-stoker cuda-stoker-gpu train-{model}-synthetic train-{model}-baseline train-{model}-stoker"
+train-{model}-stoker train-{model}-stoker-process train-{model}-stoker-interference train-{model}-stoker-gpu
+train-{model}-dali"
+QUICK_PIPELINES="cuda-stoker cuda-stoker-gpu train-{model}-synthetic train-{model}-baseline train-{model}-stoker
+train-{model}-stoker-process train-{model}-stoker-interference"
 # quick: each step's time limit in seconds (LIMITS="step=seconds ..." in the environment overrides some).
-# Their sum, 530 s, keeps the run under 9 minutes; the H200's times were: CUDA tests 111 s, each training
+# Their sum, 525 s, keeps the run under 9 minutes; the H200's times were: CUDA tests 111 s, each training
 # bench of 3 feeds 60-75 s at 2 rounds x 60 steps, GPU decode the slowest loader (docs/benchmarks.md).
-QUICK_LIMITS="setup=40 env=30 cudatests=150 loader=100 train-resnet50=100 train-resnet18=90 targets=20"
+QUICK_LIMITS="setup=30 env=20 cudatests=145 loader=70 train-resnet50=130 train-resnet18=115 targets=15"
 
 PY=${PY:-python3}
 OUT=${OUT:-gpu-session}
@@ -85,7 +87,7 @@ if [ "$PROFILE" = quick ]; then
     ROUNDS=${ROUNDS:-2}
     IMAGES=${IMAGES:-2000}
     LOADER_STEPS=${LOADER_STEPS:-30}
-    TRAIN_STEPS=${TRAIN_STEPS:-40}
+    TRAIN_STEPS=${TRAIN_STEPS:-30}
     WARMUP_STEPS=${WARMUP_STEPS:-5}
     PIPELINES=${PIPELINES:-$QUICK_PIPELINES}
     LIMITS="$QUICK_LIMITS ${LIMITS:-}"
