@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stoker import procs
-from stoker.process_errors import has_main_guard, start_failure
+from stoker.loading import procs
+from stoker.loading.process_errors import has_main_guard, start_failure
 from stoker.errors import ConfigError, SampleError, ShardError, WorkerError
-from stoker.loader import Loader
-from stoker.options import Workers
+from stoker.loader.loader import Loader
+from stoker.loader.options import Workers
 
 from test_loader import TRAIN, build_packed, run_epoch
 from test_procs import PROCESS, THREADS, clean, gone, workers_alive
@@ -47,7 +47,7 @@ def test_a_dev_shm_smaller_than_the_ring_is_refused_naming_both_sizes(packed: Pa
     """Where the ring's segments are files in /dev/shm (no memfd_create), a /dev/shm too small for it
     (Docker's 64 MB default) is refused before the worker process starts, naming both sizes and the
     fixes, instead of the child dying of SIGBUS."""
-    from stoker import shared_slots
+    from stoker.loading import shared_slots
 
     monkeypatch.setattr(shared_slots, "_memfd", None)
     monkeypatch.setattr(shared_slots, "_shm_free", lambda: (Path("/dev/shm"), 1 << 16, 64 << 20))
@@ -65,7 +65,7 @@ def test_a_dev_shm_smaller_than_the_ring_is_refused_naming_both_sizes(packed: Pa
 
 def test_the_ring_does_not_live_in_dev_shm_where_memfd_exists(packed: Path, monkeypatch) -> None:
     """On Linux the ring's memory has no name (memfd_create): /dev/shm's size does not bound it."""
-    from stoker import shared_slots
+    from stoker.loading import shared_slots
 
     if shared_slots._memfd is None:
         pytest.skip("memfd_create is Linux only")

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .errors import WorkerError
+from ..errors import WorkerError
 
 __all__ = ["RemoteTraceback", "child_imports", "has_main_guard", "killed_fix", "main_references", "main_script",
            "rebuild", "signal_name", "start_failure"]

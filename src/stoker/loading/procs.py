@@ -47,7 +47,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .errors import ConfigError, LoaderClosedError, LoaderTimeoutError, ShardError, WorkerError
+from ..errors import ConfigError, LoaderClosedError, LoaderTimeoutError, ShardError, WorkerError
 from .process_errors import (child_imports, has_main_guard, killed_fix, main_references, main_script, rebuild,
                              signal_name, start_failure)
 from .shared_slots import SharedBuffers, _posixshmem, attach, check_shm_fits, views
@@ -87,7 +87,7 @@ def _portable(exc: BaseException | None, depth: int = 0) -> dict | None:
 def check_process_mode(spec: Any, dataset: Any, *, device: Any) -> bytes:
     """Refuse, when the Loader is made, what the process mode cannot do, naming the fix; else the
     pickled RenderSpec the child is given."""
-    from .reader import PackedDataset
+    from ..reader import PackedDataset
 
     if _posixshmem is None:   # pragma: no cover - Windows
         raise ConfigError("Workers(processes=1) needs POSIX shared memory (Linux, macOS); drop processes=")
@@ -459,7 +459,7 @@ def child_main(conn: Any, payload: dict) -> None:
 
 
 def _child(conn: Any, payload: dict) -> None:
-    from .reader import open_dataset
+    from ..reader import open_dataset
     from .render import EpochChain, Filler, native_claims
 
     batch_size, shape = payload["geometry"]

@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from ._torch import torch
-from .errors import ConfigError
+from .._torch import torch
+from ..errors import ConfigError
 from .slots import Slot, _use_count, ring_bytes, row_shape
 
 try:   # POSIX shared memory, as multiprocessing.shared_memory uses it (not on Windows)
