@@ -145,7 +145,7 @@ def _describe(obj: Any) -> str:
 
 
 def _packed(loader: Any) -> bool:
-    return type(loader.dataset).__name__ in ("PackedDataset", "CachedDataset")
+    return loader.dataset.packed
 
 
 def _first_tensor(batch: Any) -> Any:
