@@ -34,6 +34,7 @@ from ..errors import ConfigError
 from ..loading.stats import LoaderStats
 from ..order import samples_per_rank
 from ..dataset import Dataset
+from .habits import check_source, dataloader_keywords
 from .open import open_for_loading
 from .options import Sampling, Storage, Targets, Workers
 from .passes import Cursor, Passes
@@ -74,9 +75,10 @@ class Loader:
                  device: str | int | torch.device | DeviceOptions | None = None, columns: Sequence[str] = (),
                  targets: Targets | None = None, storage: Storage | None = None,
                  workers: Workers | int | None = None, **dataloader: Any) -> None:
+        check_source(source)
+        loose = dataloader_keywords(dataloader)   # DataLoader's keywords, as fields of the option values
         asked = ask(source, batch_size, transforms=transforms, order=order, seed=seed, sampling=sampling,
-                    device=device, columns=columns, targets=targets, storage=storage, workers=workers,
-                    dataloader=dataloader)
+                    device=device, columns=columns, targets=targets, storage=storage, workers=workers, loose=loose)
         self._opened = open_for_loading(source, asked.storage, rank=asked.rank, world_size=asked.world_size,
                                         timeout=asked.workers.timeout)
         self.dataset = self._opened.dataset

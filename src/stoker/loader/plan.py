@@ -5,7 +5,7 @@ combinations of them.
     dataset = open_for_loading(source, asked.storage, ...)                          # the source
     plan = resolve(asked, dataset)                                                   # with the data
 
-`ask` merges the option values (and DataLoader's keywords, `habits`) and refuses what they cannot do
+`ask` merges the option values (and the fields DataLoader's keywords set, `habits`) and refuses what they cannot do
 together before anything is opened; `resolve` refuses what they cannot do with this dataset and
 fixes what to render (`RenderSpec`), the ring's shape, the epoch order (`EpochOrder`, a pure value)
 and the output kind. Each refusal is a ConfigError naming the fix as the Python argument to change.
@@ -32,7 +32,7 @@ from ..order import Pool, epoch_order, make_pool, num_batches, rank_indices, sam
 from ..dataset import Dataset
 from ..storage import url_scheme
 from ..transforms import Normalize, Pipeline
-from .habits import check_source, dataloader_keywords, pinned_labels
+from .habits import pinned_labels
 from .options import Sampling, Storage, Targets, Workers
 
 __all__ = ["NUMPY", "Asked", "EpochOrder", "LoadPlan", "ask", "resolve"]
@@ -66,10 +66,9 @@ class Asked:
 
 def ask(source: Any, batch_size: int, *, transforms: Sequence[Any] | None, order: str | None, seed: int | None,
         sampling: Sampling | None, device: Any, columns: Sequence[str], targets: Targets | None,
-        storage: Storage | None, workers: Workers | int | None, dataloader: dict[str, Any]) -> Asked:
-    """The Loader's arguments as one checked `Asked`; a ConfigError for any combination they cannot do."""
-    check_source(source)
-    loose = dataloader_keywords(dataloader)   # DataLoader's keywords, as fields of the options below
+        storage: Storage | None, workers: Workers | int | None, loose: dict[str, dict[str, Any]]) -> Asked:
+    """The Loader's arguments as one checked `Asked`; a ConfigError for any combination they cannot do.
+    `loose`: the option fields DataLoader's keywords set (`habits.dataloader_keywords`)."""
     for name, value in (("order", order), ("seed", seed)):   # the common two, kept at hand
         if value is not None:
             if name in loose["sampling"]:
