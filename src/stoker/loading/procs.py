@@ -51,7 +51,8 @@ from ..errors import ConfigError, LoaderClosedError, LoaderTimeoutError, ShardEr
 from .process_errors import (child_imports, has_main_guard, killed_fix, main_references, main_script, rebuild,
                              signal_name, start_failure)
 from .shared_slots import SharedBuffers, _posixshmem, attach, check_shm_fits, views
-from .slots import BatchRing, HandOut, LoaderStats, Run, Slot, row_shape
+from .slots import BatchRing, HandOut, Run, Slot, row_shape
+from .stats import LoaderStats
 
 __all__ = ["ProcessRun", "SharedBuffers", "check_process_mode", "child_main", "process_run"]
 
@@ -121,8 +122,8 @@ def check_process_mode(spec: Any, dataset: Any, *, device: Any) -> bytes:
 
 
 # ---- the parent's side -----------------------------------------------------------------------------
-def process_run(parts: Any, orders: list[tuple[int, np.ndarray, int]], sizes: list[int], threads: int,
-                extra: int, open_ended: bool = False) -> "ProcessRun":
+def process_run(parts: Any, dataset: Any, stats: LoaderStats, orders: list[tuple[int, np.ndarray, int]],
+                sizes: list[int], threads: int, extra: int, open_ended: bool = False) -> "ProcessRun":
     """A pipeline's `ProcessRun` over a ring of its own in shared memory (`prefetch + 2 + extra` slots):
     each pipeline (one pass, or a persistent Loader's epochs in a row) starts a worker process, which
     maps the ring's segments once and then they are unlinked. `orders`: the pipeline's (epoch, indices,
@@ -130,12 +131,12 @@ def process_run(parts: Any, orders: list[tuple[int, np.ndarray, int]], sizes: li
     h, w = parts.spec.output_size
     check_shm_fits(parts.prefetch + 2 + extra, parts.batch_size, h, w, parts.spec.frames)
     ring = BatchRing(parts.prefetch + 2 + extra, parts.batch_size, h, w, label_dtype=parts.label_dtype,
-                     pin_memory=parts.pin_memory, stats=parts.stats,
+                     pin_memory=parts.pin_memory, stats=stats,
                      buffers=SharedBuffers(parts.pin_memory, arrays=parts.buffers is not None),
                      frames=parts.spec.frames)
-    return ProcessRun(ring, sizes, threads, spec=parts.child_spec, path=str(parts.dataset.path), orders=orders,
-                      stats=parts.stats, timeout=parts.timeout, label_dtype=parts.label_dtype, open_ended=open_ended,
-                      identities=dict(getattr(parts.dataset, "_identities", {})))
+    return ProcessRun(ring, sizes, threads, spec=parts.child_spec, path=str(dataset.path), orders=orders,
+                      stats=stats, timeout=parts.timeout, label_dtype=parts.label_dtype, open_ended=open_ended,
+                      identities=dict(getattr(dataset, "_identities", {})))
 
 
 class ProcessRun(HandOut):
