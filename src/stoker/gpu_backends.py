@@ -31,8 +31,9 @@ class GpuDecoder(Protocol):
     engines) says so with a true `writes_at_call` attribute (see `GpuBatchDecoder`). Optional too:
     a true `regions` means `decode(datas, regions=[(top, bottom, left, right), ...])` decodes only
     each window (the result is that window's pixels); `reuse` > 0 means the decoder writes each call's
-    outputs into buffers it reuses `reuse` calls later, so the caller must have finished reading a
-    call's images before the `reuse`-th next call (`gpu_pipeline` waits for that, on an event)."""
+    outputs into a ring of `reuse` sets of buffers, and `use_entry(k)` says which set the next call
+    writes into: the caller calls it only once it has finished reading the images that set held
+    (`gpu_pipeline` waits for that, on an event)."""
 
     name: str  # e.g. "TorchCodec 0.17.0 nvJPEG"
 
@@ -249,9 +250,10 @@ class NvImageCodecDecoder(_Backend):
     involved: that is how the GPU path is tested against the real library on machines without one.
     `regions`: decode only each crop's window (`get_sub_code_stream(region=)`); the default is on for
     the CPU backend and off on a GPU, where 0.9's CUDA region decode fails on ordinary regions
-    (NVIDIA/nvImageCodec#55) and the hardware engines decode whole images. `reuse=k`: each call
-    decodes into the Images of the call k calls before (`decode(images=)`), so a pipelined caller that
-    has finished reading them allocates no device memory per image in steady state.
+    (NVIDIA/nvImageCodec#55) and the hardware engines decode whole images. `reuse=k`: the first call
+    after `use_entry(i)` decodes into the Images that entry i of a ring of k kept (`decode(images=)`), so
+    a pipelined caller that has finished reading them allocates no device memory per image in steady
+    state (buffers grow only for a larger image).
     """
 
     label = "nvImageCodec"
@@ -290,7 +292,7 @@ class NvImageCodecDecoder(_Backend):
         # output Images reused in a ring of `reuse` calls (0: a fresh Image per call, freed by torch)
         self.reuse = int(reuse)
         self._kept: list[Any] = [None] * max(self.reuse, 1)
-        self._turn = 0
+        self._turn, self._fresh = 0, False
         kind = ("" if "backends" not in args else " CPU (libjpeg-turbo)" if self.device.type == "cpu"
                 else " hardware JPEG first")  # an early release: its default backends
         self.name = f"nvImageCodec {version}".rstrip() + kind
@@ -329,6 +331,18 @@ class NvImageCodecDecoder(_Backend):
                else torch.from_numpy(np.asarray(image)))
         return hwc.permute(2, 0, 1)
 
+    def keep_outputs(self, ring: int) -> None:
+        """Reuse output Images in a ring of `ring` entries from now on (see `reuse`)."""
+        self.reuse = int(ring)
+        self._kept = [None] * max(self.reuse, 1)
+        self._turn, self._fresh = 0, False
+
+    def use_entry(self, k: int) -> None:
+        """With `reuse`: the following calls decode into the Images kept in entry k of the ring (the
+        caller has finished reading them)."""
+        if self.reuse:
+            self._turn, self._fresh = k % self.reuse, True
+
     def decode(self, datas: list[torch.Tensor], regions: Sequence[Any] | None = None
                ) -> list[torch.Tensor | Exception]:
         context = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
@@ -345,7 +359,10 @@ class NvImageCodecDecoder(_Backend):
                        if r is not None else nv.CodeStream(src) for src, r in zip(sources, regions)]
         # the Images of `reuse` calls ago: nvImageCodec resizes their buffers only when too small, so in
         # steady state a batch allocates nothing (the caller has finished reading them, see `reuse`)
-        kept = self._kept[self._turn] if self.reuse else None
+        # only the first call after `use_entry` (the whole chunk): a retry one image at a time must not
+        # overwrite the images that call returned
+        first = bool(self.reuse) and self._fresh
+        kept = self._kept[self._turn] if first else None
         reuse = kept if kept is not None and len(kept) == len(sources) else None
         kwargs = {"params": self._params}
         if reuse is not None:
@@ -355,9 +372,9 @@ class NvImageCodecDecoder(_Backend):
         images = self._decoder.decode(sources, **kwargs)
         if len(images) != len(sources):  # an older release dropped the failed ones: retried one by one
             raise RuntimeError(f"nvImageCodec returned {len(images)} images for {len(sources)} inputs")
-        if self.reuse:
+        if first:
             self._kept[self._turn] = None if any(img is None for img in images) else list(images)
-            self._turn = (self._turn + 1) % self.reuse
+            self._fresh = False
         return [RuntimeError("nvImageCodec could not decode this image (its log says why)") if img is None
                 else self._tensor(img) for img in images]
 

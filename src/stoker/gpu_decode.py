@@ -200,6 +200,13 @@ class GpuBatchDecoder:
         # be handed memory that queued kernels still read: it waits, on the host, for this event,
         # recorded after the last read of the previous chunk's decoded images
         self._reads_done: Any = None
+        self._stream: Any = None
+
+    def decode_stream(self) -> Any:
+        """The CUDA stream the pipelined path decodes on (`gpu_pipeline`), made once and kept."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        return self._stream
 
     def _decoded_bytes(self, job: GpuJob) -> int:
         if self.regions and job.window is not None:

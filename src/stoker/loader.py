@@ -306,6 +306,25 @@ class Loader:
             self._cursor)
         if self.device is not None and self.device.decode == "gpu":
             self._passes.gpu(self.device)  # a missing decoder library fails here, with its install hint
+        elif self.device is not None and self.device.decode == "auto":
+            self.device = self._auto_decode(self.device)
+
+    def _auto_decode(self, opts: DeviceOptions) -> DeviceOptions:
+        """decode="auto": these options where a GPU decoder works here and the transforms allow it (each
+        batch then split by measured throughput), else decode="cpu"; LoaderStats.gpu_split says which, and why."""
+        from .gpu_split import auto_blocker
+
+        tail = ", ".join(op.name for op in self.pipeline.tail if hasattr(op, "name"))
+        why = auto_blocker(tail, self.pipeline.resampling, self.pad, self.clips is not None)
+        if why is None:
+            try:
+                self._passes.gpu(opts)
+            except ConfigError as exc:
+                why = f"CPU only: no GPU JPEG decoder works here ({str(exc).splitlines()[0]})"
+        if why is None:
+            return opts
+        self.stats.gpu_share, self.stats.gpu_split = 0.0, why
+        return replace(opts, decode="cpu")
 
     def _video_clips(self, ds: Dataset) -> Clips | None:
         """The clip options of a video pack (`Sampling(clips=)`, or `Clips()`'s defaults); None for images. Refuses
