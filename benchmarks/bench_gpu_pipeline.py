@@ -12,9 +12,9 @@ convert run on the CPU. Two questions, each answered with figures measured in th
    decoder of zero latency: 1/R batches/s), not the serial 1/(L + R). Steady state: timed from the
    arrival of the third batch of an epoch to its last, after a warm-up epoch. Reported: batches/s, the ideal,
    overlap = measured / ideal (target >= 0.9), and the speed-up over the serial figure.
-2. **Split.** decode="auto" with a stand-in decoder beside one worker thread: the GPU side of rate G and the CPU side of rate
-   C img/s, each side's rate measured alone in the same setup (gpu_share=1, gpu_share=0; alternating
-   rounds): the share of each batch given to the GPU should settle at G / (G + C) (target: within 10%).
+2. **Split.** decode="auto" with a stand-in decoder beside one worker thread, against fixed shares
+   (gpu_share= 0 ... 1, alternating rounds): images/s of each, where the automatic share settled, and
+   each side's rate alone (G: gpu_share=1, C: gpu_share=0) with their ratio G / (G + C).
 
 Runs the Loader end to end (`DeviceOptions("cpu", decode="gpu" / "auto", gpu_decoder=...)`) on small
 generated JPEGs (about 110 x 130 px, made in a temporary folder). torch runs one intra-op thread
@@ -90,27 +90,30 @@ def overlap(packed: Path, batch: int, latencies: list[float], rounds: int) -> li
     return results
 
 
-def split(packed: Path, batch: int, rounds: int) -> list[dict[str, Any]]:
-    """Each side's capacity measured alone in the split's own setup (gpu_share=1: the stand-in and the
-    device side; gpu_share=0: the worker thread's per-row path), alternating with decode="auto"."""
-    results = []
-    for rate in (300.0, 150.0):
-        gpu_alone, cpu_alone, shares = [], [], []
-        for _ in range(rounds):
-            g, _ = run(packed, batch, stoker.DeviceOptions("cpu", decode="auto", gpu_share=1.0,
-                                                           gpu_decoder=FixedRateDecoder(images_per_s=rate)), 1)
-            c, _ = run(packed, batch, stoker.DeviceOptions("cpu", decode="auto", gpu_share=0.0,
-                                                           gpu_decoder=FixedRateDecoder(images_per_s=rate)), 1)
-            _, loader = run(packed, batch, stoker.DeviceOptions("cpu", decode="auto",
-                                                                gpu_decoder=FixedRateDecoder(images_per_s=rate)), 1)
-            gpu_alone.append(g * batch)
-            cpu_alone.append(c * batch)
-            shares.append(loader.stats.gpu_share)
-        gpu, cpu, got = statistics.median(gpu_alone), statistics.median(cpu_alone), statistics.median(shares)
-        want = gpu / (gpu + cpu)
-        results.append({"stand_in_img_per_s": rate, "gpu_alone_img_per_s": gpu, "cpu_alone_img_per_s": cpu,
-                        "want_share": want, "share": got, "shares": shares, "error": abs(got - want) / want})
-    return results
+SHARES = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)
+
+
+def split(packed: Path, batch: int, rounds: int, rate: float) -> dict[str, Any]:
+    """decode="auto" against fixed shares (gpu_share=), alternating: images/s of each, and where the
+    automatic split settled. Each side's rate alone is gpu_share=1 (the stand-in and the device side)
+    and gpu_share=0 (the worker thread's per-row path)."""
+    runs: dict[Any, list[float]] = {s: [] for s in (*SHARES, None)}
+    settled, reasons = [], []
+    for _ in range(rounds):
+        for share in runs:
+            r, loader = run(packed, batch, stoker.DeviceOptions(
+                "cpu", decode="auto", gpu_share=share, gpu_decoder=FixedRateDecoder(images_per_s=rate)), 1)
+            runs[share].append(r * batch)
+            if share is None:
+                settled.append(loader.stats.gpu_share)
+                reasons.append(loader.stats.gpu_split)
+    img_s = {("auto" if s is None else s): statistics.median(v) for s, v in runs.items()}
+    g, c = img_s[1.0], img_s[0.0]
+    best = max((v, s) for s, v in img_s.items() if s != "auto")
+    return {"stand_in_img_per_s": rate, "img_per_s": img_s, "gpu_alone": g, "cpu_alone": c,
+            "alone_ratio": g / (g + c), "settled": statistics.median(settled), "settled_all": settled,
+            "reason": reasons[-1], "best_fixed": best[1], "auto_over_best": img_s["auto"] / best[0],
+            "auto_over_cpu": img_s["auto"] / c}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,13 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--latency-ms", type=float, nargs="+", default=[100.0, 200.0])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--gpu-rate", type=float, default=300.0, help="the stand-in's images/s in the split runs")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         packed = make_dataset(Path(tmp), args.images)
         over = overlap(packed, args.batch, [ms / 1e3 for ms in args.latency_ms], args.rounds)
-        shares = split(packed, args.batch, args.rounds)
+        shares = split(packed, args.batch, args.rounds, args.gpu_rate)
     print(f"overlap ({args.images} images, batches of {args.batch}, 64 x 64, median of {args.rounds} alternating "
           f"rounds)")
     print("| decoder latency | rest alone | pipelined | ideal 1/max(L, R) | serial 1/(L + R) | overlap | vs serial |")
@@ -134,12 +138,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['latency_ms']:.0f} ms | {r['rest_batches_per_s']:.1f}/s | {r['batches_per_s']:.1f}/s | "
               f"{r['ideal_batches_per_s']:.1f}/s | {r['serial_batches_per_s']:.1f}/s | {r['overlap']:.2f} | "
               f"{r['over_serial']:.2f}x |")
-    print("\nsplit (decode='auto', one worker thread; each side alone: gpu_share=1 and gpu_share=0)")
-    print("| stand-in rate | GPU side alone G | CPU side alone C | G/(G+C) | settled share | error |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for r in shares:
-        print(f"| {r['stand_in_img_per_s']:.0f} img/s | {r['gpu_alone_img_per_s']:.0f} img/s | "
-              f"{r['cpu_alone_img_per_s']:.0f} img/s | {r['want_share']:.2f} | {r['share']:.2f} | {r['error']:.0%} |")
+    sp = shares
+    print(f"\nsplit (one worker thread, a stand-in of {sp['stand_in_img_per_s']:.0f} img/s; images/s, median of "
+          f"{args.rounds} alternating rounds)")
+    print("| gpu_share | " + " | ".join(str(k) for k in sp["img_per_s"]) + " |")
+    print("| --- |" + " --- |" * len(sp["img_per_s"]))
+    print("| img/s | " + " | ".join(f"{v:.0f}" for v in sp["img_per_s"].values()) + " |")
+    print(f"auto settled at {sp['settled']:.2f} ({sp['reason']}); each side alone: G {sp['gpu_alone']:.0f}, "
+          f"C {sp['cpu_alone']:.0f} img/s, G/(G+C) {sp['alone_ratio']:.2f}; auto {sp['auto_over_best']:.2f}x the "
+          f"best fixed share ({sp['best_fixed']}), {sp['auto_over_cpu']:.2f}x the CPU alone")
     if args.json:
         args.json.write_text(json.dumps({"overlap": over, "split": shares}, indent=2))
     return 0

@@ -242,3 +242,15 @@ def test_region_decode_and_reused_outputs_match_the_cpu_path_within_one_level(pa
         for a, b in zip(want, got):
             assert int((a.int() - b.int()).abs().max()) <= 1
     assert region.regions and region.reuse == 3 and region._kept[0] is not None  # outputs were kept for reuse
+
+
+def test_doctor_names_the_split_and_why() -> None:
+    from stoker.slots import LoaderStats
+    from stoker.tools.doctor import _gpu_decode
+
+    stats = LoaderStats(gpu_decoder="nvImageCodec 0.9.0 hardware JPEG first", gpu_share=0.25,
+                        gpu_split="split by measured throughput: GPU 2,000 img/s, CPU threads 6,000 img/s, so 25% ...")
+    line = _gpu_decode(stats)
+    assert line.startswith("nvImageCodec 0.9.0") and "25% of each batch's JPEGs on the GPU" in line
+    assert "CPU threads 6,000 img/s" in line
+    assert _gpu_decode(LoaderStats(gpu_decoder="TorchCodec 0.17.0 nvJPEG")) == "TorchCodec 0.17.0 nvJPEG"
