@@ -149,19 +149,25 @@ def test_closing_mid_epoch_stops_the_decode_thread(packed: Path) -> None:
 # ---- the split: converges to the capacities' ratio ------------------------------------------------------
 
 def simulate(ctrl: SplitControl, gpu_rate: float, cpu_rate: float, batches: int, batch: int = 256,
-             latency: float = 0.0, noise: float = 0.0, seed: int = 0) -> list[float]:
+             latency: float = 0.0, noise: float = 0.0, seed: int = 0, interference: float = 1.0) -> list[float]:
     """Drive `ctrl` as the device thread does, with a simulated clock: each batch's GPU side takes
-    latency + n_gpu / gpu_rate seconds, its CPU rows n_cpu * threads / cpu_rate thread-seconds."""
+    latency + n_gpu / gpu_rate seconds, its CPU rows n_cpu * threads / cpu_rate thread-seconds (times
+    `interference` when the batch is split: the two sides slowing each other down on the host), and
+    the batch as long as the slower side."""
     rng = np.random.default_rng(seed)
     shares = []
     for _ in range(batches):
         n_gpu = ctrl.gpu_rows(batch)
         n_cpu = batch - n_gpu
         jitter = 1 + noise * rng.uniform(-1, 1)
+        slow = interference if n_gpu else 1.0
+        gpu_s = (latency + n_gpu / gpu_rate) * jitter if n_gpu else 0.0
+        cpu_s = n_cpu * ctrl.threads / cpu_rate * jitter * slow
         if n_gpu:
-            ctrl.observe_gpu(n_gpu, (latency + n_gpu / gpu_rate) * jitter)
+            ctrl.observe_gpu(n_gpu, gpu_s)
         if n_cpu:
-            ctrl.observe_cpu(n_cpu, n_cpu * ctrl.threads / cpu_rate * jitter)
+            ctrl.observe_cpu(n_cpu, cpu_s)
+        ctrl.observe_batch(batch, max(gpu_s, cpu_s / ctrl.threads), split=bool(n_gpu))
         ctrl.batch_done()
         shares.append(ctrl.share)
     return shares
@@ -171,32 +177,47 @@ def simulate(ctrl: SplitControl, gpu_rate: float, cpu_rate: float, batches: int,
 def test_the_split_converges_to_the_capacities_ratio(gpu_rate: float, cpu_rate: float) -> None:
     want = gpu_rate / (gpu_rate + cpu_rate)
     ctrl = SplitControl(threads=8)
-    shares = simulate(ctrl, gpu_rate, cpu_rate, 20, noise=0.2)
-    assert all(abs(s - want) <= 0.1 * want for s in shares[5:]), (want, shares)
-    assert "split by measured throughput" in ctrl.reason and f"{want:.0%}"[:1] in ctrl.reason
+    shares = simulate(ctrl, gpu_rate, cpu_rate, 120, noise=0.2)
+    split = [s for s in shares[5:] if s > 0]  # outside the windows that time the CPU alone
+    assert len(split) > 90 and all(abs(s - want) <= 0.15 * want for s in split), (want, shares)  # +-20% noise
+    assert abs(np.mean(split[-60:]) - want) <= 0.05 * want
+    assert all(abs(s - want) <= 0.1 * want for s in simulate(SplitControl(threads=8), gpu_rate, cpu_rate, 60)[3:]
+               if s > 0)  # without noise: within 10% from the third batch on
+    assert ctrl.mode == "split" and "split by measured throughput" in ctrl.reason
+    assert shares.count(0.0) >= 8 * 2  # the CPU alone was timed in probe windows, and lost
 
 
 def test_the_split_follows_a_change_of_load() -> None:
     ctrl = SplitControl(threads=4)
-    simulate(ctrl, 3000.0, 3000.0, 10)
+    simulate(ctrl, 3000.0, 3000.0, 20)
     assert abs(ctrl.share - 0.5) < 0.02
     shares = simulate(ctrl, 3000.0, 9000.0, 10)  # the CPU got three times faster (say, the model went idle)
-    assert abs(shares[-1] - 0.25) < 0.025
+    assert abs(shares[-1] - 0.25) < 0.025 and ctrl.mode == "split"
+
+
+def test_a_split_that_slows_the_cpu_side_down_is_dropped_and_retried() -> None:
+    """Each side alone is fast, but beside each other the CPU rows take five times as long (the GIL,
+    shared cores): the probe window of the CPU alone is faster, so the CPU alone is kept, and the
+    split is tried again every probe_every batches."""
+    ctrl = SplitControl(threads=1, probe_every=20, probe_len=6, warmup=4)
+    shares = simulate(ctrl, 2000.0, 2500.0, 40, batch=16, interference=5.0)
+    assert ctrl.mode == "cpu" and ctrl.reason.startswith("CPU only: batches came at")
+    assert 0 in shares and shares[-1] == 0.0
+    shares = simulate(ctrl, 2000.0, 2500.0, 30, batch=16, interference=1.0)  # the interference is gone
+    assert ctrl.mode == "split" and shares[-1] > 0.05
 
 
 def test_a_gpu_that_adds_too_little_is_left_out_but_still_measured() -> None:
-    ctrl = SplitControl(threads=16, floor=0.02, probe_every=10)
-    simulate(ctrl, 50.0, 10_000.0, 40)
-    assert ctrl.share == 0.0 and ctrl.reason.startswith("CPU only")
-    rows = [ctrl.gpu_rows(256) for ctrl.batches in range(40, 60)]
-    assert rows.count(1) == 2 and set(rows) == {0, 1}  # one probe row every 10 batches
-    simulate(ctrl, 20_000.0, 10_000.0, 40)  # the GPU became fast: measured by the probes, taken back
-    assert abs(ctrl.share - 2 / 3) < 0.07
+    ctrl = SplitControl(threads=16, floor=0.02, probe_every=10, probe_len=4, warmup=4)
+    simulate(ctrl, 50.0, 10_000.0, 3)
+    assert ctrl.share == 0.0 and ctrl.mode == "cpu" and ctrl.reason.startswith("CPU only: the GPU decoder measured")
+    shares = simulate(ctrl, 20_000.0, 10_000.0, 40)  # the GPU became fast: a probe of the split takes it back
+    assert ctrl.mode == "split" and abs(shares[-1] - 2 / 3) < 0.07
 
 
 def test_a_fixed_share_is_never_moved() -> None:
     ctrl = SplitControl(threads=4, share=0.3)
-    simulate(ctrl, 1000.0, 9000.0, 10)
+    simulate(ctrl, 1000.0, 9000.0, 60)
     assert ctrl.share == 0.3 and ctrl.gpu_rows(100) == 30 and "gpu_share" in ctrl.reason
     with pytest.raises(ConfigError, match="gpu_share must be a number between 0 and 1"):
         DeviceOptions("cpu", decode="auto", gpu_share=1.5)
@@ -208,8 +229,10 @@ def test_auto_splits_each_batch_and_says_why(packed: Path) -> None:
     for _ in range(3):
         assert sum(len(x) for x, _ in loader) == 48
     stats = loader.stats
-    assert 0 < stats.gpu_decoded < stats.samples  # both sides decoded some of every batch
-    assert 0.0 < stats.gpu_share < 1.0 and stats.gpu_split.startswith("split by measured throughput")
+    assert 0 < stats.gpu_decoded < stats.samples  # both sides decoded (the first batches split half and half)
+    # which way wins depends on this machine's timing; either way the share and the reason agree
+    assert 0.0 < stats.gpu_share < 1.0 and stats.gpu_split.startswith("split by measured throughput") or \
+        stats.gpu_share == 0.0 and stats.gpu_split.startswith("CPU only")
     assert set(stats.gpu_phases) == {"plan_s", "upload_s", "decode_s", "reads_wait_s", "decode_wait_s",
                                      "resample_s", "fallback_s", "convert_s"}
     assert stats.gpu_phases["decode_s"] > 0 and stats.gpu_phases["resample_s"] > 0

@@ -228,6 +228,7 @@ class _Pending:
     def __init__(self, slot: Slot, x: torch.Tensor, ticket: _Ticket, copied: Any, t0: float) -> None:
         self.slot, self.x, self.ticket, self.copied, self.t0 = slot, x, ticket, copied, t0
         self.finished = False  # set by the device thread once nothing more is written from or into the slot
+        self.submit_s = 0.0
 
     def done(self) -> bool:
         """The slot may be refilled: the batch is finished (or abandoned) and its copies have run."""
@@ -249,6 +250,7 @@ class PipelinedBuilder:
         self.buffers: list[torch.Tensor | None] = [None] * RING
         self.turn = 0
         self.batches = 0
+        self.last_done: float | None = None  # when the device thread last finished a batch (the split's pace)
         self.measure = base.measure
 
     def start(self) -> None:
@@ -278,10 +280,13 @@ class PipelinedBuilder:
             self.phases.add("plan_s", sum(plan_s))
         ticket = _Ticket([j for j in jobs if j is not None], x.shape[1], x.shape[2])
         self.decoder.submit(ticket)
-        return _Pending(slot, x, ticket, self.stage.fence(), t0)
+        pending = _Pending(slot, x, ticket, self.stage.fence(), t0)
+        pending.submit_s = time.perf_counter() - t0
+        return pending
 
     def finish(self, pending: _Pending) -> tuple[Any, Any]:
         """Batch `pending` built (as `DeviceBuilder.__call__` returns it) and its fence."""
+        t_finish = time.perf_counter()
         slot, x, ticket = pending.slot, pending.x, pending.ticket
         nchw = x.permute(0, 3, 1, 2)
         failures: list = []
@@ -320,7 +325,7 @@ class PipelinedBuilder:
         self.phases.add("convert_s", t4 - t3)
         # the GPU side's pace: its busier stage, the decode calls or the resample (they overlap)
         self._account(slot, ticket, failures, gpu_side=max(decode_s, resample))
-        self.stats.device_s += t4 - pending.t0 - decode_wait
+        self.stats.device_s += pending.submit_s + t4 - t_finish - decode_wait
         self.base.working = storages_on(x, self.opts.device)
         if storages_on(batch, self.opts.device).keys() & self.base.working.keys():
             self.buffers[self.buffers.index(x)] = None  # handed out as it is: never reused
@@ -352,8 +357,12 @@ class PipelinedBuilder:
             if cpu_s is not None and n_cpu > 0:
                 self.split.observe_cpu(n_cpu, sum(cpu_s))
             self.split.observe_gpu(len(ticket.jobs), gpu_side)
+            now = time.perf_counter()
+            if self.last_done is not None:
+                self.split.observe_batch(slot.size, now - self.last_done, split=bool(ticket.jobs))
+            self.last_done = now
             self.split.batch_done()
-            stats.gpu_share, stats.gpu_split = self.split.share, self.split.reason
+            stats.gpu_share, stats.gpu_split = self.split.settled, self.split.reason
         self.batches += 1
         if self.batches % LOG_EVERY == 0:
             _log.info(self.phases.line(self.batches))

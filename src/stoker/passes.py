@@ -150,7 +150,7 @@ class Passes:
         share = opts.gpu_share if opts.gpu_share is not None else 1.0 if opts.decode == "gpu" else None
         if self._split is None or self._split.fixed != share:
             self._split = SplitControl(self.parts.num_threads, share)
-            self.parts.stats.gpu_share, self.parts.stats.gpu_split = self._split.share, self._split.reason
+            self.parts.stats.gpu_share, self.parts.stats.gpu_split = self._split.settled, self._split.reason
         return self._split
 
     def pipeline_for(self, epoch: int, start: int, opts: DeviceOptions | None, private: bool = False
