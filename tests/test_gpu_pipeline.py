@@ -19,8 +19,8 @@ import stoker
 from conftest import jpeg_bytes
 from stoker import DeviceOptions, Loader, Workers
 from stoker.errors import ConfigError
-from stoker.gpu_decode import GpuBatchDecoder
-from stoker.gpu_split import SplitControl
+from stoker.device.gpu_decode import GpuBatchDecoder
+from stoker.device.gpu_split import SplitControl
 from stoker.tools.gpu_standin import FixedRateDecoder
 from stoker.transforms import ColorJitter, RandomHorizontalFlip, RandomResizedCrop
 from test_gpu_decode import textured
@@ -84,7 +84,7 @@ def test_the_device_thread_submits_batch_b_before_it_finishes_batch_b_minus_1(
         packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The device thread's order: submit 0, submit 1, finish 0, submit 2, finish 1, ..., finish last;
     each slot is guarded by its pending batch until that batch is finished."""
-    from stoker import gpu_pipeline
+    from stoker.device import gpu_pipeline
 
     log: list[str] = []
     guards: list = []
@@ -113,7 +113,7 @@ def test_the_device_thread_submits_batch_b_before_it_finishes_batch_b_minus_1(
 def test_decoded_chunks_are_bounded_and_released_in_order(packed: Path) -> None:
     """Small budgets cut each batch into many chunks: never more than RING decoded chunks live at
     once, and the output matches the unpipelined run bit for bit."""
-    from stoker import gpu_pipeline
+    from stoker.device import gpu_pipeline
 
     dec = FixedRateDecoder()
     loader = Loader(packed, 16, transforms=CROP, seed=4, device=DeviceOptions("cpu", decode="gpu", gpu_decoder=dec))
@@ -250,7 +250,7 @@ def test_auto_decodes_on_the_cpu_where_the_gpu_cannot_help_and_says_why(packed: 
 # ---- pixels: within 1 level of the CPU path where both decode at full size ------------------------------
 
 def test_region_decode_and_reused_outputs_match_the_cpu_path_within_one_level(packed: Path) -> None:
-    nvimgcodec = pytest.importorskip("stoker.gpu_backends").NvImageCodecDecoder
+    nvimgcodec = pytest.importorskip("stoker.device.gpu_backends").NvImageCodecDecoder
     try:
         whole = nvimgcodec("cpu", regions=False)
         region = nvimgcodec("cpu", regions=True, reuse=3)
@@ -268,7 +268,7 @@ def test_region_decode_and_reused_outputs_match_the_cpu_path_within_one_level(pa
 
 
 def test_doctor_names_the_split_and_why() -> None:
-    from stoker.slots import LoaderStats
+    from stoker.loading.slots import LoaderStats
     from stoker.tools.doctor import _gpu_decode
 
     stats = LoaderStats(gpu_decoder="nvImageCodec 0.9.0 hardware JPEG first", gpu_share=0.25,

@@ -230,8 +230,8 @@ def _baseline_recipe_runner(spec: _Spec) -> _Runner:
 
 
 def _stoker_recipe_runner(spec: _Spec) -> _Runner:
-    from ..loader import Loader
-    from ..options import Workers
+    from ..loader.loader import Loader
+    from ..loader.options import Workers
     from ..transforms import Normalize, RandAugment, RandomErasing, RandomHorizontalFlip, RandomResizedCrop
     from .baseline_recipes import deit_mixup
 
@@ -250,9 +250,9 @@ def _stoker_recipe_runner(spec: _Spec) -> _Runner:
 
 
 def _stoker_runner(spec: _Spec, train: bool) -> _Runner:
-    from ..device import DeviceOptions
-    from ..loader import Loader
-    from ..options import Workers
+    from ..device.stage import DeviceOptions
+    from ..loader.loader import Loader
+    from ..loader.options import Workers
     from ..transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
 
     if spec.pipeline == "overhead":
@@ -807,7 +807,10 @@ def _format_device(result: BenchResult) -> str:
              f"Device: {gpu}; torch {m.get('torch', '-')}, torchvision {m.get('torchvision') or 'not installed'}.",
              f"Machine: {m['cpu']}, {m['usable_cores']} usable cores, {m['memory_gb']} GB, load average "
              f"{m['load_1m']} at the start; Python {m['python']}, Pillow {m['pillow']}, simplejpeg {m['simplejpeg']}.",
-             "of synthetic: training images/s over the same model's on one GPU-resident batch (no input pipeline). "
+             "fed / synthetic: training images/s over the same model's on one GPU-resident batch (no input "
+             "pipeline): the share of the model's speed a feed keeps. stoker-interference is the control: the model on "
+             "that resident batch while the stoker feed runs beside it, its batches discarded; its shortfall is the "
+             "loader's cost to the step, which data wait does not show. "
              "Data wait: share of the timed steps the training loop spent in next() (host side). Peak device: "
              "torch.cuda.max_memory_allocated of the pipeline's process. CPU %: process + children (100 = one core).",
              NOTE, *result.notes]

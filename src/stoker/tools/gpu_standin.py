@@ -1,7 +1,7 @@
 """A stand-in GPU JPEG decoder of fixed latency and throughput, for measuring the GPU decode pipeline
 on machines without a GPU (benchmarks/bench_gpu_pipeline.py, tests/test_gpu_pipeline.py).
 
-It follows the `gpu_decoder=` object API (`stoker.gpu_backends.GpuDecoder`): each call blocks the
+It follows the `gpu_decoder=` object API (`stoker.device.gpu_backends.GpuDecoder`): each call blocks the
 calling thread for `latency_s + images / images_per_s` seconds, as a library that decodes while it
 is called does (the hardware JPEG engines; TorchCodec host-synchronizes), with the GIL released
 (`time.sleep`), then returns uint8 [3, H, W] tensors of the right size: the image's (read from the

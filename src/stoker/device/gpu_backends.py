@@ -14,9 +14,9 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from ._torch import torch
-from .codecs import encode_jpeg
-from .errors import ConfigError
+from .._torch import torch
+from ..codecs import encode_jpeg
+from ..errors import ConfigError
 
 #: Accepted values of `gpu_decoder` / `make_decoder(backend=...)`.
 BACKENDS = ("auto", "torchcodec", "nvimgcodec")

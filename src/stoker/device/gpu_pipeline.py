@@ -31,12 +31,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._torch import torch
-from .device_build import DeviceBuilder, run_batch_ops
-from .device import convert, storages_on
-from .errors import LoaderClosedError, LoaderTimeoutError
+from .._torch import torch
+from ..errors import LoaderClosedError, LoaderTimeoutError
+from ..loading.slots import Slot
+from .build import DeviceBuilder, run_batch_ops
+from .feeder import Feeder
 from .gpu_split import SplitControl
-from .slots import Feeder, Slot
+from .stage import convert, storages_on
 
 _log = logging.getLogger("stoker.gpu")
 

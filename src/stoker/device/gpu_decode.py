@@ -22,34 +22,18 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-from ._torch import torch
-from .errors import ConfigError, CorruptImageError, ImageError
+from .._torch import torch
+from ..errors import ConfigError, CorruptImageError, ImageError
+from ..loading.jobs import GpuJob
+from ..transforms import CropWindow, crop_window
 from .gpu_backends import (AUTO, BACKENDS, NVIMGCODEC_CPU_THREADS, REMOVED, TORCHCODEC_MIN,  # noqa: F401
                            GpuDecoder, NvImageCodecDecoder, TorchCodecDecoder, _decode_each, make_decoder)
-from .transforms import CropWindow, crop_window
 
 F = torch.nn.functional
 
 #: Default bound on the decoded pixels held at once by `GpuBatchDecoder.run`: 256 MiB of uint8 RGB,
 #: e.g. about 470 ImageNet-sized (375x500) images, or 7 twelve-megapixel photos.
 DEFAULT_BUDGET_BYTES = 256 << 20
-
-
-@dataclass
-class GpuJob:
-    """One JPEG for the GPU: where it goes and how it is cropped (a row of the CPU crop plan)."""
-
-    row: int  # row of the batch this sample goes to
-    data: torch.Tensor  # 1-D uint8 CPU tensor, writable: the JPEG file bytes
-    box: tuple[float, float, float, float]  # crop (top, left, height, width) in full-image pixels (Plan.box row)
-    flip: bool  # mirror left-right after resizing
-    height: int  # stored full-image size, pixels
-    width: int
-    key: str  # names the sample in error messages
-    # the crop's integer windows (`crop_window`), planned by the worker thread that made the job; None:
-    # planned on the device thread
-    window: CropWindow | None = None
-
 
 
 # ---- crop, resize, flip on the device: a whole chunk in a few kernels ----------------------------------

@@ -19,11 +19,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .device import DeviceOptions, DeviceStage, consumer_fence
-from .reader import CachedDataset, Dataset
-from .device_build import DeviceBuilder, batch_extras, run_batch_ops
-from .render import EpochChain, Filler, RenderSpec, native_claims
-from .slots import BatchRing, Feeder, LoaderStats, Run, Slot
+from ..device.stage import DeviceOptions, DeviceStage, consumer_fence
+from ..reader import CachedDataset, Dataset
+from ..device.build import DeviceBuilder, batch_extras, run_batch_ops
+from ..loading.render import EpochChain, Filler, RenderSpec, native_claims
+from ..device.feeder import Feeder
+from ..loading.slots import BatchRing, LoaderStats, Run, Slot
 
 __all__ = ["Cursor", "PassIter", "PassParts", "Passes"]
 
@@ -130,14 +131,14 @@ class Passes:
 
     def gpu(self, opts: DeviceOptions) -> Any:
         """The GpuBatchDecoder for decode="gpu", made once (gpu_decode loads only when asked for)."""
-        from .gpu_decode import GpuBatchDecoder, make_decoder
+        from ..device.gpu_decode import GpuBatchDecoder, make_decoder
 
         opts = opts.resolved(warn=False)  # a Loader checks its decoder when made: the pass warns, if need be
         if self._gpu is None or self._gpu.device != opts.device:
             spec = opts.gpu_decoder
             decoder = make_decoder(spec, opts.device) if isinstance(spec, str) else spec
             if isinstance(spec, str) and hasattr(decoder, "keep_outputs"):
-                from .gpu_pipeline import RING
+                from ..device.gpu_pipeline import RING
 
                 decoder.keep_outputs(RING)  # no device allocation per image in steady state
             self._gpu = GpuBatchDecoder(decoder, opts.device)
@@ -145,7 +146,7 @@ class Passes:
 
     def split(self, opts: DeviceOptions) -> Any:
         """The SplitControl of decode="gpu"/"auto", kept across passes (its measurements carry over)."""
-        from .gpu_split import SplitControl
+        from ..device.gpu_split import SplitControl
 
         share = opts.gpu_share if opts.gpu_share is not None else 1.0 if opts.decode == "gpu" else None
         if self._split is None or self._split.fixed != share:
@@ -224,7 +225,7 @@ class _Pipeline:
         # (the GPU decode pipeline: one more, the slot whose batch is still being decoded)
         extra = 0 if opts is None else 2 if spec.gpu_decode else 1
         if parts.child_spec is not None:   # the threads in a worker process, over a ring in shared memory
-            from .procs import process_run
+            from ..loading.procs import process_run
 
             self.run = process_run(parts, self._orders, sizes, threads, extra, open_ended=persistent)
         else:
@@ -236,7 +237,7 @@ class _Pipeline:
             decoder = passes.gpu(opts) if spec.gpu_decode else None
             build = DeviceBuilder(stage, decoder, self.chain, self.run.lock, parts.stats)
             if decoder is not None and isinstance(self.run, Run):  # the decode overlapped: gpu_pipeline
-                from .gpu_pipeline import PipelinedBuilder, PipelinedFeeder
+                from ..device.gpu_pipeline import PipelinedBuilder, PipelinedFeeder
 
                 stop = threading.Event()
                 pipe = PipelinedBuilder(build, spec.gpu_split, parts.timeout, stop)
@@ -331,7 +332,7 @@ class PassIter:
         self._finalizer = weakref.finalize(self, _end_lease, pipe, pipe.lease, self._keep, self._last)
         self._numpy: Callable[..., tuple] | None = None
         if parts.buffers is not None:
-            from .numpy_output import numpy_batch   # loaded by NumPy output only
+            from ..loading.numpy_output import numpy_batch   # loaded by NumPy output only
 
             self._numpy = numpy_batch
         pipe.start()
