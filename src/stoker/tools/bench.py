@@ -481,6 +481,9 @@ def _measure_training(spec: _Spec) -> dict[str, Any]:
 
 
 _RESULT_MARK = "STOKER-BENCH-RESULT "
+#: set (to 1) in the environment: each pipeline's process logs stoker's info lines (its timers among them)
+#: and the bench passes them on to its own stderr, each line prefixed with the pipeline's name
+CHILD_LOGS_ENV = "STOKER_BENCH_CHILD_LOGS"
 
 
 def _measure_isolated(spec: _Spec) -> dict[str, Any]:
@@ -491,6 +494,9 @@ def _measure_isolated(spec: _Spec) -> dict[str, Any]:
     except subprocess.TimeoutExpired:
         raise StokerError(f"bench pipeline {spec.pipeline!r} ran longer than {_CHILD_TIMEOUT_S:.0f} s; "
                           "use fewer images or rounds") from None
+    if os.environ.get(CHILD_LOGS_ENV, "0") not in ("", "0"):
+        for line in proc.stderr.splitlines():
+            print(f"[{spec.pipeline}] {line}", file=sys.stderr, flush=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_RESULT_MARK)]
     if proc.returncode != 0 or not lines:
         raise StokerError(f"bench pipeline {spec.pipeline!r} failed (exit {proc.returncode}); its output "
@@ -500,6 +506,11 @@ def _measure_isolated(spec: _Spec) -> dict[str, Any]:
 
 def _child_main(argv: Sequence[str]) -> int:
     spec = _Spec(**json.loads(argv[1]))
+    if os.environ.get(CHILD_LOGS_ENV, "0") not in ("", "0"):
+        import logging
+        logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        logging.getLogger("stoker").setLevel(logging.INFO)
     cpus = cpu_ids()
     if hasattr(os, "sched_setaffinity") and len(cpus) > spec.workers:
         os.sched_setaffinity(0, cpus[:spec.workers])   # this child only: the same cores for every pipeline
