@@ -251,7 +251,6 @@ class PipelinedBuilder:
         self.buffers: list[torch.Tensor | None] = [None] * RING
         self.turn = 0
         self.batches = 0
-        self.last_done: float | None = None  # when the device thread last finished a batch (the split's pace)
         self.measure = base.measure
 
     def start(self) -> None:
@@ -353,15 +352,15 @@ class PipelinedBuilder:
             stats.gpu_fallbacks += len(failures)
             stats.gpu_decoder = self.base.gpu.decoder.name
         if self.split is not None:
-            cpu_s = getattr(_batch_plan(slot), "cpu_render_s", None)
+            cpu_s = sum(getattr(_batch_plan(slot), "cpu_render_s", None) or ())
             n_cpu = slot.size - len(ticket.jobs)
-            if cpu_s is not None and n_cpu > 0:
-                self.split.observe_cpu(n_cpu, sum(cpu_s))
+            if n_cpu > 0:
+                self.split.observe_cpu(n_cpu, cpu_s)
             self.split.observe_gpu(len(ticket.jobs), gpu_side)
-            now = time.perf_counter()
-            if self.last_done is not None:
-                self.split.observe_batch(slot.size, now - self.last_done, split=bool(ticket.jobs))
-            self.last_done = now
+            # the batch's pace: its slower side, each timed where it ran (not the gap between two
+            # batches, which a backlog of finished slots would shorten)
+            self.split.observe_batch(slot.size, max(cpu_s / self.split.threads, gpu_side if ticket.jobs else 0.0),
+                                     split=bool(ticket.jobs))
             self.split.batch_done()
             stats.gpu_share, stats.gpu_split = self.split.settled, self.split.reason
         self.batches += 1

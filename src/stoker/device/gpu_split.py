@@ -12,7 +12,8 @@ Whether the split helps at all is measured too: the two sides share the host (th
 Python and the workers' take turns at the GIL; the GPU path's host work takes cores), so a side's
 rate beside the other can be far below its rate alone. Every `probe_every` batches a window of
 `probe_len` batches runs the other way (the CPU alone while splitting, the split while the CPU is
-alone), and the pace of whole batches (images/s the device thread finishes) decides which to keep;
+alone), and the pace of whole batches (images/s, each batch as long as its slower side, both
+sides timed where they ran, so the slowdown one causes the other is in it) decides which to keep;
 `reason` says which and why. Until both ways have been timed, a GPU that would add less than
 `floor` of the capacity is left out too. Pure arithmetic on the numbers it is handed: tests drive it with a simulated clock.
 """
@@ -82,8 +83,8 @@ class SplitControl:
                 self._update()
 
     def observe_batch(self, images: int, seconds: float, split: bool) -> None:
-        """A whole batch of `images` finished `seconds` after the previous one; `split`: some of its
-        rows were decoded on the GPU."""
+        """A whole batch of `images` took `seconds` on its slower side (the CPU rows' thread-seconds
+        over the threads, or the GPU side's); `split`: some of its rows were decoded on the GPU."""
         if images > 0 and seconds > 0:
             with self.lock:
                 key = "split" if split else "cpu"
