@@ -277,3 +277,42 @@ def test_doctor_names_the_split_and_why() -> None:
     assert line.startswith("nvImageCodec 0.9.0") and "25% of each batch's JPEGs on the GPU" in line
     assert "CPU threads 6,000 img/s" in line
     assert _gpu_decode(LoaderStats(gpu_decoder="TorchCodec 0.17.0 nvJPEG")) == "TorchCodec 0.17.0 nvJPEG"
+
+
+def test_a_batchs_jpeg_bytes_share_one_staging_buffer(packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From a slot's second batch on, the workers copy its JPEGs into one buffer made by the device
+    thread, each job's bytes a view at its own offset; a buffer too small for a batch is replaced by a
+    larger one for the next, and the pixels never change."""
+    from stoker.device import gpu_pipeline
+
+    seen: list[tuple[int, list]] = []
+    submit = gpu_pipeline.PipelinedBuilder.submit
+
+    def spy(self, slot):
+        jobs = [j for j in slot.jobs[:slot.size] if j is not None]
+        base = slot.staging.buffer if slot.staging is not None else None
+        spans = []
+        for j in jobs:
+            inside = base is not None and j.data.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+            spans.append((inside, j.data.storage_offset(), j.data.numel()))
+        seen.append((id(slot), spans))
+        return submit(self, slot)
+
+    monkeypatch.setattr(gpu_pipeline.PipelinedBuilder, "submit", spy)
+    loader = Loader(packed, 4, transforms=CROP, seed=7, device=DeviceOptions("cpu", decode="gpu",
+                                                                            gpu_decoder=FixedRateDecoder()))
+    first = [x.clone() for x, _ in loader]  # 12 batches: every slot of the ring is used more than once
+    again = [x.clone() for x, _ in loader]
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    staged = [spans for _, spans in seen if spans and all(inside for inside, _, _ in spans)]
+    assert staged, "no batch had its JPEGs in a staging buffer"
+    for spans in staged:  # back to back, no overlap
+        ranges = sorted((off, off + n) for _, off, n in spans)
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ranges, ranges[1:]))
+    # a buffer too small: the JPEG gets a private copy, counted, and the bytes are intact
+    from stoker.loading.jobs import JpegStaging
+    st = JpegStaging(torch.zeros(8, dtype=torch.uint8))
+    v1, v2 = st.put(b"abcde"), st.put(b"fghij")
+    assert bytes(v1.numpy()) == b"abcde" and bytes(v2.numpy()) == b"fghij" and st.used == 5 and st.overflow == 5
+    st.reset()
+    assert st.used == 0 and st.overflow == 0

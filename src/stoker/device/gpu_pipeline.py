@@ -33,6 +33,7 @@ from typing import Any
 
 from .._torch import torch
 from ..errors import LoaderClosedError, LoaderTimeoutError
+from ..loading.jobs import JpegStaging
 from ..loading.slots import Slot
 from .build import DeviceBuilder, run_batch_ops
 from .feeder import Feeder
@@ -279,10 +280,23 @@ class PipelinedBuilder:
         if plan_s:
             self.phases.add("plan_s", sum(plan_s))
         ticket = _Ticket([j for j in jobs if j is not None], x.shape[1], x.shape[2])
+        self._stage_bytes(slot, ticket.jobs)
         self.decoder.submit(ticket)
         pending = _Pending(slot, x, ticket, self.stage.fence(), t0)
         pending.submit_s = time.perf_counter() - t0
         return pending
+
+    def _stage_bytes(self, slot: Slot, jobs: list) -> None:
+        """The slot's staging buffer for its next batch: made (pinned on a CUDA host) the first time, or
+        larger when this batch's JPEGs did not fit; 1.5 times this batch's bytes. Once per slot in
+        steady state."""
+        staging = slot.staging
+        used = sum(int(j.data.numel()) for j in jobs)
+        if staging is not None and staging.overflow == 0:
+            return
+        size = max(used * 3 // 2, 1 << 16)
+        pin = self.opts.is_cuda
+        slot.staging = JpegStaging(torch.empty(size, dtype=torch.uint8, pin_memory=pin))
 
     def finish(self, pending: _Pending) -> tuple[Any, Any]:
         """Batch `pending` built (as `DeviceBuilder.__call__` returns it) and its fence."""

@@ -170,6 +170,8 @@ class Filler:
         gpu_from = 0
         if self.gpu:
             slot.jobs = [None] * slot.size
+            if slot.staging is not None:
+                slot.staging.reset()
             split = self.spec.gpu_split
             gpu_from = 0 if split is None else slot.size - split.gpu_rows(slot.size)
         if not self.native or geometry is None:
@@ -255,7 +257,9 @@ class Filler:
         if size != (self.out_h, self.out_w):
             raise ValueError(f"transforms give {size[0]}x{size[1]} for this {s.height}x{s.width} image, "
                              f"the batch is {self.out_h}x{self.out_w}")
-        data = torch.frombuffer(bytearray(s.data), dtype=torch.uint8)  # a copy: the shard mapping stays read-only
+        # a copy (the shard mapping stays read-only), into the batch's one staging buffer where it has one
+        data = (slot.staging.put(s.data) if slot.staging is not None
+                else torch.frombuffer(bytearray(s.data), dtype=torch.uint8))
         crop = tuple(box[0])
         window = crop_window(crop, s.height, s.width, s.height, s.width, self.out_h, self.out_w)
         slot.jobs[row] = GpuJob(row, data, crop, box[1], s.height, s.width, s.key, window)
