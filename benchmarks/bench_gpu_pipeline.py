@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("STOKER_NATIVE", "off")  # the CPU share of a split batch takes the per-row path: compare like with like
+# the CPU share of a split batch takes the per-row path: compare like with like
+os.environ.setdefault("STOKER_NATIVE", "off")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

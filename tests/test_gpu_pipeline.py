@@ -316,3 +316,13 @@ def test_a_batchs_jpeg_bytes_share_one_staging_buffer(packed: Path, monkeypatch:
     assert bytes(v1.numpy()) == b"abcde" and bytes(v2.numpy()) == b"fghij" and st.used == 5 and st.overflow == 5
     st.reset()
     assert st.used == 0 and st.overflow == 0
+
+
+def test_auto_with_a_worker_process_decodes_on_the_cpu_and_says_why(packed: Path) -> None:
+    loader = Loader(packed, 16, transforms=CROP, workers=Workers(num_threads=1, processes=1),
+                    device=DeviceOptions("cpu", decode="auto", gpu_decoder=FixedRateDecoder()))
+    try:
+        assert loader.device.decode == "cpu" and "processes=1" in loader.stats.gpu_split
+        assert sum(len(x) for x, _ in loader) == 48 and loader.stats.gpu_decoded == 0
+    finally:
+        loader.close()

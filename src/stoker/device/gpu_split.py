@@ -15,7 +15,8 @@ rate beside the other can be far below its rate alone. Every `probe_every` batch
 alone), and the pace of whole batches (images/s, each batch as long as its slower side, both
 sides timed where they ran, so the slowdown one causes the other is in it) decides which to keep;
 `reason` says which and why. Until both ways have been timed, a GPU that would add less than
-`floor` of the capacity is left out too. Pure arithmetic on the numbers it is handed: tests drive it with a simulated clock.
+`floor` of the capacity is left out too. Pure arithmetic on the numbers it is handed: tests drive it
+with a simulated clock.
 """
 
 from __future__ import annotations

@@ -224,8 +224,8 @@ class DeviceOptions:
             object.__setattr__(self, name, value)
         if self.decode not in DECODES:
             raise ConfigError(f"decode must be one of {DECODES}, got {self.decode!r}")
-        if self.gpu_share is not None and (isinstance(self.gpu_share, bool) or not isinstance(self.gpu_share, (int, float))
-                                           or not 0 <= self.gpu_share <= 1):
+        share = self.gpu_share
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1):
             raise ConfigError(f"gpu_share must be a number between 0 and 1 (the GPU's share of each batch's "
                               f"JPEGs) or None, got {self.gpu_share!r}")
         if self.decode in ("gpu", "auto"):

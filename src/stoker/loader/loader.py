@@ -315,7 +315,8 @@ class Loader:
         from ..device.gpu_split import auto_blocker
 
         tail = ", ".join(op.name for op in self.pipeline.tail if hasattr(op, "name"))
-        why = auto_blocker(tail, self.pipeline.resampling, self.pad, self.clips is not None)
+        why = ("CPU only: Workers(processes=1) renders in its worker process" if self.processes
+               else auto_blocker(tail, self.pipeline.resampling, self.pad, self.clips is not None))
         if why is None:
             try:
                 self._passes.gpu(opts)
