@@ -268,7 +268,7 @@ def test_region_decode_and_reused_outputs_match_the_cpu_path_within_one_level(pa
 
 
 def test_doctor_names_the_split_and_why() -> None:
-    from stoker.loading.slots import LoaderStats
+    from stoker.loading.stats import LoaderStats
     from stoker.tools.doctor import _gpu_decode
 
     stats = LoaderStats(gpu_decoder="nvImageCodec 0.9.0 hardware JPEG first", gpu_share=0.25,
