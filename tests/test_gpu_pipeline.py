@@ -326,3 +326,32 @@ def test_auto_with_a_worker_process_decodes_on_the_cpu_and_says_why(packed: Path
         assert sum(len(x) for x, _ in loader) == 48 and loader.stats.gpu_decoded == 0
     finally:
         loader.close()
+
+
+def test_a_persistent_loader_runs_the_pipeline_across_epochs(packed: Path) -> None:
+    loader = Loader(packed, 16, transforms=CROP, seed=8, workers=Workers(num_threads=2, persistent=True),
+                    device=DeviceOptions("cpu", decode="gpu", gpu_decoder=FixedRateDecoder(0.005)))
+    try:
+        epochs = []
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            epochs.append([x.clone() for x, _ in loader])
+        assert [len(e) for e in epochs] == [3, 3, 3] and loader.stats.gpu_decoded == 144
+        again = Loader(packed, 16, transforms=CROP, seed=8, device=DeviceOptions("cpu", decode="gpu",
+                                                                                gpu_decoder=FixedRateDecoder()))
+        again.set_epoch(2)
+        assert all(torch.equal(a, b) for a, b in zip(epochs[2], (x for x, _ in again)))
+    finally:
+        loader.close()
+
+
+def test_the_phase_timers_reach_the_log(packed: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="stoker.gpu")
+    loader = Loader(packed, 16, transforms=CROP, device=DeviceOptions("cpu", decode="gpu",
+                                                                     gpu_decoder=FixedRateDecoder()))
+    assert sum(len(x) for x, _ in loader) == 48
+    loader.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "stoker.gpu"]
+    assert lines and lines[-1].startswith("GPU decode after 3 batches, seconds per phase: plan ")
+    for phase in ("upload", "decode", "reads_wait", "decode_wait", "resample", "fallback", "convert", "GPU share 100%"):
+        assert phase in lines[-1]
