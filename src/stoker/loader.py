@@ -35,7 +35,8 @@ from .errors import ConfigError
 from .habits import check_source, dataloader_keywords, pinned_labels
 from .options import Sampling, Storage, Targets, Workers
 from .labels import multi_label_spec
-from .order import epoch_order, make_pool, num_batches, rank_indices, samples_per_rank, shard_window_order
+from .order import (epoch_order, from_ranges, layout_positions, make_pool, num_batches, rank_indices, samples_per_rank,
+                    shard_window_order, to_ranges, unseen_positions)
 from .reader import CachedDataset, Dataset, PackedDataset, open_for_loading
 from .device import DeviceOptions, as_device_options
 from .render import RenderSpec
@@ -297,8 +298,10 @@ class Loader:
         self.stats = LoaderStats()
         # where the data stands (the epoch, the samples of it yielded), written by the passes
         self._cursor = Cursor()
+        # epoch -> the positions of its global order still to read, after an elastic resume (load_state_dict)
+        self._queues: dict[int, np.ndarray] = {}
         self._passes = Passes(PassParts(
-            self._spec, ds, self.epoch_indices, self._epoch_samples(), batch_size, self.num_threads, prefetch,
+            self._spec, ds, self.epoch_indices, self._epoch_samples, batch_size, self.num_threads, prefetch,
             self.timeout, self._label_dtype, self.pin_memory,
             # a dataset in object storage gives its cache each epoch's order when that epoch starts
             persistent=self.persistent and not isinstance(ds, CachedDataset), stats=self.stats,
@@ -386,10 +389,15 @@ class Loader:
         """Read epoch `epoch` from its start on the next `iter()`. Without calls, an `iter()` after a
         finished pass reads the next epoch, and one after a pass left part-way reads its epoch again
         from the start."""
+        self._queues.clear()
         self._cursor.move(epoch)
 
-    def _epoch_samples(self) -> int:
+    def _epoch_samples(self, epoch: int | None = None) -> int:
         """Samples of one epoch on this rank (what `epoch_indices` returns, without computing the order)."""
+        queue = self._queues.get(epoch) if epoch is not None else None
+        if queue is not None:   # what is left of a resumed epoch, split over this world
+            per = samples_per_rank(len(queue), self.world_size, self.drop_last)
+            return per // self.batch_size * self.batch_size if self.drop_last else per
         if self.drop_last:
             return len(self) * self.batch_size
         return samples_per_rank(self._pool.size, self.world_size, False) * self._per_video
@@ -404,6 +412,7 @@ class Loader:
             epoch, sample = self._cursor.epoch, self._cursor.sample
         batch = -(-sample // self.batch_size)
         return {"format": _STATE_FORMAT, "epoch": epoch, "batch": batch, "sample": sample,
+                **self._global_progress(epoch, sample),
                 "seed": self.seed, "batch_size": self.batch_size, "world_size": self.world_size,
                 "num_samples": len(self.dataset), "order": self.order, "drop_last": self.drop_last,
                 "pool": self._pool.fingerprint,
@@ -413,11 +422,15 @@ class Loader:
         """Resume: the next `iter()` (only that one) yields exactly the samples of `state`'s epoch not
         yet yielded.
         A different `batch_size` is allowed with `drop_last=False` (the samples left are the same;
-        only their grouping into batches changes); everything else must match."""
+        only their grouping into batches changes); so is a different world size (elastic: what is left
+        of the epoch over all ranks, `remaining`, is split over the new ranks; docs/loader.md);
+        everything else must match."""
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
             raise ConfigError(f"not a stoker Loader state (expected format {_STATE_FORMAT!r}): {state!r:.200}")
         mine = self.state_dict()
-        keys = ["seed", "world_size", "num_samples", "order", "drop_last", "pool"]
+        elastic = state.get("remaining") is not None and mine.get("remaining") is not None and (
+            state.get("world_size") != self.world_size or bool(state.get("requeued")))
+        keys = ["seed", "num_samples", "order", "drop_last", "pool"] + ([] if elastic else ["world_size"])
         if self.clips is not None:   # which clips an epoch holds
             keys.append("clips")
         if self.drop_last:  # which samples an epoch drops depends on the batch size
@@ -426,10 +439,20 @@ class Loader:
         if diff:
             hint = ("; build the Loader with the saved settings to resume exactly"
                     + (" (a new batch_size can resume only with drop_last=False: with drop_last=True the "
-                       "samples an epoch leaves out depend on it)" if "batch_size" in diff else ""))
+                       "samples an epoch leaves out depend on it)" if "batch_size" in diff else "")
+                    + (f" (order={self.order!r}{' with clips_per_video > 1' if self._per_video > 1 else ''} lays an "
+                       "epoch out per world size, so it resumes on the saved number of ranks only)"
+                       if "world_size" in diff and mine.get("remaining") is None else ""))
             raise ConfigError("the saved loader state does not match this Loader (saved, now): "
                               + ", ".join(f"{k}={a!r} vs {b!r}" for k, (a, b) in diff.items()) + hint)
         epoch = int(state["epoch"])
+        self._queues.clear()
+        if elastic:   # what no rank has read yet, split over this world from its start
+            queue = from_ranges(state["remaining"], self._pool.size)
+            self._passes.stop_live()   # a persistent pipeline ahead on the old layout is no longer right
+            self._queues[epoch] = queue
+            self._cursor.move(epoch + 1 if self._epoch_samples(epoch) == 0 else epoch)
+            return
         sample = state.get("sample")
         if sample is None:  # a state saved before the sample cursor existed: batches of the saved size
             sample = min(int(state["batch"]) * int(state["batch_size"]),
@@ -441,6 +464,21 @@ class Loader:
             self._cursor.move(epoch + 1)
         else:
             self._cursor.move(epoch, int(sample), resume=True)
+
+    def _global_progress(self, epoch: int, sample: int) -> dict[str, Any]:
+        """The state's description of the epoch over all ranks: `remaining`, the [start, stop) ranges of
+        the epoch's global order no rank has read once every rank read `sample` samples (ranks step
+        together), which any world size can continue; `requeued` when the epoch was itself resumed so.
+        None where the layout depends on the world size (shard_window, several clips per video)."""
+        if self.order == "shard_window" or self._per_video > 1:
+            return {"remaining": None}
+        queue = self._queues.get(epoch)
+        requeued = queue is not None
+        if queue is None:
+            queue = np.arange(self._pool.size, dtype=np.int64)
+        left = unseen_positions(queue, sample, self.world_size, drop_last=self.drop_last,
+                                contiguous=self.order == "shard_random")
+        return {"remaining": to_ranges(left), **({"requeued": True} if requeued else {})}
 
     def epoch_indices(self, epoch: int | None = None) -> np.ndarray:
         """Dataset indices this rank reads in `epoch` (default: the current one), in order."""
@@ -457,6 +495,10 @@ class Loader:
             perm = epoch_order(pool.size, seed=self.seed, epoch=epoch, order=self.order, shard_rows=self._shard_rows)
             if pool.indices is not None:
                 perm = pool.indices[perm]
+        queue = self._queues.get(epoch)
+        if queue is not None:   # an elastic resume: what is left of the epoch, split over this world
+            return perm[layout_positions(queue, self.rank, self.world_size, drop_last=self.drop_last,
+                                         contiguous=self.order == "shard_random", batch_size=self.batch_size)]
         idx = rank_indices(perm, self.rank, self.world_size, drop_last=self.drop_last,
                            contiguous=self.order == "shard_random")
         idx = np.repeat(idx, self._per_video)   # a video's clips one after another (clips.ClipSamples)

@@ -35,7 +35,7 @@ class PassParts:
     spec: RenderSpec
     dataset: Dataset
     epoch_indices: Callable[[int], np.ndarray]   # epoch -> this rank's dataset indices, in order
-    epoch_samples: int   # samples of one epoch on this rank
+    epoch_samples: Callable[[int], int]   # epoch -> samples of it on this rank (without computing the order)
     batch_size: int
     num_threads: int
     prefetch: int
@@ -290,7 +290,7 @@ class PassIter:
         self._parts, self._cursor = parts, passes.cursor
         self._epoch = epoch
         bs = parts.batch_size
-        left = max(parts.epoch_samples - start, 0)
+        left = max(parts.epoch_samples(epoch) - start, 0)
         sizes = [min(bs, left - k * bs) for k in range(-(-left // bs))]
         self._n = len(sizes)
         self._start = start   # samples of the epoch before this pass (a resumed pass)
