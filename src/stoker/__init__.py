@@ -31,6 +31,7 @@ _EXPORTS = {
     "Dataset": "reader",
     "DeviceOptions": "device",
     "Loader": "loader",
+    "Mix": "mix",
     "LoaderStats": "loader",
     "PackOptions": "pack_options",
     "PackSample": "packing",

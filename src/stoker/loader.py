@@ -22,6 +22,7 @@ where the data stands to the Loader's `Cursor`; none of the stages calls back.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -37,6 +38,7 @@ from .options import Sampling, Storage, Targets, Workers
 from .labels import multi_label_spec
 from .order import (epoch_order, from_ranges, layout_positions, make_pool, num_batches, rank_indices, samples_per_rank,
                     shard_window_order, to_ranges, unseen_positions)
+from .mix import Mix, MixedDataset
 from .reader import CachedDataset, Dataset, PackedDataset, open_for_loading
 from .device import DeviceOptions, as_device_options
 from .render import RenderSpec
@@ -155,12 +157,13 @@ class Loader:
     naming stoker's argument (`habits`); so do the 0.1 keywords, naming their new spelling.
     """
 
-    def __init__(self, source: str | Path | Dataset, batch_size: int, *, transforms: Sequence[Any] | None = None,
+    def __init__(self, source: str | Path | Dataset | Mix, batch_size: int, *, transforms: Sequence[Any] | None = None,
                  order: str | None = None, seed: int | None = None, sampling: Sampling | None = None,
                  device: str | int | torch.device | DeviceOptions | None = None, columns: Sequence[str] = (),
                  targets: Targets | None = None, storage: Storage | None = None,
                  workers: Workers | int | None = None, **dataloader: Any) -> None:
-        check_source(source)
+        if not isinstance(source, Mix):
+            check_source(source)
         loose = dataloader_keywords(dataloader)   # DataLoader's keywords, as fields of the options below
         for name, value in (("order", order), ("seed", seed)):   # the common two, kept at hand
             if value is not None:
@@ -211,7 +214,8 @@ class Loader:
         self._multi_label_args = (multi_label, num_classes)   # checked against the labels in _setup
         self._pool_args = (indices, weights)   # checked against the dataset's size in _setup
         rank_, world = _distributed(rank, world_size)
-        self._opened = open_for_loading(source, self.storage, rank=rank_, world_size=world, timeout=timeout)
+        opener = source.open if isinstance(source, Mix) else functools.partial(open_for_loading, source)
+        self._opened = opener(self.storage, rank=rank_, world_size=world, timeout=timeout)
         self.dataset = self._opened.dataset
         try:
             self._setup(batch_size, seed, drop_last, num_threads, prefetch, columns, on_error,
@@ -243,7 +247,13 @@ class Loader:
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         if len(ds) == 0:
             raise ConfigError(f"{ds.path}: the dataset is empty; nothing to load")
-        self._pool = make_pool(len(ds), *self._pool_args)
+        if isinstance(ds, MixedDataset):   # a Mix draws its own epochs (mix.MixPlan)
+            if any(a is not None for a in self._pool_args) or order != "random":
+                raise ConfigError("a Mix draws each epoch from its sources by their weights (Mix(weights=)) and "
+                                  "shuffles the draws together: drop Sampling(indices=, weights=) and order=")
+            self._pool = ds.pool()
+        else:
+            self._pool = make_pool(len(ds), *self._pool_args)
         if self._pool.fingerprint is not None and order in ("shard_random", "shard_window"):
             raise ConfigError(f"order={order!r} reads whole shard blocks, so it cannot follow indices= or "
                               "weights=; use order='random' (or pack the subset as its own dataset)")
@@ -267,7 +277,8 @@ class Loader:
             raise ConfigError(f"{ds.path}: boxes= and masks= need the image sizes a packed dataset stores; pack the "
                               f"data first (stoker pack SRC OUT)")
         # a binary masks= column holds label-map PNGs (a CSV's mask column); any other, polygons (coco)
-        types = ds.manifest.extra_columns if isinstance(ds, (PackedDataset, CachedDataset)) else {}
+        types = ds.manifest.extra_columns if isinstance(ds, (PackedDataset, CachedDataset)) \
+            else getattr(ds, "column_types", {})
         label_maps = tuple(c for c in self.masks if types.get(c) == "binary")
         polygons = tuple(c for c in self.masks if c not in label_maps)
         companions = [f"{c}{end}" for c in polygons for end in ("_points", "_box") if f"{c}{end}" not in

@@ -235,24 +235,29 @@ def replacement_index(seed: int, epoch: int, position: int, attempt: int, n: int
 class Pool:
     """The samples an epoch is made of. `indices` (None: the whole dataset) is the subset an epoch
     permutes; with `cdf` (weights), an epoch is instead `size` draws with replacement, each picking
-    sample i with probability weight[i] / sum(weights). `fingerprint` names the choice in a saved
-    loader state (None for the whole dataset)."""
+    sample i with probability weight[i] / sum(weights); with `plan`, `size` draws of the plan's own.
+    `fingerprint` names the choice in a saved loader state (None for the whole dataset)."""
 
     size: int
     indices: np.ndarray | None = None
     cdf: np.ndarray | None = None
     fingerprint: str | None = None
+    plan: Any = None   # draws of its own (`draw(seed, epoch)`): a Mix (stoker.mix.MixPlan)
 
     @property
     def weighted(self) -> bool:
-        return self.cdf is not None
+        """Whether an epoch is drawn (with repeats possible) rather than a permutation."""
+        return self.cdf is not None or self.plan is not None
 
     def members(self) -> np.ndarray | None:
         """Dataset indices a stand-in for a failed sample may come from (None: any)."""
         return self.indices
 
     def draw(self, seed: int, epoch: int) -> np.ndarray:
-        """The weighted epoch: `size` dataset indices, by inverse CDF over uniforms of `(seed, epoch, draw)`."""
+        """The weighted epoch: `size` dataset indices, by inverse CDF over uniforms of `(seed, epoch, draw)`
+        (or the plan's own draws)."""
+        if self.plan is not None:
+            return self.plan.draw(seed, epoch)
         assert self.cdf is not None
         u = uniforms(sample_keys(seed, epoch, np.arange(self.size), tag=_TAG_WEIGHTED), 1)[:, 0]
         picks = np.minimum(np.searchsorted(self.cdf, u * self.cdf[-1], side="right"), len(self.cdf) - 1)
