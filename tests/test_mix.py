@@ -181,3 +181,29 @@ def test_loader_md_example_runs(packs: dict[str, Path], monkeypatch: pytest.Monk
     scope: dict = {}
     exec(compile(code, "docs/loader.md", "exec"), scope)
     assert scope["counts"] == {"web": 24, "curated": 8}
+
+
+def test_a_source_in_object_storage(packs: dict[str, Path], tmp_path: Path) -> None:
+    """web from S3 (through the cache, each source in a folder of its own), curated local: the batches
+    of the all-local mix."""
+    pytest.importorskip("moto", reason="the S3 tests need moto: pip install 'stoker[test]'")
+    from s3_helpers import S3Server, upload_pack
+
+    server = S3Server()
+    try:
+        url = upload_pack(server, packs["web"], "mix")
+        storage = Storage(cache_dir=tmp_path / "cache", storage_options=server.storage_options())
+        mix = Mix({"web": url, "curated": str(packs["curated"])}, weights={"web": 2, "curated": 1})
+        remote = Loader(mix, 4, transforms=TRAIN, columns=["source"], workers=2, seed=8, storage=storage)
+        local = Loader(Mix(packs, weights={"web": 2, "curated": 1}), 4, transforms=TRAIN, columns=["source"],
+                       workers=2, seed=8)
+        for _ in range(2):
+            got = [(x.clone(), y.tolist(), list(e["source"])) for x, y, e in remote]
+            want = [(x.clone(), y.tolist(), list(e["source"])) for x, y, e in local]
+            assert [(y, s) for _, y, s in got] == [(y, s) for _, y, s in want]
+            assert all(a.equal(b) for (a, _, _), (b, _, _) in zip(got, want))
+        assert (tmp_path / "cache" / "web").is_dir()
+        remote.close()
+        local.close()
+    finally:
+        server.stop()

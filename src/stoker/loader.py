@@ -315,7 +315,8 @@ class Loader:
             self._spec, ds, self.epoch_indices, self._epoch_samples, batch_size, self.num_threads, prefetch,
             self.timeout, self._label_dtype, self.pin_memory,
             # a dataset in object storage gives its cache each epoch's order when that epoch starts
-            persistent=self.persistent and not isinstance(ds, CachedDataset), stats=self.stats,
+            persistent=self.persistent and not (isinstance(ds, CachedDataset) or getattr(ds, "plans", False)),
+            stats=self.stats,
             collate=self.collate_fn, order=self.order, buffers=self._buffers(), child_spec=child_spec),
             self._cursor)
         if self.device is not None and self.device.decode == "gpu":

@@ -166,14 +166,14 @@ class MixedDataset(Dataset):
         self.column_types = {c: types[0][c] for c in columns if c in types[0]}
         weights = mix.weights or {name: float(n) for name, n in zip(self.names, sizes)}
         size = mix.epoch_size or int(sum(sizes))
-        self.plan = MixPlan(tuple(sizes), tuple(int(c) for c in apportion(size, [weights[n] for n in self.names])),
+        self.draws = MixPlan(tuple(sizes), tuple(int(c) for c in apportion(size, [weights[n] for n in self.names])),
                             mix.replacement)
         described = json.dumps([self.names, sizes, [weights[n] for n in self.names], mix.replacement, size])
         self.fingerprint = "mix-" + hashlib.sha256(described.encode()).hexdigest()[:16]
 
     def pool(self) -> Pool:
         """The epochs a Loader reads: the mix's draws (`MixPlan.draw`)."""
-        return self.plan.pool(self.fingerprint)
+        return self.draws.pool(self.fingerprint)
 
     @property
     def process_path(self) -> str | None:
@@ -189,6 +189,19 @@ class MixedDataset(Dataset):
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
+
+    @property
+    def plans(self) -> bool:
+        """Whether a source is in object storage: its cache is then given each epoch's order (`plan`)."""
+        return any(hasattr(d, "plan") for d in self.parts)
+
+    def plan(self, indices: np.ndarray, lookahead: int, order: str | None = None) -> None:
+        """Each cached source's share of the order, in order (what its cache downloads ahead and evicts)."""
+        idx = np.asarray(indices, dtype=np.int64)
+        src = self.source_of(idx)
+        for s, d in enumerate(self.parts):
+            if hasattr(d, "plan"):
+                d.plan(idx[src == s] - self.offsets[s], lookahead=lookahead, order=order)
 
     def __repr__(self) -> str:
         return f"<stoker MixedDataset {', '.join(f'{n}: {len(d)}' for n, d in zip(self.names, self.parts))}>"

@@ -238,7 +238,8 @@ class _Pipeline:
     def _segment(self, parts: "PassParts", epoch: int, start: int) -> list[int]:
         """Batch sizes of `epoch` from its sample `start` on (a resume may start between batches)."""
         indices = parts.epoch_indices(epoch)
-        if isinstance(parts.dataset, CachedDataset):  # downloads follow the order; done shards make room
+        if isinstance(parts.dataset, CachedDataset) or getattr(parts.dataset, "plans", False):   # (a Mix's too)
+            # downloads follow the order; done shards make room
             ahead = (parts.prefetch + 2) * parts.batch_size + parts.num_threads
             parts.dataset.plan(indices[start:], lookahead=ahead, order=parts.order)
         bs, left = parts.batch_size, max(len(indices) - start, 0)
