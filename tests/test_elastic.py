@@ -17,7 +17,7 @@ import pytest
 
 from stoker.errors import ConfigError
 from stoker.loader import Loader
-from stoker.options import Sampling
+from stoker.loader.options import Sampling
 from stoker.order import from_ranges, to_ranges, unseen_positions
 from stoker.packing import pack
 from stoker.transforms import RandomResizedCrop

@@ -15,7 +15,7 @@ import pytest
 from stoker.errors import ConfigError
 from stoker.loader import Loader
 from stoker.mix import Mix, apportion
-from stoker.options import Sampling, Storage, Workers
+from stoker.loader.options import Sampling, Storage, Workers
 from stoker.packing import PackOptions, pack
 from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop
 
