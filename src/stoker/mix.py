@@ -159,8 +159,8 @@ class MixedDataset(Dataset):
         self.classes, self._labels = _union_labels(self.names, self.parts)
         columns = [c for c in self.parts[0].extra_columns if all(c in d.extra_columns for d in self.parts[1:])]
         if SOURCE_COLUMN in columns:
-            raise ConfigError(f"{self.path}: the sources have a column named {SOURCE_COLUMN!r}, which a Mix adds itself "
-                              "(each sample's source); rename that column when packing")
+            raise ConfigError(f"{self.path}: the sources have a column named {SOURCE_COLUMN!r}, which a Mix adds "
+                              "itself (each sample's source); rename that column when packing")
         self.extra_columns = [*columns, SOURCE_COLUMN]
         types = [getattr(getattr(d, "manifest", None), "extra_columns", {}) for d in self.parts]
         self.column_types = {c: types[0][c] for c in columns if c in types[0]}

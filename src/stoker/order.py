@@ -309,7 +309,8 @@ def layout_positions(queue: np.ndarray, rank: int, world_size: int, *, drop_last
     return mine[:len(mine) // batch_size * batch_size] if drop_last else mine
 
 
-def unseen_positions(queue: np.ndarray, sample: int, world_size: int, *, drop_last: bool, contiguous: bool) -> np.ndarray:
+def unseen_positions(queue: np.ndarray, sample: int, world_size: int, *, drop_last: bool,
+                     contiguous: bool) -> np.ndarray:
     """The entries of `queue` no rank has read once every rank of `world_size` read its first `sample`
     (ranks step together: each rank's checkpoint is at the same count), in queue order, each once.
     A pure function: O(len(queue)), whatever the world size."""
