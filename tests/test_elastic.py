@@ -82,7 +82,7 @@ def test_resume_on_another_world_size(packed: Path, order: str, drop_last: bool,
     # what the new ranks read is what they planned, and the next epoch is a whole one again
     for ld, got in zip(second, seen_after):
         assert got == ld.dataset.labels[ld.epoch_indices(epoch)].tolist()
-        assert ld.epoch == epoch + 1 and len(ld.epoch_indices(epoch + 1)) == ld._epoch_samples()
+        assert ld.epoch == epoch + 1 and len(ld.epoch_indices(epoch + 1)) == ld.plan.epochs.samples()
         ld.close()
     for ld in first:
         ld.close()

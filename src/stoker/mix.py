@@ -31,7 +31,8 @@ import numpy as np
 
 from .errors import ConfigError
 from .order import Pool, sample_keys, uniforms
-from .reader import Dataset, Opened, Sample, open_for_loading
+from .dataset import Dataset, Sample
+from .loader.open import Opened, open_for_loading
 
 __all__ = ["Mix", "MixPlan", "MixedDataset", "SOURCE_COLUMN", "apportion"]
 
@@ -162,8 +163,8 @@ class MixedDataset(Dataset):
             raise ConfigError(f"{self.path}: the sources have a column named {SOURCE_COLUMN!r}, which a Mix adds "
                               "itself (each sample's source); rename that column when packing")
         self.extra_columns = [*columns, SOURCE_COLUMN]
-        types = [getattr(getattr(d, "manifest", None), "extra_columns", {}) for d in self.parts]
-        self.column_types = {c: types[0][c] for c in columns if c in types[0]}
+        types = self.parts[0].column_types
+        self._column_types = {c: types[c] for c in columns if c in types}
         weights = mix.weights or {name: float(n) for name, n in zip(self.names, sizes)}
         size = mix.epoch_size or int(sum(sizes))
         self.draws = MixPlan(tuple(sizes), tuple(int(c) for c in apportion(size, [weights[n] for n in self.names])),
@@ -181,7 +182,7 @@ class MixedDataset(Dataset):
         local folders (as staged) and the mix; None when one is not a local packed dataset."""
         from .reader import PackedDataset
 
-        if not all(isinstance(d, PackedDataset) for d in self.parts):
+        if not all(isinstance(d, PackedDataset) for d in self.parts):   # the process mode's own rule
             return None
         mix = {"sources": {n: str(d.path) for n, d in zip(self.names, self.parts)}, "weights": self.mix.weights,
                "replacement": self.mix.replacement, "epoch_size": self.mix.epoch_size}
@@ -191,16 +192,21 @@ class MixedDataset(Dataset):
         return int(self.offsets[-1])
 
     @property
-    def plans(self) -> bool:
+    def column_types(self) -> dict[str, str]:
+        """The stored types of the extra columns every source has (the first source's)."""
+        return dict(self._column_types)
+
+    @property
+    def plans_downloads(self) -> bool:
         """Whether a source is in object storage: its cache is then given each epoch's order (`plan`)."""
-        return any(hasattr(d, "plan") for d in self.parts)
+        return any(d.plans_downloads for d in self.parts)
 
     def plan(self, indices: np.ndarray, lookahead: int, order: str | None = None) -> None:
         """Each cached source's share of the order, in order (what its cache downloads ahead and evicts)."""
         idx = np.asarray(indices, dtype=np.int64)
         src = self.source_of(idx)
         for s, d in enumerate(self.parts):
-            if hasattr(d, "plan"):
+            if d.plans_downloads:
                 d.plan(idx[src == s] - self.offsets[s], lookahead=lookahead, order=order)
 
     def __repr__(self) -> str:

@@ -22,7 +22,7 @@ from .errors import OVERWRITE, RESUME, ConfigError
 from .integrity import shard_matches
 from .shards import MANIFEST_NAME, ShardInfo, shard_name
 from .sources import Source
-from .storage import Storage
+from .storage import StorageBackend as Storage
 from .storage.lock import LockHeldError, holder_text
 
 JOURNAL_NAME = ".stoker-pack.jsonl"

@@ -45,7 +45,7 @@ from .pack_work import MIN_PSNR_DB, Normalized, Work, _process_task, _Task, norm
 from .shards import Manifest, ShardWriter, read_manifest, write_manifest
 from .sources import Source, SourceItem, open_source, unencodable_keys
 from .sources.base import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, inside
-from .storage import Storage, as_storage, url_scheme
+from .storage import StorageBackend as Storage, as_storage, url_scheme
 from .video import VIDEO_INDEX_COLUMN
 
 __all__ = ["JOURNAL_NAME", "LOCK_NAME", "MIN_PSNR_DB", "SKIPPED_NAME", "Normalized", "PackOptions", "PackSample",
