@@ -28,7 +28,7 @@ absolute images/s on a shared machine are noise.
 
 With ``device="cuda"`` (``stoker bench --device cuda``) the pipelines are the device set of
 `stoker.tools.bench_gpu` instead: the loaders alone into GPU memory, normalized (``cuda-baseline``,
-``cuda-stoker``, ``cuda-stoker-gpu``, ``cuda-dali``: NVIDIA DALI's GPU pipeline, skipped when
+``cuda-stoker``, ``cuda-stoker-gpu``, ``cuda-stoker-auto``, ``cuda-dali``: NVIDIA DALI's GPU pipeline, skipped when
 ``nvidia.dali`` does not import), and training throughput of each model fed by each of them
 against the same model on GPU-resident synthetic data (``train-<model>-<feed>``). Naming device
 pipelines with ``device="cpu"`` runs them on the CPU (how the tests exercise them).
