@@ -445,7 +445,7 @@ def _measure_rounds(spec: _Spec) -> dict[str, Any]:
             cpu_s = cpu_seconds() - cpu0
             cpu = cpu_s / (time.perf_counter() - wall0) * 100.0
             if split is not None:   # the split at the end, the GPU path's phases in the timed rounds
-                split = bench_gpu.split_fields(spec.pipeline, split, runner.split())  # type: ignore[misc]
+                split = bench_gpu.split_fields(spec.pipeline, split, runner.split())
         finally:
             runner.close()
     return {**(split or {}), "images_per_s": statistics.median(rates), "rounds": rates, "cpu_percent": cpu,
