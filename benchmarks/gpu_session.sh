@@ -314,6 +314,15 @@ with stoker.Loader(packed, batch, transforms=[RandomResizedCrop(224), RandomHori
         pass
     print("gpu_decoder='auto' took:", loader.stats.gpu_decoder)
     print("decoded on the GPU:", loader.stats.gpu_decoded, "CPU fallbacks:", loader.stats.gpu_fallbacks)
+    print("decode='gpu' seconds per phase:", loader.stats.gpu_phases)
+# decode="auto": each batch split between the GPU and the worker threads by measured throughput
+auto = stoker.DeviceOptions(device, normalize="imagenet", dtype="bf16", memory_format="channels_last", decode="auto",
+                            gpu_decoder=decoder)
+with stoker.Loader(packed, batch, transforms=[RandomResizedCrop(224), RandomHorizontalFlip()], device=auto) as loader:
+    for _ in zip(range(60), loader):
+        pass
+    print(f"decode='auto': {loader.stats.gpu_share:.0%} on the GPU: {loader.stats.gpu_split}")
+    print("decode='auto' seconds per phase:", loader.stats.gpu_phases)
 on_gpu = device != "cpu"
 print(run_doctor(packed, batch_size=batch, steps=20, model="resnet50" if on_gpu else None, device=device,
                  decode="gpu" if on_gpu else "cpu", progress=False).format())

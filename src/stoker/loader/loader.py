@@ -23,6 +23,7 @@ Loader's `Cursor`; none of the stages calls back.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -90,6 +91,8 @@ class Loader:
             self._passes = Passes(self.plan, self.dataset, self.stats, self._cursor)
             if asked.gpu_decode:
                 self._passes.gpu(asked.device)  # a missing decoder library fails here, with its install hint
+            elif asked.device is not None and asked.device.decode == "auto":
+                self._auto_decode(asked)
         except BaseException:
             self.close()
             raise
@@ -210,6 +213,27 @@ class Loader:
         if opts.gpu_decode:
             self._passes.gpu(opts)
         return self._passes.begin(opts)
+
+    def _auto_decode(self, asked: Any) -> None:
+        """decode="auto": kept where a GPU decoder works here and the transforms allow it (each batch then
+        split by measured throughput), else the plan's device becomes decode="cpu"; LoaderStats.gpu_split
+        says which, and why."""
+        from ..device.gpu_split import auto_blocker
+
+        opts, pipeline = asked.device, asked.pipeline
+        tail = ", ".join(op.name for op in pipeline.tail if hasattr(op, "name"))
+        why = ("CPU only: Workers(processes=1) renders in its worker process" if self.plan.processes
+               else auto_blocker(tail, pipeline.resampling, asked.targets.pad, self.plan.clips is not None))
+        if why is None:
+            try:
+                self._passes.gpu(opts)
+            except ConfigError as exc:
+                why = f"CPU only: no GPU JPEG decoder works here ({str(exc).splitlines()[0]})"
+        if why is None:
+            return
+        self.stats.gpu_share, self.stats.gpu_split = 0.0, why
+        self.plan = replace(self.plan, asked=replace(asked, device=replace(opts, decode="cpu")))
+        self._passes.plan = self.plan
 
     def close(self) -> None:
         """Stop any running iteration and release the dataset (when the Loader opened it). Idempotent."""
