@@ -300,7 +300,7 @@ class PassIter:
         self._parts, self._cursor, self._stats = parts, passes.cursor, passes.stats
         self._epoch = epoch
         bs = parts.batch_size
-        left = max(parts.epochs.samples() - start, 0)
+        left = max(parts.epochs.samples(epoch) - start, 0)
         sizes = [min(bs, left - k * bs) for k in range(-(-left // bs))]
         self._n = len(sizes)
         self._start = start   # samples of the epoch before this pass (a resumed pass)
