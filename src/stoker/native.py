@@ -91,3 +91,9 @@ def native_chunk(batch_size: int, threads: int) -> int:
     after a chunk's native work it runs on cold caches, so fewer, larger chunks cost less of it),
     but at least four claims per thread per batch, so the threads still share a batch evenly."""
     return max(1, min(64, batch_size // (4 * max(threads, 1))))
+
+
+def engine(threads: int) -> object:
+    """A started pool of `threads` native threads that render whole batches (`stoker._jpeg.Engine`,
+    csrc/engine.c; `engine.BatchEngine` drives it)."""
+    return _mod.Engine(threads)

@@ -214,7 +214,7 @@ class _Pipeline:
         else:
             ring = passes.ring(extra=extra, private=private)
             self.run = Run(ring, sizes, threads, self.chain.prepare, self.chain.fill, parts.stats.add,
-                           parts.timeout, open_ended=persistent, **native_claims(spec, self.chain, threads))
+                           parts.timeout, open_ended=persistent, **native_claims(spec, self.chain, threads, parts.timeout))
         if opts is not None:
             stage = passes.stage(opts)
             decoder = passes.gpu(opts) if spec.gpu_decode else None
