@@ -249,3 +249,39 @@ def test_pipelines_with_per_sample_work_keep_their_path(dataset, counted):
         assert sum(len(y) for _, y in loader) == len(loader.dataset)
     assert counted == []
     assert engine.program([RandomResizedCrop(32), ColorJitter(0.2)], [0, 22]) is None
+
+
+def test_a_gpu_host_leaves_the_trainer_its_cores(monkeypatch):
+    """The default thread count with batches going to a GPU keeps TRAINER_THREADS cores for the training
+    thread, autograd's thread and the device thread (one on hosts of 2 to 4 cores); the CPU default and
+    the torchrun share are as before."""
+    import stoker._system as system
+
+    for cpus, world, cpu_default, gpu_default in ((16, 1, 16, 13), (8, 1, 8, 5), (4, 1, 4, 3), (2, 1, 2, 1),
+                                                  (1, 1, 1, 1), (32, 2, 16, 13), (8, 8, 1, 1)):
+        monkeypatch.setattr(system, "cpu_ids", lambda n=cpus: list(range(n)))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
+        assert (system.threads_per_process(), system.threads_per_process(gpu=True)) == (cpu_default, gpu_default)
+
+
+def test_loader_stats_name_the_python_per_sample_and_the_fix(dataset, monkeypatch):
+    """LoaderStats says whether the engine served the pass and, where not, what runs Python per sample;
+    the doctor's line names the cost and the fix."""
+    from stoker.tools.doctor import _per_sample
+    from stoker.transforms import ColorJitter
+
+    monkeypatch.setattr(engine, "MIN_JPEG_SHARE", 0.0)
+    with Loader(dataset, 8, transforms=TRAIN, device="numpy", workers=Workers(num_threads=2, on_error="skip")) as ld:
+        next(iter(ld))
+        assert ld.stats.engine and ld.stats.per_sample_python == []
+        assert "native batch engine" in _per_sample(ld.stats.engine, ld.stats.per_sample_python)
+    with Loader(dataset, 8, transforms=[RandomResizedCrop(32), ColorJitter(0.2)], device="numpy",
+                workers=Workers(num_threads=2, on_error="skip")) as ld:
+        next(iter(ld))
+        assert not ld.stats.engine and any("ColorJitter" in why for why in ld.stats.per_sample_python)
+        line = _per_sample(ld.stats.engine, ld.stats.per_sample_python)
+        assert "ColorJitter" in line and "processes=1" in line and "GPU" in line
+    monkeypatch.setenv(engine.ENV, "off")
+    with Loader(dataset, 8, transforms=TRAIN, device="numpy", workers=Workers(num_threads=2, on_error="skip")) as ld:
+        next(iter(ld))
+        assert not ld.stats.engine and any("STOKER_ENGINE" in why for why in ld.stats.per_sample_python)

@@ -110,6 +110,45 @@ def batch_engine(spec: "RenderSpec", chain: "EpochChain", threads: int, timeout:
     return BatchEngine(spec, prog, threads, timeout)
 
 
+#: what to do when `per_sample_python` names something (stoker doctor prints it)
+PER_SAMPLE_FIX = ("move per-sample colour and policy ops to the batched GPU ops (stoker.transforms.gpu, run by the "
+                  "device thread on whole batches), or run the worker threads in a child process, whose GIL is not "
+                  "the training loop's: workers=stoker.Workers(processes=1)")
+
+
+def per_sample_python(spec: "RenderSpec", chain: "EpochChain", served: bool) -> list[str]:
+    """What makes the worker threads run Python per sample in the training process (each item names
+    the cause), or [] where the engine serves the batches. Each such sample holds the GIL the training
+    loop's thread needs for every op it dispatches: tens of µs per sample, which a dispatch-bound step
+    pays in full (`stoker bench --pipelines neighbour` measures it)."""
+    if served:
+        return []
+    pipe = spec.pipeline
+    why = [f"{getattr(op, 'name', type(op).__name__)}: a per-sample op after the planned crop" for op in pipe.tail]
+    why += [f"{type(t).__name__} targets ({t.column}): placed per sample" for t in spec.target_kinds()]
+    if spec.clips is not None:
+        why.append("video clips: each clip's frames are decoded and placed in a Python loop")
+    if spec.gpu_decode:
+        why.append("decode='gpu': each JPEG row is queued for the device thread one at a time")
+    if spec.pad:
+        why.append("pad=True: each image is placed at its own size")
+    if pipe.resampling[0] != "bilinear":
+        why.append(f"interpolation={pipe.resampling[0]!r}: only bilinear resampling is native")
+    if program(pipe.prefix, pipe.offsets) is None:
+        names = [type(op).__name__ for op in pipe.prefix
+                 if type(op) not in (RandomResizedCrop, Resize, CenterCrop, RandomHorizontalFlip)]
+        why.append(f"{', '.join(names)}: planned per batch in NumPy, not by the engine")
+    if not native.ON:
+        why.append("the native path is off (STOKER_NATIVE=off, or the extension was not compiled)")
+    elif not enabled():
+        why.append("the engine is off (STOKER_ENGINE=off): chunks of rows, Python per chunk")
+    if not why:
+        ds = chain.fillers[0].ds if chain.fillers else None
+        what = "a packed dataset of mostly JPEGs" if spec.heights is not None else "stored image sizes (a packed dataset)"
+        why.append(f"the data is not {what}" + (f" ({type(ds).__name__})" if ds is not None else ""))
+    return why
+
+
 class BatchEngine:
     """One Run's engine: `start()` makes the pool, `fill_chunk` renders a batch (the Run's `ChunkFn`,
     with `chunk` = the batch size), `close()` stops and joins the pool (repeatable, from any thread)."""

@@ -224,7 +224,8 @@ class Loader:
                order: str, pin_memory: bool | None, timeout: float) -> None:
         ds = self.dataset
         self.batch_size, self.seed, self.drop_last = batch_size, int(seed), drop_last
-        self.num_threads = num_threads or threads_per_process()
+        gpu = self.device is not None and getattr(self.device.device, "type", "") == "cuda"
+        self.num_threads = num_threads or threads_per_process(gpu)   # on a GPU host the trainer keeps cores
         self.prefetch, self.on_error, self.timeout = prefetch, on_error, float(timeout)
         self.order = order
         self.columns = tuple(columns)

@@ -22,6 +22,7 @@ import numpy as np
 from .device import DeviceOptions, DeviceStage, consumer_fence
 from .reader import CachedDataset, Dataset
 from .device_build import DeviceBuilder, batch_extras, run_batch_ops
+from .engine import per_sample_python
 from .render import EpochChain, Filler, RenderSpec, native_claims
 from .slots import BatchRing, Feeder, LoaderStats, Run, Slot
 
@@ -215,6 +216,8 @@ class _Pipeline:
             ring = passes.ring(extra=extra, private=private)
             self.run = Run(ring, sizes, threads, self.chain.prepare, self.chain.fill, parts.stats.add,
                            parts.timeout, open_ended=persistent, **native_claims(spec, self.chain, threads, parts.timeout))
+            parts.stats.engine = self.run.engine is not None
+            parts.stats.per_sample_python = per_sample_python(spec, self.chain, parts.stats.engine)
         if opts is not None:
             stage = passes.stage(opts)
             decoder = passes.gpu(opts) if spec.gpu_decode else None

@@ -13,6 +13,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from ..errors import ConfigError
+
 __all__ = ["python_calls"]
 
 #: events that are calls: a Python function, or a C function (a builtin, a NumPy function) called from Python
@@ -22,7 +24,7 @@ _CALLS = frozenset(("call", "c_call"))
 def python_calls(packed: Path, batch_size: int, threads: int, *, batches: int = 8, seed: int = 0) -> float:
     """Python calls per batch run by the loader's threads (the workers and the engine's coordinators),
     RandomResizedCrop(224) + flip on the packed dataset `packed`, default `Workers` at `threads` threads:
-    counted over `batches` batches after two warm-up batches (the pass's start-up is not the steady
+    counted over up to `batches` batches after a warm-up batch (the pass's start-up is not the steady
     state). The profile hook is on only while the loader runs, and only on the threads it starts."""
     from ..loader import Loader
     from ..options import Workers
@@ -42,13 +44,19 @@ def python_calls(packed: Path, batch_size: int, threads: int, *, batches: int = 
 
     loader = Loader(str(packed), batch_size, transforms=[RandomResizedCrop(224), RandomHorizontalFlip()],
                     seed=seed, workers=Workers(num_threads=threads))
+    warm = 1
+    batches = min(batches, len(loader) - warm - 1)   # the last batch may be short
+    if batches < 1:
+        loader.close()
+        raise ConfigError(f"python_calls: {len(loader)} batches of {batch_size} is too few to count in the steady "
+                          f"state (at least 3 are needed); use more images (--images) or a smaller --batch-size")
     threading.setprofile(hook)   # only threads started from here on: the loader's, not this one
     try:
         it = iter(loader)
     finally:
         threading.setprofile(None)   # type: ignore[arg-type]
     try:
-        for _ in range(2):
+        for _ in range(warm):
             next(it)
         start = snapshot()
         for _ in range(batches):
