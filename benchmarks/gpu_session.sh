@@ -209,7 +209,7 @@ from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop
 
 packed, device, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if device == "cpu":  # the rehearsal: the same path, nvImageCodec's CPU backend standing in for the GPU's
-    from stoker.gpu_decode import NvImageCodecDecoder
+    from stoker.device.gpu_decode import NvImageCodecDecoder
     decoder = NvImageCodecDecoder("cpu")
 else:
     decoder = "auto"

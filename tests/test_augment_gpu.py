@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from stoker.errors import ConfigError
-from stoker.loader import Loader
+from stoker.loader.loader import Loader
 from stoker.transforms import RandomResizedCrop, colour, pixels, policy
 from stoker.transforms import gpu as G
 from stoker.transforms.mixing import Mixup

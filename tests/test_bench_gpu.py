@@ -195,7 +195,7 @@ def solid_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _pass_labels(feed: bench_gpu.Feed, training: bool, dtype: torch.dtype = torch.float32) -> list[int]:
     """One pass of `feed`, every batch checked against its labels' colours; the labels seen."""
-    from stoker.device import IMAGENET_MEAN, IMAGENET_STD
+    from stoker.device.stage import IMAGENET_MEAN, IMAGENET_STD
 
     colours = torch.tensor(list(SOLID.values()), dtype=torch.float32) / 255
     normalized = (colours - torch.tensor(IMAGENET_MEAN)) / torch.tensor(IMAGENET_STD)   # [class, channel]

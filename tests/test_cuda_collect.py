@@ -28,9 +28,9 @@ def test_the_cuda_tests_collect_without_a_gpu() -> None:
 
 def _signatures() -> dict[str, set[str] | None]:
     """Keyword names each public entry point takes (None: it takes **kwargs, anything goes)."""
-    from stoker.device import DeviceOptions
-    from stoker.loader import Loader
-    from stoker.prefetcher import prefetch
+    from stoker.device.stage import DeviceOptions
+    from stoker.loader.loader import Loader
+    from stoker.device.prefetcher import prefetch
 
     out: dict[str, set[str] | None] = {}
     for name, fn in (("Loader", Loader), ("DeviceOptions", DeviceOptions), ("prefetch", prefetch)):

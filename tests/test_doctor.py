@@ -47,7 +47,7 @@ def test_train_step_takes_uint8_and_float_batches_and_any_labels() -> None:
 
 
 def test_train_step_normalizes_uint8_like_the_device_stage() -> None:
-    from stoker.device import IMAGENET_MEAN, IMAGENET_STD
+    from stoker.device.stage import IMAGENET_MEAN, IMAGENET_STD
 
     step = TrainStep(small_cnn(3, width=4), "cpu")
     x = step.prepare(torch.full((1, 3, 2, 2), 255, dtype=torch.uint8))

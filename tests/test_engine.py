@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 from conftest import PILLOW_CORPUS
-from stoker import engine, native
-from stoker.loader import Loader
-from stoker.options import Sampling, Workers
+from stoker import native
+from stoker.loading import engine
+from stoker.loader.loader import Loader
+from stoker.loader.options import Sampling, Workers
 from stoker.order import TAG_DRAW, TAG_SAMPLE, sample_keys, stream_key, uniforms
 from stoker.transforms import CenterCrop, Pipeline, RandomHorizontalFlip, RandomResizedCrop, Resize
 from test_native_chunks import TRAIN, VAL, build
@@ -168,6 +169,10 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def _names() -> list[str]:
+    return sorted(Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task"))
+
+
 def _settles_to(n: int, timeout: float = 10.0) -> int:
     deadline = time.monotonic() + timeout
     while _threads() > n and time.monotonic() < deadline:
@@ -177,6 +182,7 @@ def _settles_to(n: int, timeout: float = 10.0) -> int:
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
 def test_break_close_and_garbage_collection_join_the_pool(dataset, counted):
+    epoch(dataset, TRAIN, 1)   # the libraries' own lazily started threads (OpenCV's, the allocator's) first
     before = _threads()
     loader = Loader(dataset, 8, transforms=TRAIN, seed=1, device="numpy",
                     workers=Workers(num_threads=3, on_error="skip"))
@@ -184,7 +190,7 @@ def test_break_close_and_garbage_collection_join_the_pool(dataset, counted):
         if k == 1:
             break
     loader.close()
-    assert _settles_to(before) == before
+    assert _settles_to(before) <= before, _names()
     loader = Loader(dataset, 8, transforms=TRAIN, seed=1, device="numpy",
                     workers=Workers(num_threads=3, on_error="skip"))
     it = iter(loader)
@@ -192,7 +198,7 @@ def test_break_close_and_garbage_collection_join_the_pool(dataset, counted):
     assert _threads() >= before + 3   # the pool's three threads and the coordinators
     del it
     gc.collect()
-    assert _settles_to(before) == before
+    assert _settles_to(before) <= before, _names()
     loader.close()
     assert counted and all(c.rows > 0 for c in counted)
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from stoker.loader import Loader
+from stoker.loader.loader import Loader
 from stoker.transforms import RandomResizedCrop, gpu
 from stoker.transforms.mixing import Mixup
 from test_loader import build_packed

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from cuda_helpers import gpu_decoders, gpu_sleep, no_host_syncs
-from stoker.device import DeviceOptions
-from stoker.loader import Loader
-from stoker.options import Workers
+from stoker.device.stage import DeviceOptions
+from stoker.loader.loader import Loader
+from stoker.loader.options import Workers
 from stoker.transforms import gpu
 from stoker.transforms.mixing import Mixup
 from test_loader import TRAIN, build_packed
@@ -88,7 +88,7 @@ def test_a_break_mid_epoch_under_no_host_syncs_stops_every_thread(packed: Path) 
 def test_the_device_thread_runs_on_the_loaders_gpu(packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The device thread binds to the Loader's GPU when it starts (the last one here: cuda:1 on a
     two-GPU machine, while this thread stays on cuda:0) and builds every batch there."""
-    from stoker.device_build import DeviceBuilder
+    from stoker.device.build import DeviceBuilder
 
     seen: list[tuple[str, int]] = []
     build = DeviceBuilder.__call__

@@ -11,7 +11,7 @@ import torch
 from conftest import jpeg_bytes, smooth_rgb
 from cuda_helpers import gpu_decoders, gpu_sleep, importable
 from stoker.errors import CorruptImageError
-from stoker.gpu_decode import GpuBatchDecoder, NvImageCodecDecoder, TorchCodecDecoder, make_decoder
+from stoker.device.gpu_decode import GpuBatchDecoder, NvImageCodecDecoder, TorchCodecDecoder, make_decoder
 from stoker.transforms import CenterCrop, Pipeline, RandomHorizontalFlip, RandomResizedCrop, Resize
 from test_gpu_decode import SIZES, CpuDecoder, jobs_for, make_jpegs, psnr, textured
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from cuda_helpers import gpu_decoders, gpu_sleep, no_host_syncs
-from stoker.device import DeviceOptions, DeviceStage
-from stoker.loader import Loader
+from stoker.device.stage import DeviceOptions, DeviceStage
+from stoker.loader.loader import Loader
 from test_loader import TRAIN, build_packed
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

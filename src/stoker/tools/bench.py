@@ -230,8 +230,8 @@ def _baseline_recipe_runner(spec: _Spec) -> _Runner:
 
 
 def _stoker_recipe_runner(spec: _Spec) -> _Runner:
-    from ..loader import Loader
-    from ..options import Workers
+    from ..loader.loader import Loader
+    from ..loader.options import Workers
     from ..transforms import Normalize, RandAugment, RandomErasing, RandomHorizontalFlip, RandomResizedCrop
     from .baseline_recipes import deit_mixup
 
@@ -250,9 +250,9 @@ def _stoker_recipe_runner(spec: _Spec) -> _Runner:
 
 
 def _stoker_runner(spec: _Spec, train: bool) -> _Runner:
-    from ..device import DeviceOptions
-    from ..loader import Loader
-    from ..options import Workers
+    from ..device.stage import DeviceOptions
+    from ..loader.loader import Loader
+    from ..loader.options import Workers
     from ..transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
 
     if spec.pipeline == "overhead":

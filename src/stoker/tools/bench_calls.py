@@ -26,8 +26,8 @@ def python_calls(packed: Path, batch_size: int, threads: int, *, batches: int = 
     RandomResizedCrop(224) + flip on the packed dataset `packed`, default `Workers` at `threads` threads:
     counted over up to `batches` batches after a warm-up batch (the pass's start-up is not the steady
     state). The profile hook is on only while the loader runs, and only on the threads it starts."""
-    from ..loader import Loader
-    from ..options import Workers
+    from ..loader.loader import Loader
+    from ..loader.options import Workers
     from ..transforms import RandomHorizontalFlip, RandomResizedCrop
 
     counts: dict[int, int] = {}

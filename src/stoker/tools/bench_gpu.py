@@ -151,7 +151,7 @@ def device_pipelines(models: Sequence[str], *, check: bool = True) -> dict[str, 
 def resolve_device(device: str) -> "torch.device":
     """'cuda', 'cuda:1' or 'cpu' -> torch.device (`stoker.device.parse_device`); ConfigError naming the fix when
     the device is not one this machine has."""
-    from ..device import parse_device, resolve_device as gpu_of
+    from ..device.stage import parse_device, resolve_device as gpu_of
 
     try:
         return gpu_of(parse_device(device))
@@ -301,7 +301,7 @@ def _baseline_feed(root: str, batch_size: int, workers: int, device: "torch.devi
 
 def _stoker_loader(packed: str, batch_size: int, **options: Any) -> Any:
     """stoker.Loader with the bench's transforms: RandomResizedCrop(224) + RandomHorizontalFlip, shuffled."""
-    from ..loader import Loader
+    from ..loader.loader import Loader
     from ..transforms import RandomHorizontalFlip, RandomResizedCrop
 
     return Loader(packed, batch_size, transforms=[RandomResizedCrop(OUTPUT_SIZE), RandomHorizontalFlip()],
@@ -311,8 +311,8 @@ def _stoker_loader(packed: str, batch_size: int, **options: Any) -> Any:
 def _stoker_feed(feed: str, packed: str, batch_size: int, workers: int, device: "torch.device",
                  drop_last: bool, channels_last: bool, dtype: "torch.dtype") -> Feed:
     from .. import __version__
-    from ..device import DeviceOptions
-    from ..options import Workers
+    from ..device.stage import DeviceOptions
+    from ..loader.options import Workers
 
     try:
         on_device = DeviceOptions(device, normalize="imagenet", dtype=dtype,

@@ -193,8 +193,8 @@ def run_demo(out: str | Path = "stoker-demo", *, images: int = 2000, batch_size:
 def _race(root: Path, packed: Path, batch_size: int, steps: int, device: str, loader_cores: int, where: str,
           progress: bool) -> list[DemoRun]:
     from .baseline import baseline_loader
-    from ..device import DeviceOptions
-    from ..loader import Loader
+    from ..device.stage import DeviceOptions
+    from ..loader.loader import Loader
     from ..transforms import RandomHorizontalFlip, RandomResizedCrop
 
     print(f"[3/4] training a small CNN for {steps} steps of {batch_size} fed by DataLoader + PIL ({where})",

@@ -39,7 +39,7 @@ def default_device(device: str | None = None) -> str:
     "cuda:0", or LOCAL_RANK's GPU); None: the current CUDA GPU when there is one, else the CPU."""
     import torch
 
-    from ..device import parse_device, resolve_device
+    from ..device.stage import parse_device, resolve_device
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -150,8 +150,8 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = 8, thread
     """
     import torch
 
-    from ..device import DeviceOptions
-    from ..loader import Loader
+    from ..device.stage import DeviceOptions
+    from ..loader.loader import Loader
     from ..transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
 
     if transforms not in ("train", "val"):
@@ -226,7 +226,7 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = 8, thread
 
 def _per_sample(engine: bool, why: list[str]) -> str:
     """The doctor's line on the Python the loader runs per sample beside the training loop."""
-    from ..engine import PER_SAMPLE_FIX
+    from ..loading.engine import PER_SAMPLE_FIX
 
     if engine:
         return "none: the native batch engine renders whole batches without the GIL"

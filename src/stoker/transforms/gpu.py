@@ -28,7 +28,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from .._torch import torch
-from ..device import IMAGENET_MEAN, IMAGENET_STD, all_levels, host_to_device, normalize_by_table
+from ..device.stage import IMAGENET_MEAN, IMAGENET_STD, all_levels, host_to_device, normalize_by_table
 from ..errors import ConfigError
 from . import colour, pixels, policy
 from .kinds import BATCH, stage_of

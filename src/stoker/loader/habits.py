@@ -13,8 +13,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ._torch import torch
-from .errors import ConfigError
+from .._torch import torch
+from ..errors import ConfigError
 
 #: DataLoader keywords stoker has no use for, with what to pass instead
 _REFUSED = {

@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import codecs, native
-from .order import TAG_DRAW, TAG_SAMPLE, stream_key
-from .reader import Dataset
-from .transforms.geometry import AA_HEADROOM, CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
+from .. import codecs, native
+from ..order import TAG_DRAW, TAG_SAMPLE, stream_key
+from ..reader import Dataset
+from ..transforms.geometry import AA_HEADROOM, CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
 
 if TYPE_CHECKING:
     from .render import BatchPlan, EpochChain, Filler, RenderSpec
