@@ -39,8 +39,10 @@ from ..reader import Dataset
 from ..transforms.geometry import AA_HEADROOM, CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
 
 if TYPE_CHECKING:
-    from .render import BatchPlan, EpochChain, Filler, RenderSpec
     from .slots import Slot, WorkerTimes
+
+# render.py's RenderSpec, EpochChain, Filler and BatchPlan (render imports this module, so not the reverse)
+RenderSpec = EpochChain = Filler = BatchPlan = Any
 
 ENV = "STOKER_ENGINE"
 #: Python threads that coordinate batches: two keep the pool fed (one plans and queues the next batch
@@ -85,15 +87,14 @@ def program(ops: Any, offsets: Any) -> np.ndarray | None:
     return np.array(rows, np.float64).reshape(-1, _PROG_WIDTH)
 
 
-def batch_engine(spec: "RenderSpec", chain: "EpochChain", threads: int, timeout: float) -> "BatchEngine | None":
+def batch_engine(spec: RenderSpec, chain: EpochChain, threads: int, timeout: float, serves: bool
+                 ) -> "BatchEngine | None":
     """The engine for a Run of `chain`'s batches on `threads` native threads, or None where it does
     not serve them (then the chunk path or the per-sample path does, as before): the native chunk
-    path must serve the spec (`render.native_serves`), every planned op must be one the engine plans,
+    path must serve the spec (`serves`: `render.native_serves`), every planned op must be one the engine plans,
     and the dataset must hand over mapped JPEG bytes (a packed dataset) that are mostly JPEGs (the
     per-sample path renders the others on the coordinator threads only)."""
-    from .render import native_serves
-
-    if not enabled() or not chain.fillers or not native_serves(spec):
+    if not enabled() or not chain.fillers or not serves:
         return None
     pipe = spec.pipeline
     prog = program(pipe.prefix, pipe.offsets)
@@ -116,7 +117,7 @@ PER_SAMPLE_FIX = ("move per-sample colour and policy ops to the batched GPU ops 
                   "the training loop's: workers=stoker.Workers(processes=1)")
 
 
-def per_sample_python(spec: "RenderSpec", chain: "EpochChain", served: bool) -> list[str]:
+def per_sample_python(spec: RenderSpec, chain: EpochChain, served: bool) -> list[str]:
     """What makes the worker threads run Python per sample in the training process (each item names
     the cause), or [] where the engine serves the batches. Each such sample holds the GIL the training
     loop's thread needs for every op it dispatches: tens of µs per sample, which a dispatch-bound step
@@ -153,7 +154,7 @@ class BatchEngine:
     """One Run's engine: `start()` makes the pool, `fill_chunk` renders a batch (the Run's `ChunkFn`,
     with `chunk` = the batch size), `close()` stops and joins the pool (repeatable, from any thread)."""
 
-    def __init__(self, spec: "RenderSpec", prog: np.ndarray, threads: int, timeout: float) -> None:
+    def __init__(self, spec: RenderSpec, prog: np.ndarray, threads: int, timeout: float) -> None:
         self.spec = spec
         self.program = prog
         self.threads = threads

@@ -490,7 +490,7 @@ def native_claims(spec: RenderSpec, chain: EpochChain, threads: int, timeout: fl
     serves the spec, else none (one row per claim through `fill`, as without it)."""
     from .engine import batch_engine
 
-    engine = batch_engine(spec, chain, threads, timeout)
+    engine = batch_engine(spec, chain, threads, timeout, native_serves(spec))
     if engine is not None:
         chain.deferred = True
         return {"fill_chunk": engine.fill_chunk, "chunk": spec.batch_size, "engine": engine}
