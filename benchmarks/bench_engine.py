@@ -119,15 +119,19 @@ def _inflation(packed: str, batch: int, threads: int, windows: int = 3, steps: i
     return a * 1e3, b * 1e3, (b / a - 1) * 100
 
 
-def child(packed: str, batch: int, threads: int) -> dict:
+def child(packed: str, batch: int, threads: int, only: str = "") -> dict:
     import stoker
 
-    out = {"stoker": str(Path(stoker.__file__).parent)}
-    out["calls_2"] = _calls(packed, batch, 2)
-    out["calls_16"] = _calls(packed, batch, 16)
-    out["train_ips"], out["train_cpu_ms"] = _rate(packed, batch, threads, False)
-    out["val_ips"], out["val_cpu_ms"] = _rate(packed, batch, threads, True)
-    out["step_alone_ms"], out["step_beside_ms"], out["inflation_pct"] = _inflation(packed, batch, threads)
+    want = set(only.split(",")) if only else {"calls", "rates", "inflation"}
+    out: dict = {"stoker": str(Path(stoker.__file__).parent)}
+    if "calls" in want:
+        out["calls_2"] = _calls(packed, batch, 2)
+        out["calls_16"] = _calls(packed, batch, 16)
+    if "rates" in want:
+        out["train_ips"], out["train_cpu_ms"] = _rate(packed, batch, threads, False)
+        out["val_ips"], out["val_cpu_ms"] = _rate(packed, batch, threads, True)
+    if "inflation" in want:
+        out["step_alone_ms"], out["step_beside_ms"], out["inflation_pct"] = _inflation(packed, batch, threads)
     return out
 
 
@@ -138,10 +142,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--also", action="append", default=[], metavar="NAME=VALUE",
+                   help="a further configuration: this tree with the environment variable set (e.g. "
+                        "STOKER_ENGINE_NICE=10), alternating with the others")
+    p.add_argument("--only", default="", help="comma-separated measures to run (calls,rates,inflation); default all")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.batch_size, args.threads)))
+        print(json.dumps(child(args.child, args.batch_size, args.threads, args.only)))
         return
     if args.before is None or args.data is None:
         p.error("give DIR_OF_JPEGS and --before OLD/src")
@@ -151,21 +159,26 @@ def main() -> None:
         from stoker.packing import PackOptions, pack
 
         pack(args.data, packed, options=PackOptions(workers=args.threads), progress=False)
-    results: dict[str, list[dict]] = {"before": [], "after": []}
+    configs = [("before", args.before.resolve(), {}), ("after", HERE, {})]
+    configs += [(f"after {kv}", HERE, dict([kv.split("=", 1)])) for kv in args.also]
+    results: dict[str, list[dict]] = {name: [] for name, _, _ in configs}
     for r in range(args.rounds):
-        for name, src in (("before", args.before.resolve()), ("after", HERE)):
-            env = {**os.environ, "PYTHONPATH": str(src)}
+        for name, src, extra in configs:
+            env = {**os.environ, **extra, "PYTHONPATH": str(src)}
             got = subprocess.run([sys.executable, __file__, "--child", str(packed), "--batch-size",
-                                  str(args.batch_size), "--threads", str(args.threads)], env=env, check=True,
-                                 capture_output=True, text=True, cwd=str(Path(src).parent))
+                                  str(args.batch_size), "--threads", str(args.threads), "--only", args.only],
+                                 env=env, check=True, capture_output=True, text=True, cwd=str(Path(src).parent))
             results[name].append(json.loads(got.stdout.strip().splitlines()[-1]))
             print(f"round {r + 1} {name}: {results[name][-1]}", flush=True)
     keys = [k for k in results["after"][0] if k != "stoker"]
-    print(f"\n| measure (median of {args.rounds}) | before | after | after / before |\n| --- | ---: | ---: | ---: |")
+    names = [name for name, _, _ in configs]
+    print(f"\n| measure (median of {args.rounds}) | " + " | ".join(names) + " | " +
+          " | ".join(f"{n} / before" for n in names[1:]) + " |")
+    print("| --- |" + " ---: |" * (2 * len(names) - 1))
     for k in keys:
-        b = statistics.median(x[k] for x in results["before"])
-        a = statistics.median(x[k] for x in results["after"])
-        print(f"| {k} | {b:,.2f} | {a:,.2f} | {a / b if b else float('nan'):.2f} |")
+        med = [statistics.median(x[k] for x in results[n]) for n in names]
+        print(f"| {k} | " + " | ".join(f"{m:,.2f}" for m in med) + " | " +
+              " | ".join(f"{m / med[0] if med[0] else float('nan'):.2f}" for m in med[1:]) + " |")
 
 
 if __name__ == "__main__":

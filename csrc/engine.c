@@ -19,6 +19,11 @@
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
+#ifdef __linux__
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -178,7 +183,7 @@ typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t work, done;
     batch_t *head, *tail;
-    int stopping, nthreads, started;
+    int stopping, nthreads, started, nice;
     pthread_t *threads;
     pthread_mutex_t close_mu;  /* one close() joins the threads; another waits for it */
     int joined;
@@ -212,6 +217,12 @@ static int finished(const batch_t *b) { return b->done == b->next && (b->next >=
 
 static void *pool_thread(void *arg) {
     EngineObject *e = (EngineObject *)arg;
+#ifdef __linux__
+    /* Linux's nice value is per thread: the pool yields a busy core to the training process's own threads
+     * (nice 0) without losing any while they sleep; lowering a thread's priority needs no privilege */
+    if (e->nice > 0)
+        (void)setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), e->nice);
+#endif
     stoker_decoder dec;
     int ok = stoker_decoder_init(&dec) == 0;
     pthread_mutex_lock(&e->mu);
@@ -275,9 +286,9 @@ static void engine_stop(EngineObject *e) {
 }
 
 static PyObject *engine_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    static char *keywords[] = {"threads", NULL};
-    int threads;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "i", keywords, &threads))
+    static char *keywords[] = {"threads", "nice", NULL};
+    int threads, nice = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "i|i", keywords, &threads, &nice))
         return NULL;
     if (threads < 1 || threads > 1024) {
         PyErr_Format(PyExc_ValueError, "Engine: threads must be 1..1024, got %d", threads);
@@ -291,6 +302,7 @@ static PyObject *engine_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
     pthread_cond_init(&e->work, NULL);
     pthread_cond_init(&e->done, NULL);
     e->nthreads = threads;
+    e->nice = nice < 0 ? 0 : (nice > 19 ? 19 : nice);
     e->threads = (pthread_t *)PyMem_Calloc((size_t)threads, sizeof(pthread_t));
     if (e->threads == NULL) {
         Py_DECREF(e);
@@ -563,7 +575,8 @@ static PyTypeObject EngineType = {
     .tp_name = "stoker._jpeg.Engine",
     .tp_basicsize = sizeof(EngineObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Engine(threads): a pool of native threads that render whole batches of JPEG rows (run()).",
+    .tp_doc = "Engine(threads, nice=0): a pool of native threads that render whole batches of JPEG rows (run());\n"
+              "on Linux each runs at the given nice value (0..19, lower priority than the caller's threads).",
     .tp_new = engine_new,
     .tp_dealloc = (destructor)engine_dealloc,
     .tp_methods = engine_methods,

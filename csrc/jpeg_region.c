@@ -834,7 +834,9 @@ PyMODINIT_FUNC PyInit__jpeg(void) {
      * never unload() while a decode runs); decode() reads that table and touches nothing shared
      * besides (its job, error manager and libjpeg object are its own), nor do render_rows (its blocks
      * are read-only buffers, each row written by the one call that claimed it) and plan_rows (pure
-     * arithmetic on the arrays it is handed); the exception types above are set once, here. */
+     * arithmetic on the arrays it is handed); the exception types above are set once, here. The batch
+     * engine (engine.c) keeps its state per Engine object, under that object's own mutex, and its pool
+     * threads never touch a Python object. */
     if (PyUnstable_Module_SetGIL(m, Py_MOD_GIL_NOT_USED) < 0) {
         Py_DECREF(m);
         return NULL;

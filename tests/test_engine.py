@@ -33,8 +33,8 @@ class Counting:
 
     made: list["Counting"] = []
 
-    def __init__(self, threads: int) -> None:
-        self.pool = native._mod.Engine(threads)
+    def __init__(self, threads: int, nice: int = 0) -> None:
+        self.pool = native._mod.Engine(threads, nice)
         self.rows = 0
         Counting.made.append(self)
 

@@ -93,7 +93,7 @@ def native_chunk(batch_size: int, threads: int) -> int:
     return max(1, min(64, batch_size // (4 * max(threads, 1))))
 
 
-def engine(threads: int) -> object:
+def engine(threads: int, nice: int = 0) -> object:
     """A started pool of `threads` native threads that render whole batches (`stoker._jpeg.Engine`,
-    csrc/engine.c; `engine.BatchEngine` drives it)."""
-    return _mod.Engine(threads)
+    csrc/engine.c; `loading.engine.BatchEngine` drives it), each at Linux nice value `nice`."""
+    return _mod.Engine(threads, nice)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import codecs, native
+from ..errors import LoaderClosedError
 from ..order import TAG_DRAW, TAG_SAMPLE, stream_key
 from ..reader import Dataset
 from ..transforms.geometry import AA_HEADROOM, CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
@@ -54,6 +55,17 @@ _STOPPED = 1   # Engine.run's state when close() stopped the pool
 #: the least share of JPEG rows (of the first 1,024 of a pass) for the engine: the others are rendered
 #: per sample on the coordinator threads only
 MIN_JPEG_SHARE = 0.9
+#: the pool threads' Linux nice value: under contention for a core the training process's own threads
+#: (the training loop, autograd's, the device thread: nice 0) run first; alone, the pool loses nothing
+NICE = 0
+
+
+def pool_nice() -> int:
+    """The pool threads' nice value (Linux): STOKER_ENGINE_NICE, default `NICE`."""
+    try:
+        return int(os.environ.get(ENV + "_NICE", NICE))
+    except ValueError:
+        return NICE
 
 
 def enabled() -> bool:
@@ -175,7 +187,7 @@ class BatchEngine:
     def start(self) -> None:
         """Start the pool's threads (`Run.start`)."""
         if self.pool is None and not self._closed:
-            self.pool = native.engine(self.threads)
+            self.pool = native.engine(self.threads, pool_nice())
 
     def close(self) -> None:
         """Stop the pool: a coordinator waiting in `Engine.run` wakes at once (after the rows in flight),
@@ -209,8 +221,9 @@ class BatchEngine:
                 self._stream(filler.epoch), self.program, slot.images_np, status, r0, self.out_h, self.out_w,
                 self.full_size, AA_HEADROOM, self.antialias, self.fast, codecs.MAX_PIXELS, self.timeout)
             times.decode += busy
-            if state == _STOPPED:   # the Run is stopping: this batch is never handed out
-                return []
+            if state == _STOPPED:   # the Run is stopping: should this batch still be asked for, it says so
+                return [(r0, LoaderClosedError(f"the loader was closed while batch rows {r0}..{r1 - 1} were being "
+                                               f"rendered"))]
             rows = (np.flatnonzero(status) + r0).tolist() if left else ()
         if not rows:
             return []
