@@ -291,3 +291,21 @@ def test_loader_stats_name_the_python_per_sample_and_the_fix(dataset, monkeypatc
     with Loader(dataset, 8, transforms=TRAIN, device="numpy", workers=Workers(num_threads=2, on_error="skip")) as ld:
         next(iter(ld))
         assert not ld.stats.engine and any("STOKER_ENGINE" in why for why in ld.stats.per_sample_python)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread priorities through Linux's /proc")
+def test_the_pool_threads_take_the_nice_value_they_are_given():
+    def nices() -> list[int]:
+        out = []
+        for t in os.listdir("/proc/self/task"):
+            stat = Path(f"/proc/self/task/{t}/stat").read_text()
+            out.append(int(stat.rsplit(")", 1)[1].split()[16]))   # field 19: nice
+        return out
+
+    pool = native._mod.Engine(3, 7)
+    deadline = time.monotonic() + 10
+    while nices().count(7) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert nices().count(7) == 3 and os.getpriority(os.PRIO_PROCESS, 0) == 0   # the caller's own stays
+    pool.close()
+    assert nices().count(7) == 0
