@@ -43,6 +43,8 @@ _MAPPED = {
     "shuffle": ("sampling", "order"),
     "collate_fn": ("targets", "collate_fn"),
 }
+#: every keyword `Loader(**dataloader)` takes (`dataloader_keywords` reads them; any other raises)
+DATALOADER_KEYWORDS = frozenset({*_MAPPED, "sampler"})
 #: the Loader's keywords before its options were grouped (0.1): where each lives now
 _MOVED = {**{k: "workers" for k in ("num_threads", "prefetch", "persistent", "on_error", "decode_quality")},
           **{k: "sampling" for k in ("rank", "world_size", "indices", "weights", "clips")},

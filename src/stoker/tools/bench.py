@@ -481,6 +481,9 @@ def _measure_training(spec: _Spec) -> dict[str, Any]:
 
 
 _RESULT_MARK = "STOKER-BENCH-RESULT "
+#: set (to 1) in the environment: each pipeline's process logs stoker's info lines (its timers among them)
+#: and the bench passes them on to its own stderr, each line prefixed with the pipeline's name
+CHILD_LOGS_ENV = "STOKER_BENCH_CHILD_LOGS"
 
 
 def _measure_isolated(spec: _Spec) -> dict[str, Any]:
@@ -491,6 +494,9 @@ def _measure_isolated(spec: _Spec) -> dict[str, Any]:
     except subprocess.TimeoutExpired:
         raise StokerError(f"bench pipeline {spec.pipeline!r} ran longer than {_CHILD_TIMEOUT_S:.0f} s; "
                           "use fewer images or rounds") from None
+    if os.environ.get(CHILD_LOGS_ENV, "0") not in ("", "0"):
+        for line in proc.stderr.splitlines():
+            print(f"[{spec.pipeline}] {line}", file=sys.stderr, flush=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_RESULT_MARK)]
     if proc.returncode != 0 or not lines:
         raise StokerError(f"bench pipeline {spec.pipeline!r} failed (exit {proc.returncode}); its output "
@@ -500,6 +506,11 @@ def _measure_isolated(spec: _Spec) -> dict[str, Any]:
 
 def _child_main(argv: Sequence[str]) -> int:
     spec = _Spec(**json.loads(argv[1]))
+    if os.environ.get(CHILD_LOGS_ENV, "0") not in ("", "0"):
+        import logging
+        logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        logging.getLogger("stoker").setLevel(logging.INFO)
     cpus = cpu_ids()
     if hasattr(os, "sched_setaffinity") and len(cpus) > spec.workers:
         os.sched_setaffinity(0, cpus[:spec.workers])   # this child only: the same cores for every pipeline
@@ -566,7 +577,7 @@ def _check_args(images: int, batch_size: int, workers: int, rounds: int, pipelin
 
 
 @dataclass(frozen=True)
-class _Plan:
+class _BenchPlan:
     """What one run measures, defaults resolved: the CPU bench, or the device bench of `bench_gpu`."""
 
     catalog: dict[str, tuple[str, str | None]]   # name -> (description, ratio reference)
@@ -581,7 +592,7 @@ class _Plan:
 
 def _plan(images: int | None, batch_size: int, workers: int, rounds: int, pipelines: Sequence[str] | None,
           device: str, models: Sequence[str] | None, steps: int | None, warmup_steps: int | None,
-          recipe: str = "basic") -> _Plan:
+          recipe: str = "basic") -> _BenchPlan:
     named = tuple(pipelines) if pipelines is not None else None
     if named is not None and "neighbour" in named:
         raise ConfigError("run_bench: the neighbour bench runs alone, with its own table: stoker bench --pipelines "
@@ -597,7 +608,7 @@ def _plan(images: int | None, batch_size: int, workers: int, rounds: int, pipeli
         if models is not None or steps is not None or warmup_steps is not None:
             raise ConfigError("run_bench: models, steps and warmup_steps belong to the device bench's training "
                               "pipelines; add device='cuda' (stoker bench --device cuda)")
-        plan = _Plan(PIPELINES, DEFAULT_PIPELINES if named is None else named, images or 2000)
+        plan = _BenchPlan(PIPELINES, DEFAULT_PIPELINES if named is None else named, images or 2000)
         _check_args(plan.images, batch_size, workers, rounds, plan.pipelines)
         return plan
     dev = str(bench_gpu.resolve_device(device))
@@ -609,7 +620,7 @@ def _plan(images: int | None, batch_size: int, workers: int, rounds: int, pipeli
     # pipelines need no torchvision).
     chosen_models = tuple(bench_gpu.DEFAULT_MODELS if models is None else models)
     catalog = bench_gpu.device_pipelines(chosen_models, check=models is not None)
-    plan = _Plan(catalog, tuple(catalog) if named is None else named, images or bench_gpu.DEFAULT_IMAGES, True,
+    plan = _BenchPlan(catalog, tuple(catalog) if named is None else named, images or bench_gpu.DEFAULT_IMAGES, True,
                  dev, chosen_models, bench_gpu.DEFAULT_STEPS if steps is None else steps,
                  bench_gpu.DEFAULT_WARMUP_STEPS if warmup_steps is None else warmup_steps)
     _check_args(plan.images, batch_size, workers, rounds, plan.pipelines, catalog)
@@ -807,7 +818,10 @@ def _format_device(result: BenchResult) -> str:
              f"Device: {gpu}; torch {m.get('torch', '-')}, torchvision {m.get('torchvision') or 'not installed'}.",
              f"Machine: {m['cpu']}, {m['usable_cores']} usable cores, {m['memory_gb']} GB, load average "
              f"{m['load_1m']} at the start; Python {m['python']}, Pillow {m['pillow']}, simplejpeg {m['simplejpeg']}.",
-             "of synthetic: training images/s over the same model's on one GPU-resident batch (no input pipeline). "
+             "fed / synthetic: training images/s over the same model's on one GPU-resident batch (no input "
+             "pipeline): the share of the model's speed a feed keeps. stoker-interference is the control: the model on "
+             "that resident batch while the stoker feed runs beside it, its batches discarded; its shortfall is the "
+             "loader's cost to the step, which data wait does not show. "
              "Data wait: share of the timed steps the training loop spent in next() (host side). Peak device: "
              "torch.cuda.max_memory_allocated of the pipeline's process. CPU %: process + children (100 = one core).",
              NOTE, *result.notes]
