@@ -209,7 +209,7 @@ class BatchEngine:
         exception) of the rows that failed, as `Filler.fill_chunk` does."""
         filler, bp = plan
         rows: Any = range(r0, r1)
-        idx = bp.indices[r0:r1]
+        idx = np.ascontiguousarray(bp.indices[r0:r1], np.int64)   # the engine reads int64 rows
         try:
             blocks, spans = filler.ds.jpeg_spans(idx)
         except Exception:  # noqa: BLE001 - a shard that fails its check: each row's own read reports it
