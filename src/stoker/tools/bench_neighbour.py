@@ -49,6 +49,7 @@ STEP_OPS = 300          # small torch ops per step
 FEEDS = ("stoker", "stoker-process", "dataloader")
 #: thread counts at which the Python calls per batch of stoker's threads are counted (`bench_calls`)
 CALLS_THREADS = (2, 16)
+CALLS_BATCH = 256   # the batch the Python calls are counted at, where the data holds 3 of them (else the bench's)
 PROBE_CHUNK = 2000      # pure-Python loop iterations the probe counts as one unit (about 50 µs)
 
 
@@ -309,7 +310,8 @@ class NeighbourResult:
     data: dict[str, Any]
     machine: dict[str, Any]
     python_us: float = 0.0   # µs of pure Python per sample added to stoker's transforms
-    #: Python calls per batch run by stoker's threads (threads -> calls; `bench_calls.python_calls`)
+    #: Python calls per batch run by stoker's threads (threads -> calls; `bench_calls.python_calls`), and
+    #: "batch_size": the batch they were counted at
     calls: dict[str, float] = field(default_factory=dict)
 
     def get(self, name: str) -> NeighbourRow | None:
@@ -467,9 +469,11 @@ def run_neighbour(data_dir: Path | None = None, *, images: int | None = None, ba
                 gil[feed_name] = asdict(_measure_gil(feed_name, data, batch_size, gil_seconds, rounds, seed))
                 bar.update()
         calls: dict[str, float] = {}
+        calls_batch = CALLS_BATCH if len(samples) >= 3 * CALLS_BATCH else batch_size
         for n in calls_threads:
-            bar.stage(f"Python calls per batch at {n} threads")
-            calls[str(n)] = python_calls(data.packed, batch_size, n, seed=seed)
+            bar.stage(f"Python calls per batch of {calls_batch} at {n} threads")
+            calls[str(n)] = python_calls(data.packed, calls_batch, n, seed=seed)
+        calls["batch_size"] = calls_batch
         result = NeighbourResult(rows, gil, batch_size, rounds, steps_per_batch, batches, step_ops,
                                  _data_stats(root, samples, generated), machine_info(), python_us, calls)
         if out_dir is not None:
@@ -499,8 +503,9 @@ def format_neighbour(result: NeighbourResult) -> str:
                          f"{fmt_number(g['switches_per_unit'], '.1f')} | {fmt_number(g['units_per_s'], ',.0f')} | "
                          f"{g['share_alone']:.2%} |")
     if result.calls:
-        lines += ["", "| stoker threads | Python calls per batch (loader's threads) |", "| ---: | ---: |"]
-        lines += [f"| {n} | {c:,.0f} |" for n, c in result.calls.items()]
+        per = int(result.calls.get("batch_size", result.batch_size))
+        lines += ["", f"| stoker threads | Python calls per batch of {per} (loader's threads) |", "| ---: | ---: |"]
+        lines += [f"| {n} | {c:,.0f} |" for n, c in result.calls.items() if n != "batch_size"]
     d, m = result.data, result.machine
     lines += ["",
               f"Step: {result.step_ops} in-place ops on 16-element tensors (dispatch-bound, as a GPU step is for the "
