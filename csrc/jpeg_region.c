@@ -22,6 +22,7 @@
 
 #include "jpeglib.h"
 #include "resample.h"
+#include "engine.h"
 
 /* The functions used, resolved by load(). */
 static struct {
@@ -526,6 +527,34 @@ static unsigned char render_one(const int64_t *p, const Py_buffer *data, unsigne
     return 0;
 }
 
+unsigned char stoker_render_row(const int64_t *params, const unsigned char *data, size_t len, unsigned char *images,
+                                Py_ssize_t rows, int oh, int ow, int antialias, int fast, double max_pixels,
+                                stoker_decoder *decoder) {
+    Py_buffer view;
+    memset(&view, 0, sizeof(view));
+    view.buf = (void *)data;
+    view.len = (Py_ssize_t)len;
+    return render_one(params, &view, images, rows, oh, ow, antialias, fast, max_pixels, (error_mgr *)decoder->err,
+                      &decoder->scratch, &decoder->scratch_size);
+}
+
+int stoker_decoder_init(stoker_decoder *decoder) {
+    decoder->err = calloc(1, sizeof(error_mgr));
+    decoder->scratch = NULL;
+    decoder->scratch_size = 0;
+    return decoder->err == NULL ? -1 : 0;
+}
+
+void stoker_decoder_free(stoker_decoder *decoder) {
+    free(decoder->err);
+    free(decoder->scratch);
+    decoder->err = NULL;
+    decoder->scratch = NULL;
+    decoder->scratch_size = 0;
+}
+
+int stoker_jpeg_loaded(void) { return lib_handle != NULL; }
+
 /* ---- A batch's per-row parameters ----
  * The maths of geometry.decode_minimums, codecs.jpeg_scale_eighths and geometry.resampling (its
  * `_axis`), operation for operation in double precision (no fused multiply-add: -ffp-contract=off;
@@ -568,7 +597,7 @@ static int64_t scale_eighths(int64_t h, int64_t w, int64_t mh, int64_t mw) {
     return 8;
 }
 
-static void plan_row(const double *box, const double *clip, const int64_t *grid, int64_t h, int64_t w,
+void stoker_plan_row(const double *box, const double *clip, const int64_t *grid, int64_t h, int64_t w,
                      const int64_t *size, unsigned char flip, int64_t row, int oh, int ow, int full_size,
                      double headroom, int64_t *p) {
     int64_t mh = h, mw = w;
@@ -617,7 +646,7 @@ static PyObject *plan_rows(PyObject *self, PyObject *args) {
     const unsigned char *flip = (const unsigned char *)b[5].buf;
     int64_t *params = (int64_t *)b[6].buf;
     for (Py_ssize_t i = 0; i < n; i++)
-        plan_row(box + 4 * i, clip + 4 * i, grid + (grid_rows ? 0 : 2 * i), hw[2 * i], hw[2 * i + 1], size + 2 * i,
+        stoker_plan_row(box + 4 * i, clip + 4 * i, grid + (grid_rows ? 0 : 2 * i), hw[2 * i], hw[2 * i + 1], size + 2 * i,
                  flip[i], i, oh, ow, full_size, headroom, params + NPARAM * i);
     result = Py_None;
     Py_INCREF(result);
@@ -795,7 +824,7 @@ PyMODINIT_FUNC PyInit__jpeg(void) {
     if (JpegError == NULL || UnsupportedError == NULL || TooLargeError == NULL ||
         PyModule_AddObjectRef(m, "JpegError", JpegError) < 0 ||
         PyModule_AddObjectRef(m, "UnsupportedError", UnsupportedError) < 0 ||
-        PyModule_AddObjectRef(m, "TooLargeError", TooLargeError) < 0) {
+        PyModule_AddObjectRef(m, "TooLargeError", TooLargeError) < 0 || stoker_engine_add(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }
@@ -805,7 +834,9 @@ PyMODINIT_FUNC PyInit__jpeg(void) {
      * never unload() while a decode runs); decode() reads that table and touches nothing shared
      * besides (its job, error manager and libjpeg object are its own), nor do render_rows (its blocks
      * are read-only buffers, each row written by the one call that claimed it) and plan_rows (pure
-     * arithmetic on the arrays it is handed); the exception types above are set once, here. */
+     * arithmetic on the arrays it is handed); the exception types above are set once, here. The batch
+     * engine (engine.c) keeps its state per Engine object, under that object's own mutex, and its pool
+     * threads never touch a Python object. */
     if (PyUnstable_Module_SetGIL(m, Py_MOD_GIL_NOT_USED) < 0) {
         Py_DECREF(m);
         return NULL;

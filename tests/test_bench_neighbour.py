@@ -110,6 +110,9 @@ def test_neighbour_on_real_photos(photo_root: Path, tmp_path: Path) -> None:
     table = (tmp_path / "neighbour.md").read_text()
     assert table == format_neighbour(result) + "\n"
     assert all(f"| {r.name} |" in table for r in result.rows) and "µs per sample" in table
+    assert set(result.calls) == {"2", "16", "batch_size"} and all(c > 0 for c in result.calls.values())
+    assert result.calls["batch_size"] == 4   # 48 photos: too few for batches of 256
+    assert "Python calls per batch" in table
 
 
 def test_a_load_that_never_marks_its_start_is_refused() -> None:

@@ -189,3 +189,43 @@ def test_native_resize_from_eight_threads_matches_serial():
         parallel = list(pool.map(run, jobs))
     for k, (a, b) in enumerate(zip(serial, parallel)):
         assert np.array_equal(a, b), f"job {k}: threads resize to different pixels"
+
+
+def test_batch_engine_from_four_coordinators_matches_one_thread():
+    """The native batch engine (`Engine`, csrc/engine.c) shared by four Python threads submitting batches
+    at once, on a pool of six native threads: every batch is the one a one-thread pool renders alone.
+    The program is built by hand (engine.program's encoding: RandomResizedCrop(48) + flip), so no
+    OpenCV is needed."""
+    import math
+
+    mod = _jpeg_module()
+    if not hasattr(mod, "Engine"):
+        pytest.skip("the extension predates the batch engine")
+    photos = [_photo(seed, h=180 + 20 * seed, w=260 - 10 * seed, restart=seed % 2 == 1)[0] for seed in range(4)]
+    blocks = [np.frombuffer(b"".join(photos), np.uint8)]
+    starts = np.cumsum([0] + [len(p) for p in photos])
+    sizes = np.array([[180 + 20 * s, 260 - 10 * s] for s in range(4)], np.int64)
+    prog = np.zeros((2, 10))
+    prog[0] = (1, 0, 48, 48, 0.08, 1.0, math.log(3 / 4), math.log(4 / 3), 3 / 4, 4 / 3)
+    prog[1, :3] = (4, 22, 0.5)
+    rows = 32
+
+    def batch(engine, b: int) -> np.ndarray:
+        index = (np.arange(rows, dtype=np.int64) + b) % 4
+        spans = np.stack([np.zeros(rows, np.int64), starts[index], starts[index + 1]], 1)
+        images = np.zeros((rows, 48, 48, 3), np.uint8)
+        status = np.empty(rows, np.uint8)
+        left, _, state = engine.run(blocks, spans, np.arange(rows, dtype=np.int64) + 1000 * b, index, sizes, 77,
+                                    prog, images, status, 0, 48, 48, False, 2.0, True, False, 1e12, 60.0)
+        assert (left, state) == (0, 0) and not status.any()
+        return images
+
+    alone = mod.Engine(1)
+    want = [batch(alone, b) for b in range(12)]
+    alone.close()
+    shared = mod.Engine(6)
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda b: batch(shared, b), range(12)))
+    shared.close()
+    assert all(np.array_equal(g, w) for g, w in zip(got, want))
+    assert len({w.tobytes() for w in want}) == 12   # the batches differ: the streams and crops are used

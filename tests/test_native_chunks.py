@@ -26,6 +26,14 @@ from stoker.transforms.geometry import decode_minimums, resampling
 
 pytestmark = pytest.mark.skipif(not native.chunks_available(), reason="the native extension or its libjpeg is missing")
 
+
+
+@pytest.fixture(autouse=True)
+def chunk_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are the chunk path's: the batch engine (tests/test_engine.py) stays off."""
+    monkeypatch.setenv("STOKER_ENGINE", "off")
+
+
 TRAIN = [RandomResizedCrop(64), RandomHorizontalFlip()]
 VAL = [Resize(72), CenterCrop(64)]
 

@@ -30,15 +30,27 @@ def usable_cpus() -> int:
     return max(1, len(cpu_ids()))
 
 
-def threads_per_process() -> int:
+#: cores a GPU training process keeps for itself beside the loader: the training thread (Python and
+#: kernel dispatch), autograd's thread for the device (the backward pass's dispatch) and stoker's
+#: device thread (copies, slot guards). Each is busy for much of a step and none can wait for a core:
+#: a dispatch-bound step slows by the time its threads sit runnable behind a loader thread.
+TRAINER_THREADS = 3
+
+
+def threads_per_process(gpu: bool = False) -> int:
     """The default thread count of one process: its usable CPUs shared among the processes `torchrun`
     started on this machine (LOCAL_WORLD_SIZE), so 2 ranks on 4 CPUs take 2 threads each instead of
-    4 (oversubscribed cores run slower than fewer threads); at least 1."""
+    4 (oversubscribed cores run slower than fewer threads); at least 1. `gpu`: batches go to a GPU, so
+    `TRAINER_THREADS` of those cores stay the training process's own (one where there are only 2 to 4:
+    the loader is the bottleneck there, and the device thread mostly waits)."""
     try:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     except ValueError:   # not set by torchrun: a stray value is no reason to fail
         local_world = 1
-    return max(1, usable_cpus() // max(1, local_world))
+    cpus = max(1, usable_cpus() // max(1, local_world))
+    if gpu:
+        cpus -= TRAINER_THREADS if cpus > TRAINER_THREADS + 1 else min(1, cpus - 1)
+    return max(1, cpus)
 
 
 def json_safe(obj: Any) -> Any:

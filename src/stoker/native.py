@@ -91,3 +91,9 @@ def native_chunk(batch_size: int, threads: int) -> int:
     after a chunk's native work it runs on cold caches, so fewer, larger chunks cost less of it),
     but at least four claims per thread per batch, so the threads still share a batch evenly."""
     return max(1, min(64, batch_size // (4 * max(threads, 1))))
+
+
+def engine(threads: int, nice: int = 0) -> object:
+    """A started pool of `threads` native threads that render whole batches (`stoker._jpeg.Engine`,
+    csrc/engine.c; `loading.engine.BatchEngine` drives it), each at Linux nice value `nice`."""
+    return _mod.Engine(threads, nice)

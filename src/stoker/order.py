@@ -47,6 +47,8 @@ _MASK64 = (1 << 64) - 1
 _TAG_ORDER, _TAG_BLOCK, _TAG_SAMPLE, _TAG_REPLACE, _TAG_WEIGHTED = 1, 2, 3, 4, 5
 #: the tag of per-draw random streams (weighted sampling: one sample drawn twice gets two crops)
 TAG_DRAW = 6
+#: the tag of per-sample random streams (`sample_keys`' default)
+TAG_SAMPLE = _TAG_SAMPLE
 _TAG_SHARD = 7
 #: the tag of per-clip random streams (stoker.video.clip_key: where a clip lies in time, its one plan)
 TAG_CLIP = 8

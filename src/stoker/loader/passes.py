@@ -23,6 +23,7 @@ from ..device.stage import DeviceOptions, DeviceStage, consumer_fence
 from ..dataset import Dataset
 from ..device.build import DeviceBuilder
 from ..loading.handout import host_batch, numpy_batch
+from ..loading.engine import per_sample_python
 from ..loading.render import EpochChain, Filler, native_claims
 from ..device.feeder import Feeder
 from ..loading.slots import BatchRing, Run
@@ -215,7 +216,9 @@ class _Crew:
         else:
             ring = passes.ring(extra=extra, private=private)
             self.run = Run(ring, sizes, threads, self.chain.prepare, self.chain.fill, passes.stats.add,
-                           parts.timeout, open_ended=persistent, **native_claims(spec, self.chain, threads))
+                           parts.timeout, open_ended=persistent, **native_claims(spec, self.chain, threads, parts.timeout))
+            passes.stats.engine = self.run.engine is not None
+            passes.stats.per_sample_python = per_sample_python(spec, self.chain, passes.stats.engine)
         if opts is not None:
             stage = passes.stage(opts)
             decoder = passes.gpu(opts) if spec.gpu_decode else None

@@ -385,7 +385,9 @@ def resolve(asked: Asked, ds: Dataset) -> LoadPlan:
 
         child_spec = check_process_mode(spec, ds, device=asked.device)
     return LoadPlan(asked, spec, epochs, clips, labels.dtype if labels.dtype.kind in "iufb" else None, pin_memory,
-                    w.num_threads or threads_per_process(),
+                    # on a GPU host the training process keeps cores of its own (_system.TRAINER_THREADS)
+                    w.num_threads or threads_per_process(getattr(getattr(asked.device, "device", None), "type", "")
+                                                         == "cuda"),
                     # a dataset in object storage gives its cache each epoch's order when that epoch starts
                     w.persistent and not ds.plans_downloads, pinned, child_spec)
 

@@ -505,7 +505,7 @@ def _child(conn: Any, payload: dict) -> None:
         add(*segment)
     stats = LoaderStats()
     run = Run(ring, payload["sizes"], payload["threads"], chain.prepare, chain.fill, stats.add, payload["timeout"],
-              name="stoker-process", open_ended=payload["open_ended"], **native_claims(spec, chain, payload["threads"]))
+              name="stoker-process", open_ended=payload["open_ended"], **native_claims(spec, chain, payload["threads"], payload["timeout"]))
     send_lock = threading.Lock()
 
     def send(msg: tuple) -> None:

@@ -147,13 +147,12 @@ class Filler:
     def _geometry(self, sizes: tuple[np.ndarray, np.ndarray] | None, u: np.ndarray) -> Plan | None:
         return None if sizes is None or self.clips is not None else self.pipe.plan(*sizes, u)
 
-    def prepare(self, b: int, slot: Slot) -> BatchPlan:
+    def prepare(self, b: int, slot: Slot, deferred: bool = False) -> BatchPlan:
+        """Batch b's plan, and its labels and extras into `slot`. `deferred`: the batch engine plans
+        each row itself (engine.py); the plan's draws and geometry wait for `complete`."""
         lo = self.first + b * self.batch_size
         positions = np.arange(lo, lo + slot.size)
         idx = self.indices[lo:lo + slot.size]
-        keys = (sample_keys(self.seed, self.epoch, positions, tag=TAG_DRAW) if self.spec.key_by_draw
-                else sample_keys(self.seed, self.epoch, idx))
-        u = uniforms(keys, self.draws)
         if slot.labels_np is not None:
             slot.labels_np[:slot.size] = self.labels[idx]
         else:
@@ -164,6 +163,9 @@ class Filler:
                        for c in (*self.columns, *(c for c in self.targets if c not in self.columns))}
         if self.clips is not None and self.clips.per_video > 1:   # which video and clip each row holds
             slot.extras["video"], slot.extras["clip"] = idx.astype(np.int64), self.clips.clip_of(positions)
+        if deferred:
+            return BatchPlan(idx, positions, None, None, None)  # type: ignore[arg-type]
+        keys, u = self._draws(idx, positions)
         sizes = self._sizes(idx)
         geometry = self._geometry(sizes, u)
         if self.spec.pad:
@@ -179,6 +181,18 @@ class Filler:
             return BatchPlan(idx, positions, keys, u, geometry, gpu_from=gpu_from)
         rows = native_rows(geometry, *sizes, (self.out_h, self.out_w), self.full_size)
         return BatchPlan(idx, positions, keys, u, geometry, rows, np.empty(len(idx), np.uint8))
+
+    def _draws(self, idx: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        keys = (sample_keys(self.seed, self.epoch, positions, tag=TAG_DRAW) if self.spec.key_by_draw
+                else sample_keys(self.seed, self.epoch, idx))
+        return keys, uniforms(keys, self.draws)
+
+    def complete(self, plan: BatchPlan) -> None:
+        """A deferred plan's keys, draws and geometry, as `prepare` makes them (the batch engine's
+        refused rows go through `fill` with it)."""
+        if plan.keys is None:
+            plan.keys, plan.u = self._draws(plan.indices, plan.positions)
+            plan.geometry = self._geometry(self._sizes(plan.indices), plan.u)
 
     def _placement(self, geometry: Plan, row: int, idx: int) -> Placement:
         return Placement.of(geometry, row, self.heights[idx], self.widths[idx])
@@ -448,6 +462,7 @@ class EpochChain:
         self.columns = spec.columns
         self.multi_label = spec.multi_label
         self.fillers: list[Filler] = []
+        self.deferred = False  # the batch engine plans the rows (engine.py): `prepare` plans labels only
         self.firsts: list[int] = []  # run batch index of each Filler's first batch, increasing
 
     def add(self, filler: Filler, first: int) -> None:
@@ -458,7 +473,7 @@ class EpochChain:
     def prepare(self, g: int, slot: Slot) -> tuple[Filler, BatchPlan]:
         k = bisect.bisect_right(self.firsts, g) - 1
         filler = self.fillers[k]
-        return filler, filler.prepare(g - self.firsts[k], slot)
+        return filler, filler.prepare(g - self.firsts[k], slot, self.deferred)
 
     def locate(self, g: int) -> tuple[Filler, int]:
         """Run batch g's Filler and its batch index within that Filler's epoch."""
@@ -493,9 +508,16 @@ def native_rows(geometry: Plan, heights: np.ndarray, widths: np.ndarray, out_siz
                             np.ascontiguousarray(geometry.flip, np.bool_), out_size, full_size, AA_HEADROOM)
 
 
-def native_claims(spec: RenderSpec, chain: EpochChain, threads: int) -> dict[str, Any]:
-    """`Run`'s chunk arguments: chunks of rows through `chain.fill_chunk` where the native path
+def native_claims(spec: RenderSpec, chain: EpochChain, threads: int, timeout: float = 300.0) -> dict[str, Any]:
+    """`Run`'s chunk arguments: whole batches through the native batch engine where it serves them
+    (`engine.batch_engine`), else chunks of rows through `chain.fill_chunk` where the native path
     serves the spec, else none (one row per claim through `fill`, as without it)."""
+    from .engine import batch_engine
+
+    engine = batch_engine(spec, chain, threads, timeout, native_serves(spec))
+    if engine is not None:
+        chain.deferred = True
+        return {"fill_chunk": engine.fill_chunk, "chunk": spec.batch_size, "engine": engine}
     if not native_serves(spec):
         return {}
     return {"fill_chunk": chain.fill_chunk, "chunk": native.native_chunk(spec.batch_size, threads)}

@@ -322,7 +322,12 @@ class Run(HandOut):
 
     def __init__(self, ring: BatchRing, batch_sizes: list[int], num_threads: int, prepare: PrepareFn,
                  fill: FillFn, flush: FlushFn, timeout: float, name: str = "stoker", open_ended: bool = False,
-                 fill_chunk: ChunkFn | None = None, chunk: int = 1) -> None:
+                 fill_chunk: ChunkFn | None = None, chunk: int = 1, engine: Any = None) -> None:
+        # the native batch engine (engine.BatchEngine): its pool renders the rows; the Run's threads
+        # only coordinate whole batches, so a few of them do
+        self.engine = engine
+        if engine is not None:
+            num_threads = engine.coordinators
         self.ring = ring
         ring.top_up()
         self.batch_sizes = list(batch_sizes)
@@ -355,6 +360,8 @@ class Run(HandOut):
             slot.batch = -1
 
     def start(self) -> None:
+        if self.engine is not None:
+            self.engine.start()
         for t in self.threads:
             t.start()
 
@@ -533,6 +540,8 @@ class Run(HandOut):
         batches never handed out. Safe to call repeatedly, from any thread."""
         self.stop_event.set()
         notify_all(self.cond)
+        if self.engine is not None:  # wakes a coordinator waiting on the pool, joins the pool's threads
+            self.engine.close()
         me = threading.current_thread()
         deadline = time.monotonic() + join_timeout
         for t in self.threads:

@@ -47,6 +47,9 @@ __all__ = ["GilShare", "NeighbourResult", "NeighbourRow", "dispatch_step", "form
 STEP_OPS = 300          # small torch ops per step
 #: the loaders measured: stoker's threads here, the same threads in a worker process, a DataLoader
 FEEDS = ("stoker", "stoker-process", "dataloader")
+#: thread counts at which the Python calls per batch of stoker's threads are counted (`bench_calls`)
+CALLS_THREADS = (2, 16)
+CALLS_BATCH = 256   # the batch the Python calls are counted at, where the data holds 3 of them (else the bench's)
 PROBE_CHUNK = 2000      # pure-Python loop iterations the probe counts as one unit (about 50 µs)
 
 
@@ -307,6 +310,9 @@ class NeighbourResult:
     data: dict[str, Any]
     machine: dict[str, Any]
     python_us: float = 0.0   # µs of pure Python per sample added to stoker's transforms
+    #: Python calls per batch run by stoker's threads (threads -> calls; `bench_calls.python_calls`), and
+    #: "batch_size": the batch they were counted at
+    calls: dict[str, float] = field(default_factory=dict)
 
     def get(self, name: str) -> NeighbourRow | None:
         return next((r for r in self.rows if r.name == name), None)
@@ -400,7 +406,8 @@ def _check(images: int, batch_size: int, max_threads: int, rounds: int, batches:
 def run_neighbour(data_dir: Path | None = None, *, images: int | None = None, batch_size: int = 32,
                   workers: int | None = 2, rounds: int = 3, batches: int = 12, steps_per_batch: int = 10,
                   step_ops: int = STEP_OPS, gil_seconds: float = 2.0, out_dir: Path | None = None, seed: int = 0,
-                  progress: bool = False, python_us: float = 0.0) -> NeighbourResult:
+                  progress: bool = False, python_us: float = 0.0,
+                  calls_threads: tuple[int, ...] = CALLS_THREADS) -> NeighbourResult:
     """The noisy-neighbour bench: a dispatch-bound step's inflation beside each loader, and the GIL time per
     sample of stoker (threads here, and in a worker process) and of a DataLoader at 1 thread/worker
     (module docstring).
@@ -411,11 +418,13 @@ def run_neighbour(data_dir: Path | None = None, *, images: int | None = None, ba
     batch, `steps_per_batch` timed steps of `step_ops` ops after each batch. `gil_seconds`: each GIL window
     (0 skips the GIL measurement). `out_dir` receives neighbour.json and neighbour.md. `python_us`: µs of
     pure Python per sample added to stoker's transforms (`PythonWork`, as a user transform or a clip's frame
-    loop brings; the DataLoader's transforms stay torchvision's).
+    loop brings; the DataLoader's transforms stay torchvision's). `calls_threads`: the thread counts at which
+    the Python calls per batch of stoker's threads are counted (`bench_calls.python_calls`; () skips it).
     Raises ConfigError for bad arguments.
     """
     from .._progress import Progress
     from .bench import _data_stats, _pack_once, machine_info
+    from .bench_calls import python_calls
     from .baseline import list_image_folder
     from .synth import cached_imagenet_like
 
@@ -459,8 +468,14 @@ def run_neighbour(data_dir: Path | None = None, *, images: int | None = None, ba
                 bar.stage(f"GIL share of {feed_name} at 1 thread/worker")
                 gil[feed_name] = asdict(_measure_gil(feed_name, data, batch_size, gil_seconds, rounds, seed))
                 bar.update()
+        calls: dict[str, float] = {}
+        calls_batch = CALLS_BATCH if len(samples) >= 3 * CALLS_BATCH else batch_size
+        for n in calls_threads:
+            bar.stage(f"Python calls per batch of {calls_batch} at {n} threads")
+            calls[str(n)] = python_calls(data.packed, calls_batch, n, seed=seed)
+        calls["batch_size"] = calls_batch
         result = NeighbourResult(rows, gil, batch_size, rounds, steps_per_batch, batches, step_ops,
-                                 _data_stats(root, samples, generated), machine_info(), python_us)
+                                 _data_stats(root, samples, generated), machine_info(), python_us, calls)
         if out_dir is not None:
             (work / "neighbour.json").write_text(json.dumps(result.to_json(), indent=1) + "\n")
             (work / "neighbour.md").write_text(format_neighbour(result) + "\n")
@@ -487,6 +502,10 @@ def format_neighbour(result: NeighbourResult) -> str:
             lines.append(f"| {name} | {g['share']:.2%} | {fmt_number(g['us_per_unit'], '.1f')} | "
                          f"{fmt_number(g['switches_per_unit'], '.1f')} | {fmt_number(g['units_per_s'], ',.0f')} | "
                          f"{g['share_alone']:.2%} |")
+    if result.calls:
+        per = int(result.calls.get("batch_size", result.batch_size))
+        lines += ["", f"| stoker threads | Python calls per batch of {per} (loader's threads) |", "| ---: | ---: |"]
+        lines += [f"| {n} | {c:,.0f} |" for n, c in result.calls.items() if n != "batch_size"]
     d, m = result.data, result.machine
     lines += ["",
               f"Step: {result.step_ops} in-place ops on 16-element tensors (dispatch-bound, as a GPU step is for the "
@@ -500,6 +519,9 @@ def format_neighbour(result: NeighbourResult) -> str:
                             "(PythonWork). " if result.python_us else "") +
               "dataloader: torch DataLoader + PIL + torchvision's transforms (ToTensor, Normalize) on N worker "
               "processes.",
+              "Python calls per batch: the calls (Python functions, and C functions called from Python) the "
+              "loader's own threads make per batch in the steady state, counted with threading.setprofile "
+              "(stoker, default Workers at that many threads; the GIL they take beside the training loop).",
               "GIL: a probe thread that always wants the GIL runs beside the loader (the loop only drains batches); "
               "its time blocked (Linux's scheduler account: neither on a CPU nor waiting for one) less its blocked "
               "time in windows without the loader (last column: the noise floor) is the loader's share of the GIL; that share of the windows' wall time over the "

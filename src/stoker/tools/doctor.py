@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -96,6 +96,8 @@ class DoctorReport:
     gpu_decoder: str = ""           # decode="gpu"/"auto": the backend, the split with the CPU threads and why
     loader_gpu_bytes: int | None = None  # on a GPU: peak bytes the loader alone held in torch's allocator
     loader_batch_bytes: int | None = None  # on a GPU: the peak of LoaderStats.device_peak_bytes (its own tensors)
+    engine: bool = False            # the native batch engine rendered the batches (LoaderStats.engine)
+    per_sample_python: list[str] = field(default_factory=list)  # LoaderStats.per_sample_python
 
     @property
     def verdict(self) -> str:
@@ -104,7 +106,8 @@ class DoctorReport:
     def as_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in ("path", "model", "device", "batch_size", "steps", "threads",
                                              "transforms", "loader_images_per_s", "step_images_per_s", "decoder",
-                                             "gpu_decoder", "loader_gpu_bytes", "loader_batch_bytes")}
+                                             "gpu_decoder", "loader_gpu_bytes", "loader_batch_bytes", "engine",
+                                             "per_sample_python")}
         return json_safe({**out, "verdict": self.verdict, "fed_ratio": self.profile.fed_ratio,
                           "interference_images_per_s": self.profile.interference_images_per_s,
                           "interference_ratio": self.profile.interference_ratio, "profile": self.profile.as_dict()})
@@ -116,6 +119,7 @@ class DoctorReport:
             f"  setup            batch {self.batch_size}, {self.steps} steps per run, {self.threads} loader thread(s), "
             f"{self.transforms} transforms, model: {self.model} on {self.device}",
             f"  JPEG decode      {self.decoder}",
+            f"  Python/sample    {_per_sample(self.engine, self.per_sample_python)}",
             *([f"  GPU JPEG decode  {self.gpu_decoder}"] if self.gpu_decoder else []),
             f"  loader alone     {self.loader_images_per_s:,.1f} images/s",
             *([f"  loader GPU mem   {self.loader_gpu_bytes / 1e6:,.1f} MB at peak, running alone (batches in flight, "
@@ -217,7 +221,8 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = MIN_VERDI
         torch.set_num_threads(threads_before)
         loader.close()
     return DoctorReport(str(path), model_name, device, batch_size, steps, loader.num_threads, transforms,
-                        loader_rate, step_rate, report, _decoder(), _gpu_decode(loader.stats), loader_gpu, held)
+                        loader_rate, step_rate, report, _decoder(), _gpu_decode(loader.stats), loader_gpu, held,
+                        loader.stats.engine, list(loader.stats.per_sample_python))
 
 
 def _gpu_decode(stats: Any) -> str:
@@ -225,6 +230,18 @@ def _gpu_decode(stats: Any) -> str:
     if not stats.gpu_split:
         return stats.gpu_decoder
     return f"{stats.gpu_decoder or 'none'}; {stats.gpu_share:.0%} of each batch's JPEGs on the GPU: {stats.gpu_split}"
+
+
+def _per_sample(engine: bool, why: list[str]) -> str:
+    """The doctor's line on the Python the loader runs per sample beside the training loop."""
+    from ..loading.engine import PER_SAMPLE_FIX
+
+    if engine:
+        return "none: the native batch engine renders whole batches without the GIL"
+    if not why:
+        return "none in this process (the worker threads run in a child process)"
+    return (f"yes, holding the training loop's GIL for tens of µs per sample ({'; '.join(why)}); fix: "
+            f"{PER_SAMPLE_FIX}")
 
 
 def _decoder() -> str:

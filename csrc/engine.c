@@ -1,0 +1,597 @@
+/*
+ * stoker._jpeg.Engine: the whole CPU work of a batch of JPEG rows in one call, run by a pool of
+ * native threads that never touch the interpreter.
+ *
+ * Per row: its random stream (order.py's SplitMix64 keys and uniforms), its crop plan (the planned
+ * geometric ops of transforms/geometry.py, operation for operation in double precision: the same
+ * integers), the decode parameters (stoker_plan_row), then region decode + resize + place + flip
+ * into its row of the batch (stoker_render_row), and a status byte. The caller (a Python
+ * coordinator thread) hands over a batch in one call, which resolves the rows' bytes under the GIL,
+ * queues the batch, releases the GIL and waits on a condition variable until the pool has done
+ * every row, the timeout passes or close() stops the pool; rows the pool refused (status != 0) are
+ * the caller's, for its per-sample path. The pool's threads claim rows one at a time from the
+ * oldest batch queued, so two coordinators' batches overlap and any thread count gives the same
+ * pixels (a row's result depends on the row alone).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#ifdef __linux__
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#include "engine.h"
+
+#define NPARAM 17            /* jpeg_region.c's P_* parameters of a row */
+#define NOT_DONE 30          /* status of a row the pool never reached (stopped, or timed out) */
+#define PROG_WIDTH 10        /* doubles per planned op: kind, draw offset, then its parameters */
+enum { OP_RRC = 1, OP_RESIZE = 2, OP_CENTER = 3, OP_FLIP = 4 };
+
+/* ---- order.py's random streams ---- */
+static const uint64_t GOLDEN = 0x9E3779B97F4A7C15ULL, M1 = 0xBF58476D1CE4E5B9ULL, M2 = 0x94D049BB133111EBULL;
+
+static uint64_t mix64(uint64_t z) {
+    z += GOLDEN;
+    z ^= z >> 30;
+    z *= M1;
+    z ^= z >> 27;
+    z *= M2;
+    z ^= z >> 31;
+    return z;
+}
+
+/* draw j (from 0) of the stream `key`: order.uniforms */
+static double uniform(uint64_t key, int64_t j) {
+    return (double)(mix64(key ^ ((uint64_t)(j + 1) * M2)) >> 11) * (1.0 / 9007199254740992.0);
+}
+
+/* ---- geometry.py's PlanState, one row ---- */
+typedef struct {
+    double box[4], clip[4];
+    int64_t grid[2], lh, lw;
+    int flip, resampled;
+} plan_state;
+
+static int64_t floor_div(int64_t a, int64_t b) {
+    int64_t q = a / b;
+    return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+
+static void resample_here(plan_state *s) {
+    memcpy(s->clip, s->box, sizeof(s->box));
+    s->grid[0] = s->lh, s->grid[1] = s->lw;
+    s->resampled = 1;
+}
+
+static void crop(plan_state *s, int64_t top, int64_t left, int64_t ch, int64_t cw, int64_t nh, int64_t nw) {
+    double sy = s->box[2] / (double)s->lh, sx = s->box[3] / (double)s->lw;
+    int64_t left_src = s->flip ? s->lw - left - cw : left;
+    s->box[0] += (double)top * sy;
+    s->box[1] += (double)left_src * sx;
+    s->box[2] = (double)ch * sy;
+    s->box[3] = (double)cw * sx;
+    s->lh = nh, s->lw = nw;
+    if (!s->resampled) {
+        memcpy(s->clip, s->box, sizeof(s->box));
+        s->grid[0] = s->lh, s->grid[1] = s->lw;
+    }
+}
+
+/* _plan_rrc: torchvision's RandomResizedCrop.get_params (10 tries, then the central fallback) */
+static void plan_rrc(plan_state *s, const double *op, uint64_t key, int64_t off) {
+    double s0 = op[4], s1 = op[5], lr0 = op[6], lr1 = op[7], r0 = op[8], r1 = op[9];
+    int64_t lh = s->lh, lw = s->lw, top = 0, left = 0, h = 0, w = 0;
+    double area = (double)(lh * lw);
+    int found = 0;
+    for (int t = 0; t < 10 && !found; t++) {
+        double target = area * (s0 + (s1 - s0) * uniform(key, off + t));
+        double aspect = exp(lr0 + (lr1 - lr0) * uniform(key, off + 10 + t));
+        double wd = rint(sqrt(target * aspect)), hd = rint(sqrt(target / aspect));
+        if (wd > 0 && wd <= (double)lw && hd > 0 && hd <= (double)lh) {
+            w = (int64_t)wd, h = (int64_t)hd, found = 1;
+        }
+    }
+    if (found) {
+        top = (int64_t)floor(uniform(key, off + 20) * (double)(lh - h + 1));
+        left = (int64_t)floor(uniform(key, off + 21) * (double)(lw - w + 1));
+    } else {
+        double in_ratio = (double)lw / (double)lh;
+        w = in_ratio < r0 ? lw : (in_ratio > r1 ? (int64_t)rint((double)lh * r1) : lw);
+        h = in_ratio < r0 ? (int64_t)rint((double)lw / r0) : lh;
+        top = floor_div(lh - h, 2), left = floor_div(lw - w, 2);
+    }
+    crop(s, top, left, h, w, (int64_t)op[2], (int64_t)op[3]);
+    resample_here(s);
+}
+
+static void plan_resize(plan_state *s, const double *op) {
+    if (op[2] < 0) {   /* (height, width) */
+        s->lh = (int64_t)op[3], s->lw = (int64_t)op[4];
+    } else {           /* the shorter side becomes `size`, the longer one truncated */
+        int64_t size = (int64_t)op[2];
+        int w_short = s->lw <= s->lh;
+        int64_t shorter = w_short ? s->lw : s->lh, longer = w_short ? s->lh : s->lw;
+        int64_t new_long = (int64_t)((double)size * (double)longer / (double)shorter);
+        s->lh = w_short ? new_long : size;
+        s->lw = w_short ? size : new_long;
+    }
+    resample_here(s);
+}
+
+static int64_t center_offset(int64_t want, int64_t have) {
+    return want > have ? -floor_div(want - have, 2) : (int64_t)rint((double)(have - want) / 2.0);
+}
+
+/* Run the planned ops (`prog`, PROG_WIDTH doubles each) on a stored h x w image with the stream `key`. */
+static void plan_ops(const double *prog, int nops, uint64_t key, int64_t h, int64_t w, plan_state *s) {
+    memset(s, 0, sizeof(*s));
+    s->lh = h, s->lw = w;
+    s->grid[0] = h, s->grid[1] = w;
+    s->box[2] = (double)h, s->box[3] = (double)w;
+    memcpy(s->clip, s->box, sizeof(s->box));
+    for (int k = 0; k < nops; k++) {
+        const double *op = prog + (size_t)k * PROG_WIDTH;
+        int64_t off = (int64_t)op[1];
+        switch ((int)op[0]) {
+        case OP_RRC:
+            plan_rrc(s, op, key, off);
+            break;
+        case OP_RESIZE:
+            plan_resize(s, op);
+            break;
+        case OP_CENTER: {
+            int64_t ch = (int64_t)op[2], cw = (int64_t)op[3];
+            crop(s, center_offset(ch, s->lh), center_offset(cw, s->lw), ch, cw, ch, cw);
+            break;
+        }
+        case OP_FLIP:
+            s->flip ^= uniform(key, off) < op[2];
+            break;
+        }
+    }
+}
+
+/* ---- the pool ---- */
+typedef struct batch {
+    const unsigned char **data;  /* each row's JPEG (NULL: none) */
+    size_t *len;
+    const int64_t *ids, *index, *sizes;  /* stream id and dataset index per row; stored (h, w) per index */
+    Py_ssize_t nsizes;
+    uint64_t stream;
+    const double *prog;
+    int nops, oh, ow, antialias, fast, full_size;
+    double headroom, max_pixels;
+    unsigned char *images, *status;
+    Py_ssize_t rows, first, k;
+    /* progress, under the engine's mutex */
+    Py_ssize_t next, done;
+    int cancelled;
+    double busy;
+    struct batch *link;
+} batch_t;
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_cond_t work, done;
+    batch_t *head, *tail;
+    int stopping, nthreads, started, nice;
+    pthread_t *threads;
+    pthread_mutex_t close_mu;  /* one close() joins the threads; another waits for it */
+    int joined;
+} EngineObject;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static unsigned char render(const batch_t *b, Py_ssize_t i, stoker_decoder *dec) {
+    if (b->data[i] == NULL)
+        return 22;
+    int64_t idx = b->index[i];
+    if (idx < 0 || idx >= b->nsizes)
+        return 24;
+    int64_t h = b->sizes[2 * idx], w = b->sizes[2 * idx + 1];
+    if (h <= 0 || w <= 0)
+        return 20;
+    plan_state s;
+    plan_ops(b->prog, b->nops, mix64(b->stream ^ (uint64_t)b->ids[i]), h, w, &s);
+    int64_t size[2] = {s.lh, s.lw}, p[NPARAM];
+    stoker_plan_row(s.box, s.clip, s.grid, h, w, size, (unsigned char)s.flip, b->first + i, b->oh, b->ow,
+                    b->full_size, b->headroom, p);
+    return stoker_render_row(p, b->data[i], b->len[i], b->images, b->rows, b->oh, b->ow, b->antialias, b->fast,
+                             b->max_pixels, dec);
+}
+
+static int finished(const batch_t *b) { return b->done == b->next && (b->next >= b->k || b->cancelled); }
+
+static void *pool_thread(void *arg) {
+    EngineObject *e = (EngineObject *)arg;
+#ifdef __linux__
+    /* Linux's nice value is per thread: the pool yields a busy core to the training process's own threads
+     * (nice 0) without losing any while they sleep; lowering a thread's priority needs no privilege */
+    if (e->nice > 0)
+        (void)setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), e->nice);
+#endif
+    stoker_decoder dec;
+    int ok = stoker_decoder_init(&dec) == 0;
+    pthread_mutex_lock(&e->mu);
+    for (;;) {
+        while (!e->stopping && e->head == NULL)
+            pthread_cond_wait(&e->work, &e->mu);  /* close() broadcasts: the pool's only idle wait */
+        if (e->stopping)
+            break;
+        batch_t *b = e->head;
+        Py_ssize_t i = b->next++;
+        if (b->next >= b->k) {  /* every row claimed: the next batch is the head */
+            e->head = b->link;
+            if (e->head == NULL)
+                e->tail = NULL;
+        }
+        pthread_mutex_unlock(&e->mu);
+        double t0 = now_s();
+        unsigned char st = ok ? render(b, i, &dec) : 4;
+        double t = now_s() - t0;
+        pthread_mutex_lock(&e->mu);
+        b->status[i] = st;
+        b->busy += t;
+        b->done++;
+        if (finished(b))
+            pthread_cond_broadcast(&e->done);
+    }
+    pthread_mutex_unlock(&e->mu);
+    stoker_decoder_free(&dec);
+    return NULL;
+}
+
+static void unqueue(EngineObject *e, batch_t *b) {
+    batch_t *prev = NULL;
+    for (batch_t *q = e->head; q != NULL; prev = q, q = q->link) {
+        if (q != b)
+            continue;
+        if (prev == NULL)
+            e->head = q->link;
+        else
+            prev->link = q->link;
+        if (e->tail == q)
+            e->tail = prev;
+        return;
+    }
+}
+
+/* Stop the pool: queued rows are never started, each thread ends after its row, and every waiter wakes. */
+static void engine_stop(EngineObject *e) {
+    pthread_mutex_lock(&e->close_mu);
+    if (!e->joined) {
+        pthread_mutex_lock(&e->mu);
+        e->stopping = 1;
+        pthread_cond_broadcast(&e->work);
+        pthread_cond_broadcast(&e->done);
+        pthread_mutex_unlock(&e->mu);
+        for (int t = 0; t < e->started; t++)
+            pthread_join(e->threads[t], NULL);
+        e->joined = 1;
+    }
+    pthread_mutex_unlock(&e->close_mu);
+}
+
+static PyObject *engine_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    static char *keywords[] = {"threads", "nice", NULL};
+    int threads, nice = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "i|i", keywords, &threads, &nice))
+        return NULL;
+    if (threads < 1 || threads > 1024) {
+        PyErr_Format(PyExc_ValueError, "Engine: threads must be 1..1024, got %d", threads);
+        return NULL;
+    }
+    EngineObject *e = (EngineObject *)type->tp_alloc(type, 0);
+    if (e == NULL)
+        return NULL;
+    pthread_mutex_init(&e->mu, NULL);
+    pthread_mutex_init(&e->close_mu, NULL);
+    pthread_cond_init(&e->work, NULL);
+    pthread_cond_init(&e->done, NULL);
+    e->nthreads = threads;
+    e->nice = nice < 0 ? 0 : (nice > 19 ? 19 : nice);
+    e->threads = (pthread_t *)PyMem_Calloc((size_t)threads, sizeof(pthread_t));
+    if (e->threads == NULL) {
+        Py_DECREF(e);
+        return PyErr_NoMemory();
+    }
+    for (; e->started < threads; e->started++) {
+        int rc = pthread_create(&e->threads[e->started], NULL, pool_thread, e);
+        if (rc != 0) {
+            Py_BEGIN_ALLOW_THREADS
+            engine_stop(e);
+            Py_END_ALLOW_THREADS
+            Py_DECREF(e);
+            errno = rc;
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+    }
+    return (PyObject *)e;
+}
+
+static void engine_dealloc(EngineObject *e) {
+    /* the safety net: an engine no one closed (garbage collection) still joins its threads */
+    Py_BEGIN_ALLOW_THREADS
+    engine_stop(e);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(e->threads);
+    pthread_cond_destroy(&e->work);
+    pthread_cond_destroy(&e->done);
+    pthread_mutex_destroy(&e->mu);
+    pthread_mutex_destroy(&e->close_mu);
+    Py_TYPE(e)->tp_free((PyObject *)e);
+}
+
+static PyObject *engine_close(EngineObject *e, PyObject *unused) {
+    (void)unused;
+    Py_BEGIN_ALLOW_THREADS
+    engine_stop(e);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* The buffers a call acquires, released once the batch is done. */
+typedef struct {
+    Py_buffer b[7];
+    int got;
+    Py_buffer *blocks;
+    int64_t *ids;
+    Py_ssize_t nblocks_got;
+} held_t;
+
+static void release(held_t *h) {
+    for (int j = 0; j < h->got; j++)
+        PyBuffer_Release(&h->b[j]);
+    for (Py_ssize_t j = 0; j < h->nblocks_got; j++)
+        PyBuffer_Release(&h->blocks[j]);
+    PyMem_Free(h->blocks);
+    PyMem_Free(h->ids);
+}
+
+static int get(held_t *h, PyObject *obj, int writable) {
+    if (PyObject_GetBuffer(obj, &h->b[h->got], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return -1;
+    h->got++;
+    return 0;
+}
+
+static PyObject *engine_run(EngineObject *e, PyObject *args, PyObject *kwargs) {
+    static char *keywords[] = {"blocks", "spans", "ids", "index", "sizes", "stream", "program", "images", "status",
+                               "first", "out_h", "out_w", "full_size", "headroom", "antialias", "fast",
+                               "max_pixels", "timeout", NULL};
+    PyObject *blocks_obj, *spans_obj, *ids_obj, *index_obj, *sizes_obj, *prog_obj, *images_obj, *status_obj;
+    unsigned long long stream;
+    Py_ssize_t first;
+    int oh, ow, full_size, antialias, fast;
+    double headroom, max_pixels, timeout;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOKOOOniipdppdd", keywords, &blocks_obj, &spans_obj, &ids_obj,
+                                     &index_obj, &sizes_obj, &stream, &prog_obj, &images_obj, &status_obj, &first,
+                                     &oh, &ow, &full_size, &headroom, &antialias, &fast, &max_pixels, &timeout))
+        return NULL;
+    if (!stoker_jpeg_loaded()) {
+        PyErr_SetString(PyExc_RuntimeError, "no libjpeg loaded: call load(path) first");
+        return NULL;
+    }
+    PyObject *blocks = PySequence_Fast(blocks_obj, "blocks must be a sequence of byte buffers");
+    if (blocks == NULL)
+        return NULL;
+    held_t h;
+    memset(&h, 0, sizeof(h));
+    batch_t b;
+    memset(&b, 0, sizeof(b));
+    PyObject *result = NULL;
+    if (get(&h, spans_obj, 0) < 0 || get(&h, ids_obj, 0) < 0 || get(&h, index_obj, 0) < 0 ||
+        get(&h, sizes_obj, 0) < 0 || get(&h, prog_obj, 0) < 0 || get(&h, images_obj, 1) < 0 ||
+        get(&h, status_obj, 1) < 0)
+        goto out;
+    Py_buffer *spans = &h.b[0], *ids = &h.b[1], *index = &h.b[2], *sizes = &h.b[3], *prog = &h.b[4],
+              *images = &h.b[5], *status = &h.b[6];
+    Py_ssize_t k = ids->len / 8, i64 = (Py_ssize_t)sizeof(int64_t);
+    if (spans->len != k * 3 * i64 || index->len != k * i64 || sizes->len % (2 * i64) != 0 || status->len != k ||
+        prog->len % (PROG_WIDTH * (Py_ssize_t)sizeof(double)) != 0 || images->ndim != 4 || images->shape[3] != 3 ||
+        images->itemsize != 1 || images->shape[1] != oh || images->shape[2] != ow || first < 0 ||
+        first + k > images->shape[0]) {
+        PyErr_Format(PyExc_ValueError, "Engine.run: spans must be int64 [k, 3], ids and index int64 [k], sizes "
+                     "int64 [n, 2], program float64 [ops, %d], status uint8 [k], images uint8 [rows, out_h, out_w, 3] "
+                     "with rows first..first+k", PROG_WIDTH);
+        goto out;
+    }
+    size_t n = (size_t)(k > 0 ? k : 1);
+    b.data = (const unsigned char **)PyMem_Calloc(n, sizeof(unsigned char *));
+    b.len = (size_t *)PyMem_Calloc(n, sizeof(size_t));
+    h.blocks = (Py_buffer *)PyMem_Calloc(n, sizeof(Py_buffer));
+    h.ids = (int64_t *)PyMem_Calloc(n, sizeof(int64_t));
+    if (b.data == NULL || b.len == NULL || h.blocks == NULL || h.ids == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    const int64_t *sp = (const int64_t *)spans->buf;
+    Py_ssize_t nblocks = PySequence_Fast_GET_SIZE(blocks);
+    unsigned char *st = (unsigned char *)status->buf;
+    for (Py_ssize_t i = 0; i < k; i++) {  /* each block's buffer acquired once, however many rows read it */
+        st[i] = NOT_DONE;
+        int64_t id = sp[3 * i], lo = sp[3 * i + 1], hi = sp[3 * i + 2];
+        if (id < 0)
+            continue;   /* not a JPEG: the per-sample path's (status 22) */
+        if (id >= nblocks) {
+            PyErr_Format(PyExc_IndexError, "Engine.run: row %zd names block %lld of %zd", i, (long long)id, nblocks);
+            goto out;
+        }
+        Py_ssize_t j = 0;
+        while (j < h.nblocks_got && h.ids[j] != id)
+            j++;
+        if (j == h.nblocks_got) {
+            if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(blocks, id), &h.blocks[j], PyBUF_SIMPLE) < 0)
+                goto out;
+            h.ids[j] = id;
+            h.nblocks_got++;
+        }
+        if (lo < 0 || hi < lo || hi > h.blocks[j].len) {
+            st[i] = 23;   /* bytes outside the block: the per-sample read reports it */
+            continue;
+        }
+        b.data[i] = (const unsigned char *)h.blocks[j].buf + lo;
+        b.len[i] = (size_t)(hi - lo);
+    }
+    b.ids = (const int64_t *)ids->buf, b.index = (const int64_t *)index->buf, b.sizes = (const int64_t *)sizes->buf;
+    b.nsizes = sizes->len / (2 * i64);
+    b.stream = (uint64_t)stream;
+    b.prog = (const double *)prog->buf, b.nops = (int)(prog->len / (PROG_WIDTH * (Py_ssize_t)sizeof(double)));
+    b.oh = oh, b.ow = ow, b.antialias = antialias, b.fast = fast, b.full_size = full_size;
+    b.headroom = headroom, b.max_pixels = max_pixels;
+    b.images = (unsigned char *)images->buf, b.status = st, b.rows = images->shape[0], b.first = first, b.k = k;
+    int state = 0;  /* 0 done, 1 stopped by close(), 2 timed out */
+    Py_ssize_t left = 0;
+    double busy = 0.0;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&e->mu);
+    if (e->stopping)
+        b.cancelled = 1, state = 1;
+    else if (k > 0) {
+        if (e->tail == NULL)
+            e->head = e->tail = &b;
+        else
+            e->tail->link = &b, e->tail = &b;
+        pthread_cond_broadcast(&e->work);
+    }
+    double deadline = now_s() + timeout;
+    while (!finished(&b)) {
+        if (!b.cancelled && (e->stopping || now_s() >= deadline)) {
+            unqueue(e, &b);   /* rows not yet claimed stay NOT_DONE; rows in flight are waited for */
+            b.cancelled = 1, state = e->stopping ? 1 : 2;
+            continue;
+        }
+        if (b.cancelled) {
+            pthread_cond_wait(&e->done, &e->mu);   /* the rows in flight: one image's work each */
+        } else {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            double wait = deadline - now_s(), secs = floor(wait);
+            ts.tv_sec += (time_t)secs;
+            ts.tv_nsec += (long)((wait - secs) * 1e9);
+            if (ts.tv_nsec >= 1000000000L)
+                ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+            pthread_cond_timedwait(&e->done, &e->mu, &ts);
+        }
+    }
+    busy = b.busy;
+    pthread_mutex_unlock(&e->mu);
+    Py_END_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < k; i++)
+        left += st[i] != 0;
+    result = Py_BuildValue("ndi", left, busy, state);
+out:
+    PyMem_Free((void *)b.data);
+    PyMem_Free(b.len);
+    release(&h);
+    Py_DECREF(blocks);
+    return result;
+}
+
+static PyObject *engine_threads(EngineObject *e, void *closure) {
+    (void)closure;
+    return PyLong_FromLong(e->nthreads);
+}
+
+/* plan_batch(ids, index, sizes, stream, program, box, clip, grid, size, flip): the pool's plan of each row,
+ * written into box, clip (float64 [k, 4]), grid, size (int64 [k, 2]) and flip (uint8 [k]); for tests. */
+static PyObject *plan_batch(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *o[9];
+    unsigned long long stream;
+    if (!PyArg_ParseTuple(args, "OOOKOOOOOO", &o[0], &o[1], &o[2], &stream, &o[3], &o[4], &o[5], &o[6], &o[7],
+                          &o[8]))
+        return NULL;
+    Py_buffer b[9];
+    int got = 0;
+    PyObject *result = NULL;
+    for (; got < 9; got++)
+        if (PyObject_GetBuffer(o[got], &b[got], PyBUF_C_CONTIGUOUS | (got >= 4 ? PyBUF_WRITABLE : 0)) < 0)
+            goto out;
+    Py_ssize_t k = b[0].len / 8, nsizes = b[2].len / 16;
+    if (b[1].len != k * 8 || b[4].len != k * 32 || b[5].len != k * 32 || b[6].len != k * 16 || b[7].len != k * 16 ||
+        b[8].len != k || b[3].len % (PROG_WIDTH * 8) != 0) {
+        PyErr_SetString(PyExc_ValueError, "plan_batch: ids, index int64 [k]; box, clip float64 [k, 4]; grid, size "
+                        "int64 [k, 2]; flip uint8 [k]");
+        goto out;
+    }
+    const int64_t *ids = (const int64_t *)b[0].buf, *index = (const int64_t *)b[1].buf, *sizes = (const int64_t *)b[2].buf;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        int64_t idx = index[i];
+        if (idx < 0 || idx >= nsizes) {
+            PyErr_Format(PyExc_IndexError, "plan_batch: index %lld outside the %zd sizes", (long long)idx, nsizes);
+            goto out;
+        }
+        plan_state s;
+        plan_ops((const double *)b[3].buf, (int)(b[3].len / (PROG_WIDTH * 8)), mix64((uint64_t)stream ^ (uint64_t)ids[i]),
+                 sizes[2 * idx], sizes[2 * idx + 1], &s);
+        memcpy((double *)b[4].buf + 4 * i, s.box, sizeof(s.box));
+        memcpy((double *)b[5].buf + 4 * i, s.clip, sizeof(s.clip));
+        memcpy((int64_t *)b[6].buf + 2 * i, s.grid, sizeof(s.grid));
+        ((int64_t *)b[7].buf)[2 * i] = s.lh, ((int64_t *)b[7].buf)[2 * i + 1] = s.lw;
+        ((unsigned char *)b[8].buf)[i] = (unsigned char)s.flip;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+out:
+    for (int j = 0; j < got; j++)
+        PyBuffer_Release(&b[j]);
+    return result;
+}
+
+static PyMethodDef engine_methods[] = {
+    {"run", (PyCFunction)(void (*)(void))engine_run, METH_VARARGS | METH_KEYWORDS,
+     "run(blocks, spans, ids, index, sizes, stream, program, images, status, first, out_h, out_w, full_size,\n"
+     "    headroom, antialias, fast, max_pixels, timeout) -> (rows left, busy seconds, state)\n\n"
+     "Plan, decode, resize, place and flip each row i's JPEG (bytes spans[i, 1]..spans[i, 2] of\n"
+     "blocks[spans[i, 0]]) into images[first + i] on the pool's threads, the GIL released until every row\n"
+     "is done, `timeout` seconds pass or close() stops the pool (state 0, 2, 1). status[i]: 0 written, else\n"
+     "the caller's (30: never started)."},
+    {"close", (PyCFunction)engine_close, METH_NOARGS,
+     "close(): stop the pool and join its threads (rows queued are never started; repeatable)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef engine_getset[] = {
+    {"threads", (getter)engine_threads, NULL, "the pool's thread count", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject EngineType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "stoker._jpeg.Engine",
+    .tp_basicsize = sizeof(EngineObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Engine(threads, nice=0): a pool of native threads that render whole batches of JPEG rows (run());\n"
+              "on Linux each runs at the given nice value (0..19, lower priority than the caller's threads).",
+    .tp_new = engine_new,
+    .tp_dealloc = (destructor)engine_dealloc,
+    .tp_methods = engine_methods,
+    .tp_getset = engine_getset,
+};
+
+static PyMethodDef module_functions[] = {
+    {"plan_batch", plan_batch, METH_VARARGS,
+     "plan_batch(ids, index, sizes, stream, program, box, clip, grid, size, flip): each row's plan as the\n"
+     "engine computes it (for tests)."},
+    {NULL, NULL, 0, NULL},
+};
+
+int stoker_engine_add(PyObject *module) {
+    if (PyType_Ready(&EngineType) < 0 || PyModule_AddObjectRef(module, "Engine", (PyObject *)&EngineType) < 0)
+        return -1;
+    return PyModule_AddFunctions(module, module_functions);
+}

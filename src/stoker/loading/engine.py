@@ -1,0 +1,237 @@
+"""The native batch engine: a whole batch of the standard pipeline in one call, on native threads.
+
+Worker threads share the training process, and every Python call one of them makes needs the GIL
+that the training loop's own thread takes for each op it dispatches (docs/architecture.md, "Threads
+and the GIL"). For the standard pipeline (packed JPEGs, a planned geometric prefix of
+RandomResizedCrop / Resize / CenterCrop / RandomHorizontalFlip resampled bilinearly, nothing per
+sample after it) the engine takes the per-sample work out of Python altogether: a pool of pthreads
+(`stoker._jpeg.Engine`, csrc/engine.c) that never touch the interpreter computes each row's random
+stream, crop plan (RandomResizedCrop's box draw included: the same draws and integers as
+`transforms.geometry`), DCT-scaled region decode, antialiased resize, placement and flip, straight
+into the batch's slot, and a status per row.
+
+Python coordinates a batch with a handful of GIL takes: a coordinator thread of the `Run` (two
+of them, so the next batch is planned and queued while the pool renders this one) claims the whole
+batch, plans its labels (`Filler.prepare(deferred=True)`), gathers the rows' byte spans, then one
+`Engine.run` call queues the batch and waits, the GIL released, until the pool is done, the
+timeout passes or `close()` stops it (no sleep-polling: `Run.stop` closes the engine, which wakes
+the wait at once). Rows the pool refused (not a JPEG, damaged, a size it does not serve) then go
+through today's per-sample path (`Filler.fill`: its errors, fallbacks and on_error replacements),
+with the batch's plan computed in NumPy only then. Pixels, labels and replacements are the same as
+without the engine, at any thread count (tests/test_engine.py compares them bit for bit).
+
+`STOKER_ENGINE=off` (read when a pass starts) keeps the chunk path (`Filler.fill_chunk`: chunks of
+rows, claimed by as many Python threads as `num_threads`); `STOKER_NATIVE=off` turns every native
+path off.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .. import codecs, native
+from ..errors import LoaderClosedError
+from ..order import TAG_DRAW, TAG_SAMPLE, stream_key
+from ..reader import Dataset
+from ..transforms.geometry import AA_HEADROOM, CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
+
+if TYPE_CHECKING:
+    from .slots import Slot, WorkerTimes
+
+# render.py's RenderSpec, EpochChain, Filler and BatchPlan (render imports this module, so not the reverse)
+RenderSpec = EpochChain = Filler = BatchPlan = Any
+
+ENV = "STOKER_ENGINE"
+#: Python threads that coordinate batches: two keep the pool fed (one plans and queues the next batch
+#: while the pool renders the other's), more would only add Python beside the training loop
+COORDINATORS = 2
+_PROG_WIDTH = 10   # csrc/engine.c's PROG_WIDTH: doubles per planned op
+_RRC, _RESIZE, _CENTER, _FLIP = 1, 2, 3, 4
+_STOPPED = 1   # Engine.run's state when close() stopped the pool
+#: the least share of JPEG rows (of the first 1,024 of a pass) for the engine: the others are rendered
+#: per sample on the coordinator threads only
+MIN_JPEG_SHARE = 0.9
+#: the pool threads' Linux nice value: under contention for a core the training process's own threads
+#: (the training loop, autograd's, the device thread: nice 0) run first; alone, the pool loses nothing
+NICE = 0
+
+
+def pool_nice() -> int:
+    """The pool threads' nice value (Linux): STOKER_ENGINE_NICE, default `NICE`."""
+    try:
+        return int(os.environ.get(ENV + "_NICE", NICE))
+    except ValueError:
+        return NICE
+
+
+def enabled() -> bool:
+    """Whether the engine may be used (the native path is on and STOKER_ENGINE does not turn it off)."""
+    return native.ON and os.environ.get(ENV, "").strip().lower() not in ("0", "off", "false", "no")
+
+
+def program(ops: Any, offsets: Any) -> np.ndarray | None:
+    """The planned geometric ops as csrc/engine.c's program (float64 [ops, 10]: kind, draw offset,
+    parameters), or None when one of them is not an op the engine plans."""
+    rows = []
+    for op, off in zip(ops, offsets):
+        row = [0.0] * _PROG_WIDTH
+        row[1] = float(off)
+        if type(op) is RandomResizedCrop:
+            row[0] = _RRC
+            row[2:10] = (*op.size, op.scale[0], op.scale[1], math.log(op.ratio[0]), math.log(op.ratio[1]),
+                         op.ratio[0], op.ratio[1])
+        elif type(op) is Resize:
+            row[0] = _RESIZE
+            row[2:5] = (op.size, 0, 0) if isinstance(op.size, int) else (-1, *op.size)
+        elif type(op) is CenterCrop:
+            row[0] = _CENTER
+            row[2:4] = op.size
+        elif type(op) is RandomHorizontalFlip:
+            row[0] = _FLIP
+            row[2] = op.p
+        else:
+            return None
+        rows.append(row)
+    return np.array(rows, np.float64).reshape(-1, _PROG_WIDTH)
+
+
+def batch_engine(spec: RenderSpec, chain: EpochChain, threads: int, timeout: float, serves: bool
+                 ) -> "BatchEngine | None":
+    """The engine for a Run of `chain`'s batches on `threads` native threads, or None where it does
+    not serve them (then the chunk path or the per-sample path does, as before): the native chunk
+    path must serve the spec (`serves`: `render.native_serves`), every planned op must be one the engine plans,
+    and the dataset must hand over mapped JPEG bytes (a packed dataset) that are mostly JPEGs (the
+    per-sample path renders the others on the coordinator threads only)."""
+    if not enabled() or not chain.fillers or not serves:
+        return None
+    pipe = spec.pipeline
+    prog = program(pipe.prefix, pipe.offsets)
+    ds = chain.fillers[0].ds
+    if prog is None or type(ds).jpeg_spans is Dataset.jpeg_spans:
+        return None
+    sample = chain.fillers[0].indices[:1024]
+    try:
+        _, spans = ds.jpeg_spans(sample)
+    except Exception:  # noqa: BLE001 - a shard that fails its check: the per-sample path reports it
+        return None
+    if len(sample) and np.count_nonzero(spans[:, 0] >= 0) < MIN_JPEG_SHARE * len(sample):
+        return None
+    return BatchEngine(spec, prog, threads, timeout)
+
+
+#: what to do when `per_sample_python` names something (stoker doctor prints it)
+PER_SAMPLE_FIX = ("move per-sample colour and policy ops to the batched GPU ops (stoker.transforms.gpu, run by the "
+                  "device thread on whole batches), or run the worker threads in a child process, whose GIL is not "
+                  "the training loop's: workers=stoker.Workers(processes=1)")
+
+
+def per_sample_python(spec: RenderSpec, chain: EpochChain, served: bool) -> list[str]:
+    """What makes the worker threads run Python per sample in the training process (each item names
+    the cause), or [] where the engine serves the batches. Each such sample holds the GIL the training
+    loop's thread needs for every op it dispatches: tens of µs per sample, which a dispatch-bound step
+    pays in full (`stoker bench --pipelines neighbour` measures it)."""
+    if served:
+        return []
+    pipe = spec.pipeline
+    why = [f"{getattr(op, 'name', type(op).__name__)}: a per-sample op after the planned crop" for op in pipe.tail]
+    why += [f"{type(t).__name__} targets ({t.column}): placed per sample" for t in spec.target_kinds()]
+    if spec.clips is not None:
+        why.append("video clips: each clip's frames are decoded and placed in a Python loop")
+    if spec.gpu_decode:
+        why.append("decode='gpu': each JPEG row is queued for the device thread one at a time")
+    if spec.pad:
+        why.append("pad=True: each image is placed at its own size")
+    if pipe.resampling[0] != "bilinear":
+        why.append(f"interpolation={pipe.resampling[0]!r}: only bilinear resampling is native")
+    if program(pipe.prefix, pipe.offsets) is None:
+        names = [type(op).__name__ for op in pipe.prefix
+                 if type(op) not in (RandomResizedCrop, Resize, CenterCrop, RandomHorizontalFlip)]
+        why.append(f"{', '.join(names)}: planned per batch in NumPy, not by the engine")
+    if not native.ON:
+        why.append("the native path is off (STOKER_NATIVE=off, or the extension was not compiled)")
+    elif not enabled():
+        why.append("the engine is off (STOKER_ENGINE=off): chunks of rows, Python per chunk")
+    if not why:
+        ds = chain.fillers[0].ds if chain.fillers else None
+        what = "a packed dataset of mostly JPEGs" if spec.heights is not None else "stored image sizes (a packed dataset)"
+        why.append(f"the data is not {what}" + (f" ({type(ds).__name__})" if ds is not None else ""))
+    return why
+
+
+class BatchEngine:
+    """One Run's engine: `start()` makes the pool, `fill_chunk` renders a batch (the Run's `ChunkFn`,
+    with `chunk` = the batch size), `close()` stops and joins the pool (repeatable, from any thread)."""
+
+    def __init__(self, spec: RenderSpec, prog: np.ndarray, threads: int, timeout: float) -> None:
+        self.spec = spec
+        self.program = prog
+        self.threads = threads
+        self.coordinators = min(threads, COORDINATORS)
+        self.timeout = timeout
+        sizes = np.empty((len(spec.heights), 2), np.int64)   # stored (height, width) of every sample
+        sizes[:, 0], sizes[:, 1] = spec.heights, spec.widths
+        self.sizes = sizes
+        self.out_h, self.out_w = spec.output_size
+        self.full_size = spec.decode_quality == "exact"
+        self.fast = spec.decode_quality == "fast"
+        self.antialias = spec.pipeline.resampling[1]
+        self.tag = TAG_DRAW if spec.key_by_draw else TAG_SAMPLE
+        self._streams: dict[int, int] = {}   # epoch -> the root of its random streams
+        self.pool: Any = None
+        self._closed = False
+
+    def start(self) -> None:
+        """Start the pool's threads (`Run.start`)."""
+        if self.pool is None and not self._closed:
+            self.pool = native.engine(self.threads, pool_nice())
+
+    def close(self) -> None:
+        """Stop the pool: a coordinator waiting in `Engine.run` wakes at once (after the rows in flight),
+        and the threads are joined (`Run.stop`; the Engine's own finalizer is the safety net)."""
+        self._closed = True
+        if self.pool is not None:
+            self.pool.close()
+
+    def _stream(self, epoch: int) -> int:
+        s = self._streams.get(epoch)
+        if s is None:
+            s = self._streams[epoch] = int(stream_key(self.spec.seed, epoch, self.tag)[0])
+        return s
+
+    def fill_chunk(self, plan: "tuple[Filler, BatchPlan]", r0: int, r1: int, slot: "Slot", scratch: dict,
+                   times: "WorkerTimes") -> list[tuple[int, BaseException]]:
+        """Rows r0..r1 (the whole batch) of `plan` into `slot`: one `Engine.run`, then the refused rows
+        through `Filler.fill` with the batch's NumPy plan (`Filler.complete`). Returns the (row,
+        exception) of the rows that failed, as `Filler.fill_chunk` does."""
+        filler, bp = plan
+        rows: Any = range(r0, r1)
+        idx = np.ascontiguousarray(bp.indices[r0:r1], np.int64)   # the engine reads int64 rows
+        try:
+            blocks, spans = filler.ds.jpeg_spans(idx)
+        except Exception:  # noqa: BLE001 - a shard that fails its check: each row's own read reports it
+            blocks = None
+        if blocks is not None and self.pool is not None:
+            status = np.empty(r1 - r0, np.uint8)
+            left, busy, state = self.pool.run(
+                blocks, spans, bp.positions[r0:r1] if self.spec.key_by_draw else idx, idx, self.sizes,
+                self._stream(filler.epoch), self.program, slot.images_np, status, r0, self.out_h, self.out_w,
+                self.full_size, AA_HEADROOM, self.antialias, self.fast, codecs.MAX_PIXELS, self.timeout)
+            times.decode += busy
+            if state == _STOPPED:   # the Run is stopping: should this batch still be asked for, it says so
+                return [(r0, LoaderClosedError(f"the loader was closed while batch rows {r0}..{r1 - 1} were being "
+                                               f"rendered"))]
+            rows = (np.flatnonzero(status) + r0).tolist() if left else ()
+        if not rows:
+            return []
+        filler.complete(bp)
+        errors = []
+        for r in rows:
+            try:
+                filler.fill(bp, r, slot, scratch, times)
+            except BaseException as exc:  # kept for the consumer, which raises it in order
+                errors.append((r, exc))
+        return errors
