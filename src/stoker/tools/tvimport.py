@@ -38,7 +38,7 @@ def status() -> str:
 def _import() -> tuple[Any | None, str]:
     try:
         import torchvision
-        return torchvision, f"torchvision {torchvision.__version__}"
+        return torchvision, f"torchvision {torchvision.__version__}{_ops_note(torchvision)}"
     except ModuleNotFoundError as exc:
         if exc.name != "torchvision":
             return None, f"torchvision does not import ({exc})"
@@ -63,3 +63,12 @@ def _import() -> tuple[Any | None, str]:
         return None, f"torchvision does not import ({first}; then {type(exc).__name__}: {exc})"
     return torchvision, (f"torchvision {torchvision.__version__} without its compiled ops ({first}: a build for "
                          f"another torch than {torch.__version__}; its transforms and models work)")
+
+
+def _ops_note(torchvision: Any) -> str:
+    """"" where its compiled ops loaded (or it cannot say), else a note that they did not."""
+    try:
+        loaded = torchvision.extension._has_ops()
+    except Exception:  # noqa: BLE001 - a torchvision without that private check: assume they did
+        return ""
+    return "" if loaded else " without its compiled ops (its transforms and models work)"
