@@ -424,6 +424,11 @@ class _State:
     bytes_in: int = 0
     bytes_out: int = 0
     skipped: list[dict[str, str]] = field(default_factory=list)
+    fingerprint: str = ""   # the source listing's, kept in the manifest for a later resume=True to check
+
+
+#: the manifest's pack_options key holding the source listing's fingerprint (`_fingerprint`)
+LISTING_KEY = "source_listing_sha256"
 
 
 def _fingerprint(source: Source) -> str:
@@ -503,13 +508,21 @@ def _changes(was: Any, now: Any) -> str:
                      for name in sorted(set(was) | set(now), key=str) if was.get(name, unset) != now.get(name, unset))
 
 
-def _finished_summary(storage: Storage, pack_options: dict[str, Any], started: float) -> PackSummary:
+def _finished_summary(storage: Storage, pack_options: dict[str, Any], started: float,
+                      fingerprint: str) -> PackSummary:
     manifest = read_manifest(storage)
-    if manifest.pack_options != pack_options:
+    stored = dict(manifest.pack_options)
+    listed = stored.pop(LISTING_KEY, None)   # absent from packs made before it was recorded
+    if stored != pack_options:
         raise ConfigError.spelled(
             f"{storage.location} already holds a finished pack made with other options or another "
             f"source ({_changes(manifest.pack_options, pack_options)}); pack with the same options to keep it, "
             "or pass {overwrite} to re-pack", {"overwrite": OVERWRITE})
+    if listed is not None and listed != fingerprint:
+        raise ConfigError.spelled(
+            f"{storage.location} already holds a finished pack of {pack_options['source']} whose listing (file "
+            "names, labels, extras) has changed since it was packed; pass {overwrite} to re-pack it, or choose "
+            "another output directory", {"overwrite": OVERWRITE})
     _remove(storage, [JOURNAL_NAME])
     try:
         skipped = len(storage.read_bytes(SKIPPED_NAME).splitlines())
@@ -654,7 +667,8 @@ def pack(src: str | Path | Source, out: str | Path | Storage, *, options: PackOp
         with _locked_out(storage):
             state = _prepare_out(storage, header, resume, overwrite)
             if state is None:
-                return _finished_summary(storage, pack_options, started)
+                return _finished_summary(storage, pack_options, started, header["fingerprint"])
+            state.fingerprint = header["fingerprint"]
             return _pack_into(storage, source, options, state, pack_options, started, progress)
     except OSError as exc:
         if isinstance(exc, StokerError):
@@ -764,7 +778,7 @@ def _finish(storage: Storage, source: Source, state: _State, pack_options: dict[
                           f"could be packed; the reasons are in {storage.join(SKIPPED_NAME)}", path=source.root)
     manifest = Manifest(num_samples=state.packed, shards=state.shards, classes=source.classes,
                         label_type=source.label_type, extra_columns=source.extra_columns,
-                        pack_options=pack_options)
+                        pack_options={**pack_options, LISTING_KEY: state.fingerprint})
     write_manifest(storage, manifest)
     _remove(storage, [JOURNAL_NAME])
     return PackSummary(state.packed, len(skipped), state.bytes_in, state.bytes_out,
