@@ -30,7 +30,8 @@ import torch
 
 from stoker import codecs
 from stoker.errors import ConfigError
-from stoker.gpu_decode import GpuBatchDecoder, GpuJob, NvImageCodecDecoder, make_decoder
+from stoker.device.gpu_decode import GpuBatchDecoder, NvImageCodecDecoder, make_decoder
+from stoker.loading.jobs import GpuJob
 from stoker.order import sample_keys, uniforms
 from stoker.tools.synth import cached_imagenet_like, synth_image
 from stoker.transforms import Pipeline, RandomHorizontalFlip, RandomResizedCrop

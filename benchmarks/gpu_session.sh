@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
 # Everything a GPU host runs for the GPU path's "Measure" list, in order, in a few calls.
 #
-#   benchmarks/gpu_session.sh [--device cpu|cuda] [STEP...]   (from the repository root; default: every step)
+#   benchmarks/gpu_session.sh [--device cpu|cuda] [quick | STEP...]   (from the repository root)
 #
-# Steps, each sized to finish in well under 10 minutes on an H100/H200 with 16 CPU cores
-# (docs/benchmarks.md has the time of each and how they fit in a few calls):
+# quick: one command for a time-limited host (15 minutes of machine time, its 1-2 minute start included;
+# commands of at most 10 minutes; a few files handed back): setup env cudatests loader train-resnet50
+# train-resnet18 targets in at most 9 minutes wall, each step under its own time limit (QUICK_LIMITS),
+# on smaller sizes (2,000 images, 2 rounds: QUICK_* below). Without STEP and without quick, every
+# step of the full run below, sized to finish in well under 10 minutes each on an H100/H200 with 16 CPU
+# cores (docs/benchmarks.md has the time of each and how both profiles fit their calls):
 #   setup    the region decoder (stoker._jpeg) built in place when stoker runs from the checkout (without
 #            it stoker decodes whole images, about 14% more CPU per image), and whether it loads
 #   env      what this host has: GPU, driver, torch/CUDA, torchvision, TorchCodec, nvImageCodec, DALI
-#   tests    cudatests: pytest tests/cuda once, every failure listed (no -x, and no sanitizer: its mode is
-#            per thread, so it sees only the main thread); then cputests: the CPU suite
-#   loader   stoker bench, loaders alone (DataLoader+PIL vs stoker, CPU and GPU decode, vs DALI),
-#            LOADER_STEPS batches a round
-#   train    the same bench, ResNet-50 and ResNet-18 training fed by each loader vs synthetic data:
-#            train50 then train18, one bench each (either step alone fits one call more easily)
+#   tests    cudatests: pytest $CUDA_TESTS (tests/cuda) once, every failure listed (no -x, and no sanitizer:
+#            its mode is per thread, so it sees only the main thread); then cputests: the CPU suite
+#   loader   stoker bench, loaders alone: the cuda-* pipelines of the list (DataLoader+PIL vs stoker, CPU
+#            and GPU decode, vs DALI), LOADER_STEPS batches a round
+#   train    the same bench, each model of MODELS trained fed by the train-{model}-* pipelines of the list
+#            vs synthetic data: one step per model, train-<model> (train-resnet50, train-resnet18; train50
+#            and train18 are the same two)
 #   decoders every GPU JPEG backend side by side (benchmarks/bench_gpu_decode.py), the one
 #            gpu_decoder="auto" took, and stoker doctor with it
 #   peers    the CPU bench with NVIDIA DALI beside stoker (when nvidia-dali imports here)
@@ -25,11 +30,13 @@
 # are set small: a rehearsal of everything but the device itself (tests/test_gpu_session.py runs one).
 #
 # Every log and bench.json lands under $OUT (default ./gpu-session), beside conditions.md: what the
-# figures were measured under (images in page cache, how the baseline copies). Nothing is printed as a
-# result that was not measured in this run. RESULTS, when set, receives one small archive of this run
-# (logs, bench.json and bench.md files, the decoder and demo results, conditions.md), rewritten after
-# every step and on any exit (trap EXIT), so a run stopped by its time limit still hands back what
-# its finished steps measured: for a machine that hands back only a few files.
+# figures were measured under (images in page cache, how the baseline copies). Each step's log holds
+# the output of its commands, the bench's per-pipeline processes included (their stoker log lines,
+# timers among them, prefixed with the pipeline's name: STOKER_BENCH_CHILD_LOGS). Nothing is printed
+# as a result that was not measured in this run. RESULTS, when set, receives one small archive of this
+# run (logs, bench.json and bench.md files, the decoder and demo results, conditions.md), rewritten
+# after every step and on any exit (trap EXIT), so a run stopped by its time limit still hands back
+# what its finished steps measured: for a machine that hands back only a few files.
 # The host needs a CUDA build of torch and, for the models and the real baseline transforms, the
 # matching torchvision; stoker installed (pip install -e ".[test]") or PYTHONPATH=src. The dali
 # pipelines (cuda-dali, train-<model>-dali) need NVIDIA DALI: pip install nvidia-dali-cuda130 (the env
@@ -38,53 +45,134 @@
 # (pip install 'nvidia-nvimgcodec-cu12[nvjpeg]' or -cu13, matching torch's CUDA).
 # A host without a package index takes them as wheels: benchmarks/gpu_wheels.sh DIR on a machine
 # with one. PY picks the interpreter (default: python3). WORKERS the CPU cores per pipeline (16).
-# OUT holds the generated images and packed copies (about 1 GB).
+# OUT holds the generated images and packed copies (about 1 GB; 0.4 GB quick).
 set -u -o pipefail
+
+# The pipelines the loader and train steps run, one list per profile: loaders alone (cuda-*) and training
+# feeds (train-{model}-*, run for each model of MODELS). A new pipeline of `stoker bench` joins here
+# (train-{model}-stoker-process, train-{model}-stoker-interference, a CPU+GPU split decode loader, ...);
+# PIPELINES in the environment replaces the profile's list.
+FULL_PIPELINES="cuda-baseline cuda-stoker cuda-stoker-gpu cuda-dali train-{model}-synthetic train-{model}-baseline
+train-{model}-stoker train-{model}-stoker-process train-{model}-stoker-interference train-{model}-stoker-gpu
+train-{model}-dali"
+QUICK_PIPELINES="cuda-stoker cuda-stoker-gpu train-{model}-synthetic train-{model}-baseline train-{model}-stoker
+train-{model}-stoker-process train-{model}-stoker-interference"
+# quick: each step's time limit in seconds (LIMITS="step=seconds ..." in the environment overrides some).
+# Their sum, 525 s, keeps the run under 9 minutes; the H200's times were: CUDA tests 111 s, each training
+# bench of 3 feeds 60-75 s at 2 rounds x 60 steps, GPU decode the slowest loader (docs/benchmarks.md).
+QUICK_LIMITS="setup=30 env=20 cudatests=145 loader=70 train-resnet50=130 train-resnet18=115 targets=15"
 
 PY=${PY:-python3}
 OUT=${OUT:-gpu-session}
 WORKERS=${WORKERS:-16}
 DEVICE=${DEVICE:-cuda}        # cpu runs the same plumbing on any machine (no GPU figure comes of it)
-BATCH=${BATCH:-256}
-ROUNDS=${ROUNDS:-3}
-IMAGES=${IMAGES:-5000}        # generated ImageNet-like JPEGs, once, under $OUT/<first bench>/data
-LOADER_STEPS=${LOADER_STEPS:-200}     # batches per round, loaders alone (a warm-up round, then ROUNDS)
-TRAIN_STEPS=${TRAIN_STEPS:-100}       # timed steps per round, after WARMUP_STEPS untimed ones
-WARMUP_STEPS=${WARMUP_STEPS:-10}
-DECODE_IMAGES=${DECODE_IMAGES:-1024}  # images bench_gpu_decode.py decodes a round
 RESULTS=${RESULTS:-}
+CUDA_TESTS=${CUDA_TESTS:-tests/cuda}
+MODELS=${MODELS:-resnet50 resnet18}   # torchvision model names or module:callable, one train step each
+export STOKER_BENCH_CHILD_LOGS=1      # the bench passes on its pipeline processes' log lines
 
+PROFILE=full
 STEPS=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --device) [ $# -ge 2 ] || { echo "gpu_session.sh: --device needs a value (cpu or cuda)" >&2; exit 2; }
                   DEVICE=$2; shift 2 ;;
         --device=*) DEVICE=${1#--device=}; shift ;;
+        quick) PROFILE=quick; shift ;;
         *) STEPS+=("$1"); shift ;;
     esac
 done
-[ ${#STEPS[@]} -gt 0 ] || STEPS=(setup env tests loader train50 train18 decoders peers targets demo)
+if [ "$PROFILE" = quick ]; then
+    BATCH=${BATCH:-256}
+    ROUNDS=${ROUNDS:-2}
+    IMAGES=${IMAGES:-2000}
+    LOADER_STEPS=${LOADER_STEPS:-30}
+    TRAIN_STEPS=${TRAIN_STEPS:-30}
+    WARMUP_STEPS=${WARMUP_STEPS:-5}
+    PIPELINES=${PIPELINES:-$QUICK_PIPELINES}
+    LIMITS="$QUICK_LIMITS ${LIMITS:-}"
+else
+    BATCH=${BATCH:-256}
+    ROUNDS=${ROUNDS:-3}
+    IMAGES=${IMAGES:-5000}        # generated ImageNet-like JPEGs, once, under $OUT/<first bench>/data
+    LOADER_STEPS=${LOADER_STEPS:-200}     # batches per round, loaders alone (a warm-up round, then ROUNDS)
+    TRAIN_STEPS=${TRAIN_STEPS:-100}       # timed steps per round, after WARMUP_STEPS untimed ones
+    WARMUP_STEPS=${WARMUP_STEPS:-10}
+    PIPELINES=${PIPELINES:-$FULL_PIPELINES}
+    LIMITS=${LIMITS:-}
+fi
+DECODE_IMAGES=${DECODE_IMAGES:-1024}  # images bench_gpu_decode.py decodes a round
+
+label() { local m=${1##*:}; printf '%s' "${m##*.}"; }   # a model's name in pipelines: resnet50, small_cnn
+MODEL_STEPS=()
+for m in $MODELS; do MODEL_STEPS+=("train-$(label "$m")"); done
+if [ ${#STEPS[@]} -eq 0 ]; then
+    if [ "$PROFILE" = quick ]; then
+        STEPS=(setup env cudatests loader "${MODEL_STEPS[@]}" targets)
+    else
+        STEPS=(setup env tests loader "${MODEL_STEPS[@]}" decoders peers targets demo)
+    fi
+fi
+model_of() {  # the model of step train-<label>, from MODELS (train50, train18: resnet50, resnet18)
+    local m
+    case "$1" in train50) echo resnet50; return ;; train18) echo resnet18; return ;; esac
+    for m in $MODELS; do [ "train-$(label "$m")" = "$1" ] && { echo "$m"; return; }; done
+    return 1
+}
 for STEP in "${STEPS[@]}"; do   # every name checked before anything runs: a typo costs nothing
     case "$STEP" in
         setup|env|tests|cudatests|cputests|loader|train|train50|train18|decoders|peers|targets|demo) ;;
-        *) echo "gpu_session.sh: unknown step '$STEP'; expected setup env tests (cudatests cputests) loader" \
-                "train (train50 train18) decoders peers targets demo" >&2
+        train-*) model_of "$STEP" >/dev/null || { echo "gpu_session.sh: step '$STEP' names no model of" \
+                 "MODELS ($MODELS)" >&2; exit 2; } ;;
+        *) echo "gpu_session.sh: unknown step '$STEP'; expected quick, or setup env tests (cudatests cputests)" \
+                "loader train (train-<model>: ${MODEL_STEPS[*]}) decoders peers targets demo" >&2
            exit 2 ;;
     esac
 done
+limit_of() {  # the time limit of step $1 in seconds from LIMITS (0: none)
+    local kv limit=0
+    case "$1" in train50) set -- train-resnet50 ;; train18) set -- train-resnet18 ;; esac
+    for kv in $LIMITS; do [ "${kv%%=*}" = "$1" ] && limit=${kv#*=}; done
+    case "$1" in train-*) [ "$limit" -gt 0 ] || for kv in $LIMITS; do   # another model: the smallest model's
+        [ "${kv%%=*}" = train-resnet18 ] && limit=${kv#*=}; done ;; esac
+    echo "$limit"
+}
 mkdir -p "$OUT"
 STATUS=0
 STEP=session
+DEADLINE=0    # when the current step's time runs out (seconds since the epoch; 0: no limit)
 ARCHIVE=gpu-session-$(date -u +%Y%m%d-%H%M%S).tar.gz
 
 note() { printf '\n== %s  (%s)\n' "$1" "$(date -u +%H:%M:%S)" | tee -a "$OUT/session.log"; }
-run() {  # run CMD..., its output to the step's log and the terminal; remember a failure
+run() {  # run CMD..., its output to the step's log and the terminal, within the step's time; remember a failure
     printf '$ %s\n' "$*" | tee -a "$OUT/session.log"
-    "$@" 2>&1 | tee -a "$OUT/$STEP.log"
-    local rc=${PIPESTATUS[0]}
+    local limit=() left rc
+    if [ "$DEADLINE" -gt 0 ]; then
+        left=$(( DEADLINE - $(date +%s) ))
+        if [ "$left" -le 0 ]; then
+            printf '[not run: step %s is out of time]\n' "$STEP" | tee -a "$OUT/session.log" "$OUT/$STEP.log"
+            STATUS=1
+            return 124
+        fi
+        limit=(timeout --kill-after=5 "$left")   # the command's whole process group, bench children too
+    fi
+    "${limit[@]}" "$@" 2>&1 | tee -a "$OUT/$STEP.log"
+    rc=${PIPESTATUS[0]}
+    if [ "${#limit[@]}" -gt 0 ] && { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; }; then
+        printf '[timed out: step %s reached its limit of %s s]\n' "$STEP" "$(limit_of "$STEP")" |
+            tee -a "$OUT/session.log" "$OUT/$STEP.log"
+    fi
     printf '[exit %s]\n' "$rc" | tee -a "$OUT/session.log"
     [ "$rc" -eq 0 ] || STATUS=1
     return "$rc"
+}
+pipelines() {  # pipelines PATTERN [MODEL]: the list's entries matching PATTERN, {model} replaced, comma-joined
+    local p out=()
+    for p in $PIPELINES; do
+        p=${p//\{model\}/${2:-}}
+        case "$p" in $1) out+=("$p") ;; esac
+    done
+    (IFS=,; printf '%s' "${out[*]}")
 }
 data_args() {  # the images the first bench generated ($OUT/<bench>/data), shared by every later bench
     local d
@@ -103,7 +191,9 @@ conditions() {  # what every figure of this run was measured under, kept beside 
     cat >"$OUT/conditions.md" <<EOF
 # Conditions of this run ($(date -u +%Y-%m-%dT%H:%M:%SZ))
 
-- Device: $DEVICE; steps: ${STEPS[*]}; $WORKERS CPU cores per pipeline; batches of $BATCH; $ROUNDS timed rounds.
+- Device: $DEVICE; profile: $PROFILE; steps: ${STEPS[*]}; $WORKERS CPU cores per pipeline; batches of $BATCH;
+  $ROUNDS timed rounds; loaders alone $LOADER_STEPS batches a round, training $WARMUP_STEPS warm-up + $TRAIN_STEPS
+  steps a round. Step time limits: ${LIMITS:-none}.
 - Data: $IMAGES generated ImageNet-like JPEGs (about 400 x 350 px) and their packed copy on local disk.
   After the first pass every read comes from the page cache (the host has far more memory than these
   files), so the loader figures are decode-bound, not I/O-bound: reads from cold disk or object
@@ -156,8 +246,9 @@ print('region decode:', codecs.region_decode_available(), '|', describe())"
 
 step_cudatests() {
     # once, every failure listed; -rs lists every skip with its reason: on a GPU host only a missing
-    # optional library may skip
-    run "$PY" -m pytest tests/cuda -q -rs -p no:cacheprovider
+    # optional library may skip; the slowest tests' times for the next sizing of this step
+    # shellcheck disable=SC2086
+    run "$PY" -m pytest $CUDA_TESTS -q -rs --durations=10 -p no:cacheprovider
 }
 
 step_cputests() {  # CPU_TESTS_TIMEOUT: seconds before the suite is stopped (0, the default: never)
@@ -170,23 +261,26 @@ step_tests() {
 }
 
 step_loader() {
-    # generates the images once ($OUT/bench-loader/data), packs them, then the four loader-alone pipelines
-    bench bench-loader --pipelines cuda-baseline,cuda-stoker,cuda-stoker-gpu,cuda-dali --steps "$LOADER_STEPS"
+    # generates the images once ($OUT/bench-loader/data), packs them, then the list's loader-alone pipelines
+    local list; list=$(pipelines 'cuda-*')
+    if [ -z "$list" ]; then note "loader: no cuda-* pipeline in the list"; return 0; fi
+    bench bench-loader --pipelines "$list" --steps "$LOADER_STEPS"
 }
 
-step_train50() {
-    bench bench-train-resnet50 --models resnet50 --steps "$TRAIN_STEPS" --warmup-steps "$WARMUP_STEPS" --pipelines \
-train-resnet50-synthetic,train-resnet50-baseline,train-resnet50-stoker,train-resnet50-stoker-gpu,train-resnet50-dali
+step_train_model() {  # one model fed by each train-{model}-* pipeline of the list, into $OUT/bench-train-<label>
+    local model=$1 name; name=$(label "$model")
+    local list; list=$(pipelines "train-$name-*" "$name")
+    if [ -z "$list" ]; then note "train: no train-{model}-* pipeline in the list"; return 0; fi
+    bench "bench-train-$name" --models "$model" --steps "$TRAIN_STEPS" --warmup-steps "$WARMUP_STEPS" \
+        --pipelines "$list"
 }
 
-step_train18() {
-    bench bench-train-resnet18 --models resnet18 --steps "$TRAIN_STEPS" --warmup-steps "$WARMUP_STEPS" --pipelines \
-train-resnet18-synthetic,train-resnet18-baseline,train-resnet18-stoker,train-resnet18-stoker-gpu,train-resnet18-dali
-}
+step_train50() { step_train_model resnet50; }
+step_train18() { step_train_model resnet18; }
 
 step_train() {
-    step_train50
-    step_train18
+    local m
+    for m in $MODELS; do step_train_model "$m"; done
 }
 
 step_decoders() {
@@ -209,7 +303,7 @@ from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop
 
 packed, device, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if device == "cpu":  # the rehearsal: the same path, nvImageCodec's CPU backend standing in for the GPU's
-    from stoker.gpu_decode import NvImageCodecDecoder
+    from stoker.device.gpu_decode import NvImageCodecDecoder
     decoder = NvImageCodecDecoder("cpu")
 else:
     decoder = "auto"
@@ -237,8 +331,7 @@ step_peers() {
 
 step_targets() {  # every result together
     local f found=()
-    for f in "$OUT"/bench-loader/bench.json "$OUT"/bench-train-resnet50/bench.json \
-             "$OUT"/bench-train-resnet18/bench.json; do
+    for f in "$OUT"/bench-loader/bench.json "$OUT"/bench-train-*/bench.json; do
         [ -f "$f" ] && found+=("$f")
     done
     if [ ${#found[@]} -gt 0 ]; then
@@ -256,12 +349,24 @@ trap 'collect' EXIT     # however the run ends, what its finished steps measured
 trap 'exit 143' TERM    # a signal ends the run through the EXIT trap
 trap 'exit 130' INT
 conditions
+START=$(date +%s)
 for STEP in "${STEPS[@]}"; do
-    note "$STEP"
-    "step_$STEP" || true
+    LIMIT=$(limit_of "$STEP")
+    DEADLINE=0
+    if [ "$LIMIT" -gt 0 ]; then
+        note "$STEP (limit $LIMIT s)"
+        DEADLINE=$(( $(date +%s) + LIMIT ))
+    else
+        note "$STEP"
+    fi
+    case "$STEP" in
+        train-*) step_train_model "$(model_of "$STEP")" || true ;;
+        *) "step_$STEP" || true ;;
+    esac
+    DEADLINE=0
     collect             # after every step: a step killed outright loses only itself
 done
 STEP=session
-note "done: logs and bench.json files in $OUT (exit status $STATUS: 1 when any command failed)"
+note "done in $(( $(date +%s) - START )) s: logs and bench.json files in $OUT (exit status $STATUS: 1 when any command failed)"
 [ -z "$RESULTS" ] || echo "results: $RESULTS/$ARCHIVE"
 exit "$STATUS"

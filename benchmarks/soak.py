@@ -28,7 +28,7 @@ import simplejpeg
 
 from stoker import Loader, RandomHorizontalFlip, RandomResizedCrop
 from stoker.packing import PackOptions, pack
-from stoker.options import Workers
+from stoker.loader.options import Workers
 
 
 def make_images(folder: Path, n: int, seed: int = 0) -> None:

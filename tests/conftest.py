@@ -22,6 +22,8 @@ TORCH_FREE = frozenset({
     "reliability/test_fuzz_decode.py", "reliability/test_pack_faults.py", "reliability/test_security.py",
 })
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
+# tests/cuda without a GPU: each test runs on the CPU up to its first CUDA call (tests/cuda_rehearsal.py)
+pytest_plugins = ["cuda_rehearsal"] if HAVE_TORCH else []
 
 
 def _torch_free(path: Path) -> bool:

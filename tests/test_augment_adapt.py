@@ -16,9 +16,9 @@ import pytest
 import torch
 from PIL import Image
 
-from stoker.device import DeviceOptions
+from stoker.device.stage import DeviceOptions
 from stoker.errors import ConfigError, SampleError
-from stoker.loader import Loader
+from stoker.loader.loader import Loader
 from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop, colour, policy
 from stoker.transforms.adapt import Adapted, TransformError, adapt, as_ops
 from stoker.transforms.mixing import Mixup

@@ -12,12 +12,12 @@ import torch
 
 from conftest import write_image
 from stoker.errors import ConfigError, SourceError
-from stoker.loader import Loader
+from stoker.loader.loader import Loader
 from stoker.packing import PackOptions, pack
 from stoker.sources import open_source
 from stoker.transforms import ColorJitter, RandAugment, RandomHorizontalFlip, RandomResizedCrop, Resize
 from stoker.transforms.targets import visible
-from stoker.options import Targets
+from stoker.loader.options import Targets
 
 def runs_of(mask: np.ndarray) -> list[int]:
     """COCO RLE runs of a 0/1 mask: column-major, alternating 0 and 1, starting with 0."""

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -70,13 +71,16 @@ def test_pipeline_names_and_references() -> None:
     assert list(catalog)[:4] == ["cuda-baseline", "cuda-stoker", "cuda-stoker-gpu", "cuda-dali"]
     assert catalog["cuda-stoker-gpu"][1] == "cuda-baseline" and catalog["cuda-baseline"][1] is None
     assert catalog["cuda-dali"][1] == "cuda-baseline"
-    assert [n for n in catalog if n.startswith("train-")] == [f"train-{label}-{f}" for f in
-                                                            ("synthetic", "baseline", "stoker", "stoker-gpu", "dali")]
-    for feed in ("stoker", "dali"):
+    assert [n for n in catalog if n.startswith("train-")] == [
+        f"train-{label}-{f}" for f in ("synthetic", "baseline", "stoker", "stoker-process", "stoker-interference",
+                                       "stoker-gpu", "dali")]
+    for feed in ("stoker", "dali", "stoker-process", "stoker-interference"):
         assert catalog[f"train-{label}-{feed}"][1] == f"train-{label}-synthetic"
     assert feed_of("train-resnet50-stoker-gpu") == "stoker-gpu" and feed_of("train-resnet50-stoker") == "stoker"
     assert feed_of("train-resnet50-dali") == "dali" and feed_of("cuda-dali") == "dali"
     assert feed_of("cuda-stoker-gpu") == "stoker-gpu" and model_label("pkg.nets:make_net") == "make_net"
+    assert feed_of("train-resnet18-stoker-interference") == "stoker-interference"
+    assert feed_of("train-resnet18-stoker-process") == "stoker-process"
 
 
 def test_device_bench_on_cpu_end_to_end(cpu_run: tuple[BenchResult, Path]) -> None:
@@ -103,6 +107,14 @@ def test_device_bench_on_cpu_end_to_end(cpu_run: tuple[BenchResult, Path]) -> No
     for name in ("cuda-stoker", "train-tiny_model-stoker"):
         p = _check_ran(result.get(name))
         assert p.ratio is not None and p.ratio > 0
+    # the process mode's feed, and the interference control: the resident batch while the stoker feed runs
+    process = _check_ran(result.get("train-tiny_model-stoker-process"))
+    assert process.version.endswith(", processes=1") and process.images == 2 * 16
+    control = _check_ran(result.get("train-tiny_model-stoker-interference"))
+    assert control.version.endswith(", interference control") and control.data_wait < 0.5   # it never waits
+    assert control.ratio == pytest.approx(control.images_per_s / synthetic.images_per_s)
+    assert f"| train-tiny_model-stoker-interference | {control.ratio:.2f} | {control.images_per_s:,.0f} | - |" in \
+        format_table(result)
     stoker_loader = _check_ran(result.get("cuda-stoker"))
     assert stoker_loader.images == 16 + 12   # warm-up: batches 0-1 of 60 images; timed: 2 and the partial 3
     assert stoker_loader.ratio == pytest.approx(stoker_loader.images_per_s / base.images_per_s)
@@ -125,7 +137,7 @@ def _check_dali(result: BenchResult) -> None:
     for p in (loader, fed):
         assert p.version.startswith("nvidia.dali ") and p.version.endswith(", decoders.image cpu")
     vs_base = fed.images_per_s / result.get("train-tiny_model-baseline").images_per_s
-    assert f"| train-tiny_model-dali | {fed.images_per_s:,.0f} | {fed.ratio:.1%} | {vs_base:.2f}x |" in \
+    assert f"| train-tiny_model-dali | {fed.ratio:.2f} | {fed.images_per_s:,.0f} | {vs_base:.2f}x |" in \
         format_table(result)
 
 
@@ -195,7 +207,7 @@ def solid_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _pass_labels(feed: bench_gpu.Feed, training: bool, dtype: torch.dtype = torch.float32) -> list[int]:
     """One pass of `feed`, every batch checked against its labels' colours; the labels seen."""
-    from stoker.device import IMAGENET_MEAN, IMAGENET_STD
+    from stoker.device.stage import IMAGENET_MEAN, IMAGENET_STD
 
     colours = torch.tensor(list(SOLID.values()), dtype=torch.float32) / 255
     normalized = (colours - torch.tensor(IMAGENET_MEAN)) / torch.tensor(IMAGENET_STD)   # [class, channel]
@@ -275,7 +287,8 @@ def test_outputs_written(cpu_run: tuple[BenchResult, Path]) -> None:
     assert obj["device"] == "cpu" and obj["steps"] == 2 and "targets" not in obj
     table = (out / "bench.md").read_text()
     assert table == format_table(result) + "\n"
-    assert NOTE in table and "of synthetic" in table and "| target |" not in table
+    assert NOTE in table and "fed / synthetic" in table and "| target |" not in table
+    assert "stoker-interference is the control" in table
     for p in result.pipelines:
         assert f"| {p.name} |" in table
     if importlib.util.find_spec("matplotlib") is not None:
@@ -294,9 +307,11 @@ def test_table_for_device_results() -> None:
                                "mean_file_kb": 95.0}, baseline_transforms="x", machine=machine_info(),
                          device="cuda", models=["resnet50"], steps=100, warmup_steps=10)
     table = format_table(result)
-    assert "| train-resnet50-stoker | 2,970 | 99.0% | 1.98x |" in table
-    assert "| train-resnet50-dali | 2,400 | 80.0% | 1.60x |" in table   # a peer feed: against the baseline too
-    assert "| train-resnet50-baseline | 1,500 | 50.0% | - |" in table
+    assert "| pipeline | fed / synthetic | images/s | vs baseline feed |" in table   # fed / synthetic first
+    assert "| train-resnet50-stoker | 0.99 | 2,970 | 1.98x |" in table
+    assert "| train-resnet50-dali | 0.80 | 2,400 | 1.60x |" in table   # a peer feed: against the baseline too
+    assert "| train-resnet50-baseline | 0.50 | 1,500 | - |" in table
+    assert "| train-resnet50-synthetic | - | 3,000 | - |" in table
     assert "| cuda-stoker | 20,000 | 4.00x cuda-baseline |" in table
     assert "19 steps per pass over the images" in table and "1,281,167 samples" in table
 
@@ -420,3 +435,23 @@ def test_the_table_flags_a_start_up_that_weighs_on_the_run() -> None:
     assert "Start-up of cuda-baseline (1.50 s) is 5.0% of its timed run" in text
     assert f"--steps {bench_gpu.steps_for_startup(100, 0.05)}" in text and "Start-up of cuda-stoker " not in text
     assert bench_gpu.steps_for_startup(100, 0.05) >= 500   # 5% at 100 steps: 1% needs 5x the steps
+
+
+def test_the_interference_feed_hands_out_the_resident_batch_and_drains_a_loader_batch_per_step(
+        solid_root: Path, tmp_path: Path) -> None:
+    import stoker
+
+    stoker.pack(solid_root, tmp_path / "packed")
+    feed = bench_gpu.open_feed("stoker-interference", root=str(solid_root), packed=str(tmp_path / "packed"),
+                               batch_size=3, workers=1, device=torch.device("cpu"), training=True)
+    try:
+        assert feed.discarded is not None and feed.discarded() == 1   # the loader started before the first batch
+        batches = [b for _, b in zip(range(20), feed.epoch())]        # 20 steps: passes of 5 batches, run on
+        assert all(images is batches[0][0] for images, _ in batches)  # one resident batch, never a loader's
+        assert batches[0][0].shape == (3, 3, 224, 224)
+        deadline = time.monotonic() + 60
+        while feed.discarded() < 21 and time.monotonic() < deadline:  # one loader batch per step, on its thread
+            time.sleep(0.05)
+        assert feed.discarded() == 21
+    finally:
+        feed.close()

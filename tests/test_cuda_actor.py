@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from stoker.device import DeviceOptions, DeviceStage
-from stoker.loader import Loader
-from stoker.options import Workers
-from stoker.slots import BatchRing, Feeder, Run
+from stoker.device.stage import DeviceOptions, DeviceStage
+from stoker.loader.loader import Loader
+from stoker.loader.options import Workers
+from stoker.device.feeder import Feeder
+from stoker.loading.slots import BatchRing, Run
 from test_loader import TRAIN, build_packed
 
 

@@ -19,7 +19,7 @@ import torch
 from conftest import jpeg_bytes, smooth_rgb
 from stoker import DeviceOptions, Loader
 from stoker.errors import ConfigError
-from stoker.gpu_decode import NvImageCodecDecoder, TorchCodecDecoder
+from stoker.device.gpu_decode import NvImageCodecDecoder, TorchCodecDecoder
 from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop
 from test_gpu_decode import psnr, textured
 from test_loader import build_packed

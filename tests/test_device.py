@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from stoker.device import (IMAGENET_MEAN, IMAGENET_STD, DeviceOptions, DeviceStage, Fence, as_device_options, convert,
+from stoker.device.stage import (IMAGENET_MEAN, IMAGENET_STD, DeviceOptions, DeviceStage, Fence, as_device_options, convert,
                            is_on)
-from stoker.prefetcher import Prefetcher, prefetch
+from stoker.device.prefetcher import Prefetcher, prefetch
 from stoker.errors import ConfigError, LoaderTimeoutError
 
 FORMATS = [torch.contiguous_format, torch.channels_last]
@@ -257,7 +257,7 @@ def test_convert_on_the_cpu_by_tables_equals_the_arithmetic_bit_for_bit(channels
 
 
 def test_normalize_by_table_declines_what_it_cannot_do():
-    from stoker.device import all_levels, normalize_by_table
+    from stoker.device.stage import all_levels, normalize_by_table
     x = torch.zeros((2, 3, 4, 4), dtype=torch.uint8)
     levels = all_levels(3).float()
     assert not normalize_by_table(x.float(), levels, torch.empty(2, 3, 4, 4))  # not uint8
@@ -740,7 +740,7 @@ def test_constants_are_filled_on_the_device_not_copied_from_the_host(monkeypatch
 def test_the_copy_stream_runs_at_the_default_priority(monkeypatch):
     """The conversion and the batch ops run on the copy stream: at a high priority their kernels would
     preempt the training step's."""
-    import stoker.device as device
+    import stoker.device.stage as device
 
     made = []
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None, priority=0: made.append((device, priority)))

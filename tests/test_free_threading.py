@@ -21,8 +21,8 @@ import pytest
 from PIL import Image
 
 import stoker
-from stoker.numpy_output import NumpyBuffers
-from stoker.slots import BatchRing, Run, Slot, WorkerTimes
+from stoker.loading.numpy_output import NumpyBuffers
+from stoker.loading.slots import BatchRing, Run, Slot, WorkerTimes
 
 FREE_THREADED = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
 

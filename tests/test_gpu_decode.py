@@ -21,9 +21,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import BrokenImport, jpeg_bytes, smooth_rgb
-from stoker import gpu_decode
+from stoker.device import gpu_decode
 from stoker.errors import ConfigError, CorruptImageError
-from stoker.gpu_decode import GpuBatchDecoder, GpuJob, make_decoder
+from stoker.device.gpu_decode import GpuBatchDecoder, make_decoder
+from stoker.loading.jobs import GpuJob
 from stoker.order import sample_keys, uniforms
 from stoker.transforms import (CenterCrop, Pipeline, RandomHorizontalFlip, RandomResizedCrop, Resize,
                                crop_resize_into, crop_window)

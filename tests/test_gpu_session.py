@@ -31,20 +31,56 @@ def _text() -> str:
     return SCRIPT.read_text().replace("\\\n", "")
 
 
+def _variable(name: str) -> str:
+    (value,) = re.findall(rf'^{name}="([^"]*)"', SCRIPT.read_text(), re.M)
+    return value
+
+
+def _profile(name: str, models: list[str]) -> list[str]:
+    """A profile's pipeline list with {model} spelled out for each model."""
+    out: list[str] = []
+    for p in _variable(name).split():
+        out += [p.replace("{model}", m) for m in models] if "{model}" in p else [p]
+    return out
+
+
 def test_the_script_parses_and_names_only_real_pipelines_and_models() -> None:
     subprocess.run([BASH, "-n", str(SCRIPT)], check=True)
     text = _text()
-    # each model once (a rerun names its model again)
-    models = list(dict.fromkeys(m for found in re.findall(r"--models (\S+)", text) for m in found.split(",")))
+    (models,) = re.findall(r'^MODELS=\$\{MODELS:-([^}]*)\}', text, re.M)
+    models = models.split()
+    assert models == ["resnet50", "resnet18"]
     catalog = device_pipelines(models, check=False)
-    named = [n for m in re.finditer(r"--pipelines ([\w,-]+)", text) for n in m.group(1).split(",")]
-    assert sorted(named) == sorted(catalog)   # every loader and every training feed, each once
+    full = _profile("FULL_PIPELINES", models)
+    assert sorted(full) == sorted(catalog)   # every loader and every training feed, each once
+    quick = _profile("QUICK_PIPELINES", models)
+    assert set(quick) <= set(catalog) and len(quick) == len(set(quick))
+    # the quick run: the loaders alone with CPU and GPU decode, and each model's synthetic, baseline and
+    # stoker feeds
+    assert {"cuda-stoker", "cuda-stoker-gpu"} <= set(quick)
+    assert all(f"train-{m}-{feed}" in quick for m in models for feed in ("synthetic", "baseline", "stoker"))
+    # every other feed too (the GPU decode one is the loader's step; DALI and the loaders' baseline wait for
+    # the full run): a feed `stoker bench` adds belongs in the quick run
+    left_out = {"cuda-baseline", "cuda-dali"} | {f"train-{m}-{feed}" for m in models for feed in ("stoker-gpu", "dali")}
+    assert set(quick) == set(catalog) - left_out
     bench_flags = set(re.findall(r"--[a-z][\w-]*", " ".join(re.findall(r"stoker\.cli bench[^\n]*", text))))
+    bench_flags |= set(re.findall(r"--[a-z][\w-]*", " ".join(re.findall(r'^\s+bench \S+ (--[^\n]*)', text, re.M))))
     known = {o for a in build_parser()._subparsers._group_actions[0].choices["bench"]._actions for o in a.option_strings}
-    assert bench_flags <= known, bench_flags - known
+    assert {"--pipelines", "--models", "--steps"} <= bench_flags <= known, bench_flags - known
     scripts = set(re.findall(r"benchmarks/\w+\.py", text))
     assert "benchmarks/bench_gpu_decode.py" in scripts
     assert all((SCRIPT.parents[1] / name).is_file() for name in scripts), scripts
+
+
+def test_the_quick_runs_limits_fit_a_time_limited_host() -> None:
+    """15 minutes of machine time with a 1-2 minute start, commands of at most 10 minutes: the quick run
+    is one command of at most 9 minutes, each of its steps under a limit of its own."""
+    limits = dict(kv.split("=") for kv in _variable("QUICK_LIMITS").split())
+    steps = ["setup", "env", "cudatests", "loader", "train-resnet50", "train-resnet18", "targets"]
+    assert list(limits) == steps
+    assert sum(int(v) for v in limits.values()) <= 9 * 60
+    assert int(limits["cudatests"]) >= 111 + 30   # the H200's 111 s, with room
+    assert all(int(v) <= 10 * 60 for v in limits.values())
 
 
 def test_the_wheel_script_parses_and_refuses_an_unknown_cuda(tmp_path: Path) -> None:
@@ -101,21 +137,54 @@ def _archived(results: Path) -> set[str]:
         return {name.removeprefix("./") for name in tar.getnames()}
 
 
-@pytest.mark.slow   # about 30 s: every bench pipeline starts a fresh process (CI runs it: `make test`)
-def test_a_cpu_rehearsal_runs_the_loader_bench_and_the_targets_and_hands_back_the_results(tmp_path: Path) -> None:
-    done = subprocess.run([BASH, str(SCRIPT), "--device", "cpu", "env", "loader", "targets"], cwd=ROOT,
-                          env=_session_env(tmp_path), capture_output=True, text=True, timeout=600)
+@pytest.mark.slow   # about a minute on 2 cores: each bench pipeline starts a fresh process (CI runs it: `make test`)
+def test_a_cpu_rehearsal_of_the_quick_run_hands_back_one_archive_after_each_step(tmp_path: Path) -> None:
+    """The quick profile on the CPU, tiny: every step in order under its limit, a step that overruns its
+    limit stopped (cudatests, given 1 s) and the run going on, the loader and a training bench through
+    the pipeline list ({model} filled in), the targets, one archive with all of it."""
+    env = {**_session_env(tmp_path), "MODELS": "stoker.tools.train:small_cnn",
+           "PIPELINES": "cuda-stoker train-{model}-synthetic", "LIMITS": "cudatests=1"}
+    done = subprocess.run([BASH, str(SCRIPT), "--device", "cpu", "quick"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
     log = done.stdout + done.stderr
     out = tmp_path / "out"
+    session = (out / "session.log").read_text()
+    assert re.findall(r"^== (\S+) \(limit (\d+) s\)", session, re.M) == [
+        ("setup", "30"), ("env", "20"), ("cudatests", "1"), ("loader", "70"), ("train-small_cnn", "115"),
+        ("targets", "15")], log[-3000:]
+    assert "[timed out: step cudatests reached its limit of 1 s]" in (out / "cudatests.log").read_text()
+    assert done.returncode == 1   # the stopped step counts as a failure
     bench = json.loads((out / "bench-loader" / "bench.json").read_text())
-    assert {p["name"] for p in bench["pipelines"]} >= {"cuda-baseline", "cuda-stoker"}, log[-3000:]
+    assert [p["name"] for p in bench["pipelines"]] == ["cuda-stoker"], log[-3000:]
+    train = json.loads((out / "bench-train-small_cnn" / "bench.json").read_text())
+    assert [p["name"] for p in train["pipelines"]] == ["train-small_cnn-synthetic"]
+    assert "--data" in session   # the training bench reused the loader's images
     assert "| start-up share of the run |" in (out / "targets.log").read_text()   # reported, not gated
     conditions = (out / "conditions.md").read_text()
+    assert "profile: quick" in conditions and "cudatests=1" in conditions
     assert "page cache" in conditions and "decode-bound, not I/O-bound" in conditions
     assert "float32 batches cross" in conditions and "default" in conditions and "no overlap" in conditions
-    assert {"env.log", "loader.log", "targets.log", "session.log", "conditions.md",
-            "bench-loader/bench.json", "bench-loader/bench.md"} <= _archived(tmp_path / "results")
+    assert {"env.log", "cudatests.log", "loader.log", "train-small_cnn.log", "targets.log", "session.log",
+            "conditions.md", "bench-loader/bench.json", "bench-loader/bench.md",
+            "bench-train-small_cnn/bench.json"} <= _archived(tmp_path / "results")
     assert "TORCH_CUDA_SANITIZER" not in SCRIPT.read_text()
+
+
+def test_the_bench_passes_on_its_pipeline_processes_log_lines(monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    """What the session's step logs carry of each pipeline's process (the GPU decode path's timers, say)."""
+    from stoker.tools import bench
+
+    result = bench._RESULT_MARK + json.dumps({"images_per_s": 1.0})
+    done = subprocess.CompletedProcess([], 0, stdout=result + "\n", stderr="12:00:00 stoker INFO decode 3.1 ms\n")
+    monkeypatch.setattr(bench.subprocess, "run", lambda *a, **k: done)
+    spec = bench._Spec(pipeline="cuda-stoker", root="", packed="", batch_size=8, workers=1, rounds=1)
+    monkeypatch.setenv(bench.CHILD_LOGS_ENV, "1")
+    assert bench._measure_isolated(spec) == {"images_per_s": 1.0}
+    assert f"[{spec.pipeline}] 12:00:00 stoker INFO decode 3.1 ms" in capsys.readouterr().err
+    monkeypatch.setenv(bench.CHILD_LOGS_ENV, "0")
+    bench._measure_isolated(spec)
+    assert capsys.readouterr().err == ""
 
 
 def test_a_session_stopped_mid_step_still_hands_back_its_finished_steps(tmp_path: Path) -> None:

@@ -32,7 +32,7 @@ from stoker.errors import ConfigError, SourceError
 from stoker.sources import SourceItem
 from stoker.transforms import Pipeline, crop_resize_into
 from stoker.transforms.targets import mask_through
-from stoker.options import Targets, Workers
+from stoker.loader.options import Targets, Workers
 
 ROOT = Path(__file__).resolve().parents[1]
 #: far-apart colours, one per class id (index = id)

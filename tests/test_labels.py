@@ -11,10 +11,10 @@ from formats_helpers import photos
 
 from stoker import Loader
 from stoker.errors import ConfigError
-from stoker.labels import MultiLabel, multi_label_spec
+from stoker.loading.labels import MultiLabel, multi_label_spec
 from stoker.packing import PackOptions, pack
 from stoker.transforms import Resize
-from stoker.options import Targets, Workers
+from stoker.loader.options import Targets, Workers
 
 
 def test_encodings() -> None:

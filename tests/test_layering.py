@@ -1,5 +1,7 @@
 """The package's layers, read from the source with `ast` (every import, including those inside
-functions and under TYPE_CHECKING): the core never imports the tools or the CLI, and no module
+functions and under TYPE_CHECKING): the core never imports the tools or the CLI; of the three wings
+that make batches, `loader` (options in, batches out) builds on `loading` (the CPU workers) and
+`device` (the GPU side), `device` builds on `loading`, and `loading` imports neither; no module
 imports, directly or through others, a module that imports it."""
 
 from __future__ import annotations
@@ -13,6 +15,12 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "stoker"
 #: beside the core: nothing in the core may import these
 BESIDE = ("stoker.tools", "stoker.cli")
+
+#: wing -> the wings it must never import (the flow reads top-down: loader -> device -> loading)
+WINGS = {
+    "stoker.loading": ("stoker.device", "stoker.loader"),
+    "stoker.device": ("stoker.loader",),
+}
 
 #: Import edges (importer, imported) that close a circle in the core today. Each is removed by the
 #: restructure of render/slots/reader; delete it here when that lands. Nothing may be added.
@@ -83,6 +91,68 @@ def test_the_core_never_imports_the_tools_or_the_cli() -> None:
     offending = sorted(f"{src} imports {dst}" for src, dsts in graph.items() if not _is_beside(src)
                        for dst in dsts if _is_beside(dst))
     assert not offending, "the core must read on its own:\n" + "\n".join(offending)
+
+
+def _under(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def test_the_wings_import_only_downstream() -> None:
+    graph = _graph()
+    offending = sorted(f"{src} imports {dst}" for wing, banned in WINGS.items()
+                       for src, dsts in graph.items() if _under(src, wing)
+                       for dst in dsts if any(_under(dst, b) for b in banned))
+    assert not offending, "a wing imports one that builds on it:\n" + "\n".join(offending)
+
+
+#: CUDA names the loading wing may use: registering host memory as pinned (process mode's shared
+#: slots) makes no device work, no stream and no context query
+HOST_ONLY_CUDA = {"torch.cuda.cudart"}
+
+
+def _dotted(node: ast.AST) -> str:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+    return ".".join(reversed(parts))
+
+
+def _cuda_uses(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, name) of each `torch.cuda.*` outside HOST_ONLY_CUDA and each `.cuda` attribute."""
+    uses = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        dotted = _dotted(node)
+        if node.attr != "cuda" and ".cuda." not in dotted + ".":
+            continue
+        if any(dotted == d or d.startswith(dotted + ".") for d in HOST_ONLY_CUDA):
+            continue   # the allowed name itself, or its `torch.cuda` prefix
+        uses.append((node.lineno, dotted))
+    return uses
+
+
+def test_the_loading_wing_makes_no_cuda_call() -> None:
+    """The workers never touch the GPU (the device thread is the one CUDA actor): no `torch.cuda.*`
+    (bar host pinning) and no `.cuda()` anywhere in the loading wing's code."""
+    found = [f"{path.name}:{line} {dotted}" for name, path in _modules().items() if _under(name, "stoker.loading")
+             for line, dotted in _cuda_uses(ast.parse(path.read_text(), str(path)))]
+    assert not found, "CUDA in the loading wing: " + ", ".join(found)
+
+
+def test_the_cuda_check_sees_a_cuda_call() -> None:
+    tree = ast.parse("torch.cuda.synchronize()\nx.cuda()\ntorch.cuda.cudart()\ny = torch.cuda.Event")
+    assert sorted(_cuda_uses(tree)) == [(1, "torch.cuda.synchronize"), (2, "x.cuda"), (4, "torch.cuda.Event")]
+
+
+def test_the_wing_checks_see_the_wings() -> None:
+    graph = _graph()
+    assert "stoker.loading.slots" in graph["stoker.device.feeder"]
+    assert "stoker.device.feeder" in graph["stoker.loader.passes"]
+    assert any(_under(m, "stoker.loading") for m in graph) and any(_under(m, "stoker.device") for m in graph)
 
 
 def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:

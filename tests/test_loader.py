@@ -17,12 +17,12 @@ import torch
 
 from stoker.codecs import encode_jpeg
 from stoker.errors import ConfigError, CorruptImageError, SampleError
-from stoker.loader import Loader
+from stoker.loader.loader import Loader
 from stoker.reader import open_dataset
 from stoker.shards import Manifest, ShardWriter, write_manifest
 from stoker.sources import open_source
 from stoker.transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
-from stoker.options import Sampling, Workers
+from stoker.loader.options import Sampling, Workers
 
 TRAIN = [RandomResizedCrop(32), RandomHorizontalFlip()]
 

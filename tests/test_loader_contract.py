@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-import stoker.passes
-from stoker.loader import Loader
+import stoker.loader.passes
+from stoker.loader.loader import Loader
 from stoker.shards import Manifest, ShardWriter, write_manifest
-from stoker.slots import KEPT_WARN
-from stoker.options import Workers
+from stoker.loading.slots import KEPT_WARN
+from stoker.loader.options import Workers
 
 N, CLASSES, SIDE = 300, 10, 8
 
@@ -241,7 +241,7 @@ def test_break_then_a_queued_async_copy_still_reads_its_batch(packed: Path, monk
     """After a `break` the iterator is dropped, not closed: the slot of the last batch must still be
     guarded by the GPU work queued on it, or the next pass overwrites pixels the copy reads."""
     fences: list[_LateCopy] = []
-    monkeypatch.setattr(stoker.passes, "consumer_fence", lambda: fences.append(_LateCopy()) or fences[-1])
+    monkeypatch.setattr(stoker.loader.passes, "consumer_fence", lambda: fences.append(_LateCopy()) or fences[-1])
     loader = Loader(packed, 30, seed=11, workers=Workers(num_threads=2, prefetch=1))
     for k, (x, y) in enumerate(loader):
         if k == 2:

@@ -19,10 +19,10 @@ import simplejpeg
 import torch
 
 import stoker
-from stoker.device import DeviceOptions
+from stoker.device.stage import DeviceOptions
 from stoker.errors import ConfigError, LoaderTimeoutError, SampleError
-from stoker.loader import Loader
-from stoker.options import Workers
+from stoker.loader.loader import Loader
+from stoker.loader.options import Workers
 from stoker.transforms import RandomResizedCrop
 from test_loader import TRAIN, build_packed
 
@@ -300,9 +300,9 @@ def test_gpu_decode_uploads_only_the_rows_decoded_on_the_cpu() -> None:
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from stoker.device import DeviceStage
-    from stoker.device_build import DeviceBuilder
-    from stoker.slots import LoaderStats, Slot
+    from stoker.device.stage import DeviceStage
+    from stoker.device.build import DeviceBuilder
+    from stoker.loading.slots import LoaderStats, Slot
 
     class Uploads(TorchDispatchMode):
         def __init__(self) -> None:
@@ -373,7 +373,7 @@ def test_gpu_decode_is_deterministic_across_thread_counts(packed: Path) -> None:
 def test_ctrl_c_inside_the_lock_cannot_strand_the_workers(packed: Path) -> None:
     """KeyboardInterrupt can land in Condition.__enter__ after the lock was taken; the consumer
     must give it back, or every worker blocks on it forever."""
-    from stoker.slots import Run
+    from stoker.loading.slots import Run
 
     loader = Loader(packed, 8, transforms=TRAIN, workers=2)
     it = iter(loader)
@@ -403,8 +403,8 @@ def test_profile_reports_the_device_stage(packed: Path) -> None:
 def test_the_slot_is_fenced_for_reuse_before_the_gpu_decode(packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The pinned slot goes back to the workers once its upload is done, not after the GPU decode,
     resize and conversion queued behind it: the reuse fence is recorded right after the uploads."""
-    from stoker.device import DeviceStage
-    from stoker.gpu_decode import GpuBatchDecoder
+    from stoker.device.stage import DeviceStage
+    from stoker.device.gpu_decode import GpuBatchDecoder
 
     log: list[str] = []
     fence, run = DeviceStage.fence, GpuBatchDecoder.run

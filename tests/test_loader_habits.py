@@ -12,10 +12,10 @@ from torch.utils import data
 
 from conftest import make_image_folder
 from stoker.errors import ConfigError
-from stoker.loader import Loader
+from stoker.loader.loader import Loader
 from stoker.reader import open_loose
 from stoker.transforms import Resize
-from stoker.options import Targets
+from stoker.loader.options import Targets
 
 SIZE = [Resize((16, 16))]
 

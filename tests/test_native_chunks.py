@@ -18,9 +18,9 @@ from PIL import Image
 from conftest import PILLOW_CORPUS, smooth_rgb
 from stoker import codecs, native
 from stoker.codecs import encode_jpeg
-from stoker.loader import Loader
-from stoker.options import Workers
-from stoker.render import native_rows
+from stoker.loader.loader import Loader
+from stoker.loader.options import Workers
+from stoker.loading.render import native_rows
 from stoker.shards import Manifest, ShardWriter, write_manifest
 from stoker.transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
 from stoker.transforms.geometry import decode_minimums, resampling

@@ -141,7 +141,7 @@ def test_numpy_batches_equal_torch_batches(packed: Path) -> None:
 
 
 def test_label_rows_and_label_maps_encode_as_numpy() -> None:
-    from stoker.labels import MultiLabel
+    from stoker.loading.labels import MultiLabel
     from stoker.transforms.targets import stack_label_map_arrays
 
     rows = [[0, 2], [3], []]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from stoker.errors import ConfigError, CorruptImageError
-from stoker.gpu_decode import GpuBatchDecoder, NvImageCodecDecoder
+from stoker.device.gpu_decode import GpuBatchDecoder, NvImageCodecDecoder
 from stoker.transforms import Pipeline, RandomHorizontalFlip, RandomResizedCrop
 from test_decode_libraries import as_tensor
 from test_gpu_decode import SIZES, jobs_for, make_jpegs, psnr, rows

@@ -11,8 +11,8 @@ import pytest
 
 import stoker
 from stoker.errors import ConfigError
-from stoker.loader import Loader
-from stoker.options import Sampling, Storage, Targets, Workers
+from stoker.loader.loader import Loader
+from stoker.loader.options import Sampling, Storage, Targets, Workers
 
 
 def test_the_loader_takes_at_most_12_parameters() -> None:

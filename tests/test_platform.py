@@ -16,7 +16,7 @@ from PIL import Image
 
 from stoker.shards import ShardWriter, _HashingSink
 from stoker.storage import LocalStorage
-from stoker.options import Workers
+from stoker.loader.options import Workers
 
 POSIX_ONLY = ("resource", "fcntl", "termios", "pwd", "grp", "posix")
 

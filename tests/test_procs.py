@@ -20,10 +20,10 @@ import psutil
 import pytest
 
 import stoker
-from stoker import procs
+from stoker.loading import procs
 from stoker.errors import ConfigError, CorruptImageError, LoaderTimeoutError, SampleError, WorkerError
-from stoker.loader import Loader
-from stoker.options import Workers
+from stoker.loader.loader import Loader
+from stoker.loader.options import Workers
 
 from test_loader import TRAIN, build_packed, run_epoch
 
@@ -412,7 +412,7 @@ def test_video_clips_give_the_same_batches_as_threads(tmp_path: Path) -> None:
     """Clips, where the process mode pays most (PyAV's per-frame Python), cross as images do."""
     pytest.importorskip("av", reason="videos need PyAV: pip install 'stoker[video]'")
     import stoker
-    from stoker.clips import Clips
+    from stoker.loading.clips import Clips
     from stoker.packing import pack
     from stoker.tools.synth_video import VideoStyle, make_kinetics_like
     from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop

@@ -23,7 +23,7 @@ from stoker.errors import ConfigError, SampleError, ShardError  # noqa: E402
 from stoker.packing import LOCK_NAME, PackOptions, pack  # noqa: E402
 from stoker.reader import CachedDataset, open_dataset  # noqa: E402
 from stoker.storage import RemoteStorage  # noqa: E402
-from stoker.options import Sampling, Storage, Workers
+from stoker.loader.options import Sampling, Storage, Workers
 
 from conftest import make_image_folder  # noqa: E402
 

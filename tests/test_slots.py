@@ -12,9 +12,10 @@ import traceback
 import pytest
 
 from stoker._system import poll_until
-from stoker.device import Fence
+from stoker.device.stage import Fence
 from stoker.errors import LoaderClosedError, LoaderTimeoutError, StokerError, WorkerError
-from stoker.slots import BatchRing, Feeder, Run, Slot, WorkerTimes
+from stoker.device.feeder import Feeder
+from stoker.loading.slots import BatchRing, Run, Slot, WorkerTimes
 
 
 def stoker_threads() -> int:

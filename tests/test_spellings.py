@@ -146,7 +146,7 @@ def test_every_option_spelling_in_the_refusal_table_names_a_real_field() -> None
     """The DataLoader keywords stoker refuses: every `stoker.Class(field=` they name is a field of Class."""
     from dataclasses import fields
 
-    from stoker import habits
+    from stoker.loader import habits
 
     for name, text in habits._REFUSED.items():
         for cls, args in re.findall(r"stoker\.([A-Za-z]+)\(([^()]*)\)", text):

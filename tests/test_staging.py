@@ -14,7 +14,7 @@ from stoker.errors import ConfigError, ShardError
 from stoker.packing import PackOptions, pack
 from stoker.reader import open_dataset
 from stoker.storage.staging import LOCK_NAME, MARK_NAME, remove, stage, stage_for_loader, sweep
-from stoker.options import Storage
+from stoker.loader.options import Storage
 
 SMALL_SHARDS = PackOptions(workers=1, shard_size=20_000)
 

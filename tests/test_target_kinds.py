@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from stoker.device_build import batch_extras
+from stoker.device.build import batch_extras
 from stoker.order import replacement_index
-from stoker.render import Filler
+from stoker.loading.render import Filler
 from stoker.transforms import CenterCrop, RandomHorizontalFlip
 from stoker.transforms.targets import Boxes, Placement
 from test_render import SIZES, MemoryDataset, render_batch, spec

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from stoker.errors import ConfigError
-from stoker.loader import Loader
-from stoker.options import Targets
+from stoker.loader.loader import Loader
+from stoker.loader.options import Targets
 from stoker.packing import PackOptions, pack
 from stoker.transforms import Normalize, Pipeline, Resize
 from stoker.transforms.gpu import BatchAugment

@@ -10,7 +10,7 @@ import pytest
 
 av = pytest.importorskip("av", reason="videos need PyAV: pip install 'stoker[video]'")
 
-from stoker.clips import (Clips, ClipStats, PyAVDecoder, clip_frames, clip_key, decode_clip_into, finish_clip,  # noqa: E402
+from stoker.loading.clips import (Clips, ClipStats, PyAVDecoder, clip_frames, clip_key, decode_clip_into, finish_clip,  # noqa: E402
                           plan_clip)
 from stoker.errors import ConfigError  # noqa: E402
 from stoker.tools.synth_video import CODECS, VideoStyle, make_video  # noqa: E402
@@ -260,7 +260,7 @@ def test_one_swscale_converter_per_thread_and_one_conversion_per_kept_frame(h264
 
     from av.video.reformatter import VideoReformatter
 
-    import stoker.clips as clips
+    import stoker.loading.clips as clips
     made: list[object] = []
     converted: list[int] = []
 

@@ -1,5 +1,5 @@
 """The Loader on a video pack: clips as samples (`clips=stoker.Clips(...)`), batches uint8
-[B, T, 3, H, W]. Every clip is checked against `stoker.clips.read_clip` (itself checked against PyAV's
+[B, T, 3, H, W]. Every clip is checked against `stoker.loading.clips.read_clip` (itself checked against PyAV's
 full decode in test_video.py), so these tests are about the Loader's guarantees: one plan per clip,
 determinism for any thread count, resume, ranks, skipping damaged videos, storage paths, device stage."""
 
@@ -15,7 +15,7 @@ import torch
 av = pytest.importorskip("av", reason="videos need PyAV: pip install 'stoker[video]'")
 
 import stoker  # noqa: E402
-from stoker.clips import Clips, read_clip  # noqa: E402
+from stoker.loading.clips import Clips, read_clip  # noqa: E402
 from stoker.errors import ConfigError, SampleError  # noqa: E402
 from stoker.packing import pack  # noqa: E402
 from stoker.tools.synth_video import VideoStyle, make_kinetics_like  # noqa: E402
@@ -199,8 +199,8 @@ def test_normalize_gives_float_clips(videos: Path) -> None:
     with stoker.Loader(videos, 2, sampling=stoker.Sampling(clips=spec), transforms=[Resize((16, 16))], seed=2) as plain:
         x, _ = next(iter(plain))
         x = x.clone()
-    want = (x.float() / 255 - torch.tensor(stoker.device.IMAGENET_MEAN).view(3, 1, 1)) \
-        / torch.tensor(stoker.device.IMAGENET_STD).view(3, 1, 1)
+    want = (x.float() / 255 - torch.tensor(stoker.device.stage.IMAGENET_MEAN).view(3, 1, 1)) \
+        / torch.tensor(stoker.device.stage.IMAGENET_STD).view(3, 1, 1)
     with stoker.Loader(videos, 2, sampling=stoker.Sampling(clips=spec),
                        transforms=[Resize((16, 16)), stoker.Normalize()], seed=2) as ld:
         y, _ = next(iter(ld))

@@ -14,7 +14,7 @@ import pytest
 av = pytest.importorskip("av", reason="videos need PyAV: pip install 'stoker[video]'")
 
 import stoker  # noqa: E402
-from stoker.clips import Clips, read_clip  # noqa: E402
+from stoker.loading.clips import Clips, read_clip  # noqa: E402
 from stoker.errors import ConfigError  # noqa: E402
 from stoker.packing import PackOptions, pack  # noqa: E402
 from stoker.tools.synth_video import VideoStyle, make_kinetics_like, make_video  # noqa: E402
@@ -70,7 +70,7 @@ def test_path_label_list_and_csv_with_start_end(kinetics: Path, tmp_path: Path) 
         for seed in range(8):   # every clip lies inside the annotated 1.0-2.0 s (frames 10..20)
             clip, stats = read_clip(ds, 1, spec, pipe, seed=seed)
             assert clip.shape == (4, 32, 32, 3) and stats.delivered == 4
-        from stoker.clips import plan_clip
+        from stoker.loading.clips import plan_clip
         index = VideoIndex.from_json(ds.extra(1, VIDEO_INDEX_COLUMN))
         for seed in range(8):
             frames = plan_clip(index, spec, pipe, seed=seed, epoch=0, sample=1, window=(1.0, 2.0)).frames

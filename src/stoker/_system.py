@@ -100,3 +100,14 @@ def parse_size(value: int | str) -> int:
         raise ConfigError(f"not a size: {value!r}; use bytes or a string like 256MiB, 64M, 50GB (binary multiples)")
     scale = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[m.group(2).lower()]
     return int(float(m.group(1)) * scale)
+
+
+def ratio_words(ratio: float | None, *, faster: str = "faster", slower: str = "slower") -> str:
+    """A speed ratio (new / old) in words that follow its sign: 1.9 -> "1.90x faster", 0.25 -> "4.00x
+    slower" (never "0.25x faster"), within half a percent of 1 -> "as fast"; "not measured" for
+    None, NaN or a ratio that is not positive."""
+    if ratio is None or not math.isfinite(ratio) or ratio <= 0:
+        return "not measured"
+    if abs(ratio - 1.0) < 0.005:
+        return "as fast"
+    return f"{ratio:.2f}x {faster}" if ratio > 1 else f"{1.0 / ratio:.2f}x {slower}"

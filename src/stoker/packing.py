@@ -642,7 +642,7 @@ def pack(src: str | Path | Source, out: str | Path | Storage, *, options: PackOp
     started = time.perf_counter()
     options = options or PackOptions()
     from .spelling import pack_keywords
-    pack_keywords(source_options)  # max_side=... is options=PackOptions(max_side=...): say so, not a TypeError
+    pack_keywords(source_options, open_source, PackOptions)  # max_side= is options=PackOptions(max_side=)
     if resume and overwrite:
         raise ConfigError.spelled("{resume} and {overwrite} contradict each other; pass one of them",
                                   {"resume": RESUME, "overwrite": OVERWRITE})

@@ -15,6 +15,15 @@ The verdict, and why its thresholds are where they are:
   faster, more than run-to-run noise of a shared machine (a few %), so the loader is worth fixing.
 - **compute-bound** below that: the loader keeps up; speed comes from the model step.
 
+Data wait misses what a loader costs a step that never waits for it (its threads take the cores and
+the GIL the step needs). Given the training `step`, the profiler also times it on one batch held in
+memory, alone (the synthetic-data ceiling) and beside the loader running with its batches discarded
+(the interference control, `stoker.step_controls`), and judges by **fed / synthetic**: input-bound
+when training keeps less than 1 - 0.10 = 90% of the model's own speed, the same 1.11x as above.
+
+No verdict from fewer than `MIN_VERDICT_STEPS` (10) measured steps (`step_controls` says why); the
+report says how many more are needed. A figure that was not measured reads "not measured", never NaN.
+
 Data wait counts only the steps after the first `warmup` (default 1): the first batch pays for
 starting the loader (threads, worker processes, file opens) once, and is reported on its own.
 With batches on a CUDA device (or `sync=True`), the GPU is synchronized before and after each
@@ -29,25 +38,21 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Iterator, TextIO
+from typing import Any, Callable, Iterable, Iterator, TextIO
 
-from ._system import fmt_number, json_safe, usable_cpus
+from ._system import json_safe, usable_cpus
 from .errors import ConfigError
+from .step_controls import (MIN_VERDICT_STEPS, StepControls, _batch_size, _first_tensor, measure_controls,
+                            resident_copy)
+# the verdict's names, re-exported: `stoker.profiling` is where users and tools look for them
+from .verdict import (COMPUTE_BOUND, CPU_SATURATED, INPUT_BOUND, INPUT_BOUND_WAIT, OVERSIZED,  # noqa: F401
+                      READ_HEAVY, UNDECIDED, _is_data_loader, _is_stoker_loader, _packed, diagnose)
 
-__all__ = ["COMPUTE_BOUND", "INPUT_BOUND", "INPUT_BOUND_WAIT", "ProfileReport", "Profiler", "profile"]
+__all__ = ["COMPUTE_BOUND", "INPUT_BOUND", "INPUT_BOUND_WAIT", "MIN_VERDICT_STEPS", "UNDECIDED", "ProfileReport",
+           "Profiler", "profile"]
 
-INPUT_BOUND = "input-bound"
-COMPUTE_BOUND = "compute-bound"
-#: Data-wait fraction of wall time at and above which a loop is input-bound (see the module docstring).
-INPUT_BOUND_WAIT = 0.10
-#: CPU use (fraction of the usable cores) at and above which the CPUs count as saturated:
-#: more loader threads cannot help then, a cheaper decode or another decoder (the GPU) can.
-CPU_SATURATED = 0.85
-#: Share of the loader's worker time spent reading bytes above which storage is the slow stage.
-READ_HEAVY = 0.25
-#: Stored images whose mean longer side exceeds this multiple of the output side are worth shrinking
-#: once at pack time (decode cost grows with the pixels decoded).
-OVERSIZED = 2.5
+#: the most steps a control window times (the fed pass may be far longer; the controls need not be)
+CONTROL_STEPS_MAX = 50
 
 
 @dataclass
@@ -73,14 +78,27 @@ class ProfileReport:
     cpu_cores: int                      # cores this process may use
     system_cpu_percent: float           # all cores of the machine, busy %, any process
     stages: dict[str, float] | None     # stoker Loaders: per-image ms per stage and wait seconds
-    verdict: str                        # INPUT_BOUND or COMPUTE_BOUND
+    verdict: str                        # INPUT_BOUND, COMPUTE_BOUND, or UNDECIDED (too few steps)
     reason: str                         # the measurement behind the verdict, in a sentence
     fixes: list[str] = field(default_factory=list)  # what to do, most effective first
     notes: list[str] = field(default_factory=list)
+    synthetic_images_per_s: float | None = None     # the step on a resident batch (given a step)
+    interference_images_per_s: float | None = None  # ... while the loader runs, batches discarded
+    control_note: str = ""              # why a control was not measured
 
     @property
     def data_wait_percent(self) -> float:
         return self.data_wait_fraction * 100.0
+
+    @property
+    def fed_ratio(self) -> float | None:
+        """fed / synthetic: the share of the model's own speed that training fed by the loader keeps."""
+        return _ratio(self.images_per_s, self.synthetic_images_per_s)
+
+    @property
+    def interference_ratio(self) -> float | None:
+        """interference control / synthetic: the step's speed beside the running loader, never waiting."""
+        return _ratio(self.interference_images_per_s, self.synthetic_images_per_s)
 
     @property
     def input_bound(self) -> bool:
@@ -89,28 +107,34 @@ class ProfileReport:
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (NaN becomes None)."""
         out = asdict(self)
-        out["data_wait_percent"] = self.data_wait_percent
+        out.update(data_wait_percent=self.data_wait_percent, fed_ratio=self.fed_ratio,
+                   interference_ratio=self.interference_ratio, min_verdict_steps=MIN_VERDICT_STEPS)
         return json_safe(out)
 
     def format(self) -> str:
-        """The report as text: figures, verdict, fixes."""
+        """The report as text: figures, verdict, fixes. A figure not measured reads "not measured"."""
         lines = [f"stoker profile: {self.loader}, batches on {self.device}"
                  + (" (CUDA-synchronized)" if self.synchronized else ""),
                  f"  steps            {self.steps} measured after {self.warmup_steps} warm-up "
-                 f"(first batch {fmt_number(self.first_batch_s, '.2f')} s)",
-                 f"  throughput       {fmt_number(self.images_per_s, ',.1f')} images/s, "
-                 f"{fmt_number(self.steps_per_s, '.2f')} steps/s",
-                 f"  data wait        {fmt_number(self.data_wait_percent, '.1f')}% of wall time "
-                 f"({self.wait_s:.2f} of {self.wall_s:.2f} s; median {fmt_number(self.median_wait_ms, '.1f')} ms/step)",
-                 f"  step (compute)   median {fmt_number(self.median_step_ms, '.1f')} ms",
-                 f"  CPU              {fmt_number(self.cpu_percent, '.0f')}% of one core (this process and its "
-                 f"workers; {self.cpu_cores} usable cores), machine {fmt_number(self.system_cpu_percent, '.0f')}% busy"]
+                 f"(first batch {_fmt(self.first_batch_s, '.2f', ' s')})",
+                 f"  throughput       {_fmt(self.images_per_s, ',.1f', ' images/s')}, "
+                 f"{_fmt(self.steps_per_s, '.2f', ' steps/s')}",
+                 f"  data wait        {_fmt(self.data_wait_percent, '.1f', '%')} of wall time "
+                 f"({self.wait_s:.2f} of {self.wall_s:.2f} s; median {_fmt(self.median_wait_ms, '.1f', ' ms')}/step)",
+                 f"  step (compute)   median {_fmt(self.median_step_ms, '.1f', ' ms')}",
+                 f"  CPU              {_fmt(self.cpu_percent, '.0f', '%')} of one core (this process and its "
+                 f"workers; {self.cpu_cores} usable cores), machine {_fmt(self.system_cpu_percent, '.0f', '%')} busy"]
+        lines += self._control_lines()
         if self.stages:
             s = self.stages
-            lines.append(f"  loader stages    per image: read {s['read_ms']:.2f} ms, decode {s['decode_ms']:.2f} ms, "
-                         f"augment {s['augment_ms']:.2f} ms (thread time); workers waited for a free slot "
-                         f"{s['worker_wait_s']:.2f} s")
-            if s.get("device_ms"):
+            if _finite(s.get("samples")) and s["samples"] > 0:
+                lines.append(f"  loader stages    per image: read {_fmt(s['read_ms'], '.2f', ' ms')}, decode "
+                             f"{_fmt(s['decode_ms'], '.2f', ' ms')}, augment {_fmt(s['augment_ms'], '.2f', ' ms')} "
+                             f"(thread time); workers waited for a free slot {s['worker_wait_s']:.2f} s")
+            else:
+                lines.append("  loader stages    not measured: the loader made the measured batches ahead, during "
+                             "warm-up (profile more steps)")
+            if _finite(s.get("device_ms")) and s["device_ms"] > 0:
                 lines.append(f"  device stage     {s['device_ms']:.3f} ms per image on its thread (upload, convert, GPU "
                              f"decode); the copy itself overlaps your step on its own stream")
         lines.append(f"  verdict          {self.verdict.upper()}: {self.reason}")
@@ -119,21 +143,38 @@ class ProfileReport:
         lines += [f"  note             {n}" for n in self.notes]
         return "\n".join(lines)
 
+    def _control_lines(self) -> list[str]:
+        if self.synthetic_images_per_s is None:
+            return []
+        lines = [f"  synthetic        {_fmt(self.synthetic_images_per_s, ',.1f', ' images/s')}: the same step on one "
+                 "batch held in memory (the model's own speed)",
+                 f"  fed / synthetic  {_fmt(self.fed_ratio, '.2f')}: training fed by the loader keeps "
+                 f"{_fmt(self.fed_ratio, '.0%')} of the model's speed"]
+        if self.interference_images_per_s is not None:
+            lines.append(f"  interference     {_fmt(self.interference_ratio, '.2f')} of synthetic "
+                         f"({_fmt(self.interference_images_per_s, ',.1f', ' images/s')}): the step on the held batch "
+                         "while the loader runs, its batches discarded; below 1.00 is the loader's cost to the step")
+        else:
+            lines.append(f"  interference     not measured: {self.control_note or 'no loader to run'}")
+        return lines
+
     __str__ = format
 
 
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    """`value` formatted, or "not measured" (never "nan") when there is no finite figure."""
+    return f"{value:{spec}}{suffix}" if _finite(value) else "not measured"
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if _finite(num) and _finite(den) and den > 0 else None   # type: ignore[operator]
+
+
 # ----------------------------------------------------------------------------- what is being profiled
-
-def _is_stoker_loader(obj: Any) -> bool:
-    stats = getattr(obj, "stats", None)
-    return all(hasattr(stats, a) for a in ("read_s", "decode_s", "augment_s", "consumer_wait_s")) \
-        and hasattr(obj, "dataset") and hasattr(obj, "num_threads")
-
-
-def _is_data_loader(obj: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.utils.data.DataLoader)
-
 
 def _describe(obj: Any) -> str:
     if _is_stoker_loader(obj):
@@ -142,37 +183,6 @@ def _describe(obj: Any) -> str:
     if _is_data_loader(obj):
         return f"torch DataLoader (num_workers={obj.num_workers}, batch_size={obj.batch_size})"
     return type(obj).__name__
-
-
-def _packed(loader: Any) -> bool:
-    return type(loader.dataset).__name__ in ("PackedDataset", "CachedDataset")
-
-
-def _first_tensor(batch: Any) -> Any:
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return None
-    if isinstance(batch, torch.Tensor):
-        return batch
-    if isinstance(batch, dict):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for item in batch:
-            t = _first_tensor(item)
-            if t is not None:
-                return t
-    return None
-
-
-def _batch_size(batch: Any) -> int:
-    t = _first_tensor(batch)
-    if t is not None and t.dim() > 0:
-        return int(t.shape[0])
-    first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
-    try:
-        return len(first)
-    except TypeError:
-        return 0
 
 
 def cpu_seconds() -> float:
@@ -213,13 +223,19 @@ class Profiler:
     """Iterates `iterable`, timing each `next()` against the rest of the step. Made by `profile()`."""
 
     def __init__(self, iterable: Iterable[Any], *, every: int | None = None, warmup: int = 1,
-                 sync: bool | None = None, file: TextIO | None = None, verbose: bool = True) -> None:
+                 sync: bool | None = None, file: TextIO | None = None, verbose: bool = True,
+                 step: Callable[..., Any] | None = None) -> None:
         if every is not None and (not isinstance(every, int) or every < 1):
             raise ConfigError(f"profile(every=) must be a positive number of steps or None, got {every!r}")
         if not isinstance(warmup, int) or warmup < 0:
             raise ConfigError(f"profile(warmup=) must be a number of steps >= 0, got {warmup!r}")
         self.iterable, self.every, self.warmup, self.sync = iterable, every, warmup, sync
-        self.file, self.verbose = file, verbose
+        if step is not None and not callable(step):
+            raise ConfigError(f"profile(step=) must be your training step, called as step(images, labels), got "
+                              f"{type(step).__name__}")
+        self.file, self.verbose, self.step = file, verbose, step
+        #: the step's controls (synthetic, interference), measured after the pass when `step` is given
+        self.controls: StepControls | None = None
         self.reports: list[ProfileReport] = []
         self._reset()
 
@@ -233,12 +249,14 @@ class Profiler:
         self._synced = False
         self._stats0: dict[str, float] | None = None
         self._cpu0 = (0.0, 0.0, (0.0, 0.0))
+        self._resident: Any = None
 
     # -- iteration --
     def __iter__(self) -> Iterator[Any]:
         self._reset()
         it = iter(self.iterable)
         done_at = None   # when the previous batch was handed to the loop
+        failed = False
         try:
             while True:
                 if done_at is not None:
@@ -256,6 +274,8 @@ class Profiler:
                     break
                 if not self._seen:
                     self._decide_sync(batch)
+                    if self.step is not None:
+                        self._resident = resident_copy(batch)   # the controls' batch, kept from the ring
                 got = self._clock()
                 self._seen += 1
                 if self._seen == 1:
@@ -265,11 +285,29 @@ class Profiler:
                     self._sizes.append(_batch_size(batch))
                 done_at = time.perf_counter()
                 yield batch
+        except GeneratorExit:   # the loop broke out: what it measured still counts
+            raise
+        except BaseException:
+            failed = True
+            raise
         finally:
             if it is not self.iterable and hasattr(it, "close"):
                 it.close()   # a loop that breaks out stops the loader's threads now
-            if self._steps and not (self.reports and self.reports[-1].steps == len(self._steps)):
+            if not failed and self.step is not None and self._resident is not None and self.controls is None:
+                self._run_controls()
+            if self._steps and not (self.reports and self.reports[-1].steps == len(self._steps)
+                                    and (self.controls is None or self.reports[-1].synthetic_images_per_s is not None)):
                 self._emit(self.report())
+
+    def _run_controls(self) -> None:
+        """The step on the kept batch, alone and beside the loader (`step_controls`), after the pass."""
+        n = len(self._steps)
+        if n < MIN_VERDICT_STEPS:
+            return   # no verdict either way: the report says how many steps are missing
+        device = self._device if self._synced else None
+        self.controls = measure_controls(self.step, self._resident, self.iterable,   # type: ignore[arg-type]
+                                         steps=min(n, CONTROL_STEPS_MAX), device=device)
+        self._resident = None
 
     def _decide_sync(self, batch: Any) -> None:
         t = _first_tensor(batch)
@@ -336,6 +374,11 @@ class Profiler:
             first_batch_s=self._first_batch, warmup_steps=self.warmup, synchronized=self._synced,
             device=self._device, loader=_describe(self.iterable), cpu_percent=cpu, cpu_cores=usable_cpus(),
             system_cpu_percent=system, stages=stages, verdict=COMPUTE_BOUND, reason="")
+        c = self.controls
+        if c is not None:
+            report.synthetic_images_per_s = c.synthetic_images_per_s
+            report.interference_images_per_s = c.interference_images_per_s
+            report.control_note = c.why_no_interference
         diagnose(report, self.iterable)
         return report
 
@@ -351,7 +394,7 @@ class Profiler:
 
 
 def profile(iterable: Iterable[Any], *, every: int | None = None, warmup: int = 1, sync: bool | None = None,
-            file: TextIO | None = None, verbose: bool = True) -> Profiler:
+            file: TextIO | None = None, verbose: bool = True, step: Callable[..., Any] | None = None) -> Profiler:
     """Wrap a batch iterable to measure data wait vs step time inside your own training loop.
 
         prof = stoker.profile(loader)
@@ -364,103 +407,10 @@ def profile(iterable: Iterable[Any], *, every: int | None = None, warmup: int = 
     tensors (set True when you move CPU batches to the GPU yourself and want queued GPU work
     counted as step time). Reports print to `file` (default stderr) unless `verbose=False`; all
     of them are kept in `.reports`, and `.report()` gives one for the steps so far.
+
+    `step`: your training step, called as `step(*batch)`. Given, the pass ends with the step's controls
+    (`stoker.step_controls`): the step on a copy of the first batch held in memory, alone (synthetic) and
+    beside the loader running again with its batches discarded (interference), each over as many steps
+    as were measured (at most 50); the final report then judges by fed / synthetic.
     """
-    return Profiler(iterable, every=every, warmup=warmup, sync=sync, file=file, verbose=verbose)
-
-
-# ----------------------------------------------------------------------------- the verdict
-
-def diagnose(report: ProfileReport, iterable: Any = None) -> ProfileReport:
-    """Fill `report.verdict`, `.reason` and `.fixes` from its figures (and what `iterable` is)."""
-    frac = report.data_wait_fraction
-    if not math.isfinite(frac):
-        report.verdict, report.reason = COMPUTE_BOUND, "no steps measured yet"
-        return report
-    gain = 1.0 / max(1.0 - frac, 1e-9)
-    cpu_use = report.cpu_percent / (100.0 * report.cpu_cores) if math.isfinite(report.cpu_percent) else math.nan
-    saturated = math.isfinite(cpu_use) and cpu_use >= CPU_SATURATED
-    gpu = report.device.startswith("cuda")
-    if frac >= INPUT_BOUND_WAIT:
-        report.verdict = INPUT_BOUND
-        report.reason = (f"the loop waits for data {frac:.0%} of the time (threshold {INPUT_BOUND_WAIT:.0%}); "
-                         f"a loader that kept up would make training up to {gain:.2f}x faster")
-        report.fixes = _input_fixes(report, iterable, saturated)
-    else:
-        report.verdict = COMPUTE_BOUND
-        report.reason = (f"the loop waits for data only {frac:.0%} of the time (under {INPUT_BOUND_WAIT:.0%}): "
-                         f"the loader keeps up, at most {gain:.2f}x to gain from it")
-        report.fixes = ["speed up the step itself: mixed precision (torch.autocast), channels_last, "
-                        "torch.compile, a larger batch" + ("" if gpu else ", or a GPU")]
-    torch = sys.modules.get("torch")
-    if not gpu and not (torch is not None and torch.cuda.is_available()):
-        report.notes.append("no GPU: the model step and the loader share the same CPU cores, so the loader's "
-                            "CPU time also slows the step")
-    return report
-
-
-def _input_fixes(report: ProfileReport, iterable: Any, saturated: bool) -> list[str]:
-    fixes: list[str] = []
-    cores = report.cpu_cores
-    bursty = (math.isfinite(report.median_wait_ms) and math.isfinite(report.median_step_ms)
-              and report.median_wait_ms < 0.1 * report.median_step_ms)
-    if _is_stoker_loader(iterable):
-        loader = iterable
-        if not _packed(loader):
-            fixes.append("pack the dataset once (`stoker pack SRC OUT`) and load the pack: no file opens or "
-                         "header parsing per sample, crops planned per batch")
-        st = report.stages or {}
-        work = sum(st.get(k, 0.0) for k in ("read_ms", "decode_ms", "augment_ms"))
-        if work > 0 and st.get("read_ms", 0.0) / work >= READ_HEAVY:
-            fixes.append(f"reading takes {st['read_ms'] / work:.0%} of the loader's time: stage the dataset to "
-                         "local disk or RAM (copy the shards to local NVMe or /dev/shm)")
-        side = _oversized(loader)
-        if side:
-            fixes.append(f"the stored images are large for the output: re-pack with `--max-side {side}` "
-                         "(decode cost grows with the pixels decoded)")
-        if bursty:
-            fixes.append(f"waits come in bursts (median wait {report.median_wait_ms:.1f} ms per step): a bigger "
-                         f"prefetch, e.g. `workers=stoker.Workers(prefetch={max(4, loader.prefetch * 2)})`")
-        if loader.num_threads < cores and not saturated:
-            fixes.append(f"more threads: `workers={cores}` (now {loader.num_threads}; {cores} usable cores)")
-        if saturated:
-            fixes.append("the CPU cores are saturated: more threads cannot help; decode on the GPU "
-                         "(`Loader(..., device=DeviceOptions('cuda', decode='gpu'))`, nvJPEG) or use a machine "
-                         "with more CPU cores per GPU")
-    else:
-        fixes.append("switch to stoker: pack the dataset once (`stoker pack SRC OUT`) and load it with "
-                     "`stoker.Loader` (reduced-scale JPEG decode on threads, uint8 batches)")
-        workers = getattr(iterable, "num_workers", None)
-        if workers is not None and workers < cores and not saturated:
-            fixes.append(f"more worker processes: `num_workers={cores}` (now {workers})")
-        if bursty:
-            fixes.append("waits come in bursts: a bigger prefetch (`prefetch_factor=4` for a DataLoader)")
-        if saturated:
-            fixes.append("the CPU cores are saturated: decode on the GPU (pack, then `stoker.Loader(..., "
-                         "device=DeviceOptions('cuda', decode='gpu'))`, nvJPEG), shrink the images once "
-                         "(`stoker pack --max-side 512`), or use more CPU cores per GPU")
-    busy = report.system_cpu_percent
-    if math.isfinite(busy) and busy >= 100 * CPU_SATURATED and not saturated:   # starved by other processes
-        fixes.append(f"the machine is {busy:.0f}% busy while this process uses "
-                     f"{fmt_number(report.cpu_percent, '.0f')}% of its {cores} core(s) (100% = one core): "
-                     "other processes take the CPU the loader needs; run where the cores are free (or give "
-                     "the job its own cores), then profile again")
-    if not fixes:   # none of the figures points anywhere: never leave the verdict bare
-        fixes.append(f"no single stage stands out: try `num_threads={cores}` with a bigger `prefetch`, shrink the "
-                     "images once (`stoker pack --max-side`), or decode on the GPU "
-                     "(`DeviceOptions('cuda', decode='gpu')`)")
-    return fixes
-
-
-def _oversized(loader: Any) -> int | None:
-    """A `--max-side` to suggest when the stored images are much larger than the loader's output."""
-    ds = loader.dataset
-    heights, widths = getattr(ds, "heights", None), getattr(ds, "widths", None)
-    if heights is None or widths is None or len(heights) == 0:
-        return None
-    import numpy as np
-
-    longer = float(np.maximum(np.asarray(heights), np.asarray(widths)).mean())
-    out = max(loader.output_size)
-    if longer <= OVERSIZED * out:
-        return None
-    return int(math.ceil(2 * out / 32) * 32)
+    return Profiler(iterable, every=every, warmup=warmup, sync=sync, file=file, verbose=verbose, step=step)

@@ -706,7 +706,7 @@ def open_for_loading(source: str | Path | Dataset, options: Any = None, *, rank:
     URL cached per `options` (each rank in its own `rank-N` folder when there are several, so no
     rank deletes a file another maps); a packed folder, first staged into `options.stage` when set;
     anything else as loose files (`open_loose`)."""
-    from .options import Storage as StorageOptions
+    from .loader.options import Storage as StorageOptions
     from .shards import MANIFEST_NAME, looks_like_partial_pack
     from .storage import open_storage, url_scheme
     from .storage.remote import default_cache_dir

@@ -44,14 +44,12 @@ def unknown_keyword(function: str, name: str, value: Any, accepted: Iterable[str
     return ArgumentNameError(f"{function}() got an unexpected keyword argument {name!r}; {fix}")
 
 
-def pack_keywords(source_options: dict[str, Any]) -> None:
+def pack_keywords(source_options: dict[str, Any], open_source: Any, pack_options: type) -> None:
     """Refuse the keywords of ``stoker.pack(src, out, **source_options)`` that `open_source` does not take:
-    a PackOptions field is `options=stoker.PackOptions(field=...)`; anything else names the closest."""
-    from .packing import PackOptions
-    from .sources import open_source
-
+    a field of the `pack_options` dataclass (PackOptions) is `options=stoker.PackOptions(field=...)`;
+    anything else names the closest."""
     source_keywords = set(inspect.signature(open_source).parameters) - {"src"}
-    pack_fields = {f.name for f in dataclasses.fields(PackOptions)}
+    pack_fields = {f.name for f in dataclasses.fields(pack_options)}
     for name, value in source_options.items():
         if name in source_keywords:
             continue

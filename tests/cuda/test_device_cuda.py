@@ -1,4 +1,4 @@
-"""stoker.device on a real GPU: the copy stream, events instead of syncs, record_stream, values
+"""stoker.device.stage on a real GPU: the copy stream, events instead of syncs, record_stream, values
 (skipped without CUDA). The CPU side of the same module is tested in tests/test_device.py."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from stoker.device import DeviceOptions, DeviceStage, convert
-from stoker.prefetcher import prefetch
+from stoker.device.stage import DeviceOptions, DeviceStage, convert
+from stoker.device.prefetcher import prefetch
 from stoker.errors import LoaderTimeoutError
 from cuda_helpers import gpu_sleep, no_host_syncs
 

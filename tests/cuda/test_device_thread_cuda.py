@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from cuda_helpers import gpu_decoders, gpu_sleep, no_host_syncs
-from stoker.device import DeviceOptions
-from stoker.loader import Loader
-from stoker.options import Workers
+from stoker.device.stage import DeviceOptions
+from stoker.loader.loader import Loader
+from stoker.loader.options import Workers
 from stoker.transforms import gpu
 from stoker.transforms.mixing import Mixup
 from test_loader import TRAIN, build_packed
@@ -46,7 +46,8 @@ def wait_for_threads(count: int, seconds: float = 5.0) -> int:
 
 def test_batch_ops_in_the_device_thread_never_sync_the_host(packed: Path) -> None:
     tf = [*TRAIN, gpu.RandAugment(), gpu.Normalize(), gpu.RandomErasing(0.5), Mixup(0.8, 1.0, num_classes=96)]
-    loader = Loader(packed, 16, transforms=tf, seed=3, device=DeviceOptions("cuda"), persistent=True)
+    loader = Loader(packed, 16, transforms=tf, seed=3, device=DeviceOptions("cuda"),
+                    workers=Workers(persistent=True))
     for _ in loader:  # epoch 0 warms the allocators, makes the constants
         pass
     with no_host_syncs():  # a sync in the device thread reaches this thread as its error, in order
@@ -58,7 +59,7 @@ def test_batch_ops_in_the_device_thread_never_sync_the_host(packed: Path) -> Non
 @pytest.mark.skipif(not gpu_decoders(), reason="no GPU JPEG decoder imports here")
 def test_gpu_decode_in_the_device_thread_never_syncs_the_host_with_torchcodec(packed: Path) -> None:
     opts = DeviceOptions("cuda", normalize="imagenet", dtype="bf16", decode="gpu")
-    loader = Loader(packed, 16, transforms=TRAIN, seed=5, device=opts, persistent=True)
+    loader = Loader(packed, 16, transforms=TRAIN, seed=5, device=opts, workers=Workers(persistent=True))
     for _ in loader:
         pass
     if "TorchCodec" not in loader.stats.gpu_decoder:  # nvImageCodec's engines wait, on purpose, per chunk
@@ -72,7 +73,8 @@ def test_gpu_decode_in_the_device_thread_never_syncs_the_host_with_torchcodec(pa
 
 def test_a_break_mid_epoch_under_no_host_syncs_stops_every_thread(packed: Path) -> None:
     before = stoker_threads()
-    loader = Loader(packed, 8, transforms=TRAIN, device=DeviceOptions("cuda", normalize="imagenet"), prefetch=3)
+    loader = Loader(packed, 8, transforms=TRAIN, device=DeviceOptions("cuda", normalize="imagenet"),
+                    workers=Workers(prefetch=3))
     for _ in loader:  # a whole epoch first: the allocators hold what the steady state uses
         pass
     with no_host_syncs():
@@ -88,7 +90,7 @@ def test_a_break_mid_epoch_under_no_host_syncs_stops_every_thread(packed: Path) 
 def test_the_device_thread_runs_on_the_loaders_gpu(packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The device thread binds to the Loader's GPU when it starts (the last one here: cuda:1 on a
     two-GPU machine, while this thread stays on cuda:0) and builds every batch there."""
-    from stoker.device_build import DeviceBuilder
+    from stoker.device.build import DeviceBuilder
 
     seen: list[tuple[str, int]] = []
     build = DeviceBuilder.__call__
@@ -108,7 +110,7 @@ from stoker import DeviceOptions, Loader
 from stoker.transforms import RandomResizedCrop
 early = DeviceOptions("cuda")          # made before set_device, as a script may
 torch.cuda.set_device(1)
-for x, _ in Loader(sys.argv[1], 16, transforms=[RandomResizedCrop(32)], device=early, num_threads=4):
+for x, _ in Loader(sys.argv[1], 16, transforms=[RandomResizedCrop(32)], device=early, workers=4):
     assert x.device == torch.device("cuda", 1), x.device
 torch.cuda.synchronize()
 print("context on GPU 0:", torch._C._cuda_hasPrimaryContext(0))
@@ -131,7 +133,7 @@ def test_a_graph_captured_in_thread_local_mode_while_the_loader_runs(packed: Pat
     captures: in the default capture_error_mode="global" CUDA may refuse those calls and invalidate
     the capture; "thread_local" (docs/device.md) confines the checks to the capturing thread."""
     loader = Loader(packed, 16, transforms=TRAIN, seed=3, device=DeviceOptions("cuda", normalize="imagenet"),
-                    prefetch=3)
+                    workers=Workers(prefetch=3))
     model = torch.nn.Sequential(*[torch.nn.Conv2d(3, 3, 3, padding=1) for _ in range(8)]).cuda()
     it = iter(loader)
     first, _ = next(it)

@@ -11,7 +11,7 @@ import torch
 from conftest import jpeg_bytes, smooth_rgb
 from cuda_helpers import gpu_decoders, gpu_sleep, importable
 from stoker.errors import CorruptImageError
-from stoker.gpu_decode import GpuBatchDecoder, NvImageCodecDecoder, TorchCodecDecoder, make_decoder
+from stoker.device.gpu_decode import GpuBatchDecoder, NvImageCodecDecoder, TorchCodecDecoder, make_decoder
 from stoker.transforms import CenterCrop, Pipeline, RandomHorizontalFlip, RandomResizedCrop, Resize
 from test_gpu_decode import SIZES, CpuDecoder, jobs_for, make_jpegs, psnr, textured
 
@@ -205,16 +205,28 @@ def test_a_chunk_is_not_overwritten_by_the_next_while_the_stream_is_busy(decoder
     """One image per chunk, decoded while a long step keeps the stream busy: each chunk's resample (its
     images' last read) runs late, and a decoder that writes when called (the hardware JPEG engines)
     could be handed the previous chunk's freed memory before that read. GpuBatchDecoder waits for an
-    event after those reads; the rows must equal an idle run's."""
+    event after those reads; the rows must equal an idle run's with the same chunks.
+
+    `want` is decoded the way `got` is (eight calls of one image): one call of eight is not the same
+    computation, as nvImageCodec spreads a batch over its backends (hardware engines, CUDA, hybrid), whose
+    pixels may differ by a level; that comparison is the looser one at the end."""
     sizes = [(256, 256)] * 8
     jobs, _ = jobs_for(Pipeline([CenterCrop(224)]), make_jpegs(seed=8, sizes=sizes), sizes)
+    one_image = 3 * 256 * 256
     want = torch.zeros((8, 3, 224, 224), dtype=torch.uint8, device="cuda")
-    assert GpuBatchDecoder(decoder, "cuda").run(jobs, want) == []
+    assert GpuBatchDecoder(decoder, "cuda", budget_bytes=one_image).run(jobs, want) == []
     torch.cuda.synchronize()
     got = torch.zeros_like(want)
-    gpu = GpuBatchDecoder(decoder, "cuda", budget_bytes=3 * 256 * 256)
+    gpu = GpuBatchDecoder(decoder, "cuda", budget_bytes=one_image)
+    assert len(list(gpu.chunks(jobs))) == 8
     gpu_sleep(0.1)
     gpu_sleep(50)
     assert gpu.run(jobs, got) == []
     torch.cuda.synchronize()
-    assert torch.equal(got, want)
+    overwritten = [row for row in range(8) if not torch.equal(got[row], want[row])]
+    assert overwritten == [], f"rows {overwritten} differ from an idle run of the same chunks"
+    together = torch.zeros_like(want)
+    assert GpuBatchDecoder(decoder, "cuda").run(jobs, together) == []   # one call of eight
+    torch.cuda.synchronize()
+    mae = float((together.float() - want.float()).abs().mean())
+    assert mae < 2.5, f"one call of eight against eight of one: mean abs difference {mae:.2f}"  # as vs libjpeg-turbo

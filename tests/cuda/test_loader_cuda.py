@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from cuda_helpers import gpu_decoders, gpu_sleep, no_host_syncs
-from stoker.device import DeviceOptions, DeviceStage
-from stoker.loader import Loader
+from stoker.device.stage import DeviceOptions, DeviceStage
+from stoker.loader.loader import Loader
+from stoker.loader.options import Workers
 from test_loader import TRAIN, build_packed
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -25,8 +26,10 @@ def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_packed(tmp_path_factory.mktemp("cuda") / "ds", n=96)
 
 
-def cpu_batches(packed: Path, **kw) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(x.clone(), y.clone()) for x, y in Loader(packed, 16, transforms=TRAIN, seed=3, device="cpu", **kw)]
+def cpu_batches(packed: Path, **conversion) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The CPU stage's batches with DeviceOptions("cpu", **conversion), unpinned (the same values)."""
+    return [(x.clone(), y.clone()) for x, y in Loader(packed, 16, transforms=TRAIN, seed=3,
+                                                       device=DeviceOptions("cpu", **conversion), pin_memory=False)]
 
 
 def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -83,7 +86,8 @@ def test_freed_batches_are_not_reused_while_in_flight(packed: Path) -> None:
     is dropped, and the device thread's next batches (allocated there) would overwrite it before the
     queued read runs: the sums would come out wrong."""
     ref = cpu_batches(packed, dtype=torch.uint8)
-    loader = Loader(packed, 16, transforms=TRAIN, seed=3, device=DeviceOptions("cuda", dtype=torch.uint8), prefetch=3)
+    loader = Loader(packed, 16, transforms=TRAIN, seed=3, device=DeviceOptions("cuda", dtype=torch.uint8),
+                    workers=Workers(prefetch=3))
     gpu_sleep(0.1)
     sums = []
     for x, _ in loader:
@@ -106,11 +110,12 @@ def test_break_stops_the_device_thread(packed: Path) -> None:
 
 @needs_gpu_decoder
 def test_gpu_decode_crops_like_the_cpu_path(packed: Path) -> None:
-    ref = [(x.clone(), y.clone()) for x, y in Loader(packed, 16, transforms=TRAIN, seed=5)]
+    ref = [(x.clone(), y.clone()) for x, y in Loader(packed, 16, transforms=TRAIN, seed=5, pin_memory=False)]
+    assert all(rx.shape[1] == 3 for rx, _ in ref)  # the CPU stage's batches are [B, 3, H, W], as the GPU's
     loader = Loader(packed, 16, transforms=TRAIN, seed=5, device=DeviceOptions("cuda", dtype=torch.uint8, decode="gpu"))
     for (x, y), (rx, ry) in zip(loader, ref):
         assert x.is_cuda and torch.equal(y.cpu(), ry)
-        assert psnr(x.cpu(), rx.permute(0, 3, 1, 2)) > 28
+        assert x.shape == rx.shape and psnr(x.cpu(), rx) > 28
     assert loader.stats.gpu_decoded > 0 and loader.stats.gpu_fallbacks == 0
 
 
@@ -130,8 +135,8 @@ def test_gpu_decode_normalized_bf16(packed: Path) -> None:
 def test_readme_first_example_async_copies_of_pinned_batches_are_exact(packed: Path) -> None:
     """`images.cuda(non_blocking=True)` on a plain Loader's pinned batch, queued behind a long step: the
     next `next()` must not let the workers refill the slot before the GPU has run the copy."""
-    ref = [(x.clone(), y.clone()) for x, y in Loader(packed, 16, transforms=TRAIN, seed=3)]
-    loader = Loader(packed, 16, transforms=TRAIN, seed=3, prefetch=1)  # a ring of 2 slots: reuse comes fast
+    ref = [(x.clone(), y.clone()) for x, y in Loader(packed, 16, transforms=TRAIN, seed=3, pin_memory=False)]
+    loader = Loader(packed, 16, transforms=TRAIN, seed=3, workers=Workers(prefetch=1))  # a ring of 2 slots: reuse comes fast
     assert loader.pin_memory
     gpu_sleep(0.1)
     sums = []
@@ -150,7 +155,7 @@ def test_persistent_epochs_on_the_gpu_without_syncs(packed: Path) -> None:
     opts = DeviceOptions("cuda", normalize="imagenet", dtype=torch.bfloat16, memory_format="channels_last")
     plain = Loader(packed, 16, transforms=TRAIN, seed=3, device=opts)  # epochs 0, 1, 2, one pass each
     want = [[x.float().sum().item() for x, _ in plain] for _ in range(3)]
-    loader = Loader(packed, 16, transforms=TRAIN, seed=3, device=opts, persistent=True)
+    loader = Loader(packed, 16, transforms=TRAIN, seed=3, device=opts, workers=Workers(persistent=True))
     got = [[x.float().sum() for x, _ in loader]]  # epoch 0 warms everything up
     with no_host_syncs():
         for _ in range(2):

@@ -24,7 +24,7 @@ warnings.simplefilter("ignore")
 os.environ["SVT_LOG"] = "1"
 import numpy as np
 from hypothesis import HealthCheck, given, settings, strategies as st
-from stoker.clips import decode_clip_into
+from stoker.loading.clips import decode_clip_into
 from stoker.errors import StokerError
 from stoker.tools.synth_video import CODECS, VideoStyle, make_video
 from stoker.video import probe_video

@@ -230,8 +230,8 @@ def _baseline_recipe_runner(spec: _Spec) -> _Runner:
 
 
 def _stoker_recipe_runner(spec: _Spec) -> _Runner:
-    from ..loader import Loader
-    from ..options import Workers
+    from ..loader.loader import Loader
+    from ..loader.options import Workers
     from ..transforms import Normalize, RandAugment, RandomErasing, RandomHorizontalFlip, RandomResizedCrop
     from .baseline_recipes import deit_mixup
 
@@ -250,9 +250,9 @@ def _stoker_recipe_runner(spec: _Spec) -> _Runner:
 
 
 def _stoker_runner(spec: _Spec, train: bool) -> _Runner:
-    from ..device import DeviceOptions
-    from ..loader import Loader
-    from ..options import Workers
+    from ..device.stage import DeviceOptions
+    from ..loader.loader import Loader
+    from ..loader.options import Workers
     from ..transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
 
     if spec.pipeline == "overhead":
@@ -481,6 +481,9 @@ def _measure_training(spec: _Spec) -> dict[str, Any]:
 
 
 _RESULT_MARK = "STOKER-BENCH-RESULT "
+#: set (to 1) in the environment: each pipeline's process logs stoker's info lines (its timers among them)
+#: and the bench passes them on to its own stderr, each line prefixed with the pipeline's name
+CHILD_LOGS_ENV = "STOKER_BENCH_CHILD_LOGS"
 
 
 def _measure_isolated(spec: _Spec) -> dict[str, Any]:
@@ -491,6 +494,9 @@ def _measure_isolated(spec: _Spec) -> dict[str, Any]:
     except subprocess.TimeoutExpired:
         raise StokerError(f"bench pipeline {spec.pipeline!r} ran longer than {_CHILD_TIMEOUT_S:.0f} s; "
                           "use fewer images or rounds") from None
+    if os.environ.get(CHILD_LOGS_ENV, "0") not in ("", "0"):
+        for line in proc.stderr.splitlines():
+            print(f"[{spec.pipeline}] {line}", file=sys.stderr, flush=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_RESULT_MARK)]
     if proc.returncode != 0 or not lines:
         raise StokerError(f"bench pipeline {spec.pipeline!r} failed (exit {proc.returncode}); its output "
@@ -500,6 +506,11 @@ def _measure_isolated(spec: _Spec) -> dict[str, Any]:
 
 def _child_main(argv: Sequence[str]) -> int:
     spec = _Spec(**json.loads(argv[1]))
+    if os.environ.get(CHILD_LOGS_ENV, "0") not in ("", "0"):
+        import logging
+        logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        logging.getLogger("stoker").setLevel(logging.INFO)
     cpus = cpu_ids()
     if hasattr(os, "sched_setaffinity") and len(cpus) > spec.workers:
         os.sched_setaffinity(0, cpus[:spec.workers])   # this child only: the same cores for every pipeline
@@ -807,7 +818,10 @@ def _format_device(result: BenchResult) -> str:
              f"Device: {gpu}; torch {m.get('torch', '-')}, torchvision {m.get('torchvision') or 'not installed'}.",
              f"Machine: {m['cpu']}, {m['usable_cores']} usable cores, {m['memory_gb']} GB, load average "
              f"{m['load_1m']} at the start; Python {m['python']}, Pillow {m['pillow']}, simplejpeg {m['simplejpeg']}.",
-             "of synthetic: training images/s over the same model's on one GPU-resident batch (no input pipeline). "
+             "fed / synthetic: training images/s over the same model's on one GPU-resident batch (no input "
+             "pipeline): the share of the model's speed a feed keeps. stoker-interference is the control: the model on "
+             "that resident batch while the stoker feed runs beside it, its batches discarded; its shortfall is the "
+             "loader's cost to the step, which data wait does not show. "
              "Data wait: share of the timed steps the training loop spent in next() (host side). Peak device: "
              "torch.cuda.max_memory_allocated of the pipeline's process. CPU %: process + children (100 = one core).",
              NOTE, *result.notes]

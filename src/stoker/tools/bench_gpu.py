@@ -14,8 +14,12 @@ each, median of rounds) and this module supplies what runs on the device:
   `steps` batches from a stream that runs on across epochs (as the training windows below are), and
   its clock stops after the device is synchronized, so the rate counts images that reached device memory.
 - training, per model: ``train-<model>-synthetic`` (one GPU-resident random batch, no input pipeline:
-  the model's own speed), ``train-<model>-baseline``, ``train-<model>-stoker``, ``train-<model>-stoker-gpu``,
-  ``train-<model>-dali``.
+  the model's own speed), ``train-<model>-baseline``, ``train-<model>-stoker``, ``train-<model>-stoker-process``
+  (the same Loader with its threads in one worker process, `Workers(processes=1)`),
+  ``train-<model>-stoker-interference`` (the control: the model trains on the resident batch while the
+  stoker feed runs beside it, one batch per step taken and discarded on another thread; its shortfall
+  against synthetic is the loader's cost to the step, with no data wait in it; `stoker.step_controls`),
+  ``train-<model>-stoker-gpu``, ``train-<model>-dali``. Each training row's first figure is fed / synthetic.
   One step (`stoker.tools.train.TrainStep`): model and input channels_last, bf16 autocast (on CUDA), cross
   entropy, SGD(lr 0.1, momentum 0.9, weight decay 1e-4), ``zero_grad(set_to_none=True)``. Warm-up steps first
   (cuDNN autotuning, queues filling), then timed windows of a fixed number of steps; the feeds run
@@ -77,6 +81,9 @@ FEEDS = {
                 ".to(device, non_blocking=True)",
     "stoker": "stoker.Loader(workers=Workers(persistent=True), device=DeviceOptions(device, normalize='imagenet')), "
               "CPU decode",
+    "stoker-process": "the stoker feed with its threads in one worker process: Workers(persistent=True, processes=1)",
+    "stoker-interference": "the control: one resident batch, as synthetic, while the stoker feed runs beside it, a "
+                           "batch per step taken and discarded on another thread (the loader's cost to the step)",
     "stoker-gpu": "stoker.Loader(workers=Workers(persistent=True), device=DeviceOptions(device, normalize='imagenet', "
                   "decode='gpu'))",
     "dali": "NVIDIA DALI: readers.file + decoders.image (device='mixed' on CUDA) + random_resized_crop + "
@@ -151,7 +158,7 @@ def device_pipelines(models: Sequence[str], *, check: bool = True) -> dict[str, 
 def resolve_device(device: str) -> "torch.device":
     """'cuda', 'cuda:1' or 'cpu' -> torch.device (`stoker.device.parse_device`); ConfigError naming the fix when
     the device is not one this machine has."""
-    from ..device import parse_device, resolve_device as gpu_of
+    from ..device.stage import parse_device, resolve_device as gpu_of
 
     try:
         return gpu_of(parse_device(device))
@@ -247,6 +254,7 @@ class Feed:
     epoch: Callable[[], Iterator[tuple[Any, Any]]]
     close: Callable[[], None]
     version: str
+    discarded: Callable[[], int] | None = None   # the interference control: loader batches taken and dropped
 
 
 def _torch_version() -> str:
@@ -300,7 +308,7 @@ def _baseline_feed(root: str, batch_size: int, workers: int, device: "torch.devi
 
 def _stoker_loader(packed: str, batch_size: int, **options: Any) -> Any:
     """stoker.Loader with the bench's transforms: RandomResizedCrop(224) + RandomHorizontalFlip, shuffled."""
-    from ..loader import Loader
+    from ..loader.loader import Loader
     from ..transforms import RandomHorizontalFlip, RandomResizedCrop
 
     return Loader(packed, batch_size, transforms=[RandomResizedCrop(OUTPUT_SIZE), RandomHorizontalFlip()],
@@ -310,17 +318,18 @@ def _stoker_loader(packed: str, batch_size: int, **options: Any) -> Any:
 def _stoker_feed(feed: str, packed: str, batch_size: int, workers: int, device: "torch.device",
                  drop_last: bool, channels_last: bool, dtype: "torch.dtype") -> Feed:
     from .. import __version__
-    from ..device import DeviceOptions
-    from ..options import Workers
+    from ..device.stage import DeviceOptions
+    from ..loader.options import Workers
 
+    process = feed == "stoker-process"
     try:
         on_device = DeviceOptions(device, normalize="imagenet", dtype=dtype,
                                   memory_format="channels_last" if channels_last else None,
                                   decode="gpu" if feed == "stoker-gpu" else "cpu")
         # persistent: epochs run straight into each other (as the baseline's persistent workers do), so
         # no round or training window after the first pays the pipeline's start-up again
-        loader = _stoker_loader(packed, batch_size, workers=Workers(num_threads=workers, persistent=True),
-                                drop_last=drop_last, device=on_device)
+        loader = _stoker_loader(packed, batch_size, drop_last=drop_last, device=on_device,
+                                workers=Workers(num_threads=workers, persistent=True, processes=int(process)))
     except ConfigError as exc:   # e.g. decode="gpu" without a GPU JPEG decoder installed
         raise FeedUnavailable(str(exc)) from exc
     started = False
@@ -342,7 +351,40 @@ def _stoker_feed(feed: str, packed: str, batch_size: int, workers: int, device: 
                 raise FeedUnavailable(str(exc)) from exc
             started = True
             yield batch[0], batch[1]
-    return Feed(epoch, loader.close, f"stoker {__version__}" + (", decode='gpu'" if feed == "stoker-gpu" else ""))
+    extra = {"stoker-gpu": ", decode='gpu'", "stoker-process": ", processes=1"}.get(feed, "")
+    return Feed(epoch, loader.close, f"stoker {__version__}{extra}")
+
+
+def _interference_feed(packed: str, batch_size: int, workers: int, device: "torch.device", dtype: "torch.dtype") -> Feed:
+    """The control: the synthetic batch, one per step, while the stoker feed runs on a `Drain` thread that
+    takes one of its batches per step and drops it (it starts before the first batch is handed out)."""
+    from ..step_controls import Drain
+
+    loader = _stoker_feed("stoker", packed, batch_size, workers, device, drop_last=True, channels_last=True,
+                          dtype=dtype)
+    resident = _synthetic_feed(batch_size, device)
+
+    class _Stream:   # what the drain iterates: the feed's epochs back to back
+        def __iter__(self) -> Iterator[tuple[Any, Any]]:
+            return _forever(loader, batch_size)
+    drain = Drain(_Stream())
+    try:
+        drain.start()
+    except BaseException:
+        loader.close()
+        raise
+
+    def epoch() -> Iterator[tuple[Any, Any]]:
+        for batch in resident.epoch():
+            drain.permit()
+            yield batch
+
+    def close() -> None:
+        try:
+            drain.stop()
+        finally:
+            loader.close()
+    return Feed(epoch, close, loader.version + ", interference control", lambda: drain.taken)
 
 
 def _dali_feed(root: str, batch_size: int, workers: int, device: "torch.device", drop_last: bool,
@@ -390,7 +432,9 @@ def open_feed(feed: str, *, root: str, packed: str, batch_size: int, workers: in
         return _synthetic_feed(batch_size, device)
     if feed == "baseline":
         return _baseline_feed(root, batch_size, workers, device, drop_last=training, dtype=dtype)
-    if feed in ("stoker", "stoker-gpu"):
+    if feed == "stoker-interference":
+        return _interference_feed(packed, batch_size, workers, device, dtype)
+    if feed in ("stoker", "stoker-gpu", "stoker-process"):
         return _stoker_feed(feed, packed, batch_size, workers, device, drop_last=training, channels_last=training,
                             dtype=dtype)
     if feed == "dali":
@@ -520,8 +564,8 @@ def _loader_cells(p: Any) -> list[str]:
 def _training_cells(p: Any, result: BenchResult) -> list[str]:
     base = result.ran(p.name.rsplit("-" + feed_of(p.name), 1)[0] + "-baseline")
     vs_base = p.images_per_s / base.images_per_s if base is not None and \
-        feed_of(p.name) not in ("synthetic", "baseline") else None
-    return [fmt_number(p.images_per_s, ",.0f"), fmt_number(p.ratio, ".1%"), fmt_number(vs_base, ".2f", "x"),
+        feed_of(p.name) not in ("synthetic", "baseline", "stoker-interference") else None
+    return [fmt_number(p.ratio, ".2f"), fmt_number(p.images_per_s, ",.0f"), fmt_number(vs_base, ".2f", "x"),
             fmt_number(p.data_wait, ".1%"), fmt_number(p.cpu_percent, ".0f"), _mb(p.peak_rss_bytes),
             _mb(p.peak_device_bytes), fmt_number(p.first_batch_s, ".2f")]
 
@@ -539,7 +583,7 @@ def format_tables(result: BenchResult) -> list[str]:
     if training:
         lines += [f"Training on {result.device}: images/s over {result.steps} steps of {result.batch_size} per round "
                   f"after {result.warmup_steps} warm-up step(s).", "",
-                  *markdown_table(("pipeline", "images/s", "of synthetic", "vs baseline feed", "data wait", "CPU %",
+                  *markdown_table(("pipeline", "fed / synthetic", "images/s", "vs baseline feed", "data wait", "CPU %",
                            "peak RSS (MB)", "peak device (MB)", "first batch (s)"),
                           [(p, _training_cells(p, result)) for p in training])]
     late = [p for p in loaders + training if p.ran and p.startup_share >= STARTUP_SHARE]

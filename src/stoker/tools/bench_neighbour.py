@@ -231,8 +231,8 @@ class PythonWork:
 
 def _stoker_feed(packed: Path, batch_size: int, threads: int, seed: int, processes: int = 0, python_us: float = 0.0
                  ) -> tuple[Iterator[Any], Callable[[], None]]:
-    from ..loader import Loader
-    from ..options import Workers
+    from ..loader.loader import Loader
+    from ..loader.options import Workers
     from ..transforms import RandomHorizontalFlip, RandomResizedCrop, adapt
 
     ops: list[Any] = [RandomResizedCrop(224), RandomHorizontalFlip()]

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from .._progress import Progress
-from ..clips import Clips, PyAVDecoder, decode_clip_into, finish_clip, plan_clip
+from ..loading.clips import Clips, PyAVDecoder, decode_clip_into, finish_clip, plan_clip
 from ..errors import ConfigError
 
 __all__ = ["SIZE", "SPEC", "VideoBenchResult", "format_video_table", "run_video_bench"]

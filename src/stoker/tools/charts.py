@@ -163,8 +163,10 @@ def device_bench_chart(result: BenchResult, path: Path, *, rate_line: float | No
 
 
 def demo_chart(named: Sequence[tuple[str, Any]], path: Path, *, title: str, note: str = "") -> bool:
-    """Two panels for the demo's training runs, `(name, ProfileReport)` pairs: training throughput
-    (images/s) and the mean step split into data wait and model step (ms)."""
+    """Two panels for the demo's training runs, `(name, run)` pairs (the synthetic run first; a run has
+    `images_per_s`, `steps`, `wait_s`, `compute_s`, `data_wait_percent`): training throughput (images/s,
+    each fed run labelled with its share of the synthetic run's) and the mean step split into data
+    wait and model step (ms)."""
     plt = _pyplot()
     if plt is None:
         return False
@@ -174,7 +176,7 @@ def demo_chart(named: Sequence[tuple[str, Any]], path: Path, *, title: str, note
     rates = [r.images_per_s for r in runs]
     left.bar(names, rates, color=[_colour(n) for n in names])
     for x, rate in enumerate(rates):
-        text = f"{rate:,.0f}" + (f"\n{rate / rates[0]:.2f}x faster" if x and rates[0] > 0 else "")
+        text = f"{rate:,.0f}" + (f"\n{rate / rates[0]:.2f} of synthetic" if x and rates[0] > 0 else "")
         left.text(x, rate, text, ha="center", va="bottom", fontsize=9)
     left.set_ylim(0, max(rates + [1.0]) * 1.25)
     left.set_ylabel("training throughput, images/s (higher is better)")

@@ -177,10 +177,10 @@ def run_video_demo(out: str | Path = "stoker-demo-video", setup: VideoDemoSetup 
 
     from .doctor import default_device, split_cores
     from .synth_video import VideoStyle, make_kinetics_like
-    from ..clips import Clips
-    from ..device import DeviceOptions
-    from ..loader import Loader
-    from ..options import Sampling
+    from ..loading.clips import Clips
+    from ..device.stage import DeviceOptions
+    from ..loader.loader import Loader
+    from ..loader.options import Sampling
     from ..packing import PackOptions, pack
     from ..transforms import RandomHorizontalFlip, RandomResizedCrop
     from ..video import require_av

@@ -1,11 +1,13 @@
 """`stoker doctor PATH`: is training on this data input-bound? Measured, without writing training code.
 
-Three short runs on the user's data (a packed dataset, an ImageFolder tree or a file list), each
-over `steps` batches after one warm-up batch (a few hundred images by default, so it stays quick):
+Short runs on the user's data (a packed dataset, an ImageFolder tree or a file list), each over
+`steps` batches after one warm-up batch (a few hundred images by default, so it stays quick):
 
 1. the stoker Loader alone: images/s the input pipeline can deliver;
-2. the model step alone, on one batch held in memory: images/s the model can consume;
-3. both together under `stoker.profile`: the data-wait share and the verdict, with the fix.
+2. the model step on one batch held in memory (`stoker.step_controls`): alone, the synthetic-data
+   ceiling (images/s the model can consume), and beside the Loader running with its batches
+   discarded, the interference control (the loader's cost to a step that never waits);
+3. both together under `stoker.profile`: fed / synthetic, the data-wait share and the verdict, with the fix.
 
 Without a GPU the model and the loader compete for the same cores; unless `threads` is given, the
 model then gets half of them (torch threads) and the loader the rest (`split_cores`), as in the
@@ -26,9 +28,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from .._progress import Progress
-from .._system import json_safe, usable_cpus
+from .._system import fmt_number, json_safe, usable_cpus
 from ..errors import ConfigError
 from ..profiling import ProfileReport, profile
+from ..step_controls import MIN_VERDICT_STEPS, measure_controls
 from .train import TrainStep, load_model, small_cnn
 
 __all__ = ["DoctorReport", "default_device", "run_doctor", "split_cores"]
@@ -39,7 +42,7 @@ def default_device(device: str | None = None) -> str:
     "cuda:0", or LOCAL_RANK's GPU); None: the current CUDA GPU when there is one, else the CPU."""
     import torch
 
-    from ..device import parse_device, resolve_device
+    from ..device.stage import parse_device, resolve_device
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -87,8 +90,8 @@ class DoctorReport:
     threads: int
     transforms: str
     loader_images_per_s: float      # the loader alone
-    step_images_per_s: float        # the model step alone, on a batch held in memory
-    profile: ProfileReport          # both together: verdict and fixes
+    step_images_per_s: float        # the model step alone, on a batch held in memory (synthetic)
+    profile: ProfileReport          # both together: fed / synthetic, interference, verdict and fixes
     decoder: str = ""               # which CPU JPEG path the loader uses (region decode, or why not)
     gpu_decoder: str = ""           # decode="gpu": the backend that decoded the JPEGs
     loader_gpu_bytes: int | None = None  # on a GPU: peak bytes the loader alone held in torch's allocator
@@ -102,7 +105,9 @@ class DoctorReport:
         out = {k: getattr(self, k) for k in ("path", "model", "device", "batch_size", "steps", "threads",
                                              "transforms", "loader_images_per_s", "step_images_per_s", "decoder",
                                              "gpu_decoder", "loader_gpu_bytes", "loader_batch_bytes")}
-        return json_safe({**out, "verdict": self.verdict, "profile": self.profile.as_dict()})
+        return json_safe({**out, "verdict": self.verdict, "fed_ratio": self.profile.fed_ratio,
+                          "interference_images_per_s": self.profile.interference_images_per_s,
+                          "interference_ratio": self.profile.interference_ratio, "profile": self.profile.as_dict()})
 
     def format(self) -> str:
         slower = "loader" if self.loader_images_per_s < self.step_images_per_s else "model step"
@@ -119,8 +124,9 @@ class DoctorReport:
             *([f"  loader batches   {self.loader_batch_bytes / 1e6:,.1f} MB at peak: the device batches it built "
                f"ahead and held (LoaderStats.device_peak_bytes, its own tensors summed)"]
               if self.loader_batch_bytes is not None else []),
-            f"  model step alone {self.step_images_per_s:,.1f} images/s",
-            f"  together         {self.profile.images_per_s:,.1f} images/s "
+            f"  model step alone {fmt_number(self.step_images_per_s, ',.1f')} images/s (synthetic: one batch held in "
+            "memory)",
+            f"  together         {fmt_number(self.profile.images_per_s, ',.1f')} images/s "
             f"(alone, the {slower} is the slower of the two)",
             "", self.profile.format()])
 
@@ -134,20 +140,21 @@ def _batches(loader: Any, n: int) -> Iterable[Any]:
     return itertools.islice(iter(loader), n)
 
 
-def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = 8, threads: int | None = None,
+def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = MIN_VERDICT_STEPS + 2, threads: int | None = None,
                transforms: str = "train", size: int = 224, model: Any = None, device: str | None = None,
                progress: bool = True, decode: str = "cpu") -> DoctorReport:
     """Measure the loader alone, the model step alone and both together on the data at `path`.
 
     Reads about `(steps + 1) * batch_size` images per run (one warm-up batch); each run reads a new
-    epoch of the dataset (on a smaller dataset, `steps` shrinks to fit). `transforms`:
+    epoch of the dataset (on a smaller dataset, `steps` shrinks to fit; below `MIN_VERDICT_STEPS` the
+    report gives no verdict and says how many steps are missing). `transforms`:
     "train" (RandomResizedCrop + flip) or "val" (Resize + CenterCrop), at `size` pixels. `decode`:
     "cpu" or "gpu" (JPEGs decoded on a CUDA device; the report names the backend that ran).
     """
     import torch
 
-    from ..device import DeviceOptions
-    from ..loader import Loader
+    from ..device.stage import DeviceOptions
+    from ..loader.loader import Loader
     from ..transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
 
     if transforms not in ("train", "val"):
@@ -176,7 +183,7 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = 8, thread
         num_classes = int(labels.max()) + 1 if labels.dtype.kind in "iu" and len(labels) and labels.max() >= 0 \
             else 10
         step, model_name = _model_from(model, num_classes, device)
-        bar = _bar(3 * (steps + 1), progress)
+        bar = _bar(2 * (steps + 1) + 3, progress)   # two runs by batch, three control windows
 
         # 1. the loader alone
         def alone() -> float:
@@ -189,22 +196,15 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = 8, thread
         loader_rate, loader_gpu = gpu_memory_of(device, alone)
         held = loader.stats.device_peak_bytes if on_device else None   # the loader's own tensors, alone
 
-        # 2. the model step alone, on one batch held in memory
-        images, ys = next(iter(_batches(loader, 1)))[:2]
-        images = images.clone()
-        ys = ys.clone() if isinstance(ys, torch.Tensor) else ys
-        step(images, ys)   # warm-up
-        _sync(device)
-        bar.update()
-        t = time.perf_counter()
-        for _ in range(steps):
-            step(images, ys)
-            bar.update()
-        _sync(device)
-        step_rate = steps * batch_size / (time.perf_counter() - t)
+        # 2. the model step on one batch held in memory: alone (synthetic) and beside the running loader
+        first = next(iter(_batches(loader, 1)))[:2]
+        controls = measure_controls(step, tuple(first), loader, steps=steps, device=device)
+        bar.update(3)
+        step_rate = controls.synthetic_images_per_s
 
-        # 3. both together, profiled
+        # 3. both together, profiled, judged by fed / synthetic
         prof = profile(loader, warmup=1, sync=device.startswith("cuda"), verbose=False)
+        prof.controls = controls
         for k, batch in enumerate(prof):
             if k > steps:   # asking for this batch ended the last measured step
                 break
@@ -240,12 +240,6 @@ def gpu_memory_of(device: str, run: Callable[[], Any]) -> tuple[Any, int | None]
     torch.cuda.reset_peak_memory_stats(device)
     out = run()
     return out, max(0, torch.cuda.max_memory_allocated(device) - base)
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-        torch.cuda.synchronize()
 
 
 def _bar(total: int, enabled: bool) -> Progress:

@@ -28,7 +28,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from .._torch import torch
-from ..device import IMAGENET_MEAN, IMAGENET_STD, all_levels, host_to_device, normalize_by_table
+from ..device.stage import IMAGENET_MEAN, IMAGENET_STD, all_levels, host_to_device, normalize_by_table
 from ..errors import ConfigError
 from . import colour, pixels, policy
 from .kinds import BATCH, stage_of
@@ -109,7 +109,10 @@ def _hsv2rgb(hsv: torch.Tensor) -> torch.Tensor:
 def adjust_hue(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
     hsv = _rgb2hsv(x.float() / 255.0)
     hsv[:, 0] = torch.remainder(hsv[:, 0] + f.view(-1, 1, 1), 1.0)
-    return _u8(_hsv2rgb(hsv) * 255.0)
+    # back to uint8 as torchvision's to_dtype does it, x 255.999 truncated: the HSV round trip lands a hair
+    # under integers, which x 255 truncated drops by one (at a zero shift, on about a quarter of the pixels,
+    # and on CUDA, which divides through a reciprocal, on other pixels than on the CPU)
+    return _u8(_hsv2rgb(hsv) * 255.999)
 
 
 def adjust_sharpness(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from .._torch import torch
-from ..device import host_to_device
+from ..device.stage import host_to_device
 from ..errors import ConfigError
 from ..order import sample_keys
 from .kinds import BATCH

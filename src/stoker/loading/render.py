@@ -27,19 +27,19 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ._torch import torch
-from . import codecs, native
-from .errors import DatasetError, OutputError, SampleError, UserTransformError
-from .gpu_decode import GpuJob
+from .._torch import torch
+from .. import codecs, native
+from ..errors import DatasetError, OutputError, SampleError, UserTransformError
+from .jobs import GpuJob
 from .labels import MultiLabel
-from .order import TAG_DRAW, replacement_index, sample_keys, uniforms
-from .reader import CachedDataset, Dataset, PackedDataset
+from ..order import TAG_DRAW, replacement_index, sample_keys, uniforms
+from ..reader import CachedDataset, Dataset, PackedDataset
 from .slots import Slot, WorkerTimes
-from .transforms import (Pipeline, Plan, Resampling, apply_tail, decode_minimums,
+from ..transforms import (Pipeline, Plan, Resampling, apply_tail, decode_minimums,
                          resample_region_into, resampling,
                          run_user_op)
-from .transforms.geometry import AA_HEADROOM
-from .transforms.targets import Boxes, InstanceMasks, LabelMap, Placement, Target, TargetRows
+from ..transforms.geometry import AA_HEADROOM
+from ..transforms.targets import Boxes, InstanceMasks, LabelMap, Placement, Target, TargetRows
 
 # one warning per skipped sample, with its reason, on the Loader's logger: the name users configure
 _log = logging.getLogger("stoker.loader")

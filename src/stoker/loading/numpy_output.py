@@ -70,7 +70,7 @@ def numpy_batch(slot: Slot, encode: MultiLabel | None) -> tuple:
     if not slot.extras:
         return images, labels
     # here, not at import: the ring's NumpyBuffers stay importable without OpenCV (the free-threaded checks)
-    from .transforms.targets import LabelMap, TargetRows, stack_label_map_arrays
+    from ..transforms.targets import LabelMap, TargetRows, stack_label_map_arrays
 
     extras: dict[str, Any] = {}
     for column, value in slot.extras.items():

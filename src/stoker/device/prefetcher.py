@@ -20,9 +20,9 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from ._torch import torch
-from .device import LAYOUTS, DeviceOptions, DeviceStage, Fence, as_device_options
-from .errors import ConfigError
+from .._torch import torch
+from .stage import LAYOUTS, DeviceOptions, DeviceStage, Fence, as_device_options
+from ..errors import ConfigError
 
 _IMAGE_KEYS = ("image", "images", "img", "pixel_values", "x")  # dict keys tried, in order, by images=None
 _CLOSE_WAIT_S = 10.0  # longest wait for in-flight copies before dropping their CPU batches

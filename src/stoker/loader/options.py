@@ -15,10 +15,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .errors import ConfigError
-from .labels import MULTI_LABEL_FORMATS
-from .order import ORDERS
-from .storage.remote import DEFAULT_CACHE_LIMIT
+from ..errors import ConfigError
+from ..loading.labels import MULTI_LABEL_FORMATS
+from ..order import ORDERS
+from ..storage.remote import DEFAULT_CACHE_LIMIT
 
 __all__ = ["Sampling", "Storage", "Targets", "Workers", "DECODE_QUALITIES", "ON_ERROR"]
 
@@ -85,7 +85,7 @@ class Sampling(_Printable):
 
     def __post_init__(self) -> None:
         if self.clips is not None:
-            from .clips import Clips   # here: the option values import nothing heavy until a clip is asked for
+            from ..loading.clips import Clips   # here: the option values import nothing heavy until a clip is asked for
 
             if not isinstance(self.clips, Clips):
                 raise ConfigError(f"clips= takes a stoker.Clips, got {type(self.clips).__name__}: {self.clips!r:.80}")

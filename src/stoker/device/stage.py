@@ -32,9 +32,9 @@ from typing import Any, ContextManager, Iterator
 
 import numpy as np
 
-from ._torch import HAVE_TORCH, torch
-from ._system import poll_until
-from .errors import ConfigError, LoaderTimeoutError
+from .._torch import HAVE_TORCH, torch
+from .._system import poll_until
+from ..errors import ConfigError, LoaderTimeoutError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)

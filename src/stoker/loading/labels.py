@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from ._torch import torch
-from .errors import ConfigError
+from .._torch import torch
+from ..errors import ConfigError
 
 __all__ = ["MULTI_LABEL_FORMATS", "MultiLabel", "multi_label_spec"]
 

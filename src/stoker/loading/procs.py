@@ -50,8 +50,8 @@ from typing import Any
 
 import numpy as np
 
-from ._torch import torch
-from .errors import ConfigError, LoaderClosedError, LoaderTimeoutError, WorkerError
+from .._torch import torch
+from ..errors import ConfigError, LoaderClosedError, LoaderTimeoutError, WorkerError
 from .slots import BatchRing, Fence, HandOut, LoaderStats, Run, Slot, _release_if_owned, _use_count, row_shape
 
 try:   # POSIX shared memory, as multiprocessing.shared_memory uses it (not on Windows)
@@ -268,11 +268,11 @@ def _rebuild(data: dict) -> BaseException:
 def check_process_mode(spec: Any, dataset: Any, *, device: Any) -> bytes:
     """Refuse, when the Loader is made, what the process mode cannot do, naming the fix; else the
     pickled RenderSpec the child is given."""
-    from .reader import PackedDataset
+    from ..reader import PackedDataset
 
     if _posixshmem is None:   # pragma: no cover - Windows
         raise ConfigError("Workers(processes=1) needs POSIX shared memory (Linux, macOS); drop processes=")
-    from .mainguard import unguarded_main_line
+    from ..mainguard import unguarded_main_line
 
     unguarded = unguarded_main_line()   # before spawning: the child would run that line again and fail
     if unguarded is not None:
@@ -589,7 +589,7 @@ def child_main(conn: Any, payload: dict) -> None:
 
 
 def _child(conn: Any, payload: dict) -> None:
-    from .reader import open_dataset
+    from ..reader import open_dataset
     from .render import EpochChain, Filler, native_claims
 
     batch_size, shape = payload["geometry"]

@@ -17,13 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from ._torch import torch
-from .device import DeviceStage, convert, storages_on
-from .errors import SampleError
-from .render import EpochChain, RenderSpec
-from .slots import LoaderStats, Slot, WorkerTimes
-from .transforms.mixing import check_class_labels
-from .transforms.targets import TargetRows
+from .._torch import torch
+from .stage import DeviceStage, convert, storages_on
+from ..errors import SampleError
+from ..loading.render import EpochChain, RenderSpec
+from ..loading.slots import LoaderStats, Slot, WorkerTimes
+from ..transforms.mixing import check_class_labels
+from ..transforms.targets import TargetRows
 
 _log = logging.getLogger("stoker.loader")
 

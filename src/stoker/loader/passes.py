@@ -19,11 +19,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .device import DeviceOptions, DeviceStage, consumer_fence
-from .reader import CachedDataset, Dataset
-from .device_build import DeviceBuilder, batch_extras, run_batch_ops
-from .render import EpochChain, Filler, RenderSpec, native_claims
-from .slots import BatchRing, Feeder, LoaderStats, Run, Slot
+from ..device.stage import DeviceOptions, DeviceStage, consumer_fence
+from ..reader import CachedDataset, Dataset
+from ..device.build import DeviceBuilder, batch_extras, run_batch_ops
+from ..loading.render import EpochChain, Filler, RenderSpec, native_claims
+from ..device.feeder import Feeder
+from ..loading.slots import BatchRing, LoaderStats, Run, Slot
 
 __all__ = ["Cursor", "PassIter", "PassParts", "Passes"]
 
@@ -129,7 +130,7 @@ class Passes:
 
     def gpu(self, opts: DeviceOptions) -> Any:
         """The GpuBatchDecoder for decode="gpu", made once (gpu_decode loads only when asked for)."""
-        from .gpu_decode import GpuBatchDecoder, make_decoder
+        from ..device.gpu_decode import GpuBatchDecoder, make_decoder
 
         opts = opts.resolved(warn=False)  # a Loader checks its decoder when made: the pass warns, if need be
         if self._gpu is None or self._gpu.device != opts.device:
@@ -208,7 +209,7 @@ class _Pipeline:
         # with a device stage, one more slot: the one whose copy to the device is in flight
         extra = 0 if opts is None else 1
         if parts.child_spec is not None:   # the threads in a worker process, over a ring in shared memory
-            from .procs import process_run
+            from ..loading.procs import process_run
 
             self.run = process_run(parts, self._orders, sizes, threads, extra, open_ended=persistent)
         else:
@@ -307,7 +308,7 @@ class PassIter:
         self._finalizer = weakref.finalize(self, _end_lease, pipe, pipe.lease, self._keep, self._last)
         self._numpy: Callable[..., tuple] | None = None
         if parts.buffers is not None:
-            from .numpy_output import numpy_batch   # loaded by NumPy output only
+            from ..loading.numpy_output import numpy_batch   # loaded by NumPy output only
 
             self._numpy = numpy_batch
         pipe.start()

@@ -22,10 +22,11 @@ from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from ._torch import torch
-from .codecs import encode_jpeg
-from .errors import ConfigError, CorruptImageError, ImageError
-from .transforms import CropWindow, crop_window
+from .._torch import torch
+from ..codecs import encode_jpeg
+from ..errors import ConfigError, CorruptImageError, ImageError
+from ..loading.jobs import GpuJob
+from ..transforms import CropWindow, crop_window
 
 F = torch.nn.functional
 
@@ -36,19 +37,6 @@ BACKENDS = ("auto", "torchcodec", "nvimgcodec")
 DEFAULT_BUDGET_BYTES = 256 << 20
 #: The first TorchCodec with image decoding (torchcodec.decoders.decode_jpeg, CPU and CUDA).
 TORCHCODEC_MIN = (0, 16)
-
-
-@dataclass
-class GpuJob:
-    """One JPEG for the GPU: where it goes and how it is cropped (a row of the CPU crop plan)."""
-
-    row: int  # row of the batch this sample goes to
-    data: torch.Tensor  # 1-D uint8 CPU tensor, writable: the JPEG file bytes
-    box: tuple[float, float, float, float]  # crop (top, left, height, width) in full-image pixels (Plan.box row)
-    flip: bool  # mirror left-right after resizing
-    height: int  # stored full-image size, pixels
-    width: int
-    key: str  # names the sample in error messages
 
 
 @runtime_checkable

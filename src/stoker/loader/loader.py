@@ -28,20 +28,20 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from ._torch import HAVE_TORCH, missing_torch, torch
-from ._system import threads_per_process
-from .clips import Clips, ClipSamples
-from .errors import ConfigError
+from .._torch import HAVE_TORCH, missing_torch, torch
+from .._system import threads_per_process
+from ..loading.clips import Clips, ClipSamples
+from ..errors import ConfigError
 from .habits import check_source, dataloader_keywords, pinned_labels
 from .options import Sampling, Storage, Targets, Workers
-from .labels import multi_label_spec
-from .order import epoch_order, make_pool, num_batches, rank_indices, samples_per_rank, shard_window_order
-from .reader import CachedDataset, Dataset, PackedDataset, open_for_loading
-from .device import DeviceOptions, as_device_options
-from .render import RenderSpec
+from ..loading.labels import multi_label_spec
+from ..order import epoch_order, make_pool, num_batches, rank_indices, samples_per_rank, shard_window_order
+from ..reader import CachedDataset, Dataset, PackedDataset, open_for_loading
+from ..device.stage import DeviceOptions, as_device_options
+from ..loading.render import RenderSpec
 from .passes import Cursor, PassParts, Passes
-from .slots import LoaderStats, check_ring_fits
-from .transforms import Normalize, Pipeline
+from ..loading.slots import LoaderStats, check_ring_fits
+from ..transforms import Normalize, Pipeline
 
 __all__ = ["Loader", "LoaderStats", "Sampling", "Storage", "Targets", "Workers"]
 
@@ -291,7 +291,7 @@ class Loader:
         self.processes = self.workers.processes
         child_spec = None
         if self.processes:   # the worker threads in a child process: refuse here what cannot cross
-            from .procs import check_process_mode
+            from ..loading.procs import check_process_mode
 
             child_spec = check_process_mode(self._spec, ds, device=self.device)
         self.stats = LoaderStats()
@@ -310,7 +310,7 @@ class Loader:
     def _video_clips(self, ds: Dataset) -> Clips | None:
         """The clip options of a video pack (`Sampling(clips=)`, or `Clips()`'s defaults); None for images. Refuses
         what clips cannot honour here, when the Loader is made, naming what to change."""
-        from .video import VIDEO_INDEX_COLUMN, require_av
+        from ..video import VIDEO_INDEX_COLUMN, require_av
 
         if VIDEO_INDEX_COLUMN not in ds.extra_columns:
             if self._clips_arg is not None:
@@ -501,7 +501,7 @@ class Loader:
         """What makes the ring's slots: None (torch tensors), or numpy arrays for device="numpy"."""
         if self.output != NUMPY:
             return None
-        from .numpy_output import NumpyBuffers   # loaded by NumPy output only
+        from ..loading.numpy_output import NumpyBuffers   # loaded by NumPy output only
 
         return NumpyBuffers()
 

@@ -20,11 +20,11 @@ from typing import Any, ClassVar, Protocol, Sequence
 
 import numpy as np
 
-from .errors import ConfigError, CorruptVideoError
-from .order import TAG_CLIP, mix64, sample_keys, uniforms
-from .transforms.geometry import decode_minimums, resample_region_into, resampling
-from .transforms.user import apply_tail
-from .video import VideoIndex, open_container, require_av, upright, video_stream
+from ..errors import ConfigError, CorruptVideoError
+from ..order import TAG_CLIP, mix64, sample_keys, uniforms
+from ..transforms.geometry import decode_minimums, resample_region_into, resampling
+from ..transforms.user import apply_tail
+from ..video import VideoIndex, open_container, require_av, upright, video_stream
 
 __all__ = ["SAMPLINGS", "ClipDecoder", "ClipPlan", "ClipSamples", "ClipStats", "Clips", "PyAVDecoder", "clip_frames",
            "clip_key", "decode_clip_into", "finish_clip", "plan_clip", "read_clip"]
@@ -382,7 +382,7 @@ def finish_clip(pipeline: Any, plan: ClipPlan, dst: np.ndarray) -> None:
 def _clip_source(dataset: Any, i: int) -> tuple[Any, VideoIndex, tuple[float | None, float | None] | None]:
     """Video sample ``i`` of a packed dataset: its stored sample, its index, and the window (start, end
     seconds) its ``start``/``end`` columns give (a Kinetics CSV), None without them."""
-    from .video import VIDEO_INDEX_COLUMN
+    from ..video import VIDEO_INDEX_COLUMN
     sample = dataset.sample(i)
     try:
         text = dataset.extra(i, VIDEO_INDEX_COLUMN)

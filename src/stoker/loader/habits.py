@@ -13,9 +13,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ._torch import torch
-from .errors import ConfigError
-from .spelling import LOADER_HINTS, unknown_keyword
+from .._torch import torch
+from ..errors import ConfigError
+from ..spelling import LOADER_HINTS, unknown_keyword
 
 #: DataLoader keywords stoker has no use for, with what to pass instead
 _REFUSED = {
@@ -45,6 +45,8 @@ _MAPPED = {
     "shuffle": ("sampling", "order"),
     "collate_fn": ("targets", "collate_fn"),
 }
+#: every keyword `Loader(**dataloader)` takes (`dataloader_keywords` reads them; any other raises)
+DATALOADER_KEYWORDS = frozenset({*_MAPPED, "sampler"})
 #: the Loader's keywords before its options were grouped (0.1): where each lives now
 _MOVED = {**{k: "workers" for k in ("num_threads", "prefetch", "persistent", "on_error", "decode_quality")},
           **{k: "sampling" for k in ("rank", "world_size", "indices", "weights", "clips")},

@@ -1,0 +1,195 @@
+"""The device thread: takes a Run's finished slots in order, builds each into a device batch, and
+hands the batches to the consumer (`Feeder`), the loader's one CUDA actor."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, ContextManager, Protocol
+
+from ..errors import LoaderClosedError, LoaderTimeoutError, WorkerError
+from ..loading.slots import _FENCE_POLL_S, _POLL_S, Fence, LoaderStats, Run, Slot, _release_if_owned, notify_all
+
+
+class Stage(Protocol):
+    """What the Feeder needs of the device stage (device.DeviceStage is one)."""
+
+    def bind(self) -> None: ...
+
+    def context(self) -> ContextManager[None]: ...
+
+    def fence(self) -> Any: ...
+
+    def handoff(self, batch: Any, fence: Any) -> Any: ...
+
+
+BuildFn = Callable[[Slot], "tuple[Any, Fence]"]  # slot -> (device batch, fence after which the slot is reusable)
+MeasureFn = Callable[[Any], "tuple[int, int]"]  # device batch -> (bytes it holds, working bytes of its build)
+
+
+class Feeder:
+    """The device stage's thread: takes the finished slots of a `Run` in order, moves each to the
+    device with `build` (on the stage's copy stream) and queues the result, `depth` batches ahead.
+
+    This thread is the loader's one CUDA actor: it binds to the stage's GPU first (`stage.bind()`) and
+    makes every event query. The fence that `build` returns (its copy has finished) becomes the guard
+    of the slot (`Run.guard`) before the slot goes back to the workers (by asking the Run for the next
+    batch); this thread clears the guard once the fence is done (`Run.settle`, also while it waits to
+    queue a batch), and only then do the workers refill the slot: pinned memory is never overwritten
+    while the GPU still reads it, the workers never touch CUDA, and this thread never waits for its
+    own copy. The consumer's stream waits on each batch's ready fence (no device-wide
+    sync). Errors from the Run (a failed sample, a timeout) or from `build` reach the consumer in
+    batch order. Every wait has a timeout and checks the stop flag.
+
+    The hand-off is a deque guarded by a Condition (on an RLock) that each side notifies: the consumer
+    wakes as soon as a batch is queued and the device thread as soon as one is taken, with no sleep
+    in between. Each wait is bounded (`_POLL_S`, re-checking the stop flag) and `stop()` wakes every
+    waiter; Ctrl-C landing while the consumer holds the lock is undone by `_release_if_owned`."""
+
+    def __init__(self, run: Run, stage: Stage, build: BuildFn, depth: int, timeout: float,
+                 name: str = "stoker-device", stats: LoaderStats | None = None,
+                 measure: MeasureFn | None = None) -> None:
+        self.run, self.stage, self.build = run, stage, build
+        # the device memory of built batches until handed out: `measure(batch)` -> (bytes held, working
+        # bytes of its build), summed into `stats` (LoaderStats.device_bytes)
+        self.stats, self.measure = stats, measure
+        self.timeout = timeout
+        self.depth = depth
+        self.ready: deque[tuple[str, Any, Any]] = deque()
+        # an RLock so the consumer can tell it still holds it (Ctrl-C, see _release_if_owned)
+        self.cond = threading.Condition(threading.RLock())
+        self.ended = False  # the device thread has left its loop (set under `cond`)
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._work, name=name, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _put(self, item: tuple[str, Any, Any]) -> bool:
+        """Queue `item` once fewer than `depth` are waiting (only this thread appends, so the check
+        cannot go stale); False when stopped first. No timeout: a slow training step is no fault.
+        While it waits it keeps clearing the slots' guards (`Run.settle`), so the workers go on."""
+        while True:
+            pending = self.run.settle()  # outside self.cond: the run's lock is never taken inside it
+            with self.cond:
+                if self.stop_event.is_set():
+                    return False
+                if len(self.ready) < self.depth:
+                    self.ready.append(item)
+                    self.cond.notify_all()
+                    return True
+                self.cond.wait(_FENCE_POLL_S if pending else _POLL_S)
+
+    def _more(self, b: int) -> bool:
+        """Whether the run has a batch b, waiting (stop-aware) for an open-ended run to be extended."""
+        run = self.run
+        if b < len(run.batch_sizes) or not run.open_ended:
+            return b < len(run.batch_sizes)
+        with run.cond:
+            while b >= len(run.batch_sizes) and not self.stop_event.is_set():
+                run.cond.wait(_FENCE_POLL_S if run.settle() else _POLL_S)
+        return b < len(run.batch_sizes)
+
+    def _work(self) -> None:
+        try:
+            self._loop()
+        finally:  # wake a consumer waiting for a batch that will never come
+            with self.cond:
+                self.ended = True
+                self.cond.notify_all()
+
+    def _loop(self) -> None:
+        try:
+            # the loader's one CUDA actor: its GPU becomes this thread's current device before any
+            # CUDA call (a new thread starts on GPU 0, where a query would make a context)
+            self.stage.bind()
+        except BaseException as exc:
+            self._put(("error", exc, None))
+            return
+        b = -1
+        while self._more(b := b + 1):
+            if self.stop_event.is_set():
+                return
+            try:
+                slot = self.run.next_batch(b)  # hands the slot of batch b-1 back to the workers
+                with self.stage.context():
+                    out, reusable = self.build(slot)
+                    ready = self.stage.fence()
+                # no wait here: the copy's fence becomes the slot's guard, so the workers refill the
+                # slot only once the GPU has read it, and this thread goes straight on to batch b+1
+                self.run.guard(b, reusable)
+                held = self._hold(out)
+            except BaseException as exc:  # for the consumer, in order; this thread is done
+                self._put(("error", exc, None))
+                return
+            if not self._put(("batch", out, (ready, held))):
+                self._release(held)
+                return
+
+    def _hold(self, out: Any) -> int:
+        """Count a built batch's device memory as the loader's (until `_release`); its size in bytes."""
+        if self.stats is None or self.measure is None:
+            return 0
+        held, working = self.measure(out)
+        self.stats.hold_device(held, working)
+        return held
+
+    def _release(self, held: int) -> None:
+        if held and self.stats is not None:
+            self.stats.release_device(held)
+
+    def get(self, b: int) -> Any:
+        """Batch b on the device, ready to use on the caller's current stream. Raises what the
+        pipeline raised for it, LoaderTimeoutError after `timeout` seconds without it."""
+        try:
+            item = self._take(b)
+        except BaseException:
+            _release_if_owned(self.cond)
+            raise
+        kind, value, meta = item
+        if kind == "error":
+            raise value
+        ready, held = meta
+        self._release(held)   # the caller's from here on
+        return self.stage.handoff(value, ready)
+
+    def _take(self, b: int) -> tuple[str, Any, Any]:
+        """The next queued item, waiting (bounded, stop-aware) until the device thread notifies one."""
+        deadline = time.monotonic() + self.timeout
+        thread = self.thread
+        with self.cond:
+            while not self.ready:
+                if self.stop_event.is_set():
+                    raise LoaderClosedError(f"the loader was closed while waiting for batch {b}")
+                if self.ended or not thread.is_alive():
+                    raise WorkerError(f"the stoker device thread ended before batch {b}; this is a bug in stoker, "
+                                      f"please report it")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LoaderTimeoutError(
+                        f"batch {b}: nothing reached the device after {self.timeout:.0f} s "
+                        f"({self.run.alive()} worker threads alive); storage may be stalled or a transform "
+                        f"hangs — raise workers=stoker.Workers(timeout=...) if samples are genuinely this slow")
+                self.cond.wait(min(_POLL_S, left))
+            item = self.ready.popleft()
+            self.cond.notify_all()  # room for the device thread's next batch
+        return item
+
+    def stop(self, join_timeout: float = 5.0) -> None:
+        """Stop this thread and the Run's workers, bounded. Safe to call repeatedly, from any thread."""
+        self.stop_event.set()
+        notify_all(self.cond)
+        self.run.stop(join_timeout, give_back=False)
+        if self.thread is not threading.current_thread() and self.thread.is_alive():
+            self.thread.join(join_timeout)
+        if not self.thread.is_alive():  # it may still be reading the slot it builds from
+            self.run.give_back()
+        with self.cond:  # drop queued device batches now rather than at collection
+            dropped = [meta[1] for kind, _, meta in self.ready if kind == "batch"]
+            self.ready.clear()
+        for held in dropped:
+            self._release(held)
+
+    def alive(self) -> int:
+        return self.run.alive() + self.thread.is_alive()
