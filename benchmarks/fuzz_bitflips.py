@@ -195,7 +195,7 @@ def plan_source_flips(target: Path, count: int, seed: int) -> list[tuple[str, in
 
 
 def read_loose(src: Path) -> int:
-    from stoker.reader import open_loose
+    from stoker.loose import open_loose
 
     ds = open_loose(src)
     for i in range(len(ds)):

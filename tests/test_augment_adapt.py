@@ -18,7 +18,7 @@ from PIL import Image
 
 from stoker.device.stage import DeviceOptions
 from stoker.errors import ConfigError, SampleError
-from stoker.loader.loader import Loader
+from stoker.loader import Loader
 from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop, colour, policy
 from stoker.transforms.adapt import Adapted, TransformError, adapt, as_ops
 from stoker.transforms.mixing import Mixup
@@ -231,6 +231,6 @@ def test_single_transforms_and_bad_orders(packed: Path):
 
 
 def G_NORMALIZE():
-    from stoker.transforms.gpu import Normalize
+    from stoker.transforms.batch_ops import Normalize
 
     return Normalize("imagenet")

@@ -12,7 +12,7 @@ import torch
 
 from conftest import write_image
 from stoker.errors import ConfigError, SourceError
-from stoker.loader.loader import Loader
+from stoker.loader import Loader
 from stoker.packing import PackOptions, pack
 from stoker.sources import open_source
 from stoker.transforms import ColorJitter, RandAugment, RandomHorizontalFlip, RandomResizedCrop, Resize

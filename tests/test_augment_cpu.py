@@ -360,7 +360,7 @@ def ks_two(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def test_random_erasing_distribution_and_pixels(img):
-    op = colour.RandomErasing(p=0.5, value=(1, 2, 3))
+    op = colour.SampleRandomErasing(p=0.5, value=(1, 2, 3))
     rng, ref_rng = np.random.default_rng(4), np.random.default_rng(5)
     ours = [op.params(rng, 61, 83) for _ in range(N)]
     applied = [b for b in ours if b is not None]
@@ -378,7 +378,7 @@ def test_random_erasing_distribution_and_pixels(img):
 
 
 def test_random_erasing_random_value_is_normal_in_normalized_units():
-    op = colour.RandomErasing(p=1.0, scale=(0.3, 0.3), ratio=(1.0, 1.0), value="random")
+    op = colour.SampleRandomErasing(p=1.0, scale=(0.3, 0.3), ratio=(1.0, 1.0), value="random")
     out = op(np.zeros((200, 200, 3), np.uint8), rng=np.random.default_rng(6))
     erased = out[(out != 0).any(-1)].astype(np.float64) / 255.0
     z = (erased - np.array(op.mean)) / np.array(op.std)
@@ -397,7 +397,7 @@ def test_gaussian_blur_sigma_and_grayscale_probability():
 
 def test_same_generator_state_gives_same_pixels(img):
     for op in (colour.ColorJitter(0.4, 0.4, 0.4, 0.1), policy.RandAugment(), policy.TrivialAugmentWide(), policy.AutoAugment(),
-               colour.RandomErasing(p=1.0, value="random"), colour.GaussianBlur(7)):
+               colour.SampleRandomErasing(p=1.0, value="random"), colour.GaussianBlur(7)):
         a = op(img.copy(), rng=np.random.default_rng(11))
         b = op(img.copy(), rng=np.random.default_rng(11))
         assert np.array_equal(a, b), type(op).__name__

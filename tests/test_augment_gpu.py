@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from stoker.errors import ConfigError
-from stoker.loader.loader import Loader
+from stoker.loader import Loader
 from stoker.transforms import RandomResizedCrop, colour, pixels, policy
+from stoker.transforms import batch_ops as B
 from stoker.transforms import gpu as G
 from stoker.transforms.mixing import Mixup
 from test_loader import build_packed
@@ -108,12 +109,12 @@ def test_geometric_ops_match_per_sample(batch, name):
 
 
 def test_blur_and_grayscale_match_per_sample(batch):
-    op = G.GaussianBlur((5, 9), sigma=(0.3, 2.0))
+    op = B.BatchGaussianBlur((5, 9), sigma=(0.3, 2.0))
     sig = op.params(np.random.default_rng(0), 8, 33, 47)
     out = back(op.apply(nchw(batch), sig))
     for k, s in enumerate(sig):
         within(out[k], pixels.gaussian_blur(batch[k], (5, 9), (float(s), float(s))), 1)
-    g = G.RandomGrayscale(p=0.5)
+    g = B.BatchRandomGrayscale(p=0.5)
     mask = np.array([True, False] * 4)
     out = back(g.apply(nchw(batch), mask))
     for k in range(8):
@@ -121,7 +122,7 @@ def test_blur_and_grayscale_match_per_sample(batch):
         within(out[k], ref, 1)
 
 
-@pytest.mark.parametrize("op", [G.RandAugment(), G.TrivialAugmentWide(), G.AutoAugment()])
+@pytest.mark.parametrize("op", [B.BatchRandAugment(), B.BatchTrivialAugmentWide(), B.BatchAutoAugment()])
 def test_policies_match_the_per_sample_ops_they_drew(batch, op):
     big = np.concatenate([batch] * 4)
     ids, mags = op.params(np.random.default_rng(1), len(big), 33, 47)
@@ -140,22 +141,22 @@ def test_policies_match_the_per_sample_ops_they_drew(batch, op):
 def test_policy_draws_follow_torchvision():
     n = 20000
     rng = np.random.default_rng(2)
-    ids, mags = G.RandAugment().params(rng, n, 224, 224)
+    ids, mags = B.BatchRandAugment().params(rng, n, 224, 224)
     counts = np.bincount(ids.ravel(), minlength=len(G.OPS))
     used = [G.OPS.index(s) for s in policy.augmentation_space("randaugment", 31, 224, 224)]
     sd = math.sqrt(2 * n / 14)
     assert np.abs(counts[used] - 2 * n / 14).max() < 5 * sd and counts.sum() == 2 * n
     rot = mags[ids == G.OPS.index("Rotate")]
     assert set(np.round(rot, 4)) == {9.0, -9.0}
-    ids, mags = G.AutoAugment().params(rng, n, 224, 224)
+    ids, mags = B.BatchAutoAugment().params(rng, n, 224, 224)
     p_inv = np.mean((ids == G.OPS.index("Invert")).any(1))
     assert abs(p_inv - 3 * 0.6 / 25) < 5 * math.sqrt(0.072 * 0.928 / n)
-    ids, mags = G.TrivialAugmentWide().params(rng, n, 224, 224)
+    ids, mags = B.BatchTrivialAugmentWide().params(rng, n, 224, 224)
     assert abs(np.abs(mags[ids == G.OPS.index("TranslateX")]).max() - 32.0) < 1e-4
 
 
 def test_colorjitter_batched_order_and_factors(batch):
-    op = G.ColorJitter(0.4, 0.4, 0.4, 0.1)
+    op = B.BatchColorJitter(0.4, 0.4, 0.4, 0.1)
     order, factors = op.params(np.random.default_rng(4), 8, 33, 47)
     out = back(op.apply(nchw(batch), (order, factors)))
     for k in range(8):
@@ -168,7 +169,7 @@ def test_colorjitter_batched_order_and_factors(batch):
 
 
 def test_erasing_matches_torchvisions_distribution_and_normalize():
-    op = G.RandomErasing(p=1.0)
+    op = B.RandomErasing(p=1.0)
     boxes, _ = op.params(np.random.default_rng(6), 5000, 40, 60)
     ref_rng = np.random.default_rng(7)
     ref = [colour.erasing_params(ref_rng, 40, 60, op.scale, op.ratio) for _ in range(5000)]
@@ -179,14 +180,14 @@ def test_erasing_matches_torchvisions_distribution_and_normalize():
                 - np.searchsorted(np.sort(ref_area), grid, "right") / len(ref_area)).max()
     assert ks < 1.63 * math.sqrt(2 / 5000)
     x = torch.full((2, 3, 4, 5), 255, dtype=torch.uint8)
-    y = G.Normalize("imagenet").apply(x)
-    assert torch.allclose(y[0, :, 0, 0], torch.tensor([(1 - m) / s for m, s in zip(G.IMAGENET_MEAN, G.IMAGENET_STD)]))
+    y = B.Normalize("imagenet").apply(x)
+    assert torch.allclose(y[0, :, 0, 0], torch.tensor([(1 - m) / s for m, s in zip(B.IMAGENET_MEAN, B.IMAGENET_STD)]))
     erased = op.apply(y, (np.array([[1, 1, 2, 3], [0, 0, 0, 0]]), 0))
     assert (erased[0, :, 1:3, 1:4] == 0).all() and torch.equal(erased[1], y[1])
     with pytest.raises(ConfigError, match="after Normalize"):
         op.apply(x, (np.zeros((2, 4), np.int64), 0))
     with pytest.raises(ConfigError, match="before Normalize"):
-        G.RandAugment().apply(y, G.RandAugment().params(np.random.default_rng(0), 2, 4, 5))
+        B.BatchRandAugment().apply(y, B.BatchRandAugment().params(np.random.default_rng(0), 2, 4, 5))
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +196,7 @@ def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_batch_augment_over_a_loader_is_deterministic_and_resumes(packed: Path):
-    aug = G.BatchAugment([G.RandAugment(), G.ColorJitter(0.3, 0.3, 0.3, 0.05), G.Normalize(), G.RandomErasing(0.5)],
+    aug = B.BatchAugment([B.BatchRandAugment(), B.BatchColorJitter(0.3, 0.3, 0.3, 0.05), B.Normalize(), B.RandomErasing(0.5)],
                          mix=Mixup(0.8, 1.0, num_classes=30))
 
     def run(loader, stop=None):
@@ -220,18 +221,18 @@ def test_batch_augment_over_a_loader_is_deterministic_and_resumes(packed: Path):
 
 def test_batch_ops_are_checked_for_order():
     with pytest.raises(ConfigError, match="put a Normalize before it"):
-        G.BatchAugment([G.RandomErasing()])
+        B.BatchAugment([B.RandomErasing()])
     with pytest.raises(ConfigError, match="RandAugment works on uint8 images"):
-        G.BatchAugment([G.Normalize(), G.RandAugment()])
+        B.BatchAugment([B.Normalize(), B.BatchRandAugment()])
     with pytest.raises(ConfigError, match="not a batched op"):
-        G.BatchAugment([colour.ColorJitter(0.4)])
+        B.BatchAugment([colour.ColorJitter(0.4)])
 
 
 def test_normalize_by_table_equals_the_tensor_path():
     """On a uint8 batch in host memory (NHWC like the Loader's slots, or NCHW), Normalize uses per-channel
     tables; its values are the float arithmetic's bit for bit, and its result is contiguous NCHW."""
     nhwc = torch.randint(0, 256, (3, 5, 7, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
-    for op in (G.Normalize("imagenet"), G.Normalize((0.2, 0.5, 0.9), (0.1, 0.3, 2.0))):
+    for op in (B.Normalize("imagenet"), B.Normalize((0.2, 0.5, 0.9), (0.1, 0.3, 2.0))):
         std = torch.tensor(op.std, dtype=torch.float64)
         scale = (1.0 / std / 255.0).float().view(1, 3, 1, 1)
         shift = (torch.tensor(op.mean, dtype=torch.float64) / std).float().view(1, 3, 1, 1)
@@ -244,15 +245,15 @@ def test_normalize_by_table_equals_the_tensor_path():
         assert torch.allclose(table.double(), want, atol=1e-5)
 
 
-@pytest.mark.parametrize("op", [G.ColorJitter(0.4, 0.4, 0.4, 0.1), G.RandAugment(num_ops=3), G.TrivialAugmentWide(),
-                                G.AutoAugment(), G.GaussianBlur(9), G.RandomGrayscale(0.5), G.Normalize(),
-                                G.RandomErasing(1.0)])
+@pytest.mark.parametrize("op", [B.BatchColorJitter(0.4, 0.4, 0.4, 0.1), B.BatchRandAugment(num_ops=3), B.BatchTrivialAugmentWide(),
+                                B.BatchAutoAugment(), B.BatchGaussianBlur(9), B.BatchRandomGrayscale(0.5), B.Normalize(),
+                                B.RandomErasing(1.0)])
 def test_batch_ops_on_a_device_never_block_the_host(op):
     """On a GPU the ops run on the device thread per batch: their parameters go up through pinned memory
     with non-blocking copies, and nothing reads device data back (`.item()`, bincount)."""
     from sync_helpers import HostSyncs
 
-    dtype = torch.float32 if isinstance(op, G.RandomErasing) else torch.uint8
+    dtype = torch.float32 if isinstance(op, B.RandomErasing) else torch.uint8
     x = torch.empty((64, 3, 48, 64), dtype=dtype, device="meta")
     params = op.params(np.random.default_rng(1), 64, 48, 64)
     with HostSyncs() as syncs:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from stoker.errors import ConfigError
-from stoker.loader.loader import Loader
+from stoker.loader import Loader
 from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop
 from stoker.transforms.mixing import MixParams, Mixup, batch_rng, soft_targets
 from test_loader import build_packed

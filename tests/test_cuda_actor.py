@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from stoker.device.stage import DeviceOptions, DeviceStage
-from stoker.loader.loader import Loader
+from stoker.loader import Loader
 from stoker.loader.options import Workers
 from stoker.device.feeder import Feeder
 from stoker.loading.slots import BatchRing, Run

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stoker.loader.loader import Loader
+from stoker.loader import Loader
 from stoker.packing import pack
 from stoker.loader.options import Sampling
 from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop
@@ -62,7 +62,7 @@ def test_ranks_split_every_epoch(packed: Path, world: int, drop_last: bool, orde
 SCRIPT = """
 import json, os, sys
 import torch.distributed as dist
-from stoker.loader.loader import Loader
+from stoker.loader import Loader
 from stoker.transforms import RandomResizedCrop
 
 dist.init_process_group("gloo")

@@ -22,7 +22,8 @@ from PIL import Image
 
 import stoker
 from stoker.loading.numpy_output import NumpyBuffers
-from stoker.loading.slots import BatchRing, Run, Slot, WorkerTimes
+from stoker.loading.slots import BatchRing, Run, Slot
+from stoker.loading.stats import WorkerTimes
 
 FREE_THREADED = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
 

@@ -190,3 +190,31 @@ def test_no_import_cycle() -> None:
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def _class_names(paths: dict[str, Path]) -> dict[str, list[str]]:
+    """Public class name -> the modules that define a class of that name at top level, its private
+    spelling (`_Name`) included."""
+    found: dict[str, list[tuple[str, bool]]] = {}
+    for name, path in paths.items():
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if isinstance(node, ast.ClassDef):
+                found.setdefault(node.name.lstrip("_"), []).append((name, not node.name.startswith("_")))
+    return {cls: [m for m, _ in defs] for cls, defs in found.items() if any(public for _, public in defs)}
+
+
+def test_no_public_class_name_is_defined_twice() -> None:
+    """One name means one thing: a public class's name is defined in one module only (a private
+    `_Name` elsewhere counts too, as `Pipeline` beside `_Pipeline` would mislead a reader just the same).
+    Users' names that stand for a class of another name (`stoker.batch.ColorJitter`) are imports."""
+    twice = {name: modules for name, modules in _class_names(_modules()).items() if len(modules) > 1}
+    assert not twice, "class names defined in more than one module: " + "; ".join(
+        f"{name} in {', '.join(modules)}" for name, modules in sorted(twice.items()))
+
+
+def test_the_name_check_sees_a_twin(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text("class Fence:\n    pass\n")
+    (tmp_path / "b.py").write_text("class _Fence:\n    pass\nclass Other:\n    pass\nclass _Own:\n    pass\n")
+    (tmp_path / "c.py").write_text("class _Own:\n    pass\n")
+    found = _class_names({"a": tmp_path / "a.py", "b": tmp_path / "b.py", "c": tmp_path / "c.py"})
+    assert found == {"Fence": ["a", "b"], "Other": ["b"]}   # two private `_Own`s are each module's own

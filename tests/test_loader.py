@@ -17,7 +17,7 @@ import torch
 
 from stoker.codecs import encode_jpeg
 from stoker.errors import ConfigError, CorruptImageError, SampleError
-from stoker.loader.loader import Loader
+from stoker.loader import Loader
 from stoker.reader import open_dataset
 from stoker.shards import Manifest, ShardWriter, write_manifest
 from stoker.sources import open_source

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import stoker.loader.passes
-from stoker.loader.loader import Loader
+from stoker.loader import Loader
 from stoker.shards import Manifest, ShardWriter, write_manifest
 from stoker.loading.slots import KEPT_WARN
 from stoker.loader.options import Workers

@@ -21,7 +21,7 @@ import torch
 import stoker
 from stoker.device.stage import DeviceOptions
 from stoker.errors import ConfigError, LoaderTimeoutError, SampleError
-from stoker.loader.loader import Loader
+from stoker.loader import Loader
 from stoker.loader.options import Workers
 from stoker.transforms import RandomResizedCrop
 from test_loader import TRAIN, build_packed
@@ -302,7 +302,8 @@ def test_gpu_decode_uploads_only_the_rows_decoded_on_the_cpu() -> None:
 
     from stoker.device.stage import DeviceStage
     from stoker.device.build import DeviceBuilder
-    from stoker.loading.slots import LoaderStats, Slot
+    from stoker.loading.slots import Slot
+    from stoker.loading.stats import LoaderStats
 
     class Uploads(TorchDispatchMode):
         def __init__(self) -> None:

@@ -12,8 +12,8 @@ from torch.utils import data
 
 from conftest import make_image_folder
 from stoker.errors import ConfigError
-from stoker.loader.loader import Loader
-from stoker.reader import open_loose
+from stoker.loader import Loader
+from stoker.loose import open_loose
 from stoker.transforms import Resize
 from stoker.loader.options import Targets
 

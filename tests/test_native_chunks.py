@@ -18,7 +18,7 @@ from PIL import Image
 from conftest import PILLOW_CORPUS, smooth_rgb
 from stoker import codecs, native
 from stoker.codecs import encode_jpeg
-from stoker.loader.loader import Loader
+from stoker.loader import Loader
 from stoker.loader.options import Workers
 from stoker.loading.render import native_rows
 from stoker.shards import Manifest, ShardWriter, write_manifest
@@ -189,7 +189,8 @@ def test_jpeg_spans_are_the_samples_bytes(tmp_path, shards, batch_bytes):
     """`PackedDataset.jpeg_spans` (the mapped blocks, one gather, one shard check per chunk) against
     `sample(i)`, and the generic `Dataset.jpeg_spans` the other datasets use; small `batch_bytes`
     gives shards of several record batches, each with its own encoding dictionary."""
-    from stoker.reader import Dataset, open_dataset
+    from stoker.dataset import Dataset
+    from stoker.reader import open_dataset
 
     ds = open_dataset(build(tmp_path / "ds", seed=3, shards=shards, batch_bytes=batch_bytes))
     idx = np.random.default_rng(2).permutation(len(ds))[:30]

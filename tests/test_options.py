@@ -11,7 +11,7 @@ import pytest
 
 import stoker
 from stoker.errors import ConfigError
-from stoker.loader.loader import Loader
+from stoker.loader import Loader
 from stoker.loader.options import Sampling, Storage, Targets, Workers
 
 

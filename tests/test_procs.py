@@ -22,7 +22,7 @@ import pytest
 import stoker
 from stoker.loading import procs
 from stoker.errors import ConfigError, CorruptImageError, LoaderTimeoutError, SampleError, WorkerError
-from stoker.loader.loader import Loader
+from stoker.loader import Loader
 from stoker.loader.options import Workers
 
 from test_loader import TRAIN, build_packed, run_epoch

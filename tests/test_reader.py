@@ -9,7 +9,8 @@ import pytest
 import simplejpeg
 
 from stoker.errors import DatasetClosedError, ImageError, SourceError
-from stoker.reader import PackedDataset, open_dataset, open_loose
+from stoker.loose import open_loose
+from stoker.reader import PackedDataset, open_dataset
 from stoker.shards import Manifest, ShardWriter, write_manifest
 
 # (shard, rows): three shards, the middle one streamed as several record batches

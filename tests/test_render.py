@@ -11,9 +11,10 @@ from PIL import Image
 
 from stoker.errors import SampleError
 from stoker.order import replacement_index, sample_keys, uniforms
-from stoker.reader import Sample
+from stoker.dataset import Sample
 from stoker.loading.render import Filler, RenderSpec
-from stoker.loading.slots import BatchRing, Slot, WorkerTimes
+from stoker.loading.slots import BatchRing, Slot
+from stoker.loading.stats import WorkerTimes
 from stoker.transforms import CenterCrop, Pipeline, RandomHorizontalFlip, RandomResizedCrop
 
 SIZES = [(40, 50), (36, 30), (48, 48), (30, 44), (44, 36), (32, 40)]  # (height, width), pixels

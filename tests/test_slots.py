@@ -15,7 +15,8 @@ from stoker._system import poll_until
 from stoker.device.stage import Fence
 from stoker.errors import LoaderClosedError, LoaderTimeoutError, StokerError, WorkerError
 from stoker.device.feeder import Feeder
-from stoker.loading.slots import BatchRing, Run, Slot, WorkerTimes
+from stoker.loading.slots import BatchRing, Run, Slot
+from stoker.loading.stats import WorkerTimes
 
 
 def stoker_threads() -> int:

@@ -144,7 +144,7 @@ def test_record_framing_checks_both_checksums() -> None:
 
     buf = frame(b"one") + frame(b"two", good=False) + frame(b"three") + b"\x01\x02"
     got = list(iter_records(buf, crc32c.crc32c))
-    assert [type(r).__name__ for r in got] == ["Record", "Damage", "Record", "Damage"]
+    assert [type(r).__name__ for r in got] == ["TFRecordFrame", "TFRecordDamage", "TFRecordFrame", "TFRecordDamage"]
     assert buf[got[2].start:got[2].end] == b"three" and got[3].fatal and "truncated" in got[3].reason
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stoker.device.build import batch_extras
+from stoker.loading.handout import batch_extras
 from stoker.order import replacement_index
 from stoker.loading.render import Filler
 from stoker.transforms import CenterCrop, RandomHorizontalFlip

@@ -10,7 +10,7 @@ import torch
 
 import stoker
 from stoker.errors import ConfigError
-from stoker.transforms import Pipeline, gpu, pixels, policy
+from stoker.transforms import Pipeline, batch_ops, gpu, pixels, policy
 from stoker.transforms.adapt import as_ops
 from stoker.transforms.mixing import Mixup, batch_rng
 from torchvision_helpers import chw, differing, hwc, v2, v2_functional
@@ -49,7 +49,7 @@ def test_to_dtype_without_scale_keeps_normalize_in_its_units(scale: bool) -> Non
                                                                                [0.229, 0.224, 0.225])
     ref = tv.Compose([tv.ToImage(), tv.ToDtype(torch.float32, scale=scale), tv.Normalize(mean, std)])
     _, batch = as_ops(ref)
-    assert len(batch) == 1 and isinstance(batch[0], gpu.Normalize)
+    assert len(batch) == 1 and isinstance(batch[0], batch_ops.Normalize)
     x = torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8)
     theirs = torch.stack([ref(img) for img in x])
     assert torch.allclose(batch[0].apply(x), theirs, atol=1e-4)

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from stoker.errors import ConfigError
-from stoker.loader.loader import Loader
+from stoker.loader import Loader
 from stoker.loader.options import Targets
 from stoker.packing import PackOptions, pack
 from stoker.transforms import Normalize, Pipeline, Resize
-from stoker.transforms.gpu import BatchAugment
+from stoker.transforms.batch_ops import BatchAugment
 from test_augment_coco import make_coco
 
 

@@ -28,17 +28,17 @@ _EXPORTS = {
     "adapt": "transforms",
     "CenterCrop": "transforms",
     "Clips": "loading.clips",
-    "Dataset": "reader",
+    "Dataset": "dataset",
     "DeviceOptions": "device.stage",
     "Loader": "loader.loader",
-    "LoaderStats": "loading.slots",
+    "LoaderStats": "loading.stats",
     "PackOptions": "packing",
     "PackSummary": "packing",
     "Pipeline": "transforms",
     "RandomHorizontalFlip": "transforms",
     "RandomResizedCrop": "transforms",
     "Resize": "transforms",
-    "Sample": "reader",
+    "Sample": "dataset",
     "Sampling": "loader.options",
     "Storage": "loader.options",
     "Targets": "loader.options",
@@ -47,7 +47,7 @@ _EXPORTS = {
     "StokerError": "errors",
     "errors": None,
     "open_dataset": "reader",
-    "open_loose": "reader",
+    "open_loose": "loose",
     "pack": "packing",
     "prefetch": "device.prefetcher",
     "profile": "profiling",
@@ -58,7 +58,13 @@ _EXPORTS = {
 __all__ = sorted(["__version__", *_EXPORTS])
 
 
+#: namespaces reached as `stoker.<name>` (loaded on first use), beside the names above
+_NAMESPACES = ("batch",)
+
+
 def __getattr__(name: str) -> Any:
+    if name in _NAMESPACES:
+        return importlib.import_module(f".{name}", __name__)
     if name not in _EXPORTS:
         raise AttributeError(f"module 'stoker' has no attribute {name!r}")
     module_name = _EXPORTS[name]

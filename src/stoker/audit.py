@@ -17,7 +17,7 @@ from .errors import DatasetError, ImageError
 from .integrity import check_shard
 from .reader import CachedDataset, PackedDataset, open_dataset
 from .shards import MANIFEST_NAME, SHARD_NAME_RE, read_manifest
-from .storage import RemoteStorage, Storage, as_storage
+from .storage import RemoteStorage, StorageBackend, as_storage
 from .video import VIDEO_ENCODING, VIDEO_INDEX_COLUMN, VideoIndex, probe_video
 
 
@@ -77,7 +77,7 @@ class DatasetInfo:
         return "\n".join(lines)
 
 
-def describe(path: str | Path | Storage) -> DatasetInfo:
+def describe(path: str | Path | StorageBackend) -> DatasetInfo:
     """Counts, classes, resolution and size statistics of a packed dataset (reads only metadata
     columns, never decodes an image)."""
     with open_dataset(path) as ds:
@@ -88,7 +88,7 @@ def describe(path: str | Path | Storage) -> DatasetInfo:
             counts = np.bincount(labels[labels >= 0], minlength=len(m.classes))
             class_counts = {m.classes[i]: int(c) for i, c in enumerate(counts)}
         return DatasetInfo(
-            path=ds.storage.location if isinstance(path, Storage) else str(path), samples=len(ds),
+            path=ds.storage.location if isinstance(path, StorageBackend) else str(path), samples=len(ds),
             shards=len(m.shards), total_bytes=sum(s.bytes for s in m.shards),
             label_type=m.label_type, classes=m.classes, class_counts=class_counts,
             encodings=dict(Counter(ds.encodings.tolist())), height=_stats(ds.heights), width=_stats(ds.widths),
@@ -132,7 +132,7 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def _check_shards(storage: Storage, report: VerifyReport, progress: bool = False) -> bool:
+def _check_shards(storage: StorageBackend, report: VerifyReport, progress: bool = False) -> bool:
     """Checksums and structure of every listed shard; True when all are sound."""
     try:
         manifest = read_manifest(storage)
@@ -208,14 +208,14 @@ def _decode_all(ds: PackedDataset | CachedDataset, report: VerifyReport, workers
             bar.update()
 
 
-def verify(path: str | Path | Storage, *, decode: bool = False, workers: int | None = None,
+def verify(path: str | Path | StorageBackend, *, decode: bool = False, workers: int | None = None,
            progress: bool = False) -> VerifyReport:
     """Check a packed dataset: manifest valid, every shard present with the manifest's size,
     SHA-256 and row count, and readable as Arrow; with ``decode`` also decode every sample.
     Reports every problem found (not just the first). ``progress``: a bar on a terminal, log lines
     (logger ``stoker.progress``) elsewhere."""
     storage = as_storage(path)
-    report = VerifyReport(storage.location if isinstance(path, Storage) else str(path))
+    report = VerifyReport(storage.location if isinstance(path, StorageBackend) else str(path))
     try:
         if _check_shards(storage, report, progress) and decode:
             with open_dataset(storage) as ds:

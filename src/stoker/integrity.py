@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from .errors import DatasetError, ShardError
 from .shards import BASE_COLUMNS, Manifest, ShardInfo, columns_digest
-from .storage import Storage
+from .storage import StorageBackend
 
 __all__ = ["OpenShard", "ShardProblem", "check_shard", "open_shard", "shard_matches"]
 
@@ -32,7 +32,7 @@ class ShardProblem:
     found: str = ""
     fix: str = _RESTORE
 
-    def error(self, storage: Storage) -> ShardError:
+    def error(self, storage: StorageBackend) -> ShardError:
         """The ShardError the reader raises for this problem, naming the shard's full path."""
         where = storage.join(self.shard)
         detail = f" (expected {self.expected}, found {self.found})" if self.expected or self.found else ""
@@ -53,7 +53,7 @@ class OpenShard:
         self.mapping.close()
 
 
-def _check_file(storage: Storage, info: ShardInfo, checksum: bool) -> ShardProblem | None:
+def _check_file(storage: StorageBackend, info: ShardInfo, checksum: bool) -> ShardProblem | None:
     """Presence, readability, size and (with ``checksum``) SHA-256, before mapping anything."""
     try:
         size = storage.size(info.file)
@@ -158,7 +158,7 @@ def _check_labels(info: ShardInfo, batches: list[pa.RecordBatch], manifest: Mani
     return None
 
 
-def _inspect(storage: Storage, info: ShardInfo, manifest: Manifest,
+def _inspect(storage: StorageBackend, info: ShardInfo, manifest: Manifest,
              checksum: bool) -> tuple[ShardProblem | None, OpenShard | None]:
     problem = _check_file(storage, info, checksum)
     if problem is not None:
@@ -185,7 +185,7 @@ def _inspect(storage: Storage, info: ShardInfo, manifest: Manifest,
     return None, OpenShard(info, mm, batches, identity)
 
 
-def open_shard(storage: Storage, info: ShardInfo, manifest: Manifest, *, checksum: bool = False) -> OpenShard:
+def open_shard(storage: StorageBackend, info: ShardInfo, manifest: Manifest, *, checksum: bool = False) -> OpenShard:
     """Check a shard and map it. Raises ShardError naming the shard and the fix."""
     problem, shard = _inspect(storage, info, manifest, checksum)
     if problem is not None:
@@ -194,7 +194,7 @@ def open_shard(storage: Storage, info: ShardInfo, manifest: Manifest, *, checksu
     return shard
 
 
-def check_shard(storage: Storage, info: ShardInfo, manifest: Manifest, *,
+def check_shard(storage: StorageBackend, info: ShardInfo, manifest: Manifest, *,
                 checksum: bool = True) -> ShardProblem | None:
     """Every check (SHA-256 included by default); the first problem found, or None when sound."""
     problem, shard = _inspect(storage, info, manifest, checksum)
@@ -203,7 +203,7 @@ def check_shard(storage: Storage, info: ShardInfo, manifest: Manifest, *,
     return problem
 
 
-def shard_matches(storage: Storage, info: ShardInfo) -> bool:
+def shard_matches(storage: StorageBackend, info: ShardInfo) -> bool:
     """True when the shard file is present with the entry's size and SHA-256 (a resumed pack's
     test for trusting a shard it wrote before the interruption; no manifest exists yet)."""
     return _check_file(storage, info, checksum=True) is None

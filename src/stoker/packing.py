@@ -45,7 +45,7 @@ from .integrity import shard_matches
 from .shards import MANIFEST_NAME, Manifest, ShardInfo, ShardWriter, read_manifest, shard_name, write_manifest
 from .sources import Source, SourceItem, open_source, unencodable_keys
 from .sources.base import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, inside, read_bytes
-from .storage import Storage, as_storage, url_scheme
+from .storage import StorageBackend as Storage, as_storage, url_scheme
 from .storage.lock import LockHeldError, holder_text
 from .video import VIDEO_ENCODING, VIDEO_INDEX_COLUMN
 

@@ -1,9 +1,8 @@
-"""Read packed datasets (memory-mapped Arrow shards) and loose image files through one interface.
+"""Read packed datasets (memory-mapped Arrow shards) through the `Dataset` interface (`dataset`).
 
 ``open_dataset(path)`` maps every shard and hands out each sample's bytes as a zero-copy
 view of the mapping, with its encoding, height, width and label, in O(1) (a bisect over the
-shards' first rows). ``open_loose(src)`` serves an ImageFolder tree or a file list the same way,
-reading each file when asked, so unpacked data goes through the same decode path.
+shards' first rows). Loose image files are served the same way by `loose.open_loose`.
 Shards are found, checked (:mod:`stoker.integrity`) and mapped through :mod:`stoker.storage`.
 A dataset in object storage (``open_dataset("s3://bucket/ds")``) is a :class:`CachedDataset`: its
 shards are fetched whole into the local shard cache when (or, with a plan, before) they are needed.
@@ -17,37 +16,18 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence, Union
+from typing import Any, Sequence
 
 import numpy as np
 import pyarrow as pa
 
-from . import codecs
-from .errors import ConfigError, DatasetClosedError, ImageError, ShardError, SourceError
+from .dataset import Dataset, Sample
+from .errors import ConfigError, DatasetClosedError, ShardError
 from .integrity import OpenShard, open_shard
 from .shards import Manifest, ShardInfo, read_manifest
-from .video import VIDEO_ENCODING
-from .storage import LocalStorage, RemoteStorage, Storage, as_storage
+from .storage import LocalStorage, RemoteStorage, StorageBackend, as_storage
 from ._system import format_bytes
 from .storage.cache import working_set_bytes
-from .storage.local import read_regular
-
-Bytes = Union[memoryview, np.ndarray, bytes]
-
-
-class Sample(NamedTuple):
-    """One sample as stored. ``data`` is a zero-copy view for packed datasets."""
-
-    index: int
-    key: str
-    data: Bytes
-    encoding: str
-    height: int  # pixels of what is stored (upright for loose files)
-    width: int
-    label: Any
-    shard: str  # shard file name, or the source path for loose files
-    row: int  # row inside the shard, or the index in the source listing
-
 
 def _numeric_view(arr: pa.Array, dtype: type) -> np.ndarray:
     """A zero-copy numpy view of a primitive Arrow array without nulls."""
@@ -80,97 +60,10 @@ class _Block:
     widths: np.ndarray
 
 
-class Dataset:
-    """Common interface of packed and loose datasets (see :func:`open_dataset`, :func:`open_loose`)."""
-
-    classes: list[str] | None
-    extra_columns: list[str]
-    path: Path
-
-    def __len__(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def class_to_idx(self) -> dict[str, int]:
-        """Class name -> label, as torchvision's ImageFolder has it (empty without class names)."""
-        return {name: k for k, name in enumerate(self.classes or ())}
-
-    def sample(self, i: int) -> Sample:
-        raise NotImplementedError
-
-    def jpeg_spans(self, indices: np.ndarray) -> tuple[Sequence[Any], np.ndarray]:
-        """Where the stored bytes of samples `indices` are, for the native chunk path
-        (`Filler.fill_chunk` -> `native.render_rows`): `(blocks, spans)`, spans int64 [k, 3] holding
-        each sample's (index into `blocks`, first byte, end byte), block -1 for any other encoding or
-        a sample that cannot be read (its per-sample read reports it). Here each JPEG is its own
-        block (its `sample(i).data`); a packed dataset hands over its mapped blocks instead."""
-        blocks: list[Any] = []
-        spans = np.full((len(indices), 3), -1, np.int64)
-        for j, i in enumerate(np.asarray(indices).tolist()):
-            try:
-                s = self.sample(i)
-            except Exception:  # noqa: BLE001 - read again, and reported, by the per-sample path
-                continue
-            if s.encoding == "jpeg":
-                spans[j] = len(blocks), 0, memoryview(s.data).nbytes
-                blocks.append(s.data)
-        return blocks, spans
-
-    @property
-    def labels(self) -> np.ndarray:
-        raise NotImplementedError
-
-    @property
-    def heights(self) -> np.ndarray | None:
-        return None
-
-    @property
-    def widths(self) -> np.ndarray | None:
-        return None
-
-    def extra(self, i: int, name: str) -> Any:
-        raise NotImplementedError
-
-    def location(self, i: int) -> tuple[str, int]:
-        raise NotImplementedError
-
-    def __getitem__(self, i: int) -> tuple[np.ndarray, Any]:
-        """`(image, label)` of sample `i`, like a torch Dataset: the image decoded, upright RGB
-        `uint8 [H, W, 3]` (a copy; `sample(i)` gives the stored bytes instead). Negative `i` counts
-        from the end. Decoding one at a time is for looking at data; the Loader is what trains fast."""
-        if not isinstance(i, (int, np.integer)):
-            raise TypeError(f"dataset indices are ints, got {type(i).__name__}; for a subset pass "
-                            f"sampling=stoker.Sampling(indices=[...]) to stoker.Loader")
-        s = self.sample(int(i))
-        if s.encoding == VIDEO_ENCODING:
-            raise ConfigError(f"sample {i} ({s.key}) is a video: read clips of it with stoker.clips.read_clip, or "
-                              "its stored bytes with dataset.sample(i).data")
-        image = codecs.decode_rgb(s.data, s.encoding, s.key, height=s.height, width=s.width)
-        label = s.label.item() if isinstance(s.label, np.generic) else s.label
-        return np.array(image), label
-
-    def close(self) -> None:
-        """Release mapped files; further access is an error."""
-
-    def __enter__(self) -> "Dataset":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _check_index(self, i: int) -> int:
-        n = len(self)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"sample index {i} out of range for a dataset of {n} samples")
-        return i
-
-
 class PackedDataset(Dataset):
     """A packed dataset: memory-mapped shards described by ``stoker.json``."""
 
-    def __init__(self, storage: Storage, manifest: Manifest, shards: list[OpenShard]) -> None:
+    def __init__(self, storage: StorageBackend, manifest: Manifest, shards: list[OpenShard]) -> None:
         self.storage = storage
         self.path = Path(storage.location)
         self.manifest = manifest
@@ -374,7 +267,7 @@ def _blocks(shard: OpenShard) -> list[_Block]:
     return blocks
 
 
-def open_dataset(path: str | Path | Storage, *, verify: bool = False, storage: Any = None
+def open_dataset(path: str | Path | StorageBackend, *, verify: bool = False, storage: Any = None
                  ) -> PackedDataset | CachedDataset:
     """Open a packed dataset directory or URL. Cheap: reads the manifest and each shard's footer.
 
@@ -540,6 +433,10 @@ class CachedDataset(Dataset):
         info, row = self._shard_of(self._check_index(i))
         return info.file, row
 
+    @property
+    def plans_downloads(self) -> bool:
+        return True
+
     def plan(self, indices: np.ndarray, lookahead: int, order: str | None = None) -> None:
         """Give the cache the order samples will be read in (`lookahead`: how far ahead the readers
         may run; `order`: the Loader's name for it, for the message), so it downloads ahead of need
@@ -603,143 +500,3 @@ def open_cached(storage: RemoteStorage, *, verify: bool = False, fetch_threads: 
         storage.close()
         raise
     return ds
-
-
-class LooseDataset(Dataset):
-    """Images read file by file from a source listing (ImageFolder tree, file list, CSV, tar)."""
-
-    def __init__(self, source: Any, max_pixels: int = codecs.MAX_PIXELS) -> None:
-        self.source = source
-        self.path = Path(source.root)
-        self.classes = source.classes
-        self.extra_columns = list(source.extra_columns)
-        self._items = source.items
-        self._max_pixels = max_pixels
-        self._labels: np.ndarray | None = None
-        codecs.quiet_decoder_messages()   # users' raw files: libtiff/Pillow must not flood stderr
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __repr__(self) -> str:
-        return f"<stoker loose dataset {self.source.description}: {len(self)} files>"
-
-    @property
-    def labels(self) -> np.ndarray:
-        if self._labels is None:
-            values = [it.label for it in self._items]
-            kind = self.source.label_type
-            if kind == "none":
-                arr = np.full(len(values), -1, np.int64)
-            elif kind in ("int64", "float64"):
-                arr = np.asarray(values, dtype=kind)
-            else:
-                arr = np.array(values + [None], dtype=object)[:-1]
-            arr.flags.writeable = False
-            self._labels = arr
-        return self._labels
-
-    def sample(self, i: int) -> Sample:
-        """Read and probe file ``i``. Encoding is "jpeg" for an upright RGB/gray JPEG (fast
-        path), else "image" (decoded by Pillow); height/width are the upright size."""
-        i = self._check_index(i)
-        item = self._items[i]
-        where = str(item.path) if item.path is not None else item.key
-        try:
-            data = item.read()
-        except OSError as exc:
-            raise ImageError(item.key, f"cannot read {where}: {exc.strerror or exc}") from None
-        info = codecs.probe(data, item.key, max_pixels=self._max_pixels)
-        encoding = "jpeg" if codecs.is_plain_jpeg(info) else "image"
-        h, w = info.upright_shape
-        label = item.label if self.source.label_type != "none" else -1
-        return Sample(i, item.key, data, encoding, h, w, label, where, i)
-
-    def extra(self, i: int, name: str) -> Any:
-        if name not in self.extra_columns:
-            raise KeyError(f"{self.path}: no extra column {name!r}; this source has {self.extra_columns}")
-        item = self._items[self._check_index(i)]
-        if name in item.label_maps:  # a CSV's mask column: the label map's bytes, as a pack stores them
-            return read_regular(item.label_maps[name])
-        return item.extras.get(name)
-
-    def location(self, i: int) -> tuple[str, int]:
-        item = self._items[self._check_index(i)]
-        return (str(item.path) if item.path is not None else item.key), i
-
-
-def open_loose(source: Any, **source_options: Any) -> LooseDataset:
-    """Serve unpacked images (ImageFolder tree, ``path label`` list, CSV, tar) with the reader
-    interface. ``source`` is a path (see :func:`stoker.sources.open_source`) or an opened Source."""
-    from .sources import open_source
-
-    if isinstance(source, (str, Path)):
-        source = open_source(source, **source_options)
-    if not source.items:
-        raise SourceError(f"{source.description}: no images found", path=source.root)
-    return LooseDataset(source)
-
-
-
-@dataclass
-class Opened:
-    """A Loader's source, opened: the dataset, whether closing is ours, and the staged copy it reads
-    (removed when the last user closes it)."""
-
-    dataset: Dataset
-    owned: bool
-    staged: Any = None   # storage.staging.StagedCopy
-
-    def close(self) -> None:
-        """Close the dataset (when opened here) and release the staged copy. Idempotent."""
-        if self.owned:
-            self.dataset.close()
-            self.owned = False
-        staged, self.staged = self.staged, None
-        if staged is not None:
-            staged.close()
-
-
-def open_for_loading(source: str | Path | Dataset, options: Any = None, *, rank: int = 0, world_size: int = 1,
-                     timeout: float = 120.0) -> Opened:
-    """Open what a Loader reads, with its storage options (`stoker.Storage`): a Dataset as given; a
-    URL cached per `options` (each rank in its own `rank-N` folder when there are several, so no
-    rank deletes a file another maps); a packed folder, first staged into `options.stage` when set;
-    anything else as loose files (`open_loose`)."""
-    from .loader.options import Storage as StorageOptions
-    from .shards import MANIFEST_NAME, looks_like_partial_pack
-    from .storage import open_storage, url_scheme
-    from .storage.remote import default_cache_dir
-    from .storage.staging import stage_for_loader
-
-    options = StorageOptions() if options is None else options
-    if isinstance(source, Dataset):
-        if options.stage is not None:
-            raise ConfigError(f"Storage(stage={str(options.stage)!r}) copies a packed dataset folder; pass its path "
-                              f"as the source, not an opened dataset")
-        return Opened(source, owned=False)
-    remote_url = url_scheme(source) not in (None, "file")
-    if remote_url:
-        if options.stage is not None:
-            raise ConfigError(f"Storage(stage={str(options.stage)!r}) copies a local packed dataset folder; a URL is "
-                              f"cached through Storage(cache_dir=...) instead")
-        remote = options.remote()
-        if world_size > 1:
-            remote["cache_dir"] = Path(remote["cache_dir"] or default_cache_dir(str(source))) / f"rank-{rank}"
-        # refuses a URL no backend serves, never makes it a local path
-        return Opened(open_cached(open_storage(source, **remote), timeout=max(timeout, 60.0)), owned=True)
-    staged = stage_for_loader(source, options.stage) if options.stage is not None else None
-    try:
-        where = staged.path if staged is not None else source
-        storage = open_storage(where)
-        if storage.is_dir() and (storage.exists(MANIFEST_NAME) or looks_like_partial_pack(storage)):
-            return Opened(open_dataset(storage), owned=True, staged=staged)
-        try:
-            return Opened(open_loose(where), owned=True, staged=staged)
-        except SourceError as exc:  # "pass kind=..." is open_loose's and pack's spelling, not the Loader's
-            from .spelling import loader_source_error
-            raise loader_source_error(exc, where) from None
-    except BaseException:
-        if staged is not None:
-            staged.close()
-        raise

@@ -31,7 +31,7 @@ import pyarrow as pa
 
 from . import __version__
 from .errors import ConfigError, IncompletePackError, ManifestError
-from .storage import ShardSink, Storage, as_storage, file_sha256
+from .storage import ShardSink, StorageBackend, as_storage, file_sha256
 
 __all__ = ["ARROW_TYPES", "BASE_COLUMNS", "LABEL_TYPES", "MANIFEST_NAME", "Manifest", "ShardInfo", "ShardWriter",
            "file_sha256", "looks_like_partial_pack", "read_manifest", "shard_name", "shard_schema",
@@ -238,13 +238,13 @@ def columns_digest(batches: list[pa.RecordBatch]) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(out: str | Path | Storage, manifest: Manifest) -> None:
+def write_manifest(out: str | Path | StorageBackend, manifest: Manifest) -> None:
     """Write ``stoker.json`` atomically; call it last, after every shard is in place."""
     payload = json.dumps(manifest.to_json(), indent=1, sort_keys=False).encode() + b"\n"
     as_storage(out).write_atomic(MANIFEST_NAME, payload)
 
 
-def looks_like_partial_pack(directory: str | Path | Storage) -> bool:
+def looks_like_partial_pack(directory: str | Path | StorageBackend) -> bool:
     """True when a directory holds shard or journal files but no manifest."""
     try:
         names = as_storage(directory).list()
@@ -255,7 +255,7 @@ def looks_like_partial_pack(directory: str | Path | Storage) -> bool:
                or n.startswith(".stoker-pack") for n in names)
 
 
-def _partial_contents(storage: Storage) -> str:
+def _partial_contents(storage: StorageBackend) -> str:
     """What an unfinished pack left: its shards and/or its journal (killed before the first shard)."""
     names = storage.list()
     shards = sum(n.endswith(".arrow") for n in names)
@@ -265,7 +265,7 @@ def _partial_contents(storage: Storage) -> str:
     return " and ".join(parts) or "a half-written shard"
 
 
-def read_manifest(dataset: str | Path | Storage) -> Manifest:
+def read_manifest(dataset: str | Path | StorageBackend) -> Manifest:
     """Read and validate ``stoker.json``. Raises ManifestError or IncompletePackError (and
     UnsupportedStorageError for a URL no backend serves)."""
     storage = as_storage(dataset)
@@ -334,10 +334,10 @@ class ShardWriter:
     batches of about ``batch_bytes`` of image data, hashed on the way; :meth:`finish` closes,
     fsyncs and renames it. Streaming keeps memory bounded and lets a packer's workers go on
     decoding while the shard is being written, instead of waiting for one big write at the end.
-    ``out`` is the dataset folder or its :class:`~stoker.storage.Storage`.
+    ``out`` is the dataset folder or its :class:`~stoker.storage.StorageBackend`.
     """
 
-    def __init__(self, out: str | Path | Storage, index: int, *, label_type: str = "int64",
+    def __init__(self, out: str | Path | StorageBackend, index: int, *, label_type: str = "int64",
                  extra_columns: dict[str, str] | None = None, batch_bytes: int = 32 * 2**20) -> None:
         self.storage = as_storage(out)
         self.name = shard_name(index)

@@ -45,7 +45,7 @@ def _is_data_loader(obj: Any) -> bool:
 
 
 def _packed(loader: Any) -> bool:
-    return type(loader.dataset).__name__ in ("PackedDataset", "CachedDataset")
+    return bool(getattr(loader.dataset, "packed", False))
 
 
 def diagnose(report: ProfileReport, iterable: Any = None) -> ProfileReport:

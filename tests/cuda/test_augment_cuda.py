@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from stoker.loader.loader import Loader
+from stoker.loader import Loader
 from stoker.loader.options import Targets
-from stoker.transforms import RandomResizedCrop, gpu
+from stoker.transforms import RandomResizedCrop, batch_ops, gpu
 from stoker.transforms.mixing import Mixup
 from test_loader import build_packed
 from torchvision_helpers import v2_functional
@@ -20,8 +20,8 @@ from torchvision_helpers import v2_functional
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.mark.parametrize("op", [gpu.ColorJitter(0.4, 0.4, 0.4, 0.1), gpu.RandAugment(), gpu.TrivialAugmentWide(),
-                                gpu.AutoAugment(), gpu.GaussianBlur(9), gpu.RandomGrayscale(0.5)])
+@pytest.mark.parametrize("op", [batch_ops.BatchColorJitter(0.4, 0.4, 0.4, 0.1), batch_ops.BatchRandAugment(), batch_ops.BatchTrivialAugmentWide(),
+                                batch_ops.BatchAutoAugment(), batch_ops.BatchGaussianBlur(9), batch_ops.BatchRandomGrayscale(0.5)])
 def test_cuda_matches_cpu(op) -> None:
     x = torch.randint(0, 256, (32, 3, 48, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     params = op.params(np.random.default_rng(1), 32, 48, 64)
@@ -47,7 +47,7 @@ def test_hue_on_cuda_gives_torchvisions_pixels(shift: float) -> None:
 
 def test_loader_runs_batch_ops_on_the_gpu(tmp_path: Path) -> None:
     ds = build_packed(tmp_path / "ds", n=24)
-    tf = [RandomResizedCrop(32), gpu.RandAugment(), gpu.Normalize(), gpu.RandomErasing(0.5),
+    tf = [RandomResizedCrop(32), batch_ops.BatchRandAugment(), batch_ops.Normalize(), batch_ops.RandomErasing(0.5),
           Mixup(0.8, 1.0, num_classes=24)]
     x, t = next(iter(Loader(ds, 8, transforms=tf, device="cuda")))
     assert x.is_cuda and x.dtype == torch.float32 and x.shape == (8, 3, 32, 32)

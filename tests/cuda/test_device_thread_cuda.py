@@ -18,9 +18,9 @@ import torch
 
 from cuda_helpers import gpu_decoders, gpu_sleep, no_host_syncs
 from stoker.device.stage import DeviceOptions
-from stoker.loader.loader import Loader
+from stoker.loader import Loader
 from stoker.loader.options import Workers
-from stoker.transforms import gpu
+from stoker.transforms import batch_ops
 from stoker.transforms.mixing import Mixup
 from test_loader import TRAIN, build_packed
 
@@ -45,7 +45,8 @@ def wait_for_threads(count: int, seconds: float = 5.0) -> int:
 
 
 def test_batch_ops_in_the_device_thread_never_sync_the_host(packed: Path) -> None:
-    tf = [*TRAIN, gpu.RandAugment(), gpu.Normalize(), gpu.RandomErasing(0.5), Mixup(0.8, 1.0, num_classes=96)]
+    tf = [*TRAIN, batch_ops.BatchRandAugment(), batch_ops.Normalize(), batch_ops.RandomErasing(0.5),
+          Mixup(0.8, 1.0, num_classes=96)]
     loader = Loader(packed, 16, transforms=tf, seed=3, device=DeviceOptions("cuda"),
                     workers=Workers(persistent=True))
     for _ in loader:  # epoch 0 warms the allocators, makes the constants

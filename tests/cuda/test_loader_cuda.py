@@ -12,7 +12,7 @@ import torch
 
 from cuda_helpers import gpu_decoders, gpu_sleep, no_host_syncs
 from stoker.device.stage import DeviceOptions, DeviceStage
-from stoker.loader.loader import Loader
+from stoker.loader import Loader
 from stoker.loader.options import Workers
 from test_loader import TRAIN, build_packed
 

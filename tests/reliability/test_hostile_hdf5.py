@@ -9,7 +9,7 @@ import pytest
 
 from stoker.errors import SourceError
 from stoker.packing import PackOptions, pack
-from stoker.reader import open_loose
+from stoker.loose import open_loose
 from stoker.sources import open_source
 
 from .rhelpers import run_child

@@ -33,7 +33,7 @@ def test_truncated_data_mdb_is_an_error_not_sigbus(tmp_path: Path, keep: float) 
     code = f"""
 from stoker.errors import SourceError
 from stoker.packing import PackOptions, pack
-from stoker.reader import open_loose
+from stoker.loose import open_loose
 for what in ("pack", "loose"):
     try:
         if what == "pack":

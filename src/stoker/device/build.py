@@ -3,9 +3,8 @@
 `DeviceBuilder` is what the Loader's device thread runs on each finished slot, on the copy stream:
 upload the uint8 batch, decode its JPEGs on the GPU (CPU fallback per sample, through the render
 stage), run the pipeline's batch ops (batched augmentations, Normalize, RandomErasing, Mixup:
-`run_batch_ops`), convert. Without a device stage the Loader runs `run_batch_ops` on the CPU batch
-itself. `batch_extras` makes the third batch item (extra columns, targets as their kind batches them,
-the padded images' sizes) for both.
+`handout.run_batch_ops`), convert. Its labels, extras and batch ops are the handout's (`loading.handout`),
+as are the batches of a Loader without a device stage.
 """
 
 from __future__ import annotations
@@ -15,46 +14,15 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
-
 from .._torch import torch
 from .stage import DeviceStage, convert, storages_on
-from ..errors import SampleError
-from ..loading.render import EpochChain, RenderSpec
-from ..loading.slots import LoaderStats, Slot, WorkerTimes
+from ..loading.handout import batch_extras, labels_of, run_batch_ops
+from ..loading.render import EpochChain
+from ..loading.slots import Slot
+from ..loading.stats import LoaderStats, WorkerTimes
 from ..transforms.mixing import check_class_labels
-from ..transforms.targets import TargetRows
 
 _log = logging.getLogger("stoker.loader")
-
-
-def batch_extras(slot: Slot, upload: Any = None) -> dict[str, Any]:
-    """The third batch item: extra columns as lists, the padded images' sizes as a tensor (uploaded
-    with `upload` when given)."""
-    out: dict[str, Any] = {}
-    for c, v in slot.extras.items():
-        if isinstance(v, TargetRows):   # boxes, masks, label maps...: as their kind batches them
-            v = v.collate()
-        elif isinstance(v, np.ndarray):   # pad=True's sizes
-            v = torch.from_numpy(v)
-        out[c] = (upload(v) if upload else v) if isinstance(v, torch.Tensor) else list(v)
-    return out
-
-
-def run_batch_ops(spec: RenderSpec, images: torch.Tensor, labels: Any, epoch: int, batch: int) -> tuple[Any, Any]:
-    """The pipeline's batch ops on one batch (NHWC in, NCHW out; clips [B, T, H, W, 3] in, [B, T, 3, H, W]
-    out, every frame an image of the batch), their draws keyed by (seed, epoch, batch index of the epoch);
-    with a Mixup the labels come back as soft targets [B, num_classes]."""
-    ops = spec.pipeline.batch
-    if ops.mix is not None and not isinstance(labels, torch.Tensor):
-        raise SampleError(f"Mixup needs numeric class labels, batch {batch} of epoch {epoch} has "
-                          f"{type(labels[0]).__name__} labels; drop the Mixup or pack integer labels")
-    frames = images.shape[1] if images.dim() == 5 else 0
-    x = images.flatten(0, 1) if frames else images
-    out = ops(x.permute(0, 3, 1, 2), labels if ops.mix is not None else None, epoch=epoch, batch=batch,
-              seed=spec.seed)
-    x, labels = out if isinstance(out, tuple) else (out, labels)
-    return (x.unflatten(0, (-1, frames)) if frames else x), labels
 
 
 class DeviceBuilder:
@@ -129,19 +97,14 @@ class DeviceBuilder:
         return self._labels(slot), extras
 
     def _labels(self, slot: Slot) -> Any:
-        n, stage = slot.size, self.stage
-        if slot.labels is None and self.encode is not None:  # multi-label rows -> one tensor
-            labels = self.encode(slot.objects[:n])
-            return stage.upload(labels) if self.opts.is_cuda and isinstance(labels, torch.Tensor) else labels
-        if slot.labels is None:
-            return list(slot.objects[:n])
-        if not self.opts.is_cuda:
-            return slot.labels[:n].clone()
+        labels = labels_of(slot, self.encode, copy=not self.opts.is_cuda)   # the upload copies
+        if not self.opts.is_cuda or not isinstance(labels, torch.Tensor):
+            return labels
         batch_ops = self.chain.spec.pipeline.batch
-        if batch_ops is not None and batch_ops.mix is not None and not slot.labels.dtype.is_floating_point:
+        if batch_ops is not None and batch_ops.mix is not None and not labels.dtype.is_floating_point:
             # Mixup's label range check, here on the host: on the GPU it would read the labels back (a sync)
-            check_class_labels(slot.labels[:n], batch_ops.mix.num_classes)
-        return stage.upload(slot.labels[:n])
+            check_class_labels(labels, batch_ops.mix.num_classes)
+        return self.stage.upload(labels)
 
     @staticmethod
     def _upload_rows(slot: Slot, x: torch.Tensor, rows: list[int]) -> None:

@@ -9,7 +9,8 @@ from collections import deque
 from typing import Any, Callable, ContextManager, Protocol
 
 from ..errors import LoaderClosedError, LoaderTimeoutError, WorkerError
-from ..loading.slots import _FENCE_POLL_S, _POLL_S, Fence, LoaderStats, Run, Slot, _release_if_owned, notify_all
+from ..loading.slots import _FENCE_POLL_S, _POLL_S, Guard, Run, Slot, _release_if_owned, notify_all
+from ..loading.stats import LoaderStats
 
 
 class Stage(Protocol):
@@ -24,7 +25,7 @@ class Stage(Protocol):
     def handoff(self, batch: Any, fence: Any) -> Any: ...
 
 
-BuildFn = Callable[[Slot], "tuple[Any, Fence]"]  # slot -> (device batch, fence after which the slot is reusable)
+BuildFn = Callable[[Slot], "tuple[Any, Guard]"]  # slot -> (device batch, fence after which the slot is reusable)
 MeasureFn = Callable[[Any], "tuple[int, int]"]  # device batch -> (bytes it holds, working bytes of its build)
 
 

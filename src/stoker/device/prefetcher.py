@@ -99,7 +99,7 @@ class Prefetcher:
         if self._delegate and (images is not None or layout != "auto"):
             raise ConfigError("images= and layout= do not apply to a stoker.Loader, which knows its own batches; "
                               "drop them")
-        if not self._delegate and opts.decode == "gpu":
+        if not self._delegate and opts.gpu_decode:
             raise ConfigError(f"decode='gpu' applies to a stoker.Loader, which holds encoded JPEGs; a "
                               f"{type(batches).__name__} yields decoded batches: use decode='cpu'")
         # a stoker.Loader reuses its pinned batch memory, so it does the device copy itself

@@ -236,6 +236,11 @@ class DeviceOptions:
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
+    @property
+    def gpu_decode(self) -> bool:
+        """Whether the JPEGs are decoded on the GPU (`decode="gpu"`): the one place that answers it."""
+        return self.decode == "gpu"
+
     def resolved(self, *, warn: bool = True) -> "DeviceOptions":
         """These options with the GPU fixed (`resolve_device`): what a pass and its stage use. Itself
         when the device already has an index (or is the CPU)."""

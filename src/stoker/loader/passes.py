@@ -1,11 +1,11 @@
 """Passes over the data: the pass/lease protocol between the Loader and its threads.
 
-`Passes` is given the frozen parts of a Loader (`PassParts`: the render spec, the dataset, the
-epoch order, the thread settings) and a `Cursor` it reports progress to; it never reaches back
-into the Loader. Each `begin()` is a whole pass (`PassIter`): the epoch's batches from its start,
+`Passes` is given a Loader's frozen `LoadPlan` (the render spec, the epoch order, the ring's shape,
+the thread settings), its dataset and stats, and a `Cursor` it reports progress to; it never reaches
+back into the Loader. Each `begin()` is a whole pass (`PassIter`): the epoch's batches from its start,
 or from where `load_state_dict` put the cursor. A pass started while another is still running gets
 threads and a ring of its own, as a second DataLoader iterator would. A persistent Loader's
-threads (`_Pipeline`) run on into the next epoch, and the next pass leases them when it starts
+threads (`_Crew`) run on into the next epoch, and the next pass leases them when it starts
 exactly where they are.
 """
 
@@ -14,42 +14,24 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from dataclasses import dataclass, replace
-from typing import Any, Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..device.stage import DeviceOptions, DeviceStage, consumer_fence
-from ..reader import CachedDataset, Dataset
-from ..device.build import DeviceBuilder, batch_extras, run_batch_ops
-from ..loading.render import EpochChain, Filler, RenderSpec, native_claims
+from ..dataset import Dataset
+from ..device.build import DeviceBuilder
+from ..loading.handout import host_batch, numpy_batch
+from ..loading.render import EpochChain, Filler, native_claims
 from ..device.feeder import Feeder
-from ..loading.slots import BatchRing, LoaderStats, Run, Slot
+from ..loading.slots import BatchRing, Run
+from ..loading.stats import LoaderStats
 
-__all__ = ["Cursor", "PassIter", "PassParts", "Passes"]
+if TYPE_CHECKING:
+    from .plan import LoadPlan
 
-
-@dataclass(frozen=True)
-class PassParts:
-    """What a pass needs of its Loader, fixed when the Loader is made."""
-
-    spec: RenderSpec
-    dataset: Dataset
-    epoch_indices: Callable[[int], np.ndarray]   # epoch -> this rank's dataset indices, in order
-    epoch_samples: int   # samples of one epoch on this rank
-    batch_size: int
-    num_threads: int
-    prefetch: int
-    timeout: float
-    label_dtype: Any   # numpy dtype of numeric labels, or None
-    pin_memory: bool
-    persistent: bool   # threads run on into the next epoch (never for a dataset in object storage)
-    stats: LoaderStats
-    collate: Callable[[dict[str, list]], Any] | None = None
-    order: str | None = None   # the Loader's order, named in the cache's messages
-    buffers: Any = None   # device="numpy": what makes the ring's numpy slots (numpy_output.NumpyBuffers)
-    #: Workers(processes=1): the pickled RenderSpec for the worker process (procs.py); None: threads here
-    child_spec: bytes | None = None
+__all__ = ["Cursor", "PassIter", "Passes"]
 
 
 class Cursor:
@@ -83,12 +65,12 @@ class Cursor:
 class Passes:
     """The Loader's passes: their threads, the batch ring, the device stage and GPU decoder they share."""
 
-    def __init__(self, parts: PassParts, cursor: Cursor) -> None:
-        self.parts, self.cursor = parts, cursor
+    def __init__(self, plan: "LoadPlan", dataset: Dataset, stats: LoaderStats, cursor: Cursor) -> None:
+        self.plan, self.dataset, self.stats, self.cursor = plan, dataset, stats, cursor
         self._ring: BatchRing | None = None
         self._stage: DeviceStage | None = None  # one copy stream per loader, made on first use
         self._gpu: Any = None  # the GpuBatchDecoder (decode="gpu")
-        self._live: _Pipeline | None = None  # persistent: the pipeline running on into the next epoch
+        self._live: _Crew | None = None  # persistent: the pipeline running on into the next epoch
         self._iters: weakref.WeakSet[PassIter] = weakref.WeakSet()  # the passes made, while they live
         self._lock = threading.RLock()  # re-entrant: Ctrl-C inside its with-statement cannot lock us out
 
@@ -108,14 +90,14 @@ class Passes:
         """The batch ring: `prefetch` batches being prepared, the one the caller is using and the one
         its loop variable still holds while the next is fetched (FFCV's `batches_ahead + 2`), plus
         `extra`. `private`: a ring of its own, for a pass that runs beside another."""
-        p = self.parts
+        p = self.plan
         h, w = p.spec.output_size
         n_slots = p.prefetch + 2 + extra
         frames = p.spec.frames
         if private or self._ring is None or not self._ring.matches(n_slots, p.batch_size, h, w, p.label_dtype,
                                                                    p.pin_memory, frames):
             ring = BatchRing(n_slots, p.batch_size, h, w, label_dtype=p.label_dtype, pin_memory=p.pin_memory,
-                             stats=p.stats, buffers=p.buffers, frames=frames)
+                             stats=self.stats, buffers=p.buffers, frames=frames)
             if private:
                 return ring
             self._ring = ring
@@ -140,24 +122,24 @@ class Passes:
         return self._gpu
 
     def pipeline_for(self, epoch: int, start: int, opts: DeviceOptions | None, private: bool = False
-                     ) -> tuple["_Pipeline", int]:
+                     ) -> tuple["_Crew", int]:
         """The pipeline for (epoch, from sample start) and the run batch index it starts at: the
         persistent one when it is exactly there already, else a new one. `private`: another pass
         is running; this one gets its own threads and ring and leaves the other's alone."""
         if private:
-            return _Pipeline(self, epoch, start, opts, persistent=False, private=True), 0
+            return _Crew(self, epoch, start, opts, persistent=False, private=True), 0
         live, self._live = self._live, None
         if live is not None:
             g = live.find(epoch, start)
             running = live.run is not None and not live.run.stop_event.is_set() and live.run.alive() > 0
             if running and live.opts == opts and g is not None and g == live.next_g:
-                live.append(self.parts, epoch + 1)  # keep one epoch ahead
+                live.append(self.plan, epoch + 1)  # keep one epoch ahead
                 self._live = live
                 return live, g
             live.stop()
         # a dataset in object storage gives its cache each epoch's order when that epoch starts (the
         # plan decides what is downloaded and evicted), so its pipelines do not run on into the next
-        pipe = _Pipeline(self, epoch, start, opts, persistent=self.parts.persistent)
+        pipe = _Crew(self, epoch, start, opts, persistent=self.plan.persistent)
         if pipe.persistent and pipe.run is not None:
             self._live = pipe
             weakref.finalize(self, pipe.stop)  # the Passes collected (with its Loader): its threads stop
@@ -178,7 +160,7 @@ class Passes:
         self._stage = self._gpu = None
 
 
-class _Pipeline:
+class _Crew:
     """The worker threads (and the device thread) of one or more epochs' batches in a row.
 
     Run batch g: the batches of (epoch, from `start`) first, then, for a persistent Loader, whole
@@ -190,9 +172,10 @@ class _Pipeline:
                  private: bool = False) -> None:
         self.opts = opts
         self.persistent = persistent
-        parts = passes.parts
+        self.dataset = passes.dataset   # not the Passes: collecting it (with its Loader) stops these threads
+        parts = passes.plan
         spec = parts.spec
-        if opts is not None and opts.decode == "gpu":
+        if opts is not None and opts.gpu_decode:
             spec = replace(spec, gpu_decode=True)
         self.spec = spec
         self.chain = EpochChain(spec)
@@ -211,16 +194,17 @@ class _Pipeline:
         if parts.child_spec is not None:   # the threads in a worker process, over a ring in shared memory
             from ..loading.procs import process_run
 
-            self.run = process_run(parts, self._orders, sizes, threads, extra, open_ended=persistent)
+            self.run = process_run(parts, passes.dataset, passes.stats, self._orders, sizes, threads, extra,
+                                   open_ended=persistent)
         else:
             ring = passes.ring(extra=extra, private=private)
-            self.run = Run(ring, sizes, threads, self.chain.prepare, self.chain.fill, parts.stats.add,
+            self.run = Run(ring, sizes, threads, self.chain.prepare, self.chain.fill, passes.stats.add,
                            parts.timeout, open_ended=persistent, **native_claims(spec, self.chain, threads))
         if opts is not None:
             stage = passes.stage(opts)
             decoder = passes.gpu(opts) if spec.gpu_decode else None
-            build = DeviceBuilder(stage, decoder, self.chain, self.run.lock, parts.stats)
-            self.feeder = Feeder(self.run, stage, build, parts.prefetch, parts.timeout, stats=parts.stats,
+            build = DeviceBuilder(stage, decoder, self.chain, self.run.lock, passes.stats)
+            self.feeder = Feeder(self.run, stage, build, parts.prefetch, parts.timeout, stats=passes.stats,
                                  measure=build.measure)
         if persistent:
             self.append(parts, epoch + 1)
@@ -236,21 +220,22 @@ class _Pipeline:
         if self.feeder is not None:
             self.feeder.start()
 
-    def _segment(self, parts: "PassParts", epoch: int, start: int) -> list[int]:
+    def _segment(self, parts: "LoadPlan", epoch: int, start: int) -> list[int]:
         """Batch sizes of `epoch` from its sample `start` on (a resume may start between batches)."""
-        indices = parts.epoch_indices(epoch)
-        if isinstance(parts.dataset, CachedDataset):  # downloads follow the order; done shards make room
+        indices = parts.epochs.indices(epoch)
+        dataset = self.dataset
+        if dataset.plans_downloads:  # downloads follow the order; done shards make room
             ahead = (parts.prefetch + 2) * parts.batch_size + parts.num_threads
-            parts.dataset.plan(indices[start:], lookahead=ahead, order=parts.order)
+            dataset.plan(indices[start:], lookahead=ahead, order=parts.order)
         bs, left = parts.batch_size, max(len(indices) - start, 0)
         sizes = [min(bs, left - k * bs) for k in range(-(-left // bs))]
         first = self.epochs[-1][1] + self.epochs[-1][2] if self.epochs else 0
-        self.chain.add(Filler(self.spec, parts.dataset, epoch, indices, start), first)
+        self.chain.add(Filler(self.spec, dataset, epoch, indices, start), first)
         self._orders.append((epoch, indices, start))
         self.epochs.append((epoch, first, len(sizes), start))
         return sizes
 
-    def append(self, parts: "PassParts", epoch: int) -> None:
+    def append(self, parts: "LoadPlan", epoch: int) -> None:
         """Queue the whole of `epoch` after the batches already planned (persistent Loaders)."""
         assert self.run is not None
         with self.run.cond:
@@ -269,7 +254,7 @@ class _Pipeline:
             (self.feeder or self.run).stop(2.0)
 
 
-def _end_lease(pipe: _Pipeline, lease: int, keep: list[bool], last: list[int]) -> None:
+def _end_lease(pipe: _Crew, lease: int, keep: list[bool], last: list[int]) -> None:
     """An iterator's end (closed, exhausted or dropped): guard the slot of the last batch it handed out
     (an `images.cuda(non_blocking=True)` may still read it), then stop its pipeline unless it was
     handed on (`keep`) or another iterator holds it."""
@@ -287,11 +272,11 @@ class PassIter:
 
     def __init__(self, passes: "Passes", epoch: int, start: int, opts: DeviceOptions | None = None,
                  private: bool = False) -> None:
-        parts = passes.parts
-        self._parts, self._cursor = parts, passes.cursor
+        parts = passes.plan
+        self._parts, self._cursor, self._stats = parts, passes.cursor, passes.stats
         self._epoch = epoch
         bs = parts.batch_size
-        left = max(parts.epoch_samples - start, 0)
+        left = max(parts.epochs.samples() - start, 0)
         sizes = [min(bs, left - k * bs) for k in range(-(-left // bs))]
         self._n = len(sizes)
         self._start = start   # samples of the epoch before this pass (a resumed pass)
@@ -306,11 +291,6 @@ class PassIter:
         self._keep = [False]  # set when the epoch ends in a persistent pipeline: hand it on, do not stop it
         self._last = [-1]  # the run batch handed out last (its slot is guarded at the end)
         self._finalizer = weakref.finalize(self, _end_lease, pipe, pipe.lease, self._keep, self._last)
-        self._numpy: Callable[..., tuple] | None = None
-        if parts.buffers is not None:
-            from ..loading.numpy_output import numpy_batch   # loaded by NumPy output only
-
-            self._numpy = numpy_batch
         pipe.start()
 
     @property
@@ -339,42 +319,23 @@ class PassIter:
         except BaseException:  # SampleError, timeout, Ctrl-C: stop the threads before propagating
             self.close()
             raise
-        parts.stats.consumer_wait_s += time.perf_counter() - t0
-        parts.stats.batches += 1
+        self._stats.consumer_wait_s += time.perf_counter() - t0
+        self._stats.batches += 1
         self._b += 1
         if self._b == self._n:  # the whole epoch was read (even if this iterator is then dropped, not
             # exhausted): a persistent pipeline goes on into the next one
             self._keep[0] = self._pipe.persistent
             self._pipe.next_g = g + 1
         self._cursor.advance(self._epoch, int(self._ends[self._b - 1]), self._b == self._n)
-        if self._feeder is not None:
+        if self._feeder is not None:   # built by the device thread (DeviceBuilder)
             out = batch
-        elif self._numpy is not None:   # device="numpy": numpy arrays (numpy_output)
-            out = self._numpy(slot, parts.spec.multi_label)
-        else:
-            out = self._batch(slot)
+        elif parts.output == "numpy":
+            out = numpy_batch(slot, parts.spec.multi_label)
+        else:   # the batch ops' key: the batch's index in its epoch
+            out = host_batch(slot, parts.spec, self._epoch, self._first_batch + self._b - 1)
         if parts.collate is not None:   # the user's batching of the extra columns, on this (their) thread
             out = (*out[:2], parts.collate(out[2]))
         return out
-
-    def _batch(self, slot: Slot) -> tuple:
-        """The caller's batch: images a [B, 3, H, W] (clips: [B, T, 3, H, W]) view of the slot (channels_last
-        strides, no copy; the slot is refilled only once nothing references it), labels and extras fresh objects."""
-        n = slot.size
-        images: Any = slot.images if n == slot.images.shape[0] else slot.images[:n]
-        spec = self._parts.spec
-        if slot.labels is not None:
-            labels: Any = slot.labels[:n].clone()
-        else:
-            encode = spec.multi_label
-            labels = list(slot.objects[:n]) if encode is None else encode(slot.objects[:n])
-        if spec.pipeline.batch is not None:  # no device stage: the batch ops run here, on the CPU
-            images, labels = run_batch_ops(spec, images, labels, self._epoch, self._first_batch + self._b - 1)
-        else:
-            images = images.movedim(-1, -3)
-        if slot.extras:   # extra columns, and the sizes of padded images
-            return images, labels, batch_extras(slot)
-        return images, labels
 
     def close(self) -> None:
         """Stop the worker threads (prompt: they check a stop flag at least every 0.1 s); a persistent

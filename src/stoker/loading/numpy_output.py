@@ -10,21 +10,19 @@ do a memoryview, `torch.from_numpy`, and a `jax.device_put` that aliases host me
 so the slot array's reference count above the ring's own references counts exactly the holders, as
 a tensor storage's use count does on the torch path.
 
-Only NumPy output imports this module; the torch path never loads it.
+Only NumPy output imports this module; the torch path never loads it. A finished slot becomes the
+caller's NumPy batch in `handout.numpy_batch`.
 """
 
 from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any
-
 import numpy as np
 
-from .labels import MultiLabel
 from .slots import Slot, row_shape
 
-__all__ = ["ArrayWeakRef", "NumpyBuffers", "numpy_batch"]
+__all__ = ["ArrayWeakRef", "NumpyBuffers"]
 
 
 class NumpyBuffers:
@@ -53,29 +51,3 @@ class ArrayWeakRef:
 
     def expired(self) -> bool:
         return self._ref() is None
-
-
-def numpy_batch(slot: Slot, encode: MultiLabel | None) -> tuple:
-    """The caller's batch from a finished slot: images a [B, 3, H, W] (clips: [B, T, 3, H, W]) view of
-    it, labels and extras fresh (label lists encoded as numpy arrays, label maps stacked, pad=True's sizes)."""
-    n = slot.size
-    images = np.moveaxis(slot.owner[:n], -1, -3)
-    labels: Any
-    if slot.labels_np is not None:
-        labels = slot.labels_np[:n].copy()
-    elif encode is None:
-        labels = list(slot.objects[:n])
-    else:
-        labels = encode.arrays(slot.objects[:n])
-    if not slot.extras:
-        return images, labels
-    # here, not at import: the ring's NumpyBuffers stay importable without OpenCV (the free-threaded checks)
-    from ..transforms.targets import LabelMap, TargetRows, stack_label_map_arrays
-
-    extras: dict[str, Any] = {}
-    for column, value in slot.extras.items():
-        if isinstance(value, TargetRows):   # label maps stacked as arrays; boxes and masks as lists
-            value = stack_label_map_arrays(list(value)) if isinstance(value.target, LabelMap) else list(value)
-        extras[column] = value if isinstance(value, np.ndarray) else list(value)
-    return images, labels, extras
-

@@ -52,7 +52,8 @@ import numpy as np
 
 from .._torch import torch
 from ..errors import ConfigError, LoaderClosedError, LoaderTimeoutError, WorkerError
-from .slots import BatchRing, Fence, HandOut, LoaderStats, Run, Slot, _release_if_owned, _use_count, row_shape
+from .slots import BatchRing, HandOut, Run, Slot, _release_if_owned, _use_count, row_shape
+from .stats import LoaderStats
 
 try:   # POSIX shared memory, as multiprocessing.shared_memory uses it (not on Windows)
     import _posixshmem
@@ -296,19 +297,19 @@ def check_process_mode(spec: Any, dataset: Any, *, device: Any) -> bytes:
 
 
 # ---- the parent's side -----------------------------------------------------------------------------
-def process_run(parts: Any, orders: list[tuple[int, np.ndarray, int]], sizes: list[int], threads: int,
-                extra: int, open_ended: bool = False) -> "ProcessRun":
+def process_run(parts: Any, dataset: Any, stats: LoaderStats, orders: list[tuple[int, np.ndarray, int]],
+                sizes: list[int], threads: int, extra: int, open_ended: bool = False) -> "ProcessRun":
     """A pipeline's `ProcessRun` over a ring of its own in shared memory (`prefetch + 2 + extra` slots):
     each pipeline (one pass, or a persistent Loader's epochs in a row) starts a worker process, which
     maps the ring's segments once and then they are unlinked. `orders`: the pipeline's (epoch, indices,
     first sample) list, which `extend` finds the appended epochs in."""
     h, w = parts.spec.output_size
     ring = BatchRing(parts.prefetch + 2 + extra, parts.batch_size, h, w, label_dtype=parts.label_dtype,
-                     pin_memory=parts.pin_memory, stats=parts.stats,
+                     pin_memory=parts.pin_memory, stats=stats,
                      buffers=SharedBuffers(parts.pin_memory, arrays=parts.buffers is not None),
                      frames=parts.spec.frames)
-    return ProcessRun(ring, sizes, threads, spec=parts.child_spec, path=str(parts.dataset.path), orders=orders,
-                      stats=parts.stats, timeout=parts.timeout, label_dtype=parts.label_dtype, open_ended=open_ended)
+    return ProcessRun(ring, sizes, threads, spec=parts.child_spec, path=str(dataset.path), orders=orders,
+                      stats=stats, timeout=parts.timeout, label_dtype=parts.label_dtype, open_ended=open_ended)
 
 
 class ProcessRun(HandOut):

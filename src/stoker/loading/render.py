@@ -33,8 +33,9 @@ from ..errors import DatasetError, OutputError, SampleError, UserTransformError
 from .jobs import GpuJob
 from .labels import MultiLabel
 from ..order import TAG_DRAW, replacement_index, sample_keys, uniforms
-from ..reader import CachedDataset, Dataset, PackedDataset
-from .slots import Slot, WorkerTimes
+from ..dataset import Dataset
+from .slots import Slot
+from .stats import WorkerTimes
 from ..transforms import (Pipeline, Plan, Resampling, apply_tail, decode_minimums,
                          resample_region_into, resampling,
                          run_user_op)
@@ -390,7 +391,7 @@ class Filler:
     def _describe(self, idx: int, exc: BaseException) -> tuple[str | None, str, int]:
         shard, row = self.ds.location(idx)
         key = getattr(exc, "key", None)
-        if key is None and isinstance(self.ds, (PackedDataset, CachedDataset)):
+        if key is None and getattr(self.ds, "packed", False):
             try:
                 key = self.ds.sample(idx).key
             except DatasetError:  # the shard itself is what failed (deleted, truncated): no key to read

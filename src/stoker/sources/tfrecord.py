@@ -77,39 +77,39 @@ def _crc32c_fn() -> Any:
 
 # ---------------------------------------------------------------- framing
 
-class Record(NamedTuple):
+class TFRecordFrame(NamedTuple):
     index: int    # record number in the file, from 0
     start: int    # byte offset of the record's data in the (decompressed) file
     end: int
 
 
-class Damage(NamedTuple):
+class TFRecordDamage(NamedTuple):
     index: int
     offset: int   # byte offset of the record's header
     reason: str
     fatal: bool   # True: the rest of the file cannot be framed
 
 
-def iter_records(buf: Any, crc: Any) -> Iterator[Record | Damage]:
+def iter_records(buf: Any, crc: Any) -> Iterator[TFRecordFrame | TFRecordDamage]:
     """Frame the records of a TFRecord buffer (bytes or mmap), checking both checksums."""
     pos, index, size = 0, 0, len(buf)
     while pos < size:
         if size - pos < _HEADER.size:
-            yield Damage(index, pos, f"truncated: {size - pos} bytes left where a record header needs 12", True)
+            yield TFRecordDamage(index, pos, f"truncated: {size - pos} bytes left where a record header needs 12", True)
             return
         length, length_crc = _HEADER.unpack_from(buf, pos)
         if masked_crc(crc(buf[pos:pos + 8])) != length_crc:
-            yield Damage(index, pos, "length checksum mismatch: the rest of the file cannot be framed", True)
+            yield TFRecordDamage(index, pos, "length checksum mismatch: the rest of the file cannot be framed", True)
             return
         start, end = pos + 12, pos + 12 + length
         if end + 4 > size:
-            yield Damage(index, pos, f"truncated: the record says {length} bytes, the file ends first", True)
+            yield TFRecordDamage(index, pos, f"truncated: the record says {length} bytes, the file ends first", True)
             return
         (data_crc,) = struct.unpack_from("<I", buf, end)
         if masked_crc(crc(buf[start:end])) != data_crc:
-            yield Damage(index, pos, "data checksum mismatch (corrupted record)", False)
+            yield TFRecordDamage(index, pos, "data checksum mismatch (corrupted record)", False)
         else:
-            yield Record(index, start, end)
+            yield TFRecordFrame(index, start, end)
         pos, index = end + 4, index + 1
 
 
@@ -304,8 +304,8 @@ def _list_file(file: Path, buf: Any, store: GzipMembers | None, crc: Any, option
                names: list[str | None], out: _Listing) -> None:
     for rec in iter_records(buf, crc):
         key = f"{file.name}/{rec.index}"
-        where = f"{file}:byte {rec.offset if isinstance(rec, Damage) else rec.start - 12}"
-        if isinstance(rec, Damage):
+        where = f"{file}:byte {rec.offset if isinstance(rec, TFRecordDamage) else rec.start - 12}"
+        if isinstance(rec, TFRecordDamage):
             out.skipped.append({"key": key, "path": where, "reason": rec.reason})
             continue
         try:

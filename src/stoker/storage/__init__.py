@@ -16,11 +16,11 @@ from urllib.parse import unquote, urlparse
 from typing import Any
 
 from ..errors import UnsupportedStorageError
-from .base import ShardSink, Storage
+from .base import ShardSink, StorageBackend
 from .local import LocalStorage, atomic_write_bytes, file_sha256
 from .remote import INSTALL_HINT, RemoteStorage, serves
 
-__all__ = ["LocalStorage", "RemoteStorage", "ShardSink", "Storage", "as_storage", "atomic_write_bytes",
+__all__ = ["LocalStorage", "RemoteStorage", "ShardSink", "StorageBackend", "as_storage", "atomic_write_bytes",
            "file_sha256", "open_storage", "url_scheme"]
 
 # "scheme://" or "scheme:/" (what pathlib leaves of "s3://bucket" after a str -> Path round trip);
@@ -35,7 +35,7 @@ def url_scheme(location: str | Path) -> str | None:
     return match.group(1).lower() if match else None
 
 
-def open_storage(location: str | Path, **remote_options: Any) -> Storage:
+def open_storage(location: str | Path, **remote_options: Any) -> StorageBackend:
     """The storage backend for a dataset folder or URL. Raises UnsupportedStorageError for a URL
     no backend serves (never falls back to a local folder named like the URL). `remote_options`
     (storage_options, cache_dir, cache_limit) go to RemoteStorage; a local folder needs none."""
@@ -62,6 +62,6 @@ def open_storage(location: str | Path, **remote_options: Any) -> Storage:
         location=str(location))
 
 
-def as_storage(location: str | Path | Storage) -> Storage:
-    """``location`` itself when it is already a Storage, else :func:`open_storage` of it."""
-    return location if isinstance(location, Storage) else open_storage(location)
+def as_storage(location: str | Path | StorageBackend) -> StorageBackend:
+    """``location`` itself when it is already a StorageBackend, else :func:`open_storage` of it."""
+    return location if isinstance(location, StorageBackend) else open_storage(location)

@@ -1,6 +1,6 @@
 """The storage interface: the one seam through which datasets are read and written.
 
-A :class:`Storage` is bound to one dataset directory (local folder today; an object-store prefix
+A :class:`StorageBackend` is bound to one dataset directory (local folder today; an object-store prefix
 next) and addresses its files by plain name (``stoker.json``, ``shard-00000.arrow``): a dataset is
 flat, so no caller builds paths. Reads hand back bytes or, for shards, a local memory-mappable file:
 a remote backend fetches the object into a local cache first (verifying it), then serves the same
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ContextManager
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["ShardSink", "Storage"]
+__all__ = ["ShardSink", "StorageBackend"]
 
 
 class ShardSink(abc.ABC):
@@ -39,7 +39,7 @@ class ShardSink(abc.ABC):
         """Drop the partial file; safe to call twice or after a failed commit."""
 
 
-class Storage(abc.ABC):
+class StorageBackend(abc.ABC):
     """One dataset directory. Names are plain file names inside it, never paths.
 
     Missing files raise FileNotFoundError; other failures OSError (or a DatasetError naming the file).

@@ -50,7 +50,7 @@ except ImportError:  # Windows: no flock; a shared cache folder is then unguarde
     fcntl = None  # type: ignore[assignment]
 
 
-class ShardInfo(Protocol):
+class ShardEntry(Protocol):
     """What the cache needs of a manifest entry (`stoker.shards.ShardInfo` has it)."""
 
     file: str
@@ -101,7 +101,7 @@ class CacheStats:
 
 @dataclass
 class _Entry:
-    info: ShardInfo
+    info: ShardEntry
     state: str = "remote"  # remote | unverified (a file found in the folder) | fetching | local | failed
     remaining: int = 0  # planned reads not yet released this epoch
     pins: int = 0  # get() calls not yet released
@@ -121,7 +121,7 @@ class ShardCache:
     with exponential back-off on transient errors; every wait gives up after `timeout` seconds.
     """
 
-    def __init__(self, fetch: RangeFetcher, shards: Sequence[ShardInfo], cache_dir: str | Path,
+    def __init__(self, fetch: RangeFetcher, shards: Sequence[ShardEntry], cache_dir: str | Path,
                  limit: int | str, *, where: Callable[[str], str] = str, threads: int = 2,
                  chunk_bytes: int = 16 << 20, retries: int = 4, backoff_s: float = 0.2,
                  timeout: float = 300.0) -> None:
@@ -393,7 +393,7 @@ class ShardCache:
                     self.stats.fetched.append(e.info.file)
                 self._cond.notify_all()
 
-    def _verified(self, info: ShardInfo) -> int | None:
+    def _verified(self, info: ShardEntry) -> int | None:
         """A lease on the file of `info` found in the folder when its SHA-256 matches the manifest;
         else None, the damaged file deleted (unless another process holds it)."""
         path = self.dir / f"{info.sha256}.arrow"
@@ -420,7 +420,7 @@ class ShardCache:
         return None
 
     # ---- download ----------------------------------------------------------------------------
-    def _download(self, info: ShardInfo) -> int:
+    def _download(self, info: ShardEntry) -> int:
         """Fetch `info` into a temporary file, verify size and SHA-256, rename it in; returns a
         lease on it (taken before the rename, so no other process can delete it in between). One
         more full attempt after a checksum mismatch, in case the damage happened on the way."""
@@ -461,7 +461,7 @@ class ShardCache:
         finally:
             tmp.unlink(missing_ok=True)
 
-    def _disk_full(self, info: ShardInfo, exc: OSError) -> OutputError:
+    def _disk_full(self, info: ShardEntry, exc: OSError) -> OutputError:
         """A full disk is the cache folder's problem, not the shard's: the error names the folder and
         the room the shard needs (not the bucket URL, which is intact)."""
         try:
@@ -474,7 +474,7 @@ class ShardCache:
             f"{format_bytes(self.limit)} in all (cache_limit), {free}; free space there, lower cache_limit, or "
             f"point cache_dir at a larger disk", path=self.dir, errno=exc.errno)
 
-    def _fetch_range(self, info: ShardInfo, start: int, end: int) -> bytes:
+    def _fetch_range(self, info: ShardEntry, start: int, end: int) -> bytes:
         where = self._where(info.file)
         for attempt in range(self._retries + 1):
             with self._cond:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import ShardError
-from .base import ShardSink, Storage
+from .base import ShardSink, StorageBackend
 from .lock import DirectoryLock
 
 
@@ -190,7 +190,7 @@ class _LocalSink(TempFileSink):
         fsync_dir(self.path.parent)
 
 
-class LocalStorage(Storage):
+class LocalStorage(StorageBackend):
     """A dataset directory on a local (or mounted) file system."""
 
     def __init__(self, root: str | Path) -> None:

@@ -20,9 +20,9 @@ from typing import Any, Mapping, Sequence
 import pyarrow as pa
 
 from ..errors import ConfigError, DatasetError, ShardError, UnsupportedStorageError
-from .base import ShardSink, Storage
+from .base import ShardSink, StorageBackend
 from .._system import parse_size
-from .cache import ShardCache, ShardInfo
+from .cache import ShardCache, ShardEntry
 from .local import TempFileSink, file_sha256
 from .lock import DirectoryLock
 
@@ -76,7 +76,7 @@ class _UploadSink(TempFileSink):
             self.tmp.unlink(missing_ok=True)
 
 
-class RemoteStorage(Storage):
+class RemoteStorage(StorageBackend):
     """A dataset under a URL prefix, through fsspec. Shards are read through a local cache (made
     by :meth:`open_cache` once the manifest is known), written by whole-object uploads.
 
@@ -168,7 +168,7 @@ class RemoteStorage(Storage):
                 digest.update(block)
         return digest.hexdigest()
 
-    def open_cache(self, shards: Sequence[ShardInfo], **options: Any) -> ShardCache:
+    def open_cache(self, shards: Sequence[ShardEntry], **options: Any) -> ShardCache:
         """The shard cache of this dataset (made on first call; `options` go to ShardCache)."""
         with self._lock:
             if self._cache is None:
@@ -190,7 +190,7 @@ class RemoteStorage(Storage):
         self._cache.release(name)
         return path
 
-    def shard_meta(self, info: ShardInfo, rows: int, columns: Sequence[str]) -> pa.Table:
+    def shard_meta(self, info: ShardEntry, rows: int, columns: Sequence[str]) -> pa.Table:
         """`columns` of a shard (small ones: height, width, label) without downloading it: ranged
         GETs of just their buffers (Arrow IPC's footer says where they are). Kept in the cache
         directory for the next run (`<sha256>.meta.arrow`, with its own SHA-256 beside it in

@@ -577,7 +577,7 @@ def _check_args(images: int, batch_size: int, workers: int, rounds: int, pipelin
 
 
 @dataclass(frozen=True)
-class _Plan:
+class _BenchPlan:
     """What one run measures, defaults resolved: the CPU bench, or the device bench of `bench_gpu`."""
 
     catalog: dict[str, tuple[str, str | None]]   # name -> (description, ratio reference)
@@ -592,7 +592,7 @@ class _Plan:
 
 def _plan(images: int | None, batch_size: int, workers: int, rounds: int, pipelines: Sequence[str] | None,
           device: str, models: Sequence[str] | None, steps: int | None, warmup_steps: int | None,
-          recipe: str = "basic") -> _Plan:
+          recipe: str = "basic") -> _BenchPlan:
     named = tuple(pipelines) if pipelines is not None else None
     if named is not None and "neighbour" in named:
         raise ConfigError("run_bench: the neighbour bench runs alone, with its own table: stoker bench --pipelines "
@@ -608,7 +608,7 @@ def _plan(images: int | None, batch_size: int, workers: int, rounds: int, pipeli
         if models is not None or steps is not None or warmup_steps is not None:
             raise ConfigError("run_bench: models, steps and warmup_steps belong to the device bench's training "
                               "pipelines; add device='cuda' (stoker bench --device cuda)")
-        plan = _Plan(PIPELINES, DEFAULT_PIPELINES if named is None else named, images or 2000)
+        plan = _BenchPlan(PIPELINES, DEFAULT_PIPELINES if named is None else named, images or 2000)
         _check_args(plan.images, batch_size, workers, rounds, plan.pipelines)
         return plan
     dev = str(bench_gpu.resolve_device(device))
@@ -620,7 +620,7 @@ def _plan(images: int | None, batch_size: int, workers: int, rounds: int, pipeli
     # pipelines need no torchvision).
     chosen_models = tuple(bench_gpu.DEFAULT_MODELS if models is None else models)
     catalog = bench_gpu.device_pipelines(chosen_models, check=models is not None)
-    plan = _Plan(catalog, tuple(catalog) if named is None else named, images or bench_gpu.DEFAULT_IMAGES, True,
+    plan = _BenchPlan(catalog, tuple(catalog) if named is None else named, images or bench_gpu.DEFAULT_IMAGES, True,
                  dev, chosen_models, bench_gpu.DEFAULT_STEPS if steps is None else steps,
                  bench_gpu.DEFAULT_WARMUP_STEPS if warmup_steps is None else warmup_steps)
     _check_args(plan.images, batch_size, workers, rounds, plan.pipelines, catalog)

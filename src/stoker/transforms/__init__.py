@@ -39,7 +39,7 @@ from .geometry import (INTERPOLATIONS, CenterCrop, CropWindow, Plan, PlanState, 
                        decode_minimums, plan_ops, resample, resample_region_into, resampling)
 from .adapt import Adapted, TransformError, adapt
 from .colour import ColorJitter, GaussianBlur, RandomGrayscale
-from .gpu import BatchAugment, Normalize, RandomErasing
+from .batch_ops import BatchAugment, Normalize, RandomErasing   # stoker.RandomErasing: the batched op
 from .kinds import BATCH, PLAN, SAMPLE
 from .mixing import CutMix, MixUp, Mixup
 from .pipeline import Pipeline

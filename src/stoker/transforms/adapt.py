@@ -13,7 +13,7 @@ HWC uint8 arrays, PIL images or CHW tensors.
   dropped (stoker's batches are uint8, converted on the device), the value range they leave kept for
   the Normalize after them (0..255 after `ToDtype(float32)` without `scale=True`); Normalize
   and RandomErasing, which torchvision runs on normalized tensors, become stoker's batched ops
-  (`gpu.Normalize`, `gpu.RandomErasing`), v2's MixUp / CutMix (and a RandomChoice of them) stoker's
+  (`batch_ops.Normalize`, `batch_ops.RandomErasing`), v2's MixUp / CutMix (and a RandomChoice of them) stoker's
   `Mixup`, as do stoker's batched ops and a `Mixup` given directly;
 - any other callable is wrapped in `Adapted`: the sample is handed over as the kind it takes
   (declared with `adapt(fn, input=...)`, else detected on the first sample), its result converted
@@ -36,7 +36,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import ConfigError, StokerError
-from . import colour, gpu, mixing, policy
+from . import batch_ops, colour, mixing, policy
 from .mixing import Mixup
 from .geometry import INTERPOLATIONS, CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
 from .kinds import BATCH, SAMPLE, moves_pixels, stage_of
@@ -203,10 +203,10 @@ def _batch_op(t: Any, unscaled: bool = False) -> Any:
         return mix
     if _from_torchvision(t) and type(t).__name__ == "Normalize":
         k = 255.0 if unscaled else 1.0
-        return gpu.Normalize(tuple(float(v) / k for v in t.mean), tuple(float(v) / k for v in t.std))
+        return batch_ops.Normalize(tuple(float(v) / k for v in t.mean), tuple(float(v) / k for v in t.std))
     if _from_torchvision(t) and type(t).__name__ == "RandomErasing":
         value = t.value if isinstance(t.value, str) or t.value is None else t.value
-        return gpu.RandomErasing(float(t.p), tuple(t.scale), tuple(t.ratio), "random" if value is None else value)
+        return batch_ops.RandomErasing(float(t.p), tuple(t.scale), tuple(t.ratio), "random" if value is None else value)
     return None
 
 

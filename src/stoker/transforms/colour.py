@@ -135,13 +135,13 @@ def erasing_params(rng: np.random.Generator, height: int, width: int, scale: tup
 
 
 @dataclass(frozen=True)
-class RandomErasing(_RandomOp):
+class SampleRandomErasing(_RandomOp):
     """torchvision.transforms.RandomErasing on uint8: with probability `p`, a rectangle of area fraction
     uniform in `scale` and log-uniform aspect ratio in `ratio` (10 tries) is set to `value`.
 
     `value` is in uint8 units here (torchvision erases after Normalize, where 0 is the mean colour:
     pass `value=(124, 116, 104)` for ImageNet's mean, or use the batched version after normalisation,
-    `transforms.gpu.RandomErasing`). `"random"` fills with per-pixel normal noise of the `mean`/`std`
+    `transforms.batch_ops.RandomErasing`). `"random"` fills with per-pixel normal noise of the `mean`/`std`
     (0..1 units) the batch is later normalised with, i.e. torchvision's N(0, 1) after Normalize."""
 
     moves_pixels = False  # pixel values only: boxes and masks stay valid

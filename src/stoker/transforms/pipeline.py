@@ -3,7 +3,7 @@
 `transforms=` may be one transform, a list or a Compose-like object, with stoker's ops, torchvision's
 (translated to stoker's) and any callable on arrays, PIL images or tensors (`adapt.as_ops`). Batched
 ops (`transforms.gpu`: Normalize, RandomErasing, ...) and a `Mixup` at the end run on whole batches,
-on the device when the Loader has one (`batch`, a `gpu.BatchAugment`, or None). Which is which comes
+on the device when the Loader has one (`batch`, a `batch_ops.BatchAugment`, or None). Which is which comes
 from what each op declares (`kinds.py`)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import ConfigError
 from .geometry import Plan, Size, crop_resize_into, plan_ops
 from .adapt import as_ops
-from .gpu import BatchAugment
+from .batch_ops import BatchAugment
 from .kinds import PLAN, moves_pixels, stage_of
 from .user import _UserOp, _wants_rng, apply_tail
 

@@ -1,0 +1,77 @@
+"""A Loader's counters (`LoaderStats`, `loader.stats`) and each worker's own, flushed into them under
+the run's lock (`WorkerTimes`)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class LoaderStats:
+    """Counters of a Loader since it was made. Stage times are summed over worker threads (seconds)."""
+
+    samples: int = 0
+    batches: int = 0
+    skipped: int = 0  # failed samples replaced under on_error="skip"
+    skipped_keys: list[str] = field(default_factory=list)  # the first 100 of them
+    read_s: float = 0.0  # getting the stored bytes (mmap view, or a file read for loose data)
+    decode_s: float = 0.0
+    augment_s: float = 0.0  # crop, resize, flip, user transforms, writing into the batch
+    worker_wait_s: float = 0.0  # workers waiting for a free slot (the consumer is the bottleneck)
+    consumer_wait_s: float = 0.0  # the training loop waiting for a batch (the loader is the bottleneck)
+    device_s: float = 0.0  # the device thread building batches: uploads, conversion, GPU decode submission
+    gpu_decoded: int = 0  # samples decoded on the GPU (decode="gpu")
+    gpu_fallbacks: int = 0  # JPEGs the GPU could not decode, decoded on the CPU instead
+    gpu_decoder: str = ""  # decode="gpu": the backend that decoded them (with what "auto" measured)
+    slots_allocated: int = 0  # batch buffers allocated: the ring's own, plus one per batch the caller kept
+    # memory on the device stage's device (GPU memory with device="cuda") the loader holds, in bytes: the
+    # batches the device thread has built and not yet handed out. Counted by summing the storages of the
+    # tensors it owns (not torch.cuda.memory_allocated deltas, which the training step's allocations
+    # would pollute); the peak also counts the batch being built with its working tensor (the uint8
+    # upload, or GPU decode target). A GPU decoder library's own buffers are not in it.
+    device_bytes: int = 0
+    device_peak_bytes: int = 0
+    _device_lock: Any = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items() if not k.startswith("_")}
+
+    def hold_device(self, nbytes: int, working: int = 0) -> None:
+        """A built batch of `nbytes` now held on the device; `working`: bytes that also lived while it was
+        built (freed since), for the peak."""
+        with self._device_lock:
+            self.device_bytes += nbytes
+            self.device_peak_bytes = max(self.device_peak_bytes, self.device_bytes + working)
+
+    def release_device(self, nbytes: int) -> None:
+        """A held batch handed out to the caller (then it is theirs) or dropped."""
+        with self._device_lock:
+            self.device_bytes -= nbytes
+
+    def add(self, times: "WorkerTimes", samples: int) -> None:
+        """Add a worker's counters since its last flush (call under the run's lock) and reset them."""
+        self.samples += samples
+        self.read_s += times.read
+        self.decode_s += times.decode
+        self.augment_s += times.augment
+        self.worker_wait_s += times.wait
+        self.skipped += times.skipped
+        if times.skipped_keys and len(self.skipped_keys) < 100:
+            self.skipped_keys.extend(times.skipped_keys[:100 - len(self.skipped_keys)])
+        times.read = times.decode = times.augment = times.wait = 0.0
+        times.skipped = 0
+        times.skipped_keys.clear()
+
+
+@dataclass
+class WorkerTimes:
+    """Seconds one worker spent per stage since the last flush into the shared stats."""
+
+    read: float = 0.0
+    decode: float = 0.0
+    augment: float = 0.0
+    wait: float = 0.0
+    skipped: int = 0
+    skipped_keys: list[str] = field(default_factory=list)
