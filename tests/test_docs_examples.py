@@ -2,7 +2,7 @@
 
 Each fenced block whose info string starts with `python`, `bash`, `sh` or `shell` is one test. A
 file's blocks run in order, in one working folder per file (the Python blocks in one namespace, as a
-reader pastes them into one session; the shell blocks through bash with `stoker` and `python` on PATH).
+reader pastes them into one interpreter; the shell blocks through bash with `stoker` and `python` on PATH).
 The folder starts with generated data under the names the docs use: `imgs/` (an ImageFolder of
 ImageNet-like JPEGs), `packed/` (it, packed), `data/train`, `data/val` (the same images) and
 `data/train-packed`, `data/val-packed`.
