@@ -15,7 +15,8 @@
 #   tests    cudatests: pytest $CUDA_TESTS (tests/cuda) once, every failure listed (no -x, and no sanitizer:
 #            its mode is per thread, so it sees only the main thread); then cputests: the CPU suite
 #   loader   stoker bench, loaders alone: the cuda-* pipelines of the list (DataLoader+PIL vs stoker, CPU
-#            and GPU decode, vs DALI), LOADER_STEPS batches a round
+#            and GPU decode and the two split by measured throughput, vs DALI), LOADER_STEPS batches a
+#            round; the log has the split's GPU share, why, and the GPU path's seconds per phase
 #   train    the same bench, each model of MODELS trained fed by the train-{model}-* pipelines of the list
 #            vs synthetic data: one step per model, train-<model> (train-resnet50, train-resnet18; train50
 #            and train18 are the same two)
@@ -50,17 +51,17 @@ set -u -o pipefail
 
 # The pipelines the loader and train steps run, one list per profile: loaders alone (cuda-*) and training
 # feeds (train-{model}-*, run for each model of MODELS). A new pipeline of `stoker bench` joins here
-# (train-{model}-stoker-process, train-{model}-stoker-interference, a CPU+GPU split decode loader, ...);
-# PIPELINES in the environment replaces the profile's list.
-FULL_PIPELINES="cuda-baseline cuda-stoker cuda-stoker-gpu cuda-dali train-{model}-synthetic train-{model}-baseline
-train-{model}-stoker train-{model}-stoker-process train-{model}-stoker-interference train-{model}-stoker-gpu
-train-{model}-dali"
-QUICK_PIPELINES="cuda-stoker cuda-stoker-gpu train-{model}-synthetic train-{model}-baseline train-{model}-stoker
-train-{model}-stoker-process train-{model}-stoker-interference"
+# (train-{model}-stoker-process, train-{model}-stoker-interference, cuda-stoker-auto: the CPU+GPU split
+# decode loader, ...); PIPELINES in the environment replaces the profile's list.
+FULL_PIPELINES="cuda-baseline cuda-stoker cuda-stoker-gpu cuda-stoker-auto cuda-dali train-{model}-synthetic
+train-{model}-baseline train-{model}-stoker train-{model}-stoker-process train-{model}-stoker-interference
+train-{model}-stoker-gpu train-{model}-dali"
+QUICK_PIPELINES="cuda-stoker cuda-stoker-gpu cuda-stoker-auto train-{model}-synthetic train-{model}-baseline
+train-{model}-stoker train-{model}-stoker-process train-{model}-stoker-interference"
 # quick: each step's time limit in seconds (LIMITS="step=seconds ..." in the environment overrides some).
 # Their sum, 525 s, keeps the run under 9 minutes; the H200's times were: CUDA tests 111 s, each training
 # bench of 3 feeds 60-75 s at 2 rounds x 60 steps, GPU decode the slowest loader (docs/benchmarks.md).
-QUICK_LIMITS="setup=30 env=20 cudatests=145 loader=70 train-resnet50=130 train-resnet18=115 targets=15"
+QUICK_LIMITS="setup=30 env=20 cudatests=145 loader=85 train-resnet50=120 train-resnet18=110 targets=15"
 
 PY=${PY:-python3}
 OUT=${OUT:-gpu-session}
@@ -203,7 +204,7 @@ conditions() {  # what every figure of this run was measured under, kept beside 
   the bus (4x the bytes of uint8), each copied with .to(device, non_blocking=True) on the default
   stream of the training thread: the copy queues behind the step on that stream, no overlap; then a
   cast to bfloat16 on the device.
-- stoker (cuda-stoker, cuda-stoker-gpu, train-<model>-stoker*): uint8 batches copied on the loader's
+- stoker (cuda-stoker, cuda-stoker-gpu, cuda-stoker-auto, train-<model>-stoker*): uint8 batches copied on the loader's
   own stream and converted there (bfloat16, normalized), overlapping the step.
 - Start-up (construction to first batch) is untimed warm-up; targets.py shows, beside each verdict,
   the start-up share of the pipelines behind it (start-up over the timed run), not a gate.
@@ -314,6 +315,15 @@ with stoker.Loader(packed, batch, transforms=[RandomResizedCrop(224), RandomHori
         pass
     print("gpu_decoder='auto' took:", loader.stats.gpu_decoder)
     print("decoded on the GPU:", loader.stats.gpu_decoded, "CPU fallbacks:", loader.stats.gpu_fallbacks)
+    print("decode='gpu' seconds per phase:", loader.stats.gpu_phases)
+# decode="auto": each batch split between the GPU and the worker threads by measured throughput
+auto = stoker.DeviceOptions(device, normalize="imagenet", dtype="bf16", memory_format="channels_last", decode="auto",
+                            gpu_decoder=decoder)
+with stoker.Loader(packed, batch, transforms=[RandomResizedCrop(224), RandomHorizontalFlip()], device=auto) as loader:
+    for _ in zip(range(60), loader):
+        pass
+    print(f"decode='auto': {loader.stats.gpu_share:.0%} on the GPU: {loader.stats.gpu_split}")
+    print("decode='auto' seconds per phase:", loader.stats.gpu_phases)
 on_gpu = device != "cpu"
 print(run_doctor(packed, batch_size=batch, steps=20, model="resnet50" if on_gpu else None, device=device,
                  decode="gpu" if on_gpu else "cpu", progress=False).format())

@@ -77,11 +77,11 @@ def _best(pipelines: Sequence[Mapping[str, Any]], names: Sequence[str]) -> tuple
 def check_targets(pipelines: Sequence[Mapping[str, Any]],
                   train_targets: Mapping[str, float] | None = None) -> list[Target]:
     """The targets for the pipelines present in `pipelines` (the "pipelines" list of bench.json), each
-    judged on the better of stoker's two decode paths."""
+    judged on the best of stoker's decode paths (CPU, GPU, and the two split: decode="auto")."""
     train_targets = TRAIN_TARGETS if train_targets is None else train_targets
     names = {p.get("name") for p in pipelines}
     out: list[Target] = []
-    stoker_loaders = [n for n in ("cuda-stoker", "cuda-stoker-gpu") if n in names]
+    stoker_loaders = [n for n in ("cuda-stoker", "cuda-stoker-gpu", "cuda-stoker-auto") if n in names]
     if stoker_loaders:
         speedup = Target(f"loader alone, faster stoker decode path >= {LOADER_SPEEDUP_TARGET:g}x cuda-baseline",
                          LOADER_SPEEDUP_TARGET, "x cuda-baseline")

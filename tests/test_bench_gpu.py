@@ -68,8 +68,9 @@ def test_pipeline_names_and_references() -> None:
 
     catalog = device_pipelines(["resnet50"] if torchvision_importable() else [TINY])
     label = next(n for n in catalog if n.startswith("train-")).split("-")[1]
-    assert list(catalog)[:4] == ["cuda-baseline", "cuda-stoker", "cuda-stoker-gpu", "cuda-dali"]
+    assert list(catalog)[:5] == ["cuda-baseline", "cuda-stoker", "cuda-stoker-gpu", "cuda-stoker-auto", "cuda-dali"]
     assert catalog["cuda-stoker-gpu"][1] == "cuda-baseline" and catalog["cuda-baseline"][1] is None
+    assert catalog["cuda-stoker-auto"][1] == "cuda-baseline" and feed_of("cuda-stoker-auto") == "stoker-auto"
     assert catalog["cuda-dali"][1] == "cuda-baseline"
     assert [n for n in catalog if n.startswith("train-")] == [
         f"train-{label}-{f}" for f in ("synthetic", "baseline", "stoker", "stoker-process", "stoker-interference",
@@ -118,6 +119,15 @@ def test_device_bench_on_cpu_end_to_end(cpu_run: tuple[BenchResult, Path]) -> No
     stoker_loader = _check_ran(result.get("cuda-stoker"))
     assert stoker_loader.images == 16 + 12   # warm-up: batches 0-1 of 60 images; timed: 2 and the partial 3
     assert stoker_loader.ratio == pytest.approx(stoker_loader.images_per_s / base.images_per_s)
+    assert stoker_loader.gpu_split == "" and math.isnan(stoker_loader.gpu_share)   # CPU decode: no split to record
+    # decode="auto" without CUDA: it runs, decoding on the CPU, and the result says why
+    auto = _check_ran(result.get("cuda-stoker-auto"))
+    assert auto.version.endswith(", decode='auto'") and auto.images == 16 + 12
+    assert auto.ratio == pytest.approx(auto.images_per_s / base.images_per_s)
+    assert auto.gpu_share == 0.0 and auto.gpu_split.startswith("CPU only: no GPU JPEG decoder works here")
+    assert "CUDA" in auto.gpu_split and auto.gpu_phases == {}
+    assert (f"cuda-stoker-auto: 0% of each batch's JPEGs on the GPU ({auto.gpu_split}); seconds per phase over the "
+            "timed rounds: none (no batch went through the GPU decode path).") in format_table(result)
     assert result.pack_seconds > 0
     _check_dali(result)
 
@@ -267,11 +277,55 @@ def test_every_loader_alone_pipeline_asks_for_the_same_dtype(monkeypatch: pytest
 
     monkeypatch.setattr(bench_gpu, "open_feed", fake_open_feed)
     for name in bench_gpu.LOADERS:
-        epoch, close, _ = bench_gpu.loader_epochs(name, root="", packed="", batch_size=2, workers=1, device="cpu",
-                                                  steps=1)
-        assert list(epoch()) == [2]
-        close()
+        run = bench_gpu.loader_epochs(name, root="", packed="", batch_size=2, workers=1, device="cpu", steps=1)
+        assert list(run.epoch()) == [2]
+        run.close()
     assert asked == [torch.bfloat16] * len(bench_gpu.LOADERS) and bench_gpu.LOADER_DTYPE == "bfloat16"
+
+
+class _StandInDecoder:
+    """The GPU decoder protocol (`gpu_decoder=` object) with simplejpeg on the CPU: CHW uint8 tensors."""
+
+    name = "simplejpeg stand-in"
+
+    def decode(self, datas: list[torch.Tensor]) -> list[torch.Tensor]:
+        import simplejpeg
+
+        return [torch.from_numpy(simplejpeg.decode_jpeg(d.numpy(), colorspace="RGB")).permute(2, 0, 1).contiguous()
+                for d in datas]
+
+
+def test_the_split_loader_records_its_share_why_and_the_phases_of_its_timed_rounds(
+        tiny_root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """cuda-stoker-auto where a GPU decoder works (a CPU stand-in here, half of each batch given to it): the
+    result carries the split and the GPU path's seconds per phase in the timed rounds, not the warm-up's."""
+    from dataclasses import replace
+
+    made: list[object] = []
+    real = bench_gpu._stoker_loader
+
+    def with_stand_in(packed: str, batch_size: int, **options: object) -> object:
+        options["device"] = replace(options["device"], gpu_decoder=_StandInDecoder(), gpu_share=0.5)
+        made.append(real(packed, batch_size, **options))
+        return made[-1]
+
+    monkeypatch.setattr(bench_gpu, "_stoker_loader", with_stand_in)
+    caplog.set_level("INFO", logger="stoker.bench")
+    result = run_bench(tiny_root, batch_size=16, rounds=1, workers=2, isolate=False, device="cpu",
+                       pipelines=("cuda-baseline", "cuda-stoker-auto"), steps=2)
+    auto = _check_ran(result.get("cuda-stoker-auto"))
+    assert auto.gpu_share == 0.5 and auto.gpu_split.startswith("fixed: 50% of each batch's JPEGs on the GPU")
+    (loader,) = made
+    total = loader.stats.gpu_phases   # since the loader was made: warm-up round and timed round
+    assert set(auto.gpu_phases) == set(total) and auto.gpu_phases["decode_s"] > 0
+    assert auto.gpu_phases["resample_s"] > 0 and loader.stats.gpu_decoded > 0
+    assert all(0 <= auto.gpu_phases[k] <= total[k] + 1e-6 for k in total)
+    assert auto.gpu_phases["decode_s"] < total["decode_s"]   # the warm-up round's decode is left out
+    line = next(ln for ln in format_table(result).splitlines() if ln.startswith("cuda-stoker-auto: "))
+    assert line.startswith(f"cuda-stoker-auto: 50% of each batch's JPEGs on the GPU ({auto.gpu_split}); seconds "
+                           f"per phase over the timed rounds: ")
+    assert f"decode {auto.gpu_phases['decode_s']:.2f}" in line and "none (" not in line
+    assert line in caplog.text   # logged where it was measured: the pipeline's process, in a GPU session's log
 
 
 def _pipe(name: str, rate: float | None, ratio_to: str | None = None) -> PipelineResult:
@@ -412,12 +466,13 @@ def test_loader_rounds_run_on_across_passes_without_restarting_the_baseline(tiny
     starts = []
     real_iter = DataLoader.__iter__
     monkeypatch.setattr(DataLoader, "__iter__", lambda self: starts.append(1) or real_iter(self))
-    epoch, close, _ = bench_gpu.loader_epochs("cuda-baseline", root=str(tiny_root), packed="", batch_size=16,
-                                              workers=1, device="cpu", steps=5)
+    run = bench_gpu.loader_epochs("cuda-baseline", root=str(tiny_root), packed="", batch_size=16, workers=1,
+                                  device="cpu", steps=5)
     try:
-        assert [list(epoch()) for _ in range(3)] == [[16] * 5] * 3
+        assert [list(run.epoch()) for _ in range(3)] == [[16] * 5] * 3
     finally:
-        close()
+        run.close()
+    assert run.split is None   # only stoker's GPU decode feeds have a split to record
     assert len(starts) == 1
     with pytest.raises(ConfigError, match="steps must be at least 1"):
         bench_gpu.loader_epochs("cuda-baseline", root=str(tiny_root), packed="", batch_size=16, workers=1,

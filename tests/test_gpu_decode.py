@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import BrokenImport, jpeg_bytes, smooth_rgb
-from stoker.device import gpu_decode
+from stoker.device import gpu_backends, gpu_decode
 from stoker.errors import ConfigError, CorruptImageError
 from stoker.device.gpu_decode import GpuBatchDecoder, make_decoder
 from stoker.loading.jobs import GpuJob
@@ -423,7 +423,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: log.append(f"record {s.name}"), raising=False)
-    monkeypatch.setattr(gpu_decode, "_cuda_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(gpu_backends, "_cuda_device", lambda device: torch.device("cpu"))
     return log
 
 
@@ -448,7 +448,7 @@ def fake_torchcodec(monkeypatch: pytest.MonkeyPatch, log: list[str]) -> None:
 
 def test_the_torchcodec_wrapper_batches_and_retries_on_its_own_stream_without_host_syncs(
         monkeypatch: pytest.MonkeyPatch, fake_cuda: list[str]) -> None:
-    monkeypatch.setattr(gpu_decode, "_cuda_device", lambda device: torch.device("cuda", 0))
+    monkeypatch.setattr(gpu_backends, "_cuda_device", lambda device: torch.device("cuda", 0))
     monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", None)  # whatever this machine has installed
     fake_torchcodec(monkeypatch, fake_cuda)
     dec = make_decoder("auto", "cuda")  # probes once with a tiny JPEG
@@ -481,7 +481,7 @@ def on_fake_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """The nvImageCodec wrapper as on a CUDA device (a torch.device("cuda", 0) that holds no memory here):
     the fake library's host arrays become CPU tensors where the real one's device images would become
     CUDA tensors."""
-    monkeypatch.setattr(gpu_decode, "_cuda_device", lambda device: torch.device("cuda", 0))
+    monkeypatch.setattr(gpu_backends, "_cuda_device", lambda device: torch.device("cuda", 0))
     monkeypatch.setattr(gpu_decode.NvImageCodecDecoder, "_tensor",
                         lambda self, img: torch.from_numpy(np.asarray(img)).permute(2, 0, 1))
 

@@ -55,9 +55,9 @@ def test_the_script_parses_and_names_only_real_pipelines_and_models() -> None:
     assert sorted(full) == sorted(catalog)   # every loader and every training feed, each once
     quick = _profile("QUICK_PIPELINES", models)
     assert set(quick) <= set(catalog) and len(quick) == len(set(quick))
-    # the quick run: the loaders alone with CPU and GPU decode, and each model's synthetic, baseline and
-    # stoker feeds
-    assert {"cuda-stoker", "cuda-stoker-gpu"} <= set(quick)
+    # the quick run: the loaders alone with CPU and GPU decode and the two split (decode="auto"), and each
+    # model's synthetic, baseline and stoker feeds
+    assert {"cuda-stoker", "cuda-stoker-gpu", "cuda-stoker-auto"} <= set(quick)
     assert all(f"train-{m}-{feed}" in quick for m in models for feed in ("synthetic", "baseline", "stoker"))
     # every other feed too (the GPU decode one is the loader's step; DALI and the loaders' baseline wait for
     # the full run): a feed `stoker bench` adds belongs in the quick run
@@ -141,21 +141,28 @@ def _archived(results: Path) -> set[str]:
 def test_a_cpu_rehearsal_of_the_quick_run_hands_back_one_archive_after_each_step(tmp_path: Path) -> None:
     """The quick profile on the CPU, tiny: every step in order under its limit, a step that overruns its
     limit stopped (cudatests, given 1 s) and the run going on, the loader and a training bench through
-    the pipeline list ({model} filled in), the targets, one archive with all of it."""
+    the pipeline list ({model} filled in), the split decode loader saying in the step's log why it decodes
+    on the CPU alone here, the targets, one archive with all of it."""
     env = {**_session_env(tmp_path), "MODELS": "stoker.tools.train:small_cnn",
-           "PIPELINES": "cuda-stoker train-{model}-synthetic", "LIMITS": "cudatests=1"}
+           "PIPELINES": "cuda-stoker cuda-stoker-auto train-{model}-synthetic", "LIMITS": "cudatests=1"}
     done = subprocess.run([BASH, str(SCRIPT), "--device", "cpu", "quick"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     log = done.stdout + done.stderr
     out = tmp_path / "out"
     session = (out / "session.log").read_text()
     assert re.findall(r"^== (\S+) \(limit (\d+) s\)", session, re.M) == [
-        ("setup", "30"), ("env", "20"), ("cudatests", "1"), ("loader", "70"), ("train-small_cnn", "115"),
+        ("setup", "30"), ("env", "20"), ("cudatests", "1"), ("loader", "85"), ("train-small_cnn", "110"),
         ("targets", "15")], log[-3000:]
     assert "[timed out: step cudatests reached its limit of 1 s]" in (out / "cudatests.log").read_text()
     assert done.returncode == 1   # the stopped step counts as a failure
     bench = json.loads((out / "bench-loader" / "bench.json").read_text())
-    assert [p["name"] for p in bench["pipelines"]] == ["cuda-stoker"], log[-3000:]
+    assert [p["name"] for p in bench["pipelines"]] == ["cuda-stoker", "cuda-stoker-auto"], log[-3000:]
+    auto = bench["pipelines"][1]
+    assert auto["gpu_share"] == 0.0 and auto["gpu_split"].startswith("CPU only: no GPU JPEG decoder works here")
+    loader_log = (out / "loader.log").read_text()
+    assert re.search(r"^\[cuda-stoker-auto\] .* stoker\.bench INFO cuda-stoker-auto: 0% of each batch's JPEGs on "
+                     r"the GPU \(CPU only: no GPU JPEG decoder works here", loader_log, re.M), loader_log[-3000:]
+    assert "seconds per phase over the timed rounds" in loader_log
     train = json.loads((out / "bench-train-small_cnn" / "bench.json").read_text())
     assert [p["name"] for p in train["pipelines"]] == ["train-small_cnn-synthetic"]
     assert "--data" in session   # the training bench reused the loader's images

@@ -27,7 +27,7 @@ from PIL import Image
 
 import stoker
 from stoker import CenterCrop, Loader, PackOptions, RandomHorizontalFlip, RandomResizedCrop, Resize
-from stoker import codecs, packing
+from stoker import codecs, pack_work, packing
 from stoker.errors import ConfigError, SourceError
 from stoker.sources import SourceItem
 from stoker.transforms import Pipeline, crop_resize_into
@@ -128,7 +128,7 @@ def test_property_pack_resize_then_crop_and_flip_keep_the_map_on_its_image(h, as
         Image.fromarray(COLOURS[ids]).save(buf, "PNG")
         options = PackOptions(max_side=max_side, encoding="raw", raw_below=0)
         out = packing.normalize(buf.getvalue(), "img.png", options)
-        stored = packing._label_map(SourceItem("img.png", None, None), mask_path, buf.getvalue(), out, options)
+        stored = pack_work._label_map(SourceItem("img.png", None, None), mask_path, buf.getvalue(), out, options)
     image = np.frombuffer(out.image, np.uint8).reshape(out.height, out.width, 3)
     small = codecs.decode_label_map(stored, "m.png")
     assert small.shape == image.shape[:2]

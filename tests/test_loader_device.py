@@ -401,21 +401,37 @@ def test_profile_reports_the_device_stage(packed: Path) -> None:
     assert report.stages["device_ms"] > 0 and "device stage" in report.format()
 
 
-def test_the_slot_is_fenced_for_reuse_before_the_gpu_decode(packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The pinned slot goes back to the workers once its upload is done, not after the GPU decode,
-    resize and conversion queued behind it: the reuse fence is recorded right after the uploads."""
-    from stoker.device.stage import DeviceStage
+def test_the_uploads_are_fenced_before_the_gpu_decode_and_the_slot_after_it(packed: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pipelined GPU decode: the uploads of batch b are fenced before its JPEGs reach the decoder
+    (on the decode thread); the slot is guarded until batch b is finished, the CPU fallbacks
+    included (a fence after them), then the batch's ready fence (Feeder)."""
+    import threading
+
+    from stoker.device import gpu_pipeline
     from stoker.device.gpu_decode import GpuBatchDecoder
+    from stoker.device.stage import DeviceStage
 
     log: list[str] = []
-    fence, run = DeviceStage.fence, GpuBatchDecoder.run
+    fence, decode = DeviceStage.fence, GpuBatchDecoder.decode_chunk
+    submit, finish = gpu_pipeline.PipelinedBuilder.submit, gpu_pipeline.PipelinedBuilder.finish
     monkeypatch.setattr(DeviceStage, "fence", lambda self: log.append("fence") or fence(self))
-    monkeypatch.setattr(GpuBatchDecoder, "run", lambda self, jobs, out: log.append("decode") or run(self, jobs, out))
-    loader = Loader(packed, 20, transforms=TRAIN, seed=2, 
+    monkeypatch.setattr(GpuBatchDecoder, "decode_chunk", lambda self, *a: log.append(
+        f"decode on {threading.current_thread().name}") or decode(self, *a))
+    monkeypatch.setattr(gpu_pipeline.PipelinedBuilder, "submit", lambda self, slot: log.append(
+        f"submit {slot.batch}") or submit(self, slot))
+    monkeypatch.setattr(gpu_pipeline.PipelinedBuilder, "finish", lambda self, p: log.append(
+        f"finish {p.slot.batch}") or finish(self, p))
+    loader = Loader(packed, 20, transforms=TRAIN, seed=2,
                     device=DeviceOptions("cpu", dtype=torch.uint8, decode="gpu", gpu_decoder=CpuJpegDecoder()), workers=2)
     assert len(list(loader)) == 3
-    # per batch: the reuse fence, the decode, then the batch's ready fence (Feeder)
-    assert log == ["fence", "decode", "fence"] * 3
+    device = [e for e in log if not e.startswith("decode")]
+    assert device == ["submit 0", "fence", "submit 1", "fence", "finish 0", "fence", "fence", "submit 2", "fence",
+                      "finish 1", "fence", "fence", "finish 2", "fence", "fence"]
+    decodes = [i for i, e in enumerate(log) if e.startswith("decode")]
+    assert [log[i] for i in decodes] == ["decode on stoker-decode"] * 3
+    for b, i in enumerate(decodes):  # each batch's decode after its uploads' fence
+        assert log.index(f"submit {b}") + 1 < i
 
 
 # ---- a plain Loader's pinned slots and the caller's asynchronous copies (README's first example) ---------

@@ -137,10 +137,11 @@ def test_ctrl_c_during_pack_names_resume(folder: Path, tmp_path: Path, capsys: p
 
 def test_a_resumed_pack_rates_only_its_own_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    import stoker.pack_work as work
     import stoker.packing as packing
 
     folder = make_image_folder(tmp_path / "imgs", n_per_class=4)   # 12 images
-    real, calls = packing._process_one, []
+    real, calls = work._process_one, []
 
     def cut(entry, options):   # Ctrl-C at the 10th image: the first task's 8 are in finished shards
         calls.append(entry)
@@ -148,7 +149,7 @@ def test_a_resumed_pack_rates_only_its_own_work(tmp_path: Path, monkeypatch: pyt
             raise KeyboardInterrupt
         return real(entry, options)
     opts = PackOptions(workers=1, shard_size=1)   # one image per shard
-    monkeypatch.setattr(packing, "_process_one", cut)
+    monkeypatch.setattr(work, "_process_one", cut)
     with pytest.raises(KeyboardInterrupt):
         pack(folder, tmp_path / "out", options=opts, progress=False)
     monkeypatch.undo()

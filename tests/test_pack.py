@@ -16,6 +16,7 @@ import pytest
 from conftest import jpeg_bytes, make_image_folder, smooth_rgb
 from PIL import Image, ImageOps
 
+import stoker.pack_work as work
 import stoker.packing as packmod
 from stoker import codecs
 from stoker.errors import ConfigError, CorruptImageError, DecompressionBombError, ImageError, SourceError
@@ -257,14 +258,14 @@ def test_output_is_the_same_for_any_worker_count(tmp_path: Path) -> None:
 def _interrupt_at(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
     """Make the n-th processed sample raise KeyboardInterrupt, as Ctrl-C would."""
     calls = {"n": 0}
-    real = packmod._process_one
+    real = work._process_one
 
     def flaky(entry, options):
         calls["n"] += 1
         if calls["n"] == n:
             raise KeyboardInterrupt
         return real(entry, options)
-    monkeypatch.setattr(packmod, "_process_one", flaky)
+    monkeypatch.setattr(work, "_process_one", flaky)
 
 
 def test_resume_after_interrupt_matches_uninterrupted_run(tmp_path: Path, monkeypatch) -> None:
@@ -300,12 +301,13 @@ def test_resume_after_interrupt_matches_uninterrupted_run(tmp_path: Path, monkey
 
 _SLOW_PACK = """
 import sys, time
+import stoker.pack_work as W
 import stoker.packing as P
-real = P._process_one
+real = W._process_one
 def slow(entry, options):
     time.sleep(0.01)
     return real(entry, options)
-P._process_one = slow
+W._process_one = slow
 P.pack(sys.argv[1], sys.argv[2], options=P.PackOptions(workers=1, shard_size=int(sys.argv[3])), progress=False)
 """
 

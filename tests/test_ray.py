@@ -3,6 +3,7 @@ records logged the same way, resumable."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -116,3 +117,29 @@ def test_engine_options_are_checked() -> None:
         PackOptions(engine="spark")
     with pytest.raises(ConfigError, match="address"):
         PackOptions(address="ray://head:10001")
+
+
+def split_and_relabel(sample: Any) -> Any:
+    """The pack function of the Ray test: class 0 dropped, class 1 halved into two samples."""
+    if sample.label == 0:
+        return None
+    if sample.label == 1:
+        w = sample.image.shape[1] // 2
+        return [sample.replace(key=f"{sample.key}#a", image=sample.image[:, :w]),
+                sample.replace(key=f"{sample.key}#b", image=sample.image[:, w:])]
+    if sample.key.endswith("003.jpg"):
+        raise ValueError("a failure of the function, on a Ray worker")
+    return sample
+
+
+def test_ray_runs_the_pack_function_like_a_local_pack(local_ray: None, messy: Path, tmp_path: Path) -> None:
+    options = PackOptions(workers=2, shard_size=SHARD_SIZE, map=split_and_relabel)
+    local = pack(messy, tmp_path / "local", options=options, progress=False)
+    remote = pack(messy, tmp_path / "ray", options=replace(options, engine="ray"), progress=False)
+    assert (remote.packed, remote.dropped, remote.skipped) == (local.packed, local.dropped, local.skipped)
+    # cat (and its broken.jpg, never decoded) dropped; dog halved (its empty.jpg a bad file); eel/003 raised
+    assert (local.dropped, local.packed, local.skipped) == (12 + 1, 2 * 12 + 12 - 1, 2)
+    assert _contents(tmp_path / "local") == _contents(tmp_path / "ray")
+    skipped = _contents(tmp_path / "ray")[2]
+    assert "map function split_and_relabel raised ValueError: a failure of the function, on a Ray worker" in skipped
+    assert '"key": "dog/empty.jpg"' in skipped and "map function" not in skipped.splitlines()[0]

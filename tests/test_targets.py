@@ -62,6 +62,14 @@ def test_loader_target_verdicts(stoker: float | None, stoker_gpu: float | None, 
         assert rate.verdict == speedup.verdict == "not measured"
 
 
+def test_the_split_decode_loader_is_judged_with_the_others() -> None:
+    pipes = _json_pipelines(_pipe("cuda-baseline", 5_000.0), _pipe("cuda-stoker", 9_000.0),
+                            _pipe("cuda-stoker-gpu", 4_000.0), _pipe("cuda-stoker-auto", 16_000.0))
+    speedup, rate = targets.check_targets(pipes, {})
+    assert rate.pipeline == speedup.pipeline == "cuda-stoker-auto" and rate.measured == 16_000.0
+    assert (speedup.met, rate.met) == (True, True) and speedup.measured == pytest.approx(3.2)
+
+
 def test_training_target_verdicts() -> None:
     pipes = _json_pipelines(
         _pipe("train-resnet50-synthetic", 3000.0), _pipe("train-resnet50-stoker", 2940.0),

@@ -142,6 +142,29 @@ def _column_list(text: str) -> list[str]:
     return [c.strip() for c in text.split(",") if c.strip()]
 
 
+def _pack_function(spec: str | None) -> Any:
+    """`--map MODULE:FUNCTION`: the function, imported as Python would (the current folder first)."""
+    if spec is None:
+        return None
+    import importlib
+
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name:
+        raise ConfigError(f"--map {spec}: expected MODULE:FUNCTION, e.g. --map mypack:crop_faces")
+    sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"--map {spec}: cannot import {module_name} ({exc}); run from the folder that holds "
+                          f"{module_name}.py, or install it") from None
+    finally:
+        sys.path.remove(os.getcwd())
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"--map {spec}: {module_name} has no function {name}")
+    return fn
+
+
 def _cmd_pack(args: argparse.Namespace) -> int:
     from .packing import PackOptions, pack
 
@@ -149,7 +172,8 @@ def _cmd_pack(args: argparse.Namespace) -> int:
                           raw_below=args.raw_below, shard_size=args.shard_size, workers=args.workers,
                           on_error=args.on_error, max_pixels=args.max_pixels, engine=args.engine,
                           address=args.address, samples=args.samples, video_keyframes=args.video_keyframes,
-                          video_crf=args.video_crf)
+                          video_crf=args.video_crf, map=_pack_function(args.map),
+                          map_fingerprint=args.map_fingerprint)
     source_options = {"kind": args.kind, "label_column": None if args.no_labels else args.label_column,
                       "path_column": args.path_column, "image_column": args.image_column, "root": args.root,
                       "mask_column": args.mask_column, "columns": args.columns}
@@ -329,6 +353,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "workers (pip install 'stoker[ray]'; SRC must be readable from every node)")
     p.add_argument("--address", default=None, help="with --engine ray: the cluster to join (auto, "
                    "ray://HOST:10001); default: a Ray instance started on this machine")
+    p.add_argument("--map", default=None, metavar="MODULE:FUNCTION",
+                   help="run your function on every sample before it is stored (a changed sample, several, or "
+                        "None to drop it; docs/packing.md)")
+    p.add_argument("--map-fingerprint", default=None, metavar="TEXT",
+                   help="with --map: the function's version for --resume (default: a hash of its code)")
     p.add_argument("--on-error", default="skip", choices=["skip", "fail"],
                    help="skip: log bad files to OUT/skipped.jsonl (default); fail: stop at the first")
     p.add_argument("--max-pixels", type=_positive, default=None, metavar="N",

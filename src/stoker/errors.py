@@ -12,7 +12,8 @@ and which file, shard, row or sample it concerns.
     │   │   └── CorruptVideoError         a video: empty, unreadable container, truncated, decoder failure
     │   ├── UnsupportedImageError         a format or mode stoker cannot turn into RGB
     │   │   └── UnsupportedVideoError     a video without a video stream (audio-only), or over the limits
-    │   └── DecompressionBombError        too many pixels, refused before decoding
+    │   ├── DecompressionBombError        too many pixels, refused before decoding
+    │   └── MapFunctionError              the pack's own function (PackOptions(map=)) failed on one sample
     ├── DatasetError (OSError)            a packed dataset on disk is wrong
     │   ├── ManifestError                 stoker.json missing, not JSON, or inconsistent
     │   ├── ShardError                    a shard missing, truncated, not Arrow, or bad checksum
@@ -136,6 +137,10 @@ class UnsupportedVideoError(UnsupportedImageError):
 
 class DecompressionBombError(ImageError):
     """An image whose header claims more pixels than the configured limit."""
+
+
+class MapFunctionError(ImageError):
+    """The function of ``PackOptions(map=)`` raised on one sample, or returned what the shards cannot hold."""
 
 
 class DatasetError(StokerError, OSError):

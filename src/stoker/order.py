@@ -14,6 +14,9 @@ batch's content never depends on thread count, prefetch depth or scheduling:
   rank gets the same number of samples (the `DistributedSampler` rule).
 - `Pool`: which samples an epoch draws from: all of them, a subset (`indices=`), or weighted draws
   with replacement (`weights=`, the `WeightedRandomSampler` rule), each a pure function too.
+- `unseen_positions`, `layout_positions`: elastic resume. An epoch's progress over all ranks is the
+  part of its global order no rank has read (as `to_ranges`, in a Loader's state); any world size
+  splits that remainder over its ranks by the `rank_indices` rule.
 - `uniforms`: per-sample uniform floats in [0, 1) from a counter-based hash of
   `(seed, epoch, sample index, counter)`, vectorised in numpy.
 
@@ -232,24 +235,29 @@ def replacement_index(seed: int, epoch: int, position: int, attempt: int, n: int
 class Pool:
     """The samples an epoch is made of. `indices` (None: the whole dataset) is the subset an epoch
     permutes; with `cdf` (weights), an epoch is instead `size` draws with replacement, each picking
-    sample i with probability weight[i] / sum(weights). `fingerprint` names the choice in a saved
-    loader state (None for the whole dataset)."""
+    sample i with probability weight[i] / sum(weights); with `plan`, `size` draws of the plan's own.
+    `fingerprint` names the choice in a saved loader state (None for the whole dataset)."""
 
     size: int
     indices: np.ndarray | None = None
     cdf: np.ndarray | None = None
     fingerprint: str | None = None
+    plan: Any = None   # draws of its own (`draw(seed, epoch)`): a Mix (stoker.mix.MixPlan)
 
     @property
     def weighted(self) -> bool:
-        return self.cdf is not None
+        """Whether an epoch is drawn (with repeats possible) rather than a permutation."""
+        return self.cdf is not None or self.plan is not None
 
     def members(self) -> np.ndarray | None:
         """Dataset indices a stand-in for a failed sample may come from (None: any)."""
         return self.indices
 
     def draw(self, seed: int, epoch: int) -> np.ndarray:
-        """The weighted epoch: `size` dataset indices, by inverse CDF over uniforms of `(seed, epoch, draw)`."""
+        """The weighted epoch: `size` dataset indices, by inverse CDF over uniforms of `(seed, epoch, draw)`
+        (or the plan's own draws)."""
+        if self.plan is not None:
+            return self.plan.draw(seed, epoch)
         assert self.cdf is not None
         u = uniforms(sample_keys(seed, epoch, np.arange(self.size), tag=_TAG_WEIGHTED), 1)[:, 0]
         picks = np.minimum(np.searchsorted(self.cdf, u * self.cdf[-1], side="right"), len(self.cdf) - 1)
@@ -289,3 +297,50 @@ def make_pool(n: int, indices: Any = None, weights: Any = None) -> Pool:
             cdf = np.cumsum(w / w.max())     # scaled to at most one per sample
         digest.update(b"weights" + w.tobytes())
     return Pool(size, idx, cdf, digest.hexdigest()[:16])
+
+
+# ---- elastic resume: an epoch's progress over all ranks, whatever their number -------------------
+
+def layout_positions(queue: np.ndarray, rank: int, world_size: int, *, drop_last: bool, contiguous: bool,
+                     batch_size: int) -> np.ndarray:
+    """The entries of `queue` (positions in an epoch's global order) that `rank` reads, in order: the
+    `rank_indices` rule, then, with drop_last, trimmed to whole batches (the same count on every rank)."""
+    mine = rank_indices(queue, rank, world_size, drop_last=drop_last, contiguous=contiguous)
+    return mine[:len(mine) // batch_size * batch_size] if drop_last else mine
+
+
+def unseen_positions(queue: np.ndarray, sample: int, world_size: int, *, drop_last: bool,
+                     contiguous: bool) -> np.ndarray:
+    """The entries of `queue` no rank has read once every rank of `world_size` read its first `sample`
+    (ranks step together: each rank's checkpoint is at the same count), in queue order, each once.
+    A pure function: O(len(queue)), whatever the world size."""
+    n = len(queue)
+    per = samples_per_rank(n, world_size, drop_last)
+    total = per * world_size
+    padded = np.resize(queue, total) if total > n and n else queue[:total]   # the rank_indices padding
+    sample = min(int(sample), per)
+    if contiguous:
+        seen = padded[(np.arange(world_size)[:, None] * per + np.arange(sample)[None, :]).ravel()]
+    else:
+        seen = padded[:sample * world_size]
+    return queue[~np.isin(queue, seen)]
+
+
+def to_ranges(positions: np.ndarray) -> list[list[int]]:
+    """Increasing runs of consecutive positions as [start, stop) pairs: a compact, JSON-able queue."""
+    p = np.asarray(positions, dtype=np.int64)
+    if not len(p):
+        return []
+    breaks = np.flatnonzero(np.diff(p) != 1) + 1
+    starts, stops = np.r_[p[:1], p[breaks]], np.r_[p[breaks - 1] + 1, p[-1:] + 1]
+    return [[int(a), int(b)] for a, b in zip(starts, stops)]
+
+
+def from_ranges(ranges: Sequence[Sequence[int]], size: int) -> np.ndarray:
+    """The positions of `to_ranges`' pairs; refuses pairs outside an epoch of `size` entries."""
+    parts = []
+    for pair in ranges:
+        if len(pair) != 2 or not 0 <= int(pair[0]) <= int(pair[1]) <= size:
+            raise ConfigError(f"saved loader state: range {list(pair)!r} is not within the epoch's {size} samples")
+        parts.append(np.arange(int(pair[0]), int(pair[1]), dtype=np.int64))
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)

@@ -6,12 +6,20 @@ journal and writes the manifest. So a Ray pack is byte-for-byte the pack a local
 shards, same checksums, same skipped.jsonl), and `--resume` works the same. Workers read the
 source paths themselves: on a cluster, the images must be on a file system every node mounts
 (NFS, Lustre, a FUSE mount), and stoker must be installed in the workers' environment.
+
+A pack function (``PackOptions(map=)``) travels with the options. Its module, when it is the user's
+own (not installed in site-packages, not stoker), is pickled by value (cloudpickle), so a function
+defined in a training script or a module beside it runs on workers that do not have that file.
 """
 
 from __future__ import annotations
 
+import sys
+import sysconfig
 from collections import deque
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, StokerError
@@ -48,7 +56,8 @@ def run_on_ray(fn: Callable[[Any, Any], list], tasks: Iterator[Any], options: An
     try:
         remote = ray.remote(num_cpus=1, max_retries=2)(fn)
         cpus = int(ray.cluster_resources().get("CPU", 1))
-        opts_ref = ray.put(options)
+        with _by_value(getattr(getattr(options, "options", options), "map", None)):
+            opts_ref = ray.put(options)
         window: deque = deque()
         try:
             for task in tasks:
@@ -63,6 +72,27 @@ def run_on_ray(fn: Callable[[Any, Any], list], tasks: Iterator[Any], options: An
     finally:
         if started_here:
             ray.shutdown()
+
+
+@contextmanager
+def _by_value(fn: Any) -> Iterator[None]:
+    """While the options are pickled: the module of the user's function `fn` by value, unless it is
+    ``__main__`` (cloudpickle's default already) or installed (the workers import it as the driver does)."""
+    from ray import cloudpickle
+
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    where = getattr(module, "__file__", None)
+    installed = [Path(p).resolve() for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}]
+    own = (module is not None and where is not None and module.__name__ != "__main__"
+           and not module.__name__.startswith("stoker")
+           and not any(Path(where).resolve().is_relative_to(p) for p in installed))
+    if own:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        yield
+    finally:
+        if own:
+            cloudpickle.unregister_pickle_by_value(module)
 
 
 def _get(ray: Any, ref: Any, timeout: float) -> list:

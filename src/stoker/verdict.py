@@ -45,7 +45,7 @@ def _is_data_loader(obj: Any) -> bool:
 
 
 def _packed(loader: Any) -> bool:
-    return bool(getattr(loader.dataset, "packed", False))
+    return type(loader.dataset).__name__ in ("PackedDataset", "CachedDataset")
 
 
 def diagnose(report: ProfileReport, iterable: Any = None) -> ProfileReport:

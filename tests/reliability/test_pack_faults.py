@@ -17,7 +17,7 @@ import pytest
 from .rhelpers import make_image_folder, run_child
 
 from stoker import open_dataset
-from stoker import packing, shards
+from stoker import pack_journal, shards
 from stoker.storage import local
 from stoker.errors import DatasetError, IncompletePackError
 from stoker.packing import LOCK_NAME, SKIPPED_NAME, PackOptions, pack
@@ -88,14 +88,14 @@ def test_disk_full_on_journal_or_manifest(src, tmp_path, reference, monkeypatch,
     out = tmp_path / "out"
     calls = [0]
     if target == "journal":
-        real = packing._append_line
+        real = pack_journal.append_line
 
         def fail(path, obj):
             calls[0] += 1
             if calls[0] == 3:  # header, shard 0, then the disk fills
                 raise OSError(errno.ENOSPC, "No space left on device")
             return real(path, obj)
-        monkeypatch.setattr(packing, "_append_line", fail)
+        monkeypatch.setattr(pack_journal, "append_line", fail)
     else:
         real = local.atomic_write_bytes
 
@@ -146,7 +146,7 @@ def test_files_vanish_or_become_unreadable_after_listing(src, tmp_path, monkeypa
 _KILL_CHILD = r"""
 import os, signal, sys
 from pathlib import Path
-from stoker import packing, shards
+from stoker import pack_journal, shards
 from stoker.packing import PackOptions, pack
 src, out, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
 count = [0]
@@ -163,8 +163,8 @@ def wrap(obj, name):
         return out
     setattr(obj, name, hooked)
 # every step that changes the output: shard data, fsync, rename, journal line, manifest
-wrap(shards._HashingSink, "write"); wrap(os, "fsync"); wrap(os, "replace"); wrap(packing, "_append_line")
-wrap(packing, "_remove")
+wrap(shards._HashingSink, "write"); wrap(os, "fsync"); wrap(os, "replace"); wrap(pack_journal, "append_line")
+wrap(pack_journal, "remove")
 pack(src, out, options=PackOptions(workers=1, shard_size=4096, raw_below=0), progress=False,
      resume=Path(out).exists())
 print("steps", count[0])

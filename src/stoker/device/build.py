@@ -119,15 +119,20 @@ class DeviceBuilder:
             x[a:b].copy_(slot.images[a:b], non_blocking=True)
             start = end
 
+    def fallback(self, slot: Slot, x: torch.Tensor, failed: list) -> None:
+        """The CPU path for each (job, exception) the GPU could not decode: rendered into the slot (or
+        raised or replaced, as for any failure), then copied into `x`."""
+        for job, exc in failed:
+            _log.info("GPU decode failed for %r, decoding it on the CPU: %s", job.key, exc)
+            self.chain.fill(slot.plan, job.row, slot, self.scratch, self.times, gpu=False)
+            self._upload_rows(slot, x, [job.row])
+
     def _decode_on_gpu(self, slot: Slot, x: torch.Tensor) -> int:
         """Decode the slot's GpuJobs into `x` (NHWC on the device); returns how many rows fell back to
         the CPU (rendered into the slot, then copied from it)."""
         jobs = [j for j in slot.jobs[:slot.size] if j is not None]
         failed = self.gpu.run(jobs, x.permute(0, 3, 1, 2)) if jobs else []
-        for job, exc in failed:  # the CPU path for this sample: raise or replace, as for any failure
-            _log.info("GPU decode failed for %r, decoding it on the CPU: %s", job.key, exc)
-            self.chain.fill(slot.plan, job.row, slot, self.scratch, self.times, gpu=False)
-            self._upload_rows(slot, x, [job.row])
+        self.fallback(slot, x, failed)
         with self.lock:
             self.stats.add(self.times, 0)
             self.stats.gpu_decoded += len(jobs) - len(failed)

@@ -50,7 +50,7 @@ _FORMATS = {
     "channels_last": torch.channels_last, "nhwc": torch.channels_last,
 }
 LAYOUTS = ("nchw", "nhwc")
-DECODES = ("cpu", "gpu")  # where JPEGs are decoded (DeviceOptions.decode)
+DECODES = ("cpu", "gpu", "auto")  # where JPEGs are decoded (DeviceOptions.decode)
 
 
 # ---- options --------------------------------------------------------------------------------
@@ -192,8 +192,12 @@ class DeviceOptions:
     dtype: float32/float16/bfloat16/uint8 as a torch dtype or name; default float32 with normalize,
         else uint8 (a float dtype without normalize gives x / 255, like ToTensor).
     memory_format: None/"contiguous"/"nchw" or "channels_last" (or the torch memory formats).
-    decode: "cpu" (JPEGs decoded by the worker threads) or "gpu" (nvJPEG on the device thread, with the
-        CPU's crop plan; a Loader only; CUDA only, unless gpu_decoder is an object).
+    decode: "cpu" (JPEGs decoded by the worker threads), "gpu" (nvJPEG on the device side, with the
+        CPU's crop plan; a Loader only; CUDA only, unless gpu_decoder is an object) or "auto": each
+        batch's JPEGs split between the GPU decoder and the worker threads by their measured
+        throughput where a GPU decoder works here, else the CPU alone (`LoaderStats.gpu_split` says why).
+    gpu_share: with decode="gpu"/"auto", a fixed share (0..1) of each batch's JPEGs for the GPU; None:
+        all of them with "gpu", the measured balance with "auto" (docs/gpu-decode.md).
     gpu_decoder: with decode="gpu", "auto" (TorchCodec, else nvImageCodec: the first that works here),
         "torchcodec", "nvimgcodec" (hardware JPEG engines first) or an object with a
         `decode(list_of_uint8_tensors)` method.
@@ -207,6 +211,7 @@ class DeviceOptions:
     memory_format: Any = None  # resolved: torch.contiguous_format (plain NCHW) or torch.channels_last
     decode: str = "cpu"
     gpu_decoder: Any = field(default="auto", hash=False)
+    gpu_share: float | None = None
     # (scale, shift) constants [1, C, 1, 1] in float32, one pair per (device, input kind); made on first
     # use and kept, so no batch builds them again
     _constants: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
@@ -219,8 +224,12 @@ class DeviceOptions:
             object.__setattr__(self, name, value)
         if self.decode not in DECODES:
             raise ConfigError(f"decode must be one of {DECODES}, got {self.decode!r}")
-        if self.decode == "gpu":
-            if isinstance(self.gpu_decoder, str) and not self.is_cuda:
+        share = self.gpu_share
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1):
+            raise ConfigError(f"gpu_share must be a number between 0 and 1 (the GPU's share of each batch's "
+                              f"JPEGs) or None, got {self.gpu_share!r}")
+        if self.decode in ("gpu", "auto"):
+            if isinstance(self.gpu_decoder, str) and not self.is_cuda and self.decode == "gpu":
                 raise ConfigError(f"decode='gpu' needs a CUDA device, got device={self.device}; use decode='cpu'")
             if not isinstance(self.gpu_decoder, str) and not callable(getattr(self.gpu_decoder, "decode", None)):
                 raise ConfigError(f"gpu_decoder must be 'auto', 'torchcodec', 'nvimgcodec' or an object with a "

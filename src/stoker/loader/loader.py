@@ -23,6 +23,8 @@ Loader's `Cursor`; none of the stages calls back.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -34,6 +36,7 @@ from ..errors import ConfigError
 from ..loading.stats import LoaderStats
 from ..order import samples_per_rank
 from ..dataset import Dataset
+from ..mix import Mix
 from .habits import check_source, dataloader_keywords
 from .open import open_for_loading
 from .options import Sampling, Storage, Targets, Workers
@@ -70,17 +73,19 @@ class Loader:
     naming stoker's argument (`habits`); so do the 0.1 keywords, naming their new spelling.
     """
 
-    def __init__(self, source: str | Path | Dataset, batch_size: int, *, transforms: Sequence[Any] | None = None,
+    def __init__(self, source: str | Path | Dataset | Mix, batch_size: int, *, transforms: Sequence[Any] | None = None,
                  order: str | None = None, seed: int | None = None, sampling: Sampling | None = None,
                  device: str | int | torch.device | DeviceOptions | None = None, columns: Sequence[str] = (),
                  targets: Targets | None = None, storage: Storage | None = None,
                  workers: Workers | int | None = None, **dataloader: Any) -> None:
-        check_source(source)
+        if not isinstance(source, Mix):
+            check_source(source)
         loose = dataloader_keywords(dataloader)   # DataLoader's keywords, as fields of the option values
         asked = ask(source, batch_size, transforms=transforms, order=order, seed=seed, sampling=sampling,
                     device=device, columns=columns, targets=targets, storage=storage, workers=workers, loose=loose)
-        self._opened = open_for_loading(source, asked.storage, rank=asked.rank, world_size=asked.world_size,
-                                        timeout=asked.workers.timeout)
+        opener = source.open if isinstance(source, Mix) else functools.partial(open_for_loading, source)
+        self._opened = opener(asked.storage, rank=asked.rank, world_size=asked.world_size,
+                              timeout=asked.workers.timeout)
         self.dataset = self._opened.dataset
         try:
             self.plan: LoadPlan = resolve(asked, self.dataset)
@@ -90,6 +95,8 @@ class Loader:
             self._passes = Passes(self.plan, self.dataset, self.stats, self._cursor)
             if asked.gpu_decode:
                 self._passes.gpu(asked.device)  # a missing decoder library fails here, with its install hint
+            elif asked.device is not None and asked.device.decode == "auto":
+                self._auto_decode(asked)
         except BaseException:
             self.close()
             raise
@@ -142,6 +149,7 @@ class Loader:
         """Read epoch `epoch` from its start on the next `iter()`. Without calls, an `iter()` after a
         finished pass reads the next epoch, and one after a pass left part-way reads its epoch again
         from the start."""
+        self._requeue(epoch, None)
         self._cursor.move(epoch)
 
     def state_dict(self) -> dict[str, Any]:
@@ -154,6 +162,7 @@ class Loader:
             epoch, sample = self._cursor.epoch, self._cursor.sample
         batch = -(-sample // self.batch_size)
         return {"format": _STATE_FORMAT, "epoch": epoch, "batch": batch, "sample": sample,
+                **self.plan.epochs.progress(epoch, sample),
                 "seed": self.seed, "batch_size": self.batch_size, "world_size": self.world_size,
                 "num_samples": len(self.dataset), "order": self.order, "drop_last": self.drop_last,
                 "pool": self.plan.epochs.pool.fingerprint,
@@ -163,11 +172,15 @@ class Loader:
         """Resume: the next `iter()` (only that one) yields exactly the samples of `state`'s epoch not
         yet yielded.
         A different `batch_size` is allowed with `drop_last=False` (the samples left are the same;
-        only their grouping into batches changes); everything else must match."""
+        only their grouping into batches changes); so is a different world size (elastic: what is left
+        of the epoch over all ranks, `remaining`, is split over the new ranks; docs/loader.md);
+        everything else must match."""
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
             raise ConfigError(f"not a stoker Loader state (expected format {_STATE_FORMAT!r}): {state!r:.200}")
         mine = self.state_dict()
-        keys = ["seed", "world_size", "num_samples", "order", "drop_last", "pool"]
+        elastic = state.get("remaining") is not None and mine.get("remaining") is not None and (
+            state.get("world_size") != self.world_size or bool(state.get("requeued")))
+        keys = ["seed", "num_samples", "order", "drop_last", "pool"] + ([] if elastic else ["world_size"])
         if self.clips is not None:   # which clips an epoch holds
             keys.append("clips")
         if self.drop_last:  # which samples an epoch drops depends on the batch size
@@ -176,10 +189,17 @@ class Loader:
         if diff:
             hint = ("; build the Loader with the saved settings to resume exactly"
                     + (" (a new batch_size can resume only with drop_last=False: with drop_last=True the "
-                       "samples an epoch leaves out depend on it)" if "batch_size" in diff else ""))
+                       "samples an epoch leaves out depend on it)" if "batch_size" in diff else "")
+                    + (f" (order={self.order!r}{' with clips_per_video > 1' if self.plan.epochs.per_video > 1 else ''} "
+                       "lays an epoch out per world size, so it resumes on the saved number of ranks only)"
+                       if "world_size" in diff and mine.get("remaining") is None else ""))
             raise ConfigError("the saved loader state does not match this Loader (saved, now): "
                               + ", ".join(f"{k}={a!r} vs {b!r}" for k, (a, b) in diff.items()) + hint)
         epoch = int(state["epoch"])
+        self._requeue(epoch, state["remaining"] if elastic else None)
+        if elastic:   # what no rank has read yet, split over this world from its start
+            self._cursor.move(epoch + 1 if self.plan.epochs.samples(epoch) == 0 else epoch)
+            return
         sample = state.get("sample")
         if sample is None:  # a state saved before the sample cursor existed: batches of the saved size
             sample = min(int(state["batch"]) * int(state["batch_size"]),
@@ -191,6 +211,16 @@ class Loader:
             self._cursor.move(epoch + 1)
         else:
             self._cursor.move(epoch, int(sample), resume=True)
+
+    def _requeue(self, epoch: int, remaining: Any) -> None:
+        """The plan with `epoch` reduced to `remaining` (None: whole epochs again); a persistent pipeline
+        running ahead on the old layout is stopped."""
+        epochs = self.plan.epochs.resumed(epoch, remaining)
+        if epochs.queue is None and self.plan.epochs.queue is None:
+            return
+        self._passes.stop_live()
+        self.plan = replace(self.plan, epochs=epochs)
+        self._passes.plan = self.plan
 
     def epoch_indices(self, epoch: int | None = None) -> np.ndarray:
         """Dataset indices this rank reads in `epoch` (default: the current one), in order."""
@@ -210,6 +240,27 @@ class Loader:
         if opts.gpu_decode:
             self._passes.gpu(opts)
         return self._passes.begin(opts)
+
+    def _auto_decode(self, asked: Any) -> None:
+        """decode="auto": kept where a GPU decoder works here and the transforms allow it (each batch then
+        split by measured throughput), else the plan's device becomes decode="cpu"; LoaderStats.gpu_split
+        says which, and why."""
+        from ..device.gpu_split import auto_blocker
+
+        opts, pipeline = asked.device, asked.pipeline
+        tail = ", ".join(op.name for op in pipeline.tail if hasattr(op, "name"))
+        why = ("CPU only: Workers(processes=1) renders in its worker process" if self.plan.processes
+               else auto_blocker(tail, pipeline.resampling, asked.targets.pad, self.plan.clips is not None))
+        if why is None:
+            try:
+                self._passes.gpu(opts)
+            except ConfigError as exc:
+                why = f"CPU only: no GPU JPEG decoder works here ({str(exc).splitlines()[0]})"
+        if why is None:
+            return
+        self.stats.gpu_share, self.stats.gpu_split = 0.0, why
+        self.plan = replace(self.plan, asked=replace(asked, device=replace(opts, decode="cpu")))
+        self._passes.plan = self.plan
 
     def close(self) -> None:
         """Stop any running iteration and release the dataset (when the Loader opened it). Idempotent."""

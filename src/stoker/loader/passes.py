@@ -70,6 +70,7 @@ class Passes:
         self._ring: BatchRing | None = None
         self._stage: DeviceStage | None = None  # one copy stream per loader, made on first use
         self._gpu: Any = None  # the GpuBatchDecoder (decode="gpu")
+        self._split: Any = None  # its gpu_split.SplitControl
         self._live: _Crew | None = None  # persistent: the pipeline running on into the next epoch
         self._iters: weakref.WeakSet[PassIter] = weakref.WeakSet()  # the passes made, while they live
         self._lock = threading.RLock()  # re-entrant: Ctrl-C inside its with-statement cannot lock us out
@@ -118,8 +119,22 @@ class Passes:
         if self._gpu is None or self._gpu.device != opts.device:
             spec = opts.gpu_decoder
             decoder = make_decoder(spec, opts.device) if isinstance(spec, str) else spec
+            if isinstance(spec, str) and hasattr(decoder, "keep_outputs"):
+                from ..device.gpu_pipeline import RING
+
+                decoder.keep_outputs(RING)  # no device allocation per image in steady state
             self._gpu = GpuBatchDecoder(decoder, opts.device)
         return self._gpu
+
+    def split(self, opts: DeviceOptions) -> Any:
+        """The SplitControl of decode="gpu"/"auto", kept across passes (its measurements carry over)."""
+        from ..device.gpu_split import SplitControl
+
+        share = opts.gpu_share if opts.gpu_share is not None else 1.0 if opts.decode == "gpu" else None
+        if self._split is None or self._split.fixed != share:
+            self._split = SplitControl(self.plan.num_threads, share)
+            self.stats.gpu_share, self.stats.gpu_split = self._split.settled, self._split.reason
+        return self._split
 
     def pipeline_for(self, epoch: int, start: int, opts: DeviceOptions | None, private: bool = False
                      ) -> tuple["_Crew", int]:
@@ -175,8 +190,8 @@ class _Crew:
         self.dataset = passes.dataset   # not the Passes: collecting it (with its Loader) stops these threads
         parts = passes.plan
         spec = parts.spec
-        if opts is not None and opts.gpu_decode:
-            spec = replace(spec, gpu_decode=True)
+        if opts is not None and opts.decode in ("gpu", "auto"):  # "auto" left here: a GPU decoder works
+            spec = replace(spec, gpu_decode=True, gpu_split=passes.split(opts))
         self.spec = spec
         self.chain = EpochChain(spec)
         self.epochs: list[tuple[int, int, int, int]] = []  # (epoch, first run batch, batches, first sample)
@@ -190,7 +205,8 @@ class _Crew:
             return
         threads = min(parts.num_threads, max(1, sum(sizes)))
         # with a device stage, one more slot: the one whose copy to the device is in flight
-        extra = 0 if opts is None else 1
+        # (the GPU decode pipeline: one more, the slot whose batch is still being decoded)
+        extra = 0 if opts is None else 2 if spec.gpu_decode else 1
         if parts.child_spec is not None:   # the threads in a worker process, over a ring in shared memory
             from ..loading.procs import process_run
 
@@ -204,8 +220,16 @@ class _Crew:
             stage = passes.stage(opts)
             decoder = passes.gpu(opts) if spec.gpu_decode else None
             build = DeviceBuilder(stage, decoder, self.chain, self.run.lock, passes.stats)
-            self.feeder = Feeder(self.run, stage, build, parts.prefetch, parts.timeout, stats=passes.stats,
-                                 measure=build.measure)
+            if decoder is not None and isinstance(self.run, Run):  # the decode overlapped: gpu_pipeline
+                from ..device.gpu_pipeline import PipelinedBuilder, PipelinedFeeder
+
+                stop = threading.Event()
+                pipe = PipelinedBuilder(build, spec.gpu_split, parts.timeout, stop)
+                self.feeder = PipelinedFeeder(self.run, stage, build, parts.prefetch, parts.timeout,
+                                              stats=passes.stats, measure=build.measure, pipe=pipe)
+            else:
+                self.feeder = Feeder(self.run, stage, build, parts.prefetch, parts.timeout, stats=passes.stats,
+                                     measure=build.measure)
         if persistent:
             self.append(parts, epoch + 1)
         self._started = False
@@ -276,7 +300,7 @@ class PassIter:
         self._parts, self._cursor, self._stats = parts, passes.cursor, passes.stats
         self._epoch = epoch
         bs = parts.batch_size
-        left = max(parts.epochs.samples() - start, 0)
+        left = max(parts.epochs.samples(epoch) - start, 0)
         sizes = [min(bs, left - k * bs) for k in range(-(-left // bs))]
         self._n = len(sizes)
         self._start = start   # samples of the epoch before this pass (a resumed pass)

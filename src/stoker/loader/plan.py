@@ -15,7 +15,7 @@ Option values still check their own fields where they are made (`options`, `Devi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -28,7 +28,8 @@ from ..loading.clips import Clips, ClipSamples
 from ..loading.labels import multi_label_spec
 from ..loading.render import RenderSpec
 from ..loading.slots import check_ring_fits
-from ..order import Pool, epoch_order, make_pool, num_batches, rank_indices, samples_per_rank, shard_window_order
+from ..order import (Pool, epoch_order, from_ranges, layout_positions, make_pool, num_batches, rank_indices,
+                     samples_per_rank, shard_window_order, to_ranges, unseen_positions)
 from ..dataset import Dataset
 from ..storage import url_scheme
 from ..transforms import Normalize, Pipeline
@@ -194,23 +195,34 @@ class EpochOrder:
     per_video: int   # samples per dataset row: a video pack's clips per video, else 1
     shard_rows: tuple[int, ...] | None   # rows per shard (packed data), for the shard-aware orders
     rows: int   # rows of the dataset
+    #: after an elastic resume: (epoch, the positions of its global order no rank had read), split over this world
+    queue: tuple[int, np.ndarray] | None = field(default=None, compare=False)
+
+    def _global(self, epoch: int) -> np.ndarray:
+        """The epoch's global order (before ranks take their parts): dataset indices."""
+        pool = self.pool
+        if pool.weighted:
+            return pool.draw(self.seed, epoch)
+        perm = epoch_order(pool.size, seed=self.seed, epoch=epoch, order=self.order,
+                           shard_rows=None if self.shard_rows is None else list(self.shard_rows))
+        return perm if pool.indices is None else pool.indices[perm]
+
+    def _queued(self, epoch: int | None) -> np.ndarray | None:
+        return self.queue[1] if self.queue is not None and self.queue[0] == epoch else None
 
     def indices(self, epoch: int) -> np.ndarray:
         """Dataset indices this rank reads in `epoch`, in order (a video's clips one after another)."""
-        pool = self.pool
+        contiguous = self.order == "shard_random"
+        queue = self._queued(epoch)
+        if queue is not None:   # an elastic resume: what is left of the epoch, split over this world
+            return self._global(epoch)[layout_positions(queue, self.rank, self.world_size, drop_last=self.drop_last,
+                                                        contiguous=contiguous, batch_size=self.batch_size)]
         if self.order == "shard_window":
             idx = shard_window_order(list(self.shard_rows or [self.rows]), seed=self.seed, epoch=epoch,
                                      rank=self.rank, world_size=self.world_size, drop_last=self.drop_last)
         else:
-            if pool.weighted:
-                perm = pool.draw(self.seed, epoch)
-            else:
-                perm = epoch_order(pool.size, seed=self.seed, epoch=epoch, order=self.order,
-                                   shard_rows=None if self.shard_rows is None else list(self.shard_rows))
-                if pool.indices is not None:
-                    perm = pool.indices[perm]
-            idx = rank_indices(perm, self.rank, self.world_size, drop_last=self.drop_last,
-                               contiguous=self.order == "shard_random")
+            idx = rank_indices(self._global(epoch), self.rank, self.world_size, drop_last=self.drop_last,
+                               contiguous=contiguous)
         idx = np.repeat(idx, self.per_video)   # a video's clips one after another (clips.ClipSamples)
         return idx[:len(idx) // self.batch_size * self.batch_size] if self.drop_last else idx
 
@@ -219,11 +231,33 @@ class EpochOrder:
         return num_batches(samples_per_rank(self.pool.size, self.world_size, self.drop_last) * self.per_video,
                            self.batch_size, self.drop_last)
 
-    def samples(self) -> int:
+    def samples(self, epoch: int | None = None) -> int:
         """Samples of one epoch on this rank (what `indices` returns, without computing the order)."""
+        queue = self._queued(epoch)
+        if queue is not None:
+            per = samples_per_rank(len(queue), self.world_size, self.drop_last)
+            return per // self.batch_size * self.batch_size if self.drop_last else per
         if self.drop_last:
             return self.batches() * self.batch_size
         return samples_per_rank(self.pool.size, self.world_size, False) * self.per_video
+
+    def progress(self, epoch: int, sample: int) -> dict[str, Any]:
+        """A state's description of `epoch` over all ranks once every rank read `sample` samples (ranks
+        step together): `remaining`, the [start, stop) ranges of the global order no rank has read, which
+        any world size continues (`resumed`); `requeued` when the epoch was itself resumed so. None where
+        the layout depends on the world size (shard_window, several clips per video)."""
+        if self.order == "shard_window" or self.per_video > 1:
+            return {"remaining": None}
+        queue = self._queued(epoch)
+        left = unseen_positions(np.arange(self.pool.size, dtype=np.int64) if queue is None else queue, sample,
+                                self.world_size, drop_last=self.drop_last, contiguous=self.order == "shard_random")
+        return {"remaining": to_ranges(left), **({"requeued": True} if queue is not None else {})}
+
+    def resumed(self, epoch: int, remaining: Sequence[Sequence[int]] | None) -> "EpochOrder":
+        """This order with `epoch` reduced to the positions `remaining` (None: every epoch whole)."""
+        if remaining is None:
+            return replace(self, queue=None)
+        return replace(self, queue=(epoch, from_ranges(remaining, self.pool.size)))
 
 
 @dataclass(frozen=True)
@@ -294,7 +328,13 @@ def resolve(asked: Asked, ds: Dataset) -> LoadPlan:
     if len(ds) == 0:
         raise ConfigError(f"{ds.path}: the dataset is empty; nothing to load")
     s, t, pipeline = asked.sampling, asked.targets, asked.pipeline
-    pool = make_pool(len(ds), s.indices, s.weights)
+    if hasattr(ds, "pool"):   # a Mix draws its own epochs (mix.MixPlan)
+        if s.indices is not None or s.weights is not None or s.order != "random":
+            raise ConfigError("a Mix draws each epoch from its sources by their weights (Mix(weights=)) and "
+                              "shuffles the draws together: drop Sampling(indices=, weights=) and order=")
+        pool = ds.pool()
+    else:
+        pool = make_pool(len(ds), s.indices, s.weights)
     if pool.fingerprint is not None and s.order in ("shard_random", "shard_window"):
         raise ConfigError(f"order={s.order!r} reads whole shard blocks, so it cannot follow indices= or "
                           "weights=; use order='random' (or pack the subset as its own dataset)")

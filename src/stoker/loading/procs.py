@@ -280,7 +280,7 @@ def check_process_mode(spec: Any, dataset: Any, *, device: Any) -> bytes:
         raise ConfigError(f"Workers(processes=1) starts its worker process with 'spawn', which runs your script "
                           f"again: line {unguarded[1]} of {unguarded[0]} is top-level code; put the training code "
                           f"under `if __name__ == \"__main__\":`, or use worker threads (Workers(processes=0))")
-    if not isinstance(dataset, PackedDataset):
+    if not isinstance(dataset, PackedDataset) and getattr(dataset, "process_path", None) is None:
         raise ConfigError(f"Workers(processes=1) reopens the dataset in its worker process, which needs a packed "
                           f"dataset on local storage (or staged with Storage(stage=)); {dataset.path} is not one: "
                           f"pack it first (stoker pack SRC OUT), or use worker threads (drop processes=)")
@@ -308,7 +308,8 @@ def process_run(parts: Any, dataset: Any, stats: LoaderStats, orders: list[tuple
                      pin_memory=parts.pin_memory, stats=stats,
                      buffers=SharedBuffers(parts.pin_memory, arrays=parts.buffers is not None),
                      frames=parts.spec.frames)
-    return ProcessRun(ring, sizes, threads, spec=parts.child_spec, path=str(dataset.path), orders=orders,
+    where = getattr(dataset, "process_path", None) or str(dataset.path)   # a Mix: its sources
+    return ProcessRun(ring, sizes, threads, spec=parts.child_spec, path=where, orders=orders,
                       stats=stats, timeout=parts.timeout, label_dtype=parts.label_dtype, open_ended=open_ended)
 
 
@@ -590,7 +591,7 @@ def child_main(conn: Any, payload: dict) -> None:
 
 
 def _child(conn: Any, payload: dict) -> None:
-    from ..reader import open_dataset
+    from ..mix import open_in_process
     from .render import EpochChain, Filler, native_claims
 
     batch_size, shape = payload["geometry"]
@@ -612,7 +613,7 @@ def _child(conn: Any, payload: dict) -> None:
         ring.free.append(attach(sid, name, nbytes))
     conn.send(("attached", [sid for sid, _, _ in payload["slots"]], None))
     spec = pickle.loads(payload["spec"])
-    dataset = open_dataset(payload["path"])
+    dataset = open_in_process(payload["path"])   # a packed folder, or a Mix of them
     chain = EpochChain(spec)
     first = [0]   # the run batch the next epoch's batches start at
 

@@ -22,7 +22,7 @@ import bisect
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
@@ -36,7 +36,7 @@ from ..order import TAG_DRAW, replacement_index, sample_keys, uniforms
 from ..dataset import Dataset
 from .slots import Slot
 from .stats import WorkerTimes
-from ..transforms import (Pipeline, Plan, Resampling, apply_tail, decode_minimums,
+from ..transforms import (Pipeline, Plan, Resampling, apply_tail, crop_window, decode_minimums,
                          resample_region_into, resampling,
                          run_user_op)
 from ..transforms.geometry import AA_HEADROOM
@@ -60,7 +60,9 @@ class RenderSpec:
     labels: np.ndarray  # one per sample (a private copy for numeric labels)
     heights: np.ndarray | None  # stored image sizes, pixels; None when known only after reading (loose files)
     widths: np.ndarray | None
-    gpu_decode: bool = False  # decode="gpu": JPEG rows become GpuJobs for the device thread
+    gpu_decode: bool = False  # decode="gpu"/"auto": JPEG rows become GpuJobs for the device thread
+    #: with gpu_decode: which rows go to the GPU (a `gpu_split.SplitControl`); None: every JPEG row
+    gpu_split: Any = field(default=None, compare=False)
     #: "fast": libjpeg-turbo's fast IDCT and plain chroma upsampling; "exact": JPEGs decoded at full size
     #: (no DCT scaling), so the resampling sees torchvision's pixels
     decode_quality: str = "accurate"
@@ -104,6 +106,11 @@ class BatchPlan:
     #: the native path's per-row parameters (`native_rows`); None: the batch does not take it
     native: np.ndarray | None = None
     status: np.ndarray | None = None  # uint8 [rows]: the native call's status per row (each chunk its own)
+    gpu_from: int = 0  # decode="gpu"/"auto": the JPEG rows from this one on go to the GPU
+    # seconds the workers spent per row: making GPU jobs (crop windows, byte copies), rendering the
+    # other rows on the CPU (appended without a lock; read by the device thread once the batch is complete)
+    gpu_plan_s: list = field(default_factory=list)
+    cpu_render_s: list = field(default_factory=list)
 
 
 class Filler:
@@ -161,10 +168,15 @@ class Filler:
         geometry = self._geometry(sizes, u)
         if self.spec.pad:
             slot.extras["sizes"] = geometry.size.astype(np.int64)  # a tensor or an array at hand-out
+        gpu_from = 0
         if self.gpu:
             slot.jobs = [None] * slot.size
+            if slot.staging is not None:
+                slot.staging.reset()
+            split = self.spec.gpu_split
+            gpu_from = 0 if split is None else slot.size - split.gpu_rows(slot.size)
         if not self.native or geometry is None:
-            return BatchPlan(idx, positions, keys, u, geometry)
+            return BatchPlan(idx, positions, keys, u, geometry, gpu_from=gpu_from)
         rows = native_rows(geometry, *sizes, (self.out_h, self.out_w), self.full_size)
         return BatchPlan(idx, positions, keys, u, geometry, rows, np.empty(len(idx), np.uint8))
 
@@ -177,8 +189,15 @@ class Filler:
         geo = plan.geometry
         box = _row_box(geo, row)
         try:
-            if self.gpu if gpu is None else gpu:
+            if (self.gpu and row >= plan.gpu_from) if gpu is None else gpu:
+                t0 = time.perf_counter()
                 self.queue_gpu(idx, int(plan.keys[row]), plan.u[row], box, row, slot, scratch, times)
+                plan.gpu_plan_s.append(time.perf_counter() - t0)
+            elif self.gpu and gpu is None:  # the CPU's share of a split batch: timed for the split
+                t0 = time.perf_counter()
+                self.render_row(idx, int(plan.positions[row]), int(plan.keys[row]), plan.u[row], box,
+                                slot.images_np[row], scratch, times)
+                plan.cpu_render_s.append(time.perf_counter() - t0)
             else:
                 self.render_row(idx, int(plan.positions[row]), int(plan.keys[row]), plan.u[row], box,
                                 slot.images_np[row], scratch, times)
@@ -239,8 +258,12 @@ class Filler:
         if size != (self.out_h, self.out_w):
             raise ValueError(f"transforms give {size[0]}x{size[1]} for this {s.height}x{s.width} image, "
                              f"the batch is {self.out_h}x{self.out_w}")
-        data = torch.frombuffer(bytearray(s.data), dtype=torch.uint8)  # a copy: the shard mapping stays read-only
-        slot.jobs[row] = GpuJob(row, data, tuple(box[0]), box[1], s.height, s.width, s.key)
+        # a copy (the shard mapping stays read-only), into the batch's one staging buffer where it has one
+        data = (slot.staging.put(s.data) if slot.staging is not None
+                else torch.frombuffer(bytearray(s.data), dtype=torch.uint8))
+        crop = tuple(box[0])
+        window = crop_window(crop, s.height, s.width, s.height, s.width, self.out_h, self.out_w)
+        slot.jobs[row] = GpuJob(row, data, crop, box[1], s.height, s.width, s.key, window)
         times.read += time.perf_counter() - t1
 
     def _box(self, s: Any, u: np.ndarray, box: tuple | None) -> tuple[tuple, tuple[int, int]]:

@@ -25,6 +25,10 @@ class LoaderStats:
     gpu_decoded: int = 0  # samples decoded on the GPU (decode="gpu")
     gpu_fallbacks: int = 0  # JPEGs the GPU could not decode, decoded on the CPU instead
     gpu_decoder: str = ""  # decode="gpu": the backend that decoded them (with what "auto" measured)
+    gpu_share: float = 0.0  # decode="gpu"/"auto": the share of each batch's JPEGs the GPU decodes now
+    gpu_split: str = ""  # why that share (measured throughputs, a fixed gpu_share, or why the CPU alone)
+    # decode="gpu"/"auto": seconds per phase of the GPU path (device.gpu_pipeline.Phases names them)
+    gpu_phases: dict = field(default_factory=dict)
     slots_allocated: int = 0  # batch buffers allocated: the ring's own, plus one per batch the caller kept
     # memory on the device stage's device (GPU memory with device="cuda") the loader holds, in bytes: the
     # batches the device thread has built and not yet handed out. Counted by summing the storages of the
@@ -36,7 +40,8 @@ class LoaderStats:
     _device_lock: Any = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items() if not k.startswith("_")}
+        return {k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
+                for k, v in self.__dict__.items() if not k.startswith("_")}
 
     def hold_device(self, nbytes: int, working: int = 0) -> None:
         """A built batch of `nbytes` now held on the device; `working`: bytes that also lived while it was

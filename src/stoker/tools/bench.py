@@ -28,7 +28,7 @@ absolute images/s on a shared machine are noise.
 
 With ``device="cuda"`` (``stoker bench --device cuda``) the pipelines are the device set of
 `stoker.tools.bench_gpu` instead: the loaders alone into GPU memory, normalized (``cuda-baseline``,
-``cuda-stoker``, ``cuda-stoker-gpu``, ``cuda-dali``: NVIDIA DALI's GPU pipeline, skipped when
+``cuda-stoker``, ``cuda-stoker-gpu``, ``cuda-stoker-auto``, ``cuda-dali``: NVIDIA DALI's GPU pipeline, skipped when
 ``nvidia.dali`` does not import), and training throughput of each model fed by each of them
 against the same model on GPU-resident synthetic data (``train-<model>-<feed>``). Naming device
 pipelines with ``device="cpu"`` runs them on the CPU (how the tests exercise them).
@@ -195,8 +195,9 @@ class _Runner:
     """One constructed pipeline: `epoch()` yields the size of each batch; `close()` frees it."""
 
     def __init__(self, epoch: Callable[[], Iterator[int]], close: Callable[[], None] = lambda: None,
-                 version: str = "") -> None:
+                 version: str = "", split: Callable[[], dict[str, Any]] | None = None) -> None:
         self.epoch, self.close, self.version = epoch, close, version
+        self.split = split   # stoker's GPU decode loaders: `bench_gpu.split_state` now
 
 
 def _baseline_runner(spec: _Spec, train: bool) -> _Runner:
@@ -358,10 +359,9 @@ def _make_runner(spec: _Spec) -> _Runner:
     if name in ("dali", "dali-val"):
         return _dali_runner(spec)
     if bench_gpu.is_device_pipeline(name):
-        epoch, close, version = bench_gpu.loader_epochs(name, root=spec.root, packed=spec.packed,
-                                              batch_size=spec.batch_size, workers=spec.workers, device=spec.device,
-                                              steps=spec.steps)
-        return _Runner(epoch, close, version)
+        run = bench_gpu.loader_epochs(name, root=spec.root, packed=spec.packed, batch_size=spec.batch_size,
+                                      workers=spec.workers, device=spec.device, steps=spec.steps)
+        return _Runner(run.epoch, run.close, run.version, run.split)
     raise ConfigError(f"unknown pipeline {name!r}; expected one of {', '.join(PIPELINES)}")
 
 
@@ -434,6 +434,7 @@ def _measure_rounds(spec: _Spec) -> dict[str, Any]:
                 if math.isnan(first):
                     first = time.perf_counter() - start
             rates, images, timed = [], 0, 0.0
+            split = runner.split() if runner.split is not None else None
             cpu0, wall0 = cpu_seconds(), time.perf_counter()
             for _ in range(spec.rounds):
                 t = time.perf_counter()
@@ -443,9 +444,11 @@ def _measure_rounds(spec: _Spec) -> dict[str, Any]:
                 rates.append(images / seconds)
             cpu_s = cpu_seconds() - cpu0
             cpu = cpu_s / (time.perf_counter() - wall0) * 100.0
+            if split is not None:   # the split at the end, the GPU path's phases in the timed rounds
+                split = bench_gpu.split_fields(spec.pipeline, split, runner.split())
         finally:
             runner.close()
-    return {"images_per_s": statistics.median(rates), "rounds": rates, "cpu_percent": cpu,
+    return {**(split or {}), "images_per_s": statistics.median(rates), "rounds": rates, "cpu_percent": cpu,
             "cpu_ms_per_image": cpu_s * 1000.0 / (images * spec.rounds),
             "peak_rss_bytes": memory.peak, "first_batch_s": first, "images": images,
             "startup_share": bench_gpu.startup_share(first, timed), "version": runner.version or _version(spec.pipeline)}

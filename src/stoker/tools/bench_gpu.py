@@ -9,7 +9,10 @@ each, median of rounds) and this module supplies what runs on the device:
   ``cuda-baseline`` (torchvision ImageFolder + DataLoader(workers, pin_memory, persistent workers),
   torchvision's train transforms incl. ToTensor + Normalize, each batch ``.to(device, non_blocking=True)``),
   ``cuda-stoker`` (stoker.Loader with ``device=``, ``normalize="imagenet"``, CPU decode),
-  ``cuda-stoker-gpu`` (the same with ``decode="gpu"``) and ``cuda-dali`` (NVIDIA DALI: file reader,
+  ``cuda-stoker-gpu`` (the same with ``decode="gpu"``), ``cuda-stoker-auto`` (``decode="auto"``: each batch
+  split between the GPU decoder and the CPU threads by measured throughput; its result records the GPU
+  share, why, and the GPU path's seconds per phase over the timed rounds, from `LoaderStats`; where no GPU
+  decoder works it decodes on the CPU and says why) and ``cuda-dali`` (NVIDIA DALI: file reader,
   GPU decode, random resized crop, crop_mirror_normalize; `stoker.tools.bench_dali`). A round is
   `steps` batches from a stream that runs on across epochs (as the training windows below are), and
   its clock stops after the device is synchronized, so the rate counts images that reached device memory.
@@ -40,6 +43,7 @@ The project's acceptance targets are judged outside the package, on the JSON thi
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -57,8 +61,10 @@ from .train import TrainStep, check_model, load_model
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DEFAULT_MODELS", "FEEDS", "LOADERS", "FeedUnavailable", "TrainRun", "device_pipelines", "feed_of",
-           "format_tables", "is_device_pipeline", "model_label", "resolve_device"]
+__all__ = ["DEFAULT_MODELS", "FEEDS", "LOADERS", "FeedUnavailable", "LoaderRun", "TrainRun", "device_pipelines",
+           "feed_of", "format_tables", "is_device_pipeline", "model_label", "resolve_device"]
+
+_log = logging.getLogger("stoker.bench")
 
 DEFAULT_MODELS = ("resnet50", "resnet18")
 DEFAULT_STEPS = 100          # timed training steps per round
@@ -73,7 +79,10 @@ OUTPUT_SIZE = 224
 LOADER_DTYPE = "bfloat16"
 
 #: loader-alone pipeline -> the feed it measures
-LOADERS = {"cuda-baseline": "baseline", "cuda-stoker": "stoker", "cuda-stoker-gpu": "stoker-gpu", "cuda-dali": "dali"}
+LOADERS = {"cuda-baseline": "baseline", "cuda-stoker": "stoker", "cuda-stoker-gpu": "stoker-gpu",
+           "cuda-stoker-auto": "stoker-auto", "cuda-dali": "dali"}
+#: stoker feed -> its DeviceOptions.decode (the loader-alone split feed has no training pipeline)
+_DECODES = {"stoker": "cpu", "stoker-process": "cpu", "stoker-gpu": "gpu", "stoker-auto": "auto"}
 #: feed -> what delivers the batches
 FEEDS = {
     "synthetic": "one GPU-resident random batch (no input pipeline: the model's own speed)",
@@ -96,6 +105,9 @@ _LOADER_DESCRIPTIONS = {
                    "RandomResizedCrop(224) + flip, CPU decode",
     "cuda-stoker-gpu": "stoker.Loader(device=DeviceOptions(device, normalize='imagenet', dtype=bfloat16, decode='gpu')), "
                        "RandomResizedCrop(224) + flip",
+    "cuda-stoker-auto": "stoker.Loader(device=DeviceOptions(device, normalize='imagenet', dtype=bfloat16, "
+                        "decode='auto')), RandomResizedCrop(224) + flip: each batch split between the GPU decoder "
+                        "and the CPU threads by measured throughput, or the CPU alone with the reason",
     "cuda-dali": "NVIDIA DALI: readers.file (shuffled), decoders.image (device='mixed' on CUDA), "
                  "random_resized_crop(224), crop_mirror_normalize (flip, ImageNet mean/std, float32 CHW); "
                  "DALIGenericIterator, then bfloat16 on the device",
@@ -255,6 +267,23 @@ class Feed:
     close: Callable[[], None]
     version: str
     discarded: Callable[[], int] | None = None   # the interference control: loader batches taken and dropped
+    split: Callable[[], dict[str, Any]] | None = None   # decode="gpu"/"auto": the loader's `split_state` now
+
+
+def split_state(stats: Any) -> dict[str, Any]:
+    """A Loader's GPU split as the bench records it (`LoaderStats`): the share of each batch's JPEGs the
+    GPU decodes, why, and the GPU path's seconds per phase so far."""
+    return {"gpu_share": stats.gpu_share, "gpu_split": stats.gpu_split, "gpu_phases": dict(stats.gpu_phases)}
+
+
+def split_fields(name: str, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The result's fields for pipeline `name`'s timed rounds (`split_state` at their start and end): the
+    split at their end, the phases' seconds in them; logged on `stoker.bench` (in the step's log of a
+    GPU session)."""
+    phases = {k: round(v - before["gpu_phases"].get(k, 0.0), 6) for k, v in after["gpu_phases"].items()}
+    out = {**after, "gpu_phases": phases}
+    _log.info("%s", _split_line(name, out))
+    return out
 
 
 def _torch_version() -> str:
@@ -324,8 +353,7 @@ def _stoker_feed(feed: str, packed: str, batch_size: int, workers: int, device: 
     process = feed == "stoker-process"
     try:
         on_device = DeviceOptions(device, normalize="imagenet", dtype=dtype,
-                                  memory_format="channels_last" if channels_last else None,
-                                  decode="gpu" if feed == "stoker-gpu" else "cpu")
+                                  memory_format="channels_last" if channels_last else None, decode=_DECODES[feed])
         # persistent: epochs run straight into each other (as the baseline's persistent workers do), so
         # no round or training window after the first pays the pipeline's start-up again
         loader = _stoker_loader(packed, batch_size, drop_last=drop_last, device=on_device,
@@ -351,8 +379,9 @@ def _stoker_feed(feed: str, packed: str, batch_size: int, workers: int, device: 
                 raise FeedUnavailable(str(exc)) from exc
             started = True
             yield batch[0], batch[1]
-    extra = {"stoker-gpu": ", decode='gpu'", "stoker-process": ", processes=1"}.get(feed, "")
-    return Feed(epoch, loader.close, f"stoker {__version__}{extra}")
+    extra = {"stoker-gpu": ", decode='gpu'", "stoker-auto": ", decode='auto'", "stoker-process": ", processes=1"}
+    split = (lambda: split_state(loader.stats)) if _DECODES[feed] != "cpu" else None
+    return Feed(epoch, loader.close, f"stoker {__version__}{extra.get(feed, '')}", split=split)
 
 
 def _interference_feed(packed: str, batch_size: int, workers: int, device: "torch.device", dtype: "torch.dtype") -> Feed:
@@ -434,12 +463,12 @@ def open_feed(feed: str, *, root: str, packed: str, batch_size: int, workers: in
         return _baseline_feed(root, batch_size, workers, device, drop_last=training, dtype=dtype)
     if feed == "stoker-interference":
         return _interference_feed(packed, batch_size, workers, device, dtype)
-    if feed in ("stoker", "stoker-gpu", "stoker-process"):
+    if feed in _DECODES:
         return _stoker_feed(feed, packed, batch_size, workers, device, drop_last=training, channels_last=training,
                             dtype=dtype)
     if feed == "dali":
         return _dali_feed(root, batch_size, workers, device, drop_last=training, channels_last=training, dtype=dtype)
-    raise ConfigError(f"unknown feed {feed!r}; expected one of {', '.join(FEEDS)}")
+    raise ConfigError(f"unknown feed {feed!r}; expected one of {', '.join(dict.fromkeys([*FEEDS, *_DECODES]))}")
 
 
 def _forever(feed: Feed, batch_size: int) -> Iterator[tuple[Any, Any]]:
@@ -453,12 +482,22 @@ def _forever(feed: Feed, batch_size: int) -> Iterator[tuple[Any, Any]]:
             raise ConfigError(f"the feed gave no full batch of {batch_size}; use more images or a smaller batch")
 
 
+@dataclass
+class LoaderRun:
+    """A loader-alone pipeline, opened (`loader_epochs`)."""
+
+    epoch: Callable[[], Iterator[int]]
+    close: Callable[[], None]
+    version: str
+    split: Callable[[], dict[str, Any]] | None = None   # stoker's GPU decode feeds: `split_state` now
+
+
 def loader_epochs(name: str, *, root: str, packed: str, batch_size: int, workers: int, device: str,
-                  steps: int) -> tuple[Callable[[], Iterator[int]], Callable[[], None], str]:
-    """A loader-alone pipeline as `(epoch, close, version)`: each `epoch()` (a round) yields the sizes of
-    the next `steps` batches of a stream that runs on across epochs, each once it is queued for device
-    memory, and returns after synchronizing the device, so a round timed around it counts images that
-    reached device memory and no round after the first pays the pipeline's start-up."""
+                  steps: int) -> LoaderRun:
+    """A loader-alone pipeline: each `epoch()` (a round) yields the sizes of the next `steps` batches of
+    a stream that runs on across epochs, each once it is queued for device memory, and returns after
+    synchronizing the device, so a round timed around it counts images that reached device memory and
+    no round after the first pays the pipeline's start-up."""
     import torch
 
     if steps < 1:
@@ -482,7 +521,7 @@ def loader_epochs(name: str, *, root: str, packed: str, batch_size: int, workers
     def close() -> None:
         stream.close()
         feed.close()
-    return epoch, close, feed.version
+    return LoaderRun(epoch, close, feed.version, feed.split)
 
 
 def startup_share(first_batch_s: float, timed_s: float) -> float:
@@ -580,6 +619,8 @@ def format_tables(result: BenchResult) -> list[str]:
                   f"{result.steps} batches of {result.batch_size} per round.", "",
                   *markdown_table(("pipeline", "images/s", "ratio", "CPU %", "CPU ms/image", "peak RSS (MB)",
                            "peak device (MB)", "first batch (s)"), [(p, _loader_cells(p)) for p in loaders])]
+        splits = [_split_line(p.name, vars(p)) for p in loaders if p.ran and p.gpu_split]
+        lines += ["", *splits, ""] if splits else []
     if training:
         lines += [f"Training on {result.device}: images/s over {result.steps} steps of {result.batch_size} per round "
                   f"after {result.warmup_steps} warm-up step(s).", "",
@@ -592,3 +633,12 @@ def format_tables(result: BenchResult) -> list[str]:
                         f"over {STARTUP_SHARE:.0%}: rerun with --steps {steps_for_startup(result.steps, p.startup_share)}."
                         for p in late)]
     return lines
+
+
+def _split_line(name: str, split: dict[str, Any]) -> str:
+    """Where a GPU decode loader's time went: its split, why, and the GPU path's seconds per phase."""
+    spent = {k: v for k, v in split["gpu_phases"].items() if v > 0}
+    phases = (", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in spent.items()) if spent
+              else "none (no batch went through the GPU decode path)")
+    return (f"{name}: {split['gpu_share']:.0%} of each batch's JPEGs on the GPU ({split['gpu_split']}); seconds "
+            f"per phase over the timed rounds: {phases}.")

@@ -93,7 +93,7 @@ class DoctorReport:
     step_images_per_s: float        # the model step alone, on a batch held in memory (synthetic)
     profile: ProfileReport          # both together: fed / synthetic, interference, verdict and fixes
     decoder: str = ""               # which CPU JPEG path the loader uses (region decode, or why not)
-    gpu_decoder: str = ""           # decode="gpu": the backend that decoded the JPEGs
+    gpu_decoder: str = ""           # decode="gpu"/"auto": the backend, the split with the CPU threads and why
     loader_gpu_bytes: int | None = None  # on a GPU: peak bytes the loader alone held in torch's allocator
     loader_batch_bytes: int | None = None  # on a GPU: the peak of LoaderStats.device_peak_bytes (its own tensors)
 
@@ -149,7 +149,8 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = MIN_VERDI
     epoch of the dataset (on a smaller dataset, `steps` shrinks to fit; below `MIN_VERDICT_STEPS` the
     report gives no verdict and says how many steps are missing). `transforms`:
     "train" (RandomResizedCrop + flip) or "val" (Resize + CenterCrop), at `size` pixels. `decode`:
-    "cpu" or "gpu" (JPEGs decoded on a CUDA device; the report names the backend that ran).
+    "cpu", "gpu" (JPEGs decoded on a CUDA device) or "auto" (split with the CPU threads by measured
+    throughput where a GPU decoder works); the report names the backend, the split and why.
     """
     import torch
 
@@ -216,7 +217,14 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = MIN_VERDI
         torch.set_num_threads(threads_before)
         loader.close()
     return DoctorReport(str(path), model_name, device, batch_size, steps, loader.num_threads, transforms,
-                        loader_rate, step_rate, report, _decoder(), loader.stats.gpu_decoder, loader_gpu, held)
+                        loader_rate, step_rate, report, _decoder(), _gpu_decode(loader.stats), loader_gpu, held)
+
+
+def _gpu_decode(stats: Any) -> str:
+    """decode="gpu"/"auto": the backend and how each batch was split with the CPU threads, and why."""
+    if not stats.gpu_split:
+        return stats.gpu_decoder
+    return f"{stats.gpu_decoder or 'none'}; {stats.gpu_share:.0%} of each batch's JPEGs on the GPU: {stats.gpu_split}"
 
 
 def _decoder() -> str:

@@ -40,6 +40,11 @@ class PipelineResult:
     peak_device_bytes: int = 0                # device pipelines: torch.cuda.max_memory_allocated (0 on CPU)
     data_wait: float = math.nan               # training: share of the timed steps spent waiting in next()
     disk_bytes: int = 0                       # CPU bench: bytes of the files the pipeline reads its images from
+    # stoker's GPU decode loaders (decode="gpu"/"auto"), from LoaderStats: the share of each batch's JPEGs
+    # the GPU decoded at the end, why (or why the CPU alone), the GPU path's seconds per phase in the timed rounds
+    gpu_share: float = math.nan
+    gpu_split: str = ""
+    gpu_phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def ran(self) -> bool:

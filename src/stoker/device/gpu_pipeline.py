@@ -1,0 +1,447 @@
+"""The GPU decode path pipelined: the decode of batch N+1 overlaps the resample and convert of batch N.
+
+Two device-side threads, both bound to the loader's GPU (worker threads still make no CUDA call):
+
+- the **decode thread** (`DecodeThread`) calls the decoder library on a stream of its own, one chunk
+  of a batch at a time (`GpuBatchDecoder.decode_chunk`), and records an event after each;
+- the **device thread** (`PipelinedFeeder`, the loader's device thread) hands batch N+1's JPEGs to the
+  decode thread as soon as its slot is complete, then finishes batch N: its copy stream waits for
+  each chunk's event (on the GPU), resamples it into the batch (`resample_chunk`), decodes the
+  samples the GPU could not on the CPU, converts, and queues the batch.
+
+Decoder libraries that block the calling thread while they decode (TorchCodec host-synchronizes its
+stream; the hardware JPEG engines write when called) so no longer hold up the resample: device-side
+batches/s approach 1 / (decode time), not 1 / (decode + the rest) (benchmarks/bench_gpu_pipeline.py).
+
+Memory: at most `RING` decoded chunks live at once. Before decoding chunk k the decode thread waits
+for the device thread to have released chunk k - RING, then for that chunk's reads (an event on the
+copy stream, recorded two chunks ago: in steady state it has long completed), and only then drops
+its images. So a decoder that writes when called, or one that reuses its output buffers in a ring of
+`RING` (`NvImageCodecDecoder(reuse=RING)`: no device allocation per image in steady state), never
+writes memory the resample still reads. The uint8 batches the chunks are resampled into come from a
+ring of `RING` preallocated buffers too (stream order on the copy stream makes their reuse safe).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._torch import torch
+from ..errors import LoaderClosedError, LoaderTimeoutError
+from ..loading.jobs import JpegStaging
+from ..loading.slots import Slot
+from .build import DeviceBuilder, run_batch_ops
+from .feeder import Feeder
+from .gpu_split import SplitControl
+from .stage import convert, storages_on
+
+_log = logging.getLogger("stoker.gpu")
+
+RING = 3  # decoded chunks (and uint8 batch buffers) in flight: decoding, resampling, converting
+_POLL_S = 0.1  # how often a blocked wait re-checks the stop flag, seconds
+LOG_EVERY = 100  # batches between two `stoker.gpu` log lines of the phase timers
+
+
+@dataclass(eq=False)
+class _Chunk:
+    """One decoded chunk: what the device thread resamples, and how the decode thread knows it is done."""
+
+    placed: list
+    failures: list
+    decoded: Any = None  # CUDA event after the decode (None on the CPU)
+    reads: Any = None  # CUDA event after the resample's reads, recorded by the device thread
+    released: threading.Event = field(default_factory=threading.Event)
+    seconds: float = 0.0  # the decode call's host time
+    images: int = 0
+
+
+@dataclass(eq=False)
+class _Ticket:
+    """A batch's JPEG rows handed to the decode thread; its chunks come back in order."""
+
+    jobs: list
+    out_h: int
+    out_w: int
+    chunks: deque = field(default_factory=deque)
+    n_chunks: int = -1  # known once the decode thread has cut the batch
+    error: BaseException | None = None
+
+
+class DecodeThread:
+    """Decodes the chunks of submitted batches, in order, on its own stream (`stoker-decode`)."""
+
+    def __init__(self, gpu: Any, stop: threading.Event, timeout: float, phases: "Phases") -> None:
+        self.gpu, self.stop_event, self.timeout, self.phases = gpu, stop, timeout, phases
+        self.cuda = gpu.device.type == "cuda"
+        self.todo: deque[_Ticket] = deque()
+        self.cond = threading.Condition()
+        self.live: deque[_Chunk] = deque()  # decoded chunks not yet dropped, oldest first
+        self.count = 0  # chunks decoded
+        self.thread = threading.Thread(target=self._work, name="stoker-decode", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, ticket: _Ticket) -> None:
+        with self.cond:
+            self.todo.append(ticket)
+            self.cond.notify_all()
+
+    def _take(self) -> _Ticket | None:
+        with self.cond:
+            while not self.todo:
+                if self.stop_event.is_set():
+                    return None
+                self.cond.wait(_POLL_S)
+            return self.todo.popleft()
+
+    def _work(self) -> None:
+        stream = None
+        if self.cuda:
+            torch.cuda.set_device(self.gpu.device.index)
+            stream = self.gpu.decode_stream()
+        while (ticket := self._take()) is not None:
+            try:
+                chunks = list(self.gpu.chunks(ticket.jobs))
+                with self.cond:
+                    ticket.n_chunks = len(chunks)
+                    self.cond.notify_all()
+                for jobs in chunks:
+                    if not self._make_room():
+                        return
+                    chunk = self._decode(jobs, ticket, stream)
+                    with self.cond:
+                        self.live.append(chunk)
+                        ticket.chunks.append(chunk)
+                        self.cond.notify_all()
+            except BaseException as exc:  # reaches the consumer through the device thread, in order
+                with self.cond:
+                    ticket.error = exc
+                    self.cond.notify_all()
+
+    def _make_room(self) -> bool:
+        """Wait until fewer than RING chunks are live: the oldest released by the device thread, its
+        reads done (an event two chunks old), then dropped. False when stopped first."""
+        while len(self.live) >= RING:
+            oldest = self.live[0]
+            t0 = time.perf_counter()
+            while not oldest.released.wait(_POLL_S):
+                if self.stop_event.is_set():
+                    return False
+            if oldest.reads is not None:
+                oldest.reads.synchronize()
+            self.phases.add("reads_wait_s", time.perf_counter() - t0)
+            with self.cond:
+                self.live.popleft()
+            oldest.placed = oldest.failures = []  # its images are free (or reusable by the decoder) now
+        return True
+
+    def _decode(self, jobs: list, ticket: _Ticket, stream: Any) -> _Chunk:
+        use_entry = getattr(self.gpu.decoder, "use_entry", None)
+        if use_entry is not None:  # a decoder reusing its outputs: this chunk takes those of chunk k - RING
+            use_entry(self.count % RING)
+        self.count += 1
+        t0 = time.perf_counter()
+        if stream is None:
+            placed, failures = self.gpu.decode_chunk(jobs, ticket.out_h, ticket.out_w)
+            event = None
+        else:
+            with torch.cuda.stream(stream):
+                placed, failures = self.gpu.decode_chunk(jobs, ticket.out_h, ticket.out_w)
+                event = torch.cuda.Event()
+                event.record(stream)
+        seconds = time.perf_counter() - t0
+        self.phases.add("decode_s", seconds)
+        return _Chunk(placed, failures, event, seconds=seconds, images=len(jobs))
+
+    def next_chunk(self, ticket: _Ticket, k: int) -> _Chunk | None:
+        """Chunk k of `ticket` once decoded (None when the batch has fewer), waiting bounded and
+        stop-aware; raises what the decode thread raised for this batch."""
+        deadline = time.monotonic() + self.timeout
+        with self.cond:
+            while True:
+                if ticket.error is not None:
+                    raise ticket.error
+                if k < len(ticket.chunks):
+                    return ticket.chunks[k]
+                if 0 <= ticket.n_chunks <= k:
+                    return None
+                if self.stop_event.is_set():
+                    raise LoaderClosedError("the loader was closed while a batch was being decoded on the GPU")
+                if not self.thread.is_alive():
+                    raise LoaderClosedError("the stoker decode thread ended before the batch was decoded")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LoaderTimeoutError(f"the GPU decoder ({self.gpu.decoder.name}) returned nothing for "
+                                             f"{self.timeout:g} s; raise workers=stoker.Workers(timeout=...) if "
+                                             f"it is genuinely this slow, or use decode='cpu'")
+                self.cond.wait(min(_POLL_S, left))
+
+    def join(self, timeout: float) -> None:
+        with self.cond:
+            self.cond.notify_all()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+
+
+class Phases:
+    """Seconds per phase of the GPU decode path (LoaderStats.gpu_phases), summed over batches:
+    plan_s (the workers' crop windows and byte copies), upload_s, decode_s (decoder calls, on the
+    decode thread), reads_wait_s (the decode thread waiting for a chunk's reads before reusing its
+    memory), decode_wait_s (the device thread waiting for a decoded chunk), resample_s, fallback_s
+    (the CPU decode of samples the GPU could not), convert_s (conversion and batch ops)."""
+
+    NAMES = ("plan_s", "upload_s", "decode_s", "reads_wait_s", "decode_wait_s", "resample_s", "fallback_s",
+             "convert_s")
+
+    def __init__(self, stats: Any) -> None:
+        self.stats = stats
+        self.lock = threading.Lock()
+        for name in self.NAMES:
+            stats.gpu_phases.setdefault(name, 0.0)
+
+    def add(self, name: str, seconds: float) -> None:
+        with self.lock:
+            self.stats.gpu_phases[name] += seconds
+
+    def line(self, batches: int) -> str:
+        p = self.stats.gpu_phases
+        parts = ", ".join(f"{name[:-2]} {p[name]:.2f}" for name in self.NAMES)
+        return (f"GPU decode after {batches} batches, seconds per phase: {parts}; GPU share "
+                f"{self.stats.gpu_share:.0%} ({self.stats.gpu_split})")
+
+
+def _batch_plan(slot: Slot) -> Any:
+    """The slot's `render.BatchPlan` (an EpochChain's plan is (filler, plan))."""
+    plan = slot.plan
+    return plan[1] if isinstance(plan, tuple) and len(plan) == 2 else plan
+
+
+class _Pending:
+    """A batch submitted to the decode thread, not yet finished; also the guard of its slot."""
+
+    what = "the GPU decode of a batch"
+
+    def __init__(self, slot: Slot, x: torch.Tensor, ticket: _Ticket, copied: Any, t0: float) -> None:
+        self.slot, self.x, self.ticket, self.copied, self.t0 = slot, x, ticket, copied, t0
+        self.finished = False  # set by the device thread once nothing more is written from or into the slot
+        self.submit_s = 0.0
+
+    def done(self) -> bool:
+        """The slot may be refilled: the batch is finished (or abandoned) and its copies have run."""
+        return self.finished and self.copied.done()
+
+
+class PipelinedBuilder:
+    """`DeviceBuilder`'s work split in two for the pipeline: `submit` (upload the rows rendered on the
+    CPU into a ring buffer, hand the JPEG rows to the decode thread) and `finish` (resample the
+    decoded chunks, CPU fallbacks, convert)."""
+
+    def __init__(self, base: DeviceBuilder, split: SplitControl | None, timeout: float,
+                 stop: threading.Event) -> None:
+        self.base = base
+        self.stage, self.opts, self.stats = base.stage, base.opts, base.stats
+        self.split = split
+        self.phases = Phases(self.stats)
+        self.decoder = DecodeThread(base.gpu, stop, timeout, self.phases)
+        self.buffers: list[torch.Tensor | None] = [None] * RING
+        self.turn = 0
+        self.batches = 0
+        self.measure = base.measure
+
+    def start(self) -> None:
+        self.decoder.start()
+
+    def _buffer(self, shape: tuple) -> torch.Tensor:
+        """The next of RING preallocated uint8 batches (made once per shape): queued on the copy stream
+        after the previous use of that buffer, so stream order makes the reuse safe."""
+        k = self.turn
+        self.turn = (k + 1) % RING
+        x = self.buffers[k]
+        if x is None or tuple(x.shape) != tuple(shape):
+            x = self.buffers[k] = torch.empty(shape, dtype=torch.uint8, device=self.opts.device)
+        return x
+
+    def submit(self, slot: Slot) -> _Pending:
+        t0 = time.perf_counter()
+        n = slot.size
+        jobs = slot.jobs[:n]
+        x = self._buffer(tuple(slot.images[:n].shape))
+        cpu_rows = [r for r in range(n) if r >= len(jobs) or jobs[r] is None]
+        self.base._upload_rows(slot, x, cpu_rows)
+        t1 = time.perf_counter()
+        self.phases.add("upload_s", t1 - t0)
+        plan_s = getattr(_batch_plan(slot), "gpu_plan_s", None)
+        if plan_s:
+            self.phases.add("plan_s", sum(plan_s))
+        ticket = _Ticket([j for j in jobs if j is not None], x.shape[1], x.shape[2])
+        self._stage_bytes(slot, ticket.jobs)
+        self.decoder.submit(ticket)
+        pending = _Pending(slot, x, ticket, self.stage.fence(), t0)
+        pending.submit_s = time.perf_counter() - t0
+        return pending
+
+    def _stage_bytes(self, slot: Slot, jobs: list) -> None:
+        """The slot's staging buffer for its next batch: made (pinned on a CUDA host) the first time, or
+        larger when this batch's JPEGs did not fit; 1.5 times this batch's bytes. Once per slot in
+        steady state."""
+        staging = slot.staging
+        used = sum(int(j.data.numel()) for j in jobs)
+        if staging is not None and staging.overflow == 0:
+            return
+        size = max(used * 3 // 2, 1 << 16)
+        pin = self.opts.is_cuda
+        slot.staging = JpegStaging(torch.empty(size, dtype=torch.uint8, pin_memory=pin))
+
+    def finish(self, pending: _Pending) -> tuple[Any, Any]:
+        """Batch `pending` built (as `DeviceBuilder.__call__` returns it) and its fence."""
+        t_finish = time.perf_counter()
+        slot, x, ticket = pending.slot, pending.x, pending.ticket
+        nchw = x.permute(0, 3, 1, 2)
+        failures: list = []
+        k, decode_wait, resample, decode_s = 0, 0.0, 0.0, 0.0
+        while True:
+            t0 = time.perf_counter()
+            chunk = self.decoder.next_chunk(ticket, k)
+            t1 = time.perf_counter()
+            decode_wait += t1 - t0
+            if chunk is None:
+                break
+            if chunk.decoded is not None:
+                self.stage.stream.wait_event(chunk.decoded)
+            failures += chunk.failures
+            decode_s += chunk.seconds
+            failures += self.base.gpu.resample_chunk(chunk.placed, nchw)
+            if self.stage.stream is not None:
+                chunk.reads = torch.cuda.Event()
+                chunk.reads.record(self.stage.stream)
+            chunk.released.set()
+            resample += time.perf_counter() - t1
+            k += 1
+        self.phases.add("decode_wait_s", decode_wait)
+        self.phases.add("resample_s", resample)
+        t2 = time.perf_counter()
+        labels, extras = self.base._host_items(slot)
+        if failures:
+            self.base.fallback(slot, x, failures)
+            labels, extras = self.base._host_items(slot)
+        self.phases.add("fallback_s", time.perf_counter() - t2)
+        reusable = self.stage.fence()
+        pending.copied, pending.finished = reusable, True
+        t3 = time.perf_counter()
+        batch = self._convert(slot, x, labels, extras)
+        t4 = time.perf_counter()
+        self.phases.add("convert_s", t4 - t3)
+        # the GPU side's pace: its busier stage, the decode calls or the resample (they overlap)
+        self._account(slot, ticket, failures, gpu_side=max(decode_s, resample))
+        self.stats.device_s += pending.submit_s + t4 - t_finish - decode_wait
+        self.base.working = storages_on(x, self.opts.device)
+        if storages_on(batch, self.opts.device).keys() & self.base.working.keys():
+            self.buffers[self.buffers.index(x)] = None  # handed out as it is: never reused
+        return batch, reusable
+
+    def _convert(self, slot: Slot, x: torch.Tensor, labels: Any, extras: Any) -> tuple:
+        spec = self.base.chain.spec
+        if spec.pipeline.batch is None:
+            images = convert(x, self.opts, layout="nhwc")
+        else:
+            filler, b = self.base.chain.locate(slot.batch)
+            y, labels = run_batch_ops(spec, x, labels, filler.epoch, b)
+            done = y.dtype.is_floating_point and self.opts.dtype == torch.uint8
+            images = y.contiguous(memory_format=self.opts.memory_format) if done else convert(y, self.opts,
+                                                                                               layout="nchw")
+        batch: tuple = (images, labels)
+        return batch + (extras,) if extras is not None else batch
+
+    def _account(self, slot: Slot, ticket: _Ticket, failures: list, gpu_side: float) -> None:
+        stats = self.stats
+        with self.base.lock:
+            stats.add(self.base.times, 0)
+            stats.gpu_decoded += len(ticket.jobs) - len(failures)
+            stats.gpu_fallbacks += len(failures)
+            stats.gpu_decoder = self.base.gpu.decoder.name
+        if self.split is not None:
+            cpu_s = sum(getattr(_batch_plan(slot), "cpu_render_s", None) or ())
+            n_cpu = slot.size - len(ticket.jobs)
+            if n_cpu > 0:
+                self.split.observe_cpu(n_cpu, cpu_s)
+            self.split.observe_gpu(len(ticket.jobs), gpu_side)
+            # the batch's pace: its slower side, each timed where it ran (not the gap between two
+            # batches, which a backlog of finished slots would shorten)
+            self.split.observe_batch(slot.size, max(cpu_s / self.split.threads, gpu_side if ticket.jobs else 0.0),
+                                     split=bool(ticket.jobs))
+            self.split.batch_done()
+            stats.gpu_share, stats.gpu_split = self.split.settled, self.split.reason
+        self.batches += 1
+        if self.batches % LOG_EVERY == 0:
+            _log.info(self.phases.line(self.batches))
+
+    def close(self, timeout: float) -> None:
+        self.decoder.join(timeout)
+        if self.batches:
+            _log.info(self.phases.line(self.batches))
+
+
+class PipelinedFeeder(Feeder):
+    """The device thread with the GPU decode pipelined: batch b is submitted to the decode thread as
+    soon as its slot is complete, then batch b-1 is finished and queued (`PipelinedBuilder`). The slot
+    of batch b stays guarded until its batch is finished and its copies have run."""
+
+    def __init__(self, *args: Any, pipe: PipelinedBuilder, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pipe = pipe
+        pipe.decoder.stop_event = self.stop_event
+
+    def start(self) -> None:
+        self.pipe.start()
+        super().start()
+
+    def _loop(self) -> None:
+        try:
+            self.stage.bind()
+        except BaseException as exc:
+            self._put(("error", exc, None))
+            return
+        open_: deque[_Pending] = deque()  # submitted, not finished: at most two
+        try:
+            b = -1
+            while self._more(b := b + 1):
+                if self.stop_event.is_set():
+                    return
+                slot = self.run.next_batch(b)
+                with self.stage.context():
+                    submitted = self.pipe.submit(slot)
+                open_.append(submitted)
+                self.run.guard(b, submitted)
+                if len(open_) > 1 and not self._finish(open_.popleft()):
+                    return
+            while open_:
+                if not self._finish(open_.popleft()):
+                    return
+        except BaseException as exc:  # for the consumer, in order; this thread is done
+            self._put(("error", exc, None))
+        finally:
+            for pending in open_:
+                pending.finished = True  # abandoned: nothing writes its slot any more (its copies: `copied`)
+
+    def _finish(self, pending: _Pending) -> bool:
+        try:
+            with self.stage.context():
+                out, _ = self.pipe.finish(pending)
+                ready = self.stage.fence()
+        finally:
+            pending.finished = True
+        held = self._hold(out)
+        if not self._put(("batch", out, (ready, held))):
+            self._release(held)
+            return False
+        return True
+
+    def stop(self, join_timeout: float = 5.0) -> None:
+        super().stop(join_timeout)
+        self.pipe.close(join_timeout)

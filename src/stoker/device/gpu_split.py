@@ -1,0 +1,158 @@
+"""How each batch's JPEGs are split between the GPU decoder and the CPU worker threads.
+
+The GPU adds decode capacity beside the CPU threads; it does not replace them. A batch is complete
+when both sides are done, so the split that finishes them together gives the GPU the share
+`G / (G + C)` of the JPEG rows, G and C being the two sides' measured images/s. `SplitControl`
+measures both as the Loader runs (the device thread reports each batch: the GPU side's busy time,
+and the CPU seconds the workers spent rendering the CPU rows) and moves the share there, smoothed,
+so it follows a machine whose load changes. No peer does this automatically: DALI's
+`hw_decoder_load` is a fixed setting.
+
+Whether the split helps at all is measured too: the two sides share the host (the device thread's
+Python and the workers' take turns at the GIL; the GPU path's host work takes cores), so a side's
+rate beside the other can be far below its rate alone. Every `probe_every` batches a window of
+`probe_len` batches runs the other way (the CPU alone while splitting, the split while the CPU is
+alone), and the pace of whole batches (images/s, each batch as long as its slower side, both
+sides timed where they ran, so the slowdown one causes the other is in it) decides which to keep;
+`reason` says which and why. Until both ways have been timed, a GPU that would add less than
+`floor` of the capacity is left out too. Pure arithmetic on the numbers it is handed: tests drive it
+with a simulated clock.
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+class SplitControl:
+    """The GPU's share of a batch's JPEG rows, from measured throughput (or fixed, with `share`).
+
+    threads: the worker threads rendering the CPU rows (their summed seconds / threads is the CPU
+        side's wall time). share: a fixed share in 0..1 (no measuring), or None: automatic, starting
+        at `start`. alpha: weight of the newest batch in the smoothed rates (0..1]. margin: how much
+        faster (a fraction) the other way must be in a probe before it is taken."""
+
+    def __init__(self, threads: int, share: float | None = None, *, start: float = 0.5, alpha: float = 0.5,
+                 floor: float = 0.02, probe_every: int = 40, probe_len: int = 8, warmup: int = 8,
+                 margin: float = 0.05) -> None:
+        if share is not None and not 0.0 <= share <= 1.0:
+            raise ValueError(f"gpu_share must be between 0 and 1, got {share!r}")
+        self.threads = max(1, int(threads))
+        self.fixed = share
+        self.balanced = float(start if share is None else share)  # G / (G + C) from the latest rates
+        self.share = self.balanced  # what gpu_rows hands out now
+        self.alpha, self.floor, self.margin = alpha, floor, margin
+        self.probe_every, self.probe_len, self.warmup = probe_every, probe_len, warmup
+        self.gpu_rate: float | None = None  # images/s, smoothed
+        self.cpu_rate: float | None = None
+        self.pace: dict[str, float | None] = {"split": None, "cpu": None}  # whole batches, images/s
+        self.mode = "split"  # or "cpu": the CPU threads alone (the split did not help)
+        self.probe: str | None = None  # the other way, while a probe window runs
+        self.probe_left = 0
+        self.batches = 0
+        self.lock = threading.Lock()
+        self.reason = (f"fixed: {share:.0%} of each batch's JPEGs on the GPU (gpu_share=)" if share is not None
+                       else "measuring: the first batches split half and half")
+
+    def gpu_rows(self, n_jpeg: int) -> int:
+        """How many of a batch's `n_jpeg` JPEG rows go to the GPU (read by a worker thread when it
+        plans a batch: one float, no lock needed)."""
+        return int(round(self.share * n_jpeg))
+
+    @property
+    def settled(self) -> float:
+        """The share outside probe windows (what `reason` explains; LoaderStats.gpu_share)."""
+        if self.fixed is not None:
+            return self.fixed
+        return 0.0 if self.mode == "cpu" else max(self.balanced, self.floor)
+
+    def _smooth(self, old: float | None, new: float) -> float:
+        return new if old is None else self.alpha * new + (1 - self.alpha) * old
+
+    def observe_gpu(self, images: int, seconds: float) -> None:
+        """The GPU side took `seconds` (its busiest stage: the decode calls, or the resample) for `images`."""
+        if images > 0 and seconds > 0:
+            with self.lock:
+                self.gpu_rate = self._smooth(self.gpu_rate, images / seconds)
+                self._update()
+
+    def observe_cpu(self, images: int, thread_seconds: float) -> None:
+        """The worker threads spent `thread_seconds` in all rendering `images` CPU rows."""
+        if images > 0 and thread_seconds > 0:
+            with self.lock:
+                self.cpu_rate = self._smooth(self.cpu_rate, images * self.threads / thread_seconds)
+                self._update()
+
+    def observe_batch(self, images: int, seconds: float, split: bool) -> None:
+        """A whole batch of `images` took `seconds` on its slower side (the CPU rows' thread-seconds
+        over the threads, or the GPU side's); `split`: some of its rows were decoded on the GPU."""
+        if images > 0 and seconds > 0:
+            with self.lock:
+                key = "split" if split else "cpu"
+                self.pace[key] = self._smooth(self.pace[key], images / seconds)
+
+    def batch_done(self) -> None:
+        """The device thread finished a batch: the probe schedule moves on."""
+        with self.lock:
+            self.batches += 1
+            if self.fixed is not None:
+                return
+            if self.probe is not None:
+                self.probe_left -= 1
+                if self.probe_left <= 0:
+                    self._decide()
+            elif self.batches >= self.warmup and self.batches % self.probe_every == self.warmup % self.probe_every:
+                self.probe = "cpu" if self.mode == "split" else "split"
+                self.probe_left = self.probe_len
+                self.pace[self.probe] = None  # measured afresh in this window
+            self._apply()
+
+    def _decide(self) -> None:
+        other, probe = self.pace[self.probe or "cpu"], self.probe
+        self.probe = None
+        current = self.pace[self.mode]
+        if probe is None or other is None or current is None:
+            return
+        if other > current * (1 + self.margin):
+            self.mode = probe
+        split, cpu = self.pace["split"], self.pace["cpu"]
+        if self.mode == "cpu":
+            self.reason = (f"CPU only: batches came at {cpu:,.0f} img/s with the CPU threads alone, {split:,.0f} "
+                           f"img/s split with the GPU (re-measured every {self.probe_every} batches)")
+
+    def _update(self) -> None:
+        if self.fixed is not None or self.gpu_rate is None or self.cpu_rate is None:
+            return
+        g, c = self.gpu_rate, self.cpu_rate
+        self.balanced = g / (g + c)
+        if self.mode == "split":
+            if self.balanced < self.floor and (self.pace["split"] is None or self.pace["cpu"] is None):
+                self.mode = "cpu"  # no pace measured both ways yet: the capacities decide
+                self.reason = (f"CPU only: the GPU decoder measured {g:,.0f} img/s beside the CPU threads' "
+                               f"{c:,.0f} img/s, under {self.floor:.0%} of the capacity (re-measured every "
+                               f"{self.probe_every} batches)")
+            else:
+                self.reason = (f"split by measured throughput: GPU {g:,.0f} img/s, CPU threads {c:,.0f} img/s, so "
+                               f"{self.balanced:.0%} of each batch's JPEGs on the GPU")
+        self._apply()
+
+    def _apply(self) -> None:
+        """The share handed out now: the balance while splitting (0 under the floor), none on the CPU
+        alone; a probe window of the split gives the GPU at least the floor, so it is measured."""
+        way = self.probe or self.mode
+        self.share = 0.0 if way == "cpu" else max(self.balanced, self.floor)
+
+
+def auto_blocker(tail_ops: str, resampling: tuple, pad: bool, clips: bool) -> str | None:
+    """Why decode="auto" decodes on the CPU alone for a Loader's transforms (None: the GPU may help):
+    the same combinations decode="gpu" refuses."""
+    if tail_ops:
+        return f"CPU only: {tail_ops} run on numpy arrays, after the decode"
+    if tuple(resampling) != ("bilinear", True):
+        return (f"CPU only: the transforms resize with {resampling[0]!r} (antialias={resampling[1]}); the GPU "
+                f"path resizes with antialiased bilinear only")
+    if pad:
+        return "CPU only: pad=True"
+    if clips:
+        return "CPU only: video clips are decoded by PyAV"
+    return None

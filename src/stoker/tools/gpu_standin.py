@@ -1,0 +1,54 @@
+"""A stand-in GPU JPEG decoder of fixed latency and throughput, for measuring the GPU decode pipeline
+on machines without a GPU (benchmarks/bench_gpu_pipeline.py, tests/test_gpu_pipeline.py).
+
+It follows the `gpu_decoder=` object API (`stoker.device.gpu_backends.GpuDecoder`): each call blocks the
+calling thread for `latency_s + images / images_per_s` seconds, as a library that decodes while it
+is called does (the hardware JPEG engines; TorchCodec host-synchronizes), with the GIL released
+(`time.sleep`), then returns uint8 [3, H, W] tensors of the right size: the image's (read from the
+JPEG header) or, with `regions=True`, the window's. Their pixels are a flat grey: what is measured
+is the pipeline around the decoder, not the decode.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from .._torch import torch
+from ..codecs import probe
+
+
+class FixedRateDecoder:
+    """A decoder whose every call takes `latency_s + images / images_per_s` seconds (`sleep`, injectable)."""
+
+    def __init__(self, latency_s: float = 0.0, images_per_s: float = float("inf"), *, regions: bool = False,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.latency_s, self.images_per_s = float(latency_s), float(images_per_s)
+        self.regions = regions
+        self.sleep = sleep
+        self.name = f"fixed-rate stand-in ({latency_s * 1e3:g} ms + {images_per_s:g} img/s)"
+        self.calls: list[int] = []  # images per call
+        self.busy_s = 0.0  # seconds spent inside decode
+        self._lock = threading.Lock()
+
+    def decode(self, datas: list[torch.Tensor], regions: Sequence[Any] | None = None) -> list[Any]:
+        t0 = time.perf_counter()
+        self.sleep(self.latency_s + len(datas) / self.images_per_s)
+        out: list[Any] = []
+        for k, data in enumerate(datas):
+            if regions is not None and regions[k] is not None:
+                y0, y1, x0, x1 = regions[k]
+                h, w = y1 - y0, x1 - x0
+            else:
+                try:
+                    info = probe(bytes(data.numpy()), "stand-in")
+                    h, w = info.height, info.width
+                except Exception as exc:  # noqa: BLE001 - a corrupt sample fails alone, like a real decoder
+                    out.append(exc)
+                    continue
+            out.append(torch.full((3, h, w), 128, dtype=torch.uint8))
+        with self._lock:
+            self.calls.append(len(datas))
+            self.busy_s += time.perf_counter() - t0
+        return out

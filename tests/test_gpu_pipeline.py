@@ -1,0 +1,357 @@
+"""The pipelined GPU decode path on the CPU: overlap structure, the split's convergence, pixels.
+
+No timing here (benchmarks/bench_gpu_pipeline.py measures): the overlap is shown by a decoder that
+blocks until the device thread has resampled the previous batch (a serial path would never get
+there), the split by SplitControl driven with simulated throughputs, the pixels against the CPU
+path where both decode at full size (nvImageCodec's CPU backend).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import stoker
+from conftest import jpeg_bytes
+from stoker import DeviceOptions, Loader, Workers
+from stoker.errors import ConfigError
+from stoker.device.gpu_decode import GpuBatchDecoder
+from stoker.device.gpu_split import SplitControl
+from stoker.tools.gpu_standin import FixedRateDecoder
+from stoker.transforms import ColorJitter, RandomHorizontalFlip, RandomResizedCrop
+from test_gpu_decode import textured
+
+CROP = [RandomResizedCrop(64), RandomHorizontalFlip()]
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("gpupipe")
+    rng = np.random.default_rng(3)
+    for c in range(2):
+        (root / "src" / f"c{c}").mkdir(parents=True)
+        for i in range(24):
+            data = jpeg_bytes(textured(rng, 96 + 5 * i, 120 + 3 * i), quality=90)
+            (root / "src" / f"c{c}" / f"{i:02d}.jpg").write_bytes(data)
+    stoker.pack(str(root / "src"), str(root / "packed"))
+    return root / "packed"
+
+
+# ---- overlap: the decode of batch b+1 runs while batch b is resampled --------------------------------------
+
+def test_the_next_batch_is_decoded_while_the_previous_is_resampled(packed: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode of batch k and the resample of batch k-1 are in progress at the same time: each
+    waits until the other has started. A serial path (decode, resample, decode, ...) cannot get past
+    the first such pair, and every gate would time out."""
+    batches = 4
+    decoding = [threading.Event() for _ in range(batches)]
+    resampling = [threading.Event() for _ in range(batches)]
+    timed_out: list[str] = []
+    real_resample = GpuBatchDecoder.resample_chunk
+    done = [0]
+
+    def resample(self, placed, out):
+        j = done[0]
+        done[0] += 1
+        resampling[j].set()
+        if j + 1 < batches and not decoding[j + 1].wait(10):
+            timed_out.append(f"resample {j}")
+        return real_resample(self, placed, out)
+
+    class Gated(FixedRateDecoder):
+        def decode(self, datas, regions=None):
+            k = len(self.calls)
+            decoding[k].set()
+            if k >= 1 and not resampling[k - 1].wait(10):
+                timed_out.append(f"decode {k}")
+            return super().decode(datas, regions)
+
+    monkeypatch.setattr(GpuBatchDecoder, "resample_chunk", resample)
+    dec = Gated()
+    loader = Loader(packed, 12, transforms=CROP, seed=1, workers=Workers(num_threads=2),
+                    device=DeviceOptions("cpu", decode="gpu", gpu_decoder=dec))
+    assert sum(len(x) for x, _ in loader) == 48
+    assert timed_out == [] and dec.calls == [12] * batches
+    assert loader.stats.gpu_decoded == 48 and loader.stats.gpu_share == 1.0
+
+
+def test_the_device_thread_submits_batch_b_before_it_finishes_batch_b_minus_1(
+        packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device thread's order: submit 0, submit 1, finish 0, submit 2, finish 1, ..., finish last;
+    each slot is guarded by its pending batch until that batch is finished."""
+    from stoker.device import gpu_pipeline
+
+    log: list[str] = []
+    guards: list = []
+    submit, finish = gpu_pipeline.PipelinedBuilder.submit, gpu_pipeline.PipelinedBuilder.finish
+
+    def logged_submit(self, slot):
+        log.append(f"submit {slot.batch}")
+        pending = submit(self, slot)
+        guards.append(pending)
+        assert not pending.done()  # the slot stays guarded while its batch is decoded
+        return pending
+
+    def logged_finish(self, pending):
+        log.append(f"finish {pending.slot.batch}")
+        return finish(self, pending)
+
+    monkeypatch.setattr(gpu_pipeline.PipelinedBuilder, "submit", logged_submit)
+    monkeypatch.setattr(gpu_pipeline.PipelinedBuilder, "finish", logged_finish)
+    loader = Loader(packed, 16, transforms=CROP, seed=2, device=DeviceOptions("cpu", decode="gpu",
+                                                                             gpu_decoder=FixedRateDecoder()))
+    assert len(list(loader)) == 3
+    assert log == ["submit 0", "submit 1", "finish 0", "submit 2", "finish 1", "finish 2"]
+    assert all(p.done() for p in guards)
+
+
+def test_decoded_chunks_are_bounded_and_released_in_order(packed: Path) -> None:
+    """Small budgets cut each batch into many chunks: never more than RING decoded chunks live at
+    once, and the output matches the unpipelined run bit for bit."""
+    from stoker.device import gpu_pipeline
+
+    dec = FixedRateDecoder()
+    loader = Loader(packed, 16, transforms=CROP, seed=4, device=DeviceOptions("cpu", decode="gpu", gpu_decoder=dec))
+    whole = [x.clone() for x, _ in loader]
+    loader._passes.gpu(loader.device).budget_bytes = 3 * 150 * 200 * 2  # about two images a chunk
+    peak = []
+    real = gpu_pipeline.DecodeThread._make_room
+
+    def room(self):
+        ok = real(self)
+        peak.append(len(self.live))
+        return ok
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gpu_pipeline.DecodeThread, "_make_room", room)
+        chunked = [x.clone() for x, _ in loader]
+    assert len(dec.calls) > 3 * 3 + 3 and max(peak) < gpu_pipeline.RING
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
+
+
+def test_closing_mid_epoch_stops_the_decode_thread(packed: Path) -> None:
+    loader = Loader(packed, 8, transforms=CROP, device=DeviceOptions("cpu", decode="gpu",
+                                                                    gpu_decoder=FixedRateDecoder(0.01)))
+    it = iter(loader)
+    next(it)
+    loader.close()
+    for t in threading.enumerate():
+        if t.name == "stoker-decode":
+            t.join(5)
+    assert not any(t.name in ("stoker-decode", "stoker-device") and t.is_alive() for t in threading.enumerate())
+
+
+# ---- the split: converges to the capacities' ratio ------------------------------------------------------
+
+def simulate(ctrl: SplitControl, gpu_rate: float, cpu_rate: float, batches: int, batch: int = 256,
+             latency: float = 0.0, noise: float = 0.0, seed: int = 0, interference: float = 1.0) -> list[float]:
+    """Drive `ctrl` as the device thread does, with a simulated clock: each batch's GPU side takes
+    latency + n_gpu / gpu_rate seconds, its CPU rows n_cpu * threads / cpu_rate thread-seconds (times
+    `interference` when the batch is split: the two sides slowing each other down on the host), and
+    the batch as long as the slower side."""
+    rng = np.random.default_rng(seed)
+    shares = []
+    for _ in range(batches):
+        n_gpu = ctrl.gpu_rows(batch)
+        n_cpu = batch - n_gpu
+        jitter = 1 + noise * rng.uniform(-1, 1)
+        slow = interference if n_gpu else 1.0
+        gpu_s = (latency + n_gpu / gpu_rate) * jitter if n_gpu else 0.0
+        cpu_s = n_cpu * ctrl.threads / cpu_rate * jitter * slow
+        if n_gpu:
+            ctrl.observe_gpu(n_gpu, gpu_s)
+        if n_cpu:
+            ctrl.observe_cpu(n_cpu, cpu_s)
+        ctrl.observe_batch(batch, max(gpu_s, cpu_s / ctrl.threads), split=bool(n_gpu))
+        ctrl.batch_done()
+        shares.append(ctrl.share)
+    return shares
+
+
+@pytest.mark.parametrize("gpu_rate, cpu_rate", [(2000.0, 8000.0), (6000.0, 3000.0), (1000.0, 1000.0)])
+def test_the_split_converges_to_the_capacities_ratio(gpu_rate: float, cpu_rate: float) -> None:
+    want = gpu_rate / (gpu_rate + cpu_rate)
+    ctrl = SplitControl(threads=8)
+    shares = simulate(ctrl, gpu_rate, cpu_rate, 120, noise=0.2)
+    split = [s for s in shares[5:] if s > 0]  # outside the windows that time the CPU alone
+    assert len(split) > 90 and all(abs(s - want) <= 0.15 * want for s in split), (want, shares)  # +-20% noise
+    assert abs(np.mean(split[-60:]) - want) <= 0.05 * want
+    assert all(abs(s - want) <= 0.1 * want for s in simulate(SplitControl(threads=8), gpu_rate, cpu_rate, 60)[3:]
+               if s > 0)  # without noise: within 10% from the third batch on
+    assert ctrl.mode == "split" and "split by measured throughput" in ctrl.reason
+    assert shares.count(0.0) >= 8 * 2  # the CPU alone was timed in probe windows, and lost
+
+
+def test_the_split_follows_a_change_of_load() -> None:
+    ctrl = SplitControl(threads=4)
+    simulate(ctrl, 3000.0, 3000.0, 20)
+    assert abs(ctrl.share - 0.5) < 0.02
+    shares = simulate(ctrl, 3000.0, 9000.0, 10)  # the CPU got three times faster (say, the model went idle)
+    assert abs(shares[-1] - 0.25) < 0.025 and ctrl.mode == "split"
+
+
+def test_a_split_that_slows_the_cpu_side_down_is_dropped_and_retried() -> None:
+    """Each side alone is fast, but beside each other the CPU rows take five times as long (the GIL,
+    shared cores): the probe window of the CPU alone is faster, so the CPU alone is kept, and the
+    split is tried again every probe_every batches."""
+    ctrl = SplitControl(threads=1, probe_every=20, probe_len=6, warmup=4)
+    shares = simulate(ctrl, 2000.0, 2500.0, 40, batch=16, interference=5.0)
+    assert ctrl.mode == "cpu" and ctrl.reason.startswith("CPU only: batches came at")
+    assert 0 in shares and shares[-1] == 0.0
+    shares = simulate(ctrl, 2000.0, 2500.0, 30, batch=16, interference=1.0)  # the interference is gone
+    assert ctrl.mode == "split" and shares[-1] > 0.05
+
+
+def test_a_gpu_that_adds_too_little_is_left_out_but_still_measured() -> None:
+    ctrl = SplitControl(threads=16, floor=0.02, probe_every=10, probe_len=4, warmup=4)
+    simulate(ctrl, 50.0, 10_000.0, 3)
+    assert ctrl.share == 0.0 and ctrl.mode == "cpu" and ctrl.reason.startswith("CPU only: the GPU decoder measured")
+    shares = simulate(ctrl, 20_000.0, 10_000.0, 40)  # the GPU became fast: a probe of the split takes it back
+    assert ctrl.mode == "split" and abs(shares[-1] - 2 / 3) < 0.07
+
+
+def test_a_fixed_share_is_never_moved() -> None:
+    ctrl = SplitControl(threads=4, share=0.3)
+    simulate(ctrl, 1000.0, 9000.0, 60)
+    assert ctrl.share == 0.3 and ctrl.gpu_rows(100) == 30 and "gpu_share" in ctrl.reason
+    with pytest.raises(ConfigError, match="gpu_share must be a number between 0 and 1"):
+        DeviceOptions("cpu", decode="auto", gpu_share=1.5)
+
+
+def test_auto_splits_each_batch_and_says_why(packed: Path) -> None:
+    loader = Loader(packed, 16, transforms=CROP, seed=5, workers=Workers(num_threads=2),
+                    device=DeviceOptions("cpu", decode="auto", gpu_decoder=FixedRateDecoder(0.002, 4000)))
+    for _ in range(3):
+        assert sum(len(x) for x, _ in loader) == 48
+    stats = loader.stats
+    assert 0 < stats.gpu_decoded < stats.samples  # both sides decoded (the first batches split half and half)
+    # which way wins depends on this machine's timing; either way the share and the reason agree
+    assert 0.0 < stats.gpu_share < 1.0 and stats.gpu_split.startswith("split by measured throughput") or \
+        stats.gpu_share == 0.0 and stats.gpu_split.startswith("CPU only")
+    assert set(stats.gpu_phases) == {"plan_s", "upload_s", "decode_s", "reads_wait_s", "decode_wait_s",
+                                     "resample_s", "fallback_s", "convert_s"}
+    assert stats.gpu_phases["decode_s"] > 0 and stats.gpu_phases["resample_s"] > 0
+
+
+def test_auto_decodes_on_the_cpu_where_the_gpu_cannot_help_and_says_why(packed: Path) -> None:
+    no_cuda = Loader(packed, 16, transforms=CROP, device=DeviceOptions("cpu", decode="auto"))
+    assert no_cuda.device.decode == "cpu" and no_cuda.stats.gpu_split.startswith("CPU only: no GPU JPEG decoder")
+    assert sum(len(x) for x, _ in no_cuda) == 48 and no_cuda.stats.gpu_decoded == 0
+    tail = Loader(packed, 16, transforms=CROP + [ColorJitter(0.2)],
+                  device=DeviceOptions("cpu", decode="auto", gpu_decoder=FixedRateDecoder()))
+    assert tail.device.decode == "cpu" and "ColorJitter" in tail.stats.gpu_split
+
+
+# ---- pixels: within 1 level of the CPU path where both decode at full size ------------------------------
+
+def test_region_decode_and_reused_outputs_match_the_cpu_path_within_one_level(packed: Path) -> None:
+    nvimgcodec = pytest.importorskip("stoker.device.gpu_backends").NvImageCodecDecoder
+    try:
+        whole = nvimgcodec("cpu", regions=False)
+        region = nvimgcodec("cpu", regions=True, reuse=3)
+    except ConfigError as exc:
+        pytest.skip(f"nvImageCodec's CPU backend is not usable here: {exc}")
+    ops = [RandomResizedCrop(72), RandomHorizontalFlip()]
+    cpu = Loader(packed, 16, transforms=ops, seed=6, workers=Workers(decode_quality="exact"), device="cpu")
+    want = [x for x, _ in cpu]
+    for dec in (whole, region):
+        got = [x for x, _ in Loader(packed, 16, transforms=ops, seed=6,
+                                    device=DeviceOptions("cpu", decode="gpu", gpu_decoder=dec))]
+        for a, b in zip(want, got):
+            assert int((a.int() - b.int()).abs().max()) <= 1
+    assert region.regions and region.reuse == 3 and region._kept[0] is not None  # outputs were kept for reuse
+
+
+def test_doctor_names_the_split_and_why() -> None:
+    from stoker.loading.stats import LoaderStats
+    from stoker.tools.doctor import _gpu_decode
+
+    stats = LoaderStats(gpu_decoder="nvImageCodec 0.9.0 hardware JPEG first", gpu_share=0.25,
+                        gpu_split="split by measured throughput: GPU 2,000 img/s, CPU threads 6,000 img/s, so 25% ...")
+    line = _gpu_decode(stats)
+    assert line.startswith("nvImageCodec 0.9.0") and "25% of each batch's JPEGs on the GPU" in line
+    assert "CPU threads 6,000 img/s" in line
+    assert _gpu_decode(LoaderStats(gpu_decoder="TorchCodec 0.17.0 nvJPEG")) == "TorchCodec 0.17.0 nvJPEG"
+
+
+def test_a_batchs_jpeg_bytes_share_one_staging_buffer(packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From a slot's second batch on, the workers copy its JPEGs into one buffer made by the device
+    thread, each job's bytes a view at its own offset; a buffer too small for a batch is replaced by a
+    larger one for the next, and the pixels never change."""
+    from stoker.device import gpu_pipeline
+
+    seen: list[tuple[int, list]] = []
+    submit = gpu_pipeline.PipelinedBuilder.submit
+
+    def spy(self, slot):
+        jobs = [j for j in slot.jobs[:slot.size] if j is not None]
+        base = slot.staging.buffer if slot.staging is not None else None
+        spans = []
+        for j in jobs:
+            inside = base is not None and j.data.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+            spans.append((inside, j.data.storage_offset(), j.data.numel()))
+        seen.append((id(slot), spans))
+        return submit(self, slot)
+
+    monkeypatch.setattr(gpu_pipeline.PipelinedBuilder, "submit", spy)
+    loader = Loader(packed, 4, transforms=CROP, seed=7, device=DeviceOptions("cpu", decode="gpu",
+                                                                            gpu_decoder=FixedRateDecoder()))
+    first = [x.clone() for x, _ in loader]  # 12 batches: every slot of the ring is used more than once
+    again = [x.clone() for x, _ in loader]
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    staged = [spans for _, spans in seen if spans and all(inside for inside, _, _ in spans)]
+    assert staged, "no batch had its JPEGs in a staging buffer"
+    for spans in staged:  # back to back, no overlap
+        ranges = sorted((off, off + n) for _, off, n in spans)
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ranges, ranges[1:]))
+    # a buffer too small: the JPEG gets a private copy, counted, and the bytes are intact
+    from stoker.loading.jobs import JpegStaging
+    st = JpegStaging(torch.zeros(8, dtype=torch.uint8))
+    v1, v2 = st.put(b"abcde"), st.put(b"fghij")
+    assert bytes(v1.numpy()) == b"abcde" and bytes(v2.numpy()) == b"fghij" and st.used == 5 and st.overflow == 5
+    st.reset()
+    assert st.used == 0 and st.overflow == 0
+
+
+def test_auto_with_a_worker_process_decodes_on_the_cpu_and_says_why(packed: Path) -> None:
+    loader = Loader(packed, 16, transforms=CROP, workers=Workers(num_threads=1, processes=1),
+                    device=DeviceOptions("cpu", decode="auto", gpu_decoder=FixedRateDecoder()))
+    try:
+        assert loader.device.decode == "cpu" and "processes=1" in loader.stats.gpu_split
+        assert sum(len(x) for x, _ in loader) == 48 and loader.stats.gpu_decoded == 0
+    finally:
+        loader.close()
+
+
+def test_a_persistent_loader_runs_the_pipeline_across_epochs(packed: Path) -> None:
+    loader = Loader(packed, 16, transforms=CROP, seed=8, workers=Workers(num_threads=2, persistent=True),
+                    device=DeviceOptions("cpu", decode="gpu", gpu_decoder=FixedRateDecoder(0.005)))
+    try:
+        epochs = []
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            epochs.append([x.clone() for x, _ in loader])
+        assert [len(e) for e in epochs] == [3, 3, 3] and loader.stats.gpu_decoded == 144
+        again = Loader(packed, 16, transforms=CROP, seed=8, device=DeviceOptions("cpu", decode="gpu",
+                                                                                gpu_decoder=FixedRateDecoder()))
+        again.set_epoch(2)
+        assert all(torch.equal(a, b) for a, b in zip(epochs[2], (x for x, _ in again)))
+    finally:
+        loader.close()
+
+
+def test_the_phase_timers_reach_the_log(packed: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="stoker.gpu")
+    loader = Loader(packed, 16, transforms=CROP, device=DeviceOptions("cpu", decode="gpu",
+                                                                     gpu_decoder=FixedRateDecoder()))
+    assert sum(len(x) for x, _ in loader) == 48
+    loader.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "stoker.gpu"]
+    assert lines and lines[-1].startswith("GPU decode after 3 batches, seconds per phase: plan ")
+    for phase in ("upload", "decode", "reads_wait", "decode_wait", "resample", "fallback", "convert", "GPU share 100%"):
+        assert phase in lines[-1]
