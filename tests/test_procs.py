@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 import stoker
-from stoker.loading import procs
+from stoker.loading import procs, shared_slots
 from stoker.errors import ConfigError, CorruptImageError, LoaderTimeoutError, SampleError, WorkerError
 from stoker.loader import Loader
 from stoker.loader.options import Workers
@@ -358,8 +358,8 @@ class FakeCudart:
 
 def test_shared_slots_are_registered_pinned_and_unregistered_before_unmapping(monkeypatch) -> None:
     fake = FakeCudart()
-    monkeypatch.setattr(procs, "_cudart", lambda: fake)
-    buffers = procs.SharedBuffers(pin=True)
+    monkeypatch.setattr(shared_slots, "_cudart", lambda: fake)
+    buffers = shared_slots.SharedBuffers(pin=True)
     slot = buffers.allocate(4, 8, 8, np.dtype(np.int64))
     name = buffers.segments[slot].name
     ((kind, ptr, size, flags),) = fake.calls

@@ -242,7 +242,9 @@ def test_bad_idx_offsets_skip_their_keys(tmp_path: Path) -> None:
     lines.append(f"9\t{-8}")                 # negative
     rec.with_suffix(".idx").write_text("\n".join(lines) + "\n")
     rows, _ = pack_and_read(rec, tmp_path / "out")
-    assert {k: r["image"] for k, r in rows.items()} == {"train.rec/0": imgs[0], "train.rec/4": imgs[4]}
+    # the records those lines miss are still in the .rec: packed, keyed by their byte offset
+    assert {k: r["image"] for k, r in rows.items()} == {"train.rec/0": imgs[0], "train.rec/4": imgs[4],
+                                                        **{f"train.rec/@{offsets[k]}": imgs[k] for k in (1, 2, 3)}}
     reasons = skipped(tmp_path / "out")
     assert set(reasons) == {"train.rec/1", "train.rec/2", "train.rec/3", "train.rec/9"}
     assert "line 2 gives byte offset" in reasons["train.rec/1"] and "line 4" in reasons["train.rec/3"]

@@ -8,8 +8,8 @@ further than the ring, because the ring's slots are shared memory both processes
 
 Who does what:
 
-- The parent keeps the ring (`slots.BatchRing`, its slots made by `SharedBuffers`: one POSIX shared
-  memory segment per slot, pinned with `cudaHostRegister` when CUDA is present) and every rule about
+- The parent keeps the ring (`slots.BatchRing`, its slots made by `shared_slots.SharedBuffers`: one
+  shared memory segment per slot, pinned with `cudaHostRegister` when CUDA is present) and every rule about
   it: a slot goes back to the child only once nothing references it and its guard fence has passed.
   `ProcessRun` is what the pass talks to in place of `slots.Run`, with the same methods.
 - The child (`child_main`, started with the "spawn" context: never a fork of a threaded parent) gets
@@ -22,200 +22,47 @@ Who does what:
   numbers, the extra columns and the workers' counters) and errors with their traceback text.
 
 Shared memory never outlives its pass (or a persistent Loader's run of epochs, which one child serves):
-the parent creates each segment and unlinks it as soon as the child has mapped it (or at the latest
-when the child stops), and registers it with multiprocessing's
-resource tracker in between, so even a parent killed outright leaves nothing in /dev/shm. The memory
-itself lives while either process maps it. A child that dies (killed, out of memory) is an error in
-the consumer naming its pid and exit code, found within the Loader's timeout, never a hang.
+on Linux it has no name at all (see `shared_slots`), so no kill leaves anything in /dev/shm. The
+memory itself lives while either process maps it. A child that dies (killed, out of memory) is an
+error in the consumer naming its pid and how it died, found within the Loader's timeout, never a
+hang; one that dies while starting is told apart from a script without a `__main__` guard.
+
+The child ignores SIGINT: a terminal's Ctrl-C reaches the whole process group, and the training
+script decides (it may catch it and finish its epoch, as with threads); the parent stops the child.
 """
 
 from __future__ import annotations
 
-import importlib
-import mmap
+import contextlib
 import multiprocessing
-import os
 import pickle
-import secrets
-import sys
+import signal
 import threading
 import time
 import traceback
-import weakref
 from collections import deque
-from dataclasses import dataclass
-from multiprocessing import resource_tracker
+from multiprocessing import reduction
 from multiprocessing.connection import wait as wait_any
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
-from .._torch import torch
-from ..errors import ConfigError, LoaderClosedError, LoaderTimeoutError, WorkerError
-from .slots import BatchRing, HandOut, Run, Slot, _release_if_owned, _use_count, row_shape
+from ..errors import ConfigError, LoaderClosedError, LoaderTimeoutError, ShardError, WorkerError
+from .process_errors import (child_imports, has_main_guard, killed_fix, main_references, main_script, rebuild,
+                             signal_name, start_failure)
+from .shared_slots import SharedBuffers, _posixshmem, attach, check_shm_fits, views
+from .slots import BatchRing, HandOut, Run, Slot, row_shape
 from .stats import LoaderStats
-
-try:   # POSIX shared memory, as multiprocessing.shared_memory uses it (not on Windows)
-    import _posixshmem
-except ImportError:   # pragma: no cover - Windows
-    _posixshmem = None
 
 __all__ = ["ProcessRun", "SharedBuffers", "check_process_mode", "child_main", "process_run"]
 
 _POLL_S = 0.1   # how often a blocked wait re-checks the stop flag and the child's liveness, seconds
 _START_S = 60.0  # the least time a worker process is given to start (a fresh interpreter importing stoker)
-_ALIGN = 64     # the labels' offset in a slot's segment
 #: what the child adds up and sends with each batch (LoaderStats fields)
 _COUNTERS = ("samples", "skipped", "read_s", "decode_s", "augment_s", "worker_wait_s")
 
 
-def _cudart() -> Any:
-    """CUDA's runtime API through torch (cudaHostRegister / cudaHostUnregister); tests swap in a fake."""
-    return torch.cuda.cudart()
-
-
-# ---- shared memory ------------------------------------------------------------------------------
-def _map(name: str, nbytes: int, create: bool) -> mmap.mmap:
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = _posixshmem.shm_open("/" + name, flags, mode=0o600)
-    try:
-        if create:
-            os.ftruncate(fd, nbytes)
-        return mmap.mmap(fd, nbytes)
-    finally:
-        os.close(fd)
-
-
-def _unlink(name: str) -> None:
-    """Remove a segment's name (the memory stays while a process maps it); forget it in the tracker."""
-    try:
-        _posixshmem.shm_unlink("/" + name)
-    except FileNotFoundError:
-        pass
-    resource_tracker.unregister("/" + name, "shared_memory")
-
-
-def _layout(batch_size: int, shape: tuple[int, ...], label_dtype: np.dtype | None) -> tuple[int, int, int]:
-    """(image bytes, labels offset, segment bytes) of one slot."""
-    images = batch_size * int(np.prod(shape))
-    at = -(-images // _ALIGN) * _ALIGN
-    labels = 0 if label_dtype is None else batch_size * np.dtype(label_dtype).itemsize
-    return images, at, max(at + labels, 1)
-
-
-def _views(mm: mmap.mmap, batch_size: int, shape: tuple[int, ...], label_dtype: np.dtype | None
-           ) -> tuple[np.ndarray, np.ndarray | None]:
-    """A slot's images and labels over its mapping. Each is made on the mapping itself (not as a view of
-    another array), so every view of the images references the images array: its reference count
-    counts the holders (numpy collapses a view's base to the first array that is not a view)."""
-    _, at, _ = _layout(batch_size, shape, label_dtype)
-    img = np.ndarray((batch_size, *shape), np.uint8, buffer=mm)
-    lab = None if label_dtype is None else np.ndarray((batch_size,), label_dtype, buffer=mm, offset=at)
-    return img, lab
-
-
-@dataclass
-class Segment:
-    """One slot's shared memory, as the parent knows it."""
-
-    name: str
-    nbytes: int
-    linked: bool = True   # its /dev/shm name still exists (until the child has mapped it)
-
-    def unlink(self) -> None:
-        if self.linked:
-            self.linked = False
-            _unlink(self.name)
-
-
-class SharedBuffers:
-    """`slots.Buffers` for the process mode: each slot's images (and numeric labels) in one shared
-    memory segment, as torch tensors over it, so a batch handed out is a view of memory the child wrote.
-
-    `pin`: register each segment with CUDA (`cudaHostRegister`) so copies from it are asynchronous DMA
-    as from `pin_memory=True` tensors; it is unregistered when the last view of it goes, before the
-    mapping does (a finalizer on the array the tensors keep alive, which runs before that array lets go
-    of the mapping)."""
-
-    def __init__(self, pin: bool = False, arrays: bool = False) -> None:
-        if _posixshmem is None:   # pragma: no cover - Windows
-            raise ConfigError("Workers(processes=1) needs POSIX shared memory (Linux, macOS); use worker threads "
-                              "(Workers(processes=0), the default) on this system")
-        self.pin = pin
-        self.arrays = arrays   # device="numpy": the slots as numpy arrays counting their holders (numpy_output)
-        self.segments: weakref.WeakKeyDictionary[Slot, Segment] = weakref.WeakKeyDictionary()
-        self._all: list[Segment] = []   # every segment made, to unlink what the child never mapped
-
-    def allocate(self, batch_size: int, height: int, width: int, label_dtype: np.dtype | None,
-                 frames: int = 0) -> Slot:
-        shape = row_shape(height, width, frames)
-        _, _, nbytes = _layout(batch_size, shape, label_dtype)
-        name = f"stoker-{os.getpid()}-{secrets.token_hex(6)}"
-        mm = _map(name, nbytes, create=True)
-        resource_tracker.register("/" + name, "shared_memory")   # removed by the tracker if we die first
-        segment = Segment(name, nbytes)
-        self._all.append(segment)
-        img, lab = _views(mm, batch_size, shape, label_dtype)
-        del mm   # the arrays keep the mapping
-        if self.pin:
-            _pin(img, nbytes)
-        if self.arrays:   # as numpy_output.NumpyBuffers: the image array's reference count counts the holders
-            slot = Slot(img, img, lab, lab, objects=[None] * batch_size)
-            slot.owner = img
-            del img, lab
-            slot.uses = sys.getrefcount(slot.owner)
-            self.segments[slot] = segment
-            return slot
-        images = torch.from_numpy(img)
-        labels = None if lab is None else torch.from_numpy(lab)
-        slot = Slot(images, images.numpy(), labels, None if labels is None else labels.numpy(),
-                    objects=[None] * batch_size)
-        slot.storage = images.untyped_storage()._cdata
-        slot.uses = _use_count(slot.storage) if _use_count is not None else 0
-        self.segments[slot] = segment
-        return slot
-
-    def weak(self, slot: Slot) -> Any:
-        if self.arrays:
-            from .numpy_output import ArrayWeakRef
-
-            return ArrayWeakRef(slot.owner)
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        return StorageWeakRef(slot.images.untyped_storage())
-
-    def unlink_all(self) -> None:
-        """Remove every name still in /dev/shm (mapped memory stays valid where it is mapped)."""
-        for segment in self._all:
-            segment.unlink()
-        self._all = [s for s in self._all if s.linked]
-
-
-def _pin(images: np.ndarray, nbytes: int) -> None:
-    """cudaHostRegister the `nbytes` of a slot's segment, which starts at its images array;
-    cudaHostUnregister them when that array goes (before the mapping, which the array keeps alive: the
-    labels, also in the segment, are copied when a batch is handed out)."""
-    cudart, ptr = _cudart(), images.ctypes.data
-    rc = cudart.cudaHostRegister(ptr, nbytes, 0)
-    if int(getattr(rc, "value", rc)) != 0:
-        raise ConfigError(f"cudaHostRegister of a {nbytes}-byte shared batch failed (error {rc}); use worker "
-                          f"threads (Workers(processes=0)) or Workers(pin_memory=False)")
-    weakref.finalize(images, cudart.cudaHostUnregister, ptr)
-
-
 # ---- errors across the boundary -------------------------------------------------------------------
-class RemoteTraceback(Exception):
-    """The traceback of an exception raised in the worker process, as text (the `__cause__` of what
-    the consumer raises, like concurrent.futures' _RemoteTraceback)."""
-
-    def __init__(self, tb: str) -> None:
-        super().__init__(tb)
-        self.tb = tb
-
-    def __str__(self) -> str:
-        return f'\n"""\n{self.tb}"""'
-
-
 def _portable(exc: BaseException | None, depth: int = 0) -> dict | None:
     """An exception as plain data: its class, args, attributes, traceback text and cause."""
     if exc is None or depth > 4:
@@ -235,34 +82,6 @@ def _portable(exc: BaseException | None, depth: int = 0) -> dict | None:
     return {"cls": (type(exc).__module__, type(exc).__qualname__), "args": args, "state": state,
             "tb": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, chain=False)),
             "cause": _portable(exc.__cause__, depth + 1)}
-
-
-def _rebuild(data: dict) -> BaseException:
-    """The exception `_portable` described: the same class and message (a class the parent cannot
-    import becomes a WorkerError with the same text); the child's traceback text is its innermost cause."""
-    module, name = data["cls"]
-    cls: Any = None
-    try:
-        cls = importlib.import_module(module)
-        for part in name.split("."):
-            cls = getattr(cls, part)
-    except Exception:
-        cls = None
-    if isinstance(cls, type) and issubclass(cls, BaseException):
-        exc = cls.__new__(cls)
-        exc.args = data["args"]
-        try:
-            exc.__dict__.update(data["state"])
-        except AttributeError:
-            pass
-    else:
-        exc = WorkerError(f"{name}: {' '.join(map(str, data['args']))}")
-    cause = _rebuild(data["cause"]) if data["cause"] is not None else None
-    if cause is None:
-        exc.__cause__ = RemoteTraceback(data["tb"])
-    else:
-        exc.__cause__ = cause
-    return exc
 
 
 # ---- what can cross ------------------------------------------------------------------------------
@@ -287,13 +106,26 @@ def check_process_mode(spec: Any, dataset: Any, *, device: Any) -> bytes:
     if device is not None and getattr(device, "decode", "cpu") == "gpu":
         raise ConfigError("Workers(processes=1) renders on the CPU in its worker process; decode='gpu' runs on the "
                           "training process's GPU: use DeviceOptions(decode='cpu'), or drop processes=")
+    if multiprocessing.current_process().daemon:
+        raise ConfigError(f"Workers(processes=1) starts a worker process, and this process "
+                          f"({multiprocessing.current_process().name}) is daemonic (a multiprocessing.Pool or "
+                          f"DataLoader worker), which may not have children: use worker threads here "
+                          f"(Workers(processes=0), the default)")
     try:
-        return pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
         raise ConfigError(f"Workers(processes=1) sends the transforms to its worker process by pickling them, and "
                           f"one cannot be pickled ({type(exc).__name__}: {exc}); define a user transform at the top "
                           f"level of a module (not a lambda or a nested function), or use worker threads (drop "
                           f"processes=)") from None
+    lost = [obj for obj in main_references(data) if not child_imports(obj)]
+    if lost:
+        name = getattr(lost[0], "__qualname__", repr(lost[0]))
+        raise ConfigError(f"Workers(processes=1) sends the transforms to its worker process by name, and {name!r} "
+                          f"was defined in a notebook, `python -c` or the interactive prompt, which the worker process "
+                          f"cannot import: move it into a .py module and import it from there (or define it at the "
+                          f"top level of your script), or use worker threads (drop processes=)")
+    return data
 
 
 # ---- the parent's side -----------------------------------------------------------------------------
@@ -304,13 +136,15 @@ def process_run(parts: Any, dataset: Any, stats: LoaderStats, orders: list[tuple
     maps the ring's segments once and then they are unlinked. `orders`: the pipeline's (epoch, indices,
     first sample) list, which `extend` finds the appended epochs in."""
     h, w = parts.spec.output_size
+    check_shm_fits(parts.prefetch + 2 + extra, parts.batch_size, h, w, parts.spec.frames)
     ring = BatchRing(parts.prefetch + 2 + extra, parts.batch_size, h, w, label_dtype=parts.label_dtype,
                      pin_memory=parts.pin_memory, stats=stats,
                      buffers=SharedBuffers(parts.pin_memory, arrays=parts.buffers is not None),
                      frames=parts.spec.frames)
     where = getattr(dataset, "process_path", None) or str(dataset.path)   # a Mix: its sources
     return ProcessRun(ring, sizes, threads, spec=parts.child_spec, path=where, orders=orders,
-                      stats=stats, timeout=parts.timeout, label_dtype=parts.label_dtype, open_ended=open_ended)
+                      stats=stats, timeout=parts.timeout, label_dtype=parts.label_dtype, open_ended=open_ended,
+                      identities=dict(getattr(dataset, "_identities", {})))
 
 
 class ProcessRun(HandOut):
@@ -320,7 +154,7 @@ class ProcessRun(HandOut):
 
     def __init__(self, ring: BatchRing, batch_sizes: list[int], num_threads: int, *, spec: bytes,
                  path: str, orders: list[tuple[int, np.ndarray, int]], stats: LoaderStats, timeout: float,
-                 label_dtype: Any, open_ended: bool = False) -> None:
+                 label_dtype: Any, open_ended: bool = False, identities: dict | None = None) -> None:
         self.ring = ring
         # open_ended: epochs may be appended (`extend`, a persistent Loader): the child runs on into them
         self.open_ended = open_ended
@@ -340,20 +174,22 @@ class ProcessRun(HandOut):
         self.counted = dict.fromkeys(_COUNTERS, 0.0)   # the child's counters already added to `stats`
         self.skipped_keys = 0
         self._send_lock = threading.Lock()
-        initial = [self._describe(slot) for slot in list(ring.free)]
+        initial = [(sid, *self.buffers.segments[self.by_id[sid]].ticket())
+                   for sid, _, _ in map(self._describe, list(ring.free))]
         ring.free.clear()
         parent, child = multiprocessing.get_context("spawn").Pipe(duplex=True)
         self.conn = parent
         segments = [(e, idx, start, len(self.batch_sizes)) for e, idx, start in orders]
         payload = {"spec": spec, "path": path, "orders": segments, "sizes": list(self.batch_sizes),
-                   "open_ended": open_ended,
-                   "threads": num_threads, "timeout": timeout, "slots": initial,
-                   "geometry": (ring.batch_size, row_shape(ring.height, ring.width, ring.frames)),
-                   "label_dtype": None if label_dtype is None else np.dtype(label_dtype).str}
+                   "open_ended": open_ended, "identities": identities or {},
+                   "threads": num_threads, "timeout": timeout}
+        slots = {"slots": initial, "geometry": (ring.batch_size, row_shape(ring.height, ring.width, ring.frames)),
+                 "label_dtype": None if label_dtype is None else np.dtype(label_dtype).str}
         self.process = multiprocessing.get_context("spawn").Process(
-            target=child_main, args=(child, payload), name="stoker-worker-process", daemon=True)
+            target=child_main, args=(child, slots), name="stoker-worker-process", daemon=True)
         self._child_end = child
-        self.payload = payload
+        self.payload = payload   # sent once the child has started (the spawn itself stays short)
+        self._initial = [sid for sid, _, _, _ in initial]   # their descriptors go to the child at its start
         self._started = False
         self.spawned_at = 0.0
         self.started_at: float | None = None   # when the child reported its slots mapped
@@ -384,13 +220,32 @@ class ProcessRun(HandOut):
             return sid, segment.name, segment.nbytes
         return sid, None, 0
 
+    def _send_slot(self, sid: int, name: str | None, nbytes: int) -> None:
+        """Tell the child slot `sid` is free; the first time, how to map it (its memfd follows the
+        message on the same socket)."""
+        segment = None if name is None else self.buffers.segments[self.by_id[sid]]
+        fd = None if segment is None else segment.fd
+        with self._send_lock:
+            try:
+                self.conn.send(("slot", sid, name, nbytes, fd is not None))
+                if fd is not None:
+                    reduction.send_handle(self.conn, fd, self.process.pid)
+            except (OSError, ValueError):   # the child is gone: the next receive says how
+                pass
+        if segment is not None and fd is not None:
+            segment.release()   # the child has its own descriptor now (or is gone)
+
     def start(self) -> None:
         # under the lock: `extend` adds to the payload until the child has it, then sends instead; and
         # `stop` joins only a child that did start (a failed start leaves nothing to join)
         with self.cond:
             self.spawned_at = time.monotonic()
-            self.process.start()
+            with _sigint_ignored():
+                self.process.start()
             self._started = True
+            for sid in self._initial:   # the child inherited their descriptors
+                self.buffers.segments[self.by_id[sid]].release()
+            self._send(("payload", self.payload))
         self._child_end.close()   # the child holds its end: EOF here once it is gone
         self.payload = {}   # the child has its copy (the indices need not stay here)
 
@@ -434,7 +289,7 @@ class ProcessRun(HandOut):
                     f"workers=stoker.Workers(timeout=...) if samples are genuinely this slow")
         kind = msg[0]
         if kind == "error":
-            raise _rebuild(msg[2])
+            raise rebuild(msg[2])
         _, _, sid, size, objects, extras = msg
         slot = self.by_id[sid]
         slot.batch, slot.size, slot.remaining = b, size, 0
@@ -465,8 +320,10 @@ class ProcessRun(HandOut):
                         if self.started_at is None:
                             self.started_at = time.monotonic()
                         for sid in msg[1]:
-                            self.buffers.segments[self.by_id[sid]].unlink()
+                            self.buffers.segments[self.by_id[sid]].release()
                         continue
+                    if kind == "refused":   # the dataset is not the one this process opened
+                        raise rebuild(msg[1])
                     if kind == "fatal":
                         raise WorkerError(f"stoker's worker process (pid {self.process.pid}) failed outside any "
                                           f"sample: {msg[1]}")
@@ -475,17 +332,15 @@ class ProcessRun(HandOut):
             if msg is None or not self.process.is_alive() or \
                     (self.process.sentinel in ready and not self.conn.poll()):
                 self.process.join(1.0)
+                code, pid = self.process.exitcode, self.process.pid
                 if self.started_at is None:   # it never mapped its slots: it failed while starting
-                    raise WorkerError(
-                        f"stoker's worker process (pid {self.process.pid}) exited with code {self.process.exitcode} "
-                        f"while starting, before it mapped its slots (its error, if any, is printed above). The "
-                        f"worker process is started with 'spawn', which imports your main script again: training "
-                        f"code at the top level of a script must be under `if __name__ == \"__main__\":`. Add "
-                        f"that guard, or use worker threads (Workers(processes=0))")
-                raise WorkerError(f"stoker's worker process (pid {self.process.pid}) exited with code "
-                                  f"{self.process.exitcode} before its batches were done (killed, or out of "
-                                  f"memory?); the pass is over: start a new one, or use worker threads "
-                                  f"(Workers(processes=0)) to see the failure in this process")
+                    raise WorkerError(start_failure(code, pid, has_main_guard(main_script())))
+                how = f"was killed by {signal_name(-code)} (exit code {code})" if code is not None and code < 0 else \
+                    f"exited with code {code}"
+                fix = killed_fix(-code) if code is not None and code < 0 else \
+                    "use worker threads (Workers(processes=0)) to see the failure in this process"
+                raise WorkerError(f"stoker's worker process (pid {pid}) {how} before its batches were done; the "
+                                  f"pass is over: start a new one. {fix[0].upper()}{fix[1:]}")
             if not ready or time.monotonic() >= end:
                 return None
 
@@ -520,7 +375,7 @@ class ProcessRun(HandOut):
                     send.append(self._describe(slot))
             self.ring.free = keep
         for item in send:
-            self._send(("slot", *item))
+            self._send_slot(*item)
         return pending
 
     def _send(self, msg: tuple) -> None:
@@ -557,6 +412,27 @@ class ProcessRun(HandOut):
         return int(self._started and self.process.is_alive())
 
 
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored while a child is spawned (the main thread only): an ignored signal stays ignored
+    across exec, so the child's interpreter never installs its KeyboardInterrupt handler, and a Ctrl-C
+    to the process group while it starts (seconds: it imports the main script and stoker) cannot kill
+    it; the training script decides. The spawn itself (fork and exec, the payload follows on the
+    pipe) takes milliseconds, the one window in which this process would miss a Ctrl-C."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is None:   # set outside Python: it could not be put back
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 # ---- the child's side ------------------------------------------------------------------------------
 class _ChildRing:
     """What `slots.Run` needs of a ring, in the worker process: the slots the parent said are free.
@@ -578,7 +454,8 @@ class _ChildRing:
 def child_main(conn: Any, payload: dict) -> None:
     """The worker process: the thread mode's `Run` and `Filler` over the shared slots, reporting each
     finished batch to the parent in order. Ends on "stop", on the pipe closing (the parent is gone), or
-    after the last batch."""
+    after the last batch. Ignores SIGINT (from its start on, see `_sigint_ignored`): the parent decides."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         _child(conn, payload)
     except BaseException:
@@ -600,20 +477,30 @@ def _child(conn: Any, payload: dict) -> None:
     slots: dict[int, Slot] = {}
     ids: dict[int, int] = {}   # id(slot) -> its id in the messages
 
-    def attach(sid: int, name: str, nbytes: int) -> Slot:
-        mm = _map(name, nbytes, create=False)
+    def add_slot(sid: int, name: str, nbytes: int, fd: int | None) -> Slot:
+        mm = attach(name, nbytes, fd)
         maps.append(mm)
-        img, lab = _views(mm, batch_size, shape, label_dtype)
+        img, lab = views(mm, batch_size, shape, label_dtype)
         slot = Slot(img, img, None, lab, objects=[None] * batch_size)   # numpy rows: no torch needed to write
         slots[sid], ids[id(slot)] = slot, sid
         return slot
 
     ring = _ChildRing()
-    for sid, name, nbytes in payload["slots"]:
-        ring.free.append(attach(sid, name, nbytes))
-    conn.send(("attached", [sid for sid, _, _ in payload["slots"]], None))
+    for sid, name, nbytes, fd in payload["slots"]:
+        ring.free.append(add_slot(sid, name, nbytes, fd))
+    conn.send(("attached", [sid for sid, _, _, _ in payload["slots"]], None))
+    msg = conn.recv()   # the rest of what it needs, sent once it started ("stop": the pass ended first)
+    if msg[0] != "payload":
+        return
+    payload = {**payload, **msg[1]}
     spec = pickle.loads(payload["spec"])
     dataset = open_in_process(payload["path"])   # a packed folder, or a Mix of them
+    try:
+        _same_dataset(dataset, payload["identities"])
+    except ShardError as exc:
+        dataset.close()
+        conn.send(("refused", _portable(exc)))
+        return
     chain = EpochChain(spec)
     first = [0]   # the run batch the next epoch's batches start at
 
@@ -643,8 +530,9 @@ def _child(conn: Any, payload: dict) -> None:
                         add(*msg[1])
                         run.extend(msg[2])
                     continue
-                _, sid, name, nbytes = msg
-                slot = slots[sid] if name is None else attach(sid, name, nbytes)
+                _, sid, name, nbytes, has_fd = msg
+                fd = reduction.recv_handle(conn) if has_fd else None
+                slot = slots[sid] if name is None else add_slot(sid, name, nbytes, fd)
                 if name is not None:
                     send(("attached", [sid], None))
                 with run.cond:
@@ -690,3 +578,17 @@ def _child(conn: Any, payload: dict) -> None:
         listener.join(2.0)
         dataset.close()
 
+
+def _same_dataset(dataset: Any, identities: dict) -> None:
+    """Refuse a dataset that is not the one the parent opened (a folder replaced by a new pack between
+    epochs): its labels and sample order came from the parent's copy. Each read is then checked
+    against the parent's shards, as the threads check theirs, so a change is the same ShardError."""
+    if not identities:
+        return
+    ours = getattr(dataset, "_identities", {})
+    for shard in sorted(set(identities) | set(ours)):
+        if shard not in identities:   # a shard the parent never opened: the whole pack was replaced
+            path = dataset.storage.join(shard)
+            raise ShardError(f"{path}: the dataset was replaced by another pack after it was opened; reopen the "
+                             "dataset (a new Loader) to read the new one", path=path)
+    dataset._identities = dict(identities)

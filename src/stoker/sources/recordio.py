@@ -13,8 +13,12 @@ then, when ``flag > 0``, a vector of ``flag`` float32 labels, then the image byt
 byte (a whole record is a plain file range; a split one is read part by part and rejoined).
 
 Order and keys: with ``train.idx`` beside ``train.rec`` (``<key>\\t<byte offset>`` lines, as
-``MXIndexedRecordIO`` writes them), the records it lists in its order, keyed ``train.rec/<key>``;
-without one, a sequential scan of the file, keyed ``train.rec/<record number from 0>``.
+``MXIndexedRecordIO`` writes them), the records it lists in its order, keyed ``train.rec/<key>``,
+then the records in the bytes no listed record takes (an ``.idx`` cut short, or older than its
+``.rec``), keyed ``train.rec/@<byte offset>`` and counted in the source description; an offset
+listed twice is read once (the later keys are skipped), so no index makes the samples outgrow the
+file; an empty ``.idx`` is an error naming it. Without one, a sequential scan of the file, keyed
+``train.rec/<record number from 0>``.
 
 Labels: scalar labels that are all whole numbers become int64 class ids, else float64. Label
 vectors (``flag > 0``) become ``list<float64>`` rows, which the Loader hands out as soft targets
@@ -381,7 +385,8 @@ class _Listing:
 
 def _records(file: Path, buf: Any, out: _Listing) -> Iterator[tuple[str, int | None, Record]]:
     """(key, number, record) of each readable record: through the ``.idx`` beside ``file`` when
-    there is one, else by a scan. Damaged ones go to ``out.skipped``."""
+    there is one (then the records it does not list, found by scanning what it leaves out), else by
+    a scan. Damaged ones go to ``out.skipped``."""
     index = file.with_suffix(INDEX_SUFFIX)
     if not index.is_file():
         for number, rec in enumerate(scan(buf)):
@@ -391,18 +396,63 @@ def _records(file: Path, buf: Any, out: _Listing) -> Iterator[tuple[str, int | N
                 yield f"{file.name}/{number}", None, rec
         return
     entries = read_index(index)
-    ends = _Starts([offset for _, offset, _ in entries])
+    if not entries:
+        raise SourceError(f"{index} lists no records; remove it to scan {file.name} in order, or write it again "
+                          "(one '<key><TAB><byte offset>' line per record)", path=index)
+    # where the listed records start (a listed offset that is no record header bounds none of them)
+    ends = _Starts([offset for _, offset, _ in entries if 0 <= offset < len(buf) and not offset % 4
+                    and is_head(buf, offset)])
+    spans: list[tuple[int, int]] = []   # the byte ranges the listed records take (damaged ones too)
+    listed: dict[int, tuple[str, int]] = {}   # offset -> (key, line) that listed it first
     for key, offset, line in entries:
         name, where = f"{file.name}/{key}", f"{file}:byte {offset}"
         if not 0 <= offset < len(buf) or offset % 4:
             out.skip(name, f"{index} line {line}", f"{index.name} line {line} gives byte offset {offset}, which is "
                      f"not a record start in {file.name} ({len(buf)} bytes, records start at multiples of 4)")
             continue
+        if offset in listed:   # each record is read once, whatever the index says
+            first, first_line = listed[offset]
+            out.skip(name, f"{index} line {line}", f"{index.name} line {line} gives byte offset {offset}, which line "
+                     f"{first_line} already gives key {first!r}: a record is read once")
+            continue
+        listed[offset] = (key, line)
         rec = frame(buf, offset, ends.after(offset))
         if isinstance(rec, Damage):
             out.skip(name, where, f"{rec.reason} ({index.name} line {line})")
+            if is_head(buf, offset):   # a record starts here: the bytes up to the next are its own
+                spans.append((offset, min(next_head(buf, offset + 4), ends.after(offset) or len(buf))))
             continue
+        spans.append((offset, rec.end))
         yield name, _integer(key), rec
+    yield from _unlisted(file, buf, index, spans, {f"{file.name}/{k}" for k, _, _ in entries}, set(listed), out)
+
+
+def _unlisted(file: Path, buf: Any, index: Path, spans: list[tuple[int, int]], keys: set[str],
+              listed: set[int], out: _Listing) -> Iterator[tuple[str, int | None, Record]]:
+    """The records in the bytes no listed record takes (an ``.idx`` cut short, or written for an
+    older ``.rec``), keyed ``<file>/@<byte offset>``, and a note saying how many."""
+    found, pos = 0, 0
+    for start, end in [*sorted(spans), (len(buf), len(buf))]:
+        while pos < start:
+            rec = frame(buf, pos, start if start < len(buf) else None)
+            name = f"{file.name}/@{pos}"
+            if isinstance(rec, Damage) or name in keys:
+                resume = min(next_head(buf, pos + 4), start)
+                if pos in listed:   # damage already reported under the key that lists it
+                    pos = resume
+                    continue
+                reason = f"the key {name!r} is also an {index.name} key" if name in keys else \
+                    f"{rec.reason}; bytes {pos}..{resume} could not be read"
+                out.skip(name, f"{file}:byte {pos}", f"{reason} (a record {index.name} does not list)")
+                pos = resume
+                continue
+            found += 1
+            yield name, None, rec
+            pos = rec.end
+        pos = max(pos, end)
+    if found:
+        out.notes.append(f"{index.name} does not list {found} record{'s' if found > 1 else ''} {file.name} holds: "
+                         f"packed too, keyed {file.name}/@<byte offset>")
 
 
 def _list_file(file: Path, buf: Any, out: _Listing) -> None:
