@@ -1,29 +1,33 @@
-# Everything runs inside .venv, created on first use. torch is pinned here (not in
-# pyproject) so that `make` never pulls a multi-gigabyte CUDA build by accident.
+# Everything runs inside .venv, created on first use with the torch that fits the machine
+# (scripts/venv-torch): the torch PY already has (nothing downloaded); else on Linux without an NVIDIA
+# GPU the CPU build from PyTorch's CPU index (the configured index's +cpu build where that one cannot be
+# reached); else torch==$(TORCH_VERSION) from the default index. torch is pinned here, not in pyproject,
+# and every later install is held to the torch the venv got (.venv/torch-constraints.txt), so `make`
+# never pulls a multi-gigabyte CUDA build by accident. `make demo TORCH=<requirement>` installs exactly that.
 # Each target installs only what it needs into the one .venv: `make demo` torch, stoker and
 # matplotlib (the `demo` extra, well under a minute); `make test` adds the test extras on top.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-TORCH ?= torch==2.13.0
+TORCH_VERSION ?= 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH ?=
 SOURCES := pyproject.toml setup.py csrc/jpeg_region.c
 TEST_EXTRAS := test,test-jax,test-formats,test-remote,test-gpu-decode,test-torchvision,plot,dist,integrations,video
 
 .PHONY: demo test bench dist setup clean
 
 # the venv with torch: the part both targets share (a pip new enough for editable pyproject installs)
-$(VENV)/.torch:
-	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q "pip>=21.3"
-	$(BIN)/pip install -q "$(TORCH)"
+$(VENV)/.torch: scripts/venv-torch
+	scripts/venv-torch "$(PY)" $(VENV) $(TORCH_VERSION) $(TORCH_CPU_INDEX) "$(TORCH)"
 	@touch $@
 
 $(VENV)/.demo: $(VENV)/.torch $(SOURCES)
-	$(BIN)/pip install -q -e ".[demo]"
+	$(BIN)/pip install -q -c $(VENV)/torch-constraints.txt -e ".[demo]"
 	@touch $@
 
 $(VENV)/.test: $(VENV)/.torch $(SOURCES) .ci/constraints.txt
-	$(BIN)/pip install -q -c .ci/constraints.txt -e ".[$(TEST_EXTRAS)]"
+	$(BIN)/pip install -q -c .ci/constraints.txt -c $(VENV)/torch-constraints.txt -e ".[$(TEST_EXTRAS)]"
 	@touch $@
 
 setup: $(VENV)/.test

@@ -194,7 +194,7 @@ def test_variable_size_images_batch_padded_with_their_sizes(coco):
     output, each image top-left in its row, zeros elsewhere, its size in extras["sizes"]; boxes and
     masks are in that image's own pixels."""
     _, packed = coco
-    with pytest.raises(ConfigError, match="pass pad=True"):
+    with pytest.raises(ConfigError, match=r"pass targets=stoker\.Targets\(pad=True\)"):
         Loader(packed, 4, transforms=[Resize(64)])
     with pytest.raises(ConfigError, match="hide the column 'sizes'"):
         Loader(packed, 4, transforms=[Resize(64)], columns=("sizes",), targets=Targets(pad=True))

@@ -26,10 +26,10 @@ PHOTOS = ("flower.jpg", "flower2.jpg", "hopper.jpg", "iptc.jpg", "exif_gps_typee
 @pytest.fixture(scope="module")
 def photo_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An ImageFolder of 48 real photographs (the corpus's 8, six times over, in two classes)."""
-    from conftest import PILLOW_CORPUS
+    from conftest import CORPUS_MISSING, PILLOW_CORPUS
 
     if not PILLOW_CORPUS.is_dir():
-        pytest.skip(f"{PILLOW_CORPUS} is not present")
+        pytest.skip(CORPUS_MISSING)
     root = tmp_path_factory.mktemp("neighbour") / "photos"
     for k in range(6):
         for name in PHOTOS:

@@ -46,12 +46,13 @@ def test_samplers_map_to_stokers_sampling(folder: Path) -> None:
 
 
 @pytest.mark.parametrize("kwargs, names", [
-    ({"sampler": data.distributed.DistributedSampler(range(9), num_replicas=2, rank=0)}, "rank= and world_size="),
+    ({"sampler": data.distributed.DistributedSampler(range(9), num_replicas=2, rank=0)},
+     r"sampling=stoker\.Sampling\(rank=\.\.\., world_size=\.\.\.\)"),
     ({"sampler": data.RandomSampler(range(9), replacement=True)}, "weights="),
-    ({"prefetch_factor": 4}, "prefetch="),
+    ({"prefetch_factor": 4}, r"workers=stoker\.Workers\(prefetch=N\)"),
     ({"generator": torch.Generator()}, "seed="),
     ({"pin_memory_device": "cuda"}, "device="),
-    ({"batch_sampler": None}, "indices="),
+    ({"batch_sampler": None}, r"sampling=stoker\.Sampling\(indices="),
     ({"worker_init_fn": print}, "rng="),
     ({"multiprocessing_context": "spawn"}, r"num_threads=.*Workers\(processes=1\)"),
 ])
@@ -62,7 +63,7 @@ def test_dataloader_keywords_stoker_has_no_use_for_name_stokers_argument(folder:
 
 
 def test_an_unknown_keyword_is_a_type_error(folder: Path) -> None:
-    with pytest.raises(TypeError, match="batchsize"):
+    with pytest.raises(TypeError, match="'batchsize'.*batch_size="):
         Loader(folder, 4, transforms=SIZE, batchsize=3)
 
 

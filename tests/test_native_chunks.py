@@ -1,6 +1,7 @@
 """The native chunk path (`Filler.fill_chunk` -> `stoker._jpeg.render_rows`): batches bit-identical
 with it on and off, on the train and val pipelines, 1 and 2 threads, synthetic JPEGs of every kind
-and the real photographs of the shared corpus; rows it does not serve (PNG, raw, CMYK, corrupt) go
+generated odd JPEGs (CMYK, EXIF-rotated, progressive with restarts, thin strips) and, where the
+shared corpus sits beside the clone, its real photographs; rows it does not serve (PNG, raw, CMYK, corrupt) go
 through the per-sample path with the same errors and replacements; its per-row parameters are
 exactly the per-sample path's."""
 
@@ -38,6 +39,19 @@ TRAIN = [RandomResizedCrop(64), RandomHorizontalFlip()]
 VAL = [Resize(72), CenterCrop(64)]
 
 
+def _exif_orientation(value: int) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = value
+    return exif.tobytes()
+
+
+# generated odd JPEGs: (height, width, save options); "cmyk" is a CMYK JPEG (the per-sample path's)
+ODD = [(1, 1, {}), (1, 300, {}), (300, 2, {"subsampling": 2}), (17, 23, {"subsampling": 1}),
+       (131, 97, {"progressive": True, "restart_marker_blocks": 3}), (257, 129, {"subsampling": 0, "qtables": "web_high"}),
+       (64, 48, {"exif": _exif_orientation(6)}), (48, 64, {"exif": _exif_orientation(3)}), (99, 101, {"optimize": True}),
+       (333, 211, {"progressive": True, "subsampling": 0}), (9, 9, {"subsampling": 2}), (80, 60, {"cmyk": True})]
+
+
 def _jpeg(rgb: np.ndarray, **save) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(rgb).save(buf, "JPEG", quality=88, **save)
@@ -67,6 +81,14 @@ def build(out: Path, seed: int = 0, corpus: bool = False, bad: tuple[int, ...] =
             items.append((_jpeg(rgb[:, :, 0]), "jpeg", h, w))
         else:
             items.append((_jpeg(rgb, **kinds[i % len(kinds)]), "jpeg", h, w))
+    for i, (h, w, save) in enumerate(ODD):  # what the corpus brings, generated: any clone has these
+        rgb = smooth_rgb(rng, h, w)
+        if save.get("cmyk"):
+            buf = io.BytesIO()
+            Image.fromarray(rgb).convert("CMYK").save(buf, "JPEG", quality=85)
+            items.append((buf.getvalue(), "jpeg", h, w))
+            continue
+        items.append((_jpeg(rgb, **save), "jpeg", h, w))
     if corpus:
         for path in sorted(PILLOW_CORPUS.glob("*.jpg")):
             data = path.read_bytes()

@@ -296,7 +296,8 @@ def _training_script(packed: Path, path: Path, then: str = "") -> tuple[list[str
 def test_a_script_without_a_main_guard_gets_an_error_that_names_the_guard(packed: Path, tmp_path: Path) -> None:
     """The worker process is spawned, which imports the main script again: a script that iterates at
     its top level (fine with threads, and with DataLoader's fork on Linux) fails there. The training
-    process must say so, not "killed, or out of memory?", and must not fail again while stopping."""
+    process must say so, not "killed, or out of memory?", and must not fail again while stopping: it says
+    so when the Loader is made, naming the line, before any child starts (stoker.mainguard)."""
     (tmp_path / "run.py").write_text(textwrap.dedent(f"""
         from stoker import Loader, Workers, RandomResizedCrop
         loader = Loader({str(packed)!r}, 4, transforms=[RandomResizedCrop(32)],
@@ -308,8 +309,9 @@ def test_a_script_without_a_main_guard_gets_an_error_that_names_the_guard(packed
                          env=env)
     assert out.returncode != 0
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("stoker.errors.WorkerError") and 'if __name__ == "__main__":' in last, out.stderr
-    assert "can only join a started process" not in out.stderr
+    assert last.startswith("stoker.errors.ConfigError") and 'if __name__ == "__main__":' in last, out.stderr
+    assert "line 3 of" in last and "can only join a started process" not in out.stderr
+    assert "bootstrapping" not in out.stderr   # no child ran the script again
 
 
 def test_interpreter_exit_ends_the_worker_process(packed: Path, tmp_path: Path) -> None:

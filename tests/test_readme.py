@@ -64,11 +64,9 @@ def _use_section() -> list[tuple[str, str]]:
 
 
 def _torchvision_works() -> bool:
-    try:
-        import torchvision  # noqa: F401
-    except Exception:   # where it is broken it raises RuntimeError, not ImportError
-        return False
-    return True
+    from torchvision_helpers import torchvision_importable   # also one built for another torch
+
+    return torchvision_importable()
 
 
 def _shell_lines() -> list[str]:

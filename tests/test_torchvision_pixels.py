@@ -35,10 +35,10 @@ def photos(corpus: Path) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def corpus_photos() -> dict[str, np.ndarray]:
-    from conftest import PILLOW_CORPUS
+    from conftest import CORPUS_MISSING, PILLOW_CORPUS
 
     if not PILLOW_CORPUS.is_dir():
-        pytest.skip(f"{PILLOW_CORPUS} is not present")
+        pytest.skip(CORPUS_MISSING)
     return photos(PILLOW_CORPUS)
 
 

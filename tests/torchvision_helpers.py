@@ -4,7 +4,8 @@
 PyPI wheel's compiled ops (nms, roi_align) are built for the CUDA torch; on a CPU-only torch its
 library does not load, and `import torchvision` then fails while registering fake kernels for two of
 those ops. The transforms are plain torch: declaring the two ops' schemas (what the library would
-have done) lets torchvision import, with the detection ops unusable, which no test here calls.
+have done, `stoker.tools.tvimport`) lets torchvision import, with the detection ops unusable, which no
+test here calls.
 
 `v2()` returns `torchvision.transforms.v2`, `v1()` `torchvision.transforms`, `timm_data()` `timm.data`;
 each skips the calling test, with the install command, only where the package is not installed at all.
@@ -12,44 +13,24 @@ each skips the calling test, with the install command, only where the package is
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import numpy as np
 import pytest
 
 INSTALL = 'pip install -e ".[test-torchvision]"'
-_OPS = ("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-        "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-_LIBRARY: list[Any] = []  # the schemas' library, alive for the whole test session
-
-
-def _declare_ops() -> None:
-    import torch
-
-    if _LIBRARY:
-        return
-    lib = torch.library.Library("torchvision", "FRAGMENT")
-    for schema in _OPS:
-        lib.define(schema)
-    _LIBRARY.append(lib)
 
 
 def _import_torchvision() -> Any:
-    try:
-        import torchvision
-        return torchvision
-    except ModuleNotFoundError as exc:
-        if exc.name != "torchvision":
-            raise
-        pytest.skip(f"torchvision is not installed ({INSTALL})")
-    except RuntimeError as exc:
-        if "torchvision::" not in str(exc):
-            raise
-    for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-        del sys.modules[name]  # the half-imported package, before importing it again
-    _declare_ops()
-    import torchvision
+    """torchvision, through the tools' own import (`stoker.tools.tvimport`: one built for another torch
+    imports with its compiled ops missing); skips where it is not installed at all."""
+    from stoker.tools.tvimport import import_torchvision, status
+
+    torchvision = import_torchvision()
+    if torchvision is None:
+        if "not installed" in status():
+            pytest.skip(f"torchvision is not installed ({INSTALL})")
+        raise RuntimeError(status())
     return torchvision
 
 

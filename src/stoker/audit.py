@@ -70,7 +70,7 @@ class DatasetInfo:
         if self.extra_columns:
             lines.append("extras      " + ", ".join(f"{k}: {t}" for k, t in self.extra_columns.items()))
         if self.pack_options:
-            opts = {k: v for k, v in self.pack_options.items() if k != "source"}
+            opts = {k: v for k, v in self.pack_options.items() if k not in ("source", "source_listing_sha256")}
             lines.append("packed with " + ", ".join(f"{k}={v}" for k, v in opts.items()))
             if "source" in self.pack_options:
                 lines.append(f"source      {self.pack_options['source']}")

@@ -3,7 +3,8 @@ and which file, shard, row or sample it concerns.
 
     StokerError
     ├── ConfigError (ValueError)          a bad argument or option combination
-    │   └── UnsupportedStorageError       a URL no installed storage backend serves (the message names the package)
+    │   ├── UnsupportedStorageError       a URL no installed storage backend serves (the message names the package)
+    │   └── ArgumentNameError (TypeError) a keyword argument the function does not take (the message names the one it does)
     ├── MissingDependencyError (ImportError) an optional package (torch, ...) is not installed
     ├── SourceError (ValueError)          input that cannot be listed: missing path, bad list line
     ├── ImageError (ValueError)           one image that cannot be used
@@ -44,6 +45,8 @@ class StokerError(Exception):
 
     #: the message with command-line flags instead of Python arguments (None: same as str())
     cli_message: str | None = None
+    #: (template, spellings) of an error made by `spelled`, so a caller can name its own spelling
+    spelling: tuple[str, dict[str, tuple[str, str]]] | None = None
 
     @classmethod
     def spelled(cls: type[_E], template: str, spellings: dict[str, tuple[str, str]], **kwargs: Any) -> _E:
@@ -56,6 +59,7 @@ class StokerError(Exception):
             cli = cli.replace("{" + name + "}", flag)
         exc = cls(python, **kwargs)
         exc.cli_message = cli
+        exc.spelling = (template, spellings)
         return exc
 
     def for_cli(self) -> str:
@@ -79,6 +83,11 @@ class UnsupportedStorageError(ConfigError):
     def __init__(self, message: str, *, location: str | None = None) -> None:
         super().__init__(message)
         self.location = location
+
+
+class ArgumentNameError(ConfigError, TypeError):
+    """A keyword argument the function does not take (a typo, or another library's spelling): a
+    TypeError, as Python's own would be, whose message names the argument to pass instead."""
 
 
 class MissingDependencyError(StokerError, ImportError):

@@ -45,6 +45,11 @@ class PackState:
     bytes_out: int = 0
     dropped: int = 0    # source items the pack function returned None for
     skipped: list[dict[str, str]] = field(default_factory=list)
+    fingerprint: str = ""   # the source listing's, kept in the manifest for a later resume=True to check
+
+
+#: the manifest's pack_options key holding the source listing's fingerprint (`source_fingerprint`)
+LISTING_KEY = "source_listing_sha256"
 
 
 def source_fingerprint(source: Source) -> str:

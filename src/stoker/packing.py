@@ -137,13 +137,21 @@ def _result(future: Future) -> list[tuple]:
         raise StokerError.spelled(f"a pack worker spent more than {TASK_TIMEOUT_S:.0f} s on {TASK_SAMPLES} samples "
                                   "and looks stuck (storage hung?); rerun with {resume}", {"resume": RESUME}) from None
 
-def _finished_summary(storage: Storage, pack_options: dict[str, Any], started: float) -> PackSummary:
+def _finished_summary(storage: Storage, pack_options: dict[str, Any], started: float,
+                      fingerprint: str) -> PackSummary:
     manifest = read_manifest(storage)
-    if manifest.pack_options != pack_options:
+    stored = dict(manifest.pack_options)
+    listed = stored.pop(journal.LISTING_KEY, None)   # absent from packs made before it was recorded
+    if stored != pack_options:
         raise ConfigError.spelled(
             f"{storage.location} already holds a finished pack made with other options or another "
             f"source ({journal.changes(manifest.pack_options, pack_options)}); pack with the same options to keep it, "
             "or pass {overwrite} to re-pack", {"overwrite": OVERWRITE})
+    if listed is not None and listed != fingerprint:
+        raise ConfigError.spelled(
+            f"{storage.location} already holds a finished pack of {pack_options['source']} whose listing (file "
+            "names, labels, extras) has changed since it was packed; pass {overwrite} to re-pack it, or choose "
+            "another output directory", {"overwrite": OVERWRITE})
     journal.remove(storage, [JOURNAL_NAME])
     try:
         skipped = len(storage.read_bytes(SKIPPED_NAME).splitlines())
@@ -215,6 +223,8 @@ def pack(src: str | Path | Source, out: str | Path | Storage, *, options: PackOp
     """
     started = time.perf_counter()
     options = options or PackOptions()
+    from .spelling import pack_keywords
+    pack_keywords(source_options, open_source, PackOptions)  # max_side= is options=PackOptions(max_side=)
     if resume and overwrite:
         raise ConfigError.spelled("{resume} and {overwrite} contradict each other; pass one of them",
                                   {"resume": RESUME, "overwrite": OVERWRITE})
@@ -242,7 +252,8 @@ def pack(src: str | Path | Source, out: str | Path | Storage, *, options: PackOp
         with journal.locked_out(storage):
             state = journal.prepare_out(storage, header, resume, overwrite)
             if state is None:
-                return _finished_summary(storage, pack_options, started)
+                return _finished_summary(storage, pack_options, started, header["fingerprint"])
+            state.fingerprint = header["fingerprint"]
             return _pack_into(storage, source, options, state, pack_options, started, progress)
     except OSError as exc:
         if isinstance(exc, StokerError):
@@ -356,7 +367,7 @@ def _finish(storage: Storage, source: Source, state: PackState, pack_options: di
                           f"could be packed; the reasons are in {storage.join(SKIPPED_NAME)}", path=source.root)
     manifest = Manifest(num_samples=state.packed, shards=state.shards, classes=source.classes,
                         label_type=source.label_type, extra_columns=source.extra_columns,
-                        pack_options=pack_options)
+                        pack_options={**pack_options, journal.LISTING_KEY: state.fingerprint})
     write_manifest(storage, manifest)
     journal.remove(storage, [JOURNAL_NAME])
     return PackSummary(state.packed, len(skipped), state.bytes_in, state.bytes_out,

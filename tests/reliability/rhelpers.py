@@ -39,7 +39,7 @@ def _shared_helpers():
 _shared = _shared_helpers()
 jpeg_bytes, make_image_folder, smooth_rgb = _shared.jpeg_bytes, _shared.make_image_folder, _shared.smooth_rgb
 
-CORPUS = Path(__file__).resolve().parents[2].parent / "shared" / "corpora" / "pillow-test-images"
+CORPUS, CORPUS_MISSING = _shared.PILLOW_CORPUS, _shared.CORPUS_MISSING
 #: Seconds a child process may take before the test calls it hung. Every child here finishes in
 #: a few seconds on a loaded 2-core machine; a hang is a bug, not slowness.
 CHILD_TIMEOUT_S = 120.0
@@ -166,5 +166,5 @@ def write_files(folder: Path, files: dict[str, tuple[bytes, str | None]]) -> Pat
     return folder
 
 
-__all__ = ["CHILD_TIMEOUT_S", "CORPUS", "GOOD_SHAPE", "hostile_files", "jpeg_claiming", "make_image_folder",
+__all__ = ["CHILD_TIMEOUT_S", "CORPUS", "CORPUS_MISSING", "GOOD_SHAPE", "hostile_files", "jpeg_claiming", "make_image_folder",
            "open_fds", "png_header_only", "reference_rgb", "run_child", "settle_threads", "write_files"]

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from .rhelpers import CORPUS, GOOD_SHAPE, reference_rgb, run_child
+from .rhelpers import CORPUS, CORPUS_MISSING, GOOD_SHAPE, reference_rgb, run_child
 
 from stoker import CenterCrop, Loader, codecs, open_dataset, verify
 import stoker
@@ -143,7 +143,7 @@ print(json.dumps({"files": len(names), "packed": summary.packed, "skipped": summ
 
 def test_pillow_corpus_through_pack_and_loose_loader(tmp_path):
     if not CORPUS.is_dir():
-        pytest.skip(f"{CORPUS} is not present")
+        pytest.skip(CORPUS_MISSING)
     proc = run_child(_CORPUS_CHILD, str(CORPUS), str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -15,20 +15,22 @@ import numpy as np
 
 from .._torch import torch
 from ..errors import ConfigError
+from ..spelling import LOADER_HINTS, unknown_keyword
 
 #: DataLoader keywords stoker has no use for, with what to pass instead
 _REFUSED = {
     "prefetch_factor": "prefetch_factor counts batches per worker process; stoker's threads share one ring: pass "
-                       "prefetch=N (batches prepared ahead in total, default 2)",
+                       "workers=stoker.Workers(prefetch=N) (batches prepared ahead in total, default 2)",
     "generator": "stoker's order is a pure function of (seed, epoch), not a torch.Generator's state: pass seed=<int>",
     "pin_memory_device": "batches are pinned for the current CUDA device (pin_memory=); to deliver them to a device, "
                          "pass device='cuda:N' or a stoker.DeviceOptions",
-    "batch_sampler": "stoker batches by itself: pass batch_size=, and indices= (a subset) or weights= (drawn with "
-                     "replacement) for the samples",
+    "batch_sampler": "stoker batches by itself: pass batch_size=, and sampling=stoker.Sampling(indices=...) (a "
+                     "subset) or sampling=stoker.Sampling(weights=...) (drawn with replacement) for the samples",
     "worker_init_fn": "stoker's workers are threads of this process (nothing to initialise); a transform that "
                       "needs randomness takes rng= (see docs/transforms.md)",
-    "multiprocessing_context": "stoker's workers are threads: pass num_threads=; to run them in a worker process "
-                               "of their own (started with 'spawn'), pass workers=stoker.Workers(processes=1)",
+    "multiprocessing_context": "stoker's workers are threads: pass workers=N (or stoker.Workers(num_threads=N)); "
+                               "to run them in a worker process of their own (started with 'spawn'), pass "
+                               "workers=stoker.Workers(processes=1)",
     "in_order": "stoker hands batches out in order always",
 }
 
@@ -51,14 +53,17 @@ _MOVED = {**{k: "workers" for k in ("num_threads", "prefetch", "persistent", "on
           **{k: "storage" for k in ("cache_dir", "cache_limit", "storage_options", "stage")},
           **{k: "targets" for k in ("boxes", "masks", "ignore_index", "pad", "multi_label", "num_classes",
                                     "classes")}}
+#: what Loader() takes by keyword: its own arguments and DataLoader's it reads
+LOADER_KEYWORDS = ("transforms", "order", "seed", "sampling", "device", "columns", "targets", "storage", "workers",
+                   *_MAPPED, "sampler")
 _CLASS = {"workers": "Workers", "sampling": "Sampling", "storage": "Storage", "targets": "Targets"}
 
 
 def dataloader_keywords(kwargs: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The fields of stoker's option values that DataLoader's keywords in `kwargs` stand for, per option
     ("sampling", "workers", "targets"). A ConfigError names stoker's argument for a DataLoader keyword
-    stoker has no use for, and the new spelling for a keyword of the Loader before 0.2; TypeError for
-    any other name."""
+    stoker has no use for, and the new spelling for a keyword of the Loader before 0.2; an
+    ArgumentNameError (a TypeError) naming the likeliest meant argument for any other name."""
     out: dict[str, dict[str, Any]] = {"sampling": {}, "workers": {}, "targets": {}}
     for name, value in kwargs.items():
         if name in _MAPPED:
@@ -83,7 +88,7 @@ def dataloader_keywords(kwargs: dict[str, Any]) -> dict[str, dict[str, Any]]:
             raise ConfigError(f"Loader({name}=...) is now spelled {group}=stoker.{_CLASS[group]}({name}=...){short}: "
                               f"the Loader's options are grouped into Sampling, Storage, Targets and Workers values")
         else:
-            raise TypeError(f"Loader() got an unexpected keyword argument {name!r}")
+            raise unknown_keyword("Loader", name, value, LOADER_KEYWORDS, LOADER_HINTS)
     return out
 
 
@@ -102,10 +107,12 @@ def _from_sampler(sampler: Any) -> dict[str, Any]:
         return {"weights": sampler.weights.numpy()}
     if isinstance(sampler, data.distributed.DistributedSampler):
         raise ConfigError("Loader(sampler=DistributedSampler(...)): each rank reads its own slice by itself; pass "
-                          "rank= and world_size= (taken from torch.distributed by default), and no sampler")
+                          "sampling=stoker.Sampling(rank=..., world_size=...) (both taken from torch.distributed "
+                          "by default), and no sampler")
     raise ConfigError(f"Loader(sampler={kind}(...)) cannot be read as stoker's sampling: pass order='random' or "
-                      f"'sequential', indices= (a subset, shuffled with order='random') or weights= (one per sample, "
-                      f"drawn with replacement each epoch like WeightedRandomSampler)")
+                      f"'sequential', sampling=stoker.Sampling(indices=...) (a subset, shuffled with order='random') "
+                      f"or sampling=stoker.Sampling(weights=...) (one per sample, drawn with replacement each epoch "
+                      f"like WeightedRandomSampler)")
 
 
 def check_source(source: Any) -> None:

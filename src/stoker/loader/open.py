@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..dataset import Dataset
+from ..errors import SourceError
 from ..loose import open_loose
 from ..reader import open_cached, open_dataset
 
@@ -59,7 +60,11 @@ def open_for_loading(source: str | Path | Dataset, options: Any = None, *, rank:
         storage = open_storage(where)
         if storage.is_dir() and (storage.exists(MANIFEST_NAME) or looks_like_partial_pack(storage)):
             return Opened(open_dataset(storage), owned=True, staged=staged)
-        return Opened(open_loose(where), owned=True, staged=staged)
+        try:
+            return Opened(open_loose(where), owned=True, staged=staged)
+        except SourceError as exc:  # "pass kind=..." is open_loose's and pack's spelling, not the Loader's
+            from ..spelling import loader_source_error
+            raise loader_source_error(exc, where) from None
     except BaseException:
         if staged is not None:
             staged.close()

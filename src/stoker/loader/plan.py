@@ -437,10 +437,10 @@ def _output_size(asked: Asked, ds: Dataset, h: np.ndarray | None, w: np.ndarray 
     if h is not None and len(h) and (h == h[0]).all() and (w == w[0]).all():
         return pipeline.output_size(int(h[0]), int(w[0]))
     if pad:
-        raise ConfigError(f"{ds.path}: pad=True needs the image sizes a packed dataset stores; pack "
+        raise ConfigError(f"{ds.path}: Targets(pad=True) needs the image sizes a packed dataset stores; pack "
                           f"the data first (stoker pack SRC OUT)")
     raise ConfigError(f"{ds.path}: images differ in size and the transforms do not end in a fixed "
                       f"size, so they cannot be batched; end the transforms with RandomResizedCrop(size), "
-                      f"CenterCrop(size) or Resize((height, width)), or pass pad=True to batch them padded "
-                      f"with their sizes")
+                      f"CenterCrop(size) or Resize((height, width)), or {'pass' if h is not None else 'pack them (stoker.pack) and pass'} "
+                      f"targets=stoker.Targets(pad=True) to batch them padded with their sizes")
 

@@ -92,6 +92,13 @@ def check_process_mode(spec: Any, dataset: Any, *, device: Any) -> bytes:
 
     if _posixshmem is None:   # pragma: no cover - Windows
         raise ConfigError("Workers(processes=1) needs POSIX shared memory (Linux, macOS); drop processes=")
+    from ..mainguard import unguarded_main_line
+
+    unguarded = unguarded_main_line()   # before spawning: the child would run that line again and fail
+    if unguarded is not None:
+        raise ConfigError(f"Workers(processes=1) starts its worker process with 'spawn', which runs your script "
+                          f"again: line {unguarded[1]} of {unguarded[0]} is top-level code; put the training code "
+                          f"under `if __name__ == \"__main__\":`, or use worker threads (Workers(processes=0))")
     if not isinstance(dataset, PackedDataset) and getattr(dataset, "process_path", None) is None:
         raise ConfigError(f"Workers(processes=1) reopens the dataset in its worker process, which needs a packed "
                           f"dataset on local storage (or staged with Storage(stage=)); {dataset.path} is not one: "

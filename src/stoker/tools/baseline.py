@@ -21,17 +21,18 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
+from .tvimport import import_torchvision
+from .tvimport import status as tv_status
 
 __all__ = ["baseline_loader", "baseline_transform", "list_image_folder"]
 
 
 def _torchvision() -> Any | None:
-    try:
-        import torchvision  # noqa: F401  (optional: `pip install torchvision`)
-        from torchvision import transforms
-        return transforms
-    except Exception:   # not installed, or built for another torch (then it raises RuntimeError)
+    """torchvision.transforms, also from a torchvision built for another torch (`tvimport`), or None."""
+    if import_torchvision() is None:  # optional: `pip install torchvision`
         return None
+    from torchvision import transforms
+    return transforms
 
 
 class _TVRandomResizedCrop:
@@ -137,7 +138,7 @@ def baseline_transform(train: bool) -> tuple[Callable[[Any], Any], str]:
         for op in ops:
             img = op(img)
         return _tv_to_normalized_tensor(img)
-    return compose, "re-implementation of torchvision's transforms (torchvision not installed)"
+    return compose, f"re-implementation of torchvision's transforms ({tv_status()})"
 
 
 def _pil_loader(path: str) -> Any:

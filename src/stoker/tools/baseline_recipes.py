@@ -117,7 +117,9 @@ def recipe_transform(recipe: str) -> tuple[Callable[[Any], Any], str]:
     def compose(img: Any) -> Any:
         t = _tv_to_normalized_tensor(randaug(_tv_flip(crop(img))))
         return _tensor_random_erasing(t) if recipe == "deit" else t
-    return compose, "re-implementation of torchvision's PIL path (torchvision not installed)"
+    from .tvimport import status
+
+    return compose, f"re-implementation of torchvision's PIL path ({status()})"
 
 
 def deit_mixup(num_classes: int) -> Any:

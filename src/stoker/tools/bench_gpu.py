@@ -192,11 +192,10 @@ def device_info(device: "torch.device") -> dict[str, Any]:
     import torch
 
     info: dict[str, Any] = {"device": str(device)}
-    try:
-        import torchvision
-        info["torchvision"] = torchvision.__version__
-    except Exception:   # not installed, or built for another torch
-        info["torchvision"] = None
+    from .tvimport import import_torchvision
+
+    tv = import_torchvision()   # also one built for another torch (its transforms and models)
+    info["torchvision"] = None if tv is None else tv.__version__
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update(gpu=props.name, gpu_memory_gb=round(props.total_memory / 2**30, 1), cuda_version=torch.version.cuda,
@@ -220,8 +219,9 @@ def prepare(device: str, feed: str = "") -> None:
     import torch
 
     # one that fails to import is left to the feed that needs it, which says so with the fix
-    with contextlib.suppress(Exception):
-        import torchvision  # noqa: F401
+    from .tvimport import import_torchvision
+
+    import_torchvision()
     if feed == "dali":
         with contextlib.suppress(Exception):
             import nvidia.dali.plugin.pytorch  # noqa: F401
@@ -289,11 +289,10 @@ def split_fields(name: str, before: dict[str, Any], after: dict[str, Any]) -> di
 def _torch_version() -> str:
     import torch
 
-    try:
-        import torchvision
-        return f"torch {torch.__version__}, torchvision {torchvision.__version__}"
-    except Exception:   # not installed, or built for another torch
-        return f"torch {torch.__version__}"
+    from .tvimport import import_torchvision
+
+    tv = import_torchvision()
+    return f"torch {torch.__version__}" + ("" if tv is None else f", torchvision {tv.__version__}")
 
 
 def _baseline_feed(root: str, batch_size: int, workers: int, device: "torch.device", drop_last: bool,

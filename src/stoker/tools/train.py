@@ -66,20 +66,26 @@ def check_model(spec: str) -> None:
         raise ConfigError(f"model {spec!r}: expected a torchvision model name (e.g. resnet50) or 'module:callable'")
     if ":" in spec:
         module_name, _, attr = spec.partition(":")
+        if module_name.split(".")[0] == "torchvision":
+            from .tvimport import import_torchvision, status
+
+            if import_torchvision() is None:  # a build for another torch still gives its models (tvimport)
+                raise ConfigError(f"model {spec!r}: {status()}; give another 'module:callable' (e.g. "
+                                  "stoker.tools.train:small_cnn)")
         try:
             factory = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
-            raise ConfigError(f"model {spec!r}: cannot load it ({exc}); expected 'module:callable' returning an "
-                              "nn.Module, with the module importable") from exc
+        except Exception as exc:  # ImportError, AttributeError, or a library built for another torch (RuntimeError)
+            raise ConfigError(f"model {spec!r}: cannot load it ({type(exc).__name__}: {exc}); expected "
+                              "'module:callable' returning an nn.Module, with the module importable") from exc
         if not callable(factory):
             raise ConfigError(f"model {spec!r}: {attr} is not callable")
         return
-    try:
-        import torchvision.models as tvm
-    except Exception as exc:   # not installed, or installed against another torch (RuntimeError)
-        raise ConfigError(f"model {spec!r} is a torchvision model name and torchvision does not import ({exc}); "
-                          "pip install torchvision, or give 'module:callable' (e.g. "
-                          "stoker.tools.train:small_cnn)") from exc
+    from .tvimport import import_torchvision, status
+
+    if import_torchvision() is None:   # a build for another torch still gives its models (tvimport)
+        raise ConfigError(f"model {spec!r} is a torchvision model name and {status()}; give 'module:callable' "
+                          "instead (e.g. stoker.tools.train:small_cnn)")
+    import torchvision.models as tvm
     known = tvm.list_models() if hasattr(tvm, "list_models") else [n for n in dir(tvm) if not n.startswith("_")]
     if spec not in known:
         raise ConfigError(f"model {spec!r}: not a torchvision model; expected one of torchvision.models.list_models() "
