@@ -12,7 +12,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH ?=
-SOURCES := pyproject.toml setup.py csrc/jpeg_region.c
+SOURCES := pyproject.toml setup.py $(wildcard csrc/*.c csrc/*.h)
 TEST_EXTRAS := test,test-jax,test-formats,test-remote,test-gpu-decode,test-torchvision,plot,dist,integrations,video
 
 .PHONY: demo test bench dist setup clean
