@@ -356,7 +356,7 @@ def test_readme_cloud_section_runs_as_written(s3: S3Server, tmp_path: Path, monk
     pytest.importorskip("ray", reason="needs the ray extra: pip install 'stoker[ray]'")
     readme = (Path(__file__).parents[1] / "docs" / "guide.md").read_text()
     section = readme.split("## Datasets in the cloud and on clusters", 1)[1].split("\n## ", 1)[0]
-    shell, python = re.findall(r"```(?:python)?\n(.*?)```", section, flags=re.S)
+    shell, python = re.findall(r"```(?:bash|python)\n(.*?)```", section, flags=re.S)
     assert "Loader(" in python and "stoker pack" in shell
 
     def here(text: str) -> str:

@@ -162,7 +162,7 @@ def test_loader_reads_tfrecords_without_packing(tmp_path: Path) -> None:
 def test_resume_from_gzip_records_matches_an_uninterrupted_run(tmp_path: Path, monkeypatch) -> None:
     """Ctrl-C in the middle of packing records read from a gzip stream, then --resume: the same
     shards and the same skipped.jsonl (listing-time skips included) as one uninterrupted run."""
-    import stoker.packing as packmod
+    import stoker.pack_work as packmod
     from stoker.packing import PackOptions, pack
 
     imgs = photos(12, seed=9)

@@ -145,7 +145,7 @@ def _finished_summary(storage: Storage, pack_options: dict[str, Any], started: f
     if stored != pack_options:
         raise ConfigError.spelled(
             f"{storage.location} already holds a finished pack made with other options or another "
-            f"source ({journal.changes(manifest.pack_options, pack_options)}); pack with the same options to keep it, "
+            f"source ({journal.changes(stored, pack_options)}); pack with the same options to keep it, "
             "or pass {overwrite} to re-pack", {"overwrite": OVERWRITE})
     if listed is not None and listed != fingerprint:
         raise ConfigError.spelled(
