@@ -75,22 +75,9 @@ def _rate(packed: str, batch: int, threads: int, val: bool) -> tuple[float, floa
     return n / wall, cpu / n * 1e3
 
 
-def make_step(ops: int = 300):
-    """`tools.bench_neighbour.make_step`'s dispatch-bound step (copied: the two trees may lay out tools apart)."""
-    import torch
-
-    x, y = torch.zeros(16), torch.full((16,), 0.5)
-
-    def step() -> None:
-        for _ in range(ops // 3):
-            x.add_(y)
-            x.mul_(0.5)
-            x.sub_(y)
-    return step
-
-
 def _inflation(packed: str, batch: int, threads: int, windows: int = 3, steps: int = 10) -> tuple[float, float, float]:
     from stoker import Loader, Workers
+    from stoker.tools.bench_neighbour import make_step   # the tree under test's (the same step in both)
     from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop
 
     step = make_step()

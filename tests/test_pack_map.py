@@ -110,11 +110,8 @@ def shift_label(s: PackSample):
     return s.replace(label=(s.label + 2) % 3)
 
 
-def test_resume_notices_a_changed_function(folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    opts = PackOptions(workers=1, shard_size=1, map=double_label)   # one sample per shard
-    full = tmp_path / "full"
-    pack(folder, full, options=opts, progress=False)
-    out = tmp_path / "cut"
+def _ctrl_c_at_the_tenth_sample(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pack is interrupted (KeyboardInterrupt) as its tenth sample starts, leaving a journal to resume."""
     real, calls = work._process_one, []
 
     def cut(entry, w):
@@ -123,6 +120,14 @@ def test_resume_notices_a_changed_function(folder: Path, tmp_path: Path, monkeyp
             raise KeyboardInterrupt
         return real(entry, w)
     monkeypatch.setattr(work, "_process_one", cut)
+
+
+def test_resume_notices_a_changed_function(folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    opts = PackOptions(workers=1, shard_size=1, map=double_label)   # one sample per shard
+    full = tmp_path / "full"
+    pack(folder, full, options=opts, progress=False)
+    out = tmp_path / "cut"
+    _ctrl_c_at_the_tenth_sample(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         pack(folder, out, options=opts, progress=False)
     monkeypatch.undo()
@@ -140,14 +145,7 @@ def test_a_named_fingerprint_overrides_the_computed_one(folder: Path, tmp_path: 
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The user declares a new version of the function the same (map_fingerprint="v1"): resume takes it."""
     out = tmp_path / "out"
-    real, calls = work._process_one, []
-
-    def cut(entry, w):
-        calls.append(entry)
-        if len(calls) == 10:
-            raise KeyboardInterrupt
-        return real(entry, w)
-    monkeypatch.setattr(work, "_process_one", cut)
+    _ctrl_c_at_the_tenth_sample(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         pack(folder, out, options=PackOptions(workers=1, shard_size=1, map=double_label, map_fingerprint="v1"),
              progress=False)

@@ -228,10 +228,4 @@ class BatchEngine:
         if not rows:
             return []
         filler.complete(bp)
-        errors = []
-        for r in rows:
-            try:
-                filler.fill(bp, r, slot, scratch, times)
-            except BaseException as exc:  # kept for the consumer, which raises it in order
-                errors.append((r, exc))
-        return errors
+        return filler.fill_rows(bp, rows, slot, scratch, times)

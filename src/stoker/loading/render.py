@@ -23,7 +23,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -249,11 +249,16 @@ class Filler:
                 rows = (np.flatnonzero(status) + r0).tolist() if left else ()
             times.read += t1 - t0
             times.decode += time.perf_counter() - t1
+        return self.fill_rows(plan, rows, slot, scratch, times)
+
+    def fill_rows(self, plan: BatchPlan, rows: Iterable[int], slot: Slot, scratch: dict, times: WorkerTimes) -> list:
+        """`rows` through the per-sample path (`fill`): the (row, exception) pairs of those that failed, kept
+        for the consumer, which raises them in order."""
         errors = []
         for r in rows:
             try:
                 self.fill(plan, r, slot, scratch, times)
-            except BaseException as exc:  # kept for the consumer, which raises it in order
+            except BaseException as exc:
                 errors.append((r, exc))
         return errors
 
