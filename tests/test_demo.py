@@ -100,3 +100,21 @@ def test_ratio_words_follow_the_sign_and_never_say_nan() -> None:
     assert ratio_words(1.9) == "1.90x faster" and ratio_words(0.25) == "4.00x slower"
     assert ratio_words(1.002) == "as fast" and ratio_words(0.5, faster="ahead", slower="behind") == "2.00x behind"
     assert ratio_words(None) == ratio_words(float("nan")) == ratio_words(0.0) == "not measured"
+
+
+def test_the_ceiling_is_the_faster_of_two_synthetic_windows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cold first synthetic window (slower than a fed one) must not make a feed look faster than no feed:
+    the synthetic run is repeated last and the faster window is the ceiling."""
+    import stoker.tools.demo as demo
+
+    rates = iter([100.0, 80.0, 120.0, 150.0])   # synthetic (cold), DataLoader, stoker, synthetic again
+    order: list[str] = []
+
+    def fake_train(feed, name, description, *args, **kwargs):
+        order.append(feed)
+        return _run(name, next(rates), 1.0)
+    monkeypatch.setattr(demo, "_train", fake_train)
+    result = run_demo(tmp_path / "demo", images=48, batch_size=8, steps=2, device="cpu", progress=False)
+    assert order == ["synthetic", "baseline", "stoker", "synthetic"]
+    assert result.synthetic.images_per_s == 150.0 and result.synthetic.fed_ratio == pytest.approx(1.0)
+    assert [r.fed_ratio for r in result.runs] == pytest.approx([80 / 150, 120 / 150])
