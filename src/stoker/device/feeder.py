@@ -100,13 +100,18 @@ class Feeder:
                 self.ended = True
                 self.cond.notify_all()
 
-    def _loop(self) -> None:
+    def _bound(self) -> bool:
+        """Bind this thread to the stage's GPU, the loader's one CUDA actor, before any CUDA call (a new
+        thread starts on GPU 0, where a query would make a context); False (the error handed on) if it fails."""
         try:
-            # the loader's one CUDA actor: its GPU becomes this thread's current device before any
-            # CUDA call (a new thread starts on GPU 0, where a query would make a context)
             self.stage.bind()
         except BaseException as exc:
             self._put(("error", exc, None))
+            return False
+        return True
+
+    def _loop(self) -> None:
+        if not self._bound():
             return
         b = -1
         while self._more(b := b + 1):

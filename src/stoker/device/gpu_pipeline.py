@@ -402,10 +402,7 @@ class PipelinedFeeder(Feeder):
         super().start()
 
     def _loop(self) -> None:
-        try:
-            self.stage.bind()
-        except BaseException as exc:
-            self._put(("error", exc, None))
+        if not self._bound():
             return
         open_: deque[_Pending] = deque()  # submitted, not finished: at most two
         try:
