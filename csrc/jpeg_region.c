@@ -492,6 +492,9 @@ static unsigned char render_one(const int64_t *p, const Py_buffer *data, unsigne
         p[P_X0] < 0 || p[P_X1] <= p[P_X0] || p[P_RH] < 1 || p[P_RW] < 1 || p[P_Y1] > INT32_MAX ||
         p[P_X1] > INT32_MAX || p[P_RH] > INT32_MAX || p[P_RW] > INT32_MAX)
         return 20;
+    /* the stored size is data too: over max_pixels nothing is allocated for it (the per-sample path says so) */
+    if ((double)p[P_H] * (double)p[P_W] > max_pixels)
+        return 5;
     size_t need = (size_t)(p[P_Y1] - p[P_Y0]) * (size_t)(p[P_X1] - p[P_X0]) * 3;
     if (need > *scratch_size) {
         unsigned char *grown = (unsigned char *)realloc(*scratch, need);

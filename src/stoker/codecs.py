@@ -88,6 +88,18 @@ def _check_pixels(key: str, width: int, height: int, max_pixels: int) -> None:
         )
 
 
+def check_stored_size(key: str, height: int, width: int, max_pixels: int = MAX_PIXELS) -> None:
+    """Refuse a sample whose stored (height, width) is empty or over ``max_pixels`` before anything is
+    planned or allocated from it: a packed dataset's size columns are data, like its bytes."""
+    if height <= 0 or width <= 0:
+        raise CorruptImageError(key, f"the dataset stores an empty size {height}x{width} for this image; "
+                                     f"re-pack the dataset")
+    if height * width > max_pixels:
+        raise DecompressionBombError(
+            key, f"the dataset stores a size of {height}x{width} = {height * width:,} pixels for this image, "
+                 f"over the limit of {max_pixels:,}; re-pack the dataset")
+
+
 def _open(data: Buffer, key: str, max_pixels: int) -> Image.Image:
     if _nbytes(data) == 0:
         raise CorruptImageError(key, "file is empty (0 bytes)")
@@ -266,6 +278,10 @@ def _decode_jpeg(data: Buffer, key: str, height: int, width: int, min_height: in
                  min_width: int, out: np.ndarray | None, powers_of_two: bool, fast: bool) -> np.ndarray:
     if _nbytes(data) == 0:
         raise CorruptImageError(key, "sample is empty (0 bytes)")
+    if out is not None and height and width:
+        # `out` was sized from the stored size, which is data too: a header and a stored size that
+        # both claim 65,500 x 65,500 would have the decoder fill 12 GB before anything says no
+        check_stored_size(key, height, width)
     if out is None:
         # the decoder allocates what the header claims: refuse bombs first (a shard is data, its
         # height/width columns cannot be trusted to match the bytes). With `out`, its size bounds it.

@@ -356,6 +356,7 @@ class Filler:
         crop, clip, grid = box[0], box[3], box[4]
         if s.encoding == "jpeg":
             h, w = s.height, s.width
+            codecs.check_stored_size(s.key, h, w)   # before planning or allocating anything from it
             mh, mw = (h, w) if self.full_size else decode_minimums(crop, size[0], size[1], h, w)
             n = codecs.jpeg_scale_eighths(h, w, mh, mw)
             sh, sw = math.ceil(h * n / 8), math.ceil(w * n / 8)
