@@ -385,6 +385,15 @@ static PyObject *engine_run(EngineObject *e, PyObject *args, PyObject *kwargs) {
         PyErr_SetString(PyExc_RuntimeError, "no libjpeg loaded: call load(path) first");
         return NULL;
     }
+    if (isnan(timeout)) {
+        PyErr_SetString(PyExc_ValueError, "Engine.run: timeout must be seconds, got nan");
+        return NULL;
+    }
+    /* an infinite timeout (Workers(timeout=float("inf"))) as a finite deadline (about 31 years): cast to
+     * time_t, inf gave a deadline in the past, and the waiter re-took the mutex in a loop the pool's
+     * threads could not get past */
+    if (timeout > 1e9)
+        timeout = 1e9;
     PyObject *blocks = PySequence_Fast(blocks_obj, "blocks must be a sequence of byte buffers");
     if (blocks == NULL)
         return NULL;
