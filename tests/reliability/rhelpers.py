@@ -168,3 +168,22 @@ def write_files(folder: Path, files: dict[str, tuple[bytes, str | None]]) -> Pat
 
 __all__ = ["CHILD_TIMEOUT_S", "CORPUS", "CORPUS_MISSING", "GOOD_SHAPE", "hostile_files", "jpeg_claiming", "make_image_folder",
            "open_fds", "png_header_only", "reference_rgb", "run_child", "settle_threads", "write_files"]
+
+
+def write_pack(out: Path, rows: list, shards: int = 2) -> Path:
+    """A pack written row by row (as a packer with a bug, or a forged dataset, would write it): each of
+    `rows` (key, bytes, stored height, stored width, ...) a JPEG row whatever its bytes, in a shuffled
+    order; each row's label is its place in `rows`."""
+    from stoker.shards import Manifest, ShardWriter, write_manifest
+
+    out.mkdir(parents=True)
+    order = np.random.default_rng(1).permutation(len(rows))
+    per, infos = -(-len(rows) // shards), []
+    for k in range(shards):
+        writer = ShardWriter(out, k, label_type="int64")
+        for j in order[k * per:(k + 1) * per].tolist():
+            key, data, h, w = rows[j][:4]
+            writer.add(key, data, "jpeg", h, w, j)
+        infos.append(writer.finish())
+    write_manifest(out, Manifest(num_samples=len(rows), shards=infos, classes=None, label_type="int64"))
+    return out

@@ -31,10 +31,9 @@ from stoker.errors import ImageError, SampleError, ShardError
 from stoker.loader.loader import Loader
 from stoker.loader.options import Workers
 from stoker.loading import engine
-from stoker.shards import Manifest, ShardWriter, write_manifest
 from stoker.transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
 
-from .rhelpers import CORPUS, jpeg_bytes, jpeg_claiming, run_child, smooth_rgb
+from .rhelpers import CORPUS, jpeg_bytes, jpeg_claiming, run_child, smooth_rgb, write_pack
 
 pytestmark = pytest.mark.skipif(not native.chunks_available(), reason="the native extension or its libjpeg is missing")
 
@@ -108,22 +107,6 @@ def gauntlet_rows(seed: int = 0) -> list[tuple[str, bytes, int, int, str | None]
                 ch, cw = 32, 32
             rows.append((f"corpus/{path.name}", data, ch, cw, None))
     return rows
-
-
-def write_pack(out: Path, rows: list, shards: int = 2) -> Path:
-    """`rows` (key, bytes, h, w, _) as JPEG rows of a pack, in a shuffled order; each row's label is its
-    place in `rows`."""
-    out.mkdir(parents=True)
-    order = np.random.default_rng(1).permutation(len(rows))
-    per, infos = -(-len(rows) // shards), []
-    for k in range(shards):
-        writer = ShardWriter(out, k, label_type="int64")
-        for j in order[k * per:(k + 1) * per].tolist():
-            key, data, h, w, _ = rows[j]
-            writer.add(key, data, "jpeg", h, w, j)
-        infos.append(writer.finish())
-    write_manifest(out, Manifest(num_samples=len(rows), shards=infos, classes=None, label_type="int64"))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +245,6 @@ import numpy as np
 from rhelpers import jpeg_claiming
 from stoker.loader.loader import Loader
 from stoker.loader.options import Workers
-from stoker.shards import Manifest, ShardWriter, write_manifest
 from stoker.transforms import RandomResizedCrop
 out = sys.argv[1]
 os.environ["STOKER_ENGINE"] = sys.argv[2]
