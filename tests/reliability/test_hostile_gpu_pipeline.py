@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from stoker import DeviceOptions, Loader, Workers
-from stoker.errors import ImageError, LoaderTimeoutError, SampleError
+from stoker.errors import ConfigError, ImageError, LoaderTimeoutError, SampleError
 from stoker.tools.gpu_standin import FixedRateDecoder
 from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop
 
@@ -259,3 +259,15 @@ def test_stopping_mid_pipeline_leaves_no_thread(packed, how):
     assert _no_stoker_thread_left() == []
     if how == "dropped-iterator":
         loader.close()
+
+
+def test_a_decoder_object_without_a_name_is_refused_when_the_loader_is_made(packed):
+    """DeviceOptions accepts any object with decode(); the stats, the log and every error that names the
+    decoder read its `name`: it was an AttributeError at the end of the first batch."""
+    class Nameless:
+        def decode(self, datas):
+            return FixedRateDecoder().decode(datas)
+
+    with pytest.raises(ConfigError, match="Nameless object has no `name`"):
+        _loader(packed, Nameless())
+    assert _no_stoker_thread_left() == []

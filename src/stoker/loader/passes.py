@@ -21,6 +21,7 @@ import numpy as np
 
 from ..device.stage import DeviceOptions, DeviceStage, consumer_fence
 from ..dataset import Dataset
+from ..errors import ConfigError
 from ..device.build import DeviceBuilder
 from ..loading.handout import host_batch, numpy_batch
 from ..loading.engine import per_sample_python
@@ -120,6 +121,10 @@ class Passes:
         if self._gpu is None or self._gpu.device != opts.device:
             spec = opts.gpu_decoder
             decoder = make_decoder(spec, opts.device) if isinstance(spec, str) else spec
+            if not isinstance(getattr(decoder, "name", None), str):   # the stats, the log and errors name it
+                raise ConfigError(f"gpu_decoder={type(decoder).__name__} object has no `name`: give it a str attribute "
+                                  f"naming the decoder (LoaderStats.gpu_decoder and errors show it), e.g. "
+                                  f"name = \"my nvJPEG wrapper\"")
             if isinstance(spec, str) and hasattr(decoder, "keep_outputs"):
                 from ..device.gpu_pipeline import RING
 
