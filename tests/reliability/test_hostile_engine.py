@@ -179,7 +179,7 @@ def test_the_gauntlet_gives_the_engine_and_the_chunk_path_the_same_batches(gaunt
                                                                           monkeypatch):
     path, rows = gauntlet
     on = epoch(path, transforms)
-    assert sum(c.rows for c in counted) >= 40, "the engine served too few rows"
+    assert sum(c.rows for c in counted) >= 20, "the engine served too few rows"
     monkeypatch.setenv(engine.ENV, "off")
     off = epoch(path, transforms)
     assert np.array_equal(on[1], off[1]) and on[2] == off[2] and on[3] == off[3]
@@ -245,6 +245,7 @@ import numpy as np
 from rhelpers import jpeg_claiming
 from stoker.loader.loader import Loader
 from stoker.loader.options import Workers
+from stoker.shards import Manifest, ShardWriter, write_manifest
 from stoker.transforms import RandomResizedCrop
 out = sys.argv[1]
 os.environ["STOKER_ENGINE"] = sys.argv[2]
