@@ -305,7 +305,7 @@ def test_an_infinite_timeout_does_not_stall_the_first_batch(gauntlet):
 
 @pytest.fixture(scope="module")
 def big(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """96 JPEGs of 600 x 800: a batch of 24 keeps the pool busy long enough to be stopped inside it."""
+    """96 JPEGs of 600 x 800: 8 batches of 12, each keeping the pool busy long enough to be stopped inside it."""
     data = jpeg_bytes(smooth_rgb(np.random.default_rng(0), 600, 800), quality=95)
     return write_pack(tmp_path_factory.mktemp("engine-big") / "pack",
                       [(f"big/{i:02d}", data, 600, 800, "ok") for i in range(96)], shards=1)
@@ -324,38 +324,40 @@ def _settles_to(n: int, timeout: float = 10.0) -> int:
 
 
 def _big_loader(path: Path) -> Loader:
-    return Loader(path, 24, transforms=TRAIN, seed=2, device="numpy",
+    return Loader(path, 12, transforms=TRAIN, seed=2, device="numpy",
                   workers=Workers(num_threads=2, prefetch=1, decode_quality="exact"))
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
 @pytest.mark.parametrize("how", ["ctrl-c", "consumer-exception", "break", "garbage-collection"])
 def test_stopping_inside_a_native_batch_joins_the_pool_and_the_loader_goes_on(big, counted, how):
-    """Each way of stopping, acted on just as a coordinator hands the pool its second (or a later) batch:
+    """Each way of stopping, acted on just as a coordinator hands the pool a later batch:
     Ctrl-C (from the coordinator, so it reaches the consumer while the pool renders), an exception in the
     consumer's loop, break, an iterator dropped without close(). The pool is closed, every thread ends,
     and the Loader's next pass is whole and the same."""
     whole = [np.asarray(x).copy() for x, _ in _big_loader(big)]   # also starts the libraries' own threads
     before = _tasks()
     calls = []
-    in_run = threading.Event()
+    in_run, armed, fired = threading.Event(), threading.Event(), threading.Event()
 
     def hook() -> None:
         calls.append(1)
+        if how == "ctrl-c" and armed.is_set() and not fired.is_set():
+            fired.set()
+            _thread.interrupt_main()   # once the consumer's loop below can receive it
         if len(calls) >= 2:
-            if how == "ctrl-c" and not in_run.is_set():
-                _thread.interrupt_main()
             in_run.set()
 
     Counting.before_run.append(hook)
     loader = _big_loader(big)
     it = iter(loader)
+    next(it)   # the pool's first batch is done; the hook acts on a later one
     if how == "ctrl-c":
         with pytest.raises(KeyboardInterrupt):
+            armed.set()
             for _ in it:
                 time.sleep(0.01)
     elif how == "garbage-collection":
-        next(it)
         assert in_run.wait(30)
     else:
         with pytest.raises(ZeroDivisionError) if how == "consumer-exception" else _nothing():
