@@ -68,6 +68,8 @@ def gauntlet_rows(seed: int = 0) -> list[tuple[str, bytes, int, int, str | None]
         h, w = (int(v) for v in rng.integers(24, 200, 2))
         rgb = smooth_rgb(rng, h, w)
         rows.append((f"good/{i:02d}", _jpeg(rgb[:, :, 0]) if i % 7 == 3 else _jpeg(rgb, **kinds[i % 5]), h, w, "ok"))
+    for h, w in ((1, 1), (1, 300), (300, 1), (2, 60_000), (9, 7)):   # odd sizes, a 60,000-wide strip
+        rows.append((f"odd/{h}x{w}", _jpeg(smooth_rgb(rng, h, w)), h, w, "ok"))
     rgb = smooth_rgb(rng, 48, 64)
     cmyk = io.BytesIO()
     Image.fromarray(rgb).convert("CMYK").save(cmyk, "JPEG", quality=90)
@@ -445,3 +447,23 @@ def test_a_shard_replaced_between_batches_is_named_by_the_engine_path(tmp_path, 
     loader.close()
     assert isinstance(info.value.__cause__, ShardError) and "shard-00001.arrow" in str(info.value)
     assert sum(c.rows for c in counted) >= 8
+
+
+def test_a_pack_of_nothing_but_damaged_rows_fails_the_same_named_way(tmp_path, counted, monkeypatch):
+    """Every row claims to be a JPEG (so the engine takes the pack) and none decodes: on_error="skip"
+    runs out of replacements with the same SampleError, engine or not, naming the sample and the count."""
+    path = write_pack(tmp_path / "pack", [(f"bad/{i}", b"\xff\xd8\xff\xe0" + bytes(range(200)), 30, 40)
+                                          for i in range(20)])
+
+    def first_error() -> str:
+        with Loader(path, 8, transforms=[Resize((16, 16))], device="numpy",
+                    workers=Workers(num_threads=2, on_error="skip")) as loader:
+            with pytest.raises(SampleError) as info:
+                for _ in loader:
+                    pass
+        return str(info.value)
+
+    on = first_error()
+    assert counted, "the engine did not take the pack"
+    monkeypatch.setenv(engine.ENV, "off")
+    assert first_error() == on and "replacement samples failed as well" in on and "sample 'bad/" in on
