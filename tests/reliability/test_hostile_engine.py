@@ -176,14 +176,15 @@ def epoch(path: Path, transforms: list, threads: int = 2, **workers) -> tuple[np
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")   # Pillow's warnings about the corpus's odd EXIF
-@pytest.mark.parametrize("transforms", [TRAIN, VAL], ids=["train", "val"])
-def test_the_gauntlet_gives_the_engine_and_the_chunk_path_the_same_batches(gauntlet, transforms, counted,
+@pytest.mark.parametrize("transforms, quality", [(TRAIN, "accurate"), (VAL, "accurate"), (TRAIN, "exact"),
+                                                 (TRAIN, "fast")], ids=["train", "val", "train-exact", "train-fast"])
+def test_the_gauntlet_gives_the_engine_and_the_chunk_path_the_same_batches(gauntlet, transforms, quality, counted,
                                                                           monkeypatch):
     path, rows = gauntlet
-    on = epoch(path, transforms)
+    on = epoch(path, transforms, decode_quality=quality)
     assert sum(c.rows for c in counted) >= 20, "the engine served too few rows"
     monkeypatch.setenv(engine.ENV, "off")
-    off = epoch(path, transforms)
+    off = epoch(path, transforms, decode_quality=quality)
     assert np.array_equal(on[1], off[1]) and on[2] == off[2] and on[3] == off[3]
     bad = [i for i in range(len(on[0])) if not np.array_equal(on[0][i], off[0][i])]
     assert not bad, f"rows {bad[:10]} differ"
