@@ -70,9 +70,11 @@ def _no_stoker_thread_left(timeout: float = 10.0) -> list[str]:
     return _stoker_threads()
 
 
-def _loader(path: Path, decoder, on_error: str = "raise", timeout: float = 30.0) -> Loader:
+def _loader(path: Path, decoder, on_error: str = "raise", timeout: float = 30.0, split: bool = False) -> Loader:
+    device = (DeviceOptions("cpu", decode="auto", gpu_decoder=decoder, gpu_share=0.5) if split else
+              DeviceOptions("cpu", decode="gpu", gpu_decoder=decoder))
     return Loader(path, 8, transforms=CROP, seed=3, workers=Workers(num_threads=2, on_error=on_error, timeout=timeout),
-                  device=DeviceOptions("cpu", decode="gpu", gpu_decoder=decoder))
+                  device=device)
 
 
 def _epoch(loader: Loader) -> tuple[np.ndarray, np.ndarray]:
@@ -153,10 +155,13 @@ def test_images_a_decoder_gets_wrong_are_decoded_on_the_cpu_and_named(packed, de
     assert _no_stoker_thread_left() == []
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["gpu", "split-half"])
 @pytest.mark.parametrize("on_error", ["raise", "skip"])
-def test_a_row_neither_decoder_reads_is_a_named_sample_error_or_a_named_replacement(damaged, on_error, caplog):
+def test_a_row_neither_decoder_reads_is_a_named_sample_error_or_a_named_replacement(damaged, on_error, split, caplog):
+    """Whether the damaged row went to the GPU decoder (then the device thread's CPU fallback) or to the
+    worker threads (a split batch), it is named the same way."""
     with caplog.at_level(logging.WARNING, logger="stoker.loader"):
-        loader = _loader(damaged, FixedRateDecoder(), on_error=on_error)
+        loader = _loader(damaged, FixedRateDecoder(), on_error=on_error, split=split)
         if on_error == "raise":
             with pytest.raises(SampleError) as info:
                 _epoch(loader)
