@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ import torch
 
 import stoker
 from conftest import jpeg_bytes
-from stoker import DeviceOptions, Loader, Workers
+from stoker import DeviceOptions, Loader, Workers, native
 from stoker.errors import ConfigError
 from stoker.device.gpu_decode import GpuBatchDecoder
 from stoker.device.gpu_split import SplitControl
@@ -355,3 +356,60 @@ def test_the_phase_timers_reach_the_log(packed: Path, caplog: pytest.LogCaptureF
     assert lines and lines[-1].startswith("GPU decode after 3 batches, seconds per phase: plan ")
     for phase in ("upload", "decode", "reads_wait", "decode_wait", "resample", "fallback", "convert", "GPU share 100%"):
         assert phase in lines[-1]
+
+
+# ---- the CPU share of a split batch: the native batch engine, the CPU path's pixels ---------------------
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """JPEGs with PNG, raw and two damaged rows among them (what the engine refuses)."""
+    from test_native_chunks import build
+
+    return build(tmp_path_factory.mktemp("split") / "ds", seed=1, bad=(3, 20))
+
+
+def _batches(path: Path, device: Any, threads: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    loader = Loader(path, 8, transforms=CROP, seed=9, device=device,
+                    workers=Workers(num_threads=threads, on_error="skip"))
+    try:
+        return [(x.clone(), y.clone()) for x, y in loader]
+    finally:
+        loader.close()
+
+
+@pytest.mark.skipif(not native.chunks_available(), reason="the native extension or its libjpeg is missing")
+def test_the_cpu_rows_of_a_split_batch_are_the_cpu_paths_whatever_the_share(mixed: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rows a split leaves to the CPU go through the native batch engine (its pool renders them),
+    bit for bit the rows decode="cpu" gives, labels and on_error replacements included, at any share
+    and with the automatic one; rows the engine refuses (PNG, raw, damaged) take the per-sample path.
+    decode="gpu" alone makes no pool: it leaves no JPEG row to the CPU."""
+    from stoker.loading import engine
+    from test_engine import Counting
+
+    Counting.made = []
+    monkeypatch.setattr(native, "engine", Counting)
+    monkeypatch.setattr(engine, "MIN_JPEG_SHARE", 0.0)   # the data mixes PNG and raw rows in
+    want = _batches(mixed, "cpu")
+    assert Counting.made and sum(c.rows for c in Counting.made) > 20
+    grey = FixedRateDecoder()  # every GPU row comes out a flat 128: told apart from a decoded row
+    for share in (0.0, 0.3, 0.7, None):
+        for threads in (1, 2):
+            Counting.made = []
+            got = _batches(mixed, DeviceOptions("cpu", decode="auto", gpu_share=share, gpu_decoder=grey), threads)
+            assert len(got) == len(want) and Counting.made, (share, threads)
+            served = sum(c.rows for c in Counting.made)
+            for (a, la), (b, lb) in zip(want, got):
+                assert torch.equal(la, lb)
+                n = len(a)
+                cpu = n - int(round(share * n)) if share is not None else 0  # auto: any share
+                assert torch.equal(a[:cpu], b[:cpu]), (share, threads)
+                for r in range(cpu, n):  # the GPU's rows: the stand-in's grey, or the CPU's where it fell back
+                    assert torch.equal(a[r], b[r]) or bool((b[r] == 128).all())
+            if share == 0.7:
+                assert 0 < served < 36 and any(not torch.equal(a, b) for (a, _), (b, _) in zip(want, got))
+            if share == 0.0:
+                assert served > 20
+    Counting.made = []
+    only_gpu = _batches(mixed, DeviceOptions("cpu", decode="gpu", gpu_decoder=grey))
+    assert Counting.made == [] and len(only_gpu) == len(want)
