@@ -189,7 +189,10 @@ def test_the_split_converges_to_the_capacities_ratio(gpu_rate: float, cpu_rate: 
     assert all(abs(s - want) <= 0.1 * want for s in simulate(SplitControl(threads=8), gpu_rate, cpu_rate, 60)[3:]
                if s > 0)  # without noise: within 10% from the third batch on
     assert ctrl.mode == "split" and "split by measured throughput" in ctrl.reason
-    assert shares.count(0.0) >= 8 * 2  # the CPU alone was timed in probe windows, and lost
+    # the CPU alone was timed in probe windows, and lost (a window at under half the split's pace ends
+    # after 3 batches, a closer one after 8)
+    windows = sum(1 for a, b in zip([1.0] + shares, shares) if a > 0 and b == 0)
+    assert windows >= 2 and shares.count(0.0) >= 3 * windows
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -430,3 +433,15 @@ def test_the_cpu_rows_of_a_split_batch_are_the_cpu_paths_whatever_the_share(mixe
     Counting.made = []
     only_gpu = _batches(mixed, DeviceOptions("cpu", decode="gpu", gpu_decoder=grey))
     assert Counting.made == [] and len(only_gpu) == len(want)
+
+
+def test_a_probe_of_a_far_slower_way_ends_early() -> None:
+    """A probe window of the split whose batches come at under half the CPU alone's pace ends after
+    three of them, not probe_len: each batch it runs costs the loader."""
+    ctrl = SplitControl(threads=1, probe_every=20, probe_len=8, warmup=4)
+    shares = simulate(ctrl, 2000.0, 2500.0, 16, batch=16, interference=8.0)   # the split: 8x slower CPU rows
+    assert ctrl.mode == "cpu" and shares[-1] == 0.0
+    start = len(shares)
+    shares += simulate(ctrl, 2000.0, 2500.0, 24, batch=16, interference=8.0)   # a probe of the split at 24
+    probed = [k for k in range(start, len(shares)) if shares[k] > 0]
+    assert len(probed) == 3 and ctrl.mode == "cpu", shares

@@ -4,16 +4,19 @@ The GPU adds decode capacity beside the CPU threads; it does not replace them. A
 when both sides are done, so the split that finishes them together gives the GPU the share
 `G / (G + C)` of the JPEG rows, G and C being the two sides' measured images/s. `SplitControl`
 measures both as the Loader runs (the device thread reports each batch: the GPU side's busy time,
-and the CPU seconds the workers spent rendering the CPU rows) and moves the share there, smoothed,
-so it follows a machine whose load changes. No peer does this automatically: DALI's
+and the CPU seconds the workers spent rendering the CPU rows) and moves the share there, smoothed
+(images over seconds, each smoothed: a batch's time on a loaded host is skewed, and averaged per-batch
+rates would overrate the noisier side), so it follows a machine whose load changes. No peer does this automatically: DALI's
 `hw_decoder_load` is a fixed setting.
 
 Whether the split helps at all is measured too: the two sides share the host (the device thread's
 Python and the workers' take turns at the GIL; the GPU path's host work takes cores), so a side's
 rate beside the other can be far below its rate alone. Every `probe_every` batches a window of
 `probe_len` batches runs the other way (the CPU alone while splitting, the split while the CPU is
-alone), and the pace of whole batches (images/s, each batch as long as its slower side, both
-sides timed where they ran, so the slowdown one causes the other is in it) decides which to keep;
+alone; only batches run that way count, not those the workers planned before the window opened),
+and the mean pace of whole batches (images/s, each batch as long as its slower side, both sides
+timed where they ran, so the slowdown one causes the other is in it) decides which to keep, where
+the difference is larger than `margin` and the batches' scatter;
 `reason` says which and why. Until both ways have been timed, a GPU that would add less than
 `floor` of the capacity is left out too. Pure arithmetic on the numbers it is handed: tests drive it
 with a simulated clock.
@@ -121,7 +124,7 @@ class SplitControl:
                 # workers plan ahead by the prefetch depth) still run the old way and time nothing new
                 self.probe_left -= 1 if self._last == self.probe else 0
                 self.probe_spent += 1
-                if self.probe_left <= 0 or self.probe_spent >= 3 * self.probe_len:
+                if self.probe_left <= 0 or self.probe_spent >= 3 * self.probe_len or self._losing():
                     self._decide()
             elif self.batches >= self.warmup and self.batches % self.probe_every == self.warmup % self.probe_every:
                 self.probe = "cpu" if self.mode == "split" else "split"
@@ -147,6 +150,14 @@ class SplitControl:
         if self.mode == "cpu":
             self.reason = (f"CPU only: batches came at {cpu:,.0f} img/s with the CPU threads alone, {split:,.0f} "
                            f"img/s split with the GPU (re-measured every {self.probe_every} batches)")
+
+    def _losing(self) -> bool:
+        """A probe window whose first batches came at under half the current way's pace ends early:
+        a way that much slower costs every batch it runs, and a few batches settle it."""
+        probe, current = self._recent[self.probe or "cpu"], self._recent[self.mode]
+        if len(probe) < 3 or not current:
+            return False
+        return statistics.fmean(probe) > 2 * statistics.fmean(current)
 
     def _noise_margin(self) -> float:
         """How much faster the other way must have been to be taken: `margin`, or the relative
