@@ -17,7 +17,8 @@ convert run on the CPU. Two questions, each answered with figures measured in th
    (gpu_share= 0 ... 1, alternating rounds): images/s of each, where the automatic share settled (at
    the end, and its mean over the timed epoch), the two sides' rates as the controller measured them
    beside each other, and each side's rate alone (G: gpu_share=1, C: gpu_share=0) with their ratio
-   G / (G + C). Each split run is four epochs on one Loader (the controller learns across them), the
+   G / (G + C); and the automatic split kept (its probe windows off, so it never falls back to the
+   CPU alone): the mean share it hands out against G / (G + C). Each split run is four epochs on one Loader (the controller learns across them), the
    last one timed. The CPU rows take the native batch engine; under `STOKER_NATIVE=off` (read at
    import) they take the per-row path with torch's resize, a CPU side slow enough that a stand-in of
    300 img/s adds capacity on a 2-core machine.
@@ -51,6 +52,7 @@ import torch
 import stoker
 from stoker import native
 from stoker.codecs import encode_jpeg
+from stoker.device.gpu_split import SplitControl
 from stoker.tools.gpu_standin import FixedRateDecoder
 from stoker.tools.synth import synth_image
 from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop
@@ -70,12 +72,15 @@ def make_dataset(root: Path, n: int) -> Path:
 
 
 def run(packed: Path, batch: int, device: stoker.DeviceOptions, threads: int, warm: int = 1,
-        shares: list | None = None) -> tuple[float, stoker.Loader]:
+        shares: list | None = None, kept: bool = False) -> tuple[float, stoker.Loader]:
     """Steady-state batches/s of one epoch: from the arrival of batch 2 to the last (the pipeline's
     start and the first batches' ramp are not timed), after `warm` warm-up epochs. `shares`: gets the
-    settled GPU share after each timed batch."""
+    settled GPU share after each timed batch. `kept`: the automatic split without its probe windows
+    (it never tries the CPU alone), so the balance is measured alone."""
     loader = stoker.Loader(packed, batch, transforms=OPS, seed=0, device=device,
                            workers=stoker.Workers(num_threads=threads))
+    if kept:
+        loader._passes._split = SplitControl(threads, None, probe_every=1 << 30, warmup=1 << 30)
     for _ in range(warm):
         for _ in loader:
             pass
@@ -114,15 +119,17 @@ def split(packed: Path, batch: int, rounds: int, rate: float) -> dict[str, Any]:
     """decode="auto" against fixed shares (gpu_share=), alternating: images/s of each, and where the
     automatic split settled. Each side's rate alone is gpu_share=1 (the stand-in and the device side)
     and gpu_share=0 (the worker thread's per-row path)."""
-    runs: dict[Any, list[float]] = {s: [] for s in (*SHARES, None)}
-    settled, means, beside, reasons = [], [], [], []
+    runs: dict[Any, list[float]] = {s: [] for s in (*SHARES, None, "kept")}
+    settled, means, beside, reasons, balance = [], [], [], [], []
     for _ in range(rounds):
         for share in runs:
             seen: list[float] = []
             r, loader = run(packed, batch, stoker.DeviceOptions(
-                "cpu", decode="auto", gpu_share=share, gpu_decoder=FixedRateDecoder(images_per_s=rate)), 1,
-                warm=3, shares=seen)
+                "cpu", decode="auto", gpu_share=None if share == "kept" else share,
+                gpu_decoder=FixedRateDecoder(images_per_s=rate)), 1, warm=3, shares=seen, kept=share == "kept")
             runs[share].append(r * batch)
+            if share == "kept":
+                balance.append(statistics.fmean(seen))
             if share is None:
                 ctrl = loader._passes._split   # the controller's own view: both sides' rates beside each other
                 settled.append(loader.stats.gpu_share)
@@ -131,9 +138,10 @@ def split(packed: Path, batch: int, rounds: int, rate: float) -> dict[str, Any]:
                 reasons.append(loader.stats.gpu_split)
     img_s = {("auto" if s is None else s): statistics.median(v) for s, v in runs.items()}
     g, c = img_s[1.0], img_s[0.0]
-    best = max((v, s) for s, v in img_s.items() if s != "auto")
+    best = max((v, s) for s, v in img_s.items() if s not in ("auto", "kept"))
     return {"stand_in_img_per_s": rate, "img_per_s": img_s, "gpu_alone": g, "cpu_alone": c,
             "alone_ratio": g / (g + c), "settled": statistics.median(settled), "settled_all": settled,
+            "kept_share": statistics.median(balance), "kept_share_all": balance,
             "mean_settled": statistics.median(means), "mean_settled_all": means, "beside": beside,
             "reason": reasons[-1], "best_fixed": best[1], "auto_over_best": img_s["auto"] / best[0],
             "auto_over_cpu": img_s["auto"] / c, "cpu_path": "engine" if native.ON else "per-row (STOKER_NATIVE=off)"}
@@ -216,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
               f"mean over the timed epoch {sp['mean_settled']:.2f}); {sp['reason']}\n"
               f"each side alone: G {sp['gpu_alone']:.0f}, C {sp['cpu_alone']:.0f} img/s, G/(G+C) "
               f"{sp['alone_ratio']:.2f}; beside each other, as the controller measured them: {beside}\n"
+              f"the split kept (no probe windows): mean share over the timed epoch {sp['kept_share']:.2f} (rounds: "
+              f"{', '.join(f'{v:.2f}' for v in sp['kept_share_all'])}), {sp['kept_share'] / sp['alone_ratio']:.2f}x "
+              f"G/(G+C)\n"
               f"auto {sp['auto_over_best']:.2f}x the best fixed share ({sp['best_fixed']}), {sp['auto_over_cpu']:.2f}x "
               f"the CPU alone")
     if "calls" in out:

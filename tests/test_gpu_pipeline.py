@@ -445,3 +445,15 @@ def test_a_probe_of_a_far_slower_way_ends_early() -> None:
     shares += simulate(ctrl, 2000.0, 2500.0, 24, batch=16, interference=8.0)   # a probe of the split at 24
     probed = [k for k in range(start, len(shares)) if shares[k] > 0]
     assert len(probed) == 3 and ctrl.mode == "cpu", shares
+
+
+def test_probes_of_a_far_slower_way_come_less_often() -> None:
+    """Each probe of a split far slower than the CPU alone doubles the gap to the next (up to 8 x
+    probe_every); one that wins brings the split back at once."""
+    ctrl = SplitControl(threads=1, probe_every=10, probe_len=4, warmup=4)
+    shares = simulate(ctrl, 2000.0, 2500.0, 200, batch=16, interference=8.0)
+    starts = [k for k in range(1, len(shares)) if shares[k] > 0 and shares[k - 1] == 0]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert ctrl.mode == "cpu" and gaps[:3] == [20, 40, 80] and max(gaps) <= 80, gaps
+    shares = simulate(ctrl, 2000.0, 2500.0, 90, batch=16)   # the interference is gone: the next probe wins
+    assert ctrl.mode == "split" and shares[-1] > 0.3

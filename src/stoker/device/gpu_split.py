@@ -11,7 +11,8 @@ rates would overrate the noisier side), so it follows a machine whose load chang
 
 Whether the split helps at all is measured too: the two sides share the host (the device thread's
 Python and the workers' take turns at the GIL; the GPU path's host work takes cores), so a side's
-rate beside the other can be far below its rate alone. Every `probe_every` batches a window of
+rate beside the other can be far below its rate alone. Every `probe_every` batches (twice as long
+after each probe that came at under half the pace, up to 8 times) a window of
 `probe_len` batches runs the other way (the CPU alone while splitting, the split while the CPU is
 alone; only batches run that way count, not those the workers planned before the window opened),
 and the mean pace of whole batches (images/s, each batch as long as its slower side, both sides
@@ -61,6 +62,9 @@ class SplitControl:
         self.probe_spent = 0  # batches done since the window opened (it closes after 3 x probe_len at most)
         self._last: str | None = None  # the way the last observed batch ran ("split" or "cpu")
         self.batches = 0
+        self.gap = probe_every  # batches from one probe window's start to the next
+        self.next_probe = warmup
+        self.probe_start = 0  # the batch the last probe window opened at
         self.lock = threading.Lock()
         self.reason = (f"fixed: {share:.0%} of each batch's JPEGs on the GPU (gpu_share=)" if share is not None
                        else "measuring: the first batches split half and half")
@@ -126,7 +130,9 @@ class SplitControl:
                 self.probe_spent += 1
                 if self.probe_left <= 0 or self.probe_spent >= 3 * self.probe_len or self._losing():
                     self._decide()
-            elif self.batches >= self.warmup and self.batches % self.probe_every == self.warmup % self.probe_every:
+            elif self.batches >= self.next_probe:
+                self.probe_start = self.batches
+                self.next_probe = self.batches + self.gap
                 self.probe = "cpu" if self.mode == "split" else "split"
                 self.probe_left, self.probe_spent = self.probe_len, 0
                 self.pace[self.probe] = None  # measured afresh in this window
@@ -146,10 +152,16 @@ class SplitControl:
         current = 1 / statistics.fmean(self._recent[self.mode])
         if other > current * (1 + self._noise_margin()):
             self.mode = probe
-        split, cpu = self.pace["split"], self.pace["cpu"]
+            self.gap = self.probe_every
+        elif other < current / 2:   # far slower: each probe costs its batches, so probe half as often
+            self.gap = min(2 * self.gap, 8 * self.probe_every)
+            self.next_probe = self.probe_start + self.gap
+        else:
+            self.gap = self.probe_every
+        split, cpu = (other, current) if probe == "split" else (current, other)
         if self.mode == "cpu":
             self.reason = (f"CPU only: batches came at {cpu:,.0f} img/s with the CPU threads alone, {split:,.0f} "
-                           f"img/s split with the GPU (re-measured every {self.probe_every} batches)")
+                           f"img/s split with the GPU (re-measured in {self.next_probe - self.batches} batches)")
 
     def _losing(self) -> bool:
         """A probe window whose first batches came at under half the current way's pace ends early:
