@@ -457,3 +457,15 @@ def test_probes_of_a_far_slower_way_come_less_often() -> None:
     assert ctrl.mode == "cpu" and gaps[:3] == [20, 40, 80] and max(gaps) <= 80, gaps
     shares = simulate(ctrl, 2000.0, 2500.0, 90, batch=16)   # the interference is gone: the next probe wins
     assert ctrl.mode == "split" and shares[-1] > 0.3
+
+
+def test_loader_stats_say_the_split_runs_the_engine_and_what_stays_per_row(packed: Path) -> None:
+    loader = Loader(packed, 16, transforms=CROP, workers=Workers(num_threads=2),
+                    device=DeviceOptions("cpu", decode="auto", gpu_share=0.5, gpu_decoder=FixedRateDecoder()))
+    try:
+        assert sum(len(x) for x, _ in loader) == 48
+        assert loader.stats.engine == native.chunks_available()
+        if loader.stats.engine:
+            assert any("GPU's rows" in why for why in loader.stats.per_sample_python)
+    finally:
+        loader.close()

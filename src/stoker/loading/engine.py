@@ -150,8 +150,9 @@ def per_sample_python(spec: RenderSpec, chain: EpochChain, served: bool) -> list
     the cause), or [] where the engine serves the batches. Each such sample holds the GIL the training
     loop's thread needs for every op it dispatches: tens of µs per sample, which a dispatch-bound step
     pays in full (`stoker bench --pipelines neighbour` measures it)."""
-    if served:
-        return []
+    if served:   # a split batch's CPU rows are the engine's; its GPU rows are still jobs made row by row
+        return ["decode='auto': the GPU's rows of each batch are queued for the device thread one at a time"
+                ] if spec.gpu_decode else []
     pipe = spec.pipeline
     why = [f"{getattr(op, 'name', type(op).__name__)}: a per-sample op after the planned crop" for op in pipe.tail]
     why += [f"{type(t).__name__} targets ({t.column}): placed per sample" for t in spec.target_kinds()]
