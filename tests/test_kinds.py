@@ -7,9 +7,11 @@ from __future__ import annotations
 import io
 import pickle
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -169,3 +171,24 @@ def test_a_failed_row_of_a_kind_gets_the_stand_ins_extras() -> None:
     again, _ = _render(Filler(_spec(IMAGES), Memory(), 0, np.array([stand_in] * len(ds)), 0), 1)
     assert np.array_equal(slot.images_np[1, 0], again.images_np[0])
 
+
+
+def test_the_plan_resolves_the_kind_once_and_the_loader_asks_it(tmp_path: Path) -> None:
+    pytest.importorskip("av", reason="videos need PyAV: pip install 'stoker[video]'")
+    import stoker
+    from stoker.device.stage import DeviceOptions
+    from stoker.packing import pack
+    from stoker.tools.synth_video import VideoStyle, make_kinetics_like
+    from stoker.transforms import Resize
+
+    make_kinetics_like(tmp_path / "src", 1, classes=2, style=VideoStyle(seconds=1, fps=8, size=(24, 32)))
+    pack(tmp_path / "src", tmp_path / "ds", progress=False)
+    clips = Clips(frames=2, clips_per_video=2)
+    with stoker.Loader(tmp_path / "ds", 2, sampling=stoker.Sampling(clips=clips), transforms=[Resize((16, 16))],
+                       device=DeviceOptions("cpu", decode="auto")) as ld:
+        assert ld.plan.kind == ClipKind(clips) and ld.plan.epochs.per_item == 2 and ld.clips == clips
+        assert ld.device.decode == "cpu" and ld.stats.gpu_split == ClipKind.cpu_only   # the kind says why
+        x, _, extras = next(iter(ld))
+        assert x.shape == (2, 2, 3, 16, 16) and extras["clip"].tolist() == [0, 1]
+        assert ClipKind.per_row_python in ld.stats.per_sample_python
+        assert ld.state_dict()["clips"] == repr(clips)
