@@ -173,14 +173,21 @@ class Feeder:
                                       f"please report it")
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    stuck = self._stuck()
                     raise LoaderTimeoutError(
                         f"batch {b}: nothing reached the device after {self.timeout:.0f} s "
-                        f"({self.run.alive()} worker threads alive); storage may be stalled or a transform "
-                        f"hangs — raise workers=stoker.Workers(timeout=...) if samples are genuinely this slow")
+                        f"({self.run.alive()} worker threads alive); "
+                        + (stuck or "storage may be stalled or a transform hangs")
+                        + " — raise workers=stoker.Workers(timeout=...) if samples are genuinely this slow")
                 self.cond.wait(min(_POLL_S, left))
             item = self.ready.popleft()
             self.cond.notify_all()  # room for the device thread's next batch
         return item
+
+    def _stuck(self) -> str:
+        """What the device thread's side is stuck in, when it knows (the GPU decode pipeline: a decoder
+        call), for the consumer's timeout message; "" when nothing in particular."""
+        return ""
 
     def stop(self, join_timeout: float = 5.0) -> None:
         """Stop this thread and the Run's workers, bounded. Safe to call repeatedly, from any thread."""

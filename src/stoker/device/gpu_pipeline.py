@@ -82,6 +82,7 @@ class DecodeThread:
         self.cond = threading.Condition()
         self.live: deque[_Chunk] = deque()  # decoded chunks not yet dropped, oldest first
         self.count = 0  # chunks decoded
+        self.calling_since: float | None = None  # monotonic time the decoder call in progress began
         self.thread = threading.Thread(target=self._work, name="stoker-decode", daemon=True)
 
     def start(self) -> None:
@@ -147,14 +148,18 @@ class DecodeThread:
             use_entry(self.count % RING)
         self.count += 1
         t0 = time.perf_counter()
-        if stream is None:
-            placed, failures = self.gpu.decode_chunk(jobs, ticket.out_h, ticket.out_w)
-            event = None
-        else:
-            with torch.cuda.stream(stream):
+        self.calling_since = time.monotonic()
+        try:
+            if stream is None:
                 placed, failures = self.gpu.decode_chunk(jobs, ticket.out_h, ticket.out_w)
-                event = torch.cuda.Event()
-                event.record(stream)
+                event = None
+            else:
+                with torch.cuda.stream(stream):
+                    placed, failures = self.gpu.decode_chunk(jobs, ticket.out_h, ticket.out_w)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+        finally:
+            self.calling_since = None
         seconds = time.perf_counter() - t0
         self.phases.add("decode_s", seconds)
         return _Chunk(placed, failures, event, seconds=seconds, images=len(jobs))
@@ -438,6 +443,13 @@ class PipelinedFeeder(Feeder):
             self._release(held)
             return False
         return True
+
+    def _stuck(self) -> str:
+        since = self.pipe.decoder.calling_since
+        if since is None:
+            return ""
+        return (f"the GPU decoder ({self.pipe.base.gpu.decoder.name}) has been inside one decode call for "
+                f"{time.monotonic() - since:.0f} s; if it is hung, use decode='cpu'")
 
     def stop(self, join_timeout: float = 5.0) -> None:
         super().stop(join_timeout)
