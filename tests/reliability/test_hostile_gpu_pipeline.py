@@ -26,7 +26,7 @@ from stoker.errors import ConfigError, ImageError, LoaderTimeoutError, SampleErr
 from stoker.tools.gpu_standin import FixedRateDecoder
 from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop
 
-from .rhelpers import jpeg_bytes, smooth_rgb, write_pack
+from .rhelpers import jpeg_bytes, run_child, smooth_rgb, write_pack
 
 CROP = [RandomResizedCrop(48), RandomHorizontalFlip()]
 N = 40
@@ -277,3 +277,30 @@ def test_a_decoder_object_without_a_name_is_refused_when_the_loader_is_made(pack
     with pytest.raises(ConfigError, match="Nameless object has no `name`"):
         _loader(packed, Nameless())
     assert _no_stoker_thread_left() == []
+
+
+_EXIT = """
+import sys, time
+from stoker import DeviceOptions, Loader, Workers
+from stoker.tools.gpu_standin import FixedRateDecoder
+from stoker.transforms import RandomResizedCrop
+class Hangs(FixedRateDecoder):
+    n = 0
+    def decode(self, datas, regions=None):
+        self.n += 1
+        if self.n >= 2:
+            time.sleep(600)
+        return super().decode(datas, regions)
+loader = Loader(sys.argv[1], 8, transforms=[RandomResizedCrop(32)], workers=Workers(num_threads=2),
+                device=DeviceOptions("cpu", decode="gpu", gpu_decoder=Hangs()))
+it = iter(loader)
+next(it)
+print("EXITING", flush=True)
+"""
+
+
+def test_the_interpreter_exits_while_the_decoder_hangs(packed):
+    """The script ends, without close(), while the decode thread is inside a decoder call that never
+    returns: the process still exits, with the script's status."""
+    proc = run_child(_EXIT, str(packed), timeout=60)
+    assert "EXITING" in proc.stdout and proc.returncode == 0, proc.stderr[-2000:]
