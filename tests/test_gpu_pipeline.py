@@ -305,12 +305,13 @@ def test_a_batchs_jpeg_bytes_share_one_staging_buffer(packed: Path, monkeypatch:
     thread, each job's bytes a view at its own offset; a buffer too small for a batch is replaced by a
     larger one for the next, and the pixels never change."""
     from stoker.device import gpu_pipeline
+    from stoker.loading.jobs import slot_jobs
 
     seen: list[tuple[int, list]] = []
     submit = gpu_pipeline.PipelinedBuilder.submit
 
     def spy(self, slot):
-        jobs = [j for j in slot.jobs[:slot.size] if j is not None]
+        jobs = slot_jobs(slot, slot.size)   # made one at a time (slot.jobs) or a chunk at a time (slot.gpu_rows)
         base = slot.staging.buffer if slot.staging is not None else None
         spans = []
         for j in jobs:

@@ -17,6 +17,7 @@ from typing import Any
 from .._torch import torch
 from .stage import DeviceStage, convert, storages_on
 from ..loading.handout import batch_extras, labels_of, run_batch_ops
+from ..loading.jobs import cpu_rows, slot_jobs
 from ..loading.kinds import fold_rows, unfold_rows
 from ..loading.render import EpochChain
 from ..loading.slots import Slot
@@ -49,8 +50,7 @@ class DeviceBuilder:
             # the GPU decode writes every JPEG row: only the rows rendered on the CPU cross the bus
             # (all of a 256x224x224 batch would be 38.5 MB), into a batch allocated on the device
             x = torch.empty(slot.images[:n].shape, dtype=slot.images.dtype, device=self.opts.device)
-            jobs = slot.jobs[:n]
-            self._upload_rows(slot, x, [r for r in range(n) if r >= len(jobs) or jobs[r] is None])
+            self._upload_rows(slot, x, cpu_rows(n, slot_jobs(slot, n)))
         else:
             # on the CPU `.to()` would return the slot itself, which the workers are about to refill
             x = stage.upload(slot.images[:n]) if self.opts.is_cuda else slot.images[:n].clone()
@@ -128,7 +128,7 @@ class DeviceBuilder:
     def _decode_on_gpu(self, slot: Slot, x: torch.Tensor) -> int:
         """Decode the slot's GpuJobs into `x` (NHWC on the device); returns how many rows fell back to
         the CPU (rendered into the slot, then copied from it)."""
-        jobs = [j for j in slot.jobs[:slot.size] if j is not None]
+        jobs = slot_jobs(slot, slot.size)
         failed = self.gpu.run(jobs, x.permute(0, 3, 1, 2)) if jobs else []
         self.fallback(slot, x, failed)
         with self.lock:

@@ -227,14 +227,15 @@ class BatchEngine:
         through `Filler.fill` with the batch's NumPy plan (`Filler.complete`). Returns the (row,
         exception) of the rows that failed, as `Filler.fill_chunk` does.
 
-        A split batch: rows from `gpu_from` on are left as GPU jobs first (`Filler.fill`), then the
-        rows before it go through the pool; the pool's busy seconds are the CPU side's time."""
+        A split batch: rows from `gpu_from` on are left for the GPU first, in one call
+        (`Filler.queue_gpu_rows`), then the rows before it go through the pool; the pool's busy seconds
+        are the CPU side's time."""
         filler, bp = plan
         errors: list = []
         end = r1
         if self.split:
             end = max(r0, min(r1, bp.gpu_from))
-            errors = filler.fill_rows(bp, range(end, r1), slot, scratch, times)
+            errors = filler.queue_gpu_rows(bp, end, r1, slot, scratch, times)
         rows: Any = range(r0, end)
         if end == r0:
             return errors

@@ -30,7 +30,7 @@ import numpy as np
 from .._torch import torch
 from .. import codecs, native
 from ..errors import DatasetError, OutputError, SampleError, UserTransformError
-from .jobs import GpuJob
+from .jobs import GpuJob, GpuRows, crop_windows
 from .kinds import IMAGES, SampleKind
 from .labels import MultiLabel
 from ..order import TAG_DRAW, replacement_index, sample_keys, uniforms
@@ -173,6 +173,7 @@ class Filler:
         gpu_from = 0
         if self.gpu:
             slot.jobs = [None] * slot.size
+            slot.gpu_rows = []
             if slot.staging is not None:
                 slot.staging.reset()
             split = self.spec.gpu_split
@@ -234,6 +235,10 @@ class Filler:
         once for all of them), every other row, and any the native call could not write, through
         `fill` one at a time (the same pixels, errors and on_error replacements). Returns the
         (row, exception) of the rows that failed."""
+        if self.gpu:   # decode="gpu" without the batch engine: the CPU's rows one at a time, the GPU's at once
+            cut = max(r0, min(r1, plan.gpu_from))
+            return self.fill_rows(plan, range(r0, cut), slot, scratch, times) + self.queue_gpu_rows(
+                plan, cut, r1, slot, scratch, times)
         rows: Sequence[int] = range(r0, r1)
         if plan.native is not None:  # O(1) Python when every row is written: no per-row list, set or loop
             t0 = time.perf_counter()
@@ -261,6 +266,52 @@ class Filler:
             except BaseException as exc:
                 errors.append((r, exc))
         return errors
+
+    def queue_gpu_rows(self, plan: BatchPlan, r0: int, r1: int, slot: Slot, scratch: dict,
+                       times: WorkerTimes) -> list:
+        """Rows r0..r1 for the GPU in one call, as `queue_gpu` leaves each (the same crops): the JPEG rows
+        of a packed dataset become one `GpuRows` record (their crop windows planned over the chunk
+        in NumPy, their bytes gathered into the slot's staging buffer by one native call); any other
+        row, and every row where the batch has no plan or its rows need targets placed, go through
+        `fill` one at a time. Returns the (row, exception) of the rows that failed, as `fill_rows`."""
+        if r0 >= r1:
+            return []
+        geo = plan.geometry
+        if geo is None or self.targets or self.spec.pad:
+            return self.fill_rows(plan, range(r0, r1), slot, scratch, times)
+        t0 = time.perf_counter()
+        idx = np.asarray(plan.indices[r0:r1], np.int64)
+        try:
+            blocks, spans = self.ds.jpeg_spans(idx)
+        except Exception:  # noqa: BLE001 - a shard that fails its check: each row's own read reports it
+            return self.fill_rows(plan, range(r0, r1), slot, scratch, times)
+        heights, widths = self.heights[idx].astype(np.int64), self.widths[idx].astype(np.int64)
+        ok = (spans[:, 0] >= 0) & (heights > 0) & (widths > 0)
+        take = np.flatnonzero(ok)
+        if len(take):
+            spans = np.ascontiguousarray(spans[take])
+            offsets = np.zeros(len(take) + 1, np.int64)
+            np.cumsum(spans[:, 2] - spans[:, 1], out=offsets[1:])
+            total = int(offsets[-1])
+            staging = slot.staging
+            start = staging.reserve(total) if staging is not None else None
+            if start is None:   # no staging buffer yet, or it is full: one private buffer for the chunk
+                data, start = torch.empty(max(total, 1), dtype=torch.uint8), 0
+            else:
+                data = staging.buffer
+            native.gather_spans(blocks, spans, data.numpy(), offsets[:-1] + start)
+            rows = take + r0
+            box = np.ascontiguousarray(geo.box[rows], np.float64)
+            src, dst, padded = crop_windows(box, heights[take], widths[take], self.out_h, self.out_w)
+            slot.gpu_rows.append(GpuRows(rows.astype(np.int64), idx[take], data[start:start + total], offsets, box,
+                                         geo.flip[rows].astype(bool), heights[take], widths[take], src, dst, padded,
+                                         self.ds))
+        seconds = time.perf_counter() - t0
+        times.read += seconds
+        plan.gpu_plan_s.append(seconds)
+        if len(take) == r1 - r0:
+            return []
+        return self.fill_rows(plan, (np.flatnonzero(~ok) + r0).tolist(), slot, scratch, times)
 
     def queue_gpu(self, idx: int, key: int, u: np.ndarray, box: tuple | None, row: int, slot: Slot,
                   scratch: dict, times: WorkerTimes) -> None:
@@ -518,6 +569,9 @@ def native_claims(spec: RenderSpec, chain: EpochChain, threads: int, timeout: fl
     if engine is not None:
         chain.deferred = not spec.gpu_decode   # the split needs the batch's plan for its GPU rows
         return {"fill_chunk": engine.fill_chunk, "chunk": spec.batch_size, "engine": engine}
+    if spec.gpu_decode and spec.heights is not None and spec.kind.plans_batch:
+        # the GPU's rows a chunk at a time (`Filler.queue_gpu_rows`): one chunk per thread per batch
+        return {"fill_chunk": chain.fill_chunk, "chunk": max(1, -(-spec.batch_size // max(threads, 1)))}
     if not native_serves(spec):
         return {}
     return {"fill_chunk": chain.fill_chunk, "chunk": native.native_chunk(spec.batch_size, threads)}
