@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import native
 from .._torch import torch
 from ..transforms.geometry import CropWindow
 
@@ -174,3 +175,34 @@ def crop_windows(box: np.ndarray, heights: np.ndarray, widths: np.ndarray, out_h
         tx1 = np.maximum(tx0 + 1, np.minimum(out_w, np.rint((ix1[p] - x0[p]) * out_w / bw)))
         dst[p] = np.stack([ty0, ty1, tx0, tx1], 1).astype(np.int64)
     return src, dst, padded
+
+
+def gpu_rows(dataset: Any, indices: np.ndarray, r0: int, geometry: Any, heights: np.ndarray, widths: np.ndarray,
+             staging: JpegStaging | None, out_size: tuple[int, int]) -> tuple[GpuRows | None, np.ndarray]:
+    """Batch rows r0.. (dataset `indices`) for the GPU in a few NumPy calls and one native one: which
+    are JPEGs of a stored size (`dataset.jpeg_spans`; it may raise), their bytes gathered back to back
+    into `staging` (a private buffer when there is none or they do not fit), their crop windows from
+    the batch's plan `geometry` (`crop_windows`). Returns the record (None when no row is taken) and
+    which rows it took (bool [k]); the others are the caller's, one at a time."""
+    idx = np.asarray(indices, np.int64)
+    blocks, spans = dataset.jpeg_spans(idx)
+    h, w = heights[idx].astype(np.int64), widths[idx].astype(np.int64)
+    took = (spans[:, 0] >= 0) & (h > 0) & (w > 0)
+    take = np.flatnonzero(took)
+    if not len(take):
+        return None, took
+    spans = np.ascontiguousarray(spans[take])
+    offsets = np.zeros(len(take) + 1, np.int64)
+    np.cumsum(spans[:, 2] - spans[:, 1], out=offsets[1:])
+    total = int(offsets[-1])
+    start = staging.reserve(total) if staging is not None else None
+    if start is None:   # no staging buffer yet, or it is full: one private buffer for the chunk
+        data, start = torch.empty(max(total, 1), dtype=torch.uint8), 0
+    else:
+        data = staging.buffer
+    native.gather_spans(blocks, spans, data.numpy(), offsets[:-1] + start)
+    rows = take + r0
+    box = np.ascontiguousarray(geometry.box[rows], np.float64)
+    src, dst, padded = crop_windows(box, h[take], w[take], *out_size)
+    return GpuRows(rows.astype(np.int64), idx[take], data[start:start + total], offsets, box,
+                   geometry.flip[rows].astype(bool), h[take], w[take], src, dst, padded, dataset), took

@@ -7,8 +7,8 @@ here reaches back into the Loader that made it.
 `Filler` is what the worker threads run: plan a batch in one vectorised step (sample order,
 per-sample random draws, crop boxes from the stored image sizes, labels), then read, decode at the
 smallest DCT scale the crop allows, crop, resize and flip each sample straight into its row of a
-(pinned) ring slot, or replace it deterministically under on_error="skip". With decode="gpu" a JPEG
-row becomes a `GpuJob` instead, left for the device thread. Targets (boxes, instance masks, label
+(pinned) ring slot, or replace it deterministically under on_error="skip". With decode="gpu" the JPEG
+rows are left for the device thread instead, a chunk at a time (`jobs.GpuRows`). Targets (boxes, instance masks, label
 maps: `transforms.targets`) are read while the batch is planned and placed in each sample's output
 by the worker that renders it, through one protocol (`Target`), whatever their kind.
 
@@ -30,7 +30,7 @@ import numpy as np
 from .._torch import torch
 from .. import codecs, native
 from ..errors import DatasetError, OutputError, SampleError, UserTransformError
-from .jobs import GpuJob, GpuRows, crop_windows
+from .jobs import GpuJob, gpu_rows
 from .kinds import IMAGES, SampleKind
 from .labels import MultiLabel
 from ..order import TAG_DRAW, replacement_index, sample_keys, uniforms
@@ -270,48 +270,25 @@ class Filler:
     def queue_gpu_rows(self, plan: BatchPlan, r0: int, r1: int, slot: Slot, scratch: dict,
                        times: WorkerTimes) -> list:
         """Rows r0..r1 for the GPU in one call, as `queue_gpu` leaves each (the same crops): the JPEG rows
-        of a packed dataset become one `GpuRows` record (their crop windows planned over the chunk
-        in NumPy, their bytes gathered into the slot's staging buffer by one native call); any other
-        row, and every row where the batch has no plan or its rows need targets placed, go through
-        `fill` one at a time. Returns the (row, exception) of the rows that failed, as `fill_rows`."""
-        if r0 >= r1:
-            return []
+        of a packed dataset become one `GpuRows` (`jobs.gpu_rows`: crop windows in NumPy, the bytes
+        gathered into the slot's staging buffer by one native call); any other row, and every row where
+        the batch has no plan or needs targets placed, go through `fill` one at a time. Returns the
+        (row, exception) of the rows that failed, as `fill_rows`."""
         geo = plan.geometry
-        if geo is None or self.targets or self.spec.pad:
+        if r0 >= r1 or geo is None or self.targets or self.spec.pad:
             return self.fill_rows(plan, range(r0, r1), slot, scratch, times)
         t0 = time.perf_counter()
-        idx = np.asarray(plan.indices[r0:r1], np.int64)
         try:
-            blocks, spans = self.ds.jpeg_spans(idx)
+            rows, took = gpu_rows(self.ds, plan.indices[r0:r1], r0, geo, self.heights, self.widths, slot.staging,
+                                  (self.out_h, self.out_w))
         except Exception:  # noqa: BLE001 - a shard that fails its check: each row's own read reports it
             return self.fill_rows(plan, range(r0, r1), slot, scratch, times)
-        heights, widths = self.heights[idx].astype(np.int64), self.widths[idx].astype(np.int64)
-        ok = (spans[:, 0] >= 0) & (heights > 0) & (widths > 0)
-        take = np.flatnonzero(ok)
-        if len(take):
-            spans = np.ascontiguousarray(spans[take])
-            offsets = np.zeros(len(take) + 1, np.int64)
-            np.cumsum(spans[:, 2] - spans[:, 1], out=offsets[1:])
-            total = int(offsets[-1])
-            staging = slot.staging
-            start = staging.reserve(total) if staging is not None else None
-            if start is None:   # no staging buffer yet, or it is full: one private buffer for the chunk
-                data, start = torch.empty(max(total, 1), dtype=torch.uint8), 0
-            else:
-                data = staging.buffer
-            native.gather_spans(blocks, spans, data.numpy(), offsets[:-1] + start)
-            rows = take + r0
-            box = np.ascontiguousarray(geo.box[rows], np.float64)
-            src, dst, padded = crop_windows(box, heights[take], widths[take], self.out_h, self.out_w)
-            slot.gpu_rows.append(GpuRows(rows.astype(np.int64), idx[take], data[start:start + total], offsets, box,
-                                         geo.flip[rows].astype(bool), heights[take], widths[take], src, dst, padded,
-                                         self.ds))
+        if rows is not None:
+            slot.gpu_rows.append(rows)
         seconds = time.perf_counter() - t0
         times.read += seconds
         plan.gpu_plan_s.append(seconds)
-        if len(take) == r1 - r0:
-            return []
-        return self.fill_rows(plan, (np.flatnonzero(~ok) + r0).tolist(), slot, scratch, times)
+        return [] if took.all() else self.fill_rows(plan, (np.flatnonzero(~took) + r0).tolist(), slot, scratch, times)
 
     def queue_gpu(self, idx: int, key: int, u: np.ndarray, box: tuple | None, row: int, slot: Slot,
                   scratch: dict, times: WorkerTimes) -> None:
