@@ -155,8 +155,8 @@ def _per_row_gpu(self: Any, plan: Any, r0: int, r1: int, slot: Any, scratch: dic
 
 
 def calls(packed: Path, batch: int, rounds: int) -> dict[str, float]:
-    """Python calls per batch on the worker / coordinator threads (`threading.setprofile`, only the
-    threads named stoker-worker-*), a split batch's CPU share through the engine and through the
+    """Python calls per batch on the worker / coordinator threads (`threading.setprofile`, the threads
+    named stoker-worker-*; the device thread's beside them, keys ending " [device thread]"), a split batch's CPU share through the engine and through the
     per-row path (STOKER_ENGINE=off), at gpu_share 0, 0.5 and 1 (decode="gpu"); the GPU's rows a chunk
     at a time (`Filler.queue_gpu_rows`) and, for comparison, one at a time as before it. Medians of
     `rounds` alternating runs of one epoch."""
@@ -169,11 +169,15 @@ def calls(packed: Path, batch: int, rounds: int) -> dict[str, float]:
                                            (False, 0.0, "chunk"), (False, 0.5, "chunk"), (False, 0.5, "per-row"),
                                            (True, 1.0, "chunk"), (True, 1.0, "per-row")):
             counts: dict[int, int] = {}
+            device: dict[int, int] = {}
 
             def hook(frame: Any, event: str, arg: Any) -> None:
-                if event in ("call", "c_call") and threading.current_thread().name.startswith("stoker-worker"):
-                    ident = threading.get_ident()
-                    counts[ident] = counts.get(ident, 0) + 1
+                if event in ("call", "c_call"):
+                    name = threading.current_thread().name
+                    into = counts if name.startswith("stoker-worker") else device if name == "stoker-device" else None
+                    if into is not None:
+                        ident = threading.get_ident()
+                        into[ident] = into.get(ident, 0) + 1
 
             if engine_on:
                 os.environ.pop("STOKER_ENGINE", None)
@@ -197,6 +201,7 @@ def calls(packed: Path, batch: int, rounds: int) -> dict[str, float]:
             key = (f"decode='gpu', GPU rows: {gpu_rows}" if share == 1.0 else
                    f"{cpu}, gpu_share={share}" + (f", GPU rows: {gpu_rows}" if share else ""))
             out.setdefault(key, []).append(sum(counts.values()) / n)
+            out.setdefault(key + " [device thread]", []).append(sum(device.values()) / n)
     os.environ.pop("STOKER_ENGINE", None)
     return {k: statistics.median(v) for k, v in out.items()}
 
@@ -248,9 +253,11 @@ def main(argv: list[str] | None = None) -> int:
               f"auto {sp['auto_over_best']:.2f}x the best fixed share ({sp['best_fixed']}), {sp['auto_over_cpu']:.2f}x "
               f"the CPU alone")
     if "calls" in out:
-        print(f"\nPython calls per batch of 64 on the worker / coordinator threads (median of {args.rounds})")
+        print(f"\nPython calls per batch of 64 (median of {args.rounds})")
+        print("| | worker / coordinator threads | device thread |\n| --- | --- | --- |")
         for k, v in out["calls"].items():
-            print(f"| {k} | {v:,.0f} |")
+            if not k.endswith(" [device thread]"):
+                print(f"| {k} | {v:,.0f} | {out['calls'][k + ' [device thread]']:,.0f} |")
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     return 0
