@@ -171,6 +171,16 @@ def test_rows_at_once_hand_the_decoder_the_per_row_paths_jobs(packed: Path, monk
     assert got_jobs == want_jobs and sum(len(c) for c in got_jobs) >= (12 if share == 0.5 else 30)
 
 
+def test_a_split_the_engine_does_not_serve_matches_the_per_row_path(packed: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """STOKER_ENGINE=off: the CPU's share row by row on the worker threads, the GPU's a chunk at a time."""
+    monkeypatch.setenv("STOKER_ENGINE", "off")
+    mk = lambda: DeviceOptions("cpu", decode="auto", gpu_share=0.5, gpu_decoder=CpuDecoder())  # noqa: E731
+    want, want_jobs = run(packed, mk(), CROP, monkeypatch, False)
+    got, got_jobs = run(packed, mk(), CROP, monkeypatch, True)
+    assert same(want, got) and got_jobs == want_jobs and sum(len(c) for c in got_jobs) >= 12
+
+
 def test_padded_windows_and_region_decode_match_the_per_row_path(packed: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A CenterCrop larger than most images (padded windows), decoded whole and as regions (the stand-in

@@ -539,7 +539,7 @@ def native_claims(spec: RenderSpec, chain: EpochChain, threads: int, timeout: fl
     """`Run`'s chunk arguments: whole batches through the native batch engine where it serves them
     (`engine.batch_engine`), else chunks of rows through `chain.fill_chunk` where the native path
     serves the spec, else none (one row per claim through `fill`, as without it)."""
-    from .engine import batch_engine
+    from .engine import batch_engine, cpu_share
 
     # a split batch's CPU rows are what the native path serves with decode="cpu"
     engine = batch_engine(spec, chain, threads, timeout, native_serves(replace(spec, gpu_decode=False)))
@@ -547,8 +547,10 @@ def native_claims(spec: RenderSpec, chain: EpochChain, threads: int, timeout: fl
         chain.deferred = not spec.gpu_decode   # the split needs the batch's plan for its GPU rows
         return {"fill_chunk": engine.fill_chunk, "chunk": spec.batch_size, "engine": engine}
     if spec.gpu_decode and spec.heights is not None and spec.kind.plans_batch:
-        # the GPU's rows a chunk at a time (`Filler.queue_gpu_rows`): one chunk per thread per batch
-        return {"fill_chunk": chain.fill_chunk, "chunk": max(1, -(-spec.batch_size // max(threads, 1)))}
+        # the GPU's rows a chunk at a time (`Filler.queue_gpu_rows`): one chunk per thread per batch, or,
+        # where the CPU renders a share row by row (a split the engine does not serve), four per thread
+        per = 4 if cpu_share(spec) else 1
+        return {"fill_chunk": chain.fill_chunk, "chunk": max(1, -(-spec.batch_size // (per * max(threads, 1))))}
     if not native_serves(spec):
         return {}
     return {"fill_chunk": chain.fill_chunk, "chunk": native.native_chunk(spec.batch_size, threads)}
