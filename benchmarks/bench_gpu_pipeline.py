@@ -156,10 +156,10 @@ def _per_row_gpu(self: Any, plan: Any, r0: int, r1: int, slot: Any, scratch: dic
 
 def calls(packed: Path, batch: int, rounds: int) -> dict[str, float]:
     """Python calls per batch on the worker / coordinator threads (`threading.setprofile`, the threads
-    named stoker-worker-*; the device thread's beside them, keys ending " [device thread]"), a split batch's CPU share through the engine and through the
-    per-row path (STOKER_ENGINE=off), at gpu_share 0, 0.5 and 1 (decode="gpu"); the GPU's rows a chunk
-    at a time (`Filler.queue_gpu_rows`) and, for comparison, one at a time as before it. Medians of
-    `rounds` alternating runs of one epoch."""
+    named stoker-worker-*; the device thread's beside them, keys ending " [device thread]"): a split
+    batch's CPU share through the engine and through the per-row path (STOKER_ENGINE=off), at
+    gpu_share 0, 0.5 and 1 (decode="gpu"); the GPU's rows a chunk at a time (`Filler.queue_gpu_rows`)
+    and, for comparison, one at a time as before it. Medians of `rounds` alternating runs of one epoch."""
     from stoker.loading.render import Filler
 
     out: dict[str, list[float]] = {}
