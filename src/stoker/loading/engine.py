@@ -125,8 +125,8 @@ def batch_engine(spec: RenderSpec, chain: EpochChain, threads: int, timeout: flo
 
 #: what to do when `per_sample_python` names something (stoker doctor prints it)
 PER_SAMPLE_FIX = ("move per-sample colour and policy ops to the batched GPU ops (stoker.transforms.gpu, run by the "
-                  "device thread on whole batches), or run the worker threads in N child processes, whose GILs are "
-                  "not the training loop's: workers=stoker.Workers(processes=N), N = 1, or 2 and more where one "
+                  "device thread on whole batches), or run the worker threads in child processes, whose GILs are "
+                  "not the training loop's: workers=stoker.Workers(processes=1), or processes=N (N > 1) where one "
                   "process's Python per sample cannot keep up (the same batches, bit for bit)")
 
 
