@@ -75,38 +75,39 @@ def check_process_mode(spec: Any, dataset: Any, *, device: Any, processes: int =
     pickled RenderSpec the child is given."""
     from ..reader import PackedDataset
 
+    what = f"Workers(processes={processes})"
     if _posixshmem is None:   # pragma: no cover - Windows
-        raise ConfigError(f"Workers(processes={processes}) needs POSIX shared memory (Linux, macOS); drop processes=")
+        raise ConfigError(f"{what} needs POSIX shared memory (Linux, macOS); drop processes=")
     from ..mainguard import unguarded_main_line
 
     unguarded = unguarded_main_line()   # before spawning: the child would run that line again and fail
     if unguarded is not None:
-        raise ConfigError(f"Workers(processes={processes}) starts its worker processes with 'spawn', which runs your script "
+        raise ConfigError(f"{what} starts its worker processes with 'spawn', which runs your script "
                           f"again: line {unguarded[1]} of {unguarded[0]} is top-level code; put the training code "
                           f"under `if __name__ == \"__main__\":`, or use worker threads (Workers(processes=0))")
     if not isinstance(dataset, PackedDataset) and getattr(dataset, "process_path", None) is None:
-        raise ConfigError(f"Workers(processes={processes}) reopens the dataset in each worker process, which needs a packed "
+        raise ConfigError(f"{what} reopens the dataset in each worker process, which needs a packed "
                           f"dataset on local storage (or staged with Storage(stage=)); {dataset.path} is not one: "
                           f"pack it first (stoker pack SRC OUT), or use worker threads (drop processes=)")
     if device is not None and getattr(device, "decode", "cpu") == "gpu":
-        raise ConfigError(f"Workers(processes={processes}) renders on the CPU in its worker processes; decode='gpu' runs on the "
+        raise ConfigError(f"{what} renders on the CPU in its worker processes; decode='gpu' runs on the "
                           "training process's GPU: use DeviceOptions(decode='cpu'), or drop processes=")
     if multiprocessing.current_process().daemon:
-        raise ConfigError(f"Workers(processes={processes}) starts a worker process, and this process "
+        raise ConfigError(f"{what} starts a worker process, and this process "
                           f"({multiprocessing.current_process().name}) is daemonic (a multiprocessing.Pool or "
                           f"DataLoader worker), which may not have children: use worker threads here "
                           f"(Workers(processes=0), the default)")
     try:
         data = pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
-        raise ConfigError(f"Workers(processes={processes}) sends the transforms to its worker processes by pickling them, and "
+        raise ConfigError(f"{what} sends the transforms to its worker processes by pickling them, and "
                           f"one cannot be pickled ({type(exc).__name__}: {exc}); define a user transform at the top "
                           f"level of a module (not a lambda or a nested function), or use worker threads (drop "
                           f"processes=)") from None
     lost = [obj for obj in main_references(data) if not child_imports(obj)]
     if lost:
         name = getattr(lost[0], "__qualname__", repr(lost[0]))
-        raise ConfigError(f"Workers(processes={processes}) sends the transforms to its worker processes by name, and {name!r} "
+        raise ConfigError(f"{what} sends the transforms to its worker processes by name, and {name!r} "
                           f"was defined in a notebook, `python -c` or the interactive prompt, which the worker process "
                           f"cannot import: move it into a .py module and import it from there (or define it at the "
                           f"top level of your script), or use worker threads (drop processes=)")
