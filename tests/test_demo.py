@@ -18,10 +18,12 @@ def test_tiny_demo_trains_synthetic_and_both_feeds_and_writes_table_json_chart(
     result = run_demo(tmp_path, images=48, batch_size=8, steps=3, progress=False)
     assert result.synthetic.name.startswith("synthetic")
     assert [r.name for r in result.runs] == ["DataLoader + PIL", "stoker"]
+    assert result.control is not None and "control" in result.control.name
+    assert result.rows == [result.synthetic, *result.runs, result.control]
     warmup, steps, queue = plan_steps(3, result.loader_cores)
     assert (result.warmup_steps, result.steps, result.queue_batches) == (warmup, steps, queue)
     assert result.steps >= QUEUE_MULTIPLE * result.queue_batches > 3   # the window is well past every queue
-    for run in [result.synthetic, *result.runs]:
+    for run in result.rows:
         # 48 images, batches of 8: the timed window runs over several passes, the feeds never restart
         assert run.steps == result.steps and run.images_per_s == pytest.approx(result.steps * 8 / run.seconds)
         assert run.cpu_percent > 0 and 0 <= run.wait_s < run.seconds
@@ -30,13 +32,14 @@ def test_tiny_demo_trains_synthetic_and_both_feeds_and_writes_table_json_chart(
     assert result.speedup == pytest.approx(result.runs[1].images_per_s / result.runs[0].images_per_s)
     out = capsys.readouterr().out
     assert "| training fed by | images/s | fed / synthetic | data wait |" in out
-    for run in result.runs:
+    for run in result.rows[1:]:
         assert f"| {run.name} | {run.images_per_s:,.0f} | {run.fed_ratio:.2f} |" in out
     words = ratio_words(result.speedup)   # the sign decides the word: never "0.25x faster"
     assert f"stoker trained {words} than DataLoader + PIL" in out and "nan" not in out.lower()
-    assert "[5/5]" in out and ("share this machine's CPU cores" in out or result.device.startswith("cuda"))
+    assert f"the model kept {result.control.fed_ratio:.2f} of its speed" in out and "interference control" in out
+    assert "[6/6]" in out and ("share this machine's CPU cores" in out or result.device.startswith("cuda"))
     obj = json.loads((tmp_path / "demo.json").read_text())
-    assert obj["speedup"] == pytest.approx(result.speedup) and len(obj["runs"]) == 3
+    assert obj["speedup"] == pytest.approx(result.speedup) and len(obj["runs"]) == 4
     assert obj["runs"][1]["fed_ratio"] == pytest.approx(result.runs[0].fed_ratio)
     assert (tmp_path / "demo.md").read_text().startswith("| training fed by |")
     pytest.importorskip("matplotlib")
@@ -107,7 +110,7 @@ def test_the_ceiling_is_the_faster_of_two_synthetic_windows(tmp_path: Path, monk
     the synthetic run is repeated last and the faster window is the ceiling."""
     import stoker.tools.demo as demo
 
-    rates = iter([100.0, 80.0, 120.0, 150.0])   # synthetic (cold), DataLoader, stoker, synthetic again
+    rates = iter([100.0, 80.0, 120.0, 140.0, 150.0])   # synthetic (cold), DataLoader, stoker, control, synthetic
     order: list[str] = []
 
     def fake_train(feed, name, description, *args, **kwargs):
@@ -115,6 +118,7 @@ def test_the_ceiling_is_the_faster_of_two_synthetic_windows(tmp_path: Path, monk
         return _run(name, next(rates), 1.0)
     monkeypatch.setattr(demo, "_train", fake_train)
     result = run_demo(tmp_path / "demo", images=48, batch_size=8, steps=2, device="cpu", progress=False)
-    assert order == ["synthetic", "baseline", "stoker", "synthetic"]
+    assert order == ["synthetic", "baseline", "stoker", "stoker-interference", "synthetic"]
     assert result.synthetic.images_per_s == 150.0 and result.synthetic.fed_ratio == pytest.approx(1.0)
     assert [r.fed_ratio for r in result.runs] == pytest.approx([80 / 150, 120 / 150])
+    assert result.control is not None and result.control.fed_ratio == pytest.approx(140 / 150)

@@ -401,7 +401,9 @@ class NeverDone:
 def test_a_guard_that_never_passes_times_out_naming_it(packed: Path) -> None:
     """Slots whose GPU copy never completes are never sent back to the child: once every slot is
     stuck, a timeout naming the copy, not a hang."""
-    loader = Loader(packed, 8, transforms=TRAIN, workers=Workers(num_threads=2, processes=1, prefetch=1, timeout=1))
+    # the timeout also bounds each batch the child makes before the slots are stuck: 4 s is far above a
+    # batch of 8 on a loaded machine, so the only wait that can run out is the copy's
+    loader = Loader(packed, 8, transforms=TRAIN, workers=Workers(num_threads=2, processes=1, prefetch=1, timeout=4))
     it = iter(loader)
     t0 = time.monotonic()
     with pytest.raises(LoaderTimeoutError, match="a copy that never finishes"):

@@ -17,6 +17,7 @@ from typing import Any
 from .._torch import torch
 from .stage import DeviceStage, convert, storages_on
 from ..loading.handout import batch_extras, labels_of, run_batch_ops
+from ..loading.kinds import fold_rows, unfold_rows
 from ..loading.render import EpochChain
 from ..loading.slots import Slot
 from ..loading.stats import LoaderStats, WorkerTimes
@@ -54,9 +55,7 @@ class DeviceBuilder:
             # on the CPU `.to()` would return the slot itself, which the workers are about to refill
             x = stage.upload(slot.images[:n]) if self.opts.is_cuda else slot.images[:n].clone()
         labels, extras = self._host_items(slot)
-        frames = x.shape[1] if x.dim() == 5 else 0   # clips: converted as B x T images, then regrouped
-        if frames:
-            x = x.flatten(0, 1)
+        x, lead = fold_rows(x)   # clips: converted as B x T images, then regrouped
         # past this fence the GPU no longer reads the pinned slot: the workers may refill it while the
         # GPU decodes and converts (the JPEG bytes of GpuJobs are private copies, not slot memory)
         reusable = stage.fence()
@@ -75,8 +74,7 @@ class DeviceBuilder:
             done = x.dtype.is_floating_point and self.opts.dtype == torch.uint8
             images = x.contiguous(memory_format=self.opts.memory_format) if done else convert(x, self.opts,
                                                                                                layout="nchw")
-        if frames:
-            images = images.unflatten(0, (-1, frames))
+        images = unfold_rows(images, lead)
         batch: tuple = (images, labels)
         if extras is not None:   # extra columns, and the sizes of padded images
             batch += (extras,)

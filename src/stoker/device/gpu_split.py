@@ -143,9 +143,10 @@ class SplitControl:
         self.share = 0.0 if way == "cpu" else max(self.balanced, self.floor)
 
 
-def auto_blocker(tail_ops: str, resampling: tuple, pad: bool, clips: bool) -> str | None:
+def auto_blocker(tail_ops: str, resampling: tuple, pad: bool) -> str | None:
     """Why decode="auto" decodes on the CPU alone for a Loader's transforms (None: the GPU may help):
-    the same combinations decode="gpu" refuses."""
+    the same combinations decode="gpu" refuses (a kind of sample the GPU cannot decode says so itself,
+    `SampleKind.cpu_only`)."""
     if tail_ops:
         return f"CPU only: {tail_ops} run on numpy arrays, after the decode"
     if tuple(resampling) != ("bilinear", True):
@@ -153,6 +154,4 @@ def auto_blocker(tail_ops: str, resampling: tuple, pad: bool, clips: bool) -> st
                 f"path resizes with antialiased bilinear only")
     if pad:
         return "CPU only: pad=True"
-    if clips:
-        return "CPU only: video clips are decoded by PyAV"
     return None

@@ -116,7 +116,7 @@ class Loader:
     drop_last = property(lambda self: self.plan.epochs.drop_last, doc="Whether a short last batch is dropped.")
     rank = property(lambda self: self.plan.epochs.rank, doc="This process's rank.")
     world_size = property(lambda self: self.plan.epochs.world_size, doc="The number of ranks.")
-    clips = property(lambda self: self.plan.clips, doc="A video pack's clip options; None for images.")
+    clips = property(lambda self: self.plan.kind.options, doc="A video pack's clip options; None for images.")
     output_size = property(lambda self: self.plan.output_size, doc="(height, width) of every image.")
     num_threads = property(lambda self: self.plan.num_threads, doc="Worker threads.")
     prefetch = property(lambda self: self.plan.prefetch, doc="Batches prepared ahead.")
@@ -166,7 +166,7 @@ class Loader:
                 "seed": self.seed, "batch_size": self.batch_size, "world_size": self.world_size,
                 "num_samples": len(self.dataset), "order": self.order, "drop_last": self.drop_last,
                 "pool": self.plan.epochs.pool.fingerprint,
-                **({} if self.clips is None else {"clips": repr(self.clips)})}
+                **self.plan.kind.state()}   # a video pack's clips
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next `iter()` (only that one) yields exactly the samples of `state`'s epoch not
@@ -181,8 +181,7 @@ class Loader:
         elastic = state.get("remaining") is not None and mine.get("remaining") is not None and (
             state.get("world_size") != self.world_size or bool(state.get("requeued")))
         keys = ["seed", "num_samples", "order", "drop_last", "pool"] + ([] if elastic else ["world_size"])
-        if self.clips is not None:   # which clips an epoch holds
-            keys.append("clips")
+        keys += list(self.plan.kind.state())   # a video pack: which clips an epoch holds
         if self.drop_last:  # which samples an epoch drops depends on the batch size
             keys.append("batch_size")
         diff = {k: (state.get(k), mine[k]) for k in keys if state.get(k) != mine[k]}
@@ -190,7 +189,7 @@ class Loader:
             hint = ("; build the Loader with the saved settings to resume exactly"
                     + (" (a new batch_size can resume only with drop_last=False: with drop_last=True the "
                        "samples an epoch leaves out depend on it)" if "batch_size" in diff else "")
-                    + (f" (order={self.order!r}{' with clips_per_video > 1' if self.plan.epochs.per_video > 1 else ''} "
+                    + (f" (order={self.order!r}{' with clips_per_video > 1' if self.plan.epochs.per_item > 1 else ''} "
                        "lays an epoch out per world size, so it resumes on the saved number of ranks only)"
                        if "world_size" in diff and mine.get("remaining") is None else ""))
             raise ConfigError("the saved loader state does not match this Loader (saved, now): "
@@ -251,7 +250,7 @@ class Loader:
         tail = ", ".join(op.name for op in pipeline.tail if hasattr(op, "name"))
         why = (f"CPU only: Workers(processes={self.plan.processes}) renders in its worker processes"
                if self.plan.processes
-               else auto_blocker(tail, pipeline.resampling, asked.targets.pad, self.plan.clips is not None))
+               else auto_blocker(tail, pipeline.resampling, asked.targets.pad) or self.plan.kind.cpu_only)
         if why is None:
             try:
                 self._passes.gpu(opts)

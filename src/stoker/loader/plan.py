@@ -7,10 +7,11 @@ combinations of them.
 
 `ask` merges the option values (and the fields DataLoader's keywords set, `habits`) and refuses what they cannot do
 together before anything is opened; `resolve` refuses what they cannot do with this dataset and
-fixes what to render (`RenderSpec`), the ring's shape, the epoch order (`EpochOrder`, a pure value)
-and the output kind. Each refusal is a ConfigError naming the fix as the Python argument to change.
-Option values still check their own fields where they are made (`options`, `DeviceOptions`,
-`Clips`); the process mode's own limits are `procs.check_process_mode`'s.
+fixes the kind of sample (`loading.kinds`: an image, or a video pack's clip), what to render
+(`RenderSpec`), the ring's shape, the epoch order (`EpochOrder`, a pure value) and the output kind.
+Each refusal is a ConfigError naming the fix as the Python argument to change. Option values still
+check their own fields where they are made (`options`, `DeviceOptions`, `Clips`); the process mode's own
+limits are `procs.check_process_mode`'s.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from .._system import threads_per_process
 from .._torch import HAVE_TORCH, missing_torch, torch
 from ..device.stage import DeviceOptions, as_device_options
 from ..errors import ConfigError
-from ..loading.clips import Clips, ClipSamples
+from ..loading.clips import Clips, ClipKind
+from ..loading.kinds import IMAGES, SampleKind
 from ..loading.labels import multi_label_spec
 from ..loading.render import RenderSpec
 from ..loading.slots import check_ring_fits
@@ -192,7 +194,7 @@ class EpochOrder:
     world_size: int
     drop_last: bool
     batch_size: int
-    per_video: int   # samples per dataset row: a video pack's clips per video, else 1
+    per_item: int   # epoch positions per dataset row (`SampleKind.per_item`): a video pack's clips per video, else 1
     shard_rows: tuple[int, ...] | None   # rows per shard (packed data), for the shard-aware orders
     rows: int   # rows of the dataset
     #: after an elastic resume: (epoch, the positions of its global order no rank had read), split over this world
@@ -223,12 +225,12 @@ class EpochOrder:
         else:
             idx = rank_indices(self._global(epoch), self.rank, self.world_size, drop_last=self.drop_last,
                                contiguous=contiguous)
-        idx = np.repeat(idx, self.per_video)   # a video's clips one after another (clips.ClipSamples)
+        idx = np.repeat(idx, self.per_item)   # a video's clips one after another (clips.ClipKind)
         return idx[:len(idx) // self.batch_size * self.batch_size] if self.drop_last else idx
 
     def batches(self) -> int:
         """Batches per epoch on this rank."""
-        return num_batches(samples_per_rank(self.pool.size, self.world_size, self.drop_last) * self.per_video,
+        return num_batches(samples_per_rank(self.pool.size, self.world_size, self.drop_last) * self.per_item,
                            self.batch_size, self.drop_last)
 
     def samples(self, epoch: int | None = None) -> int:
@@ -239,14 +241,14 @@ class EpochOrder:
             return per // self.batch_size * self.batch_size if self.drop_last else per
         if self.drop_last:
             return self.batches() * self.batch_size
-        return samples_per_rank(self.pool.size, self.world_size, False) * self.per_video
+        return samples_per_rank(self.pool.size, self.world_size, False) * self.per_item
 
     def progress(self, epoch: int, sample: int) -> dict[str, Any]:
         """A state's description of `epoch` over all ranks once every rank read `sample` samples (ranks
         step together): `remaining`, the [start, stop) ranges of the global order no rank has read, which
         any world size continues (`resumed`); `requeued` when the epoch was itself resumed so. None where
         the layout depends on the world size (shard_window, several clips per video)."""
-        if self.order == "shard_window" or self.per_video > 1:
+        if self.order == "shard_window" or self.per_item > 1:
             return {"remaining": None}
         queue = self._queued(epoch)
         left = unseen_positions(np.arange(self.pool.size, dtype=np.int64) if queue is None else queue, sample,
@@ -268,7 +270,6 @@ class LoadPlan:
     asked: Asked
     spec: RenderSpec   # what to render: the output size, the transforms, the labels and targets
     epochs: EpochOrder
-    clips: Clips | None   # a video pack's clip options; None: images
     label_dtype: Any   # numpy dtype of numeric labels (the ring's label arrays), or None
     pin_memory: bool
     num_threads: int
@@ -288,6 +289,7 @@ class LoadPlan:
     processes = property(lambda self: self.asked.workers.processes)
     collate = property(lambda self: self.asked.targets.collate_fn)
     output_size = property(lambda self: self.spec.output_size)
+    kind = property(lambda self: self.spec.kind)   # what a row holds: an image, or a video pack's clip
 
     @property
     def buffers(self) -> Any:
@@ -315,7 +317,7 @@ class LoadPlan:
 
 def resolve(asked: Asked, ds: Dataset) -> LoadPlan:
     """`asked` with its dataset: the frozen plan, or a ConfigError for what they cannot do together."""
-    clips = _video_clips(asked, ds)
+    kind = _sample_kind(asked, ds)
     missing = [c for c in asked.columns if c not in ds.extra_columns]
     if missing:
         raise ConfigError(f"{ds.path}: no column(s) {missing}; the dataset has extra columns {ds.extra_columns}")
@@ -344,8 +346,7 @@ def resolve(asked: Asked, ds: Dataset) -> LoadPlan:
     heights = None if ds.heights is None else np.asarray(ds.heights, dtype=np.int64)
     widths = None if ds.widths is None else np.asarray(ds.widths, dtype=np.int64)
     output_size = _output_size(asked, ds, heights, widths)
-    frames = 0 if clips is None else clips.frames
-    check_ring_fits(asked.workers.prefetch + 2, asked.batch_size, *output_size, frames)   # now, not at batch 1
+    check_ring_fits(asked.workers.prefetch + 2, asked.batch_size, *output_size, kind.frames)   # now, not at batch 1
     pinned = None if t.classes is None else tuple(t.classes)
     labels = ds.labels if pinned is None else pinned_labels(ds.labels, ds.classes, list(pinned), ds.path)
     if labels.dtype.kind in "iufb":
@@ -375,16 +376,16 @@ def resolve(asked: Asked, ds: Dataset) -> LoadPlan:
                       labels, heights, widths, multi_label=multi, decode_quality=w.decode_quality,
                       box_columns=t.boxes, mask_columns=polygons, label_map_columns=label_maps,
                       ignore_index=t.ignore_index, pad=t.pad, key_by_draw=pool.weighted, members=pool.members(),
-                      clips=None if clips is None else ClipSamples(clips))
+                      kind=kind)
     rows = ds.shard_rows
     epochs = EpochOrder(pool, s.order, int(s.seed), asked.rank, asked.world_size, s.drop_last, asked.batch_size,
-                        1 if clips is None else clips.clips_per_video, None if rows is None else tuple(rows), len(ds))
+                        kind.per_item, None if rows is None else tuple(rows), len(ds))
     child_spec = None
     if w.processes:   # the worker threads in a child process: refuse here what cannot cross
         from ..loading.procs import check_process_mode
 
         child_spec = check_process_mode(spec, ds, device=asked.device, processes=w.processes)
-    return LoadPlan(asked, spec, epochs, clips, labels.dtype if labels.dtype.kind in "iufb" else None, pin_memory,
+    return LoadPlan(asked, spec, epochs, labels.dtype if labels.dtype.kind in "iufb" else None, pin_memory,
                     # on a GPU host the training process keeps cores of its own (_system.TRAINER_THREADS); with
                     # worker processes, the count is all of theirs together (at least one thread each)
                     w.num_threads or max(w.processes, threads_per_process(
@@ -393,9 +394,10 @@ def resolve(asked: Asked, ds: Dataset) -> LoadPlan:
                     w.persistent and not ds.plans_downloads, pinned, child_spec)
 
 
-def _video_clips(asked: Asked, ds: Dataset) -> Clips | None:
-    """The clip options of a video pack (`Sampling(clips=)`, or `Clips()`'s defaults); None for images. Refuses
-    what clips cannot honour here, when the Loader is made, naming what to change."""
+def _sample_kind(asked: Asked, ds: Dataset) -> SampleKind:
+    """What a row holds (`loading.kinds`): an image, or on a video pack a clip (`Sampling(clips=)`, or
+    `Clips()`'s defaults). Refuses what clips cannot honour here, when the Loader is made, naming what to
+    change: the one place that tells a video pack from images."""
     from ..video import VIDEO_INDEX_COLUMN, require_av
 
     given, t = asked.sampling.clips, asked.targets
@@ -403,7 +405,7 @@ def _video_clips(asked: Asked, ds: Dataset) -> Clips | None:
         if given is not None:
             raise ConfigError(f"{ds.path} holds images, not videos; Sampling(clips=) applies to a video pack "
                               f"(stoker pack of video files): drop clips=")
-        return None
+        return IMAGES
     require_av()   # PyAV decodes the clips: missing, the install hint now rather than per sample
     # each of these would treat a clip's frames as unrelated images
     refused = [("boxes=/masks= (stoker.Targets)", bool(t.boxes or t.masks)), ("pad=True", t.pad),
@@ -423,7 +425,7 @@ def _video_clips(asked: Asked, ds: Dataset) -> Clips | None:
         raise ConfigError(f"{ds.path}: with clips_per_video > 1 the batch's extras 'video' and 'clip' say which "
                           f"video and clip each row holds, and would hide the column(s) {taken} asked for in "
                           f"columns=; rename them when packing")
-    return clips
+    return ClipKind(clips)
 
 
 def _output_size(asked: Asked, ds: Dataset, h: np.ndarray | None, w: np.ndarray | None) -> tuple[int, int]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar, Protocol, Sequence
@@ -25,8 +26,10 @@ from ..order import TAG_CLIP, mix64, sample_keys, uniforms
 from ..transforms.geometry import decode_minimums, resample_region_into, resampling
 from ..transforms.user import apply_tail
 from ..video import VideoIndex, open_container, require_av, upright, video_stream
+from .kinds import Renderer
+from .stats import WorkerTimes
 
-__all__ = ["SAMPLINGS", "ClipDecoder", "ClipPlan", "ClipSamples", "ClipStats", "Clips", "PyAVDecoder", "clip_frames",
+__all__ = ["SAMPLINGS", "ClipDecoder", "ClipKind", "ClipPlan", "ClipStats", "Clips", "PyAVDecoder", "clip_frames",
            "clip_key", "decode_clip_into", "finish_clip", "plan_clip", "read_clip"]
 
 SAMPLINGS = ("random", "uniform")
@@ -404,7 +407,7 @@ def read_clip(dataset: Any, i: int, spec: Clips, pipeline: Any, *, seed: int = 0
     """One clip of video sample ``i`` of a packed dataset (``stoker.open_dataset``): planned, decoded
     and augmented into ``dst`` (uint8 [T, H, W, 3]; allocated when None). The clip lies inside the
     sample's ``start``/``end`` seconds where the dataset has those columns (a Kinetics CSV). This is the
-    work one worker thread does per clip (the Loader's, through :class:`ClipSamples`). ``key_sample``:
+    work one worker thread does per clip (the Loader's, through :class:`ClipKind`). ``key_sample``:
     the sample number of the clip's random stream (default ``i``; a weighted epoch keys by draw, so a
     video drawn twice gets two clips)."""
     sample, index, window = _clip_source(dataset, i)
@@ -422,30 +425,50 @@ def read_clip(dataset: Any, i: int, spec: Clips, pipeline: Any, *, seed: int = 0
 
 
 @dataclass(frozen=True)
-class ClipSamples:
-    """A video pack's samples, as the Loader's render stage sees them (its per-kind hook): each
-    video is listed ``clips_per_video`` times in a row in an epoch, and position ``p`` of the epoch
-    holds clip ``p % clips_per_video`` of its video, so order, ranks, resume and replacement of a
-    failed sample work on videos unchanged. A row is one clip, rendered by :func:`read_clip` straight
-    into the slot's ``[T, H, W, 3]`` row."""
+class ClipKind:
+    """A video pack's samples as a `kinds.SampleKind`: each row of a batch is one clip, uint8
+    ``[T, H, W, 3]``, rendered by :func:`read_clip` straight into its slot row. Each video is listed
+    ``clips_per_video`` times in a row in an epoch, and position ``p`` of the epoch holds clip
+    ``p % clips_per_video`` of its video, so order, ranks, resume and replacement of a failed sample work
+    on videos unchanged."""
 
     clips: Clips
+    name: ClassVar[str] = "clip"
+    plans_batch: ClassVar[bool] = False   # each clip plans its own crop (`plan_clip`), from its video's index
+    per_row_python: ClassVar[str | None] = "video clips: each clip's frames are decoded and placed in a Python loop"
+    cpu_only: ClassVar[str | None] = "CPU only: video clips are decoded by PyAV"
 
     @property
     def frames(self) -> int:
         return self.clips.frames
 
     @property
-    def per_video(self) -> int:
+    def per_item(self) -> int:
         return self.clips.clips_per_video
+
+    @property
+    def options(self) -> Clips:
+        return self.clips
 
     def clip_of(self, positions: np.ndarray | int) -> np.ndarray | int:
         """The clip number of the epoch's position(s)."""
         return positions % self.clips.clips_per_video
 
-    def render(self, dataset: Any, pipeline: Any, *, seed: int, epoch: int, index: int, position: int,
-               dst: np.ndarray, by_draw: bool = False) -> None:
-        """Clip ``clip_of(position)`` of video ``index`` into ``dst`` (uint8 [T, H, W, 3]); ``by_draw``
-        (weighted sampling): its random stream keyed by the epoch position, not the video."""
-        read_clip(dataset, index, self.clips, pipeline, seed=seed, epoch=epoch, clip=int(self.clip_of(position)),
-                  dst=dst, key_sample=position if by_draw else None)
+    def extras(self, indices: np.ndarray, positions: np.ndarray) -> dict[str, np.ndarray]:
+        """With several clips per video, which video (``video``) and clip (``clip``) each row holds."""
+        if self.clips.clips_per_video == 1:
+            return {}
+        return {"video": indices.astype(np.int64), "clip": np.asarray(self.clip_of(positions))}
+
+    def render_row(self, filler: Renderer, idx: int, position: int, key: int, u: np.ndarray, box: tuple | None,
+                   dst: np.ndarray, scratch: dict, times: WorkerTimes) -> None:
+        """Clip ``clip_of(position)`` of video ``idx`` into ``dst`` (uint8 [T, H, W, 3]); a weighted epoch
+        (``key_by_draw``) keys its random stream by the epoch position, not the video. ``key``, ``u`` and
+        ``box``, the batch's image plan, do not apply: a clip plans its own."""
+        t0 = time.perf_counter()
+        read_clip(filler.ds, idx, self.clips, filler.pipe, seed=filler.seed, epoch=filler.epoch,
+                  clip=int(self.clip_of(position)), dst=dst, key_sample=position if filler.spec.key_by_draw else None)
+        times.decode += time.perf_counter() - t0
+
+    def state(self) -> dict[str, str]:
+        return {"clips": repr(self.clips)}

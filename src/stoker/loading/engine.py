@@ -140,8 +140,8 @@ def per_sample_python(spec: RenderSpec, chain: EpochChain, served: bool) -> list
     pipe = spec.pipeline
     why = [f"{getattr(op, 'name', type(op).__name__)}: a per-sample op after the planned crop" for op in pipe.tail]
     why += [f"{type(t).__name__} targets ({t.column}): placed per sample" for t in spec.target_kinds()]
-    if spec.clips is not None:
-        why.append("video clips: each clip's frames are decoded and placed in a Python loop")
+    if spec.kind.per_row_python:   # video clips: PyAV's frame loop
+        why.append(spec.kind.per_row_python)
     if spec.gpu_decode:
         why.append("decode='gpu': each JPEG row is queued for the device thread one at a time")
     if spec.pad:

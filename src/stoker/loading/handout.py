@@ -19,6 +19,7 @@ import numpy as np
 
 from .._torch import torch
 from ..errors import SampleError
+from .kinds import fold_rows, unfold_rows
 from .labels import MultiLabel
 from .slots import Slot
 
@@ -61,12 +62,11 @@ def run_batch_ops(spec: "RenderSpec", images: Any, labels: Any, epoch: int, batc
     if ops.mix is not None and not isinstance(labels, torch.Tensor):
         raise SampleError(f"Mixup needs numeric class labels, batch {batch} of epoch {epoch} has "
                           f"{type(labels[0]).__name__} labels; drop the Mixup or pack integer labels")
-    frames = images.shape[1] if images.dim() == 5 else 0
-    x = images.flatten(0, 1) if frames else images
+    x, lead = fold_rows(images)
     out = ops(x.permute(0, 3, 1, 2), labels if ops.mix is not None else None, epoch=epoch, batch=batch,
               seed=spec.seed)
     x, labels = out if isinstance(out, tuple) else (out, labels)
-    return (x.unflatten(0, (-1, frames)) if frames else x), labels
+    return unfold_rows(x, lead), labels
 
 
 def host_batch(slot: Slot, spec: "RenderSpec", epoch: int, batch: int) -> tuple:

@@ -31,6 +31,7 @@ from .._torch import torch
 from .. import codecs, native
 from ..errors import DatasetError, OutputError, SampleError, UserTransformError
 from .jobs import GpuJob
+from .kinds import IMAGES, SampleKind
 from .labels import MultiLabel
 from ..order import TAG_DRAW, replacement_index, sample_keys, uniforms
 from ..dataset import Dataset
@@ -80,13 +81,13 @@ class RenderSpec:
     pad: bool = False
     #: further kinds of targets (`transforms.targets.Target`), after those the column fields above name
     targets: tuple[Target, ...] = ()
-    #: a video pack: each row is a clip (`clips.ClipSamples`), [T, H, W, 3]; None: each row is an image
-    clips: Any = None
+    #: what a row holds and how it is rendered (`kinds.SampleKind`): an image, or a video pack's clip
+    kind: SampleKind = IMAGES
 
     @property
     def frames(self) -> int:
         """Frames per row: a clip's T, or 0 for images (`slots.row_shape`)."""
-        return 0 if self.clips is None else self.clips.frames
+        return self.kind.frames
 
     def target_kinds(self) -> tuple[Target, ...]:
         """One `Target` per target column: boxes, polygon instance masks (one per box of the first box
@@ -137,7 +138,7 @@ class Filler:
         self.fast = spec.decode_quality == "fast"
         self.targets = {t.column: t for t in spec.target_kinds()}
         self.full_size = spec.decode_quality == "exact"
-        self.clips = spec.clips  # a video pack: rows are clips, each planned on its own (clips.ClipSamples)
+        self.kind = spec.kind  # what a row holds: an image, or a clip planned on its own (kinds.SampleKind)
         self.native = native_serves(spec)
 
     def _sizes(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
@@ -145,7 +146,7 @@ class Filler:
         return None if self.heights is None else (self.heights[idx], self.widths[idx])
 
     def _geometry(self, sizes: tuple[np.ndarray, np.ndarray] | None, u: np.ndarray) -> Plan | None:
-        return None if sizes is None or self.clips is not None else self.pipe.plan(*sizes, u)
+        return None if sizes is None or not self.kind.plans_batch else self.pipe.plan(*sizes, u)
 
     def prepare(self, b: int, slot: Slot, deferred: bool = False) -> BatchPlan:
         """Batch b's plan, and its labels and extras into `slot`. `deferred`: the batch engine plans
@@ -161,8 +162,7 @@ class Filler:
         slot.extras = {c: (TargetRows(self.targets[c], [self.targets[c].read(self.ds, int(i)) for i in idx])
                            if c in self.targets else [self.ds.extra(int(i), c) for i in idx])
                        for c in (*self.columns, *(c for c in self.targets if c not in self.columns))}
-        if self.clips is not None and self.clips.per_video > 1:   # which video and clip each row holds
-            slot.extras["video"], slot.extras["clip"] = idx.astype(np.int64), self.clips.clip_of(positions)
+        slot.extras.update(self.kind.extras(idx, positions))   # a clip's video and clip number, say
         if deferred:
             return BatchPlan(idx, positions, None, None, None)  # type: ignore[arg-type]
         keys, u = self._draws(idx, positions)
@@ -293,15 +293,9 @@ class Filler:
 
     def render_row(self, idx: int, position: int, key: int, u: np.ndarray, box: tuple | None, dst: np.ndarray,
                    scratch: dict, times: WorkerTimes) -> None:
-        """Sample `idx`, at `position` of the epoch, into its row: an image (`render`) or, from a video
-        pack, the clip that position holds (its own plan, decode and colour ops: `clips.ClipSamples`)."""
-        if self.clips is None:
-            self.render(idx, key, u, box, dst, scratch, times)
-            return
-        t0 = time.perf_counter()
-        self.clips.render(self.ds, self.pipe, seed=self.seed, epoch=self.epoch, index=idx, position=position,
-                          dst=dst, by_draw=self.spec.key_by_draw)
-        times.decode += time.perf_counter() - t0
+        """Sample `idx`, at `position` of the epoch, into its row, as its kind renders it: an image
+        (`render`) or, from a video pack, the clip that position holds (`clips.ClipKind`)."""
+        self.kind.render_row(self, idx, position, key, u, box, dst, scratch, times)
 
     def render(self, idx: int, key: int, u: np.ndarray, box: tuple | None, dst: np.ndarray, scratch: dict,
                times: WorkerTimes, sample: Any = None) -> None:
@@ -417,8 +411,8 @@ class Filler:
             for c in self.columns:
                 if c not in self.targets:
                     slot.extras[c][row] = self.ds.extra(r, c)
-            if "video" in slot.extras and self.clips is not None:
-                slot.extras["video"][row] = r
+            for c, value in self.kind.extras(np.array([r]), np.array([pos])).items():
+                slot.extras[c][row] = value[0]   # the stand-in's own (a clip's video)
             for c, value in placed.items():
                 slot.extras[c].raw[row], slot.extras[c][row] = raws[c], value
             key_, shard, srow = self._describe(int(plan.indices[row]), first)
@@ -531,12 +525,12 @@ def native_claims(spec: RenderSpec, chain: EpochChain, threads: int, timeout: fl
 def native_serves(spec: RenderSpec) -> bool:
     """Whether batches of this spec go through the native chunk path (`Filler.fill_chunk`): JPEG
     rows whose transforms are planned geometry (+ flip) resampled bilinearly, with nothing per sample
-    after them (no user callables, policy or colour ops), no targets to place, no padded rows, no
-    video clips, CPU decode; and the extension is built with a libjpeg-turbo (`STOKER_NATIVE=off`
-    turns it off)."""
+    after them (no user callables, policy or colour ops), no targets to place, no padded rows, a kind
+    of sample that needs no Python per row (not video clips: `kinds.SampleKind.per_row_python`), CPU
+    decode; and the extension is built with a libjpeg-turbo (`STOKER_NATIVE=off` turns it off)."""
     pipe = spec.pipeline
-    return (spec.clips is None and not spec.gpu_decode and not spec.pad and not pipe.tail and not spec.target_kinds()
-            and pipe.resampling[0] == "bilinear" and spec.heights is not None and native.chunks_available())
+    return (spec.kind.per_row_python is None and not spec.gpu_decode and not spec.pad and not pipe.tail
+            and not spec.target_kinds() and pipe.resampling[0] == "bilinear" and spec.heights is not None and native.chunks_available())
 
 
 def _row_box(geometry: Plan | None, row: int) -> tuple | None:

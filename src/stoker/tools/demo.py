@@ -1,10 +1,12 @@
 """`stoker demo`: the main job on built-in data, on any machine.
 
-Generates an ImageNet-like set of JPEGs, packs it, then trains one model three times for the same
-number of steps: on one batch held in memory (synthetic: the model's own speed, the ceiling), fed
-by PyTorch's DataLoader + PIL with torchvision's default training transforms, and fed by stoker.
-The headline is **fed / synthetic** for each loader (the share of the model's speed it keeps) and
-the ratio between the two loaders, worded by its sign ("1.90x faster", "2.10x slower").
+Generates an ImageNet-like set of JPEGs, packs it, then trains one model for the same number of
+steps: on one batch held in memory (synthetic: the model's own speed, the ceiling), fed by PyTorch's
+DataLoader + PIL with torchvision's default training transforms, fed by stoker, and on the held batch
+while stoker runs beside it with its batches discarded (the interference control: what the running
+loader costs the step itself, cores and GIL, which data wait never shows). The headline is
+**fed / synthetic** for each loader (the share of the model's speed it keeps), the ratio between the
+two loaders, worded by its sign ("1.90x faster", "2.10x slower"), and the control's share.
 
 What keeps the figures honest:
 
@@ -121,6 +123,8 @@ class DemoResult:
     loader_cores: int
     seconds: float = 0.0
     files: list[str] = field(default_factory=list)
+    #: the interference control: the held batch while stoker runs beside it, its batches discarded
+    control: DemoRun | None = None
 
     @property
     def speedup(self) -> float | None:
@@ -130,14 +134,24 @@ class DemoResult:
 
     def headline(self) -> str:
         base, fast = self.runs
-        return (f"fed / synthetic: stoker {fmt_number(fast.fed_ratio, '.2f')}, DataLoader + PIL "
+        line = (f"fed / synthetic: stoker {fmt_number(fast.fed_ratio, '.2f')}, DataLoader + PIL "
                 f"{fmt_number(base.fed_ratio, '.2f')} (1.00 = the model's own speed): stoker trained "
                 f"{ratio_words(self.speedup)} than DataLoader + PIL")
+        if self.control is not None:
+            line += (f". Beside a running stoker whose batches were discarded, the model kept "
+                     f"{fmt_number(self.control.fed_ratio, '.2f')} of its speed: the loader's cost to the step itself "
+                     f"(the interference control); the rest of stoker's gap to 1.00 is waiting for batches")
+        return line
+
+    @property
+    def rows(self) -> list[DemoRun]:
+        """The table's runs in order: synthetic, the two feeds, the control where it ran."""
+        return [self.synthetic, *self.runs, *([self.control] if self.control is not None else [])]
 
     def as_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in asdict(self).items() if k not in ("synthetic", "runs")}
+        out = {k: v for k, v in asdict(self).items() if k not in ("synthetic", "runs", "control")}
         out.update(speedup=self.speedup, headline=self.headline(),
-                   runs=[{**asdict(r), "data_wait_percent": r.data_wait_percent} for r in [self.synthetic, *self.runs]])
+                   runs=[{**asdict(r), "data_wait_percent": r.data_wait_percent} for r in self.rows])
         return json_safe(out)
 
 
@@ -145,12 +159,12 @@ def format_table(result: DemoResult) -> str:
     """The demo's markdown table, the headline and how it was measured."""
     lines = ["| training fed by | images/s | fed / synthetic | data wait | step time (ms) | CPU % |",
              "|---|---|---|---|---|---|"]
-    for run in [result.synthetic, *result.runs]:
+    for run in result.rows:
         lines.append(f"| {run.name} | {fmt_number(run.images_per_s, ',.0f')} | {fmt_number(run.fed_ratio, '.2f')} | "
                      f"{fmt_number(run.data_wait_percent, '.0f', '%')} | {fmt_number(run.step_ms, ',.1f')} | "
                      f"{fmt_number(run.cpu_percent, '.0f')} |")
     lines += ["", result.headline() + ".", ""]
-    lines += [f"- {run.name}: {run.description}" for run in [result.synthetic, *result.runs]]
+    lines += [f"- {run.name}: {run.description}" for run in result.rows]
     lines += ["", f"Same model: {result.model}; same {result.steps} timed steps of {result.batch_size} images after "
               f"{result.warmup_steps} warm-up steps, on {result.device}. The window is {QUEUE_MULTIPLE}x or more the "
               f"largest loader queue ({result.queue_batches} batches), so it measures each loader's sustained rate, "
@@ -222,8 +236,8 @@ def _train(feed: str, name: str, description: str, model: str, paths: tuple[Path
 
 def run_demo(out: str | Path = "stoker-demo", *, images: int = 2000, batch_size: int | None = None,
              steps: int = DEFAULT_STEPS, device: str | None = None, progress: bool = True) -> DemoResult:
-    """Generate, pack, train (synthetic, DataLoader + PIL, stoker, synthetic again: the faster synthetic
-    window is the ceiling), print and write the comparison.
+    """Generate, pack, train (synthetic, DataLoader + PIL, stoker, the interference control, synthetic
+    again: the faster synthetic window is the ceiling), print and write the comparison.
 
     Writes `demo.md`, `demo.json` and (with matplotlib) `demo.png` in `out`. `batch_size`: default 256 on
     a GPU, 64 on the CPU. `steps` is raised to 4x the largest loader queue. On CPU, torch's thread count is
@@ -245,9 +259,9 @@ def run_demo(out: str | Path = "stoker-demo", *, images: int = 2000, batch_size:
     warmup, steps, queue = plan_steps(steps, loader_cores)
     model, model_name = demo_model(cuda)
 
-    print(f"[1/5] generating {images:,} ImageNet-like JPEGs (cached in {out})", flush=True)
+    print(f"[1/6] generating {images:,} ImageNet-like JPEGs (cached in {out})", flush=True)
     root = _generate(out, images, cores, progress)
-    print("[2/5] packing them into Arrow shards", flush=True)
+    print("[2/6] packing them into Arrow shards", flush=True)
     packed = out / "packed"
     summary = pack(root, packed, options=PackOptions(workers=cores), overwrite=True, progress=progress)
     print(f"      {summary.format().splitlines()[0]}", flush=True)
@@ -262,17 +276,18 @@ def run_demo(out: str | Path = "stoker-demo", *, images: int = 2000, batch_size:
         # the synthetic ceiling first and again last, the faster kept: a cold start (allocator, caches, clocks)
         # in the first window would otherwise flatter the feeds (fed / synthetic above 1)
         for k, (feed, name, description) in enumerate([*feeds, feeds[0]], start=3):
-            print(f"[{min(k, 5)}/5] {model_name}, {warmup} warm-up + {steps} timed steps of {batch_size} ({dtype}; "
-                  f"{where}): {name}{' again' if k == 6 else ''}", flush=True)
+            print(f"[{min(k, 6)}/6] {model_name}, {warmup} warm-up + {steps} timed steps of {batch_size} ({dtype}; "
+                  f"{where}): {name}{' again' if k == 7 else ''}", flush=True)
             runs.append(_train(feed, name, description, model, (root, packed), batch_size, (warmup, steps),
                                loader_cores, device, progress))
     finally:
         torch.set_num_threads(threads_before)
     synthetic = max(runs.pop(0), runs.pop(), key=lambda r: r.images_per_s)
-    for run in [synthetic, *runs]:
+    control = runs.pop()
+    for run in [synthetic, *runs, control]:
         run.fed_ratio = run.images_per_s / synthetic.images_per_s if synthetic.images_per_s > 0 else None
     result = DemoResult(synthetic, runs, model_name, images, batch_size, steps, warmup, queue, device, cores,
-                        model_threads, loader_cores)
+                        model_threads, loader_cores, control=control)
     result.seconds = time.perf_counter() - started
     _write(result, out)
     print("\n" + format_table(result))
@@ -289,7 +304,11 @@ def _feeds(loader_cores: int) -> list[tuple[str, str, str]]:
              "torchvision's RandomResizedCrop(224), flip, ToTensor, Normalize (float32, on the CPU), then copied"),
             ("stoker", "stoker",
              f"stoker.Loader on the pack, {loader_cores} thread(s), the same transforms; on a GPU, uint8 copied on "
-             "the loader's own stream and normalized there, a batch ahead; on the CPU, normalized by its threads")]
+             "the loader's own stream and normalized there, a batch ahead; on the CPU, normalized by its threads"),
+            ("stoker-interference", "stoker running, batches discarded (control)",
+             "the interference control: the synthetic batch, while the stoker feed runs beside it and a thread "
+             "takes one of its batches per step and drops it; its share of synthetic is the loader's cost to the "
+             "step itself, whatever data wait says")]
 
 
 def _write(result: DemoResult, out: Path) -> None:
@@ -302,6 +321,8 @@ def _write(result: DemoResult, out: Path) -> None:
                             f"{result.loader_cores} (no GPU on this machine)")
     named = [("synthetic\n(one batch held)", result.synthetic), ("baseline\n(DataLoader + PIL)", result.runs[0]),
              ("stoker\n(Loader)", result.runs[1])]
+    if result.control is not None:
+        named.append(("control: stoker\nrunning, batches\ndiscarded", result.control))
     if demo_chart(named, out / "demo.png", note=note,
                   title=f"Training {result.model}: {result.steps} steps of {result.batch_size} images on "
                         f"{result.device}"):
