@@ -202,14 +202,15 @@ def test_ctrl_c_stops_every_worker_process(packed: Path) -> None:
     clean([])
 
 
-@pytest.mark.parametrize("index", [1, 0], ids=["the-due-one", "a-later-one"])
+@pytest.mark.parametrize("index", [0, 1], ids=["the-due-one", "a-later-one"])
 def test_a_killed_worker_process_of_three_is_an_error_naming_which(packed: Path, index: int) -> None:
-    """After batch 0 (from process 1 of 3), process 2 (whose batch is due) or process 1 (whose next
-    batch is 3) is killed: a WorkerError naming it and what to do, at once, not after the timeout; the
-    others are stopped and nothing is left."""
+    """After batches 0, 1 and 2 (one from each process), process 1 (whose batch 3 is due) or process 2
+    (whose next batch is 4) is killed: a WorkerError naming it and what to do, at once, not after the
+    timeout; the others are stopped and nothing is left."""
     loader = Loader(packed, 4, transforms=TRAIN, workers=many(3, timeout=60))
     it = iter(loader)
-    next(it)
+    for _ in range(3):
+        next(it)
     victim = it._run.children[index].process
     pids = [c.process.pid for c in it._run.children]
     os.kill(victim.pid, signal.SIGKILL)
@@ -222,6 +223,20 @@ def test_a_killed_worker_process_of_three_is_an_error_naming_which(packed: Path,
     assert f"worker process {index + 1} of 3 (pid {victim.pid})" in msg and "code -9" in msg
     assert "start a new one" in msg and "other worker processes are stopped" in msg
     clean(pids)
+
+
+def test_a_worker_process_killed_while_starting_is_named(packed: Path) -> None:
+    loader = Loader(packed, 4, transforms=TRAIN, workers=many(3, timeout=60))
+    it = iter(loader)
+    victim = it._run.children[2].process   # batch 2's, killed before it has imported stoker
+    os.kill(victim.pid, signal.SIGKILL)
+    with pytest.raises(WorkerError) as info:
+        for _ in it:
+            pass
+    msg = str(info.value)
+    assert f"worker process 3 of 3 (pid {victim.pid})" in msg and "SIGKILL" in msg and "while starting" in msg
+    it.close()
+    clean([])
 
 
 def test_a_sample_error_and_skip_read_as_in_thread_mode(packed_bad: Path) -> None:

@@ -124,9 +124,10 @@ def has_main_guard(script: Path | None) -> bool:
     return False
 
 
-def start_failure(code: int | None, pid: int | None, guarded: bool) -> str:
-    """Why a worker process that died before it mapped its slots died, and what to do."""
-    head = f"stoker's worker process (pid {pid})"
+def start_failure(code: int | None, pid: int | None, guarded: bool, who: str | None = None) -> str:
+    """Why a worker process that died before it mapped its slots died, and what to do. `who`: how to
+    name it (default "stoker's worker process (pid N)"; with several, which of them)."""
+    head = who or f"stoker's worker process (pid {pid})"
     if code is not None and code < 0:
         return f"{head} was killed by {signal_name(-code)} (exit code {code}) while starting; " + killed_fix(-code)
     if not guarded:

@@ -397,7 +397,7 @@ class ProcessRun(HandOut):
             pass
         code, who = child.process.exitcode, self._who(child)
         if child.started_at is None:   # it never mapped its slots: it failed while starting
-            return WorkerError(start_failure(code, child.process.pid, has_main_guard(main_script())))
+            return WorkerError(start_failure(code, child.process.pid, has_main_guard(main_script()), who))
         how = f"was killed by {signal_name(-code)} (exit code {code})" if code is not None and code < 0 else \
             f"exited with code {code}"
         fix = killed_fix(-code) if code is not None and code < 0 else \
