@@ -260,21 +260,36 @@ def test_a_sample_error_and_skip_read_as_in_thread_mode(packed_bad: Path) -> Non
     clean([])
 
 
-def test_a_killed_training_process_leaves_no_worker_process(packed: Path, tmp_path: Path) -> None:
-    (tmp_path / "run.py").write_text(textwrap.dedent(f"""
+def _script(packed: Path, path: Path, processes: int, then: str = "") -> tuple[list[str], dict]:
+    """A training process that takes one batch from `processes` worker processes, prints its pid and
+    theirs, then runs `then`: the command and environment to start it with."""
+    path.write_text(textwrap.dedent(f"""
         import multiprocessing, os, time
         from stoker import Loader, Workers, RandomResizedCrop
         if __name__ == "__main__":
             loader = Loader({str(packed)!r}, 4, transforms=[RandomResizedCrop(32)],
-                            workers=Workers(processes=3))
+                            workers=Workers(processes={processes}))
             it = iter(loader)
             next(it)
             print(os.getpid(), *(p.pid for p in multiprocessing.active_children()
                                  if p.name == "stoker-worker-process"), flush=True)
-            time.sleep(60)
-    """))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "run.py")], stdout=subprocess.PIPE, text=True, env=env)
+    """) + (f"    {then}\n" if then else ""))
+    return [sys.executable, str(path)], {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+
+
+def test_interpreter_exit_ends_every_worker_process(packed: Path, tmp_path: Path) -> None:
+    cmd, env = _script(packed, tmp_path / "run.py", 2)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert out.returncode == 0, out.stderr
+    parent, *children = map(int, out.stdout.split())
+    assert len(children) == 2 and all(gone(child) for child in children)
+    assert not list(Path("/dev/shm").glob(f"stoker-{parent}-*"))
+    assert "leaked" not in out.stderr
+
+
+def test_a_killed_training_process_leaves_no_worker_process(packed: Path, tmp_path: Path) -> None:
+    cmd, env = _script(packed, tmp_path / "run.py", 3, then="time.sleep(60)")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     try:
         parent, *children = map(int, proc.stdout.readline().split())
         assert len(children) == 3
