@@ -32,7 +32,7 @@ class RemoteTraceback(Exception):
 
 
 def rebuild(data: dict) -> BaseException:
-    """The exception `procs._portable` described: the same class and message (a class the parent cannot
+    """The exception `proc_child.portable` described: the same class and message (a class the parent cannot
     import becomes a WorkerError with the same text); the child's traceback text is its innermost cause."""
     module, name = data["cls"]
     cls: Any = None
