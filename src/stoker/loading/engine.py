@@ -20,6 +20,13 @@ through today's per-sample path (`Filler.fill`: its errors, fallbacks and on_err
 with the batch's plan computed in NumPy only then. Pixels, labels and replacements are the same as
 without the engine, at any thread count (tests/test_engine.py compares them bit for bit).
 
+With decode="auto" (or a `gpu_share=` below 1) the CPU's share of each split batch goes through
+the engine too: the batch is planned in NumPy as the split needs it (`Filler.prepare`), a coordinator
+leaves the GPU's rows as jobs for the device thread (`Filler.fill`, one per row), then renders the
+rows before `BatchPlan.gpu_from` in one `Engine.run`; the pool's busy seconds are the CPU side's
+time the split measures (`BatchPlan.cpu_render_s`). Which rows the GPU takes changes no CPU row's
+pixels: each row's stream and plan depend on its sample alone.
+
 `STOKER_ENGINE=off` (read when a pass starts) keeps the chunk path (`Filler.fill_chunk`: chunks of
 rows, claimed by as many Python threads as `num_threads`); `STOKER_NATIVE=off` turns every native
 path off.
@@ -108,6 +115,8 @@ def batch_engine(spec: RenderSpec, chain: EpochChain, threads: int, timeout: flo
     per-sample path renders the others on the coordinator threads only)."""
     if not enabled() or not chain.fillers or not serves:
         return None
+    if spec.gpu_decode and not cpu_share(spec):
+        return None   # decode="gpu": every JPEG row goes to the GPU, none to the pool
     pipe = spec.pipeline
     prog = program(pipe.prefix, pipe.offsets)
     ds = chain.fillers[0].ds
@@ -123,6 +132,13 @@ def batch_engine(spec: RenderSpec, chain: EpochChain, threads: int, timeout: flo
     return BatchEngine(spec, prog, threads, timeout)
 
 
+def cpu_share(spec: RenderSpec) -> bool:
+    """Whether a GPU decode spec may leave JPEG rows to the CPU: a split (decode="auto", or a
+    `gpu_share=` below 1), not decode="gpu" alone."""
+    split = spec.gpu_split
+    return split is not None and split.fixed != 1.0
+
+
 #: what to do when `per_sample_python` names something (stoker doctor prints it)
 PER_SAMPLE_FIX = ("move per-sample colour and policy ops to the batched GPU ops (stoker.transforms.gpu, run by the "
                   "device thread on whole batches), or run the worker threads in child processes, whose GILs are "
@@ -135,8 +151,9 @@ def per_sample_python(spec: RenderSpec, chain: EpochChain, served: bool) -> list
     the cause), or [] where the engine serves the batches. Each such sample holds the GIL the training
     loop's thread needs for every op it dispatches: tens of µs per sample, which a dispatch-bound step
     pays in full (`stoker bench --pipelines neighbour` measures it)."""
-    if served:
-        return []
+    if served:   # a split batch's CPU rows are the engine's; its GPU rows are still jobs made row by row
+        return ["decode='auto': the GPU's rows of each batch are queued for the device thread one at a time"
+                ] if spec.gpu_decode else []
     pipe = spec.pipeline
     why = [f"{getattr(op, 'name', type(op).__name__)}: a per-sample op after the planned crop" for op in pipe.tail]
     why += [f"{type(t).__name__} targets ({t.column}): placed per sample" for t in spec.target_kinds()]
@@ -171,7 +188,9 @@ class BatchEngine:
         self.spec = spec
         self.program = prog
         self.threads = threads
-        self.coordinators = min(threads, COORDINATORS)
+        # a split batch: the coordinators also leave the GPU's rows as jobs, Python the pool does not do
+        self.split = spec.gpu_decode
+        self.coordinators = COORDINATORS if self.split else min(threads, COORDINATORS)
         self.timeout = timeout
         sizes = np.empty((len(spec.heights), 2), np.int64)   # stored (height, width) of every sample
         sizes[:, 0], sizes[:, 1] = spec.heights, spec.widths
@@ -207,26 +226,38 @@ class BatchEngine:
                    times: "WorkerTimes") -> list[tuple[int, BaseException]]:
         """Rows r0..r1 (the whole batch) of `plan` into `slot`: one `Engine.run`, then the refused rows
         through `Filler.fill` with the batch's NumPy plan (`Filler.complete`). Returns the (row,
-        exception) of the rows that failed, as `Filler.fill_chunk` does."""
+        exception) of the rows that failed, as `Filler.fill_chunk` does.
+
+        A split batch: rows from `gpu_from` on are left as GPU jobs first (`Filler.fill`), then the
+        rows before it go through the pool; the pool's busy seconds are the CPU side's time."""
         filler, bp = plan
-        rows: Any = range(r0, r1)
-        idx = np.ascontiguousarray(bp.indices[r0:r1], np.int64)   # the engine reads int64 rows
+        errors: list = []
+        end = r1
+        if self.split:
+            end = max(r0, min(r1, bp.gpu_from))
+            errors = filler.fill_rows(bp, range(end, r1), slot, scratch, times)
+        rows: Any = range(r0, end)
+        if end == r0:
+            return errors
+        idx = np.ascontiguousarray(bp.indices[r0:end], np.int64)   # the engine reads int64 rows
         try:
             blocks, spans = filler.ds.jpeg_spans(idx)
         except Exception:  # noqa: BLE001 - a shard that fails its check: each row's own read reports it
             blocks = None
         if blocks is not None and self.pool is not None:
-            status = np.empty(r1 - r0, np.uint8)
+            status = np.empty(end - r0, np.uint8)
             left, busy, state = self.pool.run(
-                blocks, spans, bp.positions[r0:r1] if self.spec.key_by_draw else idx, idx, self.sizes,
+                blocks, spans, bp.positions[r0:end] if self.spec.key_by_draw else idx, idx, self.sizes,
                 self._stream(filler.epoch), self.program, slot.images_np, status, r0, self.out_h, self.out_w,
                 self.full_size, AA_HEADROOM, self.antialias, self.fast, codecs.MAX_PIXELS, self.timeout)
             times.decode += busy
+            if self.split:
+                bp.cpu_render_s.append(busy)
             if state == _STOPPED:   # the Run is stopping: should this batch still be asked for, it says so
                 return [(r0, LoaderClosedError(f"the loader was closed while batch rows {r0}..{r1 - 1} were being "
                                                f"rendered"))]
             rows = (np.flatnonzero(status) + r0).tolist() if left else ()
         if not rows:
-            return []
+            return errors
         filler.complete(bp)
-        return filler.fill_rows(bp, rows, slot, scratch, times)
+        return errors + filler.fill_rows(bp, rows, slot, scratch, times)

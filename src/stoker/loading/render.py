@@ -22,7 +22,7 @@ import bisect
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -513,9 +513,10 @@ def native_claims(spec: RenderSpec, chain: EpochChain, threads: int, timeout: fl
     serves the spec, else none (one row per claim through `fill`, as without it)."""
     from .engine import batch_engine
 
-    engine = batch_engine(spec, chain, threads, timeout, native_serves(spec))
+    # a split batch's CPU rows are what the native path serves with decode="cpu"
+    engine = batch_engine(spec, chain, threads, timeout, native_serves(replace(spec, gpu_decode=False)))
     if engine is not None:
-        chain.deferred = True
+        chain.deferred = not spec.gpu_decode   # the split needs the batch's plan for its GPU rows
         return {"fill_chunk": engine.fill_chunk, "chunk": spec.batch_size, "engine": engine}
     if not native_serves(spec):
         return {}

@@ -236,7 +236,7 @@ def _per_sample(engine: bool, why: list[str]) -> str:
     """The doctor's line on the Python the loader runs per sample beside the training loop."""
     from ..loading.engine import PER_SAMPLE_FIX
 
-    if engine:
+    if engine and not why:
         return "none: the native batch engine renders whole batches without the GIL"
     if not why:
         return "none in this process (the worker threads run in worker processes: Workers(processes=N))"
