@@ -141,8 +141,9 @@ def cpu_share(spec: RenderSpec) -> bool:
 
 #: what to do when `per_sample_python` names something (stoker doctor prints it)
 PER_SAMPLE_FIX = ("move per-sample colour and policy ops to the batched GPU ops (stoker.transforms.gpu, run by the "
-                  "device thread on whole batches), or run the worker threads in a child process, whose GIL is not "
-                  "the training loop's: workers=stoker.Workers(processes=1)")
+                  "device thread on whole batches), or run the worker threads in child processes, whose GILs are "
+                  "not the training loop's: workers=stoker.Workers(processes=1), or processes=N (N > 1) where one "
+                  "process's Python per sample cannot keep up (the same batches, bit for bit)")
 
 
 def per_sample_python(spec: RenderSpec, chain: EpochChain, served: bool) -> list[str]:

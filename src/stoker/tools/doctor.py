@@ -244,7 +244,7 @@ def _per_sample(engine: bool, why: list[str], gpu: bool = False) -> str:
     if engine and not why:
         return "none: the native batch engine renders whole batches without the GIL"
     if not why:
-        return "none in this process (the worker threads run in a child process)"
+        return "none in this process (the worker threads run in worker processes: Workers(processes=N))"
     return (f"yes, holding the training loop's GIL for tens of µs per sample ({'; '.join(why)}); fix: "
             f"{PER_SAMPLE_FIX}")
 
