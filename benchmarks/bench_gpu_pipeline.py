@@ -24,7 +24,9 @@ convert run on the CPU. Two questions, each answered with figures measured in th
    300 img/s adds capacity on a 2-core machine.
 3. **Calls.** Python calls per batch on the worker (or coordinator) threads for a split batch, the
    CPU share through the engine against the per-row path (`STOKER_ENGINE=off`), at gpu_share=0 and
-   0.5: each Python call needs the GIL the training loop's thread wants.
+   0.5, and for decode="gpu"; the GPU's rows prepared a chunk at a time (`Filler.queue_gpu_rows`)
+   against one at a time (the path before it): each Python call needs the GIL the training loop's
+   thread wants.
 
 Runs the Loader end to end (`DeviceOptions("cpu", decode="gpu" / "auto", gpu_decoder=...)`) on small
 generated JPEGs (about 110 x 130 px, made in a temporary folder). torch runs one intra-op thread
@@ -147,38 +149,59 @@ def split(packed: Path, batch: int, rounds: int, rate: float) -> dict[str, Any]:
             "auto_over_cpu": img_s["auto"] / c, "cpu_path": "engine" if native.ON else "per-row (STOKER_NATIVE=off)"}
 
 
+def _per_row_gpu(self: Any, plan: Any, r0: int, r1: int, slot: Any, scratch: dict, times: Any) -> list:
+    """The GPU's rows one at a time (`Filler.queue_gpu` per row): the path before `queue_gpu_rows`."""
+    return self.fill_rows(plan, range(r0, r1), slot, scratch, times)
+
+
 def calls(packed: Path, batch: int, rounds: int) -> dict[str, float]:
-    """Python calls per batch on the worker / coordinator threads (`threading.setprofile`, only the
-    threads named stoker-worker-*), a split batch's CPU share through the engine and through the
-    per-row path (STOKER_ENGINE=off), at gpu_share 0 and 0.5 (the GPU's rows are jobs made per row
-    either way). Medians of `rounds` alternating runs of one epoch."""
+    """Python calls per batch on the worker / coordinator threads (`threading.setprofile`, the threads
+    named stoker-worker-*; the device thread's beside them, keys ending " [device thread]"): a split
+    batch's CPU share through the engine and through the per-row path (STOKER_ENGINE=off), at
+    gpu_share 0, 0.5 and 1 (decode="gpu"); the GPU's rows a chunk at a time (`Filler.queue_gpu_rows`)
+    and, for comparison, one at a time as before it. Medians of `rounds` alternating runs of one epoch."""
+    from stoker.loading.render import Filler
+
     out: dict[str, list[float]] = {}
+    chunked = Filler.queue_gpu_rows
     for _ in range(rounds):
-        for engine_on in (True, False):
-            for share in (0.0, 0.5):
-                counts: dict[int, int] = {}
+        for engine_on, share, gpu_rows in ((True, 0.0, "chunk"), (True, 0.5, "chunk"), (True, 0.5, "per-row"),
+                                           (False, 0.0, "chunk"), (False, 0.5, "chunk"), (False, 0.5, "per-row"),
+                                           (True, 1.0, "chunk"), (True, 1.0, "per-row")):
+            counts: dict[int, int] = {}
+            device: dict[int, int] = {}
 
-                def hook(frame: Any, event: str, arg: Any) -> None:
-                    if event in ("call", "c_call") and threading.current_thread().name.startswith("stoker-worker"):
+            def hook(frame: Any, event: str, arg: Any) -> None:
+                if event in ("call", "c_call"):
+                    name = threading.current_thread().name
+                    into = counts if name.startswith("stoker-worker") else device if name == "stoker-device" else None
+                    if into is not None:
                         ident = threading.get_ident()
-                        counts[ident] = counts.get(ident, 0) + 1
+                        into[ident] = into.get(ident, 0) + 1
 
-                if engine_on:
-                    os.environ.pop("STOKER_ENGINE", None)
-                else:
-                    os.environ["STOKER_ENGINE"] = "off"
-                loader = stoker.Loader(packed, batch, transforms=OPS, seed=0, workers=stoker.Workers(num_threads=2),
-                                       device=stoker.DeviceOptions("cpu", decode="auto", gpu_share=share,
-                                                                   gpu_decoder=FixedRateDecoder()))
-                threading.setprofile(hook)
-                try:
-                    it = iter(loader)
-                finally:
-                    threading.setprofile(None)  # type: ignore[arg-type]
-                n = sum(1 for _ in it)
-                loader.close()
-                key = f"{'engine' if engine_on else 'per-row'} gpu_share={share}"
-                out.setdefault(key, []).append(sum(counts.values()) / n)
+            if engine_on:
+                os.environ.pop("STOKER_ENGINE", None)
+            else:
+                os.environ["STOKER_ENGINE"] = "off"
+            Filler.queue_gpu_rows = chunked if gpu_rows == "chunk" else _per_row_gpu  # type: ignore[method-assign]
+            decode = "gpu" if share == 1.0 else "auto"
+            loader = stoker.Loader(packed, batch, transforms=OPS, seed=0, workers=stoker.Workers(num_threads=2),
+                                   device=stoker.DeviceOptions("cpu", decode=decode,
+                                                               gpu_share=None if share == 1.0 else share,
+                                                               gpu_decoder=FixedRateDecoder()))
+            threading.setprofile(hook)
+            try:
+                it = iter(loader)
+            finally:
+                threading.setprofile(None)  # type: ignore[arg-type]
+            n = sum(1 for _ in it)
+            loader.close()
+            Filler.queue_gpu_rows = chunked  # type: ignore[method-assign]
+            cpu = "CPU rows: engine" if engine_on else "CPU rows: per-row"
+            key = (f"decode='gpu', GPU rows: {gpu_rows}" if share == 1.0 else
+                   f"{cpu}, gpu_share={share}" + (f", GPU rows: {gpu_rows}" if share else ""))
+            out.setdefault(key, []).append(sum(counts.values()) / n)
+            out.setdefault(key + " [device thread]", []).append(sum(device.values()) / n)
     os.environ.pop("STOKER_ENGINE", None)
     return {k: statistics.median(v) for k, v in out.items()}
 
@@ -230,9 +253,11 @@ def main(argv: list[str] | None = None) -> int:
               f"auto {sp['auto_over_best']:.2f}x the best fixed share ({sp['best_fixed']}), {sp['auto_over_cpu']:.2f}x "
               f"the CPU alone")
     if "calls" in out:
-        print(f"\nPython calls per batch of 64 on the worker / coordinator threads (median of {args.rounds})")
+        print(f"\nPython calls per batch of 64 (median of {args.rounds})")
+        print("| | worker / coordinator threads | device thread |\n| --- | --- | --- |")
         for k, v in out["calls"].items():
-            print(f"| {k} | {v:,.0f} |")
+            if not k.endswith(" [device thread]"):
+                print(f"| {k} | {v:,.0f} | {out['calls'][k + ' [device thread]']:,.0f} |")
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     return 0

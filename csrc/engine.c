@@ -592,10 +592,99 @@ static PyTypeObject EngineType = {
     .tp_getset = engine_getset,
 };
 
+/* gather_spans(blocks, spans, out, offsets) -> bytes copied: row i's bytes spans[i, 1]..spans[i, 2] of
+ * blocks[spans[i, 0]] copied to out[offsets[i]:], for every row whose block is not -1 (the other rows
+ * are the caller's); the GPU decode's JPEG bytes of a batch into its staging buffer in one call, the
+ * copies made with the GIL released. */
+static PyObject *gather_spans(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *blocks_obj, *spans_obj, *out_obj, *off_obj;
+    if (!PyArg_ParseTuple(args, "OOOO", &blocks_obj, &spans_obj, &out_obj, &off_obj))
+        return NULL;
+    PyObject *blocks = PySequence_Fast(blocks_obj, "blocks must be a sequence of byte buffers");
+    if (blocks == NULL)
+        return NULL;
+    Py_buffer sp = {0}, out = {0}, off = {0};
+    Py_buffer *bufs = NULL;
+    int64_t *ids = NULL;
+    const unsigned char **src = NULL;
+    Py_ssize_t got = 0, k = 0, nblocks = PySequence_Fast_GET_SIZE(blocks);
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(spans_obj, &sp, PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    if (PyObject_GetBuffer(out_obj, &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        goto done;
+    if (PyObject_GetBuffer(off_obj, &off, PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    k = off.len / 8;
+    if (sp.len != k * 24 || off.len % 8 != 0) {
+        PyErr_SetString(PyExc_ValueError, "gather_spans: spans int64 [k, 3], offsets int64 [k]");
+        goto done;
+    }
+    bufs = (Py_buffer *)PyMem_Calloc(k ? k : 1, sizeof(Py_buffer));
+    ids = (int64_t *)PyMem_Calloc(k ? k : 1, sizeof(int64_t));
+    src = (const unsigned char **)PyMem_Calloc(k ? k : 1, sizeof(*src));
+    if (bufs == NULL || ids == NULL || src == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const int64_t *s = (const int64_t *)sp.buf, *o = (const int64_t *)off.buf;
+    Py_ssize_t total = 0;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        int64_t id = s[3 * i], lo = s[3 * i + 1], hi = s[3 * i + 2];
+        if (id < 0)
+            continue;
+        Py_ssize_t j = 0;
+        while (j < got && ids[j] != id)
+            j++;
+        if (j == got) {
+            if (id >= nblocks) {
+                PyErr_Format(PyExc_IndexError, "gather_spans: row %zd names block %lld of %zd", i, (long long)id,
+                             nblocks);
+                goto done;
+            }
+            if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(blocks, id), &bufs[j], PyBUF_SIMPLE) < 0)
+                goto done;
+            ids[got++] = id;
+        }
+        if (lo < 0 || hi < lo || hi > bufs[j].len || o[i] < 0 || o[i] + (hi - lo) > out.len) {
+            PyErr_Format(PyExc_ValueError, "gather_spans: row %zd's bytes %lld..%lld (of %zd) do not fit at offset "
+                         "%lld of %zd", i, (long long)lo, (long long)hi, bufs[j].len, (long long)o[i], out.len);
+            goto done;
+        }
+        src[i] = (const unsigned char *)bufs[j].buf + lo;
+        total += hi - lo;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < k; i++)
+        if (src[i] != NULL)
+            memcpy((unsigned char *)out.buf + o[i], src[i], (size_t)(s[3 * i + 2] - s[3 * i + 1]));
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(total);
+done:
+    for (Py_ssize_t j = 0; j < got; j++)
+        PyBuffer_Release(&bufs[j]);
+    PyMem_Free(bufs);
+    PyMem_Free(ids);
+    PyMem_Free((void *)src);
+    if (sp.obj != NULL)
+        PyBuffer_Release(&sp);
+    if (out.obj != NULL)
+        PyBuffer_Release(&out);
+    if (off.obj != NULL)
+        PyBuffer_Release(&off);
+    Py_DECREF(blocks);
+    return result;
+}
+
 static PyMethodDef module_functions[] = {
     {"plan_batch", plan_batch, METH_VARARGS,
      "plan_batch(ids, index, sizes, stream, program, box, clip, grid, size, flip): each row's plan as the\n"
      "engine computes it (for tests)."},
+    {"gather_spans", gather_spans, METH_VARARGS,
+     "gather_spans(blocks, spans, out, offsets) -> int: row i's bytes spans[i, 1]..spans[i, 2] of\n"
+     "blocks[spans[i, 0]] copied to out[offsets[i]:] (rows of block -1 skipped), the GIL released for the\n"
+     "copies; returns the bytes copied."},
     {NULL, NULL, 0, NULL},
 };
 

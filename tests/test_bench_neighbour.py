@@ -193,3 +193,21 @@ def test_cli_python_us_is_for_the_neighbour_bench_only(capsys: pytest.CaptureFix
 
     assert main(["bench", "--pipelines", "stoker-train", "--python-us", "100"]) == 2
     assert "--python-us applies to --pipelines neighbour only" in capsys.readouterr().err
+
+
+def test_the_stoker_process_feed_takes_the_process_count(tmp_path: Path) -> None:
+    """`--processes P`: the stoker-process feed at N threads runs min(N, P) worker processes."""
+    from stoker.tools.bench_neighbour import _Data, _open_feed
+
+    from test_loader import build_packed
+
+    with pytest.raises(ConfigError, match="--processes"):
+        run_neighbour(tmp_path, processes=0)
+    data = _Data(tmp_path, build_packed(tmp_path / "ds", n=8), 8, processes=3)
+    for threads, want in ((2, 2), (1, 1)):
+        it, close = _open_feed("stoker-process", threads, data, 4, seed=0)
+        try:
+            x, _ = next(it)
+            assert x.shape == (4, 3, 224, 224) and len(it._run.children) == want
+        finally:
+            close()

@@ -305,12 +305,13 @@ def test_a_batchs_jpeg_bytes_share_one_staging_buffer(packed: Path, monkeypatch:
     thread, each job's bytes a view at its own offset; a buffer too small for a batch is replaced by a
     larger one for the next, and the pixels never change."""
     from stoker.device import gpu_pipeline
+    from stoker.loading.jobs import slot_jobs
 
     seen: list[tuple[int, list]] = []
     submit = gpu_pipeline.PipelinedBuilder.submit
 
     def spy(self, slot):
-        jobs = [j for j in slot.jobs[:slot.size] if j is not None]
+        jobs = slot_jobs(slot, slot.size)   # made one at a time (slot.jobs) or a chunk at a time (slot.gpu_rows)
         base = slot.staging.buffer if slot.staging is not None else None
         spans = []
         for j in jobs:
@@ -459,13 +460,28 @@ def test_probes_of_a_far_slower_way_come_less_often() -> None:
     assert ctrl.mode == "split" and shares[-1] > 0.3
 
 
-def test_loader_stats_say_the_split_runs_the_engine_and_what_stays_per_row(packed: Path) -> None:
-    loader = Loader(packed, 16, transforms=CROP, workers=Workers(num_threads=2),
-                    device=DeviceOptions("cpu", decode="auto", gpu_share=0.5, gpu_decoder=FixedRateDecoder()))
+def test_loader_stats_say_the_split_runs_the_engine_and_nothing_stays_per_row(packed: Path) -> None:
+    """The split's CPU rows go through the engine and its GPU rows are prepared a chunk at a time: the
+    worker threads run no Python per sample, and LoaderStats says so; decode="gpu" alone likewise."""
+    from stoker.tools.doctor import _per_sample
+
+    for device in (DeviceOptions("cpu", decode="auto", gpu_share=0.5, gpu_decoder=FixedRateDecoder()),
+                   DeviceOptions("cpu", decode="gpu", gpu_decoder=FixedRateDecoder())):
+        loader = Loader(packed, 16, transforms=CROP, workers=Workers(num_threads=2), device=device)
+        try:
+            assert sum(len(x) for x, _ in loader) == 48
+            assert loader.stats.engine == (native.chunks_available() and device.decode == "auto")
+            if native.ON and (loader.stats.engine or device.decode == "gpu"):
+                assert loader.stats.per_sample_python == [], loader.stats.per_sample_python
+                line = _per_sample(loader.stats.engine, [], gpu=True)
+                assert line.startswith("none: the worker threads prepare the GPU's rows")
+                assert ("native batch engine" in line) == loader.stats.engine
+        finally:
+            loader.close()
+    loose = Loader(packed.parent / "src", 16, transforms=CROP, workers=Workers(num_threads=2),
+                   device=DeviceOptions("cpu", decode="gpu", gpu_decoder=FixedRateDecoder()))
     try:
-        assert sum(len(x) for x, _ in loader) == 48
-        assert loader.stats.engine == native.chunks_available()
-        if loader.stats.engine:
-            assert any("GPU's rows" in why for why in loader.stats.per_sample_python)
+        assert sum(len(x) for x, _ in loose) == 48
+        assert any("one at a time" in why for why in loose.stats.per_sample_python)
     finally:
-        loader.close()
+        loose.close()

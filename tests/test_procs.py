@@ -69,7 +69,8 @@ def clean(pids: list[int]) -> None:
 
 def test_processes_is_validated() -> None:
     assert Workers(processes=1).processes == 1 and Workers().processes == 0
-    for bad in (2, -1, True, "1"):
+    assert Workers(processes=2).processes == 2   # any N >= 1 (tests/test_procs_many.py)
+    for bad in (-1, True, "1", 1.0):
         with pytest.raises(ConfigError, match="processes must be 0"):
             Workers(processes=bad)
 

@@ -184,14 +184,15 @@ def test_a_pack_replaced_between_epochs_is_the_threads_shard_error(tmp_path: Pat
 
 
 # ---- 8. the whole job killed at once -------------------------------------------------------------------
-def test_killing_the_whole_job_while_the_worker_starts_leaves_nothing_in_dev_shm(packed: Path,
-                                                                                   tmp_path: Path) -> None:
+@pytest.mark.parametrize("processes", [1, 3])
+def test_killing_the_whole_job_while_the_worker_starts_leaves_nothing_in_dev_shm(packed: Path, tmp_path: Path,
+                                                                                   processes: int) -> None:
     cmd = _script(tmp_path / "job.py", f"""
         import multiprocessing, os, time
         from stoker import Loader, Workers, RandomResizedCrop
         if __name__ == "__main__":
             loader = Loader({str(packed)!r}, 4, transforms=[RandomResizedCrop(32)],
-                            workers=Workers(num_threads=2, processes=1))
+                            workers=Workers(num_threads={max(2, processes)}, processes={processes}))
             it = iter(loader)   # the worker process is starting
             print(os.getpid(), flush=True)
             time.sleep(60)

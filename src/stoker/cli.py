@@ -233,6 +233,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _cmd_bench_neighbour(args)
     if args.python_us:
         raise ConfigError("--python-us applies to --pipelines neighbour only; drop it, or add --pipelines neighbour")
+    if args.processes != 1:
+        raise ConfigError("--processes applies to --pipelines neighbour only; drop it, or add --pipelines neighbour")
     models = None if args.models is None else tuple(m.strip() for m in args.models.split(",") if m.strip())
     result = run_bench(args.data, images=args.images, batch_size=args.batch_size or 256, workers=args.workers,
                        rounds=args.rounds or 3, out_dir=args.out, device=args.device, models=models, steps=args.steps,
@@ -266,7 +268,7 @@ def _cmd_bench_neighbour(args: argparse.Namespace) -> int:
                           "--recipe, --models, --steps and --warmup-steps")
     result = run_neighbour(args.data, images=args.images, batch_size=args.batch_size or 32,
                            workers=args.workers or 2, rounds=args.rounds or 3, out_dir=args.out,
-                           progress=not args.quiet, python_us=args.python_us)
+                           progress=not args.quiet, python_us=args.python_us, processes=args.processes)
     print(json.dumps(result.to_json(), indent=1) if args.json else format_neighbour(result))
     return 0
 
@@ -433,6 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--python-us", type=float, default=0.0,
                    help="neighbour only: add a user transform of this many µs of pure Python per sample to stoker's "
                    "pipelines (what clips or your own transforms bring; where the worker process pays)")
+    p.add_argument("--processes", type=_positive, default=1,
+                   help="neighbour only: the worker processes of the stoker-process feed (Workers(processes=N), at "
+                   "most one per thread; default 1)")
     p.add_argument("--recipe", choices=("basic", "randaug", "deit"), default="basic",
                    help="augmentation recipe both sides run: basic (crop+flip), randaug (+RandAugment 2/9), "
                    "deit (+RandomErasing 0.25, Mixup/CutMix)")

@@ -86,6 +86,21 @@ def render_rows(blocks: Sequence, spans: np.ndarray, params: np.ndarray, images:
                             max_pixels=float(max_pixels))
 
 
+def gather_spans(blocks: Sequence, spans: np.ndarray, out: np.ndarray, offsets: np.ndarray) -> int:
+    """Row i's bytes `spans[i, 1]:spans[i, 2]` of `blocks[spans[i, 0]]` (int64 [k, 3], as
+    `render_rows` takes them) copied to `out[offsets[i]:]` (uint8, writable; `offsets` int64 [k]) for
+    every row whose block is not -1, in one call that releases the GIL for the copies (NumPy, one copy
+    per row, where the native path is off). Returns the bytes copied."""
+    if ON and hasattr(_mod, "gather_spans"):
+        return _mod.gather_spans(blocks, spans, out, offsets)
+    total = 0
+    for (block, lo, hi), at in zip(spans.tolist(), offsets.tolist()):
+        if block >= 0:
+            out[at:at + hi - lo] = np.frombuffer(blocks[block], np.uint8)[lo:hi]
+            total += hi - lo
+    return total
+
+
 def native_chunk(batch_size: int, threads: int) -> int:
     """Rows a worker claims at a time on the native path: up to 64 (the Python is per chunk, and
     after a chunk's native work it runs on cold caches, so fewer, larger chunks cost less of it),

@@ -17,6 +17,7 @@ from typing import Any
 from .._torch import torch
 from .stage import DeviceStage, convert, storages_on
 from ..loading.handout import batch_extras, labels_of, run_batch_ops
+from ..loading.jobs import cpu_rows, slot_jobs
 from ..loading.kinds import fold_rows, unfold_rows
 from ..loading.render import EpochChain
 from ..loading.slots import Slot
@@ -49,8 +50,8 @@ class DeviceBuilder:
             # the GPU decode writes every JPEG row: only the rows rendered on the CPU cross the bus
             # (all of a 256x224x224 batch would be 38.5 MB), into a batch allocated on the device
             x = torch.empty(slot.images[:n].shape, dtype=slot.images.dtype, device=self.opts.device)
-            jobs = slot.jobs[:n]
-            self._upload_rows(slot, x, [r for r in range(n) if r >= len(jobs) or jobs[r] is None])
+            jobs = slot_jobs(slot, n)   # the rows the workers left for the GPU, in row order
+            self._upload_rows(slot, x, cpu_rows(n, jobs))
         else:
             # on the CPU `.to()` would return the slot itself, which the workers are about to refill
             x = stage.upload(slot.images[:n]) if self.opts.is_cuda else slot.images[:n].clone()
@@ -59,7 +60,7 @@ class DeviceBuilder:
         # past this fence the GPU no longer reads the pinned slot: the workers may refill it while the
         # GPU decodes and converts (the JPEG bytes of GpuJobs are private copies, not slot memory)
         reusable = stage.fence()
-        if self.gpu is not None and self._decode_on_gpu(slot, x):
+        if self.gpu is not None and self._decode_on_gpu(slot, x, jobs):
             # CPU fallback rows were copied from the slot after that fence, and on_error="skip" may have
             # replaced a sample, label and extras included
             labels, extras = self._host_items(slot)
@@ -125,10 +126,9 @@ class DeviceBuilder:
             self.chain.fill(slot.plan, job.row, slot, self.scratch, self.times, gpu=False)
             self._upload_rows(slot, x, [job.row])
 
-    def _decode_on_gpu(self, slot: Slot, x: torch.Tensor) -> int:
+    def _decode_on_gpu(self, slot: Slot, x: torch.Tensor, jobs: list) -> int:
         """Decode the slot's GpuJobs into `x` (NHWC on the device); returns how many rows fell back to
         the CPU (rendered into the slot, then copied from it)."""
-        jobs = [j for j in slot.jobs[:slot.size] if j is not None]
         failed = self.gpu.run(jobs, x.permute(0, 3, 1, 2)) if jobs else []
         self.fallback(slot, x, failed)
         with self.lock:

@@ -33,7 +33,7 @@ from typing import Any
 
 from .._torch import torch
 from ..errors import LoaderClosedError, LoaderTimeoutError
-from ..loading.jobs import JpegStaging
+from ..loading.jobs import JpegStaging, cpu_rows, slot_jobs
 from ..loading.slots import Slot
 from .build import DeviceBuilder, run_batch_ops
 from .feeder import Feeder
@@ -275,16 +275,15 @@ class PipelinedBuilder:
     def submit(self, slot: Slot) -> _Pending:
         t0 = time.perf_counter()
         n = slot.size
-        jobs = slot.jobs[:n]
+        jobs = slot_jobs(slot, n)   # the GpuJobs of the rows the workers left for the GPU, in row order
         x = self._buffer(tuple(slot.images[:n].shape))
-        cpu_rows = [r for r in range(n) if r >= len(jobs) or jobs[r] is None]
-        self.base._upload_rows(slot, x, cpu_rows)
+        self.base._upload_rows(slot, x, cpu_rows(n, jobs))
         t1 = time.perf_counter()
         self.phases.add("upload_s", t1 - t0)
         plan_s = getattr(_batch_plan(slot), "gpu_plan_s", None)
         if plan_s:
             self.phases.add("plan_s", sum(plan_s))
-        ticket = _Ticket([j for j in jobs if j is not None], x.shape[1], x.shape[2])
+        ticket = _Ticket(jobs, x.shape[1], x.shape[2])
         self._stage_bytes(slot, ticket.jobs)
         self.decoder.submit(ticket)
         pending = _Pending(slot, x, ticket, self.stage.fence(), t0)

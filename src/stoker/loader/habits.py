@@ -29,8 +29,8 @@ _REFUSED = {
     "worker_init_fn": "stoker's workers are threads of this process (nothing to initialise); a transform that "
                       "needs randomness takes rng= (see docs/transforms.md)",
     "multiprocessing_context": "stoker's workers are threads: pass workers=N (or stoker.Workers(num_threads=N)); "
-                               "to run them in a worker process of their own (started with 'spawn'), pass "
-                               "workers=stoker.Workers(processes=1)",
+                               "to run them in worker processes of their own (started with 'spawn'), pass "
+                               "workers=stoker.Workers(processes=1) (or processes=N for N of them)",
     "in_order": "stoker hands batches out in order always",
 }
 

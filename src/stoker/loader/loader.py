@@ -248,7 +248,8 @@ class Loader:
 
         opts, pipeline = asked.device, asked.pipeline
         tail = ", ".join(op.name for op in pipeline.tail if hasattr(op, "name"))
-        why = ("CPU only: Workers(processes=1) renders in its worker process" if self.plan.processes
+        why = (f"CPU only: Workers(processes={self.plan.processes}) renders in its worker processes"
+               if self.plan.processes
                else auto_blocker(tail, pipeline.resampling, asked.targets.pad) or self.plan.kind.cpu_only)
         if why is None:
             try:
@@ -280,5 +281,10 @@ class Loader:
         h, w = self.output_size
         where = "" if self.device is None else f", to {self.device.device}, decode {self.device.decode}"
         return (f"<stoker.Loader {len(self.dataset)} samples, batch {self.batch_size}, {h}x{w}, "
-                f"{self.num_threads} threads{' in a worker process' if self.processes else ''}, "
+                f"{self.num_threads} threads{_in_processes(self.processes)}, "
                 f"rank {self.rank}/{self.world_size}, epoch {self.epoch}{where}>")
+
+
+def _in_processes(n: int) -> str:
+    """Where the worker threads run, for the Loader's repr."""
+    return "" if not n else " in a worker process" if n == 1 else f" in {n} worker processes"

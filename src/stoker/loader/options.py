@@ -194,7 +194,8 @@ class Targets(_Printable):
 class Workers(_Printable):
     """How the worker threads run. `Loader(workers=8)` is short for `Workers(num_threads=8)`.
 
-    num_threads: worker threads (default: the CPUs this process may use); threads, not processes.
+    num_threads: worker threads (default: the CPUs this process may use, less the cores a GPU training
+        process keeps for itself); with processes=N, all N processes' threads together, shared out evenly.
     prefetch: batches prepared ahead of the one you hold (the ring has prefetch + 2 slots).
     persistent: the threads run on into the next epoch (DataLoader's persistent_workers).
     pin_memory: default pinned when CUDA is available; True without CUDA is refused by the Loader.
@@ -202,9 +203,11 @@ class Workers(_Printable):
     on_error: "raise", or "skip" (a failed sample is replaced, deterministically, and counted).
     decode_quality: "accurate", "fast" or "exact" (CPU JPEG decode; "exact": the accurate decode at full
     size, no DCT scaling, so each resize sees torchvision's pixels; docs/decoding.md).
-    processes: 0 (the threads run in this process) or 1: the threads run in one child process, writing
-    into shared memory this process hands out as the batches, so the Python they run per sample (video
-    clips, user transforms) no longer competes with the training loop's for the GIL (docs/loader.md).
+    processes: 0 (the threads run in this process) or N >= 1: the threads run in N child processes
+    (started with "spawn"), writing into shared memory this process hands out as the batches, so the
+    Python they run per sample (video clips, user transforms) no longer competes with the training
+    loop's for the GIL, nor, with N > 1, with each other's. The batches are the same, bit for bit,
+    whatever N and num_threads (docs/loader.md says when which is the better choice).
     """
 
     num_threads: int | None = None
@@ -231,9 +234,15 @@ class Workers(_Printable):
             raise ConfigError(f"on_error must be 'raise' or 'skip', got {self.on_error!r}")
         if self.decode_quality not in DECODE_QUALITIES:
             raise ConfigError(f"decode_quality must be one of {DECODE_QUALITIES}, got {self.decode_quality!r}")
-        if isinstance(self.processes, bool) or self.processes not in (0, 1):
-            raise ConfigError(f"processes must be 0 (worker threads in this process) or 1 (the worker threads in "
-                              f"one child process; raise num_threads= for more of them), got {self.processes!r}")
+        if isinstance(self.processes, bool) or not isinstance(self.processes, (int, np.integer)) or self.processes < 0:
+            raise ConfigError(f"processes must be 0 (worker threads in this process) or N >= 1 (the worker threads "
+                              f"in N child processes), got {self.processes!r}")
+        _set(self, "processes", int(self.processes))
+        if self.num_threads is not None and self.num_threads < self.processes:
+            raise ConfigError(f"num_threads counts the worker threads of all {self.processes} worker processes "
+                              f"together, at least one each: got num_threads={self.num_threads} for "
+                              f"processes={self.processes}; raise num_threads= to {self.processes} or more, or "
+                              f"lower processes=")
 
     @classmethod
     def of(cls, value: "Workers | int | None") -> "Workers":

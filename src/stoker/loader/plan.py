@@ -275,7 +275,7 @@ class LoadPlan:
     num_threads: int
     persistent: bool   # threads run on into the next epoch (never for a dataset in object storage)
     classes: tuple[str, ...] | None   # `Targets(classes=)`, pinned; None: the dataset's own
-    #: Workers(processes=1): the pickled RenderSpec for the worker process (procs.py); None: threads here
+    #: Workers(processes=N): the pickled RenderSpec for the worker processes (procs.py); None: threads here
     child_spec: bytes | None = None
 
     # the values that live once, read from where they live
@@ -384,11 +384,12 @@ def resolve(asked: Asked, ds: Dataset) -> LoadPlan:
     if w.processes:   # the worker threads in a child process: refuse here what cannot cross
         from ..loading.procs import check_process_mode
 
-        child_spec = check_process_mode(spec, ds, device=asked.device)
+        child_spec = check_process_mode(spec, ds, device=asked.device, processes=w.processes)
     return LoadPlan(asked, spec, epochs, labels.dtype if labels.dtype.kind in "iufb" else None, pin_memory,
-                    # on a GPU host the training process keeps cores of its own (_system.TRAINER_THREADS)
-                    w.num_threads or threads_per_process(getattr(getattr(asked.device, "device", None), "type", "")
-                                                         == "cuda"),
+                    # on a GPU host the training process keeps cores of its own (_system.TRAINER_THREADS); with
+                    # worker processes, the count is all of theirs together (at least one thread each)
+                    w.num_threads or max(w.processes, threads_per_process(
+                        getattr(getattr(asked.device, "device", None), "type", "") == "cuda")),
                     # a dataset in object storage gives its cache each epoch's order when that epoch starts
                     w.persistent and not ds.plans_downloads, pinned, child_spec)
 

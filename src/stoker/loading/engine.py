@@ -141,8 +141,9 @@ def cpu_share(spec: RenderSpec) -> bool:
 
 #: what to do when `per_sample_python` names something (stoker doctor prints it)
 PER_SAMPLE_FIX = ("move per-sample colour and policy ops to the batched GPU ops (stoker.transforms.gpu, run by the "
-                  "device thread on whole batches), or run the worker threads in a child process, whose GIL is not "
-                  "the training loop's: workers=stoker.Workers(processes=1)")
+                  "device thread on whole batches), or run the worker threads in child processes, whose GILs are "
+                  "not the training loop's: workers=stoker.Workers(processes=1), or processes=N (N > 1) where one "
+                  "process's Python per sample cannot keep up (the same batches, bit for bit)")
 
 
 def per_sample_python(spec: RenderSpec, chain: EpochChain, served: bool) -> list[str]:
@@ -150,16 +151,17 @@ def per_sample_python(spec: RenderSpec, chain: EpochChain, served: bool) -> list
     the cause), or [] where the engine serves the batches. Each such sample holds the GIL the training
     loop's thread needs for every op it dispatches: tens of µs per sample, which a dispatch-bound step
     pays in full (`stoker bench --pipelines neighbour` measures it)."""
-    if served:   # a split batch's CPU rows are the engine's; its GPU rows are still jobs made row by row
-        return ["decode='auto': the GPU's rows of each batch are queued for the device thread one at a time"
-                ] if spec.gpu_decode else []
+    if served:   # a split batch's CPU rows are the engine's, its GPU rows a chunk at a time (queue_gpu_rows)
+        return []
     pipe = spec.pipeline
     why = [f"{getattr(op, 'name', type(op).__name__)}: a per-sample op after the planned crop" for op in pipe.tail]
     why += [f"{type(t).__name__} targets ({t.column}): placed per sample" for t in spec.target_kinds()]
     if spec.kind.per_row_python:   # video clips: PyAV's frame loop
         why.append(spec.kind.per_row_python)
+    if spec.gpu_decode and not cpu_share(spec):   # decode="gpu": every JPEG row is the GPU's
+        return why + gpu_rows_per_sample(spec)
     if spec.gpu_decode:
-        why.append("decode='gpu': each JPEG row is queued for the device thread one at a time")
+        why += gpu_rows_per_sample(spec)
     if spec.pad:
         why.append("pad=True: each image is placed at its own size")
     if pipe.resampling[0] != "bilinear":
@@ -176,6 +178,22 @@ def per_sample_python(spec: RenderSpec, chain: EpochChain, served: bool) -> list
         ds = chain.fillers[0].ds if chain.fillers else None
         what = "a packed dataset of mostly JPEGs" if spec.heights is not None else "stored image sizes (a packed dataset)"
         why.append(f"the data is not {what}" + (f" ({type(ds).__name__})" if ds is not None else ""))
+    return why
+
+
+def gpu_rows_per_sample(spec: RenderSpec) -> list[str]:
+    """What keeps the GPU's rows of a batch from being prepared a chunk at a time by the worker threads
+    (`Filler.queue_gpu_rows`: crop windows in NumPy, the bytes gathered by one native call)."""
+    why = []
+    if spec.heights is None or not spec.kind.plans_batch:
+        why.append("decode='gpu': each JPEG row is queued for the device thread one at a time (its crop is "
+                   "planned when it is read: not a packed dataset of images)")
+    elif spec.pad or spec.target_kinds():
+        why.append("decode='gpu': each JPEG row is queued for the device thread one at a time (pad=True or "
+                   "targets are placed per row)")
+    if not native.ON:
+        why.append("the native path is off (STOKER_NATIVE=off, or the extension was not compiled): the GPU rows' "
+                   "JPEG bytes are copied one row at a time")
     return why
 
 
@@ -227,14 +245,15 @@ class BatchEngine:
         through `Filler.fill` with the batch's NumPy plan (`Filler.complete`). Returns the (row,
         exception) of the rows that failed, as `Filler.fill_chunk` does.
 
-        A split batch: rows from `gpu_from` on are left as GPU jobs first (`Filler.fill`), then the
-        rows before it go through the pool; the pool's busy seconds are the CPU side's time."""
+        A split batch: rows from `gpu_from` on are left for the GPU first, in one call
+        (`Filler.queue_gpu_rows`), then the rows before it go through the pool; the pool's busy seconds
+        are the CPU side's time."""
         filler, bp = plan
         errors: list = []
         end = r1
         if self.split:
             end = max(r0, min(r1, bp.gpu_from))
-            errors = filler.fill_rows(bp, range(end, r1), slot, scratch, times)
+            errors = filler.queue_gpu_rows(bp, end, r1, slot, scratch, times)
         rows: Any = range(r0, end)
         if end == r0:
             return errors

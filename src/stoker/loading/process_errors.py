@@ -32,7 +32,7 @@ class RemoteTraceback(Exception):
 
 
 def rebuild(data: dict) -> BaseException:
-    """The exception `procs._portable` described: the same class and message (a class the parent cannot
+    """The exception `proc_child.portable` described: the same class and message (a class the parent cannot
     import becomes a WorkerError with the same text); the child's traceback text is its innermost cause."""
     module, name = data["cls"]
     cls: Any = None
@@ -124,9 +124,10 @@ def has_main_guard(script: Path | None) -> bool:
     return False
 
 
-def start_failure(code: int | None, pid: int | None, guarded: bool) -> str:
-    """Why a worker process that died before it mapped its slots died, and what to do."""
-    head = f"stoker's worker process (pid {pid})"
+def start_failure(code: int | None, pid: int | None, guarded: bool, who: str | None = None) -> str:
+    """Why a worker process that died before it mapped its slots died, and what to do. `who`: how to
+    name it (default "stoker's worker process (pid N)"; with several, which of them)."""
+    head = who or f"stoker's worker process (pid {pid})"
     if code is not None and code < 0:
         return f"{head} was killed by {signal_name(-code)} (exit code {code}) while starting; " + killed_fix(-code)
     if not guarded:

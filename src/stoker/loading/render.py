@@ -7,8 +7,8 @@ here reaches back into the Loader that made it.
 `Filler` is what the worker threads run: plan a batch in one vectorised step (sample order,
 per-sample random draws, crop boxes from the stored image sizes, labels), then read, decode at the
 smallest DCT scale the crop allows, crop, resize and flip each sample straight into its row of a
-(pinned) ring slot, or replace it deterministically under on_error="skip". With decode="gpu" a JPEG
-row becomes a `GpuJob` instead, left for the device thread. Targets (boxes, instance masks, label
+(pinned) ring slot, or replace it deterministically under on_error="skip". With decode="gpu" the JPEG
+rows are left for the device thread instead, a chunk at a time (`jobs.GpuRows`). Targets (boxes, instance masks, label
 maps: `transforms.targets`) are read while the batch is planned and placed in each sample's output
 by the worker that renders it, through one protocol (`Target`), whatever their kind.
 
@@ -30,7 +30,7 @@ import numpy as np
 from .._torch import torch
 from .. import codecs, native
 from ..errors import DatasetError, OutputError, SampleError, UserTransformError
-from .jobs import GpuJob
+from .jobs import GpuJob, gpu_rows
 from .kinds import IMAGES, SampleKind
 from .labels import MultiLabel
 from ..order import TAG_DRAW, replacement_index, sample_keys, uniforms
@@ -173,6 +173,7 @@ class Filler:
         gpu_from = 0
         if self.gpu:
             slot.jobs = [None] * slot.size
+            slot.gpu_rows = []
             if slot.staging is not None:
                 slot.staging.reset()
             split = self.spec.gpu_split
@@ -234,6 +235,10 @@ class Filler:
         once for all of them), every other row, and any the native call could not write, through
         `fill` one at a time (the same pixels, errors and on_error replacements). Returns the
         (row, exception) of the rows that failed."""
+        if self.gpu:   # decode="gpu" without the batch engine: the CPU's rows one at a time, the GPU's at once
+            cut = max(r0, min(r1, plan.gpu_from))
+            return self.fill_rows(plan, range(r0, cut), slot, scratch, times) + self.queue_gpu_rows(
+                plan, cut, r1, slot, scratch, times)
         rows: Sequence[int] = range(r0, r1)
         if plan.native is not None:  # O(1) Python when every row is written: no per-row list, set or loop
             t0 = time.perf_counter()
@@ -261,6 +266,29 @@ class Filler:
             except BaseException as exc:
                 errors.append((r, exc))
         return errors
+
+    def queue_gpu_rows(self, plan: BatchPlan, r0: int, r1: int, slot: Slot, scratch: dict,
+                       times: WorkerTimes) -> list:
+        """Rows r0..r1 for the GPU in one call, as `queue_gpu` leaves each (the same crops): the JPEG rows
+        of a packed dataset become one `GpuRows` (`jobs.gpu_rows`: crop windows in NumPy, the bytes
+        gathered into the slot's staging buffer by one native call); any other row, and every row where
+        the batch has no plan or needs targets placed, go through `fill` one at a time. Returns the
+        (row, exception) of the rows that failed, as `fill_rows`."""
+        geo = plan.geometry
+        if r0 >= r1 or geo is None or self.targets or self.spec.pad:
+            return self.fill_rows(plan, range(r0, r1), slot, scratch, times)
+        t0 = time.perf_counter()
+        try:
+            rows, took = gpu_rows(self.ds, plan.indices[r0:r1], r0, geo, self.heights, self.widths, slot.staging,
+                                  (self.out_h, self.out_w))
+        except Exception:  # noqa: BLE001 - a shard that fails its check: each row's own read reports it
+            return self.fill_rows(plan, range(r0, r1), slot, scratch, times)
+        if rows is not None:
+            slot.gpu_rows.append(rows)
+        seconds = time.perf_counter() - t0
+        times.read += seconds
+        plan.gpu_plan_s.append(seconds)
+        return [] if took.all() else self.fill_rows(plan, (np.flatnonzero(~took) + r0).tolist(), slot, scratch, times)
 
     def queue_gpu(self, idx: int, key: int, u: np.ndarray, box: tuple | None, row: int, slot: Slot,
                   scratch: dict, times: WorkerTimes) -> None:
@@ -512,13 +540,18 @@ def native_claims(spec: RenderSpec, chain: EpochChain, threads: int, timeout: fl
     """`Run`'s chunk arguments: whole batches through the native batch engine where it serves them
     (`engine.batch_engine`), else chunks of rows through `chain.fill_chunk` where the native path
     serves the spec, else none (one row per claim through `fill`, as without it)."""
-    from .engine import batch_engine
+    from .engine import batch_engine, cpu_share
 
     # a split batch's CPU rows are what the native path serves with decode="cpu"
     engine = batch_engine(spec, chain, threads, timeout, native_serves(replace(spec, gpu_decode=False)))
     if engine is not None:
         chain.deferred = not spec.gpu_decode   # the split needs the batch's plan for its GPU rows
         return {"fill_chunk": engine.fill_chunk, "chunk": spec.batch_size, "engine": engine}
+    if spec.gpu_decode and spec.heights is not None and spec.kind.plans_batch:
+        # the GPU's rows a chunk at a time (`Filler.queue_gpu_rows`): one chunk per thread per batch, or,
+        # where the CPU renders a share row by row (a split the engine does not serve), four per thread
+        per = 4 if cpu_share(spec) else 1
+        return {"fill_chunk": chain.fill_chunk, "chunk": max(1, -(-spec.batch_size // (per * max(threads, 1))))}
     if not native_serves(spec):
         return {}
     return {"fill_chunk": chain.fill_chunk, "chunk": native.native_chunk(spec.batch_size, threads)}

@@ -65,7 +65,7 @@ def check_shm_fits(n_slots: int, batch_size: int, height: int, width: int, frame
     where, free, total = _shm_free()
     need = ring_bytes(n_slots, batch_size, height, width, frames)
     if need > free:
-        raise ConfigError(f"Workers(processes=1) keeps its batch ring in shared memory: {n_slots} slots x "
+        raise ConfigError(f"Workers(processes=...) keeps its batch ring in shared memory: {n_slots} slots x "
                           f"{batch_size} images x {height}x{width}x3 bytes = {need / 2**20:.1f} MiB, but {where} has "
                           f"{free / 2**20:.1f} MiB free of {total / 2**20:.1f} MiB (Docker's default is 64 MB): "
                           + _FIXES)
@@ -79,7 +79,7 @@ def _reserve(fd: int, nbytes: int) -> None:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as exc:
         where = "memory" if _memfd is not None else f"{_SHM}"
-        raise ConfigError(f"Workers(processes=1) cannot reserve a {nbytes / 2**20:.1f} MiB batch slot in shared "
+        raise ConfigError(f"Workers(processes=...) cannot reserve a {nbytes / 2**20:.1f} MiB batch slot in shared "
                           f"memory ({where}: {exc.strerror or exc}); " + _FIXES) from None
 
 
@@ -206,7 +206,7 @@ class SharedBuffers:
 
     def __init__(self, pin: bool = False, arrays: bool = False) -> None:
         if _posixshmem is None:   # pragma: no cover - Windows
-            raise ConfigError("Workers(processes=1) needs POSIX shared memory (Linux, macOS); use worker threads "
+            raise ConfigError("Workers(processes=...) needs POSIX shared memory (Linux, macOS); use worker threads "
                               "(Workers(processes=0), the default) on this system")
         self.pin = pin
         self.arrays = arrays   # device="numpy": the slots as numpy arrays counting their holders (numpy_output)

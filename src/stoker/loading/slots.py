@@ -109,6 +109,7 @@ class Slot:
     errors: list[tuple[int, BaseException]] = field(default_factory=list)
     jobs: list[Any] = field(default_factory=list)  # per row: work left for the device stage (GPU decode)
     staging: Any = None  # decode="gpu"/"auto": the batch's JPEG bytes (jobs.JpegStaging), made by the device thread
+    gpu_rows: list[Any] = field(default_factory=list)  # GPU rows prepared a chunk at a time (jobs.GpuRows)
     storage: int = 0  # the images' StorageImpl (an address; valid while `images` lives)
     uses: int = 0  # its use count with only the ring's own references
     owner: Any = None  # NumPy output: the image array, whose reference count counts its views (numpy_output)

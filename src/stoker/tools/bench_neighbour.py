@@ -7,8 +7,9 @@ training process. This bench measures both sides in one run:
 
 - **step inflation**: a fixed, dispatch-bound "training step" (`dispatch_step`: a few hundred small
   torch ops on tiny tensors, as kernel launches are for the host) timed on the main thread with no
-  loader, with stoker's Loader at 1..N threads (in this process, and in one worker process:
-  `Workers(processes=1)`, "stoker-process") and with a DataLoader + PIL at 1..N worker processes
+  loader, with stoker's Loader at 1..N threads (in this process, and in worker processes:
+  `Workers(processes=P)`, "stoker-process", P from `--processes`, default 1, at most one per thread)
+  and with a DataLoader + PIL at 1..N worker processes
   feeding it; per configuration the step's median and p90 (ms), the inflation of each over the
   no-loader step, and the loader's images/s. Configurations alternate within each round, so slow
   drifts of a shared machine fall on all of them.
@@ -265,9 +266,10 @@ def _dataloader_feed(root: Path, batch_size: int, workers: int, seed: int) -> tu
 
 def _open_feed(name: str, threads: int, data: "_Data", batch_size: int, seed: int
                ) -> tuple[Iterator[Any], Callable[[], None]]:
-    if name in ("stoker", "stoker-process"):   # the threads in this process, or in one worker process
-        return _stoker_feed(data.packed, batch_size, threads, seed, processes=int(name == "stoker-process"),
-                            python_us=data.python_us)
+    if name in ("stoker", "stoker-process"):   # the threads in this process, or in worker processes (at most
+        # one per thread: Workers' num_threads counts all of theirs)
+        processes = min(data.processes, threads) if name == "stoker-process" else 0
+        return _stoker_feed(data.packed, batch_size, threads, seed, processes=processes, python_us=data.python_us)
     return _dataloader_feed(data.root, batch_size, threads, seed)
 
 
@@ -277,6 +279,7 @@ class _Data:
     packed: Path   # the same images packed (stoker's)
     images: int
     python_us: float = 0.0   # µs of pure Python per sample in stoker's transforms (PythonWork)
+    processes: int = 1   # the "stoker-process" feed's worker processes (at most one per thread)
 
 
 # ----------------------------------------------------------------------------- results
@@ -313,6 +316,7 @@ class NeighbourResult:
     #: Python calls per batch run by stoker's threads (threads -> calls; `bench_calls.python_calls`), and
     #: "batch_size": the batch they were counted at
     calls: dict[str, float] = field(default_factory=dict)
+    processes: int = 1   # the "stoker-process" feed's Workers(processes=...) (at most one per thread)
 
     def get(self, name: str) -> NeighbourRow | None:
         return next((r for r in self.rows if r.name == name), None)
@@ -407,7 +411,7 @@ def run_neighbour(data_dir: Path | None = None, *, images: int | None = None, ba
                   workers: int | None = 2, rounds: int = 3, batches: int = 12, steps_per_batch: int = 10,
                   step_ops: int = STEP_OPS, gil_seconds: float = 2.0, out_dir: Path | None = None, seed: int = 0,
                   progress: bool = False, python_us: float = 0.0,
-                  calls_threads: tuple[int, ...] = CALLS_THREADS) -> NeighbourResult:
+                  calls_threads: tuple[int, ...] = CALLS_THREADS, processes: int = 1) -> NeighbourResult:
     """The noisy-neighbour bench: a dispatch-bound step's inflation beside each loader, and the GIL time per
     sample of stoker (threads here, and in a worker process) and of a DataLoader at 1 thread/worker
     (module docstring).
@@ -420,7 +424,8 @@ def run_neighbour(data_dir: Path | None = None, *, images: int | None = None, ba
     pure Python per sample added to stoker's transforms (`PythonWork`, as a user transform or a clip's frame
     loop brings; the DataLoader's transforms stay torchvision's). `calls_threads`: the thread counts at which
     the Python calls per batch of stoker's threads are counted (`bench_calls.python_calls`; () skips it).
-    Raises ConfigError for bad arguments.
+    `processes`: the worker processes of the "stoker-process" feed (`Workers(processes=)`, at most one
+    per thread). Raises ConfigError for bad arguments.
     """
     from .._progress import Progress
     from .bench import _data_stats, _pack_once, machine_info
@@ -428,6 +433,9 @@ def run_neighbour(data_dir: Path | None = None, *, images: int | None = None, ba
     from .baseline import list_image_folder
     from .synth import cached_imagenet_like
 
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        raise ConfigError(f"run_neighbour: processes (--processes) is the stoker-process feed's worker processes, "
+                          f">= 1; got {processes!r}")
     if not python_us >= 0:
         raise ConfigError(f"run_neighbour: python_us (--python-us) is µs of Python per sample, >= 0; got {python_us}")
     max_threads = workers or usable_cpus()
@@ -442,7 +450,7 @@ def run_neighbour(data_dir: Path | None = None, *, images: int | None = None, ba
         samples, _ = list_image_folder(root)
         _check(len(samples), batch_size, max_threads, rounds, batches, steps_per_batch, gil_seconds)
         bar.stage("packing the images once")
-        data = _Data(root, work / "packed-neighbour", len(samples), python_us)
+        data = _Data(root, work / "packed-neighbour", len(samples), python_us, processes)
         _pack_once(root, data.packed, max_threads)
         step = make_step(step_ops)
         for _ in range(20):   # warm the dispatcher and the caches
@@ -475,7 +483,8 @@ def run_neighbour(data_dir: Path | None = None, *, images: int | None = None, ba
             calls[str(n)] = python_calls(data.packed, calls_batch, n, seed=seed)
         calls["batch_size"] = calls_batch
         result = NeighbourResult(rows, gil, batch_size, rounds, steps_per_batch, batches, step_ops,
-                                 _data_stats(root, samples, generated), machine_info(), python_us, calls)
+                                 _data_stats(root, samples, generated), machine_info(), python_us, calls,
+                                 processes)
         if out_dir is not None:
             (work / "neighbour.json").write_text(json.dumps(result.to_json(), indent=1) + "\n")
             (work / "neighbour.md").write_text(format_neighbour(result) + "\n")
@@ -514,8 +523,10 @@ def format_neighbour(result: NeighbourResult) -> str:
               "configurations alternating within each round. Inflation: over the no-loader step. images/s: what "
               "the loop received; step share: the loop's time in steps (the rest waits in next()).",
               "stoker: Loader, RandomResizedCrop(224) + RandomHorizontalFlip on N threads in this process; "
-              "stoker-process: the same N threads in one worker process (Workers(processes=1)), batches in shared "
-              "memory. " + (f"Both add a user transform of {result.python_us:g} µs of pure Python per sample "
+              "stoker-process: the same N threads in "
+              + ("one worker process (Workers(processes=1))" if result.processes == 1 else
+                 f"min(N, {result.processes}) worker processes (Workers(processes={result.processes}), at most one "
+                 "per thread)") + ", batches in shared memory. " + (f"Both add a user transform of {result.python_us:g} µs of pure Python per sample "
                             "(PythonWork). " if result.python_us else "") +
               "dataloader: torch DataLoader + PIL + torchvision's transforms (ToTensor, Normalize) on N worker "
               "processes.",

@@ -119,7 +119,7 @@ class DoctorReport:
             f"  setup            batch {self.batch_size}, {self.steps} steps per run, {self.threads} loader thread(s), "
             f"{self.transforms} transforms, model: {self.model} on {self.device}",
             f"  JPEG decode      {self.decoder}",
-            f"  Python/sample    {_per_sample(self.engine, self.per_sample_python)}",
+            f"  Python/sample    {_per_sample(self.engine, self.per_sample_python, bool(self.gpu_decoder))}",
             *([f"  GPU JPEG decode  {self.gpu_decoder}"] if self.gpu_decoder else []),
             f"  loader alone     {self.loader_images_per_s:,.1f} images/s",
             *([f"  loader GPU mem   {self.loader_gpu_bytes / 1e6:,.1f} MB at peak, running alone (batches in flight, "
@@ -232,14 +232,19 @@ def _gpu_decode(stats: Any) -> str:
     return f"{stats.gpu_decoder or 'none'}; {stats.gpu_share:.0%} of each batch's JPEGs on the GPU: {stats.gpu_split}"
 
 
-def _per_sample(engine: bool, why: list[str]) -> str:
-    """The doctor's line on the Python the loader runs per sample beside the training loop."""
+def _per_sample(engine: bool, why: list[str], gpu: bool = False) -> str:
+    """The doctor's line on the Python the loader runs per sample beside the training loop (`gpu`: some
+    of each batch's JPEGs are decoded on the GPU)."""
     from ..loading.engine import PER_SAMPLE_FIX
 
+    if gpu and not why:
+        return ("none: the worker threads prepare the GPU's rows of a batch at once (crop windows in NumPy, the "
+                "JPEGs gathered by one native call)" + ("; the native batch engine renders the CPU's" if engine
+                                                        else ""))
     if engine and not why:
         return "none: the native batch engine renders whole batches without the GIL"
     if not why:
-        return "none in this process (the worker threads run in a child process)"
+        return "none in this process (the worker threads run in worker processes: Workers(processes=N))"
     return (f"yes, holding the training loop's GIL for tens of µs per sample ({'; '.join(why)}); fix: "
             f"{PER_SAMPLE_FIX}")
 

@@ -1,0 +1,257 @@
+"""The GPU's rows of a batch prepared a chunk at a time by the worker threads (`Filler.queue_gpu_rows`):
+crop windows over the chunk in NumPy (`jobs.crop_windows`), the JPEG bytes gathered into the slot's
+staging buffer by one native call (`native.gather_spans`). The same jobs, so the same pixels, bit for
+bit, as the per-row path (`Filler.queue_gpu`, one row at a time), with the stand-in decoders here and
+nvImageCodec's CPU backend where it is installed; and the worker threads' Python per batch no longer
+grows with the batch."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import stoker
+from conftest import jpeg_bytes
+from stoker import DeviceOptions, Loader, Workers, native
+from stoker.device.gpu_decode import GpuBatchDecoder
+from stoker.errors import ConfigError
+from stoker.loading import render
+from stoker.loading.jobs import JpegStaging, crop_windows
+from stoker.tools.gpu_standin import FixedRateDecoder
+from stoker.transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, crop_window
+from test_gpu_decode import CpuDecoder, textured
+
+CROP = [RandomResizedCrop(64), RandomHorizontalFlip()]
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("gpurows")
+    rng = np.random.default_rng(5)
+    for c in range(2):
+        (root / "src" / f"c{c}").mkdir(parents=True)
+        for i in range(20):
+            data = jpeg_bytes(textured(rng, 40 + 7 * i, 60 + 5 * i), quality=90)
+            (root / "src" / f"c{c}" / f"{i:02d}.jpg").write_bytes(data)
+    stoker.pack(str(root / "src"), str(root / "packed"))
+    return root / "packed"
+
+
+@pytest.fixture(scope="module")
+def jpegs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """80 JPEGs, all kept as JPEGs by the packer."""
+    root = tmp_path_factory.mktemp("gpurows-jpegs")
+    rng = np.random.default_rng(6)
+    (root / "src" / "c0").mkdir(parents=True)
+    for i in range(80):
+        data = jpeg_bytes(textured(rng, 120 + i, 150 + i), quality=75)
+        (root / "src" / "c0" / f"{i:02d}.jpg").write_bytes(data)
+    stoker.pack(str(root / "src"), str(root / "packed"))
+    return root / "packed"
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """JPEGs with PNG, raw and two damaged rows among them."""
+    from test_native_chunks import build
+
+    return build(tmp_path_factory.mktemp("gpurows-mixed") / "ds", seed=2, bad=(3, 20))
+
+
+def per_row(self: Any, plan: Any, r0: int, r1: int, slot: Any, scratch: dict, times: Any) -> list:
+    """The per-row path: each GPU row through `fill` -> `queue_gpu`, one at a time."""
+    return self.fill_rows(plan, range(r0, r1), slot, scratch, times)
+
+
+def run(path: Path, device: DeviceOptions, ops: list, monkeypatch: pytest.MonkeyPatch, rows_at_once: bool,
+        threads: int = 2, batch: int = 8) -> tuple[list, list]:
+    """(batches, every job the decoder was handed: its row, bytes, box, flip, window, sizes and key, per chunk)."""
+    seen: list = []
+    decode_chunk = GpuBatchDecoder.decode_chunk
+
+    def spy(self: Any, chunk: Any, out_h: int, out_w: int) -> Any:
+        seen.append([(j.row, bytes(j.data.numpy()), tuple(j.box), bool(j.flip), j.window, j.height, j.width, j.key)
+                     for j in chunk])
+        return decode_chunk(self, chunk, out_h, out_w)
+
+    with monkeypatch.context() as m:
+        m.setattr(GpuBatchDecoder, "decode_chunk", spy)
+        if not rows_at_once:
+            m.setattr(render.Filler, "queue_gpu_rows", per_row)
+        loader = Loader(path, batch, transforms=ops, seed=11, device=device,
+                        workers=Workers(num_threads=threads, on_error="skip"))
+        try:
+            batches = [(x.clone(), y.clone()) for x, y in loader]
+        finally:
+            loader.close()
+    return batches, seen
+
+
+def same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) and torch.equal(la, lb) for (x, la), (y, lb) in zip(a, b))
+
+
+# ---- the crop windows: transforms.crop_window's integers, a chunk at a time ---------------------------------------
+
+def test_crop_windows_are_crop_windows_integers_for_every_row() -> None:
+    """Boxes inside and outside the image, degenerate ones, and halves (the rounding ties): every row's
+    windows and padding are exactly `crop_window`'s."""
+    rng = np.random.default_rng(0)
+    n = 4000
+    h = rng.integers(1, 600, n)
+    w = rng.integers(1, 600, n)
+    box = np.stack([rng.uniform(-80, 500, n), rng.uniform(-80, 500, n), rng.uniform(0, 700, n),
+                    rng.uniform(0, 700, n)], 1)
+    box[::3] = np.round(box[::3] * 2) / 2   # halves: round() and np.rint both round them to even
+    box[::7, 2:] = 0.0                        # degenerate
+    for out_h, out_w in ((64, 64), (224, 160), (1, 3)):
+        src, dst, padded = crop_windows(box, h, w, out_h, out_w)
+        for i in range(n):
+            want = crop_window(box[i].tolist(), int(h[i]), int(w[i]), int(h[i]), int(w[i]), out_h, out_w)
+            assert (tuple(src[i].tolist()), tuple(dst[i].tolist()), bool(padded[i])) == (
+                want.src, want.dst, want.padded), (i, box[i], h[i], w[i], out_h, out_w)
+    assert padded.any() and not padded.all()
+
+
+# ---- the bytes: one native call for the chunk -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("native_on", [True, False])
+def test_gather_spans_copies_each_rows_bytes_to_its_offset(native_on: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if native_on and not (native.ON and hasattr(native._mod, "gather_spans")):
+        pytest.skip("the native extension is not built")
+    if not native_on:
+        monkeypatch.setattr(native, "ON", False)
+    rng = np.random.default_rng(1)
+    blocks = [rng.integers(0, 256, 5000, dtype=np.uint8), bytes(rng.integers(0, 256, 300, dtype=np.uint8)),
+              np.zeros(0, np.uint8)]
+    spans = np.array([[0, 10, 900], [-1, 0, 0], [1, 0, 300], [0, 4000, 5000], [0, 7, 7], [1, 299, 300]], np.int64)
+    lengths = np.where(spans[:, 0] >= 0, spans[:, 2] - spans[:, 1], 0)
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) + 3
+    out = np.full(int(lengths.sum()) + 6, 77, np.uint8)
+    assert native.gather_spans(blocks, spans, out, offsets) == int(lengths.sum())
+    for (block, lo, hi), at in zip(spans.tolist(), offsets.tolist()):
+        if block >= 0:
+            assert bytes(out[at:at + hi - lo]) == bytes(np.frombuffer(blocks[block], np.uint8)[lo:hi])
+    assert (out[:3] == 77).all() and (out[-3:] == 77).all()   # nothing written outside the rows
+    if native_on:
+        with pytest.raises(ValueError, match="row 3's bytes 4000..5000"):
+            native.gather_spans(blocks, spans, out, offsets + 7)
+        with pytest.raises(IndexError, match="names block 5 of 3"):
+            native.gather_spans(blocks, np.array([[5, 0, 1]], np.int64), out, np.zeros(1, np.int64))
+        with pytest.raises(ValueError, match="spans int64"):
+            native.gather_spans(blocks, spans[:2], out, offsets)
+
+
+def test_a_chunk_that_does_not_fit_the_staging_buffer_is_counted() -> None:
+    st = JpegStaging(torch.zeros(100, dtype=torch.uint8))
+    assert st.reserve(60) == 0 and st.reserve(30) == 60
+    assert st.reserve(20) is None and st.overflow == 20 and st.used == 90
+    st.reset()
+    assert st.reserve(100) == 0 and st.overflow == 0
+
+
+# ---- the same jobs and pixels as the per-row path --------------------------------------------------------------------
+
+@pytest.mark.parametrize("decode,share", [("gpu", None), ("auto", 0.5), ("auto", 1.0)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_at_once_hand_the_decoder_the_per_row_paths_jobs(packed: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              decode: str, share: float | None, threads: int) -> None:
+    """Real pixels (a simplejpeg decoder): the batches bit for bit, and each chunk's jobs (rows, bytes,
+    boxes, flips, windows, sizes, keys) those of the per-row path."""
+    device = DeviceOptions("cpu", decode=decode, gpu_share=share, gpu_decoder=CpuDecoder())
+    want, want_jobs = run(packed, device, CROP, monkeypatch, rows_at_once=False, threads=threads)
+    device = DeviceOptions("cpu", decode=decode, gpu_share=share, gpu_decoder=CpuDecoder())
+    got, got_jobs = run(packed, device, CROP, monkeypatch, rows_at_once=True, threads=threads)
+    assert same(want, got)
+    assert got_jobs == want_jobs and sum(len(c) for c in got_jobs) >= (12 if share == 0.5 else 30)
+
+
+def test_a_split_the_engine_does_not_serve_matches_the_per_row_path(packed: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """STOKER_ENGINE=off: the CPU's share row by row on the worker threads, the GPU's a chunk at a time."""
+    monkeypatch.setenv("STOKER_ENGINE", "off")
+    mk = lambda: DeviceOptions("cpu", decode="auto", gpu_share=0.5, gpu_decoder=CpuDecoder())  # noqa: E731
+    want, want_jobs = run(packed, mk(), CROP, monkeypatch, False)
+    got, got_jobs = run(packed, mk(), CROP, monkeypatch, True)
+    assert same(want, got) and got_jobs == want_jobs and sum(len(c) for c in got_jobs) >= 12
+
+
+def test_padded_windows_and_region_decode_match_the_per_row_path(packed: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CenterCrop larger than most images (padded windows), decoded whole and as regions (the stand-in
+    decodes the windows it is asked for)."""
+    ops = [CenterCrop(120)]
+    for dec in (lambda: CpuDecoder(), lambda: FixedRateDecoder(regions=True)):
+        want, want_jobs = run(packed, DeviceOptions("cpu", decode="gpu", gpu_decoder=dec()), ops, monkeypatch, False)
+        got, got_jobs = run(packed, DeviceOptions("cpu", decode="gpu", gpu_decoder=dec()), ops, monkeypatch, True)
+        assert same(want, got) and got_jobs == want_jobs
+        assert any(job[4].padded for chunk in got_jobs for job in chunk)
+
+
+@pytest.mark.skipif(not native.chunks_available(), reason="the native extension or its libjpeg is missing")
+def test_png_raw_and_damaged_rows_take_the_per_row_path_with_the_same_results(mixed: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows that are not JPEGs are rendered on the CPU, damaged JPEGs fail on the GPU stand-in and are
+    replaced (on_error="skip") as on the per-row path."""
+    for share in (None, 0.5):
+        mk = lambda: DeviceOptions("cpu", decode="gpu" if share is None else "auto", gpu_share=share,  # noqa: E731
+                                   gpu_decoder=CpuDecoder())
+        want, want_jobs = run(mixed, mk(), CROP, monkeypatch, False)
+        got, got_jobs = run(mixed, mk(), CROP, monkeypatch, True)
+        assert same(want, got) and got_jobs == want_jobs
+
+
+def test_nvimagecodec_cpu_backend_gives_the_per_row_paths_pixels(packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stoker.device.gpu_backends import NvImageCodecDecoder
+
+    for regions in (False, True):
+        try:
+            want, _ = run(packed, DeviceOptions("cpu", decode="gpu", gpu_decoder=NvImageCodecDecoder(
+                "cpu", regions=regions)), CROP, monkeypatch, False)
+            got, _ = run(packed, DeviceOptions("cpu", decode="gpu", gpu_decoder=NvImageCodecDecoder(
+                "cpu", regions=regions)), CROP, monkeypatch, True)
+        except ConfigError as exc:
+            pytest.skip(f"nvImageCodec's CPU backend is not usable here: {exc}")
+        assert same(want, got)
+
+
+# ---- the worker threads' Python per batch ----------------------------------------------------------------------------
+
+def worker_calls(path: Path, batch: int, monkeypatch: pytest.MonkeyPatch, rows_at_once: bool) -> float:
+    """Python calls per batch on the threads named stoker-worker-* (`threading.setprofile`), decode="gpu",
+    one worker thread."""
+    counts: dict[int, int] = {}
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if event in ("call", "c_call") and threading.current_thread().name.startswith("stoker-worker"):
+            counts[threading.get_ident()] = counts.get(threading.get_ident(), 0) + 1
+
+    with monkeypatch.context() as m:
+        if not rows_at_once:
+            m.setattr(render.Filler, "queue_gpu_rows", per_row)
+        loader = Loader(path, batch, transforms=CROP, seed=0, workers=Workers(num_threads=1),
+                        device=DeviceOptions("cpu", decode="gpu", gpu_decoder=FixedRateDecoder()))
+        threading.setprofile(hook)
+        try:
+            it = iter(loader)
+        finally:
+            threading.setprofile(None)   # type: ignore[arg-type]
+        n = sum(1 for _ in it)
+        loader.close()
+    return sum(counts.values()) / n
+
+
+def test_the_workers_python_per_batch_does_not_grow_with_the_batch(jpegs: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Going from batches of 4 to batches of 20 JPEGs adds 16 rows per batch: the per-row path pays tens
+    of calls for each, the chunk path a few for all of them."""
+    assert all(stoker.open_dataset(jpegs).sample(i).encoding == "jpeg" for i in range(80))
+    small, large = worker_calls(jpegs, 4, monkeypatch, True), worker_calls(jpegs, 20, monkeypatch, True)
+    small_rows, large_rows = worker_calls(jpegs, 4, monkeypatch, False), worker_calls(jpegs, 20, monkeypatch, False)
+    assert (large_rows - small_rows) / 16 > 20, (small_rows, large_rows)
+    assert (large - small) / 16 < 3, (small, large)
