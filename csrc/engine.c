@@ -647,7 +647,7 @@ static PyObject *gather_spans(PyObject *self, PyObject *args) {
                 goto done;
             ids[got++] = id;
         }
-        if (lo < 0 || hi < lo || hi > bufs[j].len || o[i] < 0 || o[i] + (hi - lo) > out.len) {
+        if (lo < 0 || hi < lo || hi > bufs[j].len || o[i] < 0 || o[i] > out.len - (hi - lo)) {  /* no overflow */
             PyErr_Format(PyExc_ValueError, "gather_spans: row %zd's bytes %lld..%lld (of %zd) do not fit at offset "
                          "%lld of %zd", i, (long long)lo, (long long)hi, bufs[j].len, (long long)o[i], out.len);
             goto done;

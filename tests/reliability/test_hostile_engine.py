@@ -468,3 +468,19 @@ def test_a_pack_of_nothing_but_damaged_rows_fails_the_same_named_way(tmp_path, c
     assert counted, "the engine did not take the pack"
     monkeypatch.setenv(engine.ENV, "off")
     assert first_error() == on and "replacement samples failed as well" in on and "sample 'bad/" in on
+
+
+def test_gather_spans_refuses_an_offset_past_the_buffer_however_large():
+    """`gather_spans` (the GPU rows' bytes into their staging buffer) checked `offset + length > size`,
+    which overflowed for an offset near 2**63 and wrote outside the buffer (a segfault). In a child."""
+    code = ("import numpy as np\nfrom stoker import native\n"
+            "data, out = np.arange(100, dtype=np.uint8), np.zeros(50, np.uint8)\n"
+            "for off in (30, 31, 2**63 - 5, 2**63 - 1, -1):\n"
+            "    try:\n"
+            "        print(off, native._mod.gather_spans([data], np.array([[0, 0, 20]], np.int64), out,\n"
+            "                                            np.array([off], np.int64)))\n"
+            "    except ValueError:\n"
+            "        print(off, 'refused')\n")
+    proc = run_child(code)
+    assert proc.stdout.split("\n")[:5] == ["30 20", "31 refused", f"{2**63 - 5} refused", f"{2**63 - 1} refused",
+                                            "-1 refused"], proc.stdout + proc.stderr
