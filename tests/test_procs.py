@@ -90,7 +90,22 @@ def test_same_bits_as_threads_over_two_epochs(packed: Path) -> None:
         xp, yp = run_epoch(process)
         assert np.array_equal(xt, xp) and np.array_equal(yt, yp)
     assert process.stats.samples == 2 * 48 and process.stats.decode_s > 0   # the child's counters came home
+    # the child renders as the threads do (this pack is under 90% JPEG: not the engine), and the stats say so
+    assert process.stats.engine == threads.stats.engine and process.stats.per_sample_python == []
     assert process.epoch == 2
+    clean([])
+
+
+def test_the_stats_say_the_child_renders_with_the_engine(tmp_path: Path) -> None:
+    from stoker.packing import pack
+    from stoker.tools.synth import make_tiny_jpegs
+
+    pack(make_tiny_jpegs(tmp_path / "src", 16, classes=2, size=(72, 80)), tmp_path / "ds", progress=False)   # over raw_below
+    for workers in (THREADS, PROCESS):
+        with Loader(tmp_path / "ds", 8, transforms=TRAIN, workers=workers) as loader:
+            assert not loader.stats.engine
+            run_epoch(loader)
+            assert loader.stats.engine, workers   # every row a JPEG: the native batch engine, in either
     clean([])
 
 

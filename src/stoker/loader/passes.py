@@ -216,6 +216,9 @@ class _Crew:
         if parts.child_spec is not None:   # the threads in a worker process, over a ring in shared memory
             from ..loading.procs import process_run
 
+            # the children's own threads run the per-sample Python: none of it in this process; whether
+            # they render with the engine comes with their first batch
+            passes.stats.engine, passes.stats.per_sample_python = False, []
             self.run = process_run(parts, passes.dataset, passes.stats, self._orders, sizes, threads, extra,
                                    open_ended=persistent)
         else:

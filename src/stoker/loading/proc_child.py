@@ -179,6 +179,7 @@ def _child(conn: Any, payload: dict) -> None:
         with run.lock:
             out = {k: getattr(stats, k) for k in COUNTERS}
             out["skipped_keys"] = list(stats.skipped_keys)
+        out["engine"] = run.engine is not None   # LoaderStats.engine in the training process
         return out
 
     try:

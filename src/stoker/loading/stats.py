@@ -29,7 +29,8 @@ class LoaderStats:
     gpu_split: str = ""  # why that share (measured throughputs, a fixed gpu_share, or why the CPU alone)
     # decode="gpu"/"auto": seconds per phase of the GPU path (device.gpu_pipeline.Phases names them)
     gpu_phases: dict = field(default_factory=dict)
-    engine: bool = False  # the latest pass's batches were rendered by the native batch engine (engine.py)
+    engine: bool = False  # the latest pass's batches were rendered by the native batch engine (engine.py; in
+    #                       the process mode, the worker processes' own, as their batches report)
     #: what runs Python per sample in the training process in the latest pass, and why (empty with the
     #: engine, or with the workers in a child process); `engine.PER_SAMPLE_FIX` says what to do
     per_sample_python: list[str] = field(default_factory=list)
