@@ -309,3 +309,12 @@ def test_the_pool_threads_take_the_nice_value_they_are_given():
     assert nices().count(7) == 3 and os.getpriority(os.PRIO_PROCESS, 0) == 0   # the caller's own stays
     pool.close()
     assert nices().count(7) == 0
+
+
+def test_the_pool_runs_at_the_lowest_priority_unless_told(monkeypatch):
+    monkeypatch.delenv(engine.ENV + "_NICE", raising=False)
+    assert engine.pool_nice() == engine.NICE == 19   # the training process's threads first
+    monkeypatch.setenv(engine.ENV + "_NICE", "0")
+    assert engine.pool_nice() == 0
+    monkeypatch.setenv(engine.ENV + "_NICE", "low")
+    assert engine.pool_nice() == 19

@@ -63,8 +63,11 @@ _STOPPED = 1   # Engine.run's state when close() stopped the pool
 #: per sample on the coordinator threads only
 MIN_JPEG_SHARE = 0.9
 #: the pool threads' Linux nice value: under contention for a core the training process's own threads
-#: (the training loop, autograd's, the device thread: nice 0) run first; alone, the pool loses nothing
-NICE = 0
+#: (the training loop, autograd's, the device thread: nice 0) run first; alone, the pool loses nothing.
+#: 19 (the lowest priority): beside a dispatch-bound step on 2 cores, 2 pool threads inflated the step
+#: 0.8% and 4.2% at 19, 1.7% and 11.8% at 10, 2.6% and 16.5% at 0 (two runs of benchmarks/bench_engine.py,
+#: medians of 3 and 5 rounds), with images/s and CPU per image within the runs' noise of 0's
+NICE = 19
 
 
 def pool_nice() -> int:
