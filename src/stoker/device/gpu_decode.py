@@ -111,20 +111,18 @@ def _dense(img: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
 
 def _flats(imgs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], np.ndarray]:
     """`_dense` of every image: the flat blocks and int64 [N, 4] (channel, row, column strides, elements).
-    A contiguous CHW image or an interleaved HWC one viewed as CHW (the usual outputs) takes two calls,
-    its strides read once; anything else goes through `_dense`."""
+    When every image is a contiguous CHW image or an interleaved HWC one viewed as CHW (the usual
+    outputs), each takes two calls, its strides read once; otherwise each goes through `_dense`."""
+    shapes = [img.shape for img in imgs]
     strides = [img.stride() for img in imgs]
-    flats, meta = [], []
-    for img, st in zip(imgs, strides):
-        c, h, w = img.shape
-        if h * w and (st == (h * w, w, 1) or (c == 3 and st == (1, 3 * w, 3))):
-            n = c * h * w
-            flats.append(img.as_strided((n,), (1,), img.storage_offset()))
-        else:
-            flat, st = _dense(img)
-            n = flat.shape[0]
-            flats.append(flat)
-        meta.append((*st, n))
+    if all([h * w and (st == (h * w, w, 1) or (c == 3 and st == (1, 3 * w, 3)))
+            for (c, h, w), st in zip(shapes, strides)]):
+        flats = [img.as_strided((c * h * w,), (1,)) for img, (c, h, w) in zip(imgs, shapes)]
+        meta = [(*st, c * h * w) for st, (c, h, w) in zip(strides, shapes)]
+    else:
+        dense = [_dense(img) for img in imgs]
+        flats = [flat for flat, _ in dense]
+        meta = [(*st, flat.shape[0]) for flat, st in dense]
     return flats, np.array(meta, dtype=np.int64).reshape(-1, 4)
 
 
@@ -245,16 +243,17 @@ class GpuBatchDecoder:
         float32 crops and their int64 index, both resampling matrices with the temporaries that build
         them, the intermediate product, the result) would pass budget_bytes."""
         group: list[_Placed] = []
-        ch = cw = 0
+        ch = cw = k = 0
         for p in sorted(placed, key=_CROP):
             ph, pw = p.crop
             h, w = (ch if ch > ph else ph), (cw if cw > pw else pw)
-            need = 4 * (len(group) + 1) * (9 * h * w + _WEIGHT_TEMPS * (out_h * h + out_w * w)
+            need = 4 * (k + 1) * (9 * h * w + _WEIGHT_TEMPS * (out_h * h + out_w * w)
                                            + 3 * out_h * w + 3 * out_h * out_w)
             if group and need > self.budget_bytes:
                 yield group
-                group, h, w = [], ph, pw
+                group, h, w, k = [], ph, pw, 0
             group += (p,)
+            k += 1
             ch, cw = h, w
         if group:
             yield group
