@@ -19,9 +19,9 @@ failure, never raised, and the Loader decodes it on the CPU instead.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from functools import partial
 from operator import attrgetter
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -86,8 +86,7 @@ def _axis_weights(n_out: int, length: torch.Tensor, size: torch.Tensor, start: t
     return weights * inside
 
 
-@dataclass
-class _Placed:
+class _Placed(NamedTuple):
     """A decoded image and where its crop goes: source window (sy0, sy1, sx0, sx1) inside `img`, target
     window (dy0, dy1, dx0, dx1) inside the output, mirrored or not; `crop` is the source window's
     (height, width)."""
@@ -97,6 +96,9 @@ class _Placed:
     src: tuple[int, int, int, int]
     dst: tuple[int, int, int, int]
     crop: tuple[int, int]
+
+
+_new_placed = partial(tuple.__new__, _Placed)  # a _Placed from one tuple, without a Python frame
 
 
 def _dense(img: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -226,14 +228,19 @@ class GpuBatchDecoder:
     def chunks(self, jobs: Sequence[GpuJob]) -> Iterator[list[GpuJob]]:
         """Consecutive runs of jobs whose decoded bytes (3*h*w each) sum to at most budget_bytes; a job
         larger than the budget on its own gets a chunk of its own."""
+        if self.regions:
+            sizes = [3 * (w.src[1] - w.src[0]) * (w.src[3] - w.src[2]) if w is not None
+                     else 3 * (h if h > 0 else 0) * (v if v > 0 else 0)
+                     for w, h, v in [(job.window, job.height, job.width) for job in jobs]]
+        else:   # `_decoded_bytes` of each, inline
+            sizes = [3 * (h if h > 0 else 0) * (v if v > 0 else 0) for h, v in [(job.height, job.width) for job in jobs]]
         chunk: list[GpuJob] = []
         size = 0
-        for job in jobs:
-            nbytes = self._decoded_bytes(job)
+        for job, nbytes in zip(jobs, sizes):
             if chunk and size + nbytes > self.budget_bytes:
                 yield chunk
                 chunk, size = [], 0
-            chunk.append(job)
+            chunk += (job,)
             size += nbytes
         if chunk:
             yield chunk
@@ -296,10 +303,28 @@ class GpuBatchDecoder:
                                                               for w in windows])
         else:
             images = _decode_each(self.decoder.decode, datas)
+        # one pass over the results, reading attributes only: an image of the size expected, already on
+        # the device, is placed as it is; anything else goes through `_place` (checks, grayscale, moves)
+        if self.regions:
+            geo = [((0, y1 - y0, 0, x1 - x0), w.dst) for w in windows for y0, y1, x0, x1 in (w.src,)]
+        else:
+            geo = [(w.src, w.dst) for w in windows]
+        sizes = [(3, src[1], src[3]) for src, _ in geo] if self.regions else [(3, job.height, job.width)
+                                                                               for job in chunk]
+        dev, u8, tensor = self.device, torch.uint8, torch.Tensor
+        fine = [img.__class__ is tensor and img.dtype == u8 and img.shape == size and img.device == dev
+                for img, size in zip(images, sizes)]
+        if all(fine):
+            return [_new_placed((job, img, src, dst, (src[1] - src[0], src[3] - src[2])))
+                    for job, img, (src, dst) in zip(chunk, images, geo)], []
         placed: list[_Placed] = []
         failures: list[tuple[GpuJob, Exception]] = []
         for k, job in enumerate(chunk):
             img, images[k] = images[k], None
+            if fine[k]:
+                src, dst = geo[k]
+                placed += (_new_placed((job, img, src, dst, (src[1] - src[0], src[3] - src[2]))),)
+                continue
             try:
                 if isinstance(img, BaseException):
                     raise img
