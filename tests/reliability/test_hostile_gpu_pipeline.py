@@ -304,3 +304,26 @@ def test_the_interpreter_exits_while_the_decoder_hangs(packed):
     returns: the process still exits, with the script's status."""
     proc = run_child(_EXIT, str(packed), timeout=60)
     assert "EXITING" in proc.stdout and proc.returncode == 0, proc.stderr[-2000:]
+
+
+class DecodesNothing(FixedRateDecoder):
+    """Every call fails: each image is then tried alone, fails again, and the CPU decodes it."""
+
+    def decode(self, datas, regions=None):
+        raise RuntimeError("this decoder decodes nothing")
+
+
+def test_a_decoder_that_decodes_nothing_loses_its_share_under_auto(packed: Path) -> None:
+    """decode="auto" measures the GPU side by what it decoded, its CPU fallbacks on its own time: a
+    decoder whose every image falls back is left with no rows (it was rated as if it had decoded them)."""
+    loader = Loader(packed, 4, transforms=CROP, seed=3, workers=Workers(num_threads=2),
+                    device=DeviceOptions("cpu", decode="auto", gpu_decoder=DecodesNothing()))
+    want = [x.numpy().copy() for x, _ in Loader(packed, 4, transforms=CROP, seed=3, workers=Workers(num_threads=2))]
+    for epoch in range(2):
+        got = [x.numpy().copy() for x, _ in loader]
+        assert len(got) == len(want) and loader.stats.gpu_fallbacks > 0 and loader.stats.gpu_decoded == 0
+        if epoch == 0:
+            assert all(np.array_equal(a, b) for a, b in zip(got, want))   # every image decoded on the CPU
+        # at most the floor a probe window of the split keeps (it was rated at its calls' speed: 0.5-0.65)
+        assert loader.stats.gpu_share <= 0.02, loader.stats.gpu_split
+    loader.close()

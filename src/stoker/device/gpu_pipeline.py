@@ -334,15 +334,17 @@ class PipelinedBuilder:
         if failures:
             self.base.fallback(slot, x, failures)
             labels, extras = self.base._host_items(slot)
-        self.phases.add("fallback_s", time.perf_counter() - t2)
+        fallback = time.perf_counter() - t2
+        self.phases.add("fallback_s", fallback)
         reusable = self.stage.fence()
         pending.copied, pending.finished = reusable, True
         t3 = time.perf_counter()
         batch = self._convert(slot, x, labels, extras)
         t4 = time.perf_counter()
         self.phases.add("convert_s", t4 - t3)
-        # the GPU side's pace: its busier stage, the decode calls or the resample (they overlap)
-        self._account(slot, ticket, failures, gpu_side=max(decode_s, resample))
+        # the GPU side's pace: its busier stage, the decode calls or the resample (they overlap), and the
+        # CPU decode of the images it could not decode
+        self._account(slot, ticket, failures, gpu_side=max(decode_s, resample) + (fallback if failures else 0.0))
         self.stats.device_s += pending.submit_s + t4 - t_finish - decode_wait
         self.base.working = storages_on(x, self.opts.device)
         if storages_on(batch, self.opts.device).keys() & self.base.working.keys():
@@ -374,7 +376,8 @@ class PipelinedBuilder:
             n_cpu = slot.size - len(ticket.jobs)
             if n_cpu > 0:
                 self.split.observe_cpu(n_cpu, cpu_s)
-            self.split.observe_gpu(len(ticket.jobs), gpu_side)
+            if ticket.jobs:   # what the GPU decoded: its fallbacks were the CPU's work, on its time
+                self.split.observe_gpu(len(ticket.jobs) - len(failures), gpu_side)
             # the batch's pace: its slower side, each timed where it ran (not the gap between two
             # batches, which a backlog of finished slots would shorten)
             self.split.observe_batch(slot.size, max(cpu_s / self.split.threads, gpu_side if ticket.jobs else 0.0),

@@ -95,8 +95,10 @@ class SplitControl:
         return n / t
 
     def observe_gpu(self, images: int, seconds: float) -> None:
-        """The GPU side took `seconds` (its busiest stage: the decode calls, or the resample) for `images`."""
-        if images > 0 and seconds > 0:
+        """The GPU side took `seconds` (its busiest stage: the decode calls, or the resample, and the CPU
+        decode of what it could not decode) for the `images` it decoded: 0 when it decoded none, which
+        moves its rate down (a decoder that fails every image gets no more rows than the probes')."""
+        if images >= 0 and seconds > 0:
             with self.lock:
                 self.gpu_rate = self._smooth("gpu", images, seconds)
                 self._update()
@@ -185,7 +187,7 @@ class SplitControl:
         if self.fixed is not None or self.gpu_rate is None or self.cpu_rate is None:
             return
         g, c = self.gpu_rate, self.cpu_rate
-        self.balanced = g / (g + c)
+        self.balanced = g / (g + c) if g + c > 0 else 0.0
         if self.mode == "split":
             if self.balanced < self.floor and (self.pace["split"] is None or self.pace["cpu"] is None):
                 self.mode = "cpu"  # no pace measured both ways yet: the capacities decide
