@@ -54,11 +54,12 @@ def _violations(path: Path) -> list[str]:
     return found
 
 
-# The process mode (Workers(processes=1)) hands its own spawned worker process the Loader's RenderSpec
-# and sends exceptions back, pickled over the private pipe between the two: what multiprocessing's
+# The process mode (Workers(processes=N)) hands its own spawned worker processes the Loader's RenderSpec
+# and sends exceptions back, pickled over the private pipes between them: what multiprocessing's
 # Connection does with every message anyway. No dataset byte is pickled or unpickled there; only
-# these in-memory calls are allowed, in that one module (docs/security.md).
-PROCESS_HANDOFF = re.compile(r"procs\.py:\d+ (import pickle|pickle\.(dumps|loads|HIGHEST_PROTOCOL)(\(\))?)")
+# these in-memory calls are allowed, in its two modules, the parent's side and the child's
+# (docs/security.md).
+PROCESS_HANDOFF = re.compile(r"(procs|proc_child)\.py:\d+ (import pickle|pickle\.(dumps|loads|HIGHEST_PROTOCOL)(\(\))?)")
 # `stoker pack --engine ray` with a pack-time `map=` function: the user's own module is registered with Ray's
 # cloudpickle so its workers get the function by value (Ray pickles every task's arguments anyway). It
 # registers and unregisters a module; it unpickles nothing itself, in that one module only.
@@ -75,8 +76,10 @@ def test_no_pickle_eval_exec_in_src():
 
 def test_the_process_handoff_allowance_admits_no_file_unpickling():
     assert PROCESS_HANDOFF.fullmatch("procs.py:12 pickle.loads()")
+    assert PROCESS_HANDOFF.fullmatch("proc_child.py:119 pickle.loads()")
     for other in ("procs.py:12 pickle.load()", "procs.py:3 pickle.Unpickler", "reader.py:5 pickle.loads()",
-                  "procs.py:7 eval()", "procs.py:9 import marshal"):
+                  "procs.py:7 eval()", "procs.py:9 import marshal", "proc_child.py:3 pickle.load()",
+                  "my_procs.py:4 pickle.loads()"):
         assert not PROCESS_HANDOFF.fullmatch(other), other
 
 

@@ -195,10 +195,12 @@ class DeviceOptions:
     decode: "cpu" (JPEGs decoded by the worker threads), "gpu" (nvJPEG on the device side, with the
         CPU's crop plan; a Loader only; CUDA only, unless gpu_decoder is an object) or "auto": each
         batch's JPEGs split between the GPU decoder and the worker threads by their measured
-        throughput where a GPU decoder works here, else the CPU alone (`LoaderStats.gpu_split` says why).
+        throughput where a GPU decoder works here (the CPU's share through the native batch engine where
+        it serves the pipeline), else the CPU alone: no decoder, transforms only the CPU path runs, video
+        clips, or Workers(processes=N), which refuses "gpu" (`LoaderStats.gpu_split` says why).
     gpu_share: with decode="gpu"/"auto", a fixed share (0..1) of each batch's JPEGs for the GPU; None:
         all of them with "gpu", the measured balance with "auto" (docs/gpu-decode.md).
-    gpu_decoder: with decode="gpu", "auto" (TorchCodec, else nvImageCodec: the first that works here),
+    gpu_decoder: with decode="gpu" or "auto": "auto" (TorchCodec, else nvImageCodec: the first that works here),
         "torchcodec", "nvimgcodec" (hardware JPEG engines first) or an object with a
         `decode(list_of_uint8_tensors)` method.
 

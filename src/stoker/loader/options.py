@@ -196,7 +196,8 @@ class Workers(_Printable):
 
     num_threads: worker threads (default: the CPUs this process may use, less the cores a GPU training
         process keeps for itself); with processes=N, all N processes' threads together, shared out evenly.
-    prefetch: batches prepared ahead of the one you hold (the ring has prefetch + 2 slots).
+    prefetch: batches prepared ahead of the one you hold (the ring has prefetch + 2 slots, one more with a
+        device, two with GPU decode; with processes=N, prefetch + 1 + N and those).
     persistent: the threads run on into the next epoch (DataLoader's persistent_workers).
     pin_memory: default pinned when CUDA is available; True without CUDA is refused by the Loader.
     timeout: seconds to wait for one batch before LoaderTimeoutError.
@@ -207,7 +208,11 @@ class Workers(_Printable):
     (started with "spawn"), writing into shared memory this process hands out as the batches, so the
     Python they run per sample (video clips, user transforms) no longer competes with the training
     loop's for the GIL, nor, with N > 1, with each other's. The batches are the same, bit for bit,
-    whatever N and num_threads (docs/loader.md says when which is the better choice).
+    whatever N and num_threads (docs/loader.md says when which is the better choice). The workers
+    render with the native batch engine where it serves, as threads do. Refused when the Loader is
+    made: a dataset other than a pack on local storage, transforms that cannot be pickled or imported,
+    a daemonic process, DeviceOptions(decode="gpu"), a script without its `__main__` guard; with
+    decode="auto" the batches are decoded on the CPU alone.
     """
 
     num_threads: int | None = None

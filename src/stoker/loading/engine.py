@@ -22,11 +22,13 @@ without the engine, at any thread count (tests/test_engine.py compares them bit 
 
 With decode="auto" (or a `gpu_share=` below 1) the CPU's share of each split batch goes through
 the engine too: the batch is planned in NumPy as the split needs it (`Filler.prepare`), a coordinator
-leaves the GPU's rows as jobs for the device thread (`Filler.fill`, one per row), then renders the
-rows before `BatchPlan.gpu_from` in one `Engine.run`; the pool's busy seconds are the CPU side's
+leaves the GPU's rows for the device thread in one call (`Filler.queue_gpu_rows`: their crop windows
+and gathered JPEG bytes, or one job per row where that cannot serve), then renders the rows before
+`BatchPlan.gpu_from` in one `Engine.run`; the pool's busy seconds are the CPU side's
 time the split measures (`BatchPlan.cpu_render_s`). Which rows the GPU takes changes no CPU row's
 pixels: each row's stream and plan depend on its sample alone.
 
+On Linux the pool's threads run at nice `NICE` (19; `STOKER_ENGINE_NICE` sets another value, 0 to 19).
 `STOKER_ENGINE=off` (read when a pass starts) keeps the chunk path (`Filler.fill_chunk`: chunks of
 rows, claimed by as many Python threads as `num_threads`); `STOKER_NATIVE=off` turns every native
 path off.

@@ -10,7 +10,9 @@ from typing import Any
 
 @dataclass
 class LoaderStats:
-    """Counters of a Loader since it was made. Stage times are summed over worker threads (seconds)."""
+    """Counters of a Loader since it was made. Stage times are summed over worker threads (seconds; with
+    the native batch engine, `decode_s` is its pool's busy seconds; with `Workers(processes=N)`, the worker
+    processes' counters as their batches report them)."""
 
     samples: int = 0
     batches: int = 0
@@ -22,9 +24,9 @@ class LoaderStats:
     worker_wait_s: float = 0.0  # workers waiting for a free slot (the consumer is the bottleneck)
     consumer_wait_s: float = 0.0  # the training loop waiting for a batch (the loader is the bottleneck)
     device_s: float = 0.0  # the device thread building batches: uploads, conversion, GPU decode submission
-    gpu_decoded: int = 0  # samples decoded on the GPU (decode="gpu")
+    gpu_decoded: int = 0  # samples decoded on the GPU (decode="gpu"/"auto")
     gpu_fallbacks: int = 0  # JPEGs the GPU could not decode, decoded on the CPU instead
-    gpu_decoder: str = ""  # decode="gpu": the backend that decoded them (with what "auto" measured)
+    gpu_decoder: str = ""  # decode="gpu"/"auto": the backend that decoded them (with what "auto" measured)
     gpu_share: float = 0.0  # decode="gpu"/"auto": the share of each batch's JPEGs the GPU decodes now
     gpu_split: str = ""  # why that share (measured throughputs, a fixed gpu_share, or why the CPU alone)
     # decode="gpu"/"auto": seconds per phase of the GPU path (device.gpu_pipeline.Phases names them)
