@@ -19,15 +19,13 @@ failure, never raised, and the Loader decodes it on the CPU instead.
 from __future__ import annotations
 
 import contextlib
-from functools import partial
-from operator import attrgetter
 from typing import Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
 from .._torch import torch
 from ..errors import ConfigError, CorruptImageError, ImageError
-from ..loading.jobs import GpuJob
+from ..loading.jobs import GpuBatch, GpuJob
 from ..transforms import CropWindow, crop_window
 from .gpu_backends import (AUTO, BACKENDS, NVIMGCODEC_CPU_THREADS, REMOVED, TORCHCODEC_MIN,  # noqa: F401
                            GpuDecoder, NvImageCodecDecoder, TorchCodecDecoder, _decode_each, make_decoder)
@@ -37,8 +35,6 @@ F = torch.nn.functional
 #: Default bound on the decoded pixels held at once by `GpuBatchDecoder.run`: 256 MiB of uint8 RGB,
 #: e.g. about 470 ImageNet-sized (375x500) images, or 7 twelve-megapixel photos.
 DEFAULT_BUDGET_BYTES = 256 << 20
-
-_CROP = attrgetter("crop")
 
 
 # ---- crop, resize, flip on the device: a whole chunk in a few kernels ----------------------------------
@@ -98,7 +94,45 @@ class _Placed(NamedTuple):
     crop: tuple[int, int]
 
 
-_new_placed = partial(tuple.__new__, _Placed)  # a _Placed from one tuple, without a Python frame
+
+class PlacedChunk:
+    """A decoded chunk as columns: `imgs[i]` (uint8 [3, h, w] on the device) is row `pos[i]` of
+    `batch`, its crop's source window `src[i]` inside the image and target window `dst[i]` (int64
+    [k, 4]). Iterating (or indexing a position list with `take`) gives `_Placed` records, made only
+    when asked for: the resample reads the columns."""
+
+    __slots__ = ("batch", "pos", "imgs", "src", "dst")
+
+    def __init__(self, batch: GpuBatch, pos: np.ndarray, imgs: list, src: np.ndarray, dst: np.ndarray) -> None:
+        self.batch, self.pos, self.imgs, self.src, self.dst = batch, pos, imgs, src, dst
+
+    def __len__(self) -> int:
+        return len(self.imgs)
+
+    def __iter__(self) -> Iterator[_Placed]:
+        job = self.batch.job
+        return iter([_Placed(job(i), img, tuple(s), tuple(d), (s[1] - s[0], s[3] - s[2]))
+                     for i, img, s, d in zip(self.pos.tolist(), self.imgs, self.src.tolist(), self.dst.tolist())])
+
+    def take(self, sel: np.ndarray) -> "PlacedChunk":
+        order = sel.tolist()
+        imgs = self.imgs
+        return PlacedChunk(self.batch, self.pos[sel], [imgs[i] for i in order], self.src[sel], self.dst[sel])
+
+    def jobs(self) -> list[GpuJob]:
+        job = self.batch.job
+        return [job(i) for i in self.pos.tolist()]
+
+    @staticmethod
+    def of(placed: Sequence[_Placed]) -> "PlacedChunk":
+        """`_Placed` records as columns."""
+        if isinstance(placed, PlacedChunk):
+            return placed
+        n = len(placed)
+        batch = GpuBatch.of_jobs([p.job for p in placed])
+        return PlacedChunk(batch, np.arange(n, dtype=np.int64), [p.img for p in placed],
+                           np.array([p.src for p in placed], np.int64).reshape(n, 4),
+                           np.array([p.dst for p in placed], np.int64).reshape(n, 4))
 
 
 def _dense(img: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -155,7 +189,7 @@ def _gather_crops(imgs: Sequence[torch.Tensor], src: np.ndarray, ch: int, cw: in
     return joined[index].to(torch.float32)
 
 
-def resample_into(placed: Sequence[_Placed], out: torch.Tensor) -> None:
+def resample_into(placed: "PlacedChunk | Sequence[_Placed]", out: torch.Tensor) -> None:
     """Crop, resize (bilinear, antialiased when shrinking in either axis), round, flip and store every
     sample of `placed` into its row of `out` (uint8 [B, 3, H, W], any strides) in a fixed number of
     kernels, never one per sample: the crops gathered into a float32 batch (`_gather_crops`), two
@@ -165,17 +199,18 @@ def resample_into(placed: Sequence[_Placed], out: torch.Tensor) -> None:
     n = len(placed)
     if n == 0:
         return
+    cols = PlacedChunk.of(placed)
     dev = out.device
     out_h, out_w = out.shape[2], out.shape[3]
-    # per sample, one row: source window, target window, flip, batch row
-    geo = np.array([(*p.src, *p.dst, p.job.flip, p.job.row) for p in placed], dtype=np.int64).reshape(n, 10)
-    src, dst = geo[:, 0:4], geo[:, 4:8]
+    src, dst = cols.src, cols.dst
+    batch = cols.batch
+    flip, rows = batch.flip[cols.pos], batch.rows[cols.pos]
     h, w = src[:, 1] - src[:, 0], src[:, 3] - src[:, 2]
     th, tw = dst[:, 1] - dst[:, 0], dst[:, 3] - dst[:, 2]
     ch, cw = int(h.max()), int(w.max())
-    crops = _gather_crops([p.img for p in placed], src, ch, cw, dev)
+    crops = _gather_crops(cols.imgs, src, ch, cw, dev)
     anti = (h > th) | (w > tw)  # antialias both axes once either shrinks
-    cols = _host_columns(np.stack([h, w, th, tw, dst[:, 0], dst[:, 2], geo[:, 8] != 0, anti, geo[:, 9]], 1), dev)
+    cols = _host_columns(np.stack([h, w, th, tw, dst[:, 0], dst[:, 2], flip, anti, rows], 1), dev)
     h, w, th, tw, ty, tx, flip, anti, rows = cols.unbind(1)
     wy = _axis_weights(out_h, h, th, ty, anti.bool(), None, ch)
     wx = _axis_weights(out_w, w, tw, tx, anti.bool(), flip.bool(), cw)
@@ -219,64 +254,64 @@ class GpuBatchDecoder:
             self._stream = torch.cuda.Stream(device=self.device)
         return self._stream
 
-    def _decoded_bytes(self, job: GpuJob) -> int:
-        if self.regions and job.window is not None:
-            sy0, sy1, sx0, sx1 = job.window.src
-            return 3 * (sy1 - sy0) * (sx1 - sx0)
-        return 3 * max(job.height, 0) * max(job.width, 0)
+    def _decoded_bytes(self, batch: GpuBatch) -> np.ndarray:
+        """int64 [k]: the decoded bytes of each row (3*h*w; the crop's window with `regions`, where known)."""
+        full = 3 * np.maximum(batch.heights, 0) * np.maximum(batch.widths, 0)
+        if not self.regions:
+            return full
+        src = batch.src
+        return np.where(batch.planned, 3 * (src[:, 1] - src[:, 0]) * (src[:, 3] - src[:, 2]), full)
 
-    def chunks(self, jobs: Sequence[GpuJob]) -> Iterator[list[GpuJob]]:
-        """Consecutive runs of jobs whose decoded bytes (3*h*w each) sum to at most budget_bytes; a job
-        larger than the budget on its own gets a chunk of its own."""
-        if self.regions:
-            sizes = [3 * (w.src[1] - w.src[0]) * (w.src[3] - w.src[2]) if w is not None
-                     else 3 * (h if h > 0 else 0) * (v if v > 0 else 0)
-                     for w, h, v in [(job.window, job.height, job.width) for job in jobs]]
-        else:   # `_decoded_bytes` of each, inline
-            sizes = [3 * (h if h > 0 else 0) * (v if v > 0 else 0) for h, v in [(job.height, job.width) for job in jobs]]
-        chunk: list[GpuJob] = []
-        size = 0
-        for job, nbytes in zip(jobs, sizes):
-            if chunk and size + nbytes > self.budget_bytes:
-                yield chunk
-                chunk, size = [], 0
-            chunk += (job,)
+    def chunks(self, jobs: "GpuBatch | Sequence[GpuJob]") -> Iterator[GpuBatch]:
+        """Consecutive runs of rows whose decoded bytes (3*h*w each) sum to at most budget_bytes; a row
+        larger than the budget on its own gets a chunk of its own. Each run is a `GpuBatch`."""
+        batch = GpuBatch.of_jobs(jobs)
+        budget, start, size = self.budget_bytes, 0, 0
+        for k, nbytes in enumerate(self._decoded_bytes(batch).tolist()):
+            if k > start and size + nbytes > budget:
+                yield batch.take(slice(start, k))
+                start, size = k, 0
             size += nbytes
-        if chunk:
-            yield chunk
+        if start < len(batch):
+            yield batch.take(slice(start, len(batch)))
 
-    def groups(self, placed: list[_Placed], out_h: int, out_w: int) -> Iterator[list[_Placed]]:
+    def groups(self, placed: "PlacedChunk | Sequence[_Placed]", out_h: int, out_w: int) -> Iterator[PlacedChunk]:
         """`placed` sorted by crop size and cut where the working set of `resample_into` (gathered
         float32 crops and their int64 index, both resampling matrices with the temporaries that build
         them, the intermediate product, the result) would pass budget_bytes."""
-        group: list[_Placed] = []
+        cols = PlacedChunk.of(placed)
+        if not len(cols):
+            return
+        src = cols.src
+        hs, ws = src[:, 1] - src[:, 0], src[:, 3] - src[:, 2]
+        order = np.lexsort((ws, hs))   # by (height, width), stable: sorted() by `crop`
+        cut: list[int] = []
         ch = cw = k = 0
-        for p in sorted(placed, key=_CROP):
-            ph, pw = p.crop
+        for i, (ph, pw) in enumerate(zip(hs[order].tolist(), ws[order].tolist())):
             h, w = (ch if ch > ph else ph), (cw if cw > pw else pw)
             need = 4 * (k + 1) * (9 * h * w + _WEIGHT_TEMPS * (out_h * h + out_w * w)
                                            + 3 * out_h * w + 3 * out_h * out_w)
-            if group and need > self.budget_bytes:
-                yield group
-                group, h, w, k = [], ph, pw, 0
-            group += (p,)
+            if k and need > self.budget_bytes:
+                cut.append(i)
+                h, w, k = ph, pw, 0
             k += 1
             ch, cw = h, w
-        if group:
-            yield group
+        for part in np.split(order, cut):
+            yield cols.take(part)
 
     def _context(self) -> Any:
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
-    def run(self, jobs: Sequence[GpuJob], out: torch.Tensor) -> list[tuple[GpuJob, Exception]]:
-        """Decode `jobs` and write each into `out[job.row]` (uint8 [B, 3, H, W] on the device, any
-        strides). Returns the jobs that failed, each with an exception naming its key (the caller
-        decodes those on the CPU); one bad sample never raises. Call it inside the copy stream's
-        context: all work is queued on the current stream."""
-        self._check_out(jobs, out)
+    def run(self, jobs: "GpuBatch | Sequence[GpuJob]", out: torch.Tensor) -> list[tuple[GpuJob, Exception]]:
+        """Decode `jobs` (GpuJobs, or a `GpuBatch` of rows) and write each into `out[row]` (uint8
+        [B, 3, H, W] on the device, any strides). Returns the jobs that failed, each with an exception
+        naming its key (the caller decodes those on the CPU); one bad sample never raises. Call it
+        inside the copy stream's context: all work is queued on the current stream."""
+        batch = GpuBatch.of_jobs(jobs)
+        self._check_out(batch, out)
         failures: list[tuple[GpuJob, Exception]] = []
         with self._context():
-            for chunk in self.chunks(jobs):
+            for chunk in self.chunks(batch):
                 if self._reads_done is not None:
                     self._reads_done.synchronize()
                     self._reads_done = None
@@ -290,50 +325,70 @@ class GpuBatchDecoder:
         failures.sort(key=lambda f: f[0].row)
         return failures
 
-    def decode_chunk(self, chunk: Sequence[GpuJob], out_h: int, out_w: int
-                     ) -> tuple[list[_Placed], list[tuple[GpuJob, Exception]]]:
-        """Decode one chunk (on the current stream): each image placed with its crop window, and the
-        jobs that failed. With a `regions` decoder only each crop's window is decoded."""
-        windows = [job.window or crop_window(job.box, job.height, job.width, job.height, job.width, out_h, out_w)
-                   for job in chunk]
-        datas = [job.data for job in chunk]
+    def _plan(self, chunk: GpuBatch, out_h: int, out_w: int) -> None:
+        """The crop windows of rows made without one (`crop_window`, one row at a time, as they were)."""
+        for i in np.flatnonzero(~chunk.planned).tolist():
+            job = chunk.job(i)
+            win = crop_window(job.box, job.height, job.width, job.height, job.width, out_h, out_w)
+            chunk.src[i], chunk.dst[i], chunk.padded[i] = win.src, win.dst, win.padded
+            chunk.planned[i] = True
+
+    def decode_chunk(self, chunk: "GpuBatch | Sequence[GpuJob]", out_h: int, out_w: int
+                     ) -> tuple[PlacedChunk, list[tuple[GpuJob, Exception]]]:
+        """Decode one chunk (on the current stream): its images placed with their crop windows, as
+        columns (`PlacedChunk`), and the jobs that failed. With a `regions` decoder only each crop's
+        window is decoded. A `GpuJob` is made only for a row that fails or needs checking."""
+        chunk = GpuBatch.of_jobs(chunk)
+        if not chunk.planned.all():
+            chunk.src, chunk.dst, chunk.padded = chunk.src.copy(), chunk.dst.copy(), chunk.padded.copy()
+            chunk.planned = chunk.planned.copy()
+            self._plan(chunk, out_h, out_w)
+        src = chunk.src
         # Backends already retry a failed batch one image at a time; this covers any other decoder.
         if self.regions:
-            images = _decode_each(self.decoder.decode, datas, [(w.src[0], w.src[1], w.src[2], w.src[3])
-                                                              for w in windows])
+            images = _decode_each(self.decoder.decode, chunk.datas, list(map(tuple, src.tolist())))
+            at = np.zeros_like(src)   # the crop's window inside the decoded region
+            at[:, 1], at[:, 3] = src[:, 1] - src[:, 0], src[:, 3] - src[:, 2]
+            sizes = list(zip([3] * len(at), at[:, 1].tolist(), at[:, 3].tolist()))
         else:
-            images = _decode_each(self.decoder.decode, datas)
+            images = _decode_each(self.decoder.decode, chunk.datas)
+            at = src
+            sizes = list(zip([3] * len(at), chunk.heights.tolist(), chunk.widths.tolist()))
         # one pass over the results, reading attributes only: an image of the size expected, already on
         # the device, is placed as it is; anything else goes through `_place` (checks, grayscale, moves)
-        if self.regions:
-            geo = [((0, y1 - y0, 0, x1 - x0), w.dst) for w in windows for y0, y1, x0, x1 in (w.src,)]
-        else:
-            geo = [(w.src, w.dst) for w in windows]
-        sizes = [(3, src[1], src[3]) for src, _ in geo] if self.regions else [(3, job.height, job.width)
-                                                                               for job in chunk]
         dev, u8, tensor = self.device, torch.uint8, torch.Tensor
         fine = [img.__class__ is tensor and img.dtype == u8 and img.shape == size and img.device == dev
                 for img, size in zip(images, sizes)]
+        n = len(images)
         if all(fine):
-            return [_new_placed((job, img, src, dst, (src[1] - src[0], src[3] - src[2])))
-                    for job, img, (src, dst) in zip(chunk, images, geo)], []
-        placed: list[_Placed] = []
+            return PlacedChunk(chunk, np.arange(n, dtype=np.int64), images, at, chunk.dst), []
+        keep: list[int] = []
+        imgs: list[torch.Tensor] = []
+        at = at.copy()
         failures: list[tuple[GpuJob, Exception]] = []
-        for k, job in enumerate(chunk):
+        for k in range(n):
             img, images[k] = images[k], None
             if fine[k]:
-                src, dst = geo[k]
-                placed += (_new_placed((job, img, src, dst, (src[1] - src[0], src[3] - src[2]))),)
+                keep.append(k)
+                imgs.append(img)
                 continue
+            job = chunk.job(k)
             try:
                 if isinstance(img, BaseException):
                     raise img
-                placed.append(self._place(job, img, windows[k]))
+                p = self._place(job, img, job.window if job.window is not None else CropWindow(
+                    tuple(src[k].tolist()), tuple(chunk.dst[k].tolist()), bool(chunk.padded[k])))
             except Exception as exc:
                 failures.append((job, self._failure(job, exc)))
-        return placed, failures
+                continue
+            keep.append(k)
+            imgs.append(p.img)
+            at[k] = p.src
+        pos = np.array(keep, dtype=np.int64)
+        return PlacedChunk(chunk, pos, imgs, at[pos], chunk.dst[pos]), failures
 
-    def resample_chunk(self, placed: list[_Placed], out: torch.Tensor) -> list[tuple[GpuJob, Exception]]:
+    def resample_chunk(self, placed: "PlacedChunk | Sequence[_Placed]", out: torch.Tensor
+                       ) -> list[tuple[GpuJob, Exception]]:
         """Crop, resize, flip and store a decoded chunk into `out` (on the current stream), in groups
         under the budget; the samples of a group that fails (e.g. out of GPU memory) are returned."""
         failures: list[tuple[GpuJob, Exception]] = []
@@ -341,15 +396,16 @@ class GpuBatchDecoder:
             try:
                 resample_into(group, out)
             except Exception as exc:  # e.g. out of GPU memory: these samples go to the CPU
-                failures.extend((p.job, self._failure(p.job, exc)) for p in group)
+                failures.extend((job, self._failure(job, exc)) for job in group.jobs())
         return failures
 
-    def _check_out(self, jobs: Sequence[GpuJob], out: torch.Tensor) -> None:
+    def _check_out(self, jobs: "GpuBatch | Sequence[GpuJob]", out: torch.Tensor) -> None:
         if (not isinstance(out, torch.Tensor) or out.dim() != 4 or out.shape[1] != 3 or out.dtype != torch.uint8
                 or out.device.type != self.device.type):
             got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else repr(out)
             raise ValueError(f"out must be a uint8 [B, 3, H, W] tensor on {self.device}, got {got}")
-        bad = [job.row for job in jobs if not 0 <= job.row < out.shape[0]]
+        rows = GpuBatch.of_jobs(jobs).rows
+        bad = rows[(rows < 0) | (rows >= out.shape[0])].tolist()
         if bad:
             raise ValueError(f"job rows {bad[:5]} are outside the batch of {out.shape[0]}")
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from .._torch import torch
 from ..errors import LoaderClosedError, LoaderTimeoutError
-from ..loading.jobs import JpegStaging, cpu_rows, slot_jobs
+from ..loading.jobs import GpuBatch, JpegStaging, cpu_rows, jpeg_bytes, slot_jobs
 from ..loading.slots import Slot
 from .build import DeviceBuilder, run_batch_ops
 from .feeder import Feeder
@@ -275,7 +275,7 @@ class PipelinedBuilder:
     def submit(self, slot: Slot) -> _Pending:
         t0 = time.perf_counter()
         n = slot.size
-        jobs = slot_jobs(slot, n)   # the GpuJobs of the rows the workers left for the GPU, in row order
+        jobs = slot_jobs(slot, n)   # the rows the workers left for the GPU, as columns in row order
         x = self._buffer(tuple(slot.images[:n].shape))
         self.base._upload_rows(slot, x, cpu_rows(n, jobs))
         t1 = time.perf_counter()
@@ -290,12 +290,12 @@ class PipelinedBuilder:
         pending.submit_s = time.perf_counter() - t0
         return pending
 
-    def _stage_bytes(self, slot: Slot, jobs: list) -> None:
+    def _stage_bytes(self, slot: Slot, jobs: GpuBatch | list) -> None:
         """The slot's staging buffer for its next batch: made (pinned on a CUDA host) the first time, or
         larger when this batch's JPEGs did not fit; 1.5 times this batch's bytes. Once per slot in
         steady state."""
         staging = slot.staging
-        used = sum([j.data.shape[0] for j in jobs])
+        used = jpeg_bytes(jobs)
         if staging is not None and staging.overflow == 0:
             return
         size = max(used * 3 // 2, 1 << 16)

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from operator import attrgetter
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -106,8 +105,8 @@ class PlannedJob(GpuJob):
 class GpuRows:
     """A chunk of a batch's GPU rows, prepared by a worker thread in one call (`render.Filler.queue_gpu_rows`):
     the rows' JPEGs back to back in `data` (a view of the slot's staging buffer where they fit, else one
-    private buffer) at `offsets`, and each row's crop plan and window as arrays. The device thread
-    makes the `GpuJob`s it decodes from it (`jobs`)."""
+    private buffer) at `offsets`, and each row's crop plan and window as arrays. The device side
+    decodes it as columns (`batch`); a `GpuJob` is made only for a row that needs one (`GpuBatch.job`)."""
 
     rows: np.ndarray  # int64 [k]: batch rows
     indices: np.ndarray  # int64 [k]: dataset indices (for error messages)
@@ -122,36 +121,131 @@ class GpuRows:
     padded: np.ndarray  # bool [k]
     dataset: Any
 
+    def batch(self) -> "GpuBatch":
+        """The chunk as columns: the decoder inputs (views of `data`) made in one comprehension."""
+        data, off = self.data, self.offsets.tolist()
+        k = len(self.rows)
+        return GpuBatch(self.rows, [data[a:b] for a, b in zip(off[:-1], off[1:])], self.box, self.flip,
+                        self.heights, self.widths, self.src, self.dst, self.padded, np.ones(k, bool),
+                        [None] * k, [self.dataset] * k, self.indices)
+
     def jobs(self) -> list[GpuJob]:
         """One `GpuJob` per row (views of `data`), as `Filler.queue_gpu` makes them one at a time."""
-        data, off = self.data, self.offsets.tolist()
-        return [PlannedJob(row, data[off[i]:off[i + 1]], tuple(box), flip, h, w,
-                           CropWindow(tuple(src), tuple(dst), padded), self.dataset, index)
-                for i, (row, box, flip, h, w, src, dst, padded, index) in enumerate(zip(
-                    self.rows.tolist(), self.box.tolist(), self.flip.tolist(), self.heights.tolist(),
-                    self.widths.tolist(), self.src.tolist(), self.dst.tolist(), self.padded.tolist(),
-                    self.indices.tolist()))]
+        batch = self.batch()
+        return [batch.job(i) for i in range(len(batch))]
 
 
-_ROW = attrgetter("row")
+class GpuBatch:
+    """A batch's (or a chunk's) GPU rows as columns, in the order they are decoded: the device side
+    passes these around rather than one `GpuJob` per row. Rows made one at a time (`GpuJob`s, e.g. the
+    per-row path) and rows of `GpuRows` chunks both become columns; `job(i)` makes (once) the `GpuJob`
+    of row i, only where one is needed: a sample that fails (its error names it) or needs checking.
+    Iterating yields the jobs."""
+
+    __slots__ = ("rows", "datas", "box", "flip", "heights", "widths", "src", "dst", "padded", "planned",
+                 "_jobs", "_datasets", "_indices")
+
+    def __init__(self, rows: np.ndarray, datas: list, box: np.ndarray, flip: np.ndarray, heights: np.ndarray,
+                 widths: np.ndarray, src: np.ndarray, dst: np.ndarray, padded: np.ndarray, planned: np.ndarray,
+                 jobs: list, datasets: list, indices: np.ndarray) -> None:
+        self.rows = rows  # int64 [k]: batch rows
+        self.datas = datas  # k 1-D uint8 tensors: the JPEG bytes
+        self.box, self.flip = box, flip  # float64 [k, 4], bool [k]
+        self.heights, self.widths = heights, widths  # int64 [k]: stored sizes
+        self.src, self.dst, self.padded = src, dst, padded  # crop windows (int64 [k, 4] x 2, bool [k])
+        self.planned = planned  # bool [k]: the window is known (else planned in `decode_chunk`)
+        self._jobs = jobs  # per row: its GpuJob once made (or the one it came from), else None
+        self._datasets, self._indices = datasets, indices  # per row: where its key is read from
+
+    @classmethod
+    def of_jobs(cls, jobs: "Sequence[GpuJob] | GpuBatch") -> "GpuBatch":
+        """`jobs` (GpuJobs made one at a time) as columns; a GpuBatch as it is."""
+        if isinstance(jobs, GpuBatch):
+            return jobs
+        jobs = list(jobs)
+        k = len(jobs)
+        wins = [j.window for j in jobs]
+        none = (0, 0, 0, 0)
+        return cls(np.array([j.row for j in jobs], np.int64), [j.data for j in jobs],
+                   np.array([j.box for j in jobs], np.float64).reshape(k, 4),
+                   np.array([j.flip for j in jobs], bool), np.array([j.height for j in jobs], np.int64),
+                   np.array([j.width for j in jobs], np.int64),
+                   np.array([none if w is None else w.src for w in wins], np.int64).reshape(k, 4),
+                   np.array([none if w is None else w.dst for w in wins], np.int64).reshape(k, 4),
+                   np.array([w is not None and w.padded for w in wins], bool),
+                   np.array([w is not None for w in wins], bool), jobs, [None] * k, np.full(k, -1, np.int64))
+
+    @classmethod
+    def join(cls, parts: "list[GpuBatch]") -> "GpuBatch":
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            return cls.of_jobs([])
+        cat = np.concatenate
+        return cls(cat([p.rows for p in parts]), [d for p in parts for d in p.datas], cat([p.box for p in parts]),
+                   cat([p.flip for p in parts]), cat([p.heights for p in parts]), cat([p.widths for p in parts]),
+                   cat([p.src for p in parts]), cat([p.dst for p in parts]), cat([p.padded for p in parts]),
+                   cat([p.planned for p in parts]), [j for p in parts for j in p._jobs],
+                   [d for p in parts for d in p._datasets], cat([p._indices for p in parts]))
+
+    def take(self, sel: Any) -> "GpuBatch":
+        """The rows `sel` (a slice, or int64 positions), in that order."""
+        if isinstance(sel, slice):
+            pick = lambda seq: seq[sel]  # noqa: E731
+        else:
+            order = sel.tolist()
+            pick = lambda seq: [seq[i] for i in order]  # noqa: E731
+        return GpuBatch(self.rows[sel], pick(self.datas), self.box[sel], self.flip[sel], self.heights[sel],
+                        self.widths[sel], self.src[sel], self.dst[sel], self.padded[sel], self.planned[sel],
+                        pick(self._jobs), pick(self._datasets), self._indices[sel])
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self) -> Any:
+        return iter([self.job(i) for i in range(len(self.rows))])
+
+    def job(self, i: int) -> GpuJob:
+        """Row i's `GpuJob` (made once; the same object after)."""
+        job = self._jobs[i]
+        if job is None:
+            src, dst = tuple(self.src[i].tolist()), tuple(self.dst[i].tolist())
+            job = self._jobs[i] = PlannedJob(int(self.rows[i]), self.datas[i], tuple(self.box[i].tolist()),
+                                             bool(self.flip[i]), int(self.heights[i]), int(self.widths[i]),
+                                             CropWindow(src, dst, bool(self.padded[i])), self._datasets[i],
+                                             int(self._indices[i]))
+        return job
 
 
-def slot_jobs(slot: Any, n: int) -> list[GpuJob]:
-    """The GPU jobs of the slot's first `n` rows in row order: those made one row at a time
-    (`slot.jobs`) and those of its `GpuRows` chunks."""
-    jobs = [j for j in slot.jobs[:n] if j is not None]
-    for chunk in slot.gpu_rows:
-        jobs += chunk.jobs()
-    if slot.gpu_rows:
-        jobs = [j for j in jobs if j.row < n]
-        jobs.sort(key=_ROW)
-    return jobs
+def slot_jobs(slot: Any, n: int) -> "GpuBatch | list[GpuJob]":
+    """The GPU rows of the slot's first `n` rows in row order: as columns (`GpuBatch`) when any came
+    a chunk at a time (`slot.gpu_rows`), else the `GpuJob`s made one row at a time (`slot.jobs`)."""
+    single = [j for j in slot.jobs[:n] if j is not None]
+    if not slot.gpu_rows:
+        return single
+    parts = [chunk.batch() for chunk in slot.gpu_rows]
+    if single:
+        parts.insert(0, GpuBatch.of_jobs(single))
+    batch = GpuBatch.join(parts)
+    keep = np.flatnonzero(batch.rows < n)
+    return batch.take(keep[np.argsort(batch.rows[keep], kind="stable")])
 
 
-def cpu_rows(n: int, jobs: list[GpuJob]) -> list[int]:
-    """The rows of a batch of `n` that no GPU job writes (`jobs` in row order): rendered on the CPU."""
-    taken = {j.row for j in jobs}
-    return [r for r in range(n) if r not in taken]
+def jpeg_bytes(jobs: "GpuBatch | Sequence[GpuJob]") -> int:
+    """The JPEG bytes of `jobs`."""
+    datas = jobs.datas if isinstance(jobs, GpuBatch) else [j.data for j in jobs]
+    return sum([d.shape[0] for d in datas])
+
+
+def cpu_rows(n: int, jobs: "GpuBatch | Sequence[GpuJob]") -> list[int]:
+    """The rows of a batch of `n` that no GPU job writes: rendered on the CPU."""
+    if not isinstance(jobs, GpuBatch):
+        taken = {j.row for j in jobs}
+        return [r for r in range(n) if r not in taken]
+    taken_rows = np.zeros(n, bool)
+    rows = jobs.rows
+    taken_rows[rows[(rows >= 0) & (rows < n)]] = True
+    return np.flatnonzero(~taken_rows).tolist()
 
 
 def crop_windows(box: np.ndarray, heights: np.ndarray, widths: np.ndarray, out_h: int, out_w: int
