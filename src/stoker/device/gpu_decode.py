@@ -265,15 +265,15 @@ class GpuBatchDecoder:
     def chunks(self, jobs: "GpuBatch | Sequence[GpuJob]") -> Iterator[GpuBatch]:
         """Consecutive runs of rows whose decoded bytes (3*h*w each) sum to at most budget_bytes; a row
         larger than the budget on its own gets a chunk of its own. Each run is a `GpuBatch`."""
-        batch = GpuBatch.of_jobs(jobs)
-        budget, start, size = self.budget_bytes, 0, 0
+        batch = jobs if isinstance(jobs, GpuBatch) else GpuBatch.of_jobs(jobs)
+        budget, start, size, n = self.budget_bytes, 0, 0, len(batch.rows)
         for k, nbytes in enumerate(self._decoded_bytes(batch).tolist()):
             if k > start and size + nbytes > budget:
                 yield batch.take(slice(start, k))
                 start, size = k, 0
             size += nbytes
-        if start < len(batch):
-            yield batch.take(slice(start, len(batch)))
+        if start < n:
+            yield batch if start == 0 else batch.take(slice(start, n))
 
     def groups(self, placed: "PlacedChunk | Sequence[_Placed]", out_h: int, out_w: int) -> Iterator[PlacedChunk]:
         """`placed` sorted by crop size and cut where the working set of `resample_into` (gathered
@@ -327,21 +327,21 @@ class GpuBatchDecoder:
 
     def _plan(self, chunk: GpuBatch, out_h: int, out_w: int) -> None:
         """The crop windows of rows made without one (`crop_window`, one row at a time, as they were)."""
-        for i in np.flatnonzero(~chunk.planned).tolist():
+        for i in np.flatnonzero(chunk.planned == 0).tolist():
             job = chunk.job(i)
             win = crop_window(job.box, job.height, job.width, job.height, job.width, out_h, out_w)
             chunk.src[i], chunk.dst[i], chunk.padded[i] = win.src, win.dst, win.padded
-            chunk.planned[i] = True
+            chunk.planned[i] = 1
 
     def decode_chunk(self, chunk: "GpuBatch | Sequence[GpuJob]", out_h: int, out_w: int
                      ) -> tuple[PlacedChunk, list[tuple[GpuJob, Exception]]]:
         """Decode one chunk (on the current stream): its images placed with their crop windows, as
         columns (`PlacedChunk`), and the jobs that failed. With a `regions` decoder only each crop's
         window is decoded. A `GpuJob` is made only for a row that fails or needs checking."""
-        chunk = GpuBatch.of_jobs(chunk)
-        if not chunk.planned.all():
-            chunk.src, chunk.dst, chunk.padded = chunk.src.copy(), chunk.dst.copy(), chunk.padded.copy()
-            chunk.planned = chunk.planned.copy()
+        if not isinstance(chunk, GpuBatch):
+            chunk = GpuBatch.of_jobs(chunk)
+        if 0 in chunk.planned:
+            chunk = chunk.copy()
             self._plan(chunk, out_h, out_w)
         src = chunk.src
         # Backends already retry a failed batch one image at a time; this covers any other decoder.

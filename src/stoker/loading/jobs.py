@@ -101,61 +101,57 @@ class PlannedJob(GpuJob):
             return f"sample {self._index}"
 
 
+#: columns of `GpuBatch.geo` (int64): batch row, flip, stored height and width, the crop window's source
+#: (y0, y1, x0, x1) and target (y0, y1, x0, x1), padded, planned (the window is known), dataset index
+ROW, FLIP, HEIGHT, WIDTH, SRC, DST, PADDED, PLANNED, INDEX = 0, 1, 2, 3, slice(4, 8), slice(8, 12), 12, 13, 14
+GEO_COLUMNS = 15
+
+
 @dataclass(eq=False)
 class GpuRows:
     """A chunk of a batch's GPU rows, prepared by a worker thread in one call (`render.Filler.queue_gpu_rows`):
     the rows' JPEGs back to back in `data` (a view of the slot's staging buffer where they fit, else one
-    private buffer) at `offsets`, and each row's crop plan and window as arrays. The device side
-    decodes it as columns (`batch`); a `GpuJob` is made only for a row that needs one (`GpuBatch.job`)."""
+    private buffer) at `offsets`, and each row's crop plan and window as columns (`geo`, `box`). The
+    device side decodes it as columns (`batch`); a `GpuJob` is made only for a row that needs one
+    (`GpuBatch.job`)."""
 
-    rows: np.ndarray  # int64 [k]: batch rows
-    indices: np.ndarray  # int64 [k]: dataset indices (for error messages)
     data: torch.Tensor  # 1-D uint8: the rows' JPEG bytes
     offsets: np.ndarray  # int64 [k + 1]: row i's bytes are data[offsets[i]:offsets[i + 1]]
+    geo: np.ndarray  # int64 [k, GEO_COLUMNS]: rows, flips, sizes, crop windows, dataset indices
     box: np.ndarray  # float64 [k, 4]: crop (top, left, height, width), the plan's box
-    flip: np.ndarray  # bool [k]
-    heights: np.ndarray  # int64 [k]: stored sizes
-    widths: np.ndarray
-    src: np.ndarray  # int64 [k, 4]: the crop windows (`transforms.crop_window`), source
-    dst: np.ndarray  # int64 [k, 4]: and target
-    padded: np.ndarray  # bool [k]
     dataset: Any
 
     def batch(self) -> "GpuBatch":
         """The chunk as columns: the decoder inputs (views of `data`) made in one comprehension."""
         data, off = self.data, self.offsets.tolist()
-        k = len(self.rows)
-        return GpuBatch(self.rows, [data[a:b] for a, b in zip(off[:-1], off[1:])], self.box, self.flip,
-                        self.heights, self.widths, self.src, self.dst, self.padded, np.ones(k, bool),
-                        [None] * k, [self.dataset] * k, self.indices)
+        k = len(self.geo)
+        return GpuBatch(self.geo, self.box, [data[a:b] for a, b in zip(off[:-1], off[1:])], [None] * k,
+                        [self.dataset] * k)
 
     def jobs(self) -> list[GpuJob]:
         """One `GpuJob` per row (views of `data`), as `Filler.queue_gpu` makes them one at a time."""
         batch = self.batch()
-        return [batch.job(i) for i in range(len(batch))]
+        return [batch.job(i) for i in range(len(batch.rows))]
 
 
 class GpuBatch:
     """A batch's (or a chunk's) GPU rows as columns, in the order they are decoded: the device side
-    passes these around rather than one `GpuJob` per row. Rows made one at a time (`GpuJob`s, e.g. the
-    per-row path) and rows of `GpuRows` chunks both become columns; `job(i)` makes (once) the `GpuJob`
-    of row i, only where one is needed: a sample that fails (its error names it) or needs checking.
-    Iterating yields the jobs."""
+    passes these around rather than one `GpuJob` per row. The numbers are one int64 matrix (`geo`,
+    columns ROW ... INDEX, viewed as `rows`, `flip`, `heights`, `widths`, `src`, `dst`, `padded`,
+    `planned`) and the boxes (float64 [k, 4]); the JPEG bytes a list of 1-D uint8 tensors. Rows made
+    one at a time (`GpuJob`s, e.g. the per-row path) and rows of `GpuRows` chunks both become columns;
+    `job(i)` makes (once) the `GpuJob` of row i, only where one is needed: a sample that fails (its
+    error names it) or needs checking. Iterating yields the jobs."""
 
-    __slots__ = ("rows", "datas", "box", "flip", "heights", "widths", "src", "dst", "padded", "planned",
-                 "_jobs", "_datasets", "_indices")
+    __slots__ = ("geo", "box", "datas", "rows", "flip", "heights", "widths", "src", "dst", "padded", "planned",
+                 "_jobs", "_datasets")
 
-    def __init__(self, rows: np.ndarray, datas: list, box: np.ndarray, flip: np.ndarray, heights: np.ndarray,
-                 widths: np.ndarray, src: np.ndarray, dst: np.ndarray, padded: np.ndarray, planned: np.ndarray,
-                 jobs: list, datasets: list, indices: np.ndarray) -> None:
-        self.rows = rows  # int64 [k]: batch rows
-        self.datas = datas  # k 1-D uint8 tensors: the JPEG bytes
-        self.box, self.flip = box, flip  # float64 [k, 4], bool [k]
-        self.heights, self.widths = heights, widths  # int64 [k]: stored sizes
-        self.src, self.dst, self.padded = src, dst, padded  # crop windows (int64 [k, 4] x 2, bool [k])
-        self.planned = planned  # bool [k]: the window is known (else planned in `decode_chunk`)
+    def __init__(self, geo: np.ndarray, box: np.ndarray, datas: list, jobs: list, datasets: list) -> None:
+        self.geo, self.box, self.datas = geo, box, datas
+        self.rows, self.flip, self.heights, self.widths = geo[:, ROW], geo[:, FLIP], geo[:, HEIGHT], geo[:, WIDTH]
+        self.src, self.dst, self.padded, self.planned = geo[:, SRC], geo[:, DST], geo[:, PADDED], geo[:, PLANNED]
         self._jobs = jobs  # per row: its GpuJob once made (or the one it came from), else None
-        self._datasets, self._indices = datasets, indices  # per row: where its key is read from
+        self._datasets = datasets  # per row: where its key is read from (None: from its job)
 
     @classmethod
     def of_jobs(cls, jobs: "Sequence[GpuJob] | GpuBatch") -> "GpuBatch":
@@ -164,40 +160,41 @@ class GpuBatch:
             return jobs
         jobs = list(jobs)
         k = len(jobs)
-        wins = [j.window for j in jobs]
-        none = (0, 0, 0, 0)
-        return cls(np.array([j.row for j in jobs], np.int64), [j.data for j in jobs],
-                   np.array([j.box for j in jobs], np.float64).reshape(k, 4),
-                   np.array([j.flip for j in jobs], bool), np.array([j.height for j in jobs], np.int64),
-                   np.array([j.width for j in jobs], np.int64),
-                   np.array([none if w is None else w.src for w in wins], np.int64).reshape(k, 4),
-                   np.array([none if w is None else w.dst for w in wins], np.int64).reshape(k, 4),
-                   np.array([w is not None and w.padded for w in wins], bool),
-                   np.array([w is not None for w in wins], bool), jobs, [None] * k, np.full(k, -1, np.int64))
+        geo = np.zeros((k, GEO_COLUMNS), np.int64)
+        if k:
+            wins = [j.window for j in jobs]
+            geo[:, ROW] = [j.row for j in jobs]
+            geo[:, FLIP] = [bool(j.flip) for j in jobs]
+            geo[:, HEIGHT] = [j.height for j in jobs]
+            geo[:, WIDTH] = [j.width for j in jobs]
+            geo[:, SRC] = [(0, 0, 0, 0) if w is None else w.src for w in wins]
+            geo[:, DST] = [(0, 0, 0, 0) if w is None else w.dst for w in wins]
+            geo[:, PADDED] = [w is not None and bool(w.padded) for w in wins]
+            geo[:, PLANNED] = [w is not None for w in wins]
+        geo[:, INDEX] = -1
+        return cls(geo, np.array([j.box for j in jobs], np.float64).reshape(k, 4), [j.data for j in jobs], jobs,
+                   [None] * k)
 
     @classmethod
     def join(cls, parts: "list[GpuBatch]") -> "GpuBatch":
         if len(parts) == 1:
             return parts[0]
-        if not parts:
-            return cls.of_jobs([])
-        cat = np.concatenate
-        return cls(cat([p.rows for p in parts]), [d for p in parts for d in p.datas], cat([p.box for p in parts]),
-                   cat([p.flip for p in parts]), cat([p.heights for p in parts]), cat([p.widths for p in parts]),
-                   cat([p.src for p in parts]), cat([p.dst for p in parts]), cat([p.padded for p in parts]),
-                   cat([p.planned for p in parts]), [j for p in parts for j in p._jobs],
-                   [d for p in parts for d in p._datasets], cat([p._indices for p in parts]))
+        return cls(np.concatenate([p.geo for p in parts]), np.concatenate([p.box for p in parts]),
+                   [d for p in parts for d in p.datas], [j for p in parts for j in p._jobs],
+                   [d for p in parts for d in p._datasets])
 
     def take(self, sel: Any) -> "GpuBatch":
         """The rows `sel` (a slice, or int64 positions), in that order."""
         if isinstance(sel, slice):
-            pick = lambda seq: seq[sel]  # noqa: E731
-        else:
-            order = sel.tolist()
-            pick = lambda seq: [seq[i] for i in order]  # noqa: E731
-        return GpuBatch(self.rows[sel], pick(self.datas), self.box[sel], self.flip[sel], self.heights[sel],
-                        self.widths[sel], self.src[sel], self.dst[sel], self.padded[sel], self.planned[sel],
-                        pick(self._jobs), pick(self._datasets), self._indices[sel])
+            return GpuBatch(self.geo[sel], self.box[sel], self.datas[sel], self._jobs[sel], self._datasets[sel])
+        order = sel.tolist()
+        datas, jobs, sets = self.datas, self._jobs, self._datasets
+        return GpuBatch(self.geo[sel], self.box[sel], [datas[i] for i in order], [jobs[i] for i in order],
+                        [sets[i] for i in order])
+
+    def copy(self) -> "GpuBatch":
+        """The same rows with columns of their own (to plan windows into)."""
+        return GpuBatch(self.geo.copy(), self.box, self.datas, self._jobs, self._datasets)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -209,11 +206,11 @@ class GpuBatch:
         """Row i's `GpuJob` (made once; the same object after)."""
         job = self._jobs[i]
         if job is None:
-            src, dst = tuple(self.src[i].tolist()), tuple(self.dst[i].tolist())
-            job = self._jobs[i] = PlannedJob(int(self.rows[i]), self.datas[i], tuple(self.box[i].tolist()),
-                                             bool(self.flip[i]), int(self.heights[i]), int(self.widths[i]),
-                                             CropWindow(src, dst, bool(self.padded[i])), self._datasets[i],
-                                             int(self._indices[i]))
+            g = self.geo[i].tolist()
+            job = self._jobs[i] = PlannedJob(g[ROW], self.datas[i], tuple(self.box[i].tolist()), bool(g[FLIP]),
+                                             g[HEIGHT], g[WIDTH], CropWindow(tuple(g[SRC]), tuple(g[DST]),
+                                                                             bool(g[PADDED])),
+                                             self._datasets[i], g[INDEX])
         return job
 
 
@@ -227,8 +224,11 @@ def slot_jobs(slot: Any, n: int) -> "GpuBatch | list[GpuJob]":
     if single:
         parts.insert(0, GpuBatch.of_jobs(single))
     batch = GpuBatch.join(parts)
-    keep = np.flatnonzero(batch.rows < n)
-    return batch.take(keep[np.argsort(batch.rows[keep], kind="stable")])
+    rows = batch.rows
+    if len(parts) == 1 and n > rows.max(initial=-1) and (rows[1:] > rows[:-1]).all():
+        return batch   # in row order already
+    keep = np.flatnonzero(rows < n)
+    return batch.take(keep[np.argsort(rows[keep], kind="stable")])
 
 
 def jpeg_bytes(jobs: "GpuBatch | Sequence[GpuJob]") -> int:
@@ -302,5 +302,7 @@ def gpu_rows(dataset: Any, indices: np.ndarray, r0: int, geometry: Any, heights:
     rows = take + r0
     box = np.ascontiguousarray(geometry.box[rows], np.float64)
     src, dst, padded = crop_windows(box, h[take], w[take], *out_size)
-    return GpuRows(rows.astype(np.int64), idx[take], data[start:start + total], offsets, box,
-                   geometry.flip[rows].astype(bool), h[take], w[take], src, dst, padded, dataset), took
+    geo = np.empty((len(take), GEO_COLUMNS), np.int64)
+    geo[:, ROW], geo[:, FLIP], geo[:, HEIGHT], geo[:, WIDTH] = rows, geometry.flip[rows].astype(bool), h[take], w[take]
+    geo[:, SRC], geo[:, DST], geo[:, PADDED], geo[:, PLANNED], geo[:, INDEX] = src, dst, padded, 1, idx[take]
+    return GpuRows(data[start:start + total], offsets, geo, box, dataset), took
