@@ -196,10 +196,9 @@ def resample_into(placed: "PlacedChunk | Sequence[_Placed]", out: torch.Tensor) 
     batched matrix products with per-sample resampling matrices (`_axis_weights`) and one store.
     Samples whose target window does not cover the output (padded CenterCrop) get zeros around it,
     as on the CPU path."""
-    n = len(placed)
-    if n == 0:
+    cols = placed if isinstance(placed, PlacedChunk) else PlacedChunk.of(placed)
+    if not cols.imgs:
         return
-    cols = PlacedChunk.of(placed)
     dev = out.device
     out_h, out_w = out.shape[2], out.shape[3]
     src, dst = cols.src, cols.dst
@@ -279,8 +278,8 @@ class GpuBatchDecoder:
         """`placed` sorted by crop size and cut where the working set of `resample_into` (gathered
         float32 crops and their int64 index, both resampling matrices with the temporaries that build
         them, the intermediate product, the result) would pass budget_bytes."""
-        cols = PlacedChunk.of(placed)
-        if not len(cols):
+        cols = placed if isinstance(placed, PlacedChunk) else PlacedChunk.of(placed)
+        if not cols.imgs:
             return
         src = cols.src
         hs, ws = src[:, 1] - src[:, 0], src[:, 3] - src[:, 2]
@@ -296,8 +295,12 @@ class GpuBatchDecoder:
                 h, w, k = ph, pw, 0
             k += 1
             ch, cw = h, w
-        for part in np.split(order, cut):
-            yield cols.take(part)
+        if not cut:
+            yield cols.take(order)
+            return
+        bounds = [0, *cut, len(order)]
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            yield cols.take(order[a:b])
 
     def _context(self) -> Any:
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()

@@ -162,7 +162,7 @@ class DecodeThread:
             self.calling_since = None
         seconds = time.perf_counter() - t0
         self.phases.add("decode_s", seconds)
-        return _Chunk(placed, failures, event, seconds=seconds, images=len(jobs))
+        return _Chunk(placed, failures, event, seconds=seconds, images=len(jobs.rows))
 
     def next_chunk(self, ticket: _Ticket, k: int) -> _Chunk | None:
         """Chunk k of `ticket` once decoded (None when the batch has fewer), waiting bounded and
@@ -366,22 +366,23 @@ class PipelinedBuilder:
 
     def _account(self, slot: Slot, ticket: _Ticket, failures: list, gpu_side: float) -> None:
         stats = self.stats
+        n_gpu = len(ticket.jobs)
         with self.base.lock:
             stats.add(self.base.times, 0)
-            stats.gpu_decoded += len(ticket.jobs) - len(failures)
+            stats.gpu_decoded += n_gpu - len(failures)
             stats.gpu_fallbacks += len(failures)
             stats.gpu_decoder = self.base.gpu.decoder.name
         if self.split is not None:
             cpu_s = sum(getattr(_batch_plan(slot), "cpu_render_s", None) or ())
-            n_cpu = slot.size - len(ticket.jobs)
+            n_cpu = slot.size - n_gpu
             if n_cpu > 0:
                 self.split.observe_cpu(n_cpu, cpu_s)
-            if ticket.jobs:   # what the GPU decoded: its fallbacks were the CPU's work, on its time
-                self.split.observe_gpu(len(ticket.jobs) - len(failures), gpu_side)
+            if n_gpu:   # what the GPU decoded: its fallbacks were the CPU's work, on its time
+                self.split.observe_gpu(n_gpu - len(failures), gpu_side)
             # the batch's pace: its slower side, each timed where it ran (not the gap between two
             # batches, which a backlog of finished slots would shorten)
-            self.split.observe_batch(slot.size, max(cpu_s / self.split.threads, gpu_side if ticket.jobs else 0.0),
-                                     split=bool(ticket.jobs))
+            self.split.observe_batch(slot.size, max(cpu_s / self.split.threads, gpu_side if n_gpu else 0.0),
+                                     split=n_gpu > 0)
             self.split.batch_done()
             stats.gpu_share, stats.gpu_split = self.split.settled, self.split.reason
         self.batches += 1
