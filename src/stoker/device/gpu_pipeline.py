@@ -64,7 +64,7 @@ class _Chunk:
 class _Ticket:
     """A batch's JPEG rows handed to the decode thread; its chunks come back in order."""
 
-    jobs: list
+    jobs: Any  # the rows to decode: a `GpuBatch` (or the `GpuJob`s made one at a time)
     out_h: int
     out_w: int
     chunks: deque = field(default_factory=deque)
