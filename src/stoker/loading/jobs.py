@@ -214,6 +214,9 @@ class GpuBatch:
         return job
 
 
+_ALL = np.logical_and.reduce
+
+
 def slot_jobs(slot: Any, n: int) -> "GpuBatch | list[GpuJob]":
     """The GPU rows of the slot's first `n` rows in row order: as columns (`GpuBatch`) when any came
     a chunk at a time (`slot.gpu_rows`), else the `GpuJob`s made one row at a time (`slot.jobs`)."""
@@ -225,7 +228,7 @@ def slot_jobs(slot: Any, n: int) -> "GpuBatch | list[GpuJob]":
         parts.insert(0, GpuBatch.of_jobs(single))
     batch = GpuBatch.join(parts)
     rows = batch.rows
-    if len(parts) == 1 and n > rows.max(initial=-1) and (rows[1:] > rows[:-1]).all():
+    if len(parts) == 1 and (not len(rows) or (rows[-1] < n and _ALL(rows[1:] > rows[:-1]))):
         return batch   # in row order already
     keep = np.flatnonzero(rows < n)
     return batch.take(keep[np.argsort(rows[keep], kind="stable")])
@@ -245,7 +248,7 @@ def cpu_rows(n: int, jobs: "GpuBatch | Sequence[GpuJob]") -> list[int]:
     taken_rows = np.zeros(n, bool)
     rows = jobs.rows
     taken_rows[rows[(rows >= 0) & (rows < n)]] = True
-    return np.flatnonzero(~taken_rows).tolist()
+    return (~taken_rows).nonzero()[0].tolist()
 
 
 def crop_windows(box: np.ndarray, heights: np.ndarray, widths: np.ndarray, out_h: int, out_w: int
