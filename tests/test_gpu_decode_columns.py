@@ -156,3 +156,74 @@ def test_decode_each_checks_inputs_in_one_pass_with_the_same_errors() -> None:
     assert "empty" in str(out[1]) and "float32" in str(out[3]) and "bytes" in str(out[4])
     assert _decode_each(call, [good, good]) == [5, 5] and seen[-1] == 2
     assert gpu_decode._decode_each is _decode_each
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory: pytest.TempPathFactory) -> "Path":
+    import stoker
+    from conftest import jpeg_bytes
+    from test_gpu_decode import textured
+
+    root = tmp_path_factory.mktemp("gpucolumns")
+    rng = np.random.default_rng(12)
+    (root / "src" / "c0").mkdir(parents=True)
+    for i in range(24):
+        data = jpeg_bytes(textured(rng, 50 + 3 * i, 70 + 2 * i), quality=85)
+        (root / "src" / "c0" / f"{i:02d}.jpg").write_bytes(data)
+    stoker.pack(str(root / "src"), str(root / "packed"))
+    return root / "packed"
+
+
+class PickyDecoder(CpuDecoder):
+    """Fails every input whose byte length is in `refuse`."""
+
+    def __init__(self, refuse: set[int]) -> None:
+        super().__init__()
+        self.refuse = refuse
+
+    def decode(self, datas: list[torch.Tensor]) -> list:
+        out = super().decode(datas)
+        return [RuntimeError("refused") if int(d.shape[0]) in self.refuse else img for d, img in zip(datas, out)]
+
+
+def test_the_device_side_makes_a_job_only_for_a_row_that_fails(packed: "Path", monkeypatch: pytest.MonkeyPatch,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """The rows prepared a chunk at a time stay columns through decode and resample: an epoch that
+    decodes every row makes no `GpuJob`; one whose decoder refuses some makes one per refused row,
+    and its error (logged, then the CPU decode) names that sample. The pixels are the CPU path's for
+    the refused rows, the same as the all-good epoch's GPU pixels elsewhere."""
+    from stoker import DeviceOptions, Loader
+    from stoker.loading import jobs
+    from stoker.reader import open_dataset
+
+    made: list[int] = []
+    init = jobs.PlannedJob.__init__
+
+    def spy(self, row, *args, **kwargs):
+        made.append(row)
+        init(self, row, *args, **kwargs)
+
+    monkeypatch.setattr(jobs.PlannedJob, "__init__", spy)
+    ops = [RandomResizedCrop(32), RandomHorizontalFlip()]
+    good = Loader(packed, 8, transforms=ops, seed=3, order="sequential",
+                  device=DeviceOptions("cpu", decode="gpu", gpu_decoder=CpuDecoder()))
+    first = [x.clone() for x, _ in good]
+    assert made == [] and good.stats.gpu_decoded >= 20 and good.stats.gpu_fallbacks == 0
+    with open_dataset(packed) as ds:   # two rows the GPU decodes (stored as JPEGs, of lengths no other has)
+        datas = [bytes(ds.sample(i).data) for i in range(24)]
+        keys = [ds.sample(i).key for i in range(24)]
+    lengths = [len(d) for d in datas]
+    picked = [i for i in range(24) if datas[i][:2] == b"\xff\xd8" and lengths.count(lengths[i]) == 1][1::9][:2]
+    assert len(picked) == 2
+    refuse = {lengths[i] for i in picked}
+    picky = Loader(packed, 8, transforms=ops, seed=3, order="sequential",
+                   device=DeviceOptions("cpu", decode="gpu", gpu_decoder=PickyDecoder(refuse)))
+    with caplog.at_level("INFO", logger="stoker"):
+        second = [x.clone() for x, _ in picky]
+    failed = [r.getMessage() for r in caplog.records if "GPU decode failed" in r.getMessage()]
+    assert len(failed) == 2 and all(repr(keys[i]) in m for i, m in zip(picked, failed)), failed
+    assert picky.stats.gpu_fallbacks == 2 and sorted(made) == sorted(i % 8 for i in picked)
+    for b, (x, y) in enumerate(zip(first, second)):
+        for r in range(x.shape[0]):
+            if 8 * b + r not in picked:
+                assert torch.equal(x[r], y[r]), (b, r)
