@@ -94,7 +94,6 @@ class _Placed(NamedTuple):
     crop: tuple[int, int]
 
 
-
 class PlacedChunk:
     """A decoded chunk as columns: `imgs[i]` (uint8 [3, h, w] on the device) is row `pos[i]` of
     `batch`, its crop's source window `src[i]` inside the image and target window `dst[i]` (int64
@@ -264,7 +263,11 @@ class GpuBatchDecoder:
     def chunks(self, jobs: "GpuBatch | Sequence[GpuJob]") -> Iterator[GpuBatch]:
         """Consecutive runs of rows whose decoded bytes (3*h*w each) sum to at most budget_bytes; a row
         larger than the budget on its own gets a chunk of its own. Each run is a `GpuBatch`."""
-        batch = jobs if isinstance(jobs, GpuBatch) else GpuBatch.of_jobs(jobs)
+        if not isinstance(jobs, GpuBatch):
+            if not jobs:   # a batch the CPU renders whole
+                return
+            jobs = GpuBatch.of_jobs(jobs)
+        batch = jobs
         budget, start, size, n = self.budget_bytes, 0, 0, len(batch.rows)
         for k, nbytes in enumerate(self._decoded_bytes(batch).tolist()):
             if k > start and size + nbytes > budget:
