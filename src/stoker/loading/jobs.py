@@ -1,8 +1,8 @@
 """Work a render worker leaves for the device thread: a JPEG to decode on the GPU (`GpuJob`), its bytes
 in the batch's one staging buffer (`JpegStaging`), or a chunk of a batch's GPU rows prepared in one
 call (`GpuRows`: crop windows planned over the chunk in NumPy, JPEG bytes gathered into the staging
-buffer by one native call). Plain records, so the loading stage can make them without importing the
-device wing."""
+buffer by one native call), and a batch's GPU rows as columns for the device side (`GpuBatch`). Plain
+records, so the loading stage can make them without importing the device wing."""
 
 from __future__ import annotations
 
