@@ -25,8 +25,9 @@ convert run on the CPU. Two questions, each answered with figures measured in th
 3. **Calls.** Python calls per batch on the worker (or coordinator) threads for a split batch, the
    CPU share through the engine against the per-row path (`STOKER_ENGINE=off`), at gpu_share=0 and
    0.5, and for decode="gpu"; the GPU's rows prepared a chunk at a time (`Filler.queue_gpu_rows`)
-   against one at a time (the path before it): each Python call needs the GIL the training loop's
-   thread wants.
+   against one at a time (the path before it); beside them, the device thread's and the decode
+   thread's (the stand-in's own work inside its `decode` not counted): each Python call needs the
+   GIL the training loop's thread wants.
 
 Runs the Loader end to end (`DeviceOptions("cpu", decode="gpu" / "auto", gpu_decoder=...)`) on small
 generated JPEGs (about 110 x 130 px, made in a temporary folder). torch runs one intra-op thread
@@ -60,6 +61,7 @@ from stoker.tools.synth import synth_image
 from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop
 
 OPS = [RandomResizedCrop(64), RandomHorizontalFlip()]
+STANDIN_DECODE = FixedRateDecoder.decode.__code__
 
 
 def make_dataset(root: Path, n: int) -> Path:
@@ -156,7 +158,9 @@ def _per_row_gpu(self: Any, plan: Any, r0: int, r1: int, slot: Any, scratch: dic
 
 def calls(packed: Path, batch: int, rounds: int) -> dict[str, float]:
     """Python calls per batch on the worker / coordinator threads (`threading.setprofile`, the threads
-    named stoker-worker-*; the device thread's beside them, keys ending " [device thread]"): a split
+    named stoker-worker-*; the device thread's and the decode thread's beside them, keys ending
+    " [device thread]" and " [decode thread]", the stand-in decoder's own calls inside its `decode` not
+    counted, one call each): a split
     batch's CPU share through the engine and through the per-row path (STOKER_ENGINE=off), at
     gpu_share 0, 0.5 and 1 (decode="gpu"); the GPU's rows a chunk at a time (`Filler.queue_gpu_rows`)
     and, for comparison, one at a time as before it. Medians of `rounds` alternating runs of one epoch."""
@@ -170,11 +174,21 @@ def calls(packed: Path, batch: int, rounds: int) -> dict[str, float]:
                                            (True, 1.0, "chunk"), (True, 1.0, "per-row")):
             counts: dict[int, int] = {}
             device: dict[int, int] = {}
+            decoding: dict[int, int] = {}
+            inside: list[Any] = [None]  # the stand-in's decode frame while the decode thread is in it
 
             def hook(frame: Any, event: str, arg: Any) -> None:
+                name = threading.current_thread().name
+                if name == "stoker-decode":   # the decoder's own work (the stand-in's header parse) not counted
+                    if inside[0] is not None:
+                        if event == "return" and frame is inside[0]:
+                            inside[0] = None
+                        return
+                    if event == "call" and frame.f_code is STANDIN_DECODE:
+                        inside[0] = frame
                 if event in ("call", "c_call"):
-                    name = threading.current_thread().name
-                    into = counts if name.startswith("stoker-worker") else device if name == "stoker-device" else None
+                    into = (counts if name.startswith("stoker-worker") else device if name == "stoker-device"
+                            else decoding if name == "stoker-decode" else None)
                     if into is not None:
                         ident = threading.get_ident()
                         into[ident] = into.get(ident, 0) + 1
@@ -202,6 +216,7 @@ def calls(packed: Path, batch: int, rounds: int) -> dict[str, float]:
                    f"{cpu}, gpu_share={share}" + (f", GPU rows: {gpu_rows}" if share else ""))
             out.setdefault(key, []).append(sum(counts.values()) / n)
             out.setdefault(key + " [device thread]", []).append(sum(device.values()) / n)
+            out.setdefault(key + " [decode thread]", []).append(sum(decoding.values()) / n)
     os.environ.pop("STOKER_ENGINE", None)
     return {k: statistics.median(v) for k, v in out.items()}
 
@@ -254,10 +269,11 @@ def main(argv: list[str] | None = None) -> int:
               f"the CPU alone")
     if "calls" in out:
         print(f"\nPython calls per batch of 64 (median of {args.rounds})")
-        print("| | worker / coordinator threads | device thread |\n| --- | --- | --- |")
+        print("| | worker / coordinator threads | device thread | decode thread |\n| --- | --- | --- | --- |")
         for k, v in out["calls"].items():
-            if not k.endswith(" [device thread]"):
-                print(f"| {k} | {v:,.0f} | {out['calls'][k + ' [device thread]']:,.0f} |")
+            if not k.endswith(" thread]"):
+                print(f"| {k} | {v:,.0f} | {out['calls'][k + ' [device thread]']:,.0f} | "
+                      f"{out['calls'][k + ' [decode thread]']:,.0f} |")
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     return 0

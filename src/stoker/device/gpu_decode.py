@@ -19,8 +19,11 @@ failure, never raised, and the Loader decodes it on the CPU instead.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from functools import partial
+from operator import attrgetter
+from typing import Any, Iterator, NamedTuple, Sequence
+
+import numpy as np
 
 from .._torch import torch
 from ..errors import ConfigError, CorruptImageError, ImageError
@@ -34,6 +37,8 @@ F = torch.nn.functional
 #: Default bound on the decoded pixels held at once by `GpuBatchDecoder.run`: 256 MiB of uint8 RGB,
 #: e.g. about 470 ImageNet-sized (375x500) images, or 7 twelve-megapixel photos.
 DEFAULT_BUDGET_BYTES = 256 << 20
+
+_CROP = attrgetter("crop")
 
 
 # ---- crop, resize, flip on the device: a whole chunk in a few kernels ----------------------------------
@@ -81,19 +86,19 @@ def _axis_weights(n_out: int, length: torch.Tensor, size: torch.Tensor, start: t
     return weights * inside
 
 
-@dataclass
-class _Placed:
+class _Placed(NamedTuple):
     """A decoded image and where its crop goes: source window (sy0, sy1, sx0, sx1) inside `img`, target
-    window (dy0, dy1, dx0, dx1) inside the output, mirrored or not."""
+    window (dy0, dy1, dx0, dx1) inside the output, mirrored or not; `crop` is the source window's
+    (height, width)."""
 
     job: GpuJob
     img: torch.Tensor  # uint8 [3, h, w] on the device (the whole image, or only the crop's region)
     src: tuple[int, int, int, int]
     dst: tuple[int, int, int, int]
+    crop: tuple[int, int]
 
-    @property
-    def crop(self) -> tuple[int, int]:
-        return self.src[1] - self.src[0], self.src[3] - self.src[2]
+
+_new_placed = partial(tuple.__new__, _Placed)  # a _Placed from one tuple, without a Python frame
 
 
 def _dense(img: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -106,21 +111,43 @@ def _dense(img: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
     return flat, (img.stride(0), img.stride(1), img.stride(2))
 
 
-def _gather_crops(placed: Sequence[_Placed], ch: int, cw: int, dev: torch.device) -> torch.Tensor:
-    """Every sample's crop in one float32 batch [N, 3, ch, cw], gathered in a few kernels whatever N:
-    the images' memory joined (`torch.cat`), then one indexed read. Pixels beyond a crop repeat its
-    last row or column; the resampling weights there are zero."""
-    flats, params, base = [], [], 0
-    for p in placed:
-        flat, (sc, sy, sx) = _dense(p.img)
-        sy0, sy1, sx0, sx1 = p.src
-        params.append((base + sy0 * sy + sx0 * sx, sc, sy, sx, sy1 - sy0, sx1 - sx0))
-        flats.append(flat)
-        base += flat.numel()
+def _flats(imgs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], np.ndarray]:
+    """`_dense` of every image: the flat blocks and int64 [N, 4] (channel, row, column strides, elements).
+    When every image is a contiguous CHW image or an interleaved HWC one viewed as CHW (the usual
+    outputs), each takes two calls, its strides read once; otherwise each goes through `_dense`."""
+    shapes = [img.shape for img in imgs]
+    strides = [img.stride() for img in imgs]
+    if all([h * w and (st == (h * w, w, 1) or (c == 3 and st == (1, 3 * w, 3)))
+            for (c, h, w), st in zip(shapes, strides)]):
+        flats = [img.as_strided((c * h * w,), (1,)) for img, (c, h, w) in zip(imgs, shapes)]
+        meta = [(*st, c * h * w) for st, (c, h, w) in zip(strides, shapes)]
+    else:
+        dense = [_dense(img) for img in imgs]
+        flats = [flat for flat, _ in dense]
+        meta = [(*st, flat.shape[0]) for flat, st in dense]
+    return flats, np.array(meta, dtype=np.int64).reshape(-1, 4)
+
+
+def _host_columns(cols: np.ndarray, dev: torch.device) -> torch.Tensor:
+    """int64 [N, k] host columns on `dev` (pinned and asynchronous on a GPU)."""
+    host = torch.from_numpy(np.ascontiguousarray(cols, dtype=np.int64))
+    return host.to(dev) if dev.type == "cpu" else host.pin_memory().to(dev, non_blocking=True)
+
+
+def _gather_crops(imgs: Sequence[torch.Tensor], src: np.ndarray, ch: int, cw: int, dev: torch.device
+                  ) -> torch.Tensor:
+    """Every sample's crop (`src`: int64 [N, 4] windows (y0, y1, x0, x1) inside `imgs`) in one float32
+    batch [N, 3, ch, cw], gathered in a few kernels whatever N: the images' memory joined
+    (`torch.cat`), then one indexed read. Pixels beyond a crop repeat its last row or column; the
+    resampling weights there are zero."""
+    flats, meta = _flats(imgs)
+    base = np.zeros(len(meta), np.int64)
+    np.cumsum(meta[:-1, 3], out=base[1:])
+    sc, sy, sx = meta[:, 0], meta[:, 1], meta[:, 2]
+    params = np.stack([base + src[:, 0] * sy + src[:, 2] * sx, sc, sy, sx, src[:, 1] - src[:, 0],
+                       src[:, 3] - src[:, 2]], 1)
     joined = torch.cat(flats) if len(flats) > 1 else flats[0]
-    host = torch.tensor(params, dtype=torch.int64)
-    cols = host.to(dev) if dev.type == "cpu" else host.pin_memory().to(dev, non_blocking=True)
-    start, sc, sy, sx, h, w = (c.view(-1, 1, 1, 1) for c in cols.unbind(1))
+    start, sc, sy, sx, h, w = (c.view(-1, 1, 1, 1) for c in _host_columns(params, dev).unbind(1))
     c = torch.arange(3, device=dev).view(1, 3, 1, 1)
     y = torch.minimum(torch.arange(ch, device=dev).view(1, 1, ch, 1), h - 1)
     x = torch.minimum(torch.arange(cw, device=dev).view(1, 1, 1, cw), w - 1)
@@ -140,15 +167,15 @@ def resample_into(placed: Sequence[_Placed], out: torch.Tensor) -> None:
         return
     dev = out.device
     out_h, out_w = out.shape[2], out.shape[3]
-    ch = max(p.crop[0] for p in placed)
-    cw = max(p.crop[1] for p in placed)
-    crops = _gather_crops(placed, ch, cw, dev)
-    # per-sample parameters: (crop h, crop w, target h, target w, target top, target left, flip)
-    params = [(*p.crop, p.dst[1] - p.dst[0], p.dst[3] - p.dst[2], p.dst[0], p.dst[2], p.job.flip) for p in placed]
-    aa = [(h > th or w > tw) for h, w, th, tw, *_ in params]  # antialias both axes once either shrinks
-    host = torch.tensor([list(map(int, q)) + [int(a), p.job.row] for q, a, p in zip(params, aa, placed)],
-                        dtype=torch.int64)
-    cols = host.to(dev) if dev.type == "cpu" else host.pin_memory().to(dev, non_blocking=True)
+    # per sample, one row: source window, target window, flip, batch row
+    geo = np.array([(*p.src, *p.dst, p.job.flip, p.job.row) for p in placed], dtype=np.int64).reshape(n, 10)
+    src, dst = geo[:, 0:4], geo[:, 4:8]
+    h, w = src[:, 1] - src[:, 0], src[:, 3] - src[:, 2]
+    th, tw = dst[:, 1] - dst[:, 0], dst[:, 3] - dst[:, 2]
+    ch, cw = int(h.max()), int(w.max())
+    crops = _gather_crops([p.img for p in placed], src, ch, cw, dev)
+    anti = (h > th) | (w > tw)  # antialias both axes once either shrinks
+    cols = _host_columns(np.stack([h, w, th, tw, dst[:, 0], dst[:, 2], geo[:, 8] != 0, anti, geo[:, 9]], 1), dev)
     h, w, th, tw, ty, tx, flip, anti, rows = cols.unbind(1)
     wy = _axis_weights(out_h, h, th, ty, anti.bool(), None, ch)
     wx = _axis_weights(out_w, w, tw, tx, anti.bool(), flip.bool(), cw)
@@ -201,14 +228,19 @@ class GpuBatchDecoder:
     def chunks(self, jobs: Sequence[GpuJob]) -> Iterator[list[GpuJob]]:
         """Consecutive runs of jobs whose decoded bytes (3*h*w each) sum to at most budget_bytes; a job
         larger than the budget on its own gets a chunk of its own."""
+        if self.regions:
+            sizes = [3 * (w.src[1] - w.src[0]) * (w.src[3] - w.src[2]) if w is not None
+                     else 3 * (h if h > 0 else 0) * (v if v > 0 else 0)
+                     for w, h, v in [(job.window, job.height, job.width) for job in jobs]]
+        else:   # `_decoded_bytes` of each, inline
+            sizes = [3 * (h if h > 0 else 0) * (v if v > 0 else 0) for h, v in [(job.height, job.width) for job in jobs]]
         chunk: list[GpuJob] = []
         size = 0
-        for job in jobs:
-            nbytes = self._decoded_bytes(job)
+        for job, nbytes in zip(jobs, sizes):
             if chunk and size + nbytes > self.budget_bytes:
                 yield chunk
                 chunk, size = [], 0
-            chunk.append(job)
+            chunk += (job,)
             size += nbytes
         if chunk:
             yield chunk
@@ -218,15 +250,17 @@ class GpuBatchDecoder:
         float32 crops and their int64 index, both resampling matrices with the temporaries that build
         them, the intermediate product, the result) would pass budget_bytes."""
         group: list[_Placed] = []
-        ch = cw = 0
-        for p in sorted(placed, key=lambda p: p.crop):
-            h, w = max(ch, p.crop[0]), max(cw, p.crop[1])
-            need = 4 * (len(group) + 1) * (3 * 3 * h * w + _WEIGHT_TEMPS * (out_h * h + out_w * w)
+        ch = cw = k = 0
+        for p in sorted(placed, key=_CROP):
+            ph, pw = p.crop
+            h, w = (ch if ch > ph else ph), (cw if cw > pw else pw)
+            need = 4 * (k + 1) * (9 * h * w + _WEIGHT_TEMPS * (out_h * h + out_w * w)
                                            + 3 * out_h * w + 3 * out_h * out_w)
             if group and need > self.budget_bytes:
                 yield group
-                group, h, w = [], p.crop[0], p.crop[1]
-            group.append(p)
+                group, h, w, k = [], ph, pw, 0
+            group += (p,)
+            k += 1
             ch, cw = h, w
         if group:
             yield group
@@ -269,10 +303,28 @@ class GpuBatchDecoder:
                                                               for w in windows])
         else:
             images = _decode_each(self.decoder.decode, datas)
+        # one pass over the results, reading attributes only: an image of the size expected, already on
+        # the device, is placed as it is; anything else goes through `_place` (checks, grayscale, moves)
+        if self.regions:
+            geo = [((0, y1 - y0, 0, x1 - x0), w.dst) for w in windows for y0, y1, x0, x1 in (w.src,)]
+        else:
+            geo = [(w.src, w.dst) for w in windows]
+        sizes = [(3, src[1], src[3]) for src, _ in geo] if self.regions else [(3, job.height, job.width)
+                                                                               for job in chunk]
+        dev, u8, tensor = self.device, torch.uint8, torch.Tensor
+        fine = [img.__class__ is tensor and img.dtype == u8 and img.shape == size and img.device == dev
+                for img, size in zip(images, sizes)]
+        if all(fine):
+            return [_new_placed((job, img, src, dst, (src[1] - src[0], src[3] - src[2])))
+                    for job, img, (src, dst) in zip(chunk, images, geo)], []
         placed: list[_Placed] = []
         failures: list[tuple[GpuJob, Exception]] = []
         for k, job in enumerate(chunk):
             img, images[k] = images[k], None
+            if fine[k]:
+                src, dst = geo[k]
+                placed += (_new_placed((job, img, src, dst, (src[1] - src[0], src[3] - src[2]))),)
+                continue
             try:
                 if isinstance(img, BaseException):
                     raise img
@@ -328,4 +380,4 @@ class GpuBatchDecoder:
             img = img.expand(3, h, w)
         if img.device != self.device and self.device.type == "cuda":
             img = img.to(self.device)
-        return _Placed(job, img, src, win.dst)
+        return _Placed(job, img, src, win.dst, (src[1] - src[0], src[3] - src[2]))

@@ -295,7 +295,7 @@ class PipelinedBuilder:
         larger when this batch's JPEGs did not fit; 1.5 times this batch's bytes. Once per slot in
         steady state."""
         staging = slot.staging
-        used = sum(int(j.data.numel()) for j in jobs)
+        used = sum([j.data.shape[0] for j in jobs])
         if staging is not None and staging.overflow == 0:
             return
         size = max(used * 3 // 2, 1 << 16)

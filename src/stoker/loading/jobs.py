@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -132,6 +133,9 @@ class GpuRows:
                     self.indices.tolist()))]
 
 
+_ROW = attrgetter("row")
+
+
 def slot_jobs(slot: Any, n: int) -> list[GpuJob]:
     """The GPU jobs of the slot's first `n` rows in row order: those made one row at a time
     (`slot.jobs`) and those of its `GpuRows` chunks."""
@@ -140,7 +144,7 @@ def slot_jobs(slot: Any, n: int) -> list[GpuJob]:
         jobs += chunk.jobs()
     if slot.gpu_rows:
         jobs = [j for j in jobs if j.row < n]
-        jobs.sort(key=lambda j: j.row)
+        jobs.sort(key=_ROW)
     return jobs
 
 
