@@ -194,3 +194,14 @@ def test_the_loaders_gpu_memory_is_its_peak_above_what_was_there(monkeypatch: py
     report.loader_batch_bytes = 3 * 38_535_168 + 8 * 256   # LoaderStats.device_peak_bytes
     assert "\n  loader batches   115.6 MB at peak: the device batches it built ahead" in report.format()
     assert report.as_dict()["loader_batch_bytes"] == 3 * 38_535_168 + 8 * 256
+
+
+def test_cli_doctor_takes_the_decode_and_names_the_flag(big_packed: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from stoker.cli import build_parser
+
+    assert build_parser().parse_args(["doctor", "x", "--decode", "auto"]).decode == "auto"
+    assert build_parser().parse_args(["doctor", "x"]).decode == "cpu"
+    assert main(["doctor", str(big_packed), "--device", "cpu", "--decode", "gpu", "--batch-size", "8",
+                 "--size", "32"]) == 2
+    err = capsys.readouterr().err
+    assert "stoker doctor: error: decode='gpu' needs a CUDA device" in err and "--decode cpu" in err

@@ -278,7 +278,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
     report = run_doctor(args.path, batch_size=args.batch_size, steps=args.steps, threads=args.threads,
                         transforms=args.transforms, size=args.size, model=args.model, device=args.device,
-                        progress=not args.json)
+                        progress=not args.json, decode=args.decode)
     print(json.dumps(report.as_dict(), indent=1) if args.json else report.format())
     return 0
 
@@ -477,6 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model to train: a torchvision model name or module:callable returning an nn.Module, "
                    "e.g. torchvision.models:resnet18 (default: built-in small CNN)")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
+    p.add_argument("--decode", default="cpu", choices=["cpu", "gpu", "auto"],
+                   help="where JPEGs are decoded: cpu (default), gpu (a CUDA device), or auto (split with the CPU "
+                        "threads by measured throughput where a GPU decoder works)")
     p.add_argument("--json", action="store_true", help="machine-readable output, no progress bar")
     p.set_defaults(func=_cmd_doctor)
 

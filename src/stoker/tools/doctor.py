@@ -171,7 +171,8 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = MIN_VERDI
     device = default_device(device)
     model_threads, loader_cores = split_cores(device, usable_cpus())
     if decode == "gpu" and not device.startswith("cuda"):
-        raise ConfigError(f"decode='gpu' needs a CUDA device, got {device}; use decode='cpu'")
+        raise ConfigError(f"decode='gpu' needs a CUDA device, got {device}; use decode='cpu' (stoker doctor "
+                          f"--decode cpu), or decode='auto', which decodes on the CPU where no GPU decoder works")
     on_device = {"device": DeviceOptions(device, normalize="imagenet", decode=decode)} \
         if device.startswith("cuda") else {}
     loader = Loader(path, batch_size, transforms=ops, drop_last=True, seed=0,
