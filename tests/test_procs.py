@@ -168,35 +168,42 @@ def test_resume_mid_epoch_gives_the_rest(packed: Path) -> None:
     clean([])
 
 
-def test_shutdown_on_exhaustion_break_exception_and_close(packed: Path) -> None:
-    loader = Loader(packed, 8, transforms=TRAIN, workers=PROCESS)
+def shutdown_every_way(loader: Loader, processes: int) -> list[int]:
+    """Iterate `loader` to exhaustion, then break, raise in the loop and close() mid-pass: each time its
+    `processes` worker processes run while the pass does and are gone after it, with no shared memory
+    left. Returns the pids seen (a new set each pass)."""
     pids: list[int] = []
 
-    def child() -> int:
-        (proc,) = workers_alive()
-        pids.append(proc.pid)
-        return proc.pid
+    def running() -> None:
+        alive = workers_alive()
+        assert len(alive) == processes
+        pids.extend(p.pid for p in alive)
 
     it = iter(loader)
     next(it)
-    child()
+    running()
     list(it)   # exhaustion
     clean(pids)
     for _ in loader:   # break
-        child()
+        running()
         break
     gc.collect()
     clean(pids)
     with pytest.raises(RuntimeError, match="boom"):
         for _ in loader:
-            child()
+            running()
             raise RuntimeError("boom")
     clean(pids)
     it = iter(loader)
     next(it)
-    child()
+    running()
     loader.close()
     clean(pids)
+    return pids
+
+
+def test_shutdown_on_exhaustion_break_exception_and_close(packed: Path) -> None:
+    pids = shutdown_every_way(Loader(packed, 8, transforms=TRAIN, workers=PROCESS), 1)
     assert len(set(pids)) == 4
 
 

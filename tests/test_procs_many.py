@@ -6,7 +6,6 @@ errors hold as with one process (tests/test_procs.py)."""
 from __future__ import annotations
 
 import _thread
-import gc
 import os
 import signal
 import subprocess
@@ -27,7 +26,7 @@ from stoker.loader.options import Workers
 from stoker.loading import procs
 
 from test_loader import TRAIN, build_packed, run_epoch
-from test_procs import THREADS, clean, gone, slow, workers_alive
+from test_procs import THREADS, clean, gone, shutdown_every_way, slow, workers_alive
 
 pytestmark = pytest.mark.skipif(procs._posixshmem is None, reason="POSIX shared memory only")
 
@@ -150,34 +149,7 @@ def test_the_device_stage_over_many_processes(packed: Path) -> None:
 
 
 def test_shutdown_on_exhaustion_break_exception_close_and_collection(packed: Path) -> None:
-    loader = Loader(packed, 8, transforms=TRAIN, workers=many(2))
-    pids: list[int] = []
-
-    def children() -> None:
-        alive = workers_alive()
-        assert len(alive) == 2
-        pids.extend(p.pid for p in alive)
-
-    it = iter(loader)
-    next(it)
-    children()
-    list(it)   # exhaustion
-    clean(pids)
-    for _ in loader:   # break
-        children()
-        break
-    gc.collect()
-    clean(pids)
-    with pytest.raises(RuntimeError, match="boom"):
-        for _ in loader:
-            children()
-            raise RuntimeError("boom")
-    clean(pids)
-    it = iter(loader)
-    next(it)
-    children()
-    loader.close()
-    clean(pids)
+    pids = shutdown_every_way(Loader(packed, 8, transforms=TRAIN, workers=many(2)), 2)
     abandoned = iter(Loader(packed, 8, transforms=TRAIN, workers=many(3)))
     next(abandoned)
     ring = weakref.ref(abandoned._run.ring)
