@@ -12,6 +12,8 @@ import math
 import sys
 import types
 import weakref
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import stoker
 from conftest import BrokenImport, jpeg_bytes, smooth_rgb
 from stoker.device import gpu_backends, gpu_decode
 from stoker.errors import ConfigError, CorruptImageError
@@ -77,6 +80,19 @@ def textured(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
     stripes = 35 * np.sin(2 * math.pi * (x / 10.0 + y / 23.0) + phase)
     blob = 60 * np.exp(-(((x - 0.2 * width) / (0.1 * width)) ** 2 + ((y - 0.3 * height) / (0.1 * height)) ** 2))
     return (0.6 * base + 50 + stripes + blob).clip(0, 255).astype(np.uint8)
+
+
+def textured_pack(root: Path, seed: int, per_class: int, size: Callable[[int], tuple[int, int]]) -> Path:
+    """Two classes of `per_class` textured JPEGs (quality 90), image i of size `size(i)` (height, width),
+    packed into `root / "packed"`."""
+    rng = np.random.default_rng(seed)
+    for c in range(2):
+        (root / "src" / f"c{c}").mkdir(parents=True)
+        for i in range(per_class):
+            data = jpeg_bytes(textured(rng, *size(i)), quality=90)
+            (root / "src" / f"c{c}" / f"{i:02d}.jpg").write_bytes(data)
+    stoker.pack(str(root / "src"), str(root / "packed"))
+    return root / "packed"
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:

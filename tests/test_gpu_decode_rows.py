@@ -24,22 +24,14 @@ from stoker.loading import render
 from stoker.loading.jobs import JpegStaging, crop_windows
 from stoker.tools.gpu_standin import FixedRateDecoder
 from stoker.transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, crop_window
-from test_gpu_decode import CpuDecoder, textured
+from test_gpu_decode import CpuDecoder, textured, textured_pack
 
 CROP = [RandomResizedCrop(64), RandomHorizontalFlip()]
 
 
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("gpurows")
-    rng = np.random.default_rng(5)
-    for c in range(2):
-        (root / "src" / f"c{c}").mkdir(parents=True)
-        for i in range(20):
-            data = jpeg_bytes(textured(rng, 40 + 7 * i, 60 + 5 * i), quality=90)
-            (root / "src" / f"c{c}" / f"{i:02d}.jpg").write_bytes(data)
-    stoker.pack(str(root / "src"), str(root / "packed"))
-    return root / "packed"
+    return textured_pack(tmp_path_factory.mktemp("gpurows"), 5, 20, lambda i: (40 + 7 * i, 60 + 5 * i))
 
 
 @pytest.fixture(scope="module")

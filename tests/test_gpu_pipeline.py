@@ -16,30 +16,20 @@ import numpy as np
 import pytest
 import torch
 
-import stoker
-from conftest import jpeg_bytes
 from stoker import DeviceOptions, Loader, Workers, native
 from stoker.errors import ConfigError
 from stoker.device.gpu_decode import GpuBatchDecoder
 from stoker.device.gpu_split import SplitControl
 from stoker.tools.gpu_standin import FixedRateDecoder
 from stoker.transforms import ColorJitter, RandomHorizontalFlip, RandomResizedCrop
-from test_gpu_decode import textured
+from test_gpu_decode import textured_pack
 
 CROP = [RandomResizedCrop(64), RandomHorizontalFlip()]
 
 
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("gpupipe")
-    rng = np.random.default_rng(3)
-    for c in range(2):
-        (root / "src" / f"c{c}").mkdir(parents=True)
-        for i in range(24):
-            data = jpeg_bytes(textured(rng, 96 + 5 * i, 120 + 3 * i), quality=90)
-            (root / "src" / f"c{c}" / f"{i:02d}.jpg").write_bytes(data)
-    stoker.pack(str(root / "src"), str(root / "packed"))
-    return root / "packed"
+    return textured_pack(tmp_path_factory.mktemp("gpupipe"), 3, 24, lambda i: (96 + 5 * i, 120 + 3 * i))
 
 
 # ---- overlap: the decode of batch b+1 runs while batch b is resampled --------------------------------------
