@@ -435,8 +435,11 @@ def test_a_guard_that_never_passes_times_out_naming_it(packed: Path) -> None:
     clean([])
 
 
-def test_video_clips_give_the_same_batches_as_threads(tmp_path: Path) -> None:
-    """Clips, where the process mode pays most (PyAV's per-frame Python), cross as images do."""
+@pytest.mark.parametrize("batch, workers", [(2, PROCESS), (1, Workers(num_threads=2, processes=2))],
+                         ids=["one-process", "two-processes"])
+def test_video_clips_give_the_same_batches_as_threads(tmp_path: Path, batch: int, workers: Workers) -> None:
+    """Clips, where the process mode pays most (PyAV's per-frame Python), cross as images do, over one
+    worker process and over two (batches of 1: each process renders every other one)."""
     pytest.importorskip("av", reason="videos need PyAV: pip install 'stoker[video]'")
     import stoker
     from stoker.loading.clips import Clips
@@ -448,12 +451,12 @@ def test_video_clips_give_the_same_batches_as_threads(tmp_path: Path) -> None:
     pack(tmp_path / "src", tmp_path / "ds", progress=False)
 
     def run(workers: Workers) -> list:
-        with stoker.Loader(tmp_path / "ds", 2, sampling=stoker.Sampling(clips=Clips(frames=3)),
+        with stoker.Loader(tmp_path / "ds", batch, sampling=stoker.Sampling(clips=Clips(frames=3)),
                            transforms=[RandomResizedCrop(24), RandomHorizontalFlip()], seed=3, workers=workers) as loader:
             return [(x.clone(), y.clone()) for x, y in loader]
 
-    threads, process = run(THREADS), run(PROCESS)
-    assert len(threads) == len(process) == 2 and threads[0][0].shape == (2, 3, 3, 24, 24)
+    threads, process = run(THREADS), run(workers)
+    assert len(threads) == len(process) == 4 // batch and threads[0][0].shape == (batch, 3, 3, 24, 24)
     for (xt, yt), (xp, yp) in zip(threads, process):
         assert xt.equal(xp) and yt.equal(yp)
     clean([])

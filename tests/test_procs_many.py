@@ -272,25 +272,3 @@ def test_a_killed_training_process_leaves_no_worker_process(packed: Path, tmp_pa
     finally:
         proc.kill()
         proc.stdout.close()
-
-
-def test_video_clips_over_two_processes(tmp_path: Path) -> None:
-    pytest.importorskip("av", reason="videos need PyAV: pip install 'stoker[video]'")
-    from stoker.loading.clips import Clips
-    from stoker.packing import pack
-    from stoker.tools.synth_video import VideoStyle, make_kinetics_like
-    from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop
-
-    make_kinetics_like(tmp_path / "src", 2, classes=2, style=VideoStyle(seconds=1, fps=10, size=(40, 48)))
-    pack(tmp_path / "src", tmp_path / "ds", progress=False)
-
-    def run(workers: Workers) -> list:
-        with stoker.Loader(tmp_path / "ds", 1, sampling=stoker.Sampling(clips=Clips(frames=3)),
-                           transforms=[RandomResizedCrop(24), RandomHorizontalFlip()], seed=3, workers=workers) as loader:
-            return [(x.clone(), y.clone()) for x, y in loader]
-
-    threads, process = run(THREADS), run(many(2))
-    assert len(threads) == len(process) == 4   # 4 batches of 1 clip over 2 processes
-    for (xt, yt), (xp, yp) in zip(threads, process):
-        assert xt.equal(xp) and yt.equal(yp)
-    clean([])
