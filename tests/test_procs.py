@@ -227,8 +227,10 @@ def slow(img: np.ndarray) -> np.ndarray:
     return img
 
 
-def test_ctrl_c_stops_the_worker_process(packed: Path) -> None:
-    loader = Loader(packed, 24, transforms=[*TRAIN, slow], workers=PROCESS)
+@pytest.mark.parametrize("batch, workers, within", [(24, PROCESS, 10.0), (12, Workers(num_threads=2, processes=2), 15.0)],
+                         ids=["one-process", "two-processes"])
+def test_ctrl_c_stops_the_worker_processes(packed: Path, batch: int, workers: Workers, within: float) -> None:
+    loader = Loader(packed, batch, transforms=[*TRAIN, slow], workers=workers)
     it = iter(loader)
     timer = threading.Timer(0.3, _thread.interrupt_main)   # while next() waits for the first batch
     timer.start()
@@ -237,7 +239,7 @@ def test_ctrl_c_stops_the_worker_process(packed: Path) -> None:
         for _ in it:
             pass
     timer.join()
-    assert time.monotonic() - t0 < 10.0
+    assert time.monotonic() - t0 < within
     clean([])
 
 

@@ -5,13 +5,11 @@ errors hold as with one process (tests/test_procs.py)."""
 
 from __future__ import annotations
 
-import _thread
 import os
 import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import weakref
 from pathlib import Path
@@ -19,14 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import stoker
 from stoker.errors import ConfigError, SampleError, WorkerError
 from stoker.loader import Loader
 from stoker.loader.options import Workers
 from stoker.loading import procs
 
 from test_loader import TRAIN, build_packed, run_epoch
-from test_procs import THREADS, clean, gone, shutdown_every_way, slow, workers_alive
+from test_procs import THREADS, clean, gone, shutdown_every_way, workers_alive
 
 pytestmark = pytest.mark.skipif(procs._posixshmem is None, reason="POSIX shared memory only")
 
@@ -158,20 +155,6 @@ def test_shutdown_on_exhaustion_break_exception_close_and_collection(packed: Pat
     assert ring() is None
     clean(pids)
     assert len(set(pids)) == 4 * 2 + 3
-
-
-def test_ctrl_c_stops_every_worker_process(packed: Path) -> None:
-    loader = Loader(packed, 12, transforms=[*TRAIN, slow], workers=many(2))
-    it = iter(loader)
-    timer = threading.Timer(0.3, _thread.interrupt_main)   # while next() waits for the first batch
-    timer.start()
-    t0 = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        for _ in it:
-            pass
-    timer.join()
-    assert time.monotonic() - t0 < 15.0
-    clean([])
 
 
 @pytest.mark.parametrize("index", [0, 1], ids=["the-due-one", "a-later-one"])
