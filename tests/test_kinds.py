@@ -4,7 +4,6 @@ written against the protocol alone goes through the Filler, on_error="skip" and 
 
 from __future__ import annotations
 
-import io
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,9 +12,7 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from stoker.dataset import Sample
 from stoker.loading.clips import ClipKind, Clips
 from stoker.loading.handout import host_batch, run_batch_ops
 from stoker.loading.kinds import IMAGES, ImageKind, Renderer, SampleKind, fold_rows, unfold_rows
@@ -23,38 +20,8 @@ from stoker.loading.render import Filler, RenderSpec, native_serves
 from stoker.loading.slots import BatchRing
 from stoker.loading.stats import WorkerTimes
 from stoker.transforms import CenterCrop, Normalize, Pipeline
-
-SIZES = [(24, 30), (30, 24), (28, 28), (26, 32), (32, 26)]  # (height, width), pixels
-
-
-def _png(k: int, h: int, w: int) -> bytes:
-    yy, xx = np.mgrid[0:h, 0:w]
-    img = np.stack([(yy * 7 + k * 13) % 256, (xx * 5 + k * 31) % 256, (yy * xx + k) % 256], -1).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(img).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-class Memory:
-    """The reader interface the Filler uses, over PNGs in memory; `broken` samples do not decode."""
-
-    def __init__(self, broken: frozenset[int] = frozenset()) -> None:
-        self.blobs = [b"not a png" if k in broken else _png(k, h, w) for k, (h, w) in enumerate(SIZES)]
-        self.labels = np.arange(len(SIZES), dtype=np.int64)
-
-    def __len__(self) -> int:
-        return len(SIZES)
-
-    def sample(self, i: int) -> Sample:
-        h, w = SIZES[i]
-        return Sample(i, f"mem/{i}.png", self.blobs[i], "png", h, w, int(self.labels[i]), "memory", i)
-
-    def location(self, i: int) -> tuple[str, int]:
-        return "memory", i
-
-    def extra(self, i: int, name: str) -> object:
-        return f"{name}-{i}"
-
+from test_render import SIZES
+from test_render import MemoryDataset as Memory   # labels: 10 x the index
 
 @dataclass(frozen=True)
 class Mirrored:
@@ -157,7 +124,7 @@ def test_a_third_kind_goes_through_the_filler_and_the_handout_unchanged() -> Non
     assert "position" not in plain.extras
     images, labels, extras = host_batch(slot, filler.spec, 0, 0)
     assert images.shape == (4, 2, 3, 20, 20) and torch.equal(images[:, 1], images[:, 0].flip(-1))
-    assert labels.tolist() == [0, 1, 2, 3] and extras["position"].tolist() == [0, 1, 2, 3]
+    assert labels.tolist() == [0, 10, 20, 30] and extras["position"].tolist() == [0, 1, 2, 3]
 
 
 def test_a_failed_row_of_a_kind_gets_the_stand_ins_extras() -> None:
@@ -165,7 +132,7 @@ def test_a_failed_row_of_a_kind_gets_the_stand_ins_extras() -> None:
     filler = Filler(_spec(Mirrored(), on_error="skip"), ds, 0, np.arange(len(ds)), 0)
     slot, times = _render(filler, 4)
     assert times.skipped == 1
-    stand_in = int(slot.labels_np[1])   # labels are the dataset indices here
+    stand_in = int(slot.labels_np[1]) // 10   # labels are 10 x the dataset indices here
     assert stand_in != 1 and slot.extras["source"].tolist() == [0, stand_in, 2, 3]   # the stand-in's own
     assert slot.extras["position"].tolist() == [0, 1, 2, 3]
     again, _ = _render(Filler(_spec(IMAGES), Memory(), 0, np.array([stand_in] * len(ds)), 0), 1)

@@ -22,8 +22,9 @@ from stoker.loader import Loader
 from stoker.loader.options import Workers
 from stoker.loading import procs
 
-from test_loader import TRAIN, build_packed, run_epoch
-from test_procs import THREADS, clean, gone, shutdown_every_way, workers_alive
+from test_loader import TRAIN, run_epoch
+from test_procs import (THREADS, clean, gone, packed, packed_bad,  # noqa: F401 - the same packs, as fixtures
+                        shutdown_every_way, workers_alive)
 
 pytestmark = pytest.mark.skipif(procs._posixshmem is None, reason="POSIX shared memory only")
 
@@ -35,16 +36,6 @@ def many(n: int, threads: int | None = None, **kw) -> Workers:
 def brighten(img: np.ndarray) -> np.ndarray:
     """A user transform: Python per sample in each worker process (not the native engine)."""
     return np.minimum(img.astype(np.int16) + 7, 255).astype(np.uint8)
-
-
-@pytest.fixture(scope="module")
-def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_packed(tmp_path_factory.mktemp("packed") / "ds", n=48)
-
-
-@pytest.fixture(scope="module")
-def packed_bad(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_packed(tmp_path_factory.mktemp("bad") / "ds", n=24, corrupt=(13,))
 
 
 def test_processes_n_is_validated_and_threads_count_all_processes(packed: Path) -> None:
