@@ -145,7 +145,7 @@ class DemoResult:
             kept = self.control.fed_ratio
             if kept is not None and kept >= 1.0 - CONTROL_NOISE:
                 line += (f". Beside a running stoker whose batches were discarded, the model kept all of its speed "
-                         f"({fmt_number(kept, '.2f')} of synthetic, within {CONTROL_NOISE:.0%}: the interference "
+                         f"({fmt_number(kept, '.2f')} of synthetic, no more than {CONTROL_NOISE:.0%} below it: the interference "
                          f"control measured no cost of the loader to the step itself); stoker's gap to 1.00 is "
                          f"waiting for batches")
             else:
