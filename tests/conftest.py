@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -117,3 +118,11 @@ def pillow_corpus() -> Path:
     if not PILLOW_CORPUS.is_dir():
         pytest.skip(CORPUS_MISSING)
     return PILLOW_CORPUS
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Python's own Ctrl-C handler, even where the suite was started with SIGINT ignored (a shell's
+    `make test &` in the background): there `_thread.interrupt_main()`, which the Ctrl-C tests use, does
+    nothing, and they would fail for the way the suite was started rather than for the code."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
