@@ -26,7 +26,7 @@ from stoker import Loader, RandomResizedCrop, Storage
 from stoker.packing import PackOptions, pack
 from stoker.reader import open_dataset
 from stoker.storage import RemoteStorage
-from stoker.storage.staging import stage
+from stoker.staging import stage
 from stoker.tools.synth import cached_imagenet_like
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

@@ -2,7 +2,8 @@
 functions and under TYPE_CHECKING): the core never imports the tools or the CLI; of the three wings
 that make batches, `loader` (options in, batches out) builds on `loading` (the CPU workers) and
 `device` (the GPU side), `device` builds on `loading`, and `loading` imports neither; no module
-imports, directly or through others, a module that imports it."""
+imports, directly or through others, a module that imports it; and no folder does either (a
+subpackage counts as one, each top-level module as itself)."""
 
 from __future__ import annotations
 
@@ -185,6 +186,46 @@ def test_no_import_cycle() -> None:
         graph[src] = graph[src] - {dst}
     cycle = _find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def _folder(name: str) -> str:
+    """The folder a module belongs to: its subpackage of stoker (`stoker.loading` for
+    `stoker.loading.slots`), or the module itself at the top level (`stoker.mix`)."""
+    parts = name.split(".")
+    return ".".join(parts[:2])
+
+
+def _folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """folder -> the other folders its modules import."""
+    folders: dict[str, set[str]] = {}
+    for src, dsts in graph.items():
+        mine = _folder(src)
+        folders.setdefault(mine, set()).update(_folder(d) for d in dsts if _folder(d) != mine)
+    return folders
+
+
+def _edges_between(graph: dict[str, set[str]], a: str, b: str) -> list[str]:
+    return sorted(f"{src} -> {dst}" for src, dsts in graph.items() if _folder(src) == a
+                  for dst in dsts if _folder(dst) == b)
+
+
+def test_no_folder_cycle() -> None:
+    """Folders import one way: where a module of folder A imports one of folder B, nothing in B imports
+    anything in A, directly or through other folders (`loading/` -> `mix` -> `loader/` -> `loading/` would
+    fail here though no single module closes a circle)."""
+    graph = _graph()
+    cycle = _find_cycle(_folder_graph(graph))
+    assert cycle is None, "folder cycle: " + " -> ".join(cycle or []) + "\n" + "\n".join(
+        edge for a, b in zip(cycle or [], (cycle or [])[1:]) for edge in _edges_between(graph, a, b))
+
+
+def test_the_folder_check_sees_a_cycle_no_module_closes() -> None:
+    graph = {"stoker.loading.child": {"stoker.mix"}, "stoker.mix": {"stoker.loader.open"},
+             "stoker.loader.open": {"stoker.loading.labels"}, "stoker.loading.labels": set()}
+    assert _find_cycle(graph) is None
+    assert _find_cycle(_folder_graph(graph)) == ["stoker.loader", "stoker.loading", "stoker.mix", "stoker.loader"]
+    assert _folder("stoker.mix") == "stoker.mix" and _folder("stoker.loading.slots") == "stoker.loading"
+    assert _folder("stoker") == "stoker"
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:

@@ -13,7 +13,7 @@ import pytest
 from stoker.errors import ConfigError, ShardError
 from stoker.packing import PackOptions, pack
 from stoker.reader import open_dataset
-from stoker.storage.staging import LOCK_NAME, MARK_NAME, remove, stage, stage_for_loader, sweep
+from stoker.staging import LOCK_NAME, MARK_NAME, remove, stage, stage_for_loader, sweep
 from stoker.loader.options import Storage
 
 SMALL_SHARDS = PackOptions(workers=1, shard_size=20_000)
@@ -81,7 +81,7 @@ def test_crashed_runs_copies_are_reused_or_swept(packed: Path, image_folder: Pat
     root = tmp_path / "shm"
     crash = textwrap.dedent(f"""
         import os
-        from stoker.storage.staging import stage_for_loader
+        from stoker.staging import stage_for_loader
         copy = stage_for_loader({str(packed)!r}, {str(root)!r})
         print(copy.path, flush=True)
         os._exit(1)  # killed mid-training: no close(), no cleanup

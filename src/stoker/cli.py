@@ -202,7 +202,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_stage(args: argparse.Namespace) -> int:
-    from .storage import staging
+    from . import staging
 
     if args.remove:
         for dest in args.paths:

@@ -1,8 +1,10 @@
 """What every dataset a Loader reads is: a `Dataset` (packed shards, shards in object storage, loose
-files) handing out `Sample`s. The packed kinds live in `reader`, loose files in `loose`."""
+files) handing out `Sample`s, and `Opened`: one opened for a Loader. The packed kinds live in `reader`,
+loose files in `loose`."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Sequence, Union
 
@@ -136,3 +138,22 @@ class Dataset:
         if not 0 <= i < n:
             raise IndexError(f"sample index {i} out of range for a dataset of {n} samples")
         return i
+
+
+@dataclass
+class Opened:
+    """A Loader's source, opened: the dataset, whether closing is ours, and the staged copy it reads
+    (removed when the last user closes it)."""
+
+    dataset: Dataset
+    owned: bool
+    staged: Any = None   # staging.StagedCopy
+
+    def close(self) -> None:
+        """Close the dataset (when opened here) and release the staged copy. Idempotent."""
+        if self.owned:
+            self.dataset.close()
+            self.owned = False
+        staged, self.staged = self.staged, None
+        if staged is not None:
+            staged.close()

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -31,8 +31,7 @@ import numpy as np
 
 from .errors import ConfigError
 from .order import Pool, sample_keys, uniforms
-from .dataset import Dataset, Sample
-from .loader.open import Opened, open_for_loading
+from .dataset import Dataset, Opened, Sample
 
 __all__ = ["Mix", "MixPlan", "MixedDataset", "SOURCE_COLUMN", "apportion"]
 
@@ -80,21 +79,6 @@ class Mix:
         if self.epoch_size is not None and (isinstance(self.epoch_size, bool) or not isinstance(self.epoch_size, int)
                                             or self.epoch_size < 1):
             raise ConfigError(f"Mix(epoch_size=) is a positive number of samples or None, got {self.epoch_size!r}")
-
-    def open(self, storage: Any = None, *, rank: int = 0, world_size: int = 1, timeout: float = 120.0) -> Opened:
-        """Open every source with the Loader's `Storage` options (a cache folder of its own per source)."""
-        opened: list[Opened] = []
-        try:
-            for name, where in self.sources.items():
-                options = storage
-                if storage is not None and storage.cache_dir is not None:
-                    options = replace(storage, cache_dir=Path(storage.cache_dir) / name)
-                opened.append(open_for_loading(where, options, rank=rank, world_size=world_size, timeout=timeout))
-            return Opened(MixedDataset(self, opened), owned=True)
-        except BaseException:
-            for o in opened:
-                o.close()
-            raise
 
 
 def apportion(total: int, weights: Sequence[float]) -> np.ndarray:

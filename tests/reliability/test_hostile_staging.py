@@ -10,7 +10,7 @@ import pytest
 
 from stoker.errors import ConfigError
 from stoker.packing import PackOptions, pack
-from stoker.storage.staging import MARK_NAME, remove, stage
+from stoker.staging import MARK_NAME, remove, stage
 
 from .rhelpers import make_image_folder, run_child
 

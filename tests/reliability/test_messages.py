@@ -26,7 +26,7 @@ def test_sizes_that_differ_never_print_alike() -> None:
 
 def test_staging_room_message_tells_the_sizes_apart(small_pack: Path, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from stoker.storage.staging import stage
+    from stoker.staging import stage
     need = sum(f.stat().st_size for f in small_pack.glob("shard-*.arrow"))
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=need - 1))

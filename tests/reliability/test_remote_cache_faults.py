@@ -153,7 +153,7 @@ def test_full_disk_under_the_cache_names_the_cache_folder(s3: S3Server, url: str
 def test_staging_onto_a_file_system_that_fills_up_names_it(packed: Path, tmp_path: Path) -> None:
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full (Linux), whose every write fails with ENOSPC, as a full disk's do")
-    from stoker.storage.staging import _copy_verified
+    from stoker.staging import _copy_verified
     info = read_manifest(LocalStorage(packed)).shards[0]
     dest = tmp_path / "shm"
     dest.mkdir()

@@ -23,7 +23,6 @@ Loader's `Cursor`; none of the stages calls back.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -83,9 +82,8 @@ class Loader:
         loose = dataloader_keywords(dataloader)   # DataLoader's keywords, as fields of the option values
         asked = ask(source, batch_size, transforms=transforms, order=order, seed=seed, sampling=sampling,
                     device=device, columns=columns, targets=targets, storage=storage, workers=workers, loose=loose)
-        opener = source.open if isinstance(source, Mix) else functools.partial(open_for_loading, source)
-        self._opened = opener(asked.storage, rank=asked.rank, world_size=asked.world_size,
-                              timeout=asked.workers.timeout)
+        self._opened = open_for_loading(source, asked.storage, rank=asked.rank, world_size=asked.world_size,
+                                        timeout=asked.workers.timeout)
         self.dataset = self._opened.dataset
         try:
             self.plan: LoadPlan = resolve(asked, self.dataset)

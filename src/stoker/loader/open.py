@@ -1,40 +1,24 @@
 """A Loader's source opened with its `Storage` options: a Dataset as given, a URL through the shard
-cache, a packed folder (staged first when asked), anything else as loose files."""
+cache, a packed folder (staged first when asked), a `Mix` (each source so, joined), anything else as
+loose files."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..dataset import Dataset
+from ..dataset import Dataset, Opened
 from ..errors import SourceError
 from ..loose import open_loose
+from ..mix import Mix, MixedDataset
 from ..reader import open_cached, open_dataset
 
 
-@dataclass
-class Opened:
-    """A Loader's source, opened: the dataset, whether closing is ours, and the staged copy it reads
-    (removed when the last user closes it)."""
-
-    dataset: Dataset
-    owned: bool
-    staged: Any = None   # storage.staging.StagedCopy
-
-    def close(self) -> None:
-        """Close the dataset (when opened here) and release the staged copy. Idempotent."""
-        if self.owned:
-            self.dataset.close()
-            self.owned = False
-        staged, self.staged = self.staged, None
-        if staged is not None:
-            staged.close()
-
-
-def open_for_loading(source: str | Path | Dataset, options: Any = None, *, rank: int = 0, world_size: int = 1,
+def open_for_loading(source: str | Path | Dataset | Mix, options: Any = None, *, rank: int = 0, world_size: int = 1,
                      timeout: float = 120.0) -> Opened:
     """Open what a Loader reads, with its storage options (`stoker.Storage`): a Dataset as given; a
+    Mix as each of its sources is opened (`open_mix`); a
     URL cached per `options` (each rank in its own `rank-N` folder when there are several, so no
     rank deletes a file another maps); a packed folder, first staged into `options.stage` when set;
     anything else as loose files (`open_loose`). `options.stage` with a Dataset or a URL is refused by
@@ -42,10 +26,12 @@ def open_for_loading(source: str | Path | Dataset, options: Any = None, *, rank:
     from ..shards import MANIFEST_NAME, looks_like_partial_pack
     from ..storage import open_storage, url_scheme
     from ..storage.remote import default_cache_dir
-    from ..storage.staging import stage_for_loader
+    from ..staging import stage_for_loader
     from .options import Storage
 
     options = Storage() if options is None else options
+    if isinstance(source, Mix):
+        return open_mix(source, options, rank=rank, world_size=world_size, timeout=timeout)
     if isinstance(source, Dataset):
         return Opened(source, owned=False)
     if url_scheme(source) not in (None, "file"):
@@ -68,4 +54,20 @@ def open_for_loading(source: str | Path | Dataset, options: Any = None, *, rank:
     except BaseException:
         if staged is not None:
             staged.close()
+        raise
+
+
+def open_mix(mix: Mix, storage: Any = None, *, rank: int = 0, world_size: int = 1, timeout: float = 120.0) -> Opened:
+    """Open every source of a Mix with the Loader's `Storage` options (a cache folder of its own per source)."""
+    opened: list[Opened] = []
+    try:
+        for name, where in mix.sources.items():
+            options = storage
+            if storage is not None and storage.cache_dir is not None:
+                options = replace(storage, cache_dir=Path(storage.cache_dir) / name)
+            opened.append(open_for_loading(where, options, rank=rank, world_size=world_size, timeout=timeout))
+        return Opened(MixedDataset(mix, opened), owned=True)
+    except BaseException:
+        for o in opened:
+            o.close()
         raise

@@ -113,7 +113,7 @@ def _tv_to_normalized_tensor(img: Any) -> Any:
     """ToTensor (HWC uint8 -> CHW float32 in [0, 1]) then Normalize with ImageNet mean/std."""
     import torch
 
-    from ..device.stage import IMAGENET_MEAN, IMAGENET_STD
+    from .._tensors import IMAGENET_MEAN, IMAGENET_STD
 
     t = torch.from_numpy(np.array(img, np.uint8, copy=True)).view(img.size[1], img.size[0], 3)
     t = t.permute((2, 0, 1)).contiguous().to(dtype=torch.float32).div(255)
@@ -124,7 +124,7 @@ def _tv_to_normalized_tensor(img: Any) -> Any:
 
 def baseline_transform(train: bool) -> tuple[Callable[[Any], Any], str]:
     """The baseline's transform on a PIL image and which implementation it is."""
-    from ..device.stage import IMAGENET_MEAN, IMAGENET_STD
+    from .._tensors import IMAGENET_MEAN, IMAGENET_STD
 
     tv = _torchvision()
     if tv is not None:

@@ -94,7 +94,7 @@ def _tensor_random_erasing(t: Any, p: float = 0.25, scale: tuple[float, float] =
 
 def recipe_transform(recipe: str) -> tuple[Callable[[Any], Any], str]:
     """The baseline's per-image transform for `recipe` (PIL in, normalized CHW float out) and what it is."""
-    from ..device.stage import IMAGENET_MEAN, IMAGENET_STD
+    from .._tensors import IMAGENET_MEAN, IMAGENET_STD
     from .baseline import _torchvision, baseline_transform
 
     if recipe not in RECIPES:

@@ -36,7 +36,7 @@ def _pipeline(root: str, batch_size: int, workers: int, device: "torch.device", 
     normalized with ImageNet mean/std in `layout` ("CHW" or "HWC"), on `device` with its labels."""
     from nvidia.dali import fn, pipeline_def, types
 
-    from ..device.stage import IMAGENET_MEAN, IMAGENET_STD
+    from .._tensors import IMAGENET_MEAN, IMAGENET_STD
 
     gpu = device.type == "cuda"
 

@@ -123,7 +123,7 @@ class TrainStep:
                  channels_last: bool = False, autocast: bool = False) -> None:
         import torch
 
-        from ..device.stage import IMAGENET_MEAN, IMAGENET_STD
+        from .._tensors import IMAGENET_MEAN, IMAGENET_STD
 
         self.device = torch.device(device)
         self.channels_last = channels_last

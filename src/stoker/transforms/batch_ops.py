@@ -11,8 +11,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from .._tensors import IMAGENET_MEAN, IMAGENET_STD, all_levels, host_to_device, normalize_by_table
 from .._torch import torch
-from ..device.stage import IMAGENET_MEAN, IMAGENET_STD, all_levels, host_to_device, normalize_by_table
 from ..errors import ConfigError
 from . import colour, pixels, policy
 from .gpu import (_OP_ID, _TAG_BATCH_AUG, F, _check_uint8, _col, _gray, _u8, adjust_brightness, adjust_contrast,

@@ -16,7 +16,7 @@ from typing import Any
 import cv2
 import numpy as np
 
-from ..device.stage import IMAGENET_MEAN, IMAGENET_STD
+from .._tensors import IMAGENET_MEAN, IMAGENET_STD
 from ..errors import ConfigError
 from .kinds import SAMPLE
 from .pixels import (INTERPOLATIONS, adjust_brightness, adjust_contrast, adjust_hue, adjust_saturation,

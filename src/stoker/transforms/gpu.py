@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._tensors import host_to_device
 from .._torch import torch
-from ..device.stage import host_to_device
 from ..errors import ConfigError
 from . import pixels, policy
 

@@ -23,8 +23,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from .._tensors import host_to_device
 from .._torch import torch
-from ..device.stage import host_to_device
 from ..errors import ConfigError
 from ..order import sample_keys
 from .kinds import BATCH

@@ -37,9 +37,9 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._system import format_bytes
-from ..errors import ConfigError, DatasetError, LoaderTimeoutError, OutputError, ShardError
-from ..shards import MANIFEST_NAME, SHARD_NAME_RE, read_manifest
+from ._system import format_bytes
+from .errors import ConfigError, DatasetError, LoaderTimeoutError, OutputError, ShardError
+from .shards import MANIFEST_NAME, SHARD_NAME_RE, read_manifest
 
 try:
     import fcntl
