@@ -9,7 +9,7 @@ the same packed JPEGs, and each process reports:
   RandomResizedCrop(224) + flip, default Workers at 2 and 16 threads);
 - images/s and process CPU ms per image (every thread's, native ones included) of the train
   (RandomResizedCrop 224 + flip) and val (Resize 256 + CenterCrop 224) pipelines on `--threads` threads;
-- the step inflation of a dispatch-bound step (300 small torch ops, `tools.bench_neighbour.make_step`'s)
+- the step inflation of a dispatch-bound step (300 small torch ops, `bench_neighbour.make_step`'s)
   beside the train pipeline: the step's median with the loader against its median with no loader, in
   windows that alternate within the process.
 
@@ -77,7 +77,7 @@ def _rate(packed: str, batch: int, threads: int, val: bool) -> tuple[float, floa
 
 def _inflation(packed: str, batch: int, threads: int, windows: int = 3, steps: int = 10) -> tuple[float, float, float]:
     from stoker import Loader, Workers
-    from stoker.tools.bench_neighbour import make_step   # the tree under test's (the same step in both)
+    from bench_neighbour import make_step   # this folder's (the same step for both trees)
     from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop
 
     step = make_step()

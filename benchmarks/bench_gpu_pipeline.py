@@ -4,7 +4,7 @@
                                             [--only overlap split calls] [--json out.json]
     STOKER_NATIVE=off python benchmarks/bench_gpu_pipeline.py --only split    # a slower CPU side
 
-No GPU involved: `stoker.tools.gpu_standin.FixedRateDecoder` blocks each call for its latency (GIL
+No GPU involved: `tests/gpu_standin.py`'s `FixedRateDecoder` blocks each call for its latency (GIL
 released), as a library that decodes while it is called does, and the device side's resample and
 convert run on the CPU. Two questions, each answered with figures measured in the same run:
 
@@ -56,9 +56,11 @@ import stoker
 from stoker import native
 from stoker.codecs import encode_jpeg
 from stoker.device.gpu_split import SplitControl
-from stoker.tools.gpu_standin import FixedRateDecoder
 from stoker.tools.synth import synth_image
 from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from gpu_standin import FixedRateDecoder  # noqa: E402 (tests/gpu_standin.py: the tests' stand-in decoder)
 
 OPS = [RandomResizedCrop(64), RandomHorizontalFlip()]
 STANDIN_DECODE = FixedRateDecoder.decode.__code__

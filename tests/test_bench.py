@@ -236,3 +236,43 @@ def test_chart_bars_are_the_loaders_not_the_overhead_measurement(tmp_path: Path)
     pytest.importorskip("matplotlib")
     assert bench_chart(result, tmp_path / "bench.png")
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_counts_the_python_calls_per_batch(tiny_root: Path, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """`stoker bench --pipelines calls`: the Python calls per batch of the Loader's own threads, on the
+    user's data, at the thread count given, with the table and the JSON written to --out."""
+    from stoker.cli import main
+
+    assert main(["bench", "--pipelines", "calls", "--data", str(tiny_root), "--batch-size", "16", "--workers", "2",
+                 "--out", str(tmp_path), "--json", "--quiet"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert set(obj["calls"]) == {"2"} and obj["calls"]["2"] > 0 and obj["batch_size"] == 16
+    assert obj["data"]["images"] == 64 and not obj["data"]["generated"]
+    assert json.loads((tmp_path / "calls.json").read_text()) == obj
+    assert "| 2 |" in (tmp_path / "calls.md").read_text()
+
+
+@pytest.mark.parametrize("argv", [["--device", "cuda"], ["--recipe", "randaug"], ["--steps", "5"], ["--rounds", "2"]])
+def test_cli_calls_refuses_the_timing_flags(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    from stoker.cli import main
+
+    assert main(["bench", "--pipelines", "calls", *argv]) == 2
+    assert "leave out --device, --recipe" in capsys.readouterr().err
+
+
+def test_calls_run_alone_and_need_three_batches(tiny_root: Path) -> None:
+    from stoker.tools.bench_calls import run_calls
+
+    with pytest.raises(ConfigError, match="--pipelines calls"):
+        run_bench(tiny_root, isolate=False, pipelines=("calls", "stoker-train"))
+    with pytest.raises(ConfigError, match="--images"):
+        run_calls(tiny_root, batch_size=32, threads=(1,))   # 64 images: 2 batches of 32
+    with pytest.raises(ConfigError, match="--workers"):
+        run_calls(tiny_root, threads=(0,))
+
+
+def test_the_neighbour_bench_is_not_a_stoker_bench_pipeline(tiny_root: Path) -> None:
+    """The noisy-neighbour bench is a developer's script (benchmarks/bench_neighbour.py), not a pipeline."""
+    with pytest.raises(ConfigError, match="neighbour"):
+        run_bench(tiny_root, isolate=False, pipelines=("neighbour",))

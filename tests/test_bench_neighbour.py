@@ -1,22 +1,38 @@
-"""The noisy-neighbour bench: its output's structure on real photographs (no timing thresholds), and
-the GIL probe against a load whose GIL hold is known."""
+"""The noisy-neighbour bench (benchmarks/bench_neighbour.py): its output's structure on real photographs
+(no timing thresholds), and the GIL probe against a load whose GIL hold is known."""
 
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import json
 import math
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 from stoker.errors import ConfigError
-from stoker.tools.bench import run_bench
-from stoker.tools.bench_neighbour import format_neighbour, gil_share, run_neighbour
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_neighbour.py"
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_neighbour", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # dataclasses and pickles look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load()
+format_neighbour, gil_share, run_neighbour = bench.format_neighbour, bench.gil_share, bench.run_neighbour
 
 #: photographs among Pillow's test images whose headers are sound
 PHOTOS = ("flower.jpg", "flower2.jpg", "hopper.jpg", "iptc.jpg", "exif_gps_typeerror.jpg", "exif-72dpi-int.jpg",
@@ -145,29 +161,14 @@ def test_too_few_images_for_a_window_names_the_fix(photo_root: Path) -> None:
         run_neighbour(photo_root, batch_size=16, workers=1, rounds=1, batches=3)
 
 
-def test_neighbour_runs_alone(photo_root: Path) -> None:
-    with pytest.raises(ConfigError, match="--pipelines neighbour"):
-        run_bench(photo_root, isolate=False, pipelines=("neighbour", "stoker-train"))
-
-
-@pytest.mark.slow   # the command's own window sizes
-def test_cli(photo_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from stoker.cli import main
-
-    assert main(["bench", "--pipelines", "neighbour", "--data", str(photo_root), "--batch-size", "2",
-                 "--workers", "1", "--rounds", "1", "--out", str(tmp_path), "--json", "--quiet"]) == 0
+@pytest.mark.slow   # the script's own window sizes
+def test_script(photo_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(["--data", str(photo_root), "--batch-size", "2", "--workers", "1", "--rounds", "1",
+                       "--out", str(tmp_path), "--json"]) == 0
     obj = json.loads(capsys.readouterr().out)
     assert [r["name"] for r in obj["rows"]] == ["none", "stoker-1", "stoker-process-1", "dataloader-1"]
     assert obj["batch_size"] == 2
     assert (tmp_path / "neighbour.md").is_file()
-
-
-@pytest.mark.parametrize("argv", [["--device", "cuda"], ["--recipe", "randaug"], ["--steps", "5"]])
-def test_cli_refuses_the_device_bench_flags(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    from stoker.cli import main
-
-    assert main(["bench", "--pipelines", "neighbour", *argv]) == 2
-    assert "leave out --device, --recipe" in capsys.readouterr().err
 
 
 def test_python_work_holds_the_gil_for_its_time_and_crosses_to_a_worker_process() -> None:
@@ -175,8 +176,9 @@ def test_python_work_holds_the_gil_for_its_time_and_crosses_to_a_worker_process(
 
     import numpy as np
 
-    from stoker.tools.bench_neighbour import PythonWork
     from stoker.transforms import adapt
+
+    PythonWork = bench.PythonWork
 
     img = np.zeros((4, 4, 3), np.uint8)
     t0 = time.perf_counter()
@@ -188,16 +190,17 @@ def test_python_work_holds_the_gil_for_its_time_and_crosses_to_a_worker_process(
         run_neighbour(Path("nowhere"), python_us=-1)
 
 
-def test_cli_python_us_is_for_the_neighbour_bench_only(capsys: pytest.CaptureFixture[str]) -> None:
+def test_stoker_bench_has_no_neighbour_flags(capsys: pytest.CaptureFixture[str]) -> None:
     from stoker.cli import main
 
-    assert main(["bench", "--pipelines", "stoker-train", "--python-us", "100"]) == 2
-    assert "--python-us applies to --pipelines neighbour only" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--python-us", "100"])
+    assert "--python-us" in capsys.readouterr().err
 
 
 def test_the_stoker_process_feed_takes_the_process_count(tmp_path: Path) -> None:
     """`--processes P`: the stoker-process feed at N threads runs min(N, P) worker processes."""
-    from stoker.tools.bench_neighbour import _Data, _open_feed
+    _Data, _open_feed = bench._Data, bench._open_feed
 
     from test_loader import build_packed
 

@@ -22,7 +22,7 @@ from stoker.device.gpu_decode import GpuBatchDecoder
 from stoker.errors import ConfigError
 from stoker.loading import render
 from stoker.loading.jobs import JpegStaging, crop_windows
-from stoker.tools.gpu_standin import FixedRateDecoder
+from gpu_standin import FixedRateDecoder
 from stoker.transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, crop_window
 from test_gpu_decode import CpuDecoder, textured, textured_pack
 

@@ -20,7 +20,7 @@ from stoker import DeviceOptions, Loader, Workers, native
 from stoker.errors import ConfigError
 from stoker.device.gpu_decode import GpuBatchDecoder
 from stoker.device.gpu_split import SplitControl
-from stoker.tools.gpu_standin import FixedRateDecoder
+from gpu_standin import FixedRateDecoder
 from stoker.transforms import ColorJitter, RandomHorizontalFlip, RandomResizedCrop
 from test_gpu_decode import textured_pack
 

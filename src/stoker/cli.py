@@ -229,12 +229,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _bench_video(args)
     from .tools.bench import format_table, run_bench
 
-    if args.pipelines == "neighbour":
-        return _cmd_bench_neighbour(args)
-    if args.python_us:
-        raise ConfigError("--python-us applies to --pipelines neighbour only; drop it, or add --pipelines neighbour")
-    if args.processes != 1:
-        raise ConfigError("--processes applies to --pipelines neighbour only; drop it, or add --pipelines neighbour")
+    if args.pipelines == "calls":
+        return _cmd_bench_calls(args)
     models = None if args.models is None else tuple(m.strip() for m in args.models.split(",") if m.strip())
     result = run_bench(args.data, images=args.images, batch_size=args.batch_size or 256, workers=args.workers,
                        rounds=args.rounds or 3, out_dir=args.out, device=args.device, models=models, steps=args.steps,
@@ -260,16 +256,17 @@ def _bench_video(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench_neighbour(args: argparse.Namespace) -> int:
-    from .tools.bench_neighbour import format_neighbour, run_neighbour
+def _cmd_bench_calls(args: argparse.Namespace) -> int:
+    from .tools.bench_calls import CALLS_BATCH, CALLS_THREADS, format_calls, run_calls
 
-    if args.device != "cpu" or args.recipe != "basic" or args.models or args.steps or args.warmup_steps is not None:
-        raise ConfigError("stoker bench --pipelines neighbour runs on the CPU with its own step; leave out --device, "
-                          "--recipe, --models, --steps and --warmup-steps")
-    result = run_neighbour(args.data, images=args.images, batch_size=args.batch_size or 32,
-                           workers=args.workers or 2, rounds=args.rounds or 3, out_dir=args.out,
-                           progress=not args.quiet, python_us=args.python_us, processes=args.processes)
-    print(json.dumps(result.to_json(), indent=1) if args.json else format_neighbour(result))
+    if args.device != "cpu" or args.recipe != "basic" or args.models or args.steps or args.warmup_steps is not None \
+            or args.rounds:
+        raise ConfigError("stoker bench --pipelines calls counts on the CPU, once per thread count; leave out "
+                          "--device, --recipe, --models, --steps, --warmup-steps and --rounds")
+    result = run_calls(args.data, images=args.images, batch_size=args.batch_size or CALLS_BATCH,
+                       threads=(args.workers,) if args.workers else CALLS_THREADS, out_dir=args.out,
+                       progress=not args.quiet)
+    print(json.dumps(result.to_json(), indent=1) if args.json else format_calls(result))
     return 0
 
 
@@ -424,20 +421,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", type=Path, default=None, help="image folder to use (default: generate ImageNet-like)")
     p.add_argument("--images", type=_positive, default=None,
                    help="images to generate (default 2000; 5000 with --device cuda)")
-    p.add_argument("--batch-size", type=_positive, default=None, help="default 256 (32 for neighbour)")
+    p.add_argument("--batch-size", type=_positive, default=None, help="default 256")
     p.add_argument("--workers", type=_positive, default=None,
-                   help="CPU cores each pipeline may use (neighbour: measure 1..N threads/workers, default 2)")
+                   help="CPU cores each pipeline may use (calls: count at N threads; default at 2 and at 16)")
     p.add_argument("--rounds", type=_positive, default=None,
                    help="timed rounds after one warm-up (median; default 3); with --video: rounds, best kept (default 2)")
     p.add_argument("--pipelines", default=None,
-                   help="comma-separated subset, e.g. baseline,stoker-train; or neighbour alone: what each loader "
-                   "costs the training thread's Python (step inflation, GIL time per sample)")
-    p.add_argument("--python-us", type=float, default=0.0,
-                   help="neighbour only: add a user transform of this many µs of pure Python per sample to stoker's "
-                   "pipelines (what clips or your own transforms bring; where the worker process pays)")
-    p.add_argument("--processes", type=_positive, default=1,
-                   help="neighbour only: the worker processes of the stoker-process feed (Workers(processes=N), at "
-                   "most one per thread; default 1)")
+                   help="comma-separated subset, e.g. baseline,stoker-train; or calls alone: the Python calls per "
+                   "batch the Loader's own threads run in the training process")
     p.add_argument("--recipe", choices=("basic", "randaug", "deit"), default="basic",
                    help="augmentation recipe both sides run: basic (crop+flip), randaug (+RandAugment 2/9), "
                    "deit (+RandomErasing 0.25, Mixup/CutMix)")

@@ -1,6 +1,6 @@
 """The pipelined GPU decode path (device/gpu_pipeline.py) with decoders that misbehave, on the CPU.
 
-Decoders through the `gpu_decoder=` object API (`tools/gpu_standin.FixedRateDecoder` underneath)
+Decoders through the `gpu_decoder=` object API (`tests/gpu_standin.FixedRateDecoder` underneath)
 that raise on some images, return the wrong shape, the wrong count, the wrong type or dtype, an
 exception object, nothing at all; that hang; that raise while batches are in flight. Each bad image
 is decoded again on the CPU (the log names it), a sample the CPU cannot decode either is a
@@ -23,7 +23,7 @@ import torch
 
 from stoker import DeviceOptions, Loader, Workers
 from stoker.errors import ConfigError, ImageError, LoaderTimeoutError, SampleError
-from stoker.tools.gpu_standin import FixedRateDecoder
+from gpu_standin import FixedRateDecoder
 from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop
 
 from .rhelpers import jpeg_bytes, run_child, smooth_rgb, write_pack
@@ -281,8 +281,9 @@ def test_a_decoder_object_without_a_name_is_refused_when_the_loader_is_made(pack
 
 _EXIT = """
 import sys, time
+sys.path.insert(0, sys.argv[2])   # tests/, where the stand-in decoder lives
 from stoker import DeviceOptions, Loader, Workers
-from stoker.tools.gpu_standin import FixedRateDecoder
+from gpu_standin import FixedRateDecoder
 from stoker.transforms import RandomResizedCrop
 class Hangs(FixedRateDecoder):
     n = 0
@@ -302,7 +303,7 @@ print("EXITING", flush=True)
 def test_the_interpreter_exits_while_the_decoder_hangs(packed):
     """The script ends, without close(), while the decode thread is inside a decoder call that never
     returns: the process still exits, with the script's status."""
-    proc = run_child(_EXIT, str(packed), timeout=60)
+    proc = run_child(_EXIT, str(packed), str(Path(__file__).resolve().parents[1]), timeout=60)
     assert "EXITING" in proc.stdout and proc.returncode == 0, proc.stderr[-2000:]
 
 

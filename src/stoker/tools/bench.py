@@ -597,9 +597,9 @@ def _plan(images: int | None, batch_size: int, workers: int, rounds: int, pipeli
           device: str, models: Sequence[str] | None, steps: int | None, warmup_steps: int | None,
           recipe: str = "basic") -> _BenchPlan:
     named = tuple(pipelines) if pipelines is not None else None
-    if named is not None and "neighbour" in named:
-        raise ConfigError("run_bench: the neighbour bench runs alone, with its own table: stoker bench --pipelines "
-                          "neighbour (stoker.tools.bench_neighbour.run_neighbour)")
+    if named is not None and "calls" in named:
+        raise ConfigError("run_bench: the Python calls per batch are counted alone, with their own table: stoker "
+                          "bench --pipelines calls (stoker.tools.bench_calls.run_calls)")
     if recipe not in RECIPE_PIPELINES:
         raise ConfigError(f"run_bench: recipe must be one of {', '.join(RECIPE_PIPELINES)}, got {recipe!r}")
     if recipe != "basic":

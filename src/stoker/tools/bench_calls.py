@@ -3,19 +3,27 @@
 Every Python call a worker thread makes needs the GIL, which the training loop's own thread wants
 for each op it dispatches (docs/architecture.md, "Threads and the GIL"). `python_calls` counts the
 calls (Python functions and the C functions Python calls, as `sys.setprofile` sees them) the
-loader's threads make per batch in the steady state: `stoker bench --pipelines neighbour` reports
-it beside the step inflation, for the default `Workers` at each thread count measured.
+loader's threads make per batch in the steady state, for the default `Workers` at each thread count
+measured: `stoker bench --pipelines calls` (`run_calls`, on generated images or `--data`).
 """
 
 from __future__ import annotations
 
+import json
+import tempfile
 import threading
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["python_calls"]
+__all__ = ["CALLS_BATCH", "CALLS_THREADS", "CallsResult", "format_calls", "python_calls", "run_calls"]
+
+#: the thread counts the calls are counted at by default
+CALLS_THREADS = (2, 16)
+#: the batch they are counted at, where the data holds 3 of them (else the batch given)
+CALLS_BATCH = 256
 
 #: events that are calls: a Python function, or a C function (a builtin, a NumPy function) called from Python
 _CALLS = frozenset(("call", "c_call"))
@@ -65,3 +73,71 @@ def python_calls(packed: Path, batch_size: int, threads: int, *, batches: int = 
     finally:
         it.close()
         loader.close()
+
+
+@dataclass
+class CallsResult:
+    """Python calls per batch of the loader's threads (`calls`: thread count -> calls) at `batch_size`."""
+
+    calls: dict[int, float]
+    batch_size: int
+    data: dict[str, Any]
+    machine: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["calls"] = {str(n): c for n, c in self.calls.items()}
+        return out
+
+
+def run_calls(data_dir: Path | None = None, *, images: int | None = None, batch_size: int = CALLS_BATCH,
+              threads: tuple[int, ...] = CALLS_THREADS, out_dir: Path | None = None, seed: int = 0,
+              progress: bool = False) -> CallsResult:
+    """`python_calls` at each of `threads` on `data_dir` (an ImageFolder tree of JPEGs; None: `images`
+    generated ImageNet-like JPEGs, default 1,000), packed once. `out_dir` keeps the data and receives
+    calls.json and calls.md. Raises ConfigError for bad arguments or too few images for three batches."""
+    from .._progress import Progress
+    from .baseline import list_image_folder
+    from .bench import _data_stats, _pack_once, machine_info
+    from .synth import cached_imagenet_like
+
+    if not threads or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in threads):
+        raise ConfigError(f"run_calls: threads (--workers) are thread counts >= 1, got {threads!r}")
+    with tempfile.TemporaryDirectory(prefix="stoker-calls-") as tmp, \
+            Progress("bench", len(threads) + 1, unit="count", enabled=progress) as bar:
+        work = Path(out_dir) if out_dir is not None else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        generated = data_dir is None
+        root = cached_imagenet_like(work / "data", images or 1000, seed=seed, workers=max(threads)) if generated \
+            else Path(data_dir)  # type: ignore[arg-type]
+        samples, _ = list_image_folder(root)
+        bar.stage("packing the images once")
+        packed = work / "packed-calls"
+        _pack_once(root, packed, max(threads))
+        bar.update()
+        calls: dict[int, float] = {}
+        for n in threads:
+            bar.stage(f"Python calls per batch of {batch_size} at {n} threads")
+            calls[n] = python_calls(packed, batch_size, n, seed=seed)
+            bar.update()
+        result = CallsResult(calls, batch_size, _data_stats(root, samples, generated), machine_info())
+        if out_dir is not None:
+            (work / "calls.json").write_text(json.dumps(result.to_json(), indent=1) + "\n")
+            (work / "calls.md").write_text(format_calls(result) + "\n")
+    return result
+
+
+def format_calls(result: CallsResult) -> str:
+    """The counts as a markdown table, with what was counted and on what."""
+    d, m = result.data, result.machine
+    lines = [f"| stoker threads | Python calls per batch of {result.batch_size} (loader's threads) |", "| ---: | ---: |"]
+    lines += [f"| {n} | {c:,.0f} |" for n, c in result.calls.items()]
+    lines += ["",
+              "Counted: the calls (Python functions, and C functions called from Python) the Loader's own threads "
+              "make per batch in the steady state (after one warm-up batch), with threading.setprofile; "
+              "RandomResizedCrop(224) + RandomHorizontalFlip, default Workers at that many threads. Each call "
+              "takes the GIL the training loop's thread wants.",
+              f"Data: {d['images']} {'generated ImageNet-like ' if d['generated'] else ''}JPEGs, mean "
+              f"{d['mean_width']}x{d['mean_height']} px, {d['mean_file_kb']} KB.",
+              f"Machine: {m['cpu']}, {m['usable_cores']} usable cores; Python {m['python']}."]
+    return "\n".join(lines)

@@ -1,4 +1,7 @@
-"""`stoker bench --pipelines neighbour`: what a loader costs the training thread's own Python.
+"""The noisy-neighbour bench: what a loader costs the training thread's own Python.
+
+    python benchmarks/bench_neighbour.py [--data PHOTOS] [--images 1000] [--workers 2] [--rounds 3]
+                                         [--batch-size 32] [--python-us 300] [--processes 1] [--out DIR] [--json]
 
 stoker's worker threads live in the training process. What they run under the GIL (per-sample
 dispatch, crop planning) competes with the training loop's Python: kernel dispatch, the optimizer
@@ -39,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from .._system import usable_cpus
-from ..errors import ConfigError
+from stoker._system import usable_cpus
+from stoker.errors import ConfigError
 
 __all__ = ["GilShare", "NeighbourResult", "NeighbourRow", "dispatch_step", "format_neighbour", "gil_share",
            "run_neighbour"]
@@ -48,9 +51,6 @@ __all__ = ["GilShare", "NeighbourResult", "NeighbourRow", "dispatch_step", "form
 STEP_OPS = 300          # small torch ops per step
 #: the loaders measured: stoker's threads here, the same threads in a worker process, a DataLoader
 FEEDS = ("stoker", "stoker-process", "dataloader")
-#: thread counts at which the Python calls per batch of stoker's threads are counted (`bench_calls`)
-CALLS_THREADS = (2, 16)
-CALLS_BATCH = 256   # the batch the Python calls are counted at, where the data holds 3 of them (else the bench's)
 PROBE_CHUNK = 2000      # pure-Python loop iterations the probe counts as one unit (about 50 µs)
 
 
@@ -235,9 +235,9 @@ class PythonWork:
 
 def _stoker_feed(packed: Path, batch_size: int, threads: int, seed: int, processes: int = 0, python_us: float = 0.0
                  ) -> tuple[Iterator[Any], Callable[[], None]]:
-    from ..loader.loader import Loader
-    from ..loader.options import Workers
-    from ..transforms import RandomHorizontalFlip, RandomResizedCrop, adapt
+    from stoker.loader.loader import Loader
+    from stoker.loader.options import Workers
+    from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop, adapt
 
     ops: list[Any] = [RandomResizedCrop(224), RandomHorizontalFlip()]
     if python_us:
@@ -253,7 +253,7 @@ def _stoker_feed(packed: Path, batch_size: int, threads: int, seed: int, process
 
 
 def _dataloader_feed(root: Path, batch_size: int, workers: int, seed: int) -> tuple[Iterator[Any], Callable[[], None]]:
-    from .baseline import baseline_loader
+    from stoker.tools.baseline import baseline_loader
 
     it = iter(baseline_loader(root, batch_size, workers=workers, train=True, shuffle=True, seed=seed))
 
@@ -411,7 +411,7 @@ def run_neighbour(data_dir: Path | None = None, *, images: int | None = None, ba
                   workers: int | None = 2, rounds: int = 3, batches: int = 12, steps_per_batch: int = 10,
                   step_ops: int = STEP_OPS, gil_seconds: float = 2.0, out_dir: Path | None = None, seed: int = 0,
                   progress: bool = False, python_us: float = 0.0,
-                  calls_threads: tuple[int, ...] = CALLS_THREADS, processes: int = 1) -> NeighbourResult:
+                  calls_threads: tuple[int, ...] | None = None, processes: int = 1) -> NeighbourResult:
     """The noisy-neighbour bench: a dispatch-bound step's inflation beside each loader, and the GIL time per
     sample of stoker (threads here, and in a worker process) and of a DataLoader at 1 thread/worker
     (module docstring).
@@ -423,15 +423,16 @@ def run_neighbour(data_dir: Path | None = None, *, images: int | None = None, ba
     (0 skips the GIL measurement). `out_dir` receives neighbour.json and neighbour.md. `python_us`: µs of
     pure Python per sample added to stoker's transforms (`PythonWork`, as a user transform or a clip's frame
     loop brings; the DataLoader's transforms stay torchvision's). `calls_threads`: the thread counts at which
-    the Python calls per batch of stoker's threads are counted (`bench_calls.python_calls`; () skips it).
+    the Python calls per batch of stoker's threads are counted (`bench_calls.python_calls`; None: its
+    `CALLS_THREADS`; () skips it).
     `processes`: the worker processes of the "stoker-process" feed (`Workers(processes=)`, at most one
     per thread). Raises ConfigError for bad arguments.
     """
-    from .._progress import Progress
-    from .bench import _data_stats, _pack_once, machine_info
-    from .bench_calls import python_calls
-    from .baseline import list_image_folder
-    from .synth import cached_imagenet_like
+    from stoker._progress import Progress
+    from stoker.tools.baseline import list_image_folder
+    from stoker.tools.bench import _data_stats, _pack_once, machine_info
+    from stoker.tools.bench_calls import CALLS_BATCH, CALLS_THREADS, python_calls
+    from stoker.tools.synth import cached_imagenet_like
 
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
         raise ConfigError(f"run_neighbour: processes (--processes) is the stoker-process feed's worker processes, "
@@ -439,6 +440,7 @@ def run_neighbour(data_dir: Path | None = None, *, images: int | None = None, ba
     if not python_us >= 0:
         raise ConfigError(f"run_neighbour: python_us (--python-us) is µs of Python per sample, >= 0; got {python_us}")
     max_threads = workers or usable_cpus()
+    calls_threads = CALLS_THREADS if calls_threads is None else calls_threads
     rows = _plan_rows(max_threads)
     with tempfile.TemporaryDirectory(prefix="stoker-neighbour-") as tmp, \
             Progress("bench", rounds * len(rows) + 2, unit="window", enabled=progress) as bar:
@@ -493,8 +495,8 @@ def run_neighbour(data_dir: Path | None = None, *, images: int | None = None, ba
 
 def format_neighbour(result: NeighbourResult) -> str:
     """The result as markdown: the step table, the GIL time per sample, the data and how to read them."""
-    from .._system import fmt_number
-    from .results import NOTE
+    from stoker._system import fmt_number
+    from stoker.tools.results import NOTE
 
     lines = ["| configuration | step median (ms) | step p90 (ms) | inflation median | inflation p90 | images/s | "
              "step share |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -545,3 +547,30 @@ def format_neighbour(result: NeighbourResult) -> str:
               f"Machine: {m['cpu']}, {m['usable_cores']} usable cores, load average {m['load_1m']} at the start; "
               f"Python {m['python']}, torch {m.get('torch', '-')}, Pillow {m['pillow']}.", NOTE]
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", type=Path, default=None, help="an ImageFolder of JPEGs (default: generate ImageNet-like)")
+    p.add_argument("--images", type=int, default=None, help="images to generate (default 1000)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--workers", type=int, default=2, help="measure 1..N threads/workers (default 2)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--python-us", type=float, default=0.0,
+                   help="add a user transform of this many µs of pure Python per sample to stoker's feeds")
+    p.add_argument("--processes", type=int, default=1,
+                   help="the worker processes of the stoker-process feed (Workers(processes=N), at most one per thread)")
+    p.add_argument("--out", type=Path, default=None, help="keep the data and write neighbour.json/.md here")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    args = p.parse_args(argv)
+    result = run_neighbour(args.data, images=args.images, batch_size=args.batch_size, workers=args.workers,
+                           rounds=args.rounds, out_dir=args.out, progress=True, python_us=args.python_us,
+                           processes=args.processes)
+    print(json.dumps(result.to_json(), indent=1) if args.json else format_neighbour(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,5 +1,5 @@
-"""A stand-in GPU JPEG decoder of fixed latency and throughput, for measuring the GPU decode pipeline
-on machines without a GPU (benchmarks/bench_gpu_pipeline.py, tests/test_gpu_pipeline.py).
+"""A stand-in GPU JPEG decoder of fixed latency and throughput, for testing and measuring the GPU decode
+pipeline on machines without a GPU (tests/test_gpu_pipeline.py, benchmarks/bench_gpu_pipeline.py).
 
 It follows the `gpu_decoder=` object API (`stoker.device.gpu_backends.GpuDecoder`): each call blocks the
 calling thread for `latency_s + images / images_per_s` seconds, as a library that decodes while it
@@ -15,8 +15,9 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from .._torch import torch
-from ..codecs import probe
+import torch
+
+from stoker.codecs import probe
 
 
 class FixedRateDecoder:
