@@ -108,6 +108,7 @@ def test_map_levels_maps_every_level_of_each_channel():
 @pytest.mark.parametrize("device", [None, DeviceOptions(device="cpu", normalize="imagenet")], ids=["host", "cpu"])
 def test_batches_the_caller_keeps_are_never_written_again(dataset, device, counted, monkeypatch):
     transforms = [*TRAIN, Normalize("imagenet")] if device is None else TRAIN
+    monkeypatch.setattr(engine, "KEEP_FLOATS", 2)
     with Loader(dataset, 4, transforms=transforms, seed=5, device=device,
                 workers=Workers(num_threads=2, prefetch=1, on_error="skip")) as loader:
         kept = [x for x, _ in loader]   # more batches than the engine keeps for reuse
@@ -116,3 +117,14 @@ def test_batches_the_caller_keeps_are_never_written_again(dataset, device, count
     monkeypatch.setenv(engine.ENV, "off")
     two_pass, _ = epoch(dataset, TRAIN if device else transforms, 2, device)
     assert same_bits(fused, two_pass)
+
+
+def test_float_batches_are_reused_across_passes_once_let_go(dataset, counted, monkeypatch):
+    made = []
+    new = engine.FloatOut.new
+    monkeypatch.setattr(engine.FloatOut, "new", lambda self, *shape: made.append(shape) or new(self, *shape))
+    with Loader(dataset, 8, transforms=TRAIN, seed=5, device=DeviceOptions(device="cpu", normalize="imagenet"),
+                workers=Workers(num_threads=2, prefetch=1, on_error="skip")) as loader:
+        for _ in range(5):   # per pass, the two coordinators' first batches at least: 10 if none were reused
+            batches = sum(1 for _ in loader)
+    assert batches >= 5 and 0 < len(made) <= engine.KEEP_FLOATS

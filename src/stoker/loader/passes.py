@@ -96,6 +96,7 @@ class Passes:
         self._split: Any = None  # its gpu_split.SplitControl
         self._live: _Crew | None = None  # persistent: the pipeline running on into the next epoch
         self._iters: weakref.WeakSet[PassIter] = weakref.WeakSet()  # the passes made, while they live
+        self._floats: tuple[Any, FloatOut | None] | None = None  # (options, float_out's answer), kept across passes
         self._lock = threading.RLock()  # re-entrant: Ctrl-C inside its with-statement cannot lock us out
 
     def begin(self, opts: DeviceOptions | None) -> PassIter:
@@ -126,6 +127,13 @@ class Passes:
                 return ring
             self._ring = ring
         return self._ring
+
+    def floats(self, spec: RenderSpec, opts: DeviceOptions | None) -> FloatOut | None:
+        """`float_out` for a pass with `opts`: the same FloatOut (so its float batches are reused) while
+        the options stay the same."""
+        if self._floats is None or self._floats[0] != opts:
+            self._floats = (opts, float_out(spec, opts))
+        return self._floats[1]
 
     def stage(self, opts: DeviceOptions) -> DeviceStage:
         """The DeviceStage: one copy stream per loader, kept across epochs (the CUDA caching
@@ -220,7 +228,7 @@ class _Crew:
         if opts is not None and opts.decode in ("gpu", "auto"):  # "auto" left here: a GPU decoder works
             spec = replace(spec, gpu_decode=True, gpu_split=passes.split(opts))
         elif parts.child_spec is None and parts.output != "numpy":
-            spec = replace(spec, floats=float_out(spec, opts))
+            spec = replace(spec, floats=passes.floats(spec, opts))
         self.spec = spec
         self.chain = EpochChain(spec)
         self.epochs: list[tuple[int, int, int, int]] = []  # (epoch, first run batch, batches, first sample)

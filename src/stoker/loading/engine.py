@@ -85,6 +85,14 @@ class FloatOut:
 
     levels: Any = field(compare=False)   # torch tensor [3, 256]
     channels_last: bool = False
+    #: (rows, height, width) -> the FloatBuffers of batches that shape: kept while this value is (a Loader's life)
+    kept: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def buffers(self, rows: int, height: int, width: int) -> "FloatBuffers":
+        """The reusable output batches of that shape (any thread; the first made is the one kept)."""
+        key = (rows, height, width)
+        found = self.kept.get(key)
+        return found if found is not None else self.kept.setdefault(key, FloatBuffers(self, rows, height, width))
 
     def table(self) -> np.ndarray:
         """The tables as the engine reads them: their values' bytes (bfloat16 has no NumPy dtype)."""
@@ -103,9 +111,11 @@ class FloatOut:
 
 
 _NO_FLOATS: dict = {}
-#: float output batches a BatchEngine keeps for reuse (each the size of 4 uint8 slots for float32): a fresh
-#: one per batch (38.5 MB at 64 x 224 x 224) costs its page faults and zeroing, 0.2 ms an image here
-KEEP_FLOATS = 4
+#: float output batches kept for reuse (each the size of 4 uint8 slots for float32): a fresh one per batch
+#: (38.5 MB at 64 x 224 x 224) costs its page faults and zeroing, about 0.2 ms an image on the machine of
+#: docs/benchmarks.md. 8: what a running pass holds at once with the default prefetch (the ring's slots,
+#: the device thread's finished batches, the caller's)
+KEEP_FLOATS = 8
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
@@ -336,7 +346,7 @@ class BatchEngine:
         floats = _NO_FLOATS
         if self.floats is not None:   # the float output: written by the pool's threads row by row
             if self.buffers is None:
-                self.buffers = FloatBuffers(self.floats, slot.images_np.shape[0], self.out_h, self.out_w)
+                self.buffers = self.floats.buffers(slot.images_np.shape[0], self.out_h, self.out_w)
             out, buf = self.buffers.take()
             floats = {"floats": buf, "levels": self.levels, "nchw": not self.floats.channels_last}
             slot.floats = out[:]   # a view of its own: the batch counts as held until it is handed out and let go
