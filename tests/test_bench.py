@@ -236,3 +236,15 @@ def test_chart_bars_are_the_loaders_not_the_overhead_measurement(tmp_path: Path)
     pytest.importorskip("matplotlib")
     assert bench_chart(result, tmp_path / "bench.png")
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_turboloader_runs_beside_stokers_raw_pack_or_says_why_not(tiny_root: Path, tmp_path: Path) -> None:
+    result = run_bench(tiny_root, batch_size=16, rounds=1, workers=2, isolate=False, out_dir=tmp_path,
+                       pipelines=("stoker-train-raw256", "turbo-tbl"))
+    turbo = result.get("turbo-tbl")
+    assert turbo is not None and turbo.ratio_to == "stoker-train-raw256"
+    if importlib.util.find_spec("turboloader") is not None:
+        assert turbo.skipped is None and turbo.images_per_s > 0 and turbo.ratio > 0
+    else:   # reported as skipped, with the pip command, and the run went on
+        assert turbo.skipped and "pip install 'stoker[turboloader]'" in turbo.skipped and turbo.ratio is None
+        _check_ran(result.get("stoker-train-raw256"), 64)  # type: ignore[arg-type]
