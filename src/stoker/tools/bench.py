@@ -20,6 +20,8 @@ Pipelines (each limited to `workers` CPU cores; one epoch over every image is on
 - ``dali`` / ``dali-val``: NVIDIA DALI's CPU pipelines (fused decode + random crop, resize, flip; decode,
   resize shorter side, centre crop) when ``nvidia.dali`` is installed (``pip install stoker[dali]``);
   reported as skipped otherwise.
+- ``turbo-tbl``: TurboLoader's pre-decoded TBL path beside ``stoker-train-raw256`` (`bench_turbo`), when
+  ``turboloader`` is installed (``pip install stoker[turboloader]``); reported as skipped otherwise.
 
 Each pipeline runs one warm-up round, then `rounds` timed rounds (median images/s), by default in
 a fresh Python process pinned to `workers` CPUs, so peak memory and CPU use are its own. Packing
