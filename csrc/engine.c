@@ -203,45 +203,35 @@ static double now_s(void) {
  * `itemsize` bytes: float32, or float16/bfloat16 bits) into row `row` of `floats`: NCHW planes, or NHWC
  * (channels_last) when !nchw. A table lookup copies the value's bits, so the output is the table's arithmetic
  * bit for bit, whatever wrote the row. No GIL needed. */
+/* the loop of map_levels for values of type T (float, or the bits of a 2-byte float) */
+#define MAP_LEVELS(T)                                                                   \
+    do {                                                                                \
+        const T *t = (const T *)levels;                                                 \
+        T *dst = (T *)floats + (size_t)row * plane * 3;                                 \
+        if (nchw) {                                                                     \
+            T *d0 = dst, *d1 = dst + plane, *d2 = dst + 2 * plane;                      \
+            for (size_t p = 0; p < plane; p++, src += 3) {                              \
+                d0[p] = t[src[0]];                                                      \
+                d1[p] = t[256 + src[1]];                                                \
+                d2[p] = t[512 + src[2]];                                                \
+            }                                                                           \
+        } else {                                                                        \
+            for (size_t p = 0; p < plane; p++, src += 3, dst += 3) {                    \
+                dst[0] = t[src[0]];                                                     \
+                dst[1] = t[256 + src[1]];                                               \
+                dst[2] = t[512 + src[2]];                                               \
+            }                                                                           \
+        }                                                                               \
+    } while (0)
+
 static void map_levels(const unsigned char *images, Py_ssize_t row, int h, int w, const unsigned char *levels,
                        int itemsize, int nchw, unsigned char *floats) {
     size_t plane = (size_t)h * (size_t)w;
     const unsigned char *src = images + (size_t)row * plane * 3;
-    if (itemsize == 4) {
-        const float *t = (const float *)levels;
-        float *dst = (float *)floats + (size_t)row * plane * 3;
-        if (nchw) {
-            float *d0 = dst, *d1 = dst + plane, *d2 = dst + 2 * plane;
-            for (size_t p = 0; p < plane; p++, src += 3) {
-                d0[p] = t[src[0]];
-                d1[p] = t[256 + src[1]];
-                d2[p] = t[512 + src[2]];
-            }
-        } else {
-            for (size_t p = 0; p < plane; p++, src += 3, dst += 3) {
-                dst[0] = t[src[0]];
-                dst[1] = t[256 + src[1]];
-                dst[2] = t[512 + src[2]];
-            }
-        }
-        return;
-    }
-    const uint16_t *t = (const uint16_t *)levels;
-    uint16_t *dst = (uint16_t *)floats + (size_t)row * plane * 3;
-    if (nchw) {
-        uint16_t *d0 = dst, *d1 = dst + plane, *d2 = dst + 2 * plane;
-        for (size_t p = 0; p < plane; p++, src += 3) {
-            d0[p] = t[src[0]];
-            d1[p] = t[256 + src[1]];
-            d2[p] = t[512 + src[2]];
-        }
-    } else {
-        for (size_t p = 0; p < plane; p++, src += 3, dst += 3) {
-            dst[0] = t[src[0]];
-            dst[1] = t[256 + src[1]];
-            dst[2] = t[512 + src[2]];
-        }
-    }
+    if (itemsize == 4)
+        MAP_LEVELS(float);
+    else
+        MAP_LEVELS(uint16_t);
 }
 
 static unsigned char render(const batch_t *b, Py_ssize_t i, stoker_decoder *dec) {
