@@ -199,10 +199,6 @@ static double now_s(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* Row `row` of the uint8 NHWC `images` (h x w x 3) through the per-channel tables `levels` (3 x 256 values of
- * `itemsize` bytes: float32, or float16/bfloat16 bits) into row `row` of `floats`: NCHW planes, or NHWC
- * (channels_last) when !nchw. A table lookup copies the value's bits, so the output is the table's arithmetic
- * bit for bit, whatever wrote the row. No GIL needed. */
 /* the loop of map_levels for values of type T (float, or the bits of a 2-byte float) */
 #define MAP_LEVELS(T)                                                                   \
     do {                                                                                \
@@ -224,6 +220,10 @@ static double now_s(void) {
         }                                                                               \
     } while (0)
 
+/* Row `row` of the uint8 NHWC `images` (h x w x 3) through the per-channel tables `levels` (3 x 256 values of
+ * `itemsize` bytes: float32, or float16/bfloat16 bits) into row `row` of `floats`: NCHW planes, or NHWC
+ * (channels_last) when !nchw. A table lookup copies the value's bits, so the output is the table's arithmetic
+ * bit for bit, whatever wrote the row. No GIL needed. */
 static void map_levels(const unsigned char *images, Py_ssize_t row, int h, int w, const unsigned char *levels,
                        int itemsize, int nchw, unsigned char *floats) {
     size_t plane = (size_t)h * (size_t)w;
