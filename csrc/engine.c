@@ -171,6 +171,10 @@ typedef struct batch {
     double headroom, max_pixels;
     unsigned char *images, *status;
     Py_ssize_t rows, first, k;
+    /* the float output (NULL: none): each row written done also mapped through `levels` into `floats` */
+    unsigned char *floats;
+    const unsigned char *levels;
+    int itemsize, nchw;
     /* progress, under the engine's mutex */
     Py_ssize_t next, done;
     int cancelled;
@@ -195,6 +199,41 @@ static double now_s(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* the loop of map_levels for values of type T (float, or the bits of a 2-byte float) */
+#define MAP_LEVELS(T)                                                                   \
+    do {                                                                                \
+        const T *t = (const T *)levels;                                                 \
+        T *dst = (T *)floats + (size_t)row * plane * 3;                                 \
+        if (nchw) {                                                                     \
+            T *d0 = dst, *d1 = dst + plane, *d2 = dst + 2 * plane;                      \
+            for (size_t p = 0; p < plane; p++, src += 3) {                              \
+                d0[p] = t[src[0]];                                                      \
+                d1[p] = t[256 + src[1]];                                                \
+                d2[p] = t[512 + src[2]];                                                \
+            }                                                                           \
+        } else {                                                                        \
+            for (size_t p = 0; p < plane; p++, src += 3, dst += 3) {                    \
+                dst[0] = t[src[0]];                                                     \
+                dst[1] = t[256 + src[1]];                                               \
+                dst[2] = t[512 + src[2]];                                               \
+            }                                                                           \
+        }                                                                               \
+    } while (0)
+
+/* Row `row` of the uint8 NHWC `images` (h x w x 3) through the per-channel tables `levels` (3 x 256 values of
+ * `itemsize` bytes: float32, or float16/bfloat16 bits) into row `row` of `floats`: NCHW planes, or NHWC
+ * (channels_last) when !nchw. A table lookup copies the value's bits, so the output is the table's arithmetic
+ * bit for bit, whatever wrote the row. No GIL needed. */
+static void map_levels(const unsigned char *images, Py_ssize_t row, int h, int w, const unsigned char *levels,
+                       int itemsize, int nchw, unsigned char *floats) {
+    size_t plane = (size_t)h * (size_t)w;
+    const unsigned char *src = images + (size_t)row * plane * 3;
+    if (itemsize == 4)
+        MAP_LEVELS(float);
+    else
+        MAP_LEVELS(uint16_t);
+}
+
 static unsigned char render(const batch_t *b, Py_ssize_t i, stoker_decoder *dec) {
     if (b->data[i] == NULL)
         return 22;
@@ -209,8 +248,11 @@ static unsigned char render(const batch_t *b, Py_ssize_t i, stoker_decoder *dec)
     int64_t size[2] = {s.lh, s.lw}, p[NPARAM];
     stoker_plan_row(s.box, s.clip, s.grid, h, w, size, (unsigned char)s.flip, b->first + i, b->oh, b->ow,
                     b->full_size, b->headroom, p);
-    return stoker_render_row(p, b->data[i], b->len[i], b->images, b->rows, b->oh, b->ow, b->antialias, b->fast,
-                             b->max_pixels, dec);
+    unsigned char st = stoker_render_row(p, b->data[i], b->len[i], b->images, b->rows, b->oh, b->ow, b->antialias,
+                                         b->fast, b->max_pixels, dec);
+    if (st == 0 && b->floats != NULL)   /* the row just written, still in cache */
+        map_levels(b->images, b->first + i, b->oh, b->ow, b->levels, b->itemsize, b->nchw, b->floats);
+    return st;
 }
 
 static int finished(const batch_t *b) { return b->done == b->next && (b->next >= b->k || b->cancelled); }
@@ -345,7 +387,7 @@ static PyObject *engine_close(EngineObject *e, PyObject *unused) {
 
 /* The buffers a call acquires, released once the batch is done. */
 typedef struct {
-    Py_buffer b[7];
+    Py_buffer b[9];
     int got;
     Py_buffer *blocks;
     int64_t *ids;
@@ -368,18 +410,72 @@ static int get(held_t *h, PyObject *obj, int writable) {
     return 0;
 }
 
+/* floats: [rows, 3, h, w] (nchw) or [rows, h, w, 3] of 2- or 4-byte values for the uint8 images [rows, h, w, 3];
+ * levels: 3 x 256 values of the same size. */
+static int check_levels(const Py_buffer *images, const Py_buffer *fl, const Py_buffer *lv, int nchw) {
+    if (images->ndim == 4 && fl->ndim == 4 && (fl->itemsize == 2 || fl->itemsize == 4) &&
+        lv->len == 3 * 256 * fl->itemsize && fl->shape[0] == images->shape[0] &&
+        fl->shape[nchw ? 2 : 1] == images->shape[1] && fl->shape[nchw ? 3 : 2] == images->shape[2] &&
+        fl->shape[nchw ? 1 : 3] == 3 && images->shape[3] == 3)
+        return 0;
+    PyErr_Format(PyExc_ValueError, "floats must be [rows, 3, h, w] (nchw) or [rows, h, w, 3] of 2- or 4-byte values "
+                 "for images uint8 [rows, h, w, 3], levels 3 x 256 values of the same size");
+    return -1;
+}
+
+/* map_levels(images, rows, levels, floats, nchw): rows (int64 [k]) of uint8 NHWC `images` through the per-channel
+ * tables `levels` into `floats`, as the pool writes its rows: the rows the pool refused, rendered in Python. */
+static PyObject *map_levels_py(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *o[4];
+    int nchw;
+    if (!PyArg_ParseTuple(args, "OOOOp", &o[0], &o[1], &o[2], &o[3], &nchw))
+        return NULL;
+    Py_buffer b[4];
+    int got = 0;
+    PyObject *result = NULL;
+    for (; got < 4; got++)
+        if (PyObject_GetBuffer(o[got], &b[got], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (got == 3 ? PyBUF_WRITABLE : 0)) < 0)
+            goto done;
+    if (b[0].itemsize != 1 || b[1].itemsize != 8 || check_levels(&b[0], &b[3], &b[2], nchw) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "map_levels: images must be uint8 and rows int64");
+        goto done;
+    }
+    const int64_t *rows = (const int64_t *)b[1].buf;
+    Py_ssize_t k = b[1].len / 8;
+    for (Py_ssize_t i = 0; i < k; i++)
+        if (rows[i] < 0 || rows[i] >= b[0].shape[0]) {
+            PyErr_Format(PyExc_IndexError, "map_levels: row %lld of %zd", (long long)rows[i], b[0].shape[0]);
+            goto done;
+        }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < k; i++)
+        map_levels((const unsigned char *)b[0].buf, (Py_ssize_t)rows[i], (int)b[0].shape[1], (int)b[0].shape[2],
+                   (const unsigned char *)b[2].buf, (int)b[3].itemsize, nchw, (unsigned char *)b[3].buf);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    for (int j = 0; j < got; j++)
+        PyBuffer_Release(&b[j]);
+    return result;
+}
+
 static PyObject *engine_run(EngineObject *e, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"blocks", "spans", "ids", "index", "sizes", "stream", "program", "images", "status",
                                "first", "out_h", "out_w", "full_size", "headroom", "antialias", "fast",
-                               "max_pixels", "timeout", NULL};
+                               "max_pixels", "timeout", "floats", "levels", "nchw", NULL};
     PyObject *blocks_obj, *spans_obj, *ids_obj, *index_obj, *sizes_obj, *prog_obj, *images_obj, *status_obj;
+    PyObject *floats_obj = Py_None, *levels_obj = Py_None;
+    int nchw = 1;
     unsigned long long stream;
     Py_ssize_t first;
     int oh, ow, full_size, antialias, fast;
     double headroom, max_pixels, timeout;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOKOOOniipdppdd", keywords, &blocks_obj, &spans_obj, &ids_obj,
-                                     &index_obj, &sizes_obj, &stream, &prog_obj, &images_obj, &status_obj, &first,
-                                     &oh, &ow, &full_size, &headroom, &antialias, &fast, &max_pixels, &timeout))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOKOOOniipdppdd|OOp", keywords, &blocks_obj, &spans_obj,
+                                     &ids_obj, &index_obj, &sizes_obj, &stream, &prog_obj, &images_obj, &status_obj,
+                                     &first, &oh, &ow, &full_size, &headroom, &antialias, &fast, &max_pixels, &timeout,
+                                     &floats_obj, &levels_obj, &nchw))
         return NULL;
     if (!stoker_jpeg_loaded()) {
         PyErr_SetString(PyExc_RuntimeError, "no libjpeg loaded: call load(path) first");
@@ -417,6 +513,19 @@ static PyObject *engine_run(EngineObject *e, PyObject *args, PyObject *kwargs) {
                      "int64 [n, 2], program float64 [ops, %d], status uint8 [k], images uint8 [rows, out_h, out_w, 3] "
                      "with rows first..first+k", PROG_WIDTH);
         goto out;
+    }
+    if ((floats_obj == Py_None) != (levels_obj == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "Engine.run: floats and levels go together (both or neither)");
+        goto out;
+    }
+    if (floats_obj != Py_None) {
+        if (get(&h, floats_obj, 1) < 0 || get(&h, levels_obj, 0) < 0)
+            goto out;
+        Py_buffer *fl = &h.b[7], *lv = &h.b[8];
+        if (check_levels(images, fl, lv, nchw) < 0)
+            goto out;
+        b.floats = (unsigned char *)fl->buf, b.levels = (const unsigned char *)lv->buf;
+        b.itemsize = (int)fl->itemsize, b.nchw = nchw;
     }
     size_t n = (size_t)(k > 0 ? k : 1);
     b.data = (const unsigned char **)PyMem_Calloc(n, sizeof(unsigned char *));
@@ -564,11 +673,13 @@ out:
 static PyMethodDef engine_methods[] = {
     {"run", (PyCFunction)(void (*)(void))engine_run, METH_VARARGS | METH_KEYWORDS,
      "run(blocks, spans, ids, index, sizes, stream, program, images, status, first, out_h, out_w, full_size,\n"
-     "    headroom, antialias, fast, max_pixels, timeout) -> (rows left, busy seconds, state)\n\n"
+     "    headroom, antialias, fast, max_pixels, timeout, floats=None, levels=None, nchw=True)\n"
+     "    -> (rows left, busy seconds, state)\n\n"
      "Plan, decode, resize, place and flip each row i's JPEG (bytes spans[i, 1]..spans[i, 2] of\n"
      "blocks[spans[i, 0]]) into images[first + i] on the pool's threads, the GIL released until every row\n"
      "is done, `timeout` seconds pass or close() stops the pool (state 0, 2, 1). status[i]: 0 written, else\n"
-     "the caller's (30: never started)."},
+     "the caller's (30: never started). With floats and levels each written row is also mapped through\n"
+     "levels (3 x 256 values) into floats[first + i] (as map_levels does), while it is in cache."},
     {"close", (PyCFunction)engine_close, METH_NOARGS,
      "close(): stop the pool and join its threads (rows queued are never started; repeatable)."},
     {NULL, NULL, 0, NULL},
@@ -685,6 +796,10 @@ static PyMethodDef module_functions[] = {
      "gather_spans(blocks, spans, out, offsets) -> int: row i's bytes spans[i, 1]..spans[i, 2] of\n"
      "blocks[spans[i, 0]] copied to out[offsets[i]:] (rows of block -1 skipped), the GIL released for the\n"
      "copies; returns the bytes copied."},
+    {"map_levels", map_levels_py, METH_VARARGS,
+     "map_levels(images, rows, levels, floats, nchw): rows (int64) of uint8 images [n, h, w, 3] through the\n"
+     "per-channel tables levels (3 x 256 values of 2 or 4 bytes) into floats ([n, 3, h, w] when nchw, else\n"
+     "[n, h, w, 3]), the GIL released."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -276,3 +276,15 @@ def test_the_neighbour_bench_is_not_a_stoker_bench_pipeline(tiny_root: Path) -> 
     """The noisy-neighbour bench is a developer's script (benchmarks/bench_neighbour.py), not a pipeline."""
     with pytest.raises(ConfigError, match="neighbour"):
         run_bench(tiny_root, isolate=False, pipelines=("neighbour",))
+
+
+def test_turboloader_runs_beside_stokers_raw_pack_or_says_why_not(tiny_root: Path, tmp_path: Path) -> None:
+    result = run_bench(tiny_root, batch_size=16, rounds=1, workers=2, isolate=False, out_dir=tmp_path,
+                       pipelines=("stoker-train-raw256", "turbo-tbl"))
+    turbo = result.get("turbo-tbl")
+    assert turbo is not None and turbo.ratio_to == "stoker-train-raw256"
+    if importlib.util.find_spec("turboloader") is not None:
+        assert turbo.skipped is None and turbo.images_per_s > 0 and turbo.ratio > 0
+    else:   # reported as skipped, with the pip command, and the run went on
+        assert turbo.skipped and "pip install 'stoker[turboloader]'" in turbo.skipped and turbo.ratio is None
+        _check_ran(result.get("stoker-train-raw256"), 64)  # type: ignore[arg-type]

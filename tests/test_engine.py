@@ -35,12 +35,13 @@ class Counting:
 
     def __init__(self, threads: int, nice: int = 0) -> None:
         self.pool = native._mod.Engine(threads, nice)
-        self.rows = 0
+        self.rows = self.float_rows = 0
         Counting.made.append(self)
 
-    def run(self, *args):
-        left, busy, state = self.pool.run(*args)
+    def run(self, *args, **floats):
+        left, busy, state = self.pool.run(*args, **floats)
         self.rows += len(args[2]) - left
+        self.float_rows += (len(args[2]) - left) if floats else 0
         return left, busy, state
 
     def close(self) -> None:

@@ -101,6 +101,13 @@ def gather_spans(blocks: Sequence, spans: np.ndarray, out: np.ndarray, offsets: 
     return total
 
 
+def map_levels(images: np.ndarray, rows: np.ndarray, levels: np.ndarray, out: np.ndarray, nchw: bool) -> None:
+    """Rows `rows` (int64) of the uint8 batch `images` [n, h, w, 3] through the per-channel tables `levels`
+    ([3, 256] values of 2 or 4 bytes) into `out` ([n, 3, h, w] when `nchw`, else [n, h, w, 3], the tables'
+    item size), as the engine's threads map the rows they render (csrc/engine.c), the GIL released."""
+    _mod.map_levels(images, rows, levels, out, nchw)
+
+
 def native_chunk(batch_size: int, threads: int) -> int:
     """Rows a worker claims at a time on the native path: up to 64 (the Python is per chunk, and
     after a chunk's native work it runs on cold caches, so fewer, larger chunks cost less of it),

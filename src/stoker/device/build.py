@@ -46,7 +46,10 @@ class DeviceBuilder:
     def __call__(self, slot: Slot) -> tuple[Any, Any]:
         t0 = time.perf_counter()
         n, stage = slot.size, self.stage
-        if self.gpu is not None:
+        floats, slot.floats = slot.floats, None   # the engine's float output (RenderSpec.floats): converted
+        if floats is not None:
+            x = floats[:n]
+        elif self.gpu is not None:
             # the GPU decode writes every JPEG row: only the rows rendered on the CPU cross the bus
             # (all of a 256x224x224 batch would be 38.5 MB), into a batch allocated on the device
             x = torch.empty(slot.images[:n].shape, dtype=slot.images.dtype, device=self.opts.device)
@@ -66,7 +69,9 @@ class DeviceBuilder:
             labels, extras = self._host_items(slot)
             reusable = stage.fence()
         spec = self.chain.spec
-        if spec.pipeline.batch is None:
+        if floats is not None:
+            images = x
+        elif spec.pipeline.batch is None:
             images = convert(x, self.opts, layout="nhwc")
         else:
             filler, b = self.chain.locate(slot.batch)

@@ -332,7 +332,7 @@ def convert(images: torch.Tensor, opts: DeviceOptions, *, layout: str = "nhwc") 
     if affine is not None and from_uint8 and x.device.type == "cpu" and opts.dtype == torch.float32:
         # on the CPU a 256-entry table per channel beats the arithmetic several times over (see normalize_by_table)
         out = torch.empty(x.shape, dtype=torch.float32, memory_format=fmt)
-        if normalize_by_table(x, torch.addcmul(affine[1], all_levels(channels), affine[0]), out):
+        if normalize_by_table(x, uint8_levels(opts, channels).view(1, channels, 1, 256), out):
             return out
     if affine is not None:
         # one kernel reads the input once, computes in float32 and stores straight into the final dtype
@@ -352,6 +352,22 @@ def is_on(device: torch.device, want: torch.device) -> bool:
     """Whether a tensor on `device` is where `want` says: the same device, or any GPU for a "cuda" not
     yet resolved to one (options made before a pass started)."""
     return device == want or (want.index is None and device.type == want.type)
+
+
+def uint8_levels(opts: DeviceOptions, channels: int = 3) -> torch.Tensor | None:
+    """What `convert` makes of each uint8 level on the CPU, per channel: [channels, 256] in opts.dtype, by the
+    same arithmetic on all_levels (a table the engine's threads write a float batch from, bit for bit), or
+    None for a uint8 output."""
+    if opts.dtype == torch.uint8:
+        return None
+    x = all_levels(channels)
+    affine = opts._affine(torch.device("cpu"), True)
+    out = torch.empty(x.shape, dtype=opts.dtype)
+    if affine is not None:
+        torch.addcmul(affine[1], x, affine[0], out=out)
+    else:
+        torch.div(x, 255, out=out)
+    return out.view(channels, 256)
 
 
 # ---- fences and the stage -------------------------------------------------------------------

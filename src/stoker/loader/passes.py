@@ -19,16 +19,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..device.stage import DeviceOptions, DeviceStage, consumer_fence
+from .._torch import torch
+from ..device.stage import DeviceOptions, DeviceStage, consumer_fence, uint8_levels
 from ..dataset import Dataset
 from ..errors import ConfigError
 from ..device.build import DeviceBuilder
 from ..loading.handout import host_batch, numpy_batch
-from ..loading.engine import per_sample_python
-from ..loading.render import EpochChain, Filler, native_claims
+from ..loading.engine import FloatOut, per_sample_python
+from ..loading.render import EpochChain, Filler, RenderSpec, native_claims
 from ..device.feeder import Feeder
 from ..loading.slots import BatchRing, Run
 from ..loading.stats import LoaderStats
+from ..transforms import Normalize
 
 if TYPE_CHECKING:
     from .plan import LoadPlan
@@ -64,6 +66,25 @@ class Cursor:
             self.resume = int(sample) or None if resume else None
 
 
+def float_out(spec: RenderSpec, opts: DeviceOptions | None) -> FloatOut | None:
+    """The float output the engine's threads can write for this pass (`engine.FloatOut`), or None: a
+    float batch on the CPU made from the uint8 rows by a per-level table, either the batch ops being one
+    Normalize (host batches) or `convert` with a CPU DeviceOptions and no batch ops. Images only."""
+    if spec.kind.frames:
+        return None
+    ops = spec.pipeline.batch
+    if opts is None:
+        if ops is None or ops.mix is not None or len(ops.ops) != 1 or type(ops.ops[0]) is not Normalize \
+                or len(ops.ops[0].mean) not in (1, 3):
+            return None
+        return FloatOut(ops.ops[0].levels(3).view(3, 256))
+    if opts.device.type != "cpu" or ops is not None or (
+            opts.normalize is not None and max(map(len, opts.normalize)) not in (1, 3)):
+        return None
+    levels = uint8_levels(opts)
+    return None if levels is None else FloatOut(levels, opts.memory_format == torch.channels_last)
+
+
 class Passes:
     """The Loader's passes: their threads, the batch ring, the device stage and GPU decoder they share."""
 
@@ -75,6 +96,7 @@ class Passes:
         self._split: Any = None  # its gpu_split.SplitControl
         self._live: _Crew | None = None  # persistent: the pipeline running on into the next epoch
         self._iters: weakref.WeakSet[PassIter] = weakref.WeakSet()  # the passes made, while they live
+        self._floats: tuple[Any, FloatOut | None] | None = None  # (options, float_out's answer), kept across passes
         self._lock = threading.RLock()  # re-entrant: Ctrl-C inside its with-statement cannot lock us out
 
     def begin(self, opts: DeviceOptions | None) -> PassIter:
@@ -105,6 +127,13 @@ class Passes:
                 return ring
             self._ring = ring
         return self._ring
+
+    def floats(self, spec: RenderSpec, opts: DeviceOptions | None) -> FloatOut | None:
+        """`float_out` for a pass with `opts`: the same FloatOut (so its float batches are reused) while
+        the options stay the same."""
+        if self._floats is None or self._floats[0] != opts:
+            self._floats = (opts, float_out(spec, opts))
+        return self._floats[1]
 
     def stage(self, opts: DeviceOptions) -> DeviceStage:
         """The DeviceStage: one copy stream per loader, kept across epochs (the CUDA caching
@@ -198,6 +227,8 @@ class _Crew:
         spec = parts.spec
         if opts is not None and opts.decode in ("gpu", "auto"):  # "auto" left here: a GPU decoder works
             spec = replace(spec, gpu_decode=True, gpu_split=passes.split(opts))
+        elif parts.child_spec is None and parts.output != "numpy":
+            spec = replace(spec, floats=passes.floats(spec, opts))
         self.spec = spec
         self.chain = EpochChain(spec)
         self.epochs: list[tuple[int, int, int, int]] = []  # (epoch, first run batch, batches, first sample)

@@ -38,10 +38,13 @@ from __future__ import annotations
 
 import math
 import os
+import threading
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._torch import torch
 from .. import codecs, native
 from ..errors import LoaderClosedError
 from ..order import TAG_DRAW, TAG_SAMPLE, stream_key
@@ -70,6 +73,76 @@ MIN_JPEG_SHARE = 0.9
 #: 0.8% and 4.2% at 19, 1.7% and 11.8% at 10, 2.6% and 16.5% at 0 (two runs of benchmarks/bench_engine.py,
 #: medians of 3 and 5 rounds), with images/s and CPU per image within the runs' noise of 0's
 NICE = 19
+
+
+@dataclass(frozen=True)
+class FloatOut:
+    """The batch's float output, written by the engine's threads: each row they render is mapped through
+    per-channel tables (`levels`: float32, float16 or bfloat16 [3, 256], the value of each uint8 level as
+    the caller's conversion computes it) into a float batch while the row is in cache, instead of a pass
+    over the whole uint8 batch afterwards. A table lookup copies the value, so the output is the
+    conversion's bit for bit. `channels_last`: NHWC memory (viewed as NCHW), else contiguous NCHW."""
+
+    levels: Any = field(compare=False)   # torch tensor [3, 256]
+    channels_last: bool = False
+    #: (rows, height, width) -> the FloatBuffers of batches that shape: kept while this value is (a Loader's life)
+    kept: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def buffers(self, rows: int, height: int, width: int) -> "FloatBuffers":
+        """The reusable output batches of that shape (any thread; the first made is the one kept)."""
+        key = (rows, height, width)
+        found = self.kept.get(key)
+        return found if found is not None else self.kept.setdefault(key, FloatBuffers(self, rows, height, width))
+
+    def table(self) -> np.ndarray:
+        """The tables as the engine reads them: their values' bytes (bfloat16 has no NumPy dtype)."""
+        t = self.levels.contiguous()
+        return (t.view(torch.int16) if t.element_size() == 2 else t).numpy()
+
+    def new(self, rows: int, height: int, width: int) -> tuple[Any, np.ndarray]:
+        """A fresh output batch: ([rows, 3, H, W] tensor in the asked layout, the NumPy array the engine writes)."""
+        dtype = self.levels.dtype
+        if self.channels_last:
+            t = torch.empty((rows, height, width, 3), dtype=dtype)
+            images = t.permute(0, 3, 1, 2)
+        else:
+            images = t = torch.empty((rows, 3, height, width), dtype=dtype)
+        return images, (t.view(torch.int16) if t.element_size() == 2 else t).numpy()
+
+
+_NO_FLOATS: dict = {}
+#: float output batches kept for reuse (each the size of 4 uint8 slots for float32): a fresh one per batch
+#: (38.5 MB at 64 x 224 x 224) costs its page faults and zeroing, about 0.2 ms an image on the machine of
+#: docs/benchmarks.md. 8: what a running pass holds at once with the default prefetch (the ring's slots,
+#: the device thread's finished batches, the caller's)
+KEEP_FLOATS = 8
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+class FloatBuffers:
+    """The float output batches of one engine, reused once nothing outside holds them (the storage's use
+    count back to what these references make, as `slots.Slot.held` asks of a slot): a batch the caller
+    keeps is left to it and a new one made. At most `KEEP_FLOATS` kept; any thread."""
+
+    def __init__(self, out: FloatOut, rows: int, height: int, width: int) -> None:
+        self.out, self.shape = out, (rows, height, width)
+        self.kept: list[tuple[Any, np.ndarray, int, int]] = []   # (images, array, storage, own uses)
+        self.lock = threading.Lock()
+
+    def take(self) -> tuple[Any, np.ndarray]:
+        """An output batch nothing else references: ([rows, 3, H, W] tensor, the array the engine writes)."""
+        with self.lock:
+            for k, (images, buf, storage, uses) in enumerate(self.kept):
+                if _use_count is not None and _use_count(storage) == uses:
+                    self.kept.append(self.kept.pop(k))   # the most recently used last
+                    return images, buf
+            images, buf = self.out.new(*self.shape)
+            storage = images.untyped_storage()._cdata
+            if _use_count is not None:
+                if len(self.kept) >= KEEP_FLOATS:
+                    self.kept.pop(0)   # the oldest, held by the caller: theirs now
+                self.kept.append((images, buf, storage, _use_count(storage)))
+            return images, buf
 
 
 def pool_nice() -> int:
@@ -222,6 +295,9 @@ class BatchEngine:
         self.fast = spec.decode_quality == "fast"
         self.antialias = spec.pipeline.resampling[1]
         self.tag = TAG_DRAW if spec.key_by_draw else TAG_SAMPLE
+        self.floats: FloatOut | None = None if self.split else spec.floats
+        self.levels = None if self.floats is None else self.floats.table()
+        self.buffers: FloatBuffers | None = None
         self._streams: dict[int, int] = {}   # epoch -> the root of its random streams
         self.pool: Any = None
         self._closed = False
@@ -267,12 +343,19 @@ class BatchEngine:
             blocks, spans = filler.ds.jpeg_spans(idx)
         except Exception:  # noqa: BLE001 - a shard that fails its check: each row's own read reports it
             blocks = None
+        floats = _NO_FLOATS
+        if self.floats is not None:   # the float output: written by the pool's threads row by row
+            if self.buffers is None:
+                self.buffers = self.floats.buffers(slot.images_np.shape[0], self.out_h, self.out_w)
+            out, buf = self.buffers.take()
+            floats = {"floats": buf, "levels": self.levels, "nchw": not self.floats.channels_last}
+            slot.floats = out[:]   # a view of its own: the batch counts as held until it is handed out and let go
         if blocks is not None and self.pool is not None:
             status = np.empty(end - r0, np.uint8)
             left, busy, state = self.pool.run(
                 blocks, spans, bp.positions[r0:end] if self.spec.key_by_draw else idx, idx, self.sizes,
                 self._stream(filler.epoch), self.program, slot.images_np, status, r0, self.out_h, self.out_w,
-                self.full_size, AA_HEADROOM, self.antialias, self.fast, codecs.MAX_PIXELS, self.timeout)
+                self.full_size, AA_HEADROOM, self.antialias, self.fast, codecs.MAX_PIXELS, self.timeout, **floats)
             times.decode += busy
             if self.split:
                 bp.cpu_render_s.append(busy)
@@ -283,4 +366,8 @@ class BatchEngine:
         if not rows:
             return errors
         filler.complete(bp)
-        return errors + filler.fill_rows(bp, rows, slot, scratch, times)
+        errors += filler.fill_rows(bp, rows, slot, scratch, times)
+        if floats:   # the rows rendered in Python, mapped as the pool maps its own
+            native.map_levels(slot.images_np, np.asarray(rows, np.int64), self.levels, floats["floats"],
+                              floats["nchw"])
+        return errors

@@ -76,7 +76,9 @@ def host_batch(slot: Slot, spec: "RenderSpec", epoch: int, batch: int) -> tuple:
     n = slot.size
     images: Any = slot.images if n == slot.images.shape[0] else slot.images[:n]
     labels = labels_of(slot, spec.multi_label)
-    if spec.pipeline.batch is not None:
+    if slot.floats is not None:   # the engine wrote the batch's one Normalize (RenderSpec.floats)
+        images, slot.floats = slot.floats[:n], None
+    elif spec.pipeline.batch is not None:
         images, labels = run_batch_ops(spec, images, labels, epoch, batch)
     else:
         images = images.movedim(-1, -3)

@@ -83,6 +83,9 @@ class RenderSpec:
     targets: tuple[Target, ...] = ()
     #: what a row holds and how it is rendered (`kinds.SampleKind`): an image, or a video pack's clip
     kind: SampleKind = IMAGES
+    #: the float output the engine's threads write beside each row (`engine.FloatOut`): set by the pass where
+    #: the caller's conversion is a per-level table on the CPU; None: uint8 rows only
+    floats: Any = None
 
     @property
     def frames(self) -> int:

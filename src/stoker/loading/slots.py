@@ -113,6 +113,7 @@ class Slot:
     storage: int = 0  # the images' StorageImpl (an address; valid while `images` lives)
     uses: int = 0  # its use count with only the ring's own references
     owner: Any = None  # NumPy output: the image array, whose reference count counts its views (numpy_output)
+    floats: Any = None  # the batch's float output the engine wrote (RenderSpec.floats), [B, 3, H, W]; taken at hand-out
 
     def held(self) -> bool:
         """Whether anything outside the ring still references this slot's image memory."""

@@ -20,6 +20,8 @@ Pipelines (each limited to `workers` CPU cores; one epoch over every image is on
 - ``dali`` / ``dali-val``: NVIDIA DALI's CPU pipelines (fused decode + random crop, resize, flip; decode,
   resize shorter side, centre crop) when ``nvidia.dali`` is installed (``pip install stoker[dali]``);
   reported as skipped otherwise.
+- ``turbo-tbl``: TurboLoader's pre-decoded TBL path beside ``stoker-train-raw256`` (`bench_turbo`), when
+  ``turboloader`` is installed (``pip install stoker[turboloader]``); reported as skipped otherwise.
 
 Each pipeline runs one warm-up round, then `rounds` timed rounds (median images/s), by default in
 a fresh Python process pinned to `workers` CPUs, so peak memory and CPU use are its own. Packing
@@ -58,7 +60,7 @@ from .._progress import Progress
 from .._system import cpu_ids, fmt_number, usable_cpus
 from ..errors import ConfigError, StokerError
 from ..profiling import cpu_seconds
-from . import bench_dali, bench_gpu
+from . import bench_dali, bench_gpu, bench_turbo
 from .baseline import baseline_loader, list_image_folder
 from .results import NOTE, BenchResult, PipelineResult, markdown_table
 
@@ -89,6 +91,7 @@ PIPELINES: dict[str, tuple[str, str | None]] = {
                       "(0.8/1.0, smoothing 0.1) in the main process", None),
     "stoker-deit": ("stoker.Loader, crop + flip + RandAugment(2, 9) on the threads; Normalize, RandomErasing(0.25), "
                     "Mixup/CutMix batched on the device thread (device='cpu')", "baseline-deit"),
+    **bench_turbo.PIPELINES,
 }
 DEFAULT_PIPELINES = ("baseline", "baseline-val", "stoker-train", "stoker-val", "ceiling", "dali", "dali-val",
                      "stoker-train-fast", "stoker-train-float", "stoker-train-raw256", "stoker-train-jpeg256", "overhead")
@@ -358,6 +361,8 @@ def _make_runner(spec: _Spec) -> _Runner:
         return _ceiling_runner(spec)
     if name in ("dali", "dali-val"):
         return _dali_runner(spec)
+    if name in bench_turbo.PIPELINES:
+        return _Runner(*bench_turbo.tbl_batches(spec.packed, spec.batch_size))
     if bench_gpu.is_device_pipeline(name):
         run = bench_gpu.loader_epochs(name, root=spec.root, packed=spec.packed, batch_size=spec.batch_size,
                                       workers=spec.workers, device=spec.device, steps=spec.steps)
@@ -371,6 +376,8 @@ def _unavailable(name: str, device: str = "cpu") -> str | None:
         return bench_gpu.unavailable(name, device)
     if name in ("dali", "dali-val"):
         return bench_dali.why_unavailable()
+    if name in bench_turbo.PIPELINES:
+        return bench_turbo.why_unavailable()
     return None
 
 
@@ -384,7 +391,8 @@ def _preimport(name: str, device: str = "cpu") -> None:
         importlib.import_module("stoker.loader")
         return
     modules = {"baseline": ["torch.utils.data", "PIL.Image"], "baseline-val": ["torch.utils.data", "PIL.Image"],
-               "ceiling": ["simplejpeg", "stoker.reader"], "dali": ["nvidia.dali"], "dali-val": ["nvidia.dali"]}
+               "ceiling": ["simplejpeg", "stoker.reader"], "dali": ["nvidia.dali"], "dali-val": ["nvidia.dali"],
+               "turbo-tbl": ["turboloader"]}
     stoker = ["torch", "stoker.loader"]
     for module in modules.get(name, stoker if name.startswith("stoker-") or name == "overhead" else []):
         importlib.import_module(module)
@@ -403,6 +411,8 @@ def _version(name: str) -> str:
         mod = importlib.import_module("stoker")
         region = "region decode" if codecs.region_decode_available() else describe()
         return f"stoker {getattr(mod, '__version__', '?')}, {region}"
+    if name in bench_turbo.PIPELINES:
+        return bench_turbo.version()
     module = "torch" if name.startswith("baseline") else {"ceiling": "simplejpeg", "dali": "nvidia.dali",
                                                           "dali-val": "nvidia.dali"}[name]
     return f"{module} {getattr(importlib.import_module(module), '__version__', '?')}"
@@ -695,6 +705,8 @@ def run_bench(data_dir: Path | None = None, *, images: int | None = None, batch_
         sources = {name: work / f"packed-{name.rsplit('-', 1)[1]}" for name in RECIPES if name in plan.pipelines}
         for name, path in sources.items():   # the recipes' own packs, also before any timing
             _pack_once(root, path, workers, **RECIPES[name])
+        if "turbo-tbl" in plan.pipelines and bench_turbo.why_unavailable() is None:   # its TBL file, untimed
+            sources["turbo-tbl"] = bench_turbo.prepare(root, work / f"turbo-{bench_turbo.STORED}", workers)
         if "overhead" in plan.pipelines:
             sources["overhead"] = _tiny_raw_dataset(work / "overhead-tiny-raw")
         for name in plan.pipelines:

@@ -245,14 +245,24 @@ class Normalize:
     def params(self, rng: np.random.Generator, n: int, h: int, w: int) -> None:
         return None
 
-    def apply(self, x: torch.Tensor, params: None = None) -> torch.Tensor:
+    def _affine(self, from_uint8: bool) -> tuple[torch.Tensor, torch.Tensor]:
         std = torch.tensor(self.std, dtype=torch.float64)
-        scale = (1.0 / std / (255.0 if x.dtype == torch.uint8 else 1.0)).float().view(1, -1, 1, 1)
+        scale = (1.0 / std / (255.0 if from_uint8 else 1.0)).float().view(1, -1, 1, 1)
         shift = (torch.tensor(self.mean, dtype=torch.float64) / std).float().view(1, -1, 1, 1)
+        return scale, shift
+
+    def levels(self, channels: int = 3) -> torch.Tensor:
+        """What `apply` makes of each uint8 level on the CPU, per channel: float32 [1, channels, 1, 256] (the
+        table `apply` maps a batch through, and the engine's threads write a float batch from)."""
+        scale, shift = self._affine(True)
+        return all_levels(channels).float().mul_(scale).add_(-shift)
+
+    def apply(self, x: torch.Tensor, params: None = None) -> torch.Tensor:
         if x.device.type == "cpu" and x.dtype == torch.uint8 and x.dim() == 4:
             out = torch.empty(x.shape, dtype=torch.float32)
-            if normalize_by_table(x, all_levels(x.shape[1]).float().mul_(scale).add_(-shift), out):
+            if normalize_by_table(x, self.levels(x.shape[1]), out):
                 return out
+        scale, shift = self._affine(x.dtype == torch.uint8)
         # (x / 255 - mean) / std, in place on the float copy
         return x.float().mul_(host_to_device(scale, x.device)).add_(host_to_device(-shift, x.device))
 
