@@ -191,7 +191,14 @@ typedef struct {
     pthread_t *threads;
     pthread_mutex_t close_mu;  /* one close() joins the threads; another waits for it */
     int joined;
+    pid_t owner;  /* the process whose threads these are: a fork()ed child has none of them */
 } EngineObject;
+
+/* In a fork()ed child the pool's threads do not exist and its mutexes may be held by a parent thread that
+   was copied mid-row: the child never joins, signals, locks or destroys them, it only forgets the pool. */
+static int forked(EngineObject *e) {
+    return getpid() != e->owner;
+}
 
 static double now_s(void) {
     struct timespec ts;
@@ -313,6 +320,10 @@ static void unqueue(EngineObject *e, batch_t *b) {
 
 /* Stop the pool: queued rows are never started, each thread ends after its row, and every waiter wakes. */
 static void engine_stop(EngineObject *e) {
+    if (forked(e)) {
+        e->stopping = 1, e->joined = 1, e->head = e->tail = NULL;
+        return;
+    }
     pthread_mutex_lock(&e->close_mu);
     if (!e->joined) {
         pthread_mutex_lock(&e->mu);
@@ -344,6 +355,7 @@ static PyObject *engine_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
     pthread_cond_init(&e->work, NULL);
     pthread_cond_init(&e->done, NULL);
     e->nthreads = threads;
+    e->owner = getpid();
     e->nice = nice < 0 ? 0 : (nice > 19 ? 19 : nice);
     e->threads = (pthread_t *)PyMem_Calloc((size_t)threads, sizeof(pthread_t));
     if (e->threads == NULL) {
@@ -370,10 +382,12 @@ static void engine_dealloc(EngineObject *e) {
     engine_stop(e);
     Py_END_ALLOW_THREADS
     PyMem_Free(e->threads);
-    pthread_cond_destroy(&e->work);
-    pthread_cond_destroy(&e->done);
-    pthread_mutex_destroy(&e->mu);
-    pthread_mutex_destroy(&e->close_mu);
+    if (!forked(e)) {
+        pthread_cond_destroy(&e->work);
+        pthread_cond_destroy(&e->done);
+        pthread_mutex_destroy(&e->mu);
+        pthread_mutex_destroy(&e->close_mu);
+    }
     Py_TYPE(e)->tp_free((PyObject *)e);
 }
 
@@ -472,6 +486,12 @@ static PyObject *engine_run(EngineObject *e, PyObject *args, PyObject *kwargs) {
     Py_ssize_t first;
     int oh, ow, full_size, antialias, fast;
     double headroom, max_pixels, timeout;
+    if (forked(e)) {
+        PyErr_Format(PyExc_RuntimeError, "Engine.run: this pool's threads belong to process %ld, and this is a "
+                     "fork()ed child (pid %ld) that has none of them: make a new Engine in the child",
+                     (long)e->owner, (long)getpid());
+        return NULL;
+    }
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOKOOOniipdppdd|OOp", keywords, &blocks_obj, &spans_obj,
                                      &ids_obj, &index_obj, &sizes_obj, &stream, &prog_obj, &images_obj, &status_obj,
                                      &first, &oh, &ow, &full_size, &headroom, &antialias, &fast, &max_pixels, &timeout,

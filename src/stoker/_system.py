@@ -17,6 +17,27 @@ POLL_PAUSE_S = (0.0002, 0.002)  # poll_until: first pause between checks, growin
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
+# ---- fork() --------------------------------------------------------------------------------------
+# Threads do not survive fork(): a child has only the thread that forked, and any lock a parent thread held
+# stays held. So every object that owns threads records the generation it was made in, and a child (a torch
+# DataLoader fork worker, a plain os.fork()) never joins, signals or locks what belongs to its parent.
+_FORKS = [0]
+
+
+def _count_fork() -> None:
+    _FORKS[0] += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_count_fork)
+
+
+def fork_generation() -> int:
+    """How many fork()s lie between the first process and this one: an object made at another generation
+    belongs to a parent process, whose threads this process does not have."""
+    return _FORKS[0]
+
+
 def cpu_ids() -> list[int]:
     """CPU ids this process may run on (its affinity mask where the OS has one)."""
     try:

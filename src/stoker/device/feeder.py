@@ -190,7 +190,10 @@ class Feeder:
         return ""
 
     def stop(self, join_timeout: float = 5.0) -> None:
-        """Stop this thread and the Run's workers, bounded. Safe to call repeatedly, from any thread."""
+        """Stop this thread and the Run's workers, bounded. Safe to call repeatedly, from any thread;
+        a fork()ed child leaves its parent's threads alone (`HandOut.forked`)."""
+        if self.run.forked:
+            return
         self.stop_event.set()
         notify_all(self.cond)
         self.run.stop(join_timeout, give_back=False)

@@ -455,5 +455,7 @@ class PipelinedFeeder(Feeder):
                 f"{time.monotonic() - since:.0f} s; if it is hung, use decode='cpu'")
 
     def stop(self, join_timeout: float = 5.0) -> None:
+        if self.run.forked:   # the decode thread is the parent's
+            return
         super().stop(join_timeout)
         self.pipe.close(join_timeout)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._system import fork_generation
 from .._torch import torch
 from ..device.stage import DeviceOptions, DeviceStage, consumer_fence, uint8_levels
 from ..dataset import Dataset
@@ -98,10 +99,29 @@ class Passes:
         self._iters: weakref.WeakSet[PassIter] = weakref.WeakSet()  # the passes made, while they live
         self._floats: tuple[Any, FloatOut | None] | None = None  # (options, float_out's answer), kept across passes
         self._lock = threading.RLock()  # re-entrant: Ctrl-C inside its with-statement cannot lock us out
+        self._generation = fork_generation()
+
+    def _after_fork(self) -> None:
+        """In a fork()ed child (a torch DataLoader fork worker, os.fork()), forget the parent's passes,
+        threads, ring and device state without touching them; the next pass starts its own. A CUDA
+        device cannot follow a fork: that is refused, naming the fix."""
+        if self._generation == fork_generation():
+            return
+        self._generation = fork_generation()
+        self._lock = threading.RLock()
+        self._iters = weakref.WeakSet()
+        self._live = self._ring = self._stage = self._gpu = self._split = None
+        self._floats = None
 
     def begin(self, opts: DeviceOptions | None) -> PassIter:
         """A whole pass of the cursor's epoch (from the resume point `load_state_dict` set, once).
         "cuda" is resolved to a GPU here, as the pass starts (`DeviceOptions.resolved`)."""
+        self._after_fork()
+        if opts is not None and opts.device.type == "cuda" and self._forked_cuda():
+            raise ConfigError("this Loader copies its batches to CUDA, and this is a fork()ed child process: CUDA "
+                              "cannot be used after fork(). Start the workers with multiprocessing_context=\"spawn\" "
+                              "(torch DataLoader) or multiprocessing.get_context(\"spawn\"), or use the Loader "
+                              "without a device in the child")
         opts = None if opts is None else opts.resolved()
         with self._lock:
             epoch, start = self.cursor.begin()
@@ -201,8 +221,13 @@ class Passes:
         if live is not None:
             live.stop()
 
+    def _forked_cuda(self) -> bool:
+        """In a child of a process that had started CUDA (torch's own record of it)."""
+        return fork_generation() > 0 and bool(getattr(torch.cuda, "_is_in_bad_fork", lambda: False)())
+
     def close(self) -> None:
-        """End every pass and stop every thread. Idempotent."""
+        """End every pass and stop every thread. Idempotent. A fork()ed child only forgets its parent's."""
+        self._after_fork()
         for it in list(self._iters):
             it.close()
         self.stop_live()
@@ -324,6 +349,8 @@ def _end_lease(pipe: _Crew, lease: int, keep: list[bool], last: list[int]) -> No
     """An iterator's end (closed, exhausted or dropped): guard the slot of the last batch it handed out
     (an `images.cuda(non_blocking=True)` may still read it), then stop its pipeline unless it was
     handed on (`keep`) or another iterator holds it."""
+    if pipe.run is not None and pipe.run.forked:   # a fork()ed child: the pipeline is its parent's
+        return
     if pipe.run is not None and pipe.feeder is None and last[0] >= 0:
         pipe.run.guard(last[0], consumer_fence())
     if pipe.lease == lease and not keep[0]:

@@ -54,6 +54,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from .._system import fork_generation
 from ..errors import ConfigError, LoaderClosedError, LoaderTimeoutError, WorkerError
 from .proc_child import COUNTERS, child_main
 from .process_errors import (child_imports, has_main_guard, killed_fix, main_references, main_script, rebuild,
@@ -184,6 +185,7 @@ class ProcessRun(HandOut):
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
         self.stop_event = threading.Event()
+        self._generation = fork_generation()
         self.last_given: tuple[int, Slot] | None = None
         self.stalled: LoaderTimeoutError | None = None   # a slot's guard never completed
         self.ids: dict[Slot, int] = {}   # slot -> its id in the messages
@@ -456,7 +458,10 @@ class ProcessRun(HandOut):
 
     def stop(self, join_timeout: float = 5.0, give_back: bool = True) -> None:
         """Stop the children (asked, then terminated, then killed, each bounded) and remove every shared
-        memory name left. Safe to call repeatedly, from any thread."""
+        memory name left. Safe to call repeatedly, from any thread. A fork()ed child of the training
+        process leaves them alone: they are its parent's children, and their memory its parent's to unlink."""
+        if self.forked:
+            return
         self.stop_event.set()
         started = [c for c in self.children if c.process.pid is not None] if self._started else []
         for child in started:

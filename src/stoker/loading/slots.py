@@ -39,6 +39,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from .._system import fork_generation
 from .._torch import torch
 from ..errors import ConfigError, LoaderClosedError, LoaderTimeoutError, WorkerError
 from .stats import LoaderStats, WorkerTimes
@@ -285,6 +286,13 @@ class HandOut:
 
     last_given: "tuple[int, Slot] | None"
     cond: threading.Condition
+    _generation: int   # fork_generation() when made
+
+    @property
+    def forked(self) -> bool:
+        """Made started by a parent process: its threads (or worker processes) are not this process's (`_system.fork_generation`)."""
+        return self._generation != fork_generation()
+
 
     def _next_batch(self, b: int) -> Slot:
         raise NotImplementedError
@@ -345,6 +353,7 @@ class Run(HandOut):
         self.lock = threading.RLock()  # an RLock so the consumer can tell it still holds it (Ctrl-C)
         self.cond = threading.Condition(self.lock)
         self.stop_event = threading.Event()
+        self._generation = fork_generation()
         self.released = 0  # batches the consumer has moved past
         self.assigned: dict[int, Slot] = {}  # batch -> its slot, from planning until it is handed out
         self.next_assign = 0  # batches are given slots in order: no batch can take the slot an earlier one needs
@@ -539,7 +548,10 @@ class Run(HandOut):
 
     def stop(self, join_timeout: float = 5.0, give_back: bool = True) -> None:
         """Stop the workers and wait (bounded) for them to exit, then give the ring back the slots of
-        batches never handed out. Safe to call repeatedly, from any thread."""
+        batches never handed out. Safe to call repeatedly, from any thread. In a fork()ed child it only
+        forgets: the threads are the parent's, and so may be the locks they held."""
+        if self.forked:
+            return
         self.stop_event.set()
         notify_all(self.cond)
         if self.engine is not None:  # wakes a coordinator waiting on the pool, joins the pool's threads
