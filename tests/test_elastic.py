@@ -193,3 +193,60 @@ def test_loader_md_example_runs(packed: Path) -> None:
     scope = {"packed": str(packed)}
     exec(compile(code, "docs/loader.md", "exec"), scope)
     assert scope["seen"] == set(range(N))
+
+
+def _forge(state: dict, **changes: object) -> dict:
+    return {**state, **changes}
+
+
+FORGED = [
+    # a range listed twice, two overlapping ranges, ranges out of order: at another world size each would be read twice
+    ("twice", lambda s: {"remaining": s["remaining"] + s["remaining"][-1:]}, "repeats"),
+    ("overlap", lambda s: {"remaining": [[0, 6], [4, 9]]}, "overlaps"),
+    ("unordered", lambda s: {"remaining": [[6, 9], [0, 3]]}, "overlaps or comes before"),
+    ("empty_pair", lambda s: {"remaining": [[3, 3]]}, "0 <= start < stop"),
+    ("remaining_int", lambda s: {"remaining": 5}, "'remaining' must be a list"),
+    ("none_in_pair", lambda s: {"remaining": [[None, 3]]}, "'remaining' must be a list of [start, stop) int pairs"),
+    ("float_in_pair", lambda s: {"remaining": [[0.0, 3]]}, "int pairs"),
+    ("epoch_none", lambda s: {"epoch": None}, "'epoch' must be an int"),
+    ("epoch_str", lambda s: {"epoch": "x"}, "'epoch' must be an int"),
+    ("epoch_bool", lambda s: {"epoch": True}, "'epoch' must be an int"),
+    ("epoch_negative", lambda s: {"epoch": -1}, "'epoch' must be an int >= 0"),
+    ("sample_str", lambda s: {"sample": "4"}, "'sample' must be an int"),
+    ("world_zero", lambda s: {"world_size": 0}, "'world_size' must be an int >= 1"),
+    ("drop_last_int", lambda s: {"drop_last": 1}, "'drop_last' must be True or False"),
+    ("batch_mismatch", lambda s: {"batch": s["batch"] + 3}, "does not add up"),
+]
+
+
+@pytest.mark.parametrize("name, change, words", FORGED, ids=[f[0] for f in FORGED])
+@pytest.mark.parametrize("world_after", [2, 3])
+def test_a_forged_state_is_refused_naming_the_field(packed: Path, name: str, change, words: str,
+                                                    world_after: int) -> None:
+    """A hand-merged or forged state is checked whole before any of it is used, at the same and at another
+    world size: a ConfigError naming the field, never a raw TypeError or a silent duplicate."""
+    loaders = _loaders(packed, 2, "random", False, bs=1)
+    for ld in loaders:
+        _read(ld, 3)
+    state = loaders[0].state_dict()
+    assert state["remaining"], "the test needs ranges left"
+    forged = _forge(state, **change(state))
+    target = _loaders(packed, world_after, "random", False, bs=1)[0]
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        target.load_state_dict(forged)
+    target.load_state_dict(state)   # the unmodified state still resumes
+    assert target.state_dict()["epoch"] == state["epoch"]
+
+
+def test_a_valid_hand_made_state_resumes_exactly(packed: Path) -> None:
+    """Ranges written by hand (increasing, disjoint) are honoured: three ranks read exactly those samples once."""
+    state = _loaders(packed, 2, "random", False, bs=1)[0].state_dict()
+    state = {**state, "remaining": [[0, 4], [6, 9], [12, N]], "world_size": 1, "requeued": True}
+    loaders = _loaders(packed, 3, "random", False, bs=1)
+    for ld in loaders:
+        ld.load_state_dict(state)
+    seen = [x for ld in loaders for x in _read(ld)]
+    full = _read(_loaders(packed, 1, "random", False, bs=1)[0])
+    want = [full[p] for p in [*range(0, 4), *range(6, 9), *range(12, N)]]
+    # 10 samples over 3 ranks: each rank reads 4, the last two padded as DistributedSampler pads
+    assert set(seen) == set(want) and len(seen) == 12

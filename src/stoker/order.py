@@ -339,10 +339,14 @@ def to_ranges(positions: np.ndarray) -> list[list[int]]:
 
 
 def from_ranges(ranges: Sequence[Sequence[int]], size: int) -> np.ndarray:
-    """The positions of `to_ranges`' pairs; refuses pairs outside an epoch of `size` entries."""
+    """The positions of `to_ranges`' pairs; refuses pairs outside an epoch of `size` entries, or not
+    increasing and disjoint (a position listed twice would be read twice)."""
     parts = []
+    last = 0
     for pair in ranges:
-        if len(pair) != 2 or not 0 <= int(pair[0]) <= int(pair[1]) <= size:
-            raise ConfigError(f"saved loader state: range {list(pair)!r} is not within the epoch's {size} samples")
+        if len(pair) != 2 or not last <= int(pair[0]) <= int(pair[1]) <= size:
+            raise ConfigError(f"saved loader state: range {list(pair)!r} is not within the epoch's {size} samples, "
+                              f"after the ranges before it")
         parts.append(np.arange(int(pair[0]), int(pair[1]), dtype=np.int64))
+        last = int(pair[1])
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)

@@ -31,6 +31,7 @@ import numpy as np
 
 from .._torch import torch
 from ..device.stage import DeviceOptions
+from .state import check_state
 from ..errors import ConfigError
 from ..loading.stats import LoaderStats
 from ..order import samples_per_rank
@@ -175,6 +176,7 @@ class Loader:
         everything else must match."""
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
             raise ConfigError(f"not a stoker Loader state (expected format {_STATE_FORMAT!r}): {state!r:.200}")
+        check_state(state)
         mine = self.state_dict()
         elastic = state.get("remaining") is not None and mine.get("remaining") is not None and (
             state.get("world_size") != self.world_size or bool(state.get("requeued")))
