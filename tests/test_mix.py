@@ -164,7 +164,7 @@ def test_staging_and_the_process_mode_on_a_mix(packs: dict[str, Path], tmp_path:
 def test_a_mix_is_checked(packs: dict[str, Path]) -> None:
     with pytest.raises(ConfigError, match="one weight per source"):
         Mix(packs, weights={"web": 1})
-    with pytest.raises(ConfigError, match="positive number"):
+    with pytest.raises(ConfigError, match="positive finite number"):
         Mix(packs, weights={"web": 1, "curated": 0})
     with pytest.raises(ConfigError, match="draws each epoch from its sources"):
         Loader(Mix(packs), 4, transforms=TRAIN, sampling=Sampling(order="sequential"))
@@ -207,3 +207,36 @@ def test_a_source_in_object_storage(packs: dict[str, Path], tmp_path: Path) -> N
         local.close()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("weights", [{"web": 1e308, "curated": 1e308}, {"web": 3e307, "curated": 1e307}])
+def test_weights_near_the_float_limit_give_the_same_epoch_as_their_ratio(packs: dict[str, Path],
+                                                                         weights: dict[str, float]) -> None:
+    """Weights whose sum overflows a float: the epoch is their ratio's (it was empty, and len() and
+    state_dict() raised a raw ValueError)."""
+    ratio = {k: v / max(weights.values()) for k, v in weights.items()}
+    big = Loader(Mix(packs, weights=weights, epoch_size=40), 8, transforms=TRAIN, columns=["source"], seed=3)
+    small = Loader(Mix(packs, weights=ratio, epoch_size=40), 8, transforms=TRAIN, columns=["source"], seed=3)
+    assert len(big) == len(small) == 5 and big.state_dict()["epoch"] == 0
+    assert np.array_equal(big.epoch_indices(0), small.epoch_indices(0))
+    assert Counter(_epoch(big)[1]) == Counter(_epoch(small)[1])
+    big.close(), small.close()
+
+
+@pytest.mark.parametrize("weight", [float("inf"), float("nan"), -1.0, 0, True, "3"])
+def test_a_weight_that_is_no_positive_finite_number_is_refused(packs: dict[str, Path], weight: object) -> None:
+    with pytest.raises(ConfigError, match="weight of 'web' must be a positive finite number"):
+        Mix(packs, weights={"web": weight, "curated": 1})
+
+
+def test_numpy_numbers_are_numbers(packs: dict[str, Path]) -> None:
+    """np.float32 and np.int64 weights and an np.int64 epoch_size mean what the Python numbers mean (they
+    were refused as 'must be a positive number'); so do NumPy ints for Workers' counts."""
+    mix = Mix(packs, weights={"web": np.float32(3.0), "curated": np.int64(1)}, epoch_size=np.int64(40))
+    plain = Mix(packs, weights={"web": 3.0, "curated": 1}, epoch_size=40)
+    assert mix.epoch_size == 40 and type(mix.epoch_size) is int and mix.weights == plain.weights
+    a = Loader(mix, 8, transforms=TRAIN, seed=3, workers=Workers(num_threads=np.int64(2), prefetch=np.int64(2),
+                                                                    timeout=np.float32(30)))
+    b = Loader(plain, 8, transforms=TRAIN, seed=3, workers=np.int64(2))
+    assert np.array_equal(a.epoch_indices(0), b.epoch_indices(0))
+    a.close(), b.close()

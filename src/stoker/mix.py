@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -70,20 +71,25 @@ class Mix:
             if not isinstance(self.weights, Mapping) or set(self.weights) != set(self.sources):
                 raise ConfigError(f"Mix(weights=) needs one weight per source {sorted(self.sources)}, got "
                                   f"{self.weights!r:.100}")
-            for name, w in self.weights.items():
-                if isinstance(w, bool) or not isinstance(w, (int, float)) or not np.isfinite(w) or w <= 0:
-                    raise ConfigError(f"Mix: weight of {name!r} must be a positive number, got {w!r}")
+            for name, w in self.weights.items():   # NumPy numbers too (np.float32(1.0), np.int64(3))
+                if isinstance(w, (bool, np.bool_)) or not isinstance(w, numbers.Real) or not np.isfinite(float(w)) \
+                        or float(w) <= 0:
+                    raise ConfigError(f"Mix: weight of {name!r} must be a positive finite number, got {w!r}")
             object.__setattr__(self, "weights", {name: float(self.weights[name]) for name in self.sources})
         if not isinstance(self.replacement, bool):
             raise ConfigError(f"Mix(replacement=) is True or False, got {self.replacement!r}")
-        if self.epoch_size is not None and (isinstance(self.epoch_size, bool) or not isinstance(self.epoch_size, int)
-                                            or self.epoch_size < 1):
+        if self.epoch_size is not None and (isinstance(self.epoch_size, (bool, np.bool_))
+                                            or not isinstance(self.epoch_size, numbers.Integral) or self.epoch_size < 1):
             raise ConfigError(f"Mix(epoch_size=) is a positive number of samples or None, got {self.epoch_size!r}")
+        if self.epoch_size is not None:
+            object.__setattr__(self, "epoch_size", int(self.epoch_size))
 
 
 def apportion(total: int, weights: Sequence[float]) -> np.ndarray:
     """int64 counts summing to `total`, proportional to `weights` (largest remainders; ties to the first)."""
     w = np.asarray(weights, dtype=np.float64)
+    if not np.isfinite(w.sum() * max(total, 1)):   # weights near the float limit: as shares of the largest
+        w = w / w.max()
     quota = total * w / w.sum()
     counts = np.floor(quota + 1e-9).astype(np.int64)
     short = total - int(counts.sum())

@@ -226,13 +226,15 @@ class Workers(_Printable):
 
     def __post_init__(self) -> None:
         _set(self, "num_threads", _int_or_none(self.num_threads, "num_threads (worker threads)", 1))
-        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 1:
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, (int, np.integer)) or self.prefetch < 1:
             raise ConfigError(f"prefetch must be an int >= 1 (batches prepared ahead), got {self.prefetch!r}")
+        _set(self, "prefetch", int(self.prefetch))
         if not isinstance(self.persistent, bool):
             raise ConfigError(f"persistent must be True or False, got {self.persistent!r}")
         if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
             raise ConfigError(f"pin_memory must be None, True or False, got {self.pin_memory!r}")
-        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float, np.integer, np.floating)) \
+                or not self.timeout > 0:
             raise ConfigError(f"timeout must be positive seconds, got {self.timeout!r}")
         _set(self, "timeout", float(self.timeout))
         if self.on_error not in ON_ERROR:
@@ -256,6 +258,6 @@ class Workers(_Printable):
             return cls()
         if isinstance(value, cls):
             return value
-        if isinstance(value, int) and not isinstance(value, bool):
-            return cls(num_threads=value)
+        if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+            return cls(num_threads=int(value))
         raise ConfigError(f"workers must be a stoker.Workers or an int (worker threads), got {value!r}")
