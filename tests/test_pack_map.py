@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import re
 from pathlib import Path
 
@@ -234,3 +235,108 @@ def test_cli_map_takes_module_function(folder: Path, tmp_path: Path, monkeypatch
     assert "packed 4 images (8 dropped by the pack function)" in capsys.readouterr().out
     assert main(["pack", str(folder), "out2", "--map", "mypack:nothing", "--no-progress"]) == 2
     assert "--map mypack:nothing: mypack has no function nothing" in capsys.readouterr().err
+
+
+PREP = """
+from stoker import PackSample
+
+SIZE = {size}
+
+def crop(s: PackSample):
+    return s.replace(image=s.image[:SIZE, :SIZE])
+"""
+
+
+@pytest.mark.parametrize("how", ["python", "cli"])
+def test_resume_notices_a_changed_module_constant(folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  how: str) -> None:
+    """A prep script with SIZE = 32, interrupted after its first shards, SIZE changed to 48, resumed: refused
+    (it was accepted, and the finished pack held 32x32 and 48x48 crops)."""
+    import importlib
+
+    from stoker.cli import main
+
+    script = tmp_path / "prep.py"
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "out"
+
+    def load(size: int):
+        script.write_text(PREP.format(size=size))
+        sys.modules.pop("prep", None)
+        importlib.invalidate_caches()
+        return importlib.import_module("prep").crop
+
+    with pytest.MonkeyPatch.context() as cut:
+        _ctrl_c_at_the_tenth_sample(cut)
+        with pytest.raises(KeyboardInterrupt):
+            pack(folder, out, options=PackOptions(workers=1, shard_size=1, map=load(32)), progress=False)
+    crop48 = load(48)
+    if how == "python":
+        with pytest.raises(ConfigError, match="the pack function changed"):
+            pack(folder, out, options=PackOptions(workers=1, shard_size=1, map=crop48), progress=False, resume=True)
+    else:
+        assert main(["pack", str(folder), str(out), "--map", f"{script}:crop", "--shard-size", "1", "--workers", "1",
+                     "--resume", "--no-progress"]) == 2
+    assert function_fingerprint(load(32)) != function_fingerprint(crop48)
+    assert function_fingerprint(load(32)) == function_fingerprint(load(32))
+
+
+def test_an_array_global_is_fingerprinted_whole() -> None:
+    import types as _types
+
+    code = "import numpy as np\nTABLE = np.zeros(5000)\ndef f(s):\n    return TABLE\n"
+    a, b = _types.ModuleType("ma"), _types.ModuleType("ma")
+    exec(code, a.__dict__)
+    exec(code + "TABLE[2500] = 1\n", b.__dict__)
+    assert function_fingerprint(a.f) != function_fingerprint(b.f)
+
+
+@pytest.mark.parametrize("returned", ["array", "pil"])
+def test_the_functions_pixels_meet_max_pixels(folder: Path, tmp_path: Path, returned: str) -> None:
+    """max_pixels=3,000: the function's 60x60 images are skipped as a source image over the limit is, naming
+    the sample and the limit (they were all stored); its 40x40 ones are kept."""
+    from PIL import Image
+
+    def grow(s: PackSample):
+        big = np.zeros((60, 60, 3) if s.label == 0 else (40, 40, 3), np.uint8)
+        return s.replace(image=big if returned == "array" else Image.fromarray(big))
+
+    summary = pack(folder, tmp_path / "out", options=PackOptions(map=grow, max_pixels=3_000, workers=1),
+                   progress=False)
+    assert summary.packed == 8 and summary.skipped == 4
+    reasons = [json.loads(line) for line in (tmp_path / "out" / "skipped.jsonl").read_text().splitlines()]
+    assert all("60x60 = 3,600 pixels exceeds the limit of 3,000" in r["reason"] for r in reasons), reasons[:1]
+
+
+@pytest.mark.parametrize("spelling", ["./mypack.py:keep_dogs", "mypack.py:keep_dogs", "{abs}:keep_dogs",
+                                      "sub/mypack.py:keep_dogs", "mypack:keep_dogs"])
+def test_cli_map_spellings(folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                           capsys: pytest.CaptureFixture[str], spelling: str) -> None:
+    from stoker.cli import main
+
+    (tmp_path / "sub").mkdir()
+    for where in (tmp_path, tmp_path / "sub"):
+        (where / "mypack.py").write_text("def keep_dogs(s):\n    return s if s.label == 1 else None\n")
+    monkeypatch.chdir(tmp_path)
+    spec = spelling.format(abs=tmp_path / "mypack.py")
+    sys.modules.pop("mypack", None)
+    assert main(["pack", str(folder), "out", "--map", spec, "--no-progress"]) == 0, capsys.readouterr().err
+    assert "packed 4 images (8 dropped by the pack function)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("./missing.py:f", "no file"), ("mypack.py:nothing", "has no function nothing"), ("mypack.py:VALUE", "not a function"),
+    ("mypack.py", "expected MODULE:FUNCTION or FILE.py:FUNCTION"), ("broken.py:f", "raised SyntaxError"),
+    ("nomodule:f", "cannot import nomodule"),
+])
+def test_cli_map_wrong_spellings_are_one_line(folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str], spec: str, words: str) -> None:
+    from stoker.cli import main
+
+    (tmp_path / "mypack.py").write_text("VALUE = 3\n")
+    (tmp_path / "broken.py").write_text("def f(:\n")
+    monkeypatch.chdir(tmp_path)
+    sys.modules.pop("mypack", None)
+    assert main(["pack", str(folder), "out", "--map", spec, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err and f"--map {spec}" in err, err

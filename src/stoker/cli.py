@@ -143,25 +143,53 @@ def _column_list(text: str) -> list[str]:
 
 
 def _pack_function(spec: str | None) -> Any:
-    """`--map MODULE:FUNCTION`: the function, imported as Python would (the current folder first)."""
+    """`--map MODULE:FUNCTION` or `--map path/to/file.py:FUNCTION`: the function, a module imported as
+    Python would (the current folder first), a file loaded from its path. Every wrong spelling is a
+    one-line ConfigError naming the flag and the fix."""
     if spec is None:
         return None
     import importlib
+    import importlib.util
 
-    module_name, _, name = spec.partition(":")
-    if not module_name or not name:
-        raise ConfigError(f"--map {spec}: expected MODULE:FUNCTION, e.g. --map mypack:crop_faces")
-    sys.path.insert(0, os.getcwd())
+    where, _, name = spec.rpartition(":")
+    if not where or not name or not name.isidentifier():
+        raise ConfigError(f"--map {spec}: expected MODULE:FUNCTION or FILE.py:FUNCTION, e.g. --map mypack:crop_faces "
+                          f"or --map ./mypack.py:crop_faces")
+    is_file = where.endswith(".py") or os.sep in where or (os.altsep is not None and os.altsep in where)
     try:
-        module = importlib.import_module(module_name)
+        if is_file:
+            path = Path(where).expanduser().resolve()
+            if not path.is_file():
+                raise ConfigError(f"--map {spec}: no file {path}; give the path of the .py file that defines {name}")
+            loaded = importlib.util.spec_from_file_location(path.stem, path)
+            if loaded is None or loaded.loader is None:
+                raise ConfigError(f"--map {spec}: {path} is not a Python file Python can load")
+            module = importlib.util.module_from_spec(loaded)
+            sys.modules[path.stem] = module   # its functions pickle by name into pack workers
+            sys.path.insert(0, str(path.parent))
+            try:
+                loaded.loader.exec_module(module)
+            finally:
+                sys.path.remove(str(path.parent))
+        else:
+            sys.path.insert(0, os.getcwd())
+            try:
+                module = importlib.import_module(where)
+            finally:
+                sys.path.remove(os.getcwd())
+    except ConfigError:
+        raise
     except ImportError as exc:
-        raise ConfigError(f"--map {spec}: cannot import {module_name} ({exc}); run from the folder that holds "
-                          f"{module_name}.py, or install it") from None
-    finally:
-        sys.path.remove(os.getcwd())
+        raise ConfigError(f"--map {spec}: cannot import {where} ({exc}); run from the folder that holds "
+                          f"{where.replace('.', os.sep)}.py, give its path (--map path/to/{where}.py:{name}), "
+                          f"or install it") from None
+    except Exception as exc:   # the user's module failed as it ran (a SyntaxError, its own exception)
+        raise ConfigError(f"--map {spec}: loading {where} raised {type(exc).__name__}: {exc}") from None
     fn = getattr(module, name, None)
+    if fn is None:
+        raise ConfigError(f"--map {spec}: {where} has no function {name}")
     if not callable(fn):
-        raise ConfigError(f"--map {spec}: {module_name} has no function {name}")
+        raise ConfigError(f"--map {spec}: {where}.{name} is a {type(fn).__name__}, not a function")
     return fn
 
 

@@ -77,7 +77,7 @@ def _nbytes(data: Buffer) -> int:
     return data.nbytes if isinstance(data, (memoryview, np.ndarray)) else len(data)
 
 
-def _check_pixels(key: str, width: int, height: int, max_pixels: int) -> None:
+def check_pixels(key: str, width: int, height: int, max_pixels: int) -> None:
     if width <= 0 or height <= 0:
         raise CorruptImageError(key, f"header gives an empty size {width}x{height}")
     if width * height > max_pixels:
@@ -111,7 +111,7 @@ def _open(data: Buffer, key: str, max_pixels: int) -> Image.Image:
         raise CorruptImageError(key, "not an image Pillow can identify") from None
     except Exception as exc:  # fuzzed headers make Pillow raise almost anything
         raise CorruptImageError(key, f"unreadable header: {type(exc).__name__}: {exc}") from None
-    _check_pixels(key, img.width, img.height, max_pixels)
+    check_pixels(key, img.width, img.height, max_pixels)
     return img
 
 
@@ -290,7 +290,7 @@ def _decode_jpeg(data: Buffer, key: str, height: int, width: int, min_height: in
         except ValueError:
             pass  # no readable header: the decode below fails and says why
         else:
-            _check_pixels(key, head_w, head_h, MAX_PIXELS)
+            check_pixels(key, head_w, head_h, MAX_PIXELS)
     try:
         if (min_height > 0 or min_width > 0) and not (height and width):
             height, width = simplejpeg.decode_jpeg_header(data)[:2]

@@ -34,6 +34,7 @@ import numpy as np
 import pyarrow as pa
 
 from . import codecs
+from ._progress import log
 from .errors import ImageError, MapFunctionError
 from .shards import arrow_type
 
@@ -158,10 +159,22 @@ def _feed(digest: Any, obj: Any, seen: set[int]) -> None:
         for name, value in sorted(vars(obj).items()) if hasattr(obj, "__dict__") else ():
             digest.update(name.encode())
             _feed(digest, value, seen)
+    elif isinstance(obj, np.ndarray):   # all of it: a repr elides the middle of a large array
+        digest.update(f"ndarray {obj.dtype.str} {obj.shape}".encode())
+        digest.update(np.ascontiguousarray(obj).tobytes())
     else:
         text = repr(obj)
-        # a repr with an address changes every run: the type's name is all that is stable
-        digest.update((type(obj).__qualname__ if " at 0x" in text else text).encode())
+        if " at 0x" in text:   # an address changes every run: the type's name is all that is stable
+            _opaque(obj)
+            text = type(obj).__qualname__
+        digest.update(text.encode())
+
+
+def _opaque(obj: Any) -> None:
+    """Say that the fingerprint cannot follow `obj` (a model, an open file): a resume cannot notice it change."""
+    log.warning("the pack function's fingerprint cannot see inside its %s value (its repr names only an address): "
+                "a --resume would not notice it change; name its version with map_fingerprint= (--map-fingerprint)",
+                type(obj).__qualname__)
 
 
 def _code(digest: Any, code: types.CodeType, module: dict[str, Any], seen: set[int]) -> None:
@@ -172,9 +185,15 @@ def _code(digest: Any, code: types.CodeType, module: dict[str, Any], seen: set[i
             _code(digest, const, module, seen)
         else:
             digest.update(repr(const).encode())
-    for name in code.co_names:   # functions of the same module it calls by name: their changes count too
-        value = module.get(name)
-        if isinstance(value, types.FunctionType) and value.__module__ == module.get("__name__"):
+    for name in code.co_names:   # the module's globals it reads: constants (SIZE = 32) and its own functions
+        if name not in module:
+            continue
+        value = module[name]
+        if isinstance(value, types.FunctionType):
+            if value.__module__ == module.get("__name__"):
+                _feed(digest, value, seen)
+        elif not isinstance(value, (types.ModuleType, type, types.BuiltinFunctionType)):
+            digest.update(f"global {name}=".encode())
             _feed(digest, value, seen)
 
 

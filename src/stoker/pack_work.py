@@ -222,6 +222,8 @@ def _stored(item: SourceItem, data: bytes, made: list[_Made], options: PackOptio
                 rows.append((key, out.image, out.encoding, out.height, out.width, label,
                              {**extras, VIDEO_INDEX_COLUMN: index}))
                 continue
+            if encoded is None:   # the pack function's pixels: the limit a source image gets, before any work on them
+                codecs.check_pixels(key, pixels.shape[1], pixels.shape[0], options.max_pixels)
             out = normalize(encoded, key, options) if encoded is not None else normalize_rgb(pixels, options)
         except ImageError as exc:
             return (False, type(exc).__name__, exc.reason)
