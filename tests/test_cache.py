@@ -208,5 +208,5 @@ def test_a_failing_download_thread_is_reported_not_waited_on(tmp_path: Path) -> 
         cache.plan([shard(1)])
         t0 = time.monotonic()
         with pytest.raises(ShardError, match="download thread failed: RuntimeError"):
-            cache.get(shard(1), timeout=30)
-        assert time.monotonic() - t0 < 5
+            cache.get(shard(1), timeout=120)
+        assert time.monotonic() - t0 < 60   # the failure at once, not the 120 s timeout

@@ -369,7 +369,7 @@ def test_fence_waits_for_the_event():
     assert not f.done()
     t0 = time.monotonic()
     f.wait(5.0)
-    assert f.done() and 0.025 <= time.monotonic() - t0 < 1.0
+    assert f.done() and 0.025 <= time.monotonic() - t0 < 30.0   # never early; the upper bound guards a hang
     assert ev.queries < 200  # short sleeps, not a busy spin
 
 
@@ -378,7 +378,7 @@ def test_fence_times_out_saying_what_it_waited_for():
     t0 = time.monotonic()
     with pytest.raises(LoaderTimeoutError, match=r"the copy of batch 7 to cuda:0 had not finished after 0.05 s"):
         f.wait(0.05)
-    assert 0.045 <= time.monotonic() - t0 < 1.0
+    assert 0.045 <= time.monotonic() - t0 < 30.0
 
 
 def test_fence_returns_early_when_stopped():
@@ -386,8 +386,8 @@ def test_fence_returns_early_when_stopped():
     stop = threading.Event()
     threading.Timer(0.02, stop.set).start()
     t0 = time.monotonic()
-    f.wait(10.0, stop)  # no error
-    assert time.monotonic() - t0 < 2.0 and not f.done()
+    f.wait(120.0, stop)  # no error
+    assert time.monotonic() - t0 < 60.0 and not f.done()   # the stop, not the 120 s timeout
 
 
 def test_cpu_stage_is_plain():

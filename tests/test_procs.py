@@ -253,7 +253,7 @@ def test_a_killed_worker_process_is_an_error_naming_it(packed: Path) -> None:
     with pytest.raises(WorkerError) as info:
         for _ in it:
             pass
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 50   # found while waiting, not after the 60 s timeout
     assert f"pid {proc.pid}" in str(info.value) and "code -9" in str(info.value)
     clean([proc.pid])
 

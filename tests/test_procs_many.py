@@ -165,7 +165,7 @@ def test_a_killed_worker_process_of_three_is_an_error_naming_which(packed: Path,
         for _ in it:
             pass
     msg = str(info.value)
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 50   # found while waiting, not after the 60 s timeout
     assert f"worker process {index + 1} of 3 (pid {victim.pid})" in msg and "code -9" in msg
     assert "start a new one" in msg and "other worker processes are stopped" in msg
     clean(pids)

@@ -61,7 +61,7 @@ def test_a_second_pack_into_the_same_out_fails_at_once_naming_the_holder(tmp_pat
         with pytest.raises(ConfigError, match=rf"being written by another pack: pid {first.pid} on host "
                                               rf"{socket.gethostname()}"):
             pack(src, out, options=PackOptions(workers=1), progress=False, overwrite=True)
-        assert time.monotonic() - started < 10   # at once, not after the first pack ends
+        assert time.monotonic() - started < 50   # at once, not after the first pack ends
     finally:
         go.touch()
         stdout, stderr = first.communicate(timeout=120)
