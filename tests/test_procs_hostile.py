@@ -249,3 +249,30 @@ def test_abandoned_loaders_free_their_rings_without_the_garbage_collector(packed
         assert not workers_alive()
     finally:
         gc.enable()
+
+
+def test_too_few_open_files_names_the_limit_and_the_fix(packed: Path) -> None:
+    """With an open-file limit of 20 the worker processes cannot start: a WorkerError naming the limit,
+    `ulimit -n` and worker threads (it was a raw OSError from multiprocessing's resource tracker); with
+    threads the same limit loads the epoch."""
+    code = textwrap.dedent(f"""
+        import resource
+        import stoker
+        from stoker import RandomResizedCrop
+        from stoker.errors import WorkerError
+
+        if __name__ == "__main__":
+            resource.setrlimit(resource.RLIMIT_NOFILE, (20, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+            try:
+                for _ in stoker.Loader({str(packed)!r}, 8, transforms=[RandomResizedCrop(16)],
+                                       workers=stoker.Workers(num_threads=2, processes=2)):
+                    pass
+            except WorkerError as exc:
+                print("refused:", exc)
+            threads = stoker.Loader({str(packed)!r}, 8, transforms=[RandomResizedCrop(16)], workers=2)
+            print("threads:", sum(len(y) for _, y in threads))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=ENV)
+    assert out.returncode == 0, out.stderr
+    assert "limit of 20 open files" in out.stdout and "ulimit -n" in out.stdout, out.stdout + out.stderr
+    assert "Workers(processes=0)" in out.stdout and "threads: 32" in out.stdout, out.stdout + out.stderr

@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import WorkerError
 
 __all__ = ["RemoteTraceback", "child_imports", "has_main_guard", "killed_fix", "main_references", "main_script",
-           "rebuild", "signal_name", "start_failure"]
+           "out_of_files", "rebuild", "signal_name", "start_failure"]
 
 
 class RemoteTraceback(Exception):
@@ -157,3 +157,18 @@ def killed_fix(number: int) -> str:
     return "something outside stoker ended it; start a new pass, or use worker threads (Workers(processes=0))"
 
 
+
+
+def out_of_files(exc: OSError) -> str | None:
+    """The fix for an OSError of the process mode's start that is the open-file limit (EMFILE/ENFILE:
+    each worker process needs pipes, and multiprocessing's resource tracker more), or None for another."""
+    import errno
+    import resource
+
+    if exc.errno not in (errno.EMFILE, errno.ENFILE):
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return (f"stoker's worker processes could not start: this process reached its limit of {soft} open files "
+            f"({exc.strerror}). Raise the limit (`ulimit -n 4096` in the shell that starts training, or "
+            f"resource.setrlimit(resource.RLIMIT_NOFILE, ...) in the script), or run the workers as threads: "
+            f"workers=stoker.Workers(processes=0)")

@@ -58,7 +58,7 @@ from .._system import fork_generation
 from ..errors import ConfigError, LoaderClosedError, LoaderTimeoutError, WorkerError
 from .proc_child import COUNTERS, child_main
 from .process_errors import (child_imports, has_main_guard, killed_fix, main_references, main_script, rebuild,
-                             signal_name, start_failure)
+                             out_of_files, signal_name, start_failure)
 from .shared_slots import SharedBuffers, _posixshmem, check_shm_fits
 from .slots import BatchRing, HandOut, Slot, row_shape
 from .stats import LoaderStats
@@ -287,9 +287,15 @@ class ProcessRun(HandOut):
         with self.cond:
             self.spawned_at = time.monotonic()
             with _sigint_ignored():
-                for child in self.children:
-                    child.process.start()
-                    self._started = True
+                try:
+                    for child in self.children:
+                        child.process.start()
+                        self._started = True
+                except OSError as exc:
+                    fix = out_of_files(exc)
+                    if fix is None:
+                        raise
+                    raise WorkerError(fix) from exc
             n = len(self.children)
             for child, threads in zip(self.children, self.shares):
                 self._send(child, ("payload", {**self.payload, "part": (child.index, n), "threads": threads}))
