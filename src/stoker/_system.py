@@ -4,11 +4,13 @@ written out (JSON null or "-" where it is not a finite number)."""
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import re
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 from .errors import ConfigError
@@ -36,6 +38,31 @@ def fork_generation() -> int:
     """How many fork()s lie between the first process and this one: an object made at another generation
     belongs to a parent process, whose threads this process does not have."""
     return _FORKS[0]
+
+
+# ---- interpreter exit ----------------------------------------------------------------------------
+# A loader's threads are daemons (an unclosed Loader must not hold the interpreter open), but a daemon still
+# inside native code (a decoder call, a torch op) when the interpreter finalizes kills the process (SIGABRT,
+# "terminate called without an active exception"). So at exit every loader thread still alive is told to stop
+# and joined, bounded, before finalization: close() need not outwait a long decoder call itself.
+EXIT_JOIN_S = 60.0
+_AT_EXIT: "weakref.WeakKeyDictionary[threading.Thread, tuple[threading.Event, int]]" = weakref.WeakKeyDictionary()
+
+
+def join_at_exit(thread: threading.Thread, stop: threading.Event) -> None:
+    """At interpreter exit, set `stop` and join `thread` (bounded by EXIT_JOIN_S over all threads)."""
+    _AT_EXIT[thread] = (stop, fork_generation())
+
+
+@atexit.register
+def _join_loader_threads() -> None:
+    mine = [(t, stop) for t, (stop, gen) in list(_AT_EXIT.items()) if gen == fork_generation() and t.is_alive()]
+    for _, stop in mine:
+        stop.set()
+    deadline = time.monotonic() + EXIT_JOIN_S
+    for thread, _ in mine:
+        if thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def cpu_ids() -> list[int]:

@@ -8,6 +8,7 @@ import time
 from collections import deque
 from typing import Any, Callable, ContextManager, Protocol
 
+from .._system import join_at_exit
 from ..errors import LoaderClosedError, LoaderTimeoutError, WorkerError
 from ..loading.slots import _FENCE_POLL_S, _POLL_S, Guard, Run, Slot, _release_if_owned, notify_all
 from ..loading.stats import LoaderStats
@@ -66,6 +67,7 @@ class Feeder:
 
     def start(self) -> None:
         self.thread.start()
+        join_at_exit(self.thread, self.stop_event)
 
     def _put(self, item: tuple[str, Any, Any]) -> bool:
         """Queue `item` once fewer than `depth` are waiting (only this thread appends, so the check

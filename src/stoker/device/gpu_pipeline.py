@@ -31,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._system import join_at_exit
 from .._torch import torch
 from ..errors import LoaderClosedError, LoaderTimeoutError
 from ..loading.jobs import GpuBatch, JpegStaging, cpu_rows, jpeg_bytes, slot_jobs
@@ -87,6 +88,7 @@ class DecodeThread:
 
     def start(self) -> None:
         self.thread.start()
+        join_at_exit(self.thread, self.stop_event)
 
     def submit(self, ticket: _Ticket) -> None:
         with self.cond:

@@ -39,7 +39,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from .._system import fork_generation
+from .._system import fork_generation, join_at_exit
 from .._torch import torch
 from ..errors import ConfigError, LoaderClosedError, LoaderTimeoutError, WorkerError
 from .stats import LoaderStats, WorkerTimes
@@ -375,6 +375,7 @@ class Run(HandOut):
             self.engine.start()
         for t in self.threads:
             t.start()
+            join_at_exit(t, self.stop_event)
 
     # ---- workers -------------------------------------------------------------------------
     def extend(self, batch_sizes: list[int]) -> None:
