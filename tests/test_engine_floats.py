@@ -128,3 +128,15 @@ def test_float_batches_are_reused_across_passes_once_let_go(dataset, counted, mo
         for _ in range(5):   # per pass, the two coordinators' first batches at least: 10 if none were reused
             batches = sum(1 for _ in loader)
     assert batches >= 5 and 0 < len(made) <= engine.KEEP_FLOATS
+
+
+@pytest.mark.parametrize("mean, std", [([float("nan")] * 3, [1, 1, 1]), ([float("inf")] * 3, [1, 1, 1]),
+                                       ([0, 0, 0], [float("inf")] * 3), ([0, 0, 0], [0, 1, 1])])
+def test_normalize_refuses_statistics_that_make_every_value_meaningless(mean: list, std: list) -> None:
+    """A NaN or infinite mean or std turned every output value NaN or inf, silently (the engine's float
+    output and the two-pass path alike): refused when the op is made."""
+    from stoker.errors import ConfigError
+    from stoker.transforms import Normalize
+
+    with pytest.raises(ConfigError, match="finite"):
+        Normalize(mean=mean, std=std)

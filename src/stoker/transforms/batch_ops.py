@@ -238,9 +238,10 @@ class Normalize:
                 raise ConfigError(f"Normalize: the only named statistics are 'imagenet', got {self.mean!r}")
             object.__setattr__(self, "mean", IMAGENET_MEAN)
             object.__setattr__(self, "std", IMAGENET_STD)
-        if self.std is None or len(self.mean) != len(self.std) or min(self.std) <= 0:
-            raise ConfigError(f"Normalize needs mean and std with one positive std per channel, got "
-                              f"mean={self.mean}, std={self.std}")
+        if self.std is None or len(self.mean) != len(self.std) or min(self.std) <= 0 \
+                or not np.isfinite(np.asarray([*self.mean, *self.std], dtype=np.float64)).all():
+            raise ConfigError(f"Normalize needs mean and std with one finite mean and one finite positive std per "
+                              f"channel, got mean={self.mean}, std={self.std}")
 
     def params(self, rng: np.random.Generator, n: int, h: int, w: int) -> None:
         return None
