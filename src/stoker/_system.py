@@ -45,7 +45,7 @@ def fork_generation() -> int:
 # inside native code (a decoder call, a torch op) when the interpreter finalizes kills the process (SIGABRT,
 # "terminate called without an active exception"). So at exit every loader thread still alive is told to stop
 # and joined, bounded, before finalization: close() need not outwait a long decoder call itself.
-EXIT_JOIN_S = 60.0
+EXIT_JOIN_S = 15.0   # a decoder call that never returns must not hold the exit for long
 _AT_EXIT: "weakref.WeakKeyDictionary[threading.Thread, tuple[threading.Event, int]]" = weakref.WeakKeyDictionary()
 
 

@@ -199,7 +199,7 @@ class Workers(_Printable):
     prefetch: batches prepared ahead of the one you hold (the ring has prefetch + 2 slots, one more with a
         device, two with GPU decode; with processes=N, prefetch + 1 + N and those).
     persistent: the threads run on into the next epoch (DataLoader's persistent_workers).
-    pin_memory: default pinned when CUDA is available; True without CUDA is refused by the Loader.
+    pin_memory: default pinned when CUDA is available; True without CUDA warns and pins nothing (as DataLoader).
     timeout: seconds to wait for one batch before LoaderTimeoutError.
     on_error: "raise", or "skip" (a failed sample is replaced, deterministically, and counted).
     decode_quality: "accurate", "fast" or "exact" (CPU JPEG decode; "exact": the accurate decode at full

@@ -16,6 +16,8 @@ limits are `procs.check_process_mode`'s.
 
 from __future__ import annotations
 
+import warnings
+
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
@@ -322,10 +324,11 @@ def resolve(asked: Asked, ds: Dataset) -> LoadPlan:
     if missing:
         raise ConfigError(f"{ds.path}: no column(s) {missing}; the dataset has extra columns {ds.extra_columns}")
     pin_memory = False if asked.output == NUMPY else asked.workers.pin_memory   # no CUDA copy reads numpy arrays
-    if pin_memory and not torch.cuda.is_available():
-        raise ConfigError("pin_memory=True needs CUDA, and torch finds no CUDA device here (a CPU-only "
-                          "torch build, or no driver); pass pin_memory=None (pinned only when CUDA is "
-                          "available) or pin_memory=False")
+    if pin_memory and not torch.cuda.is_available():   # DataLoader's habit: the same script on a laptop
+        warnings.warn("pin_memory=True: torch finds no CUDA device here (a CPU-only torch build, or no driver), so "
+                      "the batches are not pinned, as DataLoader does; pin_memory=None pins them only where CUDA "
+                      "is available", UserWarning, stacklevel=4)
+        pin_memory = False
     pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
     if len(ds) == 0:
         raise ConfigError(f"{ds.path}: the dataset is empty; nothing to load")
