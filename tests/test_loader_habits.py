@@ -46,8 +46,8 @@ def test_samplers_map_to_stokers_sampling(folder: Path) -> None:
 
 
 @pytest.mark.parametrize("kwargs, names", [
-    ({"sampler": data.distributed.DistributedSampler(range(9), num_replicas=2, rank=0)},
-     r"sampling=stoker\.Sampling\(rank=\.\.\., world_size=\.\.\.\)"),
+    ({"sampler": data.distributed.DistributedSampler(range(9), num_replicas=2, rank=0, drop_last=True)},
+     r"sampling=stoker\.Sampling\(drop_last=True\) instead"),
     ({"sampler": data.RandomSampler(range(9), replacement=True)}, "weights="),
     ({"prefetch_factor": 4}, r"workers=stoker\.Workers\(prefetch=N\)"),
     ({"generator": torch.Generator()}, "seed="),
@@ -94,3 +94,32 @@ def test_pinned_classes_keep_labels_when_a_split_lacks_a_class(tmp_path: Path) -
         Loader(val, 4, transforms=SIZE, targets=Targets(classes=["cat", "dog"]))
     with pytest.raises(ConfigError, match="distinct class names"):
         Loader(val, 4, transforms=SIZE, targets=Targets(classes="cat"))
+
+
+def test_a_distributed_sampler_is_read_and_its_set_epoch_reaches_the_loader(folder: Path) -> None:
+    """DistributedSampler(num_replicas=2, rank=r) reads as Sampling(rank=r, world_size=2) (its shuffle as the
+    order, a seed of its own as the seed); the script's `train_sampler.set_epoch(e)` sets the Loader's epoch
+    (a resumed script that sets its start epoch only there included); `loader.sampler` answers len() and
+    set_epoch as DataLoader's sampler does."""
+    from stoker.loader.options import Sampling
+
+    n = len(labels_of(Loader(folder, 4, transforms=SIZE, order="sequential")))
+    for rank in (0, 1):
+        sampler = data.distributed.DistributedSampler(range(n), num_replicas=2, rank=rank, seed=5)
+        via = Loader(folder, 2, transforms=SIZE, sampler=sampler)
+        direct = Loader(folder, 2, transforms=SIZE, sampling=Sampling(rank=rank, world_size=2, seed=5))
+        assert (via.rank, via.world_size, via.order, via.seed) == (rank, 2, "random", 5)
+        assert len(via.sampler) == len(sampler) == len(direct.epoch_indices(0))
+        sampler.set_epoch(3)   # the only call a DataLoader script makes
+        assert via.epoch == 3 and sampler.epoch == 3
+        direct.set_epoch(3)
+        assert np.array_equal(via.epoch_indices(3), direct.epoch_indices(3))
+        assert [y.tolist() for _, y in via] == [y.tolist() for _, y in direct]
+        via.sampler.set_epoch(4)
+        assert via.epoch == 4 and list(via.sampler) == via.epoch_indices(4).tolist()
+        via.close(), direct.close()
+    plain = Loader(folder, 4, transforms=SIZE, sampler=data.distributed.DistributedSampler(range(n), 1, 0,
+                                                                                           shuffle=False))
+    assert plain.order == "sequential" and len(plain.sampler) == n
+    with pytest.raises(ConfigError, match="pass the seed once"):
+        Loader(folder, 4, transforms=SIZE, seed=1, sampler=data.distributed.DistributedSampler(range(n), 1, 0, seed=7))

@@ -61,8 +61,8 @@ def one_batch(loader: Loader) -> tuple:
 
 # (what provokes the message, the keyword its fix passes)
 LOADER_CASES = {
-    "DistributedSampler": ({"sampler": data.distributed.DistributedSampler(range(12), num_replicas=2, rank=0)},
-                           "sampling"),
+    "DistributedSampler(drop_last=True)": ({"sampler": data.distributed.DistributedSampler(
+        range(12), num_replicas=2, rank=0, drop_last=True)}, "sampling"),
     "prefetch_factor": ({"prefetch_factor": 4}, "workers"),
     "batch_sampler": ({"batch_sampler": None}, "sampling"),
     "sampler with replacement": ({"sampler": data.RandomSampler(range(12), replacement=True)}, "sampling"),

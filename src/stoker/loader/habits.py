@@ -9,7 +9,8 @@ to read it. `pinned_labels` remaps a dataset's labels onto a pinned class list (
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+import weakref
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -106,13 +107,62 @@ def _from_sampler(sampler: Any) -> dict[str, Any]:
             and sampler.num_samples == len(sampler.weights):
         return {"weights": sampler.weights.numpy()}
     if isinstance(sampler, data.distributed.DistributedSampler):
-        raise ConfigError("Loader(sampler=DistributedSampler(...)): each rank reads its own slice by itself; pass "
-                          "sampling=stoker.Sampling(rank=..., world_size=...) (both taken from torch.distributed "
-                          "by default), and no sampler")
+        if sampler.drop_last:
+            raise ConfigError("Loader(sampler=DistributedSampler(..., drop_last=True)): stoker pads a rank's share as "
+                              "DistributedSampler(drop_last=False) does; pass sampling=stoker.Sampling(drop_last=True) "
+                              "instead (it drops each rank's short last batch, which holds those samples), and the "
+                              "sampler without it")
+        out: dict[str, Any] = {"rank": int(sampler.rank), "world_size": int(sampler.num_replicas),
+                               "order": "random" if sampler.shuffle else "sequential"}
+        if sampler.seed != 0:   # DistributedSampler's default seed leaves stoker's seed= free
+            out["seed"] = int(sampler.seed)
+        return out
     raise ConfigError(f"Loader(sampler={kind}(...)) cannot be read as stoker's sampling: pass order='random' or "
                       f"'sequential', sampling=stoker.Sampling(indices=...) (a subset, shuffled with order='random') "
                       f"or sampling=stoker.Sampling(weights=...) (one per sample, drawn with replacement each epoch "
                       f"like WeightedRandomSampler)")
+
+
+class EpochSampler:
+    """`loader.sampler`: what DataLoader users read from their sampler. `len()` is the samples this rank
+    reads per epoch (DistributedSampler's len), `set_epoch(e)` is `loader.set_epoch(e)`, iterating gives
+    this rank's sample indices of the current epoch."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = weakref.ref(loader)
+
+    def _get(self) -> Any:
+        loader = self._loader()
+        if loader is None:
+            raise ConfigError("loader.sampler outlived its Loader; keep the Loader")
+        return loader
+
+    def __len__(self) -> int:
+        loader = self._get()
+        return int(loader.plan.epochs.samples(loader.epoch))
+
+    def __iter__(self) -> Iterator[int]:
+        loader = self._get()
+        return iter(loader.epoch_indices(loader.epoch).tolist())
+
+    def set_epoch(self, epoch: int) -> None:
+        self._get().set_epoch(epoch)
+
+
+def follow_set_epoch(sampler: Any, loader: Any) -> None:
+    """A sampler the script keeps calling `set_epoch` on (`train_sampler.set_epoch(epoch)`, a resumed
+    script's start epoch too) sets the Loader's epoch as well: the script's one call reaches both."""
+    own = getattr(sampler, "set_epoch", None)
+    if not callable(own):
+        return
+    ref = weakref.ref(loader)
+
+    def set_epoch(epoch: int) -> None:
+        own(epoch)
+        target = ref()
+        if target is not None:
+            target.set_epoch(epoch)
+    sampler.set_epoch = set_epoch
 
 
 def check_source(source: Any) -> None:
