@@ -123,3 +123,24 @@ def test_a_distributed_sampler_is_read_and_its_set_epoch_reaches_the_loader(fold
     assert plain.order == "sequential" and len(plain.sampler) == n
     with pytest.raises(ConfigError, match="pass the seed once"):
         Loader(folder, 4, transforms=SIZE, seed=1, sampler=data.distributed.DistributedSampler(range(n), 1, 0, seed=7))
+
+
+def test_a_mixup_collate_fn_names_stokers_batch_ops(folder: Path) -> None:
+    """torchvision references' collate_fn: default_collate, then a random choice of v2.MixUp and v2.CutMix. It
+    is refused naming stoker.MixUp / stoker.CutMix / stoker.Mixup, and the spelling it names loads a batch of
+    soft targets."""
+    import stoker
+    from torchvision_helpers import v2 as import_v2
+
+    v2 = import_v2()
+    mixer = v2.RandomChoice([v2.MixUp(alpha=0.2, num_classes=3), v2.CutMix(alpha=1.0, num_classes=3)])
+
+    def collate_fn(batch):
+        return mixer(*data.default_collate(batch))
+
+    with pytest.raises(ConfigError, match=r"stoker\.MixUp\(alpha=0\.2, num_classes=N\) or stoker\.CutMix") as info:
+        Loader(folder, 4, transforms=SIZE, collate_fn=collate_fn)
+    assert "stoker.Mixup(mixup_alpha=0.2, cutmix_alpha=1.0, num_classes=N)" in str(info.value)
+    with Loader(folder, 4, transforms=[*SIZE, stoker.Mixup(mixup_alpha=0.2, cutmix_alpha=1.0, num_classes=3)]) as ld:
+        images, targets = next(iter(ld))
+    assert targets.shape == (4, 3) and torch.allclose(targets.sum(1), torch.ones(4, dtype=targets.dtype))

@@ -92,7 +92,11 @@ def ask(source: Any, batch_size: int, *, transforms: Sequence[Any] | None, order
     if targets.collate_fn is not None and (not callable(targets.collate_fn) or not columns):
         raise ConfigError("collate_fn receives the batch's extra columns ({column: [values]}) and returns "
                           "the batch's third item: pass a callable, and name the columns in columns=[...]"
-                          " (images and labels are batched by stoker itself)")
+                          " (images and labels are batched by stoker itself). A collate_fn that mixes images "
+                          "(torchvision's MixUp/CutMix around default_collate) is a batch op here: end "
+                          "transforms= with stoker.MixUp(alpha=0.2, num_classes=N) or stoker.CutMix(alpha=1.0, "
+                          "num_classes=N), or stoker.Mixup(mixup_alpha=0.2, cutmix_alpha=1.0, num_classes=N) "
+                          "for a random choice of the two, and drop collate_fn=")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size must be a positive int, got {batch_size!r}")
     pipeline = Pipeline(transforms)
