@@ -234,3 +234,31 @@ def G_NORMALIZE():
     from stoker.transforms.batch_ops import Normalize
 
     return Normalize("imagenet")
+
+
+def test_a_preset_object_is_flattened_like_its_compose(tmp_path: Path) -> None:
+    """torchvision references' presets hold a Compose in `.transforms` and call it: such an object (built
+    here in that shape around torchvision's own v1 transforms) flattens to the Compose's transforms, so the
+    Loader sees the RandomResizedCrop it ends in (it blamed the data: 'images differ in size and the
+    transforms do not end in a fixed size') and loads the same batches as the flat list."""
+    from torchvision_helpers import v1
+
+    T = v1()
+
+    class PresetTrain:
+        def __init__(self, crop: int) -> None:
+            self.transforms = T.Compose([T.RandomResizedCrop(crop), T.RandomHorizontalFlip(), T.PILToTensor(),
+                                         T.ConvertImageDtype(torch.float),
+                                         T.Normalize(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))])
+
+        def __call__(self, img):
+            return self.transforms(img)
+
+    preset = PresetTrain(24)
+    assert as_ops(preset) == as_ops(preset.transforms) == as_ops(list(preset.transforms.transforms))
+    packed = build_packed(tmp_path / "ds", n=12)
+    a = Loader(packed, 4, transforms=preset, seed=2)
+    b = Loader(packed, 4, transforms=preset.transforms.transforms, seed=2)
+    for (x, y), (u, v) in zip(a, b):
+        assert x.shape == (4, 3, 24, 24) and torch.equal(x, u) and torch.equal(y, v)
+    a.close(), b.close()

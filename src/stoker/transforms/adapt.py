@@ -4,7 +4,7 @@ HWC uint8 arrays, PIL images or CHW tensors.
 `as_ops(transforms)` turns whatever the user passed into the list the Pipeline compiles:
 
 - containers are flattened (the result is what `Pipeline` compiles: per-sample ops, then batch ops): a list or tuple, anything with a `.transforms` list (torchvision's and
-  albumentations' `Compose`), a `torch.nn.Sequential`;
+  albumentations' `Compose`), or with a `.transforms` container (a preset object), a `torch.nn.Sequential`;
 - torchvision's own transforms are replaced by stoker's equivalents with the same parameters
   (RandomResizedCrop, Resize with their interpolation and antialias, CenterCrop, RandomHorizontalFlip,
   ColorJitter, RandAugment, TrivialAugmentWide, AutoAugment(IMAGENET), GaussianBlur, RandomGrayscale),
@@ -153,6 +153,8 @@ def _children(t: Any) -> list[Any] | None:
     inner = getattr(t, "transforms", None)
     if isinstance(inner, (list, tuple)) and not isinstance(t, type):
         return list(inner)
+    if inner is not None and not isinstance(t, type) and callable(t) and _children(inner) is not None:
+        return [inner]   # a preset object (torchvision references' ClassificationPresetTrain): .transforms a Compose
     try:
         import torch
 
