@@ -145,8 +145,14 @@ def test_folder_symlink_out_is_refused(tmp_path):
     root = make_image_folder(tmp_path / "root", n_per_class=1)
     (tmp_path / "secret.jpg").write_bytes((root / "cat" / "000.jpg").read_bytes())
     (root / "cat" / "leak.jpg").symlink_to(tmp_path / "secret.jpg")
-    with pytest.raises(SourceError, match="outside the source root"):
+    with pytest.raises(SourceError, match="outside the source root") as info:
         open_source(root)
+    assert "for a tree you trust, write its images to a file list" in str(info.value)
+    # the way the message names: a list of the trusted tree's files, links followed as written
+    listing = tmp_path / "train.txt"
+    listing.write_text("".join(f"{p} 0\n" for p in sorted(root.rglob("*.jpg"))))
+    source = open_source(listing)
+    assert any(item.key.endswith("leak.jpg") for item in source.items)
 
 
 def test_tar_members_never_read_outside_the_tar(tmp_path):

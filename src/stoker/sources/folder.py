@@ -70,8 +70,11 @@ def walk_images(root: Path, top: Path) -> list[tuple[Path, int]]:
                 continue
             full = Path(entry.path)
             if entry.is_symlink() and not inside(root, os.path.realpath(full)):
-                raise SourceError(f"{full} is a symlink that points outside the source root {root}; "
-                                  "pack the folder it points to, or copy the file in", path=full)
+                raise SourceError(f"{full} is a symlink that points outside the source root {root} (refused: a "
+                                  "downloaded tree must not make a pack read elsewhere); pack the folder it points "
+                                  "to, or copy the file in; for a tree you trust, write its images to a file list "
+                                  "('path label' lines, e.g. train.txt) and pack that: a list is your own input, "
+                                  "and its paths are read as written, links included", path=full)
             if entry.is_dir():
                 stack.append(full)
             elif entry.is_file() and is_sample_name(entry.name):
