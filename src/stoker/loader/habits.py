@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 import weakref
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -123,32 +123,6 @@ def _from_sampler(sampler: Any) -> dict[str, Any]:
                       f"like WeightedRandomSampler)")
 
 
-class EpochSampler:
-    """`loader.sampler`: what DataLoader users read from their sampler. `len()` is the samples this rank
-    reads per epoch (DistributedSampler's len), `set_epoch(e)` is `loader.set_epoch(e)`, iterating gives
-    this rank's sample indices of the current epoch."""
-
-    def __init__(self, loader: Any) -> None:
-        self._loader = weakref.ref(loader)
-
-    def _get(self) -> Any:
-        loader = self._loader()
-        if loader is None:
-            raise ConfigError("loader.sampler outlived its Loader; keep the Loader")
-        return loader
-
-    def __len__(self) -> int:
-        loader = self._get()
-        return int(loader.plan.epochs.samples(loader.epoch))
-
-    def __iter__(self) -> Iterator[int]:
-        loader = self._get()
-        return iter(loader.epoch_indices(loader.epoch).tolist())
-
-    def set_epoch(self, epoch: int) -> None:
-        self._get().set_epoch(epoch)
-
-
 def follow_set_epoch(sampler: Any, loader: Any) -> None:
     """A sampler the script keeps calling `set_epoch` on (`train_sampler.set_epoch(epoch)`, a resumed
     script's start epoch too) sets the Loader's epoch as well: the script's one call reaches both."""
@@ -161,7 +135,8 @@ def follow_set_epoch(sampler: Any, loader: Any) -> None:
         own(epoch)
         target = ref()
         if target is not None:
-            target.set_epoch(epoch)
+            if int(epoch) != target.epoch:   # the epoch it is at stands: a pending resume survives
+                target.set_epoch(epoch)
     sampler.set_epoch = set_epoch
 
 

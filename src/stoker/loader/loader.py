@@ -37,7 +37,7 @@ from ..loading.stats import LoaderStats
 from ..order import samples_per_rank
 from ..dataset import Dataset
 from ..mix import Mix
-from .habits import EpochSampler, check_source, dataloader_keywords, follow_set_epoch
+from .habits import check_source, dataloader_keywords, follow_set_epoch
 from .open import open_for_loading
 from .options import Sampling, Storage, Targets, Workers
 from .passes import Cursor, Passes
@@ -99,7 +99,6 @@ class Loader:
         except BaseException:
             self.close()
             raise
-        self.sampler = EpochSampler(self)   # what DataLoader users read: len(loader.sampler), set_epoch
         if dataloader.get("sampler") is not None:
             follow_set_epoch(dataloader["sampler"], self)
 
