@@ -340,3 +340,19 @@ def test_cli_map_wrong_spellings_are_one_line(folder: Path, tmp_path: Path, monk
     assert main(["pack", str(folder), "out", "--map", spec, "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err and f"--map {spec}" in err, err
+
+
+def test_the_fingerprint_is_the_same_in_every_process(tmp_path: Path) -> None:
+    """A set of strings (a global, or the frozenset `x in {...}` compiles to) has another order in each process
+    (string hashing): the fingerprint sorts it, so a resume in a new process is not refused for nothing."""
+    import subprocess
+
+    (tmp_path / "prep_set.py").write_text(
+        "KEEP = {'cat', 'dog', 'eel', 'fox', 'gnu'}\n\n"
+        "def keep(s):\n    return s if s.extras.get('kind') in KEEP or s.key in {'a', 'b', 'c', 'd'} else None\n")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from prep_set import keep; "
+            "from stoker.pack_map import function_fingerprint; print(function_fingerprint(keep))")
+    prints = {subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True,
+                             env={**__import__("os").environ, "PYTHONHASHSEED": str(seed)}).stdout
+              for seed in range(6)}
+    assert len(prints) == 1, prints

@@ -132,7 +132,17 @@ def function_fingerprint(fn: Callable[..., Any]) -> str:
 
 
 def _feed(digest: Any, obj: Any, seen: set[int]) -> None:
-    if id(obj) in seen:
+    if isinstance(obj, np.ndarray):   # all of it: a repr elides the middle of a large array
+        digest.update(f"ndarray {obj.dtype.str} {obj.shape}".encode())
+        digest.update(np.ascontiguousarray(obj).tobytes())
+        return
+    code_like = isinstance(obj, (types.MethodType, types.FunctionType, functools.partial)) or (
+        callable(obj) and not isinstance(obj, type) and isinstance(getattr(type(obj), "__call__", None),
+                                                                    types.FunctionType))
+    if not code_like:   # a value: fed each time it is met (two globals may hold the same small int)
+        digest.update(_stable_repr(obj).encode())
+        return
+    if id(obj) in seen:   # code met before (recursion, or two names for one function)
         return
     seen.add(id(obj))
     if isinstance(obj, types.MethodType):
@@ -152,29 +162,44 @@ def _feed(digest: Any, obj: Any, seen: set[int]) -> None:
         _feed(digest, obj.func, seen)
         for value in obj.args + tuple(obj.keywords.values()):
             _feed(digest, value, seen)
-    elif callable(obj) and not isinstance(obj, type) and hasattr(type(obj), "__call__") \
-            and isinstance(getattr(type(obj), "__call__"), types.FunctionType):
-        digest.update(f"{type(obj).__module__}.{type(obj).__qualname__}".encode())   # a callable object
+    else:   # a callable object
+        digest.update(f"{type(obj).__module__}.{type(obj).__qualname__}".encode())
         _feed(digest, type(obj).__call__, seen)
         for name, value in sorted(vars(obj).items()) if hasattr(obj, "__dict__") else ():
             digest.update(name.encode())
             _feed(digest, value, seen)
-    elif isinstance(obj, np.ndarray):   # all of it: a repr elides the middle of a large array
-        digest.update(f"ndarray {obj.dtype.str} {obj.shape}".encode())
-        digest.update(np.ascontiguousarray(obj).tobytes())
-    else:
-        text = repr(obj)
-        if " at 0x" in text:   # an address changes every run: the type's name is all that is stable
-            _opaque(obj)
-            text = type(obj).__qualname__
-        digest.update(text.encode())
+
+
+def _stable_repr(obj: Any) -> str:
+    """`repr`, the same in every process: a set's members sorted (their order follows string hashing,
+    which differs per process), containers taken apart, and an object whose repr is only an address
+    named by its type (logged: the fingerprint cannot follow it)."""
+    if isinstance(obj, (set, frozenset)):
+        return f"{type(obj).__name__}({sorted(_stable_repr(x) for x in obj)})"
+    if isinstance(obj, (list, tuple)):
+        return f"{type(obj).__name__}({', '.join(_stable_repr(x) for x in obj)})"
+    if isinstance(obj, dict):
+        return f"dict({', '.join(f'{_stable_repr(k)}: {_stable_repr(v)}' for k, v in obj.items())})"
+    text = repr(obj)
+    if " at 0x" in text:   # an address changes every run: the type's name is all that is stable
+        _opaque(obj)
+        return type(obj).__qualname__
+    return text
+
+
+_WARNED: set[str] = set()
 
 
 def _opaque(obj: Any) -> None:
-    """Say that the fingerprint cannot follow `obj` (a model, an open file): a resume cannot notice it change."""
+    """Say (once per type) that the fingerprint cannot follow `obj` (a model, an open file): a resume
+    cannot notice it change."""
+    name = type(obj).__qualname__
+    if name in _WARNED:
+        return
+    _WARNED.add(name)
     log.warning("the pack function's fingerprint cannot see inside its %s value (its repr names only an address): "
                 "a --resume would not notice it change; name its version with map_fingerprint= (--map-fingerprint)",
-                type(obj).__qualname__)
+                name)
 
 
 def _code(digest: Any, code: types.CodeType, module: dict[str, Any], seen: set[int]) -> None:
@@ -183,8 +208,8 @@ def _code(digest: Any, code: types.CodeType, module: dict[str, Any], seen: set[i
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             _code(digest, const, module, seen)
-        else:
-            digest.update(repr(const).encode())
+        else:   # `x in {"a", "b"}` compiles to a frozenset constant
+            digest.update(_stable_repr(const).encode())
     for name in code.co_names:   # the module's globals it reads: constants (SIZE = 32) and its own functions
         if name not in module:
             continue
