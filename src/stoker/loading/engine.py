@@ -96,8 +96,7 @@ class FloatOut:
 
     def table(self) -> np.ndarray:
         """The tables as the engine reads them: their values' bytes (bfloat16 has no NumPy dtype)."""
-        t = self.levels.contiguous()
-        return (t.view(torch.int16) if t.element_size() == 2 else t).numpy()
+        return _bytes_of(self.levels.contiguous())
 
     def new(self, rows: int, height: int, width: int) -> tuple[Any, np.ndarray]:
         """A fresh output batch: ([rows, 3, H, W] tensor in the asked layout, the NumPy array the engine writes)."""
@@ -107,7 +106,12 @@ class FloatOut:
             images = t.permute(0, 3, 1, 2)
         else:
             images = t = torch.empty((rows, 3, height, width), dtype=dtype)
-        return images, (t.view(torch.int16) if t.element_size() == 2 else t).numpy()
+        return images, _bytes_of(t)
+
+
+def _bytes_of(t: Any) -> np.ndarray:
+    """A float tensor's memory as NumPy: int16 for a 2-byte dtype (bfloat16 has no NumPy dtype), else as is."""
+    return (t.view(torch.int16) if t.element_size() == 2 else t).numpy()
 
 
 _NO_FLOATS: dict = {}

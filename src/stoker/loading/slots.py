@@ -290,9 +290,9 @@ class HandOut:
 
     @property
     def forked(self) -> bool:
-        """Made started by a parent process: its threads (or worker processes) are not this process's (`_system.fork_generation`)."""
+        """Made by a parent process before a fork(): its threads (or worker processes) are not this
+        process's (`_system.fork_generation`)."""
         return self._generation != fork_generation()
-
 
     def _next_batch(self, b: int) -> Slot:
         raise NotImplementedError
