@@ -46,7 +46,7 @@ def _released(fn):
 def instrument() -> list[tuple[float, float]]:
     """Wrap the GIL-releasing calls and the worker loop; returns the list each worker thread appends
     (its CPU seconds, the CPU seconds inside GIL-releasing calls) to when it ends."""
-    for owner, name in ((_jpeg, "decode"), (_jpeg, "render_rows"), (_jpeg, "resample"), (geometry, "_BILINEAR_AA"),
+    for owner, name in ((_jpeg, "decode"), (_jpeg, "resample"), (geometry, "_BILINEAR_AA"),
                         (simplejpeg, "decode_jpeg"), (cv2, "flip"), (cv2, "copyMakeBorder")):
         setattr(owner, name, _released(getattr(owner, name)))
     done: list[tuple[float, float]] = []
@@ -81,7 +81,7 @@ def main() -> None:
     packed = args.images.with_name(args.images.name + "-packed")
     if not (packed / "stoker.json").exists():
         stoker.pack(args.images, packed, progress=False)
-    if not native.chunks_available():
+    if not native.engine_available():
         raise SystemExit("the native path is unavailable here (extension not built, or STOKER_NATIVE=off)")
     done = instrument()
     for name, transforms in PIPELINES.items():

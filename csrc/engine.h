@@ -22,13 +22,13 @@ int stoker_decoder_init(stoker_decoder *decoder);
 void stoker_decoder_free(stoker_decoder *decoder);
 int stoker_jpeg_loaded(void);
 
-/* render_rows' work on one row (params: int64 [17], jpeg_region.c's P_* order): 0 written, else the
+/* One row's region decode + resize + place + flip (params: int64 [17], jpeg_region.c's P_* order): 0 written, else the
  * status the per-sample path takes over with. No GIL needed. */
 unsigned char stoker_render_row(const int64_t *params, const unsigned char *data, size_t len, unsigned char *images,
                                 Py_ssize_t rows, int oh, int ow, int antialias, int fast, double max_pixels,
                                 stoker_decoder *decoder);
 
-/* plan_rows' maths for one row (jpeg_region.c). */
+/* One row's decode parameters from its plan, as the per-sample path computes them (jpeg_region.c). */
 void stoker_plan_row(const double *box, const double *clip, const int64_t *grid, int64_t h, int64_t w,
                      const int64_t *size, unsigned char flip, int64_t row, int oh, int ow, int full_size,
                      double headroom, int64_t *p);

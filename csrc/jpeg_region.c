@@ -476,11 +476,11 @@ out:
     return result;
 }
 
-/* ---- A chunk of a batch in one call ----
- * For each row: region-decode at a DCT scale, pad, resample, place and mirror straight into the
- * row of the batch (stoker_place), with the GIL released once for all of them. A row that fails
- * anywhere gets a non-zero status and is left for the caller's per-sample path, which decodes
- * it again and says what is wrong (or falls back to a whole-image decode). */
+/* ---- One row of a batch, for the engine's pool threads ----
+ * Region-decode at a DCT scale, pad, resample, place and mirror straight into the row of the batch
+ * (stoker_place), no GIL needed. A row that fails anywhere gets a non-zero status and is left for the
+ * caller's per-sample path, which decodes it again and says what is wrong (or falls back to a
+ * whole-image decode). */
 enum { P_ROW, P_H, P_W, P_SCALE, P_Y0, P_Y1, P_X0, P_X1, P_PT, P_PB, P_PL, P_PR, P_RH, P_RW, P_PY, P_PX, P_FLIP,
        NPARAM };
 
@@ -562,7 +562,7 @@ int stoker_jpeg_loaded(void) { return lib_handle != NULL; }
  * The maths of geometry.decode_minimums, codecs.jpeg_scale_eighths and geometry.resampling (its
  * `_axis`), operation for operation in double precision (no fused multiply-add: -ffp-contract=off;
  * Python's round() is rint's half-to-even), so each row gets exactly the integers the per-sample path
- * computes; tests/test_native_chunks.py compares them for thousands of random boxes. */
+ * computes; tests/test_engine.py compares the engine's batches with that path's, bit for bit. */
 static void plan_axis(double b0, double blen, double c0, double clen, int64_t g, int64_t s, double f, int trim,
                       int64_t *out) {  /* out: w0, w1, pad0, pad1, resampled length, place */
     double c0s = c0 * f, c1s = (c0 + clen) * f;
@@ -621,168 +621,6 @@ void stoker_plan_row(const double *box, const double *clip, const int64_t *grid,
     memcpy(p, v, sizeof(v));
 }
 
-static PyObject *plan_rows(PyObject *self, PyObject *args) {
-    PyObject *objs[7];
-    int oh, ow, full_size;
-    double headroom;
-    if (!PyArg_ParseTuple(args, "OOOOOOOiipd", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5], &objs[6],
-                          &oh, &ow, &full_size, &headroom))
-        return NULL;
-    /* box, clip (float64 [n, 4]), grid (int64 [n, 2] or [1, 2]), stored sizes, planned sizes (int64 [n, 2]),
-     * flip (bool [n]), params (int64 [n, NPARAM], written) */
-    Py_buffer b[7];
-    int got = 0;
-    PyObject *result = NULL;
-    for (; got < 7; got++)
-        if (PyObject_GetBuffer(objs[got], &b[got], PyBUF_C_CONTIGUOUS | (got == 6 ? PyBUF_WRITABLE : 0)) < 0)
-            goto out;
-    Py_ssize_t n = b[5].len, d = (Py_ssize_t)sizeof(double), i64 = (Py_ssize_t)sizeof(int64_t);
-    int grid_rows = b[2].len == 2 * i64 ? 1 : 0;
-    if (b[0].len != n * 4 * d || b[1].len != n * 4 * d || (!grid_rows && b[2].len != n * 2 * i64) ||
-        b[3].len != n * 2 * i64 || b[4].len != n * 2 * i64 || b[6].len != n * NPARAM * i64 || b[5].itemsize != 1) {
-        PyErr_Format(PyExc_ValueError, "plan_rows: box and clip must be float64 [n, 4], grid int64 [n, 2] or "
-                     "[1, 2], sizes int64 [n, 2], flip bool [n], params int64 [n, %d]", NPARAM);
-        goto out;
-    }
-    const double *box = (const double *)b[0].buf, *clip = (const double *)b[1].buf;
-    const int64_t *grid = (const int64_t *)b[2].buf, *hw = (const int64_t *)b[3].buf, *size = (const int64_t *)b[4].buf;
-    const unsigned char *flip = (const unsigned char *)b[5].buf;
-    int64_t *params = (int64_t *)b[6].buf;
-    for (Py_ssize_t i = 0; i < n; i++)
-        stoker_plan_row(box + 4 * i, clip + 4 * i, grid + (grid_rows ? 0 : 2 * i), hw[2 * i], hw[2 * i + 1], size + 2 * i,
-                 flip[i], i, oh, ow, full_size, headroom, params + NPARAM * i);
-    result = Py_None;
-    Py_INCREF(result);
-out:
-    for (int j = 0; j < got; j++)
-        PyBuffer_Release(&b[j]);
-    return result;
-}
-
-/* The buffer of block `id` of `blocks`, acquired once per call however many rows read it: the `got`
- * acquired so far are ids[0..got) (a chunk reads few blocks, so a linear search is enough). */
-static const Py_buffer *block_buffer(PyObject *blocks, Py_ssize_t nblocks, int64_t id, int64_t *ids, Py_buffer *bufs,
-                                     Py_ssize_t *got) {
-    for (Py_ssize_t j = 0; j < *got; j++)
-        if (ids[j] == id)
-            return &bufs[j];
-    if (id < 0 || id >= nblocks)
-        return NULL;
-    if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(blocks, id), &bufs[*got], PyBUF_SIMPLE) < 0)
-        return NULL;
-    ids[*got] = id;
-    return &bufs[(*got)++];
-}
-
-static PyObject *render_rows(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *keywords[] = {"blocks", "spans", "params", "images", "status", "antialias", "fast", "max_pixels",
-                               NULL};
-    PyObject *blocks_obj, *spans_obj, *params_obj, *images_obj, *status_obj;
-    int antialias = 1, fast = 0;
-    double max_pixels = 1e18;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO|ppd", keywords, &blocks_obj, &spans_obj, &params_obj,
-                                     &images_obj, &status_obj, &antialias, &fast, &max_pixels))
-        return NULL;
-    if (lib_handle == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "no libjpeg loaded: call load(path) first");
-        return NULL;
-    }
-    PyObject *blocks = PySequence_Fast(blocks_obj, "blocks must be a sequence of byte buffers");
-    if (blocks == NULL)
-        return NULL;
-    Py_ssize_t nblocks = PySequence_Fast_GET_SIZE(blocks), k = 0, got = 0, left = 0;
-    Py_buffer spans, params, images, status;
-    int have_spans = 0, have_params = 0, have_images = 0, have_status = 0;
-    Py_buffer *bufs = NULL;
-    int64_t *ids = NULL;
-    const Py_buffer **rows = NULL;
-    PyObject *result = NULL;
-    if (PyObject_GetBuffer(spans_obj, &spans, PyBUF_C_CONTIGUOUS) < 0)
-        goto out;
-    have_spans = 1;
-    if (PyObject_GetBuffer(params_obj, &params, PyBUF_C_CONTIGUOUS) < 0)
-        goto out;
-    have_params = 1;
-    if (PyObject_GetBuffer(images_obj, &images, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
-        goto out;
-    have_images = 1;
-    if (PyObject_GetBuffer(status_obj, &status, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
-        goto out;
-    have_status = 1;
-    k = spans.len / (Py_ssize_t)(3 * sizeof(int64_t));
-    if (spans.len != k * 3 * (Py_ssize_t)sizeof(int64_t) || params.len != k * NPARAM * (Py_ssize_t)sizeof(int64_t) ||
-        status.len < k || images.ndim != 4 || images.shape[3] != 3 || images.itemsize != 1) {
-        PyErr_Format(PyExc_ValueError, "render_rows: spans must be int64 [rows, 3], params int64 [rows, %d], status "
-                     "one byte per row, images uint8 [rows, height, width, 3]", NPARAM);
-        goto out;
-    }
-    size_t n = (size_t)(k > 0 ? k : 1);
-    bufs = (Py_buffer *)PyMem_Calloc(n, sizeof(Py_buffer));
-    ids = (int64_t *)PyMem_Calloc(n, sizeof(int64_t));
-    rows = (const Py_buffer **)PyMem_Calloc(n, sizeof(Py_buffer *));
-    if (bufs == NULL || ids == NULL || rows == NULL) {
-        PyErr_NoMemory();
-        goto out;
-    }
-    const int64_t *sp = (const int64_t *)spans.buf;
-    for (Py_ssize_t i = 0; i < k; i++) {  /* -1: not a JPEG the caller could read; the per-sample path takes it */
-        if (sp[3 * i] < 0)
-            continue;
-        rows[i] = block_buffer(blocks, nblocks, sp[3 * i], ids, bufs, &got);
-        if (rows[i] == NULL) {
-            if (!PyErr_Occurred())
-                PyErr_Format(PyExc_IndexError, "render_rows: row %zd names block %lld of %zd", i,
-                             (long long)sp[3 * i], nblocks);
-            goto out;
-        }
-    }
-    error_mgr *err = (error_mgr *)calloc(1, sizeof(error_mgr));
-    if (err == NULL) {
-        PyErr_NoMemory();
-        goto out;
-    }
-    const int64_t *p = (const int64_t *)params.buf;
-    unsigned char *st = (unsigned char *)status.buf, *scratch = NULL;
-    size_t scratch_size = 0;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < k; i++) {
-        int64_t lo = sp[3 * i + 1], hi = sp[3 * i + 2];
-        if (rows[i] == NULL)
-            st[i] = 22;
-        else if (lo < 0 || hi < lo || hi > rows[i]->len)  /* bytes outside the block: let the caller report it */
-            st[i] = 23;
-        else {
-            Py_buffer view = *rows[i];
-            view.buf = (char *)rows[i]->buf + lo;
-            view.len = hi - lo;
-            st[i] = render_one(p + i * NPARAM, &view, (unsigned char *)images.buf, images.shape[0],
-                               (int)images.shape[1], (int)images.shape[2], antialias, fast, max_pixels, err, &scratch,
-                               &scratch_size);
-        }
-        left += st[i] != 0;
-    }
-    Py_END_ALLOW_THREADS
-    free(scratch);
-    free(err);
-    result = PyLong_FromSsize_t(left);
-out:
-    for (Py_ssize_t j = 0; j < got; j++)
-        PyBuffer_Release(&bufs[j]);
-    PyMem_Free(bufs);
-    PyMem_Free(ids);
-    PyMem_Free(rows);
-    if (have_spans)
-        PyBuffer_Release(&spans);
-    if (have_params)
-        PyBuffer_Release(&params);
-    if (have_images)
-        PyBuffer_Release(&images);
-    if (have_status)
-        PyBuffer_Release(&status);
-    Py_DECREF(blocks);
-    return result;
-}
-
 static PyMethodDef methods[] = {
     {"load", load, METH_VARARGS, "load(path): open a libjpeg-turbo shared library (>= 1.5)."},
     {"unload", unload, METH_NOARGS, "unload(): close the library load() opened (no decode may be running)."},
@@ -792,20 +630,6 @@ static PyMethodDef methods[] = {
      "Decode rows y0..y1, columns x0..x1 of the image scaled by scale/8 into out as RGB;\n"
      "return the scaled image's size and whether decoding started at a restart marker.\n"
      "Raises JpegError, UnsupportedError or TooLargeError."},
-    {"render_rows", (PyCFunction)(void (*)(void))render_rows, METH_VARARGS | METH_KEYWORDS,
-     "render_rows(blocks, spans, params, images, status, antialias=True, fast=False, max_pixels=1e18) -> int\n\n"
-     "For each row i: the JPEG at bytes spans[i, 1]..spans[i, 2] of blocks[spans[i, 0]] (a sequence of byte\n"
-     "buffers; -1: no JPEG, status 22), with params[i] (int64: row, stored height, width, scale n of n/8,\n"
-     "window y0 y1 x0 x1, pad top bottom left right, resize height width, place y x, flip): region-decode,\n"
-     "pad, resample, place and mirror into images[row] (uint8 [rows, height, width, 3]), the GIL released\n"
-     "once; status[i] = 0 where row i was written, non-zero where the caller must render it itself.\n"
-     "Returns how many rows were not written."},
-    {"plan_rows", plan_rows, METH_VARARGS,
-     "plan_rows(box, clip, grid, sizes, plan_sizes, flip, params, out_h, out_w, full_size, headroom)\n\n"
-     "Write each row's render_rows parameters into params (int64 [n, 17]) from its plan (box, clip float64\n"
-     "[n, 4]; grid int64 [n, 2] or [1, 2]; planned sizes int64 [n, 2]; flip bool [n]) and stored (height,\n"
-     "width) (int64 [n, 2]), as the per-sample path computes them; row -1 where the plan's size is not\n"
-     "out_h x out_w or the stored size is empty."},
     {"resample", (PyCFunction)(void (*)(void))stoker_py_resample, METH_VARARGS | METH_KEYWORDS,
      "resample(src, dst, antialias=True, simd=2)\n\n"
      "Resize the uint8 [h, w, 3] image src into dst (its own height and width) exactly as torchvision's\n"
@@ -835,9 +659,8 @@ PyMODINIT_FUNC PyInit__jpeg(void) {
     /* Safe without the GIL: load() and unload() write the function table and lib_handle, but stoker
      * calls them only under _libjpeg's lock, before the module is handed to any decoding thread (and
      * never unload() while a decode runs); decode() reads that table and touches nothing shared
-     * besides (its job, error manager and libjpeg object are its own), nor do render_rows (its blocks
-     * are read-only buffers, each row written by the one call that claimed it) and plan_rows (pure
-     * arithmetic on the arrays it is handed); the exception types above are set once, here. The batch
+     * besides (its job, error manager and libjpeg object are its own); the exception types above
+     * are set once, here. The batch
      * engine (engine.c) keeps its state per Engine object, under that object's own mutex, and its pool
      * threads never touch a Python object. */
     if (PyUnstable_Module_SetGIL(m, Py_MOD_GIL_NOT_USED) < 0) {

@@ -17,15 +17,16 @@ import numpy as np
 import pytest
 
 from conftest import PILLOW_CORPUS
+from stoker.transforms.kinds import engine_program
 from stoker import native
-from stoker.loading import engine
+from stoker.loading import engine, route
 from stoker.loader.loader import Loader
 from stoker.loader.options import Sampling, Workers
 from stoker.order import TAG_DRAW, TAG_SAMPLE, sample_keys, stream_key, uniforms
 from stoker.transforms import CenterCrop, Pipeline, RandomHorizontalFlip, RandomResizedCrop, Resize
-from test_native_chunks import TRAIN, VAL, build
+from test_native_rows import TRAIN, VAL, build
 
-pytestmark = pytest.mark.skipif(not native.chunks_available(), reason="the native extension or its libjpeg is missing")
+pytestmark = pytest.mark.skipif(not native.engine_available(), reason="the native extension or its libjpeg is missing")
 
 
 class Counting:
@@ -52,7 +53,7 @@ class Counting:
 def counted(monkeypatch: pytest.MonkeyPatch) -> list[Counting]:
     Counting.made = []
     monkeypatch.setattr(native, "engine", Counting)
-    monkeypatch.setattr(engine, "MIN_JPEG_SHARE", 0.0)   # the test data mixes PNG and raw rows in
+    monkeypatch.setattr(route, "MIN_JPEG_SHARE", 0.0)   # the test data mixes PNG and raw rows in
     return Counting.made
 
 
@@ -86,7 +87,7 @@ def test_the_engine_plans_each_row_as_pipeline_plan_does(transforms):
     against `Pipeline.plan` on the same keys: sizes from 1 pixel up, thin and very wide images (the
     fallback), sample and draw streams."""
     pipe = Pipeline(transforms)
-    prog = engine.program(pipe.prefix, pipe.offsets)
+    prog = engine_program(pipe.prefix, pipe.offsets)
     assert prog is not None
     rng = np.random.default_rng(21)
     n = 4000
@@ -205,11 +206,11 @@ def test_break_close_and_garbage_collection_join_the_pool(dataset, counted):
 
 
 def _big_batch(rows: int):
-    from test_native_chunks import _jpeg
+    from test_native_rows import _jpeg
     from conftest import smooth_rgb
 
     data = np.frombuffer(_jpeg(smooth_rgb(np.random.default_rng(0), 1200, 1600)), np.uint8)
-    prog = engine.program([Resize((64, 64))], [0])
+    prog = engine_program([Resize((64, 64))], [0])
     spans = np.tile(np.array([[0, 0, len(data)]], np.int64), (rows, 1))
     ids = np.arange(rows, dtype=np.int64)
     sizes = np.array([[1200, 1600]], np.int64)
@@ -255,7 +256,7 @@ def test_pipelines_with_per_sample_work_keep_their_path(dataset, counted):
                 workers=Workers(num_threads=2, on_error="skip")) as loader:
         assert sum(len(y) for _, y in loader) == len(loader.dataset)
     assert counted == []
-    assert engine.program([RandomResizedCrop(32), ColorJitter(0.2)], [0, 22]) is None
+    assert engine_program([RandomResizedCrop(32), ColorJitter(0.2)], [0, 22]) is None
 
 
 def test_a_gpu_host_leaves_the_trainer_its_cores(monkeypatch):
@@ -272,21 +273,21 @@ def test_a_gpu_host_leaves_the_trainer_its_cores(monkeypatch):
 
 
 def test_loader_stats_name_the_python_per_sample_and_the_fix(dataset, monkeypatch):
-    """LoaderStats says whether the engine served the pass and, where not, what runs Python per sample;
-    the doctor's line names the cost and the fix."""
+    """The route (repr, LoaderStats) says whether the engine serves the batches and, where not, what runs
+    Python per sample; the doctor's line names the cost and the fix."""
     from stoker.tools.doctor import _per_sample
     from stoker.transforms import ColorJitter
 
-    monkeypatch.setattr(engine, "MIN_JPEG_SHARE", 0.0)
+    monkeypatch.setattr(route, "MIN_JPEG_SHARE", 0.0)
     with Loader(dataset, 8, transforms=TRAIN, device="numpy", workers=Workers(num_threads=2, on_error="skip")) as ld:
         next(iter(ld))
-        assert ld.stats.engine and ld.stats.per_sample_python == []
-        assert "native batch engine" in _per_sample(ld.stats.engine, ld.stats.per_sample_python)
+        assert ld.stats.engine and ld.stats.per_sample_python == [] and ld.stats.route is ld.route
+        assert "none" in _per_sample(ld.stats.per_sample_python) and "cpu native" in repr(ld)
     with Loader(dataset, 8, transforms=[RandomResizedCrop(32), ColorJitter(0.2)], device="numpy",
                 workers=Workers(num_threads=2, on_error="skip")) as ld:
         next(iter(ld))
         assert not ld.stats.engine and any("ColorJitter" in why for why in ld.stats.per_sample_python)
-        line = _per_sample(ld.stats.engine, ld.stats.per_sample_python)
+        line = _per_sample(ld.stats.per_sample_python)
         assert "ColorJitter" in line and "processes=1" in line and "GPU" in line
     monkeypatch.setenv(engine.ENV, "off")
     with Loader(dataset, 8, transforms=TRAIN, device="numpy", workers=Workers(num_threads=2, on_error="skip")) as ld:

@@ -18,9 +18,9 @@ from stoker.loading import engine
 from stoker.loader.loader import Loader
 from stoker.loader.options import Workers
 from test_engine import Counting, counted  # noqa: F401 - the fixture
-from test_native_chunks import TRAIN, VAL, build
+from test_native_rows import TRAIN, VAL, build
 
-pytestmark = pytest.mark.skipif(not native.chunks_available(), reason="the native extension or its libjpeg is missing")
+pytestmark = pytest.mark.skipif(not native.engine_available(), reason="the native extension or its libjpeg is missing")
 
 
 @pytest.fixture(scope="module")

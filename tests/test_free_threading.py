@@ -194,7 +194,7 @@ def test_native_resize_from_eight_threads_matches_serial():
 def test_batch_engine_from_four_coordinators_matches_one_thread():
     """The native batch engine (`Engine`, csrc/engine.c) shared by four Python threads submitting batches
     at once, on a pool of six native threads: every batch is the one a one-thread pool renders alone.
-    The program is built by hand (engine.program's encoding: RandomResizedCrop(48) + flip), so no
+    The program is built by hand (kinds.engine_program's encoding: RandomResizedCrop(48) + flip), so no
     OpenCV is needed."""
     import math
 

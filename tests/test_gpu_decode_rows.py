@@ -1,9 +1,9 @@
 """The GPU's rows of a batch prepared a chunk at a time by the worker threads (`Filler.queue_gpu_rows`):
 crop windows over the chunk in NumPy (`jobs.crop_windows`), the JPEG bytes gathered into the slot's
 staging buffer by one native call (`native.gather_spans`). The same jobs, so the same pixels, bit for
-bit, as the per-row path (`Filler.queue_gpu`, one row at a time), with the stand-in decoders here and
-nvImageCodec's CPU backend where it is installed; and the worker threads' Python per batch no longer
-grows with the batch."""
+bit, as a reference that makes each row's job one at a time (`per_row` here: the sample read, its
+`crop_window`, a private copy of its bytes), with the stand-in decoders here and nvImageCodec's CPU
+backend where it is installed; and the worker threads' Python per batch does not grow with the batch."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from stoker import DeviceOptions, Loader, Workers, native
 from stoker.device.gpu_decode import GpuBatchDecoder
 from stoker.errors import ConfigError
 from stoker.loading import render
-from stoker.loading.jobs import JpegStaging, crop_windows
+from stoker.loading.jobs import GpuBatch, GpuJob, JpegStaging, crop_windows
 from gpu_standin import FixedRateDecoder
 from stoker.transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, crop_window
 from test_gpu_decode import CpuDecoder, textured, textured_pack
@@ -50,14 +50,39 @@ def jpegs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """JPEGs with PNG, raw and two damaged rows among them."""
-    from test_native_chunks import build
+    from test_native_rows import build
 
     return build(tmp_path_factory.mktemp("gpurows-mixed") / "ds", seed=2, bad=(3, 20))
 
 
+class _RowJobs:
+    """Jobs made one row at a time, standing as one chunk of a plan's GPU rows (`BatchPlan.gpu_rows`)."""
+
+    def __init__(self, jobs: list) -> None:
+        self.jobs = jobs
+
+    def batch(self) -> GpuBatch:
+        return GpuBatch.of_jobs(self.jobs)
+
+
 def per_row(self: Any, plan: Any, r0: int, r1: int, slot: Any, scratch: dict, times: Any) -> list:
-    """The per-row path: each GPU row through `fill` -> `queue_gpu`, one at a time."""
-    return self.fill_rows(plan, range(r0, r1), slot, scratch, times)
+    """The reference for `Filler.queue_gpu_rows`: each GPU row's job made on its own (the sample read, its
+    crop window by `transforms.crop_window`, a private copy of its bytes); rows that are not JPEGs rendered
+    on the CPU through `fill`."""
+    jobs, errors = [], []
+    for row in range(r0, r1):
+        idx = int(plan.indices[row])
+        s = self.ds.sample(idx)
+        if s.encoding != "jpeg":
+            errors += self.fill_rows(plan, [row], slot, scratch, times)
+            continue
+        box, flip = tuple(plan.geometry.box[row].tolist()), bool(plan.geometry.flip[row])
+        win = crop_window(box, s.height, s.width, s.height, s.width, self.out_h, self.out_w)
+        jobs.append(GpuJob(row, torch.frombuffer(bytearray(s.data), dtype=torch.uint8), box, flip, s.height,
+                           s.width, s.key, win))
+    if jobs:
+        plan.gpu_rows.append(_RowJobs(jobs))
+    return errors
 
 
 def run(path: Path, device: DeviceOptions, ops: list, monkeypatch: pytest.MonkeyPatch, rows_at_once: bool,
@@ -165,7 +190,7 @@ def test_rows_at_once_hand_the_decoder_the_per_row_paths_jobs(packed: Path, monk
 
 def test_a_split_the_engine_does_not_serve_matches_the_per_row_path(packed: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """STOKER_ENGINE=off: the CPU's share row by row on the worker threads, the GPU's a chunk at a time."""
+    """STOKER_ENGINE=off: the CPU's share on the Python path, the GPU's a chunk at a time."""
     monkeypatch.setenv("STOKER_ENGINE", "off")
     mk = lambda: DeviceOptions("cpu", decode="auto", gpu_share=0.5, gpu_decoder=CpuDecoder())  # noqa: E731
     want, want_jobs = run(packed, mk(), CROP, monkeypatch, False)
@@ -185,7 +210,7 @@ def test_padded_windows_and_region_decode_match_the_per_row_path(packed: Path,
         assert any(job[4].padded for chunk in got_jobs for job in chunk)
 
 
-@pytest.mark.skipif(not native.chunks_available(), reason="the native extension or its libjpeg is missing")
+@pytest.mark.skipif(not native.engine_available(), reason="the native extension or its libjpeg is missing")
 def test_png_raw_and_damaged_rows_take_the_per_row_path_with_the_same_results(mixed: Path,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows that are not JPEGs are rendered on the CPU, damaged JPEGs fail on the GPU stand-in and are

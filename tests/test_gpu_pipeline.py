@@ -109,7 +109,7 @@ def test_decoded_chunks_are_bounded_and_released_in_order(packed: Path) -> None:
     dec = FixedRateDecoder()
     loader = Loader(packed, 16, transforms=CROP, seed=4, device=DeviceOptions("cpu", decode="gpu", gpu_decoder=dec))
     whole = [x.clone() for x, _ in loader]
-    loader._passes.gpu(loader.device).budget_bytes = 3 * 150 * 200 * 2  # about two images a chunk
+    loader._passes.decoders.get(loader.device).budget_bytes = 3 * 150 * 200 * 2  # about two images a chunk
     peak = []
     real = gpu_pipeline.DecodeThread._make_room
 
@@ -251,11 +251,11 @@ def test_auto_splits_each_batch_and_says_why(packed: Path) -> None:
 
 def test_auto_decodes_on_the_cpu_where_the_gpu_cannot_help_and_says_why(packed: Path) -> None:
     no_cuda = Loader(packed, 16, transforms=CROP, device=DeviceOptions("cpu", decode="auto"))
-    assert no_cuda.device.decode == "cpu" and no_cuda.stats.gpu_split.startswith("CPU only: no GPU JPEG decoder")
+    assert no_cuda.route.gpu == "none" and no_cuda.stats.gpu_split.startswith("CPU only: no GPU JPEG decoder")
     assert sum(len(x) for x, _ in no_cuda) == 48 and no_cuda.stats.gpu_decoded == 0
     tail = Loader(packed, 16, transforms=CROP + [ColorJitter(0.2)],
                   device=DeviceOptions("cpu", decode="auto", gpu_decoder=FixedRateDecoder()))
-    assert tail.device.decode == "cpu" and "ColorJitter" in tail.stats.gpu_split
+    assert tail.route.gpu == "none" and "ColorJitter" in tail.stats.gpu_split
 
 
 # ---- pixels: within 1 level of the CPU path where both decode at full size ------------------------------
@@ -295,13 +295,13 @@ def test_a_batchs_jpeg_bytes_share_one_staging_buffer(packed: Path, monkeypatch:
     thread, each job's bytes a view at its own offset; a buffer too small for a batch is replaced by a
     larger one for the next, and the pixels never change."""
     from stoker.device import gpu_pipeline
-    from stoker.loading.jobs import slot_jobs
+    from stoker.loading.jobs import plan_columns
 
     seen: list[tuple[int, list]] = []
     submit = gpu_pipeline.PipelinedBuilder.submit
 
     def spy(self, slot):
-        jobs = slot_jobs(slot, slot.size)   # made one at a time (slot.jobs) or a chunk at a time (slot.gpu_rows)
+        jobs = plan_columns(slot.plan, slot.size)   # the chunks the workers prepared (BatchPlan.gpu_rows)
         base = slot.staging.buffer if slot.staging is not None else None
         spans = []
         for j in jobs:
@@ -321,11 +321,10 @@ def test_a_batchs_jpeg_bytes_share_one_staging_buffer(packed: Path, monkeypatch:
     for spans in staged:  # back to back, no overlap
         ranges = sorted((off, off + n) for _, off, n in spans)
         assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ranges, ranges[1:]))
-    # a buffer too small: the JPEG gets a private copy, counted, and the bytes are intact
+    # a buffer too small: the chunk is refused (it gets a private buffer), counted
     from stoker.loading.jobs import JpegStaging
     st = JpegStaging(torch.zeros(8, dtype=torch.uint8))
-    v1, v2 = st.put(b"abcde"), st.put(b"fghij")
-    assert bytes(v1.numpy()) == b"abcde" and bytes(v2.numpy()) == b"fghij" and st.used == 5 and st.overflow == 5
+    assert st.reserve(5) == 0 and st.reserve(5) is None and st.used == 5 and st.overflow == 5
     st.reset()
     assert st.used == 0 and st.overflow == 0
 
@@ -334,7 +333,7 @@ def test_auto_with_a_worker_process_decodes_on_the_cpu_and_says_why(packed: Path
     loader = Loader(packed, 16, transforms=CROP, workers=Workers(num_threads=1, processes=1),
                     device=DeviceOptions("cpu", decode="auto", gpu_decoder=FixedRateDecoder()))
     try:
-        assert loader.device.decode == "cpu" and "processes=1" in loader.stats.gpu_split
+        assert loader.route.gpu == "none" and "processes=1" in loader.stats.gpu_split
         assert sum(len(x) for x, _ in loader) == 48 and loader.stats.gpu_decoded == 0
     finally:
         loader.close()
@@ -374,7 +373,7 @@ def test_the_phase_timers_reach_the_log(packed: Path, caplog: pytest.LogCaptureF
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """JPEGs with PNG, raw and two damaged rows among them (what the engine refuses)."""
-    from test_native_chunks import build
+    from test_native_rows import build
 
     return build(tmp_path_factory.mktemp("split") / "ds", seed=1, bad=(3, 20))
 
@@ -388,19 +387,19 @@ def _batches(path: Path, device: Any, threads: int = 2) -> list[tuple[torch.Tens
         loader.close()
 
 
-@pytest.mark.skipif(not native.chunks_available(), reason="the native extension or its libjpeg is missing")
+@pytest.mark.skipif(not native.engine_available(), reason="the native extension or its libjpeg is missing")
 def test_the_cpu_rows_of_a_split_batch_are_the_cpu_paths_whatever_the_share(mixed: Path,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """The rows a split leaves to the CPU go through the native batch engine (its pool renders them),
     bit for bit the rows decode="cpu" gives, labels and on_error replacements included, at any share
     and with the automatic one; rows the engine refuses (PNG, raw, damaged) take the per-sample path.
     decode="gpu" alone makes no pool: it leaves no JPEG row to the CPU."""
-    from stoker.loading import engine
+    from stoker.loading import engine, route
     from test_engine import Counting
 
     Counting.made = []
     monkeypatch.setattr(native, "engine", Counting)
-    monkeypatch.setattr(engine, "MIN_JPEG_SHARE", 0.0)   # the data mixes PNG and raw rows in
+    monkeypatch.setattr(route, "MIN_JPEG_SHARE", 0.0)   # the data mixes PNG and raw rows in
     want = _batches(mixed, "cpu")
     assert Counting.made and sum(c.rows for c in Counting.made) > 20
     grey = FixedRateDecoder()  # every GPU row comes out a flat 128: told apart from a decoded row
@@ -460,18 +459,20 @@ def test_loader_stats_say_the_split_runs_the_engine_and_nothing_stays_per_row(pa
         loader = Loader(packed, 16, transforms=CROP, workers=Workers(num_threads=2), device=device)
         try:
             assert sum(len(x) for x, _ in loader) == 48
-            assert loader.stats.engine == (native.chunks_available() and device.decode == "auto")
+            assert loader.stats.engine == (native.engine_available() and device.decode == "auto")
             if native.ON and (loader.stats.engine or device.decode == "gpu"):
                 assert loader.stats.per_sample_python == [], loader.stats.per_sample_python
-                line = _per_sample(loader.stats.engine, [], gpu=True)
-                assert line.startswith("none: the worker threads prepare the GPU's rows")
-                assert ("native batch engine" in line) == loader.stats.engine
+                assert _per_sample([]).startswith("none") and loader.route.gpu == "columns"
         finally:
             loader.close()
+    # unpacked files: no stored sizes to plan the GPU's crops per batch, so no GPU rows one at a time either
+    with pytest.raises(ConfigError, match="pack the data first"):
+        Loader(packed.parent / "src", 16, transforms=CROP, device=DeviceOptions("cpu", decode="gpu",
+                                                                            gpu_decoder=FixedRateDecoder()))
     loose = Loader(packed.parent / "src", 16, transforms=CROP, workers=Workers(num_threads=2),
-                   device=DeviceOptions("cpu", decode="gpu", gpu_decoder=FixedRateDecoder()))
+                   device=DeviceOptions("cpu", decode="auto", gpu_decoder=FixedRateDecoder()))
     try:
-        assert sum(len(x) for x, _ in loose) == 48
-        assert any("one at a time" in why for why in loose.stats.per_sample_python)
+        assert sum(len(x) for x, _ in loose) == 48 and loose.stats.gpu_decoded == 0
+        assert loose.route.gpu == "none" and "pack the data first" in loose.stats.gpu_split
     finally:
         loose.close()

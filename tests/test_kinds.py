@@ -16,7 +16,8 @@ import torch
 from stoker.loading.clips import ClipKind, Clips
 from stoker.loading.handout import host_batch, run_batch_ops
 from stoker.loading.kinds import IMAGES, ImageKind, Renderer, SampleKind, fold_rows, unfold_rows
-from stoker.loading.render import Filler, RenderSpec, native_serves
+from stoker.loading.render import Filler, RenderSpec
+from stoker.loading.route import decide
 from stoker.loading.slots import BatchRing
 from stoker.loading.stats import WorkerTimes
 from stoker.transforms import CenterCrop, Normalize, Pipeline
@@ -114,7 +115,9 @@ def test_batch_ops_see_every_frame_of_a_clip_as_an_image() -> None:
 def test_a_third_kind_goes_through_the_filler_and_the_handout_unchanged() -> None:
     ds = Memory()
     filler = Filler(_spec(Mirrored()), ds, 0, np.arange(len(ds)), 0)
-    assert not native_serves(filler.spec)   # the kind says its rows need Python
+    route = decide(filler.spec, ds, decode="auto", gpu_share=None, processes=0, stage="none", decoder=lambda: None)
+    assert route.cpu == "python" and route.gpu == "none"   # the kind says its rows need Python, and the CPU
+    assert Mirrored.per_row_python in route.python and any(Mirrored.cpu_only in r for r in route.reasons)
     slot, _ = _render(filler, 4)
     plain, _ = _render(Filler(_spec(IMAGES), ds, 0, np.arange(len(ds)), 0), 4)
     rows = slot.images_np[:4]
@@ -154,7 +157,7 @@ def test_the_plan_resolves_the_kind_once_and_the_loader_asks_it(tmp_path: Path) 
     with stoker.Loader(tmp_path / "ds", 2, sampling=stoker.Sampling(clips=clips), transforms=[Resize((16, 16))],
                        device=DeviceOptions("cpu", decode="auto")) as ld:
         assert ld.plan.kind == ClipKind(clips) and ld.plan.epochs.per_item == 2 and ld.clips == clips
-        assert ld.device.decode == "cpu" and ld.stats.gpu_split == ClipKind.cpu_only   # the kind says why
+        assert ld.route.gpu == "none" and ClipKind.cpu_only in ld.stats.gpu_split   # the kind says why
         x, _, extras = next(iter(ld))
         assert x.shape == (2, 2, 3, 16, 16) and extras["clip"].tolist() == [0, 1]
         assert ClipKind.per_row_python in ld.stats.per_sample_python

@@ -317,22 +317,22 @@ def test_gpu_decode_uploads_only_the_rows_decoded_on_the_cpu() -> None:
 
     opts = DeviceOptions("cpu", dtype=torch.uint8)
     object.__setattr__(opts, "device", torch.device("meta"))
+    from stoker.loading.jobs import GpuBatch, cpu_rows
+
     stage = DeviceStage(DeviceOptions("cpu"))
     stage.opts = opts
-    decoded: list[int] = []
-    gpu = types.SimpleNamespace(decoder=types.SimpleNamespace(name="stand-in"),
-                                run=lambda jobs, out: decoded.extend(j.row for j in jobs) or [])
     chain = types.SimpleNamespace(spec=types.SimpleNamespace(pipeline=types.SimpleNamespace(batch=None)),
                                   multi_label=None)
-    builder = DeviceBuilder(stage, gpu, chain, threading.RLock(), LoaderStats())
+    builder = DeviceBuilder(stage, chain, threading.RLock(), LoaderStats())
     images = torch.zeros((8, 4, 6, 3), dtype=torch.uint8)
     slot = Slot(images, images.numpy(), torch.arange(8), None, size=7)
     # rows 1, 2 and 5 are JPEGs for the GPU; 0, 3, 4 and 6 were rendered on the CPU
-    slot.jobs = [types.SimpleNamespace(row=r) if r in (1, 2, 5) else None for r in range(7)]
+    gpu = GpuBatch.of_jobs([types.SimpleNamespace(row=r, flip=False, height=4, width=6, window=None, box=(0, 0, 4, 6),
+                                                  data=torch.zeros(1, dtype=torch.uint8)) for r in (1, 2, 5)])
+    x = torch.empty((7, 4, 6, 3), dtype=torch.uint8, device="meta")
     with Uploads() as uploads:
-        (x, _), _ = builder(slot)
-    assert x.device.type == "meta" and tuple(x.shape) == (7, 3, 4, 6)
-    assert decoded == [1, 2, 5] and uploads.rows == [1, 2, 1]  # rows 0, 3-4, 6: one copy per run
+        builder.upload_rows(slot, x, cpu_rows(7, gpu))
+    assert uploads.rows == [1, 2, 1]  # rows 0, 3-4, 6: one copy per run, none of the GPU's
 
 
 def test_gpu_decode_failures_fall_back_to_the_cpu_per_sample(packed: Path) -> None:

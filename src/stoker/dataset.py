@@ -52,8 +52,8 @@ class Dataset:
         raise NotImplementedError
 
     def jpeg_spans(self, indices: np.ndarray) -> tuple[Sequence[Any], np.ndarray]:
-        """Where the stored bytes of samples `indices` are, for the native chunk path
-        (`Filler.fill_chunk` -> `native.render_rows`): `(blocks, spans)`, spans int64 [k, 3] holding
+        """Where the stored bytes of samples `indices` are, for the native engine and the GPU's rows
+        (`loading.engine`, `loading.jobs.gpu_rows`): `(blocks, spans)`, spans int64 [k, 3] holding
         each sample's (index into `blocks`, first byte, end byte), block -1 for any other encoding or
         a sample that cannot be read (its per-sample read reports it). Here each JPEG is its own
         block (its `sample(i).data`); a packed dataset hands over its mapped blocks instead."""
@@ -68,6 +68,12 @@ class Dataset:
                 spans[j] = len(blocks), 0, memoryview(s.data).nbytes
                 blocks.append(s.data)
         return blocks, spans
+
+    @property
+    def maps_jpegs(self) -> bool:
+        """Whether `jpeg_spans` hands over mapped blocks (a packed dataset's shards) rather than reading
+        each sample: what the native engine's route asks of the data (`loading.route`)."""
+        return type(self).jpeg_spans is not Dataset.jpeg_spans
 
     @property
     def labels(self) -> np.ndarray:

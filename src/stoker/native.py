@@ -1,5 +1,6 @@
-"""The native pixel path: torchvision's uint8 bilinear resize in C (``stoker._jpeg.resample``), and
-region decode + resize + flip of whole chunks of a batch in one call that releases the GIL once.
+"""The native pixel path: torchvision's uint8 bilinear resize in C (``stoker._jpeg.resample``), the
+batch engine's pool (``stoker._jpeg.Engine``: region decode + resize + flip of whole batches on native
+threads), and the byte gathers and float maps around it, each one call that releases the GIL.
 
 Worker threads share the training process, so each microsecond of Python they run per sample is
 taken from the training loop's own Python (the GIL). The C resize gives the same pixels as
@@ -49,46 +50,17 @@ def resample(src: np.ndarray, dst: np.ndarray, antialias: bool) -> bool:
     return True
 
 
-#: columns of the per-row parameters `render_rows` takes (csrc/jpeg_region.c's P_* order)
-PARAMS = ("row", "height", "width", "scale", "y0", "y1", "x0", "x1", "pad_top", "pad_bottom", "pad_left",
-          "pad_right", "resize_h", "resize_w", "place_y", "place_x", "flip")
-
-
-def chunks_available() -> bool:
-    """True when whole chunks of JPEG rows can be rendered natively (the extension is on and found a
-    libjpeg-turbo for its region decoder)."""
+def engine_available() -> bool:
+    """True when the native batch engine can render rows (the extension is on and found a libjpeg-turbo
+    for its region decoder)."""
     from . import _libjpeg
 
     return ON and _libjpeg.region_decoder() is not None
 
 
-def plan_rows(box: np.ndarray, clip: np.ndarray, grid: np.ndarray, sizes: np.ndarray, plan_sizes: np.ndarray,
-              flip: np.ndarray, out_size: tuple[int, int], full_size: bool, headroom: float) -> np.ndarray:
-    """The `render_rows` parameters (int64 [n, len(PARAMS)]) of a batch's rows from its plan (`box`,
-    `clip` float64 [n, 4]; `grid` int64 [n, 2] or [1, 2]; `plan_sizes` int64 [n, 2]; `flip` bool [n])
-    and stored (height, width) `sizes` (int64 [n, 2]), in one call: the per-sample path's maths
-    (`decode_minimums`, `jpeg_scale_eighths`, `resampling`) row by row in C, the same integers. A
-    row whose plan is not `out_size`, or whose stored size is empty, gets row -1 (refused)."""
-    params = np.empty((len(flip), len(PARAMS)), np.int64)
-    _mod.plan_rows(box, clip, grid, sizes, plan_sizes, flip, params, out_size[0], out_size[1], full_size, headroom)
-    return params
-
-
-def render_rows(blocks: Sequence, spans: np.ndarray, params: np.ndarray, images: np.ndarray, status: np.ndarray,
-                antialias: bool, fast: bool, max_pixels: int) -> int:
-    """Region-decode, resize, place and flip each row's JPEG into its row of `images` (uint8
-    [rows, H, W, 3]) as its row of `params` says, in one call that releases the GIL once. Row i's JPEG
-    is bytes `spans[i, 1]:spans[i, 2]` of `blocks[spans[i, 0]]` (int64 [k, 3]; -1: none, as for a
-    row that is not a JPEG), so a chunk hands over the mapped blocks it reads, never a view per row.
-    Writes a status per row into `status` (uint8 [k]: 0 written; otherwise the row is left for the
-    per-sample path) and returns how many rows were not written."""
-    return _mod.render_rows(blocks, spans, params, images, status, antialias=antialias, fast=fast,
-                            max_pixels=float(max_pixels))
-
-
 def gather_spans(blocks: Sequence, spans: np.ndarray, out: np.ndarray, offsets: np.ndarray) -> int:
     """Row i's bytes `spans[i, 1]:spans[i, 2]` of `blocks[spans[i, 0]]` (int64 [k, 3], as
-    `render_rows` takes them) copied to `out[offsets[i]:]` (uint8, writable; `offsets` int64 [k]) for
+    `Dataset.jpeg_spans` gives them) copied to `out[offsets[i]:]` (uint8, writable; `offsets` int64 [k]) for
     every row whose block is not -1, in one call that releases the GIL for the copies (NumPy, one copy
     per row, where the native path is off). Returns the bytes copied."""
     if ON and hasattr(_mod, "gather_spans"):
@@ -106,13 +78,6 @@ def map_levels(images: np.ndarray, rows: np.ndarray, levels: np.ndarray, out: np
     ([3, 256] values of 2 or 4 bytes) into `out` ([n, 3, h, w] when `nchw`, else [n, h, w, 3], the tables'
     item size), as the engine's threads map the rows they render (csrc/engine.c), the GIL released."""
     _mod.map_levels(images, rows, levels, out, nchw)
-
-
-def native_chunk(batch_size: int, threads: int) -> int:
-    """Rows a worker claims at a time on the native path: up to 64 (the Python is per chunk, and
-    after a chunk's native work it runs on cold caches, so fewer, larger chunks cost less of it),
-    but at least four claims per thread per batch, so the threads still share a batch evenly."""
-    return max(1, min(64, batch_size // (4 * max(threads, 1))))
 
 
 def engine(threads: int, nice: int = 0) -> object:

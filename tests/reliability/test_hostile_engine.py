@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from stoker.transforms.kinds import engine_program
 from stoker import native
 from stoker.errors import ImageError, SampleError, ShardError
 from stoker.loader.loader import Loader
@@ -35,7 +36,7 @@ from stoker.transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCro
 
 from .rhelpers import CORPUS, jpeg_bytes, jpeg_claiming, run_child, smooth_rgb, write_pack
 
-pytestmark = pytest.mark.skipif(not native.chunks_available(), reason="the native extension or its libjpeg is missing")
+pytestmark = pytest.mark.skipif(not native.engine_available(), reason="the native extension or its libjpeg is missing")
 
 TRAIN = [RandomResizedCrop(40), RandomHorizontalFlip()]
 VAL = [Resize(48), CenterCrop(40)]
@@ -229,7 +230,7 @@ def test_a_stored_size_over_max_pixels_is_refused_before_the_pool_allocates():
 
     assert _libjpeg.region_decoder() is not None
     data = np.frombuffer(jpeg_bytes(np.zeros((16, 16, 3), np.uint8)), np.uint8)
-    prog = engine.program([Resize((24, 24))], [0])
+    prog = engine_program([Resize((24, 24))], [0])
     images, status = np.zeros((2, 24, 24, 3), np.uint8), np.empty(2, np.uint8)
     pool = native._mod.Engine(1, 0)
     try:
@@ -297,7 +298,7 @@ def test_an_infinite_timeout_does_not_stall_the_first_batch(gauntlet):
     try:
         with pytest.raises(ValueError, match="nan"):
             pool.run([], np.empty((0, 3), np.int64), np.empty(0, np.int64), np.empty(0, np.int64),
-                     np.empty((0, 2), np.int64), 1, engine.program([Resize((8, 8))], [0]),
+                     np.empty((0, 2), np.int64), 1, engine_program([Resize((8, 8))], [0]),
                      np.zeros((1, 8, 8, 3), np.uint8), np.empty(0, np.uint8), 0, 8, 8, True, 2.0, True, False,
                      1e12, float("nan"))
     finally:

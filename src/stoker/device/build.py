@@ -1,9 +1,9 @@
-"""What a finished slot becomes: the batch handed out, on the device thread or the caller's.
+"""What a finished slot becomes: the batch handed out, on the device thread.
 
 `DeviceBuilder` is what the Loader's device thread runs on each finished slot, on the copy stream:
-upload the uint8 batch, decode its JPEGs on the GPU (CPU fallback per sample, through the render
-stage), run the pipeline's batch ops (batched augmentations, Normalize, RandomErasing, Mixup:
-`handout.run_batch_ops`), convert. Its labels, extras and batch ops are the handout's (`loading.handout`),
+upload the uint8 batch, then one `finish` for every output: the pipeline's batch ops (batched
+augmentations, Normalize, RandomErasing, Mixup: `handout.run_batch_ops`), convert. The GPU columns'
+pipeline (`gpu_pipeline.PipelinedBuilder`) decodes its rows into the batch and finishes it the same way. Its labels, extras and batch ops are the handout's (`loading.handout`),
 as are the batches of a Loader without a device stage.
 """
 
@@ -17,7 +17,6 @@ from typing import Any
 from .._torch import torch
 from .stage import DeviceStage, convert, storages_on
 from ..loading.handout import batch_extras, labels_of, run_batch_ops
-from ..loading.jobs import cpu_rows, slot_jobs
 from ..loading.kinds import fold_rows, unfold_rows
 from ..loading.render import EpochChain
 from ..loading.slots import Slot
@@ -29,14 +28,13 @@ _log = logging.getLogger("stoker.loader")
 
 class DeviceBuilder:
     """The device thread's work on one finished slot (inside the copy stream's context): upload the
-    pinned batch, decode its JPEGs on the GPU (decode="gpu"), convert. Holds no reference to the
-    iterator, so an abandoned iterator can be collected."""
+    pinned batch, then `finish` it (batch ops, convert). The GPU columns' pipeline (`gpu_pipeline`) uploads
+    only the CPU's rows and finishes through the same `finish`. Holds no reference to the iterator, so an
+    abandoned iterator can be collected."""
 
-    def __init__(self, stage: DeviceStage, decoder: Any, chain: EpochChain, lock: threading.RLock,
-                 stats: LoaderStats) -> None:
+    def __init__(self, stage: DeviceStage, chain: EpochChain, lock: threading.RLock, stats: LoaderStats) -> None:
         self.stage = stage  # the loader's copy stream and its options
         self.opts = stage.opts
-        self.gpu = decoder  # a gpu_decode.GpuBatchDecoder, or None (decode="cpu")
         self.chain, self.lock, self.stats = chain, lock, stats
         self.encode = chain.multi_label
         self.scratch: dict = {}
@@ -46,30 +44,26 @@ class DeviceBuilder:
     def __call__(self, slot: Slot) -> tuple[Any, Any]:
         t0 = time.perf_counter()
         n, stage = slot.size, self.stage
-        floats, slot.floats = slot.floats, None   # the engine's float output (RenderSpec.floats): converted
+        floats, slot.floats = slot.floats, None   # the engine's float output (engine.FloatOut): converted
         if floats is not None:
             x = floats[:n]
-        elif self.gpu is not None:
-            # the GPU decode writes every JPEG row: only the rows rendered on the CPU cross the bus
-            # (all of a 256x224x224 batch would be 38.5 MB), into a batch allocated on the device
-            x = torch.empty(slot.images[:n].shape, dtype=slot.images.dtype, device=self.opts.device)
-            jobs = slot_jobs(slot, n)   # the rows the workers left for the GPU, in row order
-            self._upload_rows(slot, x, cpu_rows(n, jobs))
         else:
             # on the CPU `.to()` would return the slot itself, which the workers are about to refill
             x = stage.upload(slot.images[:n]) if self.opts.is_cuda else slot.images[:n].clone()
-        labels, extras = self._host_items(slot)
-        x, lead = fold_rows(x)   # clips: converted as B x T images, then regrouped
-        # past this fence the GPU no longer reads the pinned slot: the workers may refill it while the
-        # GPU decodes and converts (the JPEG bytes of GpuJobs are private copies, not slot memory)
+        labels, extras = self.host_items(slot)
+        # past this fence the GPU no longer reads the pinned slot: the workers may refill it
         reusable = stage.fence()
-        if self.gpu is not None and self._decode_on_gpu(slot, x, jobs):
-            # CPU fallback rows were copied from the slot after that fence, and on_error="skip" may have
-            # replaced a sample, label and extras included
-            labels, extras = self._host_items(slot)
-            reusable = stage.fence()
+        batch = self.finish(slot, x, labels, extras, converted=floats is not None)
+        self.stats.device_s += time.perf_counter() - t0
+        return batch, reusable
+
+    def finish(self, slot: Slot, x: torch.Tensor, labels: Any, extras: Any, converted: bool = False) -> tuple:
+        """The batch handed out from the uint8 NHWC rows `x` on the device (or the engine's float output,
+        `converted`): the pipeline's batch ops (`handout.run_batch_ops`), then `convert` to the asked dtype
+        and layout; clips folded into images for both and regrouped after."""
+        x, lead = fold_rows(x)   # clips: converted as B x T images, then regrouped
         spec = self.chain.spec
-        if floats is not None:
+        if converted:
             images = x
         elif spec.pipeline.batch is None:
             images = convert(x, self.opts, layout="nhwc")
@@ -80,13 +74,9 @@ class DeviceBuilder:
             done = x.dtype.is_floating_point and self.opts.dtype == torch.uint8
             images = x.contiguous(memory_format=self.opts.memory_format) if done else convert(x, self.opts,
                                                                                                layout="nchw")
-        images = unfold_rows(images, lead)
-        batch: tuple = (images, labels)
-        if extras is not None:   # extra columns, and the sizes of padded images
-            batch += (extras,)
         self.working = storages_on(x, self.opts.device)   # the upload / GPU decode target
-        self.stats.device_s += time.perf_counter() - t0
-        return batch, reusable
+        batch: tuple = (unfold_rows(images, lead), labels)
+        return batch + (extras,) if extras is not None else batch   # extra columns, the sizes of padded images
 
     def measure(self, batch: Any) -> tuple[int, int]:
         """(bytes of device memory `batch` holds, bytes of the working tensors its build also held):
@@ -94,7 +84,7 @@ class DeviceBuilder:
         held = storages_on(batch, self.opts.device)
         return sum(held.values()), sum(n for ptr, n in self.working.items() if ptr not in held)
 
-    def _host_items(self, slot: Slot) -> tuple[Any, dict[str, Any] | None]:
+    def host_items(self, slot: Slot) -> tuple[Any, dict[str, Any] | None]:
         """The slot's labels and third batch item (extras), on the device where they are tensors.
         Read before the slot's reuse fence: their uploads are copies from the slot too."""
         extras = batch_extras(slot, self.stage.upload if self.opts.is_cuda else None) if slot.extras else None
@@ -111,7 +101,7 @@ class DeviceBuilder:
         return self.stage.upload(labels)
 
     @staticmethod
-    def _upload_rows(slot: Slot, x: torch.Tensor, rows: list[int]) -> None:
+    def upload_rows(slot: Slot, x: torch.Tensor, rows: list[int]) -> None:
         """Copy `rows` of the slot's images into `x` (on the device), one asynchronous copy per run of
         consecutive rows."""
         start = 0
@@ -124,21 +114,9 @@ class DeviceBuilder:
             start = end
 
     def fallback(self, slot: Slot, x: torch.Tensor, failed: list) -> None:
-        """The CPU path for each (job, exception) the GPU could not decode: rendered into the slot (or
+        """The Python path for each (job, exception) the GPU could not decode: rendered into the slot (or
         raised or replaced, as for any failure), then copied into `x`."""
         for job, exc in failed:
             _log.info("GPU decode failed for %r, decoding it on the CPU: %s", job.key, exc)
-            self.chain.fill(slot.plan, job.row, slot, self.scratch, self.times, gpu=False)
-            self._upload_rows(slot, x, [job.row])
-
-    def _decode_on_gpu(self, slot: Slot, x: torch.Tensor, jobs: list) -> int:
-        """Decode the slot's GpuJobs into `x` (NHWC on the device); returns how many rows fell back to
-        the CPU (rendered into the slot, then copied from it)."""
-        failed = self.gpu.run(jobs, x.permute(0, 3, 1, 2)) if jobs else []
-        self.fallback(slot, x, failed)
-        with self.lock:
-            self.stats.add(self.times, 0)
-            self.stats.gpu_decoded += len(jobs) - len(failed)
-            self.stats.gpu_fallbacks += len(failed)
-            self.stats.gpu_decoder = self.gpu.decoder.name
-        return len(failed)
+            self.chain.fill(slot.plan, job.row, slot, self.scratch, self.times)
+            self.upload_rows(slot, x, [job.row])

@@ -34,12 +34,12 @@ from typing import Any
 from .._system import join_at_exit
 from .._torch import torch
 from ..errors import LoaderClosedError, LoaderTimeoutError
-from ..loading.jobs import GpuBatch, JpegStaging, cpu_rows, jpeg_bytes, slot_jobs
+from ..loading.jobs import GpuBatch, JpegStaging, cpu_rows, jpeg_bytes, plan_columns
 from ..loading.slots import Slot
-from .build import DeviceBuilder, run_batch_ops
+from .build import DeviceBuilder
 from .feeder import Feeder
 from .gpu_split import SplitControl
-from .stage import convert, storages_on
+from .stage import storages_on
 
 _log = logging.getLogger("stoker.gpu")
 
@@ -65,7 +65,7 @@ class _Chunk:
 class _Ticket:
     """A batch's JPEG rows handed to the decode thread; its chunks come back in order."""
 
-    jobs: Any  # the rows to decode: a `GpuBatch` (or the `GpuJob`s made one at a time)
+    jobs: GpuBatch  # the rows to decode
     out_h: int
     out_w: int
     chunks: deque = field(default_factory=deque)
@@ -223,12 +223,6 @@ class Phases:
                 f"{self.stats.gpu_share:.0%} ({self.stats.gpu_split})")
 
 
-def _batch_plan(slot: Slot) -> Any:
-    """The slot's `render.BatchPlan` (an EpochChain's plan is (filler, plan))."""
-    plan = slot.plan
-    return plan[1] if isinstance(plan, tuple) and len(plan) == 2 else plan
-
-
 class _Pending:
     """A batch submitted to the decode thread, not yet finished; also the guard of its slot."""
 
@@ -249,13 +243,13 @@ class PipelinedBuilder:
     CPU into a ring buffer, hand the JPEG rows to the decode thread) and `finish` (resample the
     decoded chunks, CPU fallbacks, convert)."""
 
-    def __init__(self, base: DeviceBuilder, split: SplitControl | None, timeout: float,
+    def __init__(self, base: DeviceBuilder, gpu: Any, split: SplitControl | None, timeout: float,
                  stop: threading.Event) -> None:
-        self.base = base
+        self.base, self.gpu = base, gpu   # gpu: the gpu_decode.GpuBatchDecoder
         self.stage, self.opts, self.stats = base.stage, base.opts, base.stats
         self.split = split
         self.phases = Phases(self.stats)
-        self.decoder = DecodeThread(base.gpu, stop, timeout, self.phases)
+        self.decoder = DecodeThread(gpu, stop, timeout, self.phases)
         self.buffers: list[torch.Tensor | None] = [None] * RING
         self.turn = 0
         self.batches = 0
@@ -277,14 +271,13 @@ class PipelinedBuilder:
     def submit(self, slot: Slot) -> _Pending:
         t0 = time.perf_counter()
         n = slot.size
-        jobs = slot_jobs(slot, n)   # the rows the workers left for the GPU, as columns in row order
+        jobs = plan_columns(slot.plan, n)   # the rows the workers left for the GPU, as columns in row order
         x = self._buffer(tuple(slot.images[:n].shape))
-        self.base._upload_rows(slot, x, cpu_rows(n, jobs))
+        self.base.upload_rows(slot, x, cpu_rows(n, jobs))
         t1 = time.perf_counter()
         self.phases.add("upload_s", t1 - t0)
-        plan_s = getattr(_batch_plan(slot), "gpu_plan_s", None)
-        if plan_s:
-            self.phases.add("plan_s", sum(plan_s))
+        if slot.plan.gpu_plan_s:
+            self.phases.add("plan_s", sum(slot.plan.gpu_plan_s))
         ticket = _Ticket(jobs, x.shape[1], x.shape[2])
         self._stage_bytes(slot, ticket.jobs)
         self.decoder.submit(ticket)
@@ -292,7 +285,7 @@ class PipelinedBuilder:
         pending.submit_s = time.perf_counter() - t0
         return pending
 
-    def _stage_bytes(self, slot: Slot, jobs: GpuBatch | list) -> None:
+    def _stage_bytes(self, slot: Slot, jobs: GpuBatch) -> None:
         """The slot's staging buffer for its next batch: made (pinned on a CUDA host) the first time, or
         larger when this batch's JPEGs did not fit; 1.5 times this batch's bytes. Once per slot in
         steady state."""
@@ -322,7 +315,7 @@ class PipelinedBuilder:
                 self.stage.stream.wait_event(chunk.decoded)
             failures += chunk.failures
             decode_s += chunk.seconds
-            failures += self.base.gpu.resample_chunk(chunk.placed, nchw)
+            failures += self.gpu.resample_chunk(chunk.placed, nchw)
             if self.stage.stream is not None:
                 chunk.reads = torch.cuda.Event()
                 chunk.reads.record(self.stage.stream)
@@ -332,16 +325,16 @@ class PipelinedBuilder:
         self.phases.add("decode_wait_s", decode_wait)
         self.phases.add("resample_s", resample)
         t2 = time.perf_counter()
-        labels, extras = self.base._host_items(slot)
-        if failures:
+        labels, extras = self.base.host_items(slot)
+        if failures:   # rendered on the Python path, and on_error="skip" may replace a sample, label and extras
             self.base.fallback(slot, x, failures)
-            labels, extras = self.base._host_items(slot)
+            labels, extras = self.base.host_items(slot)
         fallback = time.perf_counter() - t2
         self.phases.add("fallback_s", fallback)
         reusable = self.stage.fence()
         pending.copied, pending.finished = reusable, True
         t3 = time.perf_counter()
-        batch = self._convert(slot, x, labels, extras)
+        batch = self.base.finish(slot, x, labels, extras)
         t4 = time.perf_counter()
         self.phases.add("convert_s", t4 - t3)
         # the GPU side's pace: its busier stage, the decode calls or the resample (they overlap), and the
@@ -353,19 +346,6 @@ class PipelinedBuilder:
             self.buffers[self.buffers.index(x)] = None  # handed out as it is: never reused
         return batch, reusable
 
-    def _convert(self, slot: Slot, x: torch.Tensor, labels: Any, extras: Any) -> tuple:
-        spec = self.base.chain.spec
-        if spec.pipeline.batch is None:
-            images = convert(x, self.opts, layout="nhwc")
-        else:
-            filler, b = self.base.chain.locate(slot.batch)
-            y, labels = run_batch_ops(spec, x, labels, filler.epoch, b)
-            done = y.dtype.is_floating_point and self.opts.dtype == torch.uint8
-            images = y.contiguous(memory_format=self.opts.memory_format) if done else convert(y, self.opts,
-                                                                                               layout="nchw")
-        batch: tuple = (images, labels)
-        return batch + (extras,) if extras is not None else batch
-
     def _account(self, slot: Slot, ticket: _Ticket, failures: list, gpu_side: float) -> None:
         stats = self.stats
         n_gpu = len(ticket.jobs)
@@ -373,9 +353,9 @@ class PipelinedBuilder:
             stats.add(self.base.times, 0)
             stats.gpu_decoded += n_gpu - len(failures)
             stats.gpu_fallbacks += len(failures)
-            stats.gpu_decoder = self.base.gpu.decoder.name
+            stats.gpu_decoder = self.gpu.decoder.name
         if self.split is not None:
-            cpu_s = sum(getattr(_batch_plan(slot), "cpu_render_s", None) or ())
+            cpu_s = sum(slot.plan.cpu_render_s)
             n_cpu = slot.size - n_gpu
             if n_cpu > 0:
                 self.split.observe_cpu(n_cpu, cpu_s)
@@ -453,7 +433,7 @@ class PipelinedFeeder(Feeder):
         since = self.pipe.decoder.calling_since
         if since is None:
             return ""
-        return (f"the GPU decoder ({self.pipe.base.gpu.decoder.name}) has been inside one decode call for "
+        return (f"the GPU decoder ({self.pipe.gpu.decoder.name}) has been inside one decode call for "
                 f"{time.monotonic() - since:.0f} s; if it is hung, use decode='cpu'")
 
     def stop(self, join_timeout: float = 5.0) -> None:

@@ -204,17 +204,3 @@ class SplitControl:
         alone; a probe window of the split gives the GPU at least the floor, so it is measured."""
         way = self.probe or self.mode
         self.share = 0.0 if way == "cpu" else max(self.balanced, self.floor)
-
-
-def auto_blocker(tail_ops: str, resampling: tuple, pad: bool) -> str | None:
-    """Why decode="auto" decodes on the CPU alone for a Loader's transforms (None: the GPU may help):
-    the same combinations decode="gpu" refuses (a kind of sample the GPU cannot decode says so itself,
-    `SampleKind.cpu_only`)."""
-    if tail_ops:
-        return f"CPU only: {tail_ops} run on numpy arrays, after the decode"
-    if tuple(resampling) != ("bilinear", True):
-        return (f"CPU only: the transforms resize with {resampling[0]!r} (antialias={resampling[1]}); the GPU "
-                f"path resizes with antialiased bilinear only")
-    if pad:
-        return "CPU only: pad=True"
-    return None

@@ -33,6 +33,7 @@ from .._torch import torch
 from ..device.stage import DeviceOptions
 from .state import check_state
 from ..errors import ConfigError
+from ..loading.route import Route
 from ..loading.stats import LoaderStats
 from ..order import samples_per_rank
 from ..dataset import Dataset
@@ -40,7 +41,7 @@ from ..mix import Mix
 from .habits import check_source, dataloader_keywords, follow_set_epoch
 from .open import open_for_loading
 from .options import Sampling, Storage, Targets, Workers
-from .passes import Cursor, Passes
+from .passes import Cursor, GpuDecoders, Passes
 from .plan import LoadPlan, ask, resolve
 
 __all__ = ["Loader", "LoaderStats", "Sampling", "Storage", "Targets", "Workers"]
@@ -87,15 +88,12 @@ class Loader:
                                         timeout=asked.workers.timeout)
         self.dataset = self._opened.dataset
         try:
-            self.plan: LoadPlan = resolve(asked, self.dataset)
-            self.stats = LoaderStats()
+            decoders = GpuDecoders()   # the route's GPU decoder probe; a missing library named when the Loader is made
+            self.plan: LoadPlan = resolve(asked, self.dataset, decoders.probe)
+            self.stats = LoaderStats(route=self.plan.route, gpu_split=self.plan.route.cpu_only)
             # where the data stands (the epoch, the samples of it yielded), written by the passes
             self._cursor = Cursor()
-            self._passes = Passes(self.plan, self.dataset, self.stats, self._cursor)
-            if asked.gpu_decode:
-                self._passes.gpu(asked.device)  # a missing decoder library fails here, with its install hint
-            elif asked.device is not None and asked.device.decode == "auto":
-                self._auto_decode(asked)
+            self._passes = Passes(self.plan, self.dataset, self.stats, self._cursor, decoders)
         except BaseException:
             self.close()
             raise
@@ -237,32 +235,7 @@ class Loader:
         without `device=`: what `stoker.prefetch(loader, device)` iterates. The ring's pinned memory
         is reused, so the device copy happens here, on the loader's copy stream, before a slot is
         refilled."""
-        opts = self.plan.for_device(device)
-        if opts.gpu_decode:
-            self._passes.gpu(opts)
-        return self._passes.begin(opts)
-
-    def _auto_decode(self, asked: Any) -> None:
-        """decode="auto": kept where a GPU decoder works here and the transforms allow it (each batch then
-        split by measured throughput), else the plan's device becomes decode="cpu"; LoaderStats.gpu_split
-        says which, and why."""
-        from ..device.gpu_split import auto_blocker
-
-        opts, pipeline = asked.device, asked.pipeline
-        tail = ", ".join(op.name for op in pipeline.tail if hasattr(op, "name"))
-        why = (f"CPU only: Workers(processes={self.plan.processes}) renders in its worker processes"
-               if self.plan.processes
-               else auto_blocker(tail, pipeline.resampling, asked.targets.pad) or self.plan.kind.cpu_only)
-        if why is None:
-            try:
-                self._passes.gpu(opts)
-            except ConfigError as exc:
-                why = f"CPU only: no GPU JPEG decoder works here ({str(exc).splitlines()[0]})"
-        if why is None:
-            return
-        self.stats.gpu_share, self.stats.gpu_split = 0.0, why
-        self.plan = replace(self.plan, asked=replace(asked, device=replace(opts, decode="cpu")))
-        self._passes.plan = self.plan
+        return self._passes.begin(self.plan.for_device(device))
 
     def close(self) -> None:
         """Stop any running iteration and release the dataset (when the Loader opened it). Idempotent."""
@@ -279,14 +252,13 @@ class Loader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def route(self) -> Route:
+        """How each row becomes pixels (`stoker.loading.route.Route`): decided once, when the Loader was made."""
+        return self.plan.route
+
     def __repr__(self) -> str:
         h, w = self.output_size
-        where = "" if self.device is None else f", to {self.device.device}, decode {self.device.decode}"
         return (f"<stoker.Loader {len(self.dataset)} samples, batch {self.batch_size}, {h}x{w}, "
-                f"{self.num_threads} threads{_in_processes(self.processes)}, "
-                f"rank {self.rank}/{self.world_size}, epoch {self.epoch}{where}>")
-
-
-def _in_processes(n: int) -> str:
-    """Where the worker threads run, for the Loader's repr."""
-    return "" if not n else " in a worker process" if n == 1 else f" in {n} worker processes"
+                f"{self.num_threads} threads, rank {self.rank}/{self.world_size}, epoch {self.epoch}; "
+                f"route: {self.plan.route}>")

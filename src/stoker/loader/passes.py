@@ -26,8 +26,8 @@ from ..dataset import Dataset
 from ..errors import ConfigError
 from ..device.build import DeviceBuilder
 from ..loading.handout import host_batch, numpy_batch
-from ..loading.engine import FloatOut, per_sample_python
-from ..loading.render import EpochChain, Filler, RenderSpec, native_claims
+from ..loading.engine import FloatOut
+from ..loading.render import EpochChain, Filler, RenderSpec, run_claims
 from ..device.feeder import Feeder
 from ..loading.slots import BatchRing, Run
 from ..loading.stats import LoaderStats
@@ -86,15 +86,55 @@ def float_out(spec: RenderSpec, opts: DeviceOptions | None) -> FloatOut | None:
     return None if levels is None else FloatOut(levels, opts.memory_format == torch.channels_last)
 
 
+class GpuDecoders:
+    """A Loader's GPU batch decoders (`gpu_decode.GpuBatchDecoder`), one per device, made on first need
+    (the decoder libraries load only then); `probe` is the route's question (`loading.route.decide`)."""
+
+    def __init__(self) -> None:
+        self.made: dict[Any, Any] = {}
+
+    def get(self, opts: DeviceOptions) -> Any:
+        from ..device.gpu_decode import GpuBatchDecoder, make_decoder
+
+        opts = opts.resolved(warn=False)  # a Loader checks its decoder when made: the pass warns, if need be
+        found = self.made.get(opts.device)
+        if found is None:
+            spec = opts.gpu_decoder
+            decoder = make_decoder(spec, opts.device) if isinstance(spec, str) else spec
+            if not isinstance(getattr(decoder, "name", None), str):   # the stats, the log and errors name it
+                raise ConfigError(f"gpu_decoder={type(decoder).__name__} object has no `name`: give it a str attribute "
+                                  f"naming the decoder (LoaderStats.gpu_decoder and errors show it), e.g. "
+                                  f"name = \"my nvJPEG wrapper\"")
+            if isinstance(spec, str) and hasattr(decoder, "keep_outputs"):
+                from ..device.gpu_pipeline import RING
+
+                decoder.keep_outputs(RING)  # no device allocation per image in steady state
+            found = self.made[opts.device] = GpuBatchDecoder(decoder, opts.device)
+        return found
+
+    def probe(self, opts: DeviceOptions) -> str | None:
+        """None where a decoder works here for `opts`, else why not; decode="gpu" raises instead (its
+        ConfigError names the install)."""
+        try:
+            self.get(opts)
+        except ConfigError as exc:
+            if opts.decode == "gpu":
+                raise
+            return f"no GPU JPEG decoder works here ({str(exc).splitlines()[0]})"
+        return None
+
+
 class Passes:
     """The Loader's passes: their threads, the batch ring, the device stage and GPU decoder they share."""
 
-    def __init__(self, plan: "LoadPlan", dataset: Dataset, stats: LoaderStats, cursor: Cursor) -> None:
+    def __init__(self, plan: "LoadPlan", dataset: Dataset, stats: LoaderStats, cursor: Cursor,
+                 decoders: GpuDecoders) -> None:
         self.plan, self.dataset, self.stats, self.cursor = plan, dataset, stats, cursor
+        self.decoders = decoders
         self._ring: BatchRing | None = None
         self._stage: DeviceStage | None = None  # one copy stream per loader, made on first use
-        self._gpu: Any = None  # the GpuBatchDecoder (decode="gpu")
-        self._split: Any = None  # its gpu_split.SplitControl
+        self._split: Any = None  # the GPU columns' gpu_split.SplitControl
+        self._specs: dict[Any, RenderSpec] = {}  # device options of iter_on -> the spec with their route
         self._live: _Crew | None = None  # persistent: the pipeline running on into the next epoch
         self._iters: weakref.WeakSet[PassIter] = weakref.WeakSet()  # the passes made, while they live
         self._floats: tuple[Any, FloatOut | None] | None = None  # (options, float_out's answer), kept across passes
@@ -110,8 +150,9 @@ class Passes:
         self._generation = fork_generation()
         self._lock = threading.RLock()
         self._iters = weakref.WeakSet()
-        self._live = self._ring = self._stage = self._gpu = self._split = None
+        self._live = self._ring = self._stage = self._split = None
         self._floats = None
+        self.decoders.made.clear()
 
     def begin(self, opts: DeviceOptions | None) -> PassIter:
         """A whole pass of the cursor's epoch (from the resume point `load_state_dict` set, once).
@@ -162,30 +203,25 @@ class Passes:
             self._stage = DeviceStage(opts)
         return self._stage
 
-    def gpu(self, opts: DeviceOptions) -> Any:
-        """The GpuBatchDecoder for decode="gpu", made once (gpu_decode loads only when asked for)."""
-        from ..device.gpu_decode import GpuBatchDecoder, make_decoder
+    def spec_for(self, opts: DeviceOptions | None) -> RenderSpec:
+        """The RenderSpec of a pass with `opts`: the plan's, whose route was decided with its own device
+        options; a pass moved to another device (`Loader.iter_on`) gets the route for those, once."""
+        if opts == self.plan.device or (opts is not None and self.plan.device is not None
+                                        and opts.resolved(warn=False) == self.plan.device.resolved(warn=False)):
+            return self.plan.spec
+        found = self._specs.get(opts)
+        if found is None:
+            from .plan import route_of
 
-        opts = opts.resolved(warn=False)  # a Loader checks its decoder when made: the pass warns, if need be
-        if self._gpu is None or self._gpu.device != opts.device:
-            spec = opts.gpu_decoder
-            decoder = make_decoder(spec, opts.device) if isinstance(spec, str) else spec
-            if not isinstance(getattr(decoder, "name", None), str):   # the stats, the log and errors name it
-                raise ConfigError(f"gpu_decoder={type(decoder).__name__} object has no `name`: give it a str attribute "
-                                  f"naming the decoder (LoaderStats.gpu_decoder and errors show it), e.g. "
-                                  f"name = \"my nvJPEG wrapper\"")
-            if isinstance(spec, str) and hasattr(decoder, "keep_outputs"):
-                from ..device.gpu_pipeline import RING
+            found = self._specs[opts] = replace(self.plan.spec, route=route_of(
+                self.plan.asked, self.plan.spec, self.dataset, opts, self.decoders.probe))
+        return found
 
-                decoder.keep_outputs(RING)  # no device allocation per image in steady state
-            self._gpu = GpuBatchDecoder(decoder, opts.device)
-        return self._gpu
-
-    def split(self, opts: DeviceOptions) -> Any:
-        """The SplitControl of decode="gpu"/"auto", kept across passes (its measurements carry over)."""
+    def split(self, share: float | None) -> Any:
+        """The SplitControl of the route's GPU columns (`share`: fixed, or None: measured), kept across
+        passes (its measurements carry over)."""
         from ..device.gpu_split import SplitControl
 
-        share = opts.gpu_share if opts.gpu_share is not None else 1.0 if opts.decode == "gpu" else None
         if self._split is None or self._split.fixed != share:
             self._split = SplitControl(self.plan.num_threads, share)
             self.stats.gpu_share, self.stats.gpu_split = self._split.settled, self._split.reason
@@ -232,7 +268,8 @@ class Passes:
             it.close()
         self.stop_live()
         self._ring = None
-        self._stage = self._gpu = None
+        self._stage = None
+        self.decoders.made.clear()
 
 
 class _Crew:
@@ -249,12 +286,15 @@ class _Crew:
         self.persistent = persistent
         self.dataset = passes.dataset   # not the Passes: collecting it (with its Loader) stops these threads
         parts = passes.plan
-        spec = parts.spec
-        if opts is not None and opts.decode in ("gpu", "auto"):  # "auto" left here: a GPU decoder works
-            spec = replace(spec, gpu_decode=True, gpu_split=passes.split(opts))
-        elif parts.child_spec is None and parts.output != "numpy":
-            spec = replace(spec, floats=passes.floats(spec, opts))
-        self.spec = spec
+        self.spec = spec = passes.spec_for(opts)
+        route = spec.route
+        self.split = passes.split(route.share) if route.gpu_decode else None
+        passes.stats.route = route
+        if not route.gpu_decode:
+            passes.stats.gpu_share, passes.stats.gpu_split = 0.0, route.cpu_only
+        # the engine's float output: where the caller's conversion is a per-level table on the CPU
+        floats = (passes.floats(spec, opts) if route.native and not route.gpu_decode and parts.output != "numpy"
+                  else None)
         self.chain = EpochChain(spec)
         self.epochs: list[tuple[int, int, int, int]] = []  # (epoch, first run batch, batches, first sample)
         self._orders: list[tuple[int, np.ndarray, int]] = []  # (epoch, its indices, first sample): a worker process's
@@ -272,26 +312,21 @@ class _Crew:
         if parts.child_spec is not None:   # the threads in a worker process, over a ring in shared memory
             from ..loading.procs import process_run
 
-            # the children's own threads run the per-sample Python: none of it in this process; whether
-            # they render with the engine comes with their first batch
-            passes.stats.engine, passes.stats.per_sample_python = False, []
             self.run = process_run(parts, passes.dataset, passes.stats, self._orders, sizes, threads, extra,
                                    open_ended=persistent)
         else:
             ring = passes.ring(extra=extra, private=private)
             self.run = Run(ring, sizes, threads, self.chain.prepare, self.chain.fill, passes.stats.add,
-                           parts.timeout, open_ended=persistent, **native_claims(spec, self.chain, threads, parts.timeout))
-            passes.stats.engine = self.run.engine is not None
-            passes.stats.per_sample_python = per_sample_python(spec, self.chain, passes.stats.engine)
+                           parts.timeout, open_ended=persistent,
+                           **run_claims(spec, self.chain, threads, parts.timeout, floats))
         if opts is not None:
             stage = passes.stage(opts)
-            decoder = passes.gpu(opts) if spec.gpu_decode else None
-            build = DeviceBuilder(stage, decoder, self.chain, self.run.lock, passes.stats)
-            if decoder is not None and isinstance(self.run, Run):  # the decode overlapped: gpu_pipeline
+            build = DeviceBuilder(stage, self.chain, self.run.lock, passes.stats)
+            if route.gpu_decode:  # the GPU's columns, decoded while the batch before is finished: gpu_pipeline
                 from ..device.gpu_pipeline import PipelinedBuilder, PipelinedFeeder
 
                 stop = threading.Event()
-                pipe = PipelinedBuilder(build, spec.gpu_split, parts.timeout, stop)
+                pipe = PipelinedBuilder(build, passes.decoders.get(opts), self.split, parts.timeout, stop)
                 self.feeder = PipelinedFeeder(self.run, stage, build, parts.prefetch, parts.timeout,
                                               stats=passes.stats, measure=build.measure, pipe=pipe)
             else:
@@ -321,7 +356,7 @@ class _Crew:
         bs, left = parts.batch_size, max(len(indices) - start, 0)
         sizes = [min(bs, left - k * bs) for k in range(-(-left // bs))]
         first = self.epochs[-1][1] + self.epochs[-1][2] if self.epochs else 0
-        self.chain.add(Filler(self.spec, dataset, epoch, indices, start), first)
+        self.chain.add(Filler(self.spec, dataset, epoch, indices, start, self.split), first)
         self._orders.append((epoch, indices, start))
         self.epochs.append((epoch, first, len(sizes), start))
         return sizes

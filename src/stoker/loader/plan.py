@@ -19,7 +19,7 @@ from __future__ import annotations
 import warnings
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -31,6 +31,7 @@ from ..loading.clips import Clips, ClipKind
 from ..loading.kinds import IMAGES, SampleKind
 from ..loading.labels import multi_label_spec
 from ..loading.render import RenderSpec
+from ..loading.route import Route, decide
 from ..loading.slots import check_ring_fits
 from ..order import (Pool, epoch_order, from_ranges, layout_positions, make_pool, num_batches, rank_indices,
                      samples_per_rank, shard_window_order, to_ranges, unseen_positions)
@@ -285,6 +286,7 @@ class LoadPlan:
     child_spec: bytes | None = None
 
     # the values that live once, read from where they live
+    route = property(lambda self: self.spec.route)   # how each row becomes pixels (`loading.route`)
     batch_size = property(lambda self: self.asked.batch_size)
     seed = property(lambda self: self.asked.sampling.seed)
     order = property(lambda self: self.asked.sampling.order)
@@ -321,8 +323,13 @@ class LoadPlan:
         return opts
 
 
-def resolve(asked: Asked, ds: Dataset) -> LoadPlan:
-    """`asked` with its dataset: the frozen plan, or a ConfigError for what they cannot do together."""
+#: a GPU decoder probe: None where one works here for these options, else why not (decode="gpu": it raises)
+DecoderProbe = Callable[[DeviceOptions], "str | None"]
+
+
+def resolve(asked: Asked, ds: Dataset, decoder: DecoderProbe) -> LoadPlan:
+    """`asked` with its dataset: the frozen plan, or a ConfigError for what they cannot do together.
+    `decoder`: the GPU decoder probe the route asks where the GPU could take rows."""
     kind = _sample_kind(asked, ds)
     missing = [c for c in asked.columns if c not in ds.extra_columns]
     if missing:
@@ -384,6 +391,7 @@ def resolve(asked: Asked, ds: Dataset) -> LoadPlan:
                       box_columns=t.boxes, mask_columns=polygons, label_map_columns=label_maps,
                       ignore_index=t.ignore_index, pad=t.pad, key_by_draw=pool.weighted, members=pool.members(),
                       kind=kind)
+    spec = replace(spec, route=route_of(asked, spec, ds, asked.device, decoder))
     rows = ds.shard_rows
     epochs = EpochOrder(pool, s.order, int(s.seed), asked.rank, asked.world_size, s.drop_last, asked.batch_size,
                         kind.per_item, None if rows is None else tuple(rows), len(ds))
@@ -454,3 +462,27 @@ def _output_size(asked: Asked, ds: Dataset, h: np.ndarray | None, w: np.ndarray 
                       f"CenterCrop(size) or Resize((height, width)), or {'pass' if h is not None else 'pack them (stoker.pack) and pass'} "
                       f"targets=stoker.Targets(pad=True) to batch them padded with their sizes")
 
+
+
+def route_of(asked: Asked, spec: RenderSpec, ds: Dataset, opts: DeviceOptions | None, decoder: DecoderProbe) -> Route:
+    """The route of `spec`'s rows with device options `opts` (`loading.route.decide`): the plan's own, and
+    that of a pass moved to another device (`Loader.iter_on`)."""
+    return decide(spec, ds, decode="cpu" if opts is None else opts.decode,
+                  gpu_share=None if opts is None else opts.gpu_share, processes=asked.workers.processes,
+                  stage=_stage(asked, opts), decoder=lambda: decoder(opts))
+
+
+def _stage(asked: Asked, opts: DeviceOptions | None) -> str:
+    """What the device stage does with a finished batch, in a few words."""
+    batch = asked.pipeline.batch
+    ops = [] if batch is None else [type(op).__name__ for op in batch.ops] + (["Mixup"] if batch.mix else [])
+    if asked.output == NUMPY:
+        return "none (NumPy arrays in host memory)"
+    if opts is None:
+        return "none (uint8 batches in host memory" + (f"; {', '.join(ops)} on the CPU" if ops else "") + ")"
+    steps = [f"to {opts.device}", *ops]
+    if opts.normalize is not None:
+        steps.append("normalize")
+    if opts.dtype is not None:
+        steps.append(str(opts.dtype).replace("torch.", ""))
+    return " + ".join(steps)

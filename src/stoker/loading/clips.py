@@ -436,7 +436,7 @@ class ClipKind:
     name: ClassVar[str] = "clip"
     plans_batch: ClassVar[bool] = False   # each clip plans its own crop (`plan_clip`), from its video's index
     per_row_python: ClassVar[str | None] = "video clips: each clip's frames are decoded and placed in a Python loop"
-    cpu_only: ClassVar[str | None] = "CPU only: video clips are decoded by PyAV"
+    cpu_only: ClassVar[str | None] = "video clips are decoded by PyAV"
 
     @property
     def frames(self) -> int:

@@ -23,20 +23,19 @@ without the engine, at any thread count (tests/test_engine.py compares them bit 
 With decode="auto" (or a `gpu_share=` below 1) the CPU's share of each split batch goes through
 the engine too: the batch is planned in NumPy as the split needs it (`Filler.prepare`), a coordinator
 leaves the GPU's rows for the device thread in one call (`Filler.queue_gpu_rows`: their crop windows
-and gathered JPEG bytes, or one job per row where that cannot serve), then renders the rows before
+and gathered JPEG bytes), then renders the rows before
 `BatchPlan.gpu_from` in one `Engine.run`; the pool's busy seconds are the CPU side's
 time the split measures (`BatchPlan.cpu_render_s`). Which rows the GPU takes changes no CPU row's
 pixels: each row's stream and plan depend on its sample alone.
 
 On Linux the pool's threads run at nice `NICE` (19; `STOKER_ENGINE_NICE` sets another value, 0 to 19).
-`STOKER_ENGINE=off` (read when a pass starts) keeps the chunk path (`Filler.fill_chunk`: chunks of
-rows, claimed by as many Python threads as `num_threads`); `STOKER_NATIVE=off` turns every native
-path off.
+Whether batches take this path is the route's (`route.Route`, decided when the Loader is made):
+`STOKER_ENGINE=off` then sends every row through the Python path on `num_threads` worker threads;
+`STOKER_NATIVE=off` turns every native path off.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 from dataclasses import dataclass, field
@@ -48,25 +47,17 @@ from .._torch import torch
 from .. import codecs, native
 from ..errors import LoaderClosedError
 from ..order import TAG_DRAW, TAG_SAMPLE, stream_key
-from ..reader import Dataset
-from ..transforms.geometry import AA_HEADROOM, CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
+from ..transforms.geometry import AA_HEADROOM
+from .route import ENV
 
 if TYPE_CHECKING:
+    from .render import BatchPlan, RenderSpec
     from .slots import Slot, WorkerTimes
 
-# render.py's RenderSpec, EpochChain, Filler and BatchPlan (render imports this module, so not the reverse)
-RenderSpec = EpochChain = Filler = BatchPlan = Any
-
-ENV = "STOKER_ENGINE"
 #: Python threads that coordinate batches: two keep the pool fed (one plans and queues the next batch
 #: while the pool renders the other's), more would only add Python beside the training loop
 COORDINATORS = 2
-_PROG_WIDTH = 10   # csrc/engine.c's PROG_WIDTH: doubles per planned op
-_RRC, _RESIZE, _CENTER, _FLIP = 1, 2, 3, 4
 _STOPPED = 1   # Engine.run's state when close() stopped the pool
-#: the least share of JPEG rows (of the first 1,024 of a pass) for the engine: the others are rendered
-#: per sample on the coordinator threads only
-MIN_JPEG_SHARE = 0.9
 #: the pool threads' Linux nice value: under contention for a core the training process's own threads
 #: (the training loop, autograd's, the device thread: nice 0) run first; alone, the pool loses nothing.
 #: 19 (the lowest priority): beside a dispatch-bound step on 2 cores, 2 pool threads inflated the step
@@ -157,133 +148,12 @@ def pool_nice() -> int:
         return NICE
 
 
-def enabled() -> bool:
-    """Whether the engine may be used (the native path is on and STOKER_ENGINE does not turn it off)."""
-    return native.ON and os.environ.get(ENV, "").strip().lower() not in ("0", "off", "false", "no")
-
-
-def program(ops: Any, offsets: Any) -> np.ndarray | None:
-    """The planned geometric ops as csrc/engine.c's program (float64 [ops, 10]: kind, draw offset,
-    parameters), or None when one of them is not an op the engine plans."""
-    rows = []
-    for op, off in zip(ops, offsets):
-        row = [0.0] * _PROG_WIDTH
-        row[1] = float(off)
-        if type(op) is RandomResizedCrop:
-            row[0] = _RRC
-            row[2:10] = (*op.size, op.scale[0], op.scale[1], math.log(op.ratio[0]), math.log(op.ratio[1]),
-                         op.ratio[0], op.ratio[1])
-        elif type(op) is Resize:
-            row[0] = _RESIZE
-            row[2:5] = (op.size, 0, 0) if isinstance(op.size, int) else (-1, *op.size)
-        elif type(op) is CenterCrop:
-            row[0] = _CENTER
-            row[2:4] = op.size
-        elif type(op) is RandomHorizontalFlip:
-            row[0] = _FLIP
-            row[2] = op.p
-        else:
-            return None
-        rows.append(row)
-    return np.array(rows, np.float64).reshape(-1, _PROG_WIDTH)
-
-
-def batch_engine(spec: RenderSpec, chain: EpochChain, threads: int, timeout: float, serves: bool
-                 ) -> "BatchEngine | None":
-    """The engine for a Run of `chain`'s batches on `threads` native threads, or None where it does
-    not serve them (then the chunk path or the per-sample path does, as before): the native chunk
-    path must serve the spec (`serves`: `render.native_serves`), every planned op must be one the engine plans,
-    and the dataset must hand over mapped JPEG bytes (a packed dataset) that are mostly JPEGs (the
-    per-sample path renders the others on the coordinator threads only)."""
-    if not enabled() or not chain.fillers or not serves:
-        return None
-    if spec.gpu_decode and not cpu_share(spec):
-        return None   # decode="gpu": every JPEG row goes to the GPU, none to the pool
-    pipe = spec.pipeline
-    prog = program(pipe.prefix, pipe.offsets)
-    ds = chain.fillers[0].ds
-    if prog is None or type(ds).jpeg_spans is Dataset.jpeg_spans:
-        return None
-    sample = chain.fillers[0].indices[:1024]
-    try:
-        _, spans = ds.jpeg_spans(sample)
-    except Exception:  # noqa: BLE001 - a shard that fails its check: the per-sample path reports it
-        return None
-    if len(sample) and np.count_nonzero(spans[:, 0] >= 0) < MIN_JPEG_SHARE * len(sample):
-        return None
-    return BatchEngine(spec, prog, threads, timeout)
-
-
-def cpu_share(spec: RenderSpec) -> bool:
-    """Whether a GPU decode spec may leave JPEG rows to the CPU: a split (decode="auto", or a
-    `gpu_share=` below 1), not decode="gpu" alone."""
-    split = spec.gpu_split
-    return split is not None and split.fixed != 1.0
-
-
-#: what to do when `per_sample_python` names something (stoker doctor prints it)
-PER_SAMPLE_FIX = ("move per-sample colour and policy ops to the batched GPU ops (stoker.transforms.gpu, run by the "
-                  "device thread on whole batches), or run the worker threads in child processes, whose GILs are "
-                  "not the training loop's: workers=stoker.Workers(processes=1), or processes=N (N > 1) where one "
-                  "process's Python per sample cannot keep up (the same batches, bit for bit)")
-
-
-def per_sample_python(spec: RenderSpec, chain: EpochChain, served: bool) -> list[str]:
-    """What makes the worker threads run Python per sample in the training process (each item names
-    the cause), or [] where the engine serves the batches. Each such sample holds the GIL the training
-    loop's thread needs for every op it dispatches: tens of µs per sample, which a dispatch-bound step
-    pays in full (`stoker bench --pipelines neighbour` measures it)."""
-    if served:   # a split batch's CPU rows are the engine's, its GPU rows a chunk at a time (queue_gpu_rows)
-        return []
-    pipe = spec.pipeline
-    why = [f"{getattr(op, 'name', type(op).__name__)}: a per-sample op after the planned crop" for op in pipe.tail]
-    why += [f"{type(t).__name__} targets ({t.column}): placed per sample" for t in spec.target_kinds()]
-    if spec.kind.per_row_python:   # video clips: PyAV's frame loop
-        why.append(spec.kind.per_row_python)
-    if spec.gpu_decode and not cpu_share(spec):   # decode="gpu": every JPEG row is the GPU's
-        return why + gpu_rows_per_sample(spec)
-    if spec.gpu_decode:
-        why += gpu_rows_per_sample(spec)
-    if spec.pad:
-        why.append("pad=True: each image is placed at its own size")
-    if pipe.resampling[0] != "bilinear":
-        why.append(f"interpolation={pipe.resampling[0]!r}: only bilinear resampling is native")
-    if program(pipe.prefix, pipe.offsets) is None:
-        names = [type(op).__name__ for op in pipe.prefix
-                 if type(op) not in (RandomResizedCrop, Resize, CenterCrop, RandomHorizontalFlip)]
-        why.append(f"{', '.join(names)}: planned per batch in NumPy, not by the engine")
-    if not native.ON:
-        why.append("the native path is off (STOKER_NATIVE=off, or the extension was not compiled)")
-    elif not enabled():
-        why.append("the engine is off (STOKER_ENGINE=off): chunks of rows, Python per chunk")
-    if not why:
-        ds = chain.fillers[0].ds if chain.fillers else None
-        what = "a packed dataset of mostly JPEGs" if spec.heights is not None else "stored image sizes (a packed dataset)"
-        why.append(f"the data is not {what}" + (f" ({type(ds).__name__})" if ds is not None else ""))
-    return why
-
-
-def gpu_rows_per_sample(spec: RenderSpec) -> list[str]:
-    """What keeps the GPU's rows of a batch from being prepared a chunk at a time by the worker threads
-    (`Filler.queue_gpu_rows`: crop windows in NumPy, the bytes gathered by one native call)."""
-    why = []
-    if spec.heights is None or not spec.kind.plans_batch:
-        why.append("decode='gpu': each JPEG row is queued for the device thread one at a time (its crop is "
-                   "planned when it is read: not a packed dataset of images)")
-    elif spec.pad or spec.target_kinds():
-        why.append("decode='gpu': each JPEG row is queued for the device thread one at a time (pad=True or "
-                   "targets are placed per row)")
-    if not native.ON:
-        why.append("the native path is off (STOKER_NATIVE=off, or the extension was not compiled): the GPU rows' "
-                   "JPEG bytes are copied one row at a time")
-    return why
-
-
 class BatchEngine:
     """One Run's engine: `start()` makes the pool, `fill_chunk` renders a batch (the Run's `ChunkFn`,
     with `chunk` = the batch size), `close()` stops and joins the pool (repeatable, from any thread)."""
 
-    def __init__(self, spec: RenderSpec, prog: np.ndarray, threads: int, timeout: float) -> None:
+    def __init__(self, spec: "RenderSpec", prog: np.ndarray, threads: int, timeout: float,
+                 floats: FloatOut | None = None) -> None:
         self.spec = spec
         self.program = prog
         self.threads = threads
@@ -299,7 +169,7 @@ class BatchEngine:
         self.fast = spec.decode_quality == "fast"
         self.antialias = spec.pipeline.resampling[1]
         self.tag = TAG_DRAW if spec.key_by_draw else TAG_SAMPLE
-        self.floats: FloatOut | None = None if self.split else spec.floats
+        self.floats = None if self.split else floats
         self.levels = None if self.floats is None else self.floats.table()
         self.buffers: FloatBuffers | None = None
         self._streams: dict[int, int] = {}   # epoch -> the root of its random streams
@@ -324,16 +194,16 @@ class BatchEngine:
             s = self._streams[epoch] = int(stream_key(self.spec.seed, epoch, self.tag)[0])
         return s
 
-    def fill_chunk(self, plan: "tuple[Filler, BatchPlan]", r0: int, r1: int, slot: "Slot", scratch: dict,
+    def fill_chunk(self, bp: "BatchPlan", r0: int, r1: int, slot: "Slot", scratch: dict,
                    times: "WorkerTimes") -> list[tuple[int, BaseException]]:
-        """Rows r0..r1 (the whole batch) of `plan` into `slot`: one `Engine.run`, then the refused rows
+        """Rows r0..r1 (the whole batch) of `bp` into `slot`: one `Engine.run`, then the refused rows
         through `Filler.fill` with the batch's NumPy plan (`Filler.complete`). Returns the (row,
-        exception) of the rows that failed, as `Filler.fill_chunk` does.
+        exception) of the rows that failed, as `Filler.fill_split` does.
 
         A split batch: rows from `gpu_from` on are left for the GPU first, in one call
         (`Filler.queue_gpu_rows`), then the rows before it go through the pool; the pool's busy seconds
         are the CPU side's time."""
-        filler, bp = plan
+        filler = bp.filler
         errors: list = []
         end = r1
         if self.split:

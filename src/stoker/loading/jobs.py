@@ -1,7 +1,8 @@
-"""Work a render worker leaves for the device thread: a JPEG to decode on the GPU (`GpuJob`), its bytes
-in the batch's one staging buffer (`JpegStaging`), or a chunk of a batch's GPU rows prepared in one
-call (`GpuRows`: crop windows planned over the chunk in NumPy, JPEG bytes gathered into the staging
-buffer by one native call), and a batch's GPU rows as columns for the device side (`GpuBatch`). Plain
+"""Work a render worker leaves for the device thread, on the route's GPU columns: a chunk of a batch's
+GPU rows prepared in one call (`GpuRows`: crop windows planned over the chunk in NumPy, JPEG bytes
+gathered into the batch's staging buffer, `JpegStaging`, by one native call), and a batch's GPU rows as
+columns for the device side (`GpuBatch`). A `GpuJob` is the record of one row, made only where one is
+needed (a row that fails names its sample through it; the decoder also takes a list of them). Plain
 records, so the loading stage can make them without importing the device wing."""
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ class GpuJob:
 
 class JpegStaging:
     """One buffer holding a batch's JPEG bytes back to back (pinned on a CUDA host): the worker threads
-    copy each JPEG in at an offset they reserve, and its job's `data` is a view of it, so the decoder
-    reads one block of host memory rather than a pageable copy per image.
+    gather each chunk's JPEGs in at an offset they reserve, and its rows' bytes are views of it, so the
+    decoder reads one block of host memory rather than a pageable copy per image.
 
     The buffer is made by the device thread (pinning is a CUDA call, which worker threads never make)
     and kept with its slot; a JPEG that does not fit gets a private copy (`overflow` counts its bytes)
@@ -64,23 +65,6 @@ class JpegStaging:
                 return start
             self.overflow += n
             return None
-
-    def put(self, data: Any) -> torch.Tensor:
-        """`data` (bytes-like) copied in at the next free offset, as a view of the buffer; a private
-        copy when it does not fit."""
-        n = len(data)
-        with self._lock:
-            start = self.used
-            fits = start + n <= self.capacity
-            if fits:
-                self.used = start + n
-            else:
-                self.overflow += n
-        if not fits:
-            return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        view = self.buffer[start:start + n]
-        view.numpy()[:] = memoryview(data).cast("B")
-        return view
 
 
 class PlannedJob(GpuJob):
@@ -128,18 +112,13 @@ class GpuRows:
         return GpuBatch(self.geo, self.box, [data[a:b] for a, b in zip(off[:-1], off[1:])], [None] * k,
                         [self.dataset] * k)
 
-    def jobs(self) -> list[GpuJob]:
-        """One `GpuJob` per row (views of `data`), as `Filler.queue_gpu` makes them one at a time."""
-        batch = self.batch()
-        return [batch.job(i) for i in range(len(batch.rows))]
-
 
 class GpuBatch:
     """A batch's (or a chunk's) GPU rows as columns, in the order they are decoded: the device side
     passes these around rather than one `GpuJob` per row. The numbers are one int64 matrix (`geo`,
     columns ROW ... INDEX, viewed as `rows`, `flip`, `heights`, `widths`, `src`, `dst`, `padded`,
     `planned`) and the boxes (float64 [k, 4]); the JPEG bytes a list of 1-D uint8 tensors. Rows made
-    one at a time (`GpuJob`s, e.g. the per-row path) and rows of `GpuRows` chunks both become columns;
+    one at a time (a list of `GpuJob`s handed to the decoder) and rows of `GpuRows` chunks both become columns;
     `job(i)` makes (once) the `GpuJob` of row i, only where one is needed: a sample that fails (its
     error names it) or needs checking. Iterating yields the jobs."""
 
@@ -217,15 +196,12 @@ class GpuBatch:
 _ALL = np.logical_and.reduce
 
 
-def slot_jobs(slot: Any, n: int) -> "GpuBatch | list[GpuJob]":
-    """The GPU rows of the slot's first `n` rows in row order: as columns (`GpuBatch`) when any came
-    a chunk at a time (`slot.gpu_rows`), else the `GpuJob`s made one row at a time (`slot.jobs`)."""
-    single = [j for j in slot.jobs[:n] if j is not None]
-    if not slot.gpu_rows:
-        return single
-    parts = [chunk.batch() for chunk in slot.gpu_rows]
-    if single:
-        parts.insert(0, GpuBatch.of_jobs(single))
+def plan_columns(plan: Any, n: int) -> GpuBatch:
+    """The GPU rows among a batch plan's first `n` rows (`render.BatchPlan.gpu_rows`, one `GpuRows` per
+    chunk the workers prepared) as columns, in row order."""
+    parts = [chunk.batch() for chunk in plan.gpu_rows]
+    if not parts:
+        return GpuBatch.of_jobs([])
     batch = GpuBatch.join(parts)
     rows = batch.rows
     if len(parts) == 1 and (not len(rows) or (rows[-1] < n and _ALL(rows[1:] > rows[:-1]))):
@@ -234,17 +210,13 @@ def slot_jobs(slot: Any, n: int) -> "GpuBatch | list[GpuJob]":
     return batch.take(keep[np.argsort(rows[keep], kind="stable")])
 
 
-def jpeg_bytes(jobs: "GpuBatch | Sequence[GpuJob]") -> int:
+def jpeg_bytes(jobs: GpuBatch) -> int:
     """The JPEG bytes of `jobs`."""
-    datas = jobs.datas if isinstance(jobs, GpuBatch) else [j.data for j in jobs]
-    return sum([d.shape[0] for d in datas])
+    return sum([d.shape[0] for d in jobs.datas])
 
 
-def cpu_rows(n: int, jobs: "GpuBatch | Sequence[GpuJob]") -> list[int]:
-    """The rows of a batch of `n` that no GPU job writes: rendered on the CPU."""
-    if not isinstance(jobs, GpuBatch):
-        taken = {j.row for j in jobs}
-        return [r for r in range(n) if r not in taken]
+def cpu_rows(n: int, jobs: GpuBatch) -> list[int]:
+    """The rows of a batch of `n` that no GPU row writes: rendered on the CPU."""
     taken_rows = np.zeros(n, bool)
     rows = jobs.rows
     taken_rows[rows[(rows >= 0) & (rows < n)]] = True

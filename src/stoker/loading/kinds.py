@@ -11,8 +11,8 @@ a video?":
 | `plans_batch`: crops planned per batch from the stored sizes | `render.Filler` | yes | no: each clip plans its own |
 | `extras(indices, positions)`: columns the kind adds to a batch | `render.Filler` | none | `video`, `clip` (k > 1) |
 | `render_row(...)`: one row into its slot | `render.Filler` | `Filler.render` | `clips.read_clip` |
-| `per_row_python`: why rows need Python (no native path) | `render.native_serves`, `engine` | None | PyAV's frame loop |
-| `cpu_only`: why decode="auto" stays on the CPU | `loader.Loader` | None | PyAV decodes |
+| `per_row_python`: why rows need Python (no native path) | `route.decide` | None | PyAV's frame loop |
+| `cpu_only`: why the GPU takes none of its rows | `route.decide` | None | PyAV decodes |
 | `state()`: what a Loader state records to resume the same rows | `loader.Loader` | {} | the `Clips` |
 | `options`: the kind's own sampling option (`Loader.clips`) | `loader.Loader` | None | the `Clips` |
 

@@ -91,7 +91,7 @@ def child_main(conn: Any, payload: dict) -> None:
 
 def _child(conn: Any, payload: dict) -> None:
     from ..mix import open_in_process
-    from .render import EpochChain, Filler, native_claims
+    from .render import EpochChain, Filler, run_claims
 
     batch_size, shape = payload["geometry"]
     label_dtype = None if payload["label_dtype"] is None else np.dtype(payload["label_dtype"])
@@ -140,7 +140,7 @@ def _child(conn: Any, payload: dict) -> None:
     stats = LoaderStats()
     run = Run(ring, sizes[me::n], payload["threads"], prepare, chain.fill, stats.add, payload["timeout"],
               name="stoker-process", open_ended=payload["open_ended"],
-              **native_claims(spec, chain, payload["threads"], payload["timeout"]))
+              **run_claims(spec, chain, payload["threads"], payload["timeout"]))
     send_lock = threading.Lock()
 
     def send(msg: tuple) -> None:
@@ -179,7 +179,6 @@ def _child(conn: Any, payload: dict) -> None:
         with run.lock:
             out = {k: getattr(stats, k) for k in COUNTERS}
             out["skipped_keys"] = list(stats.skipped_keys)
-        out["engine"] = run.engine is not None   # LoaderStats.engine in the training process
         return out
 
     try:

@@ -421,7 +421,6 @@ class ProcessRun(HandOut):
             delta = counters[k] - child.counted[k]
             child.counted[k] = counters[k]
             setattr(stats, k, getattr(stats, k) + (int(delta) if k in ("samples", "skipped") else delta))
-        stats.engine = bool(counters.get("engine"))   # every child renders the same spec the same way
         keys = counters["skipped_keys"]
         new, child.skipped_keys = keys[child.skipped_keys:], len(keys)
         if new and len(stats.skipped_keys) < 100:

@@ -7,13 +7,14 @@ here reaches back into the Loader that made it.
 `Filler` is what the worker threads run: plan a batch in one vectorised step (sample order,
 per-sample random draws, crop boxes from the stored image sizes, labels), then read, decode at the
 smallest DCT scale the crop allows, crop, resize and flip each sample straight into its row of a
-(pinned) ring slot, or replace it deterministically under on_error="skip". With decode="gpu" the JPEG
-rows are left for the device thread instead, a chunk at a time (`jobs.GpuRows`). Targets (boxes, instance masks, label
+(pinned) ring slot, or replace it deterministically under on_error="skip": the Python path of the
+route (`route.Route`). Where the route gives the GPU a share, its JPEG rows are left for the device
+thread instead, a chunk at a time (`jobs.GpuRows`, on the batch's plan). Targets (boxes, instance masks, label
 maps: `transforms.targets`) are read while the batch is planned and placed in each sample's output
 by the worker that renders it, through one protocol (`Target`), whatever their kind.
 
 What a finished slot becomes (the batch ops, the extras, the device thread's work) is
-`device_build.py`'s.
+`handout.py`'s and `device/build.py`'s.
 """
 
 from __future__ import annotations
@@ -22,25 +23,24 @@ import bisect
 import logging
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from .._torch import torch
 from .. import codecs, native
 from ..errors import DatasetError, OutputError, SampleError, UserTransformError
-from .jobs import GpuJob, gpu_rows
+from .jobs import gpu_rows
 from .kinds import IMAGES, SampleKind
 from .labels import MultiLabel
+from .route import Route
 from ..order import TAG_DRAW, replacement_index, sample_keys, uniforms
 from ..dataset import Dataset
 from .slots import Slot
 from .stats import WorkerTimes
-from ..transforms import (Pipeline, Plan, Resampling, apply_tail, crop_window, decode_minimums,
+from ..transforms import (Pipeline, Plan, Resampling, apply_tail, decode_minimums,
                          resample_region_into, resampling,
                          run_user_op)
-from ..transforms.geometry import AA_HEADROOM
 from ..transforms.targets import Boxes, InstanceMasks, LabelMap, Placement, Target, TargetRows
 
 # one warning per skipped sample, with its reason, on the Loader's logger: the name users configure
@@ -61,9 +61,6 @@ class RenderSpec:
     labels: np.ndarray  # one per sample (a private copy for numeric labels)
     heights: np.ndarray | None  # stored image sizes, pixels; None when known only after reading (loose files)
     widths: np.ndarray | None
-    gpu_decode: bool = False  # decode="gpu"/"auto": JPEG rows become GpuJobs for the device thread
-    #: with gpu_decode: which rows go to the GPU (a `gpu_split.SplitControl`); None: every JPEG row
-    gpu_split: Any = field(default=None, compare=False)
     #: "fast": libjpeg-turbo's fast IDCT and plain chroma upsampling; "exact": JPEGs decoded at full size
     #: (no DCT scaling), so the resampling sees torchvision's pixels
     decode_quality: str = "accurate"
@@ -83,9 +80,13 @@ class RenderSpec:
     targets: tuple[Target, ...] = ()
     #: what a row holds and how it is rendered (`kinds.SampleKind`): an image, or a video pack's clip
     kind: SampleKind = IMAGES
-    #: the float output the engine's threads write beside each row (`engine.FloatOut`): set by the pass where
-    #: the caller's conversion is a per-level table on the CPU; None: uint8 rows only
-    floats: Any = None
+    #: how each row becomes pixels (`route.Route`), decided once by `route.decide` when the Loader is made
+    route: Route = Route()
+
+    @property
+    def gpu_decode(self) -> bool:
+        """Whether a share of each batch's JPEG rows is decoded on the GPU (the route's GPU columns)."""
+        return self.route.gpu_decode
 
     @property
     def frames(self) -> int:
@@ -107,11 +108,11 @@ class BatchPlan:
     keys: np.ndarray  # uint64 random-stream key per row
     u: np.ndarray  # uniform draws [rows, pipeline.draws]
     geometry: Plan | None  # None when image sizes are only known after reading (loose files)
-    #: the native path's per-row parameters (`native_rows`); None: the batch does not take it
-    native: np.ndarray | None = None
-    status: np.ndarray | None = None  # uint8 [rows]: the native call's status per row (each chunk its own)
-    gpu_from: int = 0  # decode="gpu"/"auto": the JPEG rows from this one on go to the GPU
-    # seconds the workers spent per row: making GPU jobs (crop windows, byte copies), rendering the
+    filler: Any = None  # the Filler of the batch's epoch (`EpochChain.prepare`), whose `fill` renders its rows
+    gpu_from: int = 0  # the route's GPU columns: the JPEG rows from this one on go to the GPU
+    #: the GPU's rows, a chunk at a time (`jobs.GpuRows`), appended by the worker threads without a lock
+    gpu_rows: list = field(default_factory=list)
+    # seconds the workers spent: preparing the GPU's rows (crop windows, byte copies), rendering the
     # other rows on the CPU (appended without a lock; read by the device thread once the batch is complete)
     gpu_plan_s: list = field(default_factory=list)
     cpu_render_s: list = field(default_factory=list)
@@ -121,9 +122,11 @@ class Filler:
     """The per-pass work: plan a batch, render one sample. Shared by the worker threads; it holds
     no reference to the iterator, so an abandoned iterator can be collected."""
 
-    def __init__(self, spec: RenderSpec, dataset: Dataset, epoch: int, indices: np.ndarray, first_sample: int) -> None:
+    def __init__(self, spec: RenderSpec, dataset: Dataset, epoch: int, indices: np.ndarray, first_sample: int,
+                 split: Any = None) -> None:
         self.spec = spec
         self.gpu = spec.gpu_decode
+        self.split = split  # the route's GPU columns: which rows of each batch go to the GPU (gpu_split.SplitControl)
         self.ds = dataset
         self.n = len(dataset)
         self.pipe = spec.pipeline
@@ -142,7 +145,6 @@ class Filler:
         self.targets = {t.column: t for t in spec.target_kinds()}
         self.full_size = spec.decode_quality == "exact"
         self.kind = spec.kind  # what a row holds: an image, or a clip planned on its own (kinds.SampleKind)
-        self.native = native_serves(spec)
 
     def _sizes(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """Stored (heights, widths) of samples `idx`; None when known only after reading (loose files)."""
@@ -175,16 +177,10 @@ class Filler:
             slot.extras["sizes"] = geometry.size.astype(np.int64)  # a tensor or an array at hand-out
         gpu_from = 0
         if self.gpu:
-            slot.jobs = [None] * slot.size
-            slot.gpu_rows = []
             if slot.staging is not None:
                 slot.staging.reset()
-            split = self.spec.gpu_split
-            gpu_from = 0 if split is None else slot.size - split.gpu_rows(slot.size)
-        if not self.native or geometry is None:
-            return BatchPlan(idx, positions, keys, u, geometry, gpu_from=gpu_from)
-        rows = native_rows(geometry, *sizes, (self.out_h, self.out_w), self.full_size)
-        return BatchPlan(idx, positions, keys, u, geometry, rows, np.empty(len(idx), np.uint8))
+            gpu_from = 0 if self.split is None else slot.size - self.split.gpu_rows(slot.size)
+        return BatchPlan(idx, positions, keys, u, geometry, gpu_from=gpu_from)
 
     def _draws(self, idx: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         keys = (sample_keys(self.seed, self.epoch, positions, tag=TAG_DRAW) if self.spec.key_by_draw
@@ -201,24 +197,15 @@ class Filler:
     def _placement(self, geometry: Plan, row: int, idx: int) -> Placement:
         return Placement.of(geometry, row, self.heights[idx], self.widths[idx])
 
-    def fill(self, plan: BatchPlan, row: int, slot: Slot, scratch: dict, times: WorkerTimes,
-             gpu: bool | None = None) -> None:
+    def fill(self, plan: BatchPlan, row: int, slot: Slot, scratch: dict, times: WorkerTimes) -> None:
+        """Row `row` of the batch on the Python path: rendered into the slot, its targets placed; a
+        failure raised naming the sample, or under on_error="skip" the row replaced."""
         idx = int(plan.indices[row])
         geo = plan.geometry
         box = _row_box(geo, row)
         try:
-            if (self.gpu and row >= plan.gpu_from) if gpu is None else gpu:
-                t0 = time.perf_counter()
-                self.queue_gpu(idx, int(plan.keys[row]), plan.u[row], box, row, slot, scratch, times)
-                plan.gpu_plan_s.append(time.perf_counter() - t0)
-            elif self.gpu and gpu is None:  # the CPU's share of a split batch: timed for the split
-                t0 = time.perf_counter()
-                self.render_row(idx, int(plan.positions[row]), int(plan.keys[row]), plan.u[row], box,
-                                slot.images_np[row], scratch, times)
-                plan.cpu_render_s.append(time.perf_counter() - t0)
-            else:
-                self.render_row(idx, int(plan.positions[row]), int(plan.keys[row]), plan.u[row], box,
-                                slot.images_np[row], scratch, times)
+            self.render_row(idx, int(plan.positions[row]), int(plan.keys[row]), plan.u[row], box,
+                            slot.images_np[row], scratch, times)
             if self.targets:
                 at = self._placement(geo, row, idx)
                 for c in self.targets:
@@ -232,32 +219,17 @@ class Filler:
                 raise self.sample_error(idx, exc) from exc
             self.replace(plan, row, slot, scratch, times, exc)
 
-    def fill_chunk(self, plan: BatchPlan, r0: int, r1: int, slot: Slot, scratch: dict,
+    def fill_split(self, plan: BatchPlan, r0: int, r1: int, slot: Slot, scratch: dict,
                    times: WorkerTimes) -> list[tuple[int, BaseException]]:
-        """Rows r0..r1 of the batch: the JPEG rows the native path serves in one call (the GIL released
-        once for all of them), every other row, and any the native call could not write, through
-        `fill` one at a time (the same pixels, errors and on_error replacements). Returns the
-        (row, exception) of the rows that failed."""
-        if self.gpu:   # decode="gpu" without the batch engine: the CPU's rows one at a time, the GPU's at once
-            cut = max(r0, min(r1, plan.gpu_from))
-            return self.fill_rows(plan, range(r0, cut), slot, scratch, times) + self.queue_gpu_rows(
-                plan, cut, r1, slot, scratch, times)
-        rows: Sequence[int] = range(r0, r1)
-        if plan.native is not None:  # O(1) Python when every row is written: no per-row list, set or loop
-            t0 = time.perf_counter()
-            try:
-                blocks, spans = self.ds.jpeg_spans(plan.indices[r0:r1])
-            except Exception:  # noqa: BLE001 - a shard that fails its check: each row's own read reports it
-                blocks = None
-            t1 = time.perf_counter()
-            if blocks is not None:
-                status = plan.status[r0:r1]
-                left = native.render_rows(blocks, spans, plan.native[r0:r1], slot.images_np, status,
-                                          self.pipe.resampling[1], self.fast, codecs.MAX_PIXELS)
-                rows = (np.flatnonzero(status) + r0).tolist() if left else ()
-            times.read += t1 - t0
-            times.decode += time.perf_counter() - t1
-        return self.fill_rows(plan, rows, slot, scratch, times)
+        """Rows r0..r1 of a batch the GPU shares (the route's GPU columns, without the native engine): the
+        rows before `plan.gpu_from` rendered here one at a time (timed for the split), the others left
+        for the GPU in one call (`queue_gpu_rows`). Returns the (row, exception) of the rows that failed."""
+        cut = max(r0, min(r1, plan.gpu_from))
+        t0 = time.perf_counter()
+        errors = self.fill_rows(plan, range(r0, cut), slot, scratch, times)
+        if cut > r0:
+            plan.cpu_render_s.append(time.perf_counter() - t0)
+        return errors + self.queue_gpu_rows(plan, cut, r1, slot, scratch, times)
 
     def fill_rows(self, plan: BatchPlan, rows: Iterable[int], slot: Slot, scratch: dict, times: WorkerTimes) -> list:
         """`rows` through the per-sample path (`fill`): the (row, exception) pairs of those that failed, kept
@@ -272,49 +244,29 @@ class Filler:
 
     def queue_gpu_rows(self, plan: BatchPlan, r0: int, r1: int, slot: Slot, scratch: dict,
                        times: WorkerTimes) -> list:
-        """Rows r0..r1 for the GPU in one call, as `queue_gpu` leaves each (the same crops): the JPEG rows
-        of a packed dataset become one `GpuRows` (`jobs.gpu_rows`: crop windows in NumPy, the bytes
-        gathered into the slot's staging buffer by one native call); any other row, and every row where
-        the batch has no plan or needs targets placed, go through `fill` one at a time. Returns the
-        (row, exception) of the rows that failed, as `fill_rows`."""
-        geo = plan.geometry
-        if r0 >= r1 or geo is None or self.targets or self.spec.pad:
-            return self.fill_rows(plan, range(r0, r1), slot, scratch, times)
+        """Rows r0..r1 for the GPU in one call: the JPEG rows become one `GpuRows` on the plan
+        (`jobs.gpu_rows`: crop windows in NumPy, the bytes gathered into the slot's staging buffer by one
+        native call); any other row (not a JPEG, or a shard that fails its check) is rendered here on the
+        Python path, timed as the CPU's. Returns the (row, exception) of the rows that failed, as `fill_rows`."""
+        if r0 >= r1:
+            return []
         t0 = time.perf_counter()
         try:
-            rows, took = gpu_rows(self.ds, plan.indices[r0:r1], r0, geo, self.heights, self.widths, slot.staging,
-                                  (self.out_h, self.out_w))
+            rows, took = gpu_rows(self.ds, plan.indices[r0:r1], r0, plan.geometry, self.heights, self.widths,
+                                  slot.staging, (self.out_h, self.out_w))
         except Exception:  # noqa: BLE001 - a shard that fails its check: each row's own read reports it
-            return self.fill_rows(plan, range(r0, r1), slot, scratch, times)
+            rows, took = None, np.zeros(r1 - r0, bool)
         if rows is not None:
-            slot.gpu_rows.append(rows)
+            plan.gpu_rows.append(rows)
         seconds = time.perf_counter() - t0
         times.read += seconds
         plan.gpu_plan_s.append(seconds)
-        return [] if took.all() else self.fill_rows(plan, (np.flatnonzero(~took) + r0).tolist(), slot, scratch, times)
-
-    def queue_gpu(self, idx: int, key: int, u: np.ndarray, box: tuple | None, row: int, slot: Slot,
-                  scratch: dict, times: WorkerTimes) -> None:
-        """decode="gpu": leave a JPEG to the device thread (a GpuJob with a writable copy of its bytes);
-        anything else is rendered on the CPU now, into the slot."""
-        t0 = time.perf_counter()
-        s = self.ds.sample(idx)
+        if took.all():
+            return []
         t1 = time.perf_counter()
-        times.read += t1 - t0
-        if s.encoding != "jpeg":
-            self.render(idx, key, u, box, slot.images_np[row], scratch, times, sample=s)
-            return
-        box, size = self._box(s, u, box)
-        if size != (self.out_h, self.out_w):
-            raise ValueError(f"transforms give {size[0]}x{size[1]} for this {s.height}x{s.width} image, "
-                             f"the batch is {self.out_h}x{self.out_w}")
-        # a copy (the shard mapping stays read-only), into the batch's one staging buffer where it has one
-        data = (slot.staging.put(s.data) if slot.staging is not None
-                else torch.frombuffer(bytearray(s.data), dtype=torch.uint8))
-        crop = tuple(box[0])
-        window = crop_window(crop, s.height, s.width, s.height, s.width, self.out_h, self.out_w)
-        slot.jobs[row] = GpuJob(row, data, crop, box[1], s.height, s.width, s.key, window)
-        times.read += time.perf_counter() - t1
+        errors = self.fill_rows(plan, (np.flatnonzero(~took) + r0).tolist(), slot, scratch, times)
+        plan.cpu_render_s.append(time.perf_counter() - t1)
+        return errors
 
     def _box(self, s: Any, u: np.ndarray, box: tuple | None) -> tuple[tuple, tuple[int, int]]:
         if box is None:  # sizes known only now (loose files): plan this one sample
@@ -486,14 +438,17 @@ class Filler:
 class EpochChain:
     """The plan-and-fill functions of a Run whose batches span epochs one after another (a persistent
     Loader goes on into the next epoch): run batch g is batch g - first of its epoch's Filler. Plans
-    carry their Filler, so `fill` (and the device thread's CPU fallback) use the right epoch's."""
+    carry their Filler (`BatchPlan.filler`), so `fill` (and the device thread's CPU fallback) use the right
+    epoch's."""
 
     def __init__(self, spec: RenderSpec) -> None:
         self.spec = spec  # the same for every epoch (so are its columns and multi-label encoding)
         self.columns = spec.columns
         self.multi_label = spec.multi_label
         self.fillers: list[Filler] = []
-        self.deferred = False  # the batch engine plans the rows (engine.py): `prepare` plans labels only
+        # the native engine plans each row itself (engine.py): `prepare` plans labels only, unless the GPU
+        # shares the batch (its rows' crops come from the batch's NumPy plan)
+        self.deferred = spec.route.native and not spec.route.gpu_decode
         self.firsts: list[int] = []  # run batch index of each Filler's first batch, increasing
 
     def add(self, filler: Filler, first: int) -> None:
@@ -501,10 +456,12 @@ class EpochChain:
         self.fillers.append(filler)
         self.firsts.append(first)
 
-    def prepare(self, g: int, slot: Slot) -> tuple[Filler, BatchPlan]:
+    def prepare(self, g: int, slot: Slot) -> BatchPlan:
         k = bisect.bisect_right(self.firsts, g) - 1
         filler = self.fillers[k]
-        return filler, filler.prepare(g - self.firsts[k], slot, self.deferred)
+        plan = filler.prepare(g - self.firsts[k], slot, self.deferred)
+        plan.filler = filler
+        return plan
 
     def locate(self, g: int) -> tuple[Filler, int]:
         """Run batch g's Filler and its batch index within that Filler's epoch."""
@@ -512,63 +469,32 @@ class EpochChain:
         filler = self.fillers[k]
         return filler, filler.first // filler.batch_size + g - self.firsts[k]
 
-    def fill(self, plan: tuple[Filler, BatchPlan], row: int, slot: Slot, scratch: dict, times: WorkerTimes,
-             gpu: bool | None = None) -> None:
-        filler, batch_plan = plan
-        filler.fill(batch_plan, row, slot, scratch, times, gpu)
+    @staticmethod
+    def fill(plan: BatchPlan, row: int, slot: Slot, scratch: dict, times: WorkerTimes) -> None:
+        plan.filler.fill(plan, row, slot, scratch, times)
 
-    def fill_chunk(self, plan: tuple[Filler, BatchPlan], r0: int, r1: int, slot: Slot, scratch: dict,
-                   times: WorkerTimes) -> list[tuple[int, BaseException]]:
-        filler, batch_plan = plan
-        return filler.fill_chunk(batch_plan, r0, r1, slot, scratch, times)
-
-
-def native_rows(geometry: Plan, heights: np.ndarray, widths: np.ndarray, out_size: tuple[int, int],
-                full_size: bool) -> np.ndarray:
-    """The `render_rows` parameters of a batch's rows (int64 [n, len(native.PARAMS)]), computed from
-    its plan and stored sizes in one native call (`native.plan_rows`) exactly as `Filler.decode`
-    computes them one sample at a time (no NumPy call per step of the maths). A row the native path
-    does not serve (its plan does not give the batch's output size, or no stored size) has row -1:
-    the native call refuses it and the per-sample path, which reports it, takes it."""
-    hw = np.empty((len(heights), 2), np.int64)
-    hw[:, 0], hw[:, 1] = heights, widths
-    box = np.ascontiguousarray(geometry.box, np.float64)
-    clip = box if geometry.clip is None else np.ascontiguousarray(geometry.clip, np.float64)
-    grid = np.array([out_size], np.int64) if geometry.grid is None else np.ascontiguousarray(geometry.grid, np.int64)
-    return native.plan_rows(box, clip, grid, hw, np.ascontiguousarray(geometry.size, np.int64),
-                            np.ascontiguousarray(geometry.flip, np.bool_), out_size, full_size, AA_HEADROOM)
+    @staticmethod
+    def fill_split(plan: BatchPlan, r0: int, r1: int, slot: Slot, scratch: dict, times: WorkerTimes
+                   ) -> list[tuple[int, BaseException]]:
+        return plan.filler.fill_split(plan, r0, r1, slot, scratch, times)
 
 
-def native_claims(spec: RenderSpec, chain: EpochChain, threads: int, timeout: float = 300.0) -> dict[str, Any]:
-    """`Run`'s chunk arguments: whole batches through the native batch engine where it serves them
-    (`engine.batch_engine`), else chunks of rows through `chain.fill_chunk` where the native path
-    serves the spec, else none (one row per claim through `fill`, as without it)."""
-    from .engine import batch_engine, cpu_share
+def run_claims(spec: RenderSpec, chain: "EpochChain", threads: int, timeout: float, floats: Any = None
+               ) -> dict[str, Any]:
+    """`Run`'s claim arguments for the route of `spec`: whole batches through the native engine
+    (`engine.BatchEngine`; `floats`: its float output, `engine.FloatOut`), or the GPU's share a chunk at a
+    time (`Filler.fill_split`), else one row per claim through `fill` on every worker thread."""
+    route = spec.route
+    if route.native and native.engine_available():   # loads its libjpeg-turbo here too (a worker process)
+        from .engine import BatchEngine
 
-    # a split batch's CPU rows are what the native path serves with decode="cpu"
-    engine = batch_engine(spec, chain, threads, timeout, native_serves(replace(spec, gpu_decode=False)))
-    if engine is not None:
-        chain.deferred = not spec.gpu_decode   # the split needs the batch's plan for its GPU rows
+        engine = BatchEngine(spec, route.program, threads, timeout, floats)
         return {"fill_chunk": engine.fill_chunk, "chunk": spec.batch_size, "engine": engine}
-    if spec.gpu_decode and spec.heights is not None and spec.kind.plans_batch:
-        # the GPU's rows a chunk at a time (`Filler.queue_gpu_rows`): one chunk per thread per batch, or,
-        # where the CPU renders a share row by row (a split the engine does not serve), four per thread
-        per = 4 if cpu_share(spec) else 1
-        return {"fill_chunk": chain.fill_chunk, "chunk": max(1, -(-spec.batch_size // (per * max(threads, 1))))}
-    if not native_serves(spec):
-        return {}
-    return {"fill_chunk": chain.fill_chunk, "chunk": native.native_chunk(spec.batch_size, threads)}
-
-
-def native_serves(spec: RenderSpec) -> bool:
-    """Whether batches of this spec go through the native chunk path (`Filler.fill_chunk`): JPEG
-    rows whose transforms are planned geometry (+ flip) resampled bilinearly, with nothing per sample
-    after them (no user callables, policy or colour ops), no targets to place, no padded rows, a kind
-    of sample that needs no Python per row (not video clips: `kinds.SampleKind.per_row_python`), CPU
-    decode; and the extension is built with a libjpeg-turbo (`STOKER_NATIVE=off` turns it off)."""
-    pipe = spec.pipeline
-    return (spec.kind.per_row_python is None and not spec.gpu_decode and not spec.pad and not pipe.tail
-            and not spec.target_kinds() and pipe.resampling[0] == "bilinear" and spec.heights is not None and native.chunks_available())
+    if route.gpu_decode:
+        # one chunk per thread per batch, or, where the CPU renders a share row by row, four per thread
+        per = 1 if route.share == 1.0 else 4
+        return {"fill_chunk": chain.fill_split, "chunk": max(1, -(-spec.batch_size // (per * max(threads, 1))))}
+    return {}
 
 
 def _row_box(geometry: Plan | None, row: int) -> tuple | None:

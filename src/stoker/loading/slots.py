@@ -106,11 +106,9 @@ class Slot:
     size: int = 0  # samples in that batch
     remaining: int = 0  # samples not yet written; 0 once the batch is complete
     finished: list[int] = field(default_factory=list)  # rows written so far (appended without a lock)
-    plan: Any = None  # the fill function's per-batch plan
+    plan: Any = None  # the fill function's per-batch plan (`render.BatchPlan`: its GPU rows ride on it)
     errors: list[tuple[int, BaseException]] = field(default_factory=list)
-    jobs: list[Any] = field(default_factory=list)  # per row: work left for the device stage (GPU decode)
-    staging: Any = None  # decode="gpu"/"auto": the batch's JPEG bytes (jobs.JpegStaging), made by the device thread
-    gpu_rows: list[Any] = field(default_factory=list)  # GPU rows prepared a chunk at a time (jobs.GpuRows)
+    staging: Any = None  # the route's GPU columns: the slot's JPEG staging memory (jobs.JpegStaging), made by the device thread
     storage: int = 0  # the images' StorageImpl (an address; valid while `images` lives)
     uses: int = 0  # its use count with only the ring's own references
     owner: Any = None  # NumPy output: the image array, whose reference count counts its views (numpy_output)

@@ -31,11 +31,8 @@ class LoaderStats:
     gpu_split: str = ""  # why that share (measured throughputs, a fixed gpu_share, or why the CPU alone)
     # decode="gpu"/"auto": seconds per phase of the GPU path (device.gpu_pipeline.Phases names them)
     gpu_phases: dict = field(default_factory=dict)
-    engine: bool = False  # the latest pass's batches were rendered by the native batch engine (engine.py; in
-    #                       the process mode, the worker processes' own, as their batches report)
-    #: what runs Python per sample in the training process in the latest pass, and why (empty with the
-    #: engine, or with the workers in a child process); `engine.PER_SAMPLE_FIX` says what to do
-    per_sample_python: list[str] = field(default_factory=list)
+    #: how each row becomes pixels in the latest pass (`route.Route`: decided when the Loader was made)
+    route: Any = None
     slots_allocated: int = 0  # batch buffers allocated: the ring's own, plus one per batch the caller kept
     # memory on the device stage's device (GPU memory with device="cuda") the loader holds, in bytes: the
     # batches the device thread has built and not yet handed out. Counted by summing the storages of the
@@ -46,8 +43,20 @@ class LoaderStats:
     device_peak_bytes: int = 0
     _device_lock: Any = field(default_factory=threading.Lock, repr=False, compare=False)
 
+    @property
+    def engine(self) -> bool:
+        """Whether the route's CPU path is the native batch engine (in worker processes: theirs)."""
+        return self.route is not None and self.route.native
+
+    @property
+    def per_sample_python(self) -> list[str]:
+        """What runs Python per sample in the training process, and why (empty on the native path, or with
+        the workers in child processes); `route.PER_SAMPLE_FIX` says what to do."""
+        return [] if self.route is None else list(self.route.python)
+
     def as_dict(self) -> dict[str, Any]:
-        return {k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
+        return {k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else
+                    str(v) if k == "route" and v is not None else v)
                 for k, v in self.__dict__.items() if not k.startswith("_")}
 
     def hold_device(self, nbytes: int, working: int = 0) -> None:

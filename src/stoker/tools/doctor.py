@@ -96,7 +96,7 @@ class DoctorReport:
     gpu_decoder: str = ""           # decode="gpu"/"auto": the backend, the split with the CPU threads and why
     loader_gpu_bytes: int | None = None  # on a GPU: peak bytes the loader alone held in torch's allocator
     loader_batch_bytes: int | None = None  # on a GPU: the peak of LoaderStats.device_peak_bytes (its own tensors)
-    engine: bool = False            # the native batch engine rendered the batches (LoaderStats.engine)
+    route: str = ""                 # how each row became pixels (LoaderStats.route: Loader.route)
     per_sample_python: list[str] = field(default_factory=list)  # LoaderStats.per_sample_python
 
     @property
@@ -106,7 +106,7 @@ class DoctorReport:
     def as_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in ("path", "model", "device", "batch_size", "steps", "threads",
                                              "transforms", "loader_images_per_s", "step_images_per_s", "decoder",
-                                             "gpu_decoder", "loader_gpu_bytes", "loader_batch_bytes", "engine",
+                                             "gpu_decoder", "loader_gpu_bytes", "loader_batch_bytes", "route",
                                              "per_sample_python")}
         return json_safe({**out, "verdict": self.verdict, "fed_ratio": self.profile.fed_ratio,
                           "interference_images_per_s": self.profile.interference_images_per_s,
@@ -119,7 +119,8 @@ class DoctorReport:
             f"  setup            batch {self.batch_size}, {self.steps} steps per run, {self.threads} loader thread(s), "
             f"{self.transforms} transforms, model: {self.model} on {self.device}",
             f"  JPEG decode      {self.decoder}",
-            f"  Python/sample    {_per_sample(self.engine, self.per_sample_python, bool(self.gpu_decoder))}",
+            f"  route            {self.route}",
+            f"  Python/sample    {_per_sample(self.per_sample_python)}",
             *([f"  GPU JPEG decode  {self.gpu_decoder}"] if self.gpu_decoder else []),
             f"  loader alone     {self.loader_images_per_s:,.1f} images/s",
             *([f"  loader GPU mem   {self.loader_gpu_bytes / 1e6:,.1f} MB at peak, running alone (batches in flight, "
@@ -223,7 +224,7 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = MIN_VERDI
         loader.close()
     return DoctorReport(str(path), model_name, device, batch_size, steps, loader.num_threads, transforms,
                         loader_rate, step_rate, report, _decoder(), _gpu_decode(loader.stats), loader_gpu, held,
-                        loader.stats.engine, list(loader.stats.per_sample_python))
+                        str(loader.route), list(loader.stats.per_sample_python))
 
 
 def _gpu_decode(stats: Any) -> str:
@@ -233,19 +234,12 @@ def _gpu_decode(stats: Any) -> str:
     return f"{stats.gpu_decoder or 'none'}; {stats.gpu_share:.0%} of each batch's JPEGs on the GPU: {stats.gpu_split}"
 
 
-def _per_sample(engine: bool, why: list[str], gpu: bool = False) -> str:
-    """The doctor's line on the Python the loader runs per sample beside the training loop (`gpu`: some
-    of each batch's JPEGs are decoded on the GPU)."""
-    from ..loading.engine import PER_SAMPLE_FIX
+def _per_sample(why: list[str]) -> str:
+    """The doctor's line on the Python the loader runs per sample beside the training loop (the route's)."""
+    from ..loading.route import PER_SAMPLE_FIX
 
-    if gpu and not why:
-        return ("none: the worker threads prepare the GPU's rows of a batch at once (crop windows in NumPy, the "
-                "JPEGs gathered by one native call)" + ("; the native batch engine renders the CPU's" if engine
-                                                        else ""))
-    if engine and not why:
-        return "none: the native batch engine renders whole batches without the GIL"
     if not why:
-        return "none in this process (the worker threads run in worker processes: Workers(processes=N))"
+        return "none in the training process (the route above says which path renders the rows)"
     return (f"yes, holding the training loop's GIL for tens of µs per sample ({'; '.join(why)}); fix: "
             f"{PER_SAMPLE_FIX}")
 

@@ -33,7 +33,7 @@ import numpy as np
 from .. import native
 from .._torch import HAVE_TORCH, torch
 from ..errors import ConfigError
-from .kinds import PLAN
+from .kinds import ENGINE_CENTER, ENGINE_FLIP, ENGINE_RESIZE, ENGINE_RRC, PLAN
 
 Size = tuple[int, int]
 #: torchvision's InterpolationMode values a resize can take (`interpolation=`); PIL-only filters
@@ -95,6 +95,10 @@ class RandomResizedCrop:
     def fixed_size(self, size: Size | None) -> Size | None:
         return self.size
 
+    def engine_args(self) -> tuple[int, tuple[float, ...]]:
+        """Its row of the native engine's program (`kinds.engine_program`): opcode, parameters."""
+        return ENGINE_RRC, (*self.size, *self.scale, math.log(self.ratio[0]), math.log(self.ratio[1]), *self.ratio)
+
 
 @dataclass(frozen=True)
 class Resize:
@@ -126,6 +130,9 @@ class Resize:
     def fixed_size(self, size: Size | None) -> Size | None:
         return self.size if not isinstance(self.size, int) else None
 
+    def engine_args(self) -> tuple[int, tuple[float, ...]]:
+        return ENGINE_RESIZE, (self.size, 0, 0) if isinstance(self.size, int) else (-1, *self.size)
+
 
 @dataclass(frozen=True)
 class CenterCrop:
@@ -148,6 +155,9 @@ class CenterCrop:
     def fixed_size(self, size: Size | None) -> Size | None:
         return self.size
 
+    def engine_args(self) -> tuple[int, tuple[float, ...]]:
+        return ENGINE_CENTER, self.size
+
 
 @dataclass(frozen=True)
 class RandomHorizontalFlip:
@@ -167,6 +177,9 @@ class RandomHorizontalFlip:
 
     def fixed_size(self, size: Size | None) -> Size | None:
         return size
+
+    def engine_args(self) -> tuple[int, tuple[float, ...]]:
+        return ENGINE_FLIP, (self.p,)
 
 
 @dataclass

@@ -12,6 +12,9 @@ An op is known by two class attributes, never by a list of classes, so a new op 
       `params(rng, n, h, w)` then `apply(x, params)`; `takes` says which batches it accepts
       ("uint8", "float": normalized, "any") and `gives` the dtype it leaves (None: unchanged);
       `mixes_labels = True` for the one op that mixes labels too (a Mixup, run last).
+- `engine_args()`, declared by a planned op's own class (not inherited: a subclass that plans otherwise
+  must declare its own): its row of the native batch engine's program, (opcode, parameters), as
+  csrc/engine.c plans it; an op without one is planned in NumPy and its batches take the Python path.
 - `moves_pixels`: False for an op that changes pixel values only (colour, blur, normalize, erasing in
   place), so boxes and masks stay valid; True for one that moves them (the default for anything that
   does not say). Planned geometry moves pixels and targets follow it through the plan; any other op
@@ -22,7 +25,9 @@ Anything without a `stage` is a user callable: adapted (`adapt.py`) and run per 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
+
+import numpy as np
 
 from ..errors import ConfigError
 
@@ -30,6 +35,22 @@ PLAN, SAMPLE, BATCH = "plan", "sample", "batch"
 STAGES = (PLAN, SAMPLE, BATCH)
 #: the dtypes a batch op may take or give
 BATCH_DTYPES = ("uint8", "float", "any")
+#: csrc/engine.c's opcodes and its program's row width (opcode, draw offset, up to 8 parameters)
+ENGINE_RRC, ENGINE_RESIZE, ENGINE_CENTER, ENGINE_FLIP = 1, 2, 3, 4
+ENGINE_WIDTH = 10
+
+
+def engine_program(ops: Sequence[Any], offsets: Sequence[int]) -> np.ndarray | None:
+    """The planned ops as the native engine's program (float64 [ops, ENGINE_WIDTH]: opcode, draw offset,
+    parameters), or None when one of them declares no engine row (`engine_args` on its own class)."""
+    rows = []
+    for op, off in zip(ops, offsets):
+        declared = type(op).__dict__.get("engine_args")
+        if declared is None:
+            return None
+        code, args = declared(op)
+        rows.append([float(code), float(off), *map(float, args)] + [0.0] * (ENGINE_WIDTH - 2 - len(args)))
+    return np.array(rows, np.float64).reshape(-1, ENGINE_WIDTH)
 
 
 def stage_of(op: Any) -> str | None:
