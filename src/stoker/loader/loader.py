@@ -252,6 +252,33 @@ class Loader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def data_wait(self, across_ranks: bool | None = None) -> dict[str, Any]:
+        """Each step's exposed data wait (time in `next()`) as running figures, readable at any step:
+        `data_wait_share` (of the wall time since the first step), `data_wait_ms` and `data_wait_max_ms`
+        (over the last 100 steps), `data_wait_steps`; add them to your logger as they are
+        (`wandb.log(loader.data_wait())`, or `writer.add_scalar` per key). `across_ranks` (default: where
+        torch.distributed is initialised) gathers every rank's figures, one small collective that every
+        rank must call at the same step, and adds their max and mean and `slowest_rank`, the rank that
+        waited the largest share."""
+        mine = self.stats.data_wait()
+        dist = torch.distributed if hasattr(torch, "distributed") else None
+        ready = dist is not None and dist.is_available() and dist.is_initialized()
+        if across_ranks is None:
+            across_ranks = ready
+        if not across_ranks:
+            return mine
+        if not ready:
+            raise ConfigError("data_wait(across_ranks=True) needs torch.distributed initialised "
+                              "(torch.distributed.init_process_group); call data_wait() for this rank's figures")
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        out: dict[str, Any] = dict(mine)
+        for key in ("data_wait_share", "data_wait_ms", "data_wait_max_ms"):
+            values = [float(r[key]) for r in every]
+            out[f"{key}_max"], out[f"{key}_mean"] = max(values), sum(values) / len(values)
+        out["slowest_rank"] = max(range(len(every)), key=lambda r: every[r]["data_wait_share"])
+        return out
+
     @property
     def route(self) -> Route:
         """How each row becomes pixels (`stoker.loading.route.Route`): decided once, when the Loader was made."""

@@ -447,7 +447,7 @@ class PassIter:
         except BaseException:  # SampleError, timeout, Ctrl-C: stop the threads before propagating
             self.close()
             raise
-        self._stats.consumer_wait_s += time.perf_counter() - t0
+        self._stats.step_wait(time.perf_counter() - t0)
         self._stats.batches += 1
         self._b += 1
         if self._b == self._n:  # the whole epoch was read (even if this iterator is then dropped, not

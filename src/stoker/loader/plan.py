@@ -383,8 +383,9 @@ def resolve(asked: Asked, ds: Dataset, decoder: DecoderProbe) -> LoadPlan:
     mix = pipeline.batch.mix if pipeline.batch is not None else None
     if mix is not None and mix.multi_label is None and multi is not None:
         # the dataset says what its float rows are: soft targets (probabilities) are smoothed toward
-        # 1/C, multi-hot rows toward 0.5 (timm's multi_label=True)
-        pipeline.batch.mix = replace(mix, multi_label=multi.format != "soft")
+        # 1/C, multi-hot rows toward 0.5 (timm's multi_label=True); the asked pipeline stays as it was
+        pipeline = pipeline.with_mix(replace(mix, multi_label=multi.format != "soft"))
+        asked = replace(asked, pipeline=pipeline)
     w = asked.workers
     spec = RenderSpec(asked.batch_size, output_size, pipeline, int(s.seed), w.on_error, asked.columns,
                       labels, heights, widths, multi_label=multi, decode_quality=w.decode_quality,

@@ -99,34 +99,31 @@ def decide(spec: Any, ds: Dataset, *, decode: str, gpu_share: float | None, proc
     stage), "gpu" or "auto"; `decoder()`: None where a GPU JPEG decoder works here, else why not (asked
     only when the GPU could take rows). decode="gpu" where the GPU cannot take the rows is a ConfigError
     naming the fix; decode="auto" then stays on the CPU and says why."""
-    reasons: list[str] = []
-    cpu_why = _cpu_blockers(spec, ds)
-    program = None if cpu_why else engine_program(spec.pipeline.prefix, spec.pipeline.offsets)
-    cpu = NATIVE if program is not None else PYTHON
-    reasons.append("the native engine renders each batch's JPEG rows" if cpu == NATIVE
-                   else f"Python renders each row: {cpu_why[0]}")
-    gpu, share = NO_GPU, 0.0
+    gpu, share, gpu_why = NO_GPU, 0.0, ""
     if decode in ("gpu", "auto"):
         blocked = _gpu_blocker(spec, processes) or decoder()
         if blocked is None:
             gpu = COLUMNS
             share = gpu_share if gpu_share is not None else 1.0 if decode == "gpu" else None
-            reasons.append("the GPU decodes " + ("every JPEG row" if share == 1.0 else
-                                                  "a share of each batch's JPEG rows, measured" if share is None
-                                                  else f"{share:.0%} of each batch's JPEG rows"))
+            gpu_why = "the GPU decodes " + ("every JPEG row" if share == 1.0 else "a measured share of each "
+                                            "batch's JPEG rows" if share is None else f"{share:.0%} of each batch's JPEG rows")
         elif decode == "gpu":
             raise ConfigError(f"decode='gpu': {blocked}; use DeviceOptions(decode='cpu'), or decode='auto' to "
                               f"use the GPU only where it can help")
         else:
-            reasons.append(f"CPU only: {blocked}")
-    if share == 1.0 and gpu == COLUMNS:
-        cpu = PYTHON if cpu == NATIVE else cpu   # every JPEG row is the GPU's: the pool would idle
-        program = None
+            gpu_why = f"CPU only: {blocked}"
+    every_row_gpu = gpu == COLUMNS and share == 1.0
+    cpu_why = ["every JPEG row is the GPU's (the others are few: the Python path)"] if every_row_gpu else \
+        _cpu_blockers(spec, ds)
+    program = None if cpu_why else engine_program(spec.pipeline.prefix, spec.pipeline.offsets)
+    cpu = NATIVE if program is not None else PYTHON
+    reasons = ["the native engine renders each batch's JPEG rows" if cpu == NATIVE
+               else f"Python renders the CPU's rows: {cpu_why[0]}", *([gpu_why] if gpu_why else [])]
     python: list[str] = []
-    if not processes and cpu == PYTHON and not (gpu == COLUMNS and share == 1.0):
-        python = cpu_why or ["the engine is not used"]
-    elif processes:
+    if processes:
         reasons.append(f"Workers(processes={processes}): rows rendered in worker processes, not this one")
+    elif cpu == PYTHON and not every_row_gpu:
+        python = cpu_why
     return Route(cpu, gpu, share, processes, stage, program, tuple(python), tuple(reasons))
 
 

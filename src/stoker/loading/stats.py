@@ -4,8 +4,46 @@ the run's lock (`WorkerTimes`)."""
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
+
+#: steps the recent data-wait figures are taken over (`StepWaits`)
+RECENT_STEPS = 100
+
+
+@dataclass
+class StepWaits:
+    """Each training step's exposed data wait (the time its `next()` took), as running numbers: the
+    whole run's count and sum, the last `RECENT_STEPS` waits, and the wall time since the first step.
+    One `add` per step on the caller's thread: a few float operations, no lock, no device sync."""
+
+    steps: int = 0
+    total_s: float = 0.0
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+    started: float | None = None   # time.monotonic() when the first step's wait began
+    last: float = 0.0              # time.monotonic() when the latest step's wait ended
+
+    def add(self, seconds: float) -> None:
+        now = time.monotonic()
+        if self.started is None:
+            self.started = now - seconds
+        self.steps += 1
+        self.total_s += seconds
+        self.recent.append(seconds)
+        self.last = now
+
+    def summary(self) -> dict[str, float]:
+        """`data_wait_share`: the share of the wall time since the first step spent waiting for data (0: the
+        loader kept up); `data_wait_ms` and `data_wait_max_ms`: the mean and largest wait of the last
+        `RECENT_STEPS` steps; `data_wait_steps`: steps counted."""
+        recent = list(self.recent)
+        wall = self.last - self.started if self.started is not None else 0.0
+        return {"data_wait_steps": float(self.steps),
+                "data_wait_share": self.total_s / wall if wall > 0 else 0.0,
+                "data_wait_ms": 1e3 * sum(recent) / len(recent) if recent else 0.0,
+                "data_wait_max_ms": 1e3 * max(recent) if recent else 0.0}
 
 
 @dataclass
@@ -42,6 +80,17 @@ class LoaderStats:
     device_bytes: int = 0
     device_peak_bytes: int = 0
     _device_lock: Any = field(default_factory=threading.Lock, repr=False, compare=False)
+    _waits: StepWaits = field(default_factory=StepWaits, repr=False, compare=False)
+
+    def step_wait(self, seconds: float) -> None:
+        """A step waited `seconds` for its batch (the pass's `next()`; the caller's thread)."""
+        self.consumer_wait_s += seconds
+        self._waits.add(seconds)
+
+    def data_wait(self) -> dict[str, float]:
+        """The running data-wait figures of this process (`StepWaits.summary`): cheap, at any time.
+        `Loader.data_wait(across_ranks=True)` reduces them over the ranks."""
+        return self._waits.summary()
 
     @property
     def engine(self) -> bool:

@@ -8,6 +8,8 @@ from what each op declares (`kinds.py`)."""
 
 from __future__ import annotations
 
+import copy
+
 from typing import Any, Sequence
 
 import numpy as np
@@ -55,6 +57,12 @@ class Pipeline:
         resizes = [op for op in self.prefix if hasattr(op, "interpolation")]
         #: (interpolation, antialias) of the planned prefix's resampling: its last resize's, as `plan_ops`
         self.resampling = (resizes[-1].interpolation, resizes[-1].antialias) if resizes else ("bilinear", True)
+
+    def with_mix(self, mix: Any) -> "Pipeline":
+        """This pipeline with its batch Mixup replaced by `mix` (a copy: the pipeline itself is not changed)."""
+        new = copy.copy(self)
+        new.batch = BatchAugment(self.batch.ops, mix=mix, seed=self.batch.seed)
+        return new
 
     @property
     def fixed_size(self) -> Size | None:
