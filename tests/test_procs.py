@@ -103,9 +103,9 @@ def test_the_stats_say_the_child_renders_with_the_engine(tmp_path: Path) -> None
     pack(make_tiny_jpegs(tmp_path / "src", 16, classes=2, size=(72, 80)), tmp_path / "ds", progress=False)   # over raw_below
     for workers in (THREADS, PROCESS):
         with Loader(tmp_path / "ds", 8, transforms=TRAIN, workers=workers) as loader:
-            assert not loader.stats.engine
+            assert loader.route.native, workers   # decided when made: every row a JPEG, the engine in either
             run_epoch(loader)
-            assert loader.stats.engine, workers   # every row a JPEG: the native batch engine, in either
+            assert loader.stats.engine and loader.stats.route is loader.route, workers
     clean([])
 
 

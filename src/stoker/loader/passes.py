@@ -26,8 +26,8 @@ from ..dataset import Dataset
 from ..errors import ConfigError
 from ..device.build import DeviceBuilder
 from ..loading.handout import host_batch, numpy_batch
-from ..loading.engine import FloatOut
-from ..loading.render import EpochChain, Filler, RenderSpec, run_claims
+from ..loading.engine import FloatOut, run_claims
+from ..loading.render import EpochChain, Filler, RenderSpec
 from ..device.feeder import Feeder
 from ..loading.slots import BatchRing, Run
 from ..loading.stats import LoaderStats

@@ -51,7 +51,7 @@ from ..transforms.geometry import AA_HEADROOM
 from .route import ENV
 
 if TYPE_CHECKING:
-    from .render import BatchPlan, RenderSpec
+    from .render import BatchPlan, EpochChain, RenderSpec
     from .slots import Slot, WorkerTimes
 
 #: Python threads that coordinate batches: two keep the pool fed (one plans and queues the next batch
@@ -245,3 +245,19 @@ class BatchEngine:
             native.map_levels(slot.images_np, np.asarray(rows, np.int64), self.levels, floats["floats"],
                               floats["nchw"])
         return errors
+
+
+def run_claims(spec: "RenderSpec", chain: "EpochChain", threads: int, timeout: float, floats: Any = None
+               ) -> dict[str, Any]:
+    """`Run`'s claim arguments for the route of `spec`: whole batches through the native engine
+    (`engine.BatchEngine`; `floats`: its float output, `engine.FloatOut`), or the GPU's share a chunk at a
+    time (`Filler.fill_split`), else one row per claim through `fill` on every worker thread."""
+    route = spec.route
+    if route.native and native.engine_available():   # loads its libjpeg-turbo here too (a worker process)
+        engine = BatchEngine(spec, route.program, threads, timeout, floats)
+        return {"fill_chunk": engine.fill_chunk, "chunk": spec.batch_size, "engine": engine}
+    if route.gpu_decode:
+        # one chunk per thread per batch, or, where the CPU renders a share row by row, four per thread
+        per = 1 if route.share == 1.0 else 4
+        return {"fill_chunk": chain.fill_split, "chunk": max(1, -(-spec.batch_size // (per * max(threads, 1))))}
+    return {}

@@ -91,7 +91,8 @@ def child_main(conn: Any, payload: dict) -> None:
 
 def _child(conn: Any, payload: dict) -> None:
     from ..mix import open_in_process
-    from .render import EpochChain, Filler, run_claims
+    from .engine import run_claims
+    from .render import EpochChain, Filler
 
     batch_size, shape = payload["geometry"]
     label_dtype = None if payload["label_dtype"] is None else np.dtype(payload["label_dtype"])

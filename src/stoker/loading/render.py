@@ -28,7 +28,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from .. import codecs, native
+from .. import codecs
 from ..errors import DatasetError, OutputError, SampleError, UserTransformError
 from .jobs import gpu_rows
 from .kinds import IMAGES, SampleKind
@@ -477,24 +477,6 @@ class EpochChain:
     def fill_split(plan: BatchPlan, r0: int, r1: int, slot: Slot, scratch: dict, times: WorkerTimes
                    ) -> list[tuple[int, BaseException]]:
         return plan.filler.fill_split(plan, r0, r1, slot, scratch, times)
-
-
-def run_claims(spec: RenderSpec, chain: "EpochChain", threads: int, timeout: float, floats: Any = None
-               ) -> dict[str, Any]:
-    """`Run`'s claim arguments for the route of `spec`: whole batches through the native engine
-    (`engine.BatchEngine`; `floats`: its float output, `engine.FloatOut`), or the GPU's share a chunk at a
-    time (`Filler.fill_split`), else one row per claim through `fill` on every worker thread."""
-    route = spec.route
-    if route.native and native.engine_available():   # loads its libjpeg-turbo here too (a worker process)
-        from .engine import BatchEngine
-
-        engine = BatchEngine(spec, route.program, threads, timeout, floats)
-        return {"fill_chunk": engine.fill_chunk, "chunk": spec.batch_size, "engine": engine}
-    if route.gpu_decode:
-        # one chunk per thread per batch, or, where the CPU renders a share row by row, four per thread
-        per = 1 if route.share == 1.0 else 4
-        return {"fill_chunk": chain.fill_split, "chunk": max(1, -(-spec.batch_size // (per * max(threads, 1))))}
-    return {}
 
 
 def _row_box(geometry: Plan | None, row: int) -> tuple | None:
