@@ -33,7 +33,7 @@
 #define NPARAM 17            /* jpeg_region.c's P_* parameters of a row */
 #define NOT_DONE 30          /* status of a row the pool never reached (stopped, or timed out) */
 #define PROG_WIDTH 10        /* doubles per planned op: kind, draw offset, then its parameters */
-enum { OP_RRC = 1, OP_RESIZE = 2, OP_CENTER = 3, OP_FLIP = 4 };
+enum { OP_RRC = 1, OP_RESIZE = 2, OP_CENTER = 3, OP_FLIP = 4, OP_COVER = 5 };
 
 /* ---- order.py's random streams ---- */
 static const uint64_t GOLDEN = 0x9E3779B97F4A7C15ULL, M1 = 0xBF58476D1CE4E5B9ULL, M2 = 0x94D049BB133111EBULL;
@@ -126,6 +126,24 @@ static void plan_resize(plan_state *s, const double *op) {
     resample_here(s);
 }
 
+/* geometry.cover_crop: resize keeping the aspect to cover (oh, ow), then crop it at random (two draws) or centred */
+static void plan_cover(plan_state *s, const double *op, uint64_t key, int64_t off) {
+    int64_t oh = (int64_t)op[2], ow = (int64_t)op[3];
+    double lh = (double)s->lh, lw = (double)s->lw, sh = (double)oh / lh, sw = (double)ow / lw;
+    double scale = sh > sw ? sh : sw;
+    double rhd = rint(lh * scale), rwd = rint(lw * scale);
+    int64_t rh = rhd > (double)oh ? (int64_t)rhd : oh, rw = rwd > (double)ow ? (int64_t)rwd : ow, top, left;
+    if (op[4] != 0.0) {
+        top = (int64_t)floor(uniform(key, off) * (double)(rh - oh + 1));
+        left = (int64_t)floor(uniform(key, off + 1) * (double)(rw - ow + 1));
+    } else {
+        top = floor_div(rh - oh, 2), left = floor_div(rw - ow, 2);
+    }
+    s->lh = rh, s->lw = rw;
+    resample_here(s);
+    crop(s, top, left, oh, ow, oh, ow);
+}
+
 static int64_t center_offset(int64_t want, int64_t have) {
     return want > have ? -floor_div(want - have, 2) : (int64_t)rint((double)(have - want) / 2.0);
 }
@@ -154,6 +172,9 @@ static void plan_ops(const double *prog, int nops, uint64_t key, int64_t h, int6
         }
         case OP_FLIP:
             s->flip ^= uniform(key, off) < op[2];
+            break;
+        case OP_COVER:
+            plan_cover(s, op, key, off);
             break;
         }
     }

@@ -23,7 +23,7 @@ from stoker.loading import engine, route
 from stoker.loader.loader import Loader
 from stoker.loader.options import Sampling, Workers
 from stoker.order import TAG_DRAW, TAG_SAMPLE, sample_keys, stream_key, uniforms
-from stoker.transforms import CenterCrop, Pipeline, RandomHorizontalFlip, RandomResizedCrop, Resize
+from stoker.transforms import CoverCrop, CenterCrop, Pipeline, RandomHorizontalFlip, RandomResizedCrop, Resize
 from test_native_rows import TRAIN, VAL, build
 
 pytestmark = pytest.mark.skipif(not native.engine_available(), reason="the native extension or its libjpeg is missing")
@@ -80,8 +80,10 @@ def same(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> 
 
 
 @pytest.mark.parametrize("transforms", [TRAIN, VAL, [CenterCrop(300), Resize((48, 40))],
-                                        [RandomResizedCrop((40, 56), scale=(0.3, 1.0), ratio=(0.5, 2.0))]],
-                         ids=["train", "val", "crop-resize", "rrc-rect"])
+                                        [RandomResizedCrop((40, 56), scale=(0.3, 1.0), ratio=(0.5, 2.0))],
+                                        [CoverCrop((64, 192)), RandomHorizontalFlip()],
+                                        [CoverCrop((320, 64), crop="center")]],
+                         ids=["train", "val", "crop-resize", "rrc-rect", "cover-random", "cover-center"])
 def test_the_engine_plans_each_row_as_pipeline_plan_does(transforms):
     """csrc/engine.c's plan (keys, draws, RandomResizedCrop's tries and fallback, resizes, crops, flip)
     against `Pipeline.plan` on the same keys: sizes from 1 pixel up, thin and very wide images (the

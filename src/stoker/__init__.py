@@ -27,6 +27,7 @@ _EXPORTS = {
     "TrivialAugmentWide": "transforms",
     "adapt": "transforms",
     "CenterCrop": "transforms",
+    "AspectBuckets": "buckets",
     "Clips": "loading.clips",
     "Dataset": "dataset",
     "DeviceOptions": "device.stage",

@@ -138,7 +138,7 @@ class Loader:
     # ---- epochs and state ------------------------------------------------------------------
     def __len__(self) -> int:
         """Batches per epoch on this rank."""
-        return self.plan.epochs.batches()
+        return self.plan.epochs.batches(self.epoch)
     @property
     def epoch(self) -> int:
         """The epoch the next (or current) iteration reads."""
@@ -165,7 +165,8 @@ class Loader:
                 "seed": self.seed, "batch_size": self.batch_size, "world_size": self.world_size,
                 "num_samples": len(self.dataset), "order": self.order, "drop_last": self.drop_last,
                 "pool": self.plan.epochs.pool.fingerprint,
-                **self.plan.kind.state()}   # a video pack's clips
+                **self.plan.kind.state(),   # a video pack's clips
+                **({"buckets": repr(self.plan.spec.buckets.sizes)} if self.plan.spec.buckets is not None else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next `iter()` (only that one) yields exactly the samples of `state`'s epoch not
@@ -182,7 +183,9 @@ class Loader:
             state.get("world_size") != self.world_size or bool(state.get("requeued")))
         keys = ["seed", "num_samples", "order", "drop_last", "pool"] + ([] if elastic else ["world_size"])
         keys += list(self.plan.kind.state())   # a video pack: which clips an epoch holds
-        if self.drop_last:  # which samples an epoch drops depends on the batch size
+        if "buckets" in mine or "buckets" in state:   # aspect buckets: the same buckets lay the epoch out
+            keys.append("buckets")
+        if self.drop_last or "buckets" in mine:  # which samples an epoch drops (or repeats) depends on the batch size
             keys.append("batch_size")
         diff = {k: (state.get(k), mine[k]) for k in keys if state.get(k) != mine[k]}
         if diff:

@@ -72,6 +72,8 @@ class Sampling(_Printable):
     drop_last: drop the last partial batch (and, with several ranks, the tail that would need padding).
     clips: a video pack's clips (`stoker.Clips`: frames per clip, stride or fps, random or uniform,
         clips per video); default `Clips()` for a video pack, refused for images.
+    buckets: aspect-ratio buckets (`stoker.AspectBuckets`, or a list of (height, width)): each batch from
+        one bucket, each image resized to cover it and cropped (docs/variable-resolution.md).
     """
 
     order: str = "random"
@@ -82,8 +84,13 @@ class Sampling(_Printable):
     world_size: int | None = None
     drop_last: bool = False
     clips: Any = None
+    buckets: Any = None   # resolved: an AspectBuckets, or None
 
     def __post_init__(self) -> None:
+        if self.buckets is not None:
+            from ..buckets import AspectBuckets
+
+            _set(self, "buckets", AspectBuckets.of(self.buckets))
         if self.clips is not None:
             from ..loading.clips import Clips   # here: the option values import nothing heavy until a clip is asked for
 

@@ -294,7 +294,7 @@ class _Crew:
             passes.stats.gpu_share, passes.stats.gpu_split = 0.0, route.cpu_only
         # the engine's float output: where the caller's conversion is a per-level table on the CPU
         floats = (passes.floats(spec, opts) if route.native and not route.gpu_decode and parts.output != "numpy"
-                  else None)
+                  and spec.buckets is None else None)
         self.chain = EpochChain(spec)
         self.epochs: list[tuple[int, int, int, int]] = []  # (epoch, first run batch, batches, first sample)
         self._orders: list[tuple[int, np.ndarray, int]] = []  # (epoch, its indices, first sample): a worker process's

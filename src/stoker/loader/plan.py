@@ -30,14 +30,16 @@ from ..errors import ConfigError
 from ..loading.clips import Clips, ClipKind
 from ..loading.kinds import IMAGES, SampleKind
 from ..loading.labels import multi_label_spec
-from ..loading.render import RenderSpec
+from ..loading.render import Bucketed, RenderSpec
 from ..loading.route import Route, decide
 from ..loading.slots import check_ring_fits
+from ..buckets import EXTRAS, assign, balance, bucket_batches
 from ..order import (Pool, epoch_order, from_ranges, layout_positions, make_pool, num_batches, rank_indices,
                      samples_per_rank, shard_window_order, to_ranges, unseen_positions)
 from ..dataset import Dataset
 from ..storage import url_scheme
-from ..transforms import Normalize, Pipeline
+from ..transforms import CoverCrop, Normalize, Pipeline
+from ..transforms.kinds import engine_program
 from .habits import pinned_labels
 from .options import Sampling, Storage, Targets, Workers
 
@@ -206,6 +208,25 @@ class EpochOrder:
     rows: int   # rows of the dataset
     #: after an elastic resume: (epoch, the positions of its global order no rank had read), split over this world
     queue: tuple[int, np.ndarray] | None = field(default=None, compare=False)
+    #: aspect-ratio buckets: each dataset row's bucket (int32; `buckets.assign`), else None
+    buckets: np.ndarray | None = field(default=None, compare=False)
+
+    def _bucket_layout(self, epoch: int) -> np.ndarray:
+        """Aspect buckets: the epoch's global batches before the ranks' balance, int64 [G, batch_size]
+        (`buckets.bucket_batches`); the positions of a state's `remaining` index it flattened."""
+        shuffle = (None if self.order == "sequential" else
+                   lambda g: epoch_order(g, seed=self.seed, epoch=epoch, order="random"))
+        return bucket_batches(self._global(epoch), self.buckets, self.batch_size, self.drop_last, 1, shuffle)
+
+    def _bucket_rank(self, epoch: int) -> np.ndarray:
+        """Aspect buckets: this rank's dataset indices in `epoch`, whole batches of one bucket each."""
+        layout = self._bucket_layout(epoch)
+        queue = self._queued(epoch)
+        if queue is not None:   # an elastic resume: the batches no rank had read, over this world
+            flat = layout.reshape(-1)
+            keep = queue[queue < len(flat)]
+            layout = flat[keep[:len(keep) // self.batch_size * self.batch_size]].reshape(-1, self.batch_size)
+        return balance(layout, self.world_size, self.drop_last)[self.rank::self.world_size].reshape(-1)
 
     def _global(self, epoch: int) -> np.ndarray:
         """The epoch's global order (before ranks take their parts): dataset indices."""
@@ -221,6 +242,8 @@ class EpochOrder:
 
     def indices(self, epoch: int) -> np.ndarray:
         """Dataset indices this rank reads in `epoch`, in order (a video's clips one after another)."""
+        if self.buckets is not None:
+            return self._bucket_rank(epoch)
         contiguous = self.order == "shard_random"
         queue = self._queued(epoch)
         if queue is not None:   # an elastic resume: what is left of the epoch, split over this world
@@ -235,13 +258,17 @@ class EpochOrder:
         idx = np.repeat(idx, self.per_item)   # a video's clips one after another (clips.ClipKind)
         return idx[:len(idx) // self.batch_size * self.batch_size] if self.drop_last else idx
 
-    def batches(self) -> int:
-        """Batches per epoch on this rank."""
+    def batches(self, epoch: int = 0) -> int:
+        """Batches per epoch on this rank (aspect buckets: of `epoch`, whose draws may change the count)."""
+        if self.buckets is not None:
+            return len(self._bucket_rank(epoch)) // self.batch_size
         return num_batches(samples_per_rank(self.pool.size, self.world_size, self.drop_last) * self.per_item,
                            self.batch_size, self.drop_last)
 
     def samples(self, epoch: int | None = None) -> int:
         """Samples of one epoch on this rank (what `indices` returns, without computing the order)."""
+        if self.buckets is not None:
+            return len(self._bucket_rank(0 if epoch is None else epoch))
         queue = self._queued(epoch)
         if queue is not None:
             per = samples_per_rank(len(queue), self.world_size, self.drop_last)
@@ -257,6 +284,12 @@ class EpochOrder:
         the layout depends on the world size (shard_window, several clips per video)."""
         if self.order == "shard_window" or self.per_item > 1:
             return {"remaining": None}
+        if self.buckets is not None:   # every rank read the same number of whole batches: the first of the layout
+            queue = self._queued(epoch)
+            total = len(queue) if queue is not None else self._bucket_layout(epoch).size
+            done = min(total, sample * self.world_size)
+            left = (queue[done:] if queue is not None else np.arange(done, total, dtype=np.int64))
+            return {"remaining": to_ranges(left), **({"requeued": True} if queue is not None else {})}
         queue = self._queued(epoch)
         left = unseen_positions(np.arange(self.pool.size, dtype=np.int64) if queue is None else queue, sample,
                                 self.world_size, drop_last=self.drop_last, contiguous=self.order == "shard_random")
@@ -266,7 +299,8 @@ class EpochOrder:
         """This order with `epoch` reduced to the positions `remaining` (None: every epoch whole)."""
         if remaining is None:
             return replace(self, queue=None)
-        return replace(self, queue=(epoch, from_ranges(remaining, self.pool.size)))
+        total = self._bucket_layout(epoch).size if self.buckets is not None else self.pool.size
+        return replace(self, queue=(epoch, from_ranges(remaining, total)))
 
 
 @dataclass(frozen=True)
@@ -359,7 +393,14 @@ def resolve(asked: Asked, ds: Dataset, decoder: DecoderProbe) -> LoadPlan:
                           f"order={s.order!r} cannot apply; leave order='random'")
     heights = None if ds.heights is None else np.asarray(ds.heights, dtype=np.int64)
     widths = None if ds.widths is None else np.asarray(ds.widths, dtype=np.int64)
-    output_size = _output_size(asked, ds, heights, widths)
+    bucketed = None
+    if s.buckets is not None:   # aspect buckets: each batch its bucket's size; the ring holds the largest
+        bucketed = _bucketed(asked, ds, kind, heights, widths)
+        output_size = max(bucketed.sizes, key=lambda hw: hw[0] * hw[1])
+        asked = replace(asked, pipeline=bucketed.pipelines[bucketed.sizes.index(output_size)])
+        pipeline = asked.pipeline
+    else:
+        output_size = _output_size(asked, ds, heights, widths)
     check_ring_fits(asked.workers.prefetch + 2, asked.batch_size, *output_size, kind.frames)   # now, not at batch 1
     pinned = None if t.classes is None else tuple(t.classes)
     labels = ds.labels if pinned is None else pinned_labels(ds.labels, ds.classes, list(pinned), ds.path)
@@ -391,11 +432,12 @@ def resolve(asked: Asked, ds: Dataset, decoder: DecoderProbe) -> LoadPlan:
                       labels, heights, widths, multi_label=multi, decode_quality=w.decode_quality,
                       box_columns=t.boxes, mask_columns=polygons, label_map_columns=label_maps,
                       ignore_index=t.ignore_index, pad=t.pad, key_by_draw=pool.weighted, members=pool.members(),
-                      kind=kind)
+                      kind=kind, buckets=bucketed)
     spec = replace(spec, route=route_of(asked, spec, ds, asked.device, decoder))
     rows = ds.shard_rows
     epochs = EpochOrder(pool, s.order, int(s.seed), asked.rank, asked.world_size, s.drop_last, asked.batch_size,
-                        kind.per_item, None if rows is None else tuple(rows), len(ds))
+                        kind.per_item, None if rows is None else tuple(rows), len(ds),
+                        buckets=None if bucketed is None else bucketed.of)
     child_spec = None
     if w.processes:   # the worker threads in a child process: refuse here what cannot cross
         from ..loading.procs import check_process_mode
@@ -408,6 +450,39 @@ def resolve(asked: Asked, ds: Dataset, decoder: DecoderProbe) -> LoadPlan:
                         getattr(getattr(asked.device, "device", None), "type", "") == "cuda")),
                     # a dataset in object storage gives its cache each epoch's order when that epoch starts
                     w.persistent and not ds.plans_downloads, pinned, child_spec)
+
+
+def _bucketed(asked: Asked, ds: Dataset, kind: SampleKind, heights: np.ndarray | None, widths: np.ndarray | None
+              ) -> Bucketed:
+    """`Sampling(buckets=)` with this dataset: each row's bucket, each bucket's pipeline (its `CoverCrop`
+    first) and engine program; a ConfigError for what buckets cannot do here, naming what to change."""
+    s, t, w, pipeline = asked.sampling, asked.targets, asked.workers, asked.pipeline
+    refused = [("images of a packed dataset (its stored sizes decide the buckets without a decode; stoker pack "
+                "SRC OUT first)", heights is None),
+               (f"order={s.order!r} (use 'random' or 'sequential')", s.order in ("shard_random", "shard_window")),
+               ("video clips", kind is not IMAGES), ("pad=True (each batch is its bucket's size)", t.pad),
+               ("boxes= and masks=", bool(t.boxes or t.masks)),
+               (f"Workers(processes={w.processes}) (use worker threads: processes=0)", bool(w.processes))]
+    for what, bad in refused:
+        if bad:
+            raise ConfigError(f"Sampling(buckets=) cannot take {what}" if "packed" not in what else
+                              f"{ds.path}: Sampling(buckets=) needs {what}")
+    sizing = [op for op in pipeline.ops if getattr(op, "stage", None) == "plan" and
+              op.fixed_size((7919, 7907)) != (7919, 7907)]
+    if sizing:
+        raise ConfigError(f"Sampling(buckets=) sizes each image to its bucket; the transforms also size it "
+                          f"({', '.join(type(op).__name__ for op in sizing)}): drop them (a RandomHorizontalFlip and "
+                          f"the per-sample and batch ops stay)")
+    taken = [c for c in EXTRAS if c in asked.columns]
+    if taken:
+        raise ConfigError(f"a bucketed batch hands out extras {list(EXTRAS)}, which would hide the column(s) {taken} "
+                          f"asked for in columns=; rename them when packing")
+    buckets = s.buckets
+    sizes = buckets.resolutions()
+    of = assign(heights, widths, sizes, keys=lambda i: repr(ds.sample(i).key))
+    pipelines = tuple(pipeline.prepended(CoverCrop(size, crop=buckets.crop)) for size in sizes)
+    return Bucketed(sizes, of, pipelines, tuple(engine_program(p.prefix, p.offsets) for p in pipelines),
+                    buckets.crop == "random")
 
 
 def _sample_kind(asked: Asked, ds: Dataset) -> SampleKind:

@@ -226,9 +226,12 @@ class BatchEngine:
             slot.floats = out[:]   # a view of its own: the batch counts as held until it is handed out and let go
         if blocks is not None and self.pool is not None:
             status = np.empty(end - r0, np.uint8)
+            program, (oh, ow) = self.program, (self.out_h, self.out_w)
+            if bp.bucket >= 0:   # aspect buckets: the batch's own size and program
+                program, (oh, ow) = self.spec.buckets.programs[bp.bucket], self.spec.buckets.sizes[bp.bucket]
             left, busy, state = self.pool.run(
                 blocks, spans, bp.positions[r0:end] if self.spec.key_by_draw else idx, idx, self.sizes,
-                self._stream(filler.epoch), self.program, slot.images_np, status, r0, self.out_h, self.out_w,
+                self._stream(filler.epoch), program, slot.images_np, status, r0, oh, ow,
                 self.full_size, AA_HEADROOM, self.antialias, self.fast, codecs.MAX_PIXELS, self.timeout, **floats)
             times.decode += busy
             if self.split:

@@ -92,7 +92,7 @@ def numpy_batch(slot: Slot, encode: MultiLabel | None) -> tuple:
     view of the slot, labels and extras fresh (label lists encoded as numpy arrays, label maps stacked,
     pad=True's sizes)."""
     n = slot.size
-    images = np.moveaxis(slot.owner[:n], -1, -3)
+    images = np.moveaxis(slot.images[:n], -1, -3)   # a view: its base is the slot's array, which counts it
     labels: Any
     if slot.labels_np is not None:
         labels = slot.labels_np[:n].copy()

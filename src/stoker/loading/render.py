@@ -41,11 +41,33 @@ from .stats import WorkerTimes
 from ..transforms import (Pipeline, Plan, Resampling, apply_tail, decode_minimums,
                          resample_region_into, resampling,
                          run_user_op)
+from ..transforms.geometry import cover_crop
 from ..transforms.targets import Boxes, InstanceMasks, LabelMap, Placement, Target, TargetRows
 
 # one warning per skipped sample, with its reason, on the Loader's logger: the name users configure
 _log = logging.getLogger("stoker.loader")
 MAX_REPLACEMENTS = 16  # on_error="skip": replacement samples tried before giving up on a position
+
+
+@dataclass(frozen=True)
+class Bucketed:
+    """Aspect-ratio buckets as the workers render them (`stoker.buckets`): each bucket's (height, width),
+    its pipeline (the Loader's transforms after the bucket's `CoverCrop`) and engine program, and each
+    dataset row's bucket. A batch's rows are all of one bucket."""
+
+    sizes: tuple[tuple[int, int], ...]
+    of: np.ndarray = field(compare=False)   # int32, one per dataset row
+    pipelines: tuple[Pipeline, ...] = field(compare=False)
+    programs: tuple[Any, ...] = field(compare=False)   # float64 engine programs, or None where not native
+    random: bool = True   # the crop's place drawn (else centred)
+
+    def extras(self, k: int, heights: np.ndarray, widths: np.ndarray, u: np.ndarray) -> dict[str, np.ndarray]:
+        """`original_size` (stored height, width) and `crop_top_left` (in the resized image) of rows in
+        bucket `k` with draws `u` (the CoverCrop's are the first two columns), int64 [n, 2] each."""
+        _, _, top, left = cover_crop(self.sizes[k], heights, widths, u[:, :2], self.random)
+        size, corner = np.empty((len(heights), 2), np.int64), np.empty((len(heights), 2), np.int64)
+        size[:, 0], size[:, 1], corner[:, 0], corner[:, 1] = heights, widths, top, left
+        return {"original_size": size, "crop_top_left": corner}
 
 
 @dataclass(frozen=True)
@@ -82,6 +104,8 @@ class RenderSpec:
     kind: SampleKind = IMAGES
     #: how each row becomes pixels (`route.Route`), decided once by `route.decide` when the Loader is made
     route: Route = Route()
+    #: aspect-ratio buckets (`Bucketed`): each batch's output size and pipeline are its bucket's; None: one size
+    buckets: Bucketed | None = None
 
     @property
     def gpu_decode(self) -> bool:
@@ -108,6 +132,7 @@ class BatchPlan:
     keys: np.ndarray  # uint64 random-stream key per row
     u: np.ndarray  # uniform draws [rows, pipeline.draws]
     geometry: Plan | None  # None when image sizes are only known after reading (loose files)
+    bucket: int = -1  # aspect buckets: the batch's bucket (its size, pipeline and program); -1: none
     filler: Any = None  # the Filler of the batch's epoch (`EpochChain.prepare`), whose `fill` renders its rows
     gpu_from: int = 0  # the route's GPU columns: the JPEG rows from this one on go to the GPU
     #: the GPU's rows, a chunk at a time (`jobs.GpuRows`), appended by the worker threads without a lock
@@ -150,8 +175,11 @@ class Filler:
         """Stored (heights, widths) of samples `idx`; None when known only after reading (loose files)."""
         return None if self.heights is None else (self.heights[idx], self.widths[idx])
 
-    def _geometry(self, sizes: tuple[np.ndarray, np.ndarray] | None, u: np.ndarray) -> Plan | None:
-        return None if sizes is None or not self.kind.plans_batch else self.pipe.plan(*sizes, u)
+    def _geometry(self, sizes: tuple[np.ndarray, np.ndarray] | None, u: np.ndarray, bucket: int = -1) -> Plan | None:
+        if sizes is None or not self.kind.plans_batch:
+            return None
+        pipe = self.pipe if bucket < 0 else self.spec.buckets.pipelines[bucket]
+        return pipe.plan(*sizes, u)
 
     def prepare(self, b: int, slot: Slot, deferred: bool = False) -> BatchPlan:
         """Batch b's plan, and its labels and extras into `slot`. `deferred`: the batch engine plans
@@ -168,11 +196,21 @@ class Filler:
                            if c in self.targets else [self.ds.extra(int(i), c) for i in idx])
                        for c in (*self.columns, *(c for c in self.targets if c not in self.columns))}
         slot.extras.update(self.kind.extras(idx, positions))   # a clip's video and clip number, say
+        bucket = -1
+        if self.spec.buckets is not None:   # one bucket per batch: its size, and each row's conditioning
+            buckets = self.spec.buckets
+            bucket = int(buckets.of[idx[0]])
+            slot.shape_rows(*buckets.sizes[bucket])
+            keys, u = self._draws(idx, positions)
+            slot.extras.update(buckets.extras(bucket, self.heights[idx], self.widths[idx], u))
+            if deferred:
+                return BatchPlan(idx, positions, keys, u, None, bucket=bucket)
         if deferred:
             return BatchPlan(idx, positions, None, None, None)  # type: ignore[arg-type]
-        keys, u = self._draws(idx, positions)
+        if bucket < 0:
+            keys, u = self._draws(idx, positions)
         sizes = self._sizes(idx)
-        geometry = self._geometry(sizes, u)
+        geometry = self._geometry(sizes, u, bucket)
         if self.spec.pad:
             slot.extras["sizes"] = geometry.size.astype(np.int64)  # a tensor or an array at hand-out
         gpu_from = 0
@@ -180,7 +218,7 @@ class Filler:
             if slot.staging is not None:
                 slot.staging.reset()
             gpu_from = 0 if self.split is None else slot.size - self.split.gpu_rows(slot.size)
-        return BatchPlan(idx, positions, keys, u, geometry, gpu_from=gpu_from)
+        return BatchPlan(idx, positions, keys, u, geometry, bucket=bucket, gpu_from=gpu_from)
 
     def _draws(self, idx: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         keys = (sample_keys(self.seed, self.epoch, positions, tag=TAG_DRAW) if self.spec.key_by_draw
@@ -192,7 +230,8 @@ class Filler:
         refused rows go through `fill` with it)."""
         if plan.keys is None:
             plan.keys, plan.u = self._draws(plan.indices, plan.positions)
-            plan.geometry = self._geometry(self._sizes(plan.indices), plan.u)
+        if plan.geometry is None:
+            plan.geometry = self._geometry(self._sizes(plan.indices), plan.u, plan.bucket)
 
     def _placement(self, geometry: Plan, row: int, idx: int) -> Placement:
         return Placement.of(geometry, row, self.heights[idx], self.widths[idx])
@@ -272,7 +311,7 @@ class Filler:
         if box is None:  # sizes known only now (loose files): plan this one sample
             box = _row_box(self.pipe.plan(np.array([s.height]), np.array([s.width]), u[None, :]), 0)
             return box, box[2]
-        return box, (box[2] if self.spec.pad else (self.out_h, self.out_w))
+        return box, (box[2] if self.spec.pad or self.spec.buckets is not None else (self.out_h, self.out_w))
 
     def render_row(self, idx: int, position: int, key: int, u: np.ndarray, box: tuple | None, dst: np.ndarray,
                    scratch: dict, times: WorkerTimes) -> None:
@@ -375,7 +414,7 @@ class Filler:
                  int(members[replacement_index(self.seed, self.epoch, pos, attempt, len(members))]))
             key = sample_keys(self.seed, self.epoch, np.array([r]))
             u = uniforms(key, self.draws)
-            geo = self._geometry(self._sizes(np.array([r])), u)
+            geo = self._geometry(self._sizes(np.array([r])), u, plan.bucket)   # in the batch's bucket
             box = _row_box(geo, 0)
             try:
                 self.render_row(r, pos, int(key[0]), u[0], box, slot.images_np[row], scratch, times)
@@ -399,6 +438,9 @@ class Filler:
                 slot.extras[c][row] = value[0]   # the stand-in's own (a clip's video)
             for c, value in placed.items():
                 slot.extras[c].raw[row], slot.extras[c][row] = raws[c], value
+            if plan.bucket >= 0:   # the stand-in's stored size and crop, in the batch's bucket
+                for c, value in self.spec.buckets.extras(plan.bucket, self.heights[[r]], self.widths[[r]], u).items():
+                    slot.extras[c][row] = value[0]
             key_, shard, srow = self._describe(int(plan.indices[row]), first)
             times.skipped += 1
             times.skipped_keys.append(key_ or "?")

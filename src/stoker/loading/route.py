@@ -180,6 +180,8 @@ def _gpu_blocker(spec: Any, processes: int) -> str | None:
                 f"path resizes with antialiased bilinear only")
     if spec.pad:
         return "pad=True places each image at its own size"
+    if getattr(spec, "buckets", None) is not None:
+        return "aspect buckets: each batch is its bucket's size, and the GPU path decodes one output size"
     if spec.kind.cpu_only:
         return spec.kind.cpu_only
     if spec.target_kinds():

@@ -112,7 +112,30 @@ class Slot:
     storage: int = 0  # the images' StorageImpl (an address; valid while `images` lives)
     uses: int = 0  # its use count with only the ring's own references
     owner: Any = None  # NumPy output: the image array, whose reference count counts its views (numpy_output)
-    floats: Any = None  # the batch's float output the engine wrote (RenderSpec.floats), [B, 3, H, W]; taken at hand-out
+    floats: Any = None  # the batch's float output the engine wrote (engine.FloatOut), [B, 3, H, W]; taken at hand-out
+    base: Any = None  # aspect buckets: the images as allocated, which each batch views at its bucket's size
+
+    def shape_rows(self, height: int, width: int) -> None:
+        """This batch's images as [B, height, width, 3] over the slot's memory (aspect buckets: the ring is
+        allocated at the largest bucket's area). Called when a free slot is planned, so nothing outside
+        the ring holds it: the reference counts `held` compares with are taken anew."""
+        if self.images.shape[1:3] == (height, width):
+            return
+        if self.base is None:
+            self.base = self.images
+        n = self.base.shape[0]
+        room = self.base.size if self.owner is not None else self.base.numel()
+        if n * height * width * 3 > room:
+            raise ValueError(f"a batch of {n} x {height}x{width} does not fit the slot of {tuple(self.base.shape)}")
+        if self.owner is not None:   # NumPy output: the arrays' reference counts say what is held
+            view = self.base.reshape(-1)[:n * height * width * 3].reshape(n, height, width, 3)
+            self.images = self.images_np = view
+            self.uses = sys.getrefcount(self.owner)
+        else:
+            view = self.base.view(-1)[:n * height * width * 3].view(n, height, width, 3)
+            self.images, self.images_np = view, view.numpy()
+            if _use_count is not None:
+                self.uses = _use_count(self.storage)
 
     def held(self) -> bool:
         """Whether anything outside the ring still references this slot's image memory."""

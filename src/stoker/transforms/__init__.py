@@ -34,7 +34,7 @@ each op reads a fixed slice of that stream.
 
 from __future__ import annotations
 
-from .geometry import (INTERPOLATIONS, CenterCrop, CropWindow, Plan, PlanState, RandomHorizontalFlip,
+from .geometry import (INTERPOLATIONS, CenterCrop, CoverCrop, CropWindow, Plan, PlanState, RandomHorizontalFlip,
                        RandomResizedCrop, Resize, Resampling, Size, crop_resize_into, crop_window,
                        decode_minimums, plan_ops, resample, resample_region_into, resampling)
 from .adapt import Adapted, TransformError, adapt
@@ -47,7 +47,7 @@ from .policy import AutoAugment, RandAugment, TrivialAugmentWide
 from .user import apply_tail, run_user_op
 
 __all__ = ["INTERPOLATIONS", "Adapted", "AutoAugment", "BATCH", "BatchAugment", "CenterCrop", "ColorJitter",
-           "CropWindow", "CutMix", "GaussianBlur", "MixUp", "Mixup", "Normalize", "PLAN", "Pipeline", "Plan",
+           "CoverCrop", "CropWindow", "CutMix", "GaussianBlur", "MixUp", "Mixup", "Normalize", "PLAN", "Pipeline", "Plan",
            "PlanState", "RandAugment", "RandomErasing", "RandomGrayscale", "RandomHorizontalFlip", "RandomResizedCrop",
            "Resampling", "Resize", "SAMPLE", "Size",
            "TransformError", "TrivialAugmentWide", "adapt", "apply_tail", "crop_resize_into", "crop_window",

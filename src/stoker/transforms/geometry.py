@@ -33,7 +33,7 @@ import numpy as np
 from .. import native
 from .._torch import HAVE_TORCH, torch
 from ..errors import ConfigError
-from .kinds import ENGINE_CENTER, ENGINE_FLIP, ENGINE_RESIZE, ENGINE_RRC, PLAN
+from .kinds import ENGINE_CENTER, ENGINE_COVER, ENGINE_FLIP, ENGINE_RESIZE, ENGINE_RRC, PLAN
 
 Size = tuple[int, int]
 #: torchvision's InterpolationMode values a resize can take (`interpolation=`); PIL-only filters
@@ -180,6 +180,59 @@ class RandomHorizontalFlip:
 
     def engine_args(self) -> tuple[int, tuple[float, ...]]:
         return ENGINE_FLIP, (self.p,)
+
+
+@dataclass(frozen=True)
+class CoverCrop:
+    """Resize keeping the aspect ratio so the image covers `size` (height, width), then crop `size` out of
+    it: at a random place (`crop="random"`, two draws) or the centre (`"center"`). What aspect-ratio buckets
+    do to each image (`stoker.AspectBuckets`, SDXL-style training); `cover_crop` gives the resized size and
+    the crop's top-left, which the batch hands out as conditioning."""
+
+    size: Any
+    crop: str = "random"
+    interpolation: str = "bilinear"
+    antialias: bool = True
+    draws = 2   # top, left
+    stage = PLAN
+    moves_pixels = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "size", _pair(self.size, "CoverCrop"))
+        _check_resampling(self)
+        if self.crop not in ("random", "center"):
+            raise ConfigError(f"CoverCrop: crop must be 'random' or 'center', got {self.crop!r}")
+
+    def plan(self, state: PlanState, u: np.ndarray) -> None:
+        rh, rw, top, left = cover_crop(self.size, state.lh, state.lw, u, self.crop == "random")
+        state.lh, state.lw = rh, rw
+        state.resample(self)
+        oh, ow = np.full(state.n, self.size[0]), np.full(state.n, self.size[1])
+        state.crop(top, left, oh, ow, oh, ow)
+
+    def fixed_size(self, size: Size | None) -> Size | None:
+        return self.size
+
+    def engine_args(self) -> tuple[int, tuple[float, ...]]:
+        return ENGINE_COVER, (*self.size, float(self.crop == "random"))
+
+
+def cover_crop(size: Size, lh: np.ndarray, lw: np.ndarray, u: np.ndarray, random: bool
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`CoverCrop`'s numbers for images lh x lw: the resized size (rh, rw: the aspect kept, each side at least
+    `size`'s) and the crop's top-left in it, from the draws `u` [n, 2] (csrc/engine.c's plan_cover: the same
+    double-precision steps)."""
+    oh, ow = size
+    lh64, lw64 = lh.astype(np.float64), lw.astype(np.float64)
+    scale = np.maximum(oh / lh64, ow / lw64)
+    rh = np.maximum(oh, np.rint(lh64 * scale)).astype(np.int64)
+    rw = np.maximum(ow, np.rint(lw64 * scale)).astype(np.int64)
+    if random:
+        top = np.floor(u[:, 0] * (rh - oh + 1)).astype(np.int64)
+        left = np.floor(u[:, 1] * (rw - ow + 1)).astype(np.int64)
+    else:
+        top, left = (rh - oh) // 2, (rw - ow) // 2
+    return rh, rw, top, left
 
 
 @dataclass

@@ -36,7 +36,7 @@ STAGES = (PLAN, SAMPLE, BATCH)
 #: the dtypes a batch op may take or give
 BATCH_DTYPES = ("uint8", "float", "any")
 #: csrc/engine.c's opcodes and its program's row width (opcode, draw offset, up to 8 parameters)
-ENGINE_RRC, ENGINE_RESIZE, ENGINE_CENTER, ENGINE_FLIP = 1, 2, 3, 4
+ENGINE_RRC, ENGINE_RESIZE, ENGINE_CENTER, ENGINE_FLIP, ENGINE_COVER = 1, 2, 3, 4, 5
 ENGINE_WIDTH = 10
 
 

@@ -42,6 +42,10 @@ class Pipeline:
             else:
                 raise ConfigError(f"transform #{pos} is {t!r}: expected a stoker transform or a callable on a "
                                   f"uint8 HWC numpy array")
+        self._layout(ops)
+
+    def _layout(self, ops: list[Any]) -> None:
+        """The compiled ops laid out: the planned prefix, the tail, each op's draw offset, the resampling."""
         first_user = next((k for k, op in enumerate(ops) if isinstance(op, _UserOp)), len(ops))
         self.ops = ops
         self.prefix = ops[:first_user]
@@ -57,6 +61,12 @@ class Pipeline:
         resizes = [op for op in self.prefix if hasattr(op, "interpolation")]
         #: (interpolation, antialias) of the planned prefix's resampling: its last resize's, as `plan_ops`
         self.resampling = (resizes[-1].interpolation, resizes[-1].antialias) if resizes else ("bilinear", True)
+
+    def prepended(self, op: Any) -> "Pipeline":
+        """This pipeline with the planned op `op` first (a copy): an aspect bucket's `CoverCrop`."""
+        new = copy.copy(self)
+        new._layout([op, *self.ops])
+        return new
 
     def with_mix(self, mix: Any) -> "Pipeline":
         """This pipeline with its batch Mixup replaced by `mix` (a copy: the pipeline itself is not changed)."""
