@@ -63,11 +63,12 @@ class Bucketed:
 
     def extras(self, k: int, heights: np.ndarray, widths: np.ndarray, u: np.ndarray) -> dict[str, np.ndarray]:
         """`original_size` (stored height, width) and `crop_top_left` (in the resized image) of rows in
-        bucket `k` with draws `u` (the CoverCrop's are the first two columns), int64 [n, 2] each."""
-        _, _, top, left = cover_crop(self.sizes[k], heights, widths, u[:, :2], self.random)
-        size, corner = np.empty((len(heights), 2), np.int64), np.empty((len(heights), 2), np.int64)
-        size[:, 0], size[:, 1], corner[:, 0], corner[:, 1] = heights, widths, top, left
-        return {"original_size": size, "crop_top_left": corner}
+        bucket `k` (stored sizes as float64) with draws `u` (the CoverCrop's are the first two columns),
+        int64 [n, 2] each."""
+        _, _, top, left = cover_crop(self.sizes[k], heights, widths, u, self.random)
+        out = np.empty((2, len(heights), 2), np.int64)
+        out[0, :, 0], out[0, :, 1], out[1, :, 0], out[1, :, 1] = heights, widths, top, left
+        return {"original_size": out[0], "crop_top_left": out[1]}
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,9 @@ class Filler:
         self.targets = {t.column: t for t in spec.target_kinds()}
         self.full_size = spec.decode_quality == "exact"
         self.kind = spec.kind  # what a row holds: an image, or a clip planned on its own (kinds.SampleKind)
+        # aspect buckets: the stored sizes as floats, once, for each batch's conditioning (`Bucketed.extras`)
+        self._float_sizes = (None if spec.buckets is None else
+                             (spec.heights.astype(np.float64), spec.widths.astype(np.float64)))
 
     def _sizes(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """Stored (heights, widths) of samples `idx`; None when known only after reading (loose files)."""
@@ -202,7 +206,7 @@ class Filler:
             bucket = int(buckets.of[idx[0]])
             slot.shape_rows(*buckets.sizes[bucket])
             keys, u = self._draws(idx, positions)
-            slot.extras.update(buckets.extras(bucket, self.heights[idx], self.widths[idx], u))
+            slot.extras.update(buckets.extras(bucket, self._float_sizes[0][idx], self._float_sizes[1][idx], u))
             if deferred:
                 return BatchPlan(idx, positions, keys, u, None, bucket=bucket)
         if deferred:
@@ -439,7 +443,8 @@ class Filler:
             for c, value in placed.items():
                 slot.extras[c].raw[row], slot.extras[c][row] = raws[c], value
             if plan.bucket >= 0:   # the stand-in's stored size and crop, in the batch's bucket
-                for c, value in self.spec.buckets.extras(plan.bucket, self.heights[[r]], self.widths[[r]], u).items():
+                hf, wf = self._float_sizes
+                for c, value in self.spec.buckets.extras(plan.bucket, hf[[r]], wf[[r]], u).items():
                     slot.extras[c][row] = value[0]
             key_, shard, srow = self._describe(int(plan.indices[row]), first)
             times.skipped += 1

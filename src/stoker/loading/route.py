@@ -75,10 +75,11 @@ class Route:
         return next((r for r in self.reasons if r.startswith("CPU only")), "")
 
     def __str__(self) -> str:
-        where = "threads" if not self.processes else f"{self.processes} worker process(es)"
+        where = ("on threads" if not self.processes else "in a worker process" if self.processes == 1 else
+                 f"in {self.processes} worker processes")
         gpu = self.gpu if not self.gpu_decode else (
             f"columns, share {'measured' if self.share is None else f'{self.share:g}'}")
-        return f"cpu {self.cpu} on {where}; gpu {gpu}; device stage {self.stage}"
+        return f"cpu {self.cpu} {where}; gpu {gpu}; device stage {self.stage}"
 
     def lines(self) -> list[str]:
         """The route and its reasons, one per line (stoker doctor, the Loader's log)."""

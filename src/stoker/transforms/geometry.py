@@ -204,11 +204,12 @@ class CoverCrop:
             raise ConfigError(f"CoverCrop: crop must be 'random' or 'center', got {self.crop!r}")
 
     def plan(self, state: PlanState, u: np.ndarray) -> None:
-        rh, rw, top, left = cover_crop(self.size, state.lh, state.lw, u, self.crop == "random")
-        state.lh, state.lw = rh, rw
+        rh, rw, top, left = cover_crop(self.size, state.lh.astype(np.float64), state.lw.astype(np.float64), u,
+                                       self.crop == "random")
+        state.lh, state.lw = rh.astype(np.int64), rw.astype(np.int64)
         state.resample(self)
         oh, ow = np.full(state.n, self.size[0]), np.full(state.n, self.size[1])
-        state.crop(top, left, oh, ow, oh, ow)
+        state.crop(top.astype(np.int64), left.astype(np.int64), oh, ow, oh, ow)
 
     def fixed_size(self, size: Size | None) -> Size | None:
         return self.size
@@ -219,20 +220,16 @@ class CoverCrop:
 
 def cover_crop(size: Size, lh: np.ndarray, lw: np.ndarray, u: np.ndarray, random: bool
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """`CoverCrop`'s numbers for images lh x lw: the resized size (rh, rw: the aspect kept, each side at least
-    `size`'s) and the crop's top-left in it, from the draws `u` [n, 2] (csrc/engine.c's plan_cover: the same
-    double-precision steps)."""
+    """`CoverCrop`'s numbers for images lh x lw (float64): the resized size (rh, rw: the aspect kept, each
+    side at least `size`'s) and the crop's top-left in it, from the draws `u` [n, 2], all float64 holding
+    integers (csrc/engine.c's plan_cover: the same double-precision steps). Few calls: a batch's
+    conditioning is computed with it on the worker threads."""
     oh, ow = size
-    lh64, lw64 = lh.astype(np.float64), lw.astype(np.float64)
-    scale = np.maximum(oh / lh64, ow / lw64)
-    rh = np.maximum(oh, np.rint(lh64 * scale)).astype(np.int64)
-    rw = np.maximum(ow, np.rint(lw64 * scale)).astype(np.int64)
+    scale = np.maximum(oh / lh, ow / lw)
+    rh, rw = np.maximum(oh, np.rint(lh * scale)), np.maximum(ow, np.rint(lw * scale))
     if random:
-        top = np.floor(u[:, 0] * (rh - oh + 1)).astype(np.int64)
-        left = np.floor(u[:, 1] * (rw - ow + 1)).astype(np.int64)
-    else:
-        top, left = (rh - oh) // 2, (rw - ow) // 2
-    return rh, rw, top, left
+        return rh, rw, np.floor(u[:, 0] * (rh - oh + 1)), np.floor(u[:, 1] * (rw - ow + 1))
+    return rh, rw, (rh - oh) // 2, (rw - ow) // 2
 
 
 @dataclass
