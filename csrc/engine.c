@@ -182,8 +182,9 @@ static void plan_ops(const double *prog, int nops, uint64_t key, int64_t h, int6
 
 /* ---- the pool ---- */
 typedef struct batch {
-    const unsigned char **data;  /* each row's JPEG (NULL: none) */
+    const unsigned char **data;  /* each row's JPEG, or raw pixels (NULL: none) */
     size_t *len;
+    const unsigned char *kinds;  /* per row: 0 a JPEG, 1 raw RGB pixels (stored height x width x 3); NULL: all JPEGs */
     const int64_t *ids, *index, *sizes;  /* stream id and dataset index per row; stored (h, w) per index */
     Py_ssize_t nsizes;
     uint64_t stream;
@@ -274,10 +275,13 @@ static unsigned char render(const batch_t *b, Py_ssize_t i, stoker_decoder *dec)
     plan_state s;
     plan_ops(b->prog, b->nops, mix64(b->stream ^ (uint64_t)b->ids[i]), h, w, &s);
     int64_t size[2] = {s.lh, s.lw}, p[NPARAM];
+    int raw = b->kinds != NULL && b->kinds[i] == 1;   /* stored pixels: the window of the whole image, no decode */
     stoker_plan_row(s.box, s.clip, s.grid, h, w, size, (unsigned char)s.flip, b->first + i, b->oh, b->ow,
-                    b->full_size, b->headroom, p);
-    unsigned char st = stoker_render_row(p, b->data[i], b->len[i], b->images, b->rows, b->oh, b->ow, b->antialias,
-                                         b->fast, b->max_pixels, dec);
+                    b->full_size || raw, b->headroom, p);
+    unsigned char st = raw ? stoker_render_raw(p, b->data[i], b->len[i], b->images, b->rows, b->oh, b->ow,
+                                               b->antialias, b->max_pixels)
+                           : stoker_render_row(p, b->data[i], b->len[i], b->images, b->rows, b->oh, b->ow,
+                                               b->antialias, b->fast, b->max_pixels, dec);
     if (st == 0 && b->floats != NULL)   /* the row just written, still in cache */
         map_levels(b->images, b->first + i, b->oh, b->ow, b->levels, b->itemsize, b->nchw, b->floats);
     return st;
@@ -422,7 +426,7 @@ static PyObject *engine_close(EngineObject *e, PyObject *unused) {
 
 /* The buffers a call acquires, released once the batch is done. */
 typedef struct {
-    Py_buffer b[9];
+    Py_buffer b[10];
     int got;
     Py_buffer *blocks;
     int64_t *ids;
@@ -499,9 +503,9 @@ done:
 static PyObject *engine_run(EngineObject *e, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"blocks", "spans", "ids", "index", "sizes", "stream", "program", "images", "status",
                                "first", "out_h", "out_w", "full_size", "headroom", "antialias", "fast",
-                               "max_pixels", "timeout", "floats", "levels", "nchw", NULL};
+                               "max_pixels", "timeout", "floats", "levels", "nchw", "kinds", NULL};
     PyObject *blocks_obj, *spans_obj, *ids_obj, *index_obj, *sizes_obj, *prog_obj, *images_obj, *status_obj;
-    PyObject *floats_obj = Py_None, *levels_obj = Py_None;
+    PyObject *floats_obj = Py_None, *levels_obj = Py_None, *kinds_obj = Py_None;
     int nchw = 1;
     unsigned long long stream;
     Py_ssize_t first;
@@ -513,10 +517,10 @@ static PyObject *engine_run(EngineObject *e, PyObject *args, PyObject *kwargs) {
                      (long)e->owner, (long)getpid());
         return NULL;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOKOOOniipdppdd|OOp", keywords, &blocks_obj, &spans_obj,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOKOOOniipdppdd|OOpO", keywords, &blocks_obj, &spans_obj,
                                      &ids_obj, &index_obj, &sizes_obj, &stream, &prog_obj, &images_obj, &status_obj,
                                      &first, &oh, &ow, &full_size, &headroom, &antialias, &fast, &max_pixels, &timeout,
-                                     &floats_obj, &levels_obj, &nchw))
+                                     &floats_obj, &levels_obj, &nchw, &kinds_obj))
         return NULL;
     if (!stoker_jpeg_loaded()) {
         PyErr_SetString(PyExc_RuntimeError, "no libjpeg loaded: call load(path) first");
@@ -568,6 +572,16 @@ static PyObject *engine_run(EngineObject *e, PyObject *args, PyObject *kwargs) {
         b.floats = (unsigned char *)fl->buf, b.levels = (const unsigned char *)lv->buf;
         b.itemsize = (int)fl->itemsize, b.nchw = nchw;
     }
+    if (kinds_obj != Py_None) {   /* after floats and levels: h.b[7], h.b[8] are theirs when given */
+        int at = h.got;
+        if (get(&h, kinds_obj, 0) < 0)
+            goto out;
+        if (h.b[at].len != k || h.b[at].itemsize != 1) {
+            PyErr_SetString(PyExc_ValueError, "Engine.run: kinds must be uint8 [k] (0 a JPEG, 1 raw pixels)");
+            goto out;
+        }
+        b.kinds = (const unsigned char *)h.b[at].buf;
+    }
     size_t n = (size_t)(k > 0 ? k : 1);
     b.data = (const unsigned char **)PyMem_Calloc(n, sizeof(unsigned char *));
     b.len = (size_t *)PyMem_Calloc(n, sizeof(size_t));
@@ -584,7 +598,7 @@ static PyObject *engine_run(EngineObject *e, PyObject *args, PyObject *kwargs) {
         st[i] = NOT_DONE;
         int64_t id = sp[3 * i], lo = sp[3 * i + 1], hi = sp[3 * i + 2];
         if (id < 0)
-            continue;   /* not a JPEG: the per-sample path's (status 22) */
+            continue;   /* neither a JPEG nor raw pixels: the per-sample path's (status 22) */
         if (id >= nblocks) {
             PyErr_Format(PyExc_IndexError, "Engine.run: row %zd names block %lld of %zd", i, (long long)id, nblocks);
             goto out;

@@ -28,6 +28,10 @@ unsigned char stoker_render_row(const int64_t *params, const unsigned char *data
                                 Py_ssize_t rows, int oh, int ow, int antialias, int fast, double max_pixels,
                                 stoker_decoder *decoder);
 
+/* A row of stored raw pixels (height x width x 3) read in place, resized, placed and flipped: no decode. */
+unsigned char stoker_render_raw(const int64_t *params, const unsigned char *data, size_t len, unsigned char *images,
+                                Py_ssize_t rows, int oh, int ow, int antialias, double max_pixels);
+
 /* One row's decode parameters from its plan, as the per-sample path computes them (jpeg_region.c). */
 void stoker_plan_row(const double *box, const double *clip, const int64_t *grid, int64_t h, int64_t w,
                      const int64_t *size, unsigned char flip, int64_t row, int oh, int ow, int full_size,

@@ -541,6 +541,28 @@ unsigned char stoker_render_row(const int64_t *params, const unsigned char *data
                       &decoder->scratch, &decoder->scratch_size);
 }
 
+unsigned char stoker_render_raw(const int64_t *p, const unsigned char *data, size_t len, unsigned char *images,
+                                Py_ssize_t rows, int oh, int ow, int antialias, double max_pixels) {
+    /* stored pixels (height x width x 3, RGB): the window is read in place, at full scale (p's scale 8) */
+    if (p[P_ROW] < 0 || p[P_ROW] >= rows || p[P_SCALE] != 8 || p[P_Y0] < 0 || p[P_Y1] <= p[P_Y0] || p[P_X0] < 0 ||
+        p[P_X1] <= p[P_X0] || p[P_Y1] > p[P_H] || p[P_X1] > p[P_W] || p[P_RH] < 1 || p[P_RW] < 1 ||
+        p[P_RH] > INT32_MAX || p[P_RW] > INT32_MAX || p[P_W] > INT32_MAX / 3)
+        return 20;
+    if ((double)p[P_H] * (double)p[P_W] > max_pixels)
+        return 5;
+    if ((double)len != (double)p[P_H] * (double)p[P_W] * 3.0)
+        return 21;   /* not the stored size's bytes: the per-sample path says so */
+    ptrdiff_t stride = (ptrdiff_t)p[P_W] * 3;
+    const unsigned char *region = data + (size_t)p[P_Y0] * (size_t)stride + (size_t)p[P_X0] * 3;
+    int pad[4] = {(int)p[P_PT], (int)p[P_PB], (int)p[P_PL], (int)p[P_PR]};
+    unsigned char *dst = images + (size_t)p[P_ROW] * (size_t)oh * (size_t)ow * 3;
+    if (stoker_place(region, (int)(p[P_Y1] - p[P_Y0]), (int)(p[P_X1] - p[P_X0]), stride, pad, (int)p[P_RH],
+                     (int)p[P_RW], (int)p[P_PY], (int)p[P_PX], dst, oh, ow, (ptrdiff_t)ow * 3, (int)p[P_FLIP],
+                     antialias) < 0)
+        return 4;
+    return 0;
+}
+
 int stoker_decoder_init(stoker_decoder *decoder) {
     decoder->err = calloc(1, sizeof(error_mgr));
     decoder->scratch = NULL;

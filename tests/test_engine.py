@@ -1,6 +1,6 @@
 """The native batch engine (engine.py, csrc/engine.c): whole batches planned and rendered on native
-threads. Batches are bit for bit those of the chunk path (`STOKER_ENGINE=off`) and of the per-sample
-path (`STOKER_NATIVE=off`) at any thread count, with non-JPEG and damaged rows, errors, on_error
+threads. Batches are bit for bit those of the Python path (`STOKER_ENGINE=off`, and `STOKER_NATIVE=off`
+with the torch resize) at any thread count, with raw, non-JPEG and damaged rows, errors, on_error
 replacements, weighted draws and resume; the plan in C is `Pipeline.plan`'s, integer for integer;
 stopping wakes a waiting coordinator at once and joins the pool's threads (break, close, garbage
 collection)."""
@@ -42,7 +42,7 @@ class Counting:
     def run(self, *args, **floats):
         left, busy, state = self.pool.run(*args, **floats)
         self.rows += len(args[2]) - left
-        self.float_rows += (len(args[2]) - left) if floats else 0
+        self.float_rows += (len(args[2]) - left) if floats.get("floats") is not None else 0
         return left, busy, state
 
     def close(self) -> None:
@@ -109,16 +109,16 @@ def test_the_engine_plans_each_row_as_pipeline_plan_does(transforms):
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("transforms", [TRAIN, VAL], ids=["train", "val"])
-def test_batches_are_the_same_with_the_engine_the_chunk_path_and_the_per_sample_path(dataset, transforms, threads,
+def test_batches_are_the_same_with_the_engine_on_and_off_and_the_native_path_off(dataset, transforms, threads,
                                                                                    counted, monkeypatch):
     on = epoch(dataset, transforms, threads)
     assert sum(c.rows for c in counted) > 30, "the engine wrote too few rows"
     monkeypatch.setenv(engine.ENV, "off")
-    chunks = epoch(dataset, transforms, threads)
+    python = epoch(dataset, transforms, threads)
     monkeypatch.delenv(engine.ENV)
     monkeypatch.setattr(native, "ON", False)
     off = epoch(dataset, transforms, threads)
-    same(on, chunks)
+    same(on, python)
     same(on, off)
 
 

@@ -249,3 +249,40 @@ def test_shards_of_many_record_batches_give_the_same_batches(tmp_path, monkeypat
     monkeypatch.setattr(native, "ON", False)
     off = epoch(path, TRAIN, 2, native_path=False)
     assert np.array_equal(on[1], off[1]) and np.array_equal(on[0], off[0])
+
+
+def test_stored_raw_pixels_are_read_by_the_engine_without_a_decode(tmp_path, monkeypatch):
+    """A pack of raw pixels (`PackOptions(encoding="raw")`, the decode-once path): the engine reads each
+    row's window in place (no decode) and gives the Python path's batches, bit for bit."""
+    import stoker
+    from stoker.packing import PackOptions
+
+    rng = np.random.default_rng(4)
+    for i in range(20):
+        h, w = (int(v) for v in rng.integers(30, 140, 2))
+        (tmp_path / "src" / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(smooth_rgb(rng, h, w)).save(tmp_path / "src" / f"c{i % 2}" / f"{i}.jpg", quality=92)
+    stoker.pack(str(tmp_path / "src"), str(tmp_path / "raw"), options=PackOptions(encoding="raw"), progress=False)
+    kinds_seen: list = []
+    real = native._mod.Engine
+
+    class Watching:
+        def __init__(self, *a):
+            self.pool = real(*a)
+
+        def run(self, *a, **kw):
+            kinds_seen.append(kw.get("kinds"))
+            return self.pool.run(*a, **kw)
+
+        def close(self):
+            self.pool.close()
+
+    monkeypatch.setattr(native, "engine", Watching)
+    for transforms in (TRAIN, VAL):
+        on = epoch(tmp_path / "raw", transforms, 2)
+        assert kinds_seen and all(k is not None and (k == 1).all() for k in kinds_seen)
+        kinds_seen.clear()
+        monkeypatch.setenv("STOKER_ENGINE", "off")
+        off = epoch(tmp_path / "raw", transforms, 2, native_path=False)
+        monkeypatch.delenv("STOKER_ENGINE")
+        assert not kinds_seen and np.array_equal(on[1], off[1]) and np.array_equal(on[0], off[0])

@@ -64,9 +64,19 @@ def test_an_op_declares_its_engine_row_on_its_own_class() -> None:
 
 @needs_engine
 def test_a_pack_under_the_jpeg_share_takes_the_python_path(tmp_path: Path) -> None:
-    path = build(tmp_path / "mixed", seed=1)   # 15% PNG and raw rows
-    with Loader(path, 8, transforms=CROP) as ld:
-        assert ld.route.cpu == "python" and "of a probe of its rows are JPEGs" in ld.route.python[0]
+    import numpy as np
+    from PIL import Image
+
+    import stoker
+
+    rng = np.random.default_rng(1)
+    for i in range(20):   # half PNG: the engine would refuse half of every batch
+        (tmp_path / "src" / "c").mkdir(parents=True, exist_ok=True)
+        img = Image.fromarray(rng.integers(0, 255, (80, 90, 3), dtype=np.uint8))   # over raw_below: PNG kept
+        img.save(tmp_path / "src" / "c" / f"{i}.{'png' if i % 2 else 'jpg'}")
+    stoker.pack(str(tmp_path / "src"), str(tmp_path / "ds"), progress=False)
+    with Loader(tmp_path / "ds", 8, transforms=CROP) as ld:
+        assert ld.route.cpu == "python" and "of a probe of its rows are JPEGs or raw pixels" in ld.route.python[0]
 
 
 def test_the_gpu_columns_their_share_and_the_cpu_path(jpegs: Path) -> None:
@@ -112,8 +122,8 @@ def test_the_probe_reads_rows_spread_over_the_dataset(jpegs: Path, monkeypatch: 
 
     seen = []
     with open_dataset(jpegs) as ds:
-        real = type(ds).jpeg_spans
-        monkeypatch.setattr(type(ds), "jpeg_spans", lambda self, idx: (seen.append(idx), real(self, idx))[1])
+        real = type(ds).pixel_spans
+        monkeypatch.setattr(type(ds), "pixel_spans", lambda self, idx: (seen.append(idx), real(self, idx))[1])
         monkeypatch.setattr(route_module, "PROBE", 5)
         assert route_module.jpeg_share(ds) == 1.0
     assert seen[0].tolist() == [0, 9, 19, 29, 39]

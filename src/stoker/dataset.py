@@ -32,6 +32,10 @@ class Sample(NamedTuple):
     row: int  # row inside the shard, or the index in the source listing
 
 
+#: what a row of `Dataset.pixel_spans` is: a JPEG, stored raw pixels (height x width x 3), or anything else
+JPEG_ROW, RAW_ROW, OTHER_ROW = 0, 1, 255
+
+
 class Dataset:
     """Common interface of packed and loose datasets (see :func:`open_dataset`, :func:`open_loose`)."""
 
@@ -68,6 +72,13 @@ class Dataset:
                 spans[j] = len(blocks), 0, memoryview(s.data).nbytes
                 blocks.append(s.data)
         return blocks, spans
+
+    def pixel_spans(self, indices: np.ndarray) -> tuple[Sequence[Any], np.ndarray, np.ndarray]:
+        """`jpeg_spans` with the rows of stored raw pixels too (the native engine reads both): `(blocks,
+        spans, kinds)`, kinds uint8 per row, `JPEG_ROW`, `RAW_ROW` or `OTHER_ROW` (its span's block -1).
+        Here only the JPEGs: a packed dataset hands over its raw rows as well."""
+        blocks, spans = self.jpeg_spans(indices)
+        return blocks, spans, np.where(spans[:, 0] >= 0, JPEG_ROW, OTHER_ROW).astype(np.uint8)
 
     @property
     def maps_jpegs(self) -> bool:

@@ -32,7 +32,7 @@ import numpy as np
 
 from .errors import ConfigError
 from .order import Pool, sample_keys, uniforms
-from .dataset import Dataset, Opened, Sample
+from .dataset import JPEG_ROW, OTHER_ROW, Dataset, Opened, Sample
 
 __all__ = ["Mix", "MixPlan", "MixedDataset", "SOURCE_COLUMN", "apportion"]
 
@@ -218,18 +218,24 @@ class MixedDataset(Dataset):
                             else self._labels[int(i)], shard=f"{self.names[s]}/{got.shard}")
 
     def jpeg_spans(self, indices: np.ndarray) -> tuple[Sequence[Any], np.ndarray]:
+        blocks, spans, kinds = self.pixel_spans(indices)
+        spans[kinds != JPEG_ROW, 0] = -1
+        return blocks, spans
+
+    def pixel_spans(self, indices: np.ndarray) -> tuple[Sequence[Any], np.ndarray, np.ndarray]:
         idx = np.asarray(indices, dtype=np.int64)
         src = self.source_of(idx)
         blocks: list[Any] = []
         spans = np.full((len(idx), 3), -1, np.int64)
+        kinds = np.full(len(idx), OTHER_ROW, np.uint8)
         for s in np.unique(src).tolist():
             rows = np.flatnonzero(src == s)
-            got, part = self.parts[s].jpeg_spans(idx[rows] - self.offsets[s])
+            got, part, kind = self.parts[s].pixel_spans(idx[rows] - self.offsets[s])
             part = np.array(part, dtype=np.int64)
             part[part[:, 0] >= 0, 0] += len(blocks)
             blocks.extend(got)
-            spans[rows] = part
-        return blocks, spans
+            spans[rows], kinds[rows] = part, kind
+        return blocks, spans, kinds
 
     @property
     def labels(self) -> np.ndarray:

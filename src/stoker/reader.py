@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 
-from .dataset import Dataset, Sample
+from .dataset import JPEG_ROW, OTHER_ROW, RAW_ROW, Dataset, Sample
 from .errors import ConfigError, DatasetClosedError, ShardError
 from .integrity import OpenShard, open_shard
 from .shards import Manifest, ShardInfo, read_manifest
@@ -129,20 +129,29 @@ class PackedDataset(Dataset):
         bytes (zero-copy), the spans one gather from a table of every sample's (block, first byte,
         end byte), so a chunk costs a few NumPy calls whatever its size; each shard the rows read is
         checked once (`_guard`), and one that fails the check raises ShardError."""
-        table, datas, block_shard, names = self._spans_table()
-        spans = table[np.asarray(indices, np.int64)]
+        datas, spans, kinds = self.pixel_spans(indices)
+        if self._spans[4]:   # a pack with raw rows: only the JPEGs here
+            spans[kinds != JPEG_ROW, 0] = -1
+        return datas, spans
+
+    def pixel_spans(self, indices: np.ndarray) -> tuple[Sequence[Any], np.ndarray, np.ndarray]:
+        """:meth:`Dataset.pixel_spans`: `jpeg_spans` with the rows of stored raw pixels too (`kinds`)."""
+        table, datas, block_shard, names, _, kind = self._spans_table()
+        idx = np.asarray(indices, np.int64)
+        spans = table[idx]
         if len(names) == 1:
             self._guard(names[0])
         else:
             blk = spans[:, 0]
             for k in np.unique(block_shard[blk[blk >= 0]]).tolist():
                 self._guard(names[k])
-        return datas, spans
+        return datas, spans, kind[idx]
 
-    def _spans_table(self) -> tuple[np.ndarray, list[np.ndarray], np.ndarray, list[str]]:
-        """(table, image data per block, shard number per block, shard names): `table` int64 [n, 3] is
-        each sample's (block, first byte, end byte), block -1 where it is not a JPEG. Made on first use
-        (24 bytes per sample), for the native chunk path only."""
+    def _spans_table(self) -> tuple[np.ndarray, list[np.ndarray], np.ndarray, list[str], bool, np.ndarray]:
+        """(table, image data per block, shard number per block, shard names, whether any row is raw,
+        kinds): `table` int64 [n, 3] is each sample's (block, first byte, end byte), block -1 where it
+        is neither a JPEG nor raw pixels; `kinds` uint8 [n] says which (`JPEG_ROW`, `RAW_ROW`, else
+        `OTHER_ROW`). Made on first use (25 bytes per sample), for the native engine and the GPU's rows."""
         spans = self._spans
         if spans is not None:
             return spans
@@ -151,17 +160,21 @@ class PackedDataset(Dataset):
                 raise DatasetClosedError(f"{self.path}: the dataset was closed; open it again with open_dataset()")
             if self._spans is None:
                 table = np.empty((self._n, 3), np.int64)
+                kinds = np.full(self._n, OTHER_ROW, np.uint8)
                 names = [s.info.file for s in self._shards]
                 number = {name: k for k, name in enumerate(names)}
                 for k, (b, start) in enumerate(zip(self._blocks, self._starts)):
                     end = start + len(b.img_offsets) - 1
-                    jpeg = b.enc_names.index("jpeg") if "jpeg" in b.enc_names else -1
-                    table[start:end, 0] = np.where(b.enc_codes == jpeg, k, -1)
+                    for enc, code in (("jpeg", JPEG_ROW), ("raw", RAW_ROW)):
+                        if enc in b.enc_names:
+                            kinds[start:end][b.enc_codes == b.enc_names.index(enc)] = code
+                    table[start:end, 0] = np.where(kinds[start:end] != OTHER_ROW, k, -1)
                     table[start:end, 1] = b.img_offsets[:-1]
                     table[start:end, 2] = b.img_offsets[1:]
-                table.flags.writeable = False
+                table.flags.writeable = kinds.flags.writeable = False
                 self._spans = (table, [b.img_data for b in self._blocks],
-                               np.array([number[b.shard] for b in self._blocks], np.int64), names)
+                               np.array([number[b.shard] for b in self._blocks], np.int64), names,
+                               bool((kinds == RAW_ROW).any()), kinds)
             return self._spans
 
     def sample(self, i: int) -> Sample:

@@ -130,10 +130,10 @@ class Counting:
         self.closed = False
         Counting.made.append(self)
 
-    def run(self, *args):
+    def run(self, *args, **options):
         for act in Counting.before_run:
             act()
-        left, busy, state = self.pool.run(*args)
+        left, busy, state = self.pool.run(*args, **options)
         self.rows += len(args[2]) - left
         return left, busy, state
 
@@ -179,7 +179,7 @@ def epoch(path: Path, transforms: list, threads: int = 2, **workers) -> tuple[np
 @pytest.mark.filterwarnings("ignore::UserWarning")   # Pillow's warnings about the corpus's odd EXIF
 @pytest.mark.parametrize("transforms, quality", [(TRAIN, "accurate"), (VAL, "accurate"), (TRAIN, "exact"),
                                                  (TRAIN, "fast")], ids=["train", "val", "train-exact", "train-fast"])
-def test_the_gauntlet_gives_the_engine_and_the_chunk_path_the_same_batches(gauntlet, transforms, quality, counted,
+def test_the_gauntlet_gives_the_engine_and_the_python_path_the_same_batches(gauntlet, transforms, quality, counted,
                                                                           monkeypatch):
     path, rows = gauntlet
     on = epoch(path, transforms, decode_quality=quality)

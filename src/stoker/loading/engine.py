@@ -213,8 +213,8 @@ class BatchEngine:
         if end == r0:
             return errors
         idx = np.ascontiguousarray(bp.indices[r0:end], np.int64)   # the engine reads int64 rows
-        try:
-            blocks, spans = filler.ds.jpeg_spans(idx)
+        try:   # JPEGs and stored raw pixels: the pool reads both (kinds), everything else is refused to Python
+            blocks, spans, kinds = filler.ds.pixel_spans(idx)
         except Exception:  # noqa: BLE001 - a shard that fails its check: each row's own read reports it
             blocks = None
         floats = _NO_FLOATS
@@ -232,7 +232,8 @@ class BatchEngine:
             left, busy, state = self.pool.run(
                 blocks, spans, bp.positions[r0:end] if self.spec.key_by_draw else idx, idx, self.sizes,
                 self._stream(filler.epoch), program, slot.images_np, status, r0, oh, ow,
-                self.full_size, AA_HEADROOM, self.antialias, self.fast, codecs.MAX_PIXELS, self.timeout, **floats)
+                self.full_size, AA_HEADROOM, self.antialias, self.fast, codecs.MAX_PIXELS, self.timeout, **floats,
+                **({"kinds": kinds} if kinds.any() else {}))   # raw rows: read in place, no decode
             times.decode += busy
             if self.split:
                 bp.cpu_render_s.append(busy)

@@ -149,20 +149,21 @@ def _cpu_blockers(spec: Any, ds: Dataset) -> list[str]:
     if why:
         return why
     if spec.heights is None or not ds.maps_jpegs:
-        return [f"the data is not a packed dataset of JPEGs on local disk ({type(ds).__name__})"]
+        return [f"the data is not a packed dataset of JPEGs or raw pixels on local disk ({type(ds).__name__})"]
     share = jpeg_share(ds)
     if share < MIN_JPEG_SHARE:
-        return [f"{share:.0%} of a probe of its rows are JPEGs (the engine takes packs of at least "
+        return [f"{share:.0%} of a probe of its rows are JPEGs or raw pixels (the engine takes packs of at least "
                 f"{MIN_JPEG_SHARE:.0%}); the others are PNG, WebP, ... decoded per sample"]
     return []
 
 
 def jpeg_share(ds: Dataset) -> float:
-    """The share of JPEG rows in up to `PROBE` rows spread evenly over `ds` (a shard that fails its check: 0)."""
+    """The share of the rows the engine reads (JPEGs, stored raw pixels) in up to `PROBE` rows spread evenly
+    over `ds` (a shard that fails its check: 0)."""
     n = len(ds)
     idx = np.unique(np.linspace(0, n - 1, min(n, PROBE)).astype(np.int64))
     try:
-        _, spans = ds.jpeg_spans(idx)
+        _, spans, _ = ds.pixel_spans(idx)
     except Exception:  # noqa: BLE001 - a shard that fails its check: the per-sample path reports it
         return 0.0
     return float(np.count_nonzero(spans[:, 0] >= 0)) / max(len(idx), 1)
