@@ -58,6 +58,7 @@ typedef struct {
     double box[4], clip[4];
     int64_t grid[2], lh, lw;
     int flip, resampled;
+    int64_t corner[2];  /* OP_COVER: the crop's top-left in the resized image (a batch's conditioning) */
 } plan_state;
 
 static int64_t floor_div(int64_t a, int64_t b) {
@@ -142,6 +143,7 @@ static void plan_cover(plan_state *s, const double *op, uint64_t key, int64_t of
     s->lh = rh, s->lw = rw;
     resample_here(s);
     crop(s, top, left, oh, ow, oh, ow);
+    s->corner[0] = top, s->corner[1] = left;
 }
 
 static int64_t center_offset(int64_t want, int64_t have) {
@@ -185,6 +187,7 @@ typedef struct batch {
     const unsigned char **data;  /* each row's JPEG, or raw pixels (NULL: none) */
     size_t *len;
     const unsigned char *kinds;  /* per row: 0 a JPEG, 1 raw RGB pixels (stored height x width x 3); NULL: all JPEGs */
+    int64_t *corners;            /* per row, written when planned: OP_COVER's (top, left); NULL: not asked */
     const int64_t *ids, *index, *sizes;  /* stream id and dataset index per row; stored (h, w) per index */
     Py_ssize_t nsizes;
     uint64_t stream;
@@ -274,6 +277,8 @@ static unsigned char render(const batch_t *b, Py_ssize_t i, stoker_decoder *dec)
         return 20;
     plan_state s;
     plan_ops(b->prog, b->nops, mix64(b->stream ^ (uint64_t)b->ids[i]), h, w, &s);
+    if (b->corners != NULL)
+        b->corners[2 * i] = s.corner[0], b->corners[2 * i + 1] = s.corner[1];
     int64_t size[2] = {s.lh, s.lw}, p[NPARAM];
     int raw = b->kinds != NULL && b->kinds[i] == 1;   /* stored pixels: the window of the whole image, no decode */
     stoker_plan_row(s.box, s.clip, s.grid, h, w, size, (unsigned char)s.flip, b->first + i, b->oh, b->ow,
@@ -426,7 +431,7 @@ static PyObject *engine_close(EngineObject *e, PyObject *unused) {
 
 /* The buffers a call acquires, released once the batch is done. */
 typedef struct {
-    Py_buffer b[10];
+    Py_buffer b[11];
     int got;
     Py_buffer *blocks;
     int64_t *ids;
@@ -503,9 +508,9 @@ done:
 static PyObject *engine_run(EngineObject *e, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"blocks", "spans", "ids", "index", "sizes", "stream", "program", "images", "status",
                                "first", "out_h", "out_w", "full_size", "headroom", "antialias", "fast",
-                               "max_pixels", "timeout", "floats", "levels", "nchw", "kinds", NULL};
+                               "max_pixels", "timeout", "floats", "levels", "nchw", "kinds", "corners", NULL};
     PyObject *blocks_obj, *spans_obj, *ids_obj, *index_obj, *sizes_obj, *prog_obj, *images_obj, *status_obj;
-    PyObject *floats_obj = Py_None, *levels_obj = Py_None, *kinds_obj = Py_None;
+    PyObject *floats_obj = Py_None, *levels_obj = Py_None, *kinds_obj = Py_None, *corners_obj = Py_None;
     int nchw = 1;
     unsigned long long stream;
     Py_ssize_t first;
@@ -517,10 +522,10 @@ static PyObject *engine_run(EngineObject *e, PyObject *args, PyObject *kwargs) {
                      (long)e->owner, (long)getpid());
         return NULL;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOKOOOniipdppdd|OOpO", keywords, &blocks_obj, &spans_obj,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOKOOOniipdppdd|OOpOO", keywords, &blocks_obj, &spans_obj,
                                      &ids_obj, &index_obj, &sizes_obj, &stream, &prog_obj, &images_obj, &status_obj,
                                      &first, &oh, &ow, &full_size, &headroom, &antialias, &fast, &max_pixels, &timeout,
-                                     &floats_obj, &levels_obj, &nchw, &kinds_obj))
+                                     &floats_obj, &levels_obj, &nchw, &kinds_obj, &corners_obj))
         return NULL;
     if (!stoker_jpeg_loaded()) {
         PyErr_SetString(PyExc_RuntimeError, "no libjpeg loaded: call load(path) first");
@@ -581,6 +586,16 @@ static PyObject *engine_run(EngineObject *e, PyObject *args, PyObject *kwargs) {
             goto out;
         }
         b.kinds = (const unsigned char *)h.b[at].buf;
+    }
+    if (corners_obj != Py_None) {
+        int at = h.got;
+        if (get(&h, corners_obj, 1) < 0)
+            goto out;
+        if (h.b[at].len != k * 2 * i64 || h.b[at].itemsize != 8) {
+            PyErr_SetString(PyExc_ValueError, "Engine.run: corners must be int64 [k, 2], C-contiguous");
+            goto out;
+        }
+        b.corners = (int64_t *)h.b[at].buf;
     }
     size_t n = (size_t)(k > 0 ? k : 1);
     b.data = (const unsigned char **)PyMem_Calloc(n, sizeof(unsigned char *));

@@ -226,14 +226,16 @@ class BatchEngine:
             slot.floats = out[:]   # a view of its own: the batch counts as held until it is handed out and let go
         if blocks is not None and self.pool is not None:
             status = np.empty(end - r0, np.uint8)
-            program, (oh, ow) = self.program, (self.out_h, self.out_w)
-            if bp.bucket >= 0:   # aspect buckets: the batch's own size and program
+            program, (oh, ow), corners = self.program, (self.out_h, self.out_w), {}
+            if bp.bucket >= 0:   # aspect buckets: the batch's own size and program; the pool writes each crop corner
                 program, (oh, ow) = self.spec.buckets.programs[bp.bucket], self.spec.buckets.sizes[bp.bucket]
+                if bp.keys is None:
+                    corners = {"corners": slot.extras["crop_top_left"][r0:end]}
             left, busy, state = self.pool.run(
                 blocks, spans, bp.positions[r0:end] if self.spec.key_by_draw else idx, idx, self.sizes,
                 self._stream(filler.epoch), program, slot.images_np, status, r0, oh, ow,
                 self.full_size, AA_HEADROOM, self.antialias, self.fast, codecs.MAX_PIXELS, self.timeout, **floats,
-                **({"kinds": kinds} if kinds.any() else {}))   # raw rows: read in place, no decode
+                **({"kinds": kinds} if kinds.any() else {}), **corners)   # raw rows: read in place, no decode
             times.decode += busy
             if self.split:
                 bp.cpu_render_s.append(busy)
@@ -244,6 +246,13 @@ class BatchEngine:
         if not rows:
             return errors
         filler.complete(bp)
+        if bp.bucket >= 0:   # the refused rows' corners, which the pool may not have planned
+            refused = np.asarray(rows, np.int64)
+            hf, wf = filler.float_sizes
+            b = bp.indices[refused]
+            fixed = np.empty((len(refused), 2), np.int64)
+            self.spec.buckets.corners(bp.bucket, hf[b], wf[b], bp.u[refused], fixed)
+            slot.extras["crop_top_left"][refused] = fixed
         errors += filler.fill_rows(bp, rows, slot, scratch, times)
         if floats:   # the rows rendered in Python, mapped as the pool maps its own
             native.map_levels(slot.images_np, np.asarray(rows, np.int64), self.levels, floats["floats"],

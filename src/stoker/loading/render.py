@@ -61,14 +61,20 @@ class Bucketed:
     programs: tuple[Any, ...] = field(compare=False)   # float64 engine programs, or None where not native
     random: bool = True   # the crop's place drawn (else centred)
 
-    def extras(self, k: int, heights: np.ndarray, widths: np.ndarray, u: np.ndarray) -> dict[str, np.ndarray]:
+    def extras(self, k: int, heights: np.ndarray, widths: np.ndarray, u: np.ndarray | None
+               ) -> dict[str, np.ndarray]:
         """`original_size` (stored height, width) and `crop_top_left` (in the resized image) of rows in
         bucket `k` (stored sizes as float64) with draws `u` (the CoverCrop's are the first two columns),
-        int64 [n, 2] each."""
-        _, _, top, left = cover_crop(self.sizes[k], heights, widths, u, self.random)
+        int64 [n, 2] each; `u` None: the corners are left for the engine to write (`corners`)."""
         out = np.empty((2, len(heights), 2), np.int64)
-        out[0, :, 0], out[0, :, 1], out[1, :, 0], out[1, :, 1] = heights, widths, top, left
+        out[0, :, 0], out[0, :, 1] = heights, widths
+        if u is not None:
+            _, _, out[1, :, 0], out[1, :, 1] = cover_crop(self.sizes[k], heights, widths, u, self.random)
         return {"original_size": out[0], "crop_top_left": out[1]}
+
+    def corners(self, k: int, heights: np.ndarray, widths: np.ndarray, u: np.ndarray, out: np.ndarray) -> None:
+        """The crop corners of rows in bucket `k` into `out` (int64 [n, 2]), as `extras` computes them."""
+        _, _, out[:, 0], out[:, 1] = cover_crop(self.sizes[k], heights, widths, u, self.random)
 
 
 @dataclass(frozen=True)
@@ -172,7 +178,7 @@ class Filler:
         self.full_size = spec.decode_quality == "exact"
         self.kind = spec.kind  # what a row holds: an image, or a clip planned on its own (kinds.SampleKind)
         # aspect buckets: the stored sizes as floats, once, for each batch's conditioning (`Bucketed.extras`)
-        self._float_sizes = (None if spec.buckets is None else
+        self.float_sizes = (None if spec.buckets is None else
                              (spec.heights.astype(np.float64), spec.widths.astype(np.float64)))
 
     def _sizes(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
@@ -205,10 +211,11 @@ class Filler:
             buckets = self.spec.buckets
             bucket = int(buckets.of[idx[0]])
             slot.shape_rows(*buckets.sizes[bucket])
+            if deferred:   # the engine writes each row's crop corner as it plans it (`Engine.run(corners=)`)
+                slot.extras.update(buckets.extras(bucket, self.float_sizes[0][idx], self.float_sizes[1][idx], None))
+                return BatchPlan(idx, positions, None, None, None, bucket=bucket)  # type: ignore[arg-type]
             keys, u = self._draws(idx, positions)
-            slot.extras.update(buckets.extras(bucket, self._float_sizes[0][idx], self._float_sizes[1][idx], u))
-            if deferred:
-                return BatchPlan(idx, positions, keys, u, None, bucket=bucket)
+            slot.extras.update(buckets.extras(bucket, self.float_sizes[0][idx], self.float_sizes[1][idx], u))
         if deferred:
             return BatchPlan(idx, positions, None, None, None)  # type: ignore[arg-type]
         if bucket < 0:
@@ -443,7 +450,7 @@ class Filler:
             for c, value in placed.items():
                 slot.extras[c].raw[row], slot.extras[c][row] = raws[c], value
             if plan.bucket >= 0:   # the stand-in's stored size and crop, in the batch's bucket
-                hf, wf = self._float_sizes
+                hf, wf = self.float_sizes
                 for c, value in self.spec.buckets.extras(plan.bucket, hf[[r]], wf[[r]], u).items():
                     slot.extras[c][row] = value[0]
             key_, shard, srow = self._describe(int(plan.indices[row]), first)
