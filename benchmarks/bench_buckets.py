@@ -37,17 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from stoker import (AspectBuckets, CenterCrop, Loader, RandomHorizontalFlip, RandomResizedCrop, Resize, Sampling,
-                    Workers, pack)
-from stoker.packing import PackOptions
-from stoker.tools.synth import cached_imagenet_like
-
-
-def _packed(cache: Path, n: int, data: Path | None) -> Path:
-    out = cache / (f"packed-{data.name}" if data is not None else f"packed-n{n}")
-    if not (out / "stoker.json").exists():
-        pack(data if data is not None else cached_imagenet_like(cache, n), out, options=PackOptions(),
-             progress=False)
-    return out
+                    Workers)
+from bench_outputs import packed   # the same packs as the output bench (run from benchmarks/ or as a script)
 
 
 def _loader(kind: str, path: Path, args: argparse.Namespace) -> Loader:
@@ -134,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", type=int, default=224)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    path = _packed(args.cache, args.images, args.data)
+    path = packed(args.cache, args.images, args.data)
     kinds: tuple[str, ...] = ("fixed", "center", "buckets")
     loaders = {k: _loader(k, path, args) for k in kinds}
     missing = "it reads a folder of image files: pass --data" if args.data is None else _datago_missing()

@@ -38,7 +38,8 @@ from stoker.tools.synth import cached_imagenet_like
 OUTPUTS = ("torch", "numpy", "float32", "float32-two-pass")
 
 
-def _packed(cache: Path, n: int, data: Path | None) -> Path:
+def packed(cache: Path, n: int, data: Path | None) -> Path:
+    """The pack the bench reads (made once in `cache`): of `data`, or of `n` generated ImageNet-like JPEGs."""
     out = cache / (f"packed-{data.name}" if data is not None else f"packed-n{n}")
     if not (out / "stoker.json").exists():
         pack(data if data is not None else cached_imagenet_like(cache, n), out, options=PackOptions(),
@@ -92,7 +93,7 @@ def main() -> None:
     outputs = tuple(o.strip() for o in args.outputs.split(",") if o.strip())
     if len(outputs) < 2 or len(set(outputs)) != len(outputs) or not set(outputs) <= set(OUTPUTS):
         ap.error(f"--outputs: two or more distinct outputs of {OUTPUTS}, got {args.outputs!r}")
-    data = _packed(args.cache, args.images, args.data)
+    data = packed(args.cache, args.images, args.data)
     transforms = [RandomResizedCrop(224), RandomHorizontalFlip()]
     loaders = {o: Loader(data, args.batch_size, transforms=transforms, seed=0, workers=args.threads,
                          device=_device(o))
