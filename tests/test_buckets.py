@@ -230,6 +230,18 @@ def test_a_mix_numpy_output_and_the_device_stage_per_bucket(pack: Path, tmp_path
         assert all(x.dtype == torch.float32 and x.shape[1] == 3 for x, _, _ in ld)
 
 
+def test_worker_processes_give_the_threads_batches(pack: Path) -> None:
+    threads = epoch(pack, workers=Workers(num_threads=2), device="numpy")
+    for processes in (1, 2):
+        got = epoch(pack, workers=Workers(num_threads=2, processes=processes), device="numpy")
+        assert len(got) == len(threads)
+        for a, b in zip(threads, got):
+            assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+            assert all(np.array_equal(a[2][k], b[2][k]) for k in a[2])
+    torch_out = epoch(pack, workers=Workers(num_threads=2, processes=2))
+    assert all(np.array_equal(a[0], b[0]) for a, b in zip(threads, torch_out))
+
+
 def test_batches_the_caller_keeps_stay_as_they_were(pack: Path) -> None:
     with Loader(pack, 4, sampling=Sampling(buckets=BUCKETS, seed=8), workers=Workers(prefetch=1)) as ld:
         kept = list(ld)
@@ -240,7 +252,6 @@ def test_batches_the_caller_keeps_stay_as_they_were(pack: Path) -> None:
 
 @pytest.mark.parametrize("kw, match", [
     ({"transforms": [Resize(64)]}, "also size it"),
-    ({"workers": Workers(processes=1)}, "processes"),
     ({"device": DeviceOptions("cpu", decode="gpu", gpu_decoder=FixedRateDecoder())}, "aspect buckets"),
 ])
 def test_what_buckets_cannot_do_is_refused(pack: Path, kw: dict, match: str) -> None:

@@ -456,13 +456,12 @@ def _bucketed(asked: Asked, ds: Dataset, kind: SampleKind, heights: np.ndarray |
               ) -> Bucketed:
     """`Sampling(buckets=)` with this dataset: each row's bucket, each bucket's pipeline (its `CoverCrop`
     first) and engine program; a ConfigError for what buckets cannot do here, naming what to change."""
-    s, t, w, pipeline = asked.sampling, asked.targets, asked.workers, asked.pipeline
+    s, t, pipeline = asked.sampling, asked.targets, asked.pipeline
     refused = [("images of a packed dataset (its stored sizes decide the buckets without a decode; stoker pack "
                 "SRC OUT first)", heights is None),
                (f"order={s.order!r} (use 'random' or 'sequential')", s.order in ("shard_random", "shard_window")),
                ("video clips", kind is not IMAGES), ("pad=True (each batch is its bucket's size)", t.pad),
-               ("boxes= and masks=", bool(t.boxes or t.masks)),
-               (f"Workers(processes={w.processes}) (use worker threads: processes=0)", bool(w.processes))]
+               ("boxes= and masks=", bool(t.boxes or t.masks))]
     for what, bad in refused:
         if bad:
             raise ConfigError(f"Sampling(buckets=) cannot take {what}" if "packed" not in what else

@@ -203,7 +203,8 @@ def _child(conn: Any, payload: dict) -> None:
                 break
             count = slot.size
             objects = list(slot.objects[:count]) if slot.labels_np is None else None
-            send(("batch", g, ids[id(slot)], count, objects, slot.extras, counters()))
+            # the batch's row shape too: an aspect bucket's batch is viewed at its own (Slot.shape_rows)
+            send(("batch", g, ids[id(slot)], count, objects, slot.extras, tuple(slot.images.shape[1:3]), counters()))
     finally:
         run.stop(join_timeout=2.0, give_back=False)
         listener.join(2.0)

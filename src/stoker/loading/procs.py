@@ -343,8 +343,9 @@ class ProcessRun(HandOut):
                     f"if samples are genuinely this slow")
         if msg[0] == "error":
             raise rebuild(msg[2])
-        _, _, sid, size, objects, extras = msg
+        _, _, sid, size, objects, extras, shape = msg
         slot = self.by_id[sid]
+        slot.shape_rows(*shape)   # the child wrote the batch at this shape (aspect buckets: its bucket's)
         slot.batch, slot.size, slot.remaining = b, size, 0
         if slot.labels_np is None:
             slot.objects[:size] = objects

@@ -124,13 +124,14 @@ class Slot:
         if self.base is None:
             self.base = self.images
         n = self.base.shape[0]
-        room = self.base.size if self.owner is not None else self.base.numel()
+        room = self.base.size if isinstance(self.base, np.ndarray) else self.base.numel()
         if n * height * width * 3 > room:
             raise ValueError(f"a batch of {n} x {height}x{width} does not fit the slot of {tuple(self.base.shape)}")
-        if self.owner is not None:   # NumPy output: the arrays' reference counts say what is held
+        if isinstance(self.base, np.ndarray):   # NumPy output (and a worker process's slots): array views
             view = self.base.reshape(-1)[:n * height * width * 3].reshape(n, height, width, 3)
             self.images = self.images_np = view
-            self.uses = sys.getrefcount(self.owner)
+            if self.owner is not None:   # the arrays' reference counts say what is held
+                self.uses = sys.getrefcount(self.owner)
         else:
             view = self.base.view(-1)[:n * height * width * 3].view(n, height, width, 3)
             self.images, self.images_np = view, view.numpy()
