@@ -92,7 +92,7 @@ class RenderSpec:
     widths: np.ndarray | None
     #: "fast": libjpeg-turbo's fast IDCT and plain chroma upsampling; "exact": JPEGs decoded at full size
     #: (no DCT scaling), so the resampling sees torchvision's pixels
-    decode_quality: str = "accurate"
+    decode_quality: str = "exact"
     multi_label: MultiLabel | None = None  # turns a batch of label lists into one tensor (multi-label data)
     key_by_draw: bool = False  # weighted sampling: random streams per draw, so a repeated sample gets new crops
     members: np.ndarray | None = None  # indices=: a failed sample's stand-in comes from these only
