@@ -129,6 +129,9 @@ class DemoResult:
     files: list[str] = field(default_factory=list)
     #: the interference control: the held batch while stoker runs beside it, its batches discarded
     control: DemoRun | None = None
+    #: the images/s every fed / synthetic is over: the fastest run of the held batch (the synthetic windows,
+    #: or the control when the step ran faster beside a running loader), so no ratio reads above 1.00
+    ceiling: float = 0.0
 
     @property
     def speedup(self) -> float | None:
@@ -166,6 +169,16 @@ class DemoResult:
         return json_safe(out)
 
 
+def set_ceiling(result: DemoResult) -> None:
+    """Every run's fed / synthetic over the fastest run of the held batch. The step has run faster beside a
+    running loader than alone (the control at 1.08 to 1.29 of the synthetic windows in fresh-clone demos on 2
+    cores), which made "stoker 1.00 of synthetic" overstate what it kept: the faster of the two is the ceiling."""
+    held = [result.synthetic, *([result.control] if result.control is not None else [])]
+    result.ceiling = max(r.images_per_s for r in held)
+    for run in result.rows:
+        run.fed_ratio = run.images_per_s / result.ceiling if result.ceiling > 0 else None
+
+
 def format_table(result: DemoResult) -> str:
     """The demo's markdown table, the headline and how it was measured."""
     lines = ["| training fed by | images/s | fed / synthetic | data wait | step time (ms) | CPU % |",
@@ -180,8 +193,11 @@ def format_table(result: DemoResult) -> str:
               f"{result.warmup_steps} warm-up steps, on {result.device}. The window is {QUEUE_MULTIPLE}x or more the "
               f"largest loader queue ({result.queue_batches} batches), so it measures each loader's sustained rate, "
               "not a queue filled before the clock started; the device is synchronized at the window's ends only. "
-              "fed / synthetic: images/s over the same model's on one batch held in device memory. CPU %: the "
-              "process and its children (DataLoader workers) over the window, 100 = one core."]
+              "fed / synthetic: images/s over the same model's on one batch held in device memory, the fastest such "
+              "run (the synthetic windows or the control"
+              + (", here the control: the step ran faster beside the running loader than alone" if
+                 result.control is not None and result.control.images_per_s > result.synthetic.images_per_s else "")
+              + "). CPU %: the process and its children (DataLoader workers) over the window, 100 = one core."]
     if not result.device.startswith("cuda"):
         lines.append(_CPU_NOTE.format(model=result.model_threads, loader=result.loader_cores))
     return "\n".join(lines)
@@ -295,10 +311,9 @@ def run_demo(out: str | Path = "stoker-demo", *, images: int = 2000, batch_size:
         torch.set_num_threads(threads_before)
     synthetic = max(runs.pop(0), runs.pop(), key=lambda r: r.images_per_s)
     control = runs.pop()
-    for run in [synthetic, *runs, control]:
-        run.fed_ratio = run.images_per_s / synthetic.images_per_s if synthetic.images_per_s > 0 else None
     result = DemoResult(synthetic, runs, model_name, images, batch_size, steps, warmup, queue, device, cores,
                         model_threads, loader_cores, control=control)
+    set_ceiling(result)
     result.seconds = time.perf_counter() - started
     _write(result, out)
     print("\n" + format_table(result))
