@@ -19,6 +19,7 @@ import pytest
 from conftest import PILLOW_CORPUS
 from stoker.transforms.kinds import engine_program
 from stoker import native
+from stoker.errors import ConfigError
 from stoker.loading import engine, route
 from stoker.loader.loader import Loader
 from stoker.loader.options import Sampling, Workers
@@ -322,3 +323,35 @@ def test_the_pool_runs_at_the_lowest_priority_unless_told(monkeypatch):
     assert engine.pool_nice() == 0
     monkeypatch.setenv(engine.ENV + "_NICE", "low")
     assert engine.pool_nice() == 19
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread priorities through Linux's /proc")
+def test_workers_nice_sets_the_pools_priority(dataset, monkeypatch):
+    """`Workers(nice=)` is the pool's nice value (over STOKER_ENGINE_NICE), in threads and in a worker process."""
+    def nices() -> list[int]:
+        out = []
+        for t in os.listdir("/proc/self/task"):
+            try:
+                out.append(int(Path(f"/proc/self/task/{t}/stat").read_text().rsplit(")", 1)[1].split()[16]))
+            except OSError:   # a thread that ended while listed
+                continue
+        return out
+
+    def count(value: int, at_least: int) -> int:   # a pool thread sets its own nice value when it starts
+        deadline = time.monotonic() + 10
+        while nices().count(value) < at_least and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return nices().count(value)
+
+    monkeypatch.setattr(route, "MIN_JPEG_SHARE", 0.0)
+    monkeypatch.setenv("STOKER_ENGINE_NICE", "3")
+    with Loader(dataset, 8, transforms=TRAIN, device="numpy", workers=Workers(num_threads=2, nice=6)) as ld:
+        it = iter(ld)
+        next(it)
+        assert count(6, 2) >= 2 and nices().count(3) == 0
+    with Loader(dataset, 8, transforms=TRAIN, device="numpy", workers=Workers(num_threads=2)) as ld:
+        it = iter(ld)
+        next(it)
+        assert count(3, 2) >= 2
+    with pytest.raises(ConfigError, match="nice must be"):
+        Workers(nice=20)

@@ -214,6 +214,9 @@ class Workers(_Printable):
         the crop allows, about 2x the output: up to 13% faster where outputs are far smaller than the
         images, e.g. 64 px from 400 px photographs, at about 1.3 levels mean difference from torchvision's
         there) or "fast" (also libjpeg's fast IDCT); docs/decoding.md has the measurements.
+    nice: the Linux nice value of the native engine's threads, 0 to 19 (None: STOKER_ENGINE_NICE, else
+        `engine.NICE`): higher yields a contended core to the training loop's threads sooner, but starves
+        the pool under other CPU load (docs/loader.md, "The native batch engine", has the measurements).
     processes: 0 (the threads run in this process) or N >= 1: the threads run in N child processes
     (started with "spawn"), writing into shared memory this process hands out as the batches, so the
     Python they run per sample (video clips, user transforms) no longer competes with the training
@@ -233,8 +236,13 @@ class Workers(_Printable):
     on_error: str = "raise"
     decode_quality: str = "exact"
     processes: int = 0
+    nice: int | None = None
 
     def __post_init__(self) -> None:
+        if self.nice is not None and (isinstance(self.nice, bool) or not isinstance(self.nice, (int, np.integer))
+                                      or not 0 <= self.nice <= 19):
+            raise ConfigError(f"nice must be None (STOKER_ENGINE_NICE, else the default) or an int from 0 (the "
+                              f"training process's own priority) to 19 (the lowest), got {self.nice!r}")
         _set(self, "num_threads", _int_or_none(self.num_threads, "num_threads (worker threads)", 1))
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, (int, np.integer)) or self.prefetch < 1:
             raise ConfigError(f"prefetch must be an int >= 1 (batches prepared ahead), got {self.prefetch!r}")

@@ -140,8 +140,10 @@ class FloatBuffers:
             return images, buf
 
 
-def pool_nice() -> int:
-    """The pool threads' nice value (Linux): STOKER_ENGINE_NICE, default `NICE`."""
+def pool_nice(asked: int | None = None) -> int:
+    """The pool threads' nice value (Linux): `Workers(nice=)` where given, else STOKER_ENGINE_NICE, else `NICE`."""
+    if asked is not None:
+        return asked
     try:
         return int(os.environ.get(ENV + "_NICE", NICE))
     except ValueError:
@@ -153,8 +155,9 @@ class BatchEngine:
     with `chunk` = the batch size), `close()` stops and joins the pool (repeatable, from any thread)."""
 
     def __init__(self, spec: "RenderSpec", prog: np.ndarray, threads: int, timeout: float,
-                 floats: FloatOut | None = None) -> None:
+                 floats: FloatOut | None = None, nice: int | None = None) -> None:
         self.spec = spec
+        self.nice = pool_nice(nice)
         self.program = prog
         self.threads = threads
         # a split batch: the coordinators also leave the GPU's rows as jobs, Python the pool does not do
@@ -179,7 +182,7 @@ class BatchEngine:
     def start(self) -> None:
         """Start the pool's threads (`Run.start`)."""
         if self.pool is None and not self._closed:
-            self.pool = native.engine(self.threads, pool_nice())
+            self.pool = native.engine(self.threads, self.nice)
 
     def close(self) -> None:
         """Stop the pool: a coordinator waiting in `Engine.run` wakes at once (after the rows in flight),
@@ -260,14 +263,14 @@ class BatchEngine:
         return errors
 
 
-def run_claims(spec: "RenderSpec", chain: "EpochChain", threads: int, timeout: float, floats: Any = None
-               ) -> dict[str, Any]:
+def run_claims(spec: "RenderSpec", chain: "EpochChain", threads: int, timeout: float, floats: Any = None,
+               nice: int | None = None) -> dict[str, Any]:
     """`Run`'s claim arguments for the route of `spec`: whole batches through the native engine
     (`engine.BatchEngine`; `floats`: its float output, `engine.FloatOut`), or the GPU's share a chunk at a
     time (`Filler.fill_split`), else one row per claim through `fill` on every worker thread."""
     route = spec.route
     if route.native and native.engine_available():   # loads its libjpeg-turbo here too (a worker process)
-        engine = BatchEngine(spec, route.program, threads, timeout, floats)
+        engine = BatchEngine(spec, route.program, threads, timeout, floats, nice)
         return {"fill_chunk": engine.fill_chunk, "chunk": spec.batch_size, "engine": engine}
     if route.gpu_decode:
         # one chunk per thread per batch, or, where the CPU renders a share row by row, four per thread

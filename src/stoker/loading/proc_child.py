@@ -141,7 +141,7 @@ def _child(conn: Any, payload: dict) -> None:
     stats = LoaderStats()
     run = Run(ring, sizes[me::n], payload["threads"], prepare, chain.fill, stats.add, payload["timeout"],
               name="stoker-process", open_ended=payload["open_ended"],
-              **run_claims(spec, chain, payload["threads"], payload["timeout"]))
+              **run_claims(spec, chain, payload["threads"], payload["timeout"], nice=payload.get("nice")))
     send_lock = threading.Lock()
 
     def send(msg: tuple) -> None:

@@ -147,7 +147,7 @@ def process_run(parts: Any, dataset: Any, stats: LoaderStats, orders: list[tuple
     where = getattr(dataset, "process_path", None) or str(dataset.path)   # a Mix: its sources
     return ProcessRun(ring, sizes, thread_shares(threads, n), spec=parts.child_spec, path=where, orders=orders,
                       stats=stats, timeout=parts.timeout, label_dtype=parts.label_dtype, open_ended=open_ended,
-                      identities=dict(getattr(dataset, "_identities", {})))
+                      identities=dict(getattr(dataset, "_identities", {})), nice=parts.asked.workers.nice)
 
 
 @dataclass(eq=False)
@@ -172,7 +172,8 @@ class ProcessRun(HandOut):
 
     def __init__(self, ring: BatchRing, batch_sizes: list[int], threads: list[int], *, spec: bytes,
                  path: str, orders: list[tuple[int, np.ndarray, int]], stats: LoaderStats, timeout: float,
-                 label_dtype: Any, open_ended: bool = False, identities: dict | None = None) -> None:
+                 label_dtype: Any, open_ended: bool = False, identities: dict | None = None,
+                 nice: int | None = None) -> None:
         self.ring = ring
         # open_ended: epochs may be appended (`extend`, a persistent Loader): the children run on into them
         self.open_ended = open_ended
@@ -216,7 +217,7 @@ class ProcessRun(HandOut):
         self.payload = {"spec": spec, "path": path, "orders": [(e, idx, start, len(self.batch_sizes))
                                                                 for e, idx, start in orders],
                         "sizes": list(self.batch_sizes), "open_ended": open_ended, "identities": identities or {},
-                        "timeout": timeout}
+                        "timeout": timeout, "nice": nice}
         self.shares = threads
         self._started = False
         self.spawned_at = 0.0
