@@ -28,7 +28,8 @@ and gathered JPEG bytes), then renders the rows before
 time the split measures (`BatchPlan.cpu_render_s`). Which rows the GPU takes changes no CPU row's
 pixels: each row's stream and plan depend on its sample alone.
 
-On Linux the pool's threads run at nice `NICE` (19; `STOKER_ENGINE_NICE` sets another value, 0 to 19).
+On Linux the pool's threads run at nice `NICE` (0; `Workers(nice=)` or `STOKER_ENGINE_NICE` sets another
+value, 0 to 19).
 Whether batches take this path is the route's (`route.Route`, decided when the Loader is made):
 `STOKER_ENGINE=off` then sends every row through the Python path on `num_threads` worker threads;
 `STOKER_NATIVE=off` turns every native path off.
@@ -58,12 +59,14 @@ if TYPE_CHECKING:
 #: while the pool renders the other's), more would only add Python beside the training loop
 COORDINATORS = 2
 _STOPPED = 1   # Engine.run's state when close() stopped the pool
-#: the pool threads' Linux nice value: under contention for a core the training process's own threads
-#: (the training loop, autograd's, the device thread: nice 0) run first; alone, the pool loses nothing.
-#: 19 (the lowest priority): beside a dispatch-bound step on 2 cores, 2 pool threads inflated the step
-#: 0.8% and 4.2% at 19, 1.7% and 11.8% at 10, 2.6% and 16.5% at 0 (two runs of benchmarks/bench_engine.py,
-#: medians of 3 and 5 rounds), with images/s and CPU per image within the runs' noise of 0's
-NICE = 19
+#: the pool threads' Linux nice value (`Workers(nice=)`, STOKER_ENGINE_NICE). 0, the training process's own:
+#: beside one busy process per core (another job on the machine), the pool kept 0.48 of its images/s alone at
+#: nice 0, 0.26 at 5, 0.09 at 10 and 0.01 at 19 (benchmarks/bench_priority.py, 1,000 real photographs, 2
+#: cores): at 19 any competing load starves it. Beside a dispatch-bound step the earlier runs of
+#: benchmarks/bench_engine.py measured 0.8-4.2% step inflation at 19 and 2.6-16.5% at 0 where the pool
+#: shares the trainer's cores; on a GPU host the default thread count leaves the training process cores
+#: of its own (`_system.TRAINER_THREADS`), and Workers(nice=19) gives it precedence where they are shared
+NICE = 0
 
 
 @dataclass(frozen=True)
