@@ -1,27 +1,34 @@
-"""`stoker bench --video`: random video clips through stoker's clip decode and the common DataLoader scripts.
+"""Random video clips through stoker's clip decode and the common DataLoader scripts.
+
+    python benchmarks/bench_video.py CACHE_DIR [--data VIDEOS|PACKED] [--videos 16] [--clips 48] [--rounds 3]
+                                     [--threads 2] [--keyframes 1] [--json out.json]
 
 Clips of 16 frames, stride 4, RandomResizedCrop 224 + flip into uint8 ``[16, 224, 224, 3]``, the same
-clips (frames and crop planned once by :func:`stoker.clips.plan_clip`) for every pipeline, on two packs
-of the same videos: stored as they are (``keep``) and re-encoded with a keyframe every
+clips (frames and crop planned once by :func:`stoker.loading.clips.plan_clip`) for every pipeline, on two
+packs of the same videos: stored as they are (``keep``) and re-encoded with a keyframe every
 ``keyframes`` seconds (``kf``, ``stoker pack --video-keyframes``). Pipelines, alternating within each
 round so that the machine's load falls on all of them alike:
 
-- ``stoker pool=N``: :func:`~stoker.clips.decode_clip_into` + :func:`~stoker.clips.finish_clip` per clip
-  on a pool of N threads into preallocated rows (the work a Loader thread runs per clip), FFmpeg's own
-  threading off; ``pool=1`` shows how the pool scales;
+- ``stoker pool=N``: :func:`~stoker.loading.clips.decode_clip_into` + :func:`~stoker.loading.clips.finish_clip`
+  per clip on a pool of N threads into preallocated rows (the work a Loader thread runs per clip), FFmpeg's
+  own threading off; ``pool=1`` shows how the pool scales;
 - ``stoker pool=1 ffmpeg FRAME xN``: one clip at a time, FFmpeg's frame threads instead of the pool;
 - ``stoker pool=N ffmpeg FRAME x2`` / ``AUTO``: both at once (do FFmpeg's threads help or fight the pool);
 - ``DataLoader+PyAV``: N worker processes, each opening the file with PyAV, decoding from the first frame
-  to the clip's last, cropping and resizing with torch's antialiased bilinear (the common script);
+  to the clip's last, cropping and resizing with torch's antialiased bilinear (the common script, as
+  `stoker demo --video`'s baseline runs it: `stoker.tools.demo_video`);
 - ``DataLoader+decord``: the same with decord's ``VideoReader.get_batch``, where decord imports.
 
 Reported per pipeline: clips/s and CPU ms per clip (every thread, plus the DataLoader workers'
 processes) of the best round, their product (cores busy: on a shared machine, the share each pipeline
-got), and frames decoded per frame delivered (the waste; decord does not say).
+got), and frames decoded per frame delivered (the waste; decord does not say). The stoker figure is
+the decode path on threads, without the Loader around it; `stoker demo --video` trains through the
+Loader. Results: docs/video.md.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -34,9 +41,10 @@ from typing import Any
 
 import numpy as np
 
-from .._progress import Progress
-from ..loading.clips import Clips, PyAVDecoder, decode_clip_into, finish_clip, plan_clip
-from ..errors import ConfigError
+from stoker._progress import Progress
+from stoker.errors import ConfigError, StokerError
+from stoker.loading.clips import Clips, PyAVDecoder, decode_clip_into, finish_clip, plan_clip
+from stoker.tools.demo_video import crop_resize_flip, pyav_from_start
 
 __all__ = ["SIZE", "SPEC", "VideoBenchResult", "format_video_table", "run_video_bench"]
 
@@ -47,7 +55,7 @@ BASELINE = "DataLoader+PyAV"
 
 @dataclass
 class VideoBenchResult:
-    """What one `stoker bench --video` run measured. ``best``: ``"<pipeline> [<pack>]"`` -> the best
+    """What one run measured. ``best``: ``"<pipeline> [<pack>]"`` -> the best
     round's ``clips_per_s``, ``cpu_ms_per_clip`` and ``waste`` (frames decoded per frame delivered, NaN
     where the decoder does not say); ``rounds``: every round; ``bytes``: each pack's video bytes."""
 
@@ -69,9 +77,9 @@ def prepare(cache: Path, data: Path | None, videos: int, keyframes: float,
     ``data``: a folder of videos, a packed dataset (measured as it is; its videos are re-encoded for the
     second pack), or None: ``videos`` generated Kinetics-like videos."""
     import stoker
-    from ..packing import PackOptions, pack
-    from ..shards import MANIFEST_NAME
-    from .synth_video import VideoStyle, make_kinetics_like
+    from stoker.packing import PackOptions, pack
+    from stoker.shards import MANIFEST_NAME
+    from stoker.tools.synth_video import VideoStyle, make_kinetics_like
 
     if data is None:
         data = cache / f"kinetics-{videos}"
@@ -110,7 +118,7 @@ def _loose(ds: Any, dest: Path) -> list[Path]:
 
 
 def _plans(ds: Any, clips: int, epoch: int, pipe: Any) -> list[tuple[int, Any]]:
-    from ..video import VIDEO_INDEX_COLUMN, VideoIndex
+    from stoker.video import VIDEO_INDEX_COLUMN, VideoIndex
     out = []
     for j in range(clips):
         i = j % len(ds)
@@ -122,7 +130,7 @@ def _plans(ds: Any, clips: int, epoch: int, pipe: Any) -> list[tuple[int, Any]]:
 def run_stoker(ds: Any, work: list[tuple[int, Any]], pipe: Any, pool_size: int,
                decoder: PyAVDecoder) -> dict[str, float]:
     """The clips on a pool of ``pool_size`` threads, into a ring of preallocated rows."""
-    from ..video import VIDEO_INDEX_COLUMN, VideoIndex
+    from stoker.video import VIDEO_INDEX_COLUMN, VideoIndex
     indexes = {i: VideoIndex.from_json(ds.extra(i, VIDEO_INDEX_COLUMN)) for i, _ in work}
     rows = np.empty((pool_size * 2, SPEC.frames, SIZE, SIZE, 3), np.uint8)   # stands in for a slot ring
 
@@ -161,33 +169,6 @@ class _ClipSet:
             clip, decoded = vr.get_batch(frames).asnumpy(), -1
         box = tuple(int(round(v)) for v in plan.box)
         return crop_resize_flip(clip, box, SIZE, bool(plan.flip)), decoded
-
-
-def crop_resize_flip(clip: np.ndarray, box: tuple[int, int, int, int], size: int, flip: bool) -> Any:
-    """A DataLoader baseline's per-clip transform: the (top, left, height, width) box of every frame of
-    `clip` (uint8 [T, H, W, 3]) resized to size x size with torch's antialiased bilinear (what
-    torchvision's tensor transforms run), mirrored when `flip`; uint8 [T, 3, size, size]."""
-    import torch
-
-    top, left, h, w = box
-    x = torch.from_numpy(np.ascontiguousarray(clip[:, top:top + h, left:left + w])).permute(0, 3, 1, 2).float()
-    x = torch.nn.functional.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-    if flip:
-        x = x.flip(-1)
-    return x.round_().clamp_(0, 255).to(torch.uint8)
-
-
-def pyav_from_start(container: Any, frames: list[int]) -> tuple[np.ndarray, int]:
-    """The common script, on a video opened with `av.open`: decode from the first frame, keep the
-    clip's `frames`, stop after the last one. Returns the clip (uint8 [T, H, W, 3]) and the frames
-    decoded."""
-    wanted, last, kept, n = set(frames), max(frames), {}, -1
-    for n, frame in enumerate(container.decode(video=0)):
-        if n in wanted:
-            kept[n] = frame.to_ndarray(format="rgb24")
-        if n >= last:
-            break
-    return np.stack([kept[f] for f in frames]), n + 1
 
 
 def run_dataloader(paths: list[Path], work: list[tuple[int, Any]], reader: str, workers: int) -> dict[str, float]:
@@ -244,7 +225,7 @@ def run_video_bench(data: Path | None = None, *, cache: Path, videos: int = 8, c
     keeps the videos, packs and loose copies for the next run. ``ffmpeg``: also run the FFmpeg threading
     variants; ``decord``: the decord DataLoader where decord imports."""
     import stoker
-    from ..transforms import Pipeline, RandomHorizontalFlip, RandomResizedCrop
+    from stoker.transforms import Pipeline, RandomHorizontalFlip, RandomResizedCrop
 
     for name, value in (("videos", videos), ("clips", clips), ("rounds", rounds), ("threads", threads)):
         if not isinstance(value, int) or value < 1:
@@ -264,7 +245,7 @@ def run_video_bench(data: Path | None = None, *, cache: Path, videos: int = 8, c
             runs.append((f"DataLoader+decord workers={threads}", threads, None))
         except ImportError:
             result.skipped["DataLoader+decord"] = "decord does not import (pip install decord)"
-    with Progress("bench --video", rounds * 2 * len(runs), unit="run", enabled=progress) as bar:
+    with Progress("bench_video", rounds * 2 * len(runs), unit="run", enabled=progress) as bar:
         bar.stage("preparing the videos and their two packs (cached for the next run)")
         packs = prepare(cache, data, videos, keyframes, threads)
         datasets = {name: stoker.open_dataset(path) for name, (path, _) in packs.items()}
@@ -310,3 +291,32 @@ def format_video_table(result: VideoBenchResult) -> str:
                      f"{base['cpu_ms_per_clip'] / v['cpu_ms_per_clip']:.2f}x |")
     lines += [f"| {k} | skipped: {why} | | | | | |" for k, why in result.skipped.items()]
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python benchmarks/bench_video.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("cache", type=Path, help="keeps the generated videos, packs and loose copies")
+    p.add_argument("--data", type=Path, default=None,
+                   help="a folder of videos or a packed dataset of them (default: generate Kinetics-like)")
+    p.add_argument("--videos", type=int, default=16, help="videos to generate (default 16)")
+    p.add_argument("--clips", type=int, default=48, help="clips per round and pack (default 48)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds, the best kept (default 3)")
+    p.add_argument("--threads", type=int, default=2, help="stoker's pool threads and the DataLoaders' workers")
+    p.add_argument("--keyframes", type=float, default=1.0, help="keyframe interval of the re-encode, seconds")
+    p.add_argument("--json", type=Path, default=None, help="also write the result as JSON to this file")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress")
+    args = p.parse_args(argv)
+    try:
+        result = run_video_bench(args.data, cache=args.cache, videos=args.videos, clips=args.clips,
+                                 rounds=args.rounds, threads=args.threads, keyframes=args.keyframes,
+                                 progress=not args.quiet)
+    except StokerError as exc:
+        p.error(str(exc))
+    print(format_video_table(result))
+    if args.json:
+        args.json.write_text(json.dumps(result.to_json(), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
