@@ -205,7 +205,7 @@ class _Runner:
         self.split = split   # stoker's GPU decode loaders: `bench_gpu.split_state` now
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)   # each peer is itself (compared and hashed by identity)
 class Peer:
     """Another library's loader measured beside stoker's, defined outside the package: each of the project's
     benchmarks/ scripts (NVIDIA DALI, TurboLoader) defines one as ``PEER`` and runs this bench with it added
@@ -289,7 +289,7 @@ def _check_moved(names: Sequence[str], device: str) -> None:
         if name == "calls":
             how = "[--data DIR] [--workers N]"
         else:
-            dev = device if device != "cpu" else "cuda" if bench_gpu.is_device_pipeline(name) else ""
+            dev = device if device != "cpu" else "cuda" if name.startswith(("cuda-", "train-")) else ""
             how = (f"--pipelines {','.join(n for n in names if _moved_to(n) == script)}"
                    f"{f' --device {dev}' if dev else ''} (with stoker bench's other options)")
         raise ConfigError(f"run_bench: {name} is not a pipeline of stoker bench; from a checkout of the project "
