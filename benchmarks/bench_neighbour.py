@@ -45,6 +45,9 @@ import numpy as np
 from stoker._system import usable_cpus
 from stoker.errors import ConfigError
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # the sibling scripts, however this one is loaded
+from bench_calls import CALLS_BATCH, CALLS_THREADS, python_calls  # noqa: E402 (benchmarks/bench_calls.py)
+
 __all__ = ["GilShare", "NeighbourResult", "NeighbourRow", "dispatch_step", "format_neighbour", "gil_share",
            "run_neighbour"]
 
@@ -431,7 +434,6 @@ def run_neighbour(data_dir: Path | None = None, *, images: int | None = None, ba
     from stoker._progress import Progress
     from stoker.tools.baseline import list_image_folder
     from stoker.tools.bench import _data_stats, _pack_once, machine_info
-    from stoker.tools.bench_calls import CALLS_BATCH, CALLS_THREADS, python_calls
     from stoker.tools.synth import cached_imagenet_like
 
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:

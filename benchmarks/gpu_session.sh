@@ -22,7 +22,7 @@
 #            and train18 are the same two)
 #   decoders every GPU JPEG backend side by side (benchmarks/bench_gpu_decode.py), the one
 #            gpu_decoder="auto" took, and stoker doctor with it
-#   peers    the CPU bench with NVIDIA DALI beside stoker (when nvidia-dali imports here)
+#   peers    the CPU bench with NVIDIA DALI beside stoker (benchmarks/bench_dali.py, when nvidia-dali imports here)
 #   targets  benchmarks/targets.py on the loader and training results: each verdict with the start-up
 #            share of the pipelines behind it (reported, not a gate)
 #   demo     `make demo STOKER_PYTHON=$PY`: the demo on the GPU, from this checkout with this interpreter
@@ -40,8 +40,9 @@
 # what its finished steps measured: for a machine that hands back only a few files.
 # The host needs a CUDA build of torch and, for the models and the real baseline transforms, the
 # matching torchvision; stoker installed (pip install -e ".[test]") or PYTHONPATH=src. The dali
-# pipelines (cuda-dali, train-<model>-dali) need NVIDIA DALI: pip install nvidia-dali-cuda130 (the env
-# step says whether it imports; without it they are reported as skipped). GPU JPEG decode needs
+# pipelines (cuda-dali, train-<model>-dali) run through benchmarks/bench_dali.py (stoker bench with NVIDIA
+# DALI's pipelines added) and need NVIDIA DALI: pip install nvidia-dali-cuda130 (the env step says whether
+# it imports; without it they are reported as skipped). GPU JPEG decode needs
 # TorchCodec (pip install torchcodec, the build matching torch) or nvImageCodec
 # (pip install 'nvidia-nvimgcodec-cu12[nvjpeg]' or -cu13, matching torch's CUDA).
 # A host without a package index takes them as wheels: benchmarks/gpu_wheels.sh DIR on a machine
@@ -185,8 +186,12 @@ data_args() {  # the images the first bench generated ($OUT/<bench>/data), share
 bench() {  # bench DIR ARGS...: stoker bench --device $DEVICE into $OUT/DIR
     local dir=$1; shift
     local data; mapfile -t data < <(data_args)
-    run "$PY" -m stoker.cli bench --device "$DEVICE" --workers "$WORKERS" --batch-size "$BATCH" \
-        --rounds "$ROUNDS" "${data[@]}" --out "$OUT/$dir" "$@"
+    local args=(--device "$DEVICE" --workers "$WORKERS" --batch-size "$BATCH" --rounds "$ROUNDS" "${data[@]}"
+                --out "$OUT/$dir" "$@")
+    case " $* " in
+        *dali*) run "$PY" benchmarks/bench_dali.py "${args[@]}" ;;   # stoker bench with DALI's pipelines added
+        *) run "$PY" -m stoker.cli bench "${args[@]}" ;;
+    esac
 }
 conditions() {  # what every figure of this run was measured under, kept beside the figures
     cat >"$OUT/conditions.md" <<EOF
@@ -333,7 +338,7 @@ EOF
 step_peers() {
     if "$PY" -c "import nvidia.dali" 2>/dev/null; then
         local data; mapfile -t data < <(data_args)
-        run "$PY" -m stoker.cli bench --workers "$WORKERS" "${data[@]}" --out "$OUT/bench-cpu"
+        run "$PY" benchmarks/bench_dali.py --workers "$WORKERS" "${data[@]}" --out "$OUT/bench-cpu"
     else
         note "peers: nvidia.dali does not import here (pip install nvidia-dali-cuda130); DALI not measured"
     fi

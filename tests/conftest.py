@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import importlib.util
+import importlib
 import io
 import signal
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
 from PIL import Image
 
 TESTS = Path(__file__).resolve().parent
+#: the developers' measuring scripts (not part of the package)
+BENCHMARKS = TESTS.parent / "benchmarks"
 # Test modules that need no torch (pack, info, verify, the sources, the format). They carry the
 # `notorch` mark; where torch is not installed (CI's clean venvs on Python 3.10 and 3.13) only
 # these are collected.
@@ -50,6 +55,14 @@ PILLOW_CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "corpora
 #: why a test that reads Pillow's test images skips on a clone without them beside it (README, Development)
 CORPUS_MISSING = (f"Pillow's test images are not beside this clone ({PILLOW_CORPUS}); this project's CI provides "
                   f"them, every other test builds its own data")
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """benchmarks/NAME.py imported as the module NAME, with benchmarks/ on sys.path as running the script puts
+    it (its sibling scripts import each other by name)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    return importlib.import_module(name)
 
 
 class BrokenImport:

@@ -22,14 +22,6 @@ from stoker.tools.synth import make_tiny_jpegs
 from torchvision_helpers import v1
 
 
-def _dali_imports() -> bool:
-    try:
-        import nvidia.dali  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
 @pytest.fixture(scope="module")
 def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_jpegs(tmp_path_factory.mktemp("bench") / "data", 64, classes=4, size=(150, 200))
@@ -60,19 +52,13 @@ def _check_outputs(result: BenchResult, out: Path) -> None:
 
 def test_baselines_and_ceiling_in_process(tiny_root: Path, tmp_path: Path) -> None:
     result = run_bench(tiny_root, batch_size=16, rounds=1, workers=2, isolate=False, out_dir=tmp_path,
-                       pipelines=("baseline", "baseline-val", "ceiling", "dali"))
+                       pipelines=("baseline", "baseline-val", "ceiling"))
     assert (result.images, result.batch_size, result.workers, result.rounds) == (64, 16, 2, 1)
     assert result.data["images"] == 64 and result.data["mean_width"] == 200
     for name in ("baseline", "baseline-val", "ceiling"):
         _check_ran(result.get(name), 64)  # type: ignore[arg-type]
     ceiling = result.get("ceiling")
     assert ceiling.ratio_to == "baseline" and ceiling.ratio > 0  # type: ignore[union-attr,operator]
-    dali = result.get("dali")
-    assert dali is not None
-    if _dali_imports():
-        assert dali.skipped is None and dali.images_per_s > 0
-    else:   # reported as skipped, with the pip command, and the run went on
-        assert dali.skipped and "pip install nvidia-dali" in dali.skipped and dali.ratio is None
     assert result.pack_seconds > 0 and "torchvision" in result.baseline_transforms
     _check_outputs(result, tmp_path)
 
@@ -238,53 +224,66 @@ def test_chart_bars_are_the_loaders_not_the_overhead_measurement(tmp_path: Path)
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_cli_counts_the_python_calls_per_batch(tiny_root: Path, tmp_path: Path,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
-    """`stoker bench --pipelines calls`: the Python calls per batch of the Loader's own threads, on the
-    user's data, at the thread count given, with the table and the JSON written to --out."""
-    from stoker.cli import main
-
-    assert main(["bench", "--pipelines", "calls", "--data", str(tiny_root), "--batch-size", "16", "--workers", "2",
-                 "--out", str(tmp_path), "--json", "--quiet"]) == 0
-    obj = json.loads(capsys.readouterr().out)
-    assert set(obj["calls"]) == {"2"} and obj["calls"]["2"] > 0 and obj["batch_size"] == 16
-    assert obj["data"]["images"] == 64 and not obj["data"]["generated"]
-    assert json.loads((tmp_path / "calls.json").read_text()) == obj
-    assert "| 2 |" in (tmp_path / "calls.md").read_text()
-
-
-@pytest.mark.parametrize("argv", [["--device", "cuda"], ["--recipe", "randaug"], ["--steps", "5"], ["--rounds", "2"]])
-def test_cli_calls_refuses_the_timing_flags(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    from stoker.cli import main
-
-    assert main(["bench", "--pipelines", "calls", *argv]) == 2
-    assert "leave out --device, --recipe" in capsys.readouterr().err
-
-
-def test_calls_run_alone_and_need_three_batches(tiny_root: Path) -> None:
-    from stoker.tools.bench_calls import run_calls
-
-    with pytest.raises(ConfigError, match="--pipelines calls"):
-        run_bench(tiny_root, isolate=False, pipelines=("calls", "stoker-train"))
-    with pytest.raises(ConfigError, match="--images"):
-        run_calls(tiny_root, batch_size=32, threads=(1,))   # 64 images: 2 batches of 32
-    with pytest.raises(ConfigError, match="--workers"):
-        run_calls(tiny_root, threads=(0,))
-
-
 def test_the_neighbour_bench_is_not_a_stoker_bench_pipeline(tiny_root: Path) -> None:
     """The noisy-neighbour bench is a developer's script (benchmarks/bench_neighbour.py), not a pipeline."""
     with pytest.raises(ConfigError, match="neighbour"):
         run_bench(tiny_root, isolate=False, pipelines=("neighbour",))
 
 
-def test_turboloader_runs_beside_stokers_raw_pack_or_says_why_not(tiny_root: Path, tmp_path: Path) -> None:
-    result = run_bench(tiny_root, batch_size=16, rounds=1, workers=2, isolate=False, out_dir=tmp_path,
-                       pipelines=("stoker-train-raw256", "turbo-tbl"))
-    turbo = result.get("turbo-tbl")
-    assert turbo is not None and turbo.ratio_to == "stoker-train-raw256"
-    if importlib.util.find_spec("turboloader") is not None:
-        assert turbo.skipped is None and turbo.images_per_s > 0 and turbo.ratio > 0
-    else:   # reported as skipped, with the pip command, and the run went on
-        assert turbo.skipped and "pip install 'stoker[turboloader]'" in turbo.skipped and turbo.ratio is None
-        _check_ran(result.get("stoker-train-raw256"), 64)  # type: ignore[arg-type]
+#: a peer as the benchmarks/ scripts define one: a "loader" of three batches, its own data made before timing
+PEER_SCRIPT = '''
+from pathlib import Path
+
+from stoker.tools.bench import Peer
+
+
+def prepare(root, work, workers):
+    (work / "counted").mkdir(exist_ok=True)
+    (work / "counted" / "made").write_text(str(root))
+    return work / "counted"
+
+
+def open_pipeline(spec):
+    assert Path(spec.packed, "made").read_text() == spec.root   # what prepare made, before any timing
+
+    def epoch():
+        yield from [spec.batch_size] * 3
+    return epoch, lambda: None
+
+
+PEER = Peer(script=__file__, unavailable=lambda: None, version=lambda: "counter 1.0", prepare=prepare,
+            pipelines={"count": ("three batches of nothing", "ceiling")},
+            open=open_pipeline, note="counted, not decoded")
+'''
+
+
+@pytest.mark.slow   # a child process per pipeline
+@pytest.mark.parametrize("isolate", [False, True])
+def test_a_peer_runs_beside_stokers_pipelines_while_added(tiny_root: Path, tmp_path: Path, isolate: bool) -> None:
+    """A peer's pipelines run like stoker's (in a child process, which loads the peer's script), are skipped
+    with its reason where it cannot run, and are gone once the peer's block ends."""
+    from dataclasses import replace
+
+    from stoker.tools import bench
+
+    script = tmp_path / "peer_counter.py"
+    script.write_text(PEER_SCRIPT)
+    peer = bench._load_peer(str(script))
+    with bench.peer_added(peer):
+        result = run_bench(tiny_root, batch_size=16, rounds=1, workers=1, isolate=isolate, out_dir=tmp_path / "out",
+                           pipelines=("ceiling", "count"))
+        with pytest.raises(ConfigError, match="count.*name pipelines"):
+            with bench.peer_added(peer):
+                pass
+    count = result.get("count")
+    assert count is not None and count.skipped is None and count.images == 48 and count.version == "counter 1.0"
+    assert count.ratio_to == "ceiling" and count.ratio is not None and count.ratio > 0
+    assert result.notes == ["counted, not decoded"] and "counted, not decoded" in format_table(result)
+    assert count.disk_bytes == len(str(tiny_root))   # the folder prepare made is what it read
+    assert "count" not in bench.PIPELINES and not bench._PEERS
+    with pytest.raises(ConfigError, match="unknown pipelines"):
+        run_bench(tiny_root, isolate=False, pipelines=("count",))
+    never = replace(peer, unavailable=lambda: "no counter here: pip install counter")
+    with bench.peer_added(never):
+        result = run_bench(tiny_root, batch_size=16, rounds=1, workers=1, isolate=False, pipelines=("count",))
+    assert result.get("count").skipped == "no counter here: pip install counter"   # type: ignore[union-attr]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -16,17 +15,14 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import BrokenImport, write_image
+from conftest import write_image
 from stoker.errors import ConfigError
-from stoker.tools import bench_dali, bench_gpu
+from stoker.tools import bench_gpu
 from stoker.tools.bench import NOTE, BenchResult, PipelineResult, format_table, machine_info, run_bench
 from stoker.tools.bench_gpu import device_pipelines, feed_of, model_label
 from stoker.tools.synth import make_tiny_jpegs
 
 TINY = f"{__name__}:tiny_model"
-HAS_DALI = bench_dali.why_unavailable() is None
-needs_dali = pytest.mark.skipif(not HAS_DALI, reason="needs NVIDIA DALI: pip install nvidia-dali-cuda130 (CI leaves "
-                                "this 200 MB optional extra out)")
 
 
 def tiny_model() -> nn.Module:
@@ -68,17 +64,17 @@ def test_pipeline_names_and_references() -> None:
 
     catalog = device_pipelines(["resnet50"] if torchvision_importable() else [TINY])
     label = next(n for n in catalog if n.startswith("train-")).split("-")[1]
-    assert list(catalog)[:5] == ["cuda-baseline", "cuda-stoker", "cuda-stoker-gpu", "cuda-stoker-auto", "cuda-dali"]
+    assert list(catalog)[:5] == ["cuda-baseline", "cuda-stoker", "cuda-stoker-gpu", "cuda-stoker-auto", f"train-{label}-synthetic"]
     assert catalog["cuda-stoker-gpu"][1] == "cuda-baseline" and catalog["cuda-baseline"][1] is None
     assert catalog["cuda-stoker-auto"][1] == "cuda-baseline" and feed_of("cuda-stoker-auto") == "stoker-auto"
-    assert catalog["cuda-dali"][1] == "cuda-baseline"
     assert [n for n in catalog if n.startswith("train-")] == [
         f"train-{label}-{f}" for f in ("synthetic", "baseline", "stoker", "stoker-process", "stoker-interference",
-                                       "stoker-gpu", "dali")]
-    for feed in ("stoker", "dali", "stoker-process", "stoker-interference"):
+                                       "stoker-gpu")]
+    for feed in ("stoker", "stoker-process", "stoker-interference"):
         assert catalog[f"train-{label}-{feed}"][1] == f"train-{label}-synthetic"
     assert feed_of("train-resnet50-stoker-gpu") == "stoker-gpu" and feed_of("train-resnet50-stoker") == "stoker"
-    assert feed_of("train-resnet50-dali") == "dali" and feed_of("cuda-dali") == "dali"
+    with pytest.raises(ConfigError, match="unknown device pipeline"):   # a peer's feed, not added here
+        feed_of("train-resnet50-dali")
     assert feed_of("cuda-stoker-gpu") == "stoker-gpu" and model_label("pkg.nets:make_net") == "make_net"
     assert feed_of("train-resnet18-stoker-interference") == "stoker-interference"
     assert feed_of("train-resnet18-stoker-process") == "stoker-process"
@@ -129,26 +125,6 @@ def test_device_bench_on_cpu_end_to_end(cpu_run: tuple[BenchResult, Path]) -> No
     assert (f"cuda-stoker-auto: 0% of each batch's JPEGs on the GPU ({auto.gpu_split}); seconds per phase over the "
             "timed rounds: none (no batch went through the GPU decode path).") in format_table(result)
     assert result.pack_seconds > 0
-    _check_dali(result)
-
-
-def _check_dali(result: BenchResult) -> None:
-    """NVIDIA DALI's pipelines ran where it imports (here on the CPU), or were skipped with the pip command."""
-    loader, fed = result.get("cuda-dali"), result.get("train-tiny_model-dali")
-    if not HAS_DALI:
-        for p in (loader, fed):
-            assert p is not None and p.skipped and "pip install nvidia-dali" in p.skipped and p.ratio is None
-        return
-    loader, fed = _check_ran(loader), _check_ran(fed)
-    assert loader.images == 16 + 12   # as stoker's: each epoch of 60 samples ends with its partial batch
-    assert loader.ratio == pytest.approx(loader.images_per_s / result.get("cuda-baseline").images_per_s)
-    assert fed.images == 2 * 16 and 0.0 <= fed.data_wait < 1.0
-    assert fed.ratio == pytest.approx(fed.images_per_s / result.get("train-tiny_model-synthetic").images_per_s)
-    for p in (loader, fed):
-        assert p.version.startswith("nvidia.dali ") and p.version.endswith(", decoders.image cpu")
-    vs_base = fed.images_per_s / result.get("train-tiny_model-baseline").images_per_s
-    assert f"| train-tiny_model-dali | {fed.ratio:.2f} | {fed.images_per_s:,.0f} | {vs_base:.2f}x |" in \
-        format_table(result)
 
 
 class _NoGpuDecoder:
@@ -174,30 +150,6 @@ def test_a_stoker_feed_that_cannot_start_is_skipped_with_its_reason(tiny_root: P
         assert p.ratio is None
     _check_ran(result.get("train-tiny_model-synthetic"))
     assert torch.backends.cudnn.benchmark is before   # set for the training measurement only, then restored
-
-
-@pytest.mark.parametrize("how, error", [("missing", "ModuleNotFoundError"), ("broken", "RuntimeError")])
-def test_dali_pipelines_are_skipped_with_the_pip_command_where_dali_does_not_import(
-        tiny_root: Path, monkeypatch: pytest.MonkeyPatch, how: str, error: str) -> None:
-    for name in [n for n in sys.modules if n == "nvidia.dali" or n.startswith("nvidia.dali.")]:
-        monkeypatch.delitem(sys.modules, name)
-    if how == "missing":
-        monkeypatch.setitem(sys.modules, "nvidia.dali", None)
-    else:
-        broken = BrokenImport("nvidia", "nvidia.dali", message="libdali.so: undefined symbol")
-        monkeypatch.setattr(sys, "meta_path", [broken, *sys.meta_path])
-    result = run_bench(tiny_root, batch_size=16, rounds=1, workers=1, isolate=False, device="cpu", models=[TINY],
-                       pipelines=("cuda-dali", "train-tiny_model-synthetic", "train-tiny_model-dali"), steps=1,
-                       warmup_steps=0)
-    for name in ("cuda-dali", "train-tiny_model-dali"):
-        p = result.get(name)
-        assert p is not None and p.skipped is not None and p.ratio is None
-        assert error in p.skipped and "pip install nvidia-dali-cuda130" in p.skipped
-    _check_ran(result.get("train-tiny_model-synthetic"))   # the run went on
-    # the feed says the same where it is opened (in the pipeline's own process, under `stoker bench`)
-    with pytest.raises(bench_gpu.FeedUnavailable, match=f"{error}.*pip install nvidia-dali-cuda130"):
-        bench_gpu.open_feed("dali", root=str(tiny_root), packed="", batch_size=16, workers=1,
-                            device=torch.device("cpu"), training=True)
 
 
 #: one colour per class, in ImageFolder's (sorted) class order
@@ -230,27 +182,6 @@ def _pass_labels(feed: bench_gpu.Feed, training: bool, dtype: torch.dtype = torc
         assert (images.float() - normalized[labels][:, :, None, None]).abs().max() < 0.06
         seen += labels.tolist()
     return seen
-
-
-@needs_dali
-@pytest.mark.parametrize("training", [False, True])
-def test_dali_batches_are_normalized_rgb_nchw_as_stokers_are(solid_root: Path, tmp_path: Path,
-                                                             training: bool) -> None:
-    import stoker
-
-    stoker.pack(solid_root, tmp_path / "packed")
-    for name in ("stoker", "dali"):
-        feed = bench_gpu.open_feed(name, root=str(solid_root), packed=str(tmp_path / "packed"), batch_size=3,
-                                   workers=2, device=torch.device("cpu"), training=training)
-        try:
-            passes = [_pass_labels(feed, training) for _ in range(3)]   # passes run on into each other
-        finally:
-            feed.close()
-        # 16 images in batches of 3: the partial last batch of a pass dropped for training, else handed out
-        assert [len(p) for p in passes] == [15 if training else 16] * 3, name
-        assert set(passes[0]) == {0, 1}, name
-        if name == "dali":
-            assert feed.version.startswith("nvidia.dali ") and feed.version.endswith("decoders.image cpu")
 
 
 @pytest.mark.parametrize("name", ["baseline", "stoker"])
@@ -354,7 +285,7 @@ def test_table_for_device_results() -> None:
              _pipe("train-resnet50-synthetic", 3000.0), _pipe("train-resnet50-baseline", 1500.0,
                                                               "train-resnet50-synthetic"),
              _pipe("train-resnet50-stoker", 2970.0, "train-resnet50-synthetic"),
-             _pipe("train-resnet50-dali", 2400.0, "train-resnet50-synthetic")]
+             _pipe("train-resnet50-stoker-gpu", 2400.0, "train-resnet50-synthetic")]
     pipes[1].ratio, pipes[3].ratio, pipes[4].ratio, pipes[5].ratio = 4.0, 0.5, 0.99, 0.8
     result = BenchResult(pipes, images=5000, batch_size=256, workers=16, rounds=3,
                          data={"images": 5000, "generated": True, "mean_width": 399, "mean_height": 349,
@@ -363,7 +294,7 @@ def test_table_for_device_results() -> None:
     table = format_table(result)
     assert "| pipeline | fed / synthetic | images/s | vs baseline feed |" in table   # fed / synthetic first
     assert "| train-resnet50-stoker | 0.99 | 2,970 | 1.98x |" in table
-    assert "| train-resnet50-dali | 0.80 | 2,400 | 1.60x |" in table   # a peer feed: against the baseline too
+    assert "| train-resnet50-stoker-gpu | 0.80 | 2,400 | 1.60x |" in table   # every loader's feed: against the baseline too
     assert "| train-resnet50-baseline | 0.50 | 1,500 | - |" in table
     assert "| train-resnet50-synthetic | - | 3,000 | - |" in table
     assert "| cuda-stoker | 20,000 | 4.00x cuda-baseline |" in table
@@ -375,10 +306,10 @@ def test_device_chart_draws_reference_lines_only_when_given(tmp_path: Path) -> N
     from stoker.tools.charts import device_bench_chart
 
     pipes = [_pipe("cuda-baseline", 5000.0), _pipe("cuda-stoker", 20000.0, "cuda-baseline"),
-             _pipe("cuda-dali", 15000.0, "cuda-baseline"),
+             _pipe("cuda-stoker-gpu", 15000.0, "cuda-baseline"),
              _pipe("train-resnet50-synthetic", 3000.0), _pipe("train-resnet50-stoker", 2970.0,
                                                               "train-resnet50-synthetic"),
-             _pipe("train-resnet50-dali", 2900.0, "train-resnet50-synthetic")]
+             _pipe("train-resnet50-stoker-gpu", 2900.0, "train-resnet50-synthetic")]
     pipes[1].ratio, pipes[2].ratio, pipes[4].ratio, pipes[5].ratio = 4.0, 3.0, 0.99, 2900 / 3000
     result = BenchResult(pipes, images=5000, batch_size=256, workers=16, rounds=3, data={}, baseline_transforms="x",
                          machine={}, device="cuda:0", models=["resnet50"], steps=100, warmup_steps=10)

@@ -4,34 +4,20 @@
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import json
 import math
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from conftest import load_benchmark
 from stoker.errors import ConfigError
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_neighbour.py"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_neighbour", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module   # dataclasses and pickles look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+bench = load_benchmark("bench_neighbour")
 format_neighbour, gil_share, run_neighbour = bench.format_neighbour, bench.gil_share, bench.run_neighbour
 
 #: photographs among Pillow's test images whose headers are sound

@@ -1,6 +1,6 @@
-"""`stoker bench --video` with tiny settings: every pipeline runs on both packs, the waste figures are the
+"""benchmarks/bench_video.py with tiny settings: every pipeline runs on both packs, the waste figures are the
 real decode counts (stoker's seek beats decoding from the start; the short-keyframe re-encode cuts
-stoker's waste), and the table and JSON land where the CLI says."""
+stoker's waste), the table and JSON land where the script says, and `stoker bench --video` names the script."""
 
 from __future__ import annotations
 
@@ -12,10 +12,13 @@ import pytest
 pytest.importorskip("av", reason="videos need PyAV: pip install 'stoker[video]'")
 pytest.importorskip("torch", reason="the DataLoader baselines need torch")
 
+from conftest import load_benchmark  # noqa: E402
 from stoker.cli import main  # noqa: E402
 from stoker.errors import ConfigError  # noqa: E402
-from stoker.tools.bench_video import run_video_bench  # noqa: E402
 from stoker.tools.synth_video import VideoStyle, make_kinetics_like  # noqa: E402
+
+bench_video = load_benchmark("bench_video")
+run_video_bench = bench_video.run_video_bench
 
 # 6 s at 25 fps, one keyframe (x264 puts one every 10 s): a random clip's keyframe is frame 0 as stored
 TINY = VideoStyle(seconds=6, fps=25, size=(64, 96), keyframe_seconds=10)
@@ -26,14 +29,14 @@ def videos(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_kinetics_like(tmp_path_factory.mktemp("videos") / "src", 1, classes=4, style=TINY)
 
 
-def test_cli_bench_video_runs_every_pipeline_on_both_packs(videos: Path, tmp_path: Path,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "results"
-    assert main(["bench", "--video", "--data", str(videos), "--out", str(out), "--clips", "8", "--rounds", "1",
-                 "--workers", "2", "--video-keyframes", "0.5", "--quiet"]) == 0
+def test_script_runs_every_pipeline_on_both_packs(videos: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "video.json"
+    assert bench_video.main([str(tmp_path / "cache"), "--data", str(videos), "--json", str(out), "--clips", "8",
+                             "--rounds", "1", "--threads", "2", "--keyframes", "0.5", "--quiet"]) == 0
     table = capsys.readouterr().out
-    result = json.loads((out / "video.json").read_text())
-    assert (out / "video.md").read_text().strip() == table.strip()
+    result = json.loads(out.read_text())
+    assert table.startswith("clips of 16 frames") and result["settings"]["keyframes"] == 0.5
     best = result["best"]
     for pack in ("keep", "kf0.5"):
         for label in ("stoker pool=2", "stoker pool=1", "stoker pool=1 ffmpeg FRAME x2",
@@ -75,7 +78,18 @@ def test_bench_video_refuses_bad_settings(tmp_path: Path) -> None:
         run_video_bench(cache=tmp_path, clips=0)
 
 
-def test_cli_bench_video_refuses_image_bench_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "--video", "--device", "cuda", "--out", str(tmp_path)]) == 2
-    assert "takes no --device" in capsys.readouterr().err
+def test_script_refuses_bad_settings_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench_video.main([str(tmp_path), "--clips", "0"])
+    assert exc.value.code == 2 and "clips=0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--video"], ["--video", "--device", "cuda"], ["--videos", "4"], ["--clips", "8"],
+                                  ["--video-keyframes", "2"]])
+def test_stoker_bench_video_names_the_script_that_runs_it_now(argv: list[str], tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", *argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("stoker bench: error: ") and "\n" not in err
+    assert "python benchmarks/bench_video.py" in err
     assert not (tmp_path / "video").exists()

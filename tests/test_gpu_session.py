@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from conftest import load_benchmark
 from stoker.cli import build_parser
+from stoker.tools.bench import peer_added
 from stoker.tools.bench_gpu import device_pipelines
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_session.sh"
@@ -50,7 +52,8 @@ def test_the_script_parses_and_names_only_real_pipelines_and_models() -> None:
     (models,) = re.findall(r'^MODELS=\$\{MODELS:-([^}]*)\}', text, re.M)
     models = models.split()
     assert models == ["resnet50", "resnet18"]
-    catalog = device_pipelines(models, check=False)
+    with peer_added(load_benchmark("bench_dali").PEER):   # the dali pipelines run through benchmarks/bench_dali.py
+        catalog = device_pipelines(models, check=False)
     full = _profile("FULL_PIPELINES", models)
     assert sorted(full) == sorted(catalog)   # every loader and every training feed, each once
     quick = _profile("QUICK_PIPELINES", models)
@@ -63,7 +66,9 @@ def test_the_script_parses_and_names_only_real_pipelines_and_models() -> None:
     # the full run): a feed `stoker bench` adds belongs in the quick run
     left_out = {"cuda-baseline", "cuda-dali"} | {f"train-{m}-{feed}" for m in models for feed in ("stoker-gpu", "dali")}
     assert set(quick) == set(catalog) - left_out
-    bench_flags = set(re.findall(r"--[a-z][\w-]*", " ".join(re.findall(r"stoker\.cli bench[^\n]*", text))))
+    (bench_function,) = re.findall(r"^bench\(\) \{.*?^\}$", text, re.M | re.S)
+    assert "-m stoker.cli bench" in bench_function and "benchmarks/bench_dali.py" in bench_function
+    bench_flags = set(re.findall(r"--[a-z][\w-]*", bench_function))
     bench_flags |= set(re.findall(r"--[a-z][\w-]*", " ".join(re.findall(r'^\s+bench \S+ (--[^\n]*)', text, re.M))))
     known = {o for a in build_parser()._subparsers._group_actions[0].choices["bench"]._actions for o in a.option_strings}
     assert {"--pipelines", "--models", "--steps"} <= bench_flags <= known, bench_flags - known

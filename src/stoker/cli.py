@@ -49,16 +49,6 @@ def _non_negative(text: str) -> int:
     return _integer(text, 0, "an integer >= 0")
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
 @contextlib.contextmanager
 def _quiet_native_output() -> Iterator[None]:
     """Keep decoder chatter off the terminal while packing a messy folder.
@@ -252,49 +242,24 @@ def _cmd_stage(args: argparse.Namespace) -> int:
     return 0
 
 
+#: `stoker bench` flags of the video clip bench, which runs from the project's benchmarks/ folder
+_VIDEO_FLAGS = ("video", "videos", "clips", "video_keyframes")
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
-    if args.video:
-        return _bench_video(args)
     from .tools.bench import format_table, run_bench
 
-    if args.pipelines == "calls":
-        return _cmd_bench_calls(args)
+    given = [f"--{name.replace('_', '-')}" for name in _VIDEO_FLAGS if getattr(args, name, None)]
+    if given:
+        raise ConfigError(f"{given[0]}: the video clip bench is not part of stoker bench; from a checkout of the "
+                          "project run python benchmarks/bench_video.py CACHE_DIR [--data VIDEOS|PACKED] [--videos N] "
+                          "[--clips N] [--rounds N] [--threads N] [--keyframes SECONDS]")
     models = None if args.models is None else tuple(m.strip() for m in args.models.split(",") if m.strip())
     result = run_bench(args.data, images=args.images, batch_size=args.batch_size or 256, workers=args.workers,
                        rounds=args.rounds or 3, out_dir=args.out, device=args.device, models=models, steps=args.steps,
                        warmup_steps=args.warmup_steps, recipe=args.recipe, progress=not args.quiet,
                        **({"pipelines": tuple(args.pipelines.split(","))} if args.pipelines else {}))
     print(json.dumps(result.to_json(), indent=1) if args.json else format_table(result))
-    return 0
-
-
-def _bench_video(args: argparse.Namespace) -> int:
-    from .tools.bench_video import format_video_table, run_video_bench
-
-    if args.device != "cpu" or args.pipelines or args.models:
-        raise ConfigError("stoker bench --video measures clip decode on the CPU and takes no --device, --pipelines or "
-                          "--models (NVDEC clip decode is not built: docs/video.md); drop them or drop --video")
-    result = run_video_bench(args.data, cache=args.out / "video", videos=args.videos, clips=args.clips,
-                             rounds=args.rounds or 2, threads=args.workers or 2, keyframes=args.video_keyframes,
-                             progress=not args.quiet)
-    table = format_video_table(result)
-    (args.out / "video.json").write_text(json.dumps(result.to_json(), indent=1))
-    (args.out / "video.md").write_text(table + "\n")
-    print(json.dumps(result.to_json(), indent=1) if args.json else table)
-    return 0
-
-
-def _cmd_bench_calls(args: argparse.Namespace) -> int:
-    from .tools.bench_calls import CALLS_BATCH, CALLS_THREADS, format_calls, run_calls
-
-    if args.device != "cpu" or args.recipe != "basic" or args.models or args.steps or args.warmup_steps is not None \
-            or args.rounds:
-        raise ConfigError("stoker bench --pipelines calls counts on the CPU, once per thread count; leave out "
-                          "--device, --recipe, --models, --steps, --warmup-steps and --rounds")
-    result = run_calls(args.data, images=args.images, batch_size=args.batch_size or CALLS_BATCH,
-                       threads=(args.workers,) if args.workers else CALLS_THREADS, out_dir=args.out,
-                       progress=not args.quiet)
-    print(json.dumps(result.to_json(), indent=1) if args.json else format_calls(result))
     return 0
 
 
@@ -325,6 +290,36 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _add_quiet(p: argparse.ArgumentParser) -> None:
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no progress (bar or log lines) and no info log lines; warnings and errors still show")
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """`stoker bench`'s options on `p` (the project's benchmarks/ scripts that add other loaders take the same)."""
+    p.add_argument("--data", type=Path, default=None, help="image folder to use (default: generate ImageNet-like)")
+    p.add_argument("--images", type=_positive, default=None,
+                   help="images to generate (default 2000; 5000 with --device cuda)")
+    p.add_argument("--batch-size", type=_positive, default=None, help="default 256")
+    p.add_argument("--workers", type=_positive, default=None, help="CPU cores each pipeline may use")
+    p.add_argument("--rounds", type=_positive, default=None, help="timed rounds after one warm-up (median; default 3)")
+    p.add_argument("--pipelines", default=None, help="comma-separated subset, e.g. baseline,stoker-train")
+    p.add_argument("--recipe", choices=("basic", "randaug", "deit"), default="basic",
+                   help="augmentation recipe both sides run: basic (crop+flip), randaug (+RandAugment 2/9), "
+                   "deit (+RandomErasing 0.25, Mixup/CutMix)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu: the loaders on the CPU (default); cuda or cuda:N: loaders into GPU memory, normalized, "
+                   "and training fed by each loader against synthetic data")
+    p.add_argument("--models", default=None, metavar="MODELS",
+                   help="with --device cuda: comma-separated torchvision model names or module:callable "
+                   "(default resnet50,resnet18)")
+    p.add_argument("--steps", type=_positive, default=None,
+                   help="with --device cuda: timed training steps per round (default 100)")
+    p.add_argument("--warmup-steps", type=_non_negative, default=None,
+                   help="with --device cuda: untimed training steps first (default 10)")
+    p.add_argument("--out", type=Path, default=Path("bench-results"), help="where to write JSON/markdown/PNG")
+    for flag in _VIDEO_FLAGS:   # refused with the script that runs them now
+        p.add_argument(f"--{flag.replace('_', '-')}", default=None, nargs="?", const=True, help=argparse.SUPPRESS)
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    _add_quiet(p)
+    p.set_defaults(func=_cmd_bench, command="bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -446,41 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_stage)
 
     p = sub.add_parser("bench", help="stoker vs a DataLoader+PIL baseline vs the decode ceiling, same images")
-    p.add_argument("--data", type=Path, default=None, help="image folder to use (default: generate ImageNet-like)")
-    p.add_argument("--images", type=_positive, default=None,
-                   help="images to generate (default 2000; 5000 with --device cuda)")
-    p.add_argument("--batch-size", type=_positive, default=None, help="default 256")
-    p.add_argument("--workers", type=_positive, default=None,
-                   help="CPU cores each pipeline may use (calls: count at N threads; default at 2 and at 16)")
-    p.add_argument("--rounds", type=_positive, default=None,
-                   help="timed rounds after one warm-up (median; default 3); with --video: rounds, best kept (default 2)")
-    p.add_argument("--pipelines", default=None,
-                   help="comma-separated subset, e.g. baseline,stoker-train; or calls alone: the Python calls per "
-                   "batch the Loader's own threads run in the training process")
-    p.add_argument("--recipe", choices=("basic", "randaug", "deit"), default="basic",
-                   help="augmentation recipe both sides run: basic (crop+flip), randaug (+RandAugment 2/9), "
-                   "deit (+RandomErasing 0.25, Mixup/CutMix)")
-    p.add_argument("--device", default="cpu",
-                   help="cpu: the loaders on the CPU (default); cuda or cuda:N: loaders into GPU memory, normalized, "
-                   "and training fed by each loader against synthetic data")
-    p.add_argument("--models", default=None, metavar="MODELS",
-                   help="with --device cuda: comma-separated torchvision model names or module:callable "
-                   "(default resnet50,resnet18)")
-    p.add_argument("--steps", type=_positive, default=None,
-                   help="with --device cuda: timed training steps per round (default 100)")
-    p.add_argument("--warmup-steps", type=_non_negative, default=None,
-                   help="with --device cuda: untimed training steps first (default 10)")
-    p.add_argument("--out", type=Path, default=Path("bench-results"), help="where to write JSON/markdown/PNG")
-    p.add_argument("--video", action="store_true",
-                   help="random video clips (16 frames, stride 4, 224x224): stoker's clip decode vs DataLoaders with "
-                   "PyAV and decord, as stored and re-encoded; --data is then a folder of videos or a packed dataset of them")
-    p.add_argument("--videos", type=_positive, default=8, help="with --video: videos to generate (default 8)")
-    p.add_argument("--clips", type=_positive, default=24, help="with --video: clips per round and pack (default 24)")
-    p.add_argument("--video-keyframes", type=_positive_float, default=1.0, metavar="SECONDS",
-                   help="with --video: keyframe interval of the re-encoded pack compared with the stored one (default 1)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    _add_quiet(p)
-    p.set_defaults(func=_cmd_bench)
+    add_bench_arguments(p)
 
     p = sub.add_parser("doctor", help="is training on this data input-bound? loader alone, model alone, both")
     p.add_argument("path", type=Path, help="a packed dataset, an ImageFolder tree or a 'path label' list")
@@ -523,7 +484,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run_command(build_parser().parse_args(argv))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run a parsed command (`args.func`, named `args.command`): a StokerError or OSError becomes one line on
+    stderr and exit status 2."""
     func: Callable[[argparse.Namespace], int] = args.func
     handler = _setup_logging(getattr(args, "quiet", False))
     try:

@@ -17,11 +17,9 @@ Pipelines (each limited to `workers` CPU cores; one epoch over every image is on
   (smaller JPEGs), then stoker-train; the table prints each pipeline's bytes on disk beside its speed.
 - ``overhead``: stoker.Loader on ONE thread over tiny (16 x 16) raw-stored images, so decode and resize
   cost nothing: what is left is the per-sample Python work, reported in µs per sample.
-- ``dali`` / ``dali-val``: NVIDIA DALI's CPU pipelines (fused decode + random crop, resize, flip; decode,
-  resize shorter side, centre crop) when ``nvidia.dali`` is installed (``pip install stoker[dali]``);
-  reported as skipped otherwise.
-- ``turbo-tbl``: TurboLoader's pre-decoded TBL path beside ``stoker-train-raw256`` (`bench_turbo`), when
-  ``turboloader`` is installed (``pip install stoker[turboloader]``); reported as skipped otherwise.
+
+Other libraries' loaders (NVIDIA DALI, TurboLoader) are not part of the package: the project's benchmarks/
+scripts define them as a `Peer` and run this bench with it added (`peer_added`), their pipelines beside these.
 
 Each pipeline runs one warm-up round, then `rounds` timed rounds (median images/s), by default in
 a fresh Python process pinned to `workers` CPUs, so peak memory and CPU use are its own. Packing
@@ -30,14 +28,17 @@ absolute images/s on a shared machine are noise.
 
 With ``device="cuda"`` (``stoker bench --device cuda``) the pipelines are the device set of
 `stoker.tools.bench_gpu` instead: the loaders alone into GPU memory, normalized (``cuda-baseline``,
-``cuda-stoker``, ``cuda-stoker-gpu``, ``cuda-stoker-auto``, ``cuda-dali``: NVIDIA DALI's GPU pipeline, skipped when
-``nvidia.dali`` does not import), and training throughput of each model fed by each of them
+``cuda-stoker``, ``cuda-stoker-gpu``, ``cuda-stoker-auto``, and a peer's ``cuda-<feed>``), and training
+throughput of each model fed by each of them
 against the same model on GPU-resident synthetic data (``train-<model>-<feed>``). Naming device
 pipelines with ``device="cpu"`` runs them on the CPU (how the tests exercise them).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fnmatch
+import importlib.util
 import json
 import math
 import os
@@ -50,7 +51,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,11 +61,12 @@ from .._progress import Progress
 from .._system import cpu_ids, fmt_number, usable_cpus
 from ..errors import ConfigError, StokerError
 from ..profiling import cpu_seconds
-from . import bench_dali, bench_gpu, bench_turbo
+from . import bench_gpu
 from .baseline import baseline_loader, list_image_folder
 from .results import NOTE, BenchResult, PipelineResult, markdown_table
 
-__all__ = ["NOTE", "PIPELINES", "BenchResult", "PipelineResult", "format_table", "machine_info", "run_bench"]
+__all__ = ["MOVED", "NOTE", "PIPELINES", "BenchResult", "Peer", "PipelineResult", "format_table", "machine_info",
+           "peer_added", "run_bench"]
 
 #: name -> (what it is, the pipeline its ratio is taken against)
 PIPELINES: dict[str, tuple[str, str | None]] = {
@@ -81,8 +83,6 @@ PIPELINES: dict[str, tuple[str, str | None]] = {
     "stoker-train-raw256": ("stoker-train on a pack with --encoding raw --max-side 256", "baseline"),
     "stoker-train-jpeg256": ("stoker-train on a pack with --max-side 256 (JPEG)", "baseline"),
     "overhead": ("stoker.Loader, 1 thread, 16x16 raw images: per-sample Python work only", None),
-    "dali": ("NVIDIA DALI CPU: image_random_crop decode, resize 224, flip", "baseline"),
-    "dali-val": ("NVIDIA DALI CPU: decode, resize shorter side 256, centre crop 224", "baseline-val"),
     "baseline-randaug": ("DataLoader + PIL + RandomResizedCrop(224), flip, RandAugment(2, 9), ToTensor, Normalize",
                          None),
     "stoker-randaug": ("stoker.Loader, RandomResizedCrop(224) + flip + RandAugment(2, 9) on the worker threads",
@@ -91,16 +91,17 @@ PIPELINES: dict[str, tuple[str, str | None]] = {
                       "(0.8/1.0, smoothing 0.1) in the main process", None),
     "stoker-deit": ("stoker.Loader, crop + flip + RandAugment(2, 9) on the threads; Normalize, RandomErasing(0.25), "
                     "Mixup/CutMix batched on the device thread (device='cpu')", "baseline-deit"),
-    **bench_turbo.PIPELINES,
 }
-DEFAULT_PIPELINES = ("baseline", "baseline-val", "stoker-train", "stoker-val", "ceiling", "dali", "dali-val",
-                     "stoker-train-fast", "stoker-train-float", "stoker-train-raw256", "stoker-train-jpeg256", "overhead")
+DEFAULT_PIPELINES = ("baseline", "baseline-val", "stoker-train", "stoker-val", "ceiling", "stoker-train-fast", "stoker-train-float", "stoker-train-raw256", "stoker-train-jpeg256", "overhead")
 #: `stoker bench --recipe`: the pipelines each recipe runs by default (the ceiling is the same for all)
 RECIPE_PIPELINES = {"basic": DEFAULT_PIPELINES, "randaug": ("baseline-randaug", "stoker-randaug", "ceiling"),
                     "deit": ("baseline-deit", "stoker-deit", "ceiling")}
 #: pipeline -> the PackOptions of its own packed copy (the recipes of storing smaller images)
 RECIPES: dict[str, dict[str, Any]] = {"stoker-train-raw256": {"encoding": "raw", "max_side": 256},
                                       "stoker-train-jpeg256": {"max_side": 256}}
+#: pipelines that run from the project's benchmarks/ scripts, not from the package: name pattern -> script
+MOVED = {"dali": "bench_dali.py", "dali-val": "bench_dali.py", "cuda-dali": "bench_dali.py",
+         "train-*-dali": "bench_dali.py", "turbo-tbl": "bench_turbo.py", "calls": "bench_calls.py"}
 OVERHEAD_SAMPLES = 20_000  # tiny raw images in the overhead pipeline's dataset
 OVERHEAD_SIDE = 16
 _CHILD_TIMEOUT_S = 3600.0
@@ -183,7 +184,7 @@ class _Spec:
     """What one measurement needs; JSON-serializable so it can cross into a child process."""
 
     pipeline: str
-    root: str             # ImageFolder tree (baselines, DALI)
+    root: str             # ImageFolder tree (baselines, peers)
     packed: str           # packed copy of the same images (stoker, ceiling)
     batch_size: int
     workers: int
@@ -192,6 +193,7 @@ class _Spec:
     model: str = ""       # training: the model spec
     steps: int = 0        # training: timed steps per round
     warmup_steps: int = 0
+    script: str = ""      # a peer's pipeline: the file that defines the peer (`Peer.script`)
 
 
 class _Runner:
@@ -201,6 +203,97 @@ class _Runner:
                  version: str = "", split: Callable[[], dict[str, Any]] | None = None) -> None:
         self.epoch, self.close, self.version = epoch, close, version
         self.split = split   # stoker's GPU decode loaders: `bench_gpu.split_state` now
+
+
+@dataclass(frozen=True, eq=False)   # each peer is itself (compared and hashed by identity)
+class Peer:
+    """Another library's loader measured beside stoker's, defined outside the package: each of the project's
+    benchmarks/ scripts (NVIDIA DALI, TurboLoader) defines one as ``PEER`` and runs this bench with it added
+    (`peer_added`).
+
+    ``script``: that file (each pipeline's fresh process loads it); ``unavailable()``: why the library cannot
+    run here, with the fix, or None; ``version()``: which library and version does the work. CPU bench:
+    ``pipelines`` (name -> (what it is, the pipeline its ratio is to)), each opened by ``open(spec)`` as
+    ``(epoch, close)``, `epoch()` yielding its batch sizes; ``modules``: imported before the clock starts;
+    ``prepare(images, work, workers)``: what its pipelines read, made once before any timing (default: the
+    ImageFolder). Device bench: ``feeds`` (name -> `bench_gpu.PeerFeed`), measured as ``cuda-<name>`` and
+    ``train-<model>-<name>``. ``note``: a line for the table, when any of its pipelines ran."""
+
+    script: str
+    unavailable: Callable[[], str | None]
+    version: Callable[[], str]
+    pipelines: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+    open: Callable[[Any], tuple[Callable[[], Iterator[int]], Callable[[], None]]] | None = None
+    modules: tuple[str, ...] = ()
+    prepare: Callable[[Path, Path, int], Path] | None = None
+    feeds: dict[str, bench_gpu.PeerFeed] = field(default_factory=dict)
+    note: str = ""
+
+
+_PEERS: list[Peer] = []
+
+
+@contextlib.contextmanager
+def peer_added(peer: Peer) -> Iterator[Peer]:
+    """`run_bench` (and `stoker bench`) with `peer`'s pipelines and feeds beside stoker's, until the block ends."""
+    taken = [n for n in peer.pipelines if n in PIPELINES] + [n for n in peer.feeds if n in bench_gpu.FEEDS]
+    if taken:
+        raise ConfigError(f"bench peer {peer.script}: {', '.join(taken)} name pipelines or feeds the bench has")
+    PIPELINES.update(peer.pipelines)
+    _PEERS.append(peer)
+    try:
+        for name, feed in peer.feeds.items():
+            bench_gpu.add_feed(name, feed)
+        yield peer
+    finally:
+        for name in peer.feeds:
+            bench_gpu.remove_feed(name)
+        _PEERS.remove(peer)
+        for name in peer.pipelines:
+            PIPELINES.pop(name, None)
+
+
+def _peer_of(name: str) -> Peer | None:
+    """The added peer that measures pipeline `name`, or None (one of stoker's own)."""
+    for peer in _PEERS:
+        if name in peer.pipelines:
+            return peer
+        if peer.feeds and bench_gpu.is_device_pipeline(name):
+            with contextlib.suppress(ConfigError):
+                if bench_gpu.feed_of(name) in peer.feeds:
+                    return peer
+    return None
+
+
+def _load_peer(script: str) -> Peer:
+    """The ``PEER`` a benchmarks/ script defines, the script imported from its file (a pipeline's process)."""
+    spec = importlib.util.spec_from_file_location(Path(script).stem, script)
+    if spec is None or spec.loader is None:
+        raise StokerError(f"bench peer {script}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # what pickles and dataclasses look up
+    spec.loader.exec_module(module)
+    return module.PEER
+
+
+def _moved_to(name: str) -> str | None:
+    return next((script for pattern, script in MOVED.items() if fnmatch.fnmatchcase(name, pattern)), None)
+
+
+def _check_moved(names: Sequence[str], device: str) -> None:
+    """A pipeline that runs from a benchmarks/ script now: say which command runs it (unless its peer is added)."""
+    for name in names:
+        script = _moved_to(name)
+        if script is None or _peer_of(name) is not None:
+            continue
+        if name == "calls":
+            how = "[--data DIR] [--workers N]"
+        else:
+            dev = device if device != "cpu" else "cuda" if name.startswith(("cuda-", "train-")) else ""
+            how = (f"--pipelines {','.join(n for n in names if _moved_to(n) == script)}"
+                   f"{f' --device {dev}' if dev else ''} (with stoker bench's other options)")
+        raise ConfigError(f"run_bench: {name} is not a pipeline of stoker bench; from a checkout of the project "
+                          f"run python benchmarks/{script} {how}")
 
 
 def _baseline_runner(spec: _Spec, train: bool) -> _Runner:
@@ -318,35 +411,6 @@ def _ceiling_runner(spec: _Spec) -> _Runner:
     return _Runner(epoch, close)
 
 
-def _dali_runner(spec: _Spec) -> _Runner:
-    from nvidia.dali import fn, pipeline_def, types
-
-    train = spec.pipeline == "dali"
-
-    @pipeline_def(batch_size=spec.batch_size, num_threads=spec.workers, device_id=None, seed=0)
-    def pipe() -> Any:
-        jpegs, labels = fn.readers.file(file_root=spec.root, random_shuffle=train, name="Reader")
-        if train:
-            images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB)
-            images = fn.resize(images, resize_x=224, resize_y=224)
-            images = fn.flip(images, horizontal=fn.random.coin_flip())
-        else:
-            images = fn.decoders.image(jpegs, device="cpu", output_type=types.RGB)
-            images = fn.resize(images, resize_shorter=256)
-            images = fn.crop(images, crop=(224, 224))   # centred by default
-        return images, labels
-
-    pipeline = pipe()
-    pipeline.build()
-    size = int(pipeline.epoch_size("Reader"))
-
-    def epoch() -> Iterator[int]:
-        for _ in range(-(-size // spec.batch_size)):   # the last batch wraps into the next epoch
-            _, labels = pipeline.run()
-            yield len(labels)
-    return _Runner(epoch, lambda: None)
-
-
 def _make_runner(spec: _Spec) -> _Runner:
     name = spec.pipeline
     if name in ("baseline", "baseline-val"):
@@ -359,10 +423,9 @@ def _make_runner(spec: _Spec) -> _Runner:
         return _stoker_runner(spec, train=name != "stoker-val")
     if name == "ceiling":
         return _ceiling_runner(spec)
-    if name in ("dali", "dali-val"):
-        return _dali_runner(spec)
-    if name in bench_turbo.PIPELINES:
-        return _Runner(*bench_turbo.tbl_batches(spec.packed, spec.batch_size))
+    peer = _peer_of(name)
+    if peer is not None and peer.open is not None and name in peer.pipelines:
+        return _Runner(*peer.open(spec))
     if bench_gpu.is_device_pipeline(name):
         run = bench_gpu.loader_epochs(name, root=spec.root, packed=spec.packed, batch_size=spec.batch_size,
                                       workers=spec.workers, device=spec.device, steps=spec.steps)
@@ -374,11 +437,8 @@ def _unavailable(name: str, device: str = "cpu") -> str | None:
     """Why pipeline `name` cannot run here (with the fix), or None when it can."""
     if bench_gpu.is_device_pipeline(name):
         return bench_gpu.unavailable(name, device)
-    if name in ("dali", "dali-val"):
-        return bench_dali.why_unavailable()
-    if name in bench_turbo.PIPELINES:
-        return bench_turbo.why_unavailable()
-    return None
+    peer = _peer_of(name)
+    return peer.unavailable() if peer is not None else None
 
 
 def _preimport(name: str, device: str = "cpu") -> None:
@@ -390,9 +450,9 @@ def _preimport(name: str, device: str = "cpu") -> None:
         bench_gpu.prepare(device, bench_gpu.feed_of(name))
         importlib.import_module("stoker.loader")
         return
+    peer = _peer_of(name)
     modules = {"baseline": ["torch.utils.data", "PIL.Image"], "baseline-val": ["torch.utils.data", "PIL.Image"],
-               "ceiling": ["simplejpeg", "stoker.reader"], "dali": ["nvidia.dali"], "dali-val": ["nvidia.dali"],
-               "turbo-tbl": ["turboloader"]}
+               "ceiling": ["simplejpeg", "stoker.reader"], **({name: list(peer.modules)} if peer else {})}
     stoker = ["torch", "stoker.loader"]
     for module in modules.get(name, stoker if name.startswith("stoker-") or name == "overhead" else []):
         importlib.import_module(module)
@@ -411,15 +471,15 @@ def _version(name: str) -> str:
         mod = importlib.import_module("stoker")
         region = "region decode" if codecs.region_decode_available() else describe()
         return f"stoker {getattr(mod, '__version__', '?')}, {region}"
-    if name in bench_turbo.PIPELINES:
-        return bench_turbo.version()
-    module = "torch" if name.startswith("baseline") else {"ceiling": "simplejpeg", "dali": "nvidia.dali",
-                                                          "dali-val": "nvidia.dali"}[name]
+    peer = _peer_of(name)
+    if peer is not None:
+        return peer.version()
+    module = "torch" if name.startswith("baseline") else {"ceiling": "simplejpeg"}[name]
     return f"{module} {getattr(importlib.import_module(module), '__version__', '?')}"
 
 
 def _measure(spec: _Spec) -> dict[str, Any]:
-    """Measure one pipeline; a device pipeline whose feed cannot run here (GPU decode, DALI) comes back as
+    """Measure one pipeline; a device pipeline whose feed cannot run here (GPU decode, a peer's) comes back as
     `{"skipped": why}` instead of failing the whole bench."""
     if not bench_gpu.is_device_pipeline(spec.pipeline):
         return _measure_rounds(spec)
@@ -519,6 +579,7 @@ def _measure_isolated(spec: _Spec) -> dict[str, Any]:
 
 def _child_main(argv: Sequence[str]) -> int:
     spec = _Spec(**json.loads(argv[1]))
+    peer = peer_added(_load_peer(spec.script)) if spec.script else contextlib.nullcontext()
     if os.environ.get(CHILD_LOGS_ENV, "0") not in ("", "0"):
         import logging
         logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
@@ -527,7 +588,8 @@ def _child_main(argv: Sequence[str]) -> int:
     cpus = cpu_ids()
     if hasattr(os, "sched_setaffinity") and len(cpus) > spec.workers:
         os.sched_setaffinity(0, cpus[:spec.workers])   # this child only: the same cores for every pipeline
-    print(_RESULT_MARK + json.dumps(_measure(spec)), flush=True)
+    with peer:
+        print(_RESULT_MARK + json.dumps(_measure(spec)), flush=True)
     return 0
 
 
@@ -607,9 +669,7 @@ def _plan(images: int | None, batch_size: int, workers: int, rounds: int, pipeli
           device: str, models: Sequence[str] | None, steps: int | None, warmup_steps: int | None,
           recipe: str = "basic") -> _BenchPlan:
     named = tuple(pipelines) if pipelines is not None else None
-    if named is not None and "calls" in named:
-        raise ConfigError("run_bench: the Python calls per batch are counted alone, with their own table: stoker "
-                          "bench --pipelines calls (stoker.tools.bench_calls.run_calls)")
+    _check_moved(named or (), device)
     if recipe not in RECIPE_PIPELINES:
         raise ConfigError(f"run_bench: recipe must be one of {', '.join(RECIPE_PIPELINES)}, got {recipe!r}")
     if recipe != "basic":
@@ -705,8 +765,12 @@ def run_bench(data_dir: Path | None = None, *, images: int | None = None, batch_
         sources = {name: work / f"packed-{name.rsplit('-', 1)[1]}" for name in RECIPES if name in plan.pipelines}
         for name, path in sources.items():   # the recipes' own packs, also before any timing
             _pack_once(root, path, workers, **RECIPES[name])
-        if "turbo-tbl" in plan.pipelines and bench_turbo.why_unavailable() is None:   # its TBL file, untimed
-            sources["turbo-tbl"] = bench_turbo.prepare(root, work / f"turbo-{bench_turbo.STORED}", workers)
+        peers = list(dict.fromkeys(p for p in map(_peer_of, plan.pipelines) if p is not None))
+        for peer in peers:   # what a peer's pipelines read (its own copy of the images), also untimed
+            if peer.prepare is not None and peer.unavailable() is None:
+                made = peer.prepare(root, work, workers)
+                sources.update((n, made) for n in plan.pipelines if n in peer.pipelines)
+        result.notes += [peer.note for peer in peers if peer.note]
         if "overhead" in plan.pipelines:
             sources["overhead"] = _tiny_raw_dataset(work / "overhead-tiny-raw")
         for name in plan.pipelines:
@@ -715,8 +779,10 @@ def run_bench(data_dir: Path | None = None, *, images: int | None = None, batch_
             source = sources.get(name, packed if _reads_packed(name) else root)
             if entry.skipped is None:
                 bar.stage(f"measuring {name}, {rounds} round(s)")
+                peer = _peer_of(name)
                 spec = _Spec(name, str(root), str(source), batch_size, 1 if name == "overhead" else workers,
-                             rounds, plan.device, _model_of(name, plan.models), plan.steps, plan.warmup_steps)
+                             rounds, plan.device, _model_of(name, plan.models), plan.steps, plan.warmup_steps,
+                             peer.script if peer is not None else "")
                 for key, value in (_measure_isolated(spec) if isolate else _measure(spec)).items():
                     setattr(entry, key, value)
                 if not plan.device_run:
@@ -796,8 +862,8 @@ def format_table(result: BenchResult) -> str:
               f"Machine: {m['cpu']}, {m['usable_cores']} usable cores, {m['memory_gb']} GB, load average "
               f"{m['load_1m']} at the start; Python {m['python']}, "
               f"torch {m.get('torch', '-')}, Pillow {m['pillow']}, simplejpeg {m['simplejpeg']}.",
-              "Disk: bytes of the files each pipeline reads (the ImageFolder for the baselines and DALI, the packed "
-              "copy for stoker; the recipes' own packs).",
+              "Disk: bytes of the files each pipeline reads (the ImageFolder for the baselines, the packed copy for "
+              "stoker; the recipes' own packs).",
               "CPU %: process + children over the timed rounds (100 = one core); CPU ms/image is the same CPU "
               "time per image, which other load on the machine disturbs less than images/s. Peak RSS: process + "
               "children (forked workers' shared pages count once per process).",
@@ -823,13 +889,11 @@ def _format_device(result: BenchResult) -> str:
              f"{result.rounds} window(s) of {result.steps} steps after {result.warmup_steps} warm-up step(s); the "
              f"training feeds drop the last partial batch ({steps_per_epoch} steps per pass over the images). "
              "No feed restarts inside the measurement: stoker's Loaders are persistent (epochs run into each other), "
-             "DALI's pipeline runs on while its iterator resets itself at each epoch's end, the baseline "
-             f"DataLoader's epoch is {bench_gpu.BASELINE_EPOCH_SAMPLES:,} samples (ImageNet-1k's); start-up falls in "
+             f"the baseline DataLoader's epoch is {bench_gpu.BASELINE_EPOCH_SAMPLES:,} samples (ImageNet-1k's); start-up falls in "
              "the warm-up.",
              f"Baseline transforms: {result.baseline_transforms}. Every loader delivers float32 NCHW batches "
-             "normalized with ImageNet mean/std in device memory (stoker and DALI: channels_last for training); the "
-             "baseline converts and normalizes on the CPU, stoker copies uint8 and normalizes on the device, DALI "
-             "decodes (decoders.image, device='mixed' on CUDA), crops and normalizes in its own pipeline.",
+             "normalized with ImageNet mean/std in device memory (stoker: channels_last for training); the "
+             "baseline converts and normalizes on the CPU, stoker copies uint8 and normalizes on the device.",
              f"Device: {gpu}; torch {m.get('torch', '-')}, torchvision {m.get('torchvision') or 'not installed'}.",
              f"Machine: {m['cpu']}, {m['usable_cores']} usable cores, {m['memory_gb']} GB, load average "
              f"{m['load_1m']} at the start; Python {m['python']}, Pillow {m['pillow']}, simplejpeg {m['simplejpeg']}.",

@@ -5,15 +5,15 @@ Two kinds of pipeline; `stoker.tools.bench` runs and times them like every other
 each, median of rounds) and this module supplies what runs on the device:
 
 - loader alone, into device memory, bfloat16 NCHW normalized with ImageNet mean/std (`LOADER_DTYPE`; the
-  baseline and DALI make float32 and cast it on the device, stoker converts uint8 to it in one pass):
+  baseline makes float32 and casts it on the device, stoker converts uint8 to it in one pass):
   ``cuda-baseline`` (torchvision ImageFolder + DataLoader(workers, pin_memory, persistent workers),
   torchvision's train transforms incl. ToTensor + Normalize, each batch ``.to(device, non_blocking=True)``),
   ``cuda-stoker`` (stoker.Loader with ``device=``, ``normalize="imagenet"``, CPU decode),
   ``cuda-stoker-gpu`` (the same with ``decode="gpu"``), ``cuda-stoker-auto`` (``decode="auto"``: each batch
   split between the GPU decoder and the CPU threads by measured throughput; its result records the GPU
   share, why, and the GPU path's seconds per phase over the timed rounds, from `LoaderStats`; where no GPU
-  decoder works it decodes on the CPU and says why) and ``cuda-dali`` (NVIDIA DALI: file reader,
-  GPU decode, random resized crop, crop_mirror_normalize; `stoker.tools.bench_dali`). A round is
+  decoder works it decodes on the CPU and says why), and ``cuda-<feed>`` for another library's feed added from
+  outside the package (`PeerFeed`: the project's benchmarks/bench_dali.py adds NVIDIA DALI's). A round is
   `steps` batches from a stream that runs on across epochs (as the training windows below are), and
   its clock stops after the device is synchronized, so the rate counts images that reached device memory.
 - training, per model: ``train-<model>-synthetic`` (one GPU-resident random batch, no input pipeline:
@@ -22,15 +22,15 @@ each, median of rounds) and this module supplies what runs on the device:
   ``train-<model>-stoker-interference`` (the control: the model trains on the resident batch while the
   stoker feed runs beside it, one batch per step taken and discarded on another thread; its shortfall
   against synthetic is the loader's cost to the step, with no data wait in it; `stoker.step_controls`),
-  ``train-<model>-stoker-gpu``, ``train-<model>-dali``. Each training row's first figure is fed / synthetic.
+  ``train-<model>-stoker-gpu`` and a peer's ``train-<model>-<feed>``. Each training row's first figure is fed /
+  synthetic.
   One step (`stoker.tools.train.TrainStep`): model and input channels_last, bf16 autocast (on CUDA), cross
   entropy, SGD(lr 0.1, momentum 0.9, weight decay 1e-4), ``zero_grad(set_to_none=True)``. Warm-up steps first
   (cuDNN autotuning, queues filling), then timed windows of a fixed number of steps; the feeds run
   epoch after epoch as a training loop does, and drop the last partial batch (one input shape).
 
 Start-up (construction to first batch) falls in the untimed warm-up, and no feed restarts inside a
-timed round: stoker's Loaders are persistent (epochs run into each other), DALI's pipeline runs on
-while its iterator resets itself at each epoch's end, and the baseline's DataLoader has an epoch as
+timed round: stoker's Loaders are persistent (epochs run into each other), and the baseline's DataLoader has an epoch as
 long as ImageNet-1k's (`BASELINE_EPOCH_SAMPLES`, drawn from the bench's images), so its worker restart
 comes as rarely as in the training run the bench stands for, not once per pass over a few thousand
 images. Each result carries `startup_share`: its start-up time over its timed run; the tables flag any
@@ -53,16 +53,15 @@ from typing import TYPE_CHECKING, Any
 
 from .._system import fmt_number
 from ..errors import ConfigError, StokerError
-from .bench_dali import dali_batches
-from .bench_dali import why_unavailable as why_dali_unavailable
 from .results import BenchResult, markdown_table
 from .train import TrainStep, check_model, load_model
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DEFAULT_MODELS", "FEEDS", "LOADERS", "FeedUnavailable", "LoaderRun", "TrainRun", "device_pipelines",
-           "feed_of", "format_tables", "is_device_pipeline", "model_label", "resolve_device"]
+__all__ = ["DEFAULT_MODELS", "FEEDS", "LOADERS", "FeedUnavailable", "LoaderRun", "PeerFeed", "TrainRun", "add_feed",
+           "device_pipelines", "feed_of", "format_tables", "is_device_pipeline", "model_label", "remove_feed",
+           "resolve_device"]
 
 _log = logging.getLogger("stoker.bench")
 
@@ -80,7 +79,7 @@ LOADER_DTYPE = "bfloat16"
 
 #: loader-alone pipeline -> the feed it measures
 LOADERS = {"cuda-baseline": "baseline", "cuda-stoker": "stoker", "cuda-stoker-gpu": "stoker-gpu",
-           "cuda-stoker-auto": "stoker-auto", "cuda-dali": "dali"}
+           "cuda-stoker-auto": "stoker-auto"}
 #: stoker feed -> its DeviceOptions.decode (the loader-alone split feed has no training pipeline)
 _DECODES = {"stoker": "cpu", "stoker-process": "cpu", "stoker-gpu": "gpu", "stoker-auto": "auto"}
 #: feed -> what delivers the batches
@@ -95,8 +94,6 @@ FEEDS = {
                            "batch per step taken and discarded on another thread (the loader's cost to the step)",
     "stoker-gpu": "stoker.Loader(workers=Workers(persistent=True), device=DeviceOptions(device, normalize='imagenet', "
                   "decode='gpu'))",
-    "dali": "NVIDIA DALI: readers.file + decoders.image (device='mixed' on CUDA) + random_resized_crop + "
-            "crop_mirror_normalize, DALIGenericIterator",
 }
 _LOADER_DESCRIPTIONS = {
     "cuda-baseline": "ImageFolder + DataLoader(pin_memory, persistent workers) + RandomResizedCrop(224), flip, "
@@ -108,15 +105,45 @@ _LOADER_DESCRIPTIONS = {
     "cuda-stoker-auto": "stoker.Loader(device=DeviceOptions(device, normalize='imagenet', dtype=bfloat16, "
                         "decode='auto')), RandomResizedCrop(224) + flip: each batch split between the GPU decoder "
                         "and the CPU threads by measured throughput, or the CPU alone with the reason",
-    "cuda-dali": "NVIDIA DALI: readers.file (shuffled), decoders.image (device='mixed' on CUDA), "
-                 "random_resized_crop(224), crop_mirror_normalize (flip, ImageNet mean/std, float32 CHW); "
-                 "DALIGenericIterator, then bfloat16 on the device",
 }
 
 
 class FeedUnavailable(StokerError):
-    """A feed this installation or machine cannot run (stoker's GPU decode, DALI); the bench reports it as
-    skipped, with why."""
+    """A feed this installation or machine cannot run (stoker's GPU decode, a peer's library); the bench reports
+    it as skipped, with why."""
+
+
+@dataclass(frozen=True)
+class PeerFeed:
+    """Another library's feed, defined outside the package (`stoker.tools.bench.Peer.feeds`) and measured, while
+    added (`add_feed`), as the loader-alone pipeline ``cuda-<name>`` and the training pipelines
+    ``train-<model>-<name>``. ``open(root, batch_size, workers, device, drop_last=, channels_last=, dtype=)``: its
+    `Feed` over the ImageFolder `root`, images in `dtype` (raises `FeedUnavailable` when it cannot start);
+    ``unavailable()``: why it cannot run here, with the fix, or None; ``prepare()``: imports before any clock."""
+
+    training: str   # what delivers the batches (the training pipelines' description)
+    loader: str     # the loader-alone pipeline's description
+    open: Callable[..., "Feed"]
+    unavailable: Callable[[], str | None]
+    prepare: Callable[[], None] = lambda: None
+
+
+_PEER_FEEDS: dict[str, PeerFeed] = {}
+
+
+def add_feed(name: str, feed: PeerFeed) -> None:
+    """Measure `feed` as ``cuda-<name>`` and ``train-<model>-<name>`` beside stoker's feeds (until `remove_feed`)."""
+    LOADERS[f"cuda-{name}"] = name
+    _LOADER_DESCRIPTIONS[f"cuda-{name}"] = feed.loader
+    FEEDS[name] = feed.training
+    _PEER_FEEDS[name] = feed
+
+
+def remove_feed(name: str) -> None:
+    for table in (LOADERS, _LOADER_DESCRIPTIONS):
+        table.pop(f"cuda-{name}", None)
+    FEEDS.pop(name, None)
+    _PEER_FEEDS.pop(name, None)
 
 
 # ----------------------------------------------------------------------------- names and checks
@@ -182,9 +209,8 @@ def unavailable(name: str, device: str) -> str | None:
     """Why device pipeline `name` cannot run here (with the fix), or None when it may."""
     if feed_of(name) == "stoker-gpu" and not str(device).startswith("cuda"):
         return f"decode='gpu' needs a CUDA device; this run is on {device} (run with --device cuda)"
-    if feed_of(name) == "dali":
-        return why_dali_unavailable()
-    return None
+    peer = _PEER_FEEDS.get(feed_of(name))
+    return peer.unavailable() if peer is not None else None
 
 
 def device_info(device: "torch.device") -> dict[str, Any]:
@@ -215,16 +241,16 @@ def synchronize(device: "torch.device") -> None:
 
 def prepare(device: str, feed: str = "") -> None:
     """Do before any clock starts what a training script has done already: import torch (and torchvision
-    when installed, DALI's torch plugin for the dali feed) and create the CUDA context."""
+    when installed, what a peer's feed imports) and create the CUDA context."""
     import torch
 
     # one that fails to import is left to the feed that needs it, which says so with the fix
     from .tvimport import import_torchvision
 
     import_torchvision()
-    if feed == "dali":
+    if feed in _PEER_FEEDS:
         with contextlib.suppress(Exception):
-            import nvidia.dali.plugin.pytorch  # noqa: F401
+            _PEER_FEEDS[feed].prepare()
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.empty(1, device=dev)
@@ -416,25 +442,6 @@ def _interference_feed(packed: str, batch_size: int, workers: int, device: "torc
     return Feed(epoch, close, loader.version + ", interference control", lambda: drain.taken)
 
 
-def _dali_feed(root: str, batch_size: int, workers: int, device: "torch.device", drop_last: bool,
-               channels_last: bool, dtype: "torch.dtype") -> Feed:
-    why = why_dali_unavailable()
-    if why is not None:
-        raise FeedUnavailable(why)
-    try:
-        epoch, close, version = dali_batches(root, batch_size, workers, device, size=OUTPUT_SIZE, drop_last=drop_last,
-                                             channels_last=channels_last)
-    except RuntimeError as exc:   # DALI's backend failed to start (its first batch is made here)
-        raise FeedUnavailable(f"NVIDIA DALI could not start on {device} ({type(exc).__name__}: {exc}); on a GPU "
-                              "host check that the driver supports the CUDA of the DALI wheel (nvidia-smi; "
-                              "nvidia-dali-cuda130 needs CUDA 13) or install the wheel for its CUDA") from exc
-
-    def cast() -> Iterator[tuple[Any, Any]]:   # DALI's float32 in the asked dtype, on the device, layout kept
-        for images, labels in epoch():
-            yield images.to(dtype), labels
-    return Feed(cast, close, version)
-
-
 def _synthetic_feed(batch_size: int, device: "torch.device") -> Feed:
     import torch
 
@@ -452,7 +459,7 @@ def _synthetic_feed(batch_size: int, device: "torch.device") -> Feed:
 def open_feed(feed: str, *, root: str, packed: str, batch_size: int, workers: int, device: "torch.device",
               training: bool, dtype: "torch.dtype | None" = None) -> Feed:
     """The batches a pipeline measures. `training`: drop the last partial batch (one input shape, as
-    training loaders do) and hand stoker's and DALI's batches out channels_last (the model's layout).
+    training loaders do) and hand stoker's and peers' batches out channels_last (the model's layout).
     `dtype`: the images' floating dtype (default float32), the same for every feed but the synthetic one."""
     import torch
 
@@ -466,8 +473,9 @@ def open_feed(feed: str, *, root: str, packed: str, batch_size: int, workers: in
     if feed in _DECODES:
         return _stoker_feed(feed, packed, batch_size, workers, device, drop_last=training, channels_last=training,
                             dtype=dtype)
-    if feed == "dali":
-        return _dali_feed(root, batch_size, workers, device, drop_last=training, channels_last=training, dtype=dtype)
+    if feed in _PEER_FEEDS:
+        return _PEER_FEEDS[feed].open(root, batch_size, workers, device, drop_last=training, channels_last=training,
+                                      dtype=dtype)
     raise ConfigError(f"unknown feed {feed!r}; expected one of {', '.join(dict.fromkeys([*FEEDS, *_DECODES]))}")
 
 

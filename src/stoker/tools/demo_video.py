@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+import numpy as np
+
 from .._system import usable_cpus
 from ..profiling import ProfileReport
 
@@ -110,6 +112,33 @@ def video_cnn(num_classes: int, width: int = 8) -> Any:
     return Clips3d()
 
 
+def crop_resize_flip(clip: np.ndarray, box: tuple[int, int, int, int], size: int, flip: bool) -> Any:
+    """The baseline's per-clip transform: the (top, left, height, width) box of every frame of `clip`
+    (uint8 [T, H, W, 3]) resized to size x size with torch's antialiased bilinear (what
+    torchvision's tensor transforms run), mirrored when `flip`; uint8 [T, 3, size, size]."""
+    import torch
+
+    top, left, h, w = box
+    x = torch.from_numpy(np.ascontiguousarray(clip[:, top:top + h, left:left + w])).permute(0, 3, 1, 2).float()
+    x = torch.nn.functional.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+    if flip:
+        x = x.flip(-1)
+    return x.round_().clamp_(0, 255).to(torch.uint8)
+
+
+def pyav_from_start(container: Any, frames: list[int]) -> tuple[np.ndarray, int]:
+    """The common script, on a video opened with `av.open`: decode from the first frame, keep the
+    clip's `frames`, stop after the last one. Returns the clip (uint8 [T, H, W, 3]) and the
+    frames decoded."""
+    wanted, last, kept, n = set(frames), max(frames), {}, -1
+    for n, frame in enumerate(container.decode(video=0)):
+        if n in wanted:
+            kept[n] = frame.to_ndarray(format="rgb24")
+        if n >= last:
+            break
+    return np.stack([kept[f] for f in frames]), n + 1
+
+
 class PyAVClips:
     """The baseline's map-style dataset, as a training script commonly writes it: per item, open the
     video with PyAV, decode from the start up to a random clip's last frame, keep the clip's frames,
@@ -127,7 +156,6 @@ class PyAVClips:
         import torch
 
         from .baseline import _TVRandomResizedCrop
-        from .bench_video import crop_resize_flip, pyav_from_start
 
         path, label = self.items[i]
         span = (self.frames - 1) * self.stride + 1

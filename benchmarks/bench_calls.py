@@ -4,11 +4,14 @@ Every Python call a worker thread makes needs the GIL, which the training loop's
 for each op it dispatches (docs/architecture.md, "Threads and the GIL"). `python_calls` counts the
 calls (Python functions and the C functions Python calls, as `sys.setprofile` sees them) the
 loader's threads make per batch in the steady state, for the default `Workers` at each thread count
-measured: `stoker bench --pipelines calls` (`run_calls`, on generated images or `--data`).
+measured (`run_calls`, on generated images or `--data`). benchmarks/bench_neighbour.py counts them too.
+
+    python benchmarks/bench_calls.py [--data DIR] [--images N] [--batch-size 256] [--workers N] [--out DIR] [--json]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import tempfile
 import threading
@@ -16,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from stoker.errors import ConfigError, StokerError
 
 __all__ = ["CALLS_BATCH", "CALLS_THREADS", "CallsResult", "format_calls", "python_calls", "run_calls"]
 
@@ -34,9 +37,9 @@ def python_calls(packed: Path, batch_size: int, threads: int, *, batches: int = 
     RandomResizedCrop(224) + flip on the packed dataset `packed`, default `Workers` at `threads` threads:
     counted over up to `batches` batches after a warm-up batch (the pass's start-up is not the steady
     state). The profile hook is on only while the loader runs, and only on the threads it starts."""
-    from ..loader.loader import Loader
-    from ..loader.options import Workers
-    from ..transforms import RandomHorizontalFlip, RandomResizedCrop
+    from stoker.loader.loader import Loader
+    from stoker.loader.options import Workers
+    from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop
 
     counts: dict[int, int] = {}
     lock = threading.Lock()
@@ -96,10 +99,10 @@ def run_calls(data_dir: Path | None = None, *, images: int | None = None, batch_
     """`python_calls` at each of `threads` on `data_dir` (an ImageFolder tree of JPEGs; None: `images`
     generated ImageNet-like JPEGs, default 1,000), packed once. `out_dir` keeps the data and receives
     calls.json and calls.md. Raises ConfigError for bad arguments or too few images for three batches."""
-    from .._progress import Progress
-    from .baseline import list_image_folder
-    from .bench import _data_stats, _pack_once, machine_info
-    from .synth import cached_imagenet_like
+    from stoker._progress import Progress
+    from stoker.tools.baseline import list_image_folder
+    from stoker.tools.bench import _data_stats, _pack_once, machine_info
+    from stoker.tools.synth import cached_imagenet_like
 
     if not threads or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in threads):
         raise ConfigError(f"run_calls: threads (--workers) are thread counts >= 1, got {threads!r}")
@@ -141,3 +144,28 @@ def format_calls(result: CallsResult) -> str:
               f"{d['mean_width']}x{d['mean_height']} px, {d['mean_file_kb']} KB.",
               f"Machine: {m['cpu']}, {m['usable_cores']} usable cores; Python {m['python']}."]
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python benchmarks/bench_calls.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", type=Path, default=None, help="image folder to use (default: generate ImageNet-like)")
+    p.add_argument("--images", type=int, default=None, help="images to generate (default 1000)")
+    p.add_argument("--batch-size", type=int, default=CALLS_BATCH, help=f"default {CALLS_BATCH}")
+    p.add_argument("--workers", type=int, default=None,
+                   help=f"count at N threads (default at each of {', '.join(map(str, CALLS_THREADS))})")
+    p.add_argument("--out", type=Path, default=Path("bench-results"), help="receives calls.json and calls.md")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress")
+    args = p.parse_args(argv)
+    try:
+        result = run_calls(args.data, images=args.images, batch_size=args.batch_size,
+                           threads=(args.workers,) if args.workers else CALLS_THREADS, out_dir=args.out,
+                           progress=not args.quiet)
+    except StokerError as exc:
+        p.error(str(exc))
+    print(json.dumps(result.to_json(), indent=1) if args.json else format_calls(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,62 @@
+"""benchmarks/bench_calls.py: the Python calls per batch of the Loader's own threads, counted on the user's
+data at the thread count given, the table and the JSON written to --out; `stoker bench --pipelines calls`
+names the script."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import load_benchmark
+from stoker.cli import main
+from stoker.errors import ConfigError
+from stoker.tools.bench import run_bench
+from stoker.tools.synth import make_tiny_jpegs
+
+bench_calls = load_benchmark("bench_calls")
+
+
+@pytest.fixture(scope="module")
+def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_jpegs(tmp_path_factory.mktemp("calls") / "data", 64, classes=4, size=(150, 200))
+
+
+def test_script_counts_the_python_calls_per_batch(tiny_root: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_calls.main(["--data", str(tiny_root), "--batch-size", "16", "--workers", "2", "--out", str(tmp_path),
+                             "--json", "--quiet"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert set(obj["calls"]) == {"2"} and obj["calls"]["2"] > 0 and obj["batch_size"] == 16
+    assert obj["data"]["images"] == 64 and not obj["data"]["generated"]
+    assert json.loads((tmp_path / "calls.json").read_text()) == obj
+    assert "| 2 |" in (tmp_path / "calls.md").read_text()
+
+
+@pytest.mark.parametrize("argv", [["--device", "cuda"], ["--recipe", "randaug"], ["--steps", "5"], ["--rounds", "2"]])
+def test_script_takes_no_timing_flags(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench_calls.main(argv)
+    assert exc.value.code == 2 and argv[0] in capsys.readouterr().err
+
+
+def test_calls_need_three_batches_and_thread_counts(tiny_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ConfigError, match="--images"):
+        bench_calls.run_calls(tiny_root, batch_size=32, threads=(1,))   # 64 images: 2 batches of 32
+    with pytest.raises(ConfigError, match="--workers"):
+        bench_calls.run_calls(tiny_root, threads=(0,))
+    with pytest.raises(SystemExit) as exc:   # the script: one line, exit status 2
+        bench_calls.main(["--data", str(tiny_root), "--batch-size", "32", "--workers", "1"])
+    assert exc.value.code == 2 and "--images" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [[], ["--device", "cuda"], ["--rounds", "2"]])
+def test_stoker_bench_names_the_script_that_counts_them_now(argv: list[str], tiny_root: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--pipelines", "calls", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("stoker bench: error: ") and "\n" not in err
+    assert "run python benchmarks/bench_calls.py [--data DIR] [--workers N]" in err
+    with pytest.raises(ConfigError, match="benchmarks/bench_calls.py"):
+        run_bench(tiny_root, isolate=False, pipelines=("calls", "stoker-train"))
