@@ -15,6 +15,8 @@ Pipelines (each limited to `workers` CPU cores; one epoch over every image is on
 - ``stoker-train-raw256`` / ``stoker-train-jpeg256``: the recipes of storing smaller images: the same
   images packed with ``--encoding raw --max-side 256`` (no decode at load time) or ``--max-side 256``
   (smaller JPEGs), then stoker-train; the table prints each pipeline's bytes on disk beside its speed.
+- ``stoker-buckets`` (not run by default): aspect-ratio buckets of 224 x 224 pixels + flip, each batch one
+  bucket (``stoker.AspectBuckets``), its ratio to stoker-train; benchmarks/bench_buckets.py compares more.
 - ``overhead``: stoker.Loader on ONE thread over tiny (16 x 16) raw-stored images, so decode and resize
   cost nothing: what is left is the per-sample Python work, reported in µs per sample.
 
@@ -81,6 +83,8 @@ PIPELINES: dict[str, tuple[str, str | None]] = {
     "stoker-train-float": ("stoker-train delivering float32 normalized NCHW on the CPU like the baseline "
                            "(device='cpu', normalize='imagenet')", "baseline"),
     "stoker-train-raw256": ("stoker-train on a pack with --encoding raw --max-side 256", "baseline"),
+    "stoker-buckets": ("stoker.Loader, aspect-ratio buckets of 224x224 pixels (AspectBuckets(area=224*224, "
+                       "multiple=32)) + flip: each batch one bucket", "stoker-train"),
     "stoker-train-jpeg256": ("stoker-train on a pack with --max-side 256 (JPEG)", "baseline"),
     "overhead": ("stoker.Loader, 1 thread, 16x16 raw images: per-sample Python work only", None),
     "baseline-randaug": ("DataLoader + PIL + RandomResizedCrop(224), flip, RandAugment(2, 9), ToTensor, Normalize",
@@ -349,20 +353,26 @@ def _stoker_recipe_runner(spec: _Spec) -> _Runner:
 def _stoker_runner(spec: _Spec, train: bool) -> _Runner:
     from ..device.stage import DeviceOptions
     from ..loader.loader import Loader
-    from ..loader.options import Workers
+    from ..buckets import AspectBuckets
+    from ..loader.options import Sampling, Workers
     from ..transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
 
+    sampling = None
     if spec.pipeline == "overhead":
         ops: list = [RandomResizedCrop(OVERHEAD_SIDE), RandomHorizontalFlip()]
+    elif spec.pipeline == "stoker-buckets":
+        ops = [RandomHorizontalFlip()]
+        sampling = Sampling(buckets=AspectBuckets(area=224 * 224, multiple=32), seed=0)
     elif train:
         ops = [RandomResizedCrop(224), RandomHorizontalFlip()]
     else:
         ops = [Resize(256), CenterCrop(224)]
     device = DeviceOptions(device="cpu", normalize="imagenet") if spec.pipeline == "stoker-train-float" else None
     process = spec.pipeline == "stoker-train-process"   # one worker process, started once
-    workers = Workers(num_threads=spec.workers, decode_quality="fast" if spec.pipeline == "stoker-train-fast"
-                      else "accurate", processes=int(process), persistent=process)
-    loader = Loader(spec.packed, spec.batch_size, transforms=ops, seed=0, device=device, workers=workers)
+    workers = Workers(num_threads=spec.workers, **({"decode_quality": "fast"} if spec.pipeline == "stoker-train-fast"
+                                                   else {}), processes=int(process), persistent=process)
+    loader = Loader(spec.packed, spec.batch_size, transforms=ops, device=device, workers=workers,
+                    **({"sampling": sampling} if sampling is not None else {"seed": 0}))
 
     def epoch() -> Iterator[int]:
         for batch in loader:

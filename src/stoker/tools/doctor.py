@@ -153,7 +153,8 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = MIN_VERDI
     Reads about `(steps + 1) * batch_size` images per run (one warm-up batch); each run reads a new
     epoch of the dataset (on a smaller dataset, `steps` shrinks to fit; below `MIN_VERDICT_STEPS` the
     report gives no verdict and says how many steps are missing). `transforms`:
-    "train" (RandomResizedCrop + flip) or "val" (Resize + CenterCrop), at `size` pixels. `decode`:
+    "train" (RandomResizedCrop + flip), "val" (Resize + CenterCrop), at `size` pixels, or "buckets"
+    (aspect-ratio buckets of size x size pixels + flip: `stoker.AspectBuckets`). `decode`:
     "cpu", "gpu" (JPEGs decoded on a CUDA device) or "auto" (split with the CPU threads by measured
     throughput where a GPU decoder works); the report names the backend, the split and why.
     """
@@ -161,14 +162,19 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = MIN_VERDI
 
     from ..device.stage import DeviceOptions
     from ..loader.loader import Loader
+    from ..buckets import AspectBuckets
+    from ..loader.options import Sampling
     from ..transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
 
-    if transforms not in ("train", "val"):
-        raise ConfigError(f"transforms must be 'train' or 'val', got {transforms!r}")
+    if transforms not in ("train", "val", "buckets"):
+        raise ConfigError(f"transforms must be 'train', 'val' or 'buckets', got {transforms!r}")
     if batch_size < 1 or steps < 1:
         raise ConfigError(f"batch_size and steps must be >= 1, got {batch_size} and {steps}")
     ops = [RandomResizedCrop(size), RandomHorizontalFlip()] if transforms == "train" else \
-        [Resize(size * 8 // 7), CenterCrop(size)]
+        [RandomHorizontalFlip()] if transforms == "buckets" else [Resize(size * 8 // 7), CenterCrop(size)]
+    # aspect-ratio buckets of size x size pixels: each batch one bucket (stoker.AspectBuckets)
+    sampling = {"sampling": Sampling(buckets=AspectBuckets(area=size * size, multiple=32), drop_last=True, seed=0)} \
+        if transforms == "buckets" else {"drop_last": True, "seed": 0}
     device = default_device(device)
     model_threads, loader_cores = split_cores(device, usable_cpus())
     if decode == "gpu" and not device.startswith("cuda"):
@@ -176,8 +182,7 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = MIN_VERDI
                           f"--decode cpu), or decode='auto', which decodes on the CPU where no GPU decoder works")
     on_device = {"device": DeviceOptions(device, normalize="imagenet", decode=decode)} \
         if device.startswith("cuda") else {}
-    loader = Loader(path, batch_size, transforms=ops, drop_last=True, seed=0,
-                    **on_device, workers=threads or loader_cores)
+    loader = Loader(path, batch_size, transforms=ops, **sampling, **on_device, workers=threads or loader_cores)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(model_threads)   # restored below
     try:
