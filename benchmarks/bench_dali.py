@@ -111,12 +111,20 @@ def _cpu_pipeline(spec: Any) -> tuple[Callable[[], Iterator[int]], Callable[[], 
     ``(epoch, close)``: each epoch yields its batch sizes."""
     from nvidia.dali import fn, pipeline_def, types
 
-    train = spec.pipeline == "dali"
+    train = spec.pipeline in ("dali", "dali-float")
+    floats = spec.pipeline == "dali-float"
 
     @pipeline_def(batch_size=spec.batch_size, num_threads=spec.workers, device_id=None, seed=0)
     def pipe() -> Any:
         jpegs, labels = fn.readers.file(file_root=spec.root, random_shuffle=train, name=_READER)
-        if train:
+        if floats:   # DALI's fused crop + mirror + normalize to float32 NCHW (stoker-train-float's output)
+            images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB)
+            images = fn.resize(images, resize_x=224, resize_y=224)
+            images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW",
+                                              mean=[0.485 * 255, 0.456 * 255, 0.406 * 255],
+                                              std=[0.229 * 255, 0.224 * 255, 0.225 * 255],
+                                              mirror=fn.random.coin_flip())
+        elif train:
             images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB)
             images = fn.resize(images, resize_x=224, resize_y=224)
             images = fn.flip(images, horizontal=fn.random.coin_flip())
@@ -163,10 +171,14 @@ def _import_plugin() -> None:
 
 #: the CPU bench's pipelines when none are named: the references DALI's are measured against, and DALI's
 CPU_PIPELINES = ("baseline", "baseline-val", "stoker-train", "stoker-val", "ceiling", "dali", "dali-val")
+#: float32 output compared: stoker's fused float output beside DALI's fused crop-mirror-normalize
+FLOAT_PIPELINES = ("stoker-train", "stoker-train-float", "dali", "dali-float")
 
 PEER = Peer(
     script=__file__, unavailable=why_unavailable, version=version, open=_cpu_pipeline, modules=("nvidia.dali",),
     pipelines={"dali": ("NVIDIA DALI CPU: image_random_crop decode, resize 224, flip", "baseline"),
+               "dali-float": ("NVIDIA DALI CPU: image_random_crop decode, resize 224, crop_mirror_normalize to "
+                              "float32 NCHW (stoker-train-float's output)", "baseline"),
                "dali-val": ("NVIDIA DALI CPU: decode, resize shorter side 256, centre crop 224", "baseline-val")},
     feeds={"dali": PeerFeed(
         training="NVIDIA DALI: readers.file + decoders.image (device='mixed' on CUDA) + random_resized_crop + "
