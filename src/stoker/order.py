@@ -52,6 +52,8 @@ TAG_SAMPLE = _TAG_SAMPLE
 _TAG_SHARD = 7
 #: the tag of per-clip random streams (stoker.video.clip_key: where a clip lies in time, its one plan)
 TAG_CLIP = 8
+#: the tag of per-sample caption choices (`Targets(captions=)`: which of a sample's captions an epoch hands out)
+TAG_CAPTION = 9
 
 
 def mix64(x: np.ndarray) -> np.ndarray:

@@ -164,6 +164,11 @@ class Targets(_Printable):
         num_classes: width of multi-hot rows (default: the dataset's classes).
     classes: pin the class list (label k is classes[k]): a split missing a class keeps the others' labels.
     collate_fn: collate_fn({column: [values]}) gives the batch's third item (needs columns=).
+    captions: a string column of text (a WebDataset's `txt`, a CSV or Parquet column), handed out as
+        extras[captions], a list of str per batch; where a sample holds several (a JSON list of strings),
+        one of them, chosen per (seed, epoch, sample) (docs/text.md).
+    tokenizer: tokenizer(list of str) -> {"input_ids": ..., "attention_mask": ..., ...}, called once per batch
+        on the batch's captions in the thread that iterates the Loader; its items join the extras.
     """
 
     boxes: tuple[str, ...] = ()
@@ -174,8 +179,16 @@ class Targets(_Printable):
     num_classes: int | None = None
     classes: tuple[str, ...] | None = None
     collate_fn: Callable[[dict[str, list]], Any] | None = field(default=None, hash=False)
+    captions: str | None = None
+    tokenizer: Callable[[list[str]], Any] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
+        if self.captions is not None and (not isinstance(self.captions, str) or not self.captions):
+            raise ConfigError(f"captions= names a text column (a WebDataset pack's 'txt', say), got {self.captions!r}")
+        if self.tokenizer is not None and (not callable(self.tokenizer) or self.captions is None):
+            raise ConfigError("tokenizer= is a callable on a batch's captions: pass it with captions='COLUMN' "
+                              f"(the text column it reads), got tokenizer={self.tokenizer!r:.80}, "
+                              f"captions={self.captions!r}")
         _set(self, "boxes", _names(self.boxes, "boxes"))
         _set(self, "masks", _names(self.masks, "masks"))
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, (int, np.integer)) \

@@ -380,6 +380,31 @@ class _Crew:
             (self.feeder or self.run).stop(2.0)
 
 
+def tokenized(tokenizer: Any, column: str, extras: dict[str, Any]) -> dict[str, Any]:
+    """The batch's extras with `tokenizer(captions)`'s items added (one call for the batch); a tokenizer that
+    fails, or returns anything but a mapping with "input_ids" and "attention_mask" of one row per caption, is
+    a ConfigError naming Targets(tokenizer=)."""
+    captions = extras[column]
+    try:
+        got = tokenizer(list(captions))
+    except Exception as exc:
+        raise ConfigError(f"Targets(tokenizer={getattr(tokenizer, '__name__', type(tokenizer).__name__)}) failed on "
+                          f"a batch of {len(captions)} captions: {type(exc).__name__}: {exc}") from exc
+    keys = list(got.keys()) if hasattr(got, "keys") else None
+    if keys is None or "input_ids" not in keys or "attention_mask" not in keys:
+        raise ConfigError(f"Targets(tokenizer=) must return a mapping with 'input_ids' and 'attention_mask' (one row "
+                          f"per caption), got {type(got).__name__}{f' with keys {keys}' if keys else ''}")
+    for key in ("input_ids", "attention_mask"):
+        if len(got[key]) != len(captions):
+            raise ConfigError(f"Targets(tokenizer=) returned {len(got[key])} rows of {key!r} for {len(captions)} "
+                              f"captions; it must return one row per caption")
+    taken = [k for k in keys if k in extras]
+    if taken:
+        raise ConfigError(f"Targets(tokenizer=) returned {taken}, which the batch's extras already hold; rename "
+                          f"them in the tokenizer, or the columns when packing")
+    return {**extras, **{k: got[k] for k in keys}}
+
+
 def _end_lease(pipe: _Crew, lease: int, keep: list[bool], last: list[int]) -> None:
     """An iterator's end (closed, exhausted or dropped): guard the slot of the last batch it handed out
     (an `images.cuda(non_blocking=True)` may still read it), then stop its pipeline unless it was
@@ -461,6 +486,8 @@ class PassIter:
             out = numpy_batch(slot, parts.spec.multi_label)
         else:   # the batch ops' key: the batch's index in its epoch
             out = host_batch(slot, parts.spec, self._epoch, self._first_batch + self._b - 1)
+        if parts.tokenizer is not None:   # once per batch, on this (the caller's) thread
+            out = (*out[:2], tokenized(parts.tokenizer, parts.asked.targets.captions, out[2]))
         if parts.collate is not None:   # the user's batching of the extra columns, on this (their) thread
             out = (*out[:2], parts.collate(out[2]))
         return out

@@ -116,6 +116,8 @@ def ask(source: Any, batch_size: int, *, transforms: Sequence[Any] | None, order
     followed = targets.boxes + targets.masks
     pipeline.check_targets(followed)   # boxes follow the planned geometry only: ops that move pixels refused
     columns = (*columns, *(c for c in followed if c not in columns))
+    if targets.captions is not None and targets.captions not in columns:
+        columns = (*columns, targets.captions)
     rank, world_size = _distributed(sampling.rank, sampling.world_size)
     return Asked(batch_size, sampling, workers, targets, storage, tuple(columns), pipeline, output, opts,
                  rank, world_size)
@@ -330,6 +332,7 @@ class LoadPlan:
     timeout = property(lambda self: float(self.asked.workers.timeout))
     processes = property(lambda self: self.asked.workers.processes)
     collate = property(lambda self: self.asked.targets.collate_fn)
+    tokenizer = property(lambda self: self.asked.targets.tokenizer)
     output_size = property(lambda self: self.spec.output_size)
     kind = property(lambda self: self.spec.kind)   # what a row holds: an image, or a video pack's clip
 
@@ -368,6 +371,11 @@ def resolve(asked: Asked, ds: Dataset, decoder: DecoderProbe) -> LoadPlan:
     missing = [c for c in asked.columns if c not in ds.extra_columns]
     if missing:
         raise ConfigError(f"{ds.path}: no column(s) {missing}; the dataset has extra columns {ds.extra_columns}")
+    text = asked.targets.captions
+    if text is not None and ds.column_types.get(text, "string") != "string":
+        raise ConfigError(f"{ds.path}: Targets(captions={text!r}) reads text, and the column {text!r} holds "
+                          f"{ds.column_types[text]} values; name a string column (a WebDataset pack's 'txt', a "
+                          f"CSV or Parquet text column)")
     pin_memory = False if asked.output == NUMPY else asked.workers.pin_memory   # no CUDA copy reads numpy arrays
     if pin_memory and not torch.cuda.is_available():   # DataLoader's habit: the same script on a laptop
         warnings.warn("pin_memory=True: torch finds no CUDA device here (a CPU-only torch build, or no driver), so "
@@ -432,7 +440,7 @@ def resolve(asked: Asked, ds: Dataset, decoder: DecoderProbe) -> LoadPlan:
                       labels, heights, widths, multi_label=multi, decode_quality=w.decode_quality,
                       box_columns=t.boxes, mask_columns=polygons, label_map_columns=label_maps,
                       ignore_index=t.ignore_index, pad=t.pad, key_by_draw=pool.weighted, members=pool.members(),
-                      kind=kind, buckets=bucketed)
+                      kind=kind, buckets=bucketed, captions=text)
     spec = replace(spec, route=route_of(asked, spec, ds, asked.device, decoder))
     rows = ds.shard_rows
     epochs = EpochOrder(pool, s.order, int(s.seed), asked.rank, asked.world_size, s.drop_last, asked.batch_size,

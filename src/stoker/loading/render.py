@@ -20,6 +20,7 @@ What a finished slot becomes (the batch ops, the extras, the device thread's wor
 from __future__ import annotations
 
 import bisect
+import json
 import logging
 import math
 import time
@@ -34,7 +35,7 @@ from .jobs import gpu_rows
 from .kinds import IMAGES, SampleKind
 from .labels import MultiLabel
 from .route import Route
-from ..order import TAG_DRAW, replacement_index, sample_keys, uniforms
+from ..order import TAG_CAPTION, TAG_DRAW, replacement_index, sample_keys, uniforms
 from ..dataset import Dataset
 from .slots import Slot
 from .stats import WorkerTimes
@@ -113,6 +114,8 @@ class RenderSpec:
     route: Route = Route()
     #: aspect-ratio buckets (`Bucketed`): each batch's output size and pipeline are its bucket's; None: one size
     buckets: Bucketed | None = None
+    #: `Targets(captions=)`: the text column whose value per sample is one caption (of several: chosen per epoch)
+    captions: str | None = None
 
     @property
     def gpu_decode(self) -> bool:
@@ -206,6 +209,11 @@ class Filler:
                            if c in self.targets else [self.ds.extra(int(i), c) for i in idx])
                        for c in (*self.columns, *(c for c in self.targets if c not in self.columns))}
         slot.extras.update(self.kind.extras(idx, positions))   # a clip's video and clip number, say
+        if self.spec.captions is not None:   # one caption per sample: of several, this epoch's
+            column = self.spec.captions
+            slot.extras[column] = choose_captions(slot.extras[column], sample_keys(self.seed, self.epoch, idx,
+                                                                                   tag=TAG_CAPTION), column,
+                                                  lambda row: self._describe(int(idx[row]), None), slot.errors)
         bucket = -1
         if self.spec.buckets is not None:   # one bucket per batch: its size, and each row's conditioning
             buckets = self.spec.buckets
@@ -531,6 +539,34 @@ class EpochChain:
     def fill_split(plan: BatchPlan, r0: int, r1: int, slot: Slot, scratch: dict, times: WorkerTimes
                    ) -> list[tuple[int, BaseException]]:
         return plan.filler.fill_split(plan, r0, r1, slot, scratch, times)
+
+
+def choose_captions(values: list, keys: np.ndarray, column: str, describe: Any, errors: list) -> list[str]:
+    """One caption per row from a text column's values: a str as it is, a JSON list of strings (several
+    captions) one of them, drawn from the row's key (`TAG_CAPTION` streams: the same per (seed, epoch, sample)
+    at any thread count). A value that is not text is a SampleError naming the sample, added to `errors`
+    (the batch raises it when asked for)."""
+    draws = uniforms(keys, 1)[:, 0]
+    out: list[str] = []
+    for row, value in enumerate(values):
+        options = value
+        if isinstance(value, str) and value.startswith("["):
+            try:
+                options = json.loads(value)
+            except json.JSONDecodeError:
+                options = value   # a caption that starts with a bracket
+        if isinstance(options, str):
+            out.append(options)
+            continue
+        if isinstance(options, list) and options and all(isinstance(o, str) for o in options):
+            out.append(options[min(int(draws[row] * len(options)), len(options) - 1)])
+            continue
+        key, shard, srow = describe(row)
+        errors.append((row, SampleError(f"sample {key!r} (shard {shard}, row {srow}): Targets(captions={column!r}) "
+                                        f"needs text, the column holds {value!r:.80}; re-pack with text in that column, "
+                                        f"or name another", key=key, shard=shard, row=srow)))
+        out.append("")
+    return out
 
 
 def _row_box(geometry: Plan | None, row: int) -> tuple | None:

@@ -5,8 +5,10 @@ WebDataset does, with the ``braceexpand`` package) or a list of files. Members a
 WebDataset key (folder + name up to the first dot): the group's image (``jpg jpeg png webp`` and
 the other image endings) is the sample; its target comes from ``.cls`` (a class index or name,
 or several numbers: multi-label), else from the ``label_column`` field of ``.json``, else from
-``.txt``. The other fields of a ``.json`` dict become typed extra columns; a ``.json`` that is a
-list is a multi-label target.
+``.txt`` (none of them with ``label_column=None``, ``stoker pack --no-labels``: image + caption data).
+A ``.txt`` is also kept as the string column ``txt`` (a caption: `Targets(captions="txt")` hands it
+out). The other fields of a ``.json`` dict become typed extra columns (a list of strings, such as
+several captions, as its JSON text); a ``.json`` that is a list is a multi-label target.
 
 Nothing is extracted: an item records the member's offset and size inside the tar (inside the
 decompressed stream for gzip files), and member names are used only as keys, never as paths, so
@@ -38,6 +40,8 @@ from .base import (SAMPLE_EXTENSIONS, GzipMembers, Source, SourceItem, SourceOpt
 
 SUFFIXES = (".tar", ".tar.gz", ".tgz")
 TARGET_EXTENSIONS = (".cls", ".json", ".txt")
+#: the extra column a sample's `.txt` is packed into (its caption, or the class name it also labels)
+TEXT_COLUMN = "txt"
 #: bytes a target member (.cls, .json, .txt) may hold: labels and metadata, never megabytes
 MAX_TARGET_BYTES = 1 << 20
 
@@ -186,11 +190,15 @@ def _target(group: _Group, label_column: str | None, where: str) -> tuple[str | 
                 value = extras.pop(label_column)
                 label = [str(v) for v in value] if isinstance(value, list) else str(value)
     for ext in (".txt", ".cls"):   # .cls wins over .json, .json over .txt
-        if ext in group.targets and (ext == ".cls" or label is None):
-            try:
-                text = group.targets[ext].decode("utf-8").strip()
-            except UnicodeDecodeError:
-                raise ValueError(f"its {ext} is not UTF-8 text") from None
+        if ext not in group.targets:
+            continue
+        try:
+            text = group.targets[ext].decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise ValueError(f"its {ext} is not UTF-8 text") from None
+        if ext == ".txt":   # a caption or a class name: kept as the text column `txt` either way
+            extras.setdefault(TEXT_COLUMN, text)
+        if label_column is not None and (ext == ".cls" or label is None):
             parts = split_label_cell(text, where)
             label = text if parts is None else parts
     return label, extras
