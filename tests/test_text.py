@@ -110,3 +110,24 @@ def test_a_csv_text_column_and_non_text_values(tmp_path: Path) -> None:
             next(it)
     with pytest.raises(ConfigError, match="pass it with captions="):
         Targets(tokenizer=len)
+
+
+def test_a_coco_captions_file_packs_each_images_captions(tmp_path: Path) -> None:
+    imgs = photos(4, seed=8)
+    (tmp_path / "images").mkdir()
+    for i, data in enumerate(imgs):
+        (tmp_path / "images" / f"{i}.jpg").write_bytes(data)
+    doc = {"images": [{"id": i, "file_name": f"{i}.jpg", "width": 10, "height": 10} for i in range(4)],
+           "annotations": [{"id": 10 * i + j, "image_id": i, "caption": f" image {i}, caption {j} "}
+                           for i in range(4) for j in range(i + 1)]}
+    (tmp_path / "captions.json").write_text(json.dumps(doc))
+    stoker.pack(str(tmp_path / "captions.json"), str(tmp_path / "pack"), progress=False, root=tmp_path / "images")
+    with Loader(tmp_path / "pack", 4, targets=Targets(captions="captions"), order="sequential",
+                transforms=[RandomResizedCrop(16)]) as ld:
+        (_, _, extras), = list(ld)
+    assert extras["captions"][0] == "image 0, caption 0"
+    assert [c.split(",")[0] for c in extras["captions"]] == [f"image {i}" for i in range(4)]
+    bad = dict(doc, annotations=[{"id": 1, "image_id": 0, "caption": 7}])
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(stoker.errors.SourceError, match="needs a 'caption' string"):
+        stoker.pack(str(tmp_path / "bad.json"), str(tmp_path / "bad"), progress=False, root=tmp_path / "images")

@@ -1,4 +1,6 @@
-"""COCO detection annotations (kind "coco"): an instances JSON with `images`, `annotations`, `categories`.
+"""COCO detection annotations (kind "coco"): an instances JSON with `images`, `annotations`, `categories`;
+or a captions JSON (`images`, and `annotations` of `image_id` + `caption`, no categories): each image's
+captions packed as the JSON list of strings in the text column ``captions`` (`Targets(captions="captions")`).
 
 One sample per image (in image id order), with two typed extra columns for the shards:
 
@@ -68,11 +70,19 @@ def _load(listing: Path) -> dict[str, Any]:
         raise SourceError(f"{listing}: not valid JSON ({exc}); expected a COCO instances file", path=listing) from exc
     if not isinstance(doc, dict):
         raise SourceError(f"{listing}: a COCO instances file is a JSON object, found {type(doc).__name__}", path=listing)
-    missing = [k for k in ("images", "annotations", "categories") if not isinstance(doc.get(k), list)]
+    needed = ("images", "annotations") if _is_captions(doc) else ("images", "annotations", "categories")
+    missing = [k for k in needed if not isinstance(doc.get(k), list)]
     if missing:
         raise SourceError(f"{listing}: a COCO instances file needs lists 'images', 'annotations' and "
                           f"'categories'; missing or not a list: {', '.join(missing)}", path=listing)
     return doc
+
+
+def _is_captions(doc: dict[str, Any]) -> bool:
+    """A COCO captions file (captions_train2017.json): no categories, each annotation an image's caption."""
+    anns = doc.get("annotations")
+    return "categories" not in doc and isinstance(anns, list) and bool(anns) and isinstance(anns[0], dict) \
+        and "caption" in anns[0]
 
 
 def open_coco(listing: Path, options: SourceOptions) -> Source:
@@ -111,6 +121,8 @@ def _open_coco(listing: Path, options: SourceOptions) -> Source:
     # inside the image folder (``root``), so a '../' or absolute file_name is refused.
     check = ListedPaths(root, listing, root)
     doc = _load(listing)
+    if _is_captions(doc):
+        return _open_captions(listing, options, root, check, doc)
     categories = sorted(doc["categories"], key=lambda c: c["id"])
     index = {c["id"]: k for k, c in enumerate(categories)}
     per_image: dict[Any, list[dict[str, Any]]] = defaultdict(list)
@@ -149,6 +161,37 @@ def _open_coco(listing: Path, options: SourceOptions) -> Source:
                   description=f"COCO {listing} ({len(items)} images, {len(doc['annotations'])} boxes, "
                               f"{len(names)} categories: {', '.join(names[:5])}{'...' if len(names) > 5 else ''})",
                   kind="coco", skipped=skipped)
+
+
+#: the column a COCO captions file's captions are packed into: the JSON list of an image's captions (text)
+CAPTIONS_COLUMN = "captions"
+
+
+def _open_captions(listing: Path, options: SourceOptions, root: Path, check: ListedPaths, doc: dict[str, Any]
+                   ) -> Source:
+    """A COCO captions file: one sample per image, its captions (several, usually five) packed as the JSON
+    list of strings in the text column `captions` (`Targets(captions="captions")` hands one out per epoch)."""
+    per_image: dict[Any, list[str]] = defaultdict(list)
+    for n, ann in enumerate(doc["annotations"]):
+        if not isinstance(ann.get("caption"), str):
+            raise SourceError(f"{listing}: annotation #{n} (id {ann.get('id')!r}) needs a 'caption' string; found "
+                              f"{ann.get('caption')!r:.80}", path=listing)
+        per_image[ann.get("image_id")].append(ann["caption"].strip())
+    items, keys = [], []
+    for n, img in enumerate(sorted(doc["images"], key=lambda i: i["id"]), start=1):
+        if "file_name" not in img:
+            raise SourceError(f"{listing}: image entry {img.get('id')!r} needs a 'file_name'", path=listing)
+        key, full = check(str(img["file_name"]), n)
+        keys.append((key, n))
+        items.append(SourceItem(key=key, path=full, label=None,
+                                extras={CAPTIONS_COLUMN: json.dumps(per_image.get(img["id"], []))}))
+    check_unique(keys, listing)
+    if not items:
+        raise SourceError(f"{listing} lists no images", path=listing)
+    _check_image_folder(listing, items, options)
+    return Source(items=items, classes=None, label_type="none", extra_columns={CAPTIONS_COLUMN: "string"}, root=root,
+                  description=f"COCO captions {listing} ({len(items)} images, {len(doc['annotations'])} captions)",
+                  kind="coco", skipped=[])
 
 
 def _number(v: Any) -> float:
