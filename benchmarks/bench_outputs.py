@@ -1,6 +1,6 @@
 """Loader throughput of each output relative to the uint8 torch output on the same data, same run.
 
-    python benchmarks/bench_outputs.py CACHE_DIR [--images 1000] [--data FOLDER] [--rounds 5]
+    python benchmarks/bench_outputs.py CACHE_DIR [--images 1000] [--data FOLDER [--raw-side N]] [--rounds 5]
                                                  [--batch-size 64] [--threads 2]
                                                  [--outputs torch,numpy] [--json out.json]
 
@@ -38,11 +38,14 @@ from stoker.tools.synth import cached_imagenet_like
 OUTPUTS = ("torch", "numpy", "float32", "float32-two-pass")
 
 
-def packed(cache: Path, n: int, data: Path | None) -> Path:
-    """The pack the bench reads (made once in `cache`): of `data`, or of `n` generated ImageNet-like JPEGs."""
-    out = cache / (f"packed-{data.name}" if data is not None else f"packed-n{n}")
+def packed(cache: Path, n: int, data: Path | None, raw_side: int | None = None) -> Path:
+    """The pack the bench reads (made once in `cache`): of `data`, or of `n` generated ImageNet-like JPEGs;
+    `raw_side`: stored as raw pixels, the longer side at most that (the decode-once path)."""
+    out = cache / ((f"packed-{data.name}" if data is not None else f"packed-n{n}") +
+                   (f"-raw{raw_side}" if raw_side else ""))
+    options = PackOptions(encoding="raw", max_side=raw_side) if raw_side else PackOptions()
     if not (out / "stoker.json").exists():
-        pack(data if data is not None else cached_imagenet_like(cache, n), out, options=PackOptions(),
+        pack(data if data is not None else cached_imagenet_like(cache, n), out, options=options,
              progress=False)
     return out
 
@@ -84,6 +87,8 @@ def main() -> None:
     ap.add_argument("cache", type=Path)
     ap.add_argument("--images", type=int, default=1000)
     ap.add_argument("--data", type=Path, help="an image folder to pack and read instead of generated JPEGs")
+    ap.add_argument("--raw-side", type=int, default=None, metavar="N",
+                    help="pack raw pixels, the longer side at most N (the decode-once path) instead of the JPEGs")
     ap.add_argument("--outputs", default="torch,numpy", help=f"comma-separated, the first the base; of {OUTPUTS}")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch-size", type=int, default=64)
@@ -93,7 +98,7 @@ def main() -> None:
     outputs = tuple(o.strip() for o in args.outputs.split(",") if o.strip())
     if len(outputs) < 2 or len(set(outputs)) != len(outputs) or not set(outputs) <= set(OUTPUTS):
         ap.error(f"--outputs: two or more distinct outputs of {OUTPUTS}, got {args.outputs!r}")
-    data = packed(args.cache, args.images, args.data)
+    data = packed(args.cache, args.images, args.data, args.raw_side)
     transforms = [RandomResizedCrop(224), RandomHorizontalFlip()]
     loaders = {o: Loader(data, args.batch_size, transforms=transforms, seed=0, workers=args.threads,
                          device=_device(o))
