@@ -139,3 +139,11 @@ def pytest_configure(config: pytest.Config) -> None:
     nothing, and they would fail for the way the suite was started rather than for the code."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.fixture(scope="module")
+def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """64 generated JPEGs of 150 x 200 in 4 classes: the data of the bench tests (a module's own)."""
+    from stoker.tools.synth import make_tiny_jpegs
+
+    return make_tiny_jpegs(tmp_path_factory.mktemp("bench") / "data", 64, classes=4, size=(150, 200))

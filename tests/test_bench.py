@@ -22,11 +22,6 @@ from stoker.tools.synth import make_tiny_jpegs
 from torchvision_helpers import v1
 
 
-@pytest.fixture(scope="module")
-def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_jpegs(tmp_path_factory.mktemp("bench") / "data", 64, classes=4, size=(150, 200))
-
-
 def _check_ran(p: PipelineResult, images: int) -> None:
     assert p.skipped is None, p.skipped
     assert p.images == images

@@ -13,14 +13,8 @@ from conftest import load_benchmark
 from stoker.cli import main
 from stoker.errors import ConfigError
 from stoker.tools.bench import run_bench
-from stoker.tools.synth import make_tiny_jpegs
 
 bench_calls = load_benchmark("bench_calls")
-
-
-@pytest.fixture(scope="module")
-def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_jpegs(tmp_path_factory.mktemp("calls") / "data", 64, classes=4, size=(150, 200))
 
 
 def test_script_counts_the_python_calls_per_batch(tiny_root: Path, tmp_path: Path,

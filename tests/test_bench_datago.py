@@ -13,15 +13,9 @@ import pytest
 from conftest import load_benchmark
 from stoker.cli import main
 from stoker.tools.bench import PIPELINES, peer_added, run_bench
-from stoker.tools.synth import make_tiny_jpegs
 
 bench_datago = load_benchmark("bench_datago")
 HAS_DATAGO = importlib.util.find_spec("datago") is not None
-
-
-@pytest.fixture(scope="module")
-def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_jpegs(tmp_path_factory.mktemp("datago") / "data", 64, classes=4, size=(150, 200))
 
 
 def test_datago_runs_beside_stokers_buckets_or_says_why_not(tiny_root: Path, tmp_path: Path) -> None:
