@@ -8,7 +8,7 @@ import sys
 import stoker
 
 EXPECTED = {
-    "AspectBuckets", "CenterCrop", "Clips", "Dataset", "DeviceOptions", "Loader", "LoaderStats", "Mix", "PackOptions", "PackSample", "PackSummary", "Pipeline",
+    "AspectBuckets", "CenterCrop", "Clips", "Dataset", "TokenBudget", "DeviceOptions", "Loader", "LoaderStats", "Mix", "PackOptions", "PackSample", "PackSummary", "Pipeline",
     "RandomHorizontalFlip", "RandomResizedCrop", "Resize", "Sample", "Sampling", "Storage", "StokerError", "Targets", "Workers", "__version__",
     "describe", "errors", "open_dataset", "open_loose", "pack", "prefetch", "profile", "ProfileReport", "verify",
     "AutoAugment", "ColorJitter", "CutMix", "GaussianBlur", "MixUp", "Mixup", "Normalize", "RandAugment", "RandomErasing",

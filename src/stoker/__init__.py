@@ -28,6 +28,7 @@ _EXPORTS = {
     "adapt": "transforms",
     "CenterCrop": "transforms",
     "AspectBuckets": "buckets",
+    "TokenBudget": "loading.tokens",
     "Clips": "loading.clips",
     "Dataset": "dataset",
     "DeviceOptions": "device.stage",

@@ -402,7 +402,9 @@ def resolve(asked: Asked, ds: Dataset, decoder: DecoderProbe) -> LoadPlan:
     heights = None if ds.heights is None else np.asarray(ds.heights, dtype=np.int64)
     widths = None if ds.widths is None else np.asarray(ds.widths, dtype=np.int64)
     bucketed = None
-    if s.buckets is not None:   # aspect buckets: each batch its bucket's size; the ring holds the largest
+    if getattr(kind, "row_size", None) is not None:   # token budgets: rows of patches (loading.tokens)
+        output_size = kind.row_size
+    elif s.buckets is not None:   # aspect buckets: each batch its bucket's size; the ring holds the largest
         bucketed = _bucketed(asked, ds, kind, heights, widths)
         output_size = max(bucketed.sizes, key=lambda hw: hw[0] * hw[1])
         asked = replace(asked, pipeline=bucketed.pipelines[bucketed.sizes.index(output_size)])
@@ -492,6 +494,30 @@ def _bucketed(asked: Asked, ds: Dataset, kind: SampleKind, heights: np.ndarray |
                     buckets.crop == "random")
 
 
+def _patch_kind(asked: Asked, ds: Dataset) -> SampleKind | None:
+    """`TokenBudget` in the transforms: rows of patches (`loading.tokens.PatchKind`), or None without one;
+    a ConfigError for what token budgets cannot do here, naming what to change."""
+    from ..loading.tokens import PatchKind, TokenBudget, grids_of
+
+    pipeline, t = asked.pipeline, asked.targets
+    budgets = [op for op in pipeline.ops if isinstance(op, TokenBudget)]
+    if not budgets:
+        return None
+    sizing = [type(op).__name__ for op in pipeline.ops if getattr(op, "stage", None) == "plan"
+              and not isinstance(op, TokenBudget) and op.fixed_size((7919, 7907)) != (7919, 7907)]
+    refused = [(f"other ops that size the image ({', '.join(sizing)})", bool(sizing)),
+               ("a second TokenBudget", len(budgets) > 1), ("pad=True", t.pad),
+               ("boxes= and masks=", bool(t.boxes or t.masks)), ("Sampling(buckets=)", asked.sampling.buckets is not None)]
+    for what, bad in refused:
+        if bad:
+            raise ConfigError(f"TokenBudget sizes each image to its token budget and hands out patch sequences: "
+                              f"drop {what}")
+    if ds.heights is None:
+        raise ConfigError(f"{ds.path}: TokenBudget plans each image's grid from the stored sizes of a packed dataset; "
+                          f"pack the data first (stoker pack SRC OUT)")
+    return PatchKind(budgets[0], grids_of(ds.heights, ds.widths, budgets[0]))
+
+
 def _sample_kind(asked: Asked, ds: Dataset) -> SampleKind:
     """What a row holds (`loading.kinds`): an image, or on a video pack a clip (`Sampling(clips=)`, or
     `Clips()`'s defaults). Refuses what clips cannot honour here, when the Loader is made, naming what to
@@ -503,7 +529,7 @@ def _sample_kind(asked: Asked, ds: Dataset) -> SampleKind:
         if given is not None:
             raise ConfigError(f"{ds.path} holds images, not videos; Sampling(clips=) applies to a video pack "
                               f"(stoker pack of video files): drop clips=")
-        return IMAGES
+        return _patch_kind(asked, ds) or IMAGES
     require_av()   # PyAV decodes the clips: missing, the install hint now rather than per sample
     # each of these would treat a clip's frames as unrelated images
     refused = [("boxes=/masks= (stoker.Targets)", bool(t.boxes or t.masks)), ("pad=True", t.pad),

@@ -330,7 +330,8 @@ class Filler:
         if box is None:  # sizes known only now (loose files): plan this one sample
             box = _row_box(self.pipe.plan(np.array([s.height]), np.array([s.width]), u[None, :]), 0)
             return box, box[2]
-        return box, (box[2] if self.spec.pad or self.spec.buckets is not None else (self.out_h, self.out_w))
+        own = self.spec.pad or self.spec.buckets is not None or getattr(self.kind, "own_size", False)
+        return box, (box[2] if own else (self.out_h, self.out_w))
 
     def render_row(self, idx: int, position: int, key: int, u: np.ndarray, box: tuple | None, dst: np.ndarray,
                    scratch: dict, times: WorkerTimes) -> None:
