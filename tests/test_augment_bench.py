@@ -12,7 +12,7 @@ from PIL import Image
 from stoker.errors import ConfigError
 from stoker.tools.baseline_recipes import _PILRandAugment, recipe_transform
 from stoker.tools.bench import run_bench
-from test_bench import _check_ran, tiny_root  # noqa: F401  (the fixture)
+from test_bench import _check_ran   # the tiny_root fixture is conftest's
 
 
 @pytest.mark.parametrize("recipe", ["randaug", "deit"])
