@@ -89,3 +89,17 @@ def test_a_resume_and_the_route(pack: Path) -> None:
 def test_what_token_budgets_cannot_do_is_refused(pack: Path, make_it, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         make_it(pack)
+
+
+@pytest.mark.parametrize("mode", ["buckets", "tokens"])
+def test_doctor_and_bench_take_the_variable_resolution_modes(pack: Path, tiny_root: Path, tmp_path: Path,
+                                                             mode: str) -> None:
+    from stoker.tools.bench import run_bench
+    from stoker.tools.doctor import run_doctor
+
+    report = run_doctor(pack, batch_size=4, steps=3, size=64, transforms=mode, device="cpu", progress=False)
+    assert report.loader_images_per_s > 0 and ("cpu python" if mode == "tokens" else "cpu") in report.route
+    result = run_bench(tiny_root, batch_size=16, rounds=1, workers=2, isolate=False, out_dir=tmp_path,
+                       pipelines=("stoker-train", f"stoker-{mode}"))
+    got = result.get(f"stoker-{mode}")
+    assert got is not None and got.skipped is None and got.images == 64 and got.ratio_to == "stoker-train"

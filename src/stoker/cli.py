@@ -450,9 +450,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measured batches per run, after one warm-up batch (default 12: 416 images per run; "
                         "no verdict below 10)")
     p.add_argument("--threads", type=_positive, default=None, help="loader threads (default: usable CPUs)")
-    p.add_argument("--transforms", default="train", choices=["train", "val", "buckets"],
+    p.add_argument("--transforms", default="train", choices=["train", "val", "buckets", "tokens"],
                    help="train: RandomResizedCrop + flip (default); val: Resize + CenterCrop; buckets: aspect-ratio "
-                        "buckets of --size x --size pixels + flip (each batch one bucket)")
+                        "buckets of --size x --size pixels + flip (each batch one bucket); tokens: NaFlex token "
+                        "budgets of (--size / 16)^2 patches of 16 + flip")
     p.add_argument("--size", type=_positive, default=224, help="output size in pixels (default 224)")
     p.add_argument("--model", default=None, metavar="MODEL",
                    help="the model to train: a torchvision model name or module:callable returning an nn.Module, "

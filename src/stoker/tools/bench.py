@@ -17,6 +17,8 @@ Pipelines (each limited to `workers` CPU cores; one epoch over every image is on
   (smaller JPEGs), then stoker-train; the table prints each pipeline's bytes on disk beside its speed.
 - ``stoker-buckets`` (not run by default): aspect-ratio buckets of 224 x 224 pixels + flip, each batch one
   bucket (``stoker.AspectBuckets``), its ratio to stoker-train; benchmarks/bench_buckets.py compares more.
+- ``stoker-tokens`` (not run by default): NaFlex token budgets of 196 patches of 16 + flip
+  (``stoker.TokenBudget``); benchmarks/bench_naflex.py compares it with timm's.
 - ``overhead``: stoker.Loader on ONE thread over tiny (16 x 16) raw-stored images, so decode and resize
   cost nothing: what is left is the per-sample Python work, reported in µs per sample.
 
@@ -85,6 +87,8 @@ PIPELINES: dict[str, tuple[str, str | None]] = {
     "stoker-train-raw256": ("stoker-train on a pack with --encoding raw --max-side 256", "baseline"),
     "stoker-buckets": ("stoker.Loader, aspect-ratio buckets of 224x224 pixels (AspectBuckets(area=224*224, "
                        "multiple=32)) + flip: each batch one bucket", "stoker-train"),
+    "stoker-tokens": ("stoker.Loader, NaFlex token budgets (TokenBudget(16, 196)) + flip: rows of patches",
+                      "stoker-train"),
     "stoker-train-jpeg256": ("stoker-train on a pack with --max-side 256 (JPEG)", "baseline"),
     "overhead": ("stoker.Loader, 1 thread, 16x16 raw images: per-sample Python work only", None),
     "baseline-randaug": ("DataLoader + PIL + RandomResizedCrop(224), flip, RandAugment(2, 9), ToTensor, Normalize",
@@ -356,11 +360,14 @@ def _stoker_runner(spec: _Spec, train: bool) -> _Runner:
     from ..loader.loader import Loader
     from ..buckets import AspectBuckets
     from ..loader.options import Sampling, Workers
+    from ..loading.tokens import TokenBudget
     from ..transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
 
     sampling = None
     if spec.pipeline == "overhead":
         ops: list = [RandomResizedCrop(OVERHEAD_SIDE), RandomHorizontalFlip()]
+    elif spec.pipeline == "stoker-tokens":
+        ops = [TokenBudget(16, 196), RandomHorizontalFlip()]
     elif spec.pipeline == "stoker-buckets":
         ops = [RandomHorizontalFlip()]
         sampling = Sampling(buckets=AspectBuckets(area=224 * 224, multiple=32), seed=0)

@@ -153,8 +153,9 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = MIN_VERDI
     Reads about `(steps + 1) * batch_size` images per run (one warm-up batch); each run reads a new
     epoch of the dataset (on a smaller dataset, `steps` shrinks to fit; below `MIN_VERDICT_STEPS` the
     report gives no verdict and says how many steps are missing). `transforms`:
-    "train" (RandomResizedCrop + flip), "val" (Resize + CenterCrop), at `size` pixels, or "buckets"
-    (aspect-ratio buckets of size x size pixels + flip: `stoker.AspectBuckets`). `decode`:
+    "train" (RandomResizedCrop + flip), "val" (Resize + CenterCrop), at `size` pixels, "buckets"
+    (aspect-ratio buckets of size x size pixels + flip: `stoker.AspectBuckets`) or "tokens" (NaFlex:
+    `stoker.TokenBudget(16, (size // 16) ** 2)` + flip, rows of patches). `decode`:
     "cpu", "gpu" (JPEGs decoded on a CUDA device) or "auto" (split with the CPU threads by measured
     throughput where a GPU decoder works); the report names the backend, the split and why.
     """
@@ -164,14 +165,17 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = MIN_VERDI
     from ..loader.loader import Loader
     from ..buckets import AspectBuckets
     from ..loader.options import Sampling
+    from ..loading.tokens import TokenBudget
     from ..transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
 
-    if transforms not in ("train", "val", "buckets"):
-        raise ConfigError(f"transforms must be 'train', 'val' or 'buckets', got {transforms!r}")
+    if transforms not in ("train", "val", "buckets", "tokens"):
+        raise ConfigError(f"transforms must be 'train', 'val', 'buckets' or 'tokens', got {transforms!r}")
     if batch_size < 1 or steps < 1:
         raise ConfigError(f"batch_size and steps must be >= 1, got {batch_size} and {steps}")
     ops = [RandomResizedCrop(size), RandomHorizontalFlip()] if transforms == "train" else \
-        [RandomHorizontalFlip()] if transforms == "buckets" else [Resize(size * 8 // 7), CenterCrop(size)]
+        [RandomHorizontalFlip()] if transforms == "buckets" else \
+        [TokenBudget(16, max(1, (size // 16) ** 2)), RandomHorizontalFlip()] if transforms == "tokens" else \
+        [Resize(size * 8 // 7), CenterCrop(size)]
     # aspect-ratio buckets of size x size pixels: each batch one bucket (stoker.AspectBuckets)
     sampling = {"sampling": Sampling(buckets=AspectBuckets(area=size * size, multiple=32), drop_last=True, seed=0)} \
         if transforms == "buckets" else {"drop_last": True, "seed": 0}
