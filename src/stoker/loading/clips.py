@@ -166,7 +166,7 @@ def _decode_size(index: VideoIndex, box: Sequence[float], out_h: int, out_w: int
 
 
 #: FFmpeg's threading per decoder under a pool of clip threads: one thread ("NONE"), measured best for
-#: CPU per clip with as many clip threads as cores (docs/video.md, `stoker bench --video`)
+#: CPU per clip with as many clip threads as cores (docs/video.md, `benchmarks/bench_video.py`)
 DEFAULT_FFMPEG_THREADS = 1
 DEFAULT_FFMPEG_THREAD_TYPE = "NONE"
 FFMPEG_THREAD_TYPES = ("NONE", "FRAME", "SLICE", "AUTO")

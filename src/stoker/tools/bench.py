@@ -110,7 +110,7 @@ RECIPES: dict[str, dict[str, Any]] = {"stoker-train-raw256": {"encoding": "raw",
 #: pipelines that run from the project's benchmarks/ scripts, not from the package: name pattern -> script
 MOVED = {"dali": "bench_dali.py", "dali-val": "bench_dali.py", "dali-float": "bench_dali.py", "cuda-dali": "bench_dali.py",
          "train-*-dali": "bench_dali.py", "turbo-tbl": "bench_turbo.py", "calls": "bench_calls.py",
-         "datago": "bench_datago.py"}
+         "datago": "bench_datago.py", "spdl": "bench_spdl.py"}
 OVERHEAD_SAMPLES = 20_000  # tiny raw images in the overhead pipeline's dataset
 OVERHEAD_SIDE = 16
 _CHILD_TIMEOUT_S = 3600.0
