@@ -34,3 +34,20 @@ def test_stoker_bench_names_the_script_that_runs_it(capsys: pytest.CaptureFixtur
     assert main(["bench", "--pipelines", "stoker-val,spdl"]) == 2
     err = capsys.readouterr().err
     assert "spdl is not a pipeline of stoker bench" in err and "benchmarks/bench_spdl.py" in err
+
+
+def test_all_the_peers_in_one_run(tiny_root: Path, tmp_path: Path) -> None:
+    """benchmarks/bench_peers.py adds every peer at once: each of their pipelines is measured or skipped with
+    its fix in the same run as stoker's."""
+    bench_peers = load_benchmark("bench_peers")
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        for peer in bench_peers.PEERS:
+            stack.enter_context(peer_added(peer))
+        result = run_bench(tiny_root, batch_size=16, rounds=1, workers=2, isolate=False, out_dir=tmp_path,
+                           pipelines=("stoker-train", "stoker-val", "stoker-buckets", "datago", "spdl"))
+    for name in ("datago", "spdl"):
+        got = result.get(name)
+        assert got is not None and (got.skipped is not None or got.images == 64)
+    assert not {"datago", "spdl", "dali", "turbo-tbl"} & set(PIPELINES)
