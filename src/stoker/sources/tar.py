@@ -8,7 +8,7 @@ or several numbers: multi-label), else from the ``label_column`` field of ``.jso
 ``.txt`` (none of them with ``label_column=None``, ``stoker pack --no-labels``: image + caption data).
 A ``.txt`` is also kept as the string column ``txt`` (a caption: `Targets(captions="txt")` hands it
 out). The other fields of a ``.json`` dict become typed extra columns (a list of strings, such as
-several captions, as its JSON text); a ``.json`` that is a list is a multi-label target.
+several captions, a ``list<string>`` column); a ``.json`` that is a list is a multi-label target.
 
 Nothing is extracted: an item records the member's offset and size inside the tar (inside the
 decompressed stream for gzip files), and member names are used only as keys, never as paths, so
@@ -206,7 +206,8 @@ def _target(group: _Group, label_column: str | None, where: str) -> tuple[str | 
 
 def _json_type(values: list[Any]) -> str | None:
     """The Arrow type name of a JSON field across samples (None values allowed), None to leave
-    it out: bool, int64, float64, string, list<int64>, list<float64>; anything else -> string (JSON)."""
+    it out: bool, int64, float64, string, list<int64>, list<float64>, list<string>; anything else -> string
+    (JSON)."""
     present = [v for v in values if v is not None]
     if not present:
         return None
@@ -222,6 +223,8 @@ def _json_type(values: list[Any]) -> str | None:
             return "list<int64>"
         if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in flat):
             return "list<float64>"
+        if all(isinstance(x, str) for x in flat):
+            return "list<string>"   # several captions, tags
     return "string"
 
 
