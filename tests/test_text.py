@@ -75,6 +75,7 @@ def test_the_tokenizer_runs_once_per_batch_on_the_batchs_captions(pack: Path) ->
     with Loader(pack, 8, transforms=[RandomResizedCrop(32)], targets=Targets(captions="txt", tokenizer=tokenize),
                 device="numpy") as ld:
         batches = list(ld)
+        assert ld.stats.tokenize_s > 0
     assert len(calls) == len(batches) == N // 8
     for (_, _, extras), texts in zip(batches, calls):
         assert extras["txt"] == texts and extras["input_ids"].shape == (8, 6) and "attention_mask" in extras

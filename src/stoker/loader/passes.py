@@ -489,7 +489,9 @@ class PassIter:
         else:   # the batch ops' key: the batch's index in its epoch
             out = host_batch(slot, parts.spec, self._epoch, self._first_batch + self._b - 1)
         if parts.tokenizer is not None:   # once per batch, on this (the caller's) thread
+            t1 = time.perf_counter()
             out = (*out[:2], tokenized(parts.tokenizer, parts.asked.targets.captions, out[2]))
+            self._stats.tokenize_s += time.perf_counter() - t1
         if parts.collate is not None:   # the user's batching of the extra columns, on this (their) thread
             out = (*out[:2], parts.collate(out[2]))
         return out
