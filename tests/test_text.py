@@ -176,13 +176,14 @@ def test_hugging_face_parquet_text_and_list_of_text_columns(tmp_path: Path) -> N
     assert extras["sentences"][0] == "s0.0" and extras["sentences"][3] == "s3.0"   # a single caption is that one
 
 
-def _listed_pack(out: Path, n: int, corrupt: int) -> Path:
-    """n samples, label i, captions [c{i}.0, c{i}.1] in a list<string> column, sample `corrupt` not a JPEG."""
+def _listed_pack(out: Path, n: int, corrupt: int, uncaptioned: tuple[int, ...] = ()) -> Path:
+    """n samples, label i, captions [c{i}.0, c{i}.1] in a list<string> column, sample `corrupt` not a JPEG,
+    the `uncaptioned` ones with an empty list or a null."""
     out.mkdir()
     w = ShardWriter(out, 0, label_type="int64", extra_columns={"caps": "list<string>"})
     for i, data in enumerate(photos(n, seed=11)):
-        w.add(f"k{i}", b"\xff\xd8\xff\xe0 not a jpeg" if i == corrupt else data, "jpeg", 72, 96, i,
-              {"caps": [f"c{i}.0", f"c{i}.1"]})
+        caps = ([] if i % 2 else None) if i in uncaptioned else [f"c{i}.0", f"c{i}.1"]
+        w.add(f"k{i}", b"\xff\xd8\xff\xe0 not a jpeg" if i == corrupt else data, "jpeg", 72, 96, i, {"caps": caps})
     write_manifest(out, Manifest(num_samples=n, shards=[w.finish()], classes=None, label_type="int64",
                                  extra_columns={"caps": "list<string>"}))
     return out
@@ -195,6 +196,42 @@ def test_a_stand_in_under_on_error_skip_hands_out_its_own_caption(tmp_path: Path
         rows = [(int(label), caption) for _, labels, extras in ld for label, caption in zip(labels, extras["caps"])]
     assert len(rows) == 16 and 5 not in [label for label, _ in rows]   # sample 5 was replaced
     assert all(caption in (f"c{label}.0", f"c{label}.1") for label, caption in rows)
+
+
+def test_samples_without_text_fail_naming_them_or_stand_ins_under_on_error_skip(tmp_path: Path) -> None:
+    pack = _listed_pack(tmp_path / "pack", 24, corrupt=-1, uncaptioned=(10, 13))
+    with Loader(pack, 8, targets=Targets(captions="caps"), transforms=[RandomResizedCrop(16)], order="sequential",
+                workers=Workers(num_threads=2)) as ld:
+        it = iter(ld)
+        assert next(it)[2]["caps"][:2] in (["c0.0", "c1.0"], ["c0.0", "c1.1"], ["c0.1", "c1.0"], ["c0.1", "c1.1"])
+        with pytest.raises(SampleError, match=r"sample 'k10' \(shard .*, row 10\): Targets\(captions='caps'\) needs "
+                                              r"text, the column holds None"):
+            next(it)
+    with pytest.raises(SampleError, match=r"sample 'k13' .* holds no caption \(an empty list\)"):
+        with Loader(pack, 8, targets=Targets(captions="caps"), transforms=[RandomResizedCrop(16)],
+                    sampling=stoker.Sampling(order="sequential", indices=list(range(11, 19)))) as ld:
+            list(ld)
+
+    def epoch(threads: int) -> list[tuple[int, str]]:
+        with Loader(pack, 8, targets=Targets(captions="caps"), transforms=[RandomResizedCrop(16)], seed=5,
+                    workers=Workers(on_error="skip", num_threads=threads)) as ld:
+            return [(int(label), c) for _, labels, extras in ld for label, c in zip(labels, extras["caps"])]
+
+    rows = epoch(2)
+    assert rows == epoch(1) and len(rows) == 24 and not {10, 13} & {label for label, _ in rows}
+    assert all(c in (f"c{label}.0", f"c{label}.1") for label, c in rows)   # a stand-in's own label and caption
+
+
+def test_a_webdataset_txt_that_is_not_utf8_costs_only_its_caption(tmp_path: Path) -> None:
+    imgs = photos(4, seed=12)
+    _write(tmp_path / "wds" / "s-000000.tar", [
+        {"__key__": f"k{i}", "jpg": imgs[i], "cls": i, "txt": b"\xff\xfe bad" if i == 2 else f"caption {i}"}
+        for i in range(4)])
+    stoker.pack(str(tmp_path / "wds"), str(tmp_path / "pack"), progress=False)
+    ds = stoker.open_dataset(tmp_path / "pack")
+    assert len(ds) == 4 and [ds.extra(i, "txt") for i in range(4)] == ["caption 0", "caption 1", None, "caption 3"]
+    assert ds.labels.tolist() == [0, 1, 2, 3]
+    ds.close()
 
 
 def test_worker_processes_choose_the_captions_threads_do(pack: Path) -> None:

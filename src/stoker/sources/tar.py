@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import json
+import logging
 import tarfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -37,6 +38,8 @@ from ..storage.local import open_regular
 from .base import (SAMPLE_EXTENSIONS, GzipMembers, Source, SourceItem, SourceOptions, describe_labels,
                    inflated, inside, is_sample_name, optional_module, require_items, scandir, split_label_cell,
                    type_any_labels)
+
+_log = logging.getLogger("stoker.sources")
 
 SUFFIXES = (".tar", ".tar.gz", ".tgz")
 TARGET_EXTENSIONS = (".cls", ".json", ".txt")
@@ -195,6 +198,10 @@ def _target(group: _Group, label_column: str | None, where: str) -> tuple[str | 
         try:
             text = group.targets[ext].decode("utf-8").strip()
         except UnicodeDecodeError:
+            if ext == ".txt" and (label_column is None or label is not None or ".cls" in group.targets):
+                # not its label: the sample is packed, its `txt` null (a Loader reading it as text names it)
+                _log.warning("%s: its .txt is not UTF-8 text; packed with no 'txt' value", where)
+                continue
             raise ValueError(f"its {ext} is not UTF-8 text") from None
         if ext == ".txt":   # a caption or a class name: kept as the text column `txt` either way
             extras.setdefault(TEXT_COLUMN, text)
