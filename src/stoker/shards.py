@@ -50,6 +50,7 @@ ARROW_TYPES: dict[str, pa.DataType] = {
     "string": pa.string(),
     "list<int64>": pa.list_(pa.int64()),
     "list<float64>": pa.list_(pa.float64()),
+    "list<string>": pa.list_(pa.string()),   # several texts per sample: an image's captions
     "binary": pa.large_binary(),   # encoded bytes beside the image: a label-map PNG (a CSV's --mask-column)
 }
 #: "none" means the dataset has no labels; the label column then holds -1 (int64).

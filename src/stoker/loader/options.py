@@ -164,11 +164,13 @@ class Targets(_Printable):
         num_classes: width of multi-hot rows (default: the dataset's classes).
     classes: pin the class list (label k is classes[k]): a split missing a class keeps the others' labels.
     collate_fn: collate_fn({column: [values]}) gives the batch's third item (needs columns=).
-    captions: a string column of text (a WebDataset's `txt`, a CSV or Parquet column), handed out as
-        extras[captions], a list of str per batch; where a sample holds several (a JSON list of strings),
-        one of them, chosen per (seed, epoch, sample) (docs/text.md).
+    captions: a text column (a WebDataset's `txt`, a COCO captions pack's `captions`, a CSV or Parquet
+        column), handed out as extras[captions], a list of str per batch; where a sample holds several (a
+        list<string> value, or a JSON list of strings), one of them, chosen per (seed, epoch, sample)
+        (docs/text.md).
     tokenizer: tokenizer(list of str) -> {"input_ids": ..., "attention_mask": ..., ...}, called once per batch
-        on the batch's captions in the thread that iterates the Loader; its items join the extras.
+        on the batch's captions in the thread that iterates the Loader; its items join the extras (its time:
+        `loader.stats.tokenize_s`).
     """
 
     boxes: tuple[str, ...] = ()

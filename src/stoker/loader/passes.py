@@ -395,9 +395,11 @@ def tokenized(tokenizer: Any, column: str, extras: dict[str, Any]) -> dict[str, 
         raise ConfigError(f"Targets(tokenizer=) must return a mapping with 'input_ids' and 'attention_mask' (one row "
                           f"per caption), got {type(got).__name__}{f' with keys {keys}' if keys else ''}")
     for key in ("input_ids", "attention_mask"):
-        if len(got[key]) != len(captions):
-            raise ConfigError(f"Targets(tokenizer=) returned {len(got[key])} rows of {key!r} for {len(captions)} "
-                              f"captions; it must return one row per caption")
+        rows = len(got[key]) if hasattr(got[key], "__len__") and getattr(got[key], "ndim", 1) != 0 else None
+        if rows != len(captions):
+            found = f"{rows} rows" if rows is not None else f"a {type(got[key]).__name__} (no rows)"
+            raise ConfigError(f"Targets(tokenizer=) returned {found} of {key!r} for {len(captions)} captions; it must "
+                              f"return one row per caption (a list of lists, an array or a tensor)")
     taken = [k for k in keys if k in extras]
     if taken:
         raise ConfigError(f"Targets(tokenizer=) returned {taken}, which the batch's extras already hold; rename "
@@ -487,7 +489,9 @@ class PassIter:
         else:   # the batch ops' key: the batch's index in its epoch
             out = host_batch(slot, parts.spec, self._epoch, self._first_batch + self._b - 1)
         if parts.tokenizer is not None:   # once per batch, on this (the caller's) thread
+            t1 = time.perf_counter()
             out = (*out[:2], tokenized(parts.tokenizer, parts.asked.targets.captions, out[2]))
+            self._stats.tokenize_s += time.perf_counter() - t1
         if parts.collate is not None:   # the user's batching of the extra columns, on this (their) thread
             out = (*out[:2], parts.collate(out[2]))
         return out

@@ -372,10 +372,10 @@ def resolve(asked: Asked, ds: Dataset, decoder: DecoderProbe) -> LoadPlan:
     if missing:
         raise ConfigError(f"{ds.path}: no column(s) {missing}; the dataset has extra columns {ds.extra_columns}")
     text = asked.targets.captions
-    if text is not None and ds.column_types.get(text, "string") != "string":
+    if text is not None and ds.column_types.get(text, "string") not in ("string", "list<string>"):
         raise ConfigError(f"{ds.path}: Targets(captions={text!r}) reads text, and the column {text!r} holds "
-                          f"{ds.column_types[text]} values; name a string column (a WebDataset pack's 'txt', a "
-                          f"CSV or Parquet text column)")
+                          f"{ds.column_types[text]} values; name a string or list<string> column (a WebDataset "
+                          f"pack's 'txt', a COCO captions pack's 'captions', a CSV or Parquet text column)")
     pin_memory = False if asked.output == NUMPY else asked.workers.pin_memory   # no CUDA copy reads numpy arrays
     if pin_memory and not torch.cuda.is_available():   # DataLoader's habit: the same script on a laptop
         warnings.warn("pin_memory=True: torch finds no CUDA device here (a CPU-only torch build, or no driver), so "

@@ -200,6 +200,9 @@ class Filler:
         lo = self.first + b * self.batch_size
         positions = np.arange(lo, lo + slot.size)
         idx = self.indices[lo:lo + slot.size]
+        captions = None
+        if self.spec.captions is not None and self.on_error == "skip":   # a sample without text: a stand-in's
+            idx, captions = self.captioned(idx, positions, slot.errors)
         if slot.labels_np is not None:
             slot.labels_np[:slot.size] = self.labels[idx]
         else:
@@ -211,9 +214,9 @@ class Filler:
         slot.extras.update(self.kind.extras(idx, positions))   # a clip's video and clip number, say
         if self.spec.captions is not None:   # one caption per sample: of several, this epoch's
             column = self.spec.captions
-            slot.extras[column] = choose_captions(slot.extras[column], sample_keys(self.seed, self.epoch, idx,
-                                                                                   tag=TAG_CAPTION), column,
-                                                  lambda row: self._describe(int(idx[row]), None), slot.errors)
+            slot.extras[column] = captions if captions is not None else choose_captions(
+                slot.extras[column], sample_keys(self.seed, self.epoch, idx, tag=TAG_CAPTION), column,
+                lambda row: self._describe(int(idx[row]), None), slot.errors)
         bucket = -1
         if self.spec.buckets is not None:   # one bucket per batch: its size, and each row's conditioning
             buckets = self.spec.buckets
@@ -429,9 +432,7 @@ class Filler:
         """on_error="skip": fill the row with a stand-in chosen only from (seed, epoch, position)."""
         pos = int(plan.positions[row])
         for attempt in range(MAX_REPLACEMENTS):
-            members = self.spec.members
-            r = (replacement_index(self.seed, self.epoch, pos, attempt, self.n) if members is None else
-                 int(members[replacement_index(self.seed, self.epoch, pos, attempt, len(members))]))
+            r = self._stand_in(pos, attempt)
             key = sample_keys(self.seed, self.epoch, np.array([r]))
             u = uniforms(key, self.draws)
             geo = self._geometry(self._sizes(np.array([r])), u, plan.bucket)   # in the batch's bucket
@@ -439,6 +440,7 @@ class Filler:
             try:
                 self.render_row(r, pos, int(key[0]), u[0], box, slot.images_np[row], scratch, times)
                 raws = {c: t.read(self.ds, r) for c, t in self.targets.items()}
+                caption = None if self.spec.captions is None else self.caption(r)
                 at = self._placement(geo, 0, r) if self.targets else None
                 placed = {c: t.place(raws[c], self.ds, r, at) for c, t in self.targets.items()}
             except UserTransformError as exc:
@@ -454,6 +456,8 @@ class Filler:
             for c in self.columns:
                 if c not in self.targets:
                     slot.extras[c][row] = self.ds.extra(r, c)
+            if caption is not None:   # the stand-in's caption this epoch, over the raw value written above
+                slot.extras[self.spec.captions][row] = caption
             for c, value in self.kind.extras(np.array([r]), np.array([pos])).items():
                 slot.extras[c][row] = value[0]   # the stand-in's own (a clip's video)
             for c, value in placed.items():
@@ -470,6 +474,51 @@ class Filler:
             return
         raise self.sample_error(int(plan.indices[row]), first,
                                 f"; {MAX_REPLACEMENTS} replacement samples failed as well") from first
+
+    def _stand_in(self, pos: int, attempt: int) -> int:
+        """on_error="skip": the sample that stands in for position `pos` after `attempt` failures."""
+        members = self.spec.members
+        return (replacement_index(self.seed, self.epoch, pos, attempt, self.n) if members is None else
+                int(members[replacement_index(self.seed, self.epoch, pos, attempt, len(members))]))
+
+    def captioned(self, idx: np.ndarray, positions: np.ndarray, errors: list) -> tuple[np.ndarray, list[str]]:
+        """on_error="skip" with `Targets(captions=)`: (the batch's indices, their captions), each sample whose
+        caption is not text replaced, before anything of it is read, by a stand-in with text, chosen as
+        `replace` chooses one (in the batch's aspect bucket, if any); with none in `MAX_REPLACEMENTS` tries,
+        the sample's SampleError goes to `errors`."""
+        column, bad = self.spec.captions, []
+        captions = choose_captions([self.ds.extra(int(i), column) for i in idx],
+                                   sample_keys(self.seed, self.epoch, idx, tag=TAG_CAPTION), column,
+                                   lambda row: self._describe(int(idx[row]), None), bad)
+        if not bad:
+            return idx, captions
+        idx, of = idx.copy(), None if self.spec.buckets is None else self.spec.buckets.of
+        for row, error in bad:
+            for attempt in range(MAX_REPLACEMENTS):
+                r = self._stand_in(int(positions[row]), attempt)
+                if of is not None and of[r] != of[idx[row]]:
+                    continue
+                try:
+                    text = self.caption(r)
+                except ValueError:
+                    continue
+                _log.warning("on_error='skip': sample %r (shard %s, row %s) holds no text in %r; replaced by index %d",
+                             error.key, error.shard, error.row, column, r)
+                idx[row], captions[row] = r, text
+                break
+            else:
+                errors.append((row, error))
+        return idx, captions
+
+    def caption(self, i: int) -> str:
+        """Sample i's caption this epoch (`Targets(captions=)`, drawn as `prepare` draws it); ValueError when its
+        value is not text (a stand-in under on_error="skip" is then passed over)."""
+        value = self.ds.extra(i, self.spec.captions)
+        text = one_caption(value, float(uniforms(sample_keys(self.seed, self.epoch, np.array([i]), tag=TAG_CAPTION),
+                                                 1)[0, 0]))
+        if text is None:
+            raise ValueError(f"its {self.spec.captions!r} value {value!r:.80} is not text")
+        return text
 
     def _describe(self, idx: int, exc: BaseException) -> tuple[str | None, str, int]:
         shard, row = self.ds.location(idx)
@@ -543,31 +592,40 @@ class EpochChain:
 
 
 def choose_captions(values: list, keys: np.ndarray, column: str, describe: Any, errors: list) -> list[str]:
-    """One caption per row from a text column's values: a str as it is, a JSON list of strings (several
-    captions) one of them, drawn from the row's key (`TAG_CAPTION` streams: the same per (seed, epoch, sample)
-    at any thread count). A value that is not text is a SampleError naming the sample, added to `errors`
-    (the batch raises it when asked for)."""
+    """One caption per row from a text column's values (`one_caption`), drawn from the row's key
+    (`TAG_CAPTION` streams: the same per (seed, epoch, sample) at any thread count or process count). A value
+    that is not text is a SampleError naming the sample, added to `errors` (the batch raises it when asked for)."""
     draws = uniforms(keys, 1)[:, 0]
     out: list[str] = []
     for row, value in enumerate(values):
-        options = value
-        if isinstance(value, str) and value.startswith("["):
-            try:
-                options = json.loads(value)
-            except json.JSONDecodeError:
-                options = value   # a caption that starts with a bracket
-        if isinstance(options, str):
-            out.append(options)
-            continue
-        if isinstance(options, list) and options and all(isinstance(o, str) for o in options):
-            out.append(options[min(int(draws[row] * len(options)), len(options) - 1)])
-            continue
-        key, shard, srow = describe(row)
-        errors.append((row, SampleError(f"sample {key!r} (shard {shard}, row {srow}): Targets(captions={column!r}) "
-                                        f"needs text, the column holds {value!r:.80}; re-pack with text in that column, "
-                                        f"or name another", key=key, shard=shard, row=srow)))
-        out.append("")
+        text = one_caption(value, float(draws[row]))
+        if text is None:
+            key, shard, srow = describe(row)
+            what = "no caption (an empty list)" if value == [] or value == "[]" else f"{value!r:.80}"
+            errors.append((row, SampleError(f"sample {key!r} (shard {shard}, row {srow}): Targets(captions={column!r}) "
+                                            f"needs text, the column holds {what}; pass workers=stoker.Workers(on_error="
+                                            f"'skip') to replace such samples, re-pack with text in that column, or "
+                                            f"name another column", key=key, shard=shard, row=srow)))
+            text = ""
+        out.append(text)
     return out
+
+
+def one_caption(value: Any, draw: float) -> str | None:
+    """A text column's value as one caption: a str as it is; of several (a `list<string>` value, or a
+    string column's JSON list of strings, as a CSV cell holds them) the one `draw` in [0, 1) picks; None
+    when the value is not text (a number, a null, an empty list)."""
+    options = value
+    if isinstance(value, str) and value.startswith("["):
+        try:
+            options = json.loads(value)
+        except (json.JSONDecodeError, RecursionError):
+            options = value   # a caption that starts with a bracket
+    if isinstance(options, str):
+        return options
+    if isinstance(options, list) and options and all(isinstance(o, str) for o in options):
+        return options[min(int(draw * len(options)), len(options) - 1)]
+    return None
 
 
 def _row_box(geometry: Plan | None, row: int) -> tuple | None:

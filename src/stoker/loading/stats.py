@@ -62,6 +62,7 @@ class LoaderStats:
     worker_wait_s: float = 0.0  # workers waiting for a free slot (the consumer is the bottleneck)
     consumer_wait_s: float = 0.0  # the training loop waiting for a batch (the loader is the bottleneck)
     device_s: float = 0.0  # the device thread building batches: uploads, conversion, GPU decode submission
+    tokenize_s: float = 0.0  # Targets(tokenizer=): its one call per batch, on the caller's thread (not a data wait)
     gpu_decoded: int = 0  # samples decoded on the GPU (decode="gpu"/"auto")
     gpu_fallbacks: int = 0  # JPEGs the GPU could not decode, decoded on the CPU instead
     gpu_decoder: str = ""  # decode="gpu"/"auto": the backend that decoded them (with what "auto" measured)

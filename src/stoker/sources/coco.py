@@ -1,6 +1,7 @@
 """COCO detection annotations (kind "coco"): an instances JSON with `images`, `annotations`, `categories`;
 or a captions JSON (`images`, and `annotations` of `image_id` + `caption`, no categories): each image's
-captions packed as the JSON list of strings in the text column ``captions`` (`Targets(captions="captions")`).
+captions packed as the ``list<string>`` column ``captions`` (`Targets(captions="captions")` hands out one per
+sample per epoch); an image that no annotation captions is left out, with a ``skipped.jsonl`` line.
 
 One sample per image (in image id order), with two typed extra columns for the shards:
 
@@ -163,35 +164,42 @@ def _open_coco(listing: Path, options: SourceOptions) -> Source:
                   kind="coco", skipped=skipped)
 
 
-#: the column a COCO captions file's captions are packed into: the JSON list of an image's captions (text)
+#: the column a COCO captions file's captions are packed into: each image's captions, in the file's order
 CAPTIONS_COLUMN = "captions"
 
 
 def _open_captions(listing: Path, options: SourceOptions, root: Path, check: ListedPaths, doc: dict[str, Any]
                    ) -> Source:
-    """A COCO captions file: one sample per image, its captions (several, usually five) packed as the JSON
-    list of strings in the text column `captions` (`Targets(captions="captions")` hands one out per epoch)."""
+    """A COCO captions file: one sample per captioned image, its captions (usually five) packed as the
+    list<string> column `captions` (`Targets(captions="captions")` hands out one per epoch). A caption that is
+    not a string is a SourceError naming the annotation; an image without captions is skipped, with why."""
     per_image: dict[Any, list[str]] = defaultdict(list)
     for n, ann in enumerate(doc["annotations"]):
-        if not isinstance(ann.get("caption"), str):
-            raise SourceError(f"{listing}: annotation #{n} (id {ann.get('id')!r}) needs a 'caption' string; found "
-                              f"{ann.get('caption')!r:.80}", path=listing)
+        if not isinstance(ann, dict) or not isinstance(ann.get("caption"), str):
+            found = ann.get("caption") if isinstance(ann, dict) else ann
+            raise SourceError(f"{listing}: annotation #{n} (id {ann.get('id') if isinstance(ann, dict) else None!r}) "
+                              f"needs a 'caption' string; found {found!r:.80}; fix or drop that annotation",
+                              path=listing)
         per_image[ann.get("image_id")].append(ann["caption"].strip())
-    items, keys = [], []
+    items, keys, skipped = [], [], []
     for n, img in enumerate(sorted(doc["images"], key=lambda i: i["id"]), start=1):
         if "file_name" not in img:
             raise SourceError(f"{listing}: image entry {img.get('id')!r} needs a 'file_name'", path=listing)
         key, full = check(str(img["file_name"]), n)
         keys.append((key, n))
-        items.append(SourceItem(key=key, path=full, label=None,
-                                extras={CAPTIONS_COLUMN: json.dumps(per_image.get(img["id"], []))}))
+        if not per_image.get(img["id"]):
+            skipped.append({"key": key, "path": f"{listing}: image id {img['id']!r}",
+                            "reason": "no annotation captions it; an image + text pack holds captioned images"})
+            continue
+        items.append(SourceItem(key=key, path=full, label=None, extras={CAPTIONS_COLUMN: per_image[img["id"]]}))
     check_unique(keys, listing)
     if not items:
-        raise SourceError(f"{listing} lists no images", path=listing)
+        raise SourceError(f"{listing} lists no captioned images ({len(doc['images'])} images, none with a caption "
+                          "annotation)", path=listing)
     _check_image_folder(listing, items, options)
-    return Source(items=items, classes=None, label_type="none", extra_columns={CAPTIONS_COLUMN: "string"}, root=root,
-                  description=f"COCO captions {listing} ({len(items)} images, {len(doc['annotations'])} captions)",
-                  kind="coco", skipped=[])
+    return Source(items=items, classes=None, label_type="none", extra_columns={CAPTIONS_COLUMN: "list<string>"},
+                  root=root, kind="coco", skipped=skipped,
+                  description=f"COCO captions {listing} ({len(items)} images, {len(doc['annotations'])} captions)")
 
 
 def _number(v: Any) -> float:

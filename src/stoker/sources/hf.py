@@ -13,7 +13,8 @@ bytes (only a ``path``, which would point into someone else's disk) or a null im
 logged. The label column (``label_column``; default ``label``, else ``labels``, else the first
 ``ClassLabel``) may be a ``ClassLabel`` (its names become the class list), a ``Sequence(ClassLabel)``
 (multi-label), integers, floats or strings (names mapped to indices, the mapping kept as classes).
-Other scalar columns (and lists of numbers) become typed extra columns. Keys are
+Other scalar columns (text included: captions) and lists of numbers or of strings (several captions per
+image) become typed extra columns. Keys are
 ``<file name>/<row>``. Class names come from the ``huggingface`` key of the schema metadata, or
 ``dataset_info.json`` beside ``save_to_disk`` files.
 """
@@ -335,7 +336,7 @@ def _column_type(t: pa.DataType) -> str | None:
         return "string"
     if pa.types.is_list(t) or pa.types.is_large_list(t):
         inner = _column_type(t.value_type)
-        if inner in ("int64", "float64"):
+        if inner in ("int64", "float64", "string"):   # list<string>: several captions per image, say
             return f"list<{inner}>"
     return None
 

@@ -8,7 +8,7 @@ or several numbers: multi-label), else from the ``label_column`` field of ``.jso
 ``.txt`` (none of them with ``label_column=None``, ``stoker pack --no-labels``: image + caption data).
 A ``.txt`` is also kept as the string column ``txt`` (a caption: `Targets(captions="txt")` hands it
 out). The other fields of a ``.json`` dict become typed extra columns (a list of strings, such as
-several captions, as its JSON text); a ``.json`` that is a list is a multi-label target.
+several captions, a ``list<string>`` column); a ``.json`` that is a list is a multi-label target.
 
 Nothing is extracted: an item records the member's offset and size inside the tar (inside the
 decompressed stream for gzip files), and member names are used only as keys, never as paths, so
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import json
+import logging
 import tarfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -37,6 +38,8 @@ from ..storage.local import open_regular
 from .base import (SAMPLE_EXTENSIONS, GzipMembers, Source, SourceItem, SourceOptions, describe_labels,
                    inflated, inside, is_sample_name, optional_module, require_items, scandir, split_label_cell,
                    type_any_labels)
+
+_log = logging.getLogger("stoker.sources")
 
 SUFFIXES = (".tar", ".tar.gz", ".tgz")
 TARGET_EXTENSIONS = (".cls", ".json", ".txt")
@@ -195,6 +198,10 @@ def _target(group: _Group, label_column: str | None, where: str) -> tuple[str | 
         try:
             text = group.targets[ext].decode("utf-8").strip()
         except UnicodeDecodeError:
+            if ext == ".txt" and (label_column is None or label is not None or ".cls" in group.targets):
+                # not its label: the sample is packed, its `txt` null (a Loader reading it as text names it)
+                _log.warning("%s: its .txt is not UTF-8 text; packed with no 'txt' value", where)
+                continue
             raise ValueError(f"its {ext} is not UTF-8 text") from None
         if ext == ".txt":   # a caption or a class name: kept as the text column `txt` either way
             extras.setdefault(TEXT_COLUMN, text)
@@ -206,7 +213,8 @@ def _target(group: _Group, label_column: str | None, where: str) -> tuple[str | 
 
 def _json_type(values: list[Any]) -> str | None:
     """The Arrow type name of a JSON field across samples (None values allowed), None to leave
-    it out: bool, int64, float64, string, list<int64>, list<float64>; anything else -> string (JSON)."""
+    it out: bool, int64, float64, string, list<int64>, list<float64>, list<string>; anything else -> string
+    (JSON)."""
     present = [v for v in values if v is not None]
     if not present:
         return None
@@ -222,6 +230,8 @@ def _json_type(values: list[Any]) -> str | None:
             return "list<int64>"
         if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in flat):
             return "list<float64>"
+        if all(isinstance(x, str) for x in flat):
+            return "list<string>"   # several captions, tags
     return "string"
 
 
