@@ -71,9 +71,11 @@ def test_timms_naflex_loader_and_vit_take_it_as_their_own(pack: Path) -> None:
                                        batch_size=12, num_workers=0, device=torch.device("cpu"), pin_memory=False)
     want, want_labels = next(iter(theirs))
     with Loader(pack, 12, transforms=[TokenBudget(16, 48)], order="sequential",
-                device=stoker.DeviceOptions("cpu", normalize="imagenet")) as ld:
+                device=stoker.DeviceOptions("cpu", normalize="imagenet", memory_format="channels_last")) as ld:
         x, labels, extras = next(iter(ld))
-    got = {"patches": patches(x, 16), "patch_coord": extras["patch_coord"], "patch_valid": extras["patch_valid"]}
+        got = {"patches": patches(x, 16), "patch_coord": extras["patch_coord"], "patch_valid": extras["patch_valid"]}
+        assert got["patches"].data_ptr() == x.data_ptr()   # channels_last floats: the patches are a view
+        got = {k: v.clone() for k, v in got.items()}
     assert torch.equal(labels, want_labels)
     for k, v in got.items():
         assert (v.shape, v.dtype) == (want[k].shape, want[k].dtype), k
