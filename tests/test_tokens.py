@@ -60,6 +60,39 @@ def test_the_patches_are_timms_from_the_same_image(pack: Path) -> None:
             assert int(diff.max()) <= 1 and not got[n:].any(), (row, int(diff.max()))
 
 
+def test_timms_naflex_loader_and_vit_take_it_as_their_own(pack: Path) -> None:
+    """The batch against what timm's own NaFlex loader (`create_naflex_loader`, its eval resize, normalized by
+    its prefetcher) hands out for the same images, key by key; and a NaFlexVit's features from both the same
+    (up to the 1-level pixel difference), whatever the padding holds."""
+    data = timm_data()
+    from timm.models.naflexvit import NaFlexVit
+
+    theirs = data.create_naflex_loader(data.ImageDataset(str(pack.parent / "src")), patch_size=16, max_seq_len=48,
+                                       batch_size=12, num_workers=0, device=torch.device("cpu"), pin_memory=False)
+    want, want_labels = next(iter(theirs))
+    with Loader(pack, 12, transforms=[TokenBudget(16, 48)], order="sequential",
+                device=stoker.DeviceOptions("cpu", normalize="imagenet", memory_format="channels_last")) as ld:
+        x, labels, extras = next(iter(ld))
+        got = {"patches": patches(x, 16), "patch_coord": extras["patch_coord"], "patch_valid": extras["patch_valid"]}
+        assert got["patches"].data_ptr() == x.data_ptr()   # channels_last floats: the patches are a view
+        got = {k: v.clone() for k, v in got.items()}
+    assert torch.equal(labels, want_labels)
+    for k, v in got.items():
+        assert (v.shape, v.dtype) == (want[k].shape, want[k].dtype), k
+    assert torch.equal(got["patch_coord"], want["patch_coord"]) and torch.equal(got["patch_valid"], want["patch_valid"])
+    level = 1 / (255 * 0.224)   # one uint8 level after ImageNet normalization (its smallest std, 0.224)
+    assert float((got["patches"] - want["patches"]).abs().max()) <= 1.001 * level
+    valid = got["patch_valid"]
+    torch.manual_seed(0)
+    vit = NaFlexVit(num_classes=0, embed_dim=32, depth=2, num_heads=2, global_pool="avg").eval()
+    with torch.no_grad():
+        mine, timms = vit(got), vit(want)
+        junk = vit({**got, "patches": torch.where(valid[..., None], got["patches"], 7.0)})
+    assert mine.shape == (12, 32)
+    assert float((mine - timms).abs().max()) < 0.02 * float(timms.abs().mean())
+    assert torch.equal(mine, junk)
+
+
 def test_a_resume_and_the_route(pack: Path) -> None:
     make_ld = lambda: Loader(pack, 4, transforms=[TokenBudget(16, 32), stoker.RandomHorizontalFlip()], seed=3)  # noqa: E731
     with make_ld() as ld:
