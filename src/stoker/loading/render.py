@@ -70,7 +70,7 @@ class Bucketed:
         out = np.empty((2, len(heights), 2), np.int64)
         out[0, :, 0], out[0, :, 1] = heights, widths
         if u is not None:
-            _, _, out[1, :, 0], out[1, :, 1] = cover_crop(self.sizes[k], heights, widths, u, self.random)
+            self.corners(k, heights, widths, u, out[1])
         return {"original_size": out[0], "crop_top_left": out[1]}
 
     def corners(self, k: int, heights: np.ndarray, widths: np.ndarray, u: np.ndarray, out: np.ndarray) -> None:
@@ -209,7 +209,8 @@ class Filler:
             slot.objects[:slot.size] = self.labels[idx].tolist()
         # targets are read here and placed in each output by the worker threads (fill)
         slot.extras = {c: (TargetRows(self.targets[c], [self.targets[c].read(self.ds, int(i)) for i in idx])
-                           if c in self.targets else [self.ds.extra(int(i), c) for i in idx])
+                           if c in self.targets else captions if c == self.spec.captions and captions is not None
+                           else [self.ds.extra(int(i), c) for i in idx])   # the captions read once, by `captioned`
                        for c in (*self.columns, *(c for c in self.targets if c not in self.columns))}
         slot.extras.update(self.kind.extras(idx, positions))   # a clip's video and clip number, say
         if self.spec.captions is not None:   # one caption per sample: of several, this epoch's
