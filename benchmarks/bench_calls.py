@@ -69,10 +69,17 @@ def python_calls(packed: Path, batch_size: int, threads: int, *, batches: int = 
     try:
         for _ in range(warm):
             next(it)
-        start = snapshot()
+        # per batch the threads made in the window, not per batch handed out: the ring lets them run ahead,
+        # so the batches handed out in the window may have been made before it began
+        start, made = snapshot(), loader.stats.samples
         for _ in range(batches):
             next(it)
-        return (snapshot() - start) / batches
+        produced = (loader.stats.samples - made) / batch_size
+        if produced < 1:
+            raise ConfigError(f"python_calls: the loader had made every batch before the count began ({len(loader)} "
+                              f"batches of {batch_size}, a ring of {loader.prefetch + 2}); use more images (--images) "
+                              f"or a smaller --batch-size")
+        return (snapshot() - start) / produced
     finally:
         it.close()
         loader.close()
