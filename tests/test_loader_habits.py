@@ -125,6 +125,44 @@ def test_a_distributed_sampler_is_read_and_its_set_epoch_reaches_the_loader(fold
         Loader(folder, 4, transforms=SIZE, seed=1, sampler=data.distributed.DistributedSampler(range(n), 1, 0, seed=7))
 
 
+def test_loader_sampler_answers_what_dataloader_users_read(folder: Path) -> None:
+    """`loader.sampler` is what a DataLoader's sampler gives its readers: pytorch/examples' distributed
+    validation reads `len(val_loader.sampler)` (this rank's samples, padded as DistributedSampler pads), a
+    trainer calls `set_epoch` at every epoch start (the epoch the Loader is at stands, so a pending resume
+    survives; on a restored Loader another epoch is refused with a warning, the saved position being the
+    more exact word), iterating gives the epoch's indices; it never keeps a Loader alive."""
+    import gc
+
+    from stoker.loader.options import Sampling
+
+    n = len(labels_of(Loader(folder, 4, transforms=SIZE, order="sequential")))
+    for rank in (0, 1):
+        ld = Loader(folder, 2, transforms=SIZE, sampling=Sampling(rank=rank, world_size=2, seed=3))
+        reference = data.distributed.DistributedSampler(range(n), num_replicas=2, rank=rank)
+        assert len(ld.sampler) == len(reference) == -(-n // 2)
+        assert len(ld.sampler) * ld.world_size >= n   # examples' check: no sample left out of validation
+        assert ld.sampler is ld.sampler
+        assert list(ld.sampler) == ld.epoch_indices(0).tolist()
+        ld.sampler.set_epoch(2)
+        assert ld.epoch == 2 and list(ld.sampler) == ld.epoch_indices(2).tolist()
+        assert [y.tolist() for _, y in ld] == [ld.dataset.labels[ld.epoch_indices(2)].tolist()[k:k + 2]
+                                              for k in range(0, len(ld.sampler), 2)]
+        ld.load_state_dict({**ld.state_dict(), "epoch": 4, "sample": 2, "batch": 1})
+        ld.sampler.set_epoch(4)   # Lightning's call at the resumed epoch's start: the resume point stands
+        assert ld.state_dict()["sample"] == 2
+        with pytest.warns(UserWarning, match="restored stands"):   # a trainer counting epochs its own way
+            ld.sampler.set_epoch(5)
+        assert (ld.epoch, ld.state_dict()["sample"]) == (4, 2)
+        ld.set_epoch(5)   # the Loader's own call moves it; from then on the sampler's calls do too
+        ld.sampler.set_epoch(6)
+        assert (ld.epoch, ld.state_dict()["sample"]) == (6, 0)
+        ld.close()
+    sampler = Loader(folder, 4, transforms=SIZE).sampler
+    gc.collect()
+    with pytest.raises(ConfigError, match="outlived its Loader"):
+        len(sampler)
+
+
 def test_a_mixup_collate_fn_names_stokers_batch_ops(folder: Path) -> None:
     """torchvision references' collate_fn: default_collate, then a random choice of v2.MixUp and v2.CutMix. It
     is refused naming stoker.MixUp / stoker.CutMix / stoker.Mixup, and the spelling it names loads a batch of
@@ -145,3 +183,24 @@ def test_a_mixup_collate_fn_names_stokers_batch_ops(folder: Path) -> None:
         images, targets = next(iter(ld))
     assert targets.shape == (4, 3) and torch.allclose(targets.sum(1), torch.ones(4, dtype=targets.dtype))
 
+
+
+def test_a_trailing_normalize_runs_after_the_copy_on_a_device(folder: Path) -> None:
+    """A script's transforms ending in Normalize (torchvision's presets do) keep working unchanged on a GPU
+    node: with a device stage the engine writes uint8 rows (a quarter of float32's bytes over PCIe), and the
+    Normalize runs on the device after the copy, giving the host path's values."""
+    import dataclasses
+
+    import stoker
+    from stoker.loader.passes import float_out
+
+    tf = [Resize((16, 16)), stoker.transforms.Normalize()]
+    with Loader(folder, 4, transforms=tf, order="sequential") as host, \
+            Loader(folder, 4, transforms=tf, order="sequential", device=stoker.DeviceOptions("cpu")) as dev:
+        for (a, ya), (b, yb) in zip(host, dev):
+            assert a.dtype == b.dtype == torch.float32 and torch.equal(ya, yb)
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        cuda = dataclasses.replace(dev.device)
+        object.__setattr__(cuda, "device", torch.device("cuda"))   # the options a CUDA node resolves
+        assert float_out(dev.plan.spec, cuda) is None   # uint8 rows; the batch op normalizes on the device
+        assert float_out(host.plan.spec, None) is not None   # on the host the engine writes the floats itself

@@ -9,8 +9,9 @@ to read it. `pinned_labels` remaps a dataset's labels onto a pinned class list (
 from __future__ import annotations
 
 from pathlib import Path
+import warnings
 import weakref
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -123,6 +124,59 @@ def _from_sampler(sampler: Any) -> dict[str, Any]:
                       f"like WeightedRandomSampler)")
 
 
+def move_to_epoch(loader: Any, epoch: int) -> None:
+    """A sampler's `set_epoch(epoch)` as the Loader takes it: the epoch it is at stands (a pending resume
+    survives a resumed script naming that epoch again); another epoch is read from its start, except on a
+    Loader restored by `load_state_dict`: there the saved position is the more exact word (a trainer that
+    counts epochs its own way, as Lightning does after a checkpoint taken at `max_steps`, names another
+    epoch), so the call is refused with a warning, once, and `loader.set_epoch(e)` moves it."""
+    epoch = int(epoch)
+    if epoch == loader.epoch:
+        return
+    if loader.restored:
+        if not loader._sampler_warned:
+            loader._sampler_warned = True
+            warnings.warn(f"a sampler's set_epoch({epoch}) names another epoch than the restored Loader's "
+                          f"{loader.epoch}; the position load_state_dict restored stands (call loader.set_epoch"
+                          f"({epoch}) to move it)", stacklevel=3)
+        return
+    loader.set_epoch(epoch)
+
+
+class EpochSampler:
+    """`loader.sampler`: what DataLoader users and trainers read from a loader's sampler. `len()` is the
+    samples this rank reads per epoch (DistributedSampler's len: pytorch/examples' distributed validation
+    reads `len(val_loader.sampler)`), `set_epoch(e)` moves the Loader to epoch e with the epoch it is at
+    standing (`move_to_epoch`; Lightning calls it at every epoch start, a resumed run included), and
+    iterating gives this rank's sample indices of the current epoch, in order."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = weakref.ref(loader)
+
+    def _get(self) -> Any:
+        loader = self._loader()
+        if loader is None:
+            raise ConfigError("loader.sampler outlived its Loader: keep a reference to the Loader while its "
+                              "sampler is in use")
+        return loader
+
+    def __len__(self) -> int:
+        loader = self._get()
+        return len(loader.epoch_indices(loader.epoch))
+
+    def __iter__(self) -> Iterator[int]:
+        loader = self._get()
+        return iter(loader.epoch_indices(loader.epoch).tolist())
+
+    def set_epoch(self, epoch: int) -> None:
+        move_to_epoch(self._get(), epoch)
+
+    def __repr__(self) -> str:
+        loader = self._loader()
+        return "EpochSampler(<closed>)" if loader is None else \
+            f"EpochSampler(epoch={loader.epoch}, rank={loader.rank}, world_size={loader.world_size})"
+
+
 def follow_set_epoch(sampler: Any, loader: Any) -> None:
     """A sampler the script keeps calling `set_epoch` on (`train_sampler.set_epoch(epoch)`, a resumed
     script's start epoch too) sets the Loader's epoch as well: the script's one call reaches both."""
@@ -135,8 +189,7 @@ def follow_set_epoch(sampler: Any, loader: Any) -> None:
         own(epoch)
         target = ref()
         if target is not None:
-            if int(epoch) != target.epoch:   # the epoch it is at stands: a pending resume survives
-                target.set_epoch(epoch)
+            move_to_epoch(target, epoch)
     sampler.set_epoch = set_epoch
 
 

@@ -38,7 +38,7 @@ from ..loading.stats import LoaderStats
 from ..order import samples_per_rank
 from ..dataset import Dataset
 from ..mix import Mix
-from .habits import check_source, dataloader_keywords, follow_set_epoch
+from .habits import EpochSampler, check_source, dataloader_keywords, follow_set_epoch
 from .open import open_for_loading
 from .options import Sampling, Storage, Targets, Workers
 from .passes import Cursor, GpuDecoders, Passes
@@ -97,8 +97,17 @@ class Loader:
         except BaseException:
             self.close()
             raise
+        #: what DataLoader users and trainers read from a loader's sampler: len, set_epoch, the epoch's indices
+        self.sampler = EpochSampler(self)
+        #: restored by `load_state_dict` (a sampler's set_epoch then leaves the position standing,
+        #: `habits.move_to_epoch`) until `set_epoch` moves it
+        self.restored = self._sampler_warned = False
         if dataloader.get("sampler") is not None:
             follow_set_epoch(dataloader["sampler"], self)
+
+    #: DataLoader's attribute, for the code that reads it beside `sampler` (Lightning does): None, stoker
+    #: makes its batches itself (`batch_size`, `drop_last`)
+    batch_sampler = None
 
     # what the plan fixed, read where it lives
     sampling = property(lambda self: self.plan.asked.sampling, doc="The Sampling options (merged).")
@@ -150,6 +159,7 @@ class Loader:
         from the start."""
         self._requeue(epoch, None)
         self._cursor.move(epoch)
+        self.restored = False
 
     def state_dict(self) -> dict[str, Any]:
         """Where the data stands: the epoch, and the samples (and batches) of it the latest pass
@@ -198,6 +208,7 @@ class Loader:
             raise ConfigError("the saved loader state does not match this Loader (saved, now): "
                               + ", ".join(f"{k}={a!r} vs {b!r}" for k, (a, b) in diff.items()) + hint)
         epoch = int(state["epoch"])
+        self.restored = True
         self._requeue(epoch, state["remaining"] if elastic else None)
         if elastic:   # what no rank has read yet, split over this world from its start
             self._cursor.move(epoch + 1 if self.plan.epochs.samples(epoch) == 0 else epoch)
