@@ -187,6 +187,10 @@ def test_input_bound_always_names_a_fix_and_a_busy_machine() -> None:
     assert busy.fixes == [busy.fixes[0]] and busy.fixes[0].startswith(
         "the machine is 98% busy while this process uses 60% of its 2 core(s)")
     assert "fix              the machine is 98% busy" in busy.format()
+    low = _PackedLoader(threads=2)
+    low.workers = stoker.Workers(nice=19)   # a pool below every other job: the fix names the option
+    assert diagnose(_input_bound_report(cpu_percent=60.0, system_percent=98.0), low).fixes[0].endswith(
+        "run at nice 19, below every other job: workers=stoker.Workers(nice=0) keeps their share")
     mine = diagnose(_input_bound_report(cpu_percent=195.0, system_percent=98.0), _PackedLoader(threads=2))
     assert not any("machine is" in f for f in mine.fixes) and any("saturated" in f for f in mine.fixes)
 

@@ -178,12 +178,25 @@ def _input_fixes(report: ProfileReport, iterable: Any, saturated: bool) -> list[
         fixes.append(f"the machine is {busy:.0f}% busy while this process uses "
                      f"{fmt_number(report.cpu_percent, '.0f')}% of its {cores} core(s) (100% = one core): "
                      "other processes take the CPU the loader needs; run where the cores are free (or give "
-                     "the job its own cores), then profile again")
+                     "the job its own cores), then profile again" + _nice_fix(iterable))
     if not fixes:   # none of the figures points anywhere: never leave the verdict bare
         fixes.append(f"no single stage stands out: try `num_threads={cores}` with a bigger `prefetch`, shrink the "
                      "images once (`stoker pack --max-side`), or decode on the GPU "
                      "(`DeviceOptions('cuda', decode='gpu')`)")
     return fixes
+
+
+def _nice_fix(iterable: Any) -> str:
+    """What to say of the pool's priority when other processes take the cores: a stoker pool below the
+    training process's priority yields to every other job (`Workers(nice=)`)."""
+    workers = getattr(iterable, "workers", None)
+    if not _is_stoker_loader(iterable) or workers is None:
+        return ""
+    from .loading.engine import pool_nice
+
+    nice = pool_nice(workers.nice)
+    return "" if nice == 0 else (f"; the loader's threads run at nice {nice}, below every other job: "
+                                 f"workers=stoker.Workers(nice=0) keeps their share")
 
 
 def _oversized(loader: Any) -> int | None:
