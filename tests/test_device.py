@@ -90,6 +90,32 @@ def test_options_are_frozen_and_comparable():
         a.dtype = torch.float16  # type: ignore[misc]
 
 
+def test_decode_defaults_to_auto_on_a_cuda_device_and_the_route_says_why_it_stays_on_the_cpu(tmp_path, monkeypatch):
+    """Where the device is CUDA the GPU takes a measured share of each batch's JPEGs when a decoder works there,
+    by default; elsewhere the CPU decodes. decode="auto" without a working decoder stays on the CPU and the
+    route names the reason."""
+    from conftest import make_image_folder
+    from stoker.loader import Loader
+    from stoker.transforms import RandomResizedCrop
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: True)   # the options a CUDA node makes
+        assert DeviceOptions("cuda").decode == as_device_options("cuda").decode == "auto"
+        assert DeviceOptions("cuda", decode="cpu").decode == "cpu"
+    assert DeviceOptions("cpu").decode == as_device_options("cpu").decode == "cpu"
+
+    class Broken:   # a decoder object that cannot decode here: the probe says so
+        name = "broken stand-in"
+
+        def decode(self, datas):
+            raise RuntimeError("no GPU here")
+    folder = make_image_folder(tmp_path / "f", n_per_class=2)
+    with Loader(folder, 2, transforms=[RandomResizedCrop(16)],
+                device=DeviceOptions("cpu", decode="auto", gpu_decoder=Broken())) as ld:
+        assert ld.route.gpu == "none" and any(r.startswith("CPU only: ") for r in ld.route.reasons)
+        assert len(list(ld)) == len(ld)
+
+
 @pytest.mark.parametrize("device, match", [
     ("gpu", "not a device torch understands"),
     ("mps", "supports 'cuda' and 'cpu'"),

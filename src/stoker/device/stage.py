@@ -190,7 +190,8 @@ class DeviceOptions:
     dtype: float32/float16/bfloat16/uint8 as a torch dtype or name; default float32 with normalize,
         else uint8 (a float dtype without normalize gives x / 255, like ToTensor).
     memory_format: None/"contiguous"/"nchw" or "channels_last" (or the torch memory formats).
-    decode: "cpu" (JPEGs decoded by the worker threads), "gpu" (nvJPEG on the device side, with the
+    decode: None (the default): "auto" on a CUDA device, "cpu" elsewhere. "cpu" (JPEGs decoded by the worker
+        threads), "gpu" (nvJPEG on the device side, with the
         CPU's crop plan; a Loader only; CUDA only, unless gpu_decoder is an object) or "auto": each
         batch's JPEGs split between the GPU decoder and the worker threads by their measured
         throughput where a GPU decoder works here (the CPU's share through the native batch engine where
@@ -203,13 +204,13 @@ class DeviceOptions:
         `decode(list_of_uint8_tensors)` method.
 
     A plain device string anywhere a DeviceOptions is accepted means `DeviceOptions(device=that)`:
-    uint8 images, NCHW, decoded on the CPU (`as_device_options`)."""
+    uint8 images, NCHW, decoded where `decode`'s default puts them (`as_device_options`)."""
 
     device: Any = "cuda"
     normalize: Any = None  # resolved: (mean, std) tuples in 0..1 units, or None
     dtype: Any = None  # resolved: a torch.dtype
     memory_format: Any = None  # resolved: torch.contiguous_format (plain NCHW) or torch.channels_last
-    decode: str = "cpu"
+    decode: str | None = None  # resolved: "auto" on a CUDA device, else "cpu"
     gpu_decoder: Any = field(default="auto", hash=False)
     gpu_share: float | None = None
     # (scale, shift) constants [1, C, 1, 1] in float32, one pair per (device, input kind); made on first
@@ -222,6 +223,8 @@ class DeviceOptions:
                     "dtype": _parse_dtype(self.dtype, norm), "memory_format": _parse_memory_format(self.memory_format)}
         for name, value in resolved.items():
             object.__setattr__(self, name, value)
+        if self.decode is None:   # the GPU takes a measured share where a decoder works, else the route says why not
+            object.__setattr__(self, "decode", "auto" if self.is_cuda else "cpu")
         if self.decode not in DECODES:
             raise ConfigError(f"decode must be one of {DECODES}, got {self.decode!r}")
         share = self.gpu_share
