@@ -118,6 +118,22 @@ def test_list_is_trusted_absolute_and_outside_paths_work(tmp_path: Path) -> None
         open_source(root, kind="files")
 
 
+def test_a_symlink_out_of_an_image_folder_names_the_way_for_a_trusted_tree(tmp_path: Path) -> None:
+    """ImageFolder follows a link out of its tree; stoker's folder source refuses it (a downloaded tree must
+    not make a pack read elsewhere), and the message names the way for a tree the user trusts: a file list
+    of its images, which is read as written, the link included."""
+    outside = _jpeg(tmp_path / "elsewhere" / "1.jpg")
+    _jpeg(tmp_path / "train" / "cat" / "0.jpg")
+    os.symlink(outside, tmp_path / "train" / "cat" / "1.jpg")
+    with pytest.raises(SourceError, match=r"for a tree you trust, write its images to a file list"):
+        open_source(tmp_path / "train")
+    listing = tmp_path / "train.txt"
+    listing.write_text("".join(f"{p.relative_to(tmp_path / 'train').as_posix()} 0\n"
+                               for p in sorted((tmp_path / "train" / "cat").iterdir())))
+    src = open_source(listing, root=tmp_path / "train")
+    assert [i.key for i in src.items] == ["cat/0.jpg", "cat/1.jpg"]
+
+
 def test_symlinks_inside_root_are_followed_once(tmp_path: Path) -> None:
     _jpeg(tmp_path / "a" / "x.jpg")
     os.symlink(tmp_path / "a", tmp_path / "a" / "loop")  # would loop forever if followed blindly
