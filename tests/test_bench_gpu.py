@@ -130,6 +130,8 @@ def test_device_bench_on_cpu_end_to_end(cpu_run: tuple[BenchResult, Path]) -> No
 class _NoGpuDecoder:
     """A Loader whose GPU decoder turns out to be missing when iteration starts (as decode="gpu" does)."""
 
+    route = "gpu columns, share 1"   # decided when the Loader was made, as a Loader's is
+
     def __iter__(self):
         raise ConfigError("no GPU JPEG decoder is installed: pip install torchvision")
 

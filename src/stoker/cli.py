@@ -49,6 +49,27 @@ def _non_negative(text: str) -> int:
     return _integer(text, 0, "an integer >= 0")
 
 
+def _core_counts(text: str) -> tuple[int, ...]:
+    """`--cores 16,8` -> (16, 8); argparse names the flag in the error."""
+    from .tools.cores import parse_cores
+
+    try:
+        return parse_cores(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--cores {text}: ")) from None
+
+
+def _at_cores(counts: Sequence[int] | None) -> list[int | None]:
+    """The core counts a command runs at: each of `--cores` in turn, checked before the first runs (a count
+    beyond this machine's CPUs fails now, not after the others ran), or [None]: unpinned."""
+    if not counts:
+        return [None]
+    from .tools.cores import check_cores
+
+    check_cores(counts)
+    return list(counts)
+
+
 @contextlib.contextmanager
 def _quiet_native_output() -> Iterator[None]:
     """Keep decoder chatter off the terminal while packing a messy folder.
@@ -247,7 +268,7 @@ _VIDEO_FLAGS = ("video", "videos", "clips", "video_keyframes")
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .tools.bench import format_table, run_bench
+    from .tools.bench import format_cores, format_table, run_bench
 
     given = [f"--{name.replace('_', '-')}" for name in _VIDEO_FLAGS if getattr(args, name, None)]
     if given:
@@ -255,21 +276,31 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                           "project run python benchmarks/bench_video.py CACHE_DIR [--data VIDEOS|PACKED] [--videos N] "
                           "[--clips N] [--rounds N] [--threads N] [--keyframes SECONDS]")
     models = None if args.models is None else tuple(m.strip() for m in args.models.split(",") if m.strip())
-    result = run_bench(args.data, images=args.images, batch_size=args.batch_size or 256, workers=args.workers,
-                       rounds=args.rounds or 3, out_dir=args.out, device=args.device, models=models, steps=args.steps,
-                       warmup_steps=args.warmup_steps, recipe=args.recipe, progress=not args.quiet,
-                       **({"pipelines": tuple(args.pipelines.split(","))} if args.pipelines else {}))
-    print(json.dumps(result.to_json(), indent=1) if args.json else format_table(result))
+    results = [run_bench(args.data, images=args.images, batch_size=args.batch_size or 256, workers=args.workers,
+                         rounds=args.rounds or 3, out_dir=args.out, device=args.device, models=models,
+                         steps=args.steps, warmup_steps=args.warmup_steps, recipe=args.recipe,
+                         progress=not args.quiet, cores=cores,
+                         **({"pipelines": tuple(args.pipelines.split(","))} if args.pipelines else {}))
+               for cores in _at_cores(args.cores)]
+    if args.json:
+        print(json.dumps(results[0].to_json() if not args.cores else
+                         {"cores": list(args.cores), "runs": [r.to_json() for r in results]}, indent=1))
+    else:
+        print(format_table(results[0]) if len(results) == 1 else format_cores(results))
     return 0
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from .tools.doctor import run_doctor
+    from .tools.doctor import format_cores, run_doctor
 
-    report = run_doctor(args.path, batch_size=args.batch_size, steps=args.steps, threads=args.threads,
-                        transforms=args.transforms, size=args.size, model=args.model, device=args.device,
-                        progress=not args.json, decode=args.decode)
-    print(json.dumps(report.as_dict(), indent=1) if args.json else report.format())
+    reports = [run_doctor(args.path, batch_size=args.batch_size, steps=args.steps, threads=args.threads,
+                          transforms=args.transforms, size=args.size, model=args.model, device=args.device,
+                          progress=not args.json, decode=args.decode, cores=cores) for cores in _at_cores(args.cores)]
+    if args.json:
+        print(json.dumps(reports[0].as_dict() if not args.cores else
+                         {"cores": list(args.cores), "runs": [r.as_dict() for r in reports]}, indent=1))
+    else:
+        print(reports[0].format() if len(reports) == 1 else format_cores(reports))
     return 0
 
 
@@ -298,7 +329,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--images", type=_positive, default=None,
                    help="images to generate (default 2000; 5000 with --device cuda)")
     p.add_argument("--batch-size", type=_positive, default=None, help="default 256")
-    p.add_argument("--workers", type=_positive, default=None, help="CPU cores each pipeline may use")
+    p.add_argument("--workers", type=_positive, default=None,
+                   help="CPU cores each pipeline may use (default: every usable core, or N of --cores N)")
+    p.add_argument("--cores", type=_core_counts, default=None, metavar="N[,N...]",
+                   help="run pinned to N cores, as a machine with N cores per GPU would (this process and every "
+                   "process it starts; thread counts follow N); several (16,8) run in turn, a section each")
     p.add_argument("--rounds", type=_positive, default=None, help="timed rounds after one warm-up (median; default 3)")
     p.add_argument("--pipelines", default=None, help="comma-separated subset, e.g. baseline,stoker-train")
     p.add_argument("--recipe", choices=("basic", "randaug", "deit"), default="basic",
@@ -450,6 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measured batches per run, after one warm-up batch (default 12: 416 images per run; "
                         "no verdict below 10)")
     p.add_argument("--threads", type=_positive, default=None, help="loader threads (default: usable CPUs)")
+    p.add_argument("--cores", type=_core_counts, default=None, metavar="N[,N...]",
+                   help="run pinned to N cores, as a machine with N cores per GPU would (loader and model threads "
+                   "follow N); several (16,8) run in turn, a row and a report each")
     p.add_argument("--transforms", default="train", choices=["train", "val", "buckets", "tokens"],
                    help="train: RandomResizedCrop + flip (default); val: Resize + CenterCrop; buckets: aspect-ratio "
                         "buckets of --size x --size pixels + flip (each batch one bucket); tokens: NaFlex token "

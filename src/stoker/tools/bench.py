@@ -69,8 +69,8 @@ from . import bench_gpu
 from .baseline import baseline_loader, list_image_folder
 from .results import NOTE, BenchResult, PipelineResult, markdown_table
 
-__all__ = ["MOVED", "NOTE", "PIPELINES", "BenchResult", "Peer", "PipelineResult", "format_table", "machine_info",
-           "peer_added", "run_bench"]
+__all__ = ["MOVED", "NOTE", "PIPELINES", "BenchResult", "Peer", "PipelineResult", "format_cores", "format_table",
+           "machine_info", "peer_added", "run_bench"]
 
 #: name -> (what it is, the pipeline its ratio is taken against)
 PIPELINES: dict[str, tuple[str, str | None]] = {
@@ -209,9 +209,10 @@ class _Runner:
     """One constructed pipeline: `epoch()` yields the size of each batch; `close()` frees it."""
 
     def __init__(self, epoch: Callable[[], Iterator[int]], close: Callable[[], None] = lambda: None,
-                 version: str = "", split: Callable[[], dict[str, Any]] | None = None) -> None:
+                 version: str = "", split: Callable[[], dict[str, Any]] | None = None, route: str = "") -> None:
         self.epoch, self.close, self.version = epoch, close, version
         self.split = split   # stoker's GPU decode loaders: `bench_gpu.split_state` now
+        self.route = route   # stoker's loaders: `Loader.route`, as text
 
 
 @dataclass(frozen=True, eq=False)   # each peer is itself (compared and hashed by identity)
@@ -352,7 +353,7 @@ def _stoker_recipe_runner(spec: _Spec) -> _Runner:
     def epoch() -> Iterator[int]:
         for batch in loader:
             yield int(batch[0].shape[0])
-    return _Runner(epoch, loader.close)
+    return _Runner(epoch, loader.close, route=str(loader.route))
 
 
 def _stoker_runner(spec: _Spec, train: bool) -> _Runner:
@@ -385,7 +386,7 @@ def _stoker_runner(spec: _Spec, train: bool) -> _Runner:
     def epoch() -> Iterator[int]:
         for batch in loader:
             yield int(batch[0].shape[0])
-    return _Runner(epoch, loader.close)
+    return _Runner(epoch, loader.close, route=str(loader.route))
 
 
 def _ceiling_runner(spec: _Spec) -> _Runner:
@@ -447,7 +448,7 @@ def _make_runner(spec: _Spec) -> _Runner:
     if bench_gpu.is_device_pipeline(name):
         run = bench_gpu.loader_epochs(name, root=spec.root, packed=spec.packed, batch_size=spec.batch_size,
                                       workers=spec.workers, device=spec.device, steps=spec.steps)
-        return _Runner(run.epoch, run.close, run.version, run.split)
+        return _Runner(run.epoch, run.close, run.version, run.split, run.route)
     raise ConfigError(f"unknown pipeline {name!r}; expected one of {', '.join(PIPELINES)}")
 
 
@@ -539,7 +540,8 @@ def _measure_rounds(spec: _Spec) -> dict[str, Any]:
     return {**(split or {}), "images_per_s": statistics.median(rates), "rounds": rates, "cpu_percent": cpu,
             "cpu_ms_per_image": cpu_s * 1000.0 / (images * spec.rounds),
             "peak_rss_bytes": memory.peak, "first_batch_s": first, "images": images,
-            "startup_share": bench_gpu.startup_share(first, timed), "version": runner.version or _version(spec.pipeline)}
+            "startup_share": bench_gpu.startup_share(first, timed), "version": runner.version or _version(spec.pipeline),
+            "route": runner.route}
 
 
 def _measure_training(spec: _Spec) -> dict[str, Any]:
@@ -728,7 +730,7 @@ def run_bench(data_dir: Path | None = None, *, images: int | None = None, batch_
               out_dir: Path | None = None, isolate: bool = True, seed: int = 0,
               packed: Path | None = None, device: str = "cpu", models: Sequence[str] | None = None,
               steps: int | None = None, warmup_steps: int | None = None, recipe: str = "basic",
-              progress: bool = False) -> BenchResult:
+              progress: bool = False, cores: int | None = None) -> BenchResult:
     """Run the same images through each pipeline and measure images/s, CPU %, peak RSS, first batch.
 
     `data_dir`: an ImageFolder tree of JPEGs; None generates `images` ImageNet-like JPEGs (cached
@@ -745,14 +747,24 @@ def run_bench(data_dir: Path | None = None, *, images: int | None = None, batch_
     `steps` timed steps per round (default 100) after `warmup_steps` (default 10). Naming device
     pipelines with device "cpu" runs them on the CPU.
     `progress`: say what is being measured (a bar on a terminal, log lines on `stoker.progress` elsewhere).
-    Raises ConfigError for bad arguments (and for a CUDA device this machine lacks), StokerError when a
-    pipeline fails.
+    `cores`: run the whole bench (generation, packing, every pipeline's process) pinned to that many of this
+    process's CPUs, as a machine with `cores` cores would (`tools.cores.pinned`); `workers` then defaults
+    to `cores`, and the files in `out_dir` are named bench-cores{N}.json/.md/.png.
+    Raises ConfigError for bad arguments (and for a CUDA device this machine lacks, or `cores` beyond the
+    CPUs this process may use), StokerError when a pipeline fails.
     """
     from .synth import cached_imagenet_like
 
-    workers = workers or usable_cpus()
+    if cores is not None and workers is not None and workers > cores:
+        raise ConfigError.spelled(f"{{workers}} is more than the {cores} core(s) of {{cores}}: each pipeline may use "
+                                  f"at most the cores the bench runs on; leave {{no_workers}} out (it follows "
+                                  f"{{cores}}) or give at most {cores}",
+                                  {"workers": (f"workers={workers}", f"--workers {workers}"),
+                                   "cores": (f"cores={cores}", f"--cores {cores}"),
+                                   "no_workers": ("workers", "--workers")})
+    workers = workers or cores or usable_cpus()
     plan = _plan(images, batch_size, workers, rounds, pipelines, device, models, steps, warmup_steps, recipe)
-    with tempfile.TemporaryDirectory(prefix="stoker-bench-") as tmp, \
+    with _pinned(cores) as cpus, tempfile.TemporaryDirectory(prefix="stoker-bench-") as tmp, \
             Progress("bench", len(plan.pipelines), unit="pipeline", enabled=progress) as bar:
         work = Path(out_dir) if out_dir is not None else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -774,7 +786,7 @@ def run_bench(data_dir: Path | None = None, *, images: int | None = None, batch_
 
         result = BenchResult([], len(samples), batch_size, workers, rounds, _data_stats(root, samples, generated),
                              recipe_transform(recipe)[1], machine, device=plan.device, models=list(plan.models),
-                             steps=plan.steps, warmup_steps=plan.warmup_steps)
+                             steps=plan.steps, warmup_steps=plan.warmup_steps, cores=cores, cpus=cpus)
         if packed is None:
             packed = work / "packed"
             if any(_reads_packed(p) for p in plan.pipelines):
@@ -809,8 +821,15 @@ def run_bench(data_dir: Path | None = None, *, images: int | None = None, batch_
             bar.update()
         _fill_ratios(result)
         if out_dir is not None:
-            _write_outputs(result, work)
+            _write_outputs(result, work, "bench" if cores is None else f"bench-cores{cores}")
     return result
+
+
+def _pinned(cores: int | None) -> contextlib.AbstractContextManager[list[int]]:
+    """This process pinned to `cores` of its CPUs for the block (`tools.cores.pinned`); None: left as it is."""
+    from .cores import pinned
+
+    return contextlib.nullcontext([]) if cores is None else pinned(cores)
 
 
 def _model_of(name: str, models: Sequence[str]) -> str:
@@ -832,25 +851,55 @@ def _fill_ratios(result: BenchResult) -> None:
         p.ratio = p.images_per_s / ref.images_per_s if ok else None   # type: ignore[union-attr]
 
 
-def _write_outputs(result: BenchResult, out: Path) -> None:
-    """bench.json, bench.md and, with matplotlib, bench.png in `out`."""
+def _write_outputs(result: BenchResult, out: Path, stem: str = "bench") -> None:
+    """bench.json, bench.md and, with matplotlib, bench.png in `out` (`stem` for another name)."""
     from .charts import bench_chart, device_bench_chart
 
     chart = device_bench_chart if _is_device_result(result) else bench_chart
-    if not chart(result, out / "bench.png"):
+    if not chart(result, out / f"{stem}.png"):
         result.notes.append("No chart: matplotlib is not installed (pip install matplotlib).")
-    (out / "bench.json").write_text(json.dumps(result.to_json(), indent=1) + "\n")
-    (out / "bench.md").write_text(format_table(result) + "\n")
+    (out / f"{stem}.json").write_text(json.dumps(result.to_json(), indent=1) + "\n")
+    (out / f"{stem}.md").write_text(format_table(result) + "\n")
 
 
 def _is_device_result(result: BenchResult) -> bool:
     return any(bench_gpu.is_device_pipeline(p.name) for p in result.pipelines)
 
 
+def _described(p: PipelineResult) -> str:
+    """A pipeline's line under the table: what it is, which library did the work, and stoker's route."""
+    return (f"- {p.name}: {p.description}" + (f" ({p.version})" if p.version else "")
+            + (f"; route: {p.route}" if p.route else ""))
+
+
+def _cores_heading(result: BenchResult) -> list[str]:
+    """`stoker bench --cores N`: the section's heading, the cores the run was pinned to."""
+    from .cores import cpu_list
+
+    if result.cores is None:
+        return []
+    return [f"## {result.cores} core(s) (CPUs {cpu_list(result.cpus)})", ""]
+
+
+def format_cores(results: Sequence[BenchResult]) -> str:
+    """Runs of one bench at several core counts (`stoker bench --cores 16,8`): images/s of each pipeline
+    at each count, one row per count, then each count's own section (`format_table`)."""
+    names = list(dict.fromkeys(p.name for r in results for p in r.pipelines))
+    rows = []
+    for r in results:
+        shares = [f"{p.name} {p.gpu_share:.0%}" for p in r.pipelines if p.ran and p.gpu_split]
+        cells = [fmt_number(p.images_per_s, ",.0f") if (p := r.ran(n)) is not None else "-" for n in names]
+        rows.append("| " + " | ".join([str(r.cores), *cells, ", ".join(shares) or "-"]) + " |")
+    lines = ["Images/s at each core count (each row a run pinned to that many cores; GPU share: of each batch's "
+             "JPEGs, where the route splits them between the CPU threads and the GPU):", "",
+             "| cores | " + " | ".join(names) + " | GPU share |", "|" + "---|" * (len(names) + 2), *rows, ""]
+    return "\n".join([*lines, *(format_table(r) + "\n" for r in results)])
+
+
 def format_table(result: BenchResult) -> str:
     """The result as a markdown table, with the data, the machine and how to read it."""
     if _is_device_result(result):
-        return _format_device(result)
+        return "\n".join([*_cores_heading(result), _format_device(result)])
     ceiling = result.ran("ceiling")
 
     def cells(p: PipelineResult) -> list[str]:
@@ -862,15 +911,15 @@ def format_table(result: BenchResult) -> str:
                 fmt_number(p.cpu_percent, ".0f"), fmt_number(p.cpu_ms_per_image, ".2f"),
                 f"{p.peak_rss_bytes / 1e6:,.0f}", fmt_number(p.first_batch_s, ".2f"),
                 f"{p.disk_bytes / 1e6:,.1f}" if p.disk_bytes else "-"]
-    lines = markdown_table(("pipeline", "images/s", "ratio", "vs ceiling", "CPU %", "CPU ms/image", "peak RSS (MB)",
-                            "first batch (s)", "disk (MB)"), [(p, cells(p)) for p in result.pipelines])
+    lines = _cores_heading(result) + markdown_table(
+        ("pipeline", "images/s", "ratio", "vs ceiling", "CPU %", "CPU ms/image", "peak RSS (MB)", "first batch (s)",
+         "disk (MB)"), [(p, cells(p)) for p in result.pipelines])
     overhead = result.ran("overhead")
     if overhead is not None:
         lines += ["", f"Per-sample overhead: {1e6 / overhead.images_per_s:.1f} µs per sample on one thread "
                       f"({OVERHEAD_SIDE}x{OVERHEAD_SIDE} raw images: no decode, a trivial resize; target <= 30 µs)."]
     d, m = result.data, result.machine
-    lines += [*(f"- {p.name}: {p.description}" + (f" ({p.version})" if p.version else "")
-                    for p in result.pipelines), "",
+    lines += [*map(_described, result.pipelines), "",
               f"Data: {d['images']} {'generated ImageNet-like ' if d['generated'] else ''}JPEGs, mean "
               f"{d['mean_width']}x{d['mean_height']} px, {d['mean_file_kb']} KB; batch {result.batch_size}; "
               f"{result.workers} CPU cores per pipeline; median of {result.rounds} round(s) after one warm-up; "
@@ -895,8 +944,7 @@ def _format_device(result: BenchResult) -> str:
     steps_per_epoch = result.images // result.batch_size
     gpu = (f"{m['gpu']}, {m['gpu_memory_gb']} GB; CUDA {m['cuda_version']}, cuDNN {m['cudnn']}" if m.get("gpu")
            else result.device)
-    lines = [*bench_gpu.format_tables(result),
-             *(f"- {p.name}: {p.description}" + (f" ({p.version})" if p.version else "") for p in result.pipelines),
+    lines = [*bench_gpu.format_tables(result), *map(_described, result.pipelines),
              "",
              f"Data: {d['images']} {'generated ImageNet-like ' if d['generated'] else ''}JPEGs, mean "
              f"{d['mean_width']}x{d['mean_height']} px, {d['mean_file_kb']} KB; batch {result.batch_size}; "

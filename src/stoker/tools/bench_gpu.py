@@ -294,6 +294,7 @@ class Feed:
     version: str
     discarded: Callable[[], int] | None = None   # the interference control: loader batches taken and dropped
     split: Callable[[], dict[str, Any]] | None = None   # decode="gpu"/"auto": the loader's `split_state` now
+    route: str = ""   # stoker's feeds: how each row becomes pixels (`Loader.route`, as text)
 
 
 def split_state(stats: Any) -> dict[str, Any]:
@@ -407,7 +408,8 @@ def _stoker_feed(feed: str, packed: str, batch_size: int, workers: int, device: 
             yield batch[0], batch[1]
     extra = {"stoker-gpu": ", decode='gpu'", "stoker-auto": ", decode='auto'", "stoker-process": ", processes=1"}
     split = (lambda: split_state(loader.stats)) if _DECODES[feed] != "cpu" else None
-    return Feed(epoch, loader.close, f"stoker {__version__}{extra.get(feed, '')}", split=split)
+    return Feed(epoch, loader.close, f"stoker {__version__}{extra.get(feed, '')}", split=split,
+                route=str(loader.route))
 
 
 def _interference_feed(packed: str, batch_size: int, workers: int, device: "torch.device", dtype: "torch.dtype") -> Feed:
@@ -498,6 +500,7 @@ class LoaderRun:
     close: Callable[[], None]
     version: str
     split: Callable[[], dict[str, Any]] | None = None   # stoker's GPU decode feeds: `split_state` now
+    route: str = ""   # stoker's feeds: `Loader.route`, as text
 
 
 def loader_epochs(name: str, *, root: str, packed: str, batch_size: int, workers: int, device: str,
@@ -529,7 +532,7 @@ def loader_epochs(name: str, *, root: str, packed: str, batch_size: int, workers
     def close() -> None:
         stream.close()
         feed.close()
-    return LoaderRun(epoch, close, feed.version, feed.split)
+    return LoaderRun(epoch, close, feed.version, feed.split, feed.route)
 
 
 def startup_share(first_batch_s: float, timed_s: float) -> float:

@@ -34,7 +34,7 @@ from ..profiling import ProfileReport, profile
 from ..step_controls import MIN_VERDICT_STEPS, measure_controls
 from .train import TrainStep, load_model, small_cnn
 
-__all__ = ["DoctorReport", "default_device", "run_doctor", "split_cores"]
+__all__ = ["DoctorReport", "default_device", "format_cores", "run_doctor", "split_cores"]
 
 
 def default_device(device: str | None = None) -> str:
@@ -55,8 +55,8 @@ def split_cores(device: str, cores: int) -> tuple[int, int]:
     not oversubscribe the cores (torch's threads slow down sharply when they do)."""
     import torch
 
-    if device.startswith("cuda"):
-        return torch.get_num_threads(), cores
+    if device.startswith("cuda"):   # torch sized its pool when imported: no more threads than the cores now
+        return min(torch.get_num_threads(), cores), cores
     model = max(1, cores // 2)
     return model, max(1, cores - model)
 
@@ -98,6 +98,9 @@ class DoctorReport:
     loader_batch_bytes: int | None = None  # on a GPU: the peak of LoaderStats.device_peak_bytes (its own tensors)
     route: str = ""                 # how each row became pixels (LoaderStats.route: Loader.route)
     per_sample_python: list[str] = field(default_factory=list)  # LoaderStats.per_sample_python
+    gpu_share: float | None = None  # the route splits JPEGs with the GPU: the share the split settled on
+    cores: int | None = None        # run pinned to this many cores (stoker doctor --cores), or None
+    cpus: list[int] = field(default_factory=list)   # which CPUs, with `cores`
 
     @property
     def verdict(self) -> str:
@@ -107,19 +110,24 @@ class DoctorReport:
         out = {k: getattr(self, k) for k in ("path", "model", "device", "batch_size", "steps", "threads",
                                              "transforms", "loader_images_per_s", "step_images_per_s", "decoder",
                                              "gpu_decoder", "loader_gpu_bytes", "loader_batch_bytes", "route",
-                                             "per_sample_python")}
+                                             "per_sample_python", "gpu_share", "cores", "cpus")}
         return json_safe({**out, "verdict": self.verdict, "fed_ratio": self.profile.fed_ratio,
                           "interference_images_per_s": self.profile.interference_images_per_s,
                           "interference_ratio": self.profile.interference_ratio, "profile": self.profile.as_dict()})
 
     def format(self) -> str:
+        from .cores import cpu_list
+
         slower = "loader" if self.loader_images_per_s < self.step_images_per_s else "model step"
+        pinned = f" at {self.cores} core(s) (CPUs {cpu_list(self.cpus)})" if self.cores is not None else ""
         return "\n".join([
-            f"stoker doctor: {self.path}",
+            f"stoker doctor: {self.path}{pinned}",
             f"  setup            batch {self.batch_size}, {self.steps} steps per run, {self.threads} loader thread(s), "
             f"{self.transforms} transforms, model: {self.model} on {self.device}",
             f"  JPEG decode      {self.decoder}",
-            f"  route            {self.route}",
+            f"  route            {self.route}"
+            + (f" (the split settled on {self.gpu_share:.0%} of each batch's JPEGs on the GPU)"
+               if self.gpu_share is not None else ""),
             f"  Python/sample    {_per_sample(self.per_sample_python)}",
             *([f"  GPU JPEG decode  {self.gpu_decoder}"] if self.gpu_decoder else []),
             f"  loader alone     {self.loader_images_per_s:,.1f} images/s",
@@ -147,7 +155,7 @@ def _batches(loader: Any, n: int) -> Iterable[Any]:
 
 def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = MIN_VERDICT_STEPS + 2, threads: int | None = None,
                transforms: str = "train", size: int = 224, model: Any = None, device: str | None = None,
-               progress: bool = True, decode: str = "cpu") -> DoctorReport:
+               progress: bool = True, decode: str = "cpu", cores: int | None = None) -> DoctorReport:
     """Measure the loader alone, the model step alone and both together on the data at `path`.
 
     Reads about `(steps + 1) * batch_size` images per run (one warm-up batch); each run reads a new
@@ -158,7 +166,17 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = MIN_VERDI
     `stoker.TokenBudget(16, (size // 16) ** 2)` + flip, rows of patches). `decode`:
     "cpu", "gpu" (JPEGs decoded on a CUDA device) or "auto" (split with the CPU threads by measured
     throughput where a GPU decoder works); the report names the backend, the split and why.
+    `cores`: run pinned to that many of this process's CPUs, as a machine with `cores` cores would
+    (`tools.cores.pinned`); the loader's threads and the model's follow it.
     """
+    if cores is not None:
+        from .cores import pinned
+
+        with pinned(cores) as cpus:
+            report = run_doctor(path, batch_size=batch_size, steps=steps, threads=threads, transforms=transforms,
+                                size=size, model=model, device=device, progress=progress, decode=decode)
+        report.cores, report.cpus = cores, cpus
+        return report
     import torch
 
     from ..device.stage import DeviceOptions
@@ -233,7 +251,20 @@ def run_doctor(path: str | Path, *, batch_size: int = 32, steps: int = MIN_VERDI
         loader.close()
     return DoctorReport(str(path), model_name, device, batch_size, steps, loader.num_threads, transforms,
                         loader_rate, step_rate, report, _decoder(), _gpu_decode(loader.stats), loader_gpu, held,
-                        str(loader.route), list(loader.stats.per_sample_python))
+                        str(loader.route), list(loader.stats.per_sample_python),
+                        loader.stats.gpu_share if loader.route.gpu_decode else None)
+
+
+def format_cores(reports: list[DoctorReport]) -> str:
+    """Doctor runs at several core counts (`stoker doctor --cores 16,8`): one row per count (loader threads,
+    rates, verdict, route, the GPU's share where the route splits), then each count's report."""
+    head = ("cores", "loader threads", "loader alone (img/s)", "model step alone (img/s)", "together (img/s)",
+            "verdict", "route", "GPU share")
+    rows = [(str(r.cores), str(r.threads), fmt_number(r.loader_images_per_s, ",.1f"),
+             fmt_number(r.step_images_per_s, ",.1f"), fmt_number(r.profile.images_per_s, ",.1f"), r.verdict, r.route,
+             "-" if r.gpu_share is None else f"{r.gpu_share:.0%}") for r in reports]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(c) + " |" for c in rows)]
+    return "\n\n".join(["\n".join(lines), *(r.format() for r in reports)])
 
 
 def _gpu_decode(stats: Any) -> str:

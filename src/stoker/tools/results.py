@@ -45,6 +45,7 @@ class PipelineResult:
     gpu_share: float = math.nan
     gpu_split: str = ""
     gpu_phases: dict[str, float] = field(default_factory=dict)
+    route: str = ""                           # stoker's loaders: how each row became pixels (Loader.route)
 
     @property
     def ran(self) -> bool:
@@ -70,6 +71,8 @@ class BenchResult:
     models: list[str] = field(default_factory=list)   # training pipelines' model specs
     steps: int = 0                            # timed training steps per round
     warmup_steps: int = 0                     # untimed training steps before them
+    cores: int | None = None                  # run pinned to this many cores (stoker bench --cores), or None
+    cpus: list[int] = field(default_factory=list)  # which CPUs, with `cores`
 
     def get(self, name: str) -> PipelineResult | None:
         """The pipeline called `name`, or None when this run did not include it."""
