@@ -3,10 +3,12 @@
 #
 #   benchmarks/gpu_session.sh [--device cpu|cuda] [quick | STEP...]   (from the repository root)
 #
-# quick: one command for a time-limited host (15 minutes of machine time, its 1-2 minute start included;
-# commands of at most 10 minutes; a few files handed back): setup env cudatests loader train-resnet50
-# train-resnet18 targets in at most 9 minutes wall, each step under its own time limit (QUICK_LIMITS),
-# on smaller sizes (2,000 images, 2 rounds: QUICK_* below). Without STEP and without quick, every
+# quick: for a time-limited host (15 minutes of machine time, its 1-2 minute start included; commands of at
+# most 10 minutes; a few files handed back), two calls: `gpu_session.sh cudatests`, then `gpu_session.sh quick`:
+# setup env loader train-resnet50 train-resnet18 targets in at most 9 minutes wall, each step under its own
+# time limit (QUICK_LIMITS), the loader and both models at 16 and at 8 cores (CORES, `stoker bench --cores`:
+# pinned as a cloud instance with that many vCPUs per GPU is, the split's GPU share reported at each), on
+# smaller sizes (2,000 images, 2 rounds: QUICK_* below). Without STEP and without quick, every
 # step of the full run below, sized to finish in well under 10 minutes each on an H100/H200 with 16 CPU
 # cores (docs/benchmarks.md has the time of each and how both profiles fit their calls):
 #   setup    the region decoder (stoker._jpeg) built in place when stoker runs from the checkout (without
@@ -47,7 +49,8 @@
 # (pip install 'nvidia-nvimgcodec-cu12[nvjpeg]' or -cu13, matching torch's CUDA).
 # A host without a package index takes them as wheels: benchmarks/gpu_wheels.sh DIR on a machine
 # with one. PY picks the interpreter (default: python3). WORKERS the CPU cores per pipeline (16).
-# OUT holds the generated images and packed copies (about 1 GB; 0.4 GB quick).
+# OUT holds the generated images and packed copies (about 1 GB; 0.4 GB quick). CORES (quick: 16,8; else unset):
+# the core counts each bench step runs pinned to, in turn (replaces WORKERS: the threads follow the cores).
 set -u -o pipefail
 
 # The pipelines the loader and train steps run, one list per profile: loaders alone (cuda-*) and training
@@ -62,7 +65,8 @@ train-{model}-stoker train-{model}-stoker-process train-{model}-stoker-interfere
 # quick: each step's time limit in seconds (LIMITS="step=seconds ..." in the environment overrides some).
 # Their sum, 525 s, keeps the run under 9 minutes; the H200's times were: CUDA tests 111 s, each training
 # bench of 3 feeds 60-75 s at 2 rounds x 60 steps, GPU decode the slowest loader (docs/benchmarks.md).
-QUICK_LIMITS="setup=30 env=20 cudatests=145 loader=85 train-resnet50=120 train-resnet18=110 targets=15"
+# At two core counts each bench step runs twice: cudatests (145 s) is the first call of its own.
+QUICK_LIMITS="setup=30 env=20 cudatests=145 loader=150 train-resnet50=165 train-resnet18=150 targets=15"
 
 PY=${PY:-python3}
 OUT=${OUT:-gpu-session}
@@ -89,7 +93,8 @@ if [ "$PROFILE" = quick ]; then
     ROUNDS=${ROUNDS:-2}
     IMAGES=${IMAGES:-2000}
     LOADER_STEPS=${LOADER_STEPS:-30}
-    TRAIN_STEPS=${TRAIN_STEPS:-30}
+    TRAIN_STEPS=${TRAIN_STEPS:-25}
+    CORES=${CORES-16,8}
     WARMUP_STEPS=${WARMUP_STEPS:-5}
     PIPELINES=${PIPELINES:-$QUICK_PIPELINES}
     LIMITS="$QUICK_LIMITS ${LIMITS:-}"
@@ -102,6 +107,7 @@ else
     WARMUP_STEPS=${WARMUP_STEPS:-10}
     PIPELINES=${PIPELINES:-$FULL_PIPELINES}
     LIMITS=${LIMITS:-}
+    CORES=${CORES:-}
 fi
 DECODE_IMAGES=${DECODE_IMAGES:-1024}  # images bench_gpu_decode.py decodes a round
 
@@ -110,7 +116,7 @@ MODEL_STEPS=()
 for m in $MODELS; do MODEL_STEPS+=("train-$(label "$m")"); done
 if [ ${#STEPS[@]} -eq 0 ]; then
     if [ "$PROFILE" = quick ]; then
-        STEPS=(setup env cudatests loader "${MODEL_STEPS[@]}" targets)
+        STEPS=(setup env loader "${MODEL_STEPS[@]}" targets)   # cudatests: a call of its own first
     else
         STEPS=(setup env tests loader "${MODEL_STEPS[@]}" decoders peers targets demo)
     fi
@@ -186,7 +192,9 @@ data_args() {  # the images the first bench generated ($OUT/<bench>/data), share
 bench() {  # bench DIR ARGS...: stoker bench --device $DEVICE into $OUT/DIR
     local dir=$1; shift
     local data; mapfile -t data < <(data_args)
-    local args=(--device "$DEVICE" --workers "$WORKERS" --batch-size "$BATCH" --rounds "$ROUNDS" "${data[@]}"
+    local cores=(--workers "$WORKERS")
+    [ -n "${CORES:-}" ] && cores=(--cores "$CORES")   # pinned to each count in turn, the threads following it
+    local args=(--device "$DEVICE" "${cores[@]}" --batch-size "$BATCH" --rounds "$ROUNDS" "${data[@]}"
                 --out "$OUT/$dir" "$@")
     case " $* " in
         *dali*) run "$PY" benchmarks/bench_dali.py "${args[@]}" ;;   # stoker bench with DALI's pipelines added
@@ -197,7 +205,7 @@ conditions() {  # what every figure of this run was measured under, kept beside 
     cat >"$OUT/conditions.md" <<EOF
 # Conditions of this run ($(date -u +%Y-%m-%dT%H:%M:%SZ))
 
-- Device: $DEVICE; profile: $PROFILE; steps: ${STEPS[*]}; $WORKERS CPU cores per pipeline; batches of $BATCH;
+- Device: $DEVICE; profile: $PROFILE; steps: ${STEPS[*]}; ${CORES:-$WORKERS} CPU cores per pipeline; batches of $BATCH;
   $ROUNDS timed rounds; loaders alone $LOADER_STEPS batches a round, training $WARMUP_STEPS warm-up + $TRAIN_STEPS
   steps a round. Step time limits: ${LIMITS:-none}.
 - Data: $IMAGES generated ImageNet-like JPEGs (about 400 x 350 px) and their packed copy on local disk.
@@ -218,7 +226,7 @@ EOF
 collect() {  # this run's small files (logs, results, conditions; no images) in one archive under $RESULTS
     [ -n "$RESULTS" ] || return 0
     mkdir -p "$RESULTS" || return 0
-    (cd "$OUT" && find . -maxdepth 3 \( -name '*.log' -o -name 'bench.json' -o -name 'bench.md' \
+    (cd "$OUT" && find . -maxdepth 3 \( -name '*.log' -o -name 'bench*.json' -o -name 'bench*.md' \
         -o -name 'decoders.json' -o -name 'demo.md' -o -name 'demo.json' -o -name 'conditions.md' \) -print0 |
         tar -czf "$RESULTS/$ARCHIVE.part" --null -T -) && mv -f "$RESULTS/$ARCHIVE.part" "$RESULTS/$ARCHIVE"
 }
@@ -346,7 +354,7 @@ step_peers() {
 
 step_targets() {  # every result together
     local f found=()
-    for f in "$OUT"/bench-loader/bench.json "$OUT"/bench-train-*/bench.json; do
+    for f in "$OUT"/bench-loader/bench*.json "$OUT"/bench-train-*/bench*.json; do
         [ -f "$f" ] && found+=("$f")
     done
     if [ ${#found[@]} -gt 0 ]; then

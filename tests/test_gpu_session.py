@@ -79,13 +79,17 @@ def test_the_script_parses_and_names_only_real_pipelines_and_models() -> None:
 
 def test_the_quick_runs_limits_fit_a_time_limited_host() -> None:
     """15 minutes of machine time with a 1-2 minute start, commands of at most 10 minutes: the quick run
-    is one command of at most 9 minutes, each of its steps under a limit of its own."""
+    is two commands, the CUDA tests and then the rest at 16 and 8 cores, each of at most 9 minutes, each
+    step under a limit of its own, all of it under 13 minutes."""
     limits = dict(kv.split("=") for kv in _variable("QUICK_LIMITS").split())
     steps = ["setup", "env", "cudatests", "loader", "train-resnet50", "train-resnet18", "targets"]
     assert list(limits) == steps
-    assert sum(int(v) for v in limits.values()) <= 9 * 60
+    quick = [int(v) for k, v in limits.items() if k != "cudatests"]
+    assert sum(quick) <= 9 * 60 and sum(quick) + int(limits["cudatests"]) <= 13 * 60
     assert int(limits["cudatests"]) >= 111 + 30   # the H200's 111 s, with room
     assert all(int(v) <= 10 * 60 for v in limits.values())
+    text = SCRIPT.read_text()
+    assert "CORES=${CORES-16,8}" in text and 'STEPS=(setup env loader "${MODEL_STEPS[@]}" targets)' in text
 
 
 def test_the_wheel_script_parses_and_refuses_an_unknown_cuda(tmp_path: Path) -> None:
@@ -144,23 +148,26 @@ def _archived(results: Path) -> set[str]:
 
 @pytest.mark.slow   # about a minute on 2 cores: each bench pipeline starts a fresh process (CI runs it: `make test`)
 def test_a_cpu_rehearsal_of_the_quick_run_hands_back_one_archive_after_each_step(tmp_path: Path) -> None:
-    """The quick profile on the CPU, tiny: every step in order under its limit, a step that overruns its
-    limit stopped (cudatests, given 1 s) and the run going on, the loader and a training bench through
-    the pipeline list ({model} filled in), the split decode loader saying in the step's log why it decodes
-    on the CPU alone here, the targets, one archive with all of it."""
-    env = {**_session_env(tmp_path), "MODELS": "stoker.tools.train:small_cnn",
+    """The quick profile on the CPU, tiny, its two calls as one (the CUDA tests, then the rest): every step
+    in order under its limit, a step that overruns its limit stopped (cudatests, given 1 s) and the run
+    going on, the loader and a training bench through the pipeline list ({model} filled in) pinned to each
+    of CORES in turn, the split decode loader saying in the step's log why it decodes on the CPU alone
+    here, the targets, one archive with all of it."""
+    env = {**_session_env(tmp_path), "MODELS": "stoker.tools.train:small_cnn", "CORES": "1",
            "PIPELINES": "cuda-stoker cuda-stoker-auto train-{model}-synthetic", "LIMITS": "cudatests=1"}
-    done = subprocess.run([BASH, str(SCRIPT), "--device", "cpu", "quick"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    steps = ["cudatests", "setup", "env", "loader", "train-small_cnn", "targets"]
+    done = subprocess.run([BASH, str(SCRIPT), "--device", "cpu", "quick", *steps], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
     log = done.stdout + done.stderr
     out = tmp_path / "out"
     session = (out / "session.log").read_text()
     assert re.findall(r"^== (\S+) \(limit (\d+) s\)", session, re.M) == [
-        ("setup", "30"), ("env", "20"), ("cudatests", "1"), ("loader", "85"), ("train-small_cnn", "110"),
+        ("cudatests", "1"), ("setup", "30"), ("env", "20"), ("loader", "150"), ("train-small_cnn", "150"),
         ("targets", "15")], log[-3000:]
     assert "[timed out: step cudatests reached its limit of 1 s]" in (out / "cudatests.log").read_text()
     assert done.returncode == 1   # the stopped step counts as a failure
-    bench = json.loads((out / "bench-loader" / "bench.json").read_text())
+    assert "--cores 1" in session and "--workers" not in session
+    bench = json.loads((out / "bench-loader" / "bench-cores1.json").read_text())
     assert [p["name"] for p in bench["pipelines"]] == ["cuda-stoker", "cuda-stoker-auto"], log[-3000:]
     auto = bench["pipelines"][1]
     assert auto["gpu_share"] == 0.0 and auto["gpu_split"].startswith("CPU only: no GPU JPEG decoder works here")
@@ -168,7 +175,7 @@ def test_a_cpu_rehearsal_of_the_quick_run_hands_back_one_archive_after_each_step
     assert re.search(r"^\[cuda-stoker-auto\] .* stoker\.bench INFO cuda-stoker-auto: 0% of each batch's JPEGs on "
                      r"the GPU \(CPU only: no GPU JPEG decoder works here", loader_log, re.M), loader_log[-3000:]
     assert "seconds per phase over the timed rounds" in loader_log
-    train = json.loads((out / "bench-train-small_cnn" / "bench.json").read_text())
+    train = json.loads((out / "bench-train-small_cnn" / "bench-cores1.json").read_text())
     assert [p["name"] for p in train["pipelines"]] == ["train-small_cnn-synthetic"]
     assert "--data" in session   # the training bench reused the loader's images
     assert "| start-up share of the run |" in (out / "targets.log").read_text()   # reported, not gated
@@ -177,8 +184,8 @@ def test_a_cpu_rehearsal_of_the_quick_run_hands_back_one_archive_after_each_step
     assert "page cache" in conditions and "decode-bound, not I/O-bound" in conditions
     assert "float32 batches cross" in conditions and "default" in conditions and "no overlap" in conditions
     assert {"env.log", "cudatests.log", "loader.log", "train-small_cnn.log", "targets.log", "session.log",
-            "conditions.md", "bench-loader/bench.json", "bench-loader/bench.md",
-            "bench-train-small_cnn/bench.json"} <= _archived(tmp_path / "results")
+            "conditions.md", "bench-loader/bench-cores1.json", "bench-loader/bench-cores1.md",
+            "bench-train-small_cnn/bench-cores1.json"} <= _archived(tmp_path / "results")
     assert "TORCH_CUDA_SANITIZER" not in SCRIPT.read_text()
 
 
