@@ -155,19 +155,11 @@ def simulated(seeds: int, batches: int, noise: float) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------- 2. a real Loader
 
 def make_dataset(root: Path, n: int) -> Path:
-    """`n` generated JPEGs of about 110 x 130 px, packed."""
-    import stoker
-    from stoker.codecs import encode_jpeg
-    from stoker.tools.synth import synth_image
+    """`n` generated JPEGs of about 110 x 130 px, packed (bench_gpu_pipeline's data)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_gpu_pipeline import make_dataset as generated
 
-    rng = np.random.default_rng(0)
-    for i in range(n):
-        folder = root / "src" / f"c{i % 4}"
-        folder.mkdir(parents=True, exist_ok=True)
-        h, w = int(rng.integers(96, 128)), int(rng.integers(112, 144))
-        (folder / f"{i:05d}.jpg").write_bytes(encode_jpeg(synth_image(rng, h, w), quality=90))
-    stoker.pack(str(root / "src"), str(root / "packed"), progress=False)
-    return root / "packed"
+    return generated(root, n)
 
 
 def _epochs(packed: Path, batch: int, threads: int, rate: float, share: float | None, epochs: int,

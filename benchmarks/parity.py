@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
@@ -51,6 +52,7 @@ import torch  # noqa: E402
 import stoker  # noqa: E402
 from stoker.order import sample_keys, uniforms  # noqa: E402
 from stoker.tools.tvimport import import_torchvision  # noqa: E402
+from test_torchvision_pixels import ks_pvalue  # noqa: E402  (the tests' two-sample Kolmogorov-Smirnov p-value)
 
 PIPELINES = ("torchvision", "stoker")
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -244,18 +246,6 @@ def table(result: dict[str, Any]) -> str:
 
 
 # ---- --inspect: what each pipeline hands the step ----------------------------------------------------------
-
-def ks_pvalue(a: np.ndarray, b: np.ndarray) -> float:
-    """Two-sample Kolmogorov-Smirnov test, asymptotic p-value."""
-    a, b = np.sort(a), np.sort(b)
-    grid = np.concatenate([a, b])
-    d = np.abs(np.searchsorted(a, grid, side="right") / len(a) - np.searchsorted(b, grid, side="right") / len(b)).max()
-    if d == 0:
-        return 1.0
-    n = len(a) * len(b) / (len(a) + len(b))
-    lam = (math.sqrt(n) + 0.12 + 0.11 / math.sqrt(n)) * d
-    return float(min(1.0, max(0.0, 2 * sum((-1) ** (k - 1) * math.exp(-2 * k * k * lam * lam) for k in range(1, 101)))))
-
 
 def crop_features(boxes: np.ndarray, heights: np.ndarray, widths: np.ndarray) -> dict[str, np.ndarray]:
     """Area share, log aspect and the centre's relative position of (top, left, height, width) boxes."""
