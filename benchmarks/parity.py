@@ -94,10 +94,10 @@ class Pipeline:
             self.val = data.DataLoader(val_set, args.batch_size, num_workers=args.workers,
                                        persistent_workers=args.workers > 0)
         else:
+            workers = stoker.Workers(num_threads=max(args.workers, 1), decode_quality=args.decode_quality)
             self.train = stoker.Loader(packs[0], args.batch_size, transforms=train_tf, seed=seed, shuffle=True,
-                                       num_workers=args.workers)
-            self.val = stoker.Loader(packs[1], args.batch_size, transforms=val_tf, shuffle=False,
-                                     num_workers=args.workers)
+                                       workers=workers)
+            self.val = stoker.Loader(packs[1], args.batch_size, transforms=val_tf, shuffle=False, workers=workers)
 
     def epoch(self, e: int) -> Iterable:
         if self.kind == "stoker":
@@ -303,12 +303,14 @@ def inspect(args: argparse.Namespace) -> str:
     stats: dict[str, dict[str, list]] = {}
     for kind in PIPELINES:
         pipe = Pipeline(kind, args, args.seed, packs)
-        got: dict[str, list] = {"labels": [], "mean": [], "std": [], "top class share": []}
+        got: dict[str, list] = {"labels": [], "mean": [], "std": [], "mean gradient": [], "top class share": []}
         for images, labels in pipe.epoch(0):
             x = images.float()
             got["labels"].append(labels.numpy())
             got["mean"].append(x.mean(dim=(1, 2, 3)).numpy())
             got["std"].append(x.std(dim=(1, 2, 3)).numpy())
+            got["mean gradient"].append((x.diff(dim=2).abs().mean(dim=(1, 2, 3))
+                                         + x.diff(dim=3).abs().mean(dim=(1, 2, 3))).numpy())   # sharpness
             got["top class share"].append(np.bincount(labels.numpy()).max() / len(labels))
         if kind == "stoker":
             idx = pipe.train.epoch_indices(0)
@@ -320,14 +322,15 @@ def inspect(args: argparse.Namespace) -> str:
         pipe.close()
     lines += ["", "Per image, epoch 0 (normalized pixels): distributions compared", "",
               "| statistic | torchvision mean | stoker mean | KS p |", "|---|---|---|---|"]
-    for name in ("mean", "std"):
+    for name in ("mean", "std", "mean gradient"):
         a, b = (np.concatenate(stats[k][name]) for k in PIPELINES)
         lines.append(f"| per-image {name} | {a.mean():.4f} | {b.mean():.4f} | {ks_pvalue(a, b):.3f} |")
     a, b = (np.asarray(stats[k]["top class share"]) for k in PIPELINES)
     lines.append(f"| largest class share of a batch | {a.mean():.4f} | {b.mean():.4f} | {ks_pvalue(a, b):.3f} |")
     # validation pixels of the same files: deterministic, so compared image by image
     val_folder = tv.datasets.ImageFolder(str(args.data / "val"), val_tf)
-    loader = stoker.Loader(packs[1], len(val_folder), transforms=val_tf, shuffle=False)
+    loader = stoker.Loader(packs[1], len(val_folder), transforms=val_tf, shuffle=False,
+                           workers=stoker.Workers(decode_quality=args.decode_quality))
     ours, ours_labels = next(iter(loader))
     key_to_row = {loader.dataset.sample(i).key: i for i in range(len(loader.dataset))}
     diffs, agree = [], 0
@@ -357,6 +360,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch's intra-op threads")
     ap.add_argument("--model", default="resnet18", help="a torchvision.models constructor")
+    ap.add_argument("--decode-quality", default="exact", choices=("exact", "accurate", "fast"),
+                    help="stoker's Workers(decode_quality=)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, default=Path("parity-out"))
     ap.add_argument("--inspect", action="store_true", help="compare the batches only, train nothing")
