@@ -44,7 +44,10 @@ from .stage import storages_on
 _log = logging.getLogger("stoker.gpu")
 
 RING = 3  # decoded chunks (and uint8 batch buffers) in flight: decoding, resampling, converting
-_POLL_S = 0.1  # how often a blocked wait re-checks the stop flag, seconds
+# how often a blocked wait re-checks the stop flag, seconds: every wait is also woken by what it waits for
+# and by a stop (`DecodeThread.wake`), so this is only the safety net, long enough that idle threads cost
+# no Python calls to speak of
+_POLL_S = 1.0
 LOG_EVERY = 100  # batches between two `stoker.gpu` log lines of the phase timers
 
 
@@ -136,6 +139,8 @@ class DecodeThread:
             while not oldest.released.wait(_POLL_S):
                 if self.stop_event.is_set():
                     return False
+            if self.stop_event.is_set():   # woken by `wake`, not by the device thread
+                return False
             if oldest.reads is not None:
                 oldest.reads.synchronize()
             self.phases.add("reads_wait_s", time.perf_counter() - t0)
@@ -189,9 +194,15 @@ class DecodeThread:
                                              f"it is genuinely this slow, or use decode='cpu'")
                 self.cond.wait(min(_POLL_S, left))
 
-    def join(self, timeout: float) -> None:
+    def wake(self) -> None:
+        """After the stop flag is set: wake every wait on this thread's condition and chunks now."""
         with self.cond:
             self.cond.notify_all()
+            for chunk in self.live:
+                chunk.released.set()
+
+    def join(self, timeout: float) -> None:
+        self.wake()
         if self.thread.is_alive() and self.thread is not threading.current_thread():
             self.thread.join(timeout)
 
@@ -439,5 +450,7 @@ class PipelinedFeeder(Feeder):
     def stop(self, join_timeout: float = 5.0) -> None:
         if self.run.forked:   # the decode thread is the parent's
             return
+        self.stop_event.set()
+        self.pipe.decoder.wake()   # the device thread may be waiting for a decoded chunk
         super().stop(join_timeout)
         self.pipe.close(join_timeout)

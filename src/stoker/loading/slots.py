@@ -45,6 +45,9 @@ from ..errors import ConfigError, LoaderClosedError, LoaderTimeoutError, WorkerE
 from .stats import LoaderStats, WorkerTimes
 
 _POLL_S = 0.1  # how often a blocked wait re-checks the stop flag, seconds
+# how long a worker waiting for its batch's slot sleeps between checks: a release, a cleared guard, a stall and
+# stop() all notify it, so this is only the safety net (a short one costs Python calls on every idle worker)
+_SLOT_POLL_S = 1.0
 # how often the CUDA actor re-checks a slot's guard while the workers wait for it: nothing notifies
 # the host when the GPU passes an event, so this one wait polls (seconds)
 _FENCE_POLL_S = 0.001
@@ -447,7 +450,7 @@ class Run(HandOut):
                     if self.ring.free and self.ring.free[0].guard is None:
                         self._plan(self.next_assign, self.ring.free.popleft())
                         continue
-                    self.cond.wait(_POLL_S)  # notified by a release, or by settle() clearing a guard
+                    self.cond.wait(_SLOT_POLL_S)  # notified by a release, or by settle() clearing a guard
             return None
         finally:
             times.wait += time.perf_counter() - t0
