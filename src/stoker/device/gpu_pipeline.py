@@ -252,6 +252,12 @@ class _Pending:
         """The slot may be refilled: the batch is finished (or abandoned) and its copies have run."""
         return self.finished and self.copied.done()
 
+    @property
+    def on_gpu(self) -> bool:
+        """Until the device thread finishes the batch, only it can clear this guard: the device thread
+        waiting for the next batch need not poll it (`slots.Guard`); after, its copies are the GPU's."""
+        return self.finished
+
 
 class PipelinedBuilder:
     """`DeviceBuilder`'s work split in two for the pipeline: `submit` (upload the rows rendered on the

@@ -61,7 +61,9 @@ _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 class Guard(Protocol):
     """What a slot's guard needs of a point on a CUDA stream (`device.stage.Fence` is one). Only the loader's
-    CUDA actor asks `done()` (`Run.settle`): the device thread, or without one the consumer's thread."""
+    CUDA actor asks `done()` (`Run.settle`): the device thread, or without one the consumer's thread.
+    Optional: a false `on_gpu` says the guard is waiting for the actor's own work, not the GPU's, so the
+    actor need not poll it while it waits for a batch (`gpu_pipeline`'s batch in flight)."""
 
     what: str
 
@@ -481,6 +483,8 @@ class Run(HandOut):
                     continue
                 if guard.done():
                     slot.guard, cleared = None, True
+                elif not getattr(guard, "on_gpu", True):   # done only by the actor's own work: no poll
+                    continue
                 elif time.monotonic() - slot.guarded_at > self.timeout and self.stalled is None:
                     self.stalled = LoaderTimeoutError(
                         f"batch {self.next_assign} cannot be written into its slot: {guard.what} had not finished "
