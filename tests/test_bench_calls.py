@@ -74,11 +74,12 @@ def small_packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_gpu_columns_calls_do_not_grow_with_the_rows(small_packed: Path, decode: str, share: float | None) -> None:
     """The GPU columns' path (decode="gpu", and the split at a fixed share) makes about as many Python calls
     per batch of 128 rows as per batch of 32, on the loader's threads together (the stand-in decoder's own
-    calls aside): nothing runs per image in Python. Before the columns, 32 more rows cost about 15 calls
-    each."""
+    calls aside): nothing runs per image in Python. Before the columns each row cost about 14 calls, so 96
+    more rows made a batch of 128 cost well over twice a batch of 32; the bound leaves room for the
+    counts' scatter on a loaded machine (idle waits, the workers running ahead of the count's window)."""
     calls = {n: bench_calls.python_calls(small_packed, n, 2, batches=4, decode=decode, gpu_share=share)
              for n in (32, 128)}
-    assert calls[128] < calls[32] + 96, calls
+    assert calls[128] < 1.75 * calls[32], calls
 
 
 def test_gpu_counts_take_only_the_known_paths(tiny_root: Path) -> None:
