@@ -6,13 +6,21 @@ calls (Python functions and the C functions Python calls, as `sys.setprofile` se
 loader's threads make per batch in the steady state, for the default `Workers` at each thread count
 measured (`run_calls`, on generated images or `--data`). benchmarks/bench_neighbour.py counts them too.
 
+With `--decode gpu` or `--decode auto` (`--gpu-share 0.5`) it counts the GPU columns' path instead, on the CPU
+device with the fixed-rate stand-in decoder (tests/gpu_standin.py): the workers, the device thread and
+the decode thread together, the calls made inside the decoder's own methods left out (the library's
+work, not stoker's).
+
     python benchmarks/bench_calls.py [--data DIR] [--images N] [--batch-size 256] [--workers N] [--out DIR] [--json]
+    python benchmarks/bench_calls.py --decode gpu --workers 2
+    python benchmarks/bench_calls.py --decode auto --gpu-share 0.5 --workers 2
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import threading
 from dataclasses import asdict, dataclass
@@ -30,38 +38,88 @@ CALLS_BATCH = 256
 
 #: events that are calls: a Python function, or a C function (a builtin, a NumPy function) called from Python
 _CALLS = frozenset(("call", "c_call"))
+#: --decode values: the CPU path, or the GPU columns' path (decode="gpu", or the split of decode="auto")
+DECODES = ("cpu", "gpu", "auto")
 
 
-def python_calls(packed: Path, batch_size: int, threads: int, *, batches: int = 8, seed: int = 0) -> float:
-    """Python calls per batch run by the loader's threads (the workers and the engine's coordinators),
-    RandomResizedCrop(224) + flip on the packed dataset `packed`, default `Workers` at `threads` threads:
-    counted over up to `batches` batches after a warm-up batch (the pass's start-up is not the steady
-    state). The profile hook is on only while the loader runs, and only on the threads it starts."""
+def standin_decoder() -> Any:
+    """The tests' fixed-rate stand-in GPU decoder (tests/gpu_standin.py), instant: the GPU columns' path on
+    the CPU device, where what is counted is the Python around the decoder, not the decode."""
+    tests = str(Path(__file__).resolve().parents[1] / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    from gpu_standin import FixedRateDecoder
+
+    return FixedRateDecoder()
+
+
+def _codes_of(obj: Any) -> frozenset:
+    """The code objects of `obj`'s class and its bases (its methods, and functions nested in them are run
+    from their frames): the frames the count leaves out."""
+    codes = set()
+    for cls in type(obj).__mro__[:-1]:
+        for value in vars(cls).values():
+            fn = getattr(value, "__func__", value)
+            code = getattr(fn, "__code__", None)
+            if code is not None:
+                codes.add(code)
+    return frozenset(codes)
+
+
+def python_calls(packed: Path, batch_size: int, threads: int, *, batches: int = 8, seed: int = 0,
+                 decode: str = "cpu", gpu_share: float | None = None) -> float:
+    """Python calls per batch run by the loader's threads (the workers and the engine's coordinators; with
+    `decode` "gpu" or "auto" also the device and decode threads, on the CPU device with the stand-in
+    decoder, the calls inside the decoder's own methods not counted), RandomResizedCrop(224) + flip on
+    the packed dataset `packed`, default `Workers` at `threads` threads: counted over up to `batches`
+    batches after a warm-up batch (the pass's start-up is not the steady state). The profile hook is on
+    only while the loader runs, and only on the threads it starts."""
     from stoker.loader.loader import Loader
+    from stoker.device.stage import DeviceOptions
     from stoker.loader.options import Workers
     from stoker.transforms import RandomHorizontalFlip, RandomResizedCrop
 
+    if decode not in DECODES:
+        raise ConfigError(f"python_calls: decode is one of {DECODES}, got {decode!r}")
     counts: dict[int, int] = {}
     lock = threading.Lock()
+    device = None
+    inside: dict[int, Any] = {}   # thread -> the decoder's frame it is in (its calls are not counted)
+    if decode != "cpu":
+        decoder = standin_decoder()
+        device = DeviceOptions("cpu", decode=decode, gpu_share=gpu_share, gpu_decoder=decoder)
+        skip = _codes_of(decoder)
 
     def hook(frame: Any, event: str, arg: Any) -> None:
         if event in _CALLS:
             ident = threading.get_ident()
             counts[ident] = counts.get(ident, 0) + 1   # each thread writes only its own entry
 
+    def gpu_hook(frame: Any, event: str, arg: Any) -> None:
+        ident = threading.get_ident()
+        into = inside.get(ident)
+        if into is not None:   # inside the decoder: only its return ends the skip
+            if event == "return" and frame is into:
+                inside[ident] = None
+            return
+        if event in _CALLS:
+            counts[ident] = counts.get(ident, 0) + 1   # the call into the decoder is stoker's, counted
+            if event == "call" and frame.f_code in skip:
+                inside[ident] = frame
+
     def snapshot() -> int:
         with lock:
             return sum(list(counts.values()))
 
     loader = Loader(str(packed), batch_size, transforms=[RandomResizedCrop(224), RandomHorizontalFlip()],
-                    seed=seed, workers=Workers(num_threads=threads))
+                    seed=seed, workers=Workers(num_threads=threads), device=device)
     warm = 1
     batches = min(batches, len(loader) - warm - 1)   # the last batch may be short
     if batches < 1:
         loader.close()
         raise ConfigError(f"python_calls: {len(loader)} batches of {batch_size} is too few to count in the steady "
                           f"state (at least 3 are needed); use more images (--images) or a smaller --batch-size")
-    threading.setprofile(hook)   # only threads started from here on: the loader's, not this one
+    threading.setprofile(hook if device is None else gpu_hook)   # only threads started from here on: the loader's
     try:
         it = iter(loader)
     finally:
@@ -93,6 +151,8 @@ class CallsResult:
     batch_size: int
     data: dict[str, Any]
     machine: dict[str, Any]
+    decode: str = "cpu"   # "gpu" or "auto": the GPU columns' path, on the CPU device with the stand-in decoder
+    gpu_share: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -102,10 +162,11 @@ class CallsResult:
 
 def run_calls(data_dir: Path | None = None, *, images: int | None = None, batch_size: int = CALLS_BATCH,
               threads: tuple[int, ...] = CALLS_THREADS, out_dir: Path | None = None, seed: int = 0,
-              progress: bool = False) -> CallsResult:
+              progress: bool = False, decode: str = "cpu", gpu_share: float | None = None) -> CallsResult:
     """`python_calls` at each of `threads` on `data_dir` (an ImageFolder tree of JPEGs; None: `images`
     generated ImageNet-like JPEGs, default 1,000), packed once. `out_dir` keeps the data and receives
-    calls.json and calls.md. Raises ConfigError for bad arguments or too few images for three batches."""
+    calls.json and calls.md. `decode`/`gpu_share`: as `python_calls`. Raises ConfigError for bad arguments or
+    too few images for three batches."""
     from stoker._progress import Progress
     from stoker.tools.baseline import list_image_folder
     from stoker.tools.bench import _data_stats, _pack_once, machine_info
@@ -128,9 +189,10 @@ def run_calls(data_dir: Path | None = None, *, images: int | None = None, batch_
         calls: dict[int, float] = {}
         for n in threads:
             bar.stage(f"Python calls per batch of {batch_size} at {n} threads")
-            calls[n] = python_calls(packed, batch_size, n, seed=seed)
+            calls[n] = python_calls(packed, batch_size, n, seed=seed, decode=decode, gpu_share=gpu_share)
             bar.update()
-        result = CallsResult(calls, batch_size, _data_stats(root, samples, generated), machine_info())
+        result = CallsResult(calls, batch_size, _data_stats(root, samples, generated), machine_info(), decode,
+                             gpu_share)
         if out_dir is not None:
             (work / "calls.json").write_text(json.dumps(result.to_json(), indent=1) + "\n")
             (work / "calls.md").write_text(format_calls(result) + "\n")
@@ -142,6 +204,11 @@ def format_calls(result: CallsResult) -> str:
     d, m = result.data, result.machine
     lines = [f"| stoker threads | Python calls per batch of {result.batch_size} (loader's threads) |", "| ---: | ---: |"]
     lines += [f"| {n} | {c:,.0f} |" for n, c in result.calls.items()]
+    if result.decode != "cpu":
+        share = "" if result.gpu_share is None else f", gpu_share={result.gpu_share:g}"
+        lines += ["", f"Path: decode={result.decode!r}{share} on the CPU device with the fixed-rate stand-in "
+                      f"decoder (tests/gpu_standin.py); the workers', device thread's and decode thread's calls "
+                      f"together, those inside the decoder's own methods left out."]
     lines += ["",
               "Counted: the calls (Python functions, and C functions called from Python) the Loader's own threads "
               "make per batch in the steady state (after one warm-up batch), with threading.setprofile; "
@@ -161,13 +228,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=None,
                    help=f"count at N threads (default at each of {', '.join(map(str, CALLS_THREADS))})")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="receives calls.json and calls.md")
+    p.add_argument("--decode", choices=DECODES, default="cpu",
+                   help="the CPU path (default), or the GPU columns' path on the CPU device with a stand-in decoder")
+    p.add_argument("--gpu-share", type=float, default=None, help="with --decode auto: a fixed share of the JPEG rows")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress")
     args = p.parse_args(argv)
     try:
         result = run_calls(args.data, images=args.images, batch_size=args.batch_size,
                            threads=(args.workers,) if args.workers else CALLS_THREADS, out_dir=args.out,
-                           progress=not args.quiet)
+                           progress=not args.quiet, decode=args.decode, gpu_share=args.gpu_share)
     except StokerError as exc:
         p.error(str(exc))
     print(json.dumps(result.to_json(), indent=1) if args.json else format_calls(result))

@@ -6,7 +6,8 @@ calling thread for `latency_s + images / images_per_s` seconds, as a library tha
 is called does (the hardware JPEG engines; TorchCodec host-synchronizes), with the GIL released
 (`time.sleep`), then returns uint8 [3, H, W] tensors of the right size: the image's (read from the
 JPEG header) or, with `regions=True`, the window's. Their pixels are a flat grey: what is measured
-is the pipeline around the decoder, not the decode.
+is the pipeline around the decoder, not the decode. `decode_columns`, the columns form the Loader calls,
+serves the same call (a subclass that overrides `decode` changes both).
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from stoker.codecs import probe
+from stoker.device.gpu_backends import as_layout, spans_views
 
 
 class FixedRateDecoder:
@@ -29,6 +32,7 @@ class FixedRateDecoder:
         self.regions = regions
         self.sleep = sleep
         self.name = f"fixed-rate stand-in ({latency_s * 1e3:g} ms + {images_per_s:g} img/s)"
+        self.layout = "chw"
         self.calls: list[int] = []  # images per call
         self.busy_s = 0.0  # seconds spent inside decode
         self._lock = threading.Lock()
@@ -53,3 +57,8 @@ class FixedRateDecoder:
             self.calls.append(len(datas))
             self.busy_s += time.perf_counter() - t0
         return out
+
+    def decode_columns(self, data: torch.Tensor, spans: np.ndarray, regions: np.ndarray | None = None) -> list[Any]:
+        """`decode` of `data[spans[i, 0]:spans[i, 1]]` (`GpuDecoder.decode_columns`)."""
+        wins = None if regions is None else [tuple(r) for r in regions.tolist()]
+        return as_layout(self.decode(spans_views(data, spans), wins), self.layout)

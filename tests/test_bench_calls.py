@@ -55,3 +55,33 @@ def test_stoker_bench_names_the_script_that_counts_them_now(argv: list[str], tin
     assert "run python benchmarks/bench_calls.py [--data DIR] [--workers N]" in err
     with pytest.raises(ConfigError, match="benchmarks/bench_calls.py"):
         run_bench(tiny_root, isolate=False, pipelines=("calls", "stoker-train"))
+
+
+@pytest.fixture(scope="module")
+def small_packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """1,800 generated JPEGs of 72 x 96 (stored as JPEGs: above the pack's raw size), packed: enough batches
+    of 128 to count in the steady state."""
+    from stoker.tools.bench import _pack_once
+    from stoker.tools.synth import make_tiny_jpegs
+
+    root = tmp_path_factory.mktemp("calls-gpu")
+    make_tiny_jpegs(root / "data", 1800, classes=4, size=(72, 96))
+    _pack_once(root / "data", root / "packed", 2)
+    return root / "packed"
+
+
+@pytest.mark.parametrize("decode, share", [("gpu", None), ("auto", 0.5)])
+def test_gpu_columns_calls_do_not_grow_with_the_rows(small_packed: Path, decode: str, share: float | None) -> None:
+    """The GPU columns' path (decode="gpu", and the split at a fixed share) makes about as many Python calls
+    per batch of 128 rows as per batch of 32, on the loader's threads together (the stand-in decoder's own
+    calls aside): nothing runs per image in Python. Before the columns each row cost about 14 calls, so 96
+    more rows made a batch of 128 cost well over twice a batch of 32; the bound leaves room for the
+    counts' scatter on a loaded machine (idle waits, the workers running ahead of the count's window)."""
+    calls = {n: bench_calls.python_calls(small_packed, n, 2, batches=4, decode=decode, gpu_share=share)
+             for n in (32, 128)}
+    assert calls[128] < 1.75 * calls[32], calls
+
+
+def test_gpu_counts_take_only_the_known_paths(tiny_root: Path) -> None:
+    with pytest.raises(ConfigError, match="decode"):
+        bench_calls.python_calls(tiny_root, 4, 1, decode="nvjpeg")

@@ -5,14 +5,18 @@ same samples, in the same order."""
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 
 from stoker.device import gpu_decode
-from stoker.device.gpu_backends import _decode_each
-from stoker.device.gpu_decode import GpuBatchDecoder, _dense, _flats, _Placed, resample_into
+from stoker.device.gpu_backends import _decode_each, as_layout, spans_views
+from stoker.device.gpu_decode import GpuBatchDecoder, _Placed, layout_meta, resample_into
 from stoker.errors import CorruptImageError
+from stoker.loading.jobs import GpuBatch
 from stoker.transforms import Pipeline, RandomHorizontalFlip, RandomResizedCrop, crop_window
 from test_gpu_decode import SIZES, CpuDecoder, jobs_for, make_jpegs
 
@@ -29,27 +33,23 @@ def layouts(img: torch.Tensor) -> dict[str, torch.Tensor]:
             "gray": img[:1].expand(3, h, w)}
 
 
-def test_flats_match_dense_for_every_layout() -> None:
-    """`_flats` (two calls per image when every image is CHW or interleaved HWC) reads the same pixels
-    at the same strides as `_dense` per image, also for chunks that take `_dense`'s path."""
+@pytest.mark.parametrize("layout", ["chw", "hwc"])
+def test_layout_meta_reads_each_image_back_from_the_joined_buffer(layout: str) -> None:
+    """`layout_meta`'s starts and strides, over images joined back to back in one buffer (as
+    `decode_chunk` joins a decoder's results), read every image's pixels back as [3, h, w]."""
     rng = np.random.default_rng(0)
     imgs = [torch.from_numpy(rng.integers(0, 256, (3, h, w), dtype=np.uint8)) for h, w in [(5, 7), (9, 4), (1, 6)]]
-    for names in (["chw", "hwc", "offset"], ["chw", "strided", "gray", "hwc"]):
-        chunk = [layouts(img)[name] for img, name in zip(imgs * 2, names)]
-        flats, meta = _flats(chunk)
-        assert meta.shape == (len(chunk), 4) and meta.dtype == np.int64
-        for img, flat, (sc, sy, sx, n) in zip(chunk, flats, meta.tolist()):
-            want, strides = _dense(img)
-            assert (sc, sy, sx) == strides and n == want.numel() == flat.numel()
-            assert torch.equal(flat, want)
-            c, h, w = img.shape
-            idx = torch.arange(c).view(c, 1, 1) * sc + torch.arange(h).view(1, h, 1) * sy + torch.arange(w) * sx
-            assert torch.equal(flat[idx], img)
+    stored = [img.permute(1, 2, 0).contiguous() if layout == "hwc" else img for img in imgs]
+    flat = torch.cat([t.reshape(-1) for t in stored])
+    meta = layout_meta(np.array([5, 9, 1]), np.array([7, 4, 6]), layout)
+    assert meta.shape == (3, 6) and meta.dtype == np.int64
+    for img, (base, sc, sy, sx, h, w) in zip(imgs, meta.tolist()):
+        assert torch.equal(flat.as_strided((3, h, w), (sc, sy, sx), base), img)
 
 
 def test_resample_is_the_same_whatever_the_layouts_and_grouping() -> None:
-    """One chunk with its images in mixed layouts (all taking the two-call path, or one forcing
-    `_dense`'s) resamples to the same pixels as each image alone, made contiguous."""
+    """One chunk with its images in mixed layouts (CHW, interleaved, strided, at an offset, grayscale
+    expanded) resamples to the same pixels as each image alone, made contiguous."""
     pipe = Pipeline([RandomResizedCrop(40), RandomHorizontalFlip()])
     jobs, _ = jobs_for(pipe, make_jpegs(seed=5), SIZES, seed=2)
     dec = CpuDecoder()
@@ -227,3 +227,99 @@ def test_the_device_side_makes_a_job_only_for_a_row_that_fails(packed: "Path", m
         for r in range(x.shape[0]):
             if 8 * b + r not in picked:
                 assert torch.equal(x[r], y[r]), (b, r)
+
+
+class ColumnsDecoder(CpuDecoder):
+    """`CpuDecoder` with the columns form (`GpuDecoder.decode_columns`), its images in `layout` order."""
+
+    def decode_columns(self, data: torch.Tensor, spans: np.ndarray, regions: np.ndarray | None = None) -> list:
+        return as_layout(self.decode(spans_views(data, spans)), self.layout)
+
+
+def columns_of(jobs: list) -> GpuBatch:
+    """`jobs` as columns: their bytes back to back in one buffer, each row's span in it."""
+    batch = GpuBatch.of_jobs(jobs)
+    sizes = np.array([j.data.numel() for j in jobs], np.int64)
+    spans = np.stack([np.cumsum(sizes) - sizes, np.cumsum(sizes)], 1)
+    return GpuBatch(batch.geo, batch.box, torch.cat([j.data for j in jobs]), spans, list(jobs), [None] * len(jobs))
+
+
+@pytest.mark.parametrize("layout", ["chw", "hwc"])
+def test_the_columns_form_gives_the_list_forms_pixels(layout: str) -> None:
+    """A decoder's `decode_columns`, its images planar or interleaved, decodes and resamples a chunk to the
+    same pixels as its list form (`decode`), one call for the whole chunk."""
+    pipe = Pipeline([RandomResizedCrop(40), RandomHorizontalFlip()])
+    jobs, _ = jobs_for(pipe, make_jpegs(seed=3), SIZES, seed=6)
+    want = torch.zeros((len(jobs), 3, 40, 40), dtype=torch.uint8)
+    assert GpuBatchDecoder(CpuDecoder(), "cpu").run(jobs, want) == []
+    dec = ColumnsDecoder(layout)
+    gpu = GpuBatchDecoder(dec, "cpu")
+    placed, failures = gpu.decode_chunk(columns_of(jobs), 40, 40)
+    assert failures == [] and dec.calls == [len(jobs)] and placed.meta[0, 2] == (3 * SIZES[0][1] if layout == "hwc"
+                                                                                  else SIZES[0][1])
+    got = torch.zeros_like(want)
+    assert gpu.resample_chunk(placed, got) == []
+    assert torch.equal(got, want) and want.float().std() > 10
+
+
+def test_the_columns_form_fails_only_the_bad_rows() -> None:
+    """An empty row fails without reaching the decoder; a call that raises is retried one row at a time."""
+    pipe = Pipeline([RandomResizedCrop(32)])
+    jobs, _ = jobs_for(pipe, make_jpegs(seed=9)[:4], SIZES[:4], seed=1)
+    for i, j in enumerate(jobs):
+        j.row, j.key = i, f"img/{i}"
+    cols = columns_of(jobs)
+    cols.spans[2, 1] = cols.spans[2, 0]   # row 2: no bytes
+
+    class Raises(ColumnsDecoder):
+        def decode_columns(self, data, spans, regions=None):
+            if len(spans) > 1:
+                raise RuntimeError("one bad image fails the whole call")
+            return super().decode_columns(data, spans, regions)
+
+    placed, failures = GpuBatchDecoder(Raises(), "cpu").decode_chunk(cols, 32, 32)
+    assert placed.pos.tolist() == [0, 1, 3] and [j.key for j, _ in failures] == ["img/2"]
+    assert "empty" in str(failures[0][1])
+
+
+def _calls_in(fn: Any) -> int:
+    """The Python calls (functions, and C functions called from Python) `fn()` makes."""
+    n = [0]
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if event in ("call", "c_call"):
+            n[0] += 1
+
+    sys.setprofile(hook)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return n[0]
+
+
+def test_a_chunk_costs_the_same_calls_whatever_its_rows() -> None:
+    """decode_chunk and resample_chunk on columns make as many Python calls for 32 rows as for 8 (the
+    decoder's own calls aside: the stand-in is called once, and its work is in C)."""
+    pipe = Pipeline([RandomResizedCrop(24), RandomHorizontalFlip()])
+    jobs, _ = jobs_for(pipe, make_jpegs(seed=4) * 4, SIZES * 4, seed=2)
+    for i, j in enumerate(jobs):   # planned as the workers plan them (`jobs.crop_windows`)
+        j.row, j.window = i, crop_window(j.box, j.height, j.width, j.height, j.width, 24, 24)
+
+    class Instant:   # decodes nothing: grey images of the stored sizes, made beforehand
+        name, layout = "instant", "chw"
+
+        def decode_columns(self, data, spans, regions=None):
+            return list(grey[: len(spans)])
+
+    counts = []
+    for n in (8, 32):
+        cols = columns_of(jobs[:n])
+        grey = [torch.full((3, j.height, j.width), 9, dtype=torch.uint8) for j in jobs[:n]]
+        gpu = GpuBatchDecoder(Instant(), "cpu")
+        out = torch.zeros((n, 3, 24, 24), dtype=torch.uint8)
+        box: list = []
+        counts.append(_calls_in(lambda: box.append(gpu.decode_chunk(cols, 24, 24)))
+                      + _calls_in(lambda: gpu.resample_chunk(box[0][0], out)))
+        assert box[0][1] == [] and int(out.min()) == int(out.max()) == 9
+    assert counts[0] == counts[1], counts

@@ -476,3 +476,34 @@ def test_loader_stats_say_the_split_runs_the_engine_and_nothing_stays_per_row(pa
         assert loose.route.gpu == "none" and "pack the data first" in loose.stats.gpu_split
     finally:
         loose.close()
+
+
+def test_the_split_reads_gpu_time_from_events_only_once_they_are_done() -> None:
+    """On a GPU the split is fed device time: the decode's and the resample's CUDA events, read only
+    once `query()` says they completed (never a wait), the busier stream's span, oldest batch first."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from stoker.device.gpu_pipeline import PipelinedBuilder
+
+    class Event:
+        def __init__(self, at_ms: float, done: bool = True) -> None:
+            self.at_ms, self.done = at_ms, done
+
+        def query(self) -> bool:
+            return self.done
+
+        def elapsed_time(self, end: "Event") -> float:
+            assert self.done and end.done, "read before it completed"
+            return end.at_ms - self.at_ms
+
+    seen: list = []
+    late = Event(30.0, done=False)
+    fake = SimpleNamespace(timings=deque([(10, (Event(0), Event(8), Event(2), Event(5)), 0.5),
+                                          (20, (Event(10), Event(12), Event(13), late), 0.0)]),
+                           split=SimpleNamespace(observe_gpu=lambda n, s: seen.append((n, s))))
+    PipelinedBuilder._gpu_times(fake)   # the second batch's resample has not run yet: left for later
+    assert seen == [(10, pytest.approx(0.008 + 0.5))] and len(fake.timings) == 1
+    late.done = True
+    PipelinedBuilder._gpu_times(fake)
+    assert seen[1] == (20, pytest.approx(0.017)) and not fake.timings

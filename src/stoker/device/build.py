@@ -14,6 +14,8 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+
 from .._torch import torch
 from .stage import DeviceStage, convert, storages_on
 from ..loading.handout import batch_extras, labels_of, run_batch_ops
@@ -102,16 +104,15 @@ class DeviceBuilder:
 
     @staticmethod
     def upload_rows(slot: Slot, x: torch.Tensor, rows: list[int]) -> None:
-        """Copy `rows` of the slot's images into `x` (on the device), one asynchronous copy per run of
-        consecutive rows."""
-        start = 0
-        while start < len(rows):
-            end = start + 1
-            while end < len(rows) and rows[end] == rows[end - 1] + 1:
-                end += 1
-            a, b = rows[start], rows[end - 1] + 1
-            x[a:b].copy_(slot.images[a:b], non_blocking=True)
-            start = end
+        """Copy `rows` (ascending) of the slot's images into `x` (on the device), one asynchronous copy per
+        run of consecutive rows; the runs found in NumPy, not row by row."""
+        if not rows:
+            return
+        r = np.asarray(rows, np.int64)
+        cut = np.flatnonzero(r[1:] != r[:-1] + 1) + 1
+        images = slot.images
+        for a, b in zip(r[np.r_[0, cut]].tolist(), (r[np.r_[cut - 1, len(r) - 1]] + 1).tolist()):
+            x[a:b].copy_(images[a:b], non_blocking=True)
 
     def fallback(self, slot: Slot, x: torch.Tensor, failed: list) -> None:
         """The Python path for each (job, exception) the GPU could not decode: rendered into the slot (or

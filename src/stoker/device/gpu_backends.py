@@ -2,7 +2,9 @@
 (hardware JPEG engines first), each also runnable on the CPU for tests; `make_decoder` picks one.
 
 A decoder returns one result per JPEG (a uint8 [3, H, W] tensor on its device, or the exception for
-that sample); `gpu_decode.GpuBatchDecoder` crops, resizes and places them.
+that sample); `gpu_decode.GpuBatchDecoder` crops, resizes and places them. Its columns form,
+`decode_columns` (one buffer of JPEGs and their spans in, each image in the library's own layout out),
+keeps the per-image work inside the decoder: the Loader's side of a chunk is then a fixed number of calls.
 """
 
 from __future__ import annotations
@@ -33,7 +35,16 @@ class GpuDecoder(Protocol):
     each window (the result is that window's pixels); `reuse` > 0 means the decoder writes each call's
     outputs into a ring of `reuse` sets of buffers, and `use_entry(k)` says which set the next call
     writes into: the caller calls it only once it has finished reading the images that set held
-    (`gpu_pipeline` waits for that, on an event)."""
+    (`gpu_pipeline` waits for that, on an event).
+
+    Optional, and what the Loader calls where a decoder has it: `decode_columns(data, spans,
+    regions=None)`, the same decode with the JPEGs as columns (`data`: one 1-D uint8 CPU tensor;
+    `spans`: int64 [k, 2], image i is `data[spans[i, 0]:spans[i, 1]]`; `regions`: int64 [k, 4] windows
+    (top, bottom, left, right) for a `regions` decoder, else None). One entry per image, in order: a
+    uint8 tensor on the device shaped as the decoder's `layout` says ("chw", the default: [3, H, W];
+    "hwc": interleaved [H, W, 3]), dense where it can be (the Loader joins the chunk's images in one
+    call, copying only those that are not), or the exception for that image; anything else is checked
+    one image at a time. The decoders here implement it."""
 
     name: str  # e.g. "TorchCodec 0.17.0 nvJPEG"
 
@@ -41,6 +52,19 @@ class GpuDecoder(Protocol):
         """One result per input, in order: a uint8 RGB tensor [3, H, W] on the decoder's device, or the
         exception for that sample. One failing sample must not fail the others."""
         ...
+
+
+def spans_views(data: torch.Tensor, spans: np.ndarray) -> list[torch.Tensor]:
+    """Each image's bytes as a view of `data` (`decode_columns`' inputs as `decode`'s)."""
+    return [data[a:b] for a, b in spans.tolist()]
+
+
+def as_layout(images: list[Any], layout: str = "chw") -> list[Any]:
+    """`decode`'s results ([C, H, W] tensors) as `decode_columns` returns them in `layout`: as they are
+    for "chw"; for "hwc" each tensor viewed back as the [H, W, C] the library wrote (no copy)."""
+    if layout != "hwc":
+        return images
+    return [img.permute(1, 2, 0) if isinstance(img, torch.Tensor) and img.ndim == 3 else img for img in images]
 
 
 # ---- backends ------------------------------------------------------------------------------------
@@ -104,6 +128,40 @@ def _decode_each(call: Any, datas: Sequence[torch.Tensor], regions: Sequence[Any
     return results
 
 
+def _columns_each(call: Any, data: torch.Tensor, spans: np.ndarray, regions: np.ndarray | None = None) -> list[Any]:
+    """`call(data, spans, regions)` (a `decode_columns`), one result per row; when the call fails (or
+    returns something other than a list of one result per row), each row alone, so only the bad ones
+    fail. Empty rows fail at once, never reaching the decoder."""
+    n = len(spans)
+    empty = spans[:, 1] <= spans[:, 0]
+    if empty.any():
+        results: list[Any] = [ValueError("sample is empty (0 bytes)") if e else None for e in empty.tolist()]
+        todo = np.flatnonzero(~empty)
+        if len(todo):
+            for i, out in zip(todo.tolist(), _columns_each(call, data, spans[todo],
+                                                           None if regions is None else regions[todo])):
+                results[i] = out
+        return results
+    try:
+        outs = call(data, spans, regions)
+        if not isinstance(outs, list) or len(outs) != n:
+            got = f"{len(outs)} results" if isinstance(outs, list) else type(outs).__name__
+            raise RuntimeError(f"the decoder returned {got} for {n} inputs")
+        return outs
+    except Exception as exc:
+        if n == 1:
+            return [exc]
+    outs = []
+    for i in range(n):
+        try:
+            one = call(data, spans[i:i + 1], None if regions is None else regions[i:i + 1])
+            outs.append(one[0] if isinstance(one, list) and len(one) == 1
+                        else RuntimeError("the decoder returned no image"))
+        except Exception as single_exc:
+            outs.append(single_exc)
+    return outs
+
+
 def _version(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", text.split("+")[0])[:3])
 
@@ -162,6 +220,7 @@ class _Backend:
     writes_at_call = False
     regions = False  # decodes whole images only
     reuse = 0  # a fresh output per image, freed by torch
+    layout = "chw"  # decode_columns' pixel order: planar [3, H, W]
 
     def _call(self, batch: list[torch.Tensor]) -> list[Any]:
         raise NotImplementedError
@@ -170,6 +229,18 @@ class _Backend:
         context = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         with context:
             return _decode_each(self._call, datas)
+
+    def decode_columns(self, data: torch.Tensor, spans: np.ndarray, regions: np.ndarray | None = None
+                       ) -> list[Any]:
+        """`decode` of the JPEGs `data[spans[i, 0]:spans[i, 1]]` (`GpuDecoder.decode_columns`): the library
+        takes a list of per-image inputs, so they are made here, and each output is returned in `layout`,
+        as the library wrote it (no copy)."""
+        datas = spans_views(data, spans)
+        if regions is None:
+            images = self.decode(datas)
+        else:
+            images = self.decode(datas, regions=[tuple(r) for r in regions.tolist()])  # type: ignore[call-arg]
+        return as_layout(images, self.layout)
 
 
 class TorchCodecDecoder(_Backend):
@@ -250,7 +321,8 @@ class NvImageCodecDecoder(_Backend):
     call is made, not in stream order (meta-pytorch/torchcodec#1634), so this backend says
     `writes_at_call`, and `GpuBatchDecoder` waits for an event recorded after the last read of the
     previous chunk's images before each decode (not for the whole stream). Images come back
-    interleaved [H, W, 3] and are viewed as [3, H, W].
+    interleaved [H, W, 3] and are viewed as [3, H, W] (`decode_columns` returns them interleaved,
+    `layout = "hwc"`, each as its Image: no copy).
     Colour spec sRGB turns grayscale and CMYK into 3 channels; EXIF orientation is not applied (as on
     the CPU path). An image that fails comes back as None (older releases drop it from the list
     instead; a list of the wrong length is retried one image at a time).
@@ -266,6 +338,7 @@ class NvImageCodecDecoder(_Backend):
     """
 
     label = "nvImageCodec"
+    layout = "hwc"  # its Images are interleaved [H, W, 3]: decode_columns returns them as they are
 
     @staticmethod
     def load() -> Any:

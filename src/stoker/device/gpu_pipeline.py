@@ -44,7 +44,10 @@ from .stage import storages_on
 _log = logging.getLogger("stoker.gpu")
 
 RING = 3  # decoded chunks (and uint8 batch buffers) in flight: decoding, resampling, converting
-_POLL_S = 0.1  # how often a blocked wait re-checks the stop flag, seconds
+# how often a blocked wait re-checks the stop flag, seconds: every wait is also woken by what it waits for
+# and by a stop (`DecodeThread.wake`), so this is only the safety net, long enough that idle threads cost
+# no Python calls to speak of
+_POLL_S = 1.0
 LOG_EVERY = 100  # batches between two `stoker.gpu` log lines of the phase timers
 
 
@@ -71,6 +74,7 @@ class _Ticket:
     chunks: deque = field(default_factory=deque)
     n_chunks: int = -1  # known once the decode thread has cut the batch
     error: BaseException | None = None
+    started: Any = None  # CUDA timing event on the decode stream before its first chunk (None on the CPU)
 
 
 class DecodeThread:
@@ -114,6 +118,9 @@ class DecodeThread:
                 with self.cond:
                     ticket.n_chunks = len(chunks)
                     self.cond.notify_all()
+                if stream is not None and chunks:   # the GPU time of the split (`PipelinedBuilder._gpu_times`)
+                    ticket.started = torch.cuda.Event(enable_timing=True)
+                    ticket.started.record(stream)
                 for jobs in chunks:
                     if not self._make_room():
                         return
@@ -136,6 +143,8 @@ class DecodeThread:
             while not oldest.released.wait(_POLL_S):
                 if self.stop_event.is_set():
                     return False
+            if self.stop_event.is_set():   # woken by `wake`, not by the device thread
+                return False
             if oldest.reads is not None:
                 oldest.reads.synchronize()
             self.phases.add("reads_wait_s", time.perf_counter() - t0)
@@ -158,7 +167,7 @@ class DecodeThread:
             else:
                 with torch.cuda.stream(stream):
                     placed, failures = self.gpu.decode_chunk(jobs, ticket.out_h, ticket.out_w)
-                    event = torch.cuda.Event()
+                    event = torch.cuda.Event(enable_timing=True)
                     event.record(stream)
         finally:
             self.calling_since = None
@@ -189,9 +198,15 @@ class DecodeThread:
                                              f"it is genuinely this slow, or use decode='cpu'")
                 self.cond.wait(min(_POLL_S, left))
 
-    def join(self, timeout: float) -> None:
+    def wake(self) -> None:
+        """After the stop flag is set: wake every wait on this thread's condition and chunks now."""
         with self.cond:
             self.cond.notify_all()
+            for chunk in self.live:
+                chunk.released.set()
+
+    def join(self, timeout: float) -> None:
+        self.wake()
         if self.thread.is_alive() and self.thread is not threading.current_thread():
             self.thread.join(timeout)
 
@@ -237,6 +252,12 @@ class _Pending:
         """The slot may be refilled: the batch is finished (or abandoned) and its copies have run."""
         return self.finished and self.copied.done()
 
+    @property
+    def on_gpu(self) -> bool:
+        """Until the device thread finishes the batch, only it can clear this guard: the device thread
+        waiting for the next batch need not poll it (`slots.Guard`); after, its copies are the GPU's."""
+        return self.finished
+
 
 class PipelinedBuilder:
     """`DeviceBuilder`'s work split in two for the pipeline: `submit` (upload the rows rendered on the
@@ -251,6 +272,8 @@ class PipelinedBuilder:
         self.phases = Phases(self.stats)
         self.decoder = DecodeThread(gpu, stop, timeout, self.phases)
         self.buffers: list[torch.Tensor | None] = [None] * RING
+        # batches whose GPU time is not read yet: (images, events, seconds of CPU fallbacks), oldest first
+        self.timings: deque = deque()
         self.turn = 0
         self.batches = 0
         self.measure = base.measure
@@ -304,6 +327,8 @@ class PipelinedBuilder:
         nchw = x.permute(0, 3, 1, 2)
         failures: list = []
         k, decode_wait, resample, decode_s = 0, 0.0, 0.0, 0.0
+        cuda = self.stage.stream is not None
+        last_decoded = res_start = None
         while True:
             t0 = time.perf_counter()
             chunk = self.decoder.next_chunk(ticket, k)
@@ -313,6 +338,10 @@ class PipelinedBuilder:
                 break
             if chunk.decoded is not None:
                 self.stage.stream.wait_event(chunk.decoded)
+                last_decoded = chunk.decoded
+                if res_start is None:
+                    res_start = torch.cuda.Event(enable_timing=True)
+                    res_start.record(self.stage.stream)
             failures += chunk.failures
             decode_s += chunk.seconds
             failures += self.gpu.resample_chunk(chunk.placed, nchw)
@@ -324,6 +353,11 @@ class PipelinedBuilder:
             k += 1
         self.phases.add("decode_wait_s", decode_wait)
         self.phases.add("resample_s", resample)
+        events = None
+        if cuda and res_start is not None and ticket.started is not None:
+            res_end = torch.cuda.Event(enable_timing=True)
+            res_end.record(self.stage.stream)
+            events = (ticket.started, last_decoded, res_start, res_end)
         t2 = time.perf_counter()
         labels, extras = self.base.host_items(slot)
         if failures:   # rendered on the Python path, and on_error="skip" may replace a sample, label and extras
@@ -339,14 +373,19 @@ class PipelinedBuilder:
         self.phases.add("convert_s", t4 - t3)
         # the GPU side's pace: its busier stage, the decode calls or the resample (they overlap), and the
         # CPU decode of the images it could not decode
-        self._account(slot, ticket, failures, gpu_side=max(decode_s, resample) + (fallback if failures else 0.0))
+        self._account(slot, ticket, failures, gpu_side=max(decode_s, resample) + (fallback if failures else 0.0),
+                      events=events, fallback=fallback if failures else 0.0)
         self.stats.device_s += pending.submit_s + t4 - t_finish - decode_wait
         self.base.working = storages_on(x, self.opts.device)
         if storages_on(batch, self.opts.device).keys() & self.base.working.keys():
             self.buffers[self.buffers.index(x)] = None  # handed out as it is: never reused
         return batch, reusable
 
-    def _account(self, slot: Slot, ticket: _Ticket, failures: list, gpu_side: float) -> None:
+    def _account(self, slot: Slot, ticket: _Ticket, failures: list, gpu_side: float, events: Any = None,
+                 fallback: float = 0.0) -> None:
+        """Count the batch, and feed the split its two sides: the CPU rows' seconds on the workers, the GPU
+        rows' seconds (`gpu_side`, host time; on a GPU the device time of the CUDA `events`, read once they
+        have completed, `_gpu_times`)."""
         stats = self.stats
         n_gpu = len(ticket.jobs)
         with self.base.lock:
@@ -359,8 +398,11 @@ class PipelinedBuilder:
             n_cpu = slot.size - n_gpu
             if n_cpu > 0:
                 self.split.observe_cpu(n_cpu, cpu_s)
-            if n_gpu:   # what the GPU decoded: its fallbacks were the CPU's work, on its time
+            if n_gpu and events is not None:   # timed on the GPU, read when done
+                self.timings.append((n_gpu - len(failures), events, fallback))
+            elif n_gpu:   # what the GPU decoded: its fallbacks were the CPU's work, on its time
                 self.split.observe_gpu(n_gpu - len(failures), gpu_side)
+            self._gpu_times()
             # the batch's pace: its slower side, each timed where it ran (not the gap between two
             # batches, which a backlog of finished slots would shorten)
             self.split.observe_batch(slot.size, max(cpu_s / self.split.threads, gpu_side if n_gpu else 0.0),
@@ -370,6 +412,19 @@ class PipelinedBuilder:
         self.batches += 1
         if self.batches % LOG_EVERY == 0:
             _log.info(self.phases.line(self.batches))
+
+    def _gpu_times(self) -> None:
+        """Feed the split the GPU time of every earlier batch whose events have completed (`query`: never
+        a wait): its busier stream, the decode (from before its first chunk to after its last) or the
+        resample (they overlap across batches), plus the host seconds of its CPU fallbacks."""
+        timings = self.timings
+        while timings:
+            images, (started, decoded, res_start, res_end), fallback = timings[0]
+            if not res_end.query() or not decoded.query():
+                return
+            timings.popleft()
+            ms = max(started.elapsed_time(decoded), res_start.elapsed_time(res_end))
+            self.split.observe_gpu(images, ms / 1e3 + fallback)   # type: ignore[union-attr]
 
     def close(self, timeout: float) -> None:
         self.decoder.join(timeout)
@@ -439,5 +494,7 @@ class PipelinedFeeder(Feeder):
     def stop(self, join_timeout: float = 5.0) -> None:
         if self.run.forked:   # the decode thread is the parent's
             return
+        self.stop_event.set()
+        self.pipe.decoder.wake()   # the device thread may be waiting for a decoded chunk
         super().stop(join_timeout)
         self.pipe.close(join_timeout)

@@ -94,39 +94,45 @@ GEO_COLUMNS = 15
 @dataclass(eq=False)
 class GpuRows:
     """A chunk of a batch's GPU rows, prepared by a worker thread in one call (`render.Filler.queue_gpu_rows`):
-    the rows' JPEGs back to back in `data` (a view of the slot's staging buffer where they fit, else one
-    private buffer) at `offsets`, and each row's crop plan and window as columns (`geo`, `box`). The
-    device side decodes it as columns (`batch`); a `GpuJob` is made only for a row that needs one
-    (`GpuBatch.job`)."""
+    the rows' JPEGs back to back in `data` (the slot's staging buffer where they fit, else one private
+    buffer) at `spans`, and each row's crop plan and window as columns (`geo`, `box`). The device side
+    decodes it as columns (`batch`); a `GpuJob` is made only for a row that needs one (`GpuBatch.job`)."""
 
-    data: torch.Tensor  # 1-D uint8: the rows' JPEG bytes
-    offsets: np.ndarray  # int64 [k + 1]: row i's bytes are data[offsets[i]:offsets[i + 1]]
+    data: torch.Tensor  # 1-D uint8: holds the rows' JPEG bytes
+    spans: np.ndarray  # int64 [k, 2]: row i's bytes are data[spans[i, 0]:spans[i, 1]]
     geo: np.ndarray  # int64 [k, GEO_COLUMNS]: rows, flips, sizes, crop windows, dataset indices
     box: np.ndarray  # float64 [k, 4]: crop (top, left, height, width), the plan's box
     dataset: Any
 
     def batch(self) -> "GpuBatch":
-        """The chunk as columns: the decoder inputs (views of `data`) made in one comprehension."""
-        data, off = self.data, self.offsets.tolist()
+        """The chunk as columns (no per-row object)."""
         k = len(self.geo)
-        return GpuBatch(self.geo, self.box, [data[a:b] for a, b in zip(off[:-1], off[1:])], [None] * k,
-                        [self.dataset] * k)
+        return GpuBatch(self.geo, self.box, self.data, self.spans, [None] * k, [self.dataset] * k)
 
 
 class GpuBatch:
     """A batch's (or a chunk's) GPU rows as columns, in the order they are decoded: the device side
     passes these around rather than one `GpuJob` per row. The numbers are one int64 matrix (`geo`,
     columns ROW ... INDEX, viewed as `rows`, `flip`, `heights`, `widths`, `src`, `dst`, `padded`,
-    `planned`) and the boxes (float64 [k, 4]); the JPEG bytes a list of 1-D uint8 tensors. Rows made
-    one at a time (a list of `GpuJob`s handed to the decoder) and rows of `GpuRows` chunks both become columns;
-    `job(i)` makes (once) the `GpuJob` of row i, only where one is needed: a sample that fails (its
-    error names it) or needs checking. Iterating yields the jobs."""
+    `planned`) and the boxes (float64 [k, 4]); the JPEG bytes one 1-D uint8 buffer (`data`) and each
+    row's (start, end) in it (`spans`, int64 [k, 2]): what `GpuDecoder.decode_columns` takes. Rows made
+    one at a time (a list of `GpuJob`s handed to the decoder) keep their own tensors instead (`data`
+    None, `datas`), checked one by one; rows of `GpuRows` chunks are columns throughout. `job(i)` makes
+    (once) the `GpuJob` of row i, only where one is needed: a sample that fails (its error names it) or
+    needs checking. Iterating yields the jobs."""
 
-    __slots__ = ("geo", "box", "datas", "rows", "flip", "heights", "widths", "src", "dst", "padded", "planned",
-                 "_jobs", "_datasets")
+    __slots__ = ("geo", "box", "data", "spans", "_datas", "rows", "flip", "heights", "widths", "src", "dst",
+                 "padded", "planned", "_jobs", "_datasets")
 
-    def __init__(self, geo: np.ndarray, box: np.ndarray, datas: list, jobs: list, datasets: list) -> None:
-        self.geo, self.box, self.datas = geo, box, datas
+    def __init__(self, geo: np.ndarray, box: np.ndarray, data: torch.Tensor | None, spans: np.ndarray | list,
+                 jobs: list, datasets: list) -> None:
+        """`data` and `spans` int64 [k, 2] (the columns), or `data` None and `spans` a list of the rows' own
+        tensors (rows made one at a time)."""
+        self.geo, self.box, self.data = geo, box, data
+        if data is None:
+            self.spans, self._datas = None, spans
+        else:
+            self.spans, self._datas = spans, None
         self.rows, self.flip, self.heights, self.widths = geo[:, ROW], geo[:, FLIP], geo[:, HEIGHT], geo[:, WIDTH]
         self.src, self.dst, self.padded, self.planned = geo[:, SRC], geo[:, DST], geo[:, PADDED], geo[:, PLANNED]
         self._jobs = jobs  # per row: its GpuJob once made (or the one it came from), else None
@@ -151,29 +157,53 @@ class GpuBatch:
             geo[:, PADDED] = [w is not None and bool(w.padded) for w in wins]
             geo[:, PLANNED] = [w is not None for w in wins]
         geo[:, INDEX] = -1
-        return cls(geo, np.array([j.box for j in jobs], np.float64).reshape(k, 4), [j.data for j in jobs], jobs,
-                   [None] * k)
+        return cls(geo, np.array([j.box for j in jobs], np.float64).reshape(k, 4), None, [j.data for j in jobs],
+                   jobs, [None] * k)
+
+    @property
+    def datas(self) -> list:
+        """Each row's JPEG bytes as a tensor of its own (views of `data`), for the decoders' list API."""
+        if self._datas is not None:
+            return self._datas
+        data = self.data
+        return [data[a:b] for a, b in self.spans.tolist()]
 
     @classmethod
     def join(cls, parts: "list[GpuBatch]") -> "GpuBatch":
+        """`parts` one after the other. Columns stay columns: parts in one buffer (a slot's staging buffer)
+        share it; parts in buffers of their own (a chunk that did not fit) are copied into one."""
         if len(parts) == 1:
             return parts[0]
-        return cls(np.concatenate([p.geo for p in parts]), np.concatenate([p.box for p in parts]),
-                   [d for p in parts for d in p.datas], [j for p in parts for j in p._jobs],
-                   [d for p in parts for d in p._datasets])
+        geo, box = np.concatenate([p.geo for p in parts]), np.concatenate([p.box for p in parts])
+        jobs, sets = [j for p in parts for j in p._jobs], [d for p in parts for d in p._datasets]
+        if any([p.data is None for p in parts]):
+            return cls(geo, box, None, [d for p in parts for d in p.datas], jobs, sets)
+        first = parts[0].data
+        if all([p.data is first for p in parts]):
+            return cls(geo, box, first, np.concatenate([p.spans for p in parts]), jobs, sets)
+        shift = np.cumsum([0] + [p.data.shape[0] for p in parts[:-1]])
+        spans = np.concatenate([p.spans + s for p, s in zip(parts, shift.tolist())])
+        return cls(geo, box, torch.cat([p.data for p in parts]), spans, jobs, sets)
 
     def take(self, sel: Any) -> "GpuBatch":
         """The rows `sel` (a slice, or int64 positions), in that order."""
         if isinstance(sel, slice):
-            return GpuBatch(self.geo[sel], self.box[sel], self.datas[sel], self._jobs[sel], self._datasets[sel])
+            rows = self.spans[sel] if self.data is not None else self._datas[sel]
+            return GpuBatch(self.geo[sel], self.box[sel], self.data, rows, self._jobs[sel], self._datasets[sel])
         order = sel.tolist()
-        datas, jobs, sets = self.datas, self._jobs, self._datasets
-        return GpuBatch(self.geo[sel], self.box[sel], [datas[i] for i in order], [jobs[i] for i in order],
+        jobs, sets = self._jobs, self._datasets
+        if self.data is not None:
+            rows = self.spans[sel]
+        else:
+            datas = self._datas
+            rows = [datas[i] for i in order]
+        return GpuBatch(self.geo[sel], self.box[sel], self.data, rows, [jobs[i] for i in order],
                         [sets[i] for i in order])
 
     def copy(self) -> "GpuBatch":
         """The same rows with columns of their own (to plan windows into)."""
-        return GpuBatch(self.geo.copy(), self.box, self.datas, self._jobs, self._datasets)
+        return GpuBatch(self.geo.copy(), self.box, self.data, self.spans if self.data is not None else self._datas,
+                        self._jobs, self._datasets)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -186,7 +216,8 @@ class GpuBatch:
         job = self._jobs[i]
         if job is None:
             g = self.geo[i].tolist()
-            job = self._jobs[i] = PlannedJob(g[ROW], self.datas[i], tuple(self.box[i].tolist()), bool(g[FLIP]),
+            a, b = self.spans[i].tolist()
+            job = self._jobs[i] = PlannedJob(g[ROW], self.data[a:b], tuple(self.box[i].tolist()), bool(g[FLIP]),
                                              g[HEIGHT], g[WIDTH], CropWindow(tuple(g[SRC]), tuple(g[DST]),
                                                                              bool(g[PADDED])),
                                              self._datasets[i], g[INDEX])
@@ -212,6 +243,9 @@ def plan_columns(plan: Any, n: int) -> GpuBatch:
 
 def jpeg_bytes(jobs: GpuBatch) -> int:
     """The JPEG bytes of `jobs`."""
+    if jobs.data is not None:
+        spans = jobs.spans
+        return int((spans[:, 1] - spans[:, 0]).sum())
     return sum([d.shape[0] for d in jobs.datas])
 
 
@@ -274,10 +308,12 @@ def gpu_rows(dataset: Any, indices: np.ndarray, r0: int, geometry: Any, heights:
     else:
         data = staging.buffer
     native.gather_spans(blocks, spans, data.numpy(), offsets[:-1] + start)
+    at = np.empty((len(take), 2), np.int64)
+    at[:, 0], at[:, 1] = offsets[:-1] + start, offsets[1:] + start
     rows = take + r0
     box = np.ascontiguousarray(geometry.box[rows], np.float64)
     src, dst, padded = crop_windows(box, h[take], w[take], *out_size)
     geo = np.empty((len(take), GEO_COLUMNS), np.int64)
     geo[:, ROW], geo[:, FLIP], geo[:, HEIGHT], geo[:, WIDTH] = rows, geometry.flip[rows].astype(bool), h[take], w[take]
     geo[:, SRC], geo[:, DST], geo[:, PADDED], geo[:, PLANNED], geo[:, INDEX] = src, dst, padded, 1, idx[take]
-    return GpuRows(data[start:start + total], offsets, geo, box, dataset), took
+    return GpuRows(data, at, geo, box, dataset), took

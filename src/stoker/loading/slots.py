@@ -45,6 +45,9 @@ from ..errors import ConfigError, LoaderClosedError, LoaderTimeoutError, WorkerE
 from .stats import LoaderStats, WorkerTimes
 
 _POLL_S = 0.1  # how often a blocked wait re-checks the stop flag, seconds
+# how long a worker waiting for its batch's slot sleeps between checks: a release, a cleared guard, a stall and
+# stop() all notify it, so this is only the safety net (a short one costs Python calls on every idle worker)
+_SLOT_POLL_S = 1.0
 # how often the CUDA actor re-checks a slot's guard while the workers wait for it: nothing notifies
 # the host when the GPU passes an event, so this one wait polls (seconds)
 _FENCE_POLL_S = 0.001
@@ -58,7 +61,9 @@ _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 class Guard(Protocol):
     """What a slot's guard needs of a point on a CUDA stream (`device.stage.Fence` is one). Only the loader's
-    CUDA actor asks `done()` (`Run.settle`): the device thread, or without one the consumer's thread."""
+    CUDA actor asks `done()` (`Run.settle`): the device thread, or without one the consumer's thread.
+    Optional: a false `on_gpu` says the guard is waiting for the actor's own work, not the GPU's, so the
+    actor need not poll it while it waits for a batch (`gpu_pipeline`'s batch in flight)."""
 
     what: str
 
@@ -447,7 +452,7 @@ class Run(HandOut):
                     if self.ring.free and self.ring.free[0].guard is None:
                         self._plan(self.next_assign, self.ring.free.popleft())
                         continue
-                    self.cond.wait(_POLL_S)  # notified by a release, or by settle() clearing a guard
+                    self.cond.wait(_SLOT_POLL_S)  # notified by a release, or by settle() clearing a guard
             return None
         finally:
             times.wait += time.perf_counter() - t0
@@ -478,6 +483,8 @@ class Run(HandOut):
                     continue
                 if guard.done():
                     slot.guard, cleared = None, True
+                elif not getattr(guard, "on_gpu", True):   # done only by the actor's own work: no poll
+                    continue
                 elif time.monotonic() - slot.guarded_at > self.timeout and self.stalled is None:
                     self.stalled = LoaderTimeoutError(
                         f"batch {self.next_assign} cannot be written into its slot: {guard.what} had not finished "
