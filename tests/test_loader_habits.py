@@ -204,3 +204,40 @@ def test_a_trailing_normalize_runs_after_the_copy_on_a_device(folder: Path) -> N
         object.__setattr__(cuda, "device", torch.device("cuda"))   # the options a CUDA node resolves
         assert float_out(dev.plan.spec, cuda) is None   # uint8 rows; the batch op normalizes on the device
         assert float_out(host.plan.spec, None) is not None   # on the host the engine writes the floats itself
+
+
+def test_an_imagefolder_passed_where_dataloader_took_it_is_read_as_its_folder(folder: Path) -> None:
+    """`DataLoader(train_dataset, ...)` becomes `stoker.Loader(train_dataset, ...)` and nothing else changes:
+    an ImageFolder is read as its root with its transform and ImageFolder's labels (its class list pinned);
+    what stoker would not do (a target_transform, an image loader of the user's own, the transforms twice) is
+    refused naming the way, and a listing that differs from ImageFolder's is said."""
+    import warnings
+
+    from torchvision_helpers import v2
+
+    tv = v2()
+    import torchvision
+
+    preset = tv.Compose([tv.Resize((16, 16)), tv.PILToTensor(), tv.ToDtype(torch.float32, scale=True)])
+    dataset = torchvision.datasets.ImageFolder(str(folder), preset)
+    ld = Loader(dataset, 4, sampler=data.SequentialSampler(dataset), num_workers=2)
+    assert ld.classes == dataset.classes and len(ld.dataset) == len(dataset)
+    images, labels = next(iter(ld))
+    assert labels.tolist() == [dataset.targets[i] for i in range(4)]
+    reference = torch.stack([dataset[i][0] for i in range(4)])
+    assert images.dtype == torch.float32 and images.shape == reference.shape
+    assert (images - reference).abs().max() <= 1.5 / 255   # the same pixels (within one level)
+    ld.close()
+    for bad, match in ((torchvision.datasets.ImageFolder(str(folder), preset, target_transform=int),
+                        "target_transform"),
+                       (torchvision.datasets.ImageFolder(str(folder), preset, loader=lambda p: p), "image loader")):
+        with pytest.raises(ConfigError, match=match):
+            Loader(bad, 4)
+    with pytest.raises(ConfigError, match="given twice"):
+        Loader(dataset, 4, transforms=SIZE)
+    fewer = torchvision.datasets.ImageFolder(str(folder), preset, is_valid_file=lambda p: not p.endswith("000.jpg"))
+    with pytest.warns(UserWarning, match=r"ImageFolder lists 6 images, stoker 9; only stoker's"):
+        Loader(fewer, 4).close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Loader(dataset, 4).close()   # the same listing: nothing said

@@ -193,6 +193,54 @@ def follow_set_epoch(sampler: Any, loader: Any) -> None:
     sampler.set_epoch = set_epoch
 
 
+#: ImageFolder's image loaders stoker's decode stands in for (PIL, accimage): any other one is the user's own
+_FOLDER_LOADERS = ("default_loader", "pil_loader", "accimage_loader")
+
+
+def image_folder(source: Any, transforms: Any, loose: dict[str, dict[str, Any]]) -> tuple[Any, Any]:
+    """A torchvision `ImageFolder` where DataLoader took it (`DataLoader(train_dataset, ...)` becomes
+    `stoker.Loader(train_dataset, ...)`): read as its folder, with its `transform` as the transforms and its
+    class list pinned (`Targets(classes=)`), so labels are ImageFolder's. Anything ImageFolder does that
+    stoker would not (a `target_transform`, an image loader of the user's own) is refused naming the way.
+    Any other source is returned as given."""
+    if not isinstance(source, torch.utils.data.Dataset) or type(source).__name__ != "ImageFolder" \
+            or not all(hasattr(source, a) for a in ("root", "samples", "classes", "transform", "target_transform")):
+        return source, transforms
+    if source.target_transform is not None:
+        raise ConfigError(f"Loader(ImageFolder(..., target_transform={source.target_transform!r})): stoker hands out "
+                          f"ImageFolder's integer labels; apply the target transform in the training step, or "
+                          f"pass the ImageFolder without it")
+    reader = getattr(getattr(source, "loader", None), "__name__", "")
+    if reader not in _FOLDER_LOADERS:
+        raise ConfigError(f"Loader(ImageFolder(..., loader={reader or source.loader!r})): stoker decodes the images "
+                          f"itself (upright RGB, as ImageFolder's default loader); an image loader of your own "
+                          f"runs only in a DataLoader: keep that one, wrapped as stoker.prefetch(DataLoader(...), "
+                          f"'cuda')")
+    if transforms is not None and source.transform is not None:
+        raise ConfigError("Loader(ImageFolder(root, transform), transforms=...): the transforms are given twice; pass "
+                          "them once (the ImageFolder's transform is what DataLoader applied)")
+    loose["targets"].setdefault("classes", tuple(source.classes))
+    return Path(source.root), source.transform if transforms is None else transforms
+
+
+def check_image_folder(source: Any, dataset: Any) -> None:
+    """Warn where stoker's listing of an ImageFolder's root differs from ImageFolder's own samples (another
+    set of file extensions, files added since): the epoch then holds other images than DataLoader's did."""
+    items = getattr(getattr(dataset, "source", None), "items", None)   # a loose dataset's listing (nothing read)
+    if type(source).__name__ != "ImageFolder" or not hasattr(source, "samples") or items is None:
+        return
+    root = Path(source.root)
+    theirs = {Path(path).relative_to(root).as_posix() for path, _ in source.samples}
+    ours = {item.key for item in items}
+    if theirs != ours:
+        only_theirs, only_ours = sorted(theirs - ours), sorted(ours - theirs)
+        warnings.warn(f"Loader(ImageFolder({str(root)!r})): ImageFolder lists {len(theirs)} images, stoker {len(ours)}"
+                      + (f"; only ImageFolder's: {only_theirs[:3]}" if only_theirs else "")
+                      + (f"; only stoker's: {only_ours[:3]}" if only_ours else "")
+                      + " (stoker reads JPEG, PNG, WebP, BMP, TIFF, PPM/PGM and GIF files; a file it cannot decode "
+                        "is skipped with why)", stacklevel=3)
+
+
 def check_source(source: Any) -> None:
     """Refuse, naming the way to read it, a source that is not a path, URL or stoker dataset."""
     if isinstance(source, torch.utils.data.Dataset):

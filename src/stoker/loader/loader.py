@@ -38,7 +38,8 @@ from ..loading.stats import LoaderStats
 from ..order import samples_per_rank
 from ..dataset import Dataset
 from ..mix import Mix
-from .habits import EpochSampler, check_source, dataloader_keywords, follow_set_epoch
+from .habits import (EpochSampler, check_image_folder, check_source, dataloader_keywords, follow_set_epoch,
+                     image_folder)
 from .open import open_for_loading
 from .options import Sampling, Storage, Targets, Workers
 from .passes import Cursor, GpuDecoders, Passes
@@ -79,14 +80,16 @@ class Loader:
                  device: str | int | torch.device | DeviceOptions | None = None, columns: Sequence[str] = (),
                  targets: Targets | None = None, storage: Storage | None = None,
                  workers: Workers | int | None = None, **dataloader: Any) -> None:
+        loose = dataloader_keywords(dataloader)   # DataLoader's keywords, as fields of the option values
+        given, (source, transforms) = source, image_folder(source, transforms, loose)   # DataLoader's dataset
         if not isinstance(source, Mix):
             check_source(source)
-        loose = dataloader_keywords(dataloader)   # DataLoader's keywords, as fields of the option values
         asked = ask(source, batch_size, transforms=transforms, order=order, seed=seed, sampling=sampling,
                     device=device, columns=columns, targets=targets, storage=storage, workers=workers, loose=loose)
         self._opened = open_for_loading(source, asked.storage, rank=asked.rank, world_size=asked.world_size,
                                         timeout=asked.workers.timeout)
         self.dataset = self._opened.dataset
+        check_image_folder(given, self.dataset)
         try:
             decoders = GpuDecoders()   # the route's GPU decoder probe; a missing library named when the Loader is made
             self.plan: LoadPlan = resolve(asked, self.dataset, decoders.probe)

@@ -11,7 +11,8 @@ HWC uint8 arrays, PIL images or CHW tensors.
   so a user's pipeline drops in and runs on the fast path; an interpolation stoker has no kernel for is
   refused, never swapped; conversions (ToTensor, PILToTensor, ToImage, ToDtype, ConvertImageDtype) are
   dropped (stoker's batches are uint8, converted on the device), the value range they leave kept for
-  the Normalize after them (0..255 after `ToDtype(float32)` without `scale=True`); Normalize
+  the Normalize after them (0..255 after `ToDtype(float32)` without `scale=True`), and a float conversion
+  no Normalize follows made a batch op of its own (the float32 batches it gave, 0..1 or 0..255); Normalize
   and RandomErasing, which torchvision runs on normalized tensors, become stoker's batched ops
   (`batch_ops.Normalize`, `batch_ops.RandomErasing`), v2's MixUp / CutMix (and a RandomChoice of them) stoker's
   `Mixup`, as do stoker's batched ops and a `Mixup` given directly;
@@ -181,6 +182,19 @@ def _scaling(t: Any, unscaled: bool) -> bool:
     return unscaled
 
 
+def _gives_float(t: Any) -> bool:
+    """Whether torchvision conversion `t` makes float images (ToTensor; ConvertImageDtype or ToDtype to a float)."""
+    name = type(t).__name__
+    if name == "ToTensor":
+        return True
+    if name in ("ToDtype", "ConvertImageDtype"):
+        dtype = t.dtype
+        if isinstance(dtype, dict):  # v2: {tv_tensors.Image: torch.float32, "others": None}
+            dtype = next((v for k, v in dtype.items() if getattr(k, "__name__", k) in ("Image", "others")), None)
+        return bool(getattr(dtype, "is_floating_point", False))
+    return False
+
+
 def _mix(t: Any) -> Mixup | None:
     """torchvision v2's MixUp / CutMix, or a RandomChoice of one of each (its v2 recipe), as a stoker Mixup."""
     if not _from_torchvision(t):
@@ -229,10 +243,11 @@ def as_ops(transforms: Any) -> tuple[list[Any], list[Any]]:
     walk(transforms)
     ops: list[Any] = []
     batch: list[Any] = []
-    unscaled = False
+    unscaled = floats = False
     for pos, t in enumerate(flat):
         if _from_torchvision(t) and type(t).__name__ in _CONVERSIONS:
             unscaled = _scaling(t, unscaled)
+            floats = floats or _gives_float(t)
         as_batch = _batch_op(t, unscaled)
         if as_batch is not None:
             batch.append(as_batch)
@@ -252,6 +267,11 @@ def as_ops(transforms: Any) -> tuple[list[Any], list[Any]]:
         else:
             raise ConfigError(f"transform #{pos} is {t!r}: expected a stoker transform, a torchvision transform, "
                               f"or a callable on a uint8 HWC numpy array, a PIL image or a CHW tensor")
+    if floats and not any(getattr(op, "gives", None) == "float" for op in batch):
+        # a float conversion no Normalize follows: the batches are the floats it made (0..1, or 0..255 unscaled),
+        # converted where the batch ops run (after the copy, on a device)
+        k = 255.0 if unscaled else 1.0
+        batch.insert(0, batch_ops.Normalize((0.0, 0.0, 0.0), (1.0 / k,) * 3))
     return ops, batch
 
 
