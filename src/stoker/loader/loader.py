@@ -60,8 +60,8 @@ class Loader:
     or soft targets per `Targets`), always fresh; plus `{column: values}` as a third item when
     `columns` names extra columns (or `Targets` asks for boxes, masks, sizes).
 
-    `source`: a packed folder or URL (``s3://...``), an unpacked source `stoker pack` reads, or a
-    `stoker.Dataset`. `transforms`: one transform, a list or a Compose-like object (docs/transforms.md).
+    `source`: a packed folder or URL (``s3://...``), an unpacked source `stoker pack` reads, a
+    `stoker.Dataset`, or a torchvision `ImageFolder` (read as its folder, its transform and labels kept). `transforms`: one transform, a list or a Compose-like object (docs/transforms.md).
     `order`, `seed`: the two `Sampling` fields kept at hand. The rest are option values, each frozen,
     checked where it is made and usable alone (`stoker.loader.options`): `sampling=Sampling(...)` (order,
     seed, indices, weights, rank, world_size, drop_last, clips: on a video pack a `stoker.Clips`,
