@@ -241,3 +241,21 @@ def test_an_imagefolder_passed_where_dataloader_took_it_is_read_as_its_folder(fo
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Loader(dataset, 4).close()   # the same listing: nothing said
+
+
+def test_a_float_conversion_with_no_normalize_after_it_gives_dataloaders_floats(folder: Path) -> None:
+    """`ToTensor()` alone (0..1) and `ToDtype(float32)` without scale (0..255) give the float32 batches a
+    DataLoader gave, not stoker's uint8; `PILToTensor()` alone stays uint8, as torchvision's does."""
+    from torchvision_helpers import v1, v2
+
+    tv, old = v2(), v1()
+    cases = ((old.Compose([old.Resize((16, 16)), old.ToTensor()]), torch.float32, 1.0),
+             (tv.Compose([tv.Resize((16, 16)), tv.PILToTensor(), tv.ToDtype(torch.float32)]), torch.float32, 255.0),
+             (tv.Compose([tv.Resize((16, 16)), tv.PILToTensor()]), torch.uint8, 255.0))
+    with Loader(folder, 4, transforms=SIZE, order="sequential") as plain:
+        reference = next(iter(plain))[0].float()
+    for preset, dtype, top in cases:
+        with Loader(folder, 4, transforms=preset, order="sequential") as ld:
+            images, _ = next(iter(ld))
+        assert images.dtype == dtype, preset
+        torch.testing.assert_close(images.float(), reference * (top / 255.0), rtol=0, atol=1e-4 * top)

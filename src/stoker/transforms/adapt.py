@@ -173,26 +173,31 @@ def _scaling(t: Any, unscaled: bool) -> bool:
     name = type(t).__name__
     if name in ("ToTensor", "ConvertImageDtype"):
         return False
-    if name == "ToDtype":
-        dtype = t.dtype
-        if isinstance(dtype, dict):  # v2: {tv_tensors.Image: torch.float32, "others": None}
-            dtype = next((v for k, v in dtype.items() if getattr(k, "__name__", k) in ("Image", "others")), None)
-        if dtype is not None and getattr(dtype, "is_floating_point", False):
-            return not bool(getattr(t, "scale", False))
+    if name == "ToDtype" and _image_dtype(t).is_floating_point:
+        return not bool(getattr(t, "scale", False))
     return unscaled
+
+
+def _image_dtype(t: Any) -> Any:
+    """The dtype a ToDtype / ConvertImageDtype gives images (v2's dict form read for its Image entry); an
+    object whose `is_floating_point` is False where it gives none."""
+    dtype = t.dtype
+    if isinstance(dtype, dict):  # v2: {tv_tensors.Image: torch.float32, "others": None}
+        dtype = next((v for k, v in dtype.items() if getattr(k, "__name__", k) in ("Image", "others")), None)
+    return dtype if hasattr(dtype, "is_floating_point") else _NOT_FLOAT
+
+
+class _NotFloat:
+    is_floating_point = False
+
+
+_NOT_FLOAT = _NotFloat()
 
 
 def _gives_float(t: Any) -> bool:
     """Whether torchvision conversion `t` makes float images (ToTensor; ConvertImageDtype or ToDtype to a float)."""
     name = type(t).__name__
-    if name == "ToTensor":
-        return True
-    if name in ("ToDtype", "ConvertImageDtype"):
-        dtype = t.dtype
-        if isinstance(dtype, dict):  # v2: {tv_tensors.Image: torch.float32, "others": None}
-            dtype = next((v for k, v in dtype.items() if getattr(k, "__name__", k) in ("Image", "others")), None)
-        return bool(getattr(dtype, "is_floating_point", False))
-    return False
+    return name == "ToTensor" or (name in ("ToDtype", "ConvertImageDtype") and bool(_image_dtype(t).is_floating_point))
 
 
 def _mix(t: Any) -> Mixup | None:
