@@ -220,7 +220,8 @@ def test_an_imagefolder_passed_where_dataloader_took_it_is_read_as_its_folder(fo
 
     preset = tv.Compose([tv.Resize((16, 16)), tv.PILToTensor(), tv.ToDtype(torch.float32, scale=True)])
     dataset = torchvision.datasets.ImageFolder(str(folder), preset)
-    ld = Loader(dataset, 4, sampler=data.SequentialSampler(dataset), num_workers=2)
+    ld = Loader(dataset, 4, sampler=data.SequentialSampler(dataset), num_workers=2,
+                collate_fn=data.default_collate)   # what a script passes without a mixing collate_fn
     assert ld.classes == dataset.classes and len(ld.dataset) == len(dataset)
     images, labels = next(iter(ld))
     assert labels.tolist() == [dataset.targets[i] for i in range(4)]

@@ -68,6 +68,8 @@ def dataloader_keywords(kwargs: dict[str, Any]) -> dict[str, dict[str, Any]]:
     ArgumentNameError (a TypeError) naming the likeliest meant argument for any other name."""
     out: dict[str, dict[str, Any]] = {"sampling": {}, "workers": {}, "targets": {}}
     for name, value in kwargs.items():
+        if name == "collate_fn" and value is getattr(torch.utils.data, "default_collate", None):
+            continue   # what stoker's batches are already (stacked images, a label tensor): nothing to call
         if name in _MAPPED:
             group, key = _MAPPED[name]
             if name == "num_workers":
