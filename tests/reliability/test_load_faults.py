@@ -59,8 +59,10 @@ def test_ctrl_c_at_random_points(small_pack, device):
             timer = threading.Timer(delay, _thread.interrupt_main)
             interrupted = False
             deadline = time.monotonic() + 30
-            timer.start()
             try:
+                # inside the try: with a delay of a few ms on a loaded machine the interrupt can arrive while
+                # start() still waits for the timer thread to have begun
+                timer.start()
                 while time.monotonic() < deadline:
                     for images, _ in loader:
                         images.sum()
