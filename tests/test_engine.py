@@ -174,8 +174,24 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def _task_files(name: str) -> list[str]:
+    """`/proc/self/task/<tid>/<name>` of every thread of this process; a thread that ends while they are read
+    (a pool of an earlier test finishing) is left out."""
+    out = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            out.append(Path(f"/proc/self/task/{t}/{name}").read_text())
+        except OSError:
+            continue
+    return out
+
+
+def _nices() -> list[int]:
+    return [int(stat.rsplit(")", 1)[1].split()[16]) for stat in _task_files("stat")]   # field 19: nice
+
+
 def _names() -> list[str]:
-    return sorted(Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task"))
+    return sorted(text.strip() for text in _task_files("comm"))
 
 
 def _settles_to(n: int, timeout: float = 10.0) -> int:
@@ -300,13 +316,7 @@ def test_loader_stats_name_the_python_per_sample_and_the_fix(dataset, monkeypatc
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread priorities through Linux's /proc")
 def test_the_pool_threads_take_the_nice_value_they_are_given():
-    def nices() -> list[int]:
-        out = []
-        for t in os.listdir("/proc/self/task"):
-            stat = Path(f"/proc/self/task/{t}/stat").read_text()
-            out.append(int(stat.rsplit(")", 1)[1].split()[16]))   # field 19: nice
-        return out
-
+    nices = _nices
     pool = native._mod.Engine(3, 7)
     deadline = time.monotonic() + 10
     while nices().count(7) < 3 and time.monotonic() < deadline:
@@ -328,14 +338,7 @@ def test_the_pool_runs_at_the_trainers_priority_unless_told(monkeypatch):
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread priorities through Linux's /proc")
 def test_workers_nice_sets_the_pools_priority(dataset, monkeypatch):
     """`Workers(nice=)` is the pool's nice value (over STOKER_ENGINE_NICE), in threads and in a worker process."""
-    def nices() -> list[int]:
-        out = []
-        for t in os.listdir("/proc/self/task"):
-            try:
-                out.append(int(Path(f"/proc/self/task/{t}/stat").read_text().rsplit(")", 1)[1].split()[16]))
-            except OSError:   # a thread that ended while listed
-                continue
-        return out
+    nices = _nices
 
     def count(value: int, at_least: int) -> int:   # a pool thread sets its own nice value when it starts
         deadline = time.monotonic() + 10
