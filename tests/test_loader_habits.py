@@ -147,6 +147,9 @@ def test_loader_sampler_answers_what_dataloader_users_read(folder: Path) -> None
         assert ld.epoch == 2 and list(ld.sampler) == ld.epoch_indices(2).tolist()
         assert [y.tolist() for _, y in ld] == [ld.dataset.labels[ld.epoch_indices(2)].tolist()[k:k + 2]
                                               for k in range(0, len(ld.sampler), 2)]
+        with pytest.raises(ConfigError, match="outside epoch"):   # a refused state restores nothing (batch agrees)
+            ld.load_state_dict({**ld.state_dict(), "epoch": 4, "sample": 1000, "batch": 500})
+        assert not ld.restored
         ld.load_state_dict({**ld.state_dict(), "epoch": 4, "sample": 2, "batch": 1})
         ld.sampler.set_epoch(4)   # Lightning's call at the resumed epoch's start: the resume point stands
         assert ld.state_dict()["sample"] == 2

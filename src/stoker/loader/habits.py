@@ -8,6 +8,7 @@ to read it. `pinned_labels` remaps a dataset's labels onto a pinned class list (
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 import warnings
 import weakref
@@ -164,7 +165,7 @@ class EpochSampler:
 
     def __len__(self) -> int:
         loader = self._get()
-        return len(loader.epoch_indices(loader.epoch))
+        return int(loader.plan.epochs.samples(loader.epoch))   # the count, without computing the order
 
     def __iter__(self) -> Iterator[int]:
         loader = self._get()
@@ -232,7 +233,8 @@ def check_image_folder(source: Any, dataset: Any) -> None:
     if type(source).__name__ != "ImageFolder" or not hasattr(source, "samples") or items is None:
         return
     root = Path(source.root)
-    theirs = {Path(path).relative_to(root).as_posix() for path, _ in source.samples}
+    prefix = os.path.join(str(source.root), "")   # ImageFolder's paths are os.path.join(root, class, file)
+    theirs = {path[len(prefix):].replace(os.sep, "/") for path, _ in source.samples}
     ours = {item.key for item in items}
     if theirs != ours:
         only_theirs, only_ours = sorted(theirs - ours), sorted(ours - theirs)

@@ -211,10 +211,10 @@ class Loader:
             raise ConfigError("the saved loader state does not match this Loader (saved, now): "
                               + ", ".join(f"{k}={a!r} vs {b!r}" for k, (a, b) in diff.items()) + hint)
         epoch = int(state["epoch"])
-        self.restored = True
         self._requeue(epoch, state["remaining"] if elastic else None)
         if elastic:   # what no rank has read yet, split over this world from its start
             self._cursor.move(epoch + 1 if self.plan.epochs.samples(epoch) == 0 else epoch)
+            self.restored = True
             return
         sample = state.get("sample")
         if sample is None:  # a state saved before the sample cursor existed: batches of the saved size
@@ -227,6 +227,7 @@ class Loader:
             self._cursor.move(epoch + 1)
         else:
             self._cursor.move(epoch, int(sample), resume=True)
+        self.restored = True
 
     def _requeue(self, epoch: int, remaining: Any) -> None:
         """The plan with `epoch` reduced to `remaining` (None: whole epochs again); a persistent pipeline

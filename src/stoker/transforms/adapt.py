@@ -173,31 +173,23 @@ def _scaling(t: Any, unscaled: bool) -> bool:
     name = type(t).__name__
     if name in ("ToTensor", "ConvertImageDtype"):
         return False
-    if name == "ToDtype" and _image_dtype(t).is_floating_point:
+    if name == "ToDtype" and _float_images(t):
         return not bool(getattr(t, "scale", False))
     return unscaled
 
 
-def _image_dtype(t: Any) -> Any:
-    """The dtype a ToDtype / ConvertImageDtype gives images (v2's dict form read for its Image entry); an
-    object whose `is_floating_point` is False where it gives none."""
+def _float_images(t: Any) -> bool:
+    """Whether a ToDtype / ConvertImageDtype gives images a float dtype (v2's dict form read for its Image entry)."""
     dtype = t.dtype
     if isinstance(dtype, dict):  # v2: {tv_tensors.Image: torch.float32, "others": None}
         dtype = next((v for k, v in dtype.items() if getattr(k, "__name__", k) in ("Image", "others")), None)
-    return dtype if hasattr(dtype, "is_floating_point") else _NOT_FLOAT
-
-
-class _NotFloat:
-    is_floating_point = False
-
-
-_NOT_FLOAT = _NotFloat()
+    return bool(getattr(dtype, "is_floating_point", False))
 
 
 def _gives_float(t: Any) -> bool:
     """Whether torchvision conversion `t` makes float images (ToTensor; ConvertImageDtype or ToDtype to a float)."""
     name = type(t).__name__
-    return name == "ToTensor" or (name in ("ToDtype", "ConvertImageDtype") and bool(_image_dtype(t).is_floating_point))
+    return name == "ToTensor" or (name in ("ToDtype", "ConvertImageDtype") and _float_images(t))
 
 
 def _mix(t: Any) -> Mixup | None:
