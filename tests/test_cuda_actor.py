@@ -63,6 +63,7 @@ class FakeCuda:
             "current_device": lambda: self.log("current_device", None) or self.current(),
             "set_device": lambda d: self.log("set_device", int(d)) or setattr(self.local, "device", int(d)),
             "Stream": Stream, "Event": Event, "stream": stream,
+            "set_stream": lambda s: self.log("set_stream", None),
             "current_stream": lambda device=None: self.log("current_stream", device) or Stream(device),
         }.items():
             monkeypatch.setattr(torch.cuda, name, value)

@@ -157,6 +157,7 @@ class ThreadDevices:
         monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(self.local, "device", 0))
         monkeypatch.setattr(torch.cuda, "set_device", lambda d: setattr(self.local, "device", int(d)))
         monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: ("stream", device))
+        monkeypatch.setattr(torch.cuda, "set_stream", lambda s: setattr(self.local, "stream", s))
 
 
 def test_cuda_is_the_local_ranks_gpu_when_a_pass_starts(monkeypatch, recwarn):
@@ -202,13 +203,16 @@ def test_convert_takes_an_unresolved_cuda_as_any_gpu():
 
 
 def test_the_stage_binds_the_device_thread_to_its_gpu(monkeypatch):
-    ThreadDevices(monkeypatch)
+    devices = ThreadDevices(monkeypatch)
     stage = DeviceStage(DeviceOptions("cuda:1"))
     seen = []
-    worker = threading.Thread(target=lambda: (stage.bind(), seen.append(torch.cuda.current_device())))
+    worker = threading.Thread(target=lambda: (stage.bind(), seen.append((torch.cuda.current_device(),
+                                                                          devices.local.stream))))
     worker.start()
     worker.join()
-    assert seen == [1] and torch.cuda.current_device() == 0  # the caller's thread is left alone
+    # its GPU and its copy stream become the bound thread's current ones; the caller's thread is left alone
+    assert seen == [(1, stage.stream)] and torch.cuda.current_device() == 0
+    assert getattr(devices.local, "stream", None) is None
 
 
 @pytest.mark.parametrize("normalize, match", [

@@ -59,10 +59,12 @@ class DeviceBuilder:
         self.stats.device_s += time.perf_counter() - t0
         return batch, reusable
 
-    def finish(self, slot: Slot, x: torch.Tensor, labels: Any, extras: Any, converted: bool = False) -> tuple:
+    def finish(self, slot: Slot, x: torch.Tensor, labels: Any, extras: Any, converted: bool = False,
+               working: dict[int, int] | None = None) -> tuple:
         """The batch handed out from the uint8 NHWC rows `x` on the device (or the engine's float output,
         `converted`): the pipeline's batch ops (`handout.run_batch_ops`), then `convert` to the asked dtype
-        and layout; clips folded into images for both and regrouped after."""
+        and layout; clips folded into images for both and regrouped after. `working`: the storages the
+        build worked in (`measure`), where the caller knows them (the GPU pipeline's ring buffer)."""
         x, lead = fold_rows(x)   # clips: converted as B x T images, then regrouped
         spec = self.chain.spec
         if converted:
@@ -76,7 +78,7 @@ class DeviceBuilder:
             done = x.dtype.is_floating_point and self.opts.dtype == torch.uint8
             images = x.contiguous(memory_format=self.opts.memory_format) if done else convert(x, self.opts,
                                                                                                layout="nchw")
-        self.working = storages_on(x, self.opts.device)   # the upload / GPU decode target
+        self.working = storages_on(x, self.opts.device) if working is None else working
         batch: tuple = (unfold_rows(images, lead), labels)
         return batch + (extras,) if extras is not None else batch   # extra columns, the sizes of padded images
 

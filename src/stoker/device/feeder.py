@@ -121,9 +121,8 @@ class Feeder:
                 return
             try:
                 slot = self.run.next_batch(b)  # hands the slot of batch b-1 back to the workers
-                with self.stage.context():
-                    out, reusable = self.build(slot)
-                    ready = self.stage.fence()
+                out, reusable = self.build(slot)   # on the copy stream: current since `_bound`
+                ready = self.stage.fence()
                 # no wait here: the copy's fence becomes the slot's guard, so the workers refill the
                 # slot only once the GPU has read it, and this thread goes straight on to batch b+1
                 self.run.guard(b, reusable)

@@ -25,10 +25,11 @@ ring of `RING` preallocated buffers too (stream order on the copy stream makes t
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .._system import join_at_exit
@@ -55,39 +56,46 @@ LOG_EVERY = 100  # batches between two `stoker.gpu` log lines of the phase timer
 class _Chunk:
     """One decoded chunk: what the device thread resamples, and how the decode thread knows it is done."""
 
-    placed: list
+    placed: Any
     failures: list
     decoded: Any = None  # CUDA event after the decode (None on the CPU)
     reads: Any = None  # CUDA event after the resample's reads, recorded by the device thread
-    released: threading.Event = field(default_factory=threading.Event)
     seconds: float = 0.0  # the decode call's host time
     images: int = 0
 
 
-@dataclass(eq=False)
-class _Ticket:
-    """A batch's JPEG rows handed to the decode thread; its chunks come back in order."""
+_END = object()   # a ticket's last item: no more chunks for this batch
 
-    jobs: GpuBatch  # the rows to decode
-    out_h: int
-    out_w: int
-    chunks: deque = field(default_factory=deque)
-    n_chunks: int = -1  # known once the decode thread has cut the batch
-    error: BaseException | None = None
-    started: Any = None  # CUDA timing event on the decode stream before its first chunk (None on the CPU)
+
+class _Ticket:
+    """A batch's JPEG rows handed to the decode thread; its chunks come back in order through `out` (a
+    C-level queue: a wait for the next chunk is one call), then `_END`, or the exception that stopped it."""
+
+    __slots__ = ("jobs", "out_h", "out_w", "out", "started")
+
+    def __init__(self, jobs: GpuBatch, out_h: int, out_w: int) -> None:
+        self.jobs, self.out_h, self.out_w = jobs, out_h, out_w
+        self.out: queue.SimpleQueue = queue.SimpleQueue()
+        self.started: Any = None  # CUDA timing event on the decode stream before its first chunk (None on the CPU)
 
 
 class DecodeThread:
-    """Decodes the chunks of submitted batches, in order, on its own stream (`stoker-decode`)."""
+    """Decodes the chunks of submitted batches, in order, on its own stream (`stoker-decode`).
+
+    Its hand-offs are C-level queues (`queue.SimpleQueue`): tickets in (`todo`), each ticket's chunks
+    out (`_Ticket.out`), and the chunks the device thread is done reading back (`released`, in decode
+    order). A wait is then one call, however long it lasts, rather than a Condition's dozen; each wait
+    is bounded (`_POLL_S`, re-checking the stop flag), and `wake` unblocks every one with a stop."""
 
     def __init__(self, gpu: Any, stop: threading.Event, timeout: float, phases: "Phases") -> None:
         self.gpu, self.stop_event, self.timeout, self.phases = gpu, stop, timeout, phases
         self.cuda = gpu.device.type == "cuda"
-        self.todo: deque[_Ticket] = deque()
-        self.cond = threading.Condition()
-        self.live: deque[_Chunk] = deque()  # decoded chunks not yet dropped, oldest first
+        self.todo: queue.SimpleQueue = queue.SimpleQueue()
+        self.released: queue.SimpleQueue = queue.SimpleQueue()
+        self.live: deque[_Chunk] = deque()  # decoded chunks not yet dropped, oldest first (this thread's)
         self.count = 0  # chunks decoded
         self.calling_since: float | None = None  # monotonic time the decoder call in progress began
+        self.waiting: _Ticket | None = None  # the ticket the device thread reads chunks of (`wake` ends its wait)
         self.thread = threading.Thread(target=self._work, name="stoker-decode", daemon=True)
 
     def start(self) -> None:
@@ -95,115 +103,116 @@ class DecodeThread:
         join_at_exit(self.thread, self.stop_event)
 
     def submit(self, ticket: _Ticket) -> None:
-        with self.cond:
-            self.todo.append(ticket)
-            self.cond.notify_all()
+        self.todo.put(ticket)
 
-    def _take(self) -> _Ticket | None:
-        with self.cond:
-            while not self.todo:
-                if self.stop_event.is_set():
-                    return None
-                self.cond.wait(_POLL_S)
-            return self.todo.popleft()
+    def release(self, chunk: _Chunk) -> None:
+        """The device thread is done queuing reads of `chunk` (chunks are released in decode order)."""
+        self.released.put(chunk)
+
+    def _get(self, q: queue.SimpleQueue) -> Any:
+        """The next item of `q`, or None once stopped."""
+        while not self.stop_event.is_set():
+            try:
+                item = q.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            return None if item is _END else item   # _END in `todo` or `released`: woken by `wake`
+        return None
 
     def _work(self) -> None:
         stream = None
         if self.cuda:
             torch.cuda.set_device(self.gpu.device.index)
             stream = self.gpu.decode_stream()
-        while (ticket := self._take()) is not None:
+            torch.cuda.set_stream(stream)   # this thread queues its work on the decode stream only
+        while (ticket := self._get(self.todo)) is not None:
             try:
-                chunks = list(self.gpu.chunks(ticket.jobs))
-                with self.cond:
-                    ticket.n_chunks = len(chunks)
-                    self.cond.notify_all()
-                if stream is not None and chunks:   # the GPU time of the split (`PipelinedBuilder._gpu_times`)
+                if stream is not None and len(ticket.jobs):   # the split's GPU time (`PipelinedBuilder._gpu_times`)
                     ticket.started = torch.cuda.Event(enable_timing=True)
                     ticket.started.record(stream)
-                for jobs in chunks:
+                for jobs in self.gpu.chunks(ticket.jobs):
                     if not self._make_room():
                         return
                     chunk = self._decode(jobs, ticket, stream)
-                    with self.cond:
-                        self.live.append(chunk)
-                        ticket.chunks.append(chunk)
-                        self.cond.notify_all()
+                    self.live.append(chunk)
+                    ticket.out.put(chunk)
+                ticket.out.put(_END)
             except BaseException as exc:  # reaches the consumer through the device thread, in order
-                with self.cond:
-                    ticket.error = exc
-                    self.cond.notify_all()
+                ticket.out.put(exc)
 
     def _make_room(self) -> bool:
         """Wait until fewer than RING chunks are live: the oldest released by the device thread, its
         reads done (an event two chunks old), then dropped. False when stopped first."""
-        while len(self.live) >= RING:
-            oldest = self.live[0]
+        live = self.live
+        while len(live) >= RING:
             t0 = time.perf_counter()
-            while not oldest.released.wait(_POLL_S):
-                if self.stop_event.is_set():
-                    return False
-            if self.stop_event.is_set():   # woken by `wake`, not by the device thread
+            oldest = self._get(self.released)
+            if oldest is None:
                 return False
             if oldest.reads is not None:
                 oldest.reads.synchronize()
             self.phases.add("reads_wait_s", time.perf_counter() - t0)
-            with self.cond:
-                self.live.popleft()
-            oldest.placed = oldest.failures = []  # its images are free (or reusable by the decoder) now
+            live.popleft()
+            oldest.placed = oldest.failures = None  # its images are free (or reusable by the decoder) now
         return True
 
-    def _decode(self, jobs: list, ticket: _Ticket, stream: Any) -> _Chunk:
+    def _decode(self, jobs: GpuBatch, ticket: _Ticket, stream: Any) -> _Chunk:
         use_entry = getattr(self.gpu.decoder, "use_entry", None)
         if use_entry is not None:  # a decoder reusing its outputs: this chunk takes those of chunk k - RING
             use_entry(self.count % RING)
         self.count += 1
-        t0 = time.perf_counter()
-        self.calling_since = time.monotonic()
+        self.calling_since = t0 = time.monotonic()
         try:
-            if stream is None:
-                placed, failures = self.gpu.decode_chunk(jobs, ticket.out_h, ticket.out_w)
-                event = None
-            else:
-                with torch.cuda.stream(stream):
-                    placed, failures = self.gpu.decode_chunk(jobs, ticket.out_h, ticket.out_w)
-                    event = torch.cuda.Event(enable_timing=True)
-                    event.record(stream)
+            placed, failures = self.gpu.decode_chunk(jobs, ticket.out_h, ticket.out_w)
+            event = None
+            if stream is not None:
+                event = torch.cuda.Event(enable_timing=True)
+                event.record(stream)
         finally:
             self.calling_since = None
-        seconds = time.perf_counter() - t0
+        seconds = time.monotonic() - t0
         self.phases.add("decode_s", seconds)
-        return _Chunk(placed, failures, event, seconds=seconds, images=len(jobs.rows))
+        return _Chunk(placed, failures, event, seconds=seconds, images=len(jobs))
 
-    def next_chunk(self, ticket: _Ticket, k: int) -> _Chunk | None:
-        """Chunk k of `ticket` once decoded (None when the batch has fewer), waiting bounded and
-        stop-aware; raises what the decode thread raised for this batch."""
+    def next_chunk(self, ticket: _Ticket) -> _Chunk | None:
+        """The next chunk of `ticket` once decoded (None after its last), waiting bounded and stop-aware;
+        raises what the decode thread raised for this batch."""
+        self.waiting = ticket
+        try:
+            item = ticket.out.get(timeout=_POLL_S)   # the common case: one call
+        except queue.Empty:
+            item = self._wait_chunk(ticket)
+        if item is _END:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def _wait_chunk(self, ticket: _Ticket) -> Any:
         deadline = time.monotonic() + self.timeout
-        with self.cond:
-            while True:
-                if ticket.error is not None:
-                    raise ticket.error
-                if k < len(ticket.chunks):
-                    return ticket.chunks[k]
-                if 0 <= ticket.n_chunks <= k:
-                    return None
-                if self.stop_event.is_set():
-                    raise LoaderClosedError("the loader was closed while a batch was being decoded on the GPU")
-                if not self.thread.is_alive():
-                    raise LoaderClosedError("the stoker decode thread ended before the batch was decoded")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise LoaderTimeoutError(f"the GPU decoder ({self.gpu.decoder.name}) returned nothing for "
-                                             f"{self.timeout:g} s; raise workers=stoker.Workers(timeout=...) if "
-                                             f"it is genuinely this slow, or use decode='cpu'")
-                self.cond.wait(min(_POLL_S, left))
+        while True:
+            if self.stop_event.is_set():
+                raise LoaderClosedError("the loader was closed while a batch was being decoded on the GPU")
+            if not self.thread.is_alive():
+                raise LoaderClosedError("the stoker decode thread ended before the batch was decoded")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LoaderTimeoutError(f"the GPU decoder ({self.gpu.decoder.name}) returned nothing for "
+                                         f"{self.timeout:g} s; raise workers=stoker.Workers(timeout=...) if "
+                                         f"it is genuinely this slow, or use decode='cpu'")
+            try:
+                return ticket.out.get(timeout=min(_POLL_S, left))
+            except queue.Empty:
+                continue
 
     def wake(self) -> None:
-        """After the stop flag is set: wake every wait on this thread's condition and chunks now."""
-        with self.cond:
-            self.cond.notify_all()
-            for chunk in self.live:
-                chunk.released.set()
+        """After the stop flag is set: wake every wait now, the decode thread's and the device thread's
+        for a chunk (one that begins after this re-checks the flag within `_POLL_S`)."""
+        self.todo.put(_END)
+        self.released.put(_END)
+        ticket = self.waiting
+        if ticket is not None:
+            ticket.out.put(LoaderClosedError("the loader was closed while a batch was being decoded on the GPU"))
 
     def join(self, timeout: float) -> None:
         self.wake()
@@ -223,13 +232,24 @@ class Phases:
 
     def __init__(self, stats: Any) -> None:
         self.stats = stats
-        self.lock = threading.Lock()
         for name in self.NAMES:
             stats.gpu_phases.setdefault(name, 0.0)
 
     def add(self, name: str, seconds: float) -> None:
-        with self.lock:
-            self.stats.gpu_phases[name] += seconds
+        """Add to one phase. No lock: each phase has one writer thread (decode_s and reads_wait_s the
+        decode thread, the others the device thread), and a dict item's update is atomic for its key."""
+        self.stats.gpu_phases[name] += seconds
+
+    def add_batch(self, plan: float, upload: float, decode_wait: float, resample: float, fallback: float,
+                  convert: float) -> None:
+        """The device thread's phases of one batch, in one call."""
+        p = self.stats.gpu_phases
+        p["plan_s"] += plan
+        p["upload_s"] += upload
+        p["decode_wait_s"] += decode_wait
+        p["resample_s"] += resample
+        p["fallback_s"] += fallback
+        p["convert_s"] += convert
 
     def line(self, batches: int) -> str:
         p = self.stats.gpu_phases
@@ -242,11 +262,12 @@ class _Pending:
     """A batch submitted to the decode thread, not yet finished; also the guard of its slot."""
 
     what = "the GPU decode of a batch"
+    __slots__ = ("slot", "x", "k", "ticket", "copied", "finished", "upload_s", "submit_s")
 
-    def __init__(self, slot: Slot, x: torch.Tensor, ticket: _Ticket, copied: Any, t0: float) -> None:
-        self.slot, self.x, self.ticket, self.copied, self.t0 = slot, x, ticket, copied, t0
+    def __init__(self, slot: Slot, x: torch.Tensor, k: int, ticket: _Ticket, copied: Any) -> None:
+        self.slot, self.x, self.k, self.ticket, self.copied = slot, x, k, ticket, copied
         self.finished = False  # set by the device thread once nothing more is written from or into the slot
-        self.submit_s = 0.0
+        self.upload_s = self.submit_s = 0.0
 
     def done(self) -> bool:
         """The slot may be refilled: the batch is finished (or abandoned) and its copies have run."""
@@ -262,7 +283,8 @@ class _Pending:
 class PipelinedBuilder:
     """`DeviceBuilder`'s work split in two for the pipeline: `submit` (upload the rows rendered on the
     CPU into a ring buffer, hand the JPEG rows to the decode thread) and `finish` (resample the
-    decoded chunks, CPU fallbacks, convert)."""
+    decoded chunks, CPU fallbacks, convert). Each is a fixed number of Python calls whatever the rows
+    (the GPU half's share of the trainer's GIL: benchmarks/bench_calls.py --decode gpu)."""
 
     def __init__(self, base: DeviceBuilder, gpu: Any, split: SplitControl | None, timeout: float,
                  stop: threading.Event) -> None:
@@ -272,39 +294,47 @@ class PipelinedBuilder:
         self.phases = Phases(self.stats)
         self.decoder = DecodeThread(gpu, stop, timeout, self.phases)
         self.buffers: list[torch.Tensor | None] = [None] * RING
+        self.storages: list[dict[int, int]] = [{}] * RING   # each buffer's storage (`measure`'s working bytes)
         # batches whose GPU time is not read yet: (images, events, seconds of CPU fallbacks), oldest first
         self.timings: deque = deque()
         self.turn = 0
         self.batches = 0
-        self.measure = base.measure
+        self._held: tuple[Any, dict[int, int]] = (None, {})   # the last batch built and its storages (`measure`)
 
     def start(self) -> None:
         self.decoder.start()
 
-    def _buffer(self, shape: tuple) -> torch.Tensor:
-        """The next of RING preallocated uint8 batches (made once per shape): queued on the copy stream
-        after the previous use of that buffer, so stream order makes the reuse safe."""
+    def _buffer(self, shape: tuple) -> tuple[torch.Tensor, int]:
+        """The next of RING preallocated uint8 batches (made once per shape) and its place in the ring:
+        queued on the copy stream after the previous use of that buffer, so stream order makes the
+        reuse safe."""
         k = self.turn
         self.turn = (k + 1) % RING
         x = self.buffers[k]
-        if x is None or tuple(x.shape) != tuple(shape):
+        if x is None or x.shape != shape:
             x = self.buffers[k] = torch.empty(shape, dtype=torch.uint8, device=self.opts.device)
-        return x
+            self.storages[k] = storages_on(x, self.opts.device)
+        return x, k
 
     def submit(self, slot: Slot) -> _Pending:
         t0 = time.perf_counter()
         n = slot.size
         jobs = plan_columns(slot.plan, n)   # the rows the workers left for the GPU, as columns in row order
-        x = self._buffer(tuple(slot.images[:n].shape))
-        self.base.upload_rows(slot, x, cpu_rows(n, jobs))
+        images = slot.images
+        x, k = self._buffer(images[:n].shape)
+        rows = jobs.rows
+        g = len(rows)
+        if g == 0 or (rows[0] == n - g and rows[-1] == n - 1):   # the GPU's rows end the batch: one copy
+            if g < n:
+                x[:n - g].copy_(images[:n - g], non_blocking=True)
+        else:
+            self.base.upload_rows(slot, x, cpu_rows(n, jobs))
         t1 = time.perf_counter()
-        self.phases.add("upload_s", t1 - t0)
-        if slot.plan.gpu_plan_s:
-            self.phases.add("plan_s", sum(slot.plan.gpu_plan_s))
         ticket = _Ticket(jobs, x.shape[1], x.shape[2])
-        self._stage_bytes(slot, ticket.jobs)
+        self._stage_bytes(slot, jobs)
         self.decoder.submit(ticket)
-        pending = _Pending(slot, x, ticket, self.stage.fence(), t0)
+        pending = _Pending(slot, x, k, ticket, self.stage.fence())
+        pending.upload_s = t1 - t0
         pending.submit_s = time.perf_counter() - t0
         return pending
 
@@ -313,73 +343,81 @@ class PipelinedBuilder:
         larger when this batch's JPEGs did not fit; 1.5 times this batch's bytes. Once per slot in
         steady state."""
         staging = slot.staging
-        used = jpeg_bytes(jobs)
         if staging is not None and staging.overflow == 0:
             return
-        size = max(used * 3 // 2, 1 << 16)
-        pin = self.opts.is_cuda
-        slot.staging = JpegStaging(torch.empty(size, dtype=torch.uint8, pin_memory=pin))
+        size = max(jpeg_bytes(jobs) * 3 // 2, 1 << 16)
+        slot.staging = JpegStaging(torch.empty(size, dtype=torch.uint8, pin_memory=self.opts.is_cuda))
 
     def finish(self, pending: _Pending) -> tuple[Any, Any]:
         """Batch `pending` built (as `DeviceBuilder.__call__` returns it) and its fence."""
         t_finish = time.perf_counter()
         slot, x, ticket = pending.slot, pending.x, pending.ticket
         nchw = x.permute(0, 3, 1, 2)
+        stream = self.stage.stream
+        decoder, gpu = self.decoder, self.gpu
         failures: list = []
-        k, decode_wait, resample, decode_s = 0, 0.0, 0.0, 0.0
-        cuda = self.stage.stream is not None
+        decode_wait, resample, decode_s = 0.0, 0.0, 0.0
         last_decoded = res_start = None
-        while True:
-            t0 = time.perf_counter()
-            chunk = self.decoder.next_chunk(ticket, k)
+        t0 = t_finish
+        while (chunk := decoder.next_chunk(ticket)) is not None:
             t1 = time.perf_counter()
             decode_wait += t1 - t0
-            if chunk is None:
-                break
             if chunk.decoded is not None:
-                self.stage.stream.wait_event(chunk.decoded)
+                stream.wait_event(chunk.decoded)
                 last_decoded = chunk.decoded
                 if res_start is None:
                     res_start = torch.cuda.Event(enable_timing=True)
-                    res_start.record(self.stage.stream)
-            failures += chunk.failures
+                    res_start.record(stream)
+            if chunk.failures:
+                failures += chunk.failures
             decode_s += chunk.seconds
-            failures += self.gpu.resample_chunk(chunk.placed, nchw)
-            if self.stage.stream is not None:
+            more = gpu.resample_chunk(chunk.placed, nchw)
+            if more:
+                failures += more
+            if stream is not None:
                 chunk.reads = torch.cuda.Event()
-                chunk.reads.record(self.stage.stream)
-            chunk.released.set()
-            resample += time.perf_counter() - t1
-            k += 1
-        self.phases.add("decode_wait_s", decode_wait)
-        self.phases.add("resample_s", resample)
+                chunk.reads.record(stream)
+            decoder.release(chunk)
+            t0 = time.perf_counter()
+            resample += t0 - t1
+        decode_wait += time.perf_counter() - t0
         events = None
-        if cuda and res_start is not None and ticket.started is not None:
+        if res_start is not None and ticket.started is not None:
             res_end = torch.cuda.Event(enable_timing=True)
-            res_end.record(self.stage.stream)
+            res_end.record(stream)
             events = (ticket.started, last_decoded, res_start, res_end)
         t2 = time.perf_counter()
         labels, extras = self.base.host_items(slot)
+        fallback = 0.0
         if failures:   # rendered on the Python path, and on_error="skip" may replace a sample, label and extras
             self.base.fallback(slot, x, failures)
             labels, extras = self.base.host_items(slot)
-        fallback = time.perf_counter() - t2
-        self.phases.add("fallback_s", fallback)
+            fallback = time.perf_counter() - t2
         reusable = self.stage.fence()
         pending.copied, pending.finished = reusable, True
         t3 = time.perf_counter()
-        batch = self.base.finish(slot, x, labels, extras)
+        working = self.storages[pending.k]
+        batch = self.base.finish(slot, x, labels, extras, working=working)
         t4 = time.perf_counter()
-        self.phases.add("convert_s", t4 - t3)
+        self.phases.add_batch(sum(slot.plan.gpu_plan_s), pending.upload_s, decode_wait, resample, fallback, t4 - t3)
         # the GPU side's pace: its busier stage, the decode calls or the resample (they overlap), and the
         # CPU decode of the images it could not decode
-        self._account(slot, ticket, failures, gpu_side=max(decode_s, resample) + (fallback if failures else 0.0),
-                      events=events, fallback=fallback if failures else 0.0)
+        self._account(slot, ticket, failures, gpu_side=max(decode_s, resample) + fallback, events=events,
+                      fallback=fallback)
         self.stats.device_s += pending.submit_s + t4 - t_finish - decode_wait
-        self.base.working = storages_on(x, self.opts.device)
-        if storages_on(batch, self.opts.device).keys() & self.base.working.keys():
-            self.buffers[self.buffers.index(x)] = None  # handed out as it is: never reused
+        held = storages_on(batch, self.opts.device)
+        self._held = (batch, held)
+        if held.keys() & working.keys():
+            self.buffers[pending.k] = None  # handed out as it is: never reused
         return batch, reusable
+
+    def measure(self, batch: Any) -> tuple[int, int]:
+        """`DeviceBuilder.measure`, reading the storages `finish` found for the batch it built last."""
+        made, held = self._held
+        if batch is not made:
+            return self.base.measure(batch)
+        working = self.base.working
+        return sum(held.values()), sum([n for ptr, n in working.items() if ptr not in held])
 
     def _account(self, slot: Slot, ticket: _Ticket, failures: list, gpu_side: float, events: Any = None,
                  fallback: float = 0.0) -> None:
@@ -388,27 +426,32 @@ class PipelinedBuilder:
         have completed, `_gpu_times`)."""
         stats = self.stats
         n_gpu = len(ticket.jobs)
-        with self.base.lock:
-            stats.add(self.base.times, 0)
-            stats.gpu_decoded += n_gpu - len(failures)
+        if failures:   # the CPU's fallback decodes are worker-like time, flushed as the workers' are
+            with self.base.lock:
+                stats.add(self.base.times, 0)
             stats.gpu_fallbacks += len(failures)
-            stats.gpu_decoder = self.gpu.decoder.name
-        if self.split is not None:
+        stats.gpu_decoded += n_gpu - len(failures)   # these three: this thread's alone
+        stats.gpu_decoder = self.gpu.decoder.name
+        split = self.split
+        if split is not None and split.fixed is not None:   # gpu_share= fixed: nothing to measure
+            stats.gpu_share, stats.gpu_split = split.fixed, split.reason
+        elif split is not None:
             cpu_s = sum(slot.plan.cpu_render_s)
             n_cpu = slot.size - n_gpu
             if n_cpu > 0:
-                self.split.observe_cpu(n_cpu, cpu_s)
+                split.observe_cpu(n_cpu, cpu_s)
             if n_gpu and events is not None:   # timed on the GPU, read when done
                 self.timings.append((n_gpu - len(failures), events, fallback))
             elif n_gpu:   # what the GPU decoded: its fallbacks were the CPU's work, on its time
-                self.split.observe_gpu(n_gpu - len(failures), gpu_side)
-            self._gpu_times()
+                split.observe_gpu(n_gpu - len(failures), gpu_side)
+            if self.timings:
+                self._gpu_times()
             # the batch's pace: its slower side, each timed where it ran (not the gap between two
             # batches, which a backlog of finished slots would shorten)
-            self.split.observe_batch(slot.size, max(cpu_s / self.split.threads, gpu_side if n_gpu else 0.0),
-                                     split=n_gpu > 0)
-            self.split.batch_done()
-            stats.gpu_share, stats.gpu_split = self.split.settled, self.split.reason
+            split.observe_batch(slot.size, max(cpu_s / split.threads, gpu_side if n_gpu else 0.0),
+                                split=n_gpu > 0)
+            split.batch_done()
+            stats.gpu_share, stats.gpu_split = split.settled, split.reason
         self.batches += 1
         if self.batches % LOG_EVERY == 0:
             _log.info(self.phases.line(self.batches))
@@ -456,8 +499,7 @@ class PipelinedFeeder(Feeder):
                 if self.stop_event.is_set():
                     return
                 slot = self.run.next_batch(b)
-                with self.stage.context():
-                    submitted = self.pipe.submit(slot)
+                submitted = self.pipe.submit(slot)   # on the copy stream: current since `_bound`
                 open_.append(submitted)
                 self.run.guard(b, submitted)
                 if len(open_) > 1 and not self._finish(open_.popleft()):
@@ -473,9 +515,8 @@ class PipelinedFeeder(Feeder):
 
     def _finish(self, pending: _Pending) -> bool:
         try:
-            with self.stage.context():
-                out, _ = self.pipe.finish(pending)
-                ready = self.stage.fence()
+            out, _ = self.pipe.finish(pending)
+            ready = self.stage.fence()
         finally:
             pending.finished = True
         held = self._hold(out)

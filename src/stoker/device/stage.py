@@ -400,23 +400,27 @@ class Fence:
             f"starved by other work"))
 
 
-def _tensors(batch: Any) -> Iterator[torch.Tensor]:
-    """Every tensor of a batch (tuple/list/dict, nested)."""
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, (tuple, list)):
-        for item in batch:
-            yield from _tensors(item)
-    elif isinstance(batch, dict):
-        for item in batch.values():
-            yield from _tensors(item)
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    """Every tensor of a batch (tuple/list/dict, nested), in no particular order; one call for the whole
+    batch (the device thread runs it per batch)."""
+    out: list[torch.Tensor] = []
+    todo = [batch]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, torch.Tensor):
+            out.append(item)
+        elif isinstance(item, (tuple, list)):
+            todo += item
+        elif isinstance(item, dict):
+            todo += item.values()
+    return out
 
 
 def storages_on(batch: Any, device: torch.device) -> dict[int, int]:
     """The distinct storages of `batch`'s tensors (tuple/list/dict, nested) on `device`: address -> bytes.
     Views share their storage, so each is counted once, at its full size."""
     out: dict[int, int] = {}
-    for t in _tensors(batch):
+    for t in (batch,) if isinstance(batch, torch.Tensor) else _tensors(batch):
         if t.device == device:
             st = t.untyped_storage()
             out[st.data_ptr()] = st.nbytes()
@@ -468,9 +472,11 @@ class DeviceStage:
     def bind(self) -> None:
         """Call first in the thread that drives this stage (the device thread, the loader's one CUDA
         actor): its GPU becomes the thread's current device, so nothing the thread does (event queries
-        included) touches GPU 0."""
+        included) touches GPU 0, and the copy stream its current stream, so all its work is queued there
+        with no `context()` per batch."""
         if self.stream is not None:
             bind_device(self.opts.device.index)
+            torch.cuda.set_stream(self.stream)
 
     def context(self) -> ContextManager[None]:
         """Makes the copy stream current (and its GPU the current device) inside the block."""

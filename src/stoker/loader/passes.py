@@ -328,7 +328,7 @@ class _Crew:
                 stop = threading.Event()
                 pipe = PipelinedBuilder(build, passes.decoders.get(opts), self.split, parts.timeout, stop)
                 self.feeder = PipelinedFeeder(self.run, stage, build, parts.prefetch, parts.timeout,
-                                              stats=passes.stats, measure=build.measure, pipe=pipe)
+                                              stats=passes.stats, measure=pipe.measure, pipe=pipe)
             else:
                 self.feeder = Feeder(self.run, stage, build, parts.prefetch, parts.timeout, stats=passes.stats,
                                      measure=build.measure)
