@@ -114,11 +114,16 @@ def python_calls(packed: Path, batch_size: int, threads: int, *, batches: int = 
     loader = Loader(str(packed), batch_size, transforms=[RandomResizedCrop(224), RandomHorizontalFlip()],
                     seed=seed, workers=Workers(num_threads=threads), device=device)
     warm = 1
-    batches = min(batches, len(loader) - warm - 1)   # the last batch may be short
+    # the workers run ahead by up to the ring's slots: the window ends before they can reach the pass's
+    # end (after which only the device side would still work, and its calls would count over fewer
+    # batches made); the last batch may be short
+    lead = loader.prefetch + 2
+    batches = min(batches, len(loader) - warm - lead - 1)
     if batches < 1:
         loader.close()
         raise ConfigError(f"python_calls: {len(loader)} batches of {batch_size} is too few to count in the steady "
-                          f"state (at least 3 are needed); use more images (--images) or a smaller --batch-size")
+                          f"state (at least {warm + lead + 2} are needed); use more images (--images) or a smaller "
+                          f"--batch-size")
     threading.setprofile(hook if device is None else gpu_hook)   # only threads started from here on: the loader's
     try:
         it = iter(loader)

@@ -3,14 +3,14 @@ hands the batches to the consumer (`Feeder`), the loader's one CUDA actor."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
-from collections import deque
 from typing import Any, Callable, ContextManager, Protocol
 
 from .._system import join_at_exit
 from ..errors import LoaderClosedError, LoaderTimeoutError, WorkerError
-from ..loading.slots import _FENCE_POLL_S, _POLL_S, Guard, Run, Slot, _release_if_owned, notify_all
+from ..loading.slots import _FENCE_POLL_S, _POLL_S, Guard, Run, Slot
 from ..loading.stats import LoaderStats
 
 
@@ -28,6 +28,7 @@ class Stage(Protocol):
 
 BuildFn = Callable[[Slot], "tuple[Any, Guard]"]  # slot -> (device batch, fence after which the slot is reusable)
 MeasureFn = Callable[[Any], "tuple[int, int]"]  # device batch -> (bytes it holds, working bytes of its build)
+_WAKE = object()   # in `ready` or `room`: the device thread ended, or the feeder stops: look again
 
 
 class Feeder:
@@ -44,10 +45,12 @@ class Feeder:
     sync). Errors from the Run (a failed sample, a timeout) or from `build` reach the consumer in
     batch order. Every wait has a timeout and checks the stop flag.
 
-    The hand-off is a deque guarded by a Condition (on an RLock) that each side notifies: the consumer
-    wakes as soon as a batch is queued and the device thread as soon as one is taken, with no sleep
-    in between. Each wait is bounded (`_POLL_S`, re-checking the stop flag) and `stop()` wakes every
-    waiter; Ctrl-C landing while the consumer holds the lock is undone by `_release_if_owned`."""
+    The hand-off is two C-level queues (`queue.SimpleQueue`): the queued batches (`ready`), and one
+    token per free place of the `depth` (`room`), which the device thread takes before it queues a
+    batch and the consumer gives back when it takes one. Each side wakes as soon as the other acts,
+    with no sleep in between, and a wait is one call however long it lasts (the device thread's
+    Python per batch is the trainer's GIL). Each wait is bounded (`_POLL_S`, re-checking the stop
+    flag), `stop()` wakes every waiter, and Ctrl-C in a wait leaves no lock held."""
 
     def __init__(self, run: Run, stage: Stage, build: BuildFn, depth: int, timeout: float,
                  name: str = "stoker-device", stats: LoaderStats | None = None,
@@ -58,10 +61,11 @@ class Feeder:
         self.stats, self.measure = stats, measure
         self.timeout = timeout
         self.depth = depth
-        self.ready: deque[tuple[str, Any, Any]] = deque()
-        # an RLock so the consumer can tell it still holds it (Ctrl-C, see _release_if_owned)
-        self.cond = threading.Condition(threading.RLock())
-        self.ended = False  # the device thread has left its loop (set under `cond`)
+        self.ready: queue.SimpleQueue = queue.SimpleQueue()   # ("batch" | "error", value, meta), or _WAKE
+        self.room: queue.SimpleQueue = queue.SimpleQueue()   # a token per free place of `depth`, or _WAKE
+        for _ in range(depth):
+            self.room.put(True)
+        self.ended = False  # the device thread has left its loop
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._work, name=name, daemon=True)
 
@@ -70,19 +74,22 @@ class Feeder:
         join_at_exit(self.thread, self.stop_event)
 
     def _put(self, item: tuple[str, Any, Any]) -> bool:
-        """Queue `item` once fewer than `depth` are waiting (only this thread appends, so the check
-        cannot go stale); False when stopped first. No timeout: a slow training step is no fault.
-        While it waits it keeps clearing the slots' guards (`Run.settle`), so the workers go on."""
+        """Queue `item` once fewer than `depth` are waiting (a `room` token taken); False when stopped
+        first. No timeout: a slow training step is no fault. While it waits it keeps clearing the
+        slots' guards (`Run.settle`), so the workers go on."""
+        pending = self.run.settle()
         while True:
-            pending = self.run.settle()  # outside self.cond: the run's lock is never taken inside it
-            with self.cond:
+            try:
+                token = self.room.get(timeout=_FENCE_POLL_S if pending else _POLL_S)
+            except queue.Empty:
                 if self.stop_event.is_set():
                     return False
-                if len(self.ready) < self.depth:
-                    self.ready.append(item)
-                    self.cond.notify_all()
-                    return True
-                self.cond.wait(_FENCE_POLL_S if pending else _POLL_S)
+                pending = self.run.settle()
+                continue
+            if token is _WAKE:   # `stop`
+                return False
+            self.ready.put(item)
+            return True
 
     def _more(self, b: int) -> bool:
         """Whether the run has a batch b, waiting (stop-aware) for an open-ended run to be extended."""
@@ -98,9 +105,8 @@ class Feeder:
         try:
             self._loop()
         finally:  # wake a consumer waiting for a batch that will never come
-            with self.cond:
-                self.ended = True
-                self.cond.notify_all()
+            self.ended = True
+            self.ready.put(_WAKE)
 
     def _bound(self) -> bool:
         """Bind this thread to the stage's GPU, the loader's one CUDA actor, before any CUDA call (a new
@@ -149,12 +155,7 @@ class Feeder:
     def get(self, b: int) -> Any:
         """Batch b on the device, ready to use on the caller's current stream. Raises what the
         pipeline raised for it, LoaderTimeoutError after `timeout` seconds without it."""
-        try:
-            item = self._take(b)
-        except BaseException:
-            _release_if_owned(self.cond)
-            raise
-        kind, value, meta = item
+        kind, value, meta = self._take(b)
         if kind == "error":
             raise value
         ready, held = meta
@@ -162,28 +163,31 @@ class Feeder:
         return self.stage.handoff(value, ready)
 
     def _take(self, b: int) -> tuple[str, Any, Any]:
-        """The next queued item, waiting (bounded, stop-aware) until the device thread notifies one."""
+        """The next queued item, waiting (bounded, stop-aware) until the device thread queues one."""
         deadline = time.monotonic() + self.timeout
         thread = self.thread
-        with self.cond:
-            while not self.ready:
+        while True:
+            if self.stop_event.is_set():
+                raise LoaderClosedError(f"the loader was closed while waiting for batch {b}")
+            try:
+                item = self.ready.get(timeout=_POLL_S)
+            except queue.Empty:
+                item = _WAKE
+            if item is not _WAKE:
+                self.room.put(True)  # room for the device thread's next batch
+                return item
+            if self.ended or not thread.is_alive():
                 if self.stop_event.is_set():
                     raise LoaderClosedError(f"the loader was closed while waiting for batch {b}")
-                if self.ended or not thread.is_alive():
-                    raise WorkerError(f"the stoker device thread ended before batch {b}; this is a bug in stoker, "
-                                      f"please report it")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    stuck = self._stuck()
-                    raise LoaderTimeoutError(
-                        f"batch {b}: nothing reached the device after {self.timeout:.0f} s "
-                        f"({self.run.alive()} worker threads alive); "
-                        + (stuck or "storage may be stalled or a transform hangs")
-                        + " — raise workers=stoker.Workers(timeout=...) if samples are genuinely this slow")
-                self.cond.wait(min(_POLL_S, left))
-            item = self.ready.popleft()
-            self.cond.notify_all()  # room for the device thread's next batch
-        return item
+                raise WorkerError(f"the stoker device thread ended before batch {b}; this is a bug in stoker, "
+                                  f"please report it")
+            if time.monotonic() >= deadline:
+                stuck = self._stuck()
+                raise LoaderTimeoutError(
+                    f"batch {b}: nothing reached the device after {self.timeout:.0f} s "
+                    f"({self.run.alive()} worker threads alive); "
+                    + (stuck or "storage may be stalled or a transform hangs")
+                    + " — raise workers=stoker.Workers(timeout=...) if samples are genuinely this slow")
 
     def _stuck(self) -> str:
         """What the device thread's side is stuck in, when it knows (the GPU decode pipeline: a decoder
@@ -196,17 +200,20 @@ class Feeder:
         if self.run.forked:
             return
         self.stop_event.set()
-        notify_all(self.cond)
+        self.room.put(_WAKE)   # the device thread waiting for room
+        self.ready.put(_WAKE)  # a consumer waiting for a batch
         self.run.stop(join_timeout, give_back=False)
         if self.thread is not threading.current_thread() and self.thread.is_alive():
             self.thread.join(join_timeout)
         if not self.thread.is_alive():  # it may still be reading the slot it builds from
             self.run.give_back()
-        with self.cond:  # drop queued device batches now rather than at collection
-            dropped = [meta[1] for kind, _, meta in self.ready if kind == "batch"]
-            self.ready.clear()
-        for held in dropped:
-            self._release(held)
+        while True:   # drop queued device batches now rather than at collection
+            try:
+                item = self.ready.get_nowait()
+            except queue.Empty:
+                break
+            if item is not _WAKE and item[0] == "batch":
+                self._release(item[2][1])
 
     def alive(self) -> int:
         return self.run.alive() + self.thread.is_alive()

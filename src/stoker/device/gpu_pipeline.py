@@ -110,14 +110,16 @@ class DecodeThread:
         self.released.put(chunk)
 
     def _get(self, q: queue.SimpleQueue) -> Any:
-        """The next item of `q`, or None once stopped."""
-        while not self.stop_event.is_set():
+        """The next item of `q`, or None once stopped (`wake` puts _END in both queues; a wait that
+        missed it re-checks the stop flag every `_POLL_S`)."""
+        while True:
             try:
                 item = q.get(timeout=_POLL_S)
             except queue.Empty:
+                if self.stop_event.is_set():
+                    return None
                 continue
-            return None if item is _END else item   # _END in `todo` or `released`: woken by `wake`
-        return None
+            return None if item is _END else item
 
     def _work(self) -> None:
         stream = None
