@@ -22,13 +22,14 @@ rate beside the other can be far below its rate alone. The capacities predict th
 1 / (1 - G / (G + C)); the probes catch what that model misses. Every `probe_every` batches (twice
 as long after each probe that came at under half the pace, up to 8 times) a window of `probe_len`
 batches runs the other way (the CPU alone while splitting, the split while the CPU is alone; only
-batches run that way count, not those the workers planned before the window opened), and the mean
-pace of whole batches each way (images/s, each batch as long as its slower side, both sides timed
-where they ran, so the slowdown one causes the other is in it) is set against the prediction: the
-predicted way (the split where the GPU adds at least `floor` of the capacity) is kept unless the
-other way came faster by more than `margin` and twice the paces' standard error. A verdict inside
-the noise follows the capacities, so a split that adds 11% is taken although 8 noisy batches cannot
-show it, and a split that is slower beyond the noise is left. `reason` says which and why. Pure
+batches run that way count, not those the workers planned before the window opened), measured afresh.
+The predicted way (the split where the GPU adds at least `floor` of the capacity) is kept unless the
+measurement contradicts it beyond the noise: the split's capacity, G + C with both rates timed beside
+each other (the slowdown one causes the other is in them), against the CPU threads' rate alone, by
+more than `margin` and twice the standard error of their ratio. A verdict inside the noise follows
+the capacities, so a split that adds 11% is taken although 8 noisy batches cannot show it, and a
+split slower beyond the noise is left. The whole batches' paces (each as long as its slower side)
+end a probe far slower than the current way after 3 batches. `reason` says which and why. Pure
 arithmetic on the numbers it is handed: tests drive it with a simulated clock.
 """
 
