@@ -168,6 +168,7 @@ def _child(conn: Any, payload: dict) -> None:
                 with run.cond:
                     ring.free.append(slot)
                     run.cond.notify_all()
+                    run.slot_cond.notify_all()   # the workers waiting for a slot
         except (EOFError, OSError):
             pass
         run.stop(join_timeout=2.0, give_back=False)

@@ -379,6 +379,10 @@ class Run(HandOut):
         self.timeout = timeout
         self.lock = threading.RLock()  # an RLock so the consumer can tell it still holds it (Ctrl-C)
         self.cond = threading.Condition(self.lock)
+        # the workers waiting for a slot wait on a Condition of their own over the same lock: a batch
+        # completing wakes only the consumer, a slot freed (or its guard cleared) only the workers, so no
+        # thread pays a wake-up's dozen Python calls for what another waits for
+        self.slot_cond = threading.Condition(self.lock)
         self.stop_event = threading.Event()
         self._generation = fork_generation()
         self.released = 0  # batches the consumer has moved past
@@ -452,7 +456,7 @@ class Run(HandOut):
                     if self.ring.free and self.ring.free[0].guard is None:
                         self._plan(self.next_assign, self.ring.free.popleft())
                         continue
-                    self.cond.wait(_SLOT_POLL_S)  # notified by a release, or by settle() clearing a guard
+                    self.slot_cond.wait(_SLOT_POLL_S)  # notified by a release, or by settle() clearing a guard
             return None
         finally:
             times.wait += time.perf_counter() - t0
@@ -492,8 +496,8 @@ class Run(HandOut):
                     cleared = True
                 else:
                     pending = True
-            if cleared:
-                self.cond.notify_all()
+            if cleared:   # a slot the workers may fill (or a stall they must see)
+                self.slot_cond.notify_all()
             return pending
 
     def _work(self) -> None:
@@ -546,7 +550,7 @@ class Run(HandOut):
         with self.cond:
             self.released = max(self.released, b)
             if self.ring.reclaim():
-                self.cond.notify_all()
+                self.slot_cond.notify_all()
             while True:
                 pending = self.settle()  # this thread is the CUDA actor: it clears the slots' guards
                 slot = self.assigned.get(b)
@@ -584,6 +588,7 @@ class Run(HandOut):
             return
         self.stop_event.set()
         notify_all(self.cond)
+        notify_all(self.slot_cond)
         if self.engine is not None:  # wakes a coordinator waiting on the pool, joins the pool's threads
             self.engine.close()
         me = threading.current_thread()
