@@ -46,8 +46,9 @@ from .stats import LoaderStats, WorkerTimes
 
 _POLL_S = 0.1  # how often a blocked wait re-checks the stop flag, seconds
 # how long a worker waiting for its batch's slot sleeps between checks: a release, a cleared guard, a stall and
-# stop() all notify it, so this is only the safety net (a short one costs Python calls on every idle worker)
-_SLOT_POLL_S = 1.0
+# stop() all notify it (`slot_cond`), so this is only the safety net (a short one costs a dozen Python calls per
+# idle worker per period: while a slow device side holds every slot, idle workers would wake for nothing)
+_SLOT_POLL_S = 5.0
 # how often the CUDA actor re-checks a slot's guard while the workers wait for it: nothing notifies
 # the host when the GPU passes an event, so this one wait polls (seconds)
 _FENCE_POLL_S = 0.001
