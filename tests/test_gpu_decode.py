@@ -689,19 +689,22 @@ def test_batched_resample_matches_the_per_sample_path(ops: list, sizes: list) ->
 def test_batched_resample_respects_its_budget_and_row_order() -> None:
     pipe = Pipeline([RandomResizedCrop(32), RandomHorizontalFlip()])
     jobs, refs = jobs_for(pipe, make_jpegs(seed=13), SIZES, seed=1)
-    placed_sizes: list[int] = []
+    groups: list[tuple[int, int]] = []
     real = gpu_decode.resample_into
 
     def spy(group, out):
-        placed_sizes.append(len(group))
+        ch, cw = (group.src[:, 1::2] - group.src[:, ::2]).max(0)
+        groups.append((len(group), gpu_decode.working_set(len(group), ch, cw, 32, 32)))
         real(group, out)
 
-    gpu = GpuBatchDecoder(CpuDecoder(), "cpu", budget_bytes=4 * 3 * 300 * 400)
+    budget = int(3 * gpu_decode.working_set(1, 300, 400, 32, 32))   # any crop of SIZES fits alone
+    gpu = GpuBatchDecoder(CpuDecoder(), "cpu", resample_budget_bytes=budget)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gpu_decode, "resample_into", spy)
         small = torch.zeros((len(jobs), 3, 32, 32), dtype=torch.uint8)
         assert gpu.run(jobs, small) == []
-    assert len(placed_sizes) > 1 and sum(placed_sizes) == len(jobs)  # cut into groups under the budget
+    assert len(groups) > 1 and sum(n for n, _ in groups) == len(jobs)  # cut into groups under the budget
+    assert all(need <= budget for _, need in groups), (groups, budget)
     whole = torch.zeros_like(small)
     assert GpuBatchDecoder(CpuDecoder(), "cpu").run(jobs, whole) == []
     assert torch.equal(small, whole)  # grouping changes nothing

@@ -132,9 +132,9 @@ def _columns_each(call: Any, data: torch.Tensor, spans: np.ndarray, regions: np.
     """`call(data, spans, regions)` (a `decode_columns`), one result per row; when the call fails (or
     returns something other than a list of one result per row), each row alone, so only the bad ones
     fail. Empty rows fail at once, never reaching the decoder."""
-    n = len(spans)
+    n = spans.shape[0]
     empty = spans[:, 1] <= spans[:, 0]
-    if empty.any():
+    if True in empty:   # (an operator, not a call: this runs once a chunk)
         results: list[Any] = [ValueError("sample is empty (0 bytes)") if e else None for e in empty.tolist()]
         todo = np.flatnonzero(~empty)
         if len(todo):
@@ -144,7 +144,7 @@ def _columns_each(call: Any, data: torch.Tensor, spans: np.ndarray, regions: np.
         return results
     try:
         outs = call(data, spans, regions)
-        if not isinstance(outs, list) or len(outs) != n:
+        if type(outs) is not list or len(outs) != n:
             got = f"{len(outs)} results" if isinstance(outs, list) else type(outs).__name__
             raise RuntimeError(f"the decoder returned {got} for {n} inputs")
         return outs

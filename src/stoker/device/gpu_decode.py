@@ -3,11 +3,12 @@
 For machines whose CPU cores cannot decode fast enough: the Loader's device thread hands the JPEGs
 of a batch to a `GpuDecoder` (nvJPEG through TorchCodec, or NVIDIA nvImageCodec: `gpu_backends`), then
 crops each decoded image with the same integer geometry as the CPU path (`transforms.crop_window`),
-then crops, resizes (`torch.nn.functional.interpolate`'s bilinear weights, as batched resampling
-matrices), flips and writes a whole group of samples into their rows of the batch on the device in a
-few kernels. The crop plan is the CPU's (computed from the stored sizes), so a seed gives the same
-crops on both paths; only the resampling kernel differs (torch bilinear, antialiased when shrinking,
-vs OpenCV bilinear/area). A decoder that says `regions` decodes only each crop's window.
+then crops, resizes (the weights of `torch.nn.functional.interpolate(antialias=True)`, as batched
+resampling matrices), flips and writes a whole chunk of samples into their rows of the batch on the
+device in a fixed number of kernels and Python calls. The crop plan is the CPU's (computed from the
+stored sizes), so a seed gives the same crops on both paths; only the resampling kernel differs (torch's
+antialiased bilinear, plain bilinear where an axis grows, vs OpenCV bilinear/area). A decoder that says
+`regions` decodes only each crop's window.
 
 `GpuBatchDecoder.run` does a batch in series; `gpu_pipeline` runs the same two halves (`decode_chunk`
 on a decode thread, `resample_chunk` on the device thread) overlapped.
@@ -25,67 +26,25 @@ import numpy as np
 
 from .._torch import torch
 from ..errors import ConfigError, CorruptImageError, ImageError
-from ..loading.jobs import GpuBatch, GpuJob
+from ..loading.jobs import HEIGHT, WIDTH, GpuBatch, GpuJob
 from ..transforms import CropWindow, crop_window
 from .gpu_backends import (AUTO, BACKENDS, NVIMGCODEC_CPU_THREADS, REMOVED, TORCHCODEC_MIN,  # noqa: F401
                            GpuDecoder, NvImageCodecDecoder, TorchCodecDecoder, _columns_each, _decode_each,
                            make_decoder)
 
-F = torch.nn.functional
 # tensors of any shapes joined into one 1-D tensor in one C call (each made dense first where it is not)
 _join_flat = getattr(torch._C._nn, "flatten_dense_tensors", None) or torch._utils._flatten_dense_tensors
 
 #: Default bound on the decoded pixels held at once by `GpuBatchDecoder.run`: 256 MiB of uint8 RGB,
 #: e.g. about 470 ImageNet-sized (375x500) images, or 7 twelve-megapixel photos.
 DEFAULT_BUDGET_BYTES = 256 << 20
-#: The resample's working set (float32 crops, resampling matrices, products) per chunk, as a multiple of
-#: the decode budget: one group per chunk, and so a fixed number of calls, for ordinary batches.
+#: The resample's working set (`working_set`: float32 crops, resampling matrices, products) per group, as a
+#: multiple of the decode budget (2 GiB by default): one group per chunk, and so a fixed number of calls, for
+#: ordinary batches (256 crops of up to 500 x 500 pixels to 224 x 224 take 1.9 GB).
 RESAMPLE_PER_BUDGET = 8
 
 
 # ---- crop, resize, flip on the device: a whole chunk in a few kernels ----------------------------------
-
-_WEIGHT_TEMPS = 4  # _axis_weights holds up to this many [N, n_out, n_in] float32 tensors at once
-
-
-def _axis_weights(n_out: int, length: torch.Tensor, size: torch.Tensor, start: torch.Tensor, aa: torch.Tensor,
-                  flip: torch.Tensor | None, n_in: int) -> torch.Tensor:
-    """Resampling matrices [N, n_out, n_in] (float32) for one axis of N samples (every argument a
-    float32 or bool tensor [N, 1, 1]): output index i takes sum_x W[i, x] * input[x]. Sample k's
-    `length[k]` input pixels (from index 0) are resized to `size[k]` outputs placed from `start[k]`;
-    output rows outside stay all-zero (CenterCrop padding); `flip[k]` mirrors the whole output axis.
-
-    The weights are those of `torch.nn.functional.interpolate(mode="bilinear", align_corners=False)`,
-    with `antialias=aa[k]`: plain bilinear (source index clamped at 0, the last pixel repeated), or the
-    antialiased triangle filter widened by the shrink factor and normalized over the pixels it covers
-    (PIL's and torch's `_upsample_bilinear2d_aa`). An axis whose length equals its size is the identity.
-    A fixed number of kernels whatever N, written with operators where they give the same numbers
-    (`-a + 1` for `1 - a`, `max(scale, 1)` for the support) so the Python calls stay few."""
-    ar = torch.arange(max(n_out, n_in), device=length.device, dtype=torch.float32)
-    i = ar[None, :n_out, None]
-    x = ar[None, None, :n_in]
-    if flip is not None:
-        i = torch.where(flip, -i + (n_out - 1), i)
-    local = i - start  # output index inside the sample's window
-    inside = (local >= 0) & (local < size)
-    scale = length / size
-    # plain bilinear
-    src = (scale * (local + 0.5) - 0.5).clamp_min(0)
-    i0 = torch.minimum(src.floor(), length - 1)
-    i1 = torch.where(i0 < length - 1, i0 + 1, i0)
-    l1 = (src - i0).clamp(0, 1)
-    plain = (x == i0) * (-l1 + 1) + (x == i1) * l1
-    # antialiased: support and filter width grow with the shrink factor
-    support = scale.clamp_min(1)
-    invscale = support.reciprocal()
-    center = scale * (local + 0.5)
-    xmin = (center - support + 0.5).floor().clamp_min(0)
-    xmax = torch.minimum((center + support + 0.5).floor(), length)
-    tri = (-((x - center + 0.5) * invscale).abs() + 1).clamp_min(0) * ((x >= xmin) & (x < xmax))
-    total = tri.sum(-1, keepdim=True)
-    weights = torch.where(aa, tri / torch.where(total > 0, total, 1.0), plain)
-    return weights * inside
-
 
 class _Placed(NamedTuple):
     """A decoded image and where its crop goes: source window (sy0, sy1, sx0, sx1) inside `img`, target
@@ -107,47 +66,48 @@ BASE, SC, SY, SX, IMG_H, IMG_W = range(6)
 def layout_meta(heights: np.ndarray, widths: np.ndarray, layout: str) -> np.ndarray:
     """int64 [k, 6] `PlacedChunk.meta` of k images of `heights` x `widths` laid out back to back in one
     flat buffer, each planar ("chw") or interleaved ("hwc")."""
-    h, w = heights.astype(np.int64), widths.astype(np.int64)
-    meta = np.empty((len(h), 6), np.int64)
-    size = 3 * h * w
-    meta[:, BASE] = np.cumsum(size) - size
+    h, w = heights, widths
+    meta = np.empty((h.shape[0], 6), np.int64)
+    size = np.multiply(3 * h, w, dtype=np.int64)
+    meta[:, BASE] = np.add.accumulate(size) - size
     if layout == "hwc":
         meta[:, SC], meta[:, SY], meta[:, SX] = 1, 3 * w, 3
     else:
-        meta[:, SC], meta[:, SY], meta[:, SX] = h * w, w, 1
+        meta[:, SC], meta[:, SY], meta[:, SX] = size // 3, w, 1
     meta[:, IMG_H], meta[:, IMG_W] = h, w
     return meta
 
 
 class PlacedChunk:
     """A decoded chunk as columns: its images' pixels in one flat uint8 tensor on the device (`flat`),
-    image i (row `pos[i]` of `batch`) at `meta[i]` (`layout_meta`: start, strides, height, width), its
+    image i (row i of `batch`, the chunk's rows that were placed) at `meta[i]` (`layout_meta`: start,
+    strides, height, width; the column stride is the same for every image, the decoder's layout), its
     crop's source window `src[i]` inside the image and target window `dst[i]` (int64 [k, 4]). No object
     per image: the resample reads the columns. Iterating (for tests and error paths) gives `_Placed`
     records, each image a strided view of `flat`."""
 
-    __slots__ = ("batch", "pos", "flat", "meta", "src", "dst")
+    __slots__ = ("batch", "flat", "meta", "src", "dst")
 
-    def __init__(self, batch: GpuBatch, pos: np.ndarray, flat: torch.Tensor, meta: np.ndarray, src: np.ndarray,
+    def __init__(self, batch: GpuBatch, flat: torch.Tensor, meta: np.ndarray, src: np.ndarray,
                  dst: np.ndarray) -> None:
-        self.batch, self.pos, self.flat, self.meta, self.src, self.dst = batch, pos, flat, meta, src, dst
+        self.batch, self.flat, self.meta, self.src, self.dst = batch, flat, meta, src, dst
 
     def __len__(self) -> int:
-        return len(self.pos)
+        return len(self.meta)
 
     def __iter__(self) -> Iterator[_Placed]:
-        job, flat = self.batch.job, self.flat
-        return iter([_Placed(job(i), flat.as_strided((3, m[IMG_H], m[IMG_W]), (m[SC], m[SY], m[SX]), m[BASE]),
+        flat = self.flat
+        return iter([_Placed(job, flat.as_strided((3, m[IMG_H], m[IMG_W]), (m[SC], m[SY], m[SX]), m[BASE]),
                              tuple(s), tuple(d), (s[1] - s[0], s[3] - s[2]))
-                     for i, m, s, d in zip(self.pos.tolist(), self.meta.tolist(), self.src.tolist(),
-                                           self.dst.tolist())])
+                     for job, m, s, d in zip(self.batch, self.meta.tolist(), self.src.tolist(),
+                                             self.dst.tolist())])
 
     def take(self, sel: np.ndarray) -> "PlacedChunk":
-        return PlacedChunk(self.batch, self.pos[sel], self.flat, self.meta[sel], self.src[sel], self.dst[sel])
+        """The images at positions `sel` (int64), in that order."""
+        return PlacedChunk(self.batch.take(sel), self.flat, self.meta[sel], self.src[sel], self.dst[sel])
 
     def jobs(self) -> list[GpuJob]:
-        job = self.batch.job
-        return [job(i) for i in self.pos.tolist()]
+        return list(self.batch)
 
     @staticmethod
     def of(placed: "PlacedChunk | Sequence[_Placed]") -> "PlacedChunk":
@@ -161,60 +121,96 @@ class PlacedChunk:
         meta = layout_meta(np.array([i.shape[1] for i in imgs], np.int64),
                            np.array([i.shape[2] for i in imgs], np.int64), "chw")
         flat = torch.cat([i.reshape(-1) for i in imgs]) if n else torch.empty(0, dtype=torch.uint8)
-        return PlacedChunk(batch, np.arange(n, dtype=np.int64), flat, meta,
-                           np.array([p.src for p in placed], np.int64).reshape(n, 4),
+        return PlacedChunk(batch, flat, meta, np.array([p.src for p in placed], np.int64).reshape(n, 4),
                            np.array([p.dst for p in placed], np.int64).reshape(n, 4))
 
 
-#: columns uploaded once per group by `resample_into` (int64): the crop's start in `flat` and strides, its
-#: size, the target window's size and corner, flip, antialias, batch row
-_G_START, _G_SC, _G_SY, _G_SX, _G_H, _G_W, _G_TH, _G_TW, _G_TY, _G_TX, _G_FLIP, _G_AA, _G_ROW = range(13)
+def working_set(k: Any, ch: Any, cw: Any, out_h: int, out_w: int) -> Any:
+    """Bytes `resample_into` holds at its peak for k crops padded to ch x cw pixels resampled to out_h x
+    out_w (elementwise over NumPy arrays too): both axes' float32 resampling matrices (in one tensor of
+    max(out_h, out_w) x max(ch, cw) each), the crops in float32 and, while converting, uint8, the y matrices
+    repeated over the 3 channels and the first product (the first matrix product's operands and result),
+    and the gather's row index (int64 per crop row). Beside the chunk's decoded images, not counting them."""
+    n_out = out_h if out_h > out_w else out_w
+    return k * (8 * n_out * np.maximum(ch, cw) + 15 * ch * cw + 12 * out_h * (ch + cw) + 24 * ch)
 
 
-def _upload(cols: np.ndarray, dev: torch.device) -> torch.Tensor:
-    """int64 host columns on `dev` (pinned and asynchronous on a GPU)."""
-    host = torch.from_numpy(cols)
-    return host.to(dev) if dev.type == "cpu" else host.pin_memory().to(dev, non_blocking=True)
+#: rows of the parameters `resample_into` uploads, float64 [_NP, 2, k] (axis 0 the output's y, 1 its x):
+#: each axis's resampling matrix, then each crop's gather (integers, read from the y axis)
+_A, _B, _INV, _LO_IN, _HI_IN, _LO_OUT, _HI_OUT, _START, _SC, _SY, _ROW, _NP = range(12)
+_X_ONLY = np.array([[0], [1]])  # [2, 1]: 1 on the x axis, the one a flip mirrors
+
+
+def _params(cols: PlacedChunk, ch: int, cw: int, out_w: int, pinned: bool) -> torch.Tensor:
+    """float64 [_NP, 2, k] on the host (pinned when `pinned`): per axis and sample, the numbers the
+    resampling matrices are made of, and each crop's gather. Output index i of an axis, at position j
+    inside its target window [lo, hi) (j = i - lo, or hi - 1 - i on a mirrored axis), samples the crop
+    around c = scale * (j + 0.5) - 0.5 (torch's `align_corners=False`) with the antialiasing triangle
+    widened to the shrink factor, support = max(scale, 1): input pixel x weighs max(0, 1 - |x - c| /
+    support), normalized over the crop's pixels. A crop starts at column `shift` of its gathered windows:
+    0, unless they would read past the end of `flat`; then they end at the crop's right edge. That stays
+    inside `flat`: the windows can overrun only if the widest crop's image lies before this one's, and
+    they move back less than its size."""
+    src, dst, meta, k = cols.src, cols.dst, cols.meta, cols.src.shape[0]
+    crop = (src[:, 1::2] - src[:, ::2]).T          # [2, k]: the crops' heights, widths (input pixels)
+    size = (dst[:, 1::2] - dst[:, ::2]).T          # the target windows' heights, widths (output pixels)
+    corner = dst[:, ::2].T                          # their top, left
+    mirrored = cols.batch.flip * _X_ONLY
+    lo = corner + mirrored * (out_w - size - 2 * corner)   # the window's first output index, as mirrored
+    scale = crop / size
+    inv = 1 / np.maximum(scale, 1)
+    sx = meta[:, SX]
+    start = meta[:, BASE] + src[:, 0] * meta[:, SY] + src[:, 2] * sx   # the crop's first pixel in `flat`
+    last = start + 2 * meta[:, SC] + (crop[0] - 1) * meta[:, SY]        # its last channel's last row
+    shift = _X_ONLY * ((last + (cw - 1) * sx >= cols.flat.shape[0]) * (cw - crop[1]))
+    host = torch.empty((_NP, 2, k), dtype=torch.float64, pin_memory=pinned)
+    par = host.numpy()
+    off = mirrored * (2 * lo + size - 1) - lo       # j = (1 - 2 * mirrored) * i + off
+    par[_A] = scale * (1 - 2 * mirrored) * inv      # i * A + B: c / support, in window columns
+    par[_B] = (scale * (off + 0.5) - 0.5 + shift) * inv
+    par[_INV] = inv
+    par[_LO_IN], par[_HI_IN] = shift, shift + crop
+    par[_LO_OUT], par[_HI_OUT] = lo, lo + size
+    par[_START], par[_SC], par[_SY], par[_ROW] = start - shift[1] * sx, meta[:, SC], meta[:, SY], cols.batch.rows
+    return host
 
 
 def resample_into(placed: "PlacedChunk | Sequence[_Placed]", out: torch.Tensor) -> None:
-    """Crop, resize (bilinear, antialiased when shrinking in either axis), round, flip and store every
-    sample of `placed` into its row of `out` (uint8 [B, 3, H, W], any strides) in a fixed number of
-    kernels and Python calls, never one per sample: the group's columns uploaded in one copy, every crop
-    gathered from the flat buffer into one float32 batch by one indexed read (pixels beyond a crop
-    repeat its last row or column; their weights are zero), two batched matrix products with per-sample
-    resampling matrices (`_axis_weights`) and one store. Samples whose target window does not cover
-    the output (padded CenterCrop) get zeros around it, as on the CPU path."""
-    cols = PlacedChunk.of(placed)
-    k = len(cols)
+    """Crop, resize (torch's antialiased bilinear, `F.interpolate(antialias=True)`, which is plain
+    bilinear where an axis grows), round, flip and store every sample of `placed` into its row of `out`
+    (uint8 [B, 3, H, W], any strides) in a fixed number of kernels and Python calls (16), never one per
+    sample or per axis: the samples' parameters (`_params`) uploaded in one copy; every crop row gathered
+    from the flat buffer by one indexed read of a view of it as overlapping windows of the widest crop's
+    width (rows past a crop's height read its rows again; columns past its width, whatever follows; their
+    weights are zero); both axes' resampling matrices built together, with tensor operators, in place
+    where they can be (no Python call, no temporary of their size); two batched matrix products; one
+    rounded store. Samples whose target window does not cover the output (padded CenterCrop) get zeros
+    around it, as on the CPU path; a flip is a mirrored target window. Its memory is `working_set`."""
+    cols = placed if type(placed) is PlacedChunk else PlacedChunk.of(placed)
+    k = cols.src.shape[0]
     if not k:
         return
-    dev = out.device
-    out_h, out_w = out.shape[2], out.shape[3]
-    src, dst, meta, pos = cols.src, cols.dst, cols.meta, cols.pos
-    host = np.empty((k, 13), np.int64)
-    host[:, _G_START] = meta[:, BASE] + src[:, 0] * meta[:, SY] + src[:, 2] * meta[:, SX]
-    host[:, _G_SC:_G_SX + 1] = meta[:, SC:SX + 1]
-    host[:, _G_H], host[:, _G_W] = src[:, 1] - src[:, 0], src[:, 3] - src[:, 2]
-    host[:, _G_TH], host[:, _G_TW] = dst[:, 1] - dst[:, 0], dst[:, 3] - dst[:, 2]
-    host[:, _G_TY], host[:, _G_TX] = dst[:, 0], dst[:, 2]
-    host[:, _G_FLIP], host[:, _G_ROW] = cols.batch.flip[pos], cols.batch.rows[pos]
-    # antialias both axes once either shrinks
-    host[:, _G_AA] = (host[:, _G_H] > host[:, _G_TH]) | (host[:, _G_W] > host[:, _G_TW])
-    ch, cw = host[:, _G_H:_G_W + 1].max(0).tolist()
-    g = _upload(host, dev)
-    c4 = g[:, :, None, None, None]   # column j as [k, 1, 1, 1]: c4[:, j]
-    ar = torch.arange(max(ch, cw, 3), device=dev)
-    y = torch.minimum(ar[None, None, :ch, None], c4[:, _G_H] - 1)
-    x = torch.minimum(ar[None, None, None, :cw], c4[:, _G_W] - 1)
-    index = c4[:, _G_START] + ar[None, :3, None, None] * c4[:, _G_SC] + y * c4[:, _G_SY] + x * c4[:, _G_SX]
-    crops = cols.flat[index].to(torch.float32)
-    f = g.to(torch.float32)[:, :, None, None]   # column j as float32 [k, 1, 1]: f[:, j]
-    aa = f[:, _G_AA] > 0
-    wy = _axis_weights(out_h, f[:, _G_H], f[:, _G_TH], f[:, _G_TY], aa, None, ch)
-    wx = _axis_weights(out_w, f[:, _G_W], f[:, _G_TW], f[:, _G_TX], aa, f[:, _G_FLIP] > 0, cw)
-    pixels = torch.matmul(torch.matmul(wy[:, None], crops), wx.transpose(1, 2)[:, None])
-    out.index_copy_(0, g[:, _G_ROW], pixels.round_().clamp_(0, 255).to(torch.uint8))
+    dev, out_h, out_w = out.device, out.shape[2], out.shape[3]
+    ch, cw = np.maximum.reduce(cols.src[:, 1::2] - cols.src[:, ::2])
+    g = _params(cols, ch, cw, out_w, dev.type == "cuda").to(dev, non_blocking=True)
+    n_out, n_in = (out_h if out_h > out_w else out_w), (ch if ch > cw else cw)
+    ar = torch.arange(n_out + n_in + 3, device=dev)   # every index below is under this
+    gi = g.long()[:, 0, :, None, None]                 # the gather's columns, [k, 1, 1] each
+    rows = gi[_START] + ar[:3, None] * gi[_SC] + (ar[:ch] % gi[_HI_IN]) * gi[_SY]   # [k, 3, ch]
+    sx = int(cols.meta[0, SX])
+    windows = cols.flat.as_strided((cols.flat.shape[0] - (cw - 1) * sx, cw), (1, sx))
+    # the matrices, [2, k, n_out, n_in]: output index i takes sum_x W[i, x] * crop[x]
+    p, i, x = g.float()[:, :, :, None, None], ar[:n_out, None], ar[:n_in]
+    w = (x * p[_INV] - (i * p[_A] + p[_B])).abs_()   # distance to the sampled point, in supports
+    w *= -1
+    w += 1
+    w = w.clamp_min_(0)                               # the triangle filter
+    w *= (x >= p[_LO_IN]) & (x < p[_HI_IN])           # over the crop's own pixels
+    total = w.sum(-1, keepdim=True)
+    inside = (i >= p[_LO_OUT]) & (i < p[_HI_OUT])
+    w *= inside / (total + ~inside)                   # normalized; rows outside the window zero (total 0 there)
+    pixels = w[0, :, None, :out_h, :ch] @ windows[rows].float() @ w[1, :, None, :out_w, :cw].mT
+    out[gi[_ROW, :, 0, 0]] = pixels.round_().to(torch.uint8)
 
 
 class GpuBatchDecoder:
@@ -224,10 +220,12 @@ class GpuBatchDecoder:
     the stored sizes; the crop's window only, when the decoder decodes `regions`) stays under
     `budget_bytes` (at least one image per chunk); a chunk's images are released before the next
     chunk is decoded. The chunk's crops are then resampled together (`resample_into`) in groups whose
-    working set (the gathered crops and their int64 index, the resampling matrices and the
-    intermediate product) also stays under `budget_bytes` (at least one image per group). Peak GPU
-    memory of one `run` is therefore about 2 x budget_bytes (or a single large image's share), plus
-    the decoder library's own work buffers (nvJPEG keeps them between calls).
+    working set (`working_set`: the gathered crops, the resampling matrices, the products) stays under
+    `resample_budget_bytes` (at least one image per group; RESAMPLE_PER_BUDGET x budget_bytes by
+    default, so an ordinary chunk is one group). Peak GPU memory of one `run` is therefore about
+    2 x budget_bytes (the decoded images and the flat buffer they are joined into; or a single large
+    image's share) plus the resample's working set, plus the decoder library's own work buffers (nvJPEG
+    keeps them between calls).
 
     `run` does a batch in series: for each chunk, `decode_chunk` then `resample_chunk`.
     `gpu_pipeline.GpuPipeline` calls the two halves on two threads, overlapped.
@@ -264,59 +262,54 @@ class GpuBatchDecoder:
             self._stream = torch.cuda.Stream(device=self.device)
         return self._stream
 
-    def _decoded_bytes(self, batch: GpuBatch) -> np.ndarray:
-        """int64 [k]: the decoded bytes of each row (3*h*w; the crop's window with `regions`, where known)."""
-        full = 3 * np.maximum(batch.heights, 0) * np.maximum(batch.widths, 0)
-        if not self.regions:
-            return full
-        src = batch.src
-        return np.where(batch.planned, 3 * (src[:, 1] - src[:, 0]) * (src[:, 3] - src[:, 2]), full)
-
-    def chunks(self, jobs: "GpuBatch | Sequence[GpuJob]") -> Iterator[GpuBatch]:
-        """Consecutive runs of rows whose decoded bytes (3*h*w each) sum to at most budget_bytes; a row
-        larger than the budget on its own gets a chunk of its own. Each run is a `GpuBatch`."""
-        if not isinstance(jobs, GpuBatch):
+    def chunks(self, jobs: "GpuBatch | Sequence[GpuJob]") -> list[GpuBatch]:
+        """Consecutive runs of rows whose decoded bytes (3*h*w each; the crop's window with `regions`, where
+        planned) sum to at most budget_bytes; a row larger than the budget on its own gets a chunk of its
+        own. Each run is a `GpuBatch`; a batch under the budget is one, as it is."""
+        if type(jobs) is not GpuBatch:
             if not jobs:   # a batch the CPU renders whole
-                return
+                return []
             jobs = GpuBatch.of_jobs(jobs)
         batch = jobs
-        budget, start, size, n = self.budget_bytes, 0, 0, len(batch.rows)
-        for k, nbytes in enumerate(self._decoded_bytes(batch).tolist()):
-            if k > start and size + nbytes > budget:
-                yield batch.take(slice(start, k))
+        nbytes = 3 * np.maximum(batch.heights, 0) * np.maximum(batch.widths, 0)
+        if self.regions:
+            src = batch.src
+            nbytes += batch.planned * (3 * (src[:, 1] - src[:, 0]) * (src[:, 3] - src[:, 2]) - nbytes)
+        budget = self.budget_bytes
+        if np.add.reduce(nbytes) <= budget:
+            return [batch] if nbytes.shape[0] else []
+        out: list[GpuBatch] = []
+        start, size = 0, 0
+        for k, n in enumerate(nbytes.tolist()):
+            if k > start and size + n > budget:
+                out.append(batch.take(slice(start, k)))
                 start, size = k, 0
-            size += nbytes
-        if start < n:
-            yield batch if start == 0 else batch.take(slice(start, n))
+            size += n
+        out.append(batch.take(slice(start, len(nbytes))))
+        return out
 
-    def groups(self, placed: "PlacedChunk | Sequence[_Placed]", out_h: int, out_w: int) -> Iterator[PlacedChunk]:
-        """`placed` sorted by crop size and cut where the working set of `resample_into` (gathered
-        float32 crops and their int64 index, both resampling matrices with the temporaries that build
-        them, the intermediate product, the result) would pass the resample budget
-        (`resample_budget_bytes`): one group, a fixed number of calls, while the chunk fits."""
-        cols = PlacedChunk.of(placed)
-        if not len(cols):
-            return
-        src = cols.src
-        hs, ws = src[:, 1] - src[:, 0], src[:, 3] - src[:, 2]
-        order = np.lexsort((ws, hs))   # by (height, width), stable: sorted() by `crop`
-        cut: list[int] = []
-        ch = cw = k = 0
-        for i, (ph, pw) in enumerate(zip(hs[order].tolist(), ws[order].tolist())):
-            h, w = (ch if ch > ph else ph), (cw if cw > pw else pw)
-            need = 4 * (k + 1) * (9 * h * w + _WEIGHT_TEMPS * (out_h * h + out_w * w)
-                                           + 3 * out_h * w + 3 * out_h * out_w)
-            if k and need > self.resample_budget_bytes:
+    def groups(self, placed: "PlacedChunk | Sequence[_Placed]", out_h: int, out_w: int) -> list[PlacedChunk]:
+        """`placed` as groups whose `working_set` stays under the resample budget (`resample_budget_bytes`):
+        the whole chunk, as it is, while it fits (a fixed number of calls); else sorted by crop size and cut,
+        each group's bound taken at its last crop's height and the widest crop so far."""
+        cols = placed if type(placed) is PlacedChunk else PlacedChunk.of(placed)
+        k = cols.src.shape[0]
+        if not k:
+            return []
+        crop = cols.src[:, 1::2] - cols.src[:, ::2]   # [k, 2]: heights, widths
+        ch, cw = np.maximum.reduce(crop)
+        budget = self.resample_budget_bytes
+        if working_set(k, ch, cw, out_h, out_w) <= budget:
+            return [cols]
+        order = np.lexsort((crop[:, 1], crop[:, 0]))   # by (height, width)
+        per = working_set(1, crop[order, 0], np.maximum.accumulate(crop[order, 1]), out_h, out_w).tolist()
+        cut, start = [0], 0
+        for i, one in enumerate(per):   # nondecreasing: a group's bound is its size times its last
+            if i > start and (i + 1 - start) * one > budget:
                 cut.append(i)
-                h, w, k = ph, pw, 0
-            k += 1
-            ch, cw = h, w
-        if not cut:
-            yield cols.take(order)
-            return
-        bounds = [0, *cut, len(order)]
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            yield cols.take(order[a:b])
+                start = i
+        cut.append(k)
+        return [cols.take(order[a:b]) for a, b in zip(cut[:-1], cut[1:])]
 
     def _context(self) -> Any:
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
@@ -362,54 +355,50 @@ class GpuBatchDecoder:
         comes back as expected: one decoder call on the chunk's buffer, one pass reading the results'
         attributes, one call joining them (`flatten_dense_tensors`: no per-image call). A `GpuJob` is
         made only for a row that fails or needs the per-image checks (`_one`)."""
-        if not isinstance(chunk, GpuBatch):
+        if type(chunk) is not GpuBatch:
             chunk = GpuBatch.of_jobs(chunk)
         if 0 in chunk.planned:
             chunk = chunk.copy()
             self._plan(chunk, out_h, out_w)
         src = chunk.src
         if self.regions:
-            hs, ws = src[:, 1] - src[:, 0], src[:, 3] - src[:, 2]
-            at = np.zeros_like(src)   # the crop's window inside the decoded region
-            at[:, 1], at[:, 3] = hs, ws
+            hw = src[:, 1::2] - src[:, ::2]   # what is decoded: the crop's window, (height, width)
+            at = src - src[:, [0, 0, 2, 2]]   # the crop's window inside it: (0, height, 0, width)
         else:
-            hs, ws, at = chunk.heights, chunk.widths, src
-        outs, layout = self._decode(chunk)
+            hw, at = chunk.geo[:, [HEIGHT, WIDTH]], src
+        if self._columns is not None and chunk.data is not None:
+            outs, layout = _columns_each(self._columns, chunk.data, chunk.spans, src if self.regions else None), \
+                self.layout
+        else:
+            outs, layout = self._decode_list(chunk), "chw"
         # one pass reading attributes only: an image of the shape expected, already on the device, is
         # taken as it is; anything else goes through `_one` (checks, grayscale, moves) or fails
         dev, u8, tensor = self.device, torch.uint8, torch.Tensor
-        three = [3] * len(outs)
-        want = zip(hs.tolist(), ws.tolist(), three) if layout == "hwc" else zip(three, hs.tolist(), ws.tolist())
-        fine = [o.__class__ is tensor and o.dtype == u8 and o.shape == e and o.device == dev
-                for o, e in zip(outs, want)]
+        dims = hw[:, [0, 1, 1]] if layout == "hwc" else hw[:, [0, 0, 1]]
+        dims[:, 2 if layout == "hwc" else 0] = 3
+        bad = [k for k, (o, want) in enumerate(zip(outs, map(tuple, dims.tolist())))
+               if not (o.__class__ is tensor and o.dtype == u8 and o.shape == want and o.device == dev)]
         failures: list[tuple[GpuJob, Exception]] = []
-        if all(fine):
-            pos = np.arange(len(outs), dtype=np.int64)
-        else:
+        if bad:
             at = at.copy()
-            for k in np.flatnonzero(~np.array(fine, bool)).tolist():
+            for k in bad:
                 job = chunk.job(k)
                 try:
                     outs[k], at[k] = self._one(job, outs[k], chunk, k, layout)
                 except Exception as exc:
                     failures.append((job, self._failure(job, exc)))
                     outs[k] = None
-            keep = [k for k, o in enumerate(outs) if o is not None]
-            pos = np.array(keep, dtype=np.int64)
-            outs = [outs[k] for k in keep]
+            keep = np.array([k for k, o in enumerate(outs) if o is not None], np.int64)
+            chunk, hw, at, outs = chunk.take(keep), hw[keep], at[keep], [outs[k] for k in keep.tolist()]
         flat = _join_flat(outs) if outs else torch.empty(0, dtype=torch.uint8, device=dev)
-        return PlacedChunk(chunk, pos, flat, layout_meta(hs[pos], ws[pos], layout), at[pos], chunk.dst[pos]), failures
+        return PlacedChunk(chunk, flat, layout_meta(hw[:, 0], hw[:, 1], layout), at, chunk.dst), failures
 
-    def _decode(self, chunk: GpuBatch) -> tuple[list, str]:
-        """The decoder's results for `chunk`, one per row, and their layout: `decode_columns` on the
-        chunk's buffer where the decoder has it and the rows are columns; else the list API (`decode`),
-        its [3, H, W] images ("chw")."""
-        regions = chunk.src if self.regions else None
-        if self._columns is not None and chunk.data is not None:
-            return _columns_each(self._columns, chunk.data, chunk.spans, regions), self.layout
-        wins = None if regions is None else list(map(tuple, regions.tolist()))
+    def _decode_list(self, chunk: GpuBatch) -> list:
+        """The decoder's results for `chunk`, one per row, through its list API (`decode`): [3, H, W]
+        images ("chw"). For decoders without `decode_columns`, and rows made one at a time."""
+        wins = list(map(tuple, chunk.src.tolist())) if self.regions else None
         # Backends already retry a failed batch one image at a time; this covers any other decoder.
-        return _decode_each(self.decoder.decode, chunk.datas, wins), "chw"
+        return _decode_each(self.decoder.decode, chunk.datas, wins)
 
     def _one(self, job: GpuJob, out: Any, chunk: GpuBatch, k: int, layout: str) -> tuple[torch.Tensor, np.ndarray]:
         """Row k's result that the one pass did not take: checked (`_place`) and laid out as `layout`, with
