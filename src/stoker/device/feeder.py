@@ -77,19 +77,26 @@ class Feeder:
         """Queue `item` once fewer than `depth` are waiting (a `room` token taken); False when stopped
         first. No timeout: a slow training step is no fault. While it waits it keeps clearing the
         slots' guards (`Run.settle`), so the workers go on."""
+        try:
+            token = self.room.get_nowait()   # room at once: the next batch's `next_batch` settles the guards
+        except queue.Empty:
+            token = self._wait_room()
+        if token is _WAKE or token is None:   # `stop`
+            return False
+        self.ready.put(item)
+        return True
+
+    def _wait_room(self) -> Any:
+        """A `room` token once the consumer takes a batch, clearing the slots' guards meanwhile; None when
+        stopped first."""
         pending = self.run.settle()
         while True:
             try:
-                token = self.room.get(timeout=_FENCE_POLL_S if pending else _POLL_S)
+                return self.room.get(timeout=_FENCE_POLL_S if pending else _POLL_S)
             except queue.Empty:
                 if self.stop_event.is_set():
-                    return False
+                    return None
                 pending = self.run.settle()
-                continue
-            if token is _WAKE:   # `stop`
-                return False
-            self.ready.put(item)
-            return True
 
     def _more(self, b: int) -> bool:
         """Whether the run has a batch b, waiting (stop-aware) for an open-ended run to be extended."""
