@@ -740,6 +740,125 @@ out:
     return result;
 }
 
+/* ---- the GPU columns' rows of a batch: planned, windowed and laid out in one call ---- */
+#define GEO_COLUMNS 15  /* loading/jobs.py's GEO_COLUMNS: row, flip, h, w, src[4], dst[4], padded, planned, index */
+
+static int is_i64(const Py_buffer *b) {
+    char c = b->format == NULL ? 'B' : b->format[strlen(b->format) - 1];
+    return b->itemsize == 8 && (c == 'l' || c == 'q');
+}
+
+static int is_f64(const Py_buffer *b) {
+    return b->itemsize == 8 && b->format != NULL && b->format[strlen(b->format) - 1] == 'd';
+}
+
+/* jobs.crop_windows for one row: transforms.crop_window(box, h, w, h, w, oh, ow) in the same double-precision
+ * steps (nearbyint under the default rounding mode rounds halves to even, as np.rint and round() do). Writes
+ * src and dst (y0, y1, x0, x1) and returns whether the window is padded. */
+static int crop_window_row(const double *box, int64_t hi, int64_t wi, int64_t oh, int64_t ow, int64_t *src,
+                           int64_t *dst) {
+    double h = (double)hi, w = (double)wi, fy = h / h, fx = w / w, toh = (double)oh, tow = (double)ow;
+    double y0 = box[0] * fy, x0 = box[1] * fx;
+    double y1 = y0 + box[2] * fy, x1 = x0 + box[3] * fx;
+    double ry0 = nearbyint(y0), rx0 = nearbyint(x0), ry1 = nearbyint(y1), rx1 = nearbyint(x1);
+    double iy0 = fmin(h - 1, fmax(0.0, ry0)), ix0 = fmin(w - 1, fmax(0.0, rx0));
+    double iy1 = fmin(h, fmax(iy0 + 1, ry1)), ix1 = fmin(w, fmax(ix0 + 1, rx1));
+    int padded = ry0 < 0 || rx0 < 0 || ry1 > h || rx1 > w;
+    src[0] = (int64_t)iy0, src[1] = (int64_t)iy1, src[2] = (int64_t)ix0, src[3] = (int64_t)ix1;
+    dst[0] = 0, dst[1] = oh, dst[2] = 0, dst[3] = ow;
+    if (padded) {
+        double bh = fmax(y1 - y0, 1e-9), bw = fmax(x1 - x0, 1e-9);
+        double ty0 = fmin(toh - 1, fmax(0.0, nearbyint((iy0 - y0) * toh / bh)));
+        double tx0 = fmin(tow - 1, fmax(0.0, nearbyint((ix0 - x0) * tow / bw)));
+        double ty1 = fmax(ty0 + 1, fmin(toh, nearbyint((iy1 - y0) * toh / bh)));
+        double tx1 = fmax(tx0 + 1, fmin(tow, nearbyint((ix1 - x0) * tow / bw)));
+        dst[0] = (int64_t)ty0, dst[1] = (int64_t)ty1, dst[2] = (int64_t)tx0, dst[3] = (int64_t)tx1;
+    }
+    return padded;
+}
+
+/* plan_gpu_rows(spans, ids, index, heights, widths, stream, program, first, out_h, out_w, geo, box, at, src)
+ *     -> (rows taken, bytes)
+ * The rows of a chunk (row first + i is dataset row index[i], its stream keyed by ids[i]) that the GPU takes:
+ * those with JPEG bytes (spans[i] = (block, lo, hi), block >= 0) and a stored size. Each is planned as the
+ * pool plans it (plan_ops), its crop windows computed as jobs.crop_windows computes them, and written, taken
+ * rows first in chunk order: geo (int64 [k, GEO_COLUMNS]), box (float64 [k, 4]), at (int64 [k, 2]: its bytes'
+ * (start, end) with the rows back to back from 0) and src (int64 [k, 3]: its spans row, for gather_spans). */
+static PyObject *plan_gpu_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *o[11];
+    unsigned long long stream;
+    Py_ssize_t first;
+    long long oh, ow;
+    if (!PyArg_ParseTuple(args, "OOOOOKOnLLOOOO", &o[0], &o[1], &o[2], &o[3], &o[4], &stream, &o[5], &first, &oh,
+                          &ow, &o[6], &o[7], &o[8], &o[9]))
+        return NULL;
+    Py_buffer b[10];
+    int got = 0;
+    PyObject *result = NULL;
+    for (; got < 10; got++)
+        if (PyObject_GetBuffer(o[got], &b[got], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (got >= 6 ? PyBUF_WRITABLE : 0))
+            < 0)
+            goto out;
+    Py_ssize_t k = b[1].len / 8, n = b[3].len / 8;
+    int typed = 1;
+    for (int j = 0; j < 10; j++)
+        typed &= (j == 5 || j == 7) ? is_f64(&b[j]) : is_i64(&b[j]);
+    if (!typed || b[0].len != k * 24 || b[2].len != k * 8 || b[4].len != n * 8 || b[5].len % (PROG_WIDTH * 8) != 0 ||
+        b[6].len != k * GEO_COLUMNS * 8 || b[7].len != k * 32 || b[8].len != k * 16 || b[9].len != k * 24 ||
+        oh < 1 || ow < 1) {
+        PyErr_SetString(PyExc_ValueError, "plan_gpu_rows: spans int64 [k, 3]; ids, index int64 [k]; heights, widths "
+                        "int64 [n]; program float64 [ops, 10]; geo int64 [k, 15]; box float64 [k, 4]; at int64 [k, 2]; "
+                        "src int64 [k, 3]; out_h, out_w positive");
+        goto out;
+    }
+    const int64_t *spans = (const int64_t *)b[0].buf, *ids = (const int64_t *)b[1].buf,
+                  *index = (const int64_t *)b[2].buf, *heights = (const int64_t *)b[3].buf,
+                  *widths = (const int64_t *)b[4].buf;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (index[i] < 0 || index[i] >= n) {
+            PyErr_Format(PyExc_IndexError, "plan_gpu_rows: index %lld outside the %zd sizes", (long long)index[i], n);
+            goto out;
+        }
+        if (spans[3 * i] >= 0 && spans[3 * i + 2] < spans[3 * i + 1]) {
+            PyErr_Format(PyExc_ValueError, "plan_gpu_rows: row %zd's bytes end (%lld) before they start (%lld)", i,
+                         (long long)spans[3 * i + 2], (long long)spans[3 * i + 1]);
+            goto out;
+        }
+    }
+    const double *prog = (const double *)b[5].buf;
+    int nops = (int)(b[5].len / (PROG_WIDTH * 8));
+    int64_t *geo = (int64_t *)b[6].buf, *at = (int64_t *)b[8].buf, *src = (int64_t *)b[9].buf;
+    double *box = (double *)b[7].buf;
+    Py_ssize_t taken = 0;
+    int64_t total = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < k; i++) {
+        int64_t idx = index[i], h = heights[idx], w = widths[idx];
+        const int64_t *sp = spans + 3 * i;
+        if (sp[0] < 0 || h <= 0 || w <= 0)
+            continue;
+        plan_state s;
+        plan_ops(prog, nops, mix64((uint64_t)stream ^ (uint64_t)ids[i]), h, w, &s);
+        int64_t *g = geo + taken * GEO_COLUMNS;
+        g[0] = first + i, g[1] = s.flip, g[2] = h, g[3] = w;
+        g[12] = crop_window_row(s.box, h, w, oh, ow, g + 4, g + 8);
+        g[13] = 1, g[14] = idx;
+        memcpy(box + 4 * taken, s.box, sizeof(s.box));
+        memcpy(src + 3 * taken, sp, 3 * sizeof(int64_t));
+        at[2 * taken] = total;
+        total += sp[2] - sp[1];
+        at[2 * taken + 1] = total;
+        taken++;
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("nL", taken, (long long)total);
+out:
+    for (int j = 0; j < got; j++)
+        PyBuffer_Release(&b[j]);
+    return result;
+}
+
 static PyMethodDef engine_methods[] = {
     {"run", (PyCFunction)(void (*)(void))engine_run, METH_VARARGS | METH_KEYWORDS,
      "run(blocks, spans, ids, index, sizes, stream, program, images, status, first, out_h, out_w, full_size,\n"
@@ -775,8 +894,8 @@ static PyTypeObject EngineType = {
 
 /* gather_spans(blocks, spans, out, offsets) -> bytes copied: row i's bytes spans[i, 1]..spans[i, 2] of
  * blocks[spans[i, 0]] copied to out[offsets[i]:], for every row whose block is not -1 (the other rows
- * are the caller's); the GPU decode's JPEG bytes of a batch into its staging buffer in one call, the
- * copies made with the GIL released. */
+ * are the caller's; offsets int64 [k], of any positive stride); the GPU decode's JPEG bytes of a batch into
+ * its staging buffer in one call, the copies made with the GIL released. */
 static PyObject *gather_spans(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *blocks_obj, *spans_obj, *out_obj, *off_obj;
@@ -795,13 +914,14 @@ static PyObject *gather_spans(PyObject *self, PyObject *args) {
         goto done;
     if (PyObject_GetBuffer(out_obj, &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
         goto done;
-    if (PyObject_GetBuffer(off_obj, &off, PyBUF_C_CONTIGUOUS) < 0)
+    if (PyObject_GetBuffer(off_obj, &off, PyBUF_STRIDES | PyBUF_FORMAT) < 0)
         goto done;
-    k = off.len / 8;
-    if (sp.len != k * 24 || off.len % 8 != 0) {
-        PyErr_SetString(PyExc_ValueError, "gather_spans: spans int64 [k, 3], offsets int64 [k]");
+    k = off.ndim == 1 ? off.shape[0] : -1;
+    if (k < 0 || sp.len != k * 24 || !is_i64(&off) || (k > 1 && (off.strides[0] <= 0 || off.strides[0] % 8 != 0))) {
+        PyErr_SetString(PyExc_ValueError, "gather_spans: spans int64 [k, 3], offsets int64 [k] (any positive stride)");
         goto done;
     }
+    Py_ssize_t step = k > 1 ? off.strides[0] / 8 : 1;
     bufs = (Py_buffer *)PyMem_Calloc(k ? k : 1, sizeof(Py_buffer));
     ids = (int64_t *)PyMem_Calloc(k ? k : 1, sizeof(int64_t));
     src = (const unsigned char **)PyMem_Calloc(k ? k : 1, sizeof(*src));
@@ -828,9 +948,9 @@ static PyObject *gather_spans(PyObject *self, PyObject *args) {
                 goto done;
             ids[got++] = id;
         }
-        if (lo < 0 || hi < lo || hi > bufs[j].len || o[i] < 0 || o[i] > out.len - (hi - lo)) {  /* no overflow */
+        if (lo < 0 || hi < lo || hi > bufs[j].len || o[i * step] < 0 || o[i * step] > out.len - (hi - lo)) {  /* no overflow */
             PyErr_Format(PyExc_ValueError, "gather_spans: row %zd's bytes %lld..%lld (of %zd) do not fit at offset "
-                         "%lld of %zd", i, (long long)lo, (long long)hi, bufs[j].len, (long long)o[i], out.len);
+                         "%lld of %zd", i, (long long)lo, (long long)hi, bufs[j].len, (long long)o[i * step], out.len);
             goto done;
         }
         src[i] = (const unsigned char *)bufs[j].buf + lo;
@@ -839,7 +959,7 @@ static PyObject *gather_spans(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < k; i++)
         if (src[i] != NULL)
-            memcpy((unsigned char *)out.buf + o[i], src[i], (size_t)(s[3 * i + 2] - s[3 * i + 1]));
+            memcpy((unsigned char *)out.buf + o[i * step], src[i], (size_t)(s[3 * i + 2] - s[3 * i + 1]));
     Py_END_ALLOW_THREADS
     result = PyLong_FromSsize_t(total);
 done:
@@ -862,9 +982,15 @@ static PyMethodDef module_functions[] = {
     {"plan_batch", plan_batch, METH_VARARGS,
      "plan_batch(ids, index, sizes, stream, program, box, clip, grid, size, flip): each row's plan as the\n"
      "engine computes it (for tests)."},
+    {"plan_gpu_rows", plan_gpu_rows, METH_VARARGS,
+     "plan_gpu_rows(spans, ids, index, heights, widths, stream, program, first, out_h, out_w, geo, box, at, src)\n"
+     "    -> (rows taken, bytes): the GPU's rows of a chunk (those with JPEG bytes and a stored size), each planned\n"
+     "as the engine plans it and its crop windows computed as jobs.crop_windows does, written taken rows first:\n"
+     "geo (jobs.GEO_COLUMNS), box, at (the bytes' spans, back to back from 0) and src (the spans rows)."},
     {"gather_spans", gather_spans, METH_VARARGS,
      "gather_spans(blocks, spans, out, offsets) -> int: row i's bytes spans[i, 1]..spans[i, 2] of\n"
-     "blocks[spans[i, 0]] copied to out[offsets[i]:] (rows of block -1 skipped), the GIL released for the\n"
+     "blocks[spans[i, 0]] copied to out[offsets[i]:] (rows of block -1 skipped; offsets int64 [k], any\n"
+     "stride), the GIL released for the\n"
      "copies; returns the bytes copied."},
     {"map_levels", map_levels_py, METH_VARARGS,
      "map_levels(images, rows, levels, floats, nchw): rows (int64) of uint8 images [n, h, w, 3] through the\n"

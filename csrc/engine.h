@@ -37,7 +37,7 @@ void stoker_plan_row(const double *box, const double *clip, const int64_t *grid,
                      const int64_t *size, unsigned char flip, int64_t row, int oh, int ow, int full_size,
                      double headroom, int64_t *p);
 
-/* Adds the Engine type, plan_batch() and gather_spans() to the module. */
+/* Adds the Engine type, plan_batch(), plan_gpu_rows(), gather_spans() and map_levels() to the module. */
 int stoker_engine_add(PyObject *module);
 
 #endif

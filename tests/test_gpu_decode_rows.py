@@ -1,7 +1,9 @@
 """The GPU's rows of a batch prepared a chunk at a time by the worker threads (`Filler.queue_gpu_rows`):
-crop windows over the chunk in NumPy (`jobs.crop_windows`), the JPEG bytes gathered into the slot's
-staging buffer by one native call (`native.gather_spans`). The same jobs, so the same pixels, bit for
-bit, as a reference that makes each row's job one at a time (`per_row` here: the sample read, its
+each row planned and its crop windows computed by one native call (`native.plan_gpu_rows`), or without
+the native planner from the batch's NumPy plan (`jobs.crop_windows`), the JPEG bytes gathered into the
+slot's staging buffer by one more (`native.gather_spans`). The native planner gives the NumPy path's
+integers on many random sizes and plans; either way the same jobs, so the same pixels, bit for bit, as
+a reference that makes each row's job one at a time (`per_row` here: the sample read, its
 `crop_window`, a private copy of its bytes), with the stand-in decoders here and nvImageCodec's CPU
 backend where it is installed; and the worker threads' Python per batch does not grow with the batch."""
 
@@ -21,9 +23,12 @@ from stoker import DeviceOptions, Loader, Workers, native
 from stoker.device.gpu_decode import GpuBatchDecoder
 from stoker.errors import ConfigError
 from stoker.loading import render
-from stoker.loading.jobs import GpuBatch, GpuJob, JpegStaging, crop_windows
+from stoker.loading.jobs import GEO_COLUMNS, GpuBatch, GpuJob, JpegStaging, _planned_rows, crop_windows
+from stoker.order import TAG_DRAW, TAG_SAMPLE, sample_keys, stream_key, uniforms
 from gpu_standin import FixedRateDecoder
-from stoker.transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, crop_window
+from stoker.transforms import (CenterCrop, CoverCrop, Pipeline, RandomHorizontalFlip, RandomResizedCrop, Resize,
+                               crop_window)
+from stoker.transforms.kinds import engine_program
 from test_gpu_decode import CpuDecoder, textured, textured_pack
 
 CROP = [RandomResizedCrop(64), RandomHorizontalFlip()]
@@ -70,6 +75,7 @@ def per_row(self: Any, plan: Any, r0: int, r1: int, slot: Any, scratch: dict, ti
     crop window by `transforms.crop_window`, a private copy of its bytes); rows that are not JPEGs rendered
     on the CPU through `fill`."""
     jobs, errors = [], []
+    self.complete(plan)   # the batch's NumPy plan (deferred where the native planner serves the GPU's rows)
     for row in range(r0, r1):
         idx = int(plan.indices[row])
         s = self.ds.sample(idx)
@@ -86,7 +92,7 @@ def per_row(self: Any, plan: Any, r0: int, r1: int, slot: Any, scratch: dict, ti
 
 
 def run(path: Path, device: DeviceOptions, ops: list, monkeypatch: pytest.MonkeyPatch, rows_at_once: bool,
-        threads: int = 2, batch: int = 8) -> tuple[list, list]:
+        threads: int = 2, batch: int = 8, native_plan: bool = True, **options: Any) -> tuple[list, list]:
     """(batches, every job the decoder was handed: its row, bytes, box, flip, window, sizes and key, per chunk)."""
     seen: list = []
     decode_chunk = GpuBatchDecoder.decode_chunk
@@ -100,12 +106,19 @@ def run(path: Path, device: DeviceOptions, ops: list, monkeypatch: pytest.Monkey
         m.setattr(GpuBatchDecoder, "decode_chunk", spy)
         if not rows_at_once:
             m.setattr(render.Filler, "queue_gpu_rows", per_row)
+        if not native_plan:   # the GPU's rows planned from the batch's NumPy plan
+            m.setattr(native, "plans_rows", lambda: False)
+        planned = []
+        plan_gpu_rows = native.plan_gpu_rows
+        m.setattr(native, "plan_gpu_rows", lambda *a: planned.append(1) or plan_gpu_rows(*a))
         loader = Loader(path, batch, transforms=ops, seed=11, device=device,
-                        workers=Workers(num_threads=threads, on_error="skip"))
+                        workers=Workers(num_threads=threads, on_error="skip"), **options)
         try:
             batches = [(x.clone(), y.clone()) for x, y in loader]
         finally:
             loader.close()
+    # the native planner prepares the GPU's rows wherever it is there, and only then
+    assert bool(planned) == (rows_at_once and native_plan and native.plans_rows() and bool(seen))
     return batches, seen
 
 
@@ -135,6 +148,104 @@ def test_crop_windows_are_crop_windows_integers_for_every_row() -> None:
     assert padded.any() and not padded.all()
 
 
+# ---- the native planner: the NumPy plan's boxes, flips and windows, in one call ---------------------------------------
+
+needs_planner = pytest.mark.skipif(not native.plans_rows(), reason="the native extension is not built")
+
+#: plans whose windows are inside the image, padded past its border (a crop larger than the image, alone or
+#: after a resize), cut from a resized image (fractional boxes, rounding ties), and RandomResizedCrop with a
+#: scale above 1 (its tries fail: the central fallback)
+#: (ops, whether some of its windows are padded)
+PLANS = [([RandomResizedCrop(64), RandomHorizontalFlip()], False),
+         ([RandomResizedCrop((40, 56), scale=(0.01, 1.0), ratio=(0.2, 5.0))], False),
+         ([RandomResizedCrop(32, scale=(1.2, 3.0))], False),
+         ([CenterCrop(120)], True),
+         ([CenterCrop((7, 300)), RandomHorizontalFlip(0.5)], True),
+         ([Resize(50), CenterCrop(64)], True),
+         ([Resize((33, 17)), CenterCrop((40, 9))], True),
+         ([Resize(48), CenterCrop(48), RandomHorizontalFlip()], False),
+         ([CoverCrop((64, 96)), RandomHorizontalFlip()], False)]
+
+
+def random_sizes(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Stored sizes from 1 pixel up: tiny, thin, very wide and large images, and a few zero sizes (not taken)."""
+    h, w = rng.integers(1, 1500, n), rng.integers(1, 1500, n)
+    h[:40], w[40:80] = rng.integers(1, 4, 40), rng.integers(1, 3, 40)
+    h[80:90] = w[80:90] = 1
+    w[90:130] = h[90:130] * rng.integers(5, 12, 40)
+    h[130:135], w[135:140] = 0, 0
+    return h.astype(np.int64), w.astype(np.int64)
+
+
+@needs_planner
+@pytest.mark.parametrize("ops, pads", PLANS, ids=[f"plan{i}" for i in range(len(PLANS))])
+@pytest.mark.parametrize("by_position", [False, True], ids=["by-index", "by-position"])
+def test_the_native_planner_gives_the_numpy_plans_rows(ops: list, pads: bool, by_position: bool) -> None:
+    """`native.plan_gpu_rows` against `Pipeline.plan` + `jobs.crop_windows` (the NumPy path, `_planned_rows`) on
+    the same random streams: every taken row's geo columns (rows, flips, sizes, windows, padding, indices), box
+    and bytes' spans, the same rows taken (JPEG bytes and a stored size), whatever the chunk's first row; and
+    a sample of rows against `crop_window` itself."""
+    pipe = Pipeline(ops)
+    prog = engine_program(pipe.prefix, pipe.offsets)
+    assert prog is not None
+    out_size = tuple(int(v) for v in pipe.plan(np.array([100]), np.array([100]), np.zeros((1, max(pipe.draws, 1))))
+                     .size[0])
+    rng = np.random.default_rng(len(ops) * 7 + by_position)
+    n, k, r0 = 3000, 700, 37
+    heights, widths = random_sizes(rng, n)
+    index = rng.permutation(n)[:k].astype(np.int64)
+    positions = np.arange(k, dtype=np.int64) + 1000 + r0
+    spans = np.empty((k, 3), np.int64)
+    spans[:, 0] = rng.integers(0, 3, k)
+    spans[:, 1] = rng.integers(0, 10_000, k)
+    spans[:, 2] = spans[:, 1] + rng.integers(0, 50_000, k)
+    spans[rng.random(k) < 0.1, 0] = -1                  # not JPEGs: left for the caller
+    tag, ids = (TAG_DRAW, positions) if by_position else (TAG_SAMPLE, index)
+    u = uniforms(sample_keys(9, 3, ids, tag=tag), max(pipe.draws, 1))
+    # the batch's NumPy plan, rows r0.. of it the chunk's (zero sizes planned as 1: never taken)
+    geometry = pipe.plan(np.maximum(heights[index], 1), np.maximum(widths[index], 1), u)
+    pad = lambda a: np.concatenate([np.zeros((r0,) + a.shape[1:], a.dtype), a])  # noqa: E731
+    geometry.box, geometry.flip = pad(geometry.box), pad(geometry.flip)
+    want = [np.empty((k, GEO_COLUMNS), np.int64), np.empty((k, 4)), np.empty((k, 2), np.int64),
+            np.empty((k, 3), np.int64)]
+    got = [np.empty_like(a) for a in want]
+    wn, wtotal = _planned_rows(spans, index, r0, geometry, heights, widths, out_size, *want)
+    gn, gtotal = native.plan_gpu_rows(spans, ids, index, heights, widths, int(stream_key(9, 3, tag)[0]), prog, r0,
+                                      out_size, *got)
+    assert (gn, gtotal) == (wn, wtotal) and 0 < gn < k
+    for name, a, b in zip(("geo", "box", "at", "src"), want, got):
+        assert np.array_equal(a[:gn], b[:gn]), (name, np.flatnonzero((a[:gn] != b[:gn]).reshape(gn, -1).any(1))[:5])
+    geo, box = got[0][:gn], got[1][:gn]
+    assert geo[:, 12].any() == pads and (geo[:, 13] == 1).all()  # windows padded where the plan pads; all planned
+    for i in rng.choice(gn, 100, replace=False).tolist():
+        g = geo[i].tolist()
+        win = crop_window(box[i].tolist(), g[2], g[3], g[2], g[3], *out_size)
+        assert (tuple(g[4:8]), tuple(g[8:12]), bool(g[12])) == (win.src, win.dst, win.padded), (i, box[i], g)
+
+
+@needs_planner
+def test_the_native_planner_checks_its_arrays() -> None:
+    pipe = Pipeline(CROP)
+    prog = engine_program(pipe.prefix, pipe.offsets)
+    sizes = np.full(4, 50, np.int64)
+    spans = np.array([[0, 0, 10], [0, 10, 30], [-1, 0, 0], [0, 30, 31]], np.int64)
+    idx = np.arange(4, dtype=np.int64)
+    outs = lambda k: [np.empty((k, GEO_COLUMNS), np.int64), np.empty((k, 4)), np.empty((k, 2), np.int64),  # noqa: E731
+                      np.empty((k, 3), np.int64)]
+    geo, box, at, src = outs(4)
+    assert native.plan_gpu_rows(spans, idx, idx, sizes, sizes, 5, prog, 8, (64, 64), geo, box, at, src) == (3, 31)
+    assert geo[:3, 0].tolist() == [8, 9, 11] and at[:3].tolist() == [[0, 10], [10, 30], [30, 31]]
+    assert src[:3].tolist() == spans[[0, 1, 3]].tolist() and geo[:3, 14].tolist() == [0, 1, 3]
+    with pytest.raises(IndexError, match="index 6 outside the 4 sizes"):
+        native.plan_gpu_rows(spans, idx, idx + 6, sizes, sizes, 5, prog, 0, (64, 64), geo, box, at, src)
+    with pytest.raises(ValueError, match="geo int64"):
+        native.plan_gpu_rows(spans, idx, idx, sizes, sizes, 5, prog, 0, (64, 64), *outs(3))
+    with pytest.raises(ValueError, match="geo int64"):   # an int32 index
+        native.plan_gpu_rows(spans, idx, idx.astype(np.int32), sizes, sizes, 5, prog, 0, (64, 64), geo, box, at, src)
+    with pytest.raises(ValueError, match="end .* before they start"):
+        native.plan_gpu_rows(np.ascontiguousarray(spans[:, [0, 2, 1]]), idx, idx, sizes, sizes, 5, prog, 0, (64, 64), geo, box, at, src)
+
+
 # ---- the bytes: one native call for the chunk -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("native_on", [True, False])
@@ -151,6 +262,9 @@ def test_gather_spans_copies_each_rows_bytes_to_its_offset(native_on: bool, monk
     offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) + 3
     out = np.full(int(lengths.sum()) + 6, 77, np.uint8)
     assert native.gather_spans(blocks, spans, out, offsets) == int(lengths.sum())
+    again = np.full_like(out, 77)
+    pairs = np.stack([offsets, offsets + lengths], 1)   # offsets of any stride: the first column of (start, end) spans
+    assert native.gather_spans(blocks, spans, again, pairs[:, 0]) == int(lengths.sum()) and np.array_equal(again, out)
     for (block, lo, hi), at in zip(spans.tolist(), offsets.tolist()):
         if block >= 0:
             assert bytes(out[at:at + hi - lo]) == bytes(np.frombuffer(blocks[block], np.uint8)[lo:hi])
@@ -186,6 +300,34 @@ def test_rows_at_once_hand_the_decoder_the_per_row_paths_jobs(packed: Path, monk
     got, got_jobs = run(packed, device, CROP, monkeypatch, rows_at_once=True, threads=threads)
     assert same(want, got)
     assert got_jobs == want_jobs and sum(len(c) for c in got_jobs) >= (12 if share == 0.5 else 30)
+
+
+@pytest.mark.parametrize("decode,share", [("gpu", None), ("auto", 0.5)])
+def test_the_native_planner_and_the_numpy_plan_hand_the_decoder_the_same_jobs(packed: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch,
+                                                                             decode: str, share: float | None) -> None:
+    """The GPU's rows planned natively (the batch's NumPy plan deferred) and from the NumPy plan (no native
+    planner): the same batches and jobs, padded windows among them, at one and three threads."""
+    if not native.plans_rows():
+        pytest.skip("the native extension is not built")
+    ops = [RandomResizedCrop(48, scale=(0.05, 1.0)), RandomHorizontalFlip()]
+    for ops in (ops, [Resize(30), CenterCrop(44)]):
+        mk = lambda: DeviceOptions("cpu", decode=decode, gpu_share=share, gpu_decoder=CpuDecoder())  # noqa: E731
+        want, want_jobs = run(packed, mk(), ops, monkeypatch, True, threads=1, native_plan=False)
+        for threads in (1, 3):
+            got, got_jobs = run(packed, mk(), ops, monkeypatch, True, threads=threads)
+            assert same(want, got) and got_jobs == want_jobs and sum(len(c) for c in got_jobs) >= 12
+
+
+def test_weighted_draws_hand_the_decoder_the_per_row_paths_jobs(packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weighted sampling keys each draw's stream by its position (`key_by_draw`): the native planner too."""
+    from stoker import Sampling
+
+    weights = np.linspace(1.0, 4.0, len(stoker.open_dataset(packed)))
+    mk = lambda: DeviceOptions("cpu", decode="gpu", gpu_decoder=CpuDecoder())  # noqa: E731
+    want, want_jobs = run(packed, mk(), CROP, monkeypatch, False, batch=7, sampling=Sampling(weights=weights))
+    got, got_jobs = run(packed, mk(), CROP, monkeypatch, True, batch=7, sampling=Sampling(weights=weights))
+    assert same(want, got) and got_jobs == want_jobs and sum(len(c) for c in got_jobs) >= 30
 
 
 def test_a_split_the_engine_does_not_serve_matches_the_per_row_path(packed: Path,

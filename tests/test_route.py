@@ -95,6 +95,30 @@ def test_the_gpu_columns_their_share_and_the_cpu_path(jpegs: Path) -> None:
             ld.close()
 
 
+def test_the_gpu_columns_carry_the_engines_program_for_their_rows_where_it_plans_them(
+        jpegs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """decode="gpu" leaves the CPU path Python, yet the route carries the program: the GPU's rows are planned
+    natively (`jobs.RowPlanner`). None without the native planner, or for an op that declares no engine row
+    (the GPU's rows then come from the batch's NumPy plan)."""
+    @dataclass(frozen=True)
+    class Shifted(RandomResizedCrop):
+        def plan(self, state, u):   # noqa: ANN001 - planned its own way
+            super().plan(state, u)
+
+    gpu = lambda ops: Loader(jpegs, 8, transforms=ops,  # noqa: E731
+                             device=DeviceOptions("cpu", decode="gpu", gpu_decoder=FixedRateDecoder()))
+    with gpu(CROP) as ld:
+        assert ld.route.cpu == "python" and (ld.route.program is not None) == native.plans_rows()
+        if native.plans_rows():
+            assert len(ld.route.program) == 2
+    with gpu([Shifted(48)]) as ld:
+        assert ld.route.gpu == "columns" and ld.route.program is None
+    monkeypatch.setattr(native, "plans_rows", lambda: False)
+    with gpu(CROP) as ld:
+        assert ld.route.program is None
+        assert sum(len(x) for x, _ in ld) == 40 and ld.stats.gpu_decoded > 0   # planned from the NumPy plan
+
+
 def test_where_the_gpu_cannot_take_rows_gpu_refuses_and_auto_says_why(jpegs: Path) -> None:
     loose = jpegs.parent / "src"
     with pytest.raises(ConfigError, match="pack the data first"):

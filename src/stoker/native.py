@@ -1,6 +1,7 @@
 """The native pixel path: torchvision's uint8 bilinear resize in C (``stoker._jpeg.resample``), the
 batch engine's pool (``stoker._jpeg.Engine``: region decode + resize + flip of whole batches on native
-threads), and the byte gathers and float maps around it, each one call that releases the GIL.
+threads), the plan of the GPU columns' rows, and the byte gathers and float maps around them, each one call
+that releases the GIL.
 
 Worker threads share the training process, so each microsecond of Python they run per sample is
 taken from the training loop's own Python (the GIL). The C resize gives the same pixels as
@@ -58,9 +59,30 @@ def engine_available() -> bool:
     return ON and _libjpeg.region_decoder() is not None
 
 
+def plans_rows() -> bool:
+    """True when the native planner of the GPU columns' rows (`plan_gpu_rows`) is there to use."""
+    return ON and hasattr(_mod, "plan_gpu_rows")
+
+
+def plan_gpu_rows(spans: np.ndarray, ids: np.ndarray, index: np.ndarray, heights: np.ndarray, widths: np.ndarray,
+                  stream: int, program: np.ndarray, first: int, out_size: tuple[int, int], geo: np.ndarray,
+                  box: np.ndarray, at: np.ndarray, src: np.ndarray) -> tuple[int, int]:
+    """The GPU's rows of a chunk (`loading.jobs.gpu_rows`) planned in one call that releases the GIL: of
+    rows `first + i` (dataset rows `index`, int64 [k], their random streams keyed by `ids` in `stream`;
+    `spans` as `Dataset.jpeg_spans` gives them), those with JPEG bytes and a stored size (`heights`,
+    `widths`: int64, every dataset row) each planned as the engine plans it (`program`, its box and flip
+    `Pipeline.plan`'s), its crop windows for `out_size` computed as `jobs.crop_windows` computes them, and
+    written taken rows first (csrc/engine.c): `geo` (int64 [k, jobs.GEO_COLUMNS]), `box` (float64 [k, 4]),
+    `at` (int64 [k, 2]: each row's bytes, back to back from 0) and `src` (int64 [k, 3]: its `spans` row).
+    Returns (rows taken, their bytes). Only where `plans_rows()`."""
+    return _mod.plan_gpu_rows(spans, ids, index, heights, widths, stream, program, first, out_size[0], out_size[1],
+                              geo, box, at, src)
+
+
 def gather_spans(blocks: Sequence, spans: np.ndarray, out: np.ndarray, offsets: np.ndarray) -> int:
     """Row i's bytes `spans[i, 1]:spans[i, 2]` of `blocks[spans[i, 0]]` (int64 [k, 3], as
-    `Dataset.jpeg_spans` gives them) copied to `out[offsets[i]:]` (uint8, writable; `offsets` int64 [k]) for
+    `Dataset.jpeg_spans` gives them) copied to `out[offsets[i]:]` (uint8, writable; `offsets` int64 [k], of
+    any stride) for
     every row whose block is not -1, in one call that releases the GIL for the copies (NumPy, one copy
     per row, where the native path is off). Returns the bytes copied."""
     if ON and hasattr(_mod, "gather_spans"):

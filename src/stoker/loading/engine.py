@@ -21,9 +21,9 @@ with the batch's plan computed in NumPy only then. Pixels, labels and replacemen
 without the engine, at any thread count (tests/test_engine.py compares them bit for bit).
 
 With decode="auto" (or a `gpu_share=` below 1) the CPU's share of each split batch goes through
-the engine too: the batch is planned in NumPy as the split needs it (`Filler.prepare`), a coordinator
-leaves the GPU's rows for the device thread in one call (`Filler.queue_gpu_rows`: their crop windows
-and gathered JPEG bytes), then renders the rows before
+the engine too: a coordinator leaves the GPU's rows for the device thread in one call
+(`Filler.queue_gpu_rows`: each planned natively, `jobs.RowPlanner`, with its crop windows and gathered
+JPEG bytes; the batch's NumPy plan is deferred here too), then renders the rows before
 `BatchPlan.gpu_from` in one `Engine.run`; the pool's busy seconds are the CPU side's
 time the split measures (`BatchPlan.cpu_render_s`). Which rows the GPU takes changes no CPU row's
 pixels: each row's stream and plan depend on its sample alone.
@@ -269,14 +269,19 @@ class BatchEngine:
 def run_claims(spec: "RenderSpec", chain: "EpochChain", threads: int, timeout: float, floats: Any = None,
                nice: int | None = None) -> dict[str, Any]:
     """`Run`'s claim arguments for the route of `spec`: whole batches through the native engine
-    (`engine.BatchEngine`; `floats`: its float output, `engine.FloatOut`), or the GPU's share a chunk at a
-    time (`Filler.fill_split`), else one row per claim through `fill` on every worker thread."""
+    (`engine.BatchEngine`; `floats`: its float output, `engine.FloatOut`), or the GPU's rows (`Filler.fill_split`:
+    a whole batch per claim where every JPEG row is the GPU's, else a chunk at a time), else one row per claim
+    through `fill` on every worker thread."""
     route = spec.route
     if route.native and native.engine_available():   # loads its libjpeg-turbo here too (a worker process)
         engine = BatchEngine(spec, route.program, threads, timeout, floats, nice)
         return {"fill_chunk": engine.fill_chunk, "chunk": spec.batch_size, "engine": engine}
     if route.gpu_decode:
-        # one chunk per thread per batch, or, where the CPU renders a share row by row, four per thread
-        per = 1 if route.share == 1.0 else 4
-        return {"fill_chunk": chain.fill_split, "chunk": max(1, -(-spec.batch_size // (per * max(threads, 1))))}
+        # every JPEG row the GPU's: the whole batch in one claim (its rows prepared in one call, the claim's
+        # cost paid once), on `COORDINATORS` threads that take batches in turn (a thread more would only
+        # wait for a slot, woken with the others each time a batch completes); where the CPU renders a share
+        # row by row, four claims per thread per batch, so the threads share that work
+        if route.share == 1.0:
+            return {"fill_chunk": chain.fill_split, "chunk": spec.batch_size, "threads": max(1, min(threads, COORDINATORS))}
+        return {"fill_chunk": chain.fill_split, "chunk": max(1, -(-spec.batch_size // (4 * max(threads, 1))))}
     return {}

@@ -1,6 +1,7 @@
 """Work a render worker leaves for the device thread, on the route's GPU columns: a chunk of a batch's
-GPU rows prepared in one call (`GpuRows`: crop windows planned over the chunk in NumPy, JPEG bytes
-gathered into the batch's staging buffer, `JpegStaging`, by one native call), and a batch's GPU rows as
+GPU rows prepared in one call (`GpuRows`: each row planned and its crop windows computed by the native
+planner, `RowPlanner`, or from the batch's NumPy plan, `crop_windows`; JPEG bytes gathered into the
+batch's staging buffer, `JpegStaging`, by one native call), and a batch's GPU rows as
 columns for the device side (`GpuBatch`). A `GpuJob` is the record of one row, made only where one is
 needed (a row that fails names its sample through it; the decoder also takes a list of them). Plain
 records, so the loading stage can make them without importing the device wing."""
@@ -46,6 +47,7 @@ class JpegStaging:
 
     def __init__(self, buffer: torch.Tensor) -> None:
         self.buffer = buffer  # 1-D uint8
+        self.array = buffer.numpy()  # the same memory, as the native gather writes it
         self.capacity = buffer.numel()
         self._lock = threading.Lock()
         self.used = 0  # bytes reserved in this batch
@@ -284,36 +286,81 @@ def crop_windows(box: np.ndarray, heights: np.ndarray, widths: np.ndarray, out_h
     return src, dst, padded
 
 
-def gpu_rows(dataset: Any, indices: np.ndarray, r0: int, geometry: Any, heights: np.ndarray, widths: np.ndarray,
-             staging: JpegStaging | None, out_size: tuple[int, int]) -> tuple[GpuRows | None, np.ndarray]:
-    """Batch rows r0.. (dataset `indices`) for the GPU in a few NumPy calls and one native one: which
-    are JPEGs of a stored size (`dataset.jpeg_spans`; it may raise), their bytes gathered back to back
-    into `staging` (a private buffer when there is none or they do not fit), their crop windows from
-    the batch's plan `geometry` (`crop_windows`). Returns the record (None when no row is taken) and
-    which rows it took (bool [k]); the others are the caller's, one at a time."""
-    idx = np.asarray(indices, np.int64)
-    blocks, spans = dataset.jpeg_spans(idx)
-    h, w = heights[idx].astype(np.int64), widths[idx].astype(np.int64)
-    took = (spans[:, 0] >= 0) & (h > 0) & (w > 0)
-    take = np.flatnonzero(took)
-    if not len(take):
-        return None, took
-    spans = np.ascontiguousarray(spans[take])
-    offsets = np.zeros(len(take) + 1, np.int64)
-    np.cumsum(spans[:, 2] - spans[:, 1], out=offsets[1:])
-    total = int(offsets[-1])
-    start = staging.reserve(total) if staging is not None else None
+@dataclass(frozen=True)
+class RowPlanner:
+    """What the native planner needs to plan a batch's GPU rows itself (`native.plan_gpu_rows`,
+    csrc/engine.c): the engine's program of the planned ops, the epoch's random stream (`order.stream_key`)
+    and the stored sizes (int64). Each row's box and flip are then the engine's, which are
+    `Pipeline.plan`'s (tests/test_engine.py), and its windows `crop_windows`'s, so no NumPy plan is
+    needed for the batch. `by_position`: rows keyed by their position in the epoch (weighted sampling's
+    draws), else by their dataset index."""
+
+    program: np.ndarray
+    stream: int
+    heights: np.ndarray
+    widths: np.ndarray
+    by_position: bool = False
+
+
+def gpu_rows(dataset: Any, plan: Any, r0: int, r1: int, staging: JpegStaging | None, out_size: tuple[int, int],
+             heights: np.ndarray, widths: np.ndarray, planner: RowPlanner | None = None
+             ) -> tuple[GpuRows | None, list[int]]:
+    """Rows r0..r1 of the batch `plan` (a `render.BatchPlan`) for the GPU in a few calls: which are JPEGs
+    of a stored size (`dataset.jpeg_spans`), each one's plan and crop windows (by `planner` in one native
+    call, `native.plan_gpu_rows`; without one from the batch's NumPy plan, `plan.geometry`, by
+    `crop_windows`), their bytes gathered back to back into `staging` (a private buffer when there is
+    none or they do not fit) by one more (`native.gather_spans`). Returns the record (None when no row
+    is taken) and the rows it left, which are the caller's, one at a time (all of them when a shard
+    fails its check: each row's own read reports it)."""
+    idx = plan.indices[r0:r1]
+    try:
+        blocks, spans = dataset.jpeg_spans(idx)
+    except Exception:  # noqa: BLE001 - a shard that fails its check: each row's own read reports it
+        return None, list(range(r0, r1))
+    k = len(spans)
+    geo, box = np.empty((k, GEO_COLUMNS), np.int64), np.empty((k, 4))
+    at, src = np.empty((k, 2), np.int64), np.empty((k, 3), np.int64)
+    if planner is not None:
+        n, total = native.plan_gpu_rows(spans, plan.positions[r0:r1] if planner.by_position else idx, idx,
+                                        heights, widths, planner.stream, planner.program, r0, out_size, geo, box,
+                                        at, src)
+    else:
+        n, total = _planned_rows(spans, idx, r0, plan.geometry, heights, widths, out_size, geo, box, at, src)
+    left = []
+    if n < k:
+        took = np.zeros(k, bool)
+        took[geo[:n, ROW] - r0] = True
+        left = (np.flatnonzero(~took) + r0).tolist()
+    if not n:
+        return None, left
+    start = None if staging is None else staging.reserve(total)
     if start is None:   # no staging buffer yet, or it is full: one private buffer for the chunk
         data, start = torch.empty(max(total, 1), dtype=torch.uint8), 0
+        out = data.numpy()
     else:
-        data = staging.buffer
-    native.gather_spans(blocks, spans, data.numpy(), offsets[:-1] + start)
-    at = np.empty((len(take), 2), np.int64)
-    at[:, 0], at[:, 1] = offsets[:-1] + start, offsets[1:] + start
-    rows = take + r0
-    box = np.ascontiguousarray(geometry.box[rows], np.float64)
-    src, dst, padded = crop_windows(box, h[take], w[take], *out_size)
-    geo = np.empty((len(take), GEO_COLUMNS), np.int64)
-    geo[:, ROW], geo[:, FLIP], geo[:, HEIGHT], geo[:, WIDTH] = rows, geometry.flip[rows].astype(bool), h[take], w[take]
-    geo[:, SRC], geo[:, DST], geo[:, PADDED], geo[:, PLANNED], geo[:, INDEX] = src, dst, padded, 1, idx[take]
-    return GpuRows(data, at, geo, box, dataset), took
+        data, out = staging.buffer, staging.array
+    at = at[:n]
+    at += start
+    native.gather_spans(blocks, src[:n], out, at[:, 0])
+    return GpuRows(data, at, geo[:n], box[:n], dataset), left
+
+
+def _planned_rows(spans: np.ndarray, idx: np.ndarray, r0: int, geometry: Any, heights: np.ndarray,
+                  widths: np.ndarray, out_size: tuple[int, int], geo: np.ndarray, box: np.ndarray, at: np.ndarray,
+                  src: np.ndarray) -> tuple[int, int]:
+    """`native.plan_gpu_rows` in NumPy, from the batch's plan `geometry` (a `transforms.Plan`): where there
+    is no native planner (the native path is off, or an op the engine does not plan). Returns (rows
+    taken, their bytes), the rows written first into `geo`, `box`, `at` and `src`."""
+    h, w = heights[idx].astype(np.int64), widths[idx].astype(np.int64)
+    take = np.flatnonzero((spans[:, 0] >= 0) & (h > 0) & (w > 0))
+    n = len(take)
+    rows, h, w = take + r0, h[take], w[take]
+    box[:n] = geometry.box[rows]
+    s, d, padded = crop_windows(box[:n], h, w, *out_size)
+    g = geo[:n]
+    g[:, ROW], g[:, FLIP], g[:, HEIGHT], g[:, WIDTH] = rows, geometry.flip[rows], h, w
+    g[:, SRC], g[:, DST], g[:, PADDED], g[:, PLANNED], g[:, INDEX] = s, d, padded, 1, idx[take]
+    src[:n] = spans[take]
+    np.cumsum(src[:n, 2] - src[:n, 1], out=at[:n, 1])
+    at[:n, 0] = at[:n, 1] - (src[:n, 2] - src[:n, 1])
+    return n, int(at[n - 1, 1]) if n else 0

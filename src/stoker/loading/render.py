@@ -9,9 +9,10 @@ per-sample random draws, crop boxes from the stored image sizes, labels), then r
 smallest DCT scale the crop allows, crop, resize and flip each sample straight into its row of a
 (pinned) ring slot, or replace it deterministically under on_error="skip": the Python path of the
 route (`route.Route`). Where the route gives the GPU a share, its JPEG rows are left for the device
-thread instead, a chunk at a time (`jobs.GpuRows`, on the batch's plan). Targets (boxes, instance masks, label
-maps: `transforms.targets`) are read while the batch is planned and placed in each sample's output
-by the worker that renders it, through one protocol (`Target`), whatever their kind.
+thread instead, in one call per claim (`jobs.GpuRows`: planned natively, `jobs.RowPlanner`, or from the
+batch's plan). Targets (boxes, instance masks, label maps: `transforms.targets`) are read while the
+batch is planned and placed in each sample's output by the worker that renders it, through one
+protocol (`Target`), whatever their kind.
 
 What a finished slot becomes (the batch ops, the extras, the device thread's work) is
 `handout.py`'s and `device/build.py`'s.
@@ -29,13 +30,13 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from .. import codecs
+from .. import codecs, native
 from ..errors import DatasetError, OutputError, SampleError, UserTransformError
-from .jobs import gpu_rows
+from .jobs import RowPlanner, gpu_rows
 from .kinds import IMAGES, SampleKind
 from .labels import MultiLabel
 from .route import Route
-from ..order import TAG_CAPTION, TAG_DRAW, replacement_index, sample_keys, uniforms
+from ..order import TAG_CAPTION, TAG_DRAW, TAG_SAMPLE, replacement_index, sample_keys, stream_key, uniforms
 from ..dataset import Dataset
 from .slots import Slot
 from .stats import WorkerTimes
@@ -166,7 +167,7 @@ class Filler:
         self.n = len(dataset)
         self.pipe = spec.pipeline
         self.seed, self.epoch = spec.seed, epoch
-        self.indices = indices  # this rank's dataset indices for the epoch, in order
+        self.indices = np.ascontiguousarray(indices, np.int64)  # this rank's dataset indices for the epoch, in order
         self.first = first_sample  # the pass starts at this position of the epoch's list (a resume)
         self.batch_size = spec.batch_size
         self.heights, self.widths = spec.heights, spec.widths
@@ -183,6 +184,15 @@ class Filler:
         # aspect buckets: the stored sizes as floats, once, for each batch's conditioning (`Bucketed.extras`)
         self.float_sizes = (None if spec.buckets is None else
                              (spec.heights.astype(np.float64), spec.widths.astype(np.float64)))
+        # the route's GPU columns with the engine's program: each batch's GPU rows planned natively
+        # (`jobs.RowPlanner`), not from the batch's NumPy plan
+        self.planner = None
+        if self.gpu and spec.route.program is not None and native.plans_rows():
+            tag = TAG_DRAW if spec.key_by_draw else TAG_SAMPLE
+            self.heights = np.ascontiguousarray(spec.heights, np.int64)
+            self.widths = np.ascontiguousarray(spec.widths, np.int64)
+            self.planner = RowPlanner(spec.route.program, int(stream_key(self.seed, epoch, tag)[0]), self.heights,
+                                      self.widths, spec.key_by_draw)
 
     def _sizes(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """Stored (heights, widths) of samples `idx`; None when known only after reading (loose files)."""
@@ -196,7 +206,8 @@ class Filler:
 
     def prepare(self, b: int, slot: Slot, deferred: bool = False) -> BatchPlan:
         """Batch b's plan, and its labels and extras into `slot`. `deferred`: the batch engine plans
-        each row itself (engine.py); the plan's draws and geometry wait for `complete`."""
+        each row itself (engine.py), and so does the native planner the GPU's rows (`jobs.RowPlanner`);
+        the plan's draws and geometry wait for `complete`, which a row on the Python path asks for."""
         lo = self.first + b * self.batch_size
         positions = np.arange(lo, lo + slot.size)
         idx = self.indices[lo:lo + slot.size]
@@ -211,7 +222,8 @@ class Filler:
         slot.extras = {c: (TargetRows(self.targets[c], [self.targets[c].read(self.ds, int(i)) for i in idx])
                            if c in self.targets else captions if c == self.spec.captions and captions is not None
                            else [self.ds.extra(int(i), c) for i in idx])   # the captions read once, by `captioned`
-                       for c in (*self.columns, *(c for c in self.targets if c not in self.columns))}
+                       for c in (*self.columns, *(c for c in self.targets if c not in self.columns))
+                       } if self.columns or self.targets else {}
         slot.extras.update(self.kind.extras(idx, positions))   # a clip's video and clip number, say
         if self.spec.captions is not None:   # one caption per sample: of several, this epoch's
             column = self.spec.captions
@@ -228,19 +240,19 @@ class Filler:
                 return BatchPlan(idx, positions, None, None, None, bucket=bucket)  # type: ignore[arg-type]
             keys, u = self._draws(idx, positions)
             slot.extras.update(buckets.extras(bucket, self.float_sizes[0][idx], self.float_sizes[1][idx], u))
+        gpu_from = 0
+        if self.gpu:
+            if slot.staging is not None:
+                slot.staging.reset()
+            gpu_from = 0 if self.split is None else slot.size - self.split.gpu_rows(slot.size)
         if deferred:
-            return BatchPlan(idx, positions, None, None, None)  # type: ignore[arg-type]
+            return BatchPlan(idx, positions, None, None, None, gpu_from=gpu_from)  # type: ignore[arg-type]
         if bucket < 0:
             keys, u = self._draws(idx, positions)
         sizes = self._sizes(idx)
         geometry = self._geometry(sizes, u, bucket)
         if self.spec.pad:
             slot.extras["sizes"] = geometry.size.astype(np.int64)  # a tensor or an array at hand-out
-        gpu_from = 0
-        if self.gpu:
-            if slot.staging is not None:
-                slot.staging.reset()
-            gpu_from = 0 if self.split is None else slot.size - self.split.gpu_rows(slot.size)
         return BatchPlan(idx, positions, keys, u, geometry, bucket=bucket, gpu_from=gpu_from)
 
     def _draws(self, idx: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -250,11 +262,12 @@ class Filler:
 
     def complete(self, plan: BatchPlan) -> None:
         """A deferred plan's keys, draws and geometry, as `prepare` makes them (the batch engine's
-        refused rows go through `fill` with it)."""
-        if plan.keys is None:
-            plan.keys, plan.u = self._draws(plan.indices, plan.positions)
-        if plan.geometry is None:
-            plan.geometry = self._geometry(self._sizes(plan.indices), plan.u, plan.bucket)
+        refused rows, the GPU's rows that are not JPEGs and those its decoder failed go through `fill`
+        with it). Any thread: the draws are set last, so a plan with draws is complete."""
+        if plan.u is None:
+            keys, u = self._draws(plan.indices, plan.positions)
+            plan.geometry = self._geometry(self._sizes(plan.indices), u, plan.bucket)
+            plan.keys, plan.u = keys, u
 
     def _placement(self, geometry: Plan, row: int, idx: int) -> Placement:
         return Placement.of(geometry, row, self.heights[idx], self.widths[idx])
@@ -262,6 +275,8 @@ class Filler:
     def fill(self, plan: BatchPlan, row: int, slot: Slot, scratch: dict, times: WorkerTimes) -> None:
         """Row `row` of the batch on the Python path: rendered into the slot, its targets placed; a
         failure raised naming the sample, or under on_error="skip" the row replaced."""
+        if plan.u is None:   # a deferred plan (`prepare`): this row is the batch's first on the Python path
+            self.complete(plan)
         idx = int(plan.indices[row])
         geo = plan.geometry
         box = _row_box(geo, row)
@@ -286,7 +301,9 @@ class Filler:
         """Rows r0..r1 of a batch the GPU shares (the route's GPU columns, without the native engine): the
         rows before `plan.gpu_from` rendered here one at a time (timed for the split), the others left
         for the GPU in one call (`queue_gpu_rows`). Returns the (row, exception) of the rows that failed."""
-        cut = max(r0, min(r1, plan.gpu_from))
+        if plan.gpu_from <= r0:   # every row the GPU's (decode="gpu": the whole batch, one claim)
+            return self.queue_gpu_rows(plan, r0, r1, slot, scratch, times)
+        cut = min(r1, plan.gpu_from)
         t0 = time.perf_counter()
         errors = self.fill_rows(plan, range(r0, cut), slot, scratch, times)
         if cut > r0:
@@ -307,26 +324,26 @@ class Filler:
     def queue_gpu_rows(self, plan: BatchPlan, r0: int, r1: int, slot: Slot, scratch: dict,
                        times: WorkerTimes) -> list:
         """Rows r0..r1 for the GPU in one call: the JPEG rows become one `GpuRows` on the plan
-        (`jobs.gpu_rows`: crop windows in NumPy, the bytes gathered into the slot's staging buffer by one
-        native call); any other row (not a JPEG, or a shard that fails its check) is rendered here on the
-        Python path, timed as the CPU's. Returns the (row, exception) of the rows that failed, as `fill_rows`."""
+        (`jobs.gpu_rows`: each row planned and its crop windows computed by the native planner, or from
+        the batch's NumPy plan without one; the bytes gathered into the slot's staging buffer by one native
+        call); any other row (not a JPEG, or a shard that fails its check) is rendered here on the Python
+        path, timed as the CPU's. Returns the (row, exception) of the rows that failed, as `fill_rows`."""
         if r0 >= r1:
             return []
         t0 = time.perf_counter()
-        try:
-            rows, took = gpu_rows(self.ds, plan.indices[r0:r1], r0, plan.geometry, self.heights, self.widths,
-                                  slot.staging, (self.out_h, self.out_w))
-        except Exception:  # noqa: BLE001 - a shard that fails its check: each row's own read reports it
-            rows, took = None, np.zeros(r1 - r0, bool)
+        if self.planner is None and plan.u is None:   # the NumPy path plans from the batch's plan
+            self.complete(plan)
+        rows, left = gpu_rows(self.ds, plan, r0, r1, slot.staging, (self.out_h, self.out_w), self.heights,
+                              self.widths, self.planner)
         if rows is not None:
             plan.gpu_rows.append(rows)
         seconds = time.perf_counter() - t0
         times.read += seconds
         plan.gpu_plan_s.append(seconds)
-        if took.all():
+        if not left:
             return []
         t1 = time.perf_counter()
-        errors = self.fill_rows(plan, (np.flatnonzero(~took) + r0).tolist(), slot, scratch, times)
+        errors = self.fill_rows(plan, left, slot, scratch, times)
         plan.cpu_render_s.append(time.perf_counter() - t1)
         return errors
 
@@ -559,9 +576,11 @@ class EpochChain:
         self.columns = spec.columns
         self.multi_label = spec.multi_label
         self.fillers: list[Filler] = []
-        # the native engine plans each row itself (engine.py): `prepare` plans labels only, unless the GPU
-        # shares the batch (its rows' crops come from the batch's NumPy plan)
-        self.deferred = spec.route.native and not spec.route.gpu_decode
+        # the native engine plans each row itself (engine.py), and the native planner each GPU row
+        # (`jobs.RowPlanner`): `prepare` plans labels only, unless rows on the Python path share the batch
+        # with the GPU (a split without the engine: they need the batch's NumPy plan anyway)
+        route = spec.route
+        self.deferred = route.native or (route.gpu_decode and route.share == 1.0 and route.program is not None)
         self.firsts: list[int] = []  # run batch index of each Filler's first batch, increasing
 
     def add(self, filler: Filler, first: int) -> None:

@@ -12,7 +12,9 @@ decoder probe gives:
 - `share`: the GPU's share, fixed, or None (measured per batch: `device.gpu_split.SplitControl`);
 - `processes`: 0 (worker threads here) or the worker processes the rows are rendered in;
 - `stage`: what the device stage does with a finished batch;
-- `program`: the engine's program (None off the native path);
+- `program`: the engine's program, for its pool (the native path) and for the native planner of the
+  GPU columns' rows (`jobs.RowPlanner`); None where neither uses it (the native path is off, or an op
+  declares no engine row: the GPU's rows are then planned in NumPy);
 - `python`: what runs Python per sample in the training process, and why (empty on the native path
   or in worker processes); `reasons`: why the route is what it is, as short lines.
 
@@ -116,8 +118,11 @@ def decide(spec: Any, ds: Dataset, *, decode: str, gpu_share: float | None, proc
     every_row_gpu = gpu == COLUMNS and share == 1.0
     cpu_why = ["every JPEG row is the GPU's (the others are few: the Python path)"] if every_row_gpu else \
         _cpu_blockers(spec, ds)
-    program = None if cpu_why else engine_program(spec.pipeline.prefix, spec.pipeline.offsets)
-    cpu = NATIVE if program is not None else PYTHON
+    # the engine's program: for its pool (the native CPU path), and for the native planner of the GPU's rows
+    # (`jobs.RowPlanner`), which needs only the extension, not the engine's libjpeg-turbo
+    gpu_plans = gpu == COLUMNS and native.plans_rows()
+    program = None if cpu_why and not gpu_plans else engine_program(spec.pipeline.prefix, spec.pipeline.offsets)
+    cpu = NATIVE if program is not None and not cpu_why else PYTHON
     reasons = ["the native engine renders each batch's JPEG rows" if cpu == NATIVE
                else f"Python renders the CPU's rows: {cpu_why[0]}", *([gpu_why] if gpu_why else [])]
     python: list[str] = []

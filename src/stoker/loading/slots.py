@@ -360,12 +360,16 @@ class Run(HandOut):
 
     def __init__(self, ring: BatchRing, batch_sizes: list[int], num_threads: int, prepare: PrepareFn,
                  fill: FillFn, flush: FlushFn, timeout: float, name: str = "stoker", open_ended: bool = False,
-                 fill_chunk: ChunkFn | None = None, chunk: int = 1, engine: Any = None) -> None:
+                 fill_chunk: ChunkFn | None = None, chunk: int = 1, engine: Any = None,
+                 threads: int | None = None) -> None:
         # the native batch engine (engine.BatchEngine): its pool renders the rows; the Run's threads
-        # only coordinate whole batches, so a few of them do
+        # only coordinate whole batches, so a few of them do. `threads`: the claims' own count (whole
+        # batches of GPU rows, `engine.run_claims`)
         self.engine = engine
         if engine is not None:
             num_threads = engine.coordinators
+        elif threads is not None:
+            num_threads = threads
         self.ring = ring
         ring.top_up()
         self.batch_sizes = list(batch_sizes)
