@@ -143,7 +143,7 @@ class PackedDataset(Dataset):
             self._guard(names[0])
         else:
             blk = spans[:, 0]
-            for k in np.unique(block_shard[blk[blk >= 0]]).tolist():
+            for k in sorted(set(block_shard[blk[blk >= 0]].tolist())):   # each shard once, in order
                 self._guard(names[k])
         return datas, spans, kind[idx]
 

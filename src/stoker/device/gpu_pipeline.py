@@ -382,22 +382,23 @@ class PipelinedBuilder:
             decoder.release(chunk)
             t0 = time.perf_counter()
             resample += t0 - t1
-        decode_wait += time.perf_counter() - t0
+        t2 = time.perf_counter()
+        decode_wait += t2 - t0
         events = None
         if res_start is not None and ticket.started is not None:
             res_end = torch.cuda.Event(enable_timing=True)
             res_end.record(stream)
             events = (ticket.started, last_decoded, res_start, res_end)
-        t2 = time.perf_counter()
         labels, extras = self.base.host_items(slot)
         fallback = 0.0
+        t3 = t2
         if failures:   # rendered on the Python path, and on_error="skip" may replace a sample, label and extras
             self.base.fallback(slot, x, failures)
             labels, extras = self.base.host_items(slot)
-            fallback = time.perf_counter() - t2
+            t3 = time.perf_counter()
+            fallback = t3 - t2
         reusable = self.stage.fence()
         pending.copied, pending.finished = reusable, True
-        t3 = time.perf_counter()
         working = self.storages[pending.k]
         batch = self.base.finish(slot, x, labels, extras, working=working)
         t4 = time.perf_counter()

@@ -405,8 +405,7 @@ def _tensors(batch: Any) -> list[torch.Tensor]:
     batch (the device thread runs it per batch)."""
     out: list[torch.Tensor] = []
     todo = [batch]
-    while todo:
-        item = todo.pop()
+    for item in todo:   # breadth first: the loop goes on over what it appends
         if isinstance(item, torch.Tensor):
             out.append(item)
         elif isinstance(item, (tuple, list)):
