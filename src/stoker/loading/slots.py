@@ -453,7 +453,7 @@ class Run(HandOut):
             return slot
         t0 = time.perf_counter()
         try:
-            with self.cond:
+            with self.lock:   # slot_cond's lock
                 while not self.stop_event.is_set() and self.stalled is None:
                     slot = self.assigned.get(b)
                     if slot is not None:
@@ -484,26 +484,30 @@ class Run(HandOut):
 
         A guard pending longer than `timeout` stalls the run: the consumer gets a LoaderTimeoutError
         naming the GPU work that never finished."""
-        with self.cond:
-            pending, cleared = False, False
-            for slot in self.ring.free:
-                guard = slot.guard
-                if guard is None:
-                    continue
-                if guard.done():
-                    slot.guard, cleared = None, True
-                elif not getattr(guard, "on_gpu", True):   # done only by the actor's own work: no poll
-                    continue
-                elif time.monotonic() - slot.guarded_at > self.timeout and self.stalled is None:
-                    self.stalled = LoaderTimeoutError(
-                        f"batch {self.next_assign} cannot be written into its slot: {guard.what} had not finished "
-                        f"after {self.timeout:g} s; the GPU may be hung or its copy engine starved by other work")
-                    cleared = True
-                else:
-                    pending = True
-            if cleared:   # a slot the workers may fill (or a stall they must see)
-                self.slot_cond.notify_all()
-            return pending
+        with self.lock:
+            return self._settle()
+
+    def _settle(self) -> bool:
+        """`settle`, the run's lock held."""
+        pending, cleared = False, False
+        for slot in self.ring.free:
+            guard = slot.guard
+            if guard is None:
+                continue
+            if guard.done():
+                slot.guard, cleared = None, True
+            elif not getattr(guard, "on_gpu", True):   # done only by the actor's own work: no poll
+                continue
+            elif time.monotonic() - slot.guarded_at > self.timeout and self.stalled is None:
+                self.stalled = LoaderTimeoutError(
+                    f"batch {self.next_assign} cannot be written into its slot: {guard.what} had not finished "
+                    f"after {self.timeout:g} s; the GPU may be hung or its copy engine starved by other work")
+                cleared = True
+            else:
+                pending = True
+        if cleared:   # a slot the workers may fill (or a stall they must see)
+            self.slot_cond.notify_all()
+        return pending
 
     def _work(self) -> None:
         scratch: dict = {}
@@ -552,12 +556,12 @@ class Run(HandOut):
     # ---- consumer: next_batch and guard are HandOut's ----------------------------------------
     def _next_batch(self, b: int) -> Slot:
         deadline = time.monotonic() + self.timeout
-        with self.cond:
+        with self.lock:   # the Conditions' lock: their waits and notifies inside hold it
             self.released = max(self.released, b)
             if self.ring.reclaim():
                 self.slot_cond.notify_all()
             while True:
-                pending = self.settle()  # this thread is the CUDA actor: it clears the slots' guards
+                pending = self._settle()  # this thread is the CUDA actor: it clears the slots' guards
                 slot = self.assigned.get(b)
                 if slot is not None and slot.remaining == 0:
                     break
