@@ -52,7 +52,8 @@ def test_stoker_bench_names_the_script_that_counts_them_now(argv: list[str], tin
     assert main(["bench", "--pipelines", "calls", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("stoker bench: error: ") and "\n" not in err
-    assert "run python benchmarks/bench_calls.py [--data DIR] [--workers N]" in err
+    assert ("run python benchmarks/bench_calls.py [--data DIR] [--workers N] [--decode gpu | --decode auto "
+            "--gpu-share 0.5]") in err   # the GPU half's count is one flag away
     with pytest.raises(ConfigError, match="benchmarks/bench_calls.py"):
         run_bench(tiny_root, isolate=False, pipelines=("calls", "stoker-train"))
 

@@ -296,8 +296,8 @@ def _check_moved(names: Sequence[str], device: str) -> None:
         script = _moved_to(name)
         if script is None or _peer_of(name) is not None:
             continue
-        if name == "calls":
-            how = "[--data DIR] [--workers N]"
+        if name == "calls":   # the GPU half's count too, on the CPU with the stand-in decoder
+            how = "[--data DIR] [--workers N] [--decode gpu | --decode auto --gpu-share 0.5]"
         else:
             dev = device if device != "cpu" else "cuda" if name.startswith(("cuda-", "train-")) else ""
             how = (f"--pipelines {','.join(n for n in names if _moved_to(n) == script)}"
