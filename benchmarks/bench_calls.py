@@ -114,10 +114,11 @@ def python_calls(packed: Path, batch_size: int, threads: int, *, batches: int = 
     loader = Loader(str(packed), batch_size, transforms=[RandomResizedCrop(224), RandomHorizontalFlip()],
                     seed=seed, workers=Workers(num_threads=threads), device=device)
     warm = 1
-    # the workers run ahead by up to the ring's slots: the window ends before they can reach the pass's
-    # end (after which only the device side would still work, and its calls would count over fewer
-    # batches made); the last batch may be short
-    lead = loader.prefetch + 2
+    # with a device thread (the GPU columns) the workers run ahead of it by up to the ring's slots: the
+    # window ends before they can reach the pass's end, after which only the device side would still
+    # work and its calls would count over fewer batches made (without one, nothing of the loader's runs
+    # once the workers are done); the last batch may be short
+    lead = loader.prefetch + 2 if device is not None else 0
     batches = min(batches, len(loader) - warm - lead - 1)
     if batches < 1:
         loader.close()
