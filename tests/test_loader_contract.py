@@ -222,6 +222,7 @@ class _LateCopy:
     (and runs `check`, if set, while the copy would still read the batch); it is done from the next."""
 
     what = "a late copy"
+    on_gpu = True   # the GPU's work (slots.Guard)
 
     def __init__(self) -> None:
         self.queried = False

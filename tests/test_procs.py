@@ -417,6 +417,7 @@ def test_the_device_stage_and_extra_columns_work_over_shared_slots(packed: Path)
 
 class NeverDone:
     what = "a copy that never finishes"
+    on_gpu = True   # the GPU's work (slots.Guard)
 
     def done(self) -> bool:
         return False

@@ -276,6 +276,7 @@ class _SlowFence:
     """A copy that finishes `seconds` after it was queued, as the GPU would, with no notification."""
 
     what = "a slow copy"
+    on_gpu = True   # the GPU's work (slots.Guard)
 
     def __init__(self, log: list, b: int, seconds: float = 0.03) -> None:
         self.log, self.b = log, b

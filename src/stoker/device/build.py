@@ -65,7 +65,9 @@ class DeviceBuilder:
         `converted`): the pipeline's batch ops (`handout.run_batch_ops`), then `convert` to the asked dtype
         and layout; clips folded into images for both and regrouped after. `working`: the storages the
         build worked in (`measure`), where the caller knows them (the GPU pipeline's ring buffer)."""
-        x, lead = fold_rows(x)   # clips: converted as B x T images, then regrouped
+        lead = None
+        if x.ndim != 4:   # clips: converted as B x T images, then regrouped
+            x, lead = fold_rows(x)
         spec = self.chain.spec
         if converted:
             images = x
@@ -79,7 +81,7 @@ class DeviceBuilder:
             images = x.contiguous(memory_format=self.opts.memory_format) if done else convert(x, self.opts,
                                                                                                layout="nchw")
         self.working = storages_on(x, self.opts.device) if working is None else working
-        batch: tuple = (unfold_rows(images, lead), labels)
+        batch: tuple = (images if lead is None else unfold_rows(images, lead), labels)
         return batch + (extras,) if extras is not None else batch   # extra columns, the sizes of padded images
 
     def measure(self, batch: Any) -> tuple[int, int]:

@@ -10,6 +10,7 @@ from typing import Any, Callable, ContextManager, Protocol
 
 from .._system import join_at_exit
 from ..errors import LoaderClosedError, LoaderTimeoutError, WorkerError
+from ..loading.bells import StopFlag
 from ..loading.slots import _FENCE_POLL_S, _POLL_S, Guard, Run, Slot
 from ..loading.stats import LoaderStats
 
@@ -66,7 +67,7 @@ class Feeder:
         for _ in range(depth):
             self.room.put(True)
         self.ended = False  # the device thread has left its loop
-        self.stop_event = threading.Event()
+        self.stop_event = StopFlag()   # `stopped`: the loop's check, no call
         self.thread = threading.Thread(target=self._work, name=name, daemon=True)
 
     def start(self) -> None:
@@ -128,9 +129,11 @@ class Feeder:
     def _loop(self) -> None:
         if not self._bound():
             return
+        run, stop = self.run, self.stop_event
+        closed = -1 if run.open_ended else len(run.batch_sizes)   # a closed run: its count, no wait to ask
         b = -1
-        while self._more(b := b + 1):
-            if self.stop_event.is_set():
+        while (b := b + 1) < closed or (closed < 0 and self._more(b)):
+            if stop.stopped:
                 return
             try:
                 slot = self.run.next_batch(b)  # hands the slot of batch b-1 back to the workers

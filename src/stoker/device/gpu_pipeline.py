@@ -38,9 +38,9 @@ from ..errors import LoaderClosedError, LoaderTimeoutError
 from ..loading.jobs import GpuBatch, JpegStaging, cpu_rows, jpeg_bytes, plan_columns
 from ..loading.slots import Slot
 from .build import DeviceBuilder
-from .feeder import Feeder
+from .feeder import _WAKE, Feeder
 from .gpu_split import SplitControl
-from .stage import storages_on
+from .stage import PASSED, storages_on
 
 _log = logging.getLogger("stoker.gpu")
 
@@ -264,22 +264,25 @@ class _Pending:
     """A batch submitted to the decode thread, not yet finished; also the guard of its slot."""
 
     what = "the GPU decode of a batch"
-    __slots__ = ("slot", "x", "k", "ticket", "copied", "finished", "upload_s", "submit_s")
+    __slots__ = ("slot", "x", "k", "ticket", "copied", "on_gpu", "upload_s", "submit_s")
 
-    def __init__(self, slot: Slot, x: torch.Tensor, k: int, ticket: _Ticket, copied: Any) -> None:
-        self.slot, self.x, self.k, self.ticket, self.copied = slot, x, k, ticket, copied
-        self.finished = False  # set by the device thread once nothing more is written from or into the slot
+    def __init__(self, slot: Slot, x: torch.Tensor, k: int, ticket: _Ticket) -> None:
+        self.slot, self.x, self.k, self.ticket = slot, x, k, ticket
+        self.copied: Any = None   # the fence after the last copy from the slot, made when the batch is let go
+        # finished (or abandoned): the device thread writes nothing more from or into the slot. Until then only
+        # it can clear this guard, so while it waits for the next batch it need not poll it (`slots.Guard`);
+        # after, the slot waits for its copies, which are the GPU's
+        self.on_gpu = False
         self.upload_s = self.submit_s = 0.0
+
+    def let_go(self, fence: Any) -> None:
+        """The batch is finished or abandoned; `fence` (on the copy stream, after everything this thread
+        queued that reads the slot) says when the slot may be refilled."""
+        self.copied, self.on_gpu = fence, True
 
     def done(self) -> bool:
         """The slot may be refilled: the batch is finished (or abandoned) and its copies have run."""
-        return self.finished and self.copied.done()
-
-    @property
-    def on_gpu(self) -> bool:
-        """Until the device thread finishes the batch, only it can clear this guard: the device thread
-        waiting for the next batch need not poll it (`slots.Guard`); after, its copies are the GPU's."""
-        return self.finished
+        return self.on_gpu and self.copied.done()
 
 
 class PipelinedBuilder:
@@ -301,7 +304,8 @@ class PipelinedBuilder:
         self.timings: deque = deque()
         self.turn = 0
         self.batches = 0
-        self._held: tuple[Any, dict[int, int]] = (None, {})   # the last batch built and its storages (`measure`)
+        # the last batch built, the device bytes it holds and those of its build's working buffer (`measure`)
+        self._held: tuple[Any, int, int] = (None, 0, 0)
 
     def start(self) -> None:
         self.decoder.start()
@@ -333,26 +337,27 @@ class PipelinedBuilder:
             self.base.upload_rows(slot, x, cpu_rows(n, jobs))
         t1 = time.perf_counter()
         ticket = _Ticket(jobs, x.shape[1], x.shape[2])
-        self._stage_bytes(slot, jobs)
-        self.decoder.submit(ticket)
-        pending = _Pending(slot, x, k, ticket, self.stage.fence())
+        staging = slot.staging
+        if staging is None or staging.overflow:
+            self._stage_bytes(slot, jobs)
+        self.decoder.todo.put(ticket)   # `DecodeThread.submit`
+        pending = _Pending(slot, x, k, ticket)
         pending.upload_s = t1 - t0
         pending.submit_s = time.perf_counter() - t0
         return pending
 
     def _stage_bytes(self, slot: Slot, jobs: GpuBatch) -> None:
-        """The slot's staging buffer for its next batch: made (pinned on a CUDA host) the first time, or
-        larger when this batch's JPEGs did not fit; 1.5 times this batch's bytes. Once per slot in
-        steady state."""
-        staging = slot.staging
-        if staging is not None and staging.overflow == 0:
-            return
+        """The slot's staging buffer for its next batch, where it has none or this batch's JPEGs did not
+        fit (`submit` checks): made (pinned on a CUDA host) 1.5 times this batch's bytes. Once per slot
+        in steady state."""
         size = max(jpeg_bytes(jobs) * 3 // 2, 1 << 16)
         slot.staging = JpegStaging(torch.empty(size, dtype=torch.uint8, pin_memory=self.opts.is_cuda))
 
     def finish(self, pending: _Pending) -> tuple[Any, Any]:
-        """Batch `pending` built (as `DeviceBuilder.__call__` returns it) and its fence."""
-        t_finish = time.perf_counter()
+        """Batch `pending` built (as `DeviceBuilder.__call__` returns it) and its fence, which is also its
+        slot's: the slot is let go (`_Pending.let_go`) behind everything that reads it and the batch's
+        conversion, one fence for both."""
+        t_finish = t0 = time.perf_counter()
         slot, x, ticket = pending.slot, pending.x, pending.ticket
         nchw = x.permute(0, 3, 1, 2)
         stream = self.stage.stream
@@ -360,7 +365,6 @@ class PipelinedBuilder:
         failures: list = []
         decode_wait, resample, decode_s = 0.0, 0.0, 0.0
         last_decoded = res_start = None
-        t0 = t_finish
         while (chunk := decoder.next_chunk(ticket)) is not None:
             t1 = time.perf_counter()
             decode_wait += t1 - t0
@@ -382,8 +386,7 @@ class PipelinedBuilder:
             decoder.release(chunk)
             t0 = time.perf_counter()
             resample += t0 - t1
-        t2 = time.perf_counter()
-        decode_wait += t2 - t0
+        # from here the clock of the last resample: the ticket's end follows its last chunk at once
         events = None
         if res_start is not None and ticket.started is not None:
             res_end = torch.cuda.Event(enable_timing=True)
@@ -391,16 +394,17 @@ class PipelinedBuilder:
             events = (ticket.started, last_decoded, res_start, res_end)
         labels, extras = self.base.host_items(slot)
         fallback = 0.0
-        t3 = t2
+        t3 = t0
         if failures:   # rendered on the Python path, and on_error="skip" may replace a sample, label and extras
             self.base.fallback(slot, x, failures)
             labels, extras = self.base.host_items(slot)
             t3 = time.perf_counter()
-            fallback = t3 - t2
-        reusable = self.stage.fence()
-        pending.copied, pending.finished = reusable, True
-        working = self.storages[pending.k]
+            fallback = t3 - t0
+        k = pending.k
+        working = self.storages[k]
         batch = self.base.finish(slot, x, labels, extras, working=working)
+        fence = self.stage.fence()
+        pending.let_go(fence)
         t4 = time.perf_counter()
         self.phases.add_batch(sum(slot.plan.gpu_plan_s), pending.upload_s, decode_wait, resample, fallback, t4 - t3)
         # the GPU side's pace: its busier stage, the decode calls or the resample (they overlap), and the
@@ -409,18 +413,24 @@ class PipelinedBuilder:
                       fallback=fallback)
         self.stats.device_s += pending.submit_s + t4 - t_finish - decode_wait
         held = storages_on(batch, self.opts.device)
-        self._held = (batch, held)
-        if held.keys() & working.keys():
-            self.buffers[pending.k] = None  # handed out as it is: never reused
-        return batch, reusable
+        extra = 0   # the working buffer's bytes the batch does not hold (the peak's)
+        for ptr, n in working.items():
+            if ptr in held:
+                self.buffers[k] = None  # handed out as it is: never reused
+            else:
+                extra += n
+        total = 0
+        for n in held.values():
+            total += n
+        self._held = (batch, total, extra)
+        return batch, fence
 
     def measure(self, batch: Any) -> tuple[int, int]:
-        """`DeviceBuilder.measure`, reading the storages `finish` found for the batch it built last."""
-        made, held = self._held
+        """`DeviceBuilder.measure`, from what `finish` found for the batch it built last."""
+        made, held, extra = self._held
         if batch is not made:
             return self.base.measure(batch)
-        working = self.base.working
-        return sum(held.values()), sum([n for ptr, n in working.items() if ptr not in held])
+        return held, extra
 
     def _account(self, slot: Slot, ticket: _Ticket, failures: list, gpu_side: float, events: Any = None,
                  fallback: float = 0.0) -> None:
@@ -495,37 +505,54 @@ class PipelinedFeeder(Feeder):
     def _loop(self) -> None:
         if not self._bound():
             return
-        open_: deque[_Pending] = deque()  # submitted, not finished: at most two
+        run, pipe, stop = self.run, self.pipe, self.stop_event
+        prev: _Pending | None = None   # submitted, not finished
+        last: _Pending | None = None   # submitted just now
         try:
             b = -1
-            while self._more(b := b + 1):
-                if self.stop_event.is_set():
+            closed = -1 if run.open_ended else len(run.batch_sizes)   # a closed run: its count, no wait to ask
+            while (b := b + 1) < closed or (closed < 0 and self._more(b)):
+                if stop.stopped:
                     return
-                slot = self.run.next_batch(b)
-                submitted = self.pipe.submit(slot)   # on the copy stream: current since `_bound`
-                open_.append(submitted)
-                self.run.guard(b, submitted)
-                if len(open_) > 1 and not self._finish(open_.popleft()):
+                slot = run.next_batch(b)
+                last = pipe.submit(slot)   # on the copy stream: current since `_bound`
+                run.guard(b, last)
+                if prev is not None and not self._finish(prev):
                     return
-            while open_:
-                if not self._finish(open_.popleft()):
-                    return
+                prev, last = last, None
+            if prev is not None:
+                self._finish(prev)
         except BaseException as exc:  # for the consumer, in order; this thread is done
             self._put(("error", exc, None))
-        finally:
-            for pending in open_:
-                pending.finished = True  # abandoned: nothing writes its slot any more (its copies: `copied`)
+        finally:   # abandoned: nothing writes their slots any more; their copies are behind one fence
+            self._let_go([p for p in (prev, last) if p is not None and not p.on_gpu])
+
+    def _let_go(self, abandoned: list[_Pending]) -> None:
+        if not abandoned:
+            return
+        try:
+            fence = self.stage.fence()
+        except BaseException:   # CUDA itself failed (the error reaches the consumer): nothing more runs there
+            fence = PASSED
+        for pending in abandoned:
+            pending.let_go(fence)
 
     def _finish(self, pending: _Pending) -> bool:
+        """Finish `pending` and queue its batch (`Feeder._put`, inlined: this runs per batch); False when
+        stopped first."""
+        out, ready = self.pipe.finish(pending)   # its slot let go, behind the fence `ready`
+        held = 0
+        if self.stats is not None:
+            _, held, extra = self.pipe._held
+            self.stats.hold_device(held, extra)
         try:
-            out, _ = self.pipe.finish(pending)
-            ready = self.stage.fence()
-        finally:
-            pending.finished = True
-        held = self._hold(out)
-        if not self._put(("batch", out, (ready, held))):
+            token = self.room.get_nowait()
+        except queue.Empty:
+            token = self._wait_room()
+        if token is _WAKE or token is None:   # `stop`
             self._release(held)
             return False
+        self.ready.put(("batch", out, (ready, held)))
         return True
 
     def _stuck(self) -> str:

@@ -308,9 +308,9 @@ def convert(images: torch.Tensor, opts: DeviceOptions, *, layout: str = "nhwc") 
     accepts images on any GPU (the output is made where they are)."""
     if layout not in LAYOUTS:
         raise ConfigError(f"layout must be 'nhwc' or 'nchw', got {layout!r}")
-    if images.dim() != 4:
+    if images.ndim != 4:
         raise ConfigError(f"images must be a 4-D batch ({layout.upper()}), got shape {tuple(images.shape)}")
-    if not is_on(images.device, opts.device):
+    if images.device != opts.device and not is_on(images.device, opts.device):
         raise ConfigError(f"images are on {images.device} but the options say {opts.device}; upload them first "
                           f"(DeviceStage.upload)")
     from_uint8 = images.dtype == torch.uint8
@@ -382,6 +382,7 @@ class Fence:
     the consumer's own thread): a thread that never chose a device would make a context on GPU 0."""
 
     __slots__ = ("event", "what")
+    on_gpu = True   # a slot's guard (`slots.Guard`): done once the GPU passes it
 
     def __init__(self, event: Any = None, what: str = "the copy to the device") -> None:
         self.event = event
@@ -400,13 +401,20 @@ class Fence:
             f"starved by other work"))
 
 
+#: the fence of a stage on the CPU: always passed (one, shared: fences are never changed once made)
+PASSED = Fence(None)
+
+
 def _tensors(batch: Any) -> list[torch.Tensor]:
     """Every tensor of a batch (tuple/list/dict, nested), in no particular order; one call for the whole
     batch (the device thread runs it per batch)."""
     out: list[torch.Tensor] = []
     todo = [batch]
     for item in todo:   # breadth first: the loop goes on over what it appends
-        if isinstance(item, torch.Tensor):
+        kind = type(item)   # the common kinds first, by type: no call for them
+        if kind is tuple or kind is list:
+            todo += item
+        elif kind is torch.Tensor or isinstance(item, torch.Tensor):
             out.append(item)
         elif isinstance(item, (tuple, list)):
             todo += item
@@ -419,7 +427,7 @@ def storages_on(batch: Any, device: torch.device) -> dict[int, int]:
     """The distinct storages of `batch`'s tensors (tuple/list/dict, nested) on `device`: address -> bytes.
     Views share their storage, so each is counted once, at its full size."""
     out: dict[int, int] = {}
-    for t in (batch,) if isinstance(batch, torch.Tensor) else _tensors(batch):
+    for t in _tensors(batch):
         if t.device == device:
             st = t.untyped_storage()
             out[st.data_ptr()] = st.nbytes()
@@ -504,7 +512,7 @@ class DeviceStage:
     def fence(self) -> Fence:
         """Call inside context(), after the uploads: a Fence behind everything queued on the copy stream."""
         if self.stream is None:
-            return Fence(None)
+            return PASSED
         event = torch.cuda.Event()  # no timing: cheaper to record and query
         event.record(self.stream)
         return Fence(event, f"the copy of a batch to {self.opts.device}")

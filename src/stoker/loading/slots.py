@@ -42,6 +42,7 @@ import numpy as np
 from .._system import fork_generation, join_at_exit
 from .._torch import torch
 from ..errors import ConfigError, LoaderClosedError, LoaderTimeoutError, WorkerError
+from .bells import Bells, StopFlag
 from .stats import LoaderStats, WorkerTimes
 
 _POLL_S = 0.1  # how often a blocked wait re-checks the stop flag, seconds
@@ -63,10 +64,12 @@ _use_count = getattr(torch._C, "_storage_Use_Count", None)
 class Guard(Protocol):
     """What a slot's guard needs of a point on a CUDA stream (`device.stage.Fence` is one). Only the loader's
     CUDA actor asks `done()` (`Run.settle`): the device thread, or without one the consumer's thread.
-    Optional: a false `on_gpu` says the guard is waiting for the actor's own work, not the GPU's, so the
-    actor need not poll it while it waits for a batch (`gpu_pipeline`'s batch in flight)."""
+    `on_gpu` (an attribute: read per batch, it costs no call) false says the guard is waiting for the
+    actor's own work, not the GPU's, so it is not done yet and the actor need not poll it while it waits
+    for a batch (`gpu_pipeline`'s batch in flight)."""
 
     what: str
+    on_gpu: bool
 
     def done(self) -> bool: ...
 
@@ -332,7 +335,8 @@ class HandOut:
         slot); the workers refill that slot only once it is done (and nothing references it). Raises
         the first row's exception when a sample failed, LoaderTimeoutError after `timeout` seconds
         without the batch completing."""
-        self.guard(b - 1, guard)  # before the release in _next_batch: no worker sees the slot unguarded
+        if guard is not None:   # before the release in _next_batch: no worker sees the slot unguarded
+            self.guard(b - 1, guard)
         try:
             return self._next_batch(b)
         except BaseException:
@@ -383,12 +387,13 @@ class Run(HandOut):
         self.prepare, self.fill, self.flush, self.fill_chunk = prepare, fill, flush, fill_chunk
         self.timeout = timeout
         self.lock = threading.RLock()  # an RLock so the consumer can tell it still holds it (Ctrl-C)
-        self.cond = threading.Condition(self.lock)
-        # the workers waiting for a slot wait on a Condition of their own over the same lock: a batch
-        # completing wakes only the consumer, a slot freed (or its guard cleared) only the workers, so no
-        # thread pays a wake-up's dozen Python calls for what another waits for
-        self.slot_cond = threading.Condition(self.lock)
-        self.stop_event = threading.Event()
+        # the consumer's waits (`bells.Bells`: a Condition's contract at a few C calls a wait)
+        self.cond = Bells(self.lock)
+        # the workers waiting for a slot wait on Bells of their own over the same lock: a batch completing
+        # wakes only the consumer, a slot freed (or its guard cleared) only the workers, so no thread pays a
+        # wake-up for what another waits for
+        self.slot_cond = Bells(self.lock)
+        self.stop_event = StopFlag()   # its `stopped` attribute: the hot loops' check, no call
         self._generation = fork_generation()
         self.released = 0  # batches the consumer has moved past
         self.assigned: dict[int, Slot] = {}  # batch -> its slot, from planning until it is handed out
@@ -454,7 +459,7 @@ class Run(HandOut):
         t0 = time.perf_counter()
         try:
             with self.lock:   # slot_cond's lock
-                while not self.stop_event.is_set() and self.stalled is None:
+                while not self.stop_event.stopped and self.stalled is None:
                     slot = self.assigned.get(b)
                     if slot is not None:
                         return slot
@@ -492,12 +497,10 @@ class Run(HandOut):
         pending, cleared = False, False
         for slot in self.ring.free:
             guard = slot.guard
-            if guard is None:
+            if guard is None or not guard.on_gpu:   # done only by the actor's own work: no poll
                 continue
             if guard.done():
                 slot.guard, cleared = None, True
-            elif not getattr(guard, "on_gpu", True):   # done only by the actor's own work: no poll
-                continue
             elif time.monotonic() - slot.guarded_at > self.timeout and self.stalled is None:
                 self.stalled = LoaderTimeoutError(
                     f"batch {self.next_assign} cannot be written into its slot: {guard.what} had not finished "
@@ -505,7 +508,7 @@ class Run(HandOut):
                 cleared = True
             else:
                 pending = True
-        if cleared:   # a slot the workers may fill (or a stall they must see)
+        if cleared and self.slot_cond.waiting:   # a slot the workers may fill (or a stall they must see)
             self.slot_cond.notify_all()
         return pending
 
@@ -514,7 +517,7 @@ class Run(HandOut):
         times = WorkerTimes()
         done = 0  # samples written since this worker last flushed its counters
         try:
-            while not self.stop_event.is_set():
+            while not self.stop_event.stopped:
                 claim = self._claim()
                 if claim is None:
                     break
@@ -543,7 +546,8 @@ class Run(HandOut):
                         done = 0
                         if slot.finished is finished:  # still this batch (not refilled meanwhile)
                             slot.remaining = 0
-                            self.cond.notify_all()
+                            if self.cond.waiting:
+                                self.cond.notify_all()
         except BaseException as exc:  # a bug in the loop itself: never die silently
             with self.lock:
                 self.fatal = exc
@@ -555,10 +559,13 @@ class Run(HandOut):
 
     # ---- consumer: next_batch and guard are HandOut's ----------------------------------------
     def _next_batch(self, b: int) -> Slot:
-        deadline = time.monotonic() + self.timeout
-        with self.lock:   # the Conditions' lock: their waits and notifies inside hold it
-            self.released = max(self.released, b)
-            if self.ring.reclaim():
+        deadline = None   # read the clock only when there is a wait
+        with self.lock:   # the Bells' lock: their waits and notifies inside hold it
+            if b > self.released:
+                self.released = b
+            ring = self.ring
+            # a slot back to the workers: wake them only if they can take it (an unguarded slot first in line)
+            if ring.reclaim() and self.slot_cond.waiting and ring.free[0].guard is None:
                 self.slot_cond.notify_all()
             while True:
                 pending = self._settle()  # this thread is the CUDA actor: it clears the slots' guards
@@ -570,8 +577,10 @@ class Run(HandOut):
                                       f"this is a bug in stoker, please report it with the traceback") from self.fatal
                 if self.stalled is not None:
                     raise self.stalled
-                if self.stop_event.is_set():
+                if self.stop_event.stopped:
                     raise LoaderClosedError(f"the loader was closed while waiting for batch {b}")
+                if deadline is None:
+                    deadline = time.monotonic() + self.timeout
                 left = deadline - time.monotonic()
                 if left <= 0:
                     pending = slot.size - len(slot.finished) if slot is not None else self.batch_sizes[b]

@@ -114,7 +114,8 @@ class LoaderStats:
         built (freed since), for the peak."""
         with self._device_lock:
             self.device_bytes += nbytes
-            self.device_peak_bytes = max(self.device_peak_bytes, self.device_bytes + working)
+            if self.device_bytes + working > self.device_peak_bytes:
+                self.device_peak_bytes = self.device_bytes + working
 
     def release_device(self, nbytes: int) -> None:
         """A held batch handed out to the caller (then it is theirs) or dropped."""

@@ -1,0 +1,101 @@
+"""The hand-offs' waits and stop flag at the cost of a few C calls: `Bells` and `StopFlag`.
+
+Every Python call a loader thread makes is a bite of the trainer's GIL, and the batch ring's hand-offs
+(a worker waiting for a slot, the consumer for a batch) wait and wake once or twice a batch.
+`threading.Condition` is written in Python: a wait makes a new lock, registers it, gives the owner's
+lock up and takes it back through three more calls, and a notify walks its waiters through two more
+functions, about a dozen calls a wait. `Bells` keeps Condition's contract (a waiter registers under
+the lock, so no wake-up is lost between its check and its wait; every wait has a timeout; `notify_all`
+wakes every waiter) with one C lock per waiting thread, made once per thread and kept, and the owner's
+RLock given up and taken back by its own C methods: a wait is about six C calls, a notify with no
+waiter none (callers test `waiting` first).
+
+`StopFlag` is a `threading.Event` whose state is also a plain attribute (`stopped`), so a hot loop reads
+it with no call at all; `set` and `clear` keep the two in step.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+_local = threading.local()   # each thread's bell: a C lock, held (not rung) while the thread is not waiting
+
+
+def _bell() -> Any:
+    """The calling thread's bell, made on its first wait."""
+    try:
+        return _local.bell
+    except AttributeError:
+        bell = _local.bell = threading.Lock()
+        bell.acquire()
+        return bell
+
+
+class Bells:
+    """A Condition over an RLock (`lock`), for the hand-offs' hot waits: `wait(timeout)` and `notify_all()`
+    with the lock held, as `threading.Condition`'s; `with bells:` takes the lock. `waiting` holds the bells
+    of the threads waiting now (test it before calling `notify_all` on a hot path)."""
+
+    __slots__ = ("lock", "waiting")
+
+    def __init__(self, lock: Any) -> None:
+        self.lock = lock
+        self.waiting: list[Any] = []
+
+    def __enter__(self) -> bool:
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.lock.__exit__(*exc)
+
+    def _is_owned(self) -> bool:
+        return self.lock._is_owned()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self.lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def wait(self, timeout: float) -> bool:
+        """Give the lock up (held by the caller, however deeply), sleep until `notify_all` or `timeout`
+        seconds, take the lock back; True when notified. Interrupted (Ctrl-C), it still takes the lock
+        back and leaves no bell behind."""
+        bell = _bell()
+        waiting = self.waiting
+        waiting.append(bell)
+        state = self.lock._release_save()
+        rung = False
+        try:
+            rung = bell.acquire(True, timeout)
+        finally:
+            self.lock._acquire_restore(state)
+            if not rung:
+                if bell in waiting:   # not rung: take the bell back out
+                    waiting.remove(bell)
+                else:   # rung after the timeout, before the lock came back: held again for the next wait
+                    bell.acquire(False)
+        return rung
+
+    def notify_all(self) -> None:
+        """Wake every waiting thread (the lock held)."""
+        waiting = self.waiting
+        for bell in waiting:
+            bell.release()
+        waiting.clear()
+
+
+class StopFlag(threading.Event):
+    """A `threading.Event` that also keeps its state in the plain attribute `stopped`: a hot loop reads
+    `stopped` (no call); every other reader may use the Event's API."""
+
+    stopped = False
+
+    def set(self) -> None:
+        self.stopped = True
+        super().set()
+
+    def clear(self) -> None:
+        self.stopped = False
+        super().clear()
