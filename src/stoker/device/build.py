@@ -39,6 +39,7 @@ class DeviceBuilder:
         self.opts = stage.opts
         self.chain, self.lock, self.stats = chain, lock, stats
         self.encode = chain.multi_label
+        self.cuda = self.opts.is_cuda   # read per batch: an attribute, not the property's call
         self.scratch: dict = {}
         self.times = WorkerTimes()
         self.working: dict[int, int] = {}  # the last build's working tensors on the device (measure)
@@ -93,12 +94,12 @@ class DeviceBuilder:
     def host_items(self, slot: Slot) -> tuple[Any, dict[str, Any] | None]:
         """The slot's labels and third batch item (extras), on the device where they are tensors.
         Read before the slot's reuse fence: their uploads are copies from the slot too."""
-        extras = batch_extras(slot, self.stage.upload if self.opts.is_cuda else None) if slot.extras else None
+        extras = batch_extras(slot, self.stage.upload if self.cuda else None) if slot.extras else None
         return self._labels(slot), extras
 
     def _labels(self, slot: Slot) -> Any:
-        labels = labels_of(slot, self.encode, copy=not self.opts.is_cuda)   # the upload copies
-        if not self.opts.is_cuda or not isinstance(labels, torch.Tensor):
+        labels = labels_of(slot, self.encode, copy=not self.cuda)   # the upload copies
+        if not self.cuda or not isinstance(labels, torch.Tensor):
             return labels
         batch_ops = self.chain.spec.pipeline.batch
         if batch_ops is not None and batch_ops.mix is not None and not labels.dtype.is_floating_point:

@@ -329,7 +329,7 @@ class PipelinedBuilder:
         images = slot.images
         x, k = self._buffer(images[:n].shape)
         rows = jobs.rows
-        g = len(rows)
+        g = rows.shape[0]
         if g == 0 or (rows[0] == n - g and rows[-1] == n - 1):   # the GPU's rows end the batch: one copy
             if g < n:
                 x[:n - g].copy_(images[:n - g], non_blocking=True)
@@ -404,13 +404,13 @@ class PipelinedBuilder:
         working = self.storages[k]
         batch = self.base.finish(slot, x, labels, extras, working=working)
         fence = self.stage.fence()
-        pending.let_go(fence)
+        pending.copied, pending.on_gpu = fence, True   # `_Pending.let_go`, inlined: it runs per batch
         t4 = time.perf_counter()
         self.phases.add_batch(sum(slot.plan.gpu_plan_s), pending.upload_s, decode_wait, resample, fallback, t4 - t3)
         # the GPU side's pace: its busier stage, the decode calls or the resample (they overlap), and the
         # CPU decode of the images it could not decode
-        self._account(slot, ticket, failures, gpu_side=max(decode_s, resample) + fallback, events=events,
-                      fallback=fallback)
+        self._account(slot, ticket, failures, gpu_side=(decode_s if decode_s > resample else resample) + fallback,
+                      events=events, fallback=fallback)
         self.stats.device_s += pending.submit_s + t4 - t_finish - decode_wait
         held = storages_on(batch, self.opts.device)
         extra = 0   # the working buffer's bytes the batch does not hold (the peak's)
@@ -438,12 +438,12 @@ class PipelinedBuilder:
         rows' seconds (`gpu_side`, host time; on a GPU the device time of the CUDA `events`, read once they
         have completed, `_gpu_times`)."""
         stats = self.stats
-        n_gpu = len(ticket.jobs)
+        n_gpu = ticket.jobs.rows.shape[0]
         if failures:   # the CPU's fallback decodes are worker-like time, flushed as the workers' are
             with self.base.lock:
                 stats.add(self.base.times, 0)
             stats.gpu_fallbacks += len(failures)
-        stats.gpu_decoded += n_gpu - len(failures)   # these three: this thread's alone
+        stats.gpu_decoded += n_gpu - len(failures) if failures else n_gpu   # these three: this thread's alone
         stats.gpu_decoder = self.gpu.decoder.name
         split = self.split
         if split is not None and split.fixed is not None:   # gpu_share= fixed: nothing to measure
@@ -514,7 +514,7 @@ class PipelinedFeeder(Feeder):
             while (b := b + 1) < closed or (closed < 0 and self._more(b)):
                 if stop.stopped:
                     return
-                slot = run.next_batch(b)
+                slot = run._next_batch(b)   # `next_batch` with no guard to set, and no Ctrl-C in this thread
                 last = pipe.submit(slot)   # on the copy stream: current since `_bound`
                 run.guard(b, last)
                 if prev is not None and not self._finish(prev):

@@ -62,7 +62,10 @@ class Bells:
         """Give the lock up (held by the caller, however deeply), sleep until `notify_all` or `timeout`
         seconds, take the lock back; True when notified. Interrupted (Ctrl-C), it still takes the lock
         back and leaves no bell behind."""
-        bell = _bell()
+        try:   # `_bell()`, inlined: a wait is the hot path
+            bell = _local.bell
+        except AttributeError:
+            bell = _bell()
         waiting = self.waiting
         waiting.append(bell)
         state = self.lock._release_save()

@@ -453,18 +453,24 @@ class Run(HandOut):
         """The slot of batch b, planned: the first worker to need it (or a later batch) takes the next
         free slot for each batch up to b, in order, once its guard is cleared (`settle`, by the CUDA
         actor: a worker makes no CUDA call). None when stopped or a guard timed out."""
-        slot = self.assigned.get(b)
+        assigned = self.assigned
+        slot = assigned.get(b)
         if slot is not None:
             return slot
         t0 = time.perf_counter()
         try:
             with self.lock:   # slot_cond's lock
                 while not self.stop_event.stopped and self.stalled is None:
-                    slot = self.assigned.get(b)
+                    slot = assigned.get(b)
                     if slot is not None:
                         return slot
-                    if self.ring.free and self.ring.free[0].guard is None:
-                        self._plan(self.next_assign, self.ring.free.popleft())
+                    free = self.ring.free
+                    if free and free[0].guard is None:   # the next batch in order takes it (b's or an earlier one)
+                        a = self.next_assign
+                        slot = free.popleft()
+                        self._plan(a, slot)
+                        if a == b:
+                            return slot
                         continue
                     self.slot_cond.wait(_SLOT_POLL_S)  # notified by a release, or by settle() clearing a guard
             return None
@@ -526,7 +532,9 @@ class Run(HandOut):
                 if slot is None:
                     break
                 if self.fill_chunk is not None:
-                    slot.errors.extend(self.fill_chunk(slot.plan, r0, r1, slot, scratch, times))
+                    failed = self.fill_chunk(slot.plan, r0, r1, slot, scratch, times)
+                    if failed:
+                        slot.errors.extend(failed)
                 else:
                     try:
                         self.fill(slot.plan, r0, slot, scratch, times)
@@ -591,7 +599,7 @@ class Run(HandOut):
                         f"workers=stoker.Workers(timeout=...) if samples are genuinely this slow")
                 self.cond.wait(min(_FENCE_POLL_S if pending else _POLL_S, left))
             del self.assigned[b]
-            self.ring.hand_out(slot)
+            ring.hand_out(slot)
             self.last_given = (b, slot)
         if slot.errors:
             row, exc = min(slot.errors, key=lambda e: e[0])
