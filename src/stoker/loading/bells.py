@@ -5,8 +5,8 @@ Every Python call a loader thread makes is a bite of the trainer's GIL, and the 
 `threading.Condition` is written in Python: a wait makes a new lock, registers it, gives the owner's
 lock up and takes it back through three more calls, and a notify walks its waiters through two more
 functions, about a dozen calls a wait. `Bells` keeps Condition's contract (a waiter registers under
-the lock, so no wake-up is lost between its check and its wait; every wait has a timeout; `notify_all`
-wakes every waiter) with one C lock per waiting thread, made once per thread and kept, and the owner's
+the lock, so no wake-up is lost between its check and its wait; every wait has a timeout; `notify`
+wakes the longest waiting, `notify_all` every waiter) with one C lock per waiting thread, made once per thread and kept, and the owner's
 RLock given up and taken back by its own C methods: a wait is about six C calls, a notify with no
 waiter none (callers test `waiting` first).
 
@@ -80,6 +80,12 @@ class Bells:
                 else:   # rung after the timeout, before the lock came back: held again for the next wait
                     bell.acquire(False)
         return rung
+
+    def notify(self) -> None:
+        """Wake the longest-waiting thread, if any (the lock held)."""
+        waiting = self.waiting
+        if waiting:
+            waiting.pop(0).release()
 
     def notify_all(self) -> None:
         """Wake every waiting thread (the lock held)."""

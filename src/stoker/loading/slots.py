@@ -469,8 +469,13 @@ class Run(HandOut):
                         a = self.next_assign
                         slot = free.popleft()
                         self._plan(a, slot)
+                        waiting = self.slot_cond.waiting
                         if a == b:
+                            if waiting and free and free[0].guard is None:   # another slot to take: pass the wake on
+                                self.slot_cond.notify()
                             return slot
+                        if waiting:   # an earlier batch planned: the worker waiting for it may be asleep
+                            self.slot_cond.notify_all()
                         continue
                     self.slot_cond.wait(_SLOT_POLL_S)  # notified by a release, or by settle() clearing a guard
             return None
@@ -514,8 +519,11 @@ class Run(HandOut):
                 cleared = True
             else:
                 pending = True
-        if cleared and self.slot_cond.waiting:   # a slot the workers may fill (or a stall they must see)
-            self.slot_cond.notify_all()
+        if cleared and self.slot_cond.waiting:   # a slot a worker may fill (or a stall they must all see)
+            if self.stalled is not None:
+                self.slot_cond.notify_all()
+            else:
+                self.slot_cond.notify()
         return pending
 
     def _work(self) -> None:
@@ -572,9 +580,9 @@ class Run(HandOut):
             if b > self.released:
                 self.released = b
             ring = self.ring
-            # a slot back to the workers: wake them only if they can take it (an unguarded slot first in line)
+            # a slot back to the workers: wake one only if it can take it (an unguarded slot first in line)
             if ring.reclaim() and self.slot_cond.waiting and ring.free[0].guard is None:
-                self.slot_cond.notify_all()
+                self.slot_cond.notify()
             while True:
                 pending = self._settle()  # this thread is the CUDA actor: it clears the slots' guards
                 slot = self.assigned.get(b)
