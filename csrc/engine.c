@@ -777,7 +777,7 @@ static int crop_window_row(const double *box, int64_t hi, int64_t wi, int64_t oh
     return padded;
 }
 
-/* plan_gpu_rows(spans, ids, index, heights, widths, stream, program, first, out_h, out_w, geo, box, at, src)
+/* plan_gpu_rows(spans, ids, index, heights, widths, stream, program, first, (out_h, out_w), geo, box, at, src)
  *     -> (rows taken, bytes)
  * The rows of a chunk (row first + i is dataset row index[i], its stream keyed by ids[i]) that the GPU takes:
  * those with JPEG bytes (spans[i] = (block, lo, hi), block >= 0) and a stored size. Each is planned as the
@@ -790,7 +790,7 @@ static PyObject *plan_gpu_rows(PyObject *self, PyObject *args) {
     unsigned long long stream;
     Py_ssize_t first;
     long long oh, ow;
-    if (!PyArg_ParseTuple(args, "OOOOOKOnLLOOOO", &o[0], &o[1], &o[2], &o[3], &o[4], &stream, &o[5], &first, &oh,
+    if (!PyArg_ParseTuple(args, "OOOOOKOn(LL)OOOO", &o[0], &o[1], &o[2], &o[3], &o[4], &stream, &o[5], &first, &oh,
                           &ow, &o[6], &o[7], &o[8], &o[9]))
         return NULL;
     Py_buffer b[10];
@@ -983,7 +983,7 @@ static PyMethodDef module_functions[] = {
      "plan_batch(ids, index, sizes, stream, program, box, clip, grid, size, flip): each row's plan as the\n"
      "engine computes it (for tests)."},
     {"plan_gpu_rows", plan_gpu_rows, METH_VARARGS,
-     "plan_gpu_rows(spans, ids, index, heights, widths, stream, program, first, out_h, out_w, geo, box, at, src)\n"
+     "plan_gpu_rows(spans, ids, index, heights, widths, stream, program, first, (out_h, out_w), geo, box, at, src)\n"
      "    -> (rows taken, bytes): the GPU's rows of a chunk (those with JPEG bytes and a stored size), each planned\n"
      "as the engine plans it and its crop windows computed as jobs.crop_windows does, written taken rows first:\n"
      "geo (jobs.GEO_COLUMNS), box, at (the bytes' spans, back to back from 0) and src (the spans rows)."},

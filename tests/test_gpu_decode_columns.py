@@ -5,6 +5,7 @@ same samples, in the same order."""
 
 from __future__ import annotations
 
+import gc
 import sys
 from typing import Any
 
@@ -284,18 +285,23 @@ def test_the_columns_form_fails_only_the_bad_rows() -> None:
 
 def _calls_in(fn: Any) -> tuple[int, Any]:
     """The Python calls (functions, and C functions called from Python) `fn()` makes, those of a method
-    named `decode_columns` (the decoder library's own) aside, and what it returns."""
+    named `decode_columns` (the decoder library's own) aside, and what it returns. The garbage of earlier
+    tests is collected first and the collector kept off meanwhile: a collection in the middle would count
+    the weak references it clears."""
     n = [-2]   # fn's own call, and the call that ends the count
 
     def hook(frame: Any, event: str, arg: Any) -> None:
         if event in ("call", "c_call") and frame.f_code.co_name != "decode_columns":
             n[0] += 1
 
+    gc.collect()
+    gc.disable()
     sys.setprofile(hook)
     try:
         result = fn()
     finally:
         sys.setprofile(None)
+        gc.enable()
     return n[0], result
 
 

@@ -278,6 +278,35 @@ def test_gather_spans_copies_each_rows_bytes_to_its_offset(native_on: bool, monk
             native.gather_spans(blocks, spans[:2], out, offsets)
 
 
+def test_a_batch_of_one_chunk_is_its_columns_as_the_general_path_makes_them() -> None:
+    """`plan_columns` hands over a batch of one `GpuRows` (decode="gpu": one claim per batch) as its columns,
+    without joining or sorting: the rows, boxes, bytes and jobs of the general path (a chunk it does not
+    know as a `GpuRows`); rows past the batch's first `n` still left out."""
+    from types import SimpleNamespace
+
+    from stoker.loading.jobs import GpuRows, ROW, plan_columns
+
+    k = 5
+    geo = np.arange(k * GEO_COLUMNS, dtype=np.int64).reshape(k, GEO_COLUMNS) % 7
+    geo[:, ROW] = [1, 2, 4, 6, 7]
+    box = np.arange(k * 4, dtype=np.float64).reshape(k, 4) / 3
+    data = torch.arange(50, dtype=torch.uint8)
+    spans = np.array([[0, 10], [10, 12], [12, 30], [30, 31], [31, 50]], np.int64)
+    chunk = GpuRows(data, spans, geo, box, "the dataset")
+
+    class Other:   # the same chunk, as the general path takes it
+        def batch(self) -> GpuBatch:
+            return chunk.batch()
+
+    for n in (8, 7, 3):
+        fast, slow = plan_columns(SimpleNamespace(gpu_rows=[chunk]), n), plan_columns(SimpleNamespace(gpu_rows=[Other()]), n)
+        assert np.array_equal(fast.geo, slow.geo) and np.array_equal(fast.box, slow.box)
+        assert fast.data is slow.data is data and np.array_equal(fast.spans, slow.spans)
+        assert fast.rows.tolist() == [r for r in [1, 2, 4, 6, 7] if r < n]
+        assert [j.row for j in fast] == [j.row for j in slow] and fast._datasets == slow._datasets
+    assert plan_columns(SimpleNamespace(gpu_rows=[chunk]), 8).geo is geo   # as it is: no copy
+
+
 def test_a_chunk_that_does_not_fit_the_staging_buffer_is_counted() -> None:
     st = JpegStaging(torch.zeros(100, dtype=torch.uint8))
     assert st.reserve(60) == 0 and st.reserve(30) == 60

@@ -236,6 +236,16 @@ def test_a_fixed_share_is_never_moved() -> None:
         DeviceOptions("cpu", decode="auto", gpu_share=1.5)
 
 
+def test_the_rows_handed_out_follow_the_share_as_it_moves() -> None:
+    """`gpu_rows` keeps its last answer for the next batch that asks the same: whatever the sequence of
+    shares and batch sizes, each answer is the share's rounding (at least one row above 0)."""
+    ctrl = SplitControl(threads=2, share=0.3)
+    for share, n in [(0.3, 100), (0.3, 100), (0.3, 7), (0.5, 7), (0.5, 7), (0.0, 7), (0.004, 100), (0.004, 100),
+                     (0.125, 4), (0.375, 4), (1.0, 0), (1.0, 256), (0.3, 100)]:
+        ctrl.share = share
+        assert ctrl.gpu_rows(n) == (max(round(share * n), 1) if share > 0 and n > 0 else round(share * n)), (share, n)
+
+
 def test_auto_splits_each_batch_and_says_why(packed: Path) -> None:
     loader = Loader(packed, 16, transforms=CROP, seed=5, workers=Workers(num_threads=2),
                     device=DeviceOptions("cpu", decode="auto", gpu_decoder=FixedRateDecoder(0.002, 4000)))

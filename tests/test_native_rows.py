@@ -186,6 +186,37 @@ def test_a_replaced_shard_sends_its_chunk_to_the_per_sample_path(tmp_path):
     ds.jpeg_spans(np.arange(len(ds) // 4))  # rows of the first shard only: it alone is checked
 
 
+def test_the_chunk_check_names_what_changed_as_the_per_sample_check_does(tmp_path):
+    """A chunk's shard check (one stat per shard read) and a sample's read refuse a shard replaced by a
+    rename, then deleted, with the same ShardError; a dataset handed the identities a parent process found
+    (`loading.proc_child`) is checked against those."""
+    import os
+    import shutil
+
+    from stoker.errors import ShardError
+    from stoker.reader import open_dataset
+
+    path = build(tmp_path / "ds", seed=3, shards=2)
+    ds = open_dataset(path)
+    last = sorted(path.glob("*.arrow"))[-1]
+    everything, last_row = np.arange(len(ds)), len(ds) - 1
+    for change, word in ((lambda: (shutil.copy(last, tmp_path / "copy"), os.replace(tmp_path / "copy", last)),
+                          "replaced"), (last.unlink, "deleted")):
+        change()
+        with pytest.raises(ShardError, match=word) as chunk:
+            ds.pixel_spans(everything)
+        with pytest.raises(ShardError) as row:
+            ds.sample(last_row)
+        assert str(chunk.value) == str(row.value) and last.name in str(chunk.value)
+        ds.jpeg_spans(np.arange(len(ds) // 4))   # rows of the first shard only: it alone is checked
+    other = build(tmp_path / "other", seed=3, shards=2)
+    ds = open_dataset(other)
+    ds.jpeg_spans(everything)
+    ds._identities = {name: (0, 0, size) for name, (*_, size) in ds._identities.items()}
+    with pytest.raises(ShardError, match="replaced"):
+        ds.jpeg_spans(everything)
+
+
 def test_damaged_jpegs_give_the_same_batches(tmp_path, monkeypatch):
     """Bytes flipped inside the entropy data of some JPEGs: the native call reports those rows and the
     per-sample path decodes, replaces or keeps them exactly as it does without the native path."""

@@ -149,3 +149,44 @@ def test_sizes_known_only_after_reading_must_match_the_batch() -> None:
     assert np.array_equal(slot.images_np[0], ds.images[0][:, ::-1] if flip else ds.images[0])
     with pytest.raises(SampleError, match=r"transforms give 36x30 for this 36x30 image, the batch is 40x50"):
         render_batch(Filler(filler.spec, ds, 0, np.array([1]), 0), 0, 1, (40, 50))
+
+
+def test_a_chain_of_epochs_gives_each_batch_its_epochs_filler() -> None:
+    """`EpochChain.prepare` finds the latest epoch's Filler without a search and any earlier one's by
+    one (workers may still plan the last batches of an epoch once the next was added)."""
+    from types import SimpleNamespace
+
+    from stoker.loading.render import EpochChain
+    from stoker.loading.route import Route
+
+    class Named:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def prepare(self, b: int, slot: object, deferred: bool) -> SimpleNamespace:
+            return SimpleNamespace(b=b, filler=None)
+
+    chain = EpochChain(SimpleNamespace(columns=(), multi_label=None, route=Route()))
+    fillers = {name: Named(name) for name in "abc"}
+    chain.add(fillers["a"], 0)
+    assert chain.prepare(3, None).filler is fillers["a"]
+    chain.add(fillers["b"], 5)
+    chain.add(fillers["c"], 9)
+    for g, name, b in [(0, "a", 0), (4, "a", 4), (5, "b", 0), (8, "b", 3), (9, "c", 0), (20, "c", 11), (2, "a", 2)]:
+        plan = chain.prepare(g, None)
+        assert plan.filler is fillers[name] and plan.b == b, g
+
+
+def test_a_batchs_positions_are_its_places_in_the_epoch() -> None:
+    """A batch's positions (a read-only slice of one count shared by every epoch, not an array per batch)
+    are those of its rows in the epoch's list: a resumed pass's, and the last, short batch's too."""
+    from stoker.loading.render import _counting
+
+    ds = MemoryDataset()
+    indices = np.array([4, 2, 0, 5, 1, 3])
+    for first, b, n, want in [(0, 0, 4, [0, 1, 2, 3]), (0, 1, 2, [4, 5]), (1, 1, 1, [5])]:
+        filler = Filler(spec(ds, [CenterCrop(20)], (20, 20)), ds, 0, indices, first)
+        slot, _ = render_batch(filler, b, n, (20, 20))
+        assert slot.plan.positions.tolist() == want and slot.plan.indices.tolist() == indices[want].tolist()
+        assert not slot.plan.positions.flags.writeable
+    assert _counting(3).tolist() == [0, 1, 2] and _counting(1_000)[-1] == 999

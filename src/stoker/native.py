@@ -75,8 +75,15 @@ def plan_gpu_rows(spans: np.ndarray, ids: np.ndarray, index: np.ndarray, heights
     written taken rows first (csrc/engine.c): `geo` (int64 [k, jobs.GEO_COLUMNS]), `box` (float64 [k, 4]),
     `at` (int64 [k, 2]: each row's bytes, back to back from 0) and `src` (int64 [k, 3]: its `spans` row).
     Returns (rows taken, their bytes). Only where `plans_rows()`."""
-    return _mod.plan_gpu_rows(spans, ids, index, heights, widths, stream, program, first, out_size[0], out_size[1],
-                              geo, box, at, src)
+    return _mod.plan_gpu_rows(spans, ids, index, heights, widths, stream, program, first, out_size, geo, box, at, src)
+
+
+if plans_rows():   # the C function itself (the same arguments): a worker's chunk makes one call here, not two
+    plan_gpu_rows = _mod.plan_gpu_rows  # noqa: F811
+
+
+#: the C gather (`gather_spans`), looked up once: a worker calls it for every chunk of GPU rows
+_gather = getattr(_mod, "gather_spans", None)
 
 
 def gather_spans(blocks: Sequence, spans: np.ndarray, out: np.ndarray, offsets: np.ndarray) -> int:
@@ -85,8 +92,8 @@ def gather_spans(blocks: Sequence, spans: np.ndarray, out: np.ndarray, offsets: 
     any stride) for
     every row whose block is not -1, in one call that releases the GIL for the copies (NumPy, one copy
     per row, where the native path is off). Returns the bytes copied."""
-    if ON and hasattr(_mod, "gather_spans"):
-        return _mod.gather_spans(blocks, spans, out, offsets)
+    if ON and _gather is not None:
+        return _gather(blocks, spans, out, offsets)
     total = 0
     for (block, lo, hi), at in zip(spans.tolist(), offsets.tolist()):
         if block >= 0:

@@ -11,6 +11,7 @@ shards are fetched whole into the local shard cache when (or, with a plan, befor
 from __future__ import annotations
 
 import bisect
+import os
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -75,12 +76,27 @@ class PackedDataset(Dataset):
             self._starts.append(self._starts[-1] + b.batch.num_rows)
         self._n = self._starts.pop()
         self._shards = shards
+        self._paths = {s.info.file: storage.stat_path(s.info.file) for s in shards}
         # each shard's storage identity (file, size) when it was mapped: see _guard
         self._identities = {s.info.file: s.identity for s in shards}
+        self._one_shard = len(shards) == 1
         self._cache: dict[str, np.ndarray] = {}
         self._spans: tuple | None = None  # `_spans_table`, made on first use
         self._lock = threading.Lock()
         self._closed = False
+
+    @property
+    def _identities(self) -> dict[str, tuple[int, ...]]:
+        """Each shard's storage identity when it was mapped, which `_guard` expects to find (a worker
+        process is handed its parent's: `loading.proc_child`)."""
+        return self._expected
+
+    @_identities.setter
+    def _identities(self, identities: dict[str, tuple[int, ...]]) -> None:
+        # each shard's check as `_check` makes it (name, stat path, identity expected), by shard number
+        self._expected = identities
+        self._checks = [(name, path, identities.get(name)) for name, path in self._paths.items()]
+        self._numbers = {name: (k,) for k, name in enumerate(self._paths)}
 
     def __len__(self) -> int:
         return self._n
@@ -101,9 +117,28 @@ class PackedDataset(Dataset):
         page past its new end; Python cannot catch that. One stat (about 2 us) before each read
         turns it into a ShardError naming the shard. A file that shrinks while a sample from it is
         being decoded can still crash the process: see docs/reliability.md."""
-        expected = self._identities.get(shard)
-        if expected is None:
-            return
+        self._check(self._numbers.get(shard, ()))
+
+    def _check(self, shards: Sequence[int]) -> None:
+        """`_guard` for each of the shards numbered `shards`, in that order: one stat each where the
+        storage's identity is a stat's (`StorageBackend.stat_path`), its own `identity` call elsewhere."""
+        checks = self._checks
+        for k in shards:
+            name, path, expected = checks[k]
+            if expected is None:
+                continue
+            if path is not None:
+                try:
+                    st = os.stat(path)
+                except OSError:
+                    st = None   # named by `_refuse`
+                if st is not None and (st.st_dev, st.st_ino, st.st_size) == expected:
+                    continue
+            self._refuse(name, expected)
+
+    def _refuse(self, shard: str, expected: tuple[int, ...]) -> None:
+        """The ShardError for a shard whose storage identity is no longer `expected` (deleted, replaced,
+        resized), or nothing when it is after all."""
         try:
             found = self.storage.identity(shard)
         except FileNotFoundError:
@@ -136,15 +171,15 @@ class PackedDataset(Dataset):
 
     def pixel_spans(self, indices: np.ndarray) -> tuple[Sequence[Any], np.ndarray, np.ndarray]:
         """:meth:`Dataset.pixel_spans`: `jpeg_spans` with the rows of stored raw pixels too (`kinds`)."""
-        table, datas, block_shard, names, _, kind = self._spans_table()
-        idx = np.asarray(indices, np.int64)
+        table, datas, block_shard, names, _, kind = self._spans or self._spans_table()
+        # the callers' int64 rows as they are (one call fewer per chunk)
+        idx = indices if type(indices) is np.ndarray and indices.dtype == np.int64 else np.asarray(indices, np.int64)
         spans = table[idx]
-        if len(names) == 1:
-            self._guard(names[0])
+        if self._one_shard:
+            self._check((0,))
         else:
             blk = spans[:, 0]
-            for k in sorted(set(block_shard[blk[blk >= 0]].tolist())):   # each shard once, in order
-                self._guard(names[k])
+            self._check(sorted(set(block_shard[blk[blk >= 0]].tolist())))   # each shard once, in order
         return datas, spans, kind[idx]
 
     def _spans_table(self) -> tuple[np.ndarray, list[np.ndarray], np.ndarray, list[str], bool, np.ndarray]:
@@ -163,12 +198,14 @@ class PackedDataset(Dataset):
                 kinds = np.full(self._n, OTHER_ROW, np.uint8)
                 names = [s.info.file for s in self._shards]
                 number = {name: k for k, name in enumerate(names)}
+                codes = {"jpeg": JPEG_ROW, "raw": RAW_ROW}
                 for k, (b, start) in enumerate(zip(self._blocks, self._starts)):
-                    end = start + len(b.img_offsets) - 1
-                    for enc, code in (("jpeg", JPEG_ROW), ("raw", RAW_ROW)):
-                        if enc in b.enc_names:
-                            kinds[start:end][b.enc_codes == b.enc_names.index(enc)] = code
-                    table[start:end, 0] = np.where(kinds[start:end] != OTHER_ROW, k, -1)
+                    end = start + b.img_offsets.shape[0] - 1
+                    for j, enc in enumerate(b.enc_names):
+                        if enc in codes:
+                            kinds[start:end][b.enc_codes == j] = codes[enc]
+                    table[start:end, 0] = k
+                    table[start:end, 0][kinds[start:end] == OTHER_ROW] = -1
                     table[start:end, 1] = b.img_offsets[:-1]
                     table[start:end, 2] = b.img_offsets[1:]
                 table.flags.writeable = kinds.flags.writeable = False

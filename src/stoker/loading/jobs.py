@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import native
+from ..dataset import JPEG_ROW
 from .._torch import torch
 from ..transforms.geometry import CropWindow
 
@@ -91,14 +92,16 @@ class PlannedJob(GpuJob):
 #: (y0, y1, x0, x1) and target (y0, y1, x0, x1), padded, planned (the window is known), dataset index
 ROW, FLIP, HEIGHT, WIDTH, SRC, DST, PADDED, PLANNED, INDEX = 0, 1, 2, 3, slice(4, 8), slice(8, 12), 12, 13, 14
 GEO_COLUMNS = 15
+_OUT_COLUMNS = GEO_COLUMNS + 4 + 2 + 3   # int64 words per row that `gpu_rows` plans: geo, box, at, src
 
 
 @dataclass(eq=False)
 class GpuRows:
     """A chunk of a batch's GPU rows, prepared by a worker thread in one call (`render.Filler.queue_gpu_rows`):
     the rows' JPEGs back to back in `data` (the slot's staging buffer where they fit, else one private
-    buffer) at `spans`, and each row's crop plan and window as columns (`geo`, `box`). The device side
-    decodes it as columns (`batch`); a `GpuJob` is made only for a row that needs one (`GpuBatch.job`)."""
+    buffer) at `spans`, and each row's crop plan and window as columns (`geo`, `box`), in row order (never
+    empty). The device side decodes it as columns (`batch`); a `GpuJob` is made only for a row that needs
+    one (`GpuBatch.job`)."""
 
     data: torch.Tensor  # 1-D uint8: holds the rows' JPEG bytes
     spans: np.ndarray  # int64 [k, 2]: row i's bytes are data[spans[i, 0]:spans[i, 1]]
@@ -108,7 +111,7 @@ class GpuRows:
 
     def batch(self) -> "GpuBatch":
         """The chunk as columns (no per-row object)."""
-        k = len(self.geo)
+        k = self.geo.shape[0]
         return GpuBatch(self.geo, self.box, self.data, self.spans, [None] * k, [self.dataset] * k)
 
 
@@ -189,7 +192,9 @@ class GpuBatch:
 
     def take(self, sel: Any) -> "GpuBatch":
         """The rows `sel` (a slice, or int64 positions), in that order."""
-        if isinstance(sel, slice):
+        if type(sel) is slice:
+            if not sel.start and sel.step is None and (sel.stop is None or sel.stop >= self.rows.shape[0]):
+                return self   # every row (a batch decoded as one chunk): the same columns
             rows = self.spans[sel] if self.data is not None else self._datas[sel]
             return GpuBatch(self.geo[sel], self.box[sel], self.data, rows, self._jobs[sel], self._datasets[sel])
         order = sel.tolist()
@@ -208,7 +213,7 @@ class GpuBatch:
                         self._jobs, self._datasets)
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return self.rows.shape[0]
 
     def __iter__(self) -> Any:
         return iter([self.job(i) for i in range(len(self.rows))])
@@ -231,8 +236,16 @@ _ALL = np.logical_and.reduce
 
 def plan_columns(plan: Any, n: int) -> GpuBatch:
     """The GPU rows among a batch plan's first `n` rows (`render.BatchPlan.gpu_rows`, one `GpuRows` per
-    chunk the workers prepared) as columns, in row order."""
-    parts = [chunk.batch() for chunk in plan.gpu_rows]
+    chunk the workers prepared) as columns, in row order. A batch of one chunk (decode="gpu": one claim
+    per batch) is its columns as they are: a chunk's rows are in row order (`gpu_rows`)."""
+    chunks = plan.gpu_rows
+    if len(chunks) == 1 and type(chunks[0]) is GpuRows:
+        only = chunks[0]
+        geo = only.geo
+        k = geo.shape[0]
+        if k and geo[k - 1, ROW] < n:   # `only.batch()`, one call fewer
+            return GpuBatch(geo, only.box, only.data, only.spans, [None] * k, [only.dataset] * k)
+    parts = [chunk.batch() for chunk in chunks]
     if not parts:
         return GpuBatch.of_jobs([])
     batch = GpuBatch.join(parts)
@@ -313,13 +326,18 @@ def gpu_rows(dataset: Any, plan: Any, r0: int, r1: int, staging: JpegStaging | N
     is taken) and the rows it left, which are the caller's, one at a time (all of them when a shard
     fails its check: each row's own read reports it)."""
     idx = plan.indices[r0:r1]
-    try:
-        blocks, spans = dataset.jpeg_spans(idx)
+    try:   # `dataset.jpeg_spans(idx)`, one call fewer: the rows that are not JPEGs left here
+        blocks, spans, kinds = dataset.pixel_spans(idx)
     except Exception:  # noqa: BLE001 - a shard that fails its check: each row's own read reports it
         return None, list(range(r0, r1))
-    k = len(spans)
-    geo, box = np.empty((k, GEO_COLUMNS), np.int64), np.empty((k, 4))
-    at, src = np.empty((k, 2), np.int64), np.empty((k, 3), np.int64)
+    spans[kinds != JPEG_ROW, 0] = -1
+    k = spans.shape[0]
+    # one allocation for the four outputs, each a C-contiguous part of it: geo, box (float64), at, src
+    words = np.empty(k * _OUT_COLUMNS, np.int64)
+    geo = np.ndarray((k, GEO_COLUMNS), np.int64, words)
+    box = np.ndarray((k, 4), np.float64, words, k * GEO_COLUMNS * 8)
+    at = np.ndarray((k, 2), np.int64, words, k * (GEO_COLUMNS + 4) * 8)
+    src = np.ndarray((k, 3), np.int64, words, k * (GEO_COLUMNS + 6) * 8)
     if planner is not None:
         n, total = native.plan_gpu_rows(spans, plan.positions[r0:r1] if planner.by_position else idx, idx,
                                         heights, widths, planner.stream, planner.program, r0, out_size, geo, box,

@@ -33,7 +33,7 @@ import numpy as np
 from .. import codecs, native
 from ..errors import DatasetError, OutputError, SampleError, UserTransformError
 from .jobs import RowPlanner, gpu_rows
-from .kinds import IMAGES, SampleKind
+from .kinds import IMAGES, ImageKind, SampleKind
 from .labels import MultiLabel
 from .route import Route
 from ..order import TAG_CAPTION, TAG_DRAW, TAG_SAMPLE, replacement_index, sample_keys, stream_key, uniforms
@@ -181,6 +181,10 @@ class Filler:
         self.targets = {t.column: t for t in spec.target_kinds()}
         self.full_size = spec.decode_quality == "exact"
         self.kind = spec.kind  # what a row holds: an image, or a clip planned on its own (kinds.SampleKind)
+        # whether the kind adds columns to a batch (an image adds none: `prepare` then does not ask)
+        self.kind_extras = type(spec.kind).extras is not ImageKind.extras
+        # each position of the epoch's list, read-only: a batch's positions are a slice of it, not a new array
+        self.positions = _counting(len(self.indices) + spec.batch_size)
         # aspect buckets: the stored sizes as floats, once, for each batch's conditioning (`Bucketed.extras`)
         self.float_sizes = (None if spec.buckets is None else
                              (spec.heights.astype(np.float64), spec.widths.astype(np.float64)))
@@ -209,7 +213,7 @@ class Filler:
         each row itself (engine.py), and so does the native planner the GPU's rows (`jobs.RowPlanner`);
         the plan's draws and geometry wait for `complete`, which a row on the Python path asks for."""
         lo = self.first + b * self.batch_size
-        positions = np.arange(lo, lo + slot.size)
+        positions = self.positions[lo:lo + slot.size]
         idx = self.indices[lo:lo + slot.size]
         captions = None
         if self.spec.captions is not None and self.on_error == "skip":   # a sample without text: a stand-in's
@@ -224,7 +228,8 @@ class Filler:
                            else [self.ds.extra(int(i), c) for i in idx])   # the captions read once, by `captioned`
                        for c in (*self.columns, *(c for c in self.targets if c not in self.columns))
                        } if self.columns or self.targets else {}
-        slot.extras.update(self.kind.extras(idx, positions))   # a clip's video and clip number, say
+        if self.kind_extras:
+            slot.extras.update(self.kind.extras(idx, positions))   # a clip's video and clip number, say
         if self.spec.captions is not None:   # one caption per sample: of several, this epoch's
             column = self.spec.captions
             slot.extras[column] = captions if captions is not None else choose_captions(
@@ -582,16 +587,20 @@ class EpochChain:
         route = spec.route
         self.deferred = route.native or (route.gpu_decode and route.share == 1.0 and route.program is not None)
         self.firsts: list[int] = []  # run batch index of each Filler's first batch, increasing
+        self.latest: tuple[int, Filler | None] = (0, None)  # the last one added: (its first batch, it)
 
     def add(self, filler: Filler, first: int) -> None:
         """Batches from run batch `first` on belong to `filler` (call under the run's lock)."""
         self.fillers.append(filler)
         self.firsts.append(first)
+        self.latest = (first, filler)
 
     def prepare(self, g: int, slot: Slot) -> BatchPlan:
-        k = bisect.bisect_right(self.firsts, g) - 1
-        filler = self.fillers[k]
-        plan = filler.prepare(g - self.firsts[k], slot, self.deferred)
+        first, filler = self.latest   # almost every batch is the latest epoch's: no search
+        if g < first:
+            k = bisect.bisect_right(self.firsts, g) - 1
+            first, filler = self.firsts[k], self.fillers[k]
+        plan = filler.prepare(g - first, slot, self.deferred)
         plan.filler = filler
         return plan
 
@@ -608,6 +617,8 @@ class EpochChain:
     @staticmethod
     def fill_split(plan: BatchPlan, r0: int, r1: int, slot: Slot, scratch: dict, times: WorkerTimes
                    ) -> list[tuple[int, BaseException]]:
+        if plan.gpu_from <= r0:   # `Filler.fill_split`'s first case, one call fewer (decode="gpu": every batch)
+            return plan.filler.queue_gpu_rows(plan, r0, r1, slot, scratch, times)
         return plan.filler.fill_split(plan, r0, r1, slot, scratch, times)
 
 
@@ -646,6 +657,21 @@ def one_caption(value: Any, draw: float) -> str | None:
     if isinstance(options, list) and options and all(isinstance(o, str) for o in options):
         return options[min(int(draw * len(options)), len(options) - 1)]
     return None
+
+
+_COUNT = np.arange(0)
+
+
+def _counting(n: int) -> np.ndarray:
+    """0, 1, ..., n - 1 (int64, read-only): a view of one array shared by every epoch's `Filler`, grown
+    to the longest epoch asked for."""
+    global _COUNT
+    count = _COUNT
+    if len(count) < n:
+        count = np.arange(n)
+        count.flags.writeable = False
+        _COUNT = count
+    return count[:n]
 
 
 def _row_box(geometry: Plan | None, row: int) -> tuple | None:

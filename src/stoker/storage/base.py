@@ -93,6 +93,12 @@ class StorageBackend(abc.ABC):
         """A value that changes when the file served for ``name`` is replaced or resized (the
         reader checks it before touching a mapping; a shrunk mapping is SIGBUS, not an error)."""
 
+    def stat_path(self, name: str) -> str | None:
+        """A local path whose ``os.stat`` gives ``identity(name)`` as ``(st_dev, st_ino, st_size)``, or
+        None where the identity is something else. The reader checks a shard once per batch of the GPU's
+        or the native engine's rows: with the path at hand that check is one ``stat``."""
+        return None
+
     @abc.abstractmethod
     def makedirs(self) -> None:
         """Create the dataset directory (and parents) if missing."""

@@ -196,7 +196,6 @@ class LocalStorage(StorageBackend):
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).expanduser().absolute()
         self.location = str(self.root)
-        self._stat_paths: dict[str, str] = {}
 
     def __repr__(self) -> str:
         return f"LocalStorage({str(self.root)!r})"
@@ -241,12 +240,12 @@ class LocalStorage(StorageBackend):
         return path
 
     def identity(self, name: str) -> tuple[int, ...]:
-        # called before every read of a mapped shard: the joined path is cached (about 1 us saved)
-        path = self._stat_paths.get(name)
-        if path is None:
-            path = self._stat_paths[name] = os.path.join(self.location, name)
-        st = os.stat(path)
+        st = os.stat(self.stat_path(name))
         return st.st_dev, st.st_ino, st.st_size
+
+    def stat_path(self, name: str) -> str:
+        # the reader keeps it per shard (`reader.PackedDataset`), so each check is one stat
+        return os.path.join(self.location, name)
 
     def makedirs(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
