@@ -111,17 +111,24 @@ def test_decoded_chunks_are_bounded_and_released_in_order(packed: Path) -> None:
     whole = [x.clone() for x, _ in loader]
     loader._passes.decoders.get(loader.device).budget_bytes = 3 * 150 * 200 * 2  # about two images a chunk
     peak = []
-    real = gpu_pipeline.DecodeThread._make_room
+    threads = []
+    start, decode = gpu_pipeline.DecodeThread.start, GpuBatchDecoder.decode_chunk
 
-    def room(self):
-        ok = real(self)
-        peak.append(len(self.live))
-        return ok
+    def started(self):
+        threads.append(self)
+        start(self)
+
+    def decoding(self, *args):   # the chunks live while the next one is decoded
+        peak.append(sum(c is not None for t in threads for c in t.live))
+        return decode(self, *args)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gpu_pipeline.DecodeThread, "_make_room", room)
+        mp.setattr(gpu_pipeline.DecodeThread, "start", started)
+        mp.setattr(GpuBatchDecoder, "decode_chunk", decoding)
+        before = len(dec.calls)
         chunked = [x.clone() for x, _ in loader]
-    assert len(dec.calls) > 3 * 3 + 3 and max(peak) < gpu_pipeline.RING
+    assert len(threads) == 1 and len(peak) == len(dec.calls) - before > 3 * 3
+    assert max(peak) == gpu_pipeline.RING - 1 and len(dec.calls) > 3 * 3 + 3
     assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
 
 
