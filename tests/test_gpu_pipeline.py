@@ -516,3 +516,85 @@ def test_the_split_reads_gpu_time_from_events_only_once_they_are_done() -> None:
     late.done = True
     PipelinedBuilder._gpu_times(fake)
     assert seen[1] == (20, pytest.approx(0.017)) and not fake.timings
+
+
+# ---- the decode thread's ring of chunks, alone --------------------------------------------------------------
+
+class _StubChunk:
+    rows = np.zeros(1, np.int64)
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+
+
+class _StubGpu:
+    """What `DecodeThread` calls of a `GpuBatchDecoder` and its decoder: a ticket's jobs are its chunks."""
+
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.decoder, self.entries = self, []
+
+    def use_entry(self, k: int) -> None:
+        self.entries.append(k)
+
+    def chunks(self, jobs: list) -> list:
+        return jobs
+
+    def decode_chunk(self, jobs: _StubChunk, out_h: int, out_w: int) -> tuple:
+        if jobs.fail:
+            raise ValueError("this chunk cannot be decoded")
+        return jobs, []
+
+
+def _decode_thread(gpu: _StubGpu) -> Any:
+    from types import SimpleNamespace
+
+    from stoker.device.gpu_pipeline import DecodeThread
+
+    phases = SimpleNamespace(stats=SimpleNamespace(gpu_phases={"decode_s": 0.0, "reads_wait_s": 0.0}))
+    thread = DecodeThread(gpu, threading.Event(), 5.0, phases)
+    thread.start()
+    return thread
+
+
+def test_a_chunk_whose_decode_raised_takes_no_ring_entry() -> None:
+    """The decoder's output buffers of a ring entry are handed out again only once the chunk that held them
+    is released: a chunk whose decode raised held none, so the next chunk takes the same entry (not the
+    entry of a chunk still live, never released here)."""
+    from stoker.device.gpu_pipeline import _Ticket
+
+    gpu = _StubGpu()
+    decoder = _decode_thread(gpu)
+    try:
+        tickets = [_Ticket([_StubChunk(), _StubChunk()], 8, 8), _Ticket([_StubChunk(True), _StubChunk()], 8, 8),
+                   _Ticket([_StubChunk()], 8, 8)]
+        for t in tickets:
+            decoder.submit(t)
+        assert [decoder.next_chunk(tickets[0]) is not None for _ in range(3)] == [True, True, False]
+        with pytest.raises(ValueError, match="cannot be decoded"):
+            decoder.next_chunk(tickets[1])
+        chunk = decoder.next_chunk(tickets[2])
+        assert chunk is not None and chunk.last and decoder.next_chunk(tickets[2]) is None
+        assert gpu.entries == [0, 1, 2, 2] and decoder.count == 3
+        assert [c is not None for c in decoder.live] == [True, True, True]
+    finally:
+        decoder.stop_event.set()
+        decoder.join(5)
+    assert not decoder.thread.is_alive()
+
+
+def test_a_stop_seen_at_the_rings_release_ends_the_decode_thread_quietly() -> None:
+    """`wake` puts its marker in the queue of released chunks too: the decode thread, finding it where it
+    takes the oldest chunk's release, ends without an error for the batch (and decodes nothing more)."""
+    from stoker.device.gpu_pipeline import RING, _END, _Ticket
+
+    gpu = _StubGpu()
+    decoder = _decode_thread(gpu)
+    decoder.released.put(_END)
+    ticket = _Ticket([_StubChunk() for _ in range(RING + 2)], 8, 8)
+    decoder.submit(ticket)
+    decoder.thread.join(5)
+    assert not decoder.thread.is_alive() and decoder.count == RING
+    assert [ticket.out.get_nowait().last for _ in range(RING)] == [False] * RING and ticket.out.empty()
+    decoder.stop_event.set()

@@ -173,6 +173,8 @@ class DecodeThread:
                             oldest = released.get(False)
                         except queue.Empty:
                             oldest = None
+                        if oldest is _END:   # `wake`
+                            return
                         if oldest is None or (oldest.reads is not None and not oldest.reads.query()):
                             if (oldest := self._wait_reads(oldest)) is None:
                                 return
