@@ -20,6 +20,8 @@ failure, never raised, and the Loader decodes it on the CPU instead.
 from __future__ import annotations
 
 import contextlib
+from itertools import repeat
+from operator import attrgetter
 from typing import Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
@@ -32,6 +34,8 @@ from .gpu_backends import (AUTO, BACKENDS, NVIMGCODEC_CPU_THREADS, REMOVED, TORC
                            GpuDecoder, NvImageCodecDecoder, TorchCodecDecoder, _columns_each, _decode_each,
                            make_decoder)
 
+# what `decode_chunk` reads of each decoder result, to compare with what it expects in one `==`
+_RECORD = attrgetter("__class__", "dtype", "shape", "device")
 # tensors of any shapes joined into one 1-D tensor in one C call (each made dense first where it is not)
 _join_flat = getattr(torch._C._nn, "flatten_dense_tensors", None) or torch._utils._flatten_dense_tensors
 
@@ -377,13 +381,21 @@ class GpuBatchDecoder:
                 self.layout
         else:
             outs, layout = self._decode_list(chunk), "chw"
-        # one pass reading attributes only: an image of the shape expected, already on the device, is
-        # taken as it is; anything else goes through `_one` (checks, grayscale, moves) or fails
+        # attributes only: an image of the shape expected, already on the device, is taken as it is;
+        # anything else goes through `_one` (checks, grayscale, moves) or fails. As a rule every result is
+        # as expected: one comparison of the records, made in C (no Python per image), says so; otherwise
+        # one pass finds the others
         dev, u8, tensor = self.device, torch.uint8, torch.Tensor
         dims = hw[:, [0, 1, 1]] if layout == "hwc" else hw[:, [0, 0, 1]]
         dims[:, 2 if layout == "hwc" else 0] = 3
-        bad = [k for k, (o, want) in enumerate(zip(outs, map(tuple, dims.tolist())))
-               if not (o.__class__ is tensor and o.dtype == u8 and o.shape == want and o.device == dev)]
+        shapes = list(map(tuple, dims.tolist()))
+        try:
+            bad = list(map(_RECORD, outs)) != list(zip(repeat(tensor), repeat(u8), shapes, repeat(dev)))
+        except Exception:   # a result that is not a tensor (an exception for its image)
+            bad = True
+        if bad:
+            bad = [k for k, (o, want) in enumerate(zip(outs, shapes))
+                   if not (o.__class__ is tensor and o.dtype == u8 and o.shape == want and o.device == dev)]
         failures: list[tuple[GpuJob, Exception]] = []
         if bad:
             at = at.copy()
