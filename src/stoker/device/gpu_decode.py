@@ -182,7 +182,7 @@ def _params(cols: PlacedChunk, ch: int, cw: int, out_w: int, pinned: bool) -> to
 def resample_into(placed: "PlacedChunk | Sequence[_Placed]", out: torch.Tensor, crop_max: Any = None) -> None:
     """Crop, resize (torch's antialiased bilinear, `F.interpolate(antialias=True)`, which is plain
     bilinear where an axis grows), round, flip and store every sample of `placed` into its row of `out`
-    (uint8 [B, 3, H, W], any strides) in a fixed number of kernels and Python calls (12), never one per
+    (uint8 [B, 3, H, W], any strides) in a fixed number of kernels and Python calls (15), never one per
     sample or per axis: the samples' parameters (`_params`) uploaded in one copy; every crop row gathered
     from the flat buffer by one indexed read of a view of it as overlapping windows of the widest crop's
     width (rows past a crop's height read its rows again; columns past its width, whatever follows; their
@@ -390,12 +390,11 @@ class GpuBatchDecoder:
         dims[:, 2 if layout == "hwc" else 0] = 3
         shapes = list(map(tuple, dims.tolist()))
         try:
-            bad = list(map(_RECORD, outs)) != list(zip(repeat(tensor), repeat(u8), shapes, repeat(dev)))
+            fine = list(map(_RECORD, outs)) == list(zip(repeat(tensor), repeat(u8), shapes, repeat(dev)))
         except Exception:   # a result that is not a tensor (an exception for its image)
-            bad = True
-        if bad:
-            bad = [k for k, (o, want) in enumerate(zip(outs, shapes))
-                   if not (o.__class__ is tensor and o.dtype == u8 and o.shape == want and o.device == dev)]
+            fine = False
+        bad = [] if fine else [k for k, (o, want) in enumerate(zip(outs, shapes))
+                               if not (o.__class__ is tensor and o.dtype == u8 and o.shape == want and o.device == dev)]
         failures: list[tuple[GpuJob, Exception]] = []
         if bad:
             at = at.copy()
