@@ -692,10 +692,11 @@ def test_batched_resample_respects_its_budget_and_row_order() -> None:
     groups: list[tuple[int, int]] = []
     real = gpu_decode.resample_into
 
-    def spy(group, out):
+    def spy(group, out, crop_max=None):
         ch, cw = (group.src[:, 1::2] - group.src[:, ::2]).max(0)
+        assert crop_max is None or tuple(crop_max) == (ch, cw)
         groups.append((len(group), gpu_decode.working_set(len(group), ch, cw, 32, 32)))
-        real(group, out)
+        real(group, out, crop_max)
 
     budget = int(3 * gpu_decode.working_set(1, 300, 400, 32, 32))   # any crop of SIZES fits alone
     gpu = GpuBatchDecoder(CpuDecoder(), "cpu", resample_budget_bytes=budget)

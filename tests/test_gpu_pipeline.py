@@ -111,17 +111,24 @@ def test_decoded_chunks_are_bounded_and_released_in_order(packed: Path) -> None:
     whole = [x.clone() for x, _ in loader]
     loader._passes.decoders.get(loader.device).budget_bytes = 3 * 150 * 200 * 2  # about two images a chunk
     peak = []
-    real = gpu_pipeline.DecodeThread._make_room
+    threads = []
+    start, decode = gpu_pipeline.DecodeThread.start, GpuBatchDecoder.decode_chunk
 
-    def room(self):
-        ok = real(self)
-        peak.append(len(self.live))
-        return ok
+    def started(self):
+        threads.append(self)
+        start(self)
+
+    def decoding(self, *args):   # the chunks live while the next one is decoded
+        peak.append(sum(c is not None for t in threads for c in t.live))
+        return decode(self, *args)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gpu_pipeline.DecodeThread, "_make_room", room)
+        mp.setattr(gpu_pipeline.DecodeThread, "start", started)
+        mp.setattr(GpuBatchDecoder, "decode_chunk", decoding)
+        before = len(dec.calls)
         chunked = [x.clone() for x, _ in loader]
-    assert len(dec.calls) > 3 * 3 + 3 and max(peak) < gpu_pipeline.RING
+    assert len(threads) == 1 and len(peak) == len(dec.calls) - before > 3 * 3
+    assert max(peak) == gpu_pipeline.RING - 1 and len(dec.calls) > 3 * 3 + 3
     assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
 
 
@@ -519,3 +526,85 @@ def test_the_split_reads_gpu_time_from_events_only_once_they_are_done() -> None:
     late.done = True
     PipelinedBuilder._gpu_times(fake)
     assert seen[1] == (20, pytest.approx(0.017)) and not fake.timings
+
+
+# ---- the decode thread's ring of chunks, alone --------------------------------------------------------------
+
+class _StubChunk:
+    rows = np.zeros(1, np.int64)
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+
+
+class _StubGpu:
+    """What `DecodeThread` calls of a `GpuBatchDecoder` and its decoder: a ticket's jobs are its chunks."""
+
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.decoder, self.entries = self, []
+
+    def use_entry(self, k: int) -> None:
+        self.entries.append(k)
+
+    def chunks(self, jobs: list) -> list:
+        return jobs
+
+    def decode_chunk(self, jobs: _StubChunk, out_h: int, out_w: int) -> tuple:
+        if jobs.fail:
+            raise ValueError("this chunk cannot be decoded")
+        return jobs, []
+
+
+def _decode_thread(gpu: _StubGpu) -> Any:
+    from types import SimpleNamespace
+
+    from stoker.device.gpu_pipeline import DecodeThread
+
+    phases = SimpleNamespace(stats=SimpleNamespace(gpu_phases={"decode_s": 0.0, "reads_wait_s": 0.0}))
+    thread = DecodeThread(gpu, threading.Event(), 5.0, phases)
+    thread.start()
+    return thread
+
+
+def test_a_chunk_whose_decode_raised_takes_no_ring_entry() -> None:
+    """The decoder's output buffers of a ring entry are handed out again only once the chunk that held them
+    is released: a chunk whose decode raised held none, so the next chunk takes the same entry (not the
+    entry of a chunk still live, never released here)."""
+    from stoker.device.gpu_pipeline import _Ticket
+
+    gpu = _StubGpu()
+    decoder = _decode_thread(gpu)
+    try:
+        tickets = [_Ticket([_StubChunk(), _StubChunk()], 8, 8), _Ticket([_StubChunk(True), _StubChunk()], 8, 8),
+                   _Ticket([_StubChunk()], 8, 8)]
+        for t in tickets:
+            decoder.submit(t)
+        assert [decoder.next_chunk(tickets[0]) is not None for _ in range(3)] == [True, True, False]
+        with pytest.raises(ValueError, match="cannot be decoded"):
+            decoder.next_chunk(tickets[1])
+        chunk = decoder.next_chunk(tickets[2])
+        assert chunk is not None and chunk.last and decoder.next_chunk(tickets[2]) is None
+        assert gpu.entries == [0, 1, 2, 2] and decoder.count == 3
+        assert [c is not None for c in decoder.live] == [True, True, True]
+    finally:
+        decoder.stop_event.set()
+        decoder.join(5)
+    assert not decoder.thread.is_alive()
+
+
+def test_a_stop_seen_at_the_rings_release_ends_the_decode_thread_quietly() -> None:
+    """`wake` puts its marker in the queue of released chunks too: the decode thread, finding it where it
+    takes the oldest chunk's release, ends without an error for the batch (and decodes nothing more)."""
+    from stoker.device.gpu_pipeline import RING, _END, _Ticket
+
+    gpu = _StubGpu()
+    decoder = _decode_thread(gpu)
+    decoder.released.put(_END)
+    ticket = _Ticket([_StubChunk() for _ in range(RING + 2)], 8, 8)
+    decoder.submit(ticket)
+    decoder.thread.join(5)
+    assert not decoder.thread.is_alive() and decoder.count == RING
+    assert [ticket.out.get_nowait().last for _ in range(RING)] == [False] * RING and ticket.out.empty()
+    decoder.stop_event.set()

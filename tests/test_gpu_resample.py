@@ -152,3 +152,18 @@ def test_an_imagenet_batch_is_one_group_under_the_default_budget() -> None:
         crop = g.src[:, 1::2] - g.src[:, ::2]
         assert working_set(len(g), *crop.max(0), 224, 224) <= budget
         assert (np.diff(crop[:, 0]) >= 0).all()   # sorted by height
+
+
+def test_consecutive_rows_are_stored_as_rows_in_any_order_are() -> None:
+    """Rows that follow one another are stored through a slice of the output (converted as copied), rows
+    in any other order through one indexed store: the same pixels, bit for bit."""
+    placed = random_samples(np.random.default_rng(9), 10, 18, 22)
+    shifted = [p._replace(job=job(p.job.row + 3, p.job.flip, p.job.height, p.job.width)) for p in placed]
+    sliced = torch.full((16, 3, 18, 22), 9, dtype=torch.uint8)
+    resample_into(shifted, sliced)   # rows 3..12: the slice
+    order = [2, 0, 1] + list(range(3, 10))
+    indexed = torch.full_like(sliced, 9)
+    resample_into([shifted[i] for i in order], indexed)   # the same rows out of order: the indexed store
+    assert torch.equal(sliced, indexed)
+    assert bool((sliced[:3] == 9).all()) and bool((sliced[13:] == 9).all())
+    check_against_torch(sliced, shifted)

@@ -20,6 +20,8 @@ failure, never raised, and the Loader decodes it on the CPU instead.
 from __future__ import annotations
 
 import contextlib
+from itertools import repeat
+from operator import attrgetter
 from typing import Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
@@ -32,6 +34,8 @@ from .gpu_backends import (AUTO, BACKENDS, NVIMGCODEC_CPU_THREADS, REMOVED, TORC
                            GpuDecoder, NvImageCodecDecoder, TorchCodecDecoder, _columns_each, _decode_each,
                            make_decoder)
 
+# what `decode_chunk` reads of each decoder result, to compare with what it expects in one `==`
+_RECORD = attrgetter("__class__", "dtype", "shape", "device")
 # tensors of any shapes joined into one 1-D tensor in one C call (each made dense first where it is not)
 _join_flat = getattr(torch._C._nn, "flatten_dense_tensors", None) or torch._utils._flatten_dense_tensors
 
@@ -175,23 +179,25 @@ def _params(cols: PlacedChunk, ch: int, cw: int, out_w: int, pinned: bool) -> to
     return host
 
 
-def resample_into(placed: "PlacedChunk | Sequence[_Placed]", out: torch.Tensor) -> None:
+def resample_into(placed: "PlacedChunk | Sequence[_Placed]", out: torch.Tensor, crop_max: Any = None) -> None:
     """Crop, resize (torch's antialiased bilinear, `F.interpolate(antialias=True)`, which is plain
     bilinear where an axis grows), round, flip and store every sample of `placed` into its row of `out`
-    (uint8 [B, 3, H, W], any strides) in a fixed number of kernels and Python calls (16), never one per
+    (uint8 [B, 3, H, W], any strides) in a fixed number of kernels and Python calls (15), never one per
     sample or per axis: the samples' parameters (`_params`) uploaded in one copy; every crop row gathered
     from the flat buffer by one indexed read of a view of it as overlapping windows of the widest crop's
     width (rows past a crop's height read its rows again; columns past its width, whatever follows; their
     weights are zero); both axes' resampling matrices built together, with tensor operators, in place
     where they can be (no Python call, no temporary of their size); two batched matrix products; one
-    rounded store. Samples whose target window does not cover the output (padded CenterCrop) get zeros
-    around it, as on the CPU path; a flip is a mirrored target window. Its memory is `working_set`."""
+    rounded store (where the rows are consecutive, as a chunk's are, a copy into a slice of `out` that
+    converts as it copies). Samples whose target window does not cover the output (padded CenterCrop) get
+    zeros around it, as on the CPU path; a flip is a mirrored target window. Its memory is `working_set`.
+    `crop_max`: the largest crop's (height, width), where the caller has it (`resample_chunk`)."""
     cols = placed if type(placed) is PlacedChunk else PlacedChunk.of(placed)
     k = cols.src.shape[0]
     if not k:
         return
     dev, out_h, out_w = out.device, out.shape[2], out.shape[3]
-    ch, cw = np.maximum.reduce(cols.src[:, 1::2] - cols.src[:, ::2])
+    ch, cw = np.maximum.reduce(cols.src[:, 1::2] - cols.src[:, ::2]) if crop_max is None else crop_max
     g = _params(cols, ch, cw, out_w, dev.type == "cuda").to(dev, non_blocking=True)
     n_out, n_in = (out_h if out_h > out_w else out_w), (ch if ch > cw else cw)
     ar = torch.arange(n_out + n_in + 3, device=dev)   # every index below is under this
@@ -210,7 +216,11 @@ def resample_into(placed: "PlacedChunk | Sequence[_Placed]", out: torch.Tensor) 
     inside = (i >= p[_LO_OUT]) & (i < p[_HI_OUT])
     w *= inside / (total + ~inside)                   # normalized; rows outside the window zero (total 0 there)
     pixels = w[0, :, None, :out_h, :ch] @ windows[rows].float() @ w[1, :, None, :out_w, :cw].mT
-    out[gi[_ROW, :, 0, 0]] = pixels.round_().to(torch.uint8)
+    dest = cols.batch.rows
+    if True in (dest[1:] - dest[:-1] != 1):   # rows in any order: one indexed store
+        out[gi[_ROW, :, 0, 0]] = pixels.round_().to(torch.uint8)
+    else:   # consecutive rows (as a chunk's are): a slice of `out`, converted to uint8 as it is copied
+        out[int(dest[0]):int(dest[0]) + k].copy_(pixels.round_())
 
 
 class GpuBatchDecoder:
@@ -371,13 +381,20 @@ class GpuBatchDecoder:
                 self.layout
         else:
             outs, layout = self._decode_list(chunk), "chw"
-        # one pass reading attributes only: an image of the shape expected, already on the device, is
-        # taken as it is; anything else goes through `_one` (checks, grayscale, moves) or fails
+        # attributes only: an image of the shape expected, already on the device, is taken as it is;
+        # anything else goes through `_one` (checks, grayscale, moves) or fails. As a rule every result is
+        # as expected: one comparison of the records, made in C (no Python per image), says so; otherwise
+        # one pass finds the others
         dev, u8, tensor = self.device, torch.uint8, torch.Tensor
         dims = hw[:, [0, 1, 1]] if layout == "hwc" else hw[:, [0, 0, 1]]
         dims[:, 2 if layout == "hwc" else 0] = 3
-        bad = [k for k, (o, want) in enumerate(zip(outs, map(tuple, dims.tolist())))
-               if not (o.__class__ is tensor and o.dtype == u8 and o.shape == want and o.device == dev)]
+        shapes = list(map(tuple, dims.tolist()))
+        try:
+            fine = list(map(_RECORD, outs)) == list(zip(repeat(tensor), repeat(u8), shapes, repeat(dev)))
+        except Exception:   # a result that is not a tensor (an exception for its image)
+            fine = False
+        bad = [] if fine else [k for k, (o, want) in enumerate(zip(outs, shapes))
+                               if not (o.__class__ is tensor and o.dtype == u8 and o.shape == want and o.device == dev)]
         failures: list[tuple[GpuJob, Exception]] = []
         if bad:
             at = at.copy()
@@ -416,11 +433,22 @@ class GpuBatchDecoder:
     def resample_chunk(self, placed: "PlacedChunk | Sequence[_Placed]", out: torch.Tensor
                        ) -> list[tuple[GpuJob, Exception]]:
         """Crop, resize, flip and store a decoded chunk into `out` (on the current stream), in groups
-        under the budget; the samples of a group that fails (e.g. out of GPU memory) are returned."""
+        under the budget; the samples of a group that fails (e.g. out of GPU memory) are returned. A chunk
+        that fits is one group, resampled with the crop sizes found here (`groups` cuts the others)."""
+        cols = placed if type(placed) is PlacedChunk else PlacedChunk.of(placed)
+        k = cols.src.shape[0]
+        if not k:
+            return []
+        out_h, out_w = out.shape[2], out.shape[3]
+        crop_max = np.maximum.reduce(cols.src[:, 1::2] - cols.src[:, ::2])   # [2]: the largest crop's height, width
+        if working_set(k, crop_max[0], crop_max[1], out_h, out_w) <= self.resample_budget_bytes:
+            groups = [(cols, crop_max)]
+        else:
+            groups = [(group, None) for group in self.groups(cols, out_h, out_w)]
         failures: list[tuple[GpuJob, Exception]] = []
-        for group in self.groups(placed, out.shape[2], out.shape[3]):
+        for group, biggest in groups:
             try:
-                resample_into(group, out)
+                resample_into(group, out, biggest)
             except Exception as exc:  # e.g. out of GPU memory: these samples go to the CPU
                 failures.extend((job, self._failure(job, exc)) for job in group.jobs())
         return failures

@@ -29,7 +29,6 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 from .._system import join_at_exit
@@ -52,31 +51,36 @@ _POLL_S = 1.0
 LOG_EVERY = 100  # batches between two `stoker.gpu` log lines of the phase timers
 
 
-@dataclass(eq=False)
 class _Chunk:
-    """One decoded chunk: what the device thread resamples, and how the decode thread knows it is done."""
+    """One decoded chunk: what the device thread resamples, and how the decode thread knows it is done.
 
-    placed: Any
-    failures: list
+    Made by the decode thread without a constructor call (`_Chunk()`, then its fields set): one per chunk
+    on the hot path, so no Python `__init__`; the defaults below are class attributes."""
+
+    placed: Any = None
+    failures: Any = None
     decoded: Any = None  # CUDA event after the decode (None on the CPU)
     reads: Any = None  # CUDA event after the resample's reads, recorded by the device thread
     seconds: float = 0.0  # the decode call's host time
     images: int = 0
+    last: bool = False  # the last chunk of its ticket: no `_END` follows it
 
 
-_END = object()   # a ticket's last item: no more chunks for this batch
+_END = object()   # a ticket's last item when it has no chunks: no more chunks for this batch
 
 
 class _Ticket:
     """A batch's JPEG rows handed to the decode thread; its chunks come back in order through `out` (a
-    C-level queue: a wait for the next chunk is one call), then `_END`, or the exception that stopped it."""
+    C-level queue: a wait for the next chunk is one call), the last one marked `last` (or `_END` alone
+    for a batch without chunks), or the exception that stopped it."""
 
-    __slots__ = ("jobs", "out_h", "out_w", "out", "started")
+    __slots__ = ("jobs", "out_h", "out_w", "out", "started", "ended")
 
     def __init__(self, jobs: GpuBatch, out_h: int, out_w: int) -> None:
         self.jobs, self.out_h, self.out_w = jobs, out_h, out_w
         self.out: queue.SimpleQueue = queue.SimpleQueue()
         self.started: Any = None  # CUDA timing event on the decode stream before its first chunk (None on the CPU)
+        self.ended = False  # its last chunk was handed to the device thread (`next_chunk`'s, alone)
 
 
 class DecodeThread:
@@ -85,17 +89,23 @@ class DecodeThread:
     Its hand-offs are C-level queues (`queue.SimpleQueue`): tickets in (`todo`), each ticket's chunks
     out (`_Ticket.out`), and the chunks the device thread is done reading back (`released`, in decode
     order). A wait is then one call, however long it lasts, rather than a Condition's dozen; each wait
-    is bounded (`_POLL_S`, re-checking the stop flag), and `wake` unblocks every one with a stop."""
+    is bounded (`_POLL_S`, re-checking the stop flag), and `wake` unblocks every one with a stop.
+
+    The decoded chunks in flight are a ring of RING entries (`live`, None where free): chunk c takes
+    entry c % RING, and with it the decoder's output buffers of that entry (`use_entry`), once the chunk
+    that held it before, c - RING, is released, its reads done, and dropped. A chunk whose decode raised
+    takes no entry: `count` is the chunks decoded."""
 
     def __init__(self, gpu: Any, stop: threading.Event, timeout: float, phases: "Phases") -> None:
         self.gpu, self.stop_event, self.timeout, self.phases = gpu, stop, timeout, phases
         self.cuda = gpu.device.type == "cuda"
         self.todo: queue.SimpleQueue = queue.SimpleQueue()
         self.released: queue.SimpleQueue = queue.SimpleQueue()
-        self.live: deque[_Chunk] = deque()  # decoded chunks not yet dropped, oldest first (this thread's)
+        self.live: list[_Chunk | None] = [None] * RING  # decoded chunks not yet dropped, by ring entry (this thread's)
         self.count = 0  # chunks decoded
         self.calling_since: float | None = None  # monotonic time the decoder call in progress began
         self.waiting: _Ticket | None = None  # the ticket the device thread reads chunks of (`wake` ends its wait)
+        self._use_entry = getattr(gpu.decoder, "use_entry", None)  # `GpuDecoder`'s ring of outputs, if it has one
         self.thread = threading.Thread(target=self._work, name="stoker-decode", daemon=True)
 
     def start(self) -> None:
@@ -127,68 +137,99 @@ class DecodeThread:
             torch.cuda.set_device(self.gpu.device.index)
             stream = self.gpu.decode_stream()
             torch.cuda.set_stream(stream)   # this thread queues its work on the decode stream only
-        while (ticket := self._get(self.todo)) is not None:
+        self._loop(stream)
+
+    def _loop(self, stream: Any) -> None:
+        """Decode each ticket's chunks, each into the next ring entry, until stopped. A chunk is a fixed
+        number of calls in steady state: the release of its entry's previous chunk (already queued, its
+        reads done: one call, not timed), the decoder call between two clock reads (the first is also
+        `calling_since`), the hand-off. `decode_s` and `reads_wait_s` are added to the stats' phase
+        totals directly: this thread is their only writer (`Phases.add`)."""
+        gpu, todo, released, live = self.gpu, self.todo, self.released, self.live
+        totals, use_entry, stop = self.phases.stats.gpu_phases, self._use_entry, self.stop_event
+        while True:
             try:
-                if stream is not None and len(ticket.jobs):   # the split's GPU time (`PipelinedBuilder._gpu_times`)
+                ticket = todo.get(timeout=_POLL_S)
+            except queue.Empty:
+                if stop.is_set():
+                    return
+                continue
+            if ticket is _END:   # `wake`
+                return
+            out = ticket.out
+            try:
+                if stream is not None and ticket.jobs.rows.shape[0]:   # the split's GPU time (`_gpu_times`)
                     ticket.started = torch.cuda.Event(enable_timing=True)
                     ticket.started.record(stream)
-                for jobs in self.gpu.chunks(ticket.jobs):
-                    if not self._make_room():
-                        return
-                    chunk = self._decode(jobs, ticket, stream)
-                    self.live.append(chunk)
-                    ticket.out.put(chunk)
-                ticket.out.put(_END)
+                chunks = gpu.chunks(ticket.jobs)
+                if not chunks:
+                    out.put(_END)
+                    continue
+                last = chunks[-1]
+                for jobs in chunks:
+                    k = self.count % RING
+                    if self.count >= RING:   # entry k's previous chunk: released and read (as a rule) or waited for
+                        try:
+                            oldest = released.get(False)
+                        except queue.Empty:
+                            oldest = None
+                        if oldest is _END:   # `wake`
+                            return
+                        if oldest is None or (oldest.reads is not None and not oldest.reads.query()):
+                            if (oldest := self._wait_reads(oldest)) is None:
+                                return
+                        live[k] = None
+                        oldest.placed = oldest.failures = None  # its images are free (or reusable by the decoder) now
+                    if use_entry is not None:   # a decoder reusing its outputs: this chunk takes those of entry k
+                        use_entry(k)
+                    self.calling_since = t0 = time.monotonic()
+                    try:
+                        placed, failures = gpu.decode_chunk(jobs, ticket.out_h, ticket.out_w)
+                        event = None
+                        if stream is not None:
+                            event = torch.cuda.Event(enable_timing=True)
+                            event.record(stream)
+                    finally:
+                        self.calling_since = None
+                    chunk = _Chunk()
+                    chunk.seconds = time.monotonic() - t0
+                    totals["decode_s"] += chunk.seconds
+                    chunk.placed, chunk.failures, chunk.decoded = placed, failures, event
+                    chunk.images, chunk.last = jobs.rows.shape[0], jobs is last
+                    live[k] = chunk
+                    self.count += 1
+                    out.put(chunk)
             except BaseException as exc:  # reaches the consumer through the device thread, in order
-                ticket.out.put(exc)
+                out.put(exc)
 
-    def _make_room(self) -> bool:
-        """Wait until fewer than RING chunks are live: the oldest released by the device thread, its
-        reads done (an event two chunks old), then dropped. False when stopped first."""
-        live = self.live
-        while len(live) >= RING:
-            t0 = time.perf_counter()
-            oldest = self._get(self.released)
-            if oldest is None:
-                return False
-            if oldest.reads is not None:
-                oldest.reads.synchronize()
-            self.phases.add("reads_wait_s", time.perf_counter() - t0)
-            live.popleft()
-            oldest.placed = oldest.failures = None  # its images are free (or reusable by the decoder) now
-        return True
-
-    def _decode(self, jobs: GpuBatch, ticket: _Ticket, stream: Any) -> _Chunk:
-        use_entry = getattr(self.gpu.decoder, "use_entry", None)
-        if use_entry is not None:  # a decoder reusing its outputs: this chunk takes those of chunk k - RING
-            use_entry(self.count % RING)
-        self.count += 1
-        self.calling_since = t0 = time.monotonic()
-        try:
-            placed, failures = self.gpu.decode_chunk(jobs, ticket.out_h, ticket.out_w)
-            event = None
-            if stream is not None:
-                event = torch.cuda.Event(enable_timing=True)
-                event.record(stream)
-        finally:
-            self.calling_since = None
-        seconds = time.monotonic() - t0
-        self.phases.add("decode_s", seconds)
-        return _Chunk(placed, failures, event, seconds=seconds, images=len(jobs))
+    def _wait_reads(self, oldest: _Chunk | None) -> _Chunk | None:
+        """The chunk to drop next (`oldest`, or the next released, None when stopped first) once its reads
+        are done: waited for, bounded and stop-aware, and timed (reads_wait_s)."""
+        t0 = time.monotonic()
+        if oldest is None and (oldest := self._get(self.released)) is None:
+            return None
+        if oldest.reads is not None:
+            oldest.reads.synchronize()
+        self.phases.stats.gpu_phases["reads_wait_s"] += time.monotonic() - t0
+        return oldest
 
     def next_chunk(self, ticket: _Ticket) -> _Chunk | None:
         """The next chunk of `ticket` once decoded (None after its last), waiting bounded and stop-aware;
-        raises what the decode thread raised for this batch."""
+        raises what the decode thread raised for this batch. One call per chunk: the one after the last
+        is known without a wait."""
+        if ticket.ended:
+            return None
         self.waiting = ticket
         try:
             item = ticket.out.get(timeout=_POLL_S)   # the common case: one call
         except queue.Empty:
             item = self._wait_chunk(ticket)
+        if item.__class__ is _Chunk:
+            ticket.ended = item.last
+            return item
         if item is _END:
             return None
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        raise item
 
     def _wait_chunk(self, ticket: _Ticket) -> Any:
         deadline = time.monotonic() + self.timeout
