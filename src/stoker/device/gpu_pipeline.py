@@ -406,7 +406,10 @@ class PipelinedBuilder:
         failures: list = []
         decode_wait, resample, decode_s = 0.0, 0.0, 0.0
         last_decoded = res_start = None
-        while (chunk := decoder.next_chunk(ticket)) is not None:
+        chunk = None
+        while chunk is None or not chunk.last:   # a batch's last chunk says so: no call to learn it ended
+            if (chunk := decoder.next_chunk(ticket)) is None:   # a batch with no GPU row
+                break
             t1 = time.perf_counter()
             decode_wait += t1 - t0
             if chunk.decoded is not None:
