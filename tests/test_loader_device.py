@@ -276,6 +276,37 @@ def test_the_device_memory_the_loader_holds_is_in_its_stats(packed: Path) -> Non
     assert loader.stats.device_bytes == 0 and loader.stats.device_peak_bytes == 3 * per_batch + upload
 
 
+def test_the_gpu_decode_path_counts_its_device_memory_like_the_storages(packed: Path) -> None:
+    """The pipelined GPU decode measures a batch from its storages, then a batch like it (same shapes and
+    dtypes, fresh tensors) by the same bytes with no call: the figures match the storages' all the way,
+    and the peak adds the ring buffer the batch was resampled into."""
+    loader = Loader(packed, 10, transforms=TRAIN, seed=1, workers=Workers(num_threads=2, prefetch=2),
+                    device=DeviceOptions("cpu", normalize="imagenet", decode="gpu", gpu_decoder=CpuJpegDecoder()))
+    it = iter(loader)
+    x0, y0 = next(it)
+    per_batch = x0.untyped_storage().nbytes() + y0.untyped_storage().nbytes()
+    assert per_batch == 10 * 3 * 32 * 32 * 4 + 10 * 8
+    assert wait_for(lambda: loader.stats.device_bytes == 3 * per_batch), loader.stats.device_bytes
+    assert loader.stats.device_peak_bytes == 3 * per_batch + 10 * 32 * 32 * 3   # and a uint8 ring buffer
+    held = []
+    for x, y in it:
+        assert x.untyped_storage().nbytes() + y.untyped_storage().nbytes() == per_batch
+        held.append(loader.stats.device_bytes)
+    assert loader.stats.device_bytes == 0 and max(held) <= 3 * per_batch and held[-1] == 0
+    loader.close()
+
+
+def test_a_gpu_decode_batch_that_is_its_ring_buffer_is_never_overwritten(packed: Path) -> None:
+    """uint8 channels_last output is the ring buffer the batch was resampled into, viewed as NCHW: that
+    buffer leaves the ring, so batches the caller keeps stay as they were handed out."""
+    opts = DeviceOptions("cpu", memory_format="channels_last", decode="gpu", gpu_decoder=CpuJpegDecoder())
+    kept = list(Loader(packed, 10, transforms=TRAIN, seed=4, device=opts, workers=2))
+    cloned = [(x.clone(), y.clone()) for x, y in Loader(packed, 10, transforms=TRAIN, seed=4, device=opts, workers=2)]
+    assert len(kept) == len(cloned) == 6
+    assert len({x.untyped_storage().data_ptr() for x, _ in kept}) == 6   # six buffers: none reused
+    assert all(torch.equal(x, cx) and torch.equal(y, cy) for (x, y), (cx, cy) in zip(kept, cloned))
+
+
 # ---- decode="gpu" with a stand-in decoder -------------------------------------------------
 
 def test_gpu_decode_path_crops_like_the_cpu_path(packed: Path) -> None:

@@ -302,19 +302,21 @@ class Phases:
 
 
 class _Pending:
-    """A batch submitted to the decode thread, not yet finished; also the guard of its slot."""
+    """A batch submitted to the decode thread, not yet finished; also the guard of its slot. Made per batch
+    with no `__init__` call (`PipelinedBuilder.submit` sets `slot`, `x` (its ring buffer), `k` (the buffer's
+    place in the ring), `ticket` and `upload_s`)."""
 
     what = "the GPU decode of a batch"
-    __slots__ = ("slot", "x", "k", "ticket", "copied", "on_gpu", "upload_s", "submit_s")
-
-    def __init__(self, slot: Slot, x: torch.Tensor, k: int, ticket: _Ticket) -> None:
-        self.slot, self.x, self.k, self.ticket = slot, x, k, ticket
-        self.copied: Any = None   # the fence after the last copy from the slot, made when the batch is let go
-        # finished (or abandoned): the device thread writes nothing more from or into the slot. Until then only
-        # it can clear this guard, so while it waits for the next batch it need not poll it (`slots.Guard`);
-        # after, the slot waits for its copies, which are the GPU's
-        self.on_gpu = False
-        self.upload_s = self.submit_s = 0.0
+    slot: Slot
+    x: torch.Tensor
+    k: int
+    ticket: _Ticket
+    upload_s: float
+    copied: Any = None   # the fence after the last copy from the slot, made when the batch is let go
+    # finished (or abandoned): the device thread writes nothing more from or into the slot. Until then only it
+    # can clear this guard, so while it waits for the next batch it need not poll it (`slots.Guard`); after,
+    # the slot waits for its copies, which are the GPU's
+    on_gpu = False
 
     def let_go(self, fence: Any) -> None:
         """The batch is finished or abandoned; `fence` (on the copy stream, after everything this thread
@@ -347,6 +349,7 @@ class PipelinedBuilder:
         self.batches = 0
         # the last batch built, the device bytes it holds and those of its build's working buffer (`measure`)
         self._held: tuple[Any, int, int] = (None, 0, 0)
+        self._kind: tuple | None = None   # the last batch measured from its storages, when another like it needs not be
 
     def start(self) -> None:
         self.decoder.start()
@@ -368,7 +371,12 @@ class PipelinedBuilder:
         n = slot.size
         jobs = plan_columns(slot.plan, n)   # the rows the workers left for the GPU, as columns in row order
         images = slot.images
-        x, k = self._buffer(images[:n].shape)
+        k = self.turn   # `_buffer`'s fast path, inlined: it runs per batch
+        x = self.buffers[k]
+        if x is None or x.shape[0] != n or x.shape[1:] != images.shape[1:]:
+            x, k = self._buffer((n, *images.shape[1:]))
+        else:
+            self.turn = k + 1 if k + 1 < RING else 0
         rows = jobs.rows
         g = rows.shape[0]
         if g == 0 or (rows[0] == n - g and rows[-1] == n - 1):   # the GPU's rows end the batch: one copy
@@ -376,15 +384,14 @@ class PipelinedBuilder:
                 x[:n - g].copy_(images[:n - g], non_blocking=True)
         else:
             self.base.upload_rows(slot, x, cpu_rows(n, jobs))
-        t1 = time.perf_counter()
         ticket = _Ticket(jobs, x.shape[1], x.shape[2])
         staging = slot.staging
         if staging is None or staging.overflow:
             self._stage_bytes(slot, jobs)
         self.decoder.todo.put(ticket)   # `DecodeThread.submit`
-        pending = _Pending(slot, x, k, ticket)
-        pending.upload_s = t1 - t0
-        pending.submit_s = time.perf_counter() - t0
+        pending = _Pending()
+        pending.slot, pending.x, pending.k, pending.ticket = slot, x, k, ticket
+        pending.upload_s = time.perf_counter() - t0   # the upload and the hand-off to the decode thread
         return pending
 
     def _stage_bytes(self, slot: Slot, jobs: GpuBatch) -> None:
@@ -427,7 +434,7 @@ class PipelinedBuilder:
             if stream is not None:
                 chunk.reads = torch.cuda.Event()
                 chunk.reads.record(stream)
-            decoder.release(chunk)
+            decoder.released.put(chunk)   # `DecodeThread.release`
             t0 = time.perf_counter()
             resample += t0 - t1
         # from here the clock of the last resample: the ticket's end follows its last chunk at once
@@ -436,7 +443,8 @@ class PipelinedBuilder:
             res_end = torch.cuda.Event(enable_timing=True)
             res_end.record(stream)
             events = (ticket.started, last_decoded, res_start, res_end)
-        labels, extras = self.base.host_items(slot)
+        base = self.base
+        labels, extras = base.host_items(slot) if slot.extras else (base._labels(slot), None)
         fallback = 0.0
         t3 = t0
         if failures:   # rendered on the Python path, and on_error="skip" may replace a sample, label and extras
@@ -455,19 +463,40 @@ class PipelinedBuilder:
         # CPU decode of the images it could not decode
         self._account(slot, ticket, failures, gpu_side=(decode_s if decode_s > resample else resample) + fallback,
                       events=events, fallback=fallback)
-        self.stats.device_s += pending.submit_s + t4 - t_finish - decode_wait
+        self.stats.device_s += pending.upload_s + t4 - t_finish - decode_wait
+        self._measure(batch, extras, k, working)
+        return batch, fence
+
+    def _measure(self, batch: tuple, extras: Any, k: int, working: dict[int, int]) -> None:
+        """The device bytes `batch` holds and those of ring buffer `k` (`working`) it does not (`measure`);
+        a batch that holds the buffer takes it out of the ring. Read from the storages, except for a batch
+        like the last one measured: images and labels of the same shapes and dtypes, both tensors of their
+        own (no view: fresh outputs, each the whole of its storage, as the first such batch showed), no
+        extras; then the same bytes, with no call."""
+        images, labels = batch[0], batch[1]
+        if (extras is None and labels.__class__ is torch.Tensor and images._base is None and labels._base is None
+                and images is not self.buffers[k]):
+            kind = (images.shape, images.dtype, images.device, labels.shape, labels.dtype, labels.device)
+            if kind == self._kind:
+                self._held = (batch, self._held[1], self._held[2])
+                return
+        else:
+            kind = None
         held = storages_on(batch, self.opts.device)
         extra = 0   # the working buffer's bytes the batch does not hold (the peak's)
         for ptr, n in working.items():
             if ptr in held:
                 self.buffers[k] = None  # handed out as it is: never reused
+                kind = None
             else:
                 extra += n
-        total = 0
-        for n in held.values():
-            total += n
+        total = sum(held.values())
+        device = self.opts.device
+        own = (images.nbytes if images.device == device else 0) + (labels.nbytes if labels.device == device else 0)
+        if total != own:
+            kind = None   # a tensor that is not the whole of its storage: measured every time
+        self._kind = kind
         self._held = (batch, total, extra)
-        return batch, fence
 
     def measure(self, batch: Any) -> tuple[int, int]:
         """`DeviceBuilder.measure`, from what `finish` found for the batch it built last."""
