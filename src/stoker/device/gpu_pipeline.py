@@ -589,7 +589,7 @@ class PipelinedFeeder(Feeder):
                     return
                 slot = run._next_batch(b)   # `next_batch` with no guard to set, and no Ctrl-C in this thread
                 last = pipe.submit(slot)   # on the copy stream: current since `_bound`
-                run.guard(b, last)
+                slot.guard, slot.guarded_at = last, time.monotonic()   # `run.guard(b, last)`: b's slot, handed out last
                 if prev is not None and not self._finish(prev):
                     return
                 prev, last = last, None

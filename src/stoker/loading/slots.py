@@ -259,13 +259,20 @@ class BatchRing:
         """Give the workers back every handed-out slot nothing references. The latest may still be
         the caller's loop variable and waits for the next call; an older one still referenced is
         kept by the caller: it is let go and a fresh slot takes its place. True if any came back."""
-        back, latest = False, len(self.out) - 1
+        out = self.out
+        if not out:
+            return False
+        back, latest = False, out[-1]
         keep: list[Slot] = []
-        for k, slot in enumerate(self.out):
-            if not slot.held():
+        for slot in out:
+            if slot.owner is None and _use_count is not None:   # `Slot.held`, inlined: it runs per batch
+                held = _use_count(slot.storage) > slot.uses
+            else:
+                held = slot.held()
+            if not held:
                 self.free.append(slot)
                 back = True
-            elif k == latest:
+            elif slot is latest:
                 keep.append(slot)
             else:
                 self._let_go(slot)
@@ -381,6 +388,8 @@ class Run(HandOut):
         # first claim of each batch: a claim is `chunk` rows (the last of a batch may be fewer)
         self._starts = list(itertools.accumulate((-(-n // self.chunk) for n in self.batch_sizes), initial=0))
         self.total = self._starts[-1]
+        # every batch one claim (claims as large as a batch): claim p is batch p (`_claim`, no search)
+        self._whole = self.total == len(self.batch_sizes)
         # open_ended: batches may be appended (`extend`, the next epoch of a persistent Loader); workers
         # that run out wait for them (stop-aware) instead of exiting
         self.open_ended = open_ended
@@ -427,6 +436,7 @@ class Run(HandOut):
                     self.batch_sizes.append(size)
                     self._starts.append(self._starts[-1] + -(-size // self.chunk))  # claims of `chunk` rows
                 self.total = self._starts[-1]
+                self._whole = self.total == len(self.batch_sizes)
             self.cond.notify_all()
 
     def _claim(self) -> tuple[int, int, int] | None:
@@ -443,6 +453,8 @@ class Run(HandOut):
                     self.cond.wait(_POLL_S)
                 if p >= self.total:
                     return None
+        if self._whole:   # one claim per batch: claim p is batch p, all of it
+            return p, 0, self.batch_sizes[p]
         # `_starts` only grows, and position p's entries were appended before `total` passed p (under
         # the lock just taken), so it can be searched without the lock
         b = bisect.bisect_right(self._starts, p) - 1  # a partial batch may end an epoch mid-run
@@ -454,33 +466,28 @@ class Run(HandOut):
         free slot for each batch up to b, in order, once its guard is cleared (`settle`, by the CUDA
         actor: a worker makes no CUDA call). None when stopped or a guard timed out."""
         assigned = self.assigned
-        slot = assigned.get(b)
-        if slot is not None:
-            return slot
-        t0 = time.perf_counter()
-        try:
-            with self.lock:   # slot_cond's lock
-                while not self.stop_event.stopped and self.stalled is None:
-                    slot = assigned.get(b)
-                    if slot is not None:
+        with self.lock:   # slot_cond's lock
+            while not self.stop_event.stopped and self.stalled is None:
+                slot = assigned.get(b)
+                if slot is not None:
+                    return slot
+                free = self.ring.free
+                if free and free[0].guard is None:   # the next batch in order takes it (b's or an earlier one)
+                    a = self.next_assign
+                    slot = free.popleft()
+                    self._plan(a, slot)
+                    waiting = self.slot_cond.waiting
+                    if a == b:
+                        if waiting and free and free[0].guard is None:   # another slot to take: pass the wake on
+                            self.slot_cond.notify()
                         return slot
-                    free = self.ring.free
-                    if free and free[0].guard is None:   # the next batch in order takes it (b's or an earlier one)
-                        a = self.next_assign
-                        slot = free.popleft()
-                        self._plan(a, slot)
-                        waiting = self.slot_cond.waiting
-                        if a == b:
-                            if waiting and free and free[0].guard is None:   # another slot to take: pass the wake on
-                                self.slot_cond.notify()
-                            return slot
-                        if waiting:   # an earlier batch planned: the worker waiting for it may be asleep
-                            self.slot_cond.notify_all()
-                        continue
-                    self.slot_cond.wait(_SLOT_POLL_S)  # notified by a release, or by settle() clearing a guard
-            return None
-        finally:
-            times.wait += time.perf_counter() - t0
+                    if waiting:   # an earlier batch planned: the worker waiting for it may be asleep
+                        self.slot_cond.notify_all()
+                    continue
+                t0 = time.perf_counter()   # `times.wait`: the waits alone
+                self.slot_cond.wait(_SLOT_POLL_S)  # notified by a release, or by settle() clearing a guard
+                times.wait += time.perf_counter() - t0
+        return None
 
     def _plan(self, b: int, slot: Slot) -> None:
         slot.errors = []
@@ -523,7 +530,7 @@ class Run(HandOut):
             if self.stalled is not None:
                 self.slot_cond.notify_all()
             else:
-                self.slot_cond.notify()
+                self.slot_cond.waiting.pop(0).release()   # `Bells.notify`, inlined: it runs per batch
         return pending
 
     def _work(self) -> None:
@@ -555,8 +562,12 @@ class Run(HandOut):
                 # last two extends land before either checks): both flush their own counters and notify,
                 # which is harmless; the `is` check below skips a slot already refilled for a later batch.
                 finished, size = slot.finished, slot.size
-                finished.extend(range(r0, r1))
-                if len(finished) == size:
+                if r1 - r0 == size:   # a claim of the whole batch (the GPU's rows): no other worker writes it
+                    complete = True
+                else:
+                    finished.extend(range(r0, r1))
+                    complete = len(finished) == size
+                if complete:
                     with self.lock:
                         self.flush(times, done)
                         done = 0
@@ -582,7 +593,7 @@ class Run(HandOut):
             ring = self.ring
             # a slot back to the workers: wake one only if it can take it (an unguarded slot first in line)
             if ring.reclaim() and self.slot_cond.waiting and ring.free[0].guard is None:
-                self.slot_cond.notify()
+                self.slot_cond.waiting.pop(0).release()   # `Bells.notify`, inlined: it runs per batch
             while True:
                 pending = self._settle()  # this thread is the CUDA actor: it clears the slots' guards
                 slot = self.assigned.get(b)
