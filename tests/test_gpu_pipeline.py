@@ -608,3 +608,24 @@ def test_a_stop_seen_at_the_rings_release_ends_the_decode_thread_quietly() -> No
     assert not decoder.thread.is_alive() and decoder.count == RING
     assert [ticket.out.get_nowait().last for _ in range(RING)] == [False] * RING and ticket.out.empty()
     decoder.stop_event.set()
+
+
+def test_the_decode_thread_waiting_for_a_batch_ends_as_soon_as_its_stop_flag_is_set() -> None:
+    """Its wait for the next batch polls the flag only every `_IDLE_POLL_S` (long: an idle thread costs no
+    calls); a flag set by anyone (the interpreter's exit sets it without calling `stop`) wakes it at once
+    through `StopFlag.wakes`."""
+    from types import SimpleNamespace
+
+    from stoker.device.gpu_pipeline import _IDLE_POLL_S, DecodeThread
+    from stoker.loading.bells import StopFlag
+
+    assert _IDLE_POLL_S >= 5.0
+    flag = StopFlag()
+    phases = SimpleNamespace(stats=SimpleNamespace(gpu_phases={"decode_s": 0.0, "reads_wait_s": 0.0}))
+    decoder = DecodeThread(_StubGpu(), flag, 5.0, phases)
+    flag.wakes.append(decoder.wake)
+    decoder.start()
+    threading.Event().wait(0.05)   # waiting for a ticket now
+    flag.set()
+    decoder.thread.join(_IDLE_POLL_S / 2)   # well within the poll: only the wake ends it this soon
+    assert not decoder.thread.is_alive()

@@ -48,6 +48,9 @@ RING = 3  # decoded chunks (and uint8 batch buffers) in flight: decoding, resamp
 # and by a stop (`DecodeThread.wake`), so this is only the safety net, long enough that idle threads cost
 # no Python calls to speak of
 _POLL_S = 1.0
+# the decode thread's wait for the next batch, while the device thread is busy with the last (a slow device
+# side): a stop wakes it (`StopFlag.wakes`: `DecodeThread.wake`), so this safety net can be long
+_IDLE_POLL_S = 5.0
 LOG_EVERY = 100  # batches between two `stoker.gpu` log lines of the phase timers
 
 
@@ -149,7 +152,7 @@ class DecodeThread:
         totals, use_entry, stop = self.phases.stats.gpu_phases, self._use_entry, self.stop_event
         while True:
             try:
-                ticket = todo.get(timeout=_POLL_S)
+                ticket = todo.get(timeout=_IDLE_POLL_S)
             except queue.Empty:
                 if stop.is_set():
                     return
@@ -570,6 +573,7 @@ class PipelinedFeeder(Feeder):
         super().__init__(*args, **kwargs)
         self.pipe = pipe
         pipe.decoder.stop_event = self.stop_event
+        self.stop_event.wakes.append(pipe.decoder.wake)   # however the flag is set (the interpreter's exit too)
 
     def start(self) -> None:
         self.pipe.start()

@@ -17,7 +17,7 @@ it with no call at all; `set` and `clear` keep the two in step.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
 _local = threading.local()   # each thread's bell: a C lock, held (not rung) while the thread is not waiting
 
@@ -97,13 +97,21 @@ class Bells:
 
 class StopFlag(threading.Event):
     """A `threading.Event` that also keeps its state in the plain attribute `stopped`: a hot loop reads
-    `stopped` (no call); every other reader may use the Event's API."""
+    `stopped` (no call); every other reader may use the Event's API. `wakes`: functions `set` calls after
+    it, from the setting thread, to wake the waits that do not watch the flag (whoever sets it, the
+    loader's `stop` or the interpreter's exit), so they need no short poll to notice."""
 
     stopped = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wakes: list[Callable[[], None]] = []
 
     def set(self) -> None:
         self.stopped = True
         super().set()
+        for wake in list(self.wakes):
+            wake()
 
     def clear(self) -> None:
         self.stopped = False
