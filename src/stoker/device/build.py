@@ -98,6 +98,8 @@ class DeviceBuilder:
         return self._labels(slot), extras
 
     def _labels(self, slot: Slot) -> Any:
+        if slot.labels is not None and not self.cuda:   # `labels_of`'s own copy, inlined: it runs per batch
+            return slot.labels[:slot.size].clone()
         labels = labels_of(slot, self.encode, copy=not self.cuda)   # the upload copies
         if not self.cuda or not isinstance(labels, torch.Tensor):
             return labels

@@ -345,6 +345,7 @@ class PipelinedBuilder:
         self.phases = Phases(self.stats)
         self.decoder = DecodeThread(gpu, stop, timeout, self.phases)
         self.buffers: list[torch.Tensor | None] = [None] * RING
+        self.views: list[Any] = [None] * RING   # each buffer as NCHW, what the resample writes
         self.storages: list[dict[int, int]] = [{}] * RING   # each buffer's storage (`measure`'s working bytes)
         # batches whose GPU time is not read yet: (images, events, seconds of CPU fallbacks), oldest first
         self.timings: deque = deque()
@@ -366,6 +367,7 @@ class PipelinedBuilder:
         x = self.buffers[k]
         if x is None or x.shape != shape:
             x = self.buffers[k] = torch.empty(shape, dtype=torch.uint8, device=self.opts.device)
+            self.views[k] = x.permute(0, 3, 1, 2)
             self.storages[k] = storages_on(x, self.opts.device)
         return x, k
 
@@ -410,7 +412,7 @@ class PipelinedBuilder:
         conversion, one fence for both."""
         t_finish = t0 = time.perf_counter()
         slot, x, ticket = pending.slot, pending.x, pending.ticket
-        nchw = x.permute(0, 3, 1, 2)
+        nchw = self.views[pending.k]   # x as NCHW
         stream = self.stage.stream
         decoder, gpu = self.decoder, self.gpu
         failures: list = []
