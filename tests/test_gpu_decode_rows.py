@@ -70,10 +70,10 @@ class _RowJobs:
         return GpuBatch.of_jobs(self.jobs)
 
 
-def per_row(self: Any, plan: Any, r0: int, r1: int, slot: Any, scratch: dict, times: Any) -> list:
+def per_row(self: Any, plan: Any, r0: int, r1: int, slot: Any, scratch: dict, times: Any, found: Any = None) -> list:
     """The reference for `Filler.queue_gpu_rows`: each GPU row's job made on its own (the sample read, its
     crop window by `transforms.crop_window`, a private copy of its bytes); rows that are not JPEGs rendered
-    on the CPU through `fill`."""
+    on the CPU through `fill`. The spans the caller found (`found`) are not used: each row is read itself."""
     jobs, errors = [], []
     self.complete(plan)   # the batch's NumPy plan (deferred where the native planner serves the GPU's rows)
     for row in range(r0, r1):

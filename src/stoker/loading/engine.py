@@ -212,17 +212,23 @@ class BatchEngine:
         filler = bp.filler
         errors: list = []
         end = r1
+        idx = np.ascontiguousarray(bp.indices[r0:r1], np.int64)   # the engine reads int64 rows
+        try:   # JPEGs and stored raw pixels: the pool reads both (kinds), everything else is refused to Python
+            blocks, spans, kinds = filler.ds.pixel_spans(idx)   # for both sides of a split batch: one check
+        except Exception:  # noqa: BLE001 - a shard that fails its check: each row's own read reports it
+            blocks = None
         if self.split:
             end = max(r0, min(r1, bp.gpu_from))
-            errors = filler.queue_gpu_rows(bp, end, r1, slot, scratch, times)
+            cut = end - r0
+            if end < r1:   # the GPU's rows first, from their part of the spans
+                errors = filler.queue_gpu_rows(bp, end, r1, slot, scratch, times, found=None if blocks is None
+                                               else (blocks, spans[cut:], kinds[cut:]))
+                idx = idx[:cut]
+                if blocks is not None:
+                    spans, kinds = spans[:cut], kinds[:cut]
         rows: Any = range(r0, end)
         if end == r0:
             return errors
-        idx = np.ascontiguousarray(bp.indices[r0:end], np.int64)   # the engine reads int64 rows
-        try:   # JPEGs and stored raw pixels: the pool reads both (kinds), everything else is refused to Python
-            blocks, spans, kinds = filler.ds.pixel_spans(idx)
-        except Exception:  # noqa: BLE001 - a shard that fails its check: each row's own read reports it
-            blocks = None
         floats = _NO_FLOATS
         if self.floats is not None:   # the float output: written by the pool's threads row by row
             if self.buffers is None:
@@ -241,7 +247,7 @@ class BatchEngine:
                 blocks, spans, bp.positions[r0:end] if self.spec.key_by_draw else idx, idx, self.sizes,
                 self._stream(filler.epoch), program, slot.images_np, status, r0, oh, ow,
                 self.full_size, AA_HEADROOM, self.antialias, self.fast, codecs.MAX_PIXELS, self.timeout, **floats,
-                **({"kinds": kinds} if kinds.any() else {}), **corners)   # raw rows: read in place, no decode
+                **({"kinds": kinds} if kinds[kinds.argmax()] else {}), **corners)   # raw rows: read in place, no decode
             times.decode += busy
             if self.split:
                 bp.cpu_render_s.append(busy)

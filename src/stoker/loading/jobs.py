@@ -316,7 +316,7 @@ class RowPlanner:
 
 
 def gpu_rows(dataset: Any, plan: Any, r0: int, r1: int, staging: JpegStaging | None, out_size: tuple[int, int],
-             heights: np.ndarray, widths: np.ndarray, planner: RowPlanner | None = None
+             heights: np.ndarray, widths: np.ndarray, planner: RowPlanner | None = None, found: tuple | None = None
              ) -> tuple[GpuRows | None, list[int]]:
     """Rows r0..r1 of the batch `plan` (a `render.BatchPlan`) for the GPU in a few calls: which are JPEGs
     of a stored size (`dataset.jpeg_spans`), each one's plan and crop windows (by `planner` in one native
@@ -324,12 +324,16 @@ def gpu_rows(dataset: Any, plan: Any, r0: int, r1: int, staging: JpegStaging | N
     `crop_windows`), their bytes gathered back to back into `staging` (a private buffer when there is
     none or they do not fit) by one more (`native.gather_spans`). Returns the record (None when no row
     is taken) and the rows it left, which are the caller's, one at a time (all of them when a shard
-    fails its check: each row's own read reports it)."""
+    fails its check: each row's own read reports it). `found`: what `dataset.pixel_spans` gave for these
+    rows, where the caller asked for more rows at once (`engine.BatchEngine.fill_chunk`'s split batch)."""
     idx = plan.indices[r0:r1]
-    try:   # `dataset.jpeg_spans(idx)`, one call fewer: the rows that are not JPEGs left here
-        blocks, spans, kinds = dataset.pixel_spans(idx)
-    except Exception:  # noqa: BLE001 - a shard that fails its check: each row's own read reports it
-        return None, list(range(r0, r1))
+    if found is not None:
+        blocks, spans, kinds = found
+    else:
+        try:   # `dataset.jpeg_spans(idx)`, one call fewer: the rows that are not JPEGs left here
+            blocks, spans, kinds = dataset.pixel_spans(idx)
+        except Exception:  # noqa: BLE001 - a shard that fails its check: each row's own read reports it
+            return None, list(range(r0, r1))
     spans[kinds != JPEG_ROW, 0] = -1
     k = spans.shape[0]
     # one allocation for the four outputs, each a C-contiguous part of it: geo, box (float64), at, src

@@ -327,19 +327,20 @@ class Filler:
         return errors
 
     def queue_gpu_rows(self, plan: BatchPlan, r0: int, r1: int, slot: Slot, scratch: dict,
-                       times: WorkerTimes) -> list:
+                       times: WorkerTimes, found: tuple | None = None) -> list:
         """Rows r0..r1 for the GPU in one call: the JPEG rows become one `GpuRows` on the plan
         (`jobs.gpu_rows`: each row planned and its crop windows computed by the native planner, or from
         the batch's NumPy plan without one; the bytes gathered into the slot's staging buffer by one native
         call); any other row (not a JPEG, or a shard that fails its check) is rendered here on the Python
-        path, timed as the CPU's. Returns the (row, exception) of the rows that failed, as `fill_rows`."""
+        path, timed as the CPU's. Returns the (row, exception) of the rows that failed, as `fill_rows`.
+        `found`: the rows' `pixel_spans`, where the caller asked for them (`jobs.gpu_rows`)."""
         if r0 >= r1:
             return []
         t0 = time.perf_counter()
         if self.planner is None and plan.u is None:   # the NumPy path plans from the batch's plan
             self.complete(plan)
         rows, left = gpu_rows(self.ds, plan, r0, r1, slot.staging, (self.out_h, self.out_w), self.heights,
-                              self.widths, self.planner)
+                              self.widths, self.planner, found)
         if rows is not None:
             plan.gpu_rows.append(rows)
         seconds = time.perf_counter() - t0
