@@ -39,7 +39,7 @@ from ..loading.slots import Slot
 from .build import DeviceBuilder
 from .feeder import _WAKE, Feeder
 from .gpu_split import SplitControl
-from .stage import PASSED, storages_on
+from .stage import PASSED, convert, storages_on
 
 _log = logging.getLogger("stoker.gpu")
 
@@ -459,7 +459,11 @@ class PipelinedBuilder:
             fallback = t3 - t0
         k = pending.k
         working = self.storages[k]
-        batch = self.base.finish(slot, x, labels, extras, working=working)
+        if extras is None and x.ndim == 4 and base.chain.spec.pipeline.batch is None:   # `DeviceBuilder.finish`
+            batch = (convert(x, self.opts, layout="nhwc"), labels)      # with no batch ops nor clips, inlined
+            base.working = working
+        else:
+            batch = base.finish(slot, x, labels, extras, working=working)
         fence = self.stage.fence()
         pending.copied, pending.on_gpu = fence, True   # `_Pending.let_go`, inlined: it runs per batch
         t4 = time.perf_counter()
