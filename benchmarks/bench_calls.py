@@ -67,13 +67,14 @@ def _codes_of(obj: Any) -> frozenset:
 
 
 def python_calls(packed: Path, batch_size: int, threads: int, *, batches: int = 8, seed: int = 0,
-                 decode: str = "cpu", gpu_share: float | None = None) -> float:
+                 decode: str = "cpu", gpu_share: float | None = None, warm: int | None = None) -> float:
     """Python calls per batch run by the loader's threads (the workers and the engine's coordinators; with
     `decode` "gpu" or "auto" also the device and decode threads, on the CPU device with the stand-in
     decoder, the calls inside the decoder's own methods not counted), RandomResizedCrop(224) + flip on
     the packed dataset `packed`, default `Workers` at `threads` threads: counted over up to `batches`
-    batches after a warm-up batch (the pass's start-up is not the steady state). The profile hook is on
-    only while the loader runs, and only on the threads it starts."""
+    batches after `warm` warm-up batches (the pass's start-up is not the steady state; None: one, or with a
+    device thread one turn of the ring, `prefetch + 2` batches). The profile hook is on only while the loader
+    runs, and only on the threads it starts."""
     from stoker.loader.loader import Loader
     from stoker.device.stage import DeviceOptions
     from stoker.loader.options import Workers
@@ -113,12 +114,14 @@ def python_calls(packed: Path, batch_size: int, threads: int, *, batches: int = 
 
     loader = Loader(str(packed), batch_size, transforms=[RandomResizedCrop(224), RandomHorizontalFlip()],
                     seed=seed, workers=Workers(num_threads=threads), device=device)
-    warm = 1
     # with a device thread (the GPU columns) the workers run ahead of it by up to the ring's slots: the
     # window ends before they can reach the pass's end, after which only the device side would still
     # work and its calls would count over fewer batches made (without one, nothing of the loader's runs
     # once the workers are done); the last batch may be short
     lead = loader.prefetch + 2 if device is not None else 0
+    # the warm-up: one batch; with a device thread one turn of the ring (`--warm 1` for one batch there too),
+    # whose first batches make what the pass then reuses (each slot's JPEG staging, the device's ring buffers)
+    warm = (lead if device is not None else 1) if warm is None else warm
     batches = min(batches, len(loader) - warm - lead - 1)
     if batches < 1:
         loader.close()
@@ -159,6 +162,7 @@ class CallsResult:
     machine: dict[str, Any]
     decode: str = "cpu"   # "gpu" or "auto": the GPU columns' path, on the CPU device with the stand-in decoder
     gpu_share: float | None = None
+    warm: int | None = None   # warm-up batches asked for (None: the default, `python_calls`)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -168,10 +172,11 @@ class CallsResult:
 
 def run_calls(data_dir: Path | None = None, *, images: int | None = None, batch_size: int = CALLS_BATCH,
               threads: tuple[int, ...] = CALLS_THREADS, out_dir: Path | None = None, seed: int = 0,
-              progress: bool = False, decode: str = "cpu", gpu_share: float | None = None) -> CallsResult:
+              progress: bool = False, decode: str = "cpu", gpu_share: float | None = None,
+              warm: int | None = None) -> CallsResult:
     """`python_calls` at each of `threads` on `data_dir` (an ImageFolder tree of JPEGs; None: `images`
     generated ImageNet-like JPEGs, default 1,000), packed once. `out_dir` keeps the data and receives
-    calls.json and calls.md. `decode`/`gpu_share`: as `python_calls`. Raises ConfigError for bad arguments or
+    calls.json and calls.md. `decode`/`gpu_share`/`warm`: as `python_calls`. Raises ConfigError for bad arguments or
     too few images for three batches."""
     from stoker._progress import Progress
     from stoker.tools.baseline import list_image_folder
@@ -195,10 +200,10 @@ def run_calls(data_dir: Path | None = None, *, images: int | None = None, batch_
         calls: dict[int, float] = {}
         for n in threads:
             bar.stage(f"Python calls per batch of {batch_size} at {n} threads")
-            calls[n] = python_calls(packed, batch_size, n, seed=seed, decode=decode, gpu_share=gpu_share)
+            calls[n] = python_calls(packed, batch_size, n, seed=seed, decode=decode, gpu_share=gpu_share, warm=warm)
             bar.update()
         result = CallsResult(calls, batch_size, _data_stats(root, samples, generated), machine_info(), decode,
-                             gpu_share)
+                             gpu_share, warm)
         if out_dir is not None:
             (work / "calls.json").write_text(json.dumps(result.to_json(), indent=1) + "\n")
             (work / "calls.md").write_text(format_calls(result) + "\n")
@@ -217,13 +222,19 @@ def format_calls(result: CallsResult) -> str:
                       f"together, those inside the decoder's own methods left out."]
     lines += ["",
               "Counted: the calls (Python functions, and C functions called from Python) the Loader's own threads "
-              "make per batch in the steady state (after one warm-up batch), with threading.setprofile; "
+              f"make per batch in the steady state (after {_warm_words(result)}), with threading.setprofile; "
               "RandomResizedCrop(224) + RandomHorizontalFlip, default Workers at that many threads. Each call "
               "takes the GIL the training loop's thread wants.",
               f"Data: {d['images']} {'generated ImageNet-like ' if d['generated'] else ''}JPEGs, mean "
               f"{d['mean_width']}x{d['mean_height']} px, {d['mean_file_kb']} KB.",
               f"Machine: {m['cpu']}, {m['usable_cores']} usable cores; Python {m['python']}."]
     return "\n".join(lines)
+
+
+def _warm_words(result: CallsResult) -> str:
+    if result.warm is not None:
+        return f"{result.warm} warm-up batch{'es' if result.warm != 1 else ''}"
+    return "one warm-up batch" if result.decode == "cpu" else "one turn of the batch ring as the warm-up"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,13 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode", choices=DECODES, default="cpu",
                    help="the CPU path (default), or the GPU columns' path on the CPU device with a stand-in decoder")
     p.add_argument("--gpu-share", type=float, default=None, help="with --decode auto: a fixed share of the JPEG rows")
+    p.add_argument("--warm", type=int, default=None,
+                   help="warm-up batches before the count (default 1; with --decode gpu/auto one turn of the ring)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress")
     args = p.parse_args(argv)
     try:
         result = run_calls(args.data, images=args.images, batch_size=args.batch_size,
                            threads=(args.workers,) if args.workers else CALLS_THREADS, out_dir=args.out,
-                           progress=not args.quiet, decode=args.decode, gpu_share=args.gpu_share)
+                           progress=not args.quiet, decode=args.decode, gpu_share=args.gpu_share, warm=args.warm)
     except StokerError as exc:
         p.error(str(exc))
     print(json.dumps(result.to_json(), indent=1) if args.json else format_calls(result))
