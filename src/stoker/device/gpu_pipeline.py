@@ -286,17 +286,6 @@ class Phases:
         decode thread, the others the device thread), and a dict item's update is atomic for its key."""
         self.stats.gpu_phases[name] += seconds
 
-    def add_batch(self, plan: float, upload: float, decode_wait: float, resample: float, fallback: float,
-                  convert: float) -> None:
-        """The device thread's phases of one batch, in one call."""
-        p = self.stats.gpu_phases
-        p["plan_s"] += plan
-        p["upload_s"] += upload
-        p["decode_wait_s"] += decode_wait
-        p["resample_s"] += resample
-        p["fallback_s"] += fallback
-        p["convert_s"] += convert
-
     def line(self, batches: int) -> str:
         p = self.stats.gpu_phases
         parts = ", ".join(f"{name[:-2]} {p[name]:.2f}" for name in self.NAMES)
@@ -327,8 +316,12 @@ class _Pending:
         self.copied, self.on_gpu = fence, True
 
     def done(self) -> bool:
-        """The slot may be refilled: the batch is finished (or abandoned) and its copies have run."""
-        return self.on_gpu and self.copied.done()
+        """The slot may be refilled: the batch is finished (or abandoned) and its copies have run (its
+        fence's `Fence.done`, inlined: the device thread asks once a batch)."""
+        if not self.on_gpu:
+            return False
+        event = self.copied.event
+        return event is None or bool(event.query())
 
 
 class PipelinedBuilder:
@@ -467,7 +460,13 @@ class PipelinedBuilder:
         fence = self.stage.fence()
         pending.copied, pending.on_gpu = fence, True   # `_Pending.let_go`, inlined: it runs per batch
         t4 = time.perf_counter()
-        self.phases.add_batch(sum(slot.plan.gpu_plan_s), pending.upload_s, decode_wait, resample, fallback, t4 - t3)
+        p = self.stats.gpu_phases   # this thread is the only writer of these phases (`Phases`)
+        p["plan_s"] += sum(slot.plan.gpu_plan_s)
+        p["upload_s"] += pending.upload_s
+        p["decode_wait_s"] += decode_wait
+        p["resample_s"] += resample
+        p["fallback_s"] += fallback
+        p["convert_s"] += t4 - t3
         # the GPU side's pace: its busier stage, the decode calls or the resample (they overlap), and the
         # CPU decode of the images it could not decode
         self._account(slot, ticket, failures, gpu_side=(decode_s if decode_s > resample else resample) + fallback,

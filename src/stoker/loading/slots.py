@@ -618,7 +618,10 @@ class Run(HandOut):
                         f"workers=stoker.Workers(timeout=...) if samples are genuinely this slow")
                 self.cond.wait(min(_FENCE_POLL_S if pending else _POLL_S, left))
             del self.assigned[b]
-            ring.hand_out(slot)
+            if ring.__class__ is BatchRing:   # `BatchRing.hand_out`, inlined: it runs per batch
+                ring.out.append(slot)
+            else:   # a worker process's ring (`proc_child`)
+                ring.hand_out(slot)
             self.last_given = (b, slot)
         if slot.errors:
             row, exc = min(slot.errors, key=lambda e: e[0])
