@@ -212,13 +212,15 @@ class BatchEngine:
         filler = bp.filler
         errors: list = []
         end = r1
-        idx = np.ascontiguousarray(bp.indices[r0:r1], np.int64)   # the engine reads int64 rows
+        idx = bp.indices[r0:r1]   # the engine reads int64 rows, one after the other
+        if idx.dtype != np.int64 or not idx.flags.c_contiguous:   # (attributes: as a rule no call)
+            idx = np.ascontiguousarray(idx, np.int64)
         try:   # JPEGs and stored raw pixels: the pool reads both (kinds), everything else is refused to Python
             blocks, spans, kinds = filler.ds.pixel_spans(idx)   # for both sides of a split batch: one check
         except Exception:  # noqa: BLE001 - a shard that fails its check: each row's own read reports it
             blocks = None
         if self.split:
-            end = max(r0, min(r1, bp.gpu_from))
+            end = r0 if bp.gpu_from < r0 else r1 if bp.gpu_from > r1 else bp.gpu_from   # gpu_from within [r0, r1]
             cut = end - r0
             if end < r1:   # the GPU's rows first, from their part of the spans
                 errors = filler.queue_gpu_rows(bp, end, r1, slot, scratch, times, found=None if blocks is None
@@ -237,7 +239,11 @@ class BatchEngine:
             floats = {"floats": buf, "levels": self.levels, "nchw": not self.floats.channels_last}
             slot.floats = out[:]   # a view of its own: the batch counts as held until it is handed out and let go
         if blocks is not None and self.pool is not None:
-            status = np.empty(end - r0, np.uint8)
+            try:   # each row's outcome, which the pool writes for every row: this thread's buffer, kept
+                status = scratch["status"]
+            except KeyError:
+                status = scratch["status"] = np.empty(self.spec.batch_size, np.uint8)
+            status = status[:end - r0]
             program, (oh, ow), corners = self.program, (self.out_h, self.out_w), {}
             if bp.bucket >= 0:   # aspect buckets: the batch's own size and program; the pool writes each crop corner
                 program, (oh, ow) = self.spec.buckets.programs[bp.bucket], self.spec.buckets.sizes[bp.bucket]
@@ -245,7 +251,8 @@ class BatchEngine:
                     corners = {"corners": slot.extras["crop_top_left"][r0:end]}
             left, busy, state = self.pool.run(
                 blocks, spans, bp.positions[r0:end] if self.spec.key_by_draw else idx, idx, self.sizes,
-                self._stream(filler.epoch), program, slot.images_np, status, r0, oh, ow,
+                self._streams[filler.epoch] if filler.epoch in self._streams else self._stream(filler.epoch),
+                program, slot.images_np, status, r0, oh, ow,
                 self.full_size, AA_HEADROOM, self.antialias, self.fast, codecs.MAX_PIXELS, self.timeout, **floats,
                 **({"kinds": kinds} if kinds[kinds.argmax()] else {}), **corners)   # raw rows: read in place, no decode
             times.decode += busy
