@@ -74,7 +74,7 @@ class Guard(Protocol):
     def done(self) -> bool: ...
 
 
-def _release_if_owned(cond: threading.Condition) -> None:
+def _release_if_owned(cond: "threading.Condition | Bells") -> None:
     """After an exception in the consuming thread: give the lock back if this thread still holds it.
 
     Ctrl-C raises KeyboardInterrupt at the next bytecode boundary, which can fall inside
@@ -85,7 +85,7 @@ def _release_if_owned(cond: threading.Condition) -> None:
         cond.release()
 
 
-def notify_all(cond: threading.Condition) -> None:
+def notify_all(cond: "threading.Condition | Bells") -> None:
     """Wake every waiter of `cond`; safe against Ctrl-C landing while the lock is held."""
     try:
         with cond:
@@ -323,7 +323,7 @@ class HandOut:
     handed out, the previous one guarded and released (`_next_batch` is each one's own)."""
 
     last_given: "tuple[int, Slot] | None"
-    cond: threading.Condition
+    cond: "threading.Condition | Bells"   # a Run's are Bells; the process mode's a Condition
     _generation: int   # fork_generation() when made
 
     @property
