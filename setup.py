@@ -14,7 +14,7 @@ ext_modules = []
 if os.name == "posix":  # dlopen/dlsym; Windows keeps the simplejpeg path
     ext_modules.append(Extension(
         "stoker._jpeg",
-        sources=["csrc/jpeg_region.c", "csrc/resample.c", "csrc/engine.c"],
+        sources=["csrc/jpeg_region.c", "csrc/resample.c", "csrc/engine.c", "csrc/crowd.c"],
         include_dirs=["csrc/libjpeg"],
         extra_compile_args=["-O3", "-ffp-contract=off"],  # weights as libtorch rounds them: no fused multiply-add,
         libraries=["dl", "pthread"] if sys.platform.startswith("linux") else [],  # glibc < 2.34: dlopen, threads

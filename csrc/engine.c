@@ -28,6 +28,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "crowd.h"
 #include "engine.h"
 
 #define NPARAM 17            /* jpeg_region.c's P_* parameters of a row */
@@ -210,10 +211,17 @@ typedef struct batch {
 typedef struct {
     PyObject_HEAD
     pthread_mutex_t mu;
-    pthread_cond_t work, done;
+    pthread_cond_t work, done, park;
     batch_t *head, *tail;
     int stopping, nthreads, started, nice;
-    pthread_t *threads;
+    pthread_t *threads;  /* room for `most`; threads past nthreads are started when the pool first grows */
+    /* the pool's size under other programs' load (crowd.h), all under mu: threads numbered `active` and
+     * above wait on `park`; a window's start (time, process CPU, the pool's CPU, the machine's ticks) */
+    int most, active, peak, born;
+    stoker_crowd_state crowd;
+    double w_t0, w_proc, w_pool, w_wall, others, crowded_s;
+    unsigned long long w_busy, w_total;
+    int w_ok;
     pthread_mutex_t close_mu;  /* one close() joins the threads; another waits for it */
     int joined;
     pid_t owner;  /* the process whose threads these are: a fork()ed child has none of them */
@@ -294,6 +302,59 @@ static unsigned char render(const batch_t *b, Py_ssize_t i, stoker_decoder *dec)
 
 static int finished(const batch_t *b) { return b->done == b->next && (b->next >= b->k || b->cancelled); }
 
+static void *pool_thread(void *arg);
+
+/* CPU seconds of `clock` (a thread's, or the process's), 0 where it cannot be read. */
+static double cpu_s(clockid_t clock) {
+    struct timespec ts;
+    return clock_gettime(clock, &ts) == 0 ? (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9 : 0.0;
+}
+
+static double pool_cpu_s(EngineObject *e) {
+    double sum = 0.0;
+    for (int t = 0; t < e->started; t++) {
+        clockid_t clock;
+        if (pthread_getcpuclockid(e->threads[t], &clock) == 0)
+            sum += cpu_s(clock);
+    }
+    return sum;
+}
+
+/* The end of a measuring window (under mu, from the pool thread whose row ended it at `now`): the
+ * window's figures to stoker_crowd_next, then the pool's size it gives (threads started the first time
+ * they are needed; parked ones woken), and the next window begins. Where /proc/stat cannot be read the
+ * pool keeps its size. */
+static void crowd_step(EngineObject *e, double now) {
+    unsigned long long busy = 0, total = 0;
+    int cpus = 0, ok = stoker_cpu_ticks(&busy, &total, &cpus) == 0;
+    double proc = cpu_s(CLOCK_PROCESS_CPUTIME_ID), pool = pool_cpu_s(e);
+    if (e->w_ok && ok && total > e->w_total) {
+        stoker_crowd_window w;
+        w.window_s = now - e->w_t0;
+        w.pool_cpu_s = pool - e->w_pool;
+        w.pool_wall_s = e->w_wall;
+        w.cores = cpus;
+        /* the machine's busy cores on this process's CPUs, less this process's own */
+        w.others = (double)(busy - e->w_busy) / (double)(total - e->w_total) * cpus - (proc - e->w_proc) / w.window_s;
+        if (w.others < 0)
+            w.others = 0;
+        e->others = w.others;
+        if (e->active > e->nthreads)
+            e->crowded_s += w.window_s;
+        int before = e->active, n = stoker_crowd_next(e->nthreads, e->most, &e->crowd, &w, now);
+        for (; e->started < n && !e->stopping; e->started++)
+            if (pthread_create(&e->threads[e->started], NULL, pool_thread, e) != 0)
+                break;   /* no more threads to be had: the pool grows no further */
+        e->active = e->crowd.active = n < e->started ? n : e->started;
+        if (e->active > e->peak)
+            e->peak = e->active;
+        if (e->active > before)
+            pthread_cond_broadcast(&e->park);
+    }
+    e->w_t0 = now, e->w_proc = proc, e->w_pool = pool, e->w_wall = 0.0;
+    e->w_busy = busy, e->w_total = total, e->w_ok = ok;
+}
+
 static void *pool_thread(void *arg) {
     EngineObject *e = (EngineObject *)arg;
 #ifdef __linux__
@@ -301,13 +362,15 @@ static void *pool_thread(void *arg) {
      * (nice 0) without losing any while they sleep; lowering a thread's priority needs no privilege */
     if (e->nice > 0)
         (void)setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), e->nice);
+    (void)pthread_setname_np(pthread_self(), "stoker-pool");   /* as `top -H` and /proc name it */
 #endif
     stoker_decoder dec;
     int ok = stoker_decoder_init(&dec) == 0;
     pthread_mutex_lock(&e->mu);
+    int me = e->born++;   /* threads numbered `active` and above are parked (crowd_step) */
     for (;;) {
-        while (!e->stopping && e->head == NULL)
-            pthread_cond_wait(&e->work, &e->mu);  /* close() broadcasts: the pool's only idle wait */
+        while (!e->stopping && (me >= e->active || e->head == NULL))
+            pthread_cond_wait(me >= e->active ? &e->park : &e->work, &e->mu);  /* close() broadcasts both */
         if (e->stopping)
             break;
         batch_t *b = e->head;
@@ -320,13 +383,16 @@ static void *pool_thread(void *arg) {
         pthread_mutex_unlock(&e->mu);
         double t0 = now_s();
         unsigned char st = ok ? render(b, i, &dec) : 4;
-        double t = now_s() - t0;
+        double t1 = now_s(), t = t1 - t0;
         pthread_mutex_lock(&e->mu);
         b->status[i] = st;
         b->busy += t;
         b->done++;
         if (finished(b))
             pthread_cond_broadcast(&e->done);
+        e->w_wall += t;
+        if (e->most > e->nthreads && t1 - e->w_t0 >= STOKER_CROWD_WINDOW_S)
+            crowd_step(e, t1);
     }
     pthread_mutex_unlock(&e->mu);
     stoker_decoder_free(&dec);
@@ -359,6 +425,7 @@ static void engine_stop(EngineObject *e) {
         pthread_mutex_lock(&e->mu);
         e->stopping = 1;
         pthread_cond_broadcast(&e->work);
+        pthread_cond_broadcast(&e->park);
         pthread_cond_broadcast(&e->done);
         pthread_mutex_unlock(&e->mu);
         for (int t = 0; t < e->started; t++)
@@ -369,12 +436,13 @@ static void engine_stop(EngineObject *e) {
 }
 
 static PyObject *engine_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    static char *keywords[] = {"threads", "nice", NULL};
-    int threads, nice = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "i|i", keywords, &threads, &nice))
+    static char *keywords[] = {"threads", "nice", "most", NULL};
+    int threads, nice = 0, most = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "i|ii", keywords, &threads, &nice, &most))
         return NULL;
-    if (threads < 1 || threads > 1024) {
-        PyErr_Format(PyExc_ValueError, "Engine: threads must be 1..1024, got %d", threads);
+    if (threads < 1 || threads > 1024 || most > 1024) {
+        PyErr_Format(PyExc_ValueError, "Engine: threads must be 1..1024 and most at most 1024, got %d and %d",
+                     threads, most);
         return NULL;
     }
     EngineObject *e = (EngineObject *)type->tp_alloc(type, 0);
@@ -384,10 +452,13 @@ static PyObject *engine_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
     pthread_mutex_init(&e->close_mu, NULL);
     pthread_cond_init(&e->work, NULL);
     pthread_cond_init(&e->done, NULL);
+    pthread_cond_init(&e->park, NULL);
     e->nthreads = threads;
+    e->most = most > threads ? most : threads;
+    e->active = e->peak = e->crowd.active = threads;
     e->owner = getpid();
     e->nice = nice < 0 ? 0 : (nice > 19 ? 19 : nice);
-    e->threads = (pthread_t *)PyMem_Calloc((size_t)threads, sizeof(pthread_t));
+    e->threads = (pthread_t *)PyMem_Calloc((size_t)e->most, sizeof(pthread_t));
     if (e->threads == NULL) {
         Py_DECREF(e);
         return PyErr_NoMemory();
@@ -414,6 +485,7 @@ static void engine_dealloc(EngineObject *e) {
     PyMem_Free(e->threads);
     if (!forked(e)) {
         pthread_cond_destroy(&e->work);
+        pthread_cond_destroy(&e->park);
         pthread_cond_destroy(&e->done);
         pthread_mutex_destroy(&e->mu);
         pthread_mutex_destroy(&e->close_mu);
@@ -694,6 +766,28 @@ static PyObject *engine_threads(EngineObject *e, void *closure) {
     return PyLong_FromLong(e->nthreads);
 }
 
+/* the pool's size figures (crowd.h), read under its mutex: closure 0 active, 1 peak, 2 most */
+static PyObject *engine_count(EngineObject *e, void *closure) {
+    int which = (int)(intptr_t)closure, n;
+    if (forked(e))
+        return PyLong_FromLong(0);
+    pthread_mutex_lock(&e->mu);
+    n = which == 0 ? e->active : which == 1 ? e->peak : e->most;
+    pthread_mutex_unlock(&e->mu);
+    return PyLong_FromLong(n);
+}
+
+/* closure 0: the cores other processes used in the last window; 1: seconds the pool ran above its size */
+static PyObject *engine_figure(EngineObject *e, void *closure) {
+    double v;
+    if (forked(e))
+        return PyFloat_FromDouble(0.0);
+    pthread_mutex_lock(&e->mu);
+    v = closure == NULL ? e->others : e->crowded_s;
+    pthread_mutex_unlock(&e->mu);
+    return PyFloat_FromDouble(v);
+}
+
 /* plan_batch(ids, index, sizes, stream, program, box, clip, grid, size, flip): the pool's plan of each row,
  * written into box, clip (float64 [k, 4]), grid, size (int64 [k, 2]) and flip (uint8 [k]); for tests. */
 static PyObject *plan_batch(PyObject *self, PyObject *args) {
@@ -875,7 +969,14 @@ static PyMethodDef engine_methods[] = {
 };
 
 static PyGetSetDef engine_getset[] = {
-    {"threads", (getter)engine_threads, NULL, "the pool's thread count", NULL},
+    {"threads", (getter)engine_threads, NULL, "the pool's own thread count", NULL},
+    {"active", (getter)engine_count, NULL, "the pool's threads taking rows now (more than threads while other "
+     "processes take its cores)", (void *)0},
+    {"peak", (getter)engine_count, NULL, "the most threads the pool has run at once", (void *)1},
+    {"most", (getter)engine_count, NULL, "the most threads the pool may run (most=)", (void *)2},
+    {"others", (getter)engine_figure, NULL, "cores other processes used on this process's CPUs in the pool's "
+     "last measuring window (0 before one ended, and where the pool does not grow)", NULL},
+    {"crowded_s", (getter)engine_figure, NULL, "seconds the pool ran more threads than its own count", (void *)1},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -884,8 +985,9 @@ static PyTypeObject EngineType = {
     .tp_name = "stoker._jpeg.Engine",
     .tp_basicsize = sizeof(EngineObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Engine(threads, nice=0): a pool of native threads that render whole batches of JPEG rows (run());\n"
-              "on Linux each runs at the given nice value (0..19, lower priority than the caller's threads).",
+    .tp_doc = "Engine(threads, nice=0, most=0): a pool of native threads that render whole batches of JPEG rows\n"
+              "(run()); on Linux each runs at the given nice value (0..19, lower priority than the caller's\n"
+              "threads), and while other processes take its cores the pool runs up to `most` threads (crowd.h).",
     .tp_new = engine_new,
     .tp_dealloc = (destructor)engine_dealloc,
     .tp_methods = engine_methods,
@@ -978,7 +1080,26 @@ done:
     return result;
 }
 
+/* crowd_next(base, most, (active, hold_until, rate_before, gain), (window_s, pool_cpu_s, pool_wall_s, others,
+ * cores), now) -> the state after that window (crowd.h's stoker_crowd_next): for tests. */
+static PyObject *crowd_next(PyObject *self, PyObject *args) {
+    (void)self;
+    int base, most;
+    double now;
+    stoker_crowd_state s;
+    stoker_crowd_window w;
+    if (!PyArg_ParseTuple(args, "ii(iddd)(ddddd)d", &base, &most, &s.active, &s.hold_until, &s.rate_before, &s.gain,
+                          &w.window_s, &w.pool_cpu_s, &w.pool_wall_s, &w.others, &w.cores, &now))
+        return NULL;
+    stoker_crowd_next(base, most, &s, &w, now);
+    return Py_BuildValue("(iddd)", s.active, s.hold_until, s.rate_before, s.gain);
+}
+
 static PyMethodDef module_functions[] = {
+    {"crowd_next", crowd_next, METH_VARARGS,
+     "crowd_next(base, most, (active, hold_until, rate_before, gain), (window_s, pool_cpu_s, pool_wall_s, others,\n"
+     "cores), now) -> (active, hold_until, rate_before, gain): the pool's size after one measuring window, as the\n"
+     "engine decides it (for tests)."},
     {"plan_batch", plan_batch, METH_VARARGS,
      "plan_batch(ids, index, sizes, stream, program, box, clip, grid, size, flip): each row's plan as the\n"
      "engine computes it (for tests)."},

@@ -35,10 +35,14 @@ class Counting:
 
     made: list["Counting"] = []
 
-    def __init__(self, threads: int, nice: int = 0) -> None:
-        self.pool = native._mod.Engine(threads, nice)
+    def __init__(self, threads: int, nice: int = 0, most: int = 0) -> None:
+        self.pool = native._mod.Engine(threads, nice, most)
         self.rows = self.float_rows = 0
         Counting.made.append(self)
+
+    @property
+    def active(self) -> int:
+        return self.pool.active
 
     def run(self, *args, **floats):
         left, busy, state = self.pool.run(*args, **floats)

@@ -308,6 +308,10 @@ def test_stored_raw_pixels_are_read_by_the_engine_without_a_decode(tmp_path, mon
         def close(self):
             self.pool.close()
 
+        @property
+        def active(self):
+            return self.pool.active
+
     monkeypatch.setattr(native, "engine", Watching)
     for transforms in (TRAIN, VAL):
         on = epoch(tmp_path / "raw", transforms, 2)

@@ -191,6 +191,15 @@ def test_input_bound_always_names_a_fix_and_a_busy_machine() -> None:
     low.workers = stoker.Workers(nice=19)   # a pool below every other job: the fix names the option
     assert diagnose(_input_bound_report(cpu_percent=60.0, system_percent=98.0), low).fixes[0].endswith(
         "run at nice 19, below every other job: workers=stoker.Workers(nice=0) keeps their share")
+    grown = _PackedLoader(threads=2)
+    grown.workers, grown.stats.pool_threads_peak = stoker.Workers(), 8   # the pool already keeps its share
+    assert diagnose(_input_bound_report(cpu_percent=60.0, system_percent=98.0), grown).fixes[0].endswith(
+        "the loader's pool already ran up to 8 threads (num_threads=2) to keep its share beside them")
+    fixed = _PackedLoader(threads=2)
+    fixed.workers, fixed.stats.engine = stoker.Workers(num_threads=2, max_threads=2), True
+    assert diagnose(_input_bound_report(cpu_percent=60.0, system_percent=98.0), fixed).fixes[0].endswith(
+        "may not grow (max_threads=2): workers=stoker.Workers(max_threads=None) lets it start more threads to "
+        "keep its share")
     mine = diagnose(_input_bound_report(cpu_percent=195.0, system_percent=98.0), _PackedLoader(threads=2))
     assert not any("machine is" in f for f in mine.fixes) and any("saturated" in f for f in mine.fixes)
 

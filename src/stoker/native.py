@@ -109,7 +109,8 @@ def map_levels(images: np.ndarray, rows: np.ndarray, levels: np.ndarray, out: np
     _mod.map_levels(images, rows, levels, out, nchw)
 
 
-def engine(threads: int, nice: int = 0) -> object:
+def engine(threads: int, nice: int = 0, most: int = 0) -> object:
     """A started pool of `threads` native threads that render whole batches (`stoker._jpeg.Engine`,
-    csrc/engine.c; `loading.engine.BatchEngine` drives it), each at Linux nice value `nice`."""
-    return _mod.Engine(threads, nice)
+    csrc/engine.c; `loading.engine.BatchEngine` drives it), each at Linux nice value `nice`; while other
+    processes take its cores it runs up to `most` threads (csrc/crowd.h)."""
+    return _mod.Engine(threads, nice, most)

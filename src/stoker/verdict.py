@@ -178,7 +178,7 @@ def _input_fixes(report: ProfileReport, iterable: Any, saturated: bool) -> list[
         fixes.append(f"the machine is {busy:.0f}% busy while this process uses "
                      f"{fmt_number(report.cpu_percent, '.0f')}% of its {cores} core(s) (100% = one core): "
                      "other processes take the CPU the loader needs; run where the cores are free (or give "
-                     "the job its own cores), then profile again" + _nice_fix(iterable))
+                     "the job its own cores), then profile again" + _pool_fix(iterable))
     if not fixes:   # none of the figures points anywhere: never leave the verdict bare
         fixes.append(f"no single stage stands out: try `num_threads={cores}` with a bigger `prefetch`, shrink the "
                      "images once (`stoker pack --max-side`), or decode on the GPU "
@@ -186,17 +186,30 @@ def _input_fixes(report: ProfileReport, iterable: Any, saturated: bool) -> list[
     return fixes
 
 
-def _nice_fix(iterable: Any) -> str:
-    """What to say of the pool's priority when other processes take the cores: a stoker pool below the
-    training process's priority yields to every other job (`Workers(nice=)`)."""
+def _pool_fix(iterable: Any) -> str:
+    """What to say of the engine pool when other processes take the cores: a pool below the training
+    process's priority yields to every other job (`Workers(nice=)`); one that may grow keeps its share with
+    more threads (`Workers(max_threads=)`), and says how far it grew."""
     workers = getattr(iterable, "workers", None)
     if not _is_stoker_loader(iterable) or workers is None:
         return ""
     from .loading.engine import pool_nice
 
+    said = []
     nice = pool_nice(workers.nice)
-    return "" if nice == 0 else (f"; the loader's threads run at nice {nice}, below every other job: "
-                                 f"workers=stoker.Workers(nice=0) keeps their share")
+    if nice != 0:
+        said.append(f"the loader's threads run at nice {nice}, below every other job: "
+                    f"workers=stoker.Workers(nice=0) keeps their share")
+    stats, threads = getattr(iterable, "stats", None), iterable.num_threads
+    peak = getattr(stats, "pool_threads_peak", 0)
+    if peak > threads:
+        said.append(f"the loader's pool already ran up to {peak} threads (num_threads={threads}) to keep its "
+                    f"share beside them")
+    elif stats is not None and getattr(stats, "engine", False) and workers.max_threads is not None \
+            and workers.max_threads <= threads:
+        said.append(f"the loader's pool may not grow (max_threads={workers.max_threads}): "
+                    f"workers=stoker.Workers(max_threads=None) lets it start more threads to keep its share")
+    return "".join("; " + s for s in said)
 
 
 def _oversized(loader: Any) -> int | None:

@@ -232,6 +232,11 @@ class Workers(_Printable):
     nice: the Linux nice value of the native engine's threads, 0 to 19 (None: STOKER_ENGINE_NICE, else
         `engine.NICE`): higher yields a contended core to the training loop's threads sooner, but starves
         the pool under other CPU load (docs/loader.md, "The native batch engine", has the measurements).
+    max_threads: the most threads the native engine's pool runs while other processes take its cores
+        (None: 4 x num_threads; num_threads or fewer: it never grows). At equal priority a busy core is
+        shared among the runnable threads, so beside other busy programs the pool starts more threads to
+        keep its share, and drops back to num_threads when they stop, or when more threads gain nothing
+        (docs/loader.md, "The pool beside other programs"). With processes=N, all N processes' together.
     processes: 0 (the threads run in this process) or N >= 1: the threads run in N child processes
     (started with "spawn"), writing into shared memory this process hands out as the batches, so the
     Python they run per sample (video clips, user transforms) no longer competes with the training
@@ -252,6 +257,7 @@ class Workers(_Printable):
     decode_quality: str = "exact"
     processes: int = 0
     nice: int | None = None
+    max_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.nice is not None and (isinstance(self.nice, bool) or not isinstance(self.nice, (int, np.integer))
@@ -259,6 +265,11 @@ class Workers(_Printable):
             raise ConfigError(f"nice must be None (STOKER_ENGINE_NICE, else the default) or an int from 0 (the "
                               f"training process's own priority) to 19 (the lowest), got {self.nice!r}")
         _set(self, "num_threads", _int_or_none(self.num_threads, "num_threads (worker threads)", 1))
+        _set(self, "max_threads", _int_or_none(self.max_threads, "max_threads (the engine pool's most threads)", 1))
+        if self.max_threads is not None and self.num_threads is not None and self.max_threads < self.num_threads:
+            raise ConfigError(f"max_threads={self.max_threads} is below num_threads={self.num_threads}: max_threads "
+                              f"is the most the pool grows to beside other busy programs; give max_threads="
+                              f"{self.num_threads} (never grow) or more")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, (int, np.integer)) or self.prefetch < 1:
             raise ConfigError(f"prefetch must be an int >= 1 (batches prepared ahead), got {self.prefetch!r}")
         _set(self, "prefetch", int(self.prefetch))

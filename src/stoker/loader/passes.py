@@ -318,7 +318,8 @@ class _Crew:
             ring = passes.ring(extra=extra, private=private)
             self.run = Run(ring, sizes, threads, self.chain.prepare, self.chain.fill, passes.stats.add,
                            parts.timeout, open_ended=persistent,
-                           **run_claims(spec, self.chain, threads, parts.timeout, floats, parts.asked.workers.nice))
+                           **run_claims(spec, self.chain, threads, parts.timeout, floats, parts.asked.workers.nice,
+                                      parts.asked.workers.max_threads))
         if opts is not None:
             stage = passes.stage(opts)
             build = DeviceBuilder(stage, self.chain, self.run.lock, passes.stats)

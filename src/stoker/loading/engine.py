@@ -67,6 +67,10 @@ _STOPPED = 1   # Engine.run's state when close() stopped the pool
 #: shares the trainer's cores; on a GPU host the default thread count leaves the training process cores
 #: of its own (`_system.TRAINER_THREADS`), and Workers(nice=19) gives it precedence where they are shared
 NICE = 0
+#: while other processes take the pool's cores, it runs up to this many times its own threads (`Workers(max_threads=)`
+#: sets the most): at equal priority a busy core is shared among the runnable threads, and beside one busy process
+#: per core 4x the threads keeps 0.8 of the cores (docs/loader.md, "The pool beside other programs")
+CROWD_FACTOR = 4
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,12 @@ class FloatBuffers:
             return images, buf
 
 
+def pool_most(threads: int, asked: int | None = None) -> int:
+    """The most threads the pool runs while other processes take its cores: `Workers(max_threads=)` where given
+    (at most `threads`: it never grows), else `CROWD_FACTOR` x `threads`, within the engine's 1,024."""
+    return min(1024, max(threads, CROWD_FACTOR * threads if asked is None else asked))
+
+
 def pool_nice(asked: int | None = None) -> int:
     """The pool threads' nice value (Linux): `Workers(nice=)` where given, else STOKER_ENGINE_NICE, else `NICE`."""
     if asked is not None:
@@ -158,9 +168,10 @@ class BatchEngine:
     with `chunk` = the batch size), `close()` stops and joins the pool (repeatable, from any thread)."""
 
     def __init__(self, spec: "RenderSpec", prog: np.ndarray, threads: int, timeout: float,
-                 floats: FloatOut | None = None, nice: int | None = None) -> None:
+                 floats: FloatOut | None = None, nice: int | None = None, most: int | None = None) -> None:
         self.spec = spec
         self.nice = pool_nice(nice)
+        self.most = pool_most(threads, most)
         self.program = prog
         self.threads = threads
         # a split batch: the coordinators also leave the GPU's rows as jobs, Python the pool does not do
@@ -185,7 +196,7 @@ class BatchEngine:
     def start(self) -> None:
         """Start the pool's threads (`Run.start`)."""
         if self.pool is None and not self._closed:
-            self.pool = native.engine(self.threads, self.nice)
+            self.pool = native.engine(self.threads, self.nice, self.most)
 
     def close(self) -> None:
         """Stop the pool: a coordinator waiting in `Engine.run` wakes at once (after the rows in flight),
@@ -256,6 +267,7 @@ class BatchEngine:
                 self.full_size, AA_HEADROOM, self.antialias, self.fast, codecs.MAX_PIXELS, self.timeout, **floats,
                 **({"kinds": kinds} if kinds[kinds.argmax()] else {}), **corners)   # raw rows: read in place, no decode
             times.decode += busy
+            times.pool_threads = self.pool.active   # (an attribute: no call)
             if self.split:
                 bp.cpu_render_s.append(busy)
             if state == _STOPPED:   # the Run is stopping: should this batch still be asked for, it says so
@@ -280,14 +292,14 @@ class BatchEngine:
 
 
 def run_claims(spec: "RenderSpec", chain: "EpochChain", threads: int, timeout: float, floats: Any = None,
-               nice: int | None = None) -> dict[str, Any]:
+               nice: int | None = None, most: int | None = None) -> dict[str, Any]:
     """`Run`'s claim arguments for the route of `spec`: whole batches through the native engine
     (`engine.BatchEngine`; `floats`: its float output, `engine.FloatOut`), or the GPU's rows (`Filler.fill_split`:
     a whole batch per claim where every JPEG row is the GPU's, else a chunk at a time), else one row per claim
     through `fill` on every worker thread."""
     route = spec.route
     if route.native and native.engine_available():   # loads its libjpeg-turbo here too (a worker process)
-        engine = BatchEngine(spec, route.program, threads, timeout, floats, nice)
+        engine = BatchEngine(spec, route.program, threads, timeout, floats, nice, most)
         return {"fill_chunk": engine.fill_chunk, "chunk": spec.batch_size, "engine": engine}
     if route.gpu_decode:
         # every JPEG row the GPU's: the whole batch in one claim (its rows prepared in one call, the claim's

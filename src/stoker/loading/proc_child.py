@@ -141,7 +141,8 @@ def _child(conn: Any, payload: dict) -> None:
     stats = LoaderStats()
     run = Run(ring, sizes[me::n], payload["threads"], prepare, chain.fill, stats.add, payload["timeout"],
               name="stoker-process", open_ended=payload["open_ended"],
-              **run_claims(spec, chain, payload["threads"], payload["timeout"], nice=payload.get("nice")))
+              **run_claims(spec, chain, payload["threads"], payload["timeout"], nice=payload.get("nice"),
+                         most=payload.get("most")))
     send_lock = threading.Lock()
 
     def send(msg: tuple) -> None:
@@ -181,6 +182,7 @@ def _child(conn: Any, payload: dict) -> None:
         with run.lock:
             out = {k: getattr(stats, k) for k in COUNTERS}
             out["skipped_keys"] = list(stats.skipped_keys)
+            out["pool_threads"] = stats.pool_threads   # not a counter: the pool's size now
         return out
 
     try:

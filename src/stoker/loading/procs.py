@@ -147,7 +147,8 @@ def process_run(parts: Any, dataset: Any, stats: LoaderStats, orders: list[tuple
     where = getattr(dataset, "process_path", None) or str(dataset.path)   # a Mix: its sources
     return ProcessRun(ring, sizes, thread_shares(threads, n), spec=parts.child_spec, path=where, orders=orders,
                       stats=stats, timeout=parts.timeout, label_dtype=parts.label_dtype, open_ended=open_ended,
-                      identities=dict(getattr(dataset, "_identities", {})), nice=parts.asked.workers.nice)
+                      identities=dict(getattr(dataset, "_identities", {})), nice=parts.asked.workers.nice,
+                      most=parts.asked.workers.max_threads)
 
 
 @dataclass(eq=False)
@@ -161,6 +162,7 @@ class _Child:
     started_at: float | None = None   # when it reported its first slots mapped
     counted: dict = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0.0))   # its counters already in stats
     skipped_keys: int = 0
+    pool_threads: int = 0   # its engine pool's threads at its latest report
     known: set = field(default_factory=set)   # ids of the slots it has mapped (or has been sent)
     ended: bool = False   # exited, its exit seen
 
@@ -173,7 +175,7 @@ class ProcessRun(HandOut):
     def __init__(self, ring: BatchRing, batch_sizes: list[int], threads: list[int], *, spec: bytes,
                  path: str, orders: list[tuple[int, np.ndarray, int]], stats: LoaderStats, timeout: float,
                  label_dtype: Any, open_ended: bool = False, identities: dict | None = None,
-                 nice: int | None = None) -> None:
+                 nice: int | None = None, most: int | None = None) -> None:
         self.ring = ring
         # open_ended: epochs may be appended (`extend`, a persistent Loader): the children run on into them
         self.open_ended = open_ended
@@ -217,7 +219,9 @@ class ProcessRun(HandOut):
         self.payload = {"spec": spec, "path": path, "orders": [(e, idx, start, len(self.batch_sizes))
                                                                 for e, idx, start in orders],
                         "sizes": list(self.batch_sizes), "open_ended": open_ended, "identities": identities or {},
-                        "timeout": timeout, "nice": nice}
+                        "timeout": timeout, "nice": nice,
+                        # the pool's most threads in each child (`Workers(max_threads=)`, all the children's together)
+                        "most": None if most is None else max(1, most // len(threads))}
         self.shares = threads
         self._started = False
         self.spawned_at = 0.0
@@ -423,6 +427,10 @@ class ProcessRun(HandOut):
             delta = counters[k] - child.counted[k]
             child.counted[k] = counters[k]
             setattr(stats, k, getattr(stats, k) + (int(delta) if k in ("samples", "skipped") else delta))
+        child.pool_threads = counters.get("pool_threads", 0)   # a figure of now: the children's together
+        pool = sum(c.pool_threads for c in self.children)
+        if pool:
+            stats.pool_threads, stats.pool_threads_peak = pool, max(stats.pool_threads_peak, pool)
         keys = counters["skipped_keys"]
         new, child.skipped_keys = keys[child.skipped_keys:], len(keys)
         if new and len(stats.skipped_keys) < 100:

@@ -80,6 +80,11 @@ class LoaderStats:
     # upload, or GPU decode target). A GPU decoder library's own buffers are not in it.
     device_bytes: int = 0
     device_peak_bytes: int = 0
+    # the native engine's pool (with Workers(processes=N), the processes' pools together): the threads taking
+    # rows at its latest batch, and the most at once; above the thread count while other processes take its
+    # cores (`Workers(max_threads=)`)
+    pool_threads: int = 0
+    pool_threads_peak: int = 0
     _device_lock: Any = field(default_factory=threading.Lock, repr=False, compare=False)
     _waits: StepWaits = field(default_factory=StepWaits, repr=False, compare=False)
 
@@ -129,6 +134,10 @@ class LoaderStats:
         self.decode_s += times.decode
         self.augment_s += times.augment
         self.worker_wait_s += times.wait
+        if times.pool_threads:
+            self.pool_threads = times.pool_threads
+            if times.pool_threads > self.pool_threads_peak:
+                self.pool_threads_peak = times.pool_threads
         self.skipped += times.skipped
         if times.skipped_keys and len(self.skipped_keys) < 100:
             self.skipped_keys.extend(times.skipped_keys[:100 - len(self.skipped_keys)])
@@ -147,3 +156,4 @@ class WorkerTimes:
     wait: float = 0.0
     skipped: int = 0
     skipped_keys: list[str] = field(default_factory=list)
+    pool_threads: int = 0   # the engine pool's threads taking rows at this worker's latest batch (0: none ran)

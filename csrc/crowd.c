@@ -1,0 +1,129 @@
+/*
+ * The engine pool's size while other programs take its cores: the fair-share model and its check
+ * (crowd.h), and the machine's CPU ticks it measures them by. No GIL, no allocation but the read of
+ * /proc/stat once a window.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE  /* sched_getaffinity, CPU_ISSET */
+#endif
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __linux__
+#include <fcntl.h>
+#include <sched.h>
+#include <unistd.h>
+#endif
+
+#include "crowd.h"
+
+#define GOAL 0.8       /* the share of its cores alone the pool sets out to keep */
+#define CROWDED 0.5    /* runnable threads of other processes, on average, before the pool grows */
+#define SATURATED 0.6  /* share of the window its active threads spent on rows: below, the pool waits for work */
+#define RUNNING 0.9    /* share of a row's wall time its thread ran: above, no thread waits long for a core */
+
+/* Runnable threads of other processes: each gets about the share of a core the pool's threads got
+ * while on a row, so the cores they used over that share counts them. */
+static double rivals(const stoker_crowd_window *w) {
+    double run = w->pool_cpu_s / w->pool_wall_s;
+    return w->others / (run > 0.01 ? run : 0.01);
+}
+
+/* Cores `threads` runnable pool threads get beside `n` rivals on `cores` CPUs (fair shares). */
+static double cores_of(int threads, double n, double cores) {
+    double fair = cores * threads / (threads + n);
+    return fair < threads ? fair : threads;
+}
+
+int stoker_crowd_target(int base, int most, int active, const stoker_crowd_window *w) {
+    if (most <= base || active < 1 || w->window_s <= 0 || w->pool_wall_s <= 0 || w->cores < 1)
+        return base;
+    double busy = w->pool_wall_s / (active * w->window_s), run = w->pool_cpu_s / w->pool_wall_s;
+    /* counted in threads, not cores: the cores the others get fall as the pool grows, their threads do not */
+    if (run >= RUNNING || rivals(w) < CROWDED)
+        return base;   /* no other process takes the cores: the pool's own size */
+    /* the share f of the runnable threads that gives the pool GOAL of the cores it would use alone:
+     * A / (A + rivals) = f, f below 1 since the pool alone uses at most every core */
+    double alone = base < w->cores ? base : w->cores, f = GOAL * alone / w->cores;
+    double want = ceil(f * rivals(w) / (1.0 - f) - 1e-9);   /* (not a thread more for a rounding error) */
+    if (busy < SATURATED) {   /* the threads also wait for work: as many as stay SATURATED busy (never growing) */
+        double enough = ceil(active * busy / SATURATED);
+        want = want < enough ? want : enough;
+    }
+    return want >= most ? most : want <= base ? base : (int)want;
+}
+
+int stoker_crowd_next(int base, int most, stoker_crowd_state *s, const stoker_crowd_window *w, double now) {
+    double rate = w->window_s > 0 ? w->pool_cpu_s / w->window_s : 0.0;   /* cores the pool got */
+    if (s->rate_before > 0) {   /* the first window after a growth from base: did it gain? */
+        double before = s->rate_before, busy = w->window_s > 0 && s->active > 0
+                                                   ? w->pool_wall_s / (s->active * w->window_s) : 0.0;
+        s->rate_before = 0;
+        /* under a quarter of the promised gain (and under 10%) while the threads stayed busy: the other
+         * load's share is not by threads (another CPU cgroup, a hypervisor's steal); the pool's own size,
+         * growth held off */
+        double least = 1.0 + 0.25 * (s->gain - 1.0);
+        if (busy >= SATURATED && rate < before * (least > 1.1 ? least : 1.1)) {
+            s->hold_until = now + STOKER_CROWD_HOLD_S;
+            return s->active = base;
+        }
+    }
+    int n = stoker_crowd_target(base, most, s->active > 0 ? s->active : base, w);
+    if (n > base && now < s->hold_until)
+        n = base;
+    if (n > base && s->active <= base) {   /* growth from base: checked against the next window */
+        double r = rivals(w);
+        s->rate_before = rate > 0 ? rate : 1e-9;
+        s->gain = cores_of(n, r, w->cores) / cores_of(base, r, w->cores);
+    }
+    return s->active = n;
+}
+
+int stoker_cpu_ticks(unsigned long long *busy, unsigned long long *total, int *cpus) {
+#ifdef __linux__
+    cpu_set_t mine;
+    if (sched_getaffinity(0, sizeof(mine), &mine) != 0)
+        return -1;
+    int fd = open("/proc/stat", O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    size_t cap = 16384, len = 0;
+    char *text = malloc(cap);
+    for (ssize_t got = 1; text != NULL && got > 0;) {   /* the whole file: a line per CPU, then a few more */
+        if (len + 1 == cap) {
+            char *more = cap < ((size_t)1 << 24) ? realloc(text, cap * 2) : NULL;
+            if (more == NULL) {
+                free(text);
+                text = NULL;
+                break;
+            }
+            text = more, cap *= 2;
+        }
+        got = read(fd, text + len, cap - 1 - len);
+        if (got > 0)
+            len += (size_t)got;
+    }
+    close(fd);
+    if (text == NULL)
+        return -1;
+    text[len] = '\0';
+    *busy = *total = 0, *cpus = 0;
+    for (char *line = text; line != NULL && *line != '\0';) {
+        int cpu;
+        unsigned long long user, nice, sys, idle, iowait, irq, soft, steal;
+        if (sscanf(line, "cpu%d %llu %llu %llu %llu %llu %llu %llu %llu", &cpu, &user, &nice, &sys, &idle, &iowait,
+                   &irq, &soft, &steal) == 9 && cpu >= 0 && cpu < CPU_SETSIZE && CPU_ISSET(cpu, &mine)) {
+            unsigned long long b = user + nice + sys + irq + soft + steal;   /* guest time is in user's */
+            *busy += b, *total += b + idle + iowait, (*cpus)++;
+        }
+        line = strchr(line, '\n');
+        line = line != NULL ? line + 1 : NULL;
+    }
+    free(text);
+    return *cpus > 0 ? 0 : -1;
+#else
+    (void)busy, (void)total, (void)cpus;
+    return -1;
+#endif
+}
