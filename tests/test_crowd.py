@@ -99,6 +99,14 @@ def test_max_threads_is_checked_and_defaults_to_a_multiple_of_the_threads():
         pool.close()
 
 
+def test_the_split_reads_a_grown_pools_seconds_as_its_own_thread_counts():
+    """decode="auto" rates the CPU side at rows x threads / seconds. 8 threads that spent 4 s in all on 64 rows
+    (each row 0.5 s, waiting for a core) finished them in 0.5 s: 128 rows/s, which 2 threads give in 1 s."""
+    threads, active, busy, rows = 2, 8, 4.0, 64
+    assert rows * threads / engine.split_seconds(busy, threads, active) == rows / (busy / active) == 128
+    assert engine.split_seconds(busy, threads, threads) == busy   # not grown: as measured
+
+
 CHILD = r"""
 import json, multiprocessing as mp, os, sys, time
 from stoker import Loader, RandomResizedCrop, Workers

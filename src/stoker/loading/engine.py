@@ -153,6 +153,13 @@ def pool_most(threads: int, asked: int | None = None) -> int:
     return min(1024, max(threads, CROWD_FACTOR * threads if asked is None else asked))
 
 
+def split_seconds(busy: float, threads: int, active: int) -> float:
+    """The pool's row seconds `busy` as the split reads them: seconds of `threads` threads (its rate is rows x
+    threads / seconds). A pool grown beside other programs renders on `active` threads, each row slower (it
+    waits for a core) but more at once: its seconds count for threads / active."""
+    return busy * threads / active if active > threads else busy
+
+
 def pool_nice(asked: int | None = None) -> int:
     """The pool threads' nice value (Linux): `Workers(nice=)` where given, else STOKER_ENGINE_NICE, else `NICE`."""
     if asked is not None:
@@ -267,9 +274,9 @@ class BatchEngine:
                 self.full_size, AA_HEADROOM, self.antialias, self.fast, codecs.MAX_PIXELS, self.timeout, **floats,
                 **({"kinds": kinds} if kinds[kinds.argmax()] else {}), **corners)   # raw rows: read in place, no decode
             times.decode += busy
-            times.pool_threads = self.pool.active   # (an attribute: no call)
+            times.pool_threads = active = self.pool.active   # (an attribute: no call)
             if self.split:
-                bp.cpu_render_s.append(busy)
+                bp.cpu_render_s.append(split_seconds(busy, self.threads, active))
             if state == _STOPPED:   # the Run is stopping: should this batch still be asked for, it says so
                 return [(r0, LoaderClosedError(f"the loader was closed while batch rows {r0}..{r1 - 1} were being "
                                                f"rendered"))]
