@@ -10,9 +10,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stdint.h>
 #ifdef __linux__
+#include <errno.h>
 #include <fcntl.h>
 #include <sched.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #endif
 
@@ -127,3 +132,112 @@ int stoker_cpu_ticks(unsigned long long *busy, unsigned long long *total, int *c
     return -1;
 #endif
 }
+
+/* ---- the stoker processes of this user (crowd.h) ---- */
+#ifdef __linux__
+static int32_t *table;   /* STOKER_PEERS ids, mapped once per process (a fork()ed child keeps the mapping) */
+
+static int32_t *peers_table(void) {
+    int32_t *t = __atomic_load_n(&table, __ATOMIC_ACQUIRE);
+    if (t != NULL)
+        return t;
+    char path[64];
+    snprintf(path, sizeof(path), "/dev/shm/stoker-pools-%u", (unsigned)getuid());
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (fd < 0)
+        return NULL;
+    size_t size = STOKER_PEERS * sizeof(int32_t);
+    struct stat st;
+    /* only a plain file of this user's, readable by no one else: another user's file is not a table of ours */
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != getuid() || (st.st_mode & 077) != 0 ||
+        ((size_t)st.st_size < size && ftruncate(fd, (off_t)size) != 0)) {
+        close(fd);
+        return NULL;
+    }
+    void *m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (m == MAP_FAILED)
+        return NULL;
+    int32_t *none = NULL;
+    if (!__atomic_compare_exchange_n(&table, &none, (int32_t *)m, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+        munmap(m, size);   /* another thread mapped it first */
+        return none;
+    }
+    return (int32_t *)m;
+}
+
+static int alive(int32_t pid) {
+    return kill(pid, 0) == 0 || errno != ESRCH;
+}
+
+int stoker_mark(void) {
+    int32_t *t = peers_table(), me = (int32_t)getpid();
+    if (t == NULL)
+        return -1;
+    for (int pass = 0; pass < 2; pass++)   /* a free entry, else one of a process that ended */
+        for (int i = 0; i < STOKER_PEERS; i++) {
+            int32_t was = __atomic_load_n(&t[i], __ATOMIC_RELAXED);
+            if ((was == 0 || (pass == 1 && was != me && !alive(was))) &&
+                __atomic_compare_exchange_n(&t[i], &was, me, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
+                return i;
+        }
+    return -1;
+}
+
+void stoker_unmark(int entry) {
+    int32_t *t = __atomic_load_n(&table, __ATOMIC_ACQUIRE), me = (int32_t)getpid();
+    if (t != NULL && entry >= 0 && entry < STOKER_PEERS)
+        __atomic_compare_exchange_n(&t[entry], &me, 0, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED);
+}
+
+/* utime + stime of process `pid` in clock ticks (/proc/PID/stat), or 0 with *gone set where it ended */
+static unsigned long long process_ticks(int32_t pid, int *gone) {
+    char path[48], text[1024];
+    snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    *gone = fd < 0 && errno == ENOENT;
+    if (fd < 0)
+        return 0;
+    ssize_t got = read(fd, text, sizeof(text) - 1);
+    close(fd);
+    if (got <= 0)
+        return 0;
+    text[got] = '\0';
+    char *at = strrchr(text, ')');   /* the command name may hold spaces and parentheses: fields after its end */
+    unsigned long long utime = 0, stime = 0;
+    if (at == NULL || sscanf(at + 1, " %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &utime, &stime) != 2)
+        return 0;
+    return utime + stime;
+}
+
+double stoker_peers_cpu_s(stoker_peers *p) {
+    int32_t *t = __atomic_load_n(&table, __ATOMIC_ACQUIRE), me = (int32_t)getpid();
+    if (t == NULL)
+        return 0.0;
+    stoker_peers now = {0};
+    double seconds = 0.0;
+    for (int i = 0; i < STOKER_PEERS; i++) {
+        int32_t pid = __atomic_load_n(&t[i], __ATOMIC_RELAXED);
+        int seen = 0, gone = 0;
+        for (int j = 0; j < now.n && !seen; j++)
+            seen = now.pid[j] == pid;
+        if (pid <= 0 || pid == me || seen)
+            continue;
+        unsigned long long ticks = process_ticks(pid, &gone);
+        if (gone) {   /* it ended without clearing its entry (killed): clear it for it */
+            __atomic_compare_exchange_n(&t[i], &pid, 0, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED);
+            continue;
+        }
+        for (int j = 0; j < p->n; j++)
+            if (p->pid[j] == pid && ticks > p->ticks[j])
+                seconds += (double)(ticks - p->ticks[j]);
+        now.pid[now.n] = pid, now.ticks[now.n++] = ticks;
+    }
+    *p = now;
+    return seconds / (double)sysconf(_SC_CLK_TCK);
+}
+#else
+int stoker_mark(void) { return -1; }
+void stoker_unmark(int entry) { (void)entry; }
+double stoker_peers_cpu_s(stoker_peers *p) { (void)p; return 0.0; }
+#endif

@@ -45,4 +45,27 @@ int stoker_crowd_next(int base, int most, stoker_crowd_state *s, const stoker_cr
  * available (then the pool never grows). */
 int stoker_cpu_ticks(unsigned long long *busy, unsigned long long *total, int *cpus);
 
+/* The stoker processes of this user on this machine (other ranks of a job, a Loader's worker processes
+ * and the process they feed), whose CPU is not another program's: a pool grows to keep its share
+ * against other programs, never against another stoker process, whose pool would grow in turn and
+ * take the cores from both training loops. A table of process ids in a small shared file
+ * (/dev/shm/stoker-pools-UID, 0600, created once, never larger than STOKER_PEERS ids), each entry
+ * claimed by one Engine or one `mark()` and cleared when it stops; entries of processes that ended are
+ * cleared by whoever reads them. Where the file cannot be used, nothing is excluded. */
+#define STOKER_PEERS 256
+
+/* An entry for this process: its index, or -1 (no file, or the table full). */
+int stoker_mark(void);
+void stoker_unmark(int entry);
+
+/* What one Engine remembers of the others' CPU between windows. */
+typedef struct {
+    int n;
+    int pid[STOKER_PEERS];
+    unsigned long long ticks[STOKER_PEERS];
+} stoker_peers;
+
+/* CPU seconds the other stoker processes used since the last call (the first sight of one counts 0). */
+double stoker_peers_cpu_s(stoker_peers *p);
+
 #endif

@@ -221,7 +221,8 @@ typedef struct {
     stoker_crowd_state crowd;
     double w_t0, w_proc, w_pool, w_wall, others, crowded_s;
     unsigned long long w_busy, w_total;
-    int w_ok;
+    int w_ok, mark;   /* mark: this process's entry among the stoker processes (crowd.h), or -1 */
+    stoker_peers peers;
     pthread_mutex_t close_mu;  /* one close() joins the threads; another waits for it */
     int joined;
     pid_t owner;  /* the process whose threads these are: a fork()ed child has none of them */
@@ -334,8 +335,9 @@ static void crowd_step(EngineObject *e, double now) {
         w.pool_cpu_s = pool - e->w_pool;
         w.pool_wall_s = e->w_wall;
         w.cores = cpus;
-        /* the machine's busy cores on this process's CPUs, less this process's own */
-        w.others = (double)(busy - e->w_busy) / (double)(total - e->w_total) * cpus - (proc - e->w_proc) / w.window_s;
+        /* the machine's busy cores on this process's CPUs, less this process's own and other stoker processes' */
+        w.others = (double)(busy - e->w_busy) / (double)(total - e->w_total) * cpus -
+                   (proc - e->w_proc + stoker_peers_cpu_s(&e->peers)) / w.window_s;
         if (w.others < 0)
             w.others = 0;
         e->others = w.others;
@@ -351,6 +353,8 @@ static void crowd_step(EngineObject *e, double now) {
         if (e->active > before)
             pthread_cond_broadcast(&e->park);
     }
+    else
+        (void)stoker_peers_cpu_s(&e->peers);   /* the other stoker processes' CPU as the window begins */
     e->w_t0 = now, e->w_proc = proc, e->w_pool = pool, e->w_wall = 0.0;
     e->w_busy = busy, e->w_total = total, e->w_ok = ok;
 }
@@ -431,6 +435,7 @@ static void engine_stop(EngineObject *e) {
         for (int t = 0; t < e->started; t++)
             pthread_join(e->threads[t], NULL);
         e->joined = 1;
+        stoker_unmark(e->mark);
     }
     pthread_mutex_unlock(&e->close_mu);
 }
@@ -456,6 +461,7 @@ static PyObject *engine_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
     e->nthreads = threads;
     e->most = most > threads ? most : threads;
     e->active = e->peak = e->crowd.active = threads;
+    e->mark = stoker_mark();   /* other pools do not grow against this process's CPU */
     e->owner = getpid();
     e->nice = nice < 0 ? 0 : (nice > 19 ? 19 : nice);
     e->threads = (pthread_t *)PyMem_Calloc((size_t)e->most, sizeof(pthread_t));
@@ -1095,7 +1101,27 @@ static PyObject *crowd_next(PyObject *self, PyObject *args) {
     return Py_BuildValue("(iddd)", s.active, s.hold_until, s.rate_before, s.gain);
 }
 
+/* mark() -> entry: this process among the stoker processes whose CPU no engine pool grows against (crowd.h);
+ * unmark(entry) clears it. For a process with no Engine of its own (the one worker processes feed). */
+static PyObject *mark_py(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    return PyLong_FromLong(stoker_mark());
+}
+
+static PyObject *unmark_py(PyObject *self, PyObject *arg) {
+    (void)self;
+    long entry = PyLong_AsLong(arg);
+    if (entry == -1 && PyErr_Occurred())
+        return NULL;
+    stoker_unmark((int)entry);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_functions[] = {
+    {"mark", mark_py, METH_NOARGS,
+     "mark() -> entry: this process among the stoker processes no engine pool grows against (-1: not\n"
+     "recorded); unmark(entry) clears it."},
+    {"unmark", unmark_py, METH_O, "unmark(entry): clear what mark() recorded."},
     {"crowd_next", crowd_next, METH_VARARGS,
      "crowd_next(base, most, (active, hold_until, rate_before, gain), (window_s, pool_cpu_s, pool_wall_s, others,\n"
      "cores), now) -> (active, hold_until, rate_before, gain): the pool's size after one measuring window, as the\n"

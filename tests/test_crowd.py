@@ -111,7 +111,10 @@ CHILD = r"""
 import json, multiprocessing as mp, os, sys, time
 from stoker import Loader, RandomResizedCrop, Workers
 
-def spin():
+def spin(peer):
+    if peer:   # another stoker process (a rank of the same job): its CPU is no reason to grow
+        from stoker import native
+        native.mark_process()
     while True:
         pass
 
@@ -124,16 +127,17 @@ def epochs(ld, until, seconds):
 if __name__ == "__main__":
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})   # one CPU: the spinners' and the pool's
     path, spinners, most, processes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    peers = sys.argv[5] == "peers"
     pool = lambda: sum(open(f"/proc/self/task/{t}/comm").read().strip() == "stoker-pool"
                        for t in os.listdir("/proc/self/task"))
-    procs = [mp.get_context("fork").Process(target=spin, daemon=True) for _ in range(spinners)]
+    procs = [mp.get_context("fork").Process(target=spin, args=(peers,), daemon=True) for _ in range(spinners)]
     for p in procs:
         p.start()
     out = {}
     try:
         with Loader(path, 16, transforms=[RandomResizedCrop(160)], device="numpy",
                     workers=Workers(num_threads=1, max_threads=most, persistent=True, processes=processes)) as ld:
-            epochs(ld, lambda: ld.stats.pool_threads_peak > 1, 40.0 if spinners and most > 1 else 4.0)
+            epochs(ld, lambda: ld.stats.pool_threads_peak > 1, 40.0 if spinners and most > 1 and not peers else 4.0)
             out["peak"], out["named"] = ld.stats.pool_threads_peak, pool()
             for p in procs:
                 p.kill()
@@ -158,11 +162,12 @@ def photos(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "packed"
 
 
-def _child(photos: Path, spinners: int, most: int, processes: int = 0) -> dict:
+def _child(photos: Path, spinners: int, most: int, processes: int = 0, peers: bool = False) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     script = Path(photos).parent / "crowd_child.py"   # a file: the worker processes start by "spawn"
     script.write_text(CHILD)
-    done = subprocess.run([sys.executable, str(script), str(photos), str(spinners), str(most), str(processes)],
+    done = subprocess.run([sys.executable, str(script), str(photos), str(spinners), str(most), str(processes),
+                           "peers" if peers else "others"],
                           env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -184,3 +189,27 @@ def test_busy_processes_beside_the_loader_make_its_pool_grow_and_their_end_shrin
 def test_alone_or_at_max_threads_the_pool_keeps_its_size(photos: Path, spinners: int, most: int):
     got = _child(photos, spinners=spinners, most=most)
     assert got["peak"] == 1 and got["named"] == 1 and got["after"] == 1 and got["threads_left"] == 0, got
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the pool grows on Linux (/proc/stat)")
+def test_busy_stoker_processes_beside_the_loader_are_no_reason_to_grow(photos: Path):
+    """Other ranks of a job: were each pool to grow against the others, all would, and take the cores from
+    every training loop with no gain. Their CPU is not another program's."""
+    got = _child(photos, spinners=2, most=4, peers=True)
+    assert got["peak"] == 1 and got["after"] == 1, got
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stoker processes are listed on Linux")
+def test_a_stoker_process_is_listed_while_marked():
+    import numpy as np
+
+    entry = native.mark_process()
+    if entry < 0:
+        pytest.skip("no shared memory folder to list the stoker processes in")
+    table = Path(f"/dev/shm/stoker-pools-{os.getuid()}")
+    try:
+        assert np.fromfile(table, np.int32)[entry] == os.getpid()
+        assert table.stat().st_mode & 0o077 == 0   # this user's alone
+    finally:
+        native.unmark_process(entry)
+    assert np.fromfile(table, np.int32)[entry] != os.getpid()

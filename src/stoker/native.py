@@ -109,6 +109,18 @@ def map_levels(images: np.ndarray, rows: np.ndarray, levels: np.ndarray, out: np
     _mod.map_levels(images, rows, levels, out, nchw)
 
 
+def mark_process() -> int:
+    """Record this process among the stoker processes whose CPU no engine pool grows against (csrc/crowd.h):
+    for a process with no engine of its own that worker processes feed. The entry, or -1 (not recorded)."""
+    return _mod.mark() if _mod is not None else -1
+
+
+def unmark_process(entry: int) -> None:
+    """Clear what `mark_process` recorded."""
+    if _mod is not None and entry >= 0:
+        _mod.unmark(entry)
+
+
 def engine(threads: int, nice: int = 0, most: int = 0) -> object:
     """A started pool of `threads` native threads that render whole batches (`stoker._jpeg.Engine`,
     csrc/engine.c; `loading.engine.BatchEngine` drives it), each at Linux nice value `nice`; while other

@@ -54,6 +54,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from .. import native
 from .._system import fork_generation
 from ..errors import ConfigError, LoaderClosedError, LoaderTimeoutError, WorkerError
 from .proc_child import COUNTERS, child_main
@@ -224,6 +225,7 @@ class ProcessRun(HandOut):
                         "most": None if most is None else max(1, most // len(threads))}
         self.shares = threads
         self._started = False
+        self._mark = -1   # this process's entry among the stoker processes (`start`)
         self.spawned_at = 0.0
         self.threads: list = []   # no threads of its own (passes count `alive()`)
 
@@ -306,6 +308,9 @@ class ProcessRun(HandOut):
                 self._send(child, ("payload", {**self.payload, "part": (child.index, n), "threads": threads}))
                 child.end.close()   # the child holds its end: EOF here once it is gone
         self.payload = {}   # the children have their copies (the indices need not stay here)
+        # this process (the training loop) among the stoker processes: the children's pools do not grow
+        # against its CPU (csrc/crowd.h)
+        self._mark = native.mark_process()
 
     # ---- consumer ---------------------------------------------------------------------------
     def _next_batch(self, b: int) -> Slot:
@@ -478,6 +483,9 @@ class ProcessRun(HandOut):
         if self.forked:
             return
         self.stop_event.set()
+        with self.lock:
+            mark, self._mark = self._mark, -1
+        native.unmark_process(mark)
         started = [c for c in self.children if c.process.pid is not None] if self._started else []
         for child in started:
             self._send(child, ("stop",))
