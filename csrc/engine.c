@@ -221,7 +221,7 @@ typedef struct {
     stoker_crowd_state crowd;
     double w_t0, w_proc, w_pool, w_wall, others, crowded_s;
     unsigned long long w_busy, w_total;
-    int w_ok, mark;   /* mark: this process's entry among the stoker processes (crowd.h), or -1 */
+    int w_ok, measuring, mark;   /* mark: this process's entry among the stoker processes (crowd.h), or -1 */
     stoker_peers peers;
     pthread_mutex_t close_mu;  /* one close() joins the threads; another waits for it */
     int joined;
@@ -321,14 +321,20 @@ static double pool_cpu_s(EngineObject *e) {
     return sum;
 }
 
-/* The end of a measuring window (under mu, from the pool thread whose row ended it at `now`): the
- * window's figures to stoker_crowd_next, then the pool's size it gives (threads started the first time
- * they are needed; parked ones woken), and the next window begins. Where /proc/stat cannot be read the
- * pool keeps its size. */
+/* The end of a measuring window, from the pool thread whose row ended it at `now` (called and returning
+ * with mu held): the measurements taken with mu released (file reads: no other thread waits on them), the
+ * window's figures to stoker_crowd_next, then the pool's size it gives (threads started the first time they
+ * are needed; parked ones woken), and the next window begins. Where /proc/stat cannot be read the pool keeps
+ * its size. One thread measures at a time (`measuring`), so it alone touches `peers` and `started` grows
+ * only here. */
 static void crowd_step(EngineObject *e, double now) {
+    e->measuring = 1;
+    pthread_mutex_unlock(&e->mu);
     unsigned long long busy = 0, total = 0;
     int cpus = 0, ok = stoker_cpu_ticks(&busy, &total, &cpus) == 0;
-    double proc = cpu_s(CLOCK_PROCESS_CPUTIME_ID), pool = pool_cpu_s(e);
+    double proc = cpu_s(CLOCK_PROCESS_CPUTIME_ID), pool = pool_cpu_s(e), peers = stoker_peers_cpu_s(&e->peers);
+    pthread_mutex_lock(&e->mu);
+    e->measuring = 0;
     if (e->w_ok && ok && total > e->w_total) {
         stoker_crowd_window w;
         w.window_s = now - e->w_t0;
@@ -336,8 +342,7 @@ static void crowd_step(EngineObject *e, double now) {
         w.pool_wall_s = e->w_wall;
         w.cores = cpus;
         /* the machine's busy cores on this process's CPUs, less this process's own and other stoker processes' */
-        w.others = (double)(busy - e->w_busy) / (double)(total - e->w_total) * cpus -
-                   (proc - e->w_proc + stoker_peers_cpu_s(&e->peers)) / w.window_s;
+        w.others = (double)(busy - e->w_busy) / (double)(total - e->w_total) * cpus - (proc - e->w_proc + peers) / w.window_s;
         if (w.others < 0)
             w.others = 0;
         e->others = w.others;
@@ -347,14 +352,14 @@ static void crowd_step(EngineObject *e, double now) {
         for (; e->started < n && !e->stopping; e->started++)
             if (pthread_create(&e->threads[e->started], NULL, pool_thread, e) != 0)
                 break;   /* no more threads to be had: the pool grows no further */
-        e->active = e->crowd.active = n < e->started ? n : e->started;
-        if (e->active > e->peak)
-            e->peak = e->active;
-        if (e->active > before)
+        n = n < e->started ? n : e->started;
+        e->crowd.active = n;
+        __atomic_store_n(&e->active, n, __ATOMIC_RELAXED);   /* the `active` getter reads it without mu */
+        if (n > e->peak)
+            __atomic_store_n(&e->peak, n, __ATOMIC_RELAXED);
+        if (n > before)
             pthread_cond_broadcast(&e->park);
     }
-    else
-        (void)stoker_peers_cpu_s(&e->peers);   /* the other stoker processes' CPU as the window begins */
     e->w_t0 = now, e->w_proc = proc, e->w_pool = pool, e->w_wall = 0.0;
     e->w_busy = busy, e->w_total = total, e->w_ok = ok;
 }
@@ -395,7 +400,7 @@ static void *pool_thread(void *arg) {
         if (finished(b))
             pthread_cond_broadcast(&e->done);
         e->w_wall += t;
-        if (e->most > e->nthreads && t1 - e->w_t0 >= STOKER_CROWD_WINDOW_S)
+        if (e->most > e->nthreads && !e->measuring && t1 - e->w_t0 >= STOKER_CROWD_WINDOW_S)
             crowd_step(e, t1);
     }
     pthread_mutex_unlock(&e->mu);
@@ -772,15 +777,14 @@ static PyObject *engine_threads(EngineObject *e, void *closure) {
     return PyLong_FromLong(e->nthreads);
 }
 
-/* the pool's size figures (crowd.h), read under its mutex: closure 0 active, 1 peak, 2 most */
+/* the pool's size figures (crowd.h): closure 0 active, 1 peak, 2 most; read without the mutex (atomic loads),
+ * so a caller holding the GIL never waits for a window's measurements */
 static PyObject *engine_count(EngineObject *e, void *closure) {
-    int which = (int)(intptr_t)closure, n;
+    int which = (int)(intptr_t)closure;
     if (forked(e))
         return PyLong_FromLong(0);
-    pthread_mutex_lock(&e->mu);
-    n = which == 0 ? e->active : which == 1 ? e->peak : e->most;
-    pthread_mutex_unlock(&e->mu);
-    return PyLong_FromLong(n);
+    return PyLong_FromLong(which == 0 ? __atomic_load_n(&e->active, __ATOMIC_RELAXED)
+                           : which == 1 ? __atomic_load_n(&e->peak, __ATOMIC_RELAXED) : e->most);
 }
 
 /* closure 0: the cores other processes used in the last window; 1: seconds the pool ran above its size */
