@@ -577,8 +577,8 @@ def test_a_chunk_whose_decode_raised_takes_no_ring_entry() -> None:
     gpu = _StubGpu()
     decoder = _decode_thread(gpu)
     try:
-        tickets = [_Ticket([_StubChunk(), _StubChunk()], 8, 8), _Ticket([_StubChunk(True), _StubChunk()], 8, 8),
-                   _Ticket([_StubChunk()], 8, 8)]
+        tickets = [_Ticket.of([_StubChunk(), _StubChunk()], 8, 8),
+                   _Ticket.of([_StubChunk(True), _StubChunk()], 8, 8), _Ticket.of([_StubChunk()], 8, 8)]
         for t in tickets:
             decoder.submit(t)
         assert [decoder.next_chunk(tickets[0]) is not None for _ in range(3)] == [True, True, False]
@@ -602,7 +602,7 @@ def test_a_stop_seen_at_the_rings_release_ends_the_decode_thread_quietly() -> No
     gpu = _StubGpu()
     decoder = _decode_thread(gpu)
     decoder.released.put(_END)
-    ticket = _Ticket([_StubChunk() for _ in range(RING + 2)], 8, 8)
+    ticket = _Ticket.of([_StubChunk() for _ in range(RING + 2)], 8, 8)
     decoder.submit(ticket)
     decoder.thread.join(5)
     assert not decoder.thread.is_alive() and decoder.count == RING

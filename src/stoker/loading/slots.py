@@ -111,7 +111,9 @@ class Slot:
     # thread's copy): the workers refill the slot only once it is None again, which the CUDA actor sets
     # after it saw the fence done (`Run.settle`); workers never query a CUDA event themselves
     guard: Guard | None = None
-    guarded_at: float = 0.0  # time.monotonic() when the guard was set (a guard that never completes times out)
+    # time.perf_counter() when the guard was set (a guard that never completes times out): the clock the device
+    # thread reads anyway as it sets a guard (`gpu_pipeline`), so setting it costs no call there
+    guarded_at: float = 0.0
     size: int = 0  # samples in that batch
     remaining: int = 0  # samples not yet written; 0 once the batch is complete
     finished: list[int] = field(default_factory=list)  # rows written so far (appended without a lock)
@@ -355,7 +357,7 @@ class HandOut:
         `next_batch`. The ring outlives the run, so the next run's workers honour it too."""
         last = self.last_given
         if guard is not None and last is not None and last[0] == b:
-            last[1].guard, last[1].guarded_at = guard, time.monotonic()
+            last[1].guard, last[1].guarded_at = guard, time.perf_counter()
 
 
 class Run(HandOut):
@@ -519,7 +521,7 @@ class Run(HandOut):
                 continue
             if guard.done():
                 slot.guard, cleared = None, True
-            elif time.monotonic() - slot.guarded_at > self.timeout and self.stalled is None:
+            elif time.perf_counter() - slot.guarded_at > self.timeout and self.stalled is None:
                 self.stalled = LoaderTimeoutError(
                     f"batch {self.next_assign} cannot be written into its slot: {guard.what} had not finished "
                     f"after {self.timeout:g} s; the GPU may be hung or its copy engine starved by other work")
