@@ -268,6 +268,18 @@ def test_auto_splits_each_batch_and_says_why(packed: Path) -> None:
     assert stats.gpu_phases["decode_s"] > 0 and stats.gpu_phases["resample_s"] > 0
 
 
+def test_the_workers_seconds_preparing_the_gpus_rows_reach_plan_s(packed: Path) -> None:
+    """plan_s comes with each worker's own counters (flushed as a batch completes), not from the batch's plan:
+    every pass adds to it, and it is part of the workers' read_s."""
+    loader = Loader(packed, 16, transforms=CROP, seed=5, workers=Workers(num_threads=2),
+                    device=DeviceOptions("cpu", decode="gpu", gpu_decoder=FixedRateDecoder()))
+    seen = []
+    for _ in range(2):
+        assert sum(len(x) for x, _ in loader) == 48
+        seen.append(loader.stats.gpu_phases["plan_s"])
+    assert 0 < seen[0] < seen[1] <= loader.stats.read_s
+
+
 def test_auto_decodes_on_the_cpu_where_the_gpu_cannot_help_and_says_why(packed: Path) -> None:
     no_cuda = Loader(packed, 16, transforms=CROP, device=DeviceOptions("cpu", decode="auto"))
     assert no_cuda.route.gpu == "none" and no_cuda.stats.gpu_split.startswith("CPU only: no GPU JPEG decoder")

@@ -292,7 +292,8 @@ class Phases:
 
     def add(self, name: str, seconds: float) -> None:
         """Add to one phase. No lock: each phase has one writer thread (decode_s and reads_wait_s the
-        decode thread, the others the device thread), and a dict item's update is atomic for its key."""
+        decode thread, plan_s the worker flushing its counters under the run's lock (`LoaderStats.add`), the
+        others the device thread), and a dict item's update is atomic for its key."""
         self.stats.gpu_phases[name] += seconds
 
     def line(self, batches: int) -> str:
@@ -488,7 +489,6 @@ class PipelinedBuilder:
         pending.copied, pending.on_gpu = fence, True   # `_Pending.let_go`, inlined: it runs per batch
         t4 = time.perf_counter()
         p = self.stats.gpu_phases   # this thread is the only writer of these phases (`Phases`)
-        p["plan_s"] += sum(slot.plan.gpu_plan_s)
         p["upload_s"] += pending.upload_s
         p["decode_wait_s"] += decode_wait
         p["resample_s"] += resample

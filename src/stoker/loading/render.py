@@ -148,9 +148,9 @@ class BatchPlan:
     gpu_from: int = 0  # the route's GPU columns: the JPEG rows from this one on go to the GPU
     #: the GPU's rows, a chunk at a time (`jobs.GpuRows`), appended by the worker threads without a lock
     gpu_rows: list = field(default_factory=list)
-    # seconds the workers spent: preparing the GPU's rows (crop windows, byte copies), rendering the
-    # other rows on the CPU (appended without a lock; read by the device thread once the batch is complete)
-    gpu_plan_s: list = field(default_factory=list)
+    # seconds the workers spent rendering the rows the GPU shares the batch with on the CPU (appended without a
+    # lock; read by the device thread once the batch is complete). Those preparing the GPU's rows go with the
+    # worker's own counters (`WorkerTimes.plan`, flushed into the GPU phases' plan_s once a batch is complete)
     cpu_render_s: list = field(default_factory=list)
 
 
@@ -346,7 +346,7 @@ class Filler:
             plan.gpu_rows.append(rows)
         seconds = time.perf_counter() - t0
         times.read += seconds
-        plan.gpu_plan_s.append(seconds)
+        times.plan += seconds
         if not left:
             return []
         t1 = time.perf_counter()

@@ -594,6 +594,7 @@ class Run(HandOut):
     # ---- consumer: next_batch and guard are HandOut's ----------------------------------------
     def _next_batch(self, b: int) -> Slot:
         deadline = None   # read the clock only when there is a wait
+        assigned = self.assigned
         with self.lock:   # the Bells' lock: their waits and notifies inside hold it
             if b > self.released:
                 self.released = b
@@ -603,7 +604,7 @@ class Run(HandOut):
                 self.slot_cond.waiting.pop(0).release()   # `Bells.notify`, inlined: it runs per batch
             while True:
                 pending = self._settle()  # this thread is the CUDA actor: it clears the slots' guards
-                slot = self.assigned.get(b)
+                slot = assigned[b] if b in assigned else None
                 if slot is not None and slot.remaining == 0:
                     break
                 if self.fatal is not None:
@@ -624,7 +625,7 @@ class Run(HandOut):
                         f"worker threads alive); storage may be stalled or a transform hangs — raise "
                         f"workers=stoker.Workers(timeout=...) if samples are genuinely this slow")
                 self.cond.wait(min(_FENCE_POLL_S if pending else _POLL_S, left))
-            del self.assigned[b]
+            del assigned[b]
             if ring.__class__ is BatchRing:   # `BatchRing.hand_out`, inlined: it runs per batch
                 ring.out.append(slot)
             else:   # a worker process's ring (`proc_child`)

@@ -129,6 +129,9 @@ class LoaderStats:
         self.decode_s += times.decode
         self.augment_s += times.augment
         self.worker_wait_s += times.wait
+        if times.plan:   # the route's GPU columns: their phase timers (made by `gpu_pipeline.Phases` before any worker)
+            self.gpu_phases["plan_s"] += times.plan
+            times.plan = 0.0
         self.skipped += times.skipped
         if times.skipped_keys and len(self.skipped_keys) < 100:
             self.skipped_keys.extend(times.skipped_keys[:100 - len(self.skipped_keys)])
@@ -145,5 +148,6 @@ class WorkerTimes:
     decode: float = 0.0
     augment: float = 0.0
     wait: float = 0.0
+    plan: float = 0.0  # preparing the GPU's rows (crop windows, byte copies): part of `read` too; gpu_phases' plan_s
     skipped: int = 0
     skipped_keys: list[str] = field(default_factory=list)
