@@ -321,6 +321,36 @@ def test_doctor_names_the_split_and_why() -> None:
     assert _gpu_decode(LoaderStats(gpu_decoder="TorchCodec 0.17.0 nvJPEG")) == "TorchCodec 0.17.0 nvJPEG"
 
 
+@pytest.mark.parametrize("decode, share", [("gpu", None), ("auto", 0.5)])
+def test_submit_hands_the_decode_thread_the_columns_plan_columns_makes(packed: Path, decode: str, share: Any,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`submit` takes a batch of one chunk of rows as its columns itself (`plan_columns`' first case, inlined):
+    the same rows, crops, flips and bytes as `plan_columns` gives, whether every row is the GPU's or a split
+    leaves it the batch's last rows."""
+    from stoker.device import gpu_pipeline
+    from stoker.loading.jobs import plan_columns
+
+    pairs: list = []
+    submit = gpu_pipeline.PipelinedBuilder.submit
+
+    def spy(self, slot):
+        want = plan_columns(slot.plan, slot.size)
+        pending = submit(self, slot)
+        pairs.append((want, pending.ticket.jobs))
+        return pending
+
+    monkeypatch.setattr(gpu_pipeline.PipelinedBuilder, "submit", spy)
+    loader = Loader(packed, 16, transforms=CROP, seed=4, workers=Workers(num_threads=2),
+                    device=DeviceOptions("cpu", decode=decode, gpu_share=share, gpu_decoder=FixedRateDecoder()))
+    assert sum(len(x) for x, _ in loader) == 48
+    assert len(pairs) == 3
+    for want, got in pairs:
+        assert len(got) == len(want) > 0
+        assert np.array_equal(got.geo, want.geo) and np.array_equal(got.box, want.box)
+        assert np.array_equal(got.spans, want.spans) and got.data is want.data
+        assert [got.job(i).key for i in range(len(got))] == [want.job(i).key for i in range(len(want))]
+
+
 def test_a_batchs_jpeg_bytes_share_one_staging_buffer(packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """From a slot's second batch on, the workers copy its JPEGs into one buffer made by the device
     thread, each job's bytes a view at its own offset; a buffer too small for a batch is replaced by a

@@ -499,24 +499,27 @@ class PipelinedBuilder:
         self._account(slot, ticket, failures, gpu_side=(decode_s if decode_s > resample else resample) + fallback,
                       events=events, fallback=fallback)
         self.stats.device_s += pending.upload_s + t4 - t_finish - decode_wait
-        self._measure(batch, extras, k, working)
-        return batch, fence
-
-    def _measure(self, batch: tuple, extras: Any, k: int, working: dict[int, int]) -> None:
-        """The device bytes `batch` holds and those of ring buffer `k` (`working`) it does not (`measure`);
-        a batch that holds the buffer takes it out of the ring. Read from the storages, except for a batch
-        like the last one measured: images and labels of the same shapes and dtypes, both tensors of their
-        own (no view: fresh outputs, each the whole of its storage, as the first such batch showed), no
-        extras; then the same bytes, with no call."""
+        # the device bytes the batch holds: a batch like the last one measured (`_measure`) holds the same, with
+        # no call to read them; a batch of a kind never cached is measured every time
         images, labels = batch[0], batch[1]
+        kind = None
         if (extras is None and labels.__class__ is torch.Tensor and images._base is None and labels._base is None
                 and images is not self.buffers[k]):
             kind = (images.shape, images.dtype, images.device, labels.shape, labels.dtype, labels.device)
-            if kind == self._kind:
-                self._held = (batch, self._held[1], self._held[2])
-                return
+        if kind is not None and kind == self._kind:
+            self._held = (batch, self._held[1], self._held[2])
         else:
-            kind = None
+            self._measure(batch, kind, k, working)
+        return batch, fence
+
+    def _measure(self, batch: tuple, kind: tuple | None, k: int, working: dict[int, int]) -> None:
+        """The device bytes `batch` holds and those of ring buffer `k` (`working`) it does not (`measure`),
+        read from the storages; a batch that holds the buffer takes it out of the ring. `kind`: the batch's
+        images' and labels' shapes, dtypes and devices where both are tensors of their own (no view) and
+        there are no extras, else None. A kind whose batch holds fresh outputs only, each the whole of its
+        storage, is kept (`_kind`): a batch of the same kind holds the same bytes (`finish` reads them
+        from here with no call)."""
+        images, labels = batch[0], batch[1]
         held = storages_on(batch, self.opts.device)
         extra = 0   # the working buffer's bytes the batch does not hold (the peak's)
         for ptr, n in working.items():

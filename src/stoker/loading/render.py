@@ -250,7 +250,10 @@ class Filler:
             staging = slot.staging
             if staging is not None:   # `JpegStaging.reset`, inlined: it runs per batch
                 staging.used = staging.overflow = 0
-            gpu_from = 0 if self.split is None else slot.size - self.split.gpu_rows(slot.size)
+            split = self.split
+            if split is not None:   # the GPU's rows: as a rule the last batch's answer (`gpu_rows`'s, with no call)
+                last, n = split.rows_for, slot.size
+                gpu_from = n - (last[2] if last[0] == split.share and last[1] == n else split.gpu_rows(n))
         if deferred:
             return BatchPlan(idx, positions, None, None, None, gpu_from=gpu_from)  # type: ignore[arg-type]
         if bucket < 0:
