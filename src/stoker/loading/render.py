@@ -196,7 +196,7 @@ class Filler:
             self.heights = np.ascontiguousarray(spec.heights, np.int64)
             self.widths = np.ascontiguousarray(spec.widths, np.int64)
             self.planner = RowPlanner(spec.route.program, int(stream_key(self.seed, epoch, tag)[0]), self.heights,
-                                      self.widths, spec.key_by_draw)
+                                      self.widths, spec.key_by_draw, native.gather_c())
 
     def _sizes(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """Stored (heights, widths) of samples `idx`; None when known only after reading (loose files)."""

@@ -133,11 +133,12 @@ class LoaderStats:
             self.gpu_phases["plan_s"] += times.plan
             times.plan = 0.0
         self.skipped += times.skipped
-        if times.skipped_keys and len(self.skipped_keys) < 100:
-            self.skipped_keys.extend(times.skipped_keys[:100 - len(self.skipped_keys)])
+        if times.skipped_keys:   # (as a rule none: no call)
+            if len(self.skipped_keys) < 100:
+                self.skipped_keys.extend(times.skipped_keys[:100 - len(self.skipped_keys)])
+            times.skipped_keys.clear()
         times.read = times.decode = times.augment = times.wait = 0.0
         times.skipped = 0
-        times.skipped_keys.clear()
 
 
 @dataclass
