@@ -345,6 +345,7 @@ class PipelinedBuilder:
         self.base, self.gpu = base, gpu   # gpu: the gpu_decode.GpuBatchDecoder
         self.stage, self.opts, self.stats = base.stage, base.opts, base.stats
         self.split = split
+        self.pinned = self.opts.is_cuda   # staging memory pinned (a property: read once, not per slot)
         self.phases = Phases(self.stats)
         self.decoder = DecodeThread(gpu, stop, timeout, self.phases)
         self.buffers: list[torch.Tensor | None] = [None] * RING
@@ -422,7 +423,7 @@ class PipelinedBuilder:
         fit (`submit` checks): made (pinned on a CUDA host) 1.5 times this batch's bytes. Once per slot
         in steady state."""
         size = max(jpeg_bytes(jobs) * 3 // 2, 1 << 16)
-        slot.staging = JpegStaging(torch.empty(size, dtype=torch.uint8, pin_memory=self.opts.is_cuda))
+        slot.staging = JpegStaging(torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned))
 
     def finish(self, pending: _Pending) -> tuple[Any, Any]:
         """Batch `pending` built (as `DeviceBuilder.__call__` returns it) and its fence, which is also its

@@ -260,7 +260,7 @@ def jpeg_bytes(jobs: GpuBatch) -> int:
     """The JPEG bytes of `jobs`."""
     if jobs.data is not None:
         spans = jobs.spans
-        return int((spans[:, 1] - spans[:, 0]).sum())
+        return int(np.add.reduce(spans[:, 1] - spans[:, 0]))   # (the ufunc itself: `ndarray.sum` is two calls more)
     return sum([d.shape[0] for d in jobs.datas])
 
 
