@@ -101,7 +101,8 @@ class Bells:
         return rung
 
     def notify(self) -> None:
-        """Wake the longest-waiting thread, if any (the lock held)."""
+        """Wake the longest-waiting thread (of ranked waits, the first of the lowest rank), if any (the lock
+        held)."""
         waiting = self.waiting
         if waiting:
             waiting.pop(0).release()
