@@ -62,6 +62,61 @@ def test_notify_wakes_the_longest_waiting_thread_only_and_notify_all_the_rest() 
     assert second == [(True, True)] and b.waiting == []
 
 
+def _ranked(b: Bells, rank: int, out: list, name: str, first_timeout: float = 30.0) -> threading.Thread:
+    """A thread waiting on `b` with `rank` (a first wait of `first_timeout` s, then, timed out, again, as a
+    slot wait's loop does), which appends `name` to `out` once woken."""
+    def run() -> None:
+        with b:
+            if not b.wait(first_timeout, rank):
+                b.wait(30.0, rank)
+            out.append(name)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_ranked_waits_wake_the_lowest_rank_first_whatever_order_they_began_in() -> None:
+    """A freed slot is for the lowest batch waiting: `notify` wakes that worker, not the longest waiting;
+    equal ranks (claims of one batch's rows) in the order they began."""
+    b = Bells(threading.RLock())
+    woken: list[str] = []
+    threads = []
+    for n, (rank, name) in enumerate([(7, "7"), (5, "5a"), (9, "9"), (5, "5b")]):
+        threads.append(_ranked(b, rank, woken, name))
+        _settled(b, n + 1)
+    for n in range(4):
+        with b:
+            b.notify()
+        for _ in range(2000):   # the woken thread reports before the next is rung
+            if len(woken) == n + 1:
+                break
+            threading.Event().wait(0.005)
+    for t in threads:
+        t.join(10)
+    assert woken == ["5a", "5b", "7", "9"] and b.waiting == []
+
+
+def test_a_ranked_wait_that_timed_out_waits_again_in_its_place() -> None:
+    """The safety net's timeout and the wait after it put a worker back where its batch belongs, not behind
+    the workers of later batches that began waiting meanwhile."""
+    b = Bells(threading.RLock())
+    woken: list[str] = []
+    late = _ranked(b, 4, woken, "4")
+    _settled(b, 1)
+    early = _ranked(b, 2, woken, "2", first_timeout=0.05)   # times out once, then waits again
+    _settled(b, 2)
+    threading.Event().wait(0.2)   # well past its first timeout: waiting again by now
+    _settled(b, 2)
+    with b:
+        b.notify()
+    early.join(10)
+    assert woken == ["2"] and not early.is_alive()
+    with b:
+        b.notify()
+    late.join(10)
+    assert woken == ["2", "4"] and b.waiting == []
+
+
 def test_a_wait_times_out_with_the_lock_held_and_leaves_no_bell_behind() -> None:
     b = Bells(threading.RLock())
     with b:

@@ -268,6 +268,18 @@ def test_auto_splits_each_batch_and_says_why(packed: Path) -> None:
     assert stats.gpu_phases["decode_s"] > 0 and stats.gpu_phases["resample_s"] > 0
 
 
+def test_the_workers_seconds_preparing_the_gpus_rows_reach_plan_s(packed: Path) -> None:
+    """plan_s comes with each worker's own counters (flushed as a batch completes), not from the batch's plan:
+    every pass adds to it, and it is part of the workers' read_s."""
+    loader = Loader(packed, 16, transforms=CROP, seed=5, workers=Workers(num_threads=2),
+                    device=DeviceOptions("cpu", decode="gpu", gpu_decoder=FixedRateDecoder()))
+    seen = []
+    for _ in range(2):
+        assert sum(len(x) for x, _ in loader) == 48
+        seen.append(loader.stats.gpu_phases["plan_s"])
+    assert 0 < seen[0] < seen[1] <= loader.stats.read_s
+
+
 def test_auto_decodes_on_the_cpu_where_the_gpu_cannot_help_and_says_why(packed: Path) -> None:
     no_cuda = Loader(packed, 16, transforms=CROP, device=DeviceOptions("cpu", decode="auto"))
     assert no_cuda.route.gpu == "none" and no_cuda.stats.gpu_split.startswith("CPU only: no GPU JPEG decoder")
@@ -307,6 +319,36 @@ def test_doctor_names_the_split_and_why() -> None:
     assert line.startswith("nvImageCodec 0.9.0") and "25% of each batch's JPEGs on the GPU" in line
     assert "CPU threads 6,000 img/s" in line
     assert _gpu_decode(LoaderStats(gpu_decoder="TorchCodec 0.17.0 nvJPEG")) == "TorchCodec 0.17.0 nvJPEG"
+
+
+@pytest.mark.parametrize("decode, share", [("gpu", None), ("auto", 0.5)])
+def test_submit_hands_the_decode_thread_the_columns_plan_columns_makes(packed: Path, decode: str, share: Any,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`submit` takes a batch of one chunk of rows as its columns itself (`plan_columns`' first case, inlined):
+    the same rows, crops, flips and bytes as `plan_columns` gives, whether every row is the GPU's or a split
+    leaves it the batch's last rows."""
+    from stoker.device import gpu_pipeline
+    from stoker.loading.jobs import plan_columns
+
+    pairs: list = []
+    submit = gpu_pipeline.PipelinedBuilder.submit
+
+    def spy(self, slot):
+        want = plan_columns(slot.plan, slot.size)
+        pending = submit(self, slot)
+        pairs.append((want, pending.ticket.jobs))
+        return pending
+
+    monkeypatch.setattr(gpu_pipeline.PipelinedBuilder, "submit", spy)
+    loader = Loader(packed, 16, transforms=CROP, seed=4, workers=Workers(num_threads=2),
+                    device=DeviceOptions("cpu", decode=decode, gpu_share=share, gpu_decoder=FixedRateDecoder()))
+    assert sum(len(x) for x, _ in loader) == 48
+    assert len(pairs) == 3
+    for want, got in pairs:
+        assert len(got) == len(want) > 0
+        assert np.array_equal(got.geo, want.geo) and np.array_equal(got.box, want.box)
+        assert np.array_equal(got.spans, want.spans) and got.data is want.data
+        assert [got.job(i).key for i in range(len(got))] == [want.job(i).key for i in range(len(want))]
 
 
 def test_a_batchs_jpeg_bytes_share_one_staging_buffer(packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -577,8 +619,8 @@ def test_a_chunk_whose_decode_raised_takes_no_ring_entry() -> None:
     gpu = _StubGpu()
     decoder = _decode_thread(gpu)
     try:
-        tickets = [_Ticket([_StubChunk(), _StubChunk()], 8, 8), _Ticket([_StubChunk(True), _StubChunk()], 8, 8),
-                   _Ticket([_StubChunk()], 8, 8)]
+        tickets = [_Ticket.of([_StubChunk(), _StubChunk()], 8, 8),
+                   _Ticket.of([_StubChunk(True), _StubChunk()], 8, 8), _Ticket.of([_StubChunk()], 8, 8)]
         for t in tickets:
             decoder.submit(t)
         assert [decoder.next_chunk(tickets[0]) is not None for _ in range(3)] == [True, True, False]
@@ -602,7 +644,7 @@ def test_a_stop_seen_at_the_rings_release_ends_the_decode_thread_quietly() -> No
     gpu = _StubGpu()
     decoder = _decode_thread(gpu)
     decoder.released.put(_END)
-    ticket = _Ticket([_StubChunk() for _ in range(RING + 2)], 8, 8)
+    ticket = _Ticket.of([_StubChunk() for _ in range(RING + 2)], 8, 8)
     decoder.submit(ticket)
     decoder.thread.join(5)
     assert not decoder.thread.is_alive() and decoder.count == RING

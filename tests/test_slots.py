@@ -15,6 +15,7 @@ from stoker._system import poll_until
 from stoker.device.stage import Fence
 from stoker.errors import LoaderClosedError, LoaderTimeoutError, StokerError, WorkerError
 from stoker.device.feeder import Feeder
+from stoker.loading import slots
 from stoker.loading.slots import BatchRing, Run, Slot
 from stoker.loading.stats import WorkerTimes
 
@@ -84,6 +85,22 @@ def test_workers_never_plan_more_batches_than_the_ring_holds() -> None:
         run.stop()
     assert [b for b, _ in seen] == list(range(10))
     assert all(b < released + 2 for b, released in seen), seen
+
+
+def test_every_worker_waiting_for_a_batchs_rows_wakes_when_it_is_planned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Claims of one row each: several workers wait for the slot of the same batch. The one woken plans it
+    and wakes the others (first in line, ranked by batch), not the workers of later batches. The safety net is
+    longer than the timeout here, so one wake-up lost fails the pass."""
+    monkeypatch.setattr(slots, "_SLOT_POLL_S", 60.0)
+    run = make_run([4] * 12, threads=4, n_slots=2, timeout=20.0)
+    run.start()
+    try:
+        for b in range(12):
+            time.sleep(0.005)  # a slow consumer: every worker waits for a slot
+            assert run.next_batch(b).images_np[:4, 0, 0, 0].tolist() == [b] * 4
+    finally:
+        run.stop()
+    assert run.alive() == 0
 
 
 def test_a_failing_sample_reaches_the_consumer_with_its_worker_traceback() -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -84,6 +84,12 @@ if plans_rows():   # the C function itself (the same arguments): a worker's chun
 
 #: the C gather (`gather_spans`), looked up once: a worker calls it for every chunk of GPU rows
 _gather = getattr(_mod, "gather_spans", None)
+
+
+def gather_c() -> Any:
+    """The C gather (`gather_spans`'s native path, the same arguments) where the native path is on now,
+    else None: for a caller that calls it per chunk and decided once (`jobs.RowPlanner`)."""
+    return _gather if ON else None
 
 
 def gather_spans(blocks: Sequence, spans: np.ndarray, out: np.ndarray, offsets: np.ndarray) -> int:

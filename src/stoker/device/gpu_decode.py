@@ -308,9 +308,13 @@ class GpuBatchDecoder:
             return []
         crop = cols.src[:, 1::2] - cols.src[:, ::2]   # [k, 2]: heights, widths
         ch, cw = np.maximum.reduce(crop)
-        budget = self.resample_budget_bytes
-        if working_set(k, ch, cw, out_h, out_w) <= budget:
+        if working_set(k, ch, cw, out_h, out_w) <= self.resample_budget_bytes:
             return [cols]
+        return self._cut(cols, crop, out_h, out_w)
+
+    def _cut(self, cols: PlacedChunk, crop: np.ndarray, out_h: int, out_w: int) -> list[PlacedChunk]:
+        """`groups` of a chunk over the budget, its crops' (height, width) `crop` [k, 2]."""
+        k, budget = crop.shape[0], self.resample_budget_bytes
         order = np.lexsort((crop[:, 1], crop[:, 0]))   # by (height, width)
         per = working_set(1, crop[order, 0], np.maximum.accumulate(crop[order, 1]), out_h, out_w).tolist()
         cut, start = [0], 0
@@ -440,13 +444,14 @@ class GpuBatchDecoder:
         if not k:
             return []
         out_h, out_w = out.shape[2], out.shape[3]
-        crop_max = np.maximum.reduce(cols.src[:, 1::2] - cols.src[:, ::2])   # [2]: the largest crop's height, width
+        crop = cols.src[:, 1::2] - cols.src[:, ::2]   # [k, 2]: the crops' heights, widths
+        crop_max = np.maximum.reduce(crop)   # [2]: the largest crop's height, width
         if working_set(k, crop_max[0], crop_max[1], out_h, out_w) <= self.resample_budget_bytes:
-            groups = [(cols, crop_max)]
-        else:
-            groups = [(group, None) for group in self.groups(cols, out_h, out_w)]
+            groups, biggest = [cols], crop_max
+        else:   # `groups`, without finding again what is found here
+            groups, biggest = self._cut(cols, crop, out_h, out_w), None
         failures: list[tuple[GpuJob, Exception]] = []
-        for group, biggest in groups:
+        for group in groups:
             try:
                 resample_into(group, out, biggest)
             except Exception as exc:  # e.g. out of GPU memory: these samples go to the CPU

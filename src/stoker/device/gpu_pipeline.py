@@ -34,7 +34,7 @@ from typing import Any
 from .._system import join_at_exit
 from .._torch import torch
 from ..errors import LoaderClosedError, LoaderTimeoutError
-from ..loading.jobs import GpuBatch, JpegStaging, cpu_rows, jpeg_bytes, plan_columns
+from ..loading.jobs import ROW, GpuBatch, GpuRows, JpegStaging, cpu_rows, jpeg_bytes, plan_columns
 from ..loading.slots import Slot
 from .build import DeviceBuilder
 from .feeder import _WAKE, Feeder
@@ -75,15 +75,24 @@ _END = object()   # a ticket's last item when it has no chunks: no more chunks f
 class _Ticket:
     """A batch's JPEG rows handed to the decode thread; its chunks come back in order through `out` (a
     C-level queue: a wait for the next chunk is one call), the last one marked `last` (or `_END` alone
-    for a batch without chunks), or the exception that stopped it."""
+    for a batch without chunks), or the exception that stopped it.
 
-    __slots__ = ("jobs", "out_h", "out_w", "out", "started", "ended")
+    Made per batch without a constructor call, as `_Chunk` (`_Ticket()`, then `jobs`, `out_h`, `out_w`
+    and `out` set, in `PipelinedBuilder.submit`; `of` elsewhere); the defaults below are class attributes."""
 
-    def __init__(self, jobs: GpuBatch, out_h: int, out_w: int) -> None:
-        self.jobs, self.out_h, self.out_w = jobs, out_h, out_w
-        self.out: queue.SimpleQueue = queue.SimpleQueue()
-        self.started: Any = None  # CUDA timing event on the decode stream before its first chunk (None on the CPU)
-        self.ended = False  # its last chunk was handed to the device thread (`next_chunk`'s, alone)
+    jobs: GpuBatch
+    out_h: int
+    out_w: int
+    out: queue.SimpleQueue
+    started: Any = None  # CUDA timing event on the decode stream before its first chunk (None on the CPU)
+    ended = False  # its last chunk was handed to the device thread (`next_chunk`'s, alone)
+
+    @classmethod
+    def of(cls, jobs: GpuBatch, out_h: int, out_w: int) -> "_Ticket":
+        """A ticket for `jobs`, resampled to `out_h` x `out_w` outputs (what `submit` makes inline)."""
+        made = cls()
+        made.jobs, made.out_h, made.out_w, made.out = jobs, out_h, out_w, queue.SimpleQueue()
+        return made
 
 
 class DecodeThread:
@@ -283,7 +292,8 @@ class Phases:
 
     def add(self, name: str, seconds: float) -> None:
         """Add to one phase. No lock: each phase has one writer thread (decode_s and reads_wait_s the
-        decode thread, the others the device thread), and a dict item's update is atomic for its key."""
+        decode thread, plan_s the worker flushing its counters under the run's lock (`LoaderStats.add`), the
+        others the device thread), and a dict item's update is atomic for its key."""
         self.stats.gpu_phases[name] += seconds
 
     def line(self, batches: int) -> str:
@@ -335,6 +345,7 @@ class PipelinedBuilder:
         self.base, self.gpu = base, gpu   # gpu: the gpu_decode.GpuBatchDecoder
         self.stage, self.opts, self.stats = base.stage, base.opts, base.stats
         self.split = split
+        self.pinned = self.opts.is_cuda   # staging memory pinned (a property: read once, not per slot)
         self.phases = Phases(self.stats)
         self.decoder = DecodeThread(gpu, stop, timeout, self.phases)
         self.buffers: list[torch.Tensor | None] = [None] * RING
@@ -347,6 +358,10 @@ class PipelinedBuilder:
         # the last batch built, the device bytes it holds and those of its build's working buffer (`measure`)
         self._held: tuple[Any, int, int] = (None, 0, 0)
         self._kind: tuple | None = None   # the last batch measured from its storages, when another like it needs not be
+        # the clock (`time.perf_counter`) read as the last `submit` ended, until a `finish` begins: the device
+        # thread goes straight from submitting batch b to finishing batch b-1 (`PipelinedFeeder._loop`), so
+        # that reading also starts the finish, and times the slot's guard (`Slot.guarded_at`)
+        self.since: float | None = None
 
     def start(self) -> None:
         self.decoder.start()
@@ -365,9 +380,18 @@ class PipelinedBuilder:
         return x, k
 
     def submit(self, slot: Slot) -> _Pending:
+        """Upload the batch's rows rendered on the CPU into the next ring buffer and hand its GPU rows to the
+        decode thread (which decodes them while the device thread finishes the batch before)."""
         t0 = time.perf_counter()
         n = slot.size
-        jobs = plan_columns(slot.plan, n)   # the rows the workers left for the GPU, as columns in row order
+        # the rows the workers left for the GPU, as columns in row order (`plan_columns`; its first case, one
+        # chunk of rows all in the batch, inlined: decode="gpu" makes one chunk a batch)
+        chunks = slot.plan.gpu_rows
+        only = chunks[0] if len(chunks) == 1 else None
+        if only.__class__ is GpuRows and (m := (geo := only.geo).shape[0]) and geo[m - 1, ROW] < n:
+            jobs = GpuBatch(geo, only.box, only.data, only.spans, [None] * m, [only.dataset] * m)
+        else:
+            jobs = plan_columns(slot.plan, n)
         images = slot.images
         k = self.turn   # `_buffer`'s fast path, inlined: it runs per batch
         x = self.buffers[k]
@@ -382,14 +406,16 @@ class PipelinedBuilder:
                 x[:n - g].copy_(images[:n - g], non_blocking=True)
         else:
             self.base.upload_rows(slot, x, cpu_rows(n, jobs))
-        ticket = _Ticket(jobs, x.shape[1], x.shape[2])
+        made = _Ticket()   # `_Ticket.of`, inlined: it runs per batch
+        made.jobs, made.out_h, made.out_w, made.out = jobs, x.shape[1], x.shape[2], queue.SimpleQueue()
         staging = slot.staging
         if staging is None or staging.overflow:
             self._stage_bytes(slot, jobs)
-        self.decoder.todo.put(ticket)   # `DecodeThread.submit`
+        self.decoder.todo.put(made)   # `DecodeThread.submit`
         pending = _Pending()
-        pending.slot, pending.x, pending.k, pending.ticket = slot, x, k, ticket
-        pending.upload_s = time.perf_counter() - t0   # the upload and the hand-off to the decode thread
+        pending.slot, pending.x, pending.k, pending.ticket = slot, x, k, made
+        self.since = now = time.perf_counter()
+        pending.upload_s = now - t0   # the upload and the hand-off to the decode thread
         return pending
 
     def _stage_bytes(self, slot: Slot, jobs: GpuBatch) -> None:
@@ -397,13 +423,16 @@ class PipelinedBuilder:
         fit (`submit` checks): made (pinned on a CUDA host) 1.5 times this batch's bytes. Once per slot
         in steady state."""
         size = max(jpeg_bytes(jobs) * 3 // 2, 1 << 16)
-        slot.staging = JpegStaging(torch.empty(size, dtype=torch.uint8, pin_memory=self.opts.is_cuda))
+        slot.staging = JpegStaging(torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned))
 
     def finish(self, pending: _Pending) -> tuple[Any, Any]:
         """Batch `pending` built (as `DeviceBuilder.__call__` returns it) and its fence, which is also its
         slot's: the slot is let go (`_Pending.let_go`) behind everything that reads it and the batch's
         conversion, one fence for both."""
-        t_finish = t0 = time.perf_counter()
+        t0, self.since = self.since, None   # the end of the submit just made (`since`)
+        if t0 is None:   # the run's last batch, finished after the one before it rather than after a submit
+            t0 = time.perf_counter()
+        t_finish = t0
         slot, x, ticket = pending.slot, pending.x, pending.ticket
         nchw = self.views[pending.k]   # x as NCHW
         stream = self.stage.stream
@@ -453,7 +482,7 @@ class PipelinedBuilder:
         k = pending.k
         working = self.storages[k]
         if extras is None and x.ndim == 4 and base.chain.spec.pipeline.batch is None:   # `DeviceBuilder.finish`
-            batch = (convert(x, self.opts, layout="nhwc"), labels)      # with no batch ops nor clips, inlined
+            batch = (convert(nchw, self.opts, layout="nchw"), labels)   # with no batch ops nor clips, inlined
             base.working = working
         else:
             batch = base.finish(slot, x, labels, extras, working=working)
@@ -461,7 +490,6 @@ class PipelinedBuilder:
         pending.copied, pending.on_gpu = fence, True   # `_Pending.let_go`, inlined: it runs per batch
         t4 = time.perf_counter()
         p = self.stats.gpu_phases   # this thread is the only writer of these phases (`Phases`)
-        p["plan_s"] += sum(slot.plan.gpu_plan_s)
         p["upload_s"] += pending.upload_s
         p["decode_wait_s"] += decode_wait
         p["resample_s"] += resample
@@ -472,24 +500,27 @@ class PipelinedBuilder:
         self._account(slot, ticket, failures, gpu_side=(decode_s if decode_s > resample else resample) + fallback,
                       events=events, fallback=fallback)
         self.stats.device_s += pending.upload_s + t4 - t_finish - decode_wait
-        self._measure(batch, extras, k, working)
-        return batch, fence
-
-    def _measure(self, batch: tuple, extras: Any, k: int, working: dict[int, int]) -> None:
-        """The device bytes `batch` holds and those of ring buffer `k` (`working`) it does not (`measure`);
-        a batch that holds the buffer takes it out of the ring. Read from the storages, except for a batch
-        like the last one measured: images and labels of the same shapes and dtypes, both tensors of their
-        own (no view: fresh outputs, each the whole of its storage, as the first such batch showed), no
-        extras; then the same bytes, with no call."""
+        # the device bytes the batch holds: a batch like the last one measured (`_measure`) holds the same, with
+        # no call to read them; a batch of a kind never cached is measured every time
         images, labels = batch[0], batch[1]
+        kind = None
         if (extras is None and labels.__class__ is torch.Tensor and images._base is None and labels._base is None
                 and images is not self.buffers[k]):
             kind = (images.shape, images.dtype, images.device, labels.shape, labels.dtype, labels.device)
-            if kind == self._kind:
-                self._held = (batch, self._held[1], self._held[2])
-                return
+        if kind is not None and kind == self._kind:
+            self._held = (batch, self._held[1], self._held[2])
         else:
-            kind = None
+            self._measure(batch, kind, k, working)
+        return batch, fence
+
+    def _measure(self, batch: tuple, kind: tuple | None, k: int, working: dict[int, int]) -> None:
+        """The device bytes `batch` holds and those of ring buffer `k` (`working`) it does not (`measure`),
+        read from the storages; a batch that holds the buffer takes it out of the ring. `kind`: the batch's
+        images' and labels' shapes, dtypes and devices where both are tensors of their own (no view) and
+        there are no extras, else None. A kind whose batch holds fresh outputs only, each the whole of its
+        storage, is kept (`_kind`): a batch of the same kind holds the same bytes (`finish` reads them
+        from here with no call)."""
+        images, labels = batch[0], batch[1]
         held = storages_on(batch, self.opts.device)
         extra = 0   # the working buffer's bytes the batch does not hold (the peak's)
         for ptr, n in working.items():
@@ -598,7 +629,8 @@ class PipelinedFeeder(Feeder):
                     return
                 slot = run._next_batch(b)   # `next_batch` with no guard to set, and no Ctrl-C in this thread
                 last = pipe.submit(slot)   # on the copy stream: current since `_bound`
-                slot.guard, slot.guarded_at = last, time.monotonic()   # `run.guard(b, last)`: b's slot, handed out last
+                # `run.guard(b, last)`: b's slot, handed out last, timed by the clock submit read last
+                slot.guard, slot.guarded_at = last, pipe.since
                 if prev is not None and not self._finish(prev):
                     return
                 prev, last = last, None

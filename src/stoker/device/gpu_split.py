@@ -145,7 +145,9 @@ class SplitControl:
         self.fixed = share
         self.balanced = float(start if share is None else share)  # G / (G + C) from the latest rates
         self.share = self.balanced  # what gpu_rows hands out now
-        self._rows_for: tuple[float, int, int] = (-1.0, -1, 0)   # gpu_rows's last (share, rows asked, answer)
+        # gpu_rows's last (share, rows asked, answer): whoever plans a batch reads it first (`Filler.prepare`),
+        # with no call when the question is the last one
+        self.rows_for: tuple[float, int, int] = (-1.0, -1, 0)
         self.floor, self.margin = floor, margin
         self.probe_every, self.probe_len, self.warmup = probe_every, probe_len, warmup
         # images/s: the GPU side; the CPU threads over all batches (the balance: where the two ways do not
@@ -183,12 +185,12 @@ class SplitControl:
         """How many of a batch's `n_jpeg` JPEG rows go to the GPU (read by a worker thread when it
         plans a batch: one float, no lock needed). The last answer is kept with its question: most batches
         ask the same one, and then this makes no call."""
-        share, last = self.share, self._rows_for
+        share, last = self.share, self.rows_for
         if last[0] == share and last[1] == n_jpeg:
             return last[2]
         rows = int(round(share * n_jpeg))
         rows = max(rows, 1) if share > 0 and n_jpeg > 0 else rows  # a share above 0: at least one row
-        self._rows_for = (share, n_jpeg, rows)   # one tuple: a thread reads all of it or none
+        self.rows_for = (share, n_jpeg, rows)   # one tuple: a thread reads all of it or none
         return rows
 
     @property

@@ -10,6 +10,12 @@ wakes the longest waiting, `notify_all` every waiter) with one C lock per waitin
 RLock given up and taken back by its own C methods: a wait is about six C calls, a notify with no
 waiter none (callers test `waiting` first).
 
+A wait may give a rank (the batch a worker waits for a slot for): the waiters are then kept lowest rank
+first, whatever order their waits began in, so `notify` wakes the one the next free slot is for. A wait
+that timed out (the safety net) and waits again goes back to its place, not to the end of the line: in
+arrival order it would wake before the worker whose batch comes first, plan that batch for it, wake it
+and wait again, two wait rounds where one does.
+
 `StopFlag` is a `threading.Event` whose state is also a plain attribute (`stopped`), so a hot loop reads
 it with no call at all; `set` and `clear` keep the two in step.
 """
@@ -35,13 +41,15 @@ def _bell() -> Any:
 class Bells:
     """A Condition over an RLock (`lock`), for the hand-offs' hot waits: `wait(timeout)` and `notify_all()`
     with the lock held, as `threading.Condition`'s; `with bells:` takes the lock. `waiting` holds the bells
-    of the threads waiting now (test it before calling `notify_all` on a hot path)."""
+    of the threads waiting now, in the order `notify` wakes them (test it before calling `notify_all` on a
+    hot path). The waits on one Bells are all ranked or none."""
 
-    __slots__ = ("lock", "waiting")
+    __slots__ = ("lock", "waiting", "ranks")
 
     def __init__(self, lock: Any) -> None:
         self.lock = lock
         self.waiting: list[Any] = []
+        self.ranks: dict[Any, int] = {}   # a ranked wait's bell -> its rank (one entry per thread that waited)
 
     def __enter__(self) -> bool:
         return self.lock.__enter__()
@@ -58,16 +66,27 @@ class Bells:
     def release(self) -> None:
         self.lock.release()
 
-    def wait(self, timeout: float) -> bool:
+    def wait(self, timeout: float, rank: int | None = None) -> bool:
         """Give the lock up (held by the caller, however deeply), sleep until `notify_all` or `timeout`
         seconds, take the lock back; True when notified. Interrupted (Ctrl-C), it still takes the lock
-        back and leaves no bell behind."""
+        back and leaves no bell behind. `rank`: woken before the waiters of a higher rank, after those of a
+        lower or the same one (which began waiting first)."""
         try:   # `_bell()`, inlined: a wait is the hot path
             bell = _local.bell
         except AttributeError:
             bell = _bell()
         waiting = self.waiting
-        waiting.append(bell)
+        if rank is None:
+            waiting.append(bell)
+        else:   # its place in the line: before the first waiter of a higher rank (a few threads: a short walk)
+            ranks = self.ranks
+            ranks[bell] = rank
+            for i, other in enumerate(waiting):
+                if ranks[other] > rank:
+                    waiting.insert(i, bell)
+                    break
+            else:
+                waiting.append(bell)
         state = self.lock._release_save()
         rung = False
         try:
@@ -82,7 +101,8 @@ class Bells:
         return rung
 
     def notify(self) -> None:
-        """Wake the longest-waiting thread, if any (the lock held)."""
+        """Wake the longest-waiting thread (of ranked waits, the first of the lowest rank), if any (the lock
+        held)."""
         waiting = self.waiting
         if waiting:
             waiting.pop(0).release()

@@ -260,7 +260,7 @@ def jpeg_bytes(jobs: GpuBatch) -> int:
     """The JPEG bytes of `jobs`."""
     if jobs.data is not None:
         spans = jobs.spans
-        return int((spans[:, 1] - spans[:, 0]).sum())
+        return int(np.add.reduce(spans[:, 1] - spans[:, 0]))   # (the ufunc itself: `ndarray.sum` is two calls more)
     return sum([d.shape[0] for d in jobs.datas])
 
 
@@ -313,6 +313,9 @@ class RowPlanner:
     heights: np.ndarray
     widths: np.ndarray
     by_position: bool = False
+    # the C gather itself (`native.gather_spans` without its Python wrapper), looked up with the planner: the
+    # rows it plans are gathered in one call, not two; None: the wrapper's (NumPy where the native path is off)
+    gather: Any = None
 
 
 def gpu_rows(dataset: Any, plan: Any, r0: int, r1: int, staging: JpegStaging | None, out_size: tuple[int, int],
@@ -363,7 +366,8 @@ def gpu_rows(dataset: Any, plan: Any, r0: int, r1: int, staging: JpegStaging | N
         data, out = staging.buffer, staging.array
     at = at[:n]
     at += start
-    native.gather_spans(blocks, src[:n], out, at[:, 0])
+    (native.gather_spans if planner is None or planner.gather is None else planner.gather)(blocks, src[:n], out,
+                                                                                         at[:, 0])
     return GpuRows(data, at, geo[:n], box[:n], dataset), left
 
 

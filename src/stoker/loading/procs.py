@@ -451,7 +451,7 @@ class ProcessRun(HandOut):
             keep: deque[Slot] = deque()
             for slot in self.ring.free:
                 if slot.guard is not None and not slot.guard.done():
-                    if time.monotonic() - slot.guarded_at > self.timeout and self.stalled is None:
+                    if time.perf_counter() - slot.guarded_at > self.timeout and self.stalled is None:
                         self.stalled = LoaderTimeoutError(
                             f"a batch slot cannot be refilled: {slot.guard.what} had not finished after "
                             f"{self.timeout:g} s; the GPU may be hung or its copy engine starved by other work")

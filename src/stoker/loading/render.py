@@ -148,9 +148,9 @@ class BatchPlan:
     gpu_from: int = 0  # the route's GPU columns: the JPEG rows from this one on go to the GPU
     #: the GPU's rows, a chunk at a time (`jobs.GpuRows`), appended by the worker threads without a lock
     gpu_rows: list = field(default_factory=list)
-    # seconds the workers spent: preparing the GPU's rows (crop windows, byte copies), rendering the
-    # other rows on the CPU (appended without a lock; read by the device thread once the batch is complete)
-    gpu_plan_s: list = field(default_factory=list)
+    # seconds the workers spent rendering the rows the GPU shares the batch with on the CPU (appended without a
+    # lock; read by the device thread once the batch is complete). Those preparing the GPU's rows go with the
+    # worker's own counters (`WorkerTimes.plan`, flushed into the GPU phases' plan_s once a batch is complete)
     cpu_render_s: list = field(default_factory=list)
 
 
@@ -196,7 +196,7 @@ class Filler:
             self.heights = np.ascontiguousarray(spec.heights, np.int64)
             self.widths = np.ascontiguousarray(spec.widths, np.int64)
             self.planner = RowPlanner(spec.route.program, int(stream_key(self.seed, epoch, tag)[0]), self.heights,
-                                      self.widths, spec.key_by_draw)
+                                      self.widths, spec.key_by_draw, native.gather_c())
 
     def _sizes(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """Stored (heights, widths) of samples `idx`; None when known only after reading (loose files)."""
@@ -250,7 +250,10 @@ class Filler:
             staging = slot.staging
             if staging is not None:   # `JpegStaging.reset`, inlined: it runs per batch
                 staging.used = staging.overflow = 0
-            gpu_from = 0 if self.split is None else slot.size - self.split.gpu_rows(slot.size)
+            split = self.split
+            if split is not None:   # the GPU's rows: as a rule the last batch's answer (`gpu_rows`'s, with no call)
+                last, n = split.rows_for, slot.size
+                gpu_from = n - (last[2] if last[0] == split.share and last[1] == n else split.gpu_rows(n))
         if deferred:
             return BatchPlan(idx, positions, None, None, None, gpu_from=gpu_from)  # type: ignore[arg-type]
         if bucket < 0:
@@ -346,7 +349,7 @@ class Filler:
             plan.gpu_rows.append(rows)
         seconds = time.perf_counter() - t0
         times.read += seconds
-        plan.gpu_plan_s.append(seconds)
+        times.plan += seconds
         if not left:
             return []
         t1 = time.perf_counter()

@@ -47,9 +47,10 @@ from .stats import LoaderStats, WorkerTimes
 
 _POLL_S = 0.1  # how often a blocked wait re-checks the stop flag, seconds
 # how long a worker waiting for its batch's slot sleeps between checks: a release, a cleared guard, a stall and
-# stop() all notify it (`slot_cond`), so this is only the safety net (a short one costs a dozen Python calls per
-# idle worker per period: while a slow device side holds every slot, idle workers would wake for nothing)
-_SLOT_POLL_S = 5.0
+# the stop flag however it is set (`StopFlag.wakes`: the interpreter's exit too) all notify it (`slot_cond`), so
+# this is only the safety net. A short one costs a dozen Python calls per idle worker per period: while a slow
+# device side holds every slot, the second worker in line waits two batches' time, and it would wake for nothing
+_SLOT_POLL_S = 30.0
 # how often the CUDA actor re-checks a slot's guard while the workers wait for it: nothing notifies
 # the host when the GPU passes an event, so this one wait polls (seconds)
 _FENCE_POLL_S = 0.001
@@ -111,7 +112,9 @@ class Slot:
     # thread's copy): the workers refill the slot only once it is None again, which the CUDA actor sets
     # after it saw the fence done (`Run.settle`); workers never query a CUDA event themselves
     guard: Guard | None = None
-    guarded_at: float = 0.0  # time.monotonic() when the guard was set (a guard that never completes times out)
+    # time.perf_counter() when the guard was set (a guard that never completes times out): the clock the device
+    # thread reads anyway as it sets a guard (`gpu_pipeline`), so setting it costs no call there
+    guarded_at: float = 0.0
     size: int = 0  # samples in that batch
     remaining: int = 0  # samples not yet written; 0 once the batch is complete
     finished: list[int] = field(default_factory=list)  # rows written so far (appended without a lock)
@@ -355,7 +358,7 @@ class HandOut:
         `next_batch`. The ring outlives the run, so the next run's workers honour it too."""
         last = self.last_given
         if guard is not None and last is not None and last[0] == b:
-            last[1].guard, last[1].guarded_at = guard, time.monotonic()
+            last[1].guard, last[1].guarded_at = guard, time.perf_counter()
 
 
 class Run(HandOut):
@@ -403,6 +406,10 @@ class Run(HandOut):
         # wake-up for what another waits for
         self.slot_cond = Bells(self.lock)
         self.stop_event = StopFlag()   # its `stopped` attribute: the hot loops' check, no call
+        # however the flag is set (`stop`, or the interpreter's exit), every wait on the run's Bells wakes now:
+        # the slot waits' safety net is long. The wake holds the Bells, not the run (no reference cycle)
+        cond, slot_cond = self.cond, self.slot_cond
+        self.stop_event.wakes.append(lambda: (notify_all(cond), notify_all(slot_cond)))
         self._generation = fork_generation()
         self.released = 0  # batches the consumer has moved past
         self.assigned: dict[int, Slot] = {}  # batch -> its slot, from planning until it is handed out
@@ -468,35 +475,35 @@ class Run(HandOut):
         assigned = self.assigned
         with self.lock:   # slot_cond's lock
             while not self.stop_event.stopped and self.stalled is None:
-                slot = assigned.get(b)
-                if slot is not None:
-                    return slot
+                if b in assigned:
+                    return assigned[b]
                 free = self.ring.free
                 if free and free[0].guard is None:   # the next batch in order takes it (b's or an earlier one)
                     a = self.next_assign
                     slot = free.popleft()
-                    self._plan(a, slot)
+                    slot.errors = []   # batch a planned into the slot
+                    slot.finished = []
+                    slot.size = slot.remaining = self.batch_sizes[a]
+                    slot.plan = self.prepare(a, slot)
+                    slot.batch = a
+                    assigned[a] = slot
+                    self.next_assign = a + 1
                     waiting = self.slot_cond.waiting
+                    if waiting:   # the workers waiting for batch a (claims of its other rows) come first: wake them
+                        ranks = self.slot_cond.ranks
+                        while waiting and ranks[waiting[0]] <= a:
+                            waiting.pop(0).release()
                     if a == b:
                         if waiting and free and free[0].guard is None:   # another slot to take: pass the wake on
                             self.slot_cond.notify()
                         return slot
-                    if waiting:   # an earlier batch planned: the worker waiting for it may be asleep
-                        self.slot_cond.notify_all()
-                    continue
+                    continue   # an earlier batch planned: b's may be next
                 t0 = time.perf_counter()   # `times.wait`: the waits alone
-                self.slot_cond.wait(_SLOT_POLL_S)  # notified by a release, or by settle() clearing a guard
+                # notified by a release, or by settle() clearing a guard; in batch order (a freed slot wakes the
+                # worker whose batch it is for: `Bells`' ranks)
+                self.slot_cond.wait(_SLOT_POLL_S, b)
                 times.wait += time.perf_counter() - t0
         return None
-
-    def _plan(self, b: int, slot: Slot) -> None:
-        slot.errors = []
-        slot.finished = []
-        slot.size = slot.remaining = self.batch_sizes[b]
-        slot.plan = self.prepare(b, slot)
-        slot.batch = b
-        self.assigned[b] = slot
-        self.next_assign = b + 1
 
     def settle(self) -> bool:
         """Clear the guard of every free slot whose fence is done, and wake the workers for them; True
@@ -519,7 +526,7 @@ class Run(HandOut):
                 continue
             if guard.done():
                 slot.guard, cleared = None, True
-            elif time.monotonic() - slot.guarded_at > self.timeout and self.stalled is None:
+            elif time.perf_counter() - slot.guarded_at > self.timeout and self.stalled is None:
                 self.stalled = LoaderTimeoutError(
                     f"batch {self.next_assign} cannot be written into its slot: {guard.what} had not finished "
                     f"after {self.timeout:g} s; the GPU may be hung or its copy engine starved by other work")
@@ -587,6 +594,7 @@ class Run(HandOut):
     # ---- consumer: next_batch and guard are HandOut's ----------------------------------------
     def _next_batch(self, b: int) -> Slot:
         deadline = None   # read the clock only when there is a wait
+        assigned = self.assigned
         with self.lock:   # the Bells' lock: their waits and notifies inside hold it
             if b > self.released:
                 self.released = b
@@ -596,7 +604,7 @@ class Run(HandOut):
                 self.slot_cond.waiting.pop(0).release()   # `Bells.notify`, inlined: it runs per batch
             while True:
                 pending = self._settle()  # this thread is the CUDA actor: it clears the slots' guards
-                slot = self.assigned.get(b)
+                slot = assigned[b] if b in assigned else None
                 if slot is not None and slot.remaining == 0:
                     break
                 if self.fatal is not None:
@@ -617,7 +625,7 @@ class Run(HandOut):
                         f"worker threads alive); storage may be stalled or a transform hangs — raise "
                         f"workers=stoker.Workers(timeout=...) if samples are genuinely this slow")
                 self.cond.wait(min(_FENCE_POLL_S if pending else _POLL_S, left))
-            del self.assigned[b]
+            del assigned[b]
             if ring.__class__ is BatchRing:   # `BatchRing.hand_out`, inlined: it runs per batch
                 ring.out.append(slot)
             else:   # a worker process's ring (`proc_child`)
@@ -634,9 +642,7 @@ class Run(HandOut):
         forgets: the threads are the parent's, and so may be the locks they held."""
         if self.forked:
             return
-        self.stop_event.set()
-        notify_all(self.cond)
-        notify_all(self.slot_cond)
+        self.stop_event.set()   # its `wakes` wake every wait on the run's Bells
         if self.engine is not None:  # wakes a coordinator waiting on the pool, joins the pool's threads
             self.engine.close()
         me = threading.current_thread()

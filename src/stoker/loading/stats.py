@@ -138,12 +138,16 @@ class LoaderStats:
             self.pool_threads = times.pool_threads
             if times.pool_threads > self.pool_threads_peak:
                 self.pool_threads_peak = times.pool_threads
+        if times.plan:   # the route's GPU columns: their phase timers (made by `gpu_pipeline.Phases` before any worker)
+            self.gpu_phases["plan_s"] += times.plan
+            times.plan = 0.0
         self.skipped += times.skipped
-        if times.skipped_keys and len(self.skipped_keys) < 100:
-            self.skipped_keys.extend(times.skipped_keys[:100 - len(self.skipped_keys)])
+        if times.skipped_keys:   # (as a rule none: no call)
+            if len(self.skipped_keys) < 100:
+                self.skipped_keys.extend(times.skipped_keys[:100 - len(self.skipped_keys)])
+            times.skipped_keys.clear()
         times.read = times.decode = times.augment = times.wait = 0.0
         times.skipped = 0
-        times.skipped_keys.clear()
 
 
 @dataclass
@@ -154,6 +158,7 @@ class WorkerTimes:
     decode: float = 0.0
     augment: float = 0.0
     wait: float = 0.0
+    plan: float = 0.0  # preparing the GPU's rows (crop windows, byte copies): part of `read` too; gpu_phases' plan_s
     skipped: int = 0
     skipped_keys: list[str] = field(default_factory=list)
     pool_threads: int = 0   # the engine pool's threads taking rows at this worker's latest batch (0: none ran)
