@@ -276,7 +276,7 @@ class BatchEngine:
             times.decode += busy
             times.pool_threads = active = self.pool.active   # (an attribute: no call)
             if self.split:
-                bp.cpu_render_s.append(split_seconds(busy, self.threads, active))
+                bp.cpu_render_s.append(split_seconds(busy, self.threads, active) if active > self.threads else busy)
             if state == _STOPPED:   # the Run is stopping: should this batch still be asked for, it says so
                 return [(r0, LoaderClosedError(f"the loader was closed while batch rows {r0}..{r1 - 1} were being "
                                                f"rendered"))]
