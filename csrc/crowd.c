@@ -16,7 +16,7 @@
 #include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
-#include <sys/mman.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #endif
@@ -135,35 +135,47 @@ int stoker_cpu_ticks(unsigned long long *busy, unsigned long long *total, int *c
 
 /* ---- the stoker processes of this user (crowd.h) ---- */
 #ifdef __linux__
-static int32_t *table;   /* STOKER_PEERS ids, mapped once per process (a fork()ed child keeps the mapping) */
+/* The table's file, opened once per process (a fork()ed child shares it). Read and written with pread and
+ * pwrite under flock, never mapped: a file cut short by someone else reads as free entries, where a mapping
+ * would fault. */
+static int table_fd = -1;
+#define TABLE_BYTES (STOKER_PEERS * (int)sizeof(int32_t))
 
-static int32_t *peers_table(void) {
-    int32_t *t = __atomic_load_n(&table, __ATOMIC_ACQUIRE);
-    if (t != NULL)
-        return t;
+static int peers_file(void) {
+    int fd = __atomic_load_n(&table_fd, __ATOMIC_ACQUIRE);
+    if (fd >= 0)
+        return fd;
     char path[64];
     snprintf(path, sizeof(path), "/dev/shm/stoker-pools-%u", (unsigned)getuid());
-    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+    fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
     if (fd < 0)
-        return NULL;
-    size_t size = STOKER_PEERS * sizeof(int32_t);
+        return -1;
     struct stat st;
     /* only a plain file of this user's, readable by no one else: another user's file is not a table of ours */
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != getuid() || (st.st_mode & 077) != 0 ||
-        ((size_t)st.st_size < size && ftruncate(fd, (off_t)size) != 0)) {
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != getuid() || (st.st_mode & 077) != 0) {
         close(fd);
-        return NULL;
+        return -1;
     }
-    void *m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
-    if (m == MAP_FAILED)
-        return NULL;
-    int32_t *none = NULL;
-    if (!__atomic_compare_exchange_n(&table, &none, (int32_t *)m, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
-        munmap(m, size);   /* another thread mapped it first */
+    int none = -1;
+    if (!__atomic_compare_exchange_n(&table_fd, &none, fd, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+        close(fd);   /* another thread opened it first */
         return none;
     }
-    return (int32_t *)m;
+    return fd;
+}
+
+/* The table into `t` (entries past the file's end read 0) under a lock of `how`; the lock stays held. */
+static int read_table(int fd, int how, int32_t *t) {
+    if (flock(fd, how) != 0)
+        return -1;
+    memset(t, 0, TABLE_BYTES);
+    ssize_t got = pread(fd, t, TABLE_BYTES, 0);
+    (void)got;   /* short or failed: the rest are free entries */
+    return 0;
+}
+
+static void write_entry(int fd, int i, int32_t pid) {
+    (void)!pwrite(fd, &pid, sizeof(pid), (off_t)i * (off_t)sizeof(pid));
 }
 
 static int alive(int32_t pid) {
@@ -171,23 +183,29 @@ static int alive(int32_t pid) {
 }
 
 int stoker_mark(void) {
-    int32_t *t = peers_table(), me = (int32_t)getpid();
-    if (t == NULL)
+    int fd = peers_file();
+    int32_t t[STOKER_PEERS], me = (int32_t)getpid();
+    if (fd < 0 || read_table(fd, LOCK_EX, t) != 0)
         return -1;
-    for (int pass = 0; pass < 2; pass++)   /* a free entry, else one of a process that ended */
-        for (int i = 0; i < STOKER_PEERS; i++) {
-            int32_t was = __atomic_load_n(&t[i], __ATOMIC_RELAXED);
-            if ((was == 0 || (pass == 1 && was != me && !alive(was))) &&
-                __atomic_compare_exchange_n(&t[i], &was, me, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
-                return i;
-        }
-    return -1;
+    int entry = -1;
+    for (int pass = 0; pass < 2 && entry < 0; pass++)   /* a free entry, else one of a process that ended */
+        for (int i = 0; i < STOKER_PEERS && entry < 0; i++)
+            if (t[i] == 0 || (pass == 1 && t[i] != me && !alive(t[i])))
+                entry = i;
+    if (entry >= 0)
+        write_entry(fd, entry, me);
+    flock(fd, LOCK_UN);
+    return entry;
 }
 
 void stoker_unmark(int entry) {
-    int32_t *t = __atomic_load_n(&table, __ATOMIC_ACQUIRE), me = (int32_t)getpid();
-    if (t != NULL && entry >= 0 && entry < STOKER_PEERS)
-        __atomic_compare_exchange_n(&t[entry], &me, 0, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED);
+    int fd = __atomic_load_n(&table_fd, __ATOMIC_ACQUIRE);
+    int32_t t[STOKER_PEERS];
+    if (fd < 0 || entry < 0 || entry >= STOKER_PEERS || read_table(fd, LOCK_EX, t) != 0)
+        return;
+    if (t[entry] == (int32_t)getpid())
+        write_entry(fd, entry, 0);
+    flock(fd, LOCK_UN);
 }
 
 /* utime + stime of process `pid` in clock ticks (/proc/PID/stat), or 0 with *gone set where it ended */
@@ -211,21 +229,28 @@ static unsigned long long process_ticks(int32_t pid, int *gone) {
 }
 
 double stoker_peers_cpu_s(stoker_peers *p) {
-    int32_t *t = __atomic_load_n(&table, __ATOMIC_ACQUIRE), me = (int32_t)getpid();
-    if (t == NULL)
+    int fd = __atomic_load_n(&table_fd, __ATOMIC_ACQUIRE);
+    int32_t t[STOKER_PEERS], me = (int32_t)getpid();
+    if (fd < 0 || read_table(fd, LOCK_SH, t) != 0)
         return 0.0;
+    flock(fd, LOCK_UN);
     stoker_peers now = {0};
     double seconds = 0.0;
     for (int i = 0; i < STOKER_PEERS; i++) {
-        int32_t pid = __atomic_load_n(&t[i], __ATOMIC_RELAXED);
+        int32_t pid = t[i];
         int seen = 0, gone = 0;
         for (int j = 0; j < now.n && !seen; j++)
             seen = now.pid[j] == pid;
         if (pid <= 0 || pid == me || seen)
             continue;
         unsigned long long ticks = process_ticks(pid, &gone);
-        if (gone) {   /* it ended without clearing its entry (killed): clear it for it */
-            __atomic_compare_exchange_n(&t[i], &pid, 0, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED);
+        if (gone) {   /* it ended without clearing its entry (killed): clear it for it, if it is still its */
+            int32_t again[STOKER_PEERS];
+            if (read_table(fd, LOCK_EX, again) == 0) {
+                if (again[i] == pid)
+                    write_entry(fd, i, 0);
+                flock(fd, LOCK_UN);
+            }
             continue;
         }
         for (int j = 0; j < p->n; j++)

@@ -49,9 +49,9 @@ int stoker_cpu_ticks(unsigned long long *busy, unsigned long long *total, int *c
  * and the process they feed), whose CPU is not another program's: a pool grows to keep its share
  * against other programs, never against another stoker process, whose pool would grow in turn and
  * take the cores from both training loops. A table of process ids in a small shared file
- * (/dev/shm/stoker-pools-UID, 0600, created once, never larger than STOKER_PEERS ids), each entry
- * claimed by one Engine or one `mark()` and cleared when it stops; entries of processes that ended are
- * cleared by whoever reads them. Where the file cannot be used, nothing is excluded. */
+ * (/dev/shm/stoker-pools-UID, 0600, created once, STOKER_PEERS ids read at most, under flock), each
+ * entry claimed by one Engine or one `mark()` and cleared when it stops; entries of processes that
+ * ended are cleared by whoever reads them. Where the file cannot be used, nothing is excluded. */
 #define STOKER_PEERS 256
 
 /* An entry for this process: its index, or -1 (no file, or the table full). */

@@ -213,3 +213,22 @@ def test_a_stoker_process_is_listed_while_marked():
     finally:
         native.unmark_process(entry)
     assert np.fromfile(table, np.int32)[entry] != os.getpid()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stoker processes are listed on Linux")
+def test_a_table_cut_short_reads_as_free_entries():
+    """The table is read and written as a file, never mapped: cut short by someone else's mistake, its lost
+    entries read as free, and nothing faults."""
+    import numpy as np
+
+    entry = native.mark_process()
+    if entry < 0:
+        pytest.skip("no shared memory folder to list the stoker processes in")
+    table = Path(f"/dev/shm/stoker-pools-{os.getuid()}")
+    try:
+        os.truncate(table, 0)
+        again = native.mark_process()
+        assert again >= 0 and np.fromfile(table, np.int32)[again] == os.getpid()
+        native.unmark_process(again)
+    finally:
+        native.unmark_process(entry)

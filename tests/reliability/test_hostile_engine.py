@@ -124,11 +124,15 @@ class Counting:
     made: list["Counting"] = []
     before_run: list = []
 
-    def __init__(self, threads: int, nice: int = 0) -> None:
-        self.pool = native._mod.Engine(threads, nice)
+    def __init__(self, threads: int, nice: int = 0, most: int = 0) -> None:
+        self.pool = native._mod.Engine(threads, nice, most)
         self.rows = 0
         self.closed = False
         Counting.made.append(self)
+
+    @property
+    def active(self) -> int:
+        return self.pool.active
 
     def run(self, *args, **options):
         for act in Counting.before_run:
@@ -404,6 +408,9 @@ class Pool:
         return self.pool.run(*a)
     def close(self):
         self.pool.close()
+    @property
+    def active(self):
+        return self.pool.active
 native.engine = Pool
 loader = Loader(sys.argv[1], 24, transforms=[RandomResizedCrop(40)], device="numpy",
                 workers=Workers(num_threads=2, prefetch=2, decode_quality="exact"))
