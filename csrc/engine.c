@@ -378,8 +378,14 @@ static void *pool_thread(void *arg) {
     pthread_mutex_lock(&e->mu);
     int me = e->born++;   /* threads numbered `active` and above are parked (crowd_step) */
     for (;;) {
-        while (!e->stopping && (me >= e->active || e->head == NULL))
+        while (!e->stopping && (me >= e->active || e->head == NULL)) {
+            if (me >= e->active && dec.scratch != NULL) {   /* parked: its scratch (the largest region it decoded)
+                                                             * goes back until it takes rows again */
+                free(dec.scratch);
+                dec.scratch = NULL, dec.scratch_size = 0;
+            }
             pthread_cond_wait(me >= e->active ? &e->park : &e->work, &e->mu);  /* close() broadcasts both */
+        }
         if (e->stopping)
             break;
         batch_t *b = e->head;
