@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <stdint.h>
+#include <time.h>
 #ifdef __linux__
 #include <errno.h>
 #include <fcntl.h>
@@ -164,9 +165,23 @@ static int peers_file(void) {
     return fd;
 }
 
+/* flock, bounded: whoever holds the lock holds it for microseconds, so a holder that was stopped (a debugger,
+ * SIGSTOP) costs a caller 10 ms and the table's use this once, never a hang */
+static int lock_table(int fd, int how) {
+    for (int i = 0; i < 20; i++) {
+        if (flock(fd, how | LOCK_NB) == 0)
+            return 0;
+        if (errno != EWOULDBLOCK && errno != EINTR)
+            return -1;
+        struct timespec pause = {0, 500000};
+        nanosleep(&pause, NULL);
+    }
+    return -1;
+}
+
 /* The table into `t` (entries past the file's end read 0) under a lock of `how`; the lock stays held. */
 static int read_table(int fd, int how, int32_t *t) {
-    if (flock(fd, how) != 0)
+    if (lock_table(fd, how) != 0)
         return -1;
     memset(t, 0, TABLE_BYTES);
     ssize_t got = pread(fd, t, TABLE_BYTES, 0);
