@@ -128,8 +128,10 @@ class StopFlag(threading.Event):
         self.wakes: list[Callable[[], None]] = []
 
     def set(self) -> None:
-        self.stopped = True
+        # the Event first: a thread that saw `stopped` and ended leaves its waiter an Event already set, so the
+        # waiter tells a stop from a thread that ended early (`Feeder._take`)
         super().set()
+        self.stopped = True
         for wake in list(self.wakes):
             wake()
 
